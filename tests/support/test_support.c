@@ -1,0 +1,79 @@
+#include "tests/support/test_support.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define DEFAULT_TEST_SEED UINT64_C(20261121)
+
+int em_test_run(Suite *suite)
+{
+    SRunner *runner = srunner_create(suite);
+    srunner_set_fork_status(runner, CK_FORK);
+    srunner_run_all(runner, CK_NORMAL);
+    int failed = srunner_ntests_failed(runner);
+    srunner_free(runner);
+    if (failed != 0)
+        fprintf(stderr, "seed: EMBER_TEST_SEED=%" PRIu64 "\n", em_test_seed());
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
+
+uint64_t em_test_seed(void)
+{
+    const char *text = getenv("EMBER_TEST_SEED");
+    if (text == NULL || *text == '\0')
+        return DEFAULT_TEST_SEED;
+    return strtoull(text, NULL, 0);
+}
+
+static uint64_t splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += UINT64_C(0x9e3779b97f4a7c15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+
+void em_test_rng_init(em_test_rng *rng, uint64_t seed)
+{
+    uint64_t state = seed;
+    for (int i = 0; i < 4; i++)
+        rng->state[i] = splitmix64(&state);
+}
+
+static uint64_t rotate_left(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+uint64_t em_test_rng_next(em_test_rng *rng)
+{
+    uint64_t *s = rng->state;
+    uint64_t result = rotate_left(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotate_left(s[3], 45);
+    return result;
+}
+
+uint64_t em_test_rng_below(em_test_rng *rng, uint64_t bound)
+{
+    return (uint64_t)(((unsigned __int128)em_test_rng_next(rng) * bound) >> 64);
+}
+
+double em_test_rng_unit(em_test_rng *rng)
+{
+    return (double)(em_test_rng_next(rng) >> 11) * 0x1.0p-53;
+}
+
+double em_test_now(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}

@@ -1,0 +1,34 @@
+/*
+ * Shared helpers for the Check suites and the benchmarks: a runner that executes each
+ * test in its own process with a timeout, and a small seeded random generator so
+ * every randomised test is reproducible (EMBER_TEST_SEED=<n> overrides the seed and
+ * every failure message prints the seed in use).
+ */
+#ifndef EMBER_TESTS_TEST_SUPPORT_H
+#define EMBER_TESTS_TEST_SUPPORT_H
+
+#include <check.h>
+#include <stdint.h>
+
+/* Runs suite (each test forked, CK_NORMAL output) and returns the process exit code. */
+int em_test_run(Suite *suite);
+
+/* Seed for randomised tests: EMBER_TEST_SEED when set, else a fixed default. */
+uint64_t em_test_seed(void);
+
+/* xoshiro256** seeded through splitmix64. */
+typedef struct em_test_rng {
+    uint64_t state[4];
+} em_test_rng;
+
+void em_test_rng_init(em_test_rng *rng, uint64_t seed);
+uint64_t em_test_rng_next(em_test_rng *rng);
+/* Uniform in [0, bound), bound > 0. */
+uint64_t em_test_rng_below(em_test_rng *rng, uint64_t bound);
+/* Uniform in [0, 1). */
+double em_test_rng_unit(em_test_rng *rng);
+
+/* Monotonic clock in seconds, for benchmarks. */
+double em_test_now(void);
+
+#endif
