@@ -1,0 +1,894 @@
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lib/backend.h"
+#include "lib/table.h"
+#include "tests/support/reference_table.h"
+#include "tests/support/test_support.h"
+
+#define MEBIBYTE (UINT64_C(1) << 20)
+
+/* ---- fixtures ---------------------------------------------------------------------- */
+
+static em_backend *make_backend(uint32_t devices, uint64_t limit_bytes)
+{
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.devices = devices;
+    options.pool_limit_bytes = limit_bytes;
+    options.pool_initial_bytes = limit_bytes < 16 * MEBIBYTE ? limit_bytes / 4 : 16 * MEBIBYTE;
+    options.pool_growth_bytes = limit_bytes < 16 * MEBIBYTE ? limit_bytes / 8 : 16 * MEBIBYTE;
+    em_backend *backend = NULL;
+    em_error err;
+    ck_assert_msg(em_backend_create_cpu(&options, &backend, &err) == EM_OK, "%s", err.message);
+    return backend;
+}
+
+static em_table *make_table(em_backend *backend, const em_table_config *config)
+{
+    em_table *table = NULL;
+    em_error err;
+    ck_assert_msg(em_table_create(backend, config, &table, &err) == EM_OK, "%s", err.message);
+    return table;
+}
+
+static const em_optimizer_config optimizers[] = {
+    {.kind = EM_OPTIMIZER_SGD, .learning_rate = 0.05f},
+    {.kind = EM_OPTIMIZER_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
+     .initial_accumulator = 0.01f},
+    {.kind = EM_OPTIMIZER_ROWWISE_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
+     .initial_accumulator = 0.0f},
+    {.kind = EM_OPTIMIZER_ADAM, .learning_rate = 0.01f, .eps = 1e-8f, .beta1 = 0.9f,
+     .beta2 = 0.999f},
+};
+
+static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t shards,
+                                    int optimizer)
+{
+    em_table_config config;
+    em_table_config_init(&config, "t", dim, capacity);
+    config.shards = shards;
+    config.optimizer = optimizers[optimizer];
+    config.initializer.kind = EM_INIT_UNIFORM;
+    config.initializer.bound = 0.5f;
+    config.initializer.seed = 1234;
+    return config;
+}
+
+/* A random CSR batch: rows of 0..max_length keys drawn from a small key universe (so
+ * keys repeat within rows and across the batch), including the hash-map sentinel
+ * values and 0. */
+typedef struct batch {
+    em_csr csr;
+    uint32_t *offsets;
+    uint64_t *keys;
+} batch;
+
+static uint64_t draw_key(em_test_rng *rng, uint64_t universe)
+{
+    static const uint64_t special[] = {0, UINT64_MAX, UINT64_MAX - 1, UINT64_MAX - 2};
+    uint64_t pick = em_test_rng_below(rng, universe + 4);
+    return pick < 4 ? special[pick] : (pick - 4) * 0x9e3779b9ull + 1;
+}
+
+static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
+{
+    batch b;
+    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
+    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
+    b.offsets[0] = 0;
+    for (uint32_t r = 0; r < rows; r++) {
+        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
+        for (uint32_t k = 0; k < length; k++)
+            b.keys[b.offsets[r] + k] = draw_key(rng, universe);
+        b.offsets[r + 1] = b.offsets[r] + length;
+    }
+    b.csr = (em_csr){.rows = rows, .nnz = b.offsets[rows], .offsets = b.offsets, .keys = b.keys};
+    return b;
+}
+
+static void free_batch(batch *b)
+{
+    free(b->offsets);
+    free(b->keys);
+}
+
+static float *random_gradients(em_test_rng *rng, uint64_t count)
+{
+    float *g = malloc((count + 1) * sizeof(float));
+    for (uint64_t i = 0; i < count; i++)
+        g[i] = (float)(2.0 * em_test_rng_unit(rng) - 1.0);
+    return g;
+}
+
+static em_status pull(em_table *table, const em_csr *csr, em_combiner combiner, bool create,
+                      float *out, em_pull_result *result, em_error *err)
+{
+    em_pull_request request = {
+        .batch = *csr,
+        .combiner = combiner,
+        .create_missing = create,
+        .out = out,
+        .out_capacity = em_csr_output_vectors(csr, combiner) * em_table_dim(table),
+    };
+    em_pull_result ignored;
+    return em_table_pull(table, &request, result != NULL ? result : &ignored, err);
+}
+
+static em_status push(em_table *table, const em_csr *csr, em_combiner combiner,
+                      const float *gradients, em_push_result *result, em_error *err)
+{
+    em_push_request request = {
+        .batch = *csr,
+        .combiner = combiner,
+        .gradients = gradients,
+        .gradient_count = em_csr_output_vectors(csr, combiner) * em_table_dim(table),
+    };
+    em_push_result ignored;
+    return em_table_push(table, &request, result != NULL ? result : &ignored, err);
+}
+
+/* Every row of a table (key + weights + state), sorted by key. */
+typedef struct snapshot {
+    uint64_t count;
+    uint32_t width;
+    uint64_t *keys;
+    float *values;
+} snapshot;
+
+static int compare_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static snapshot take_snapshot(em_table *table)
+{
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    snapshot s = {.width = stats.row_floats};
+    uint64_t capacity = stats.rows + 16;
+    uint64_t *keys = malloc(capacity * sizeof(uint64_t));
+    float *values = malloc(capacity * s.width * sizeof(float));
+    em_table_cursor cursor = {0};
+    em_error err;
+    for (;;) {
+        uint64_t got = 0;
+        /* small chunks exercise the cursor */
+        ck_assert_int_eq(em_table_export(table, &cursor, 7, keys + s.count,
+                                         values + s.count * s.width, &got, &err),
+                         EM_OK);
+        if (got == 0)
+            break;
+        s.count += got;
+        ck_assert_uint_le(s.count, capacity - 7);
+    }
+    ck_assert_uint_eq(s.count, stats.rows);
+    /* sort rows by key through an index */
+    uint64_t *order = malloc((s.count + 1) * 2 * sizeof(uint64_t));
+    for (uint64_t i = 0; i < s.count; i++) {
+        order[2 * i] = keys[i];
+        order[2 * i + 1] = i;
+    }
+    qsort(order, s.count, 2 * sizeof(uint64_t), compare_u64);
+    s.keys = malloc((s.count + 1) * sizeof(uint64_t));
+    s.values = malloc((s.count + 1) * s.width * sizeof(float));
+    for (uint64_t i = 0; i < s.count; i++) {
+        s.keys[i] = order[2 * i];
+        memcpy(s.values + i * s.width, values + order[2 * i + 1] * s.width,
+               s.width * sizeof(float));
+    }
+    free(order);
+    free(keys);
+    free(values);
+    return s;
+}
+
+static void assert_snapshots_identical(const snapshot *a, const snapshot *b)
+{
+    ck_assert_uint_eq(a->count, b->count);
+    ck_assert_uint_eq(a->width, b->width);
+    for (uint64_t i = 0; i < a->count; i++)
+        ck_assert_msg(a->keys[i] == b->keys[i], "row %llu: key %llu vs %llu",
+                      (unsigned long long)i, (unsigned long long)a->keys[i],
+                      (unsigned long long)b->keys[i]);
+    ck_assert_msg(memcmp(a->values, b->values, a->count * a->width * sizeof(float)) == 0,
+                  "row values differ");
+}
+
+static void free_snapshot(snapshot *s)
+{
+    free(s->keys);
+    free(s->values);
+}
+
+/* ---- agreement with the float64 reference ------------------------------------------ */
+
+static void assert_rows_match_reference(em_table *table, reference_table *reference)
+{
+    snapshot s = take_snapshot(table);
+    ck_assert_uint_eq(s.count, reference_table_rows(reference));
+    double *expected = malloc(s.width * sizeof(double));
+    for (uint64_t i = 0; i < s.count; i++) {
+        ck_assert(reference_row(reference, s.keys[i], expected));
+        for (uint32_t j = 0; j < s.width; j++)
+            ck_assert_msg(reference_close(s.values[i * s.width + j], expected[j], 1e-2),
+                          "key %llu value %u: %.9g vs reference %.9g",
+                          (unsigned long long)s.keys[i], j, (double)s.values[i * s.width + j],
+                          expected[j]);
+    }
+    free(expected);
+    free_snapshot(&s);
+}
+
+/* Loop index: optimizer * 4 + combiner. Pulls (creating), pushes, pulls again; every
+ * output and finally every row (weights and optimizer state) against the reference. */
+START_TEST(pull_and_push_match_float64_reference)
+{
+    int optimizer = _i / 4;
+    em_combiner combiner = (em_combiner)(_i % 4);
+    const uint32_t dim = 13;
+    em_backend *backend = make_backend(1, 256 * MEBIBYTE);
+    em_table_config config = table_config(dim, 100000, 3, optimizer);
+    em_table *table = make_table(backend, &config);
+    reference_table *reference = reference_table_create(&config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() * 31 + (uint64_t)_i);
+    em_error err;
+    for (int round = 0; round < 25; round++) {
+        batch b = random_batch(&rng, 24, 6, 150);
+        uint64_t vectors = em_csr_output_vectors(&b.csr, combiner);
+        float *out = malloc((vectors * dim + 1) * sizeof(float));
+        double *expected = malloc((vectors * dim + 1) * sizeof(double));
+        em_pull_result result;
+        ck_assert_msg(pull(table, &b.csr, combiner, true, out, &result, &err) == EM_OK, "%s",
+                      err.message);
+        uint64_t missing = reference_pull(reference, &b.csr, combiner, true, expected);
+        ck_assert_uint_eq(result.missing, missing);
+        ck_assert_uint_eq(result.created, missing);
+        for (uint64_t i = 0; i < vectors * dim; i++)
+            ck_assert_msg(reference_close(out[i], expected[i], 1e-2),
+                          "round %d output %llu: %.9g vs %.9g", round, (unsigned long long)i,
+                          (double)out[i], expected[i]);
+        float *g = random_gradients(&rng, vectors * dim);
+        em_push_result pushed;
+        ck_assert_msg(push(table, &b.csr, combiner, g, &pushed, &err) == EM_OK, "%s",
+                      err.message);
+        reference_push(reference, &b.csr, combiner, g);
+        ck_assert_uint_eq(pushed.created, 0);
+        free(g);
+        free(out);
+        free(expected);
+        free_batch(&b);
+    }
+    assert_rows_match_reference(table, reference);
+    reference_table_destroy(reference);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* Pushes create keys they have not seen, then update them once. */
+START_TEST(push_creates_and_updates_once_per_unique_key)
+{
+    em_backend *backend = make_backend(1, 64 * MEBIBYTE);
+    em_table_config config = table_config(4, 1000, 2, 3 /* adam */);
+    em_table *table = make_table(backend, &config);
+    reference_table *reference = reference_table_create(&config);
+    const uint32_t offsets[] = {0, 3, 5};
+    const uint64_t keys[] = {9, 9, 5, 9, 5};
+    em_csr csr = {.rows = 2, .nnz = 5, .offsets = offsets, .keys = keys};
+    float g[5 * 4];
+    for (int i = 0; i < 20; i++)
+        g[i] = (float)(i % 7) - 3.0f;
+    em_push_result result;
+    em_error err;
+    ck_assert_int_eq(push(table, &csr, EM_COMBINER_NONE, g, &result, &err), EM_OK);
+    ck_assert_uint_eq(result.updated, 2);
+    ck_assert_uint_eq(result.created, 2);
+    reference_push(reference, &csr, EM_COMBINER_NONE, g);
+    assert_rows_match_reference(table, reference);
+    snapshot s = take_snapshot(table);
+    /* one adam step per unique key: the step counter (last state float) is 1 */
+    for (uint64_t i = 0; i < s.count; i++)
+        ck_assert_float_eq(s.values[i * s.width + s.width - 1], 1.0f);
+    free_snapshot(&s);
+    ck_assert_int_eq(push(table, &csr, EM_COMBINER_MEAN, g, &result, &err), EM_OK);
+    ck_assert_uint_eq(result.created, 0);
+    reference_push(reference, &csr, EM_COMBINER_MEAN, g);
+    assert_rows_match_reference(table, reference);
+    reference_table_destroy(reference);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(empty_rows_and_empty_batches)
+{
+    em_backend *backend = make_backend(1, 64 * MEBIBYTE);
+    em_table_config config = table_config(3, 1000, 2, 0);
+    em_table *table = make_table(backend, &config);
+    em_error err;
+    const uint32_t offsets[] = {0, 0, 2, 2};
+    const uint64_t keys[] = {1, 2};
+    em_csr csr = {.rows = 3, .nnz = 2, .offsets = offsets, .keys = keys};
+    float out[9];
+    memset(out, 0x7f, sizeof(out));
+    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_MEAN, true, out, NULL, &err), EM_OK);
+    for (int j = 0; j < 3; j++) {
+        ck_assert(out[j] == 0.0f && out[6 + j] == 0.0f);
+        float a = em_initializer_value(&config.initializer, 1, (uint32_t)j);
+        float b = em_initializer_value(&config.initializer, 2, (uint32_t)j);
+        ck_assert_float_eq(out[3 + j], (a + b) / 2.0f);
+    }
+    const uint32_t none[] = {0};
+    em_csr empty = {.rows = 0, .nnz = 0, .offsets = none, .keys = NULL};
+    em_pull_result result;
+    ck_assert_int_eq(pull(table, &empty, EM_COMBINER_SUM, true, out, &result, &err), EM_OK);
+    ck_assert_uint_eq(result.unique_keys, 0);
+    em_push_result pushed;
+    ck_assert_int_eq(push(table, &empty, EM_COMBINER_NONE, NULL, &pushed, &err), EM_OK);
+    ck_assert_uint_eq(pushed.updated, 0);
+    const uint32_t all_empty[] = {0, 0, 0};
+    em_csr no_keys = {.rows = 2, .nnz = 0, .offsets = all_empty, .keys = NULL};
+    float zeros[6];
+    memset(zeros, 0x7f, sizeof(zeros));
+    ck_assert_int_eq(pull(table, &no_keys, EM_COMBINER_SQRTN, false, zeros, NULL, &err), EM_OK);
+    for (int j = 0; j < 6; j++)
+        ck_assert(zeros[j] == 0.0f);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(create_missing_off_reads_zeros_and_inserts_nothing)
+{
+    em_backend *backend = make_backend(1, 64 * MEBIBYTE);
+    em_table_config config = table_config(5, 1000, 4, 1);
+    em_table *table = make_table(backend, &config);
+    em_error err;
+    const uint32_t offsets[] = {0, 4};
+    const uint64_t keys[] = {11, 12, 11, 13};
+    em_csr csr = {.rows = 1, .nnz = 4, .offsets = offsets, .keys = keys};
+    float out[20];
+    em_pull_result result;
+    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
+    ck_assert_uint_eq(result.missing, 3);
+    ck_assert_uint_eq(result.created, 0);
+    for (int i = 0; i < 20; i++)
+        ck_assert(out[i] == 0.0f);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 0);
+    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_NONE, true, out, &result, &err), EM_OK);
+    ck_assert_uint_eq(result.created, 3);
+    for (int k = 0; k < 4; k++)
+        for (uint32_t j = 0; j < 5; j++) {
+            float expected = em_initializer_value(&config.initializer, keys[k], j);
+            ck_assert(memcmp(&out[k * 5 + (int)j], &expected, sizeof(float)) == 0);
+        }
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 3);
+    ck_assert_uint_eq(stats.rows_created, 3);
+    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
+    ck_assert_uint_eq(result.missing, 0);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* ---- determinism over shard and device counts ------------------------------------- */
+
+typedef struct run_record {
+    float *outputs;
+    uint64_t output_count;
+    snapshot final;
+} run_record;
+
+/* The same random workload on a given layout; records every pulled float. */
+static run_record run_workload(uint32_t devices, uint32_t shards, int optimizer,
+                               em_combiner combiner)
+{
+    em_backend *backend = make_backend(devices, 128 * MEBIBYTE);
+    em_table_config config = table_config(7, 100000, shards, optimizer);
+    em_table *table = make_table(backend, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 77);
+    run_record record = {.outputs = malloc(40 * 64 * 8 * 7 * sizeof(float))};
+    em_error err;
+    for (int round = 0; round < 40; round++) {
+        batch b = random_batch(&rng, 64, 8, 2000);
+        uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * 7;
+        ck_assert_int_eq(pull(table, &b.csr, combiner, round % 3 != 2,
+                              record.outputs + record.output_count, NULL, &err),
+                         EM_OK);
+        record.output_count += floats;
+        float *g = random_gradients(&rng, floats);
+        ck_assert_msg(push(table, &b.csr, combiner, g, NULL, &err) == EM_OK, "%s", err.message);
+        free(g);
+        free_batch(&b);
+    }
+    record.final = take_snapshot(table);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    return record;
+}
+
+/* Loop index picks the optimizer and combiner; every layout must reproduce the
+ * one-shard, one-device run bit for bit (outputs and every row's state). */
+START_TEST(results_identical_for_any_shard_and_device_count)
+{
+    static const uint32_t layouts[][2] = {{1, 2}, {1, 3}, {1, 8}, {2, 2}, {2, 3},
+                                          {3, 3}, {2, 8}, {3, 8}, {8, 8}};
+    int optimizer = _i % 4;
+    em_combiner combiner = (em_combiner)((_i + 1) % 4);
+    run_record base = run_workload(1, 1, optimizer, combiner);
+    for (size_t l = 0; l < sizeof(layouts) / sizeof(layouts[0]); l++) {
+        run_record other = run_workload(layouts[l][0], layouts[l][1], optimizer, combiner);
+        ck_assert_uint_eq(other.output_count, base.output_count);
+        ck_assert_msg(memcmp(other.outputs, base.outputs, base.output_count * sizeof(float)) == 0,
+                      "pulled values differ with %u devices, %u shards", layouts[l][0],
+                      layouts[l][1]);
+        assert_snapshots_identical(&base.final, &other.final);
+        free(other.outputs);
+        free_snapshot(&other.final);
+    }
+    free(base.outputs);
+    free_snapshot(&base.final);
+}
+END_TEST
+
+/* ---- all or nothing ------------------------------------------------------------------ */
+
+static em_table *populated_table(em_backend *backend, uint64_t capacity, int optimizer,
+                                 em_test_rng *rng)
+{
+    em_table_config config = table_config(6, capacity, 3, optimizer);
+    em_table *table = make_table(backend, &config);
+    em_error err;
+    batch b = random_batch(rng, 20, 5, 60);
+    float *g = random_gradients(rng, b.csr.nnz * 6);
+    ck_assert_int_eq(push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    free(g);
+    free_batch(&b);
+    return table;
+}
+
+static void assert_unchanged(em_table *table, const snapshot *before)
+{
+    snapshot after = take_snapshot(table);
+    assert_snapshots_identical(before, &after);
+    free_snapshot(&after);
+}
+
+START_TEST(invalid_requests_apply_nothing)
+{
+    em_backend *backend = make_backend(2, 64 * MEBIBYTE);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = populated_table(backend, 10000, 3, &rng);
+    snapshot before = take_snapshot(table);
+    em_error err;
+
+    /* New and existing keys, a NaN in the last key's gradient. */
+    const uint32_t offsets[] = {0, 2, 5};
+    const uint64_t keys[] = {before.keys[0], 424242, before.keys[1], 515151, 616161};
+    em_csr csr = {.rows = 2, .nnz = 5, .offsets = offsets, .keys = keys};
+    float g[5 * 6];
+    for (int i = 0; i < 30; i++)
+        g[i] = 0.25f;
+    g[4 * 6 + 3] = NAN;
+    ck_assert_int_eq(push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_INVALID_ARGUMENT);
+    ck_assert_str_eq(err.message, "push to table 't': gradient of key 616161 (keys[4], row 1) "
+                                  "element 3 is NaN");
+    assert_unchanged(table, &before);
+
+    g[4 * 6 + 3] = INFINITY;
+    ck_assert_int_eq(push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_INVALID_ARGUMENT);
+    assert_unchanged(table, &before);
+
+    /* Bad CSR in a push and in a creating pull. */
+    const uint32_t bad_offsets[] = {0, 3, 2};
+    em_csr bad = {.rows = 2, .nnz = 2, .offsets = bad_offsets, .keys = keys};
+    g[4 * 6 + 3] = 0.5f;
+    ck_assert_int_eq(push(table, &bad, EM_COMBINER_SUM, g, NULL, &err), EM_INVALID_ARGUMENT);
+    ck_assert_str_eq(err.message, "push to table 't': offsets[2]=2 < offsets[1]=3");
+    float out[5 * 6];
+    ck_assert_int_eq(pull(table, &bad, EM_COMBINER_NONE, true, out, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    assert_unchanged(table, &before);
+
+    /* Gradient count that does not match the combiner. */
+    em_push_request wrong = {.batch = csr, .combiner = EM_COMBINER_SUM, .gradients = g,
+                             .gradient_count = 30};
+    em_push_result pushed;
+    ck_assert_int_eq(em_table_push(table, &wrong, &pushed, &err), EM_INVALID_ARGUMENT);
+    ck_assert_str_eq(err.message, "push to table 't': push carries 30 gradient floats, "
+                                  "expected 12 (2 rows x dim 6)");
+    /* Output too small and unknown combiner. */
+    em_pull_request small = {.batch = csr, .combiner = EM_COMBINER_NONE, .create_missing = true,
+                             .out = out, .out_capacity = 29};
+    em_pull_result pulled;
+    ck_assert_int_eq(em_table_pull(table, &small, &pulled, &err), EM_INVALID_ARGUMENT);
+    ck_assert(strstr(err.message, "output holds 29 floats, the pull needs 30") != NULL);
+    small.out_capacity = 30;
+    small.combiner = (em_combiner)9;
+    ck_assert_int_eq(em_table_pull(table, &small, &pulled, &err), EM_INVALID_ARGUMENT);
+    ck_assert(strstr(err.message, "combiner 9") != NULL);
+    assert_unchanged(table, &before);
+    free_snapshot(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(capacity_exhaustion_fails_whole)
+{
+    em_backend *backend = make_backend(1, 64 * MEBIBYTE);
+    em_table_config config = table_config(4, 50, 4, 2);
+    em_table *table = make_table(backend, &config);
+    em_error err;
+    uint64_t keys[70];
+    uint32_t offsets[71];
+    for (uint32_t i = 0; i <= 70; i++)
+        offsets[i] = i;
+    for (uint64_t i = 0; i < 70; i++)
+        keys[i] = 1000 + i;
+    float g[70 * 4];
+    for (int i = 0; i < 280; i++)
+        g[i] = 1.0f;
+    em_csr first = {.rows = 40, .nnz = 40, .offsets = offsets, .keys = keys};
+    ck_assert_int_eq(push(table, &first, EM_COMBINER_SUM, g, NULL, &err), EM_OK);
+    snapshot before = take_snapshot(table);
+
+    /* 5 existing keys and 20 new ones: 60 rows > 50. */
+    em_csr over = {.rows = 25, .nnz = 25, .offsets = offsets, .keys = keys + 35};
+    ck_assert_int_eq(push(table, &over, EM_COMBINER_SUM, g, NULL, &err), EM_RESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(err.message, "table 't': capacity 50 rows would be exceeded: it holds "
+                                      "40 rows and this request would create 20 new keys; "
+                                      "nothing was applied (pool cpu0: ") != NULL,
+                  "%s", err.message);
+    assert_unchanged(table, &before);
+    float out[25 * 4];
+    ck_assert_int_eq(pull(table, &over, EM_COMBINER_NONE, true, out, NULL, &err),
+                     EM_RESOURCE_EXHAUSTED);
+    assert_unchanged(table, &before);
+
+    /* Exactly up to the capacity works. */
+    em_csr fits = {.rows = 10, .nnz = 10, .offsets = offsets, .keys = keys + 40};
+    em_pull_result result;
+    ck_assert_int_eq(pull(table, &fits, EM_COMBINER_NONE, true, out, &result, &err), EM_OK);
+    ck_assert_uint_eq(result.created, 10);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 50);
+    free_snapshot(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
+{
+    em_backend *backend = make_backend(1, 8 * MEBIBYTE);
+    em_table_config config = table_config(256, 1000000, 1, 3);
+    em_table *table = make_table(backend, &config);
+    em_error err;
+    uint32_t offsets[501];
+    uint64_t keys[500];
+    for (uint32_t i = 0; i <= 500; i++)
+        offsets[i] = i;
+    float *g = calloc(500 * 256, sizeof(float));
+    for (int i = 0; i < 500 * 256; i++)
+        g[i] = 0.1f;
+    em_status status = EM_OK;
+    uint64_t next_key = 1;
+    snapshot before = {0};
+    for (int round = 0; round < 100 && status == EM_OK; round++) {
+        free_snapshot(&before);
+        before = take_snapshot(table);
+        for (int i = 0; i < 500; i++)
+            keys[i] = next_key++;
+        em_csr csr = {.rows = 500, .nnz = 500, .offsets = offsets, .keys = keys};
+        status = push(table, &csr, EM_COMBINER_NONE, g, NULL, &err);
+    }
+    ck_assert_int_eq(status, EM_RESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(err.message, "table 't' shard 0: cannot make room for 500 new keys, "
+                                      "nothing was applied") != NULL,
+                  "%s", err.message);
+    ck_assert_msg(strstr(err.message, "pool 'cpu0'") != NULL, "%s", err.message);
+    assert_unchanged(table, &before);
+    /* Existing keys still update. */
+    em_csr old = {.rows = 10, .nnz = 10, .offsets = offsets, .keys = before.keys};
+    ck_assert_int_eq(push(table, &old, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    free_snapshot(&before);
+    free(g);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* ---- import / export --------------------------------------------------------------- */
+
+START_TEST(export_import_round_trip_across_layouts)
+{
+    em_backend *a_backend = make_backend(1, 64 * MEBIBYTE);
+    em_backend *b_backend = make_backend(2, 64 * MEBIBYTE);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 5);
+    em_table *a = populated_table(a_backend, 10000, 1, &rng);
+    em_table_config config = *em_table_get_config(a);
+    config.shards = 5;
+    em_table *b = make_table(b_backend, &config);
+    snapshot source = take_snapshot(a);
+    em_error err;
+    for (uint64_t start = 0; start < source.count; start += 9) {
+        uint64_t n = source.count - start < 9 ? source.count - start : 9;
+        ck_assert_msg(em_table_import(b, source.keys + start, source.values + start * source.width,
+                                      n, &err) == EM_OK,
+                      "%s", err.message);
+    }
+    snapshot copy = take_snapshot(b);
+    assert_snapshots_identical(&source, &copy);
+
+    /* Importing over existing rows overwrites them. */
+    ck_assert_int_eq(em_table_import(b, source.keys, source.values, source.count, &err), EM_OK);
+    assert_unchanged(b, &source);
+
+    /* Bad imports change nothing. */
+    uint64_t dup_keys[3] = {source.keys[0], 999999, source.keys[0]};
+    float *values = calloc(3 * source.width, sizeof(float));
+    ck_assert_int_eq(em_table_import(b, dup_keys, values, 3, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "appears twice (rows 0 and 2)") != NULL, "%s", err.message);
+    uint64_t fresh[2] = {777, 888};
+    values[source.width + 6] = -1.0f; /* adagrad accumulator of the second row */
+    ck_assert_int_eq(em_table_import(b, fresh, values, 2, &err), EM_INVALID_ARGUMENT);
+    ck_assert_str_eq(err.message, "import into table 't': row 1 (key 888): accumulator element "
+                                  "0 is -1, must be >= 0");
+    values[source.width + 6] = 0.0f;
+    values[2] = NAN;
+    ck_assert_int_eq(em_table_import(b, fresh, values, 2, &err), EM_INVALID_ARGUMENT);
+    ck_assert(strstr(err.message, "weight element 2 is not finite") != NULL);
+    assert_unchanged(b, &source);
+    free(values);
+    free_snapshot(&source);
+    free_snapshot(&copy);
+    em_table_destroy(a);
+    em_table_destroy(b);
+    em_backend_destroy(a_backend);
+    em_backend_destroy(b_backend);
+}
+END_TEST
+
+/* ---- concurrency ------------------------------------------------------------------- */
+
+typedef struct torn_context {
+    em_table *table;
+    int thread;
+    int iterations;
+    int torn;
+} torn_context;
+
+#define TORN_KEYS 64
+#define TORN_DIM 64
+
+/* Pushers add the same value to every element of a row; a reader that ever sees a row
+ * whose elements differ has seen a half-applied push. */
+static void *torn_pusher(void *argument)
+{
+    torn_context *context = argument;
+    uint32_t offsets[TORN_KEYS + 1];
+    uint64_t keys[TORN_KEYS];
+    static float g[TORN_KEYS * TORN_DIM];
+    for (int i = 0; i <= TORN_KEYS; i++)
+        offsets[i] = (uint32_t)i;
+    for (int i = 0; i < TORN_KEYS; i++)
+        keys[i] = (uint64_t)i;
+    for (int i = 0; i < TORN_KEYS * TORN_DIM; i++)
+        g[i] = 1.0f;
+    em_csr csr = {.rows = TORN_KEYS, .nnz = TORN_KEYS, .offsets = offsets, .keys = keys};
+    em_error err;
+    for (int n = 0; n < context->iterations; n++)
+        if (push(context->table, &csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
+            context->torn = -1;
+    return NULL;
+}
+
+static void *torn_reader(void *argument)
+{
+    torn_context *context = argument;
+    uint32_t offsets[] = {0, TORN_KEYS};
+    uint64_t keys[TORN_KEYS];
+    for (int i = 0; i < TORN_KEYS; i++)
+        keys[i] = (uint64_t)i;
+    em_csr csr = {.rows = 1, .nnz = TORN_KEYS, .offsets = offsets, .keys = keys};
+    float *out = malloc(TORN_KEYS * TORN_DIM * sizeof(float));
+    em_error err;
+    for (int n = 0; n < context->iterations; n++) {
+        if (pull(context->table, &csr, EM_COMBINER_NONE, true, out, NULL, &err) != EM_OK)
+            context->torn = -1;
+        for (int k = 0; k < TORN_KEYS; k++)
+            for (int j = 1; j < TORN_DIM; j++)
+                if (out[k * TORN_DIM + j] != out[k * TORN_DIM])
+                    context->torn++;
+    }
+    free(out);
+    return NULL;
+}
+
+START_TEST(concurrent_pulls_never_see_torn_rows)
+{
+    em_backend *backend = make_backend(2, 64 * MEBIBYTE);
+    em_table_config config = table_config(TORN_DIM, 1000, 4, 0);
+    config.initializer.kind = EM_INIT_ZEROS;
+    em_table *table = make_table(backend, &config);
+    pthread_t threads[4];
+    torn_context contexts[4];
+    for (int t = 0; t < 4; t++) {
+        contexts[t] = (torn_context){.table = table, .thread = t, .iterations = 400};
+        pthread_create(&threads[t], NULL, t < 2 ? torn_pusher : torn_reader, &contexts[t]);
+    }
+    for (int t = 0; t < 4; t++) {
+        pthread_join(threads[t], NULL);
+        ck_assert_int_eq(contexts[t].torn, 0);
+    }
+    /* Every push applied exactly once: sgd with lr 0.05 and g = 1, 800 pushes. */
+    snapshot s = take_snapshot(table);
+    ck_assert_uint_eq(s.count, TORN_KEYS);
+    for (uint64_t i = 0; i < s.count * s.width; i++)
+        ck_assert_float_eq_tol(s.values[i], -0.05f * 800, 1e-3f);
+    free_snapshot(&s);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+typedef struct disjoint_context {
+    em_table *table;
+    reference_table *reference;
+    uint64_t seed;
+    int thread, threads;
+    em_status status;
+} disjoint_context;
+
+/* Each thread owns the keys congruent to its index, so its keys see its pushes in its
+ * own order whatever the interleaving. */
+static void *disjoint_worker(void *argument)
+{
+    disjoint_context *context = argument;
+    em_test_rng rng;
+    em_test_rng_init(&rng, context->seed);
+    em_error err;
+    for (int round = 0; round < 60 && context->status == EM_OK; round++) {
+        batch b = random_batch(&rng, 16, 4, 500);
+        for (uint64_t k = 0; k < b.csr.nnz; k++)
+            b.keys[k] = b.keys[k] * (uint64_t)context->threads + (uint64_t)context->thread;
+        float *g = random_gradients(&rng, b.csr.rows * 9);
+        context->status = push(context->table, &b.csr, EM_COMBINER_SQRTN, g, NULL, &err);
+        reference_push(context->reference, &b.csr, EM_COMBINER_SQRTN, g);
+        free(g);
+        free_batch(&b);
+    }
+    return NULL;
+}
+
+START_TEST(concurrent_disjoint_pushes_match_reference)
+{
+    const int threads = 4;
+    em_backend *backend = make_backend(2, 64 * MEBIBYTE);
+    em_table_config config = table_config(9, 100000, 6, 2);
+    em_table *table = make_table(backend, &config);
+    pthread_t handles[4];
+    disjoint_context contexts[4];
+    for (int t = 0; t < threads; t++) {
+        contexts[t] = (disjoint_context){table, reference_table_create(&config),
+                                         em_test_seed() + (uint64_t)t, t, threads, EM_OK};
+        pthread_create(&handles[t], NULL, disjoint_worker, &contexts[t]);
+    }
+    for (int t = 0; t < threads; t++)
+        pthread_join(handles[t], NULL);
+    snapshot s = take_snapshot(table);
+    uint64_t expected_rows = 0;
+    double values[9 + 1];
+    for (int t = 0; t < threads; t++) {
+        ck_assert_int_eq(contexts[t].status, EM_OK);
+        expected_rows += reference_table_rows(contexts[t].reference);
+    }
+    ck_assert_uint_eq(s.count, expected_rows);
+    for (uint64_t i = 0; i < s.count; i++) {
+        reference_table *owner = contexts[s.keys[i] % (uint64_t)threads].reference;
+        ck_assert(reference_row(owner, s.keys[i], values));
+        for (uint32_t j = 0; j < s.width; j++)
+            ck_assert(reference_close(s.values[i * s.width + j], values[j], 1e-2));
+    }
+    free_snapshot(&s);
+    for (int t = 0; t < threads; t++)
+        reference_table_destroy(contexts[t].reference);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(stats_count_rows_memory_and_requests)
+{
+    em_backend *backend = make_backend(1, 64 * MEBIBYTE);
+    em_table_config config = table_config(8, 1000, 2, 3);
+    em_table *table = make_table(backend, &config);
+    em_error err;
+    const uint32_t offsets[] = {0, 3};
+    const uint64_t keys[] = {1, 2, 2};
+    em_csr csr = {.rows = 1, .nnz = 3, .offsets = offsets, .keys = keys};
+    float out[24];
+    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
+    float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    ck_assert_int_eq(push(table, &csr, EM_COMBINER_SUM, g, NULL, &err), EM_OK);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 2);
+    ck_assert_uint_eq(stats.capacity, 1000);
+    ck_assert_uint_eq(stats.shards, 2);
+    ck_assert_uint_eq(stats.row_floats, 8 + 17);
+    ck_assert_uint_eq(stats.pulls, 1);
+    ck_assert_uint_eq(stats.pushes, 1);
+    ck_assert_uint_eq(stats.keys_pulled, 3);
+    ck_assert_uint_eq(stats.keys_pushed, 3);
+    ck_assert_uint_eq(stats.rows_created, 2);
+    ck_assert_uint_gt(stats.row_bytes, 2 * 25 * sizeof(float));
+    ck_assert_uint_gt(stats.index_bytes, 0);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(create_rejects_bad_config)
+{
+    em_backend *backend = make_backend(1, 16 * MEBIBYTE);
+    em_table_config config = table_config(0, 10, 1, 0);
+    em_table *table = NULL;
+    em_error err;
+    ck_assert_int_eq(em_table_create(backend, &config, &table, &err), EM_INVALID_ARGUMENT);
+    ck_assert_str_eq(err.message, "table.dim: must be between 1 and 4096, got 0");
+    ck_assert_ptr_null(table);
+    config = table_config(4, 10, 0, 0);
+    table = make_table(backend, &config);
+    ck_assert_uint_eq(em_table_get_config(table)->shards, 1);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *suite = suite_create("table");
+    TCase *reference = tcase_create("reference");
+    tcase_set_timeout(reference, 120);
+    tcase_add_loop_test(reference, pull_and_push_match_float64_reference, 0, 16);
+    tcase_add_test(reference, push_creates_and_updates_once_per_unique_key);
+    tcase_add_test(reference, empty_rows_and_empty_batches);
+    tcase_add_test(reference, create_missing_off_reads_zeros_and_inserts_nothing);
+    suite_add_tcase(suite, reference);
+
+    TCase *layout = tcase_create("layout");
+    tcase_set_timeout(layout, 240);
+    tcase_add_loop_test(layout, results_identical_for_any_shard_and_device_count, 0, 4);
+    suite_add_tcase(suite, layout);
+
+    TCase *atomic = tcase_create("all-or-nothing");
+    tcase_set_timeout(atomic, 120);
+    tcase_add_test(atomic, invalid_requests_apply_nothing);
+    tcase_add_test(atomic, capacity_exhaustion_fails_whole);
+    tcase_add_test(atomic, pool_exhaustion_fails_whole_and_table_keeps_working);
+    tcase_add_test(atomic, export_import_round_trip_across_layouts);
+    tcase_add_test(atomic, create_rejects_bad_config);
+    suite_add_tcase(suite, atomic);
+
+    TCase *concurrency = tcase_create("concurrency");
+    tcase_set_timeout(concurrency, 240);
+    tcase_add_test(concurrency, concurrent_pulls_never_see_torn_rows);
+    tcase_add_test(concurrency, concurrent_disjoint_pushes_match_reference);
+    tcase_add_test(concurrency, stats_count_rows_memory_and_requests);
+    suite_add_tcase(suite, concurrency);
+    return em_test_run(suite);
+}
