@@ -321,6 +321,24 @@ START_TEST(equal_holes_go_lowest_address_first)
 }
 END_TEST
 
+START_TEST(best_fit_inside_one_bin)
+{
+    fake_provider fake = {0};
+    em_pool *pool = fake_pool(&fake, 1 * MiB, 0, 1 * MiB);
+    /* All four holes are in bin [1, 2) KiB. */
+    const size_t sizes[] = {1792, 1280, 1536, 1536};
+    const bool hole[] = {true, true, true, true};
+    uintptr_t at[4];
+    make_holes(pool, sizes, hole, 4, at);
+    ck_assert_uint_eq(must_alloc(pool, 1400), at[2]);
+    ck_assert_uint_eq(must_alloc(pool, 1331), at[3]);
+    ck_assert_uint_eq(must_alloc(pool, 1100), at[1]);
+    ck_assert_uint_eq(must_alloc(pool, 1700), at[0]);
+    ck_assert_uint_eq(stats_of(pool).free_chunks, 1);
+    em_pool_destroy(pool);
+}
+END_TEST
+
 START_TEST(no_fit_in_its_bin_takes_the_smallest_of_the_next_bin)
 {
     fake_provider fake = {0};
@@ -979,12 +997,13 @@ START_TEST(random_sequences_match_the_model)
     ck_assert_ptr_nonnull(m);
     m->fake = &fake;
     m->growth = 16 * MiB;
-    m->limit = 96 * MiB + 12345;
+    m->limit = 48 * MiB + 12345; /* reached: the last region is the rest */
     m->pool = fake_pool(&fake, 4 * MiB, m->growth, m->limit);
     for (int step = 0; step < MODEL_OPERATIONS; step++)
         model_step(m, &rng);
     ck_assert_uint_gt(m->total, MODEL_OPERATIONS / 3);
     ck_assert_uint_gt(fake.count, 1);
+    ck_assert_uint_gt(m->failed, 0); /* the limit was reached */
 
     /* A request for the whole limit must fail while anything is reserved. */
     chunk_list *list = walk(m->pool);
@@ -1276,6 +1295,7 @@ int main(void)
     tcase_add_test(basics, peak_tracks_the_highest_use);
     tcase_add_test(basics, best_fit_takes_the_smallest_hole_that_fits);
     tcase_add_test(basics, equal_holes_go_lowest_address_first);
+    tcase_add_test(basics, best_fit_inside_one_bin);
     tcase_add_test(basics, no_fit_in_its_bin_takes_the_smallest_of_the_next_bin);
     tcase_add_test(basics, free_coalesces_with_left_right_and_both_neighbours);
     tcase_add_test(basics, exact_fit_leaves_no_remainder);
