@@ -1,0 +1,131 @@
+/*
+ * DESIGN: libember-client, the C client of emberd.
+ *
+ * A client holds one TCP connection per server of its list and speaks the frame
+ * protocol of proto/frame.h over blocking sockets driven by poll(2); it needs no event
+ * loop. Requests are pipelined: up to `window` requests per connection are in flight,
+ * and responses are matched by correlation id in whatever order they come.
+ *
+ * With several servers, keys are spread by jump consistent hash of the DESIGN.md key
+ * mixer (em_key_server): a pull or push is split into one sub-request per server
+ * holding only that server's keys, sent together, and reassembled so the caller sees
+ * one result. The split keeps results bit-identical to a single server holding every
+ * key: pooled pulls fetch each server's distinct keys unpooled and pool them here in
+ * key order with the server's arithmetic; pushes with per-row gradients send per-key
+ * gradients (row gradient / em_combiner_divisor) so each server sums a key's gradients
+ * in the same order a single server would.
+ *
+ * Errors carry the server's status and message ("server 10.0.0.2:7070: NOT_FOUND: no
+ * table 'x'"); connection failures are UNAVAILABLE, expired timeouts
+ * DEADLINE_EXCEEDED. A broken connection fails the calls in flight on it and is
+ * re-established (with backoff, up to reconnect_attempts) by the next call.
+ *
+ * Thread-safety: a client is used by one thread at a time; threads create their own.
+ */
+#ifndef EMBER_CLIENTS_EMBER_CLIENT_H
+#define EMBER_CLIENTS_EMBER_CLIENT_H
+
+#include <cJSON.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "lib/csr.h"
+#include "lib/status.h"
+
+typedef struct em_client em_client;
+
+typedef struct em_client_options {
+    const char *servers;         /* "host:port[,host:port...]"; copied */
+    const char *token;           /* sent with every request; NULL or "" for none; copied */
+    uint32_t window;             /* requests in flight per connection (default 64) */
+    uint32_t timeout_ms;         /* per call, sent as deadline_ms; 0 = none (default 30000) */
+    uint32_t connect_timeout_ms; /* default 5000 */
+    uint32_t reconnect_attempts; /* default 3 */
+} em_client_options;
+
+void em_client_options_init(em_client_options *options);
+
+/* Parses the server list and connects to every server. Errors: INVALID_ARGUMENT for a
+ * bad list (naming the entry), UNAVAILABLE naming the server that did not answer. */
+em_status em_client_create(const em_client_options *options, em_client **out, em_error *err);
+
+/* Closes the connections; calls not finished are dropped. NULL is ignored. */
+void em_client_destroy(em_client *client);
+
+uint32_t em_client_server_count(const em_client *client);
+
+/* ---- data ------------------------------------------------------------------------- */
+
+typedef struct em_client_pull_args {
+    const char *table;
+    em_csr batch;
+    em_combiner combiner;
+    bool create_missing;
+    float *out;            /* caller-owned: em_csr_output_vectors() x dim floats */
+    uint64_t out_capacity; /* floats available at out */
+} em_client_pull_args;
+
+typedef struct em_client_pull_result {
+    uint32_t dim;
+    uint64_t unique_keys, missing, created; /* summed over servers */
+} em_client_pull_result;
+
+typedef struct em_client_push_args {
+    const char *table;
+    em_csr batch;
+    em_combiner combiner;
+    const float *gradients;  /* em_csr_output_vectors() x dim floats */
+    uint64_t gradient_count; /* floats at gradients */
+} em_client_push_args;
+
+typedef struct em_client_push_result {
+    uint64_t updated, created; /* summed over servers */
+} em_client_push_result;
+
+/* Blocking pull and push (start + finish). */
+em_status em_client_pull(em_client *client, const em_client_pull_args *args,
+                         em_client_pull_result *result, em_error *err);
+em_status em_client_push(em_client *client, const em_client_push_args *args,
+                         em_client_push_result *result, em_error *err);
+
+/* Pipelining: start sends the request(s) and returns at once (waiting only while the
+ * window is full); finish waits for that call's responses, fills the result and frees
+ * the call. The arrays in args (and out) must stay valid until finish. Calls may be
+ * finished in any order. */
+typedef struct em_client_call em_client_call;
+
+em_status em_client_pull_start(em_client *client, const em_client_pull_args *args,
+                               em_client_call **call, em_error *err);
+em_status em_client_push_start(em_client *client, const em_client_push_args *args,
+                               em_client_call **call, em_error *err);
+/* result points to an em_client_pull_result or em_client_push_result matching the
+ * call's kind (may be NULL). */
+em_status em_client_finish(em_client *client, em_client_call *call, void *result, em_error *err);
+
+/* ---- health and admin (sent to the first server of the list) ----------------------- */
+
+typedef struct em_client_health {
+    bool ready;
+    char state[16];
+    char backend[16];
+    uint32_t devices, tables;
+} em_client_health;
+
+em_status em_client_ping(em_client *client, char *version, size_t version_capacity,
+                         uint64_t *uptime_ms, em_error *err);
+em_status em_client_health_check(em_client *client, em_client_health *out, em_error *err);
+
+/* config_json: a table config object (lib/table_config.h). *info (nullable) gets the
+ * created table as a JSON object (caller frees with cJSON_Delete). */
+em_status em_client_create_table(em_client *client, const char *config_json, cJSON **info,
+                                 em_error *err);
+em_status em_client_drop_table(em_client *client, const char *table, em_error *err);
+
+/* JSON array of table objects {name, dim, capacity, shards, optimizer, rows, config}. */
+em_status em_client_list_tables(em_client *client, cJSON **tables, em_error *err);
+
+/* JSON object {server: {...}, tables: [...], pools: [...]} with the fields of
+ * StatsResponse in proto/ember.proto; table NULL or "" for every table. */
+em_status em_client_stats(em_client *client, const char *table, cJSON **stats, em_error *err);
+
+#endif

@@ -1,0 +1,230 @@
+/*
+ * Table throughput on the CPU backend: pull (gather, combiner none and sum) and push
+ * (each optimizer) in keys per second, for dim 16, 64 and 128, batches of 4096 keys
+ * drawn uniformly from a pre-populated key set, with 1 and 2 threads issuing requests
+ * against the same table.
+ *
+ *   bench_table [--keys N] [--seconds S] [--shards N]
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lib/backend.h"
+#include "lib/table.h"
+#include "tests/support/test_support.h"
+
+#define BATCH_KEYS 4096
+#define BATCH_ROWS 512 /* 8 keys per row for the pooled pulls */
+
+typedef struct options {
+    uint64_t keys;
+    double seconds;
+    uint32_t shards;
+} options;
+
+typedef enum operation { PULL_NONE, PULL_SUM, PUSH } operation;
+
+typedef struct worker {
+    em_table *table;
+    operation op;
+    uint32_t dim;
+    uint64_t universe;
+    uint64_t seed;
+    double seconds;
+    uint64_t keys_done;
+    int failed;
+    pthread_barrier_t *start;
+} worker;
+
+static void fill_batch(em_test_rng *rng, uint64_t universe, uint64_t *keys, uint32_t *offsets)
+{
+    for (int i = 0; i < BATCH_KEYS; i++)
+        keys[i] = em_test_rng_below(rng, universe) * 0x9e3779b97f4a7c15ull;
+    for (int r = 0; r <= BATCH_ROWS; r++)
+        offsets[r] = (uint32_t)(r * (BATCH_KEYS / BATCH_ROWS));
+}
+
+static void *run_worker(void *argument)
+{
+    worker *w = argument;
+    em_test_rng rng;
+    em_test_rng_init(&rng, w->seed);
+    uint64_t keys[BATCH_KEYS];
+    uint32_t offsets[BATCH_ROWS + 1];
+    uint32_t identity[BATCH_KEYS + 1]; /* one key per row for pushes */
+    for (uint32_t i = 0; i <= BATCH_KEYS; i++)
+        identity[i] = i;
+    float *buffer = malloc((size_t)BATCH_KEYS * w->dim * sizeof(float));
+    for (size_t i = 0; i < (size_t)BATCH_KEYS * w->dim; i++)
+        buffer[i] = 1e-3f * (float)(i % 13);
+    em_error err;
+    pthread_barrier_wait(w->start);
+    double end = em_test_now() + w->seconds;
+    while (em_test_now() < end) {
+        for (int repeat = 0; repeat < 8; repeat++) {
+            fill_batch(&rng, w->universe, keys, offsets);
+            em_status status;
+            if (w->op == PUSH) {
+                em_csr csr = {BATCH_KEYS, BATCH_KEYS, identity, keys};
+                em_push_request request = {csr, EM_COMBINER_NONE, buffer,
+                                           (uint64_t)BATCH_KEYS * w->dim};
+                em_push_result result;
+                status = em_table_push(w->table, &request, &result, &err);
+            } else {
+                em_csr csr = {BATCH_ROWS, BATCH_KEYS, offsets, keys};
+                em_combiner combiner = w->op == PULL_SUM ? EM_COMBINER_SUM : EM_COMBINER_NONE;
+                em_pull_request request = {csr, combiner, true, buffer,
+                                           (uint64_t)BATCH_KEYS * w->dim};
+                em_pull_result result;
+                status = em_table_pull(w->table, &request, &result, &err);
+            }
+            if (status != EM_OK) {
+                fprintf(stderr, "request failed: %s\n", err.message);
+                w->failed = 1;
+                free(buffer);
+                return NULL;
+            }
+            w->keys_done += BATCH_KEYS;
+        }
+    }
+    free(buffer);
+    return NULL;
+}
+
+static em_table *populated_table(em_backend *backend, uint32_t dim, int optimizer,
+                                 const options *opt)
+{
+    em_table_config config;
+    em_table_config_init(&config, "bench", dim, opt->keys * 2);
+    config.shards = opt->shards;
+    config.optimizer.kind = optimizer;
+    config.optimizer.learning_rate = 0.01f;
+    config.optimizer.eps = optimizer == EM_OPTIMIZER_ADAM ? 1e-8f : 1e-10f;
+    config.optimizer.beta1 = 0.9f;
+    config.optimizer.beta2 = 0.999f;
+    em_table *table = NULL;
+    em_error err;
+    if (em_table_create(backend, &config, &table, &err) != EM_OK) {
+        fprintf(stderr, "create: %s\n", err.message);
+        exit(1);
+    }
+    /* Create every key of the universe once, in batches. */
+    uint64_t *keys = malloc(BATCH_KEYS * sizeof(uint64_t));
+    uint32_t *offsets = malloc((BATCH_KEYS + 1) * sizeof(uint32_t));
+    float *out = malloc((size_t)BATCH_KEYS * dim * sizeof(float));
+    for (uint32_t i = 0; i <= BATCH_KEYS; i++)
+        offsets[i] = i;
+    for (uint64_t start = 0; start < opt->keys; start += BATCH_KEYS) {
+        uint32_t n = (uint32_t)(opt->keys - start < BATCH_KEYS ? opt->keys - start : BATCH_KEYS);
+        for (uint32_t i = 0; i < n; i++)
+            keys[i] = (start + i) * 0x9e3779b97f4a7c15ull;
+        em_pull_request request = {{n, n, offsets, keys}, EM_COMBINER_NONE, true, out,
+                                   (uint64_t)n * dim};
+        em_pull_result result;
+        if (em_table_pull(table, &request, &result, &err) != EM_OK) {
+            fprintf(stderr, "populate: %s\n", err.message);
+            exit(1);
+        }
+    }
+    free(keys);
+    free(offsets);
+    free(out);
+    return table;
+}
+
+static double measure(em_table *table, operation op, uint32_t dim, int threads,
+                      const options *opt)
+{
+    pthread_t handles[2];
+    worker workers[2];
+    pthread_barrier_t start;
+    pthread_barrier_init(&start, NULL, (unsigned)threads);
+    for (int t = 0; t < threads; t++) {
+        workers[t] = (worker){table, op, dim, opt->keys, 1000 + (uint64_t)t, opt->seconds, 0, 0,
+                              &start};
+        pthread_create(&handles[t], NULL, run_worker, &workers[t]);
+    }
+    double begin = em_test_now();
+    uint64_t total = 0;
+    for (int t = 0; t < threads; t++) {
+        pthread_join(handles[t], NULL);
+        if (workers[t].failed)
+            exit(1);
+        total += workers[t].keys_done;
+    }
+    double elapsed = em_test_now() - begin;
+    pthread_barrier_destroy(&start);
+    return (double)total / elapsed;
+}
+
+static void print_machine(void)
+{
+    FILE *cpuinfo = fopen("/proc/cpuinfo", "r");
+    char line[256], model[256] = "unknown";
+    int cores = 0;
+    while (cpuinfo != NULL && fgets(line, sizeof(line), cpuinfo) != NULL) {
+        if (strncmp(line, "model name", 10) == 0) {
+            cores++;
+            snprintf(model, sizeof(model), "%s", strchr(line, ':') + 2);
+            model[strcspn(model, "\n")] = '\0';
+        }
+    }
+    if (cpuinfo != NULL)
+        fclose(cpuinfo);
+    printf("machine: %s, %d logical CPUs\n", model, cores);
+}
+
+int main(int argc, char **argv)
+{
+    options opt = {.keys = 1000000, .seconds = 2.0, .shards = 8};
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (strcmp(argv[i], "--keys") == 0)
+            opt.keys = strtoull(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--seconds") == 0)
+            opt.seconds = strtod(argv[i + 1], NULL);
+        else if (strcmp(argv[i], "--shards") == 0)
+            opt.shards = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+    }
+    print_machine();
+    printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u\n", opt.keys,
+           opt.seconds, opt.shards);
+    printf("CPU backend, 1 device; batches of %d keys drawn uniformly from %" PRIu64
+           " existing keys; each thread issues its own requests on one table\n\n",
+           BATCH_KEYS, opt.keys);
+    printf("%-10s %-16s %5s %8s %14s %10s\n", "operation", "optimizer", "dim", "threads",
+           "keys/s", "GB/s");
+    static const uint32_t dims[] = {16, 64, 128};
+    static const char *const optimizer_names[] = {"sgd", "adagrad", "rowwise_adagrad", "adam"};
+    em_cpu_backend_options backend_options;
+    em_cpu_backend_options_init(&backend_options);
+    for (size_t d = 0; d < 3; d++) {
+        for (int optimizer = 0; optimizer < 4; optimizer++) {
+            em_backend *backend = NULL;
+            em_error err;
+            if (em_backend_create_cpu(&backend_options, &backend, &err) != EM_OK) {
+                fprintf(stderr, "%s\n", err.message);
+                return 1;
+            }
+            em_table *table = populated_table(backend, dims[d], optimizer, &opt);
+            for (int op = optimizer == 0 ? PULL_NONE : PUSH; op <= PUSH; op++) {
+                for (int threads = 1; threads <= 2; threads++) {
+                    double rate = measure(table, (operation)op, dims[d], threads, &opt);
+                    const char *name = op == PULL_NONE ? "pull" : op == PULL_SUM ? "pull-sum"
+                                                                                 : "push";
+                    /* bytes of vectors moved: one per key (pull none, push) or per row */
+                    double vectors = op == PULL_SUM ? rate / (BATCH_KEYS / BATCH_ROWS) : rate;
+                    printf("%-10s %-16s %5u %8d %14.0f %10.2f\n", name,
+                           op == PUSH ? optimizer_names[optimizer] : "-", dims[d], threads, rate,
+                           vectors * dims[d] * sizeof(float) / 1e9);
+                    fflush(stdout);
+                }
+            }
+            em_table_destroy(table);
+            em_backend_destroy(backend);
+        }
+    }
+    return 0;
+}

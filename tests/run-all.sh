@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole test suite: installs dependencies, builds, runs every suite, then builds
+# again with AddressSanitizer + UndefinedBehaviorSanitizer and reruns the unit and
+# integration suites there. Build trees: build/ and build-asan/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+deploy/install-deps.sh
+
+setup() {
+  local dir=$1
+  shift
+  if [[ -f "$dir/build.ninja" ]]; then
+    meson setup --reconfigure "$dir" "$@" >/dev/null
+  else
+    meson setup "$dir" "$@" >/dev/null
+  fi
+}
+
+echo "== build (build/)"
+setup build
+meson compile -C build
+echo "== tests"
+meson test -C build --print-errorlogs --num-processes 2
+
+echo "== build with ASan + UBSan (build-asan/)"
+setup build-asan -Dcuda=disabled -Db_sanitize=address,undefined -Db_lundef=false \
+  -Dc_args=-fno-sanitize-recover=all
+meson compile -C build-asan
+echo "== unit and integration tests under ASan + UBSan"
+ASAN_OPTIONS=abort_on_error=1:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  meson test -C build-asan --print-errorlogs --num-processes 2 --timeout-multiplier 4 \
+  --suite unit --suite integration
+echo "== all tests passed"
