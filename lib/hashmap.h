@@ -50,7 +50,7 @@
 typedef struct em_hashmap em_hashmap;
 
 typedef struct em_hashmap_options {
-    size_t initial_slots;   /* slot count at create (>= 16; rounded up to 16) */
+    size_t initial_slots;   /* slot count at create (>= 1; rounded up to a multiple of 16) */
     double max_load_factor; /* in (0, 0.95]; 0 means EM_HASHMAP_DEFAULT_MAX_LOAD */
     em_allocator allocator; /* slot arrays come from here; zeroed: malloc */
 } em_hashmap_options;
@@ -63,7 +63,8 @@ typedef struct em_hashmap_stats {
     uint64_t row_limit;   /* see em_hashmap_row_limit */
     uint64_t free_rows;   /* released row indices waiting for reuse */
     uint64_t grow_count;  /* rehashes since create */
-    double load_factor;   /* (size + tombstones) / slots */
+    double load_factor;   /* (keys in slots + tombstones) / slots; the two sentinel keys
+                           * sit in side entries and use no slot */
 } em_hashmap_stats;
 
 /* Errors: INVALID_ARGUMENT for bad options, RESOURCE_EXHAUSTED if the slot array
