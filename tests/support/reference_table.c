@@ -124,12 +124,14 @@ static uint64_t count_missing(const reference_table *table, const em_csr *batch)
 }
 
 uint64_t reference_pull(reference_table *table, const em_csr *batch, em_combiner combiner,
-                        bool create_missing, double *out)
+                        bool create_missing, double *out, double *magnitude)
 {
     uint32_t dim = table->config.dim;
     uint64_t missing = count_missing(table, batch);
     uint64_t vectors = em_csr_output_vectors(batch, combiner);
     memset(out, 0, vectors * dim * sizeof(double));
+    if (magnitude != NULL)
+        memset(magnitude, 0, vectors * dim * sizeof(double));
     for (uint32_t r = 0; r < batch->rows; r++) {
         uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
         for (uint32_t k = begin; k < end; k++) {
@@ -137,13 +139,18 @@ uint64_t reference_pull(reference_table *table, const em_csr *batch, em_combiner
             const double *row = entry->used ? entry->values : NULL;
             if (row == NULL && create_missing)
                 row = insert(table, batch->keys[k]);
-            double *target = out + (combiner == EM_COMBINER_NONE ? k : r) * dim;
-            for (uint32_t j = 0; row != NULL && j < dim; j++)
-                target[j] += row[j];
+            uint64_t target = (combiner == EM_COMBINER_NONE ? k : r) * dim;
+            for (uint32_t j = 0; row != NULL && j < dim; j++) {
+                out[target + j] += row[j];
+                if (magnitude != NULL)
+                    magnitude[target + j] += fabs(row[j]);
+            }
         }
-        if (combiner != EM_COMBINER_NONE && end > begin)
-            for (uint32_t j = 0; j < dim; j++)
-                out[(uint64_t)r * dim + j] /= divisor(combiner, end - begin);
+        for (uint32_t j = 0; combiner != EM_COMBINER_NONE && end > begin && j < dim; j++) {
+            out[(uint64_t)r * dim + j] /= divisor(combiner, end - begin);
+            if (magnitude != NULL)
+                magnitude[(uint64_t)r * dim + j] /= divisor(combiner, end - begin);
+        }
     }
     return missing;
 }

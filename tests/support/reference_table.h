@@ -21,9 +21,12 @@ void reference_table_destroy(reference_table *table);
 
 uint64_t reference_table_rows(const reference_table *table);
 
-/* out: em_csr_output_vectors x dim doubles. Returns the distinct missing keys. */
+/* out: em_csr_output_vectors x dim doubles. magnitude (nullable, same shape) gets the
+ * same pooling over |value|: the scale a pooled sum's rounding error is relative to
+ * (float summation error is bounded by n * eps * sum |x_i|, not by |sum x_i|).
+ * Returns the distinct missing keys. */
 uint64_t reference_pull(reference_table *table, const em_csr *batch, em_combiner combiner,
-                        bool create_missing, double *out);
+                        bool create_missing, double *out, double *magnitude);
 
 void reference_push(reference_table *table, const em_csr *batch, em_combiner combiner,
                     const float *gradients);
