@@ -1,0 +1,353 @@
+#include "daemon/daemon_config.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "daemon/address.h"
+
+/* Token files are small; anything bigger is a mistake worth reporting. */
+#define TOKEN_FILE_MAX_BYTES 4096
+
+/* ---- tokens ------------------------------------------------------------------------ */
+
+static em_status token_from_text(const char *text, size_t length, em_token *token,
+                                 const char *path, em_error *err)
+{
+    while (length > 0 && (text[length - 1] == '\n' || text[length - 1] == '\r'))
+        length--;
+    if (length == 0 || length > EM_TOKEN_MAX)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s: token must have 1 to %d characters, got %zu", path,
+                            EM_TOKEN_MAX, length);
+    memcpy(token->value, text, length);
+    token->value[length] = '\0';
+    token->set = true;
+    return EM_OK;
+}
+
+static em_status token_from_file(const char *file, em_token *token, const char *path,
+                                 em_error *err)
+{
+    char *text = NULL;
+    em_status status = em_config_read_file(file, TOKEN_FILE_MAX_BYTES, &text, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "%s: ", path);
+    struct stat info;
+    if (stat(file, &info) == 0 && (info.st_mode & (S_IROTH | S_IWOTH)) != 0) {
+        free(text);
+        return em_error_set(err, EM_PERMISSION_DENIED,
+                            "%s: token file '%s' is readable or writable by others (mode "
+                            "%03o); restrict it, e.g. chmod 600", path, file,
+                            (unsigned)(info.st_mode & 0777));
+    }
+    status = token_from_text(text, strlen(text), token, path, err);
+    free(text);
+    snprintf(token->source, sizeof(token->source), "file %.*s", EM_ADDRESS_MAX, file);
+    return status;
+}
+
+static em_status token_from_env(const char *name, em_token *token, const char *path,
+                                em_error *err)
+{
+    const char *value = getenv(name);
+    if (value == NULL)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s: environment variable %s is not set", path, name);
+    snprintf(token->source, sizeof(token->source), "env %.*s", EM_ADDRESS_MAX, name);
+    return token_from_text(value, strlen(value), token, path, err);
+}
+
+/* {"value": ...} | {"file": ...} | {"env": ...}, exactly one. */
+static em_status parse_token(const cJSON *value, void *field, const char *path, em_error *err)
+{
+    em_token *token = field;
+    memset(token, 0, sizeof(*token));
+    if (!cJSON_IsObject(value) || cJSON_GetArraySize(value) != 1 ||
+        !cJSON_IsString(value->child))
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s: must be an object with one string key: value, file or env",
+                            path);
+    const char *kind = value->child->string, *text = value->child->valuestring;
+    char key_path[256];
+    em_config_join_path(key_path, sizeof(key_path), path, kind);
+    if (strcmp(kind, "value") == 0) {
+        snprintf(token->source, sizeof(token->source), "inline");
+        return token_from_text(text, strlen(text), token, key_path, err);
+    }
+    if (strcmp(kind, "file") == 0)
+        return token_from_file(text, token, key_path, err);
+    if (strcmp(kind, "env") == 0)
+        return token_from_env(text, token, key_path, err);
+    return em_error_set(err, EM_INVALID_ARGUMENT, "%s: unknown key (known keys: value, file, env)",
+                        key_path);
+}
+
+static cJSON *print_token(const void *field)
+{
+    const em_token *token = field;
+    /* The secret itself is never printed: only where it came from. */
+    return token->set ? cJSON_CreateString(token->source) : NULL;
+}
+
+/* ---- tables ------------------------------------------------------------------------ */
+
+static em_status check_unique_names(const em_tables_config *tables, const char *path,
+                                    em_error *err)
+{
+    for (uint32_t i = 0; i < tables->count; i++)
+        for (uint32_t j = 0; j < i; j++)
+            if (strcmp(tables->items[i].name, tables->items[j].name) == 0)
+                return em_error_set(err, EM_INVALID_ARGUMENT,
+                                    "%s[%u].name: '%s' is already used by %s[%u]", path, i,
+                                    tables->items[i].name, path, j);
+    return EM_OK;
+}
+
+static em_status parse_tables(const cJSON *value, void *field, const char *path, em_error *err)
+{
+    em_tables_config *tables = field;
+    memset(tables, 0, sizeof(*tables));
+    if (!cJSON_IsArray(value))
+        return em_error_set(err, EM_INVALID_ARGUMENT, "%s: must be an array of table objects",
+                            path);
+    int count = cJSON_GetArraySize(value);
+    tables->items = calloc((size_t)count + 1, sizeof(*tables->items));
+    if (tables->items == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "%s: out of memory", path);
+    const cJSON *item = NULL;
+    cJSON_ArrayForEach(item, value) {
+        char item_path[64];
+        snprintf(item_path, sizeof(item_path), "%s[%u]", path, tables->count);
+        em_status status = em_table_config_parse(item, item_path, &tables->items[tables->count],
+                                                 err);
+        if (status != EM_OK)
+            return status;
+        tables->count++;
+    }
+    return check_unique_names(tables, path, err);
+}
+
+static cJSON *print_tables(const void *field)
+{
+    const em_tables_config *tables = field;
+    cJSON *array = cJSON_CreateArray();
+    for (uint32_t i = 0; array != NULL && i < tables->count; i++)
+        cJSON_AddItemToArray(array, em_table_config_to_json(&tables->items[i]));
+    return array;
+}
+
+/* ---- sections ---------------------------------------------------------------------- */
+
+static em_status check_listen(void *target, const cJSON *json, const char *path, em_error *err)
+{
+    (void)json;
+    em_listen_config *listen = target;
+    struct sockaddr_storage address;
+    const char *fields[2] = {listen->data, listen->admin};
+    const char *names[2] = {"data", "admin"};
+    for (int i = 0; i < 2; i++) {
+        em_status status = em_address_parse(fields[i], &address, err);
+        if (status != EM_OK) {
+            char key_path[64];
+            em_config_join_path(key_path, sizeof(key_path), path, names[i]);
+            return em_error_prefix(err, "%s: ", key_path);
+        }
+    }
+    return EM_OK;
+}
+
+static const em_config_field listen_fields[] = {
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "data", em_listen_config, data),
+     .default_json = "\"127.0.0.1:7070\"", .help = "address of the data listener (pull, push)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "admin", em_listen_config, admin),
+     .default_json = "\"127.0.0.1:7071\"",
+     .help = "address of the admin listener (every method; admin methods need the admin token)"},
+};
+
+static const em_config_schema listen_schema = {
+    .name = "listen",
+    .fields = listen_fields,
+    .field_count = sizeof(listen_fields) / sizeof(listen_fields[0]),
+    .check = check_listen,
+};
+
+#define LIMIT(name_, member_, min_, max_, default_, help_)                                   \
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, name_, em_limits_config, member_),                       \
+     .flags = EM_CONFIG_UNSIGNED | EM_CONFIG_RELOADABLE, .min = (min_), .max = (max_),       \
+     .default_json = default_, .help = help_}
+
+static const em_config_field limits_fields[] = {
+    LIMIT("max_meta_bytes", max_meta_bytes, 1, 65536, "65536",
+          "largest RpcMeta a frame may carry"),
+    LIMIT("max_body_bytes", max_body_bytes, 1, 67108864, "67108864",
+          "largest protobuf body a frame may carry"),
+    LIMIT("max_attachment_bytes", max_attachment_bytes, 0, 17179869184.0, "1073741824",
+          "largest attachment a request may carry"),
+    LIMIT("max_connections", max_connections, 1, 1048576, "1024",
+          "connections served at once; more are answered RESOURCE_EXHAUSTED and closed"),
+    LIMIT("max_keys_per_request", max_keys_per_request, 1, 4294967295.0, "4194304",
+          "keys (nnz) in one pull or push"),
+    LIMIT("max_response_bytes", max_response_bytes, 1024, 17179869184.0, "1073741824",
+          "largest attachment a pull may answer with"),
+    LIMIT("connection_inflight_bytes", connection_inflight_bytes, 65536, 1099511627776.0,
+          "268435456",
+          "requests and responses one connection may hold; past it the server stops reading it"),
+    LIMIT("idle_timeout_ms", idle_timeout_ms, 0, 86400000, "300000",
+          "close connections idle this long (0: never)"),
+};
+
+static const em_config_schema limits_schema = {
+    .name = "limits",
+    .fields = limits_fields,
+    .field_count = sizeof(limits_fields) / sizeof(limits_fields[0]),
+};
+
+static const em_config_choice backend_choices[] = {
+    {"auto", EM_BACKEND_AUTO},
+    {"cpu", EM_BACKEND_CPU},
+    {"cuda", EM_BACKEND_CUDA},
+    {NULL, 0},
+};
+
+static const em_config_field backend_fields[] = {
+    {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "type", em_backend_config, type), .choices = backend_choices,
+     .default_json = "\"auto\"", .help = "auto (GPUs when present, else cpu), cpu or cuda"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "devices", em_backend_config, devices),
+     .flags = EM_CONFIG_UNSIGNED, .min = 1, .max = 64, .default_json = "1",
+     .help = "cpu: host memory devices, each with its own pool (tables spread over them)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "threads", em_backend_config, threads),
+     .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 1024, .default_json = "0",
+     .help = "worker threads running table requests (0: one per online CPU)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "memory_limit_bytes", em_backend_config, memory_limit_bytes),
+     .flags = EM_CONFIG_UNSIGNED, .default_json = "0",
+     .help = "pool limit per device (0: cpu half of RAM shared by the devices)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "initial_bytes", em_backend_config, initial_bytes),
+     .flags = EM_CONFIG_UNSIGNED, .default_json = "67108864",
+     .help = "pool region reserved per device at start"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "growth_bytes", em_backend_config, growth_bytes),
+     .flags = EM_CONFIG_UNSIGNED, .default_json = "268435456",
+     .help = "size of each further pool region"},
+};
+
+static const em_config_schema backend_schema = {
+    .name = "backend",
+    .fields = backend_fields,
+    .field_count = sizeof(backend_fields) / sizeof(backend_fields[0]),
+};
+
+static const em_config_choice log_level_choices[] = {
+    {"error", EM_LOG_ERROR}, {"warning", EM_LOG_WARNING}, {"notice", EM_LOG_NOTICE},
+    {"info", EM_LOG_INFO},   {"debug", EM_LOG_DEBUG},     {NULL, 0},
+};
+
+static em_status check_daemon(void *target, const cJSON *json, const char *path, em_error *err)
+{
+    (void)json;
+    (void)path;
+    em_daemon_config *config = target;
+    if (config->data_token.set && strcmp(config->data_token.value, config->admin_token.value) == 0)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "data_token: must differ from admin_token, or data clients could "
+                            "administer the server");
+    return EM_OK;
+}
+
+static const em_config_field daemon_fields[] = {
+    {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "listen", em_daemon_config, listen),
+     .object = &listen_schema, .help = "where to accept connections"},
+    {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "limits", em_daemon_config, limits),
+     .flags = EM_CONFIG_RELOADABLE, .object = &limits_schema,
+     .help = "limits checked on every frame and connection"},
+    {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "backend", em_daemon_config, backend),
+     .object = &backend_schema, .help = "where tables live"},
+    {EM_CONFIG_FIELD(EM_CONFIG_CUSTOM, "tables", em_daemon_config, tables),
+     .parse = parse_tables, .print = print_tables, .help = "tables created at start"},
+    {EM_CONFIG_FIELD(EM_CONFIG_CUSTOM, "admin_token", em_daemon_config, admin_token),
+     .flags = EM_CONFIG_REQUIRED | EM_CONFIG_RELOADABLE, .parse = parse_token,
+     .print = print_token, .help = "token admin methods need: {value|file|env}"},
+    {EM_CONFIG_FIELD(EM_CONFIG_CUSTOM, "data_token", em_daemon_config, data_token),
+     .flags = EM_CONFIG_RELOADABLE, .parse = parse_token, .print = print_token,
+     .help = "token data methods need, if set: {value|file|env}"},
+    {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "log_level", em_daemon_config, log_level),
+     .flags = EM_CONFIG_RELOADABLE, .choices = log_level_choices, .default_json = "\"info\"",
+     .help = "error, warning, notice, info or debug"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "drain_timeout_ms", em_daemon_config, drain_timeout_ms),
+     .flags = EM_CONFIG_UNSIGNED | EM_CONFIG_RELOADABLE, .min = 0, .max = 3600000,
+     .default_json = "30000",
+     .help = "on SIGTERM, how long in-flight requests may take before exiting anyway"},
+};
+
+const em_config_schema em_daemon_config_schema = {
+    .name = "emberd",
+    .fields = daemon_fields,
+    .field_count = sizeof(daemon_fields) / sizeof(daemon_fields[0]),
+    .check = check_daemon,
+};
+
+/* ---- loading ----------------------------------------------------------------------- */
+
+em_status em_daemon_config_parse_text(const char *text, const char *origin,
+                                      em_daemon_config *out, em_error *err)
+{
+    memset(out, 0, sizeof(*out));
+    em_status status = em_config_parse_text(&em_daemon_config_schema, text, "", out, err);
+    if (status != EM_OK) {
+        em_daemon_config_deinit(out);
+        return em_error_prefix(err, "%s: ", origin);
+    }
+    return EM_OK;
+}
+
+em_status em_daemon_config_load(const char *path, em_daemon_config *out, em_error *err)
+{
+    char *text = NULL;
+    memset(out, 0, sizeof(*out));
+    em_status status = em_config_read_file(path, EM_DAEMON_CONFIG_MAX_BYTES, &text, err);
+    if (status != EM_OK)
+        return status;
+    status = em_daemon_config_parse_text(text, path, out, err);
+    free(text);
+    return status;
+}
+
+void em_daemon_config_deinit(em_daemon_config *config)
+{
+    free(config->tables.items);
+    config->tables.items = NULL;
+    config->tables.count = 0;
+    memset(config->admin_token.value, 0, sizeof(config->admin_token.value));
+    memset(config->data_token.value, 0, sizeof(config->data_token.value));
+}
+
+int em_daemon_config_fixed_changes(const em_daemon_config *old, const em_daemon_config *new_config,
+                                   void (*report)(void *context, const char *key), void *context)
+{
+    cJSON *before = em_config_to_json(&em_daemon_config_schema, old);
+    cJSON *after = em_config_to_json(&em_daemon_config_schema, new_config);
+    int changes = 0;
+    for (size_t i = 0; before != NULL && after != NULL && i < em_daemon_config_schema.field_count;
+         i++) {
+        const em_config_field *field = &em_daemon_config_schema.fields[i];
+        if (field->flags & EM_CONFIG_RELOADABLE)
+            continue;
+        const cJSON *a = cJSON_GetObjectItemCaseSensitive(before, field->name);
+        const cJSON *b = cJSON_GetObjectItemCaseSensitive(after, field->name);
+        if (!cJSON_Compare(a, b, true)) {
+            report(context, field->name);
+            changes++;
+        }
+    }
+    cJSON_Delete(before);
+    cJSON_Delete(after);
+    return changes;
+}
+
+const char *em_backend_type_name(int type)
+{
+    for (const em_config_choice *c = backend_choices; c->name != NULL; c++)
+        if (c->value == type)
+            return c->name;
+    return "unknown";
+}

@@ -1,0 +1,112 @@
+/*
+ * DESIGN: emberd's configuration file.
+ *
+ * One JSON object, declared below as schema tables (lib/config.h), so every key has
+ * one line saying its type, bounds, default, whether SIGHUP may change it, and its
+ * help text; unknown keys and bad values are errors naming the key path and the value.
+ *
+ *   {
+ *     "listen":  {"data": "127.0.0.1:7070", "admin": "127.0.0.1:7071"},
+ *     "limits":  {"max_body_bytes": 67108864, "max_attachment_bytes": 1073741824,
+ *                 "max_connections": 1024, "max_keys_per_request": 4194304,
+ *                 "connection_inflight_bytes": 268435456, "idle_timeout_ms": 300000, ...},
+ *     "backend": {"type": "cpu", "devices": 1, "threads": 0, "memory_limit_bytes": 0},
+ *     "tables":  [ {table config, lib/table_config.h}, ... ],
+ *     "admin_token": {"value": "..."} | {"file": "/etc/ember/admin.token"} | {"env": "NAME"},
+ *     "data_token":  same forms (optional),
+ *     "log_level": "info",
+ *     "drain_timeout_ms": 30000
+ *   }
+ *
+ * Tokens are resolved when the file is read (a token file's trailing newline is
+ * dropped), so a reload picks up a rotated token file.
+ */
+#ifndef EMBER_DAEMON_DAEMON_CONFIG_H
+#define EMBER_DAEMON_DAEMON_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "lib/config.h"
+#include "lib/log.h"
+#include "lib/status.h"
+#include "lib/table_config.h"
+
+#define EM_ADDRESS_MAX 128
+#define EM_TOKEN_MAX 256
+#define EM_DAEMON_CONFIG_MAX_BYTES (16u << 20)
+
+typedef struct em_token {
+    bool set;
+    char value[EM_TOKEN_MAX + 1];
+    char source[EM_ADDRESS_MAX + 16]; /* "inline", "file /path", "env NAME": for logs */
+} em_token;
+
+typedef struct em_listen_config {
+    char data[EM_ADDRESS_MAX];
+    char admin[EM_ADDRESS_MAX];
+} em_listen_config;
+
+typedef struct em_limits_config {
+    uint32_t max_meta_bytes;
+    uint64_t max_body_bytes;
+    uint64_t max_attachment_bytes;
+    uint32_t max_connections;
+    uint64_t max_keys_per_request;
+    uint64_t max_response_bytes;
+    uint64_t connection_inflight_bytes;
+    uint32_t idle_timeout_ms;
+} em_limits_config;
+
+typedef enum em_backend_type {
+    EM_BACKEND_AUTO = 0,
+    EM_BACKEND_CPU = 1,
+    EM_BACKEND_CUDA = 2,
+} em_backend_type;
+
+typedef struct em_backend_config {
+    int type; /* em_backend_type */
+    uint32_t devices;
+    uint32_t threads; /* worker threads; 0: one per online CPU */
+    uint64_t memory_limit_bytes;
+    uint64_t initial_bytes;
+    uint64_t growth_bytes;
+} em_backend_config;
+
+typedef struct em_tables_config {
+    em_table_config *items;
+    uint32_t count;
+} em_tables_config;
+
+typedef struct em_daemon_config {
+    em_listen_config listen;
+    em_limits_config limits;
+    em_backend_config backend;
+    em_tables_config tables;
+    em_token admin_token;
+    em_token data_token;
+    int log_level; /* em_log_level */
+    uint32_t drain_timeout_ms;
+} em_daemon_config;
+
+extern const em_config_schema em_daemon_config_schema;
+
+/* Reads and validates the file at path. On error *out holds nothing to free. */
+em_status em_daemon_config_load(const char *path, em_daemon_config *out, em_error *err);
+
+/* Parses JSON text; origin names it in messages (a file path). */
+em_status em_daemon_config_parse_text(const char *text, const char *origin,
+                                      em_daemon_config *out, em_error *err);
+
+/* Frees what parsing allocated (the tables array). */
+void em_daemon_config_deinit(em_daemon_config *config);
+
+/* Calls report once per top-level key whose value differs between old and new and that
+ * a reload cannot change (no RELOADABLE flag); returns how many there were. */
+int em_daemon_config_fixed_changes(const em_daemon_config *old, const em_daemon_config *new_config,
+                                   void (*report)(void *context, const char *key), void *context);
+
+/* "cpu", "cuda", "auto". */
+const char *em_backend_type_name(int type);
+
+#endif

@@ -1,0 +1,423 @@
+/*
+ * DESIGN: the method handlers: wire messages in, engine calls, wire messages out.
+ *
+ * Data handlers check the attachment against what the body says before anything else
+ * (its exact length for rows, nnz, combiner and the table's dim; zero padding), then
+ * call the table with pointers into the attachment, so keys and gradients are never
+ * copied; a pull writes straight into the response attachment. Every error names what
+ * was wrong with the numbers seen; the engine's own errors (bad CSR, non-finite
+ * gradients, capacity) pass through with its message.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/dispatch.h"
+#include "ember_config.h"
+#include "lib/catalog.h"
+#include "lib/table.h"
+
+/* ---- attachments --------------------------------------------------------------------- */
+
+static em_status check_padding(const uint8_t *attachment, const em_csr_attachment *layout,
+                               uint32_t rows, em_error *err)
+{
+    uint64_t offsets_end = ((uint64_t)rows + 1) * sizeof(uint32_t);
+    for (uint64_t i = offsets_end; i < layout->keys_at; i++)
+        if (attachment[i] != 0)
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "attachment padding byte %" PRIu64 " is 0x%02x, must be 0", i,
+                                attachment[i]);
+    return EM_OK;
+}
+
+/* Maps a PULL or PUSH attachment onto a CSR view after checking its size. */
+static em_status map_batch(const em_request *request, uint32_t rows, uint64_t nnz,
+                           uint64_t gradient_floats, em_csr *batch, em_csr_attachment *layout,
+                           em_error *err)
+{
+    const char *method = em_method_name(request->method);
+    if (nnz > request->max_keys_per_request)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s of %" PRIu64 " keys exceeds max_keys_per_request %" PRIu64, method,
+                            nnz, request->max_keys_per_request);
+    em_status status = em_csr_attachment_layout(rows, nnz, gradient_floats, layout, err);
+    if (status != EM_OK)
+        return status;
+    if (request->attachment_length != layout->total)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s attachment is %" PRIu64 " bytes; rows=%" PRIu32 " nnz=%" PRIu64
+                            "%s need %" PRIu64 " (offsets %" PRIu64 ", keys at %" PRIu64
+                            "%s)",
+                            method, request->attachment_length, rows, nnz,
+                            gradient_floats > 0 ? " with their gradients" : "", layout->total,
+                            ((uint64_t)rows + 1) * 4, layout->keys_at,
+                            gradient_floats > 0 ? ", gradients after the keys" : "");
+    status = check_padding(request->attachment, layout, rows, err);
+    if (status != EM_OK)
+        return status;
+    batch->rows = rows;
+    batch->nnz = nnz;
+    batch->offsets = (const uint32_t *)(const void *)request->attachment;
+    batch->keys = (const uint64_t *)(const void *)(request->attachment + layout->keys_at);
+    return EM_OK;
+}
+
+static em_status combiner_of(int wire, em_combiner *out, em_error *err)
+{
+    em_status status = em_combiner_check(wire, err);
+    if (status == EM_OK)
+        *out = (em_combiner)wire;
+    return status;
+}
+
+/* ---- pull and push ------------------------------------------------------------------- */
+
+static em_status pull_table(em_request *request, em_table *table, const Ember__PullRequest *body,
+                            em_error *err)
+{
+    em_combiner combiner;
+    em_csr batch;
+    em_csr_attachment layout;
+    em_status status = combiner_of((int)body->combiner, &combiner, err);
+    if (status == EM_OK)
+        status = map_batch(request, body->rows, body->nnz, 0, &batch, &layout, err);
+    if (status != EM_OK)
+        return status;
+    uint32_t dim = em_table_dim(table);
+    uint64_t floats = em_csr_output_vectors(&batch, combiner) * dim;
+    if (floats * sizeof(float) > request->max_response_bytes)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "pull from table '%s' would answer %" PRIu64
+                            " bytes, more than max_response_bytes %" PRIu64,
+                            em_table_name(table), floats * sizeof(float),
+                            request->max_response_bytes);
+    float *out = malloc(floats == 0 ? 1 : floats * sizeof(float));
+    if (out == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "pull response of %" PRIu64
+                            " bytes: out of memory", floats * sizeof(float));
+    em_pull_request pull = {batch, combiner, body->create_missing, out, floats};
+    em_pull_result result;
+    status = em_table_pull(table, &pull, &result, err);
+    if (status != EM_OK) {
+        free(out);
+        return status;
+    }
+    Ember__PullResponse response = EMBER__PULL_RESPONSE__INIT;
+    response.dim = dim;
+    response.missing = result.missing;
+    response.created = result.created;
+    response.unique_keys = result.unique_keys;
+    return em_request_respond(request, &response.base, out, floats * sizeof(float), err);
+}
+
+em_status em_handle_pull(em_request *request, em_error *err)
+{
+    const Ember__PullRequest *body = (const Ember__PullRequest *)request->body;
+    em_catalog *catalog = request->context->catalog;
+    em_table *table = NULL;
+    em_status status = em_catalog_acquire(catalog, body->table, &table, err);
+    if (status != EM_OK)
+        return status;
+    status = pull_table(request, table, body, err);
+    em_catalog_release(catalog, table);
+    return status;
+}
+
+static em_status push_table(em_request *request, em_table *table, const Ember__PushRequest *body,
+                            em_error *err)
+{
+    em_combiner combiner;
+    em_status status = combiner_of((int)body->combiner, &combiner, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t vectors = combiner == EM_COMBINER_NONE ? body->nnz : body->rows;
+    uint64_t dim = em_table_dim(table);
+    if (vectors > UINT64_MAX / dim)
+        return em_error_set(err, EM_OUT_OF_RANGE, "push of %" PRIu64 " vectors of dim %" PRIu64
+                            " overflows", vectors, dim);
+    em_csr batch;
+    em_csr_attachment layout;
+    status = map_batch(request, body->rows, body->nnz, vectors * dim, &batch, &layout, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "push to table '%s' (dim %" PRIu64 ", combiner %s): ",
+                               em_table_name(table), dim, em_combiner_name(combiner));
+    const float *gradients = (const float *)(const void *)(request->attachment +
+                                                           layout.gradients_at);
+    em_push_request push = {batch, combiner, gradients, vectors * dim};
+    em_push_result result;
+    status = em_table_push(table, &push, &result, err);
+    if (status != EM_OK)
+        return status;
+    Ember__PushResponse response = EMBER__PUSH_RESPONSE__INIT;
+    response.updated = result.updated;
+    response.created = result.created;
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
+em_status em_handle_push(em_request *request, em_error *err)
+{
+    const Ember__PushRequest *body = (const Ember__PushRequest *)request->body;
+    em_catalog *catalog = request->context->catalog;
+    em_table *table = NULL;
+    em_status status = em_catalog_acquire(catalog, body->table, &table, err);
+    if (status != EM_OK)
+        return status;
+    status = push_table(request, table, body, err);
+    em_catalog_release(catalog, table);
+    return status;
+}
+
+/* ---- health -------------------------------------------------------------------------- */
+
+static uint64_t uptime_ms(const em_request *request)
+{
+    return em_monotonic_ms() - request->context->start_ms;
+}
+
+em_status em_handle_ping(em_request *request, em_error *err)
+{
+    Ember__PingResponse response = EMBER__PING_RESPONSE__INIT;
+    response.version = (char *)EM_VERSION;
+    response.uptime_ms = uptime_ms(request);
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
+em_status em_handle_health(em_request *request, em_error *err)
+{
+    em_server_context *context = request->context;
+    int state = atomic_load(&context->state);
+    Ember__HealthResponse response = EMBER__HEALTH_RESPONSE__INIT;
+    response.ready = state == EM_SERVER_SERVING;
+    response.state = (char *)em_server_state_name(state);
+    response.backend = (char *)context->backend->kind;
+    response.devices = context->backend->device_count;
+    response.tables = (uint32_t)em_catalog_count(context->catalog);
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
+/* ---- tables -------------------------------------------------------------------------- */
+
+/* Fills info for table; the strings it points to are malloc'ed (free_table_info). */
+static void describe_table(em_table *table, Ember__TableInfo *info)
+{
+    const em_table_config *config = em_table_get_config(table);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    cJSON *json = em_table_config_to_json(config);
+    ember__table_info__init(info);
+    info->name = strdup(config->name);
+    info->dim = config->dim;
+    info->capacity = config->capacity;
+    info->shards = config->shards;
+    info->optimizer = strdup(em_optimizer_name(config->optimizer.kind));
+    info->rows = stats.rows;
+    info->config_json = json != NULL ? cJSON_PrintUnformatted(json) : strdup("{}");
+    cJSON_Delete(json);
+}
+
+static bool table_info_complete(const Ember__TableInfo *info)
+{
+    return info->name != NULL && info->optimizer != NULL && info->config_json != NULL;
+}
+
+static void free_table_info(Ember__TableInfo *info)
+{
+    free(info->name);
+    free(info->optimizer);
+    free(info->config_json);
+}
+
+em_status em_handle_create_table(em_request *request, em_error *err)
+{
+    const Ember__CreateTableRequest *body = (const Ember__CreateTableRequest *)request->body;
+    em_table_config config;
+    em_status status = em_table_config_parse_text(body->config_json, &config, err);
+    if (status != EM_OK)
+        return status;
+    em_table *table = NULL;
+    em_catalog *catalog = request->context->catalog;
+    status = em_catalog_create_table(catalog, &config, &table, err);
+    if (status != EM_OK)
+        return status;
+    Ember__TableInfo info;
+    describe_table(table, &info);
+    em_catalog_release(catalog, table);
+    if (!table_info_complete(&info)) {
+        free_table_info(&info);
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table info: out of memory");
+    }
+    em_log_notice(request->context->log, "created table '%s' (dim %u, capacity %" PRIu64
+                  ", %u shards, %s)", info.name, info.dim, info.capacity, info.shards,
+                  info.optimizer);
+    Ember__CreateTableResponse response = EMBER__CREATE_TABLE_RESPONSE__INIT;
+    response.table = &info;
+    status = em_request_respond(request, &response.base, NULL, 0, err);
+    free_table_info(&info);
+    return status;
+}
+
+em_status em_handle_drop_table(em_request *request, em_error *err)
+{
+    const Ember__DropTableRequest *body = (const Ember__DropTableRequest *)request->body;
+    em_status status = em_catalog_drop(request->context->catalog, body->table, err);
+    if (status != EM_OK)
+        return status;
+    em_log_notice(request->context->log, "dropped table '%s'", body->table);
+    Ember__DropTableResponse response = EMBER__DROP_TABLE_RESPONSE__INIT;
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
+em_status em_handle_list_tables(em_request *request, em_error *err)
+{
+    em_catalog *catalog = request->context->catalog;
+    em_table **tables = NULL;
+    size_t count = 0;
+    em_status status = em_catalog_list(catalog, &tables, &count, err);
+    if (status != EM_OK)
+        return status;
+    Ember__TableInfo *infos = calloc(count + 1, sizeof(*infos));
+    Ember__TableInfo **pointers = calloc(count + 1, sizeof(*pointers));
+    bool complete = infos != NULL && pointers != NULL;
+    for (size_t i = 0; i < count; i++) {
+        if (complete) {
+            describe_table(tables[i], &infos[i]);
+            pointers[i] = &infos[i];
+            complete = table_info_complete(&infos[i]);
+        }
+        em_catalog_release(catalog, tables[i]);
+    }
+    free(tables);
+    if (complete) {
+        Ember__ListTablesResponse response = EMBER__LIST_TABLES_RESPONSE__INIT;
+        response.n_tables = count;
+        response.tables = pointers;
+        status = em_request_respond(request, &response.base, NULL, 0, err);
+    } else {
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "table list: out of memory");
+    }
+    for (size_t i = 0; infos != NULL && i < count; i++)
+        free_table_info(&infos[i]);
+    free(infos);
+    free(pointers);
+    return status;
+}
+
+/* ---- stats --------------------------------------------------------------------------- */
+
+typedef struct stats_message {
+    Ember__StatsResponse response;
+    Ember__ServerStats server;
+    Ember__MethodStats methods[EM_METHOD_SLOTS];
+    Ember__MethodStats *method_pointers[EM_METHOD_SLOTS];
+    Ember__TableStats *tables;
+    Ember__TableStats **table_pointers;
+    Ember__PoolStats *pools;
+    Ember__PoolStats **pool_pointers;
+} stats_message;
+
+static void render_server(const em_stats_snapshot *snapshot, stats_message *m)
+{
+    ember__server_stats__init(&m->server);
+    m->server.version = (char *)EM_VERSION;
+    m->server.state = (char *)snapshot->state;
+    m->server.backend = (char *)snapshot->backend;
+    m->server.uptime_ms = snapshot->uptime_ms;
+    m->server.connections_current = snapshot->connections_current;
+    m->server.connections_total = snapshot->connections_total;
+    m->server.connections_rejected = snapshot->connections_rejected;
+    m->server.bytes_in = snapshot->bytes_in;
+    m->server.bytes_out = snapshot->bytes_out;
+    m->server.frames_rejected = snapshot->frames_rejected;
+    for (size_t i = 0; i < snapshot->method_count; i++) {
+        ember__method_stats__init(&m->methods[i]);
+        m->methods[i].method = (char *)snapshot->methods[i].name;
+        m->methods[i].requests = snapshot->methods[i].requests;
+        m->methods[i].errors = snapshot->methods[i].errors;
+        m->method_pointers[i] = &m->methods[i];
+    }
+    m->server.n_methods = snapshot->method_count;
+    m->server.methods = m->method_pointers;
+}
+
+static void render_table(const em_table_snapshot *table, Ember__TableStats *out)
+{
+    ember__table_stats__init(out);
+    out->name = (char *)table->name;
+    out->rows = table->stats.rows;
+    out->capacity = table->stats.capacity;
+    out->dim = table->stats.dim;
+    out->shards = table->stats.shards;
+    out->row_bytes = table->stats.row_bytes;
+    out->index_bytes = table->stats.index_bytes;
+    out->pulls = table->stats.pulls;
+    out->pushes = table->stats.pushes;
+    out->keys_pulled = table->stats.keys_pulled;
+    out->keys_pushed = table->stats.keys_pushed;
+    out->rows_created = table->stats.rows_created;
+}
+
+static void render_pool(const em_pool_snapshot *pool, Ember__PoolStats *out)
+{
+    ember__pool_stats__init(out);
+    out->device = (char *)pool->device;
+    out->bytes_in_use = pool->stats.bytes_in_use;
+    out->peak_bytes_in_use = pool->stats.peak_bytes_in_use;
+    out->bytes_reserved = pool->stats.bytes_reserved;
+    out->bytes_limit = pool->stats.bytes_limit;
+    out->largest_free_block = pool->stats.largest_free_block;
+    out->fragmentation = pool->stats.fragmentation;
+    out->live_allocations = pool->stats.live_allocations;
+    out->failed_allocations = pool->stats.failed_allocations;
+}
+
+static em_status render_stats(const em_stats_snapshot *snapshot, stats_message *m, em_error *err)
+{
+    memset(m, 0, sizeof(*m));
+    ember__stats_response__init(&m->response);
+    render_server(snapshot, m);
+    m->tables = calloc(snapshot->table_count + 1, sizeof(*m->tables));
+    m->table_pointers = calloc(snapshot->table_count + 1, sizeof(*m->table_pointers));
+    m->pools = calloc(snapshot->pool_count + 1, sizeof(*m->pools));
+    m->pool_pointers = calloc(snapshot->pool_count + 1, sizeof(*m->pool_pointers));
+    if (!m->tables || !m->table_pointers || !m->pools || !m->pool_pointers)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "stats: out of memory");
+    for (size_t i = 0; i < snapshot->table_count; i++) {
+        render_table(&snapshot->tables[i], &m->tables[i]);
+        m->table_pointers[i] = &m->tables[i];
+    }
+    for (size_t i = 0; i < snapshot->pool_count; i++) {
+        render_pool(&snapshot->pools[i], &m->pools[i]);
+        m->pool_pointers[i] = &m->pools[i];
+    }
+    m->response.server = &m->server;
+    m->response.n_tables = snapshot->table_count;
+    m->response.tables = m->table_pointers;
+    m->response.n_pools = snapshot->pool_count;
+    m->response.pools = m->pool_pointers;
+    return EM_OK;
+}
+
+em_status em_handle_stats(em_request *request, em_error *err)
+{
+    const Ember__StatsRequest *body = (const Ember__StatsRequest *)request->body;
+    em_server_context *context = request->context;
+    em_stats_snapshot snapshot;
+    em_status status = em_stats_collect(&context->stats, context->catalog, body->table, &snapshot,
+                                        err);
+    if (status != EM_OK)
+        return status;
+    snapshot.state = em_server_state_name(atomic_load(&context->state));
+    snapshot.uptime_ms = uptime_ms(request);
+    stats_message message;
+    status = render_stats(&snapshot, &message, err);
+    if (status == EM_OK)
+        status = em_request_respond(request, &message.response.base, NULL, 0, err);
+    free(message.tables);
+    free(message.table_pointers);
+    free(message.pools);
+    free(message.pool_pointers);
+    em_stats_snapshot_free(&snapshot);
+    return status;
+}

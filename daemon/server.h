@@ -1,0 +1,75 @@
+/*
+ * DESIGN: emberd's network side, on one libuv loop thread.
+ *
+ * Two listeners (data and admin) accept connections; each connection reads frames with
+ * every length checked against the configured limits before anything is allocated,
+ * hands complete frames to the dispatcher (daemon/dispatch.h) and writes responses as
+ * they come back from the workers. Flow control is per connection (an in-flight byte
+ * budget), idle connections are closed after idle_timeout_ms, and draining stops
+ * accepting and reading, answers what was received, then reports.
+ */
+#ifndef EMBER_DAEMON_SERVER_H
+#define EMBER_DAEMON_SERVER_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "daemon/daemon_config.h"
+#include "daemon/executor.h"
+#include "daemon/stats.h"
+#include "lib/backend.h"
+#include "lib/catalog.h"
+#include "lib/log.h"
+
+typedef enum em_server_state {
+    EM_SERVER_STARTING = 0,
+    EM_SERVER_SERVING = 1,
+    EM_SERVER_DRAINING = 2,
+} em_server_state;
+
+/* What request handlers need; owned by main, outlives the server. */
+typedef struct em_server_context {
+    em_catalog *catalog;
+    em_backend *backend;
+    em_executor *executor;
+    const em_log *log;
+    em_server_stats stats;
+    uint64_t start_ms;      /* uv_now at start */
+    _Atomic int state;      /* em_server_state */
+} em_server_context;
+
+typedef struct em_server em_server;
+
+/* Copies what it needs from config (limits, tokens, addresses). */
+em_status em_server_create(uv_loop_t *loop, const em_daemon_config *config,
+                           em_server_context *context, em_server **out, em_error *err);
+
+/* Binds and listens on the data and admin addresses. Errors: UNAVAILABLE naming the
+ * address and the system error. */
+em_status em_server_listen(em_server *server, em_error *err);
+
+/* The bound addresses ("127.0.0.1:7070"), valid after em_server_listen. */
+const char *em_server_data_address(const em_server *server);
+const char *em_server_admin_address(const em_server *server);
+
+/* Applies the reloadable parts of config (limits, tokens) to new frames. */
+void em_server_reconfigure(em_server *server, const em_daemon_config *config);
+
+/* Stops accepting and reading; calls drained once every received request has been
+ * answered and every connection closed, or after timeout_ms with forced = true (the
+ * remaining connections are closed then). */
+void em_server_drain(em_server *server, uint32_t timeout_ms,
+                     void (*drained)(em_server *server, bool forced, void *context),
+                     void *context);
+
+/* Closes every handle; closed runs once libuv has released them and the server is
+ * freed. */
+void em_server_close(em_server *server, void (*closed)(void *context), void *context);
+
+const char *em_server_state_name(int state);
+
+uint64_t em_server_now_ms(const em_server *server);
+
+#endif
