@@ -236,33 +236,34 @@ static uint64_t rehash_into(em_hashmap *map, slot *fresh, size_t slot_count)
     return moved;
 }
 
-/* Slot count for a rehash that must fit needed more keys; 0 when no size_t can say it. */
-static size_t grown_slot_count(const em_hashmap *map, uint64_t live, uint64_t needed)
+/* Slot count for a rehash that makes room for needed more keys: the same count when
+ * tombstones are at least half the used slots and dropping them is enough, else twice
+ * the count, doubled on until the keys fit. 0 when no size_t can say it. */
+static size_t grown_slot_count(const em_hashmap *map, uint64_t live, uint64_t tombstones,
+                               uint64_t needed)
 {
-    uint64_t used = atomic_load_explicit(&map->used_slots, memory_order_relaxed);
-    uint64_t tombstones = atomic_load_explicit(&map->tombstones, memory_order_relaxed);
     if (needed > UINT64_MAX - live)
         return 0;
     size_t count = map->slot_count;
-    bool mostly_tombstones = tombstones * 2 >= used;
-    if (!mostly_tombstones || live + needed > max_used_for(count, map->max_load_factor)) {
-        do {
-            if (count > SIZE_MAX / 2 / sizeof(slot))
-                return 0;
-            count *= 2;
-        } while (live + needed > max_used_for(count, map->max_load_factor));
-    }
+    if (tombstones >= live && live + needed <= max_used_for(count, map->max_load_factor))
+        return count;
+    do {
+        if (count > SIZE_MAX / 2 / sizeof(slot))
+            return 0;
+        count *= 2;
+    } while (live + needed > max_used_for(count, map->max_load_factor));
     return count;
 }
 
-/* Makes room for needed more used slots. Exclusive hold. */
+/* Makes room for needed more used slots. Exclusive hold: no reservation is held. */
 static em_status grow_locked(em_hashmap *map, uint64_t needed, em_error *err)
 {
     uint64_t used = atomic_load_explicit(&map->used_slots, memory_order_relaxed);
     if (needed <= map->max_used && used <= map->max_used - needed)
         return EM_OK;
-    uint64_t live = used - atomic_load_explicit(&map->tombstones, memory_order_relaxed);
-    size_t count = grown_slot_count(map, live, needed);
+    uint64_t tombstones = atomic_load_explicit(&map->tombstones, memory_order_relaxed);
+    uint64_t live = used - tombstones;
+    size_t count = grown_slot_count(map, live, tombstones, needed);
     if (count == 0)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                             "growing hash map from %zu slots for %" PRIu64
@@ -271,7 +272,8 @@ static em_status grow_locked(em_hashmap *map, uint64_t needed, em_error *err)
     slot *fresh = NULL;
     em_status status = slot_array_create(map, count, &fresh, err);
     if (status != EM_OK)
-        return em_error_prefix(err, "growing hash map from %zu to %zu slots: ",
+        return em_error_prefix(err, "%s hash map from %zu to %zu slots: ",
+                               count > map->slot_count ? "growing" : "rehashing",
                                map->slot_count, count);
     uint64_t moved = rehash_into(map, fresh, count);
     em_allocator_free(&map->allocator, map->slots);
