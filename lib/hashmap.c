@@ -2,11 +2,11 @@
  * DESIGN: the CPU concurrent hash map (contract in hashmap.h).
  *
  * Layout. One flat array of 16-byte slots {key, value}, probed linearly from the home
- * slot em_hash_scale(em_hashmap_hash(key), slot_count). A lookup touches one or two
- * cache lines, and the batch loops prefetch the home slot of a key a few positions
- * ahead, so that on arrays far larger than the caches the misses of neighbouring keys
- * overlap instead of queueing. The multiply-shift scaling works for any slot count,
- * which lets a map be sized for an exact load factor.
+ * slot em_hash_scale(em_hashmap_hash(key), slot_count). A lookup of a present key
+ * touches one or two cache lines, and the batch loops prefetch the home slot of a key
+ * a few positions ahead so that the misses of neighbouring keys overlap. The
+ * multiply-shift scaling works for any slot count, which lets a map be sized for an
+ * exact load factor.
  *
  * Slot life cycle. While an array lives, a slot only ever goes EMPTY -> key ->
  * TOMBSTONE, and its value only PENDING -> row:
@@ -29,10 +29,14 @@
  * rwlock: they change only under the exclusive hold. The counters (used slots, next
  * row, tombstones) are relaxed budgets that are exact whenever no call is running.
  *
- * Room. used_slots counts claimed slots (keys and tombstones) plus reservations in
- * flight. An insert reserves before its CAS and gives the reservation back when it
- * loses to the same key, so claimed slots never pass max_used, which is below the slot
- * count: every probe meets an EMPTY slot.
+ * Room. used_slots counts claimed slots (keys and tombstones) plus reservations held.
+ * An insert reserves before its CAS and gives the reservation back when it loses to
+ * the same key, so claimed slots never pass max_used, which is below the slot count:
+ * every probe meets an EMPTY slot. A batch takes reservations in small grants rather
+ * than one by one, because a counter that every inserting thread bumps for every key
+ * bounces its cache line between cores; next_row still takes one bump per new key,
+ * since rows must stay dense. Sizes are derived from these counters, so while inserts
+ * run they may include a few reservations not used yet.
  *
  * Growth. A batch holds the rwlock shared for the whole call. An insert that finds no
  * room drops its hold, takes the lock exclusively, checks the room again (another
@@ -85,6 +89,12 @@
 /* Rounding slack when turning max_load_factor * slots into a slot budget, so that a
  * map sized as ceil(n / load) slots holds n keys despite the product's rounding. */
 #define LOAD_ROUNDING_SLACK 1e-12
+
+/* Most used-slot reservations one find_or_insert call takes from the shared counter at
+ * once (see slot_grant): enough to make the counter's traffic small next to the slot
+ * misses, small enough that threads holding spare reservations near the load limit do
+ * not send each other into growth attempts for long. */
+#define GRANT_SIZE ((uint64_t)64)
 
 /* Capacity of the released-row stack when it first grows. */
 #define FREE_ROWS_INITIAL 64
@@ -226,33 +236,34 @@ static uint64_t rehash_into(em_hashmap *map, slot *fresh, size_t slot_count)
     return moved;
 }
 
-/* Slot count for a rehash that must fit needed more keys; 0 when no size_t can say it. */
-static size_t grown_slot_count(const em_hashmap *map, uint64_t live, uint64_t needed)
+/* Slot count for a rehash that makes room for needed more keys: the same count when
+ * tombstones are at least half the used slots and dropping them is enough, else twice
+ * the count, doubled on until the keys fit. 0 when no size_t can say it. */
+static size_t grown_slot_count(const em_hashmap *map, uint64_t live, uint64_t tombstones,
+                               uint64_t needed)
 {
-    uint64_t used = atomic_load_explicit(&map->used_slots, memory_order_relaxed);
-    uint64_t tombstones = atomic_load_explicit(&map->tombstones, memory_order_relaxed);
     if (needed > UINT64_MAX - live)
         return 0;
     size_t count = map->slot_count;
-    bool mostly_tombstones = tombstones * 2 >= used;
-    if (!mostly_tombstones || live + needed > max_used_for(count, map->max_load_factor)) {
-        do {
-            if (count > SIZE_MAX / 2 / sizeof(slot))
-                return 0;
-            count *= 2;
-        } while (live + needed > max_used_for(count, map->max_load_factor));
-    }
+    if (tombstones >= live && live + needed <= max_used_for(count, map->max_load_factor))
+        return count;
+    do {
+        if (count > SIZE_MAX / 2 / sizeof(slot))
+            return 0;
+        count *= 2;
+    } while (live + needed > max_used_for(count, map->max_load_factor));
     return count;
 }
 
-/* Makes room for needed more used slots. Exclusive hold. */
+/* Makes room for needed more used slots. Exclusive hold: no reservation is held. */
 static em_status grow_locked(em_hashmap *map, uint64_t needed, em_error *err)
 {
     uint64_t used = atomic_load_explicit(&map->used_slots, memory_order_relaxed);
     if (needed <= map->max_used && used <= map->max_used - needed)
         return EM_OK;
-    uint64_t live = used - atomic_load_explicit(&map->tombstones, memory_order_relaxed);
-    size_t count = grown_slot_count(map, live, needed);
+    uint64_t tombstones = atomic_load_explicit(&map->tombstones, memory_order_relaxed);
+    uint64_t live = used - tombstones;
+    size_t count = grown_slot_count(map, live, tombstones, needed);
     if (count == 0)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                             "growing hash map from %zu slots for %" PRIu64
@@ -261,7 +272,8 @@ static em_status grow_locked(em_hashmap *map, uint64_t needed, em_error *err)
     slot *fresh = NULL;
     em_status status = slot_array_create(map, count, &fresh, err);
     if (status != EM_OK)
-        return em_error_prefix(err, "growing hash map from %zu to %zu slots: ",
+        return em_error_prefix(err, "%s hash map from %zu to %zu slots: ",
+                               count > map->slot_count ? "growing" : "rehashing",
                                map->slot_count, count);
     uint64_t moved = rehash_into(map, fresh, count);
     em_allocator_free(&map->allocator, map->slots);
@@ -395,18 +407,44 @@ static uint64_t slots_find(em_hashmap *map, uint64_t key)
     }
 }
 
-static bool reserve_slot(em_hashmap *map)
+/* Used-slot reservations held by one find_or_insert call. The call takes them from
+ * used_slots up to GRANT_SIZE at a time, so that threads inserting together do not
+ * bounce that counter's cache line for every key, and returns what it did not use
+ * before it drops its shared hold. */
+typedef struct slot_grant {
+    uint64_t held;
+} slot_grant;
+
+/* Takes one reservation, refilling the grant with up to keys_left. False: no room. */
+static bool grant_take(em_hashmap *map, slot_grant *grant, size_t keys_left)
 {
-    uint64_t before = atomic_fetch_add_explicit(&map->used_slots, 1, memory_order_relaxed);
-    if (before < map->max_used)
+    if (grant->held > 0) {
+        grant->held--;
         return true;
-    atomic_fetch_sub_explicit(&map->used_slots, 1, memory_order_relaxed);
-    return false;
+    }
+    uint64_t want = keys_left < GRANT_SIZE ? keys_left : GRANT_SIZE;
+    uint64_t before = atomic_fetch_add_explicit(&map->used_slots, want, memory_order_relaxed);
+    uint64_t room = before < map->max_used ? map->max_used - before : 0;
+    if (room < want)
+        atomic_fetch_sub_explicit(&map->used_slots, want - room, memory_order_relaxed);
+    uint64_t kept = room < want ? room : want;
+    if (kept == 0)
+        return false;
+    grant->held = kept - 1;
+    return true;
 }
 
-static void unreserve_slot(em_hashmap *map)
+/* Gives back a reservation that was not used for a new key. */
+static void grant_put_back(slot_grant *grant)
 {
-    atomic_fetch_sub_explicit(&map->used_slots, 1, memory_order_relaxed);
+    grant->held++;
+}
+
+static void grant_release(em_hashmap *map, slot_grant *grant)
+{
+    if (grant->held > 0)
+        atomic_fetch_sub_explicit(&map->used_slots, grant->held, memory_order_relaxed);
+    grant->held = 0;
 }
 
 typedef enum insert_outcome { INSERT_FOUND, INSERT_DONE, INSERT_NO_ROOM } insert_outcome;
@@ -431,8 +469,9 @@ static claim_outcome claim_slot(em_hashmap *map, slot *current, uint64_t key, ui
 }
 
 /* The reservation is taken at the first EMPTY slot met and kept while probing on past
- * slots other keys claimed first; it is given back only if the key turns out present. */
-static insert_outcome slots_find_or_insert(em_hashmap *map, uint64_t key, uint64_t *value)
+ * slots other keys claimed first; it goes back if the key turns out present. */
+static insert_outcome slots_find_or_insert(em_hashmap *map, uint64_t key, uint64_t *value,
+                                           slot_grant *grant, size_t keys_left)
 {
     size_t position = home_slot(key, map->slot_count);
     bool reserved = false;
@@ -441,20 +480,20 @@ static insert_outcome slots_find_or_insert(em_hashmap *map, uint64_t key, uint64
         uint64_t seen = atomic_load_explicit(&current->key, memory_order_relaxed);
         if (seen == key) {
             if (reserved)
-                unreserve_slot(map);
+                grant_put_back(grant);
             *value = wait_published(&current->value);
             return INSERT_FOUND;
         }
         if (seen != EM_HASHMAP_EMPTY_KEY)
             continue;
-        if (!reserved && !reserve_slot(map))
+        if (!reserved && !grant_take(map, grant, keys_left))
             return INSERT_NO_ROOM;
         reserved = true;
         claim_outcome claim = claim_slot(map, current, key, value);
         if (claim == CLAIM_WON)
             return INSERT_DONE;
         if (claim == CLAIM_SAME_KEY) {
-            unreserve_slot(map);
+            grant_put_back(grant);
             return INSERT_FOUND;
         }
     }
@@ -503,10 +542,11 @@ static uint64_t find_one(em_hashmap *map, uint64_t key)
     return is_sentinel(key) ? side_find(map, key) : slots_find(map, key);
 }
 
-static insert_outcome find_or_insert_one(em_hashmap *map, uint64_t key, uint64_t *value)
+static insert_outcome find_or_insert_one(em_hashmap *map, uint64_t key, uint64_t *value,
+                                         slot_grant *grant, size_t keys_left)
 {
     if (!is_sentinel(key))
-        return slots_find_or_insert(map, key, value);
+        return slots_find_or_insert(map, key, value, grant, keys_left);
     bool inserted = false;
     *value = side_find_or_insert(map, key, &inserted);
     return inserted ? INSERT_DONE : INSERT_FOUND;
@@ -653,11 +693,13 @@ em_status em_hashmap_find_or_insert(em_hashmap *map, const uint64_t *keys, size_
 {
     em_status status = EM_OK;
     size_t count = 0;
+    slot_grant grant = {0};
     pthread_rwlock_rdlock(&map->lock);
     for (size_t i = 0; i < n;) {
         prefetch_home(map, keys, i, n, 1);
-        insert_outcome outcome = find_or_insert_one(map, keys[i], &values[i]);
+        insert_outcome outcome = find_or_insert_one(map, keys[i], &values[i], &grant, n - i);
         if (outcome == INSERT_NO_ROOM) {
+            grant_release(map, &grant);
             pthread_rwlock_unlock(&map->lock);
             status = grow(map, 1, err);
             pthread_rwlock_rdlock(&map->lock);
@@ -672,6 +714,7 @@ em_status em_hashmap_find_or_insert(em_hashmap *map, const uint64_t *keys, size_
             inserted[i] = outcome == INSERT_DONE;
         i++;
     }
+    grant_release(map, &grant);
     pthread_rwlock_unlock(&map->lock);
     if (inserted_count != NULL)
         *inserted_count = count;
