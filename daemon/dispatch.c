@@ -5,16 +5,16 @@
 #include <string.h>
 #include <time.h>
 
-typedef enum access {
+typedef enum method_access {
     ACCESS_OPEN,  /* anyone (ping, health) */
     ACCESS_DATA,  /* the data token, when one is configured */
     ACCESS_ADMIN, /* the admin listener and the admin token */
-} access;
+} method_access;
 
 typedef struct method_info {
     Ember__Method method;
     const ProtobufCMessageDescriptor *body;
-    access access;
+    method_access access;
     bool write;   /* orders as a write (see connection.h) */
     bool on_loop; /* cheap and lock-free: answered on the loop thread */
     em_status (*handler)(em_request *request, em_error *err);

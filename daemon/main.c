@@ -37,14 +37,14 @@ enum exit_code {
 
 #define DEFAULT_CONFIG_PATH "/etc/ember/emberd.json"
 
-typedef struct options {
+typedef struct daemon_options {
     const char *config_path;
     const char *listen_file;
     bool check_only;
-} options;
+} daemon_options;
 
 typedef struct daemon_state {
-    options options;
+    daemon_options options;
     em_daemon_config config;
     em_log log;
     em_backend *backend;
@@ -83,7 +83,7 @@ static void print_usage(FILE *out)
             "Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error.\n");
 }
 
-static int parse_arguments(int argc, char **argv, options *out)
+static int parse_arguments(int argc, char **argv, daemon_options *out)
 {
     static const struct option long_options[] = {
         {"config", required_argument, NULL, 'c'},
@@ -93,7 +93,7 @@ static int parse_arguments(int argc, char **argv, options *out)
         {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
     };
-    *out = (options){.config_path = DEFAULT_CONFIG_PATH};
+    *out = (daemon_options){.config_path = DEFAULT_CONFIG_PATH};
     int option;
     while ((option = getopt_long(argc, argv, "c:hV", long_options, NULL)) != -1) {
         switch (option) {
