@@ -11,7 +11,7 @@ int em_test_run(Suite *suite)
 {
     SRunner *runner = srunner_create(suite);
     srunner_set_fork_status(runner, CK_FORK);
-    srunner_run_all(runner, CK_NORMAL);
+    srunner_run_all(runner, CK_ENV); /* CK_VERBOSITY=verbose lists every test */
     int failed = srunner_ntests_failed(runner);
     srunner_free(runner);
     if (failed != 0)

@@ -10,7 +10,8 @@
 #include <check.h>
 #include <stdint.h>
 
-/* Runs suite (each test forked, CK_NORMAL output) and returns the process exit code. */
+/* Runs suite (each test forked; output as CK_VERBOSITY says, normal by default) and
+ * returns the process exit code. */
 int em_test_run(Suite *suite);
 
 /* Seed for randomised tests: EMBER_TEST_SEED when set, else a fixed default. */
