@@ -6,7 +6,7 @@
  * loop. Requests are pipelined: up to `window` requests per connection are in flight,
  * and responses are matched by correlation id in whatever order they come.
  *
- * With several servers, keys are spread by jump consistent hash of the DESIGN.md key
+ * With several servers, keys are spread by jump consistent hash of the key
  * mixer (em_key_server): a pull or push is split into one sub-request per server
  * holding only that server's keys, sent together, and reassembled so the caller sees
  * one result. The split keeps results bit-identical to a single server holding every

@@ -44,7 +44,7 @@ em_status em_csr_validate(const em_csr *csr, em_error *err);
 uint64_t em_csr_output_vectors(const em_csr *csr, em_combiner combiner);
 
 /* What a row's summed vectors (pull) or a row's gradient (push) are divided by, as
- * DESIGN.md section 3 writes it: NONE and SUM 1, MEAN len, SQRTN sqrt(len) (binary32).
+ * README.md ("Semantics") writes it: NONE and SUM 1, MEAN len, SQRTN sqrt(len) (binary32).
  * An empty row has no keys, so its divisor is never used; it is 1. */
 float em_combiner_divisor(em_combiner combiner, uint32_t row_length);
 

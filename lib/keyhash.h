@@ -44,7 +44,7 @@ EM_HOST_DEVICE uint64_t em_mix64(uint64_t x)
     return x;
 }
 
-/* h(key): the routing hash of DESIGN.md section 4. */
+/* h(key): the routing hash (README.md, "Semantics"). */
 EM_HOST_DEVICE uint64_t em_key_hash(uint64_t key)
 {
     return em_mix64(key);

@@ -1,5 +1,5 @@
 /*
- * DESIGN: the optimizers, applied in place per unique key (DESIGN.md section 4).
+ * DESIGN: the optimizers, applied in place per unique key (README.md, "Semantics").
  *
  * A row is its weights w[0..dim) followed by its optimizer state:
  *

@@ -1,7 +1,7 @@
 /*
  * DESIGN: one table of status codes for the whole project.
  *
- * The codes are gRPC's numbering (DESIGN.md section 3) and travel on the wire as they
+ * The codes are gRPC's numbering and travel on the wire as they
  * are, so the engine, the daemon and the clients share a single X-macro table: the
  * enum, the names ("INVALID_ARGUMENT") and the generic messages are all generated from
  * EM_STATUS_MAP below.  Functions return an em_status; when they can fail they also

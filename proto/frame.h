@@ -1,5 +1,5 @@
 /*
- * DESIGN: the frame layer of the wire protocol (DESIGN.md section 3), shared by the
+ * DESIGN: the frame layer of the wire protocol (README.md, "Wire protocol"), shared by the
  * daemon and the clients.
  *
  *   offset  size  field

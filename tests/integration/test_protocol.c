@@ -1,6 +1,6 @@
 /*
  * A real emberd on loopback, spoken to with raw frames: the wire contract of
- * DESIGN.md section 3, every kind of bad input, and what the daemon does after it.
+ * README.md "Wire protocol", every kind of bad input, and what the daemon does after it.
  */
 #include <math.h>
 #include <signal.h>

@@ -1,5 +1,5 @@
 /*
- * A float64 model of a table, written from DESIGN.md sections 3 and 4 without any of
+ * A float64 model of a table, written from README.md ("Wire protocol", "Semantics") without any of
  * the engine's code: pull (gather and pooling), push (duplicate sums, per-row gradient
  * spreading, optimizers). Tests compare the engine against it to 1e-5 relative.
  * Initial values come from em_initializer_value (the documented pure function), as
