@@ -97,14 +97,33 @@ EM_HOST_DEVICE float em_adam_next_step(float step)
     return step < EM_ADAM_MAX_STEP ? step + 1.0f : step;
 }
 
-EM_HOST_DEVICE void em_adam_element(float *w, float *m, float *v, float g,
-                                    const em_optimizer_config *config, em_adam_row row)
+/* Hyperparameters as values (not through the config) so element loops can be
+ * vectorised: nothing they write can alias them. */
+typedef struct em_adam_constants {
+    float beta1, beta2, learning_rate, eps;
+    float correction1, correction2; /* 1 - b1^t, 1 - b2^t for the row's step */
+} em_adam_constants;
+
+EM_HOST_DEVICE em_adam_constants em_adam_row_setup(const em_optimizer_config *config, float step)
 {
-    *m = config->beta1 * *m + (1.0f - config->beta1) * g;
-    *v = config->beta2 * *v + (1.0f - config->beta2) * g * g;
-    float m_hat = *m / row.correction1;
-    float v_hat = *v / row.correction2;
-    *w -= config->learning_rate * m_hat / (sqrtf(v_hat) + config->eps);
+    em_adam_row row = em_adam_row_constants(config->beta1, config->beta2, step);
+    em_adam_constants constants;
+    constants.beta1 = config->beta1;
+    constants.beta2 = config->beta2;
+    constants.learning_rate = config->learning_rate;
+    constants.eps = config->eps;
+    constants.correction1 = row.correction1;
+    constants.correction2 = row.correction2;
+    return constants;
+}
+
+EM_HOST_DEVICE void em_adam_element(float *w, float *m, float *v, float g, em_adam_constants c)
+{
+    *m = c.beta1 * *m + (1.0f - c.beta1) * g;
+    *v = c.beta2 * *v + (1.0f - c.beta2) * g * g;
+    float m_hat = *m / c.correction1;
+    float v_hat = *v / c.correction2;
+    *w -= c.learning_rate * m_hat / (sqrtf(v_hat) + c.eps);
 }
 
 #ifndef __CUDACC__
