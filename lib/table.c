@@ -42,6 +42,7 @@ struct em_table {
     em_shard **shards;
     uint32_t *shard_device; /* device index of each shard */
     pthread_rwlock_t lock;
+    pthread_rwlock_t *shard_locks; /* readers gather or export, writers apply or write */
     uint64_t rows; /* written under the exclusive lock */
     _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
 };
@@ -425,11 +426,16 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
             const uint64_t *rows = seg->rows + offset;
             em_status status = EM_OK;
             if (work == WORK_GATHER)
+                pthread_rwlock_rdlock(&table->shard_locks[s]);
+            else
+                pthread_rwlock_wrlock(&table->shard_locks[s]);
+            if (work == WORK_GATHER)
                 status = ops->shard_gather(table->shards[s], rows, n, payload, err);
             else if (work == WORK_APPLY)
                 status = ops->shard_apply(table->shards[s], rows, n, payload, err);
             else
                 status = ops->shard_write_rows(table->shards[s], rows, n, payload, err);
+            pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK)
                 return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         }
@@ -632,8 +638,11 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
     return status;
 }
 
+/* One attempt at a push under the lock the caller holds; as pull_locked, it stops
+ * before changing anything when it would create keys without may_create. */
 static em_status push_locked(em_table *table, const em_push_request *request,
-                             em_push_result *result, em_error *err)
+                             em_push_result *result, bool may_create, bool *needs_create,
+                             em_error *err)
 {
     request_context r;
     em_status status = request_begin(table, &r, err);
@@ -641,6 +650,11 @@ static em_status push_locked(em_table *table, const em_push_request *request,
         status = stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
         status = plan_and_find(&r, request->batch.keys, request->batch.nnz, err);
+    if (status == EM_OK && r.missing > 0 && !may_create) {
+        *needs_create = true;
+        request_end(&r);
+        return EM_OK;
+    }
     if (status == EM_OK)
         status = sum_and_send_gradients(&r, request, err);
     uint64_t missing = r.missing;
@@ -682,9 +696,17 @@ em_status em_table_push(em_table *table, const em_push_request *request, em_push
     em_status status = check_push(table, request, err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s': ", table->config.name);
-    pthread_rwlock_wrlock(&table->lock);
-    status = push_locked(table, request, result, err);
+    /* Pushes of existing keys share the table (each shard's rows are updated under that
+     * shard's lock); creating keys needs it alone, for the capacity check. */
+    bool needs_create = false;
+    pthread_rwlock_rdlock(&table->lock);
+    status = push_locked(table, request, result, false, &needs_create, err);
     pthread_rwlock_unlock(&table->lock);
+    if (status == EM_OK && needs_create) {
+        pthread_rwlock_wrlock(&table->lock);
+        status = push_locked(table, request, result, true, &needs_create, err);
+        pthread_rwlock_unlock(&table->lock);
+    }
     if (status != EM_OK)
         return status;
     atomic_fetch_add_explicit(&table->pushes, 1, memory_order_relaxed);
@@ -871,8 +893,10 @@ em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max
     pthread_rwlock_rdlock(&table->lock);
     while (status == EM_OK && *count == 0 && cursor->shard < table->shard_count && max > 0) {
         em_shard *shard = table->shards[cursor->shard];
+        pthread_rwlock_rdlock(&table->shard_locks[cursor->shard]);
         status = shard->device->ops->shard_export(shard, &cursor->position, keys, values, max,
                                                   count, err);
+        pthread_rwlock_unlock(&table->shard_locks[cursor->shard]);
         if (status == EM_OK && *count == 0) {
             cursor->shard++;
             cursor->position = 0;
@@ -891,9 +915,12 @@ static em_status create_shards(em_table *table, em_error *err)
 {
     table->shards = calloc(table->shard_count, sizeof(*table->shards));
     table->shard_device = calloc(table->shard_count, sizeof(*table->shard_device));
-    if (table->shards == NULL || table->shard_device == NULL)
+    table->shard_locks = calloc(table->shard_count, sizeof(*table->shard_locks));
+    if (table->shards == NULL || table->shard_device == NULL || table->shard_locks == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
                             table->config.name);
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        pthread_rwlock_init(&table->shard_locks[s], NULL);
     for (uint32_t s = 0; s < table->shard_count; s++) {
         uint32_t d = em_backend_shard_device(table->backend, s, table->shard_count);
         em_device *device = table->backend->devices[d];
@@ -953,6 +980,9 @@ void em_table_destroy(em_table *table)
     for (uint32_t s = 0; table->shards != NULL && s < table->shard_count; s++)
         if (table->shards[s] != NULL)
             table->shards[s]->device->ops->shard_destroy(table->shards[s]);
+    for (uint32_t s = 0; table->shard_locks != NULL && s < table->shard_count; s++)
+        pthread_rwlock_destroy(&table->shard_locks[s]);
+    free(table->shard_locks);
     free(table->shards);
     free(table->shard_device);
     pthread_rwlock_destroy(&table->lock);

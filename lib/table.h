@@ -12,10 +12,13 @@
  * Every failure happens before the first row is created or updated, so a request that
  * cannot be applied whole applies nothing.
  *
- * Concurrency: a table-wide read-write lock. Pulls that find every key (or that do not
- * create) hold it shared and run concurrently; pulls that must create keys retry under
- * the exclusive lock, and pushes and imports take it exclusively. So a pull never sees
- * a half-applied push, and requests from one caller apply in the order they are made.
+ * Concurrency: a table-wide read-write lock and one read-write lock per shard. Requests
+ * that find every key they touch (or that do not create) hold the table lock shared
+ * and run concurrently: gathers read a shard under its read lock, optimizer steps
+ * update it under its write lock, so a pull never sees a row half-updated and a shard
+ * applies pushes one at a time. A pull or push that must create keys retries under the
+ * exclusive table lock (creation needs the capacity check to see the whole table), as
+ * do imports. Requests from one caller apply in the order they are made.
  */
 #ifndef EMBER_LIB_TABLE_H
 #define EMBER_LIB_TABLE_H

@@ -699,7 +699,7 @@ static void *torn_pusher(void *argument)
     torn_context *context = argument;
     uint32_t offsets[TORN_KEYS + 1];
     uint64_t keys[TORN_KEYS];
-    static float g[TORN_KEYS * TORN_DIM];
+    float *g = malloc(TORN_KEYS * TORN_DIM * sizeof(float));
     for (int i = 0; i <= TORN_KEYS; i++)
         offsets[i] = (uint32_t)i;
     for (int i = 0; i < TORN_KEYS; i++)
@@ -711,6 +711,7 @@ static void *torn_pusher(void *argument)
     for (int n = 0; n < context->iterations; n++)
         if (push(context->table, &csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
             context->torn = -1;
+    free(g);
     return NULL;
 }
 
