@@ -52,7 +52,13 @@ static cpu_shard *cpu_shard_of(em_shard *shard)
     return (cpu_shard *)shard;
 }
 
-/* ---- memory ------------------------------------------------------------------------ */
+/* The CPU device's lane: the calling thread does the work, so one stateless lane
+ * serves every request at once. */
+typedef struct cpu_device_state {
+    em_lane lane;
+} cpu_device_state;
+
+/* ---- memory and lanes ---------------------------------------------------------------- */
 
 static em_pool_region_provider cpu_region_provider(em_device *device)
 {
@@ -60,19 +66,31 @@ static em_pool_region_provider cpu_region_provider(em_device *device)
     return em_pool_host_provider();
 }
 
-static em_status cpu_copy(em_device *device, void *destination, const void *source,
-                          size_t bytes, em_error *err)
+static em_status cpu_lane_acquire(em_device *device, em_lane **out, em_error *err)
 {
-    (void)device;
+    (void)err;
+    *out = &((cpu_device_state *)device->impl)->lane;
+    return EM_OK;
+}
+
+static void cpu_lane_release(em_lane *lane)
+{
+    (void)lane;
+}
+
+static em_status cpu_copy(em_lane *lane, void *destination, const void *source, size_t bytes,
+                          em_error *err)
+{
+    (void)lane;
     (void)err;
     if (bytes != 0 && destination != source)
         memcpy(destination, source, bytes);
     return EM_OK;
 }
 
-static em_status cpu_synchronize(em_device *device, em_error *err)
+static em_status cpu_synchronize(em_lane *lane, em_error *err)
 {
-    (void)device;
+    (void)lane;
     (void)err;
     return EM_OK;
 }
@@ -87,10 +105,11 @@ static uint64_t power_of_two_at_least(uint64_t n)
     return power;
 }
 
-static em_status cpu_unique_keys(em_device *device, const uint64_t *keys, uint64_t n,
+static em_status cpu_unique_keys(em_lane *lane, const uint64_t *keys, uint64_t n,
                                  uint64_t *unique, uint32_t *inverse, uint64_t *unique_count,
                                  em_error *err)
 {
+    em_device *device = lane->device;
     uint64_t slots = power_of_two_at_least(2 * n);
     uint32_t *index = NULL; /* slot -> unique position + 1, 0 when empty */
     em_status status = em_device_alloc(device, slots * sizeof(*index), "unique index",
@@ -116,10 +135,11 @@ static em_status cpu_unique_keys(em_device *device, const uint64_t *keys, uint64
     return EM_OK;
 }
 
-static em_status cpu_partition_keys(em_device *device, const uint64_t *unique, uint64_t n,
+static em_status cpu_partition_keys(em_lane *lane, const uint64_t *unique, uint64_t n,
                                     uint32_t shard_count, uint64_t *partitioned,
                                     uint32_t *position, uint64_t *shard_counts, em_error *err)
 {
+    em_device *device = lane->device;
     uint32_t *owner = NULL;
     em_status status = em_device_alloc(device, n * sizeof(*owner), "partition owners",
                                        (void **)&owner, err);
@@ -175,11 +195,11 @@ static const float *const_vector_at(const float *base, uint64_t index, uint32_t 
     return base + index * dim;
 }
 
-static em_status cpu_sum_gradients(em_device *device, const em_device_batch *batch,
+static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
                                    em_combiner combiner, uint32_t dim, const float *gradients,
                                    float *partitioned_gradients, em_error *err)
 {
-    (void)device;
+    (void)lane;
     (void)err;
     uint64_t total = batch->unique_count * dim;
     for (uint64_t i = 0; i < total; i++)
@@ -213,11 +233,11 @@ static void combine_row(const em_device_batch *batch, uint32_t row, em_combiner 
             out[j] /= divisor;
 }
 
-static em_status cpu_combine(em_device *device, const em_device_batch *batch,
+static em_status cpu_combine(em_lane *lane, const em_device_batch *batch,
                              em_combiner combiner, uint32_t dim, const float *vectors, float *out,
                              em_error *err)
 {
-    (void)device;
+    (void)lane;
     (void)err;
     if (combiner == EM_COMBINER_NONE) {
         for (uint64_t k = 0; k < batch->nnz; k++)
@@ -344,16 +364,19 @@ static void cpu_shard_destroy(em_shard *base)
     free(shard);
 }
 
-static em_status cpu_shard_find(em_shard *base, const uint64_t *keys, uint64_t n, uint64_t *rows,
-                                uint64_t *missing, em_error *err)
+static em_status cpu_shard_find(em_shard *base, em_lane *lane, const uint64_t *keys, uint64_t n,
+                                uint64_t *rows, uint64_t *missing, em_error *err)
 {
+    (void)lane;
     (void)err;
     *missing = em_hashmap_find(cpu_shard_of(base)->map, keys, n, rows);
     return EM_OK;
 }
 
-static em_status cpu_shard_reserve(em_shard *base, uint64_t new_keys, em_error *err)
+static em_status cpu_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
+                                   em_error *err)
 {
+    (void)lane;
     cpu_shard *shard = cpu_shard_of(base);
     em_status status = em_hashmap_reserve(shard->map, new_keys, err);
     if (status != EM_OK)
@@ -372,9 +395,10 @@ static uint64_t collect_missing(const uint64_t *keys, const uint64_t *rows, uint
     return count;
 }
 
-static em_status cpu_shard_insert_missing(em_shard *base, const uint64_t *keys, uint64_t n,
-                                          uint64_t *rows, em_error *err)
+static em_status cpu_shard_insert_missing(em_shard *base, em_lane *lane, const uint64_t *keys,
+                                          uint64_t n, uint64_t *rows, em_error *err)
 {
+    (void)lane;
     cpu_shard *shard = cpu_shard_of(base);
     uint64_t *missing_keys = NULL, *new_rows = NULL;
     uint8_t *inserted = NULL;
@@ -405,9 +429,10 @@ static em_status cpu_shard_insert_missing(em_shard *base, const uint64_t *keys, 
     return status;
 }
 
-static em_status cpu_shard_gather(em_shard *base, const uint64_t *rows, uint64_t n,
-                                  float *vectors, em_error *err)
+static em_status cpu_shard_gather(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                  uint64_t n, float *vectors, em_error *err)
 {
+    (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     size_t vector_bytes = shard->dim * sizeof(float);
@@ -421,9 +446,10 @@ static em_status cpu_shard_gather(em_shard *base, const uint64_t *rows, uint64_t
     return EM_OK;
 }
 
-static em_status cpu_shard_apply(em_shard *base, const uint64_t *rows, uint64_t n,
-                                 const float *gradients, em_error *err)
+static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                 uint64_t n, const float *gradients, em_error *err)
 {
+    (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     for (uint64_t i = 0; i < n; i++) {
@@ -434,9 +460,11 @@ static em_status cpu_shard_apply(em_shard *base, const uint64_t *rows, uint64_t 
     return EM_OK;
 }
 
-static em_status cpu_shard_export(em_shard *base, uint64_t *cursor, uint64_t *keys,
-                                  float *values, uint64_t max, uint64_t *count, em_error *err)
+static em_status cpu_shard_export(em_shard *base, em_lane *lane, uint64_t *cursor,
+                                  uint64_t *keys, float *values, uint64_t max, uint64_t *count,
+                                  em_error *err)
 {
+    (void)lane;
     cpu_shard *shard = cpu_shard_of(base);
     uint64_t *rows = NULL;
     em_status status = em_device_alloc(base->device, max * sizeof(*rows), "export rows",
@@ -452,9 +480,10 @@ static em_status cpu_shard_export(em_shard *base, uint64_t *cursor, uint64_t *ke
     return EM_OK;
 }
 
-static em_status cpu_shard_write_rows(em_shard *base, const uint64_t *rows, uint64_t n,
-                                      const float *values, em_error *err)
+static em_status cpu_shard_write_rows(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                      uint64_t n, const float *values, em_error *err)
 {
+    (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     for (uint64_t i = 0; i < n; i++)
@@ -479,11 +508,14 @@ static void cpu_shard_stats(em_shard *base, em_shard_stats *out)
 static void cpu_device_destroy(em_device *device)
 {
     em_pool_destroy(device->pool);
+    free(device->impl);
     free(device);
 }
 
 static const em_device_ops cpu_device_ops = {
     .region_provider = cpu_region_provider,
+    .lane_acquire = cpu_lane_acquire,
+    .lane_release = cpu_lane_release,
     .copy_to_device = cpu_copy,
     .copy_to_host = cpu_copy,
     .synchronize = cpu_synchronize,
@@ -508,8 +540,14 @@ em_status em_cpu_device_create(uint32_t index, const em_cpu_backend_options *opt
                                em_device **out, em_error *err)
 {
     em_device *device = calloc(1, sizeof(*device));
-    if (device == NULL)
+    cpu_device_state *state = calloc(1, sizeof(*state));
+    if (device == NULL || state == NULL) {
+        free(device);
+        free(state);
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "cpu device %u: out of memory", index);
+    }
+    state->lane.device = device;
+    device->impl = state;
     device->ops = &cpu_device_ops;
     snprintf(device->name, sizeof(device->name), "cpu%u", index);
     device->kind = "cpu";
@@ -524,6 +562,7 @@ em_status em_cpu_device_create(uint32_t index, const em_cpu_backend_options *opt
     };
     em_status status = em_pool_create(&pool_options, &device->pool, err);
     if (status != EM_OK) {
+        free(state);
         free(device);
         return em_error_prefix(err, "cpu device %u: ", index);
     }

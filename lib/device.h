@@ -21,11 +21,15 @@
  * Values computed on a device never depend on the number of shards or devices: sums
  * happen at home in a fixed order, so results are identical with 1 or N shards.
  *
- * Operations that return a count (unique, partition, find) deliver it to host memory
- * (they synchronise); all others may run asynchronously in the device's order and are
- * complete once `synchronize` returns. Every operation of one device is called by one
- * thread at a time for a given shard (tables serialise writers; readers only call
- * find and gather, which must be safe concurrently).
+ * Every operation runs on a lane: a device's execution context held by one request at
+ * a time (for a GPU, a stream with its own pinned staging buffers; for the CPU, the
+ * calling thread). A request takes a lane on every device before it starts, in device
+ * order, so requests on different lanes overlap (one's copies with another's kernels)
+ * and lane acquisition cannot deadlock. Operations on one lane complete in the order
+ * they were issued; those that return a count (unique, partition, find) deliver it to
+ * host memory and so wait for the lane; the others may run asynchronously and are
+ * complete once `synchronize` returns. Tables order the operations of different lanes
+ * on one shard with their locks (see lib/table.h).
  */
 #ifndef EMBER_LIB_DEVICE_H
 #define EMBER_LIB_DEVICE_H
@@ -50,6 +54,12 @@ typedef struct em_device em_device;
 typedef struct em_shard {
     em_device *device;
 } em_shard;
+
+/* An execution context of a device, held by one request at a time. Backends embed this
+ * as the first member of their own lane struct. */
+typedef struct em_lane {
+    em_device *device;
+} em_lane;
 
 /* What a shard stores: used to create it. */
 typedef struct em_shard_spec {
@@ -79,42 +89,44 @@ typedef struct em_device_batch {
 } em_device_batch;
 
 typedef struct em_device_ops {
-    /* -- memory ------------------------------------------------------------------- */
+    /* -- memory and lanes ---------------------------------------------------------- */
     /* Region provider for the device's pool (cudaMalloc, or host memory). */
     em_pool_region_provider (*region_provider)(em_device *device);
+    /* Takes a lane, waiting while all are held. Thread-safe. */
+    em_status (*lane_acquire)(em_device *device, em_lane **out, em_error *err);
+    void (*lane_release)(em_lane *lane);
     /* Host <-> device copies of bytes (device pointers from the pool). The host buffer
      * of copy_to_device may be reused as soon as the call returns; copy_to_host has
      * filled its host buffer when it returns. */
-    em_status (*copy_to_device)(em_device *device, void *destination, const void *host_source,
+    em_status (*copy_to_device)(em_lane *lane, void *destination, const void *host_source,
                                 size_t bytes, em_error *err);
-    em_status (*copy_to_host)(em_device *device, void *host_destination, const void *source,
+    em_status (*copy_to_host)(em_lane *lane, void *host_destination, const void *source,
                               size_t bytes, em_error *err);
-    /* Waits until every operation issued to the device so far has completed. */
-    em_status (*synchronize)(em_device *device, em_error *err);
+    /* Waits until every operation issued on the lane so far has completed. */
+    em_status (*synchronize)(em_lane *lane, em_error *err);
 
     /* -- home-side request operations -------------------------------------------- */
     /* unique[0..*unique_count) = distinct keys in order of first appearance;
      * inverse[i] = index in unique of keys[i]. unique and inverse hold n entries. */
-    em_status (*unique_keys)(em_device *device, const uint64_t *keys, uint64_t n,
-                             uint64_t *unique, uint32_t *inverse, uint64_t *unique_count,
-                             em_error *err);
+    em_status (*unique_keys)(em_lane *lane, const uint64_t *keys, uint64_t n, uint64_t *unique,
+                             uint32_t *inverse, uint64_t *unique_count, em_error *err);
     /* Stable partition of unique[0..n) by owner shard (em_key_shard): partitioned keys
      * grouped by shard 0, 1, ...; position[u] = index of unique[u] in partitioned;
      * shard_counts (host memory, shard_count entries) = keys per shard. */
-    em_status (*partition_keys)(em_device *device, const uint64_t *unique, uint64_t n,
+    em_status (*partition_keys)(em_lane *lane, const uint64_t *unique, uint64_t n,
                                 uint32_t shard_count, uint64_t *partitioned, uint32_t *position,
                                 uint64_t *shard_counts, em_error *err);
     /* Push: partitioned_gradients[position[u]] = sum, starting from -0.0 (the identity
      * of IEEE addition, so a key's only gradient is copied bit for bit), over the
-     * batch's keys k with
-     * inverse[k] = u, in order of k, of the key's gradient (NONE: gradients[k];
-     * otherwise gradients[row(k)] / em_combiner_divisor(row length)). dim floats each. */
-    em_status (*sum_gradients)(em_device *device, const em_device_batch *batch,
-                               em_combiner combiner, uint32_t dim, const float *gradients,
-                               float *partitioned_gradients, em_error *err);
+     * batch's keys k with inverse[k] = u, in order of k, of the key's gradient (NONE:
+     * gradients[k]; otherwise gradients[row(k)] / em_combiner_divisor(row length)).
+     * dim floats each. */
+    em_status (*sum_gradients)(em_lane *lane, const em_device_batch *batch, em_combiner combiner,
+                               uint32_t dim, const float *gradients, float *partitioned_gradients,
+                               em_error *err);
     /* Pull: out = per key vectors[position[inverse[k]]] in batch order (NONE) or, per
      * row, their sum (in key order) / em_combiner_divisor(row length); empty rows 0. */
-    em_status (*combine)(em_device *device, const em_device_batch *batch, em_combiner combiner,
+    em_status (*combine)(em_lane *lane, const em_device_batch *batch, em_combiner combiner,
                          uint32_t dim, const float *partitioned_vectors, float *out,
                          em_error *err);
 
@@ -124,29 +136,29 @@ typedef struct em_device_ops {
     void (*shard_destroy)(em_shard *shard);
     /* rows[i] = row of keys[i] or EM_ROW_NONE; *missing (host) = how many were absent.
      * Safe concurrently with other finds and gathers on the shard. */
-    em_status (*shard_find)(em_shard *shard, const uint64_t *keys, uint64_t n, uint64_t *rows,
-                            uint64_t *missing, em_error *err);
+    em_status (*shard_find)(em_shard *shard, em_lane *lane, const uint64_t *keys, uint64_t n,
+                            uint64_t *rows, uint64_t *missing, em_error *err);
     /* Makes room (index and storage) for new_keys more keys, so that insert_missing of
      * that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the pool state. */
-    em_status (*shard_reserve)(em_shard *shard, uint64_t new_keys, em_error *err);
+    em_status (*shard_reserve)(em_shard *shard, em_lane *lane, uint64_t new_keys, em_error *err);
     /* Inserts the keys whose rows[i] is EM_ROW_NONE with their initial values and
      * optimizer state, storing their new rows in rows[i]. Keys are distinct. */
-    em_status (*shard_insert_missing)(em_shard *shard, const uint64_t *keys, uint64_t n,
-                                      uint64_t *rows, em_error *err);
+    em_status (*shard_insert_missing)(em_shard *shard, em_lane *lane, const uint64_t *keys,
+                                      uint64_t n, uint64_t *rows, em_error *err);
     /* vectors[i] = weights of rows[i] (zeros for EM_ROW_NONE), dim floats each. */
-    em_status (*shard_gather)(em_shard *shard, const uint64_t *rows, uint64_t n, float *vectors,
-                              em_error *err);
+    em_status (*shard_gather)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
+                              float *vectors, em_error *err);
     /* One optimizer step per row with gradients[i] (dim floats each). Rows distinct. */
-    em_status (*shard_apply)(em_shard *shard, const uint64_t *rows, uint64_t n,
+    em_status (*shard_apply)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                              const float *gradients, em_error *err);
     /* Copies up to max rows (key, weights and optimizer state: dim + state floats each)
      * into host memory from *cursor on (0 to start); *count 0 means done. */
-    em_status (*shard_export)(em_shard *shard, uint64_t *cursor, uint64_t *keys, float *values,
-                              uint64_t max, uint64_t *count, em_error *err);
+    em_status (*shard_export)(em_shard *shard, em_lane *lane, uint64_t *cursor, uint64_t *keys,
+                              float *values, uint64_t max, uint64_t *count, em_error *err);
     /* Overwrites rows[i] (existing rows) with values[i] (device memory, dim + state floats
      * each). */
-    em_status (*shard_write_rows)(em_shard *shard, const uint64_t *rows, uint64_t n,
-                                  const float *values, em_error *err);
+    em_status (*shard_write_rows)(em_shard *shard, em_lane *lane, const uint64_t *rows,
+                                  uint64_t n, const float *values, em_error *err);
     void (*shard_stats)(em_shard *shard, em_shard_stats *out);
 
     /* -- lifecycle ----------------------------------------------------------------- */

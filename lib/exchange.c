@@ -30,25 +30,28 @@ static em_status staged_copy(host_staged *state, const em_transfer *t, em_error 
     pthread_mutex_lock(&state->lock);
     em_status status = ensure_staging(state, t->bytes, err);
     if (status == EM_OK)
-        status = t->from->ops->copy_to_host(t->from, state->staging, t->source, t->bytes, err);
+        status = t->from->device->ops->copy_to_host(t->from, state->staging, t->source, t->bytes,
+                                                    err);
     if (status == EM_OK)
-        status = t->to->ops->copy_to_device(t->to, t->destination, state->staging, t->bytes, err);
+        status = t->to->device->ops->copy_to_device(t->to, t->destination, state->staging,
+                                                    t->bytes, err);
     pthread_mutex_unlock(&state->lock);
     return status;
 }
 
 static em_status run_transfer(host_staged *state, const em_transfer *t, em_error *err)
 {
-    if (t->bytes == 0 || (t->from == t->to && t->source == t->destination))
+    em_device *from = t->from->device, *to = t->to->device;
+    if (t->bytes == 0 || (from == to && t->source == t->destination))
         return EM_OK;
-    if (t->from->host_addressable && t->to->host_addressable) {
+    if (from->host_addressable && to->host_addressable) {
         memcpy(t->destination, t->source, t->bytes);
         return EM_OK;
     }
-    if (t->from->host_addressable)
-        return t->to->ops->copy_to_device(t->to, t->destination, t->source, t->bytes, err);
-    if (t->to->host_addressable)
-        return t->from->ops->copy_to_host(t->from, t->destination, t->source, t->bytes, err);
+    if (from->host_addressable)
+        return to->ops->copy_to_device(t->to, t->destination, t->source, t->bytes, err);
+    if (to->host_addressable)
+        return from->ops->copy_to_host(t->from, t->destination, t->source, t->bytes, err);
     return staged_copy(state, t, err);
 }
 
@@ -59,8 +62,8 @@ static em_status host_staged_run(em_exchange *exchange, const em_transfer *trans
     for (size_t i = 0; i < count; i++) {
         em_status status = run_transfer(state, &transfers[i], err);
         if (status != EM_OK)
-            return em_error_prefix(err, "exchange %s -> %s: ", transfers[i].from->name,
-                                   transfers[i].to->name);
+            return em_error_prefix(err, "exchange %s -> %s: ", transfers[i].from->device->name,
+                                   transfers[i].to->device->name);
     }
     return EM_OK;
 }

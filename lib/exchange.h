@@ -19,10 +19,10 @@
 #include "lib/status.h"
 
 typedef struct em_transfer {
-    em_device *from;
-    const void *source; /* in from's memory */
-    em_device *to;
-    void *destination; /* in to's memory */
+    em_lane *from;      /* the request's lane on the sending device */
+    const void *source; /* in that device's memory */
+    em_lane *to;        /* the request's lane on the receiving device */
+    void *destination;  /* in that device's memory */
     size_t bytes;
 } em_transfer;
 

@@ -55,6 +55,7 @@ typedef struct scratch_item {
 /* The slice of a request that one device handles. */
 typedef struct segment {
     em_device *device;
+    em_lane *lane;
     uint32_t first_shard, end_shard;
     uint64_t begin, count; /* range in the partitioned order */
     bool remote;           /* device is not the home device */
@@ -66,6 +67,8 @@ typedef struct segment {
 typedef struct request_context {
     em_table *table;
     em_device *home;
+    em_lane *home_lane;
+    em_lane **lanes;           /* the request's lane on every device, by device index */
     scratch_item *scratch;
     uint32_t scratch_count, scratch_capacity;
     em_device_batch batch;     /* offsets, inverse, position, counts at home */
@@ -92,6 +95,23 @@ static em_status request_alloc(request_context *r, em_device *device, size_t byt
     return EM_OK;
 }
 
+/* Takes a lane on every device, in device order (so two requests never wait on each
+ * other's lanes crosswise). */
+static em_status acquire_lanes(request_context *r, em_error *err)
+{
+    em_backend *backend = r->table->backend;
+    for (uint32_t d = 0; d < backend->device_count; d++) {
+        em_device *device = backend->devices[d];
+        em_status status = device->ops->lane_acquire(device, &r->lanes[d], err);
+        if (status != EM_OK)
+            return em_error_prefix(err, "table '%s': lane on %s: ", r->table->config.name,
+                                   device->name);
+        if (device == r->home)
+            r->home_lane = r->lanes[d];
+    }
+    return EM_OK;
+}
+
 static em_status request_begin(em_table *table, request_context *r, em_error *err)
 {
     memset(r, 0, sizeof(*r));
@@ -103,15 +123,30 @@ static em_status request_begin(em_table *table, request_context *r, em_error *er
     r->shard_start = calloc(table->shard_count + 1, sizeof(*r->shard_start));
     r->shard_missing = calloc(table->shard_count, sizeof(*r->shard_missing));
     r->segments = calloc(devices, sizeof(*r->segments));
+    r->lanes = calloc(devices, sizeof(*r->lanes));
     if (r->scratch == NULL || r->shard_start == NULL || r->shard_missing == NULL ||
-        r->segments == NULL)
+        r->segments == NULL || r->lanes == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': request bookkeeping: "
                             "out of host memory", table->config.name);
-    return EM_OK;
+    return acquire_lanes(r, err);
+}
+
+static void release_lanes(request_context *r)
+{
+    em_backend *backend = r->table->backend;
+    for (uint32_t d = 0; r->lanes != NULL && d < backend->device_count; d++) {
+        if (r->lanes[d] == NULL)
+            continue;
+        /* Scratch is freed next: nothing may still be reading or writing it. */
+        r->lanes[d]->device->ops->synchronize(r->lanes[d], NULL);
+        r->lanes[d]->device->ops->lane_release(r->lanes[d]);
+    }
+    free(r->lanes);
 }
 
 static void request_end(request_context *r)
 {
+    release_lanes(r);
     for (uint32_t i = r->scratch_count; i > 0; i--)
         em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
     free(r->scratch);
@@ -132,7 +167,7 @@ static em_status stage_input(request_context *r, const void *host, size_t bytes,
     void *staged = NULL;
     em_status status = request_alloc(r, r->home, bytes, what, &staged, err);
     if (status == EM_OK)
-        status = r->home->ops->copy_to_device(r->home, staged, host, bytes, err);
+        status = r->home->ops->copy_to_device(r->home_lane, staged, host, bytes, err);
     *out = staged;
     return status;
 }
@@ -153,7 +188,7 @@ static em_status dedupe_keys(request_context *r, const uint64_t *host_keys, uint
         status = request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
                                (void **)&inverse, err);
     if (status == EM_OK)
-        status = home->ops->unique_keys(home, r->keys, nnz, *unique, inverse,
+        status = home->ops->unique_keys(r->home_lane, r->keys, nnz, *unique, inverse,
                                         &r->batch.unique_count, err);
     r->batch.inverse = inverse;
     r->batch.nnz = nnz;
@@ -171,7 +206,7 @@ static em_status partition_keys(request_context *r, const uint64_t *unique, em_e
         status = request_alloc(r, home, count * sizeof(uint32_t), "key positions",
                                (void **)&position, err);
     if (status == EM_OK)
-        status = home->ops->partition_keys(home, unique, count, r->table->shard_count,
+        status = home->ops->partition_keys(r->home_lane, unique, count, r->table->shard_count,
                                            r->partitioned, position, r->shard_start + 1, err);
     r->batch.position = position;
     if (status != EM_OK)
@@ -190,6 +225,7 @@ static void plan_segments(request_context *r)
     for (uint32_t d = 0; d < backend->device_count; d++) {
         segment *seg = &r->segments[d];
         seg->device = backend->devices[d];
+        seg->lane = r->lanes[d];
         seg->remote = seg->device != r->home;
         seg->first_shard = shard;
         while (shard < table->shard_count && table->shard_device[shard] == d)
@@ -224,7 +260,7 @@ static em_status scatter_to_segments(request_context *r, const void *home_array,
         status = request_alloc(r, seg->device, bytes, what, pointer_of(seg), err);
         if (status != EM_OK)
             break;
-        transfers[transfer_count++] = (em_transfer){r->home, source, seg->device,
+        transfers[transfer_count++] = (em_transfer){r->home_lane, source, seg->lane,
                                                     *pointer_of(seg), bytes};
     }
     if (status == EM_OK && transfer_count > 0)
@@ -247,7 +283,7 @@ static em_status gather_from_segments(request_context *r, void *home_array,
         if (!seg->remote || seg->count == 0)
             continue;
         transfers[transfer_count++] =
-            (em_transfer){seg->device, seg->payload, r->home,
+            (em_transfer){seg->lane, seg->payload, r->home_lane,
                           (char *)home_array + seg->begin * element_bytes,
                           seg->count * element_bytes};
     }
@@ -291,7 +327,7 @@ static em_status find_keys(request_context *r, em_error *err)
                                          "key rows", (void **)&seg->rows, err);
         for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
             uint64_t offset = shard_offset(r, seg, s);
-            status = seg->device->ops->shard_find(table->shards[s], seg->keys + offset,
+            status = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
                                                   shard_key_count(r, s), seg->rows + offset,
                                                   &r->shard_missing[s], err);
             r->missing += r->shard_missing[s];
@@ -362,7 +398,9 @@ static em_status reserve_missing(request_context *r, em_error *err)
         if (r->shard_missing[s] == 0)
             continue;
         em_device *device = table->shards[s]->device;
-        em_status status = device->ops->shard_reserve(table->shards[s], r->shard_missing[s], err);
+        em_lane *lane = r->lanes[table->shard_device[s]];
+        em_status status = device->ops->shard_reserve(table->shards[s], lane, r->shard_missing[s],
+                                                      err);
         if (status != EM_OK)
             return em_error_prefix(err, "table '%s' shard %u: cannot make room for %" PRIu64
                                    " new keys, nothing was applied: ",
@@ -381,8 +419,8 @@ static em_status insert_missing(request_context *r, em_error *err)
                 continue;
             uint64_t offset = shard_offset(r, seg, s);
             em_status status = seg->device->ops->shard_insert_missing(
-                table->shards[s], seg->keys + offset, shard_key_count(r, s), seg->rows + offset,
-                err);
+                table->shards[s], seg->lane, seg->keys + offset, shard_key_count(r, s),
+                seg->rows + offset, err);
             if (status != EM_OK)
                 return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
             table->rows += r->shard_missing[s];
@@ -430,11 +468,11 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
             else
                 pthread_rwlock_wrlock(&table->shard_locks[s]);
             if (work == WORK_GATHER)
-                status = ops->shard_gather(table->shards[s], rows, n, payload, err);
+                status = ops->shard_gather(table->shards[s], seg->lane, rows, n, payload, err);
             else if (work == WORK_APPLY)
-                status = ops->shard_apply(table->shards[s], rows, n, payload, err);
+                status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
             else
-                status = ops->shard_write_rows(table->shards[s], rows, n, payload, err);
+                status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
             pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK)
                 return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
@@ -450,7 +488,7 @@ static em_status synchronize_devices(request_context *r, em_error *err)
         em_device *device = backend->devices[d];
         if (device != r->home && r->segments[d].count == 0)
             continue;
-        em_status status = device->ops->synchronize(device, err);
+        em_status status = device->ops->synchronize(r->lanes[d], err);
         if (status != EM_OK)
             return status;
     }
@@ -533,9 +571,10 @@ static em_status combine_output(request_context *r, const em_pull_request *reque
     if (!home->host_addressable)
         status = request_alloc(r, home, out_bytes, "pull output", (void **)&out, err);
     if (status == EM_OK)
-        status = home->ops->combine(home, &r->batch, request->combiner, dim, vectors, out, err);
+        status = home->ops->combine(r->home_lane, &r->batch, request->combiner, dim, vectors, out,
+                                    err);
     if (status == EM_OK && !home->host_addressable)
-        status = home->ops->copy_to_host(home, request->out, out, out_bytes, err);
+        status = home->ops->copy_to_host(r->home_lane, request->out, out, out_bytes, err);
     return status;
 }
 
@@ -630,8 +669,8 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
         status = request_alloc(r, home, r->batch.unique_count * dim * sizeof(float),
                                "summed gradients", (void **)&sums, err);
     if (status == EM_OK)
-        status = home->ops->sum_gradients(home, &r->batch, request->combiner, dim, gradients,
-                                          sums, err);
+        status = home->ops->sum_gradients(r->home_lane, &r->batch, request->combiner, dim,
+                                          gradients, sums, err);
     if (status == EM_OK)
         status = scatter_to_segments(r, sums, dim * sizeof(float), "segment gradients",
                                      segment_payload, err);
@@ -781,7 +820,7 @@ static em_status check_distinct(request_context *r, const uint64_t *keys, uint64
         host_inverse = malloc(n * sizeof(*host_inverse));
         if (host_inverse == NULL)
             return em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of host memory");
-        em_status status = r->home->ops->copy_to_host(r->home, host_inverse, inverse,
+        em_status status = r->home->ops->copy_to_host(r->home_lane, host_inverse, inverse,
                                                       n * sizeof(*host_inverse), err);
         if (status != EM_OK) {
             free(host_inverse);
@@ -841,8 +880,8 @@ static em_status send_import_rows(request_context *r, const float *values, uint6
         status = request_alloc(r, home, n * width * sizeof(float), "ordered import values",
                                (void **)&ordered, err);
     if (status == EM_OK)
-        status = home->ops->sum_gradients(home, &r->batch, EM_COMBINER_NONE, width, staged,
-                                          ordered, err);
+        status = home->ops->sum_gradients(r->home_lane, &r->batch, EM_COMBINER_NONE, width,
+                                          staged, ordered, err);
     if (status == EM_OK)
         status = scatter_to_segments(r, ordered, width * sizeof(float), "segment import values",
                                      segment_payload, err);
@@ -893,10 +932,15 @@ em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max
     pthread_rwlock_rdlock(&table->lock);
     while (status == EM_OK && *count == 0 && cursor->shard < table->shard_count && max > 0) {
         em_shard *shard = table->shards[cursor->shard];
+        const em_device_ops *ops = shard->device->ops;
+        em_lane *lane = NULL;
+        status = ops->lane_acquire(shard->device, &lane, err);
+        if (status != EM_OK)
+            break;
         pthread_rwlock_rdlock(&table->shard_locks[cursor->shard]);
-        status = shard->device->ops->shard_export(shard, &cursor->position, keys, values, max,
-                                                  count, err);
+        status = ops->shard_export(shard, lane, &cursor->position, keys, values, max, count, err);
         pthread_rwlock_unlock(&table->shard_locks[cursor->shard]);
+        ops->lane_release(lane);
         if (status == EM_OK && *count == 0) {
             cursor->shard++;
             cursor->position = 0;
