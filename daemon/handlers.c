@@ -74,9 +74,10 @@ static em_status combiner_of(int wire, em_combiner *out, em_error *err)
 
 /* ---- pull and push ------------------------------------------------------------------- */
 
-static em_status pull_table(em_request *request, em_table *table, const Ember__PullRequest *body,
+static em_status pull_table(em_request *request, em_table *table, const void *untyped_body,
                             em_error *err)
 {
+    const Ember__PullRequest *body = untyped_body;
     em_combiner combiner;
     em_csr batch;
     em_csr_attachment layout;
@@ -112,22 +113,33 @@ static em_status pull_table(em_request *request, em_table *table, const Ember__P
     return em_request_respond(request, &response.base, out, floats * sizeof(float), err);
 }
 
-em_status em_handle_pull(em_request *request, em_error *err)
+typedef em_status (*table_work)(em_request *request, em_table *table, const void *body,
+                                em_error *err);
+
+/* Runs work on the named table while holding a reference to it. */
+static em_status with_table(em_request *request, const char *name, table_work work,
+                            const void *body, em_error *err)
 {
-    const Ember__PullRequest *body = (const Ember__PullRequest *)request->body;
     em_catalog *catalog = request->context->catalog;
     em_table *table = NULL;
-    em_status status = em_catalog_acquire(catalog, body->table, &table, err);
+    em_status status = em_catalog_acquire(catalog, name, &table, err);
     if (status != EM_OK)
         return status;
-    status = pull_table(request, table, body, err);
+    status = work(request, table, body, err);
     em_catalog_release(catalog, table);
     return status;
 }
 
-static em_status push_table(em_request *request, em_table *table, const Ember__PushRequest *body,
+em_status em_handle_pull(em_request *request, em_error *err)
+{
+    const Ember__PullRequest *body = (const Ember__PullRequest *)request->body;
+    return with_table(request, body->table, pull_table, body, err);
+}
+
+static em_status push_table(em_request *request, em_table *table, const void *untyped_body,
                             em_error *err)
 {
+    const Ember__PushRequest *body = untyped_body;
     em_combiner combiner;
     em_status status = combiner_of((int)body->combiner, &combiner, err);
     if (status != EM_OK)
@@ -159,14 +171,7 @@ static em_status push_table(em_request *request, em_table *table, const Ember__P
 em_status em_handle_push(em_request *request, em_error *err)
 {
     const Ember__PushRequest *body = (const Ember__PushRequest *)request->body;
-    em_catalog *catalog = request->context->catalog;
-    em_table *table = NULL;
-    em_status status = em_catalog_acquire(catalog, body->table, &table, err);
-    if (status != EM_OK)
-        return status;
-    status = push_table(request, table, body, err);
-    em_catalog_release(catalog, table);
-    return status;
+    return with_table(request, body->table, push_table, body, err);
 }
 
 /* ---- health -------------------------------------------------------------------------- */

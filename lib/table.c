@@ -536,6 +536,32 @@ static uint64_t vector_floats(const em_table *table, const em_csr *batch, em_com
     return em_csr_output_vectors(batch, combiner) * table->config.dim;
 }
 
+/* ---- locking ---------------------------------------------------------------------- */
+
+/* One attempt at a request under the table lock the caller holds. Without may_create, an
+ * attempt that would create keys stops before changing anything and sets
+ * *needs_create. */
+typedef em_status (*locked_attempt)(em_table *table, const void *request, void *result,
+                                    bool may_create, bool *needs_create, em_error *err);
+
+/* Requests whose keys all exist share the table (each shard's rows are read or updated
+ * under that shard's lock); one that must create keys runs again alone, because the
+ * capacity check has to see the whole table. */
+static em_status run_shared_then_exclusive(em_table *table, locked_attempt attempt,
+                                           const void *request, void *result, em_error *err)
+{
+    bool needs_create = false;
+    pthread_rwlock_rdlock(&table->lock);
+    em_status status = attempt(table, request, result, false, &needs_create, err);
+    pthread_rwlock_unlock(&table->lock);
+    if (status == EM_OK && needs_create) {
+        pthread_rwlock_wrlock(&table->lock);
+        status = attempt(table, request, result, true, &needs_create, err);
+        pthread_rwlock_unlock(&table->lock);
+    }
+    return status;
+}
+
 /* ---- pull ------------------------------------------------------------------------ */
 
 static em_status stage_offsets(request_context *r, const em_csr *batch, em_error *err)
@@ -578,12 +604,12 @@ static em_status combine_output(request_context *r, const em_pull_request *reque
     return status;
 }
 
-/* One attempt at a pull under the lock the caller holds. Without may_create, a pull
- * that would create keys stops before changing anything and sets *needs_create. */
-static em_status pull_locked(em_table *table, const em_pull_request *request,
-                             em_pull_result *result, bool may_create, bool *needs_create,
-                             em_error *err)
+/* A pull attempt (locked_attempt). */
+static em_status pull_locked(em_table *table, const void *untyped_request, void *untyped_result,
+                             bool may_create, bool *needs_create, em_error *err)
 {
+    const em_pull_request *request = untyped_request;
+    em_pull_result *result = untyped_result;
     request_context r;
     float *vectors = NULL;
     em_status status = request_begin(table, &r, err);
@@ -636,15 +662,7 @@ em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull
     em_status status = check_pull(table, request, err);
     if (status != EM_OK)
         return em_error_prefix(err, "pull from table '%s': ", table->config.name);
-    bool needs_create = false;
-    pthread_rwlock_rdlock(&table->lock);
-    status = pull_locked(table, request, result, false, &needs_create, err);
-    pthread_rwlock_unlock(&table->lock);
-    if (status == EM_OK && needs_create) {
-        pthread_rwlock_wrlock(&table->lock);
-        status = pull_locked(table, request, result, true, &needs_create, err);
-        pthread_rwlock_unlock(&table->lock);
-    }
+    status = run_shared_then_exclusive(table, pull_locked, request, result, err);
     if (status != EM_OK)
         return status;
     atomic_fetch_add_explicit(&table->pulls, 1, memory_order_relaxed);
@@ -677,12 +695,12 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
     return status;
 }
 
-/* One attempt at a push under the lock the caller holds; as pull_locked, it stops
- * before changing anything when it would create keys without may_create. */
-static em_status push_locked(em_table *table, const em_push_request *request,
-                             em_push_result *result, bool may_create, bool *needs_create,
-                             em_error *err)
+/* A push attempt (locked_attempt). */
+static em_status push_locked(em_table *table, const void *untyped_request, void *untyped_result,
+                             bool may_create, bool *needs_create, em_error *err)
 {
+    const em_push_request *request = untyped_request;
+    em_push_result *result = untyped_result;
     request_context r;
     em_status status = request_begin(table, &r, err);
     if (status == EM_OK)
@@ -735,17 +753,7 @@ em_status em_table_push(em_table *table, const em_push_request *request, em_push
     em_status status = check_push(table, request, err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s': ", table->config.name);
-    /* Pushes of existing keys share the table (each shard's rows are updated under that
-     * shard's lock); creating keys needs it alone, for the capacity check. */
-    bool needs_create = false;
-    pthread_rwlock_rdlock(&table->lock);
-    status = push_locked(table, request, result, false, &needs_create, err);
-    pthread_rwlock_unlock(&table->lock);
-    if (status == EM_OK && needs_create) {
-        pthread_rwlock_wrlock(&table->lock);
-        status = push_locked(table, request, result, true, &needs_create, err);
-        pthread_rwlock_unlock(&table->lock);
-    }
+    status = run_shared_then_exclusive(table, push_locked, request, result, err);
     if (status != EM_OK)
         return status;
     atomic_fetch_add_explicit(&table->pushes, 1, memory_order_relaxed);

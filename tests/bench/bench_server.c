@@ -683,23 +683,6 @@ static double raw_tcp_mb_per_second(double seconds)
 
 /* ---- main ---------------------------------------------------------------------------- */
 
-static void print_machine(void)
-{
-    FILE *cpuinfo = fopen("/proc/cpuinfo", "r");
-    char line[256], model[256] = "unknown";
-    int cores = 0;
-    while (cpuinfo != NULL && fgets(line, sizeof(line), cpuinfo) != NULL) {
-        if (strncmp(line, "model name", 10) == 0) {
-            cores++;
-            snprintf(model, sizeof(model), "%s", strchr(line, ':') + 2);
-            model[strcspn(model, "\n")] = '\0';
-        }
-    }
-    if (cpuinfo != NULL)
-        fclose(cpuinfo);
-    printf("machine: %s, %d logical CPUs (clients, emberd and redis-server share them)\n",
-           model, cores);
-}
 
 static void parse_options(int argc, char **argv, options *opt)
 {
@@ -731,7 +714,7 @@ int main(int argc, char **argv)
     servers s = {0};
     start_emberd(&opt, &s);
     start_redis(&s);
-    print_machine();
+    em_test_print_machine(" (clients, emberd and redis-server share them)");
     printf("command: bench_server --emberd %s --seconds %g --keys %" PRIu64 "\n", opt.emberd,
            opt.seconds, opt.keys);
     printf("workload: dim %d (%zu-byte vectors), %" PRIu64 " keys loaded in both, keys drawn "

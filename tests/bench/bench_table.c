@@ -160,22 +160,6 @@ static double measure(em_table *table, operation op, uint32_t dim, int threads,
     return (double)total / elapsed;
 }
 
-static void print_machine(void)
-{
-    FILE *cpuinfo = fopen("/proc/cpuinfo", "r");
-    char line[256], model[256] = "unknown";
-    int cores = 0;
-    while (cpuinfo != NULL && fgets(line, sizeof(line), cpuinfo) != NULL) {
-        if (strncmp(line, "model name", 10) == 0) {
-            cores++;
-            snprintf(model, sizeof(model), "%s", strchr(line, ':') + 2);
-            model[strcspn(model, "\n")] = '\0';
-        }
-    }
-    if (cpuinfo != NULL)
-        fclose(cpuinfo);
-    printf("machine: %s, %d logical CPUs\n", model, cores);
-}
 
 int main(int argc, char **argv)
 {
@@ -188,7 +172,7 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--shards") == 0)
             opt.shards = (uint32_t)strtoul(argv[i + 1], NULL, 10);
     }
-    print_machine();
+    em_test_print_machine(NULL);
     printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u\n", opt.keys,
            opt.seconds, opt.shards);
     printf("CPU backend, 1 device; batches of %d keys drawn uniformly from %" PRIu64

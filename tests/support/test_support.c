@@ -3,6 +3,7 @@
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #define DEFAULT_TEST_SEED UINT64_C(20261121)
@@ -76,4 +77,21 @@ double em_test_now(void)
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+void em_test_print_machine(const char *note)
+{
+    FILE *cpuinfo = fopen("/proc/cpuinfo", "r");
+    char line[256], model[256] = "unknown";
+    int cpus = 0;
+    while (cpuinfo != NULL && fgets(line, sizeof(line), cpuinfo) != NULL) {
+        if (strncmp(line, "model name", 10) == 0) {
+            cpus++;
+            snprintf(model, sizeof(model), "%s", strchr(line, ':') + 2);
+            model[strcspn(model, "\n")] = '\0';
+        }
+    }
+    if (cpuinfo != NULL)
+        fclose(cpuinfo);
+    printf("machine: %s, %d logical CPUs%s\n", model, cpus, note != NULL ? note : "");
 }

@@ -32,4 +32,7 @@ double em_test_rng_unit(em_test_rng *rng);
 /* Monotonic clock in seconds, for benchmarks. */
 double em_test_now(void);
 
+/* Prints "machine: <CPU model>, <n> logical CPUs<note>" for benchmark tables. */
+void em_test_print_machine(const char *note);
+
 #endif
