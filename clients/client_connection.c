@@ -542,17 +542,17 @@ void em__client_connection_abandon(em__client_connection *connection,
         em__client_request_destroy(request);
         return;
     }
-    em_error error;
-    if (request->sent < request->frame.total &&
-        em__client_frame_detach(&request->frame, request->sent, &error) != EM_OK) {
-        unlink_request(connection, request);
-        em__client_request_destroy(request);
-        em__client_connection_fail(connection, error.status, "server %s: %s",
-                                   connection->server->name, error.message);
-        return;
-    }
-    if (request->sent < request->frame.total)
+    if (request->sent < request->frame.total) {
+        em_error error;
+        if (em__client_frame_detach(&request->frame, request->sent, &error) != EM_OK) {
+            unlink_request(connection, request);
+            em__client_request_destroy(request);
+            em__client_connection_fail(connection, error.status, "server %s: %s",
+                                       connection->server->name, error.message);
+            return;
+        }
         request->sent = 0; /* the detached frame starts at the first unsent byte */
+    }
     request->owner = NULL;
     request->out = NULL;
     if (connection->reading == request)
