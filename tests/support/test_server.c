@@ -565,6 +565,8 @@ static void *accept_connections(void *arg)
         if (server->connection_count == MAX_CONNECTIONS) {
             close(fd);
         } else {
+            int one = 1; /* answers go out in two writes: no Nagle delay between them */
+            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
             connection *c = &server->connections[server->connection_count++];
             c->server = server;
             c->fd = fd;
