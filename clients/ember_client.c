@@ -13,6 +13,10 @@
  * responses of others are read and their remaining frames written. A call that runs
  * past its deadline gives its requests back to their connections (see
  * em__client_connection_abandon): their late responses are discarded on arrival.
+ *
+ * A call split over several servers is not atomic across them: when one server
+ * refuses its part (unknown table, capacity), the others may have applied theirs. The
+ * error names the server that refused; each server's part is all-or-nothing there.
  */
 #include "clients/ember_client.h"
 

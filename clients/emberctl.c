@@ -17,6 +17,7 @@
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -411,33 +412,37 @@ typedef struct create_flags {
         *seed;
 } create_flags;
 
+static const struct create_flag {
+    const char *name;
+    size_t offset;
+} create_flag_table[] = {
+    {"json-config", offsetof(create_flags, json_config)},
+    {"name", offsetof(create_flags, name)},
+    {"dim", offsetof(create_flags, dim)},
+    {"capacity", offsetof(create_flags, capacity)},
+    {"shards", offsetof(create_flags, shards)},
+    {"optimizer", offsetof(create_flags, optimizer)},
+    {"lr", offsetof(create_flags, lr)},
+    {"initializer", offsetof(create_flags, initializer)},
+    {"seed", offsetof(create_flags, seed)},
+};
+
+#define CREATE_FLAG_COUNT (sizeof(create_flag_table) / sizeof(create_flag_table[0]))
+
 static int parse_create_flags(int argc, char **argv, create_flags *flags)
 {
-    static const struct option options[] = {
-        {"json-config", required_argument, NULL, 'j'}, {"name", required_argument, NULL, 'n'},
-        {"dim", required_argument, NULL, 'd'},         {"capacity", required_argument, NULL, 'c'},
-        {"shards", required_argument, NULL, 's'},      {"optimizer", required_argument, NULL, 'o'},
-        {"lr", required_argument, NULL, 'l'},          {"initializer", required_argument, NULL, 'i'},
-        {"seed", required_argument, NULL, 'e'},        {NULL, 0, NULL, 0},
-    };
+    struct option options[CREATE_FLAG_COUNT + 1] = {{0}};
+    for (size_t i = 0; i < CREATE_FLAG_COUNT; i++)
+        options[i] = (struct option){create_flag_table[i].name, required_argument, NULL,
+                                     (int)i + 1};
     optind = 0;
     opterr = 0;
     int option;
     while ((option = getopt_long(argc, argv, "+", options, NULL)) != -1) {
-        const char **slot = option == 'j'   ? &flags->json_config
-                            : option == 'n' ? &flags->name
-                            : option == 'd' ? &flags->dim
-                            : option == 'c' ? &flags->capacity
-                            : option == 's' ? &flags->shards
-                            : option == 'o' ? &flags->optimizer
-                            : option == 'l' ? &flags->lr
-                            : option == 'i' ? &flags->initializer
-                            : option == 'e' ? &flags->seed
-                                            : NULL;
-        if (slot == NULL)
+        if (option < 1 || option > (int)CREATE_FLAG_COUNT)
             return usage_error("tables create: unknown or incomplete option '%s'",
                                argv[optind - 1]);
-        *slot = optarg;
+        *(const char **)((char *)flags + create_flag_table[option - 1].offset) = optarg;
     }
     if (optind < argc)
         return usage_error("tables create: unexpected argument '%s'", argv[optind]);
