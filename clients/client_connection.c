@@ -361,6 +361,11 @@ static void *pull_target(em__client_request *request, uint64_t attach_len)
     const Ember__PullResponse *response = (const Ember__PullResponse *)request->response;
     request->dim = response->dim;
     uint64_t expected = vector_bytes(request->vectors, response->dim);
+    if (response->dim == 0) {
+        em_error_set(&request->error, EM_INTERNAL, "server %s: PULL response has dim 0",
+                     request->server->name);
+        return NULL;
+    }
     if (attach_len != expected) {
         em_error_set(&request->error, EM_INTERNAL,
                      "server %s: PULL response carries %llu bytes of vectors; expected %llu "
