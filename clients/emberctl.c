@@ -1,0 +1,812 @@
+/*
+ * DESIGN: emberctl, the operator's command line for emberd.
+ *
+ * A thin shell over libember-client: parse the command line, make one client to the
+ * admin listener, run one command, print the answer. Every command gets its data as
+ * JSON from the library (the same objects --json prints), and the human output is
+ * rendered from that JSON, so the two views cannot disagree.
+ *
+ * Exit status tells scripts what happened: 0 ok, 1 the server answered with an error
+ * (or health answered "not ready"), 2 the command line was wrong, 3 no answer at all
+ * (cannot connect, or the deadline passed before the server replied). An error from
+ * the server is recognised by the library's message form "server HOST:PORT: STATUS:".
+ */
+#include <cJSON.h>
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "clients/ember_client.h"
+#include "ember_config.h"
+
+#define DEFAULT_ADMIN_SERVER "127.0.0.1:7071"
+/* The admin token of the development config (configs/default.json). */
+#define DEVELOPMENT_ADMIN_TOKEN "ember-dev-admin-token"
+#define DEFAULT_TIMEOUT_MS 10000
+#define TOKEN_MAX 4096
+
+enum exit_code { EXIT_OK = 0, EXIT_SERVER_ERROR = 1, EXIT_USAGE = 2, EXIT_NO_ANSWER = 3 };
+
+typedef struct cli {
+    const char *server;
+    const char *token;
+    const char *token_file;
+    char token_buffer[TOKEN_MAX];
+    bool json;
+    uint32_t timeout_ms;
+    em_client *client;
+} cli;
+
+/* ---- messages ---------------------------------------------------------------------- */
+
+static int usage_error(const char *format, ...) __attribute__((format(printf, 1, 2)));
+
+static int usage_error(const char *format, ...)
+{
+    va_list args;
+    va_start(args, format);
+    fputs("emberctl: ", stderr);
+    vfprintf(stderr, format, args);
+    fputs("\nRun 'emberctl --help' for usage.\n", stderr);
+    va_end(args);
+    return EXIT_USAGE;
+}
+
+/* True when the error is an answer from the server (see ember_client.h). */
+static bool answered_by_server(const em_error *err)
+{
+    if (strncmp(err->message, "server ", 7) != 0)
+        return false;
+    char marker[64];
+    snprintf(marker, sizeof(marker), ": %s: ", em_status_name(err->status));
+    return strstr(err->message, marker) != NULL;
+}
+
+static int call_failed(const em_error *err)
+{
+    fprintf(stderr, "emberctl: %s: %s\n", em_status_name(err->status), err->message);
+    if (answered_by_server(err))
+        return EXIT_SERVER_ERROR;
+    if (err->status == EM_UNAVAILABLE || err->status == EM_DEADLINE_EXCEEDED)
+        return EXIT_NO_ANSWER;
+    return err->status == EM_INVALID_ARGUMENT ? EXIT_USAGE : EXIT_SERVER_ERROR;
+}
+
+static void print_help(FILE *out)
+{
+    fputs("Usage: emberctl [OPTIONS] COMMAND\n"
+          "\n"
+          "Operate an emberd server through its admin listener.\n"
+          "\n"
+          "Commands:\n"
+          "  ping                       round trip, server version and uptime\n"
+          "  health                     readiness (exit 1 when the server is not ready)\n"
+          "  tables list                tables with their size and optimizer\n"
+          "  tables create --json-config '{...}'\n"
+          "  tables create --name N --dim D --capacity C [--shards S]\n"
+          "                [--optimizer TYPE] [--lr X] [--initializer TYPE] [--seed N]\n"
+          "                             TYPE: sgd, adagrad, rowwise_adagrad, adam;\n"
+          "                             initializers: zeros, uniform, normal\n"
+          "  tables drop NAME\n"
+          "  stats [TABLE]              server, request, table and memory pool statistics\n"
+          "\n"
+          "Options:\n"
+          "  --server HOST:PORT   admin listener (default " DEFAULT_ADMIN_SERVER ")\n"
+          "  --token TOKEN        admin token\n"
+          "  --token-file FILE    read the admin token from FILE\n"
+          "  --json               print JSON instead of tables\n"
+          "  --timeout MS         per-call timeout in milliseconds (default 10000)\n"
+          "  -h, --help           print this help\n"
+          "  --version            print the version\n"
+          "\n"
+          "The admin token is --token, else the contents of --token-file, else\n"
+          "$EMBER_ADMIN_TOKEN, else \"" DEVELOPMENT_ADMIN_TOKEN "\": the development default\n"
+          "of configs/default.json, which a production config must replace.\n"
+          "\n"
+          "Exit status: 0 ok, 1 error from the server, 2 usage error, 3 no answer\n"
+          "(connection failed or timed out).\n",
+          out);
+}
+
+/* ---- formatting -------------------------------------------------------------------- */
+
+/* "512 B", "1.5 MiB" */
+static void format_bytes(double bytes, char *out, size_t capacity)
+{
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+    int unit = 0;
+    while (bytes >= 1024.0 && unit < 5) {
+        bytes /= 1024.0;
+        unit++;
+    }
+    if (unit == 0)
+        snprintf(out, capacity, "%.0f B", bytes);
+    else
+        snprintf(out, capacity, "%.1f %s", bytes, units[unit]);
+}
+
+/* "3d 04h 05m", "1h 02m 03s", "2m 03s", "4.2s" */
+static void format_duration(double ms, char *out, size_t capacity)
+{
+    uint64_t seconds = (uint64_t)(ms / 1000.0);
+    unsigned s = (unsigned)(seconds % 60), m = (unsigned)(seconds / 60 % 60);
+    unsigned h = (unsigned)(seconds / 3600 % 24);
+    uint64_t d = seconds / 86400;
+    if (d > 0)
+        snprintf(out, capacity, "%" PRIu64 "d %02uh %02um", d, h, m);
+    else if (h > 0)
+        snprintf(out, capacity, "%uh %02um %02us", h, m, s);
+    else if (m > 0)
+        snprintf(out, capacity, "%um %02us", m, s);
+    else
+        snprintf(out, capacity, "%.1fs", ms / 1000.0);
+}
+
+static double json_number(const cJSON *object, const char *name)
+{
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(object, name);
+    return cJSON_IsNumber(item) ? item->valuedouble : 0.0;
+}
+
+static const char *json_string(const cJSON *object, const char *name)
+{
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(object, name);
+    return cJSON_IsString(item) ? item->valuestring : "";
+}
+
+static void print_json(const cJSON *json)
+{
+    char *text = cJSON_Print(json);
+    if (text != NULL)
+        puts(text);
+    free(text);
+}
+
+/* ---- aligned tables ---------------------------------------------------------------- */
+
+#define COLUMNS_MAX 8
+#define CELL_MAX 64
+
+/* Columns of text; a header starting with '>' is right-aligned (numbers). */
+typedef struct text_table {
+    int columns;
+    const char *headers[COLUMNS_MAX];
+    int rows;
+    char (*cells)[COLUMNS_MAX][CELL_MAX];
+} text_table;
+
+static void text_table_init(text_table *table, int columns, const char *const *headers,
+                            int rows)
+{
+    table->columns = columns;
+    for (int c = 0; c < columns; c++)
+        table->headers[c] = headers[c];
+    table->rows = 0;
+    table->cells = calloc((size_t)rows + 1, sizeof(*table->cells));
+}
+
+static void text_table_cell(text_table *table, int column, const char *format, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void text_table_cell(text_table *table, int column, const char *format, ...)
+{
+    va_list args;
+    va_start(args, format);
+    vsnprintf(table->cells[table->rows][column], CELL_MAX, format, args);
+    va_end(args);
+}
+
+static const char *header_text(const char *header)
+{
+    return header[0] == '>' ? header + 1 : header;
+}
+
+static void print_row(const text_table *table, const int *widths, const char *const *texts)
+{
+    for (int c = 0; c < table->columns; c++) {
+        bool right = table->headers[c][0] == '>';
+        bool last = c == table->columns - 1;
+        printf("%s%*s", c > 0 ? "  " : "", right ? widths[c] : -(last ? 0 : widths[c]),
+               texts[c]);
+    }
+    putchar('\n');
+}
+
+static void text_table_print(text_table *table)
+{
+    int widths[COLUMNS_MAX];
+    const char *texts[COLUMNS_MAX];
+    for (int c = 0; c < table->columns; c++) {
+        widths[c] = (int)strlen(header_text(table->headers[c]));
+        for (int r = 0; r < table->rows; r++) {
+            int length = (int)strlen(table->cells[r][c]);
+            widths[c] = length > widths[c] ? length : widths[c];
+        }
+        texts[c] = header_text(table->headers[c]);
+    }
+    print_row(table, widths, texts);
+    for (int r = 0; r < table->rows; r++) {
+        for (int c = 0; c < table->columns; c++)
+            texts[c] = table->cells[r][c];
+        print_row(table, widths, texts);
+    }
+    free(table->cells);
+    table->cells = NULL;
+}
+
+/* ---- the client -------------------------------------------------------------------- */
+
+static int read_token_file(cli *c)
+{
+    FILE *file = fopen(c->token_file, "r");
+    if (file == NULL)
+        return usage_error("cannot read token file '%s': %s", c->token_file, strerror(errno));
+    if (fgets(c->token_buffer, sizeof(c->token_buffer), file) == NULL)
+        c->token_buffer[0] = '\0';
+    fclose(file);
+    c->token_buffer[strcspn(c->token_buffer, "\r\n")] = '\0';
+    if (c->token_buffer[0] == '\0')
+        return usage_error("token file '%s' is empty", c->token_file);
+    c->token = c->token_buffer;
+    return EXIT_OK;
+}
+
+/* --token, else --token-file, else $EMBER_ADMIN_TOKEN, else the development token. */
+static int resolve_token(cli *c)
+{
+    if (c->token != NULL)
+        return EXIT_OK;
+    if (c->token_file != NULL)
+        return read_token_file(c);
+    const char *from_environment = getenv("EMBER_ADMIN_TOKEN");
+    c->token = from_environment != NULL && from_environment[0] != '\0'
+                   ? from_environment
+                   : DEVELOPMENT_ADMIN_TOKEN;
+    return EXIT_OK;
+}
+
+/* Connects on first use, after a command has checked its arguments. */
+static int connected(cli *c)
+{
+    if (c->client != NULL)
+        return EXIT_OK;
+    int code = resolve_token(c);
+    if (code != EXIT_OK)
+        return code;
+    em_client_options options;
+    em_client_options_init(&options);
+    options.servers = c->server;
+    options.token = c->token;
+    options.window = 1;
+    options.timeout_ms = c->timeout_ms;
+    options.connect_timeout_ms = c->timeout_ms;
+    options.reconnect_attempts = 1; /* a command line fails fast */
+    em_error err;
+    if (em_client_create(&options, &c->client, &err) != EM_OK)
+        return call_failed(&err);
+    return EXIT_OK;
+}
+
+/* ---- commands ---------------------------------------------------------------------- */
+
+static double monotonic_ms(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec * 1e3 + (double)now.tv_nsec / 1e6;
+}
+
+static int command_ping(cli *c, int argc, char **argv)
+{
+    (void)argv;
+    if (argc > 1)
+        return usage_error("ping takes no arguments");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    char version[64];
+    uint64_t uptime_ms;
+    em_error err;
+    double start = monotonic_ms();
+    if (em_client_ping(c->client, version, sizeof(version), &uptime_ms, &err) != EM_OK)
+        return call_failed(&err);
+    double round_trip = monotonic_ms() - start;
+    if (c->json) {
+        cJSON *json = cJSON_CreateObject();
+        cJSON_AddStringToObject(json, "server", c->server);
+        cJSON_AddStringToObject(json, "version", version);
+        cJSON_AddNumberToObject(json, "uptime_ms", (double)uptime_ms);
+        cJSON_AddNumberToObject(json, "round_trip_ms", round_trip);
+        print_json(json);
+        cJSON_Delete(json);
+        return EXIT_OK;
+    }
+    char uptime[32];
+    format_duration((double)uptime_ms, uptime, sizeof(uptime));
+    printf("pong from %s: version %s, up %s, %.2f ms\n", c->server, version, uptime, round_trip);
+    return EXIT_OK;
+}
+
+static int command_health(cli *c, int argc, char **argv)
+{
+    (void)argv;
+    if (argc > 1)
+        return usage_error("health takes no arguments");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    em_client_health health;
+    em_error err;
+    if (em_client_health_check(c->client, &health, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        cJSON *json = cJSON_CreateObject();
+        cJSON_AddBoolToObject(json, "ready", health.ready);
+        cJSON_AddStringToObject(json, "state", health.state);
+        cJSON_AddStringToObject(json, "backend", health.backend);
+        cJSON_AddNumberToObject(json, "devices", health.devices);
+        cJSON_AddNumberToObject(json, "tables", health.tables);
+        print_json(json);
+        cJSON_Delete(json);
+    } else {
+        printf("server   %s\nready    %s\nstate    %s\nbackend  %s\ndevices  %u\ntables   %u\n",
+               c->server, health.ready ? "yes" : "no", health.state, health.backend,
+               health.devices, health.tables);
+    }
+    return health.ready ? EXIT_OK : EXIT_SERVER_ERROR;
+}
+
+static void print_table_list(const cJSON *tables)
+{
+    static const char *const headers[] = {"NAME",   ">DIM",      ">CAPACITY",
+                                          ">SHARDS", "OPTIMIZER", ">ROWS"};
+    if (cJSON_GetArraySize(tables) == 0) {
+        puts("no tables");
+        return;
+    }
+    text_table table;
+    text_table_init(&table, 6, headers, cJSON_GetArraySize(tables));
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tables)
+    {
+        text_table_cell(&table, 0, "%s", json_string(t, "name"));
+        text_table_cell(&table, 1, "%.0f", json_number(t, "dim"));
+        text_table_cell(&table, 2, "%.0f", json_number(t, "capacity"));
+        text_table_cell(&table, 3, "%.0f", json_number(t, "shards"));
+        text_table_cell(&table, 4, "%s", json_string(t, "optimizer"));
+        text_table_cell(&table, 5, "%.0f", json_number(t, "rows"));
+        table.rows++;
+    }
+    text_table_print(&table);
+}
+
+static int tables_list(cli *c, int argc)
+{
+    if (argc > 2)
+        return usage_error("tables list takes no arguments");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    cJSON *tables;
+    em_error err;
+    if (em_client_list_tables(c->client, &tables, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json)
+        print_json(tables);
+    else
+        print_table_list(tables);
+    cJSON_Delete(tables);
+    return EXIT_OK;
+}
+
+/* The flags of tables create, as given. */
+typedef struct create_flags {
+    const char *json_config, *name, *dim, *capacity, *shards, *optimizer, *lr, *initializer,
+        *seed;
+} create_flags;
+
+static const struct create_flag {
+    const char *name;
+    size_t offset;
+} create_flag_table[] = {
+    {"json-config", offsetof(create_flags, json_config)},
+    {"name", offsetof(create_flags, name)},
+    {"dim", offsetof(create_flags, dim)},
+    {"capacity", offsetof(create_flags, capacity)},
+    {"shards", offsetof(create_flags, shards)},
+    {"optimizer", offsetof(create_flags, optimizer)},
+    {"lr", offsetof(create_flags, lr)},
+    {"initializer", offsetof(create_flags, initializer)},
+    {"seed", offsetof(create_flags, seed)},
+};
+
+#define CREATE_FLAG_COUNT (sizeof(create_flag_table) / sizeof(create_flag_table[0]))
+
+static int parse_create_flags(int argc, char **argv, create_flags *flags)
+{
+    struct option options[CREATE_FLAG_COUNT + 1] = {{0}};
+    for (size_t i = 0; i < CREATE_FLAG_COUNT; i++)
+        options[i] = (struct option){create_flag_table[i].name, required_argument, NULL,
+                                     (int)i + 1};
+    optind = 0;
+    opterr = 0;
+    int option;
+    while ((option = getopt_long(argc, argv, "+", options, NULL)) != -1) {
+        if (option < 1 || option > (int)CREATE_FLAG_COUNT)
+            return usage_error("tables create: unknown or incomplete option '%s'",
+                               argv[optind - 1]);
+        *(const char **)((char *)flags + create_flag_table[option - 1].offset) = optarg;
+    }
+    if (optind < argc)
+        return usage_error("tables create: unexpected argument '%s'", argv[optind]);
+    return EXIT_OK;
+}
+
+static bool parse_whole(const char *text, double *out)
+{
+    char *end = NULL;
+    errno = 0;
+    unsigned long long value = strtoull(text, &end, 10);
+    if (text[0] < '0' || text[0] > '9' || *end != '\0' || errno != 0)
+        return false;
+    *out = (double)value;
+    return true;
+}
+
+static bool parse_real(const char *text, double *out)
+{
+    char *end = NULL;
+    errno = 0;
+    *out = strtod(text, &end);
+    return end != text && *end == '\0' && errno == 0;
+}
+
+/* Adds a whole-number flag to object; usage error when it is not one. */
+static int add_whole(cJSON *object, const char *key, const char *flag, const char *text)
+{
+    double value;
+    if (text == NULL)
+        return EXIT_OK;
+    if (!parse_whole(text, &value))
+        return usage_error("--%s '%s' is not a whole number", flag, text);
+    cJSON_AddNumberToObject(object, key, value);
+    return EXIT_OK;
+}
+
+static int add_optimizer(cJSON *config, const create_flags *flags)
+{
+    if (flags->optimizer == NULL && flags->lr == NULL)
+        return EXIT_OK;
+    cJSON *optimizer = cJSON_AddObjectToObject(config, "optimizer");
+    cJSON_AddStringToObject(optimizer, "type", flags->optimizer != NULL ? flags->optimizer : "sgd");
+    double lr;
+    if (flags->lr != NULL && !parse_real(flags->lr, &lr))
+        return usage_error("--lr '%s' is not a number", flags->lr);
+    if (flags->lr != NULL)
+        cJSON_AddNumberToObject(optimizer, "lr", lr);
+    return EXIT_OK;
+}
+
+static int add_initializer(cJSON *config, const create_flags *flags)
+{
+    if (flags->initializer == NULL && flags->seed == NULL)
+        return EXIT_OK;
+    cJSON *initializer = cJSON_AddObjectToObject(config, "initializer");
+    if (flags->initializer != NULL)
+        cJSON_AddStringToObject(initializer, "type", flags->initializer);
+    return add_whole(initializer, "seed", "seed", flags->seed);
+}
+
+/* The table config JSON text (malloc'ed) from the flags; NULL after a usage error. */
+static char *config_from_flags(const create_flags *flags, int *code)
+{
+    if (flags->json_config != NULL) {
+        cJSON *parsed = cJSON_Parse(flags->json_config);
+        *code = parsed == NULL ? usage_error("--json-config is not valid JSON: '%s'",
+                                             flags->json_config)
+                               : EXIT_OK;
+        cJSON_Delete(parsed);
+        return *code == EXIT_OK ? strdup(flags->json_config) : NULL;
+    }
+    if (flags->name == NULL || flags->dim == NULL || flags->capacity == NULL) {
+        *code = usage_error("tables create needs --name, --dim and --capacity, or "
+                            "--json-config");
+        return NULL;
+    }
+    cJSON *config = cJSON_CreateObject();
+    cJSON_AddStringToObject(config, "name", flags->name);
+    *code = add_whole(config, "dim", "dim", flags->dim);
+    if (*code == EXIT_OK)
+        *code = add_whole(config, "capacity", "capacity", flags->capacity);
+    if (*code == EXIT_OK)
+        *code = add_whole(config, "shards", "shards", flags->shards);
+    if (*code == EXIT_OK)
+        *code = add_optimizer(config, flags);
+    if (*code == EXIT_OK)
+        *code = add_initializer(config, flags);
+    char *text = *code == EXIT_OK ? cJSON_PrintUnformatted(config) : NULL;
+    cJSON_Delete(config);
+    return text;
+}
+
+static int tables_create(cli *c, int argc, char **argv)
+{
+    create_flags flags = {0};
+    int code = parse_create_flags(argc - 1, argv + 1, &flags);
+    if (code != EXIT_OK)
+        return code;
+    char *config = config_from_flags(&flags, &code);
+    if (config == NULL)
+        return code;
+    code = connected(c);
+    if (code != EXIT_OK) {
+        free(config);
+        return code;
+    }
+    cJSON *info = NULL;
+    em_error err;
+    em_status status = em_client_create_table(c->client, config, &info, &err);
+    free(config);
+    if (status != EM_OK)
+        return call_failed(&err);
+    if (c->json)
+        print_json(info);
+    else
+        printf("created table '%s': dim %.0f, capacity %.0f, %.0f shard%s, %s\n",
+               json_string(info, "name"), json_number(info, "dim"),
+               json_number(info, "capacity"), json_number(info, "shards"),
+               json_number(info, "shards") == 1 ? "" : "s", json_string(info, "optimizer"));
+    cJSON_Delete(info);
+    return EXIT_OK;
+}
+
+static int tables_drop(cli *c, int argc, char **argv)
+{
+    if (argc != 3)
+        return usage_error("tables drop needs exactly one table name");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    em_error err;
+    if (em_client_drop_table(c->client, argv[2], &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        cJSON *json = cJSON_CreateObject();
+        cJSON_AddStringToObject(json, "dropped", argv[2]);
+        print_json(json);
+        cJSON_Delete(json);
+    } else {
+        printf("dropped table '%s'\n", argv[2]);
+    }
+    return EXIT_OK;
+}
+
+static int command_tables(cli *c, int argc, char **argv)
+{
+    if (argc < 2)
+        return usage_error("tables needs a subcommand: list, create or drop");
+    if (strcmp(argv[1], "list") == 0)
+        return tables_list(c, argc);
+    if (strcmp(argv[1], "create") == 0)
+        return tables_create(c, argc, argv);
+    if (strcmp(argv[1], "drop") == 0)
+        return tables_drop(c, argc, argv);
+    return usage_error("unknown tables subcommand '%s' (list, create, drop)", argv[1]);
+}
+
+/* ---- stats ------------------------------------------------------------------------- */
+
+static void print_server_stats(const cJSON *server)
+{
+    char uptime[32], bytes_in[32], bytes_out[32];
+    format_duration(json_number(server, "uptime_ms"), uptime, sizeof(uptime));
+    format_bytes(json_number(server, "bytes_in"), bytes_in, sizeof(bytes_in));
+    format_bytes(json_number(server, "bytes_out"), bytes_out, sizeof(bytes_out));
+    printf("server\n"
+           "  version      %s\n"
+           "  state        %s\n"
+           "  backend      %s\n"
+           "  uptime       %s\n"
+           "  connections  %.0f open, %.0f total, %.0f rejected\n"
+           "  traffic      %s in, %s out\n"
+           "  bad frames   %.0f\n",
+           json_string(server, "version"), json_string(server, "state"),
+           json_string(server, "backend"), uptime, json_number(server, "connections_current"),
+           json_number(server, "connections_total"), json_number(server, "connections_rejected"),
+           bytes_in, bytes_out, json_number(server, "frames_rejected"));
+}
+
+static void print_method_stats(const cJSON *methods)
+{
+    static const char *const headers[] = {"METHOD", ">REQUESTS", ">ERRORS"};
+    text_table table;
+    text_table_init(&table, 3, headers, cJSON_GetArraySize(methods));
+    const cJSON *m;
+    cJSON_ArrayForEach(m, methods)
+    {
+        text_table_cell(&table, 0, "%s", json_string(m, "method"));
+        text_table_cell(&table, 1, "%.0f", json_number(m, "requests"));
+        text_table_cell(&table, 2, "%.0f", json_number(m, "errors"));
+        table.rows++;
+    }
+    putchar('\n');
+    text_table_print(&table);
+}
+
+static void print_table_stats(const cJSON *tables)
+{
+    static const char *const headers[] = {"TABLE", ">ROWS", ">CAPACITY", ">DIM",
+                                          ">SHARDS", ">MEMORY", ">PULLS", ">PUSHES"};
+    text_table table;
+    text_table_init(&table, 8, headers, cJSON_GetArraySize(tables));
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tables)
+    {
+        char memory[32];
+        format_bytes(json_number(t, "row_bytes") + json_number(t, "index_bytes"), memory,
+                     sizeof(memory));
+        text_table_cell(&table, 0, "%s", json_string(t, "name"));
+        text_table_cell(&table, 1, "%.0f", json_number(t, "rows"));
+        text_table_cell(&table, 2, "%.0f", json_number(t, "capacity"));
+        text_table_cell(&table, 3, "%.0f", json_number(t, "dim"));
+        text_table_cell(&table, 4, "%.0f", json_number(t, "shards"));
+        text_table_cell(&table, 5, "%s", memory);
+        text_table_cell(&table, 6, "%.0f", json_number(t, "pulls"));
+        text_table_cell(&table, 7, "%.0f", json_number(t, "pushes"));
+        table.rows++;
+    }
+    putchar('\n');
+    text_table_print(&table);
+}
+
+static void print_pool_stats(const cJSON *pools)
+{
+    static const char *const headers[] = {"POOL",  ">IN USE",       ">RESERVED",
+                                          ">LIMIT", ">PEAK",         ">LARGEST FREE",
+                                          ">FRAGMENTATION"};
+    static const char *const sizes[] = {"bytes_in_use", "bytes_reserved", "bytes_limit",
+                                        "peak_bytes_in_use", "largest_free_block"};
+    text_table table;
+    text_table_init(&table, 7, headers, cJSON_GetArraySize(pools));
+    const cJSON *p;
+    cJSON_ArrayForEach(p, pools)
+    {
+        text_table_cell(&table, 0, "%s", json_string(p, "device"));
+        for (int i = 0; i < 5; i++)
+            format_bytes(json_number(p, sizes[i]), table.cells[table.rows][i + 1], CELL_MAX);
+        text_table_cell(&table, 6, "%.1f%%", 100.0 * json_number(p, "fragmentation"));
+        table.rows++;
+    }
+    putchar('\n');
+    text_table_print(&table);
+}
+
+static int command_stats(cli *c, int argc, char **argv)
+{
+    if (argc > 2)
+        return usage_error("stats takes at most one table name");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    cJSON *stats;
+    em_error err;
+    if (em_client_stats(c->client, argc == 2 ? argv[1] : NULL, &stats, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        print_json(stats);
+    } else {
+        const cJSON *server = cJSON_GetObjectItemCaseSensitive(stats, "server");
+        print_server_stats(server);
+        print_method_stats(cJSON_GetObjectItemCaseSensitive(server, "methods"));
+        print_table_stats(cJSON_GetObjectItemCaseSensitive(stats, "tables"));
+        print_pool_stats(cJSON_GetObjectItemCaseSensitive(stats, "pools"));
+    }
+    cJSON_Delete(stats);
+    return EXIT_OK;
+}
+
+/* ---- main -------------------------------------------------------------------------- */
+
+typedef struct command {
+    const char *name;
+    int (*run)(cli *c, int argc, char **argv);
+} command;
+
+static const command commands[] = {
+    {"ping", command_ping},
+    {"health", command_health},
+    {"tables", command_tables},
+    {"stats", command_stats},
+};
+
+enum { OPTION_SERVER = 256, OPTION_TOKEN, OPTION_TOKEN_FILE, OPTION_JSON, OPTION_TIMEOUT,
+       OPTION_VERSION };
+
+static int parse_timeout(cli *c, const char *text)
+{
+    double value;
+    if (!parse_whole(text, &value) || value < 1 || value > 86400000)
+        return usage_error("--timeout '%s' is not a number of milliseconds in 1..86400000",
+                           text);
+    c->timeout_ms = (uint32_t)value;
+    return EXIT_OK;
+}
+
+/* Global options, up to the command; *done is set for --help and --version. */
+static int parse_global_options(cli *c, int argc, char **argv, bool *done)
+{
+    static const struct option options[] = {
+        {"server", required_argument, NULL, OPTION_SERVER},
+        {"token", required_argument, NULL, OPTION_TOKEN},
+        {"token-file", required_argument, NULL, OPTION_TOKEN_FILE},
+        {"json", no_argument, NULL, OPTION_JSON},
+        {"timeout", required_argument, NULL, OPTION_TIMEOUT},
+        {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, OPTION_VERSION},
+        {NULL, 0, NULL, 0},
+    };
+    opterr = 0;
+    int option, code = EXIT_OK;
+    while (code == EXIT_OK && (option = getopt_long(argc, argv, "+h", options, NULL)) != -1) {
+        switch (option) {
+        case OPTION_SERVER:
+            c->server = optarg;
+            break;
+        case OPTION_TOKEN:
+            c->token = optarg;
+            break;
+        case OPTION_TOKEN_FILE:
+            c->token_file = optarg;
+            break;
+        case OPTION_JSON:
+            c->json = true;
+            break;
+        case OPTION_TIMEOUT:
+            code = parse_timeout(c, optarg);
+            break;
+        case 'h':
+            print_help(stdout);
+            *done = true;
+            return EXIT_OK;
+        case OPTION_VERSION:
+            printf("emberctl %s\n", EM_VERSION);
+            *done = true;
+            return EXIT_OK;
+        default:
+            return usage_error("unknown or incomplete option '%s'", argv[optind - 1]);
+        }
+    }
+    return code;
+}
+
+static const command *find_command(const char *name)
+{
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        if (strcmp(commands[i].name, name) == 0)
+            return &commands[i];
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    cli c = {.server = DEFAULT_ADMIN_SERVER, .timeout_ms = DEFAULT_TIMEOUT_MS};
+    bool done = false;
+    int code = parse_global_options(&c, argc, argv, &done);
+    if (code != EXIT_OK || done)
+        return code;
+    if (optind >= argc)
+        return usage_error("no command given (ping, health, tables, stats)");
+    const command *chosen = find_command(argv[optind]);
+    if (chosen == NULL)
+        return usage_error("unknown command '%s' (ping, health, tables, stats)", argv[optind]);
+    code = chosen->run(&c, argc - optind, argv + optind);
+    em_client_destroy(c.client);
+    return code;
+}

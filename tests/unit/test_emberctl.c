@@ -1,0 +1,279 @@
+/*
+ * emberctl as a user runs it: the built binary (its path is this program's first
+ * argument) against an in-process server, checking output and exit status.
+ */
+#include <arpa/inet.h>
+#include <cJSON.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ember_config.h"
+#include "tests/support/test_server.h"
+#include "tests/support/test_support.h"
+
+#define DEVELOPMENT_TOKEN "ember-dev-admin-token"
+#define OUTPUT_MAX 16384
+
+static const char *emberctl_path;
+
+typedef struct run_result {
+    int code;
+    char out[OUTPUT_MAX];
+    char err[OUTPUT_MAX];
+} run_result;
+
+static void slurp(FILE *file, char *buffer)
+{
+    rewind(file);
+    size_t got = fread(buffer, 1, OUTPUT_MAX - 1, file);
+    buffer[got] = '\0';
+    fclose(file);
+}
+
+/* Runs emberctl with args (NULL-terminated); token_env sets EMBER_ADMIN_TOKEN. */
+static run_result *run(const char *token_env, const char *const *args)
+{
+    static run_result result;
+    FILE *out = tmpfile(), *err = tmpfile();
+    ck_assert(out != NULL && err != NULL);
+    const char *argv[32] = {emberctl_path};
+    int argc = 1;
+    for (; args[argc - 1] != NULL; argc++)
+        argv[argc] = args[argc - 1];
+    argv[argc] = NULL;
+    fflush(NULL);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        dup2(fileno(out), STDOUT_FILENO);
+        dup2(fileno(err), STDERR_FILENO);
+        if (token_env != NULL)
+            setenv("EMBER_ADMIN_TOKEN", token_env, 1);
+        else
+            unsetenv("EMBER_ADMIN_TOKEN");
+        execv(emberctl_path, (char *const *)argv);
+        _exit(127);
+    }
+    int status;
+    ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+    ck_assert(WIFEXITED(status));
+    result.code = WEXITSTATUS(status);
+    slurp(out, result.out);
+    slurp(err, result.err);
+    return &result;
+}
+
+#define RUN(token, ...) run(token, (const char *const[]){__VA_ARGS__, NULL})
+
+static em_test_server *dev_server(void)
+{
+    em_test_server_options options = {.admin_token = DEVELOPMENT_TOKEN};
+    return em_test_server_start(&options);
+}
+
+START_TEST(version_and_help)
+{
+    run_result *r = RUN(NULL, "--version");
+    ck_assert_int_eq(r->code, 0);
+    ck_assert_str_eq(r->out, "emberctl " EM_VERSION "\n");
+    r = RUN(NULL, "--help");
+    ck_assert_int_eq(r->code, 0);
+    ck_assert(strstr(r->out, "tables create --name N --dim D --capacity C") != NULL);
+    ck_assert(strstr(r->out, "\"ember-dev-admin-token\": the development default") != NULL);
+    ck_assert(strstr(r->out, "127.0.0.1:7071") != NULL);
+}
+END_TEST
+
+START_TEST(usage_errors_exit_2_and_say_what_was_wrong)
+{
+    run_result *r = RUN(NULL, "--json");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert(strstr(r->err, "emberctl: no command given") == r->err);
+    r = RUN(NULL, "frobnicate");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert(strstr(r->err, "unknown command 'frobnicate'") != NULL);
+    r = RUN(NULL, "--timeout", "soon", "ping");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert(strstr(r->err, "--timeout 'soon'") != NULL);
+    r = RUN(NULL, "--server", "localhost", "ping");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert(strstr(r->err, "emberctl: INVALID_ARGUMENT: server list entry 1 'localhost' has "
+                            "no port") != NULL);
+    /* arguments are checked before connecting: nothing listens on port 1 */
+    r = RUN(NULL, "--server", "127.0.0.1:1", "tables", "create", "--name", "t", "--dim", "x",
+            "--capacity", "10");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert(strstr(r->err, "--dim 'x' is not a whole number") != NULL);
+    r = RUN(NULL, "--server", "127.0.0.1:1", "tables", "create", "--name", "t");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert(strstr(r->err, "needs --name, --dim and --capacity") != NULL);
+    r = RUN(NULL, "tables", "create", "--json-config", "{broken");
+    ck_assert_int_eq(r->code, 2);
+    r = RUN(NULL, "tables", "drop");
+    ck_assert_int_eq(r->code, 2);
+    r = RUN(NULL, "--token-file", "/nonexistent/token", "ping");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert(strstr(r->err, "cannot read token file '/nonexistent/token'") != NULL);
+}
+END_TEST
+
+START_TEST(no_server_exits_3)
+{
+    int holder = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in address = {.sin_family = AF_INET, .sin_port = 0};
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ck_assert_int_eq(bind(holder, (struct sockaddr *)&address, sizeof(address)), 0);
+    socklen_t length = sizeof(address);
+    getsockname(holder, (struct sockaddr *)&address, &length);
+    char server[64], expected[256];
+    snprintf(server, sizeof(server), "127.0.0.1:%u", ntohs(address.sin_port));
+    run_result *r = RUN(NULL, "--server", server, "ping");
+    ck_assert_int_eq(r->code, 3);
+    snprintf(expected, sizeof(expected),
+             "emberctl: UNAVAILABLE: server %s: cannot connect: Connection refused\n", server);
+    ck_assert_str_eq(r->err, expected);
+    close(holder);
+}
+END_TEST
+
+START_TEST(tables_lifecycle_in_text_and_json)
+{
+    em_test_server *server = dev_server();
+    const char *at = em_test_server_address(server);
+    run_result *r = RUN(NULL, "--server", at, "tables", "list");
+    ck_assert_int_eq(r->code, 0);
+    ck_assert_str_eq(r->out, "no tables\n");
+    r = RUN(NULL, "--server", at, "tables", "create", "--name", "clicks", "--dim", "16",
+            "--capacity", "1000000", "--shards", "4", "--optimizer", "adagrad", "--lr", "0.05",
+            "--initializer", "zeros", "--seed", "7");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    ck_assert_str_eq(r->out, "created table 'clicks': dim 16, capacity 1000000, 4 shards, "
+                             "adagrad\n");
+    r = RUN(NULL, "--server", at, "tables", "create", "--json-config",
+            "{\"name\":\"users\",\"dim\":8,\"capacity\":500}");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    r = RUN(NULL, "--server", at, "tables", "list");
+    ck_assert_int_eq(r->code, 0);
+    ck_assert_str_eq(r->out, "NAME    DIM  CAPACITY  SHARDS  OPTIMIZER  ROWS\n"
+                             "clicks   16   1000000       4  adagrad       0\n"
+                             "users     8       500       1  sgd           0\n");
+    r = RUN(NULL, "--server", at, "--json", "tables", "list");
+    ck_assert_int_eq(r->code, 0);
+    cJSON *json = cJSON_Parse(r->out);
+    ck_assert(cJSON_IsArray(json));
+    ck_assert_int_eq(cJSON_GetArraySize(json), 2);
+    const cJSON *config = cJSON_GetObjectItem(cJSON_GetArrayItem(json, 0), "config");
+    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(config, "initializer"), "type")
+                         ->valuestring,
+                     "zeros");
+    cJSON_Delete(json);
+    r = RUN(NULL, "--server", at, "tables", "create", "--name", "clicks", "--dim", "16",
+            "--capacity", "10");
+    ck_assert_int_eq(r->code, 1);
+    ck_assert(strstr(r->err, "emberctl: ALREADY_EXISTS: server ") == r->err);
+    r = RUN(NULL, "--server", at, "tables", "drop", "clicks");
+    ck_assert_int_eq(r->code, 0);
+    ck_assert_str_eq(r->out, "dropped table 'clicks'\n");
+    r = RUN(NULL, "--server", at, "tables", "drop", "clicks");
+    ck_assert_int_eq(r->code, 1);
+    char expected[128];
+    snprintf(expected, sizeof(expected),
+             "emberctl: NOT_FOUND: server %s: NOT_FOUND: no table 'clicks'\n", at);
+    ck_assert_str_eq(r->err, expected);
+    em_test_server_stop(server);
+}
+END_TEST
+
+START_TEST(tokens_come_from_flag_file_environment_or_default)
+{
+    em_test_server_options options = {.admin_token = "s3cret"};
+    em_test_server *server = em_test_server_start(&options);
+    const char *at = em_test_server_address(server);
+    /* the development default is not this server's token */
+    run_result *r = RUN(NULL, "--server", at, "tables", "list");
+    ck_assert_int_eq(r->code, 1);
+    ck_assert(strstr(r->err, "emberctl: UNAUTHENTICATED: ") == r->err);
+    r = RUN("s3cret", "--server", at, "tables", "list");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    r = RUN("s3cret", "--server", at, "--token", "wrong", "tables", "list");
+    ck_assert_int_eq(r->code, 1);
+    r = RUN(NULL, "--server", at, "--token", "s3cret", "tables", "list");
+    ck_assert_int_eq(r->code, 0);
+    char path[] = "/tmp/emberctl-token-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert(write(fd, "s3cret\n", 7) == 7);
+    close(fd);
+    r = RUN("wrong", "--server", at, "--token-file", path, "tables", "list");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    unlink(path);
+    em_test_server_stop(server);
+
+    server = dev_server();
+    r = RUN(NULL, "--server", em_test_server_address(server), "tables", "list");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    em_test_server_stop(server);
+}
+END_TEST
+
+START_TEST(ping_health_and_stats)
+{
+    em_test_server *server = dev_server();
+    const char *at = em_test_server_address(server);
+    run_result *r = RUN(NULL, "--server", at, "ping");
+    ck_assert_int_eq(r->code, 0);
+    ck_assert(strstr(r->out, "pong from ") == r->out);
+    ck_assert(strstr(r->out, "version test, up ") != NULL);
+    r = RUN(NULL, "--server", at, "health");
+    ck_assert_int_eq(r->code, 0);
+    ck_assert(strstr(r->out, "ready    yes\nstate    serving\nbackend  cpu\n") != NULL);
+    r = RUN(NULL, "--server", at, "--json", "health");
+    ck_assert_int_eq(r->code, 0);
+    cJSON *json = cJSON_Parse(r->out);
+    ck_assert(cJSON_IsTrue(cJSON_GetObjectItem(json, "ready")));
+    cJSON_Delete(json);
+
+    r = RUN(NULL, "--server", at, "tables", "create", "--name", "t", "--dim", "4", "--capacity",
+            "100");
+    ck_assert_int_eq(r->code, 0);
+    r = RUN(NULL, "--server", at, "stats");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    ck_assert(strstr(r->out, "server\n  version      test\n  state        serving\n") == r->out);
+    ck_assert(strstr(r->out, "\nMETHOD  REQUESTS  ERRORS\nPULL           0       0\n") != NULL);
+    ck_assert(strstr(r->out, "\nTABLE  ROWS  CAPACITY  DIM  SHARDS") != NULL);
+    ck_assert(strstr(r->out, "\nPOOL   IN USE  RESERVED    LIMIT") != NULL);
+    ck_assert(strstr(r->out, "cpu0  1.5 KiB  64.0 MiB  1.0 GiB") != NULL);
+    ck_assert(strstr(r->out, "12.5%") != NULL);
+    r = RUN(NULL, "--server", at, "--json", "stats", "t");
+    ck_assert_int_eq(r->code, 0);
+    json = cJSON_Parse(r->out);
+    ck_assert(cJSON_IsObject(cJSON_GetObjectItem(json, "server")));
+    ck_assert(cJSON_IsArray(cJSON_GetObjectItem(json, "pools")));
+    cJSON_Delete(json);
+    em_test_server_stop(server);
+}
+END_TEST
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s PATH-TO-EMBERCTL\n", argv[0]);
+        return 2;
+    }
+    emberctl_path = argv[1];
+    Suite *suite = suite_create("emberctl");
+    TCase *cli = tcase_create("cli");
+    tcase_set_timeout(cli, 60);
+    tcase_add_test(cli, version_and_help);
+    tcase_add_test(cli, usage_errors_exit_2_and_say_what_was_wrong);
+    tcase_add_test(cli, no_server_exits_3);
+    tcase_add_test(cli, tables_lifecycle_in_text_and_json);
+    tcase_add_test(cli, tokens_come_from_flag_file_environment_or_default);
+    tcase_add_test(cli, ping_health_and_stats);
+    suite_add_tcase(suite, cli);
+    return em_test_run(suite);
+}
