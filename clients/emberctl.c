@@ -71,9 +71,12 @@ static bool answered_by_server(const em_error *err)
 
 static int call_failed(const em_error *err)
 {
-    fprintf(stderr, "emberctl: %s: %s\n", em_status_name(err->status), err->message);
-    if (answered_by_server(err))
+    if (answered_by_server(err)) {
+        /* "server H:P: STATUS: message" already names the status */
+        fprintf(stderr, "emberctl: %s\n", err->message);
         return EXIT_SERVER_ERROR;
+    }
+    fprintf(stderr, "emberctl: %s: %s\n", em_status_name(err->status), err->message);
     if (err->status == EM_UNAVAILABLE || err->status == EM_DEADLINE_EXCEEDED)
         return EXIT_NO_ANSWER;
     return err->status == EM_INVALID_ARGUMENT ? EXIT_USAGE : EXIT_SERVER_ERROR;
@@ -794,19 +797,62 @@ static const command *find_command(const char *name)
     return NULL;
 }
 
+/* Global options may also follow the command ("emberctl stats --json"): they are moved
+ * in front of it, so each command only sees its own arguments. */
+static char **global_options_first(int argc, char **argv)
+{
+    static const char *const with_value[] = {"--server", "--token", "--token-file", "--timeout"};
+    char **ordered = calloc((size_t)argc + 1, sizeof(*ordered));
+    int front = 1, command_index = 0;
+    ordered[0] = argv[0];
+    char **rest = calloc((size_t)argc + 1, sizeof(*rest));
+    int rest_count = 0;
+    for (int i = 1; i < argc; i++) {
+        bool global = strcmp(argv[i], "--json") == 0 || strncmp(argv[i], "--server=", 9) == 0 ||
+                      strncmp(argv[i], "--token=", 8) == 0 ||
+                      strncmp(argv[i], "--token-file=", 13) == 0 ||
+                      strncmp(argv[i], "--timeout=", 10) == 0;
+        bool takes_value = false;
+        for (size_t v = 0; v < sizeof(with_value) / sizeof(with_value[0]); v++)
+            takes_value |= strcmp(argv[i], with_value[v]) == 0;
+        if (command_index == 0 && argv[i][0] != '-') {
+            command_index = i;
+            rest[rest_count++] = argv[i];
+        } else if (command_index == 0 || global || takes_value) {
+            ordered[front++] = argv[i];
+            if (takes_value && i + 1 < argc)
+                ordered[front++] = argv[++i];
+        } else {
+            rest[rest_count++] = argv[i];
+        }
+    }
+    memcpy(ordered + front, rest, (size_t)rest_count * sizeof(*rest));
+    free(rest);
+    return ordered;
+}
+
 int main(int argc, char **argv)
 {
     cli c = {.server = DEFAULT_ADMIN_SERVER, .timeout_ms = DEFAULT_TIMEOUT_MS};
     bool done = false;
-    int code = parse_global_options(&c, argc, argv, &done);
-    if (code != EXIT_OK || done)
+    char **ordered = global_options_first(argc, argv);
+    int code = parse_global_options(&c, argc, ordered, &done);
+    if (code != EXIT_OK || done) {
+        free(ordered);
         return code;
-    if (optind >= argc)
+    }
+    if (optind >= argc) {
+        free(ordered);
         return usage_error("no command given (ping, health, tables, stats)");
-    const command *chosen = find_command(argv[optind]);
-    if (chosen == NULL)
-        return usage_error("unknown command '%s' (ping, health, tables, stats)", argv[optind]);
-    code = chosen->run(&c, argc - optind, argv + optind);
+    }
+    const command *chosen = find_command(ordered[optind]);
+    if (chosen == NULL) {
+        code = usage_error("unknown command '%s' (ping, health, tables, stats)", ordered[optind]);
+        free(ordered);
+        return code;
+    }
+    code = chosen->run(&c, argc - optind, ordered + optind);
     em_client_destroy(c.client);
+    free(ordered);
     return code;
 }

@@ -428,6 +428,20 @@ static cJSON *integer_to_json(const em_config_field *field, const void *slot)
     return cJSON_CreateNumber((double)bits);
 }
 
+/* The shortest decimal that reads back as the same float (0.01f prints as 0.01, not
+ * 0.00999999977648258), as a double for cJSON. */
+static double shortest_float(float value)
+{
+    char text[32];
+    for (int precision = 6; precision <= 9; precision++) {
+        snprintf(text, sizeof(text), "%.*g", precision, (double)value);
+        double parsed = strtod(text, NULL);
+        if ((float)parsed == value)
+            return parsed;
+    }
+    return (double)value;
+}
+
 static cJSON *enum_to_json(const em_config_field *field, const void *slot)
 {
     int value;
@@ -448,7 +462,7 @@ static cJSON *field_to_json(const em_config_field *field, const void *target)
         return integer_to_json(field, slot);
     case EM_CONFIG_DOUBLE:
         if (field->size == sizeof(float))
-            return cJSON_CreateNumber((double)*(const float *)slot);
+            return cJSON_CreateNumber(shortest_float(*(const float *)slot));
         return cJSON_CreateNumber(*(const double *)slot);
     case EM_CONFIG_STRING:
         return cJSON_CreateString((const char *)slot);
