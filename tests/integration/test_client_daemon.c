@@ -1,0 +1,377 @@
+/*
+ * The C client against real emberd processes: results against the in-process engine,
+ * every admin method, a thousand calls in flight, 64 concurrent connections, and three
+ * daemons giving exactly what one gives.
+ */
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clients/ember_client.h"
+#include "lib/backend.h"
+#include "lib/table.h"
+#include "tests/integration/harness.h"
+#include "tests/support/test_support.h"
+
+#define DIM 6
+#define TABLE_JSON                                                                         \
+    "{\"name\": \"t\", \"dim\": 6, \"capacity\": 1000000, \"shards\": 4,"                  \
+    " \"optimizer\": {\"type\": \"rowwise_adagrad\", \"lr\": 0.1},"                        \
+    " \"initializer\": {\"type\": \"uniform\", \"bound\": 0.5, \"seed\": 9}}"
+
+static const char *with_table = "{\"tables\": [" TABLE_JSON "]}";
+
+static em_client *client_for(const char *servers, const char *token, uint32_t window)
+{
+    em_client_options options;
+    em_client_options_init(&options);
+    options.servers = servers;
+    options.token = token;
+    options.window = window;
+    em_client *client = NULL;
+    em_error err;
+    ck_assert_msg(em_client_create(&options, &client, &err) == EM_OK, "%s", err.message);
+    return client;
+}
+
+typedef struct batch {
+    em_csr csr;
+    uint32_t *offsets;
+    uint64_t *keys;
+} batch;
+
+static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
+{
+    batch b;
+    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
+    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
+    b.offsets[0] = 0;
+    for (uint32_t r = 0; r < rows; r++) {
+        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
+        for (uint32_t k = 0; k < length; k++)
+            b.keys[b.offsets[r] + k] = em_test_rng_below(rng, universe) * 0x9e3779b97f4a7c15ull;
+        b.offsets[r + 1] = b.offsets[r] + length;
+    }
+    b.csr = (em_csr){rows, b.offsets[rows], b.offsets, b.keys};
+    return b;
+}
+
+static void free_batch(batch *b)
+{
+    free(b->offsets);
+    free(b->keys);
+}
+
+static em_table *local_table(em_backend **backend)
+{
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.pool_limit_bytes = 256u << 20;
+    options.pool_initial_bytes = 16u << 20;
+    em_error err;
+    ck_assert_int_eq(em_backend_create_cpu(&options, backend, &err), EM_OK);
+    em_table_config config;
+    ck_assert_int_eq(em_table_config_parse_text(TABLE_JSON, &config, &err), EM_OK);
+    em_table *table = NULL;
+    ck_assert_int_eq(em_table_create(*backend, &config, &table, &err), EM_OK);
+    return table;
+}
+
+static uint64_t floats_of(const em_csr *csr, em_combiner combiner)
+{
+    return em_csr_output_vectors(csr, combiner) * DIM;
+}
+
+static void client_pull(em_client *client, const em_csr *csr, em_combiner combiner, bool create,
+                        float *out)
+{
+    em_client_pull_args args = {"t", *csr, combiner, create, out, floats_of(csr, combiner)};
+    em_client_pull_result result;
+    em_error err;
+    ck_assert_msg(em_client_pull(client, &args, &result, &err) == EM_OK, "%s", err.message);
+    ck_assert_uint_eq(result.dim, DIM);
+}
+
+static void client_push(em_client *client, const em_csr *csr, em_combiner combiner,
+                        const float *g)
+{
+    em_client_push_args args = {"t", *csr, combiner, g, floats_of(csr, combiner)};
+    em_client_push_result result;
+    em_error err;
+    ck_assert_msg(em_client_push(client, &args, &result, &err) == EM_OK, "%s", err.message);
+}
+
+/* Pulls and pushes a random workload through client, and the same through the local
+ * table (when given); every pulled float must be identical. Returns all pulled floats. */
+static float *run_workload(em_client *client, em_table *local, uint64_t seed, int rounds,
+                           uint64_t *count)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, seed);
+    float *all = malloc((size_t)rounds * 48 * 5 * DIM * sizeof(float));
+    *count = 0;
+    em_error err;
+    for (int round = 0; round < rounds; round++) {
+        em_combiner combiner = (em_combiner)(round % 4);
+        batch b = random_batch(&rng, 48, 5, 400);
+        uint64_t floats = floats_of(&b.csr, combiner);
+        float *out = all + *count;
+        client_pull(client, &b.csr, combiner, true, out);
+        if (local != NULL) {
+            float *expected = malloc((floats + 1) * sizeof(float));
+            em_pull_request request = {b.csr, combiner, true, expected, floats};
+            em_pull_result result;
+            ck_assert_int_eq(em_table_pull(local, &request, &result, &err), EM_OK);
+            ck_assert_msg(memcmp(out, expected, floats * sizeof(float)) == 0,
+                          "round %d: pulled values differ from the engine", round);
+            free(expected);
+        }
+        *count += floats;
+        float *g = malloc((floats + 1) * sizeof(float));
+        for (uint64_t i = 0; i < floats; i++)
+            g[i] = (float)(em_test_rng_unit(&rng) - 0.5);
+        client_push(client, &b.csr, combiner, g);
+        if (local != NULL) {
+            em_push_request request = {b.csr, combiner, g, floats};
+            em_push_result result;
+            ck_assert_int_eq(em_table_push(local, &request, &result, &err), EM_OK);
+        }
+        free(g);
+        free_batch(&b);
+    }
+    return all;
+}
+
+START_TEST(client_results_equal_the_engine)
+{
+    test_daemon *daemon = test_daemon_start(with_table);
+    em_client *client = client_for(daemon->data, NULL, 64);
+    em_backend *backend = NULL;
+    em_table *local = local_table(&backend);
+    uint64_t count = 0;
+    free(run_workload(client, local, em_test_seed(), 40, &count));
+    ck_assert_uint_gt(count, 0);
+    em_client_destroy(client);
+    em_table_destroy(local);
+    em_backend_destroy(backend);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
+}
+END_TEST
+
+/* The same workload on one daemon and split by the client over three: identical. */
+START_TEST(three_daemons_give_what_one_gives)
+{
+    test_daemon *one = test_daemon_start(with_table);
+    test_daemon *three[3];
+    char list[256] = "";
+    for (int i = 0; i < 3; i++) {
+        three[i] = test_daemon_start(with_table);
+        strcat(list, three[i]->data);
+        if (i < 2)
+            strcat(list, ",");
+    }
+    em_client *single = client_for(one->data, NULL, 64);
+    em_client *split = client_for(list, NULL, 64);
+    ck_assert_uint_eq(em_client_server_count(split), 3);
+    uint64_t single_count = 0, split_count = 0;
+    float *a = run_workload(single, NULL, em_test_seed() + 3, 40, &single_count);
+    float *b = run_workload(split, NULL, em_test_seed() + 3, 40, &split_count);
+    ck_assert_uint_eq(single_count, split_count);
+    ck_assert_msg(memcmp(a, b, single_count * sizeof(float)) == 0,
+                  "three daemons answered differently from one");
+    /* the keys really are spread: every daemon holds rows */
+    for (int i = 0; i < 3; i++) {
+        em_client *admin = client_for(three[i]->admin, TEST_ADMIN_TOKEN, 4);
+        cJSON *tables = NULL;
+        em_error err;
+        ck_assert_int_eq(em_client_list_tables(admin, &tables, &err), EM_OK);
+        double rows = cJSON_GetNumberValue(cJSON_GetObjectItem(cJSON_GetArrayItem(tables, 0),
+                                                               "rows"));
+        ck_assert_msg(rows > 50, "daemon %d holds %g rows", i, rows);
+        cJSON_Delete(tables);
+        em_client_destroy(admin);
+    }
+    free(a);
+    free(b);
+    em_client_destroy(single);
+    em_client_destroy(split);
+    ck_assert_int_eq(test_daemon_stop(one, SIGTERM, 10000), 0);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(test_daemon_stop(three[i], SIGTERM, 10000), 0);
+}
+END_TEST
+
+START_TEST(thousand_calls_in_flight_through_the_client)
+{
+    enum { CALLS = 1000 };
+    test_daemon *daemon = test_daemon_start(with_table);
+    em_client *client = client_for(daemon->data, NULL, CALLS);
+    em_backend *backend = NULL;
+    em_table *local = local_table(&backend);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 5);
+    static batch batches[CALLS];
+    static float *outs[CALLS];
+    static em_client_call *calls[CALLS];
+    em_error err;
+    for (int i = 0; i < CALLS; i++) {
+        batches[i] = random_batch(&rng, 4, 4, 100000);
+        outs[i] = malloc((floats_of(&batches[i].csr, EM_COMBINER_SQRTN) + 1) * sizeof(float));
+        em_client_pull_args args = {"t", batches[i].csr, EM_COMBINER_SQRTN, true, outs[i],
+                                    floats_of(&batches[i].csr, EM_COMBINER_SQRTN)};
+        ck_assert_msg(em_client_pull_start(client, &args, &calls[i], &err) == EM_OK, "%s",
+                      err.message);
+    }
+    /* finish in reverse order; creation order does not change initial values */
+    for (int i = CALLS - 1; i >= 0; i--) {
+        em_client_pull_result result;
+        ck_assert_msg(em_client_finish(client, calls[i], &result, &err) == EM_OK, "%s",
+                      err.message);
+        uint64_t floats = floats_of(&batches[i].csr, EM_COMBINER_SQRTN);
+        float *expected = malloc((floats + 1) * sizeof(float));
+        em_pull_request request = {batches[i].csr, EM_COMBINER_SQRTN, true, expected, floats};
+        em_pull_result local_result;
+        ck_assert_int_eq(em_table_pull(local, &request, &local_result, &err), EM_OK);
+        ck_assert(memcmp(outs[i], expected, floats * sizeof(float)) == 0);
+        free(expected);
+        free(outs[i]);
+        free_batch(&batches[i]);
+    }
+    em_client_destroy(client);
+    em_table_destroy(local);
+    em_backend_destroy(backend);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
+}
+END_TEST
+
+typedef struct connection_worker {
+    const char *address;
+    int index;
+    int failures;
+} connection_worker;
+
+/* Each connection pushes to its own keys and checks them afterwards (sgd, zeros). */
+static void *connection_main(void *argument)
+{
+    connection_worker *w = argument;
+    em_client *client = client_for(w->address, NULL, 8);
+    uint32_t offsets[] = {0, 4};
+    uint64_t keys[4];
+    for (int k = 0; k < 4; k++)
+        keys[k] = (uint64_t)w->index * 1000 + (uint64_t)k;
+    em_csr csr = {1, 4, offsets, keys};
+    float g[DIM];
+    for (int j = 0; j < DIM; j++)
+        g[j] = 1.0f;
+    em_error err;
+    for (int n = 0; n < 20; n++) {
+        em_client_push_args args = {"z", csr, EM_COMBINER_SUM, g, DIM};
+        em_client_push_result result;
+        if (em_client_push(client, &args, &result, &err) != EM_OK)
+            w->failures++;
+    }
+    float out[4 * DIM];
+    em_client_pull_args args = {"z", csr, EM_COMBINER_NONE, false, out, 4 * DIM};
+    em_client_pull_result result;
+    if (em_client_pull(client, &args, &result, &err) != EM_OK || result.missing != 0)
+        w->failures++;
+    for (int i = 0; i < 4 * DIM; i++)
+        if (out[i] != -0.5f * 20)
+            w->failures++;
+    em_client_destroy(client);
+    return NULL;
+}
+
+START_TEST(sixty_four_concurrent_connections)
+{
+    enum { CONNECTIONS = 64 };
+    test_daemon *daemon = test_daemon_start(
+        "{\"tables\": [{\"name\": \"z\", \"dim\": 6, \"capacity\": 100000, \"shards\": 4,"
+        " \"optimizer\": {\"type\": \"sgd\", \"lr\": 0.5}, \"initializer\": {\"type\": \"zeros\"}}]}");
+    pthread_t threads[CONNECTIONS];
+    connection_worker workers[CONNECTIONS];
+    for (int i = 0; i < CONNECTIONS; i++) {
+        workers[i] = (connection_worker){daemon->data, i, 0};
+        pthread_create(&threads[i], NULL, connection_main, &workers[i]);
+    }
+    for (int i = 0; i < CONNECTIONS; i++) {
+        pthread_join(threads[i], NULL);
+        ck_assert_msg(workers[i].failures == 0, "connection %d saw %d failures", i,
+                      workers[i].failures);
+    }
+    em_client *admin = client_for(daemon->admin, TEST_ADMIN_TOKEN, 4);
+    cJSON *stats = NULL;
+    em_error err;
+    ck_assert_int_eq(em_client_stats(admin, "z", &stats, &err), EM_OK);
+    cJSON *server = cJSON_GetObjectItem(stats, "server");
+    ck_assert_double_ge(cJSON_GetNumberValue(cJSON_GetObjectItem(server, "connections_total")),
+                        CONNECTIONS);
+    cJSON *table = cJSON_GetArrayItem(cJSON_GetObjectItem(stats, "tables"), 0);
+    ck_assert_double_eq(cJSON_GetNumberValue(cJSON_GetObjectItem(table, "rows")),
+                        CONNECTIONS * 4);
+    ck_assert_double_eq(cJSON_GetNumberValue(cJSON_GetObjectItem(table, "pushes")),
+                        CONNECTIONS * 20);
+    cJSON_Delete(stats);
+    em_client_destroy(admin);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
+}
+END_TEST
+
+START_TEST(every_admin_method_through_the_client)
+{
+    test_daemon *daemon = test_daemon_start(NULL);
+    em_client *admin = client_for(daemon->admin, TEST_ADMIN_TOKEN, 4);
+    em_error err;
+    char version[32];
+    uint64_t uptime = 0;
+    ck_assert_int_eq(em_client_ping(admin, version, sizeof(version), &uptime, &err), EM_OK);
+    ck_assert_str_eq(version, "0.1.0");
+    em_client_health health;
+    ck_assert_int_eq(em_client_health_check(admin, &health, &err), EM_OK);
+    ck_assert(health.ready);
+    ck_assert_str_eq(health.backend, "cpu");
+    ck_assert_uint_eq(health.tables, 0);
+    cJSON *info = NULL;
+    ck_assert_int_eq(em_client_create_table(admin, TABLE_JSON, &info, &err), EM_OK);
+    ck_assert_str_eq(cJSON_GetStringValue(cJSON_GetObjectItem(info, "optimizer")),
+                     "rowwise_adagrad");
+    cJSON_Delete(info);
+    ck_assert_int_eq(em_client_create_table(admin, TABLE_JSON, NULL, &err), EM_ALREADY_EXISTS);
+    ck_assert_msg(strstr(err.message, "table 't' already exists") != NULL, "%s", err.message);
+    cJSON *tables = NULL;
+    ck_assert_int_eq(em_client_list_tables(admin, &tables, &err), EM_OK);
+    ck_assert_int_eq(cJSON_GetArraySize(tables), 1);
+    cJSON_Delete(tables);
+    cJSON *stats = NULL;
+    ck_assert_int_eq(em_client_stats(admin, NULL, &stats, &err), EM_OK);
+    ck_assert_int_eq(cJSON_GetArraySize(cJSON_GetObjectItem(stats, "pools")), 1);
+    cJSON_Delete(stats);
+    ck_assert_int_eq(em_client_drop_table(admin, "t", &err), EM_OK);
+    ck_assert_int_eq(em_client_drop_table(admin, "t", &err), EM_NOT_FOUND);
+    em_client_destroy(admin);
+
+    /* wrong token, and admin methods on the data listener */
+    em_client *wrong = client_for(daemon->admin, "nope", 4);
+    ck_assert_int_eq(em_client_list_tables(wrong, &tables, &err), EM_UNAUTHENTICATED);
+    em_client_destroy(wrong);
+    em_client *data = client_for(daemon->data, TEST_ADMIN_TOKEN, 4);
+    ck_assert_int_eq(em_client_list_tables(data, &tables, &err), EM_PERMISSION_DENIED);
+    em_client_destroy(data);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *suite = suite_create("client_daemon");
+    TCase *tc = tcase_create("client_daemon");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, client_results_equal_the_engine);
+    tcase_add_test(tc, three_daemons_give_what_one_gives);
+    tcase_add_test(tc, thousand_calls_in_flight_through_the_client);
+    tcase_add_test(tc, sixty_four_concurrent_connections);
+    tcase_add_test(tc, every_admin_method_through_the_client);
+    suite_add_tcase(suite, tc);
+    return em_test_run(suite);
+}
