@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -331,6 +332,20 @@ static void start_watchdog(daemon_state *d)
 
 /* ---- main ---------------------------------------------------------------------------- */
 
+/* Request attachments and pull answers are megabytes each and short-lived. By default
+ * glibc serves such blocks with fresh mmaps and unmaps them on free, so every request
+ * pays page faults and kernel page zeroing for its buffers. Keeping them in the heap
+ * lets freed buffers serve the next requests; the connections' in-flight budgets
+ * already bound how much memory that can hold. */
+#define LARGE_BLOCK_THRESHOLD (512u << 20)
+#define HEAP_TRIM_THRESHOLD (1024u << 20)
+
+static void tune_allocator(void)
+{
+    mallopt(M_MMAP_THRESHOLD, (int)LARGE_BLOCK_THRESHOLD);
+    mallopt(M_TRIM_THRESHOLD, (int)HEAP_TRIM_THRESHOLD);
+}
+
 static int check_config(daemon_state *d)
 {
     printf("%s: configuration OK: %u table(s), data %s, admin %s, backend %s\n",
@@ -374,6 +389,7 @@ int main(int argc, char **argv)
     if (code != EXIT_OK)
         return code;
     signal(SIGPIPE, SIG_IGN); /* a peer that left is an error from write(), not a signal */
+    tune_allocator();
     em_error err;
     if (em_daemon_config_load(d.options.config_path, &d.config, &err) != EM_OK) {
         fprintf(stderr, "emberd: %s\n", err.message);

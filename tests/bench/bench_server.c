@@ -38,12 +38,12 @@
 /* Redis MGET/MSET commands carry at most this many keys; larger batches pipeline. */
 #define REDIS_CHUNK 4096
 
-typedef struct options {
+typedef struct bench_options {
     const char *emberd;
     double seconds;
     uint64_t keys;
     bool quick;
-} options;
+} bench_options;
 
 /* ---- processes ------------------------------------------------------------------------- */
 
@@ -116,7 +116,7 @@ static bool read_listen_file(const char *path, servers *s)
     return sscanf(text, "{\"data\": \"%63[^\"]\", \"admin\": \"%63[^\"]\"", s->data, s->admin) == 2;
 }
 
-static void start_emberd(const options *opt, servers *s)
+static void start_emberd(const bench_options *opt, servers *s)
 {
     snprintf(s->directory, sizeof(s->directory), "/tmp/ember-bench-XXXXXX");
     if (mkdtemp(s->directory) == NULL)
@@ -509,7 +509,7 @@ static void *worker_main(void *argument)
 }
 
 static double measure(const servers *s, target t, bool write, uint32_t batch,
-                      uint32_t connections, const options *opt)
+                      uint32_t connections, const bench_options *opt)
 {
     pthread_t *threads = calloc(connections, sizeof(*threads));
     worker *workers = calloc(connections, sizeof(*workers));
@@ -601,7 +601,7 @@ static int compare_doubles(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static void measure_latency(const servers *s, target t, const options *opt, double *p50,
+static void measure_latency(const servers *s, target t, const bench_options *opt, double *p50,
                             double *p99, double *rate)
 {
     enum { CLIENTS = 16 };
@@ -684,9 +684,9 @@ static double raw_tcp_mb_per_second(double seconds)
 /* ---- main ---------------------------------------------------------------------------- */
 
 
-static void parse_options(int argc, char **argv, options *opt)
+static void parse_options(int argc, char **argv, bench_options *opt)
 {
-    *opt = (options){.emberd = "build/daemon/emberd", .seconds = 2.0, .keys = 1000000};
+    *opt = (bench_options){.emberd = "build/daemon/emberd", .seconds = 2.0, .keys = 1000000};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) {
             opt->quick = true;
@@ -708,7 +708,7 @@ static void parse_options(int argc, char **argv, options *opt)
 
 int main(int argc, char **argv)
 {
-    options opt;
+    bench_options opt;
     parse_options(argc, argv, &opt);
     signal(SIGPIPE, SIG_IGN);
     servers s = {0};
