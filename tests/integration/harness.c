@@ -357,3 +357,30 @@ test_frame test_call(int fd, uint64_t correlation_id, int method, const char *to
     ck_assert_uint_eq(frame.meta->correlation_id, correlation_id);
     return frame;
 }
+
+int test_run_program(char *const argv[], const char *token, char **output)
+{
+    char path[] = "/tmp/ember-run-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        dup2(fd, STDOUT_FILENO);
+        dup2(fd, STDERR_FILENO);
+        if (token != NULL)
+            setenv("EMBER_ADMIN_TOKEN", token, 1);
+        else
+            unsetenv("EMBER_ADMIN_TOKEN");
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    close(fd);
+    *output = read_text_file(path);
+    unlink(path);
+    if (*output == NULL)
+        *output = strdup("");
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}

@@ -79,4 +79,10 @@ test_frame test_call(int fd, uint64_t correlation_id, int method, const char *to
                      const ProtobufCMessage *body, const void *attachment,
                      size_t attachment_length);
 
+/* Runs a program (argv, NULL-terminated) with stdout and stderr captured; returns its
+ * exit code (128 + signal when killed). *output (malloc'ed, caller frees) gets both
+ * streams. The environment variable EMBER_ADMIN_TOKEN is removed for the child unless
+ * token is given, in which case it is set to token. */
+int test_run_program(char *const argv[], const char *token, char **output);
+
 #endif

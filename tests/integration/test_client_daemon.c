@@ -3,6 +3,7 @@
  * every admin method, a thousand calls in flight, 64 concurrent connections, and three
  * daemons giving exactly what one gives.
  */
+#include <cJSON.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -362,6 +363,70 @@ START_TEST(every_admin_method_through_the_client)
 }
 END_TEST
 
+/* emberctl against a real daemon: what README shows, and its exit codes. */
+START_TEST(emberctl_against_a_real_daemon)
+{
+    test_daemon *daemon = test_daemon_start(with_table);
+    char *ctl = getenv("EMBERCTL");
+    ck_assert_ptr_nonnull(ctl);
+    char *out = NULL;
+    char *ping[] = {ctl, "--server", daemon->admin, "ping", NULL};
+    ck_assert_int_eq(test_run_program(ping, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "version 0.1.0") != NULL, "%s", out);
+    free(out);
+    char *list[] = {ctl, "--server", daemon->admin, "tables", "list", "--json", NULL};
+    ck_assert_int_eq(test_run_program(list, TEST_ADMIN_TOKEN, &out), 0);
+    cJSON *tables = cJSON_Parse(out);
+    ck_assert_msg(tables != NULL && cJSON_GetArraySize(tables) == 1, "%s", out);
+    cJSON_Delete(tables);
+    free(out);
+    char *create[] = {ctl, "--server", daemon->admin, "tables", "create", "--name", "extra",
+                      "--dim", "8", "--capacity", "100", "--optimizer", "adam", NULL};
+    ck_assert_int_eq(test_run_program(create, TEST_ADMIN_TOKEN, &out), 0);
+    free(out);
+    ck_assert_int_eq(test_run_program(create, TEST_ADMIN_TOKEN, &out), 1);
+    ck_assert_msg(strstr(out, "ALREADY_EXISTS: table 'extra' already exists") != NULL, "%s", out);
+    free(out);
+    char *stats[] = {ctl, "--server", daemon->admin, "stats", NULL};
+    ck_assert_int_eq(test_run_program(stats, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "CREATE_TABLE") != NULL && strstr(out, "extra") != NULL, "%s", out);
+    free(out);
+    char *drop[] = {ctl, "--server", daemon->admin, "tables", "drop", "extra", NULL};
+    ck_assert_int_eq(test_run_program(drop, "wrong-token", &out), 1);
+    ck_assert_msg(strstr(out, "UNAUTHENTICATED") != NULL, "%s", out);
+    free(out);
+    ck_assert_int_eq(test_run_program(drop, TEST_ADMIN_TOKEN, &out), 0);
+    free(out);
+    char *usage[] = {ctl, "--server", daemon->admin, "tables", "frobnicate", NULL};
+    ck_assert_int_eq(test_run_program(usage, TEST_ADMIN_TOKEN, &out), 2);
+    free(out);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
+    char *gone[] = {ctl, "--server", daemon->admin, "ping", NULL};
+    ck_assert_int_eq(test_run_program(gone, TEST_ADMIN_TOKEN, &out), 3);
+    free(out);
+}
+END_TEST
+
+/* The example trainer learns through a real daemon: its loss falls. */
+START_TEST(example_trainer_loss_falls)
+{
+    test_daemon *daemon = test_daemon_start(NULL);
+    char *trainer = getenv("TRAIN_LOGREG");
+    ck_assert_ptr_nonnull(trainer);
+    char *out = NULL;
+    char *argv[] = {trainer, "--server", daemon->data, "--admin", daemon->admin, "--token",
+                    TEST_ADMIN_TOKEN, NULL};
+    ck_assert_int_eq(test_run_program(argv, NULL, &out), 0);
+    double first = 0, last = 0;
+    const char *summary = strstr(out, "loss went from ");
+    ck_assert_msg(summary != NULL && sscanf(summary, "loss went from %lf to %lf", &first,
+                                            &last) == 2, "%s", out);
+    ck_assert_msg(first > 0.6 && last < first - 0.15, "loss %g -> %g", first, last);
+    free(out);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("client_daemon");
@@ -372,6 +437,8 @@ int main(void)
     tcase_add_test(tc, thousand_calls_in_flight_through_the_client);
     tcase_add_test(tc, sixty_four_concurrent_connections);
     tcase_add_test(tc, every_admin_method_through_the_client);
+    tcase_add_test(tc, emberctl_against_a_real_daemon);
+    tcase_add_test(tc, example_trainer_loss_falls);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
 }
