@@ -106,8 +106,8 @@ static uint64_t power_of_two_at_least(uint64_t n)
 }
 
 static em_status cpu_unique_keys(em_lane *lane, const uint64_t *keys, uint64_t n,
-                                 uint64_t *unique, uint32_t *inverse, uint64_t *unique_count,
-                                 em_error *err)
+                                 uint64_t *unique, uint32_t *inverse, uint32_t *first,
+                                 uint64_t *unique_count, em_error *err)
 {
     em_device *device = lane->device;
     uint64_t slots = power_of_two_at_least(2 * n);
@@ -126,6 +126,7 @@ static em_status cpu_unique_keys(em_lane *lane, const uint64_t *keys, uint64_t n
             slot = (slot + 1) & mask;
         if (index[slot] == 0) {
             unique[count] = key;
+            first[count] = (uint32_t)i;
             index[slot] = ++count;
         }
         inverse[i] = index[slot] - 1;
@@ -136,8 +137,9 @@ static em_status cpu_unique_keys(em_lane *lane, const uint64_t *keys, uint64_t n
 }
 
 static em_status cpu_partition_keys(em_lane *lane, const uint64_t *unique, uint64_t n,
-                                    uint32_t shard_count, uint64_t *partitioned,
-                                    uint32_t *position, uint64_t *shard_counts, em_error *err)
+                                    uint32_t shard_count, const uint32_t *first,
+                                    uint64_t *partitioned, uint32_t *position, uint32_t *targets,
+                                    uint64_t *shard_counts, em_error *err)
 {
     em_device *device = lane->device;
     uint32_t *owner = NULL;
@@ -166,6 +168,8 @@ static em_status cpu_partition_keys(em_lane *lane, const uint64_t *unique, uint6
         uint64_t slot = cursor[owner[u]]++;
         partitioned[slot] = unique[u];
         position[u] = (uint32_t)slot;
+        if (targets != NULL)
+            targets[slot] = first[u];
     }
     em_device_free(device, cursor);
     em_device_free(device, owner);
@@ -248,6 +252,19 @@ static em_status cpu_combine(em_lane *lane, const em_device_batch *batch,
     }
     for (uint32_t r = 0; r < batch->rows; r++)
         combine_row(batch, r, combiner, dim, vectors, vector_at(out, r, dim));
+    return EM_OK;
+}
+
+static em_status cpu_copy_repeats(em_lane *lane, const em_device_batch *batch,
+                                  const uint32_t *first, uint32_t dim, float *out, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    for (uint64_t k = 0; k < batch->nnz; k++) {
+        uint32_t origin = first[batch->inverse[k]];
+        if (origin != k)
+            memcpy(vector_at(out, k, dim), const_vector_at(out, origin, dim), dim * sizeof(float));
+    }
     return EM_OK;
 }
 
@@ -430,14 +447,15 @@ static em_status cpu_shard_insert_missing(em_shard *base, em_lane *lane, const u
 }
 
 static em_status cpu_shard_gather(em_shard *base, em_lane *lane, const uint64_t *rows,
-                                  uint64_t n, float *vectors, em_error *err)
+                                  uint64_t n, const uint32_t *targets, float *vectors,
+                                  em_error *err)
 {
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     size_t vector_bytes = shard->dim * sizeof(float);
     for (uint64_t i = 0; i < n; i++) {
-        float *destination = vector_at(vectors, i, shard->dim);
+        float *destination = vector_at(vectors, targets != NULL ? targets[i] : i, shard->dim);
         if (rows[i] == EM_ROW_NONE)
             memset(destination, 0, vector_bytes);
         else
@@ -523,6 +541,7 @@ static const em_device_ops cpu_device_ops = {
     .partition_keys = cpu_partition_keys,
     .sum_gradients = cpu_sum_gradients,
     .combine = cpu_combine,
+    .copy_repeats = cpu_copy_repeats,
     .shard_create = cpu_shard_create,
     .shard_destroy = cpu_shard_destroy,
     .shard_find = cpu_shard_find,

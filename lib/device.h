@@ -107,14 +107,19 @@ typedef struct em_device_ops {
 
     /* -- home-side request operations -------------------------------------------- */
     /* unique[0..*unique_count) = distinct keys in order of first appearance;
-     * inverse[i] = index in unique of keys[i]. unique and inverse hold n entries. */
+     * inverse[i] = index in unique of keys[i]; first[u] = the position in keys where
+     * unique[u] first appears. unique, inverse and first hold n entries. */
     em_status (*unique_keys)(em_lane *lane, const uint64_t *keys, uint64_t n, uint64_t *unique,
-                             uint32_t *inverse, uint64_t *unique_count, em_error *err);
+                             uint32_t *inverse, uint32_t *first, uint64_t *unique_count,
+                             em_error *err);
     /* Stable partition of unique[0..n) by owner shard (em_key_shard): partitioned keys
      * grouped by shard 0, 1, ...; position[u] = index of unique[u] in partitioned;
-     * shard_counts (host memory, shard_count entries) = keys per shard. */
+     * shard_counts (host memory, shard_count entries) = keys per shard. When targets is
+     * not NULL, targets[position[u]] = first[u] (where each partitioned key's vector
+     * goes in a per-key output). */
     em_status (*partition_keys)(em_lane *lane, const uint64_t *unique, uint64_t n,
-                                uint32_t shard_count, uint64_t *partitioned, uint32_t *position,
+                                uint32_t shard_count, const uint32_t *first,
+                                uint64_t *partitioned, uint32_t *position, uint32_t *targets,
                                 uint64_t *shard_counts, em_error *err);
     /* Push: partitioned_gradients[position[u]] = sum, starting from -0.0 (the identity
      * of IEEE addition, so a key's only gradient is copied bit for bit), over the
@@ -129,6 +134,11 @@ typedef struct em_device_ops {
     em_status (*combine)(em_lane *lane, const em_device_batch *batch, em_combiner combiner,
                          uint32_t dim, const float *partitioned_vectors, float *out,
                          em_error *err);
+    /* Per-key pull whose distinct keys' vectors were gathered straight into out at their
+     * first positions: copies them to the keys' later occurrences (out[k] =
+     * out[first[inverse[k]]] for every k that is not a first occurrence). */
+    em_status (*copy_repeats)(em_lane *lane, const em_device_batch *batch, const uint32_t *first,
+                              uint32_t dim, float *out, em_error *err);
 
     /* -- shards --------------------------------------------------------------------- */
     em_status (*shard_create)(em_device *device, const em_shard_spec *spec, em_shard **out,
@@ -145,9 +155,10 @@ typedef struct em_device_ops {
      * optimizer state, storing their new rows in rows[i]. Keys are distinct. */
     em_status (*shard_insert_missing)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                       uint64_t n, uint64_t *rows, em_error *err);
-    /* vectors[i] = weights of rows[i] (zeros for EM_ROW_NONE), dim floats each. */
+    /* vectors[t] = weights of rows[i] (zeros for EM_ROW_NONE), dim floats each, where
+     * t = targets[i], or t = i when targets is NULL. */
     em_status (*shard_gather)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
-                              float *vectors, em_error *err);
+                              const uint32_t *targets, float *vectors, em_error *err);
     /* One optimizer step per row with gradients[i] (dim floats each). Rows distinct. */
     em_status (*shard_apply)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                              const float *gradients, em_error *err);

@@ -60,6 +60,7 @@ typedef struct segment {
     uint64_t begin, count; /* range in the partitioned order */
     bool remote;           /* device is not the home device */
     uint64_t *keys;        /* count keys in device memory */
+    const uint32_t *targets; /* direct pulls: where each key's vector goes in the output */
     uint64_t *rows;        /* count rows from find / insert */
     void *payload;         /* gradients, vectors or import values for the keys */
 } segment;
@@ -74,6 +75,8 @@ typedef struct request_context {
     em_device_batch batch;     /* offsets, inverse, position, counts at home */
     const uint64_t *keys;      /* the batch keys at home */
     uint64_t *partitioned;     /* unique keys grouped by shard, at home */
+    uint32_t *first;           /* first position of each unique key in the batch, at home */
+    uint32_t *targets;         /* direct pulls: output position per partitioned key */
     uint64_t *shard_start;     /* host, shard_count + 1 */
     uint64_t *shard_missing;   /* host, shard_count */
     segment *segments;         /* one per device */
@@ -188,14 +191,18 @@ static em_status dedupe_keys(request_context *r, const uint64_t *host_keys, uint
         status = request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
                                (void **)&inverse, err);
     if (status == EM_OK)
-        status = home->ops->unique_keys(r->home_lane, r->keys, nnz, *unique, inverse,
+        status = request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
+                               (void **)&r->first, err);
+    if (status == EM_OK)
+        status = home->ops->unique_keys(r->home_lane, r->keys, nnz, *unique, inverse, r->first,
                                         &r->batch.unique_count, err);
     r->batch.inverse = inverse;
     r->batch.nnz = nnz;
     return status;
 }
 
-static em_status partition_keys(request_context *r, const uint64_t *unique, em_error *err)
+static em_status partition_keys(request_context *r, const uint64_t *unique, bool want_targets,
+                                em_error *err)
 {
     em_device *home = r->home;
     uint64_t count = r->batch.unique_count;
@@ -205,9 +212,13 @@ static em_status partition_keys(request_context *r, const uint64_t *unique, em_e
     if (status == EM_OK)
         status = request_alloc(r, home, count * sizeof(uint32_t), "key positions",
                                (void **)&position, err);
+    if (status == EM_OK && want_targets)
+        status = request_alloc(r, home, count * sizeof(uint32_t), "output targets",
+                               (void **)&r->targets, err);
     if (status == EM_OK)
         status = home->ops->partition_keys(r->home_lane, unique, count, r->table->shard_count,
-                                           r->partitioned, position, r->shard_start + 1, err);
+                                           r->first, r->partitioned, position, r->targets,
+                                           r->shard_start + 1, err);
     r->batch.position = position;
     if (status != EM_OK)
         return status;
@@ -233,6 +244,7 @@ static void plan_segments(request_context *r)
         seg->end_shard = shard;
         seg->begin = r->shard_start[seg->first_shard];
         seg->count = r->shard_start[seg->end_shard] - seg->begin;
+        seg->targets = r->targets != NULL ? r->targets + seg->begin : NULL;
     }
 }
 
@@ -339,14 +351,15 @@ static em_status find_keys(request_context *r, em_error *err)
 }
 
 /* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
- * them. Changes nothing in the table. */
+ * them. Changes nothing in the table. want_targets asks for the output position of
+ * every partitioned key (for gathering straight into a per-key output). */
 static em_status plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
-                               em_error *err)
+                               bool want_targets, em_error *err)
 {
     uint64_t *unique = NULL;
     em_status status = dedupe_keys(r, host_keys, nnz, &unique, err);
     if (status == EM_OK)
-        status = partition_keys(r, unique, err);
+        status = partition_keys(r, unique, want_targets, err);
     if (status != EM_OK)
         return status;
     plan_segments(r);
@@ -460,7 +473,10 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
             uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
             if (n == 0)
                 continue;
-            float *payload = (float *)seg->payload + offset * floats_per_key;
+            /* direct gathers place each vector by its target; others fill in order */
+            const uint32_t *targets = seg->targets != NULL ? seg->targets + offset : NULL;
+            float *payload = targets != NULL ? (float *)seg->payload
+                                             : (float *)seg->payload + offset * floats_per_key;
             const uint64_t *rows = seg->rows + offset;
             em_status status = EM_OK;
             if (work == WORK_GATHER)
@@ -468,7 +484,8 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
             else
                 pthread_rwlock_wrlock(&table->shard_locks[s]);
             if (work == WORK_GATHER)
-                status = ops->shard_gather(table->shards[s], seg->lane, rows, n, payload, err);
+                status = ops->shard_gather(table->shards[s], seg->lane, rows, n, targets, payload,
+                                           err);
             else if (work == WORK_APPLY)
                 status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
             else
@@ -586,6 +603,39 @@ static em_status gather_vectors(request_context *r, float **vectors, em_error *e
     return status;
 }
 
+/* A per-key pull whose shards all live on the home device gathers every vector straight
+ * into its place in the output (no intermediate buffer, no combine pass). */
+static bool pull_is_direct(const em_table *table, const request_context *r,
+                           const em_pull_request *request)
+{
+    if (request->combiner != EM_COMBINER_NONE)
+        return false;
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (table->backend->devices[table->shard_device[s]] != r->home)
+            return false;
+    return true;
+}
+
+static em_status gather_direct(request_context *r, const em_pull_request *request, em_error *err)
+{
+    em_device *home = r->home;
+    uint32_t dim = r->table->config.dim;
+    size_t out_bytes = request->batch.nnz * dim * sizeof(float);
+    float *out = request->out;
+    em_status status = EM_OK;
+    if (!home->host_addressable)
+        status = request_alloc(r, home, out_bytes, "pull output", (void **)&out, err);
+    for (uint32_t d = 0; status == EM_OK && d < r->table->backend->device_count; d++)
+        r->segments[d].payload = out;
+    if (status == EM_OK)
+        status = run_on_shards(r, WORK_GATHER, dim, err);
+    if (status == EM_OK && r->batch.unique_count < request->batch.nnz)
+        status = home->ops->copy_repeats(r->home_lane, &r->batch, r->first, dim, out, err);
+    if (status == EM_OK && !home->host_addressable)
+        status = home->ops->copy_to_host(r->home_lane, request->out, out, out_bytes, err);
+    return status;
+}
+
 static em_status combine_output(request_context *r, const em_pull_request *request,
                                 const float *vectors, em_error *err)
 {
@@ -613,10 +663,11 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     request_context r;
     float *vectors = NULL;
     em_status status = request_begin(table, &r, err);
+    bool direct = status == EM_OK && pull_is_direct(table, &r, request);
     if (status == EM_OK)
         status = stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
-        status = plan_and_find(&r, request->batch.keys, request->batch.nnz, err);
+        status = plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
     if (status == EM_OK && r.missing > 0 && request->create_missing && !may_create) {
         *needs_create = true;
         request_end(&r);
@@ -625,9 +676,11 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     uint64_t missing = r.missing;
     if (status == EM_OK && request->create_missing)
         status = create_missing(&r, err);
-    if (status == EM_OK)
+    if (status == EM_OK && direct)
+        status = gather_direct(&r, request, err);
+    if (status == EM_OK && !direct)
         status = gather_vectors(&r, &vectors, err);
-    if (status == EM_OK)
+    if (status == EM_OK && !direct)
         status = combine_output(&r, request, vectors, err);
     if (status == EM_OK)
         status = synchronize_devices(&r, err);
@@ -706,7 +759,7 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     if (status == EM_OK)
         status = stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
-        status = plan_and_find(&r, request->batch.keys, request->batch.nnz, err);
+        status = plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
     if (status == EM_OK && r.missing > 0 && !may_create) {
         *needs_create = true;
         request_end(&r);
@@ -902,7 +955,7 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     request_context r;
     em_status status = request_begin(table, &r, err);
     if (status == EM_OK)
-        status = plan_and_find(&r, keys, n, err);
+        status = plan_and_find(&r, keys, n, false, err);
     if (status == EM_OK)
         status = check_distinct(&r, keys, n, err);
     if (status == EM_OK)

@@ -2,6 +2,7 @@
  * emberd over loopback against redis-server on the same workload, in the same run.
  *
  *   bench_server [--emberd PATH] [--seconds S] [--keys N] [--quick]
+ *                [--batch 256|4096|65536] [--connections 1|4|16]   (one configuration)
  *
  * Starts an emberd (CPU backend) and a redis-server on ephemeral loopback ports, loads
  * the same N keys of dim 64 into both (Redis: one 256-byte binary value per key), then:
@@ -43,6 +44,8 @@ typedef struct bench_options {
     double seconds;
     uint64_t keys;
     bool quick;
+    uint32_t only_batch;       /* 0: every batch size */
+    uint32_t only_connections; /* 0: every connection count */
 } bench_options;
 
 /* ---- processes ------------------------------------------------------------------------- */
@@ -698,9 +701,13 @@ static void parse_options(int argc, char **argv, bench_options *opt)
             opt->seconds = strtod(argv[++i], NULL);
         } else if (i + 1 < argc && strcmp(argv[i], "--keys") == 0) {
             opt->keys = strtoull(argv[++i], NULL, 10);
+        } else if (i + 1 < argc && strcmp(argv[i], "--batch") == 0) {
+            opt->only_batch = (uint32_t)strtoul(argv[++i], NULL, 10);
+        } else if (i + 1 < argc && strcmp(argv[i], "--connections") == 0) {
+            opt->only_connections = (uint32_t)strtoul(argv[++i], NULL, 10);
         } else {
             fprintf(stderr, "usage: bench_server [--emberd PATH] [--seconds S] [--keys N] "
-                            "[--quick]\n");
+                            "[--quick] [--batch N] [--connections N]\n");
             exit(2);
         }
     }
@@ -733,6 +740,9 @@ int main(int argc, char **argv)
         for (size_t b = 0; b < 3; b++) {
             for (size_t c = 0; c < 3; c++) {
                 uint32_t batch = batches[b], conns = connection_counts[c];
+                if ((opt.only_batch != 0 && batch != opt.only_batch) ||
+                    (opt.only_connections != 0 && conns != opt.only_connections))
+                    continue;
                 double ember = measure(&s, EMBER, write, batch, conns, &opt);
                 double redis = measure(&s, REDIS, write, batch, conns, &opt);
                 double ember_mb = ember * VALUE_BYTES / 1e6, redis_mb = redis * VALUE_BYTES / 1e6;
