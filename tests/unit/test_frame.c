@@ -1,5 +1,6 @@
 /* The frame codec (proto/frame.c) and the agreement between the wire Status enum of
  * proto/ember.proto and the status table of lib/status.h. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "lib/status.h"
