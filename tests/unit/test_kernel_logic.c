@@ -68,10 +68,11 @@ static void *device_buffer(em_device *device, size_t bytes)
     return pointer;
 }
 
-/* A copy of host bytes in the device's memory. */
+/* A copy of host bytes in the device's memory (a buffer of at least 8 bytes, so empty
+ * inputs still have an address). */
 static void *upload(em_device *device, em_lane *lane, const void *host, size_t bytes)
 {
-    void *pointer = device_buffer(device, bytes);
+    void *pointer = device_buffer(device, bytes + 8);
     em_error err;
     ck_assert_int_eq(device->ops->copy_to_device(lane, pointer, host, bytes, &err), EM_OK);
     return pointer;
@@ -105,7 +106,7 @@ typedef struct deduped {
 static deduped run_unique(em_device *device, em_lane *lane, const uint64_t *keys, uint64_t n)
 {
     em_error err;
-    const uint64_t *on_device = upload(device, lane, keys, (n + 1) * sizeof(uint64_t));
+    const uint64_t *on_device = upload(device, lane, keys, n * sizeof(uint64_t));
     uint64_t *unique = device_buffer(device, (n + 1) * sizeof(uint64_t));
     uint32_t *inverse = device_buffer(device, (n + 1) * sizeof(uint32_t));
     deduped result;
@@ -157,7 +158,7 @@ static partitioned run_partition(em_device *device, em_lane *lane, const uint64_
                                  uint64_t n, uint32_t shards)
 {
     em_error err;
-    const uint64_t *on_device = upload(device, lane, unique, (n + 1) * sizeof(uint64_t));
+    const uint64_t *on_device = upload(device, lane, unique, n * sizeof(uint64_t));
     uint64_t *keys = device_buffer(device, (n + 1) * sizeof(uint64_t));
     uint32_t *position = device_buffer(device, (n + 1) * sizeof(uint32_t));
     partitioned result = {.counts = calloc(shards, sizeof(uint64_t))};
@@ -258,11 +259,11 @@ static float *run_operation(em_device *device, em_lane *lane, const scenario *s,
         .rows = s->rows,
         .nnz = s->nnz,
         .offsets = upload(device, lane, s->offsets, (s->rows + 1) * sizeof(uint32_t)),
-        .inverse = upload(device, lane, s->inverse, (s->nnz + 1) * sizeof(uint32_t)),
-        .position = upload(device, lane, s->position, (s->unique_count + 1) * sizeof(uint32_t)),
+        .inverse = upload(device, lane, s->inverse, s->nnz * sizeof(uint32_t)),
+        .position = upload(device, lane, s->position, s->unique_count * sizeof(uint32_t)),
         .unique_count = s->unique_count,
     };
-    const float *in = upload(device, lane, input, (input_floats + 1) * sizeof(float));
+    const float *in = upload(device, lane, input, input_floats * sizeof(float));
     float *out = device_buffer(device, (output_floats + 1) * sizeof(float));
     em_status status = op == SUM_GRADIENTS
                            ? device->ops->sum_gradients(lane, &batch, combiner, dim, in, out, &err)
