@@ -65,6 +65,9 @@ typedef struct em_gpu_device_info {
 /* Visible GPUs. Fails (never crashes) without a driver or a device. */
 em_gpu_status em_gpu_device_count(int *count);
 em_gpu_status em_gpu_device_info_get(int ordinal, em_gpu_device_info *out);
+/* Whether this build's kernels run on GPU ordinal (they are compiled for the
+ * gpu_architectures option only): fails with "no kernel image is available" if not. */
+em_gpu_status em_gpu_kernels_supported(int ordinal);
 em_gpu_status em_gpu_memory_info(int ordinal, uint64_t *free_bytes, uint64_t *total_bytes);
 
 /* Device memory (region provider of the device pool; never on the request path). */

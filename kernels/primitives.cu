@@ -26,6 +26,14 @@ __global__ void segment_starts_kernel(const uint32_t *sorted_keys, uint64_t n, u
     em_gpu_segment_start_item(sorted_keys, n, segments, i, starts);
 }
 
+extern "C" em_gpu_status em_gpu_kernels_supported(int ordinal)
+{
+    cudaFuncAttributes attributes;
+    EM_GPU_CALL(cudaSetDevice, (ordinal));
+    EM_GPU_CALL(cudaFuncGetAttributes, (&attributes, iota_kernel));
+    return em_gpu_ok();
+}
+
 extern "C" em_gpu_status em_gpu_iota_u32(em_gpu_stream *stream, uint32_t *out, uint64_t n)
 {
     if (n == 0)

@@ -68,7 +68,7 @@ em_status em_cpu_device_create(uint32_t index, const em_cpu_backend_options *opt
 
 typedef struct em_cuda_backend_options {
     uint32_t devices[EM_BACKEND_MAX_DEVICES]; /* GPU ordinals to use, in this order */
-    uint32_t device_count;     /* 0: every visible GPU */
+    uint32_t device_count;     /* 0: every usable GPU (see em_cuda_available) */
     uint64_t pool_bytes;       /* device pool per GPU, reserved at start; 0: memory_fraction
                                 * of the GPU's free memory at start */
     double memory_fraction;    /* in (0, 1]; used when pool_bytes is 0 */
@@ -77,12 +77,13 @@ typedef struct em_cuda_backend_options {
     bool host_staged_exchange; /* skip NCCL even with several GPUs (tests, debugging) */
 } em_cuda_backend_options;
 
-/* Defaults: every visible GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging. */
+/* Defaults: every usable GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging. */
 void em_cuda_backend_options_init(em_cuda_backend_options *options);
 
-/* Whether a usable GPU is visible: *device_count gets how many. Errors: UNAVAILABLE
- * naming the CUDA error (no driver, no device); never crashes on a machine without a
- * GPU. */
+/* Whether a usable GPU is visible (one this build's kernels run on; they are compiled
+ * for the gpu_architectures build option): *device_count gets how many. Errors:
+ * UNAVAILABLE naming the CUDA error (no driver, no device, no kernels for the GPUs
+ * there are); never crashes on a machine without a GPU. */
 em_status em_cuda_available(uint32_t *device_count, em_error *err);
 
 /* A backend with one device per GPU (each with its own pool and lanes) and the NCCL

@@ -32,18 +32,40 @@ void em_cuda_backend_options_init(em_cuda_backend_options *options)
     options->staging_bytes = DEFAULT_STAGING_BYTES;
 }
 
-em_status em_cuda_available(uint32_t *device_count, em_error *err)
+/* The visible GPUs this build's kernels run on, in ordinal order (at most
+ * EM_BACKEND_MAX_DEVICES); *visible gets every visible GPU. */
+static em_status usable_gpus(uint32_t *ordinals, uint32_t *count, uint32_t *visible,
+                             em_error *err)
 {
-    int count = 0;
-    *device_count = 0;
-    em_gpu_status status = em_gpu_device_count(&count);
+    int found = 0;
+    *count = *visible = 0;
+    em_gpu_status status = em_gpu_device_count(&found);
     if (status.code != 0)
         return em_error_set(err, EM_UNAVAILABLE, "no usable CUDA device: %s failed: %s (error %d)",
                             status.call, status.message, status.code);
-    if (count <= 0)
+    if (found <= 0)
         return em_error_set(err, EM_UNAVAILABLE, "no usable CUDA device: none is visible");
-    *device_count = (uint32_t)count;
+    *visible = (uint32_t)found;
+    em_gpu_status refused = {0, 0, NULL, NULL};
+    for (int ordinal = 0; ordinal < found && *count < EM_BACKEND_MAX_DEVICES; ordinal++) {
+        status = em_gpu_kernels_supported(ordinal);
+        if (status.code == 0)
+            ordinals[(*count)++] = (uint32_t)ordinal;
+        else if (refused.code == 0)
+            refused = status;
+    }
+    if (*count == 0)
+        return em_error_set(err, EM_UNAVAILABLE,
+                            "no usable CUDA device: %d visible, but this build's kernels run on "
+                            "none of them (%s: %s)",
+                            found, refused.call, refused.message);
     return EM_OK;
+}
+
+em_status em_cuda_available(uint32_t *device_count, em_error *err)
+{
+    uint32_t ordinals[EM_BACKEND_MAX_DEVICES], visible = 0;
+    return usable_gpus(ordinals, device_count, &visible, err);
 }
 
 static em_status check_device_list(const em_cuda_backend_options *options, uint32_t visible,
@@ -158,22 +180,21 @@ static em_status create_exchange(const em_cuda_backend_options *options, em_devi
 em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_backend **out,
                                  em_error *err)
 {
-    uint32_t visible = 0;
-    em_status status = em_cuda_available(&visible, err);
+    uint32_t usable[EM_BACKEND_MAX_DEVICES], usable_count = 0, visible = 0;
+    em_status status = usable_gpus(usable, &usable_count, &visible, err);
     if (status == EM_OK)
         status = check_options(options, visible, err);
     if (status != EM_OK)
         return status;
-    uint32_t count = options->device_count;
-    if (count == 0)
-        count = visible < EM_BACKEND_MAX_DEVICES ? visible : EM_BACKEND_MAX_DEVICES;
+    /* No list: every GPU the kernels run on. A listed GPU they cannot run on fails
+     * when its device is created, with its name and architecture. */
+    uint32_t count = options->device_count == 0 ? usable_count : options->device_count;
+    const uint32_t *ordinals = options->device_count == 0 ? usable : options->devices;
     em_device **devices = calloc(count, sizeof(*devices));
     if (devices == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "cuda backend: out of host memory");
-    for (uint32_t i = 0; i < count && status == EM_OK; i++) {
-        int ordinal = (int)(options->device_count == 0 ? i : options->devices[i]);
-        status = create_device(options, i, ordinal, &devices[i], err);
-    }
+    for (uint32_t i = 0; i < count && status == EM_OK; i++)
+        status = create_device(options, i, (int)ordinals[i], &devices[i], err);
     em_exchange *exchange = NULL;
     if (status == EM_OK)
         status = create_exchange(options, devices, count, &exchange, err);

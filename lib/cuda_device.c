@@ -1333,6 +1333,20 @@ static em_status create_lanes(em_device *device, const em__cuda_device_options *
     return status;
 }
 
+/* UNAVAILABLE when this build has no kernels for the GPU's architecture. */
+static em_status check_kernels(em_device *device, em_error *err)
+{
+    const cuda_state *state = state_of(device);
+    em_gpu_status status = em_gpu_kernels_supported(state->ordinal);
+    if (status.code == 0)
+        return EM_OK;
+    return em_error_set(err, EM_UNAVAILABLE,
+                        "%s (%s, compute capability %u.%u): the kernels cannot run on it: %s "
+                        "failed: %s",
+                        device->name, state->info.name, state->info.compute_major,
+                        state->info.compute_minor, status.call, status.message);
+}
+
 em_status em__cuda_device_create(uint32_t index, const em__cuda_device_options *options,
                                  em_device **out, em_error *err)
 {
@@ -1355,6 +1369,8 @@ em_status em__cuda_device_create(uint32_t index, const em__cuda_device_options *
     device->host_addressable = false;
     em_status status = em__cuda_check(em_gpu_device_info_get(options->ordinal, &state->info),
                                       device->name, err);
+    if (status == EM_OK)
+        status = check_kernels(device, err);
     if (status == EM_OK)
         status = create_pool(device, options->pool_bytes, err);
     if (status == EM_OK)

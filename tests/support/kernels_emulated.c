@@ -135,6 +135,11 @@ em_gpu_status em_gpu_device_info_get(int ordinal, em_gpu_device_info *out)
     return ok();
 }
 
+em_gpu_status em_gpu_kernels_supported(int ordinal)
+{
+    return check_ordinal(ordinal, "cudaFuncGetAttributes");
+}
+
 em_gpu_status em_gpu_memory_info(int ordinal, uint64_t *free_bytes, uint64_t *total_bytes)
 {
     em_gpu_status status = check_ordinal(ordinal, "cudaMemGetInfo");
