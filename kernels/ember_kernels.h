@@ -276,6 +276,7 @@ typedef struct em_gpu_storage {
     uint32_t stride;      /* floats between rows, a multiple of 4 */
     uint32_t dim;
     uint32_t row_floats;
+    uint64_t row_limit;   /* rows the blocks hold; initialisation never writes past it */
 } em_gpu_storage;
 
 /* Initial weights and optimizer state of the rows with inserted[i] != 0. */

@@ -490,7 +490,9 @@ EM_HOST_DEVICE void em_gpu_rows_init_element(em_gpu_storage storage, const uint6
                                              const em_optimizer_config *optimizer, uint64_t i,
                                              uint32_t j)
 {
-    if (!inserted[i])
+    /* A row past the storage means insert ran without reserve: the host reports it
+     * (from the map's row counter); nothing is written out of bounds meanwhile. */
+    if (!inserted[i] || rows[i] >= storage.row_limit)
         return;
     em_gpu_row_address(storage, rows[i])[j] =
         em_gpu_initial_value(initializer, optimizer, storage.dim, keys[i], j);

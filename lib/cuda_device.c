@@ -703,6 +703,7 @@ static em_gpu_storage storage_view(const cuda_shard *shard)
         .stride = shard->stride,
         .dim = shard->dim,
         .row_floats = shard->row_floats,
+        .row_limit = shard->block_count << shard->block_shift,
     };
 }
 

@@ -174,7 +174,8 @@ static storage storage_create(const options *o, em_gpu_stream *stream, uint64_t 
     copy_now(stream, table, s.blocks, s.block_count * sizeof(float *));
     s.view = (em_gpu_storage){.blocks = table, .block_shift = BLOCK_SHIFT,
                               .block_mask = ((uint64_t)1 << BLOCK_SHIFT) - 1, .stride = stride,
-                              .dim = dim, .row_floats = row_floats};
+                              .dim = dim, .row_floats = row_floats,
+                              .row_limit = s.block_count << BLOCK_SHIFT};
     return s;
 }
 

@@ -397,7 +397,8 @@ START_TEST(gather_by_quads_equals_gather_by_elements)
     }
     float *blocks[2] = {block0, block1};
     em_gpu_storage storage = {.blocks = blocks, .block_shift = 2, .block_mask = 3,
-                              .stride = STRIDE, .dim = DIM, .row_floats = DIM};
+                              .stride = STRIDE, .dim = DIM, .row_floats = DIM,
+                              .row_limit = ROWS};
     const uint64_t rows[N] = {5, 0, EM_GPU_ROW_NONE, 7, 3, 4};
     static _Alignas(16) float by_quads[N * DIM], by_elements[N * DIM];
     memset(by_quads, 0x7f, sizeof(by_quads));
@@ -580,6 +581,34 @@ START_TEST(unique_claims_keep_first_positions_under_threads)
 }
 END_TEST
 
+/* ---- shard preconditions ------------------------------------------------------------------ */
+
+/* Inserting without reserving first is a caller bug: it is reported, and the kernels
+ * write nothing outside the shard's storage meanwhile. */
+START_TEST(insert_without_reserve_is_reported)
+{
+    devices d = open_devices();
+    em_shard_spec spec = {.table = "t", .index = 0, .dim = 8, .expected_rows = 100,
+                          .optimizer = {.kind = EM_OPTIMIZER_ADAM},
+                          .initializer = {.kind = EM_INIT_UNIFORM, .bound = 1.0f, .seed = 3}};
+    em_shard *shard = NULL;
+    em_error err;
+    ck_assert_msg(d.gpu->ops->shard_create(d.gpu, &spec, &shard, &err) == EM_OK, "%s",
+                  err.message);
+    const uint64_t keys[3] = {11, 12, UINT64_MAX};
+    const uint64_t none[3] = {EM_ROW_NONE, EM_ROW_NONE, EM_ROW_NONE};
+    uint64_t *device_keys = upload(d.gpu, d.gpu_lane, keys, sizeof(keys));
+    uint64_t *device_rows = upload(d.gpu, d.gpu_lane, none, sizeof(none));
+    ck_assert_int_eq(d.gpu->ops->shard_insert_missing(shard, d.gpu_lane, device_keys, 3,
+                                                      device_rows, &err), EM_INTERNAL);
+    ck_assert_msg(strstr(err.message, "insert without reserve") != NULL, "%s", err.message);
+    em_device_free(d.gpu, device_keys);
+    em_device_free(d.gpu, device_rows);
+    d.gpu->ops->shard_destroy(shard);
+    close_devices(&d);
+}
+END_TEST
+
 /* ---- runner ------------------------------------------------------------------------------ */
 
 static Suite *kernel_logic_suite(void)
@@ -598,6 +627,7 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, map_claims_give_every_key_one_row_under_threads);
     tcase_add_test(tc, map_full_sets_overflow_instead_of_looping);
     tcase_add_test(tc, unique_claims_keep_first_positions_under_threads);
+    tcase_add_test(tc, insert_without_reserve_is_reported);
     suite_add_tcase(suite, tc);
     return suite;
 }
