@@ -334,20 +334,21 @@ EM_HOST_DEVICE int em_gpu_slot_occupied(uint64_t key)
     return key != EM_GPU_EMPTY_KEY && key != EM_GPU_TOMBSTONE_KEY;
 }
 
-/* Row of key, or ROW_NONE. Lookups never run alongside inserts (tables order them),
- * so a found slot's row is published. */
+/* Row of key, or ROW_NONE. Lookups never run alongside inserts (tables order them:
+ * inserts hold the table exclusively and complete before it is released), so plain
+ * (cacheable) loads see published slots. */
 EM_HOST_DEVICE uint64_t em_gpu_map_lookup(em_gpu_map map, uint64_t key)
 {
     int side = em_gpu_side_index(key);
     if (side >= 0) {
-        uint64_t row = em_gpu_load_u64(&map.header->side_rows[side]);
+        uint64_t row = map.header->side_rows[side];
         return row == EM_GPU_ROW_PENDING ? EM_GPU_ROW_NONE : row;
     }
     uint64_t slot = em_gpu_map_home(key, map.slot_count);
     for (uint64_t probe = 0; probe < map.slot_count; probe++) {
-        uint64_t held = em_gpu_load_u64(&map.slots[slot].key);
+        uint64_t held = map.slots[slot].key;
         if (held == key)
-            return em_gpu_load_u64(&map.slots[slot].row);
+            return map.slots[slot].row;
         if (held == EM_GPU_EMPTY_KEY)
             return EM_GPU_ROW_NONE;
         slot = em_gpu_map_next(slot, map.slot_count);
