@@ -57,7 +57,8 @@ static inline em_gpu_status em_gpu_cuda_status(cudaError_t error, const char *ca
     } while (0)
 
 /* EM_GPU_CALL(cudaMalloc, (&pointer, bytes)): the call, named in its error. */
-#define EM_GPU_CALL(function, arguments) EM_GPU_TRY(em_gpu_cuda_status(function arguments, #function))
+#define EM_GPU_CALL(function, arguments) \
+    EM_GPU_TRY(em_gpu_cuda_status(function arguments, #function))
 
 /* Makes the stream's GPU current for this host thread (launchers run on any thread). */
 static inline em_gpu_status em_gpu_use(const em_gpu_stream *stream)

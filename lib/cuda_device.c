@@ -890,7 +890,9 @@ static em_status create_shard_events(cuda_shard *shard, em_error *err)
 static em_status create_map(cuda_shard *shard, uint64_t expected_rows, em_error *err)
 {
     em_device *device = shard->base.device;
-    uint64_t slots = expected_rows + 16 < MAX_INITIAL_SLOTS ? expected_rows + 16 : MAX_INITIAL_SLOTS;
+    uint64_t slots = expected_rows + 16;
+    if (slots > MAX_INITIAL_SLOTS)
+        slots = MAX_INITIAL_SLOTS;
     em_status status = em_device_alloc(device, slots * sizeof(em_gpu_slot), "hash map slots",
                                        (void **)&shard->slots, err);
     if (status == EM_OK)
@@ -960,8 +962,8 @@ static em_status cuda_shard_find(em_shard *base, em_lane *lane_base, const uint6
     *missing = 0;
     if (n == 0)
         return EM_OK;
-    em_status status =
-        lane_check(lane, em_gpu_memset_async(lane->stream, lane->counter, 0, sizeof(uint64_t)), err);
+    em_status status = lane_check(
+        lane, em_gpu_memset_async(lane->stream, lane->counter, 0, sizeof(uint64_t)), err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_map_find(lane->stream, map_view(shard), keys, n, rows,
                                                   lane->counter), err);

@@ -118,7 +118,8 @@ em_gpu_status em_gpu_device_count(int *count)
 {
     *count = emulated_devices();
     if (*count == 0)
-        return failure(100, 0, "cudaGetDeviceCount", "no CUDA-capable device is detected (emulated)");
+        return failure(100, 0, "cudaGetDeviceCount",
+                       "no CUDA-capable device is detected (emulated)");
     return ok();
 }
 
@@ -159,7 +160,8 @@ em_gpu_status em_gpu_malloc(int ordinal, size_t bytes, void **out)
     if (status.code != 0)
         return status;
     pthread_mutex_lock(&device_lock);
-    if (bytes == 0 || allocated[ordinal] + bytes > emulated_bytes() || region_count == MAX_REGIONS) {
+    bool fits = allocated[ordinal] + bytes <= emulated_bytes() && region_count < MAX_REGIONS;
+    if (bytes == 0 || !fits) {
         pthread_mutex_unlock(&device_lock);
         return failure(2, 1, "cudaMalloc", "out of memory (emulated)");
     }
@@ -248,7 +250,8 @@ em_gpu_status em_gpu_event_record(em_gpu_event *event, em_gpu_stream *stream)
 {
     /* A CUDA event records only on a stream of its own device. */
     if (event->ordinal != stream->ordinal)
-        return failure(400, 0, "cudaEventRecord", "event and stream on different devices (emulated)");
+        return failure(400, 0, "cudaEventRecord",
+                       "event and stream on different devices (emulated)");
     return ok();
 }
 
