@@ -13,6 +13,7 @@
 #define EMBER_LIB_BACKEND_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "lib/device.h"
@@ -58,5 +59,39 @@ uint32_t em_backend_shard_device(const em_backend *backend, uint32_t shard, uint
 /* A CPU device with its own host-memory pool (used by em_backend_create_cpu). */
 em_status em_cpu_device_create(uint32_t index, const em_cpu_backend_options *options,
                                em_device **out, em_error *err);
+
+/* ---- CUDA backend -------------------------------------------------------------------
+ * The declarations below exist only in builds with the CUDA backend (EM_HAVE_CUDA in
+ * ember_config.h); lib/cuda_backend.c defines them. */
+
+#define EM_CUDA_MAX_LANES 16
+
+typedef struct em_cuda_backend_options {
+    uint32_t devices[EM_BACKEND_MAX_DEVICES]; /* GPU ordinals to use, in this order */
+    uint32_t device_count;     /* 0: every usable GPU (see em_cuda_available) */
+    uint64_t pool_bytes;       /* device pool per GPU, reserved at start; 0: memory_fraction
+                                * of the GPU's free memory at start */
+    double memory_fraction;    /* in (0, 1]; used when pool_bytes is 0 */
+    uint32_t lanes;            /* streams per GPU: requests that run at once (1..16) */
+    uint64_t staging_bytes;    /* pinned host staging per lane; larger copies are chunked */
+    bool host_staged_exchange; /* skip NCCL even with several GPUs (tests, debugging) */
+} em_cuda_backend_options;
+
+/* Defaults: every usable GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging. */
+void em_cuda_backend_options_init(em_cuda_backend_options *options);
+
+/* Whether a usable GPU is visible (one this build's kernels run on; they are compiled
+ * for the gpu_architectures build option): *device_count gets how many. Errors:
+ * UNAVAILABLE naming the CUDA error (no driver, no device, no kernels for the GPUs
+ * there are); never crashes on a machine without a GPU. */
+em_status em_cuda_available(uint32_t *device_count, em_error *err);
+
+/* A backend with one device per GPU (each with its own pool and lanes) and the NCCL
+ * exchange when it has several GPUs and NCCL initialises, else the host-staged one
+ * (backend->exchange->name says which). Errors: UNAVAILABLE without a GPU,
+ * INVALID_ARGUMENT for bad options (named), RESOURCE_EXHAUSTED when a pool or the
+ * staging memory cannot be had, INTERNAL for other CUDA failures. */
+em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_backend **out,
+                                 em_error *err);
 
 #endif

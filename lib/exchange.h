@@ -46,6 +46,12 @@ struct em_exchange {
  * host staging buffer (grown on demand, one per exchange, guarded by a mutex). */
 em_status em_exchange_create_host_staged(em_exchange **out, em_error *err);
 
+/* NCCL exchange between CUDA devices (lib/exchange_nccl.c; exists only in builds with
+ * the CUDA backend): one communicator per device, rank i on devices[i], which must be
+ * the backend's devices in order. Errors: whatever NCCL reports at initialisation. */
+em_status em_exchange_create_nccl(em_device *const *devices, uint32_t count, em_exchange **out,
+                                  em_error *err);
+
 void em_exchange_destroy(em_exchange *exchange);
 
 static inline em_status em_exchange_run(em_exchange *exchange, const em_transfer *transfers,

@@ -1,0 +1,314 @@
+/*
+ * DESIGN: the one door between the engine (C) and the GPU (CUDA).
+ *
+ * Everything lib/ needs from CUDA and NCCL goes through the extern "C" functions
+ * below, so no CUDA or NCCL header is ever included outside kernels/. There are two
+ * kinds of functions:
+ *
+ *   runtime wrappers   device count and properties, memory, pinned host memory,
+ *                      streams, events, copies, NCCL communicators. Streams, events
+ *                      and communicators are opaque; a stream remembers its GPU, so
+ *                      every call that takes one works from any host thread.
+ *   launchers          one kernel (or one CUB primitive) each, enqueued on a stream
+ *                      and returning at once. lib/cuda_device.c strings them together
+ *                      into the device operations of lib/device.h; all scratch memory
+ *                      is passed in (it comes from the device's pool), so nothing
+ *                      here allocates on the request path.
+ *
+ * Every function returns an em_gpu_status: code 0 on success, else the CUDA (or NCCL)
+ * error code with the name of the call that failed and the library's message (both
+ * static strings). A launcher's status reports launch errors only; a fault inside a
+ * kernel surfaces at the next synchronizing call on its stream.
+ *
+ * The per-element work of each kernel is written once, in kernels/kernel_logic.h, as
+ * functions that compile for the host too; tests run them serially on the CPU (and
+ * tests/support/kernels_emulated.c implements this whole header with them).
+ *
+ * Sizes: key counts are 64-bit; per-request positions and ranks are 32-bit (a request
+ * has at most UINT32_MAX keys, lib/table.c).
+ */
+#ifndef EMBER_KERNELS_EMBER_KERNELS_H
+#define EMBER_KERNELS_EMBER_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lib/initializer.h"
+#include "lib/optimizer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- status ------------------------------------------------------------------------ */
+
+typedef struct em_gpu_status {
+    int code;            /* 0: success; else a cudaError_t or ncclResult_t value */
+    int out_of_memory;   /* nonzero when the failure was an allocation */
+    const char *call;    /* the failing call, e.g. "cudaMalloc" (static), NULL on success */
+    const char *message; /* the library's description (static), NULL on success */
+} em_gpu_status;
+
+/* ---- runtime ------------------------------------------------------------------------ */
+
+typedef struct em_gpu_stream em_gpu_stream;
+typedef struct em_gpu_event em_gpu_event;
+typedef struct em_gpu_comm em_gpu_comm;
+
+typedef struct em_gpu_device_info {
+    char name[256];
+    uint64_t total_bytes;
+    uint32_t multiprocessors;
+    uint32_t compute_major, compute_minor;
+} em_gpu_device_info;
+
+/* Visible GPUs. Fails (never crashes) without a driver or a device. */
+em_gpu_status em_gpu_device_count(int *count);
+em_gpu_status em_gpu_device_info_get(int ordinal, em_gpu_device_info *out);
+/* Whether this build's kernels run on GPU ordinal (they are compiled for the
+ * gpu_architectures option only): fails with "no kernel image is available" if not. */
+em_gpu_status em_gpu_kernels_supported(int ordinal);
+em_gpu_status em_gpu_memory_info(int ordinal, uint64_t *free_bytes, uint64_t *total_bytes);
+
+/* Device memory (region provider of the device pool; never on the request path). */
+em_gpu_status em_gpu_malloc(int ordinal, size_t bytes, void **out);
+void em_gpu_free(int ordinal, void *pointer);
+
+/* Page-locked host memory, usable by every GPU (staging buffers). */
+em_gpu_status em_gpu_host_alloc(size_t bytes, void **out);
+void em_gpu_host_free(void *pointer);
+
+/* A non-blocking stream on GPU ordinal (does not synchronize with the legacy stream). */
+em_gpu_status em_gpu_stream_create(int ordinal, em_gpu_stream **out);
+void em_gpu_stream_destroy(em_gpu_stream *stream);
+em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream);
+
+/* Events order work between streams; timing events also measure it (benchmarks). */
+em_gpu_status em_gpu_event_create(int ordinal, int timing, em_gpu_event **out);
+void em_gpu_event_destroy(em_gpu_event *event);
+em_gpu_status em_gpu_event_record(em_gpu_event *event, em_gpu_stream *stream);
+/* Later work on stream waits until the event's last recorded point has completed. */
+em_gpu_status em_gpu_stream_wait(em_gpu_stream *stream, em_gpu_event *event);
+em_gpu_status em_gpu_event_synchronize(em_gpu_event *event);
+em_gpu_status em_gpu_event_elapsed_ms(em_gpu_event *start, em_gpu_event *end, float *ms);
+
+/* Asynchronous copy of bytes between any two of host (pinned or pageable) and device
+ * memory (unified addressing decides the direction); ordered on stream. */
+em_gpu_status em_gpu_memcpy_async(em_gpu_stream *stream, void *destination, const void *source,
+                                  size_t bytes);
+em_gpu_status em_gpu_memset_async(em_gpu_stream *stream, void *destination, int value,
+                                  size_t bytes);
+
+/* One NCCL communicator per listed GPU, rank i on ordinals[i] (ncclCommInitAll). */
+em_gpu_status em_gpu_comm_init_all(const int *ordinals, int count, em_gpu_comm **comms);
+void em_gpu_comm_destroy(em_gpu_comm *comm);
+
+/* One point-to-point transfer of an exchange: ranks index the comms array. */
+typedef struct em_gpu_send_recv {
+    const void *source;
+    em_gpu_stream *source_stream;
+    int source_rank;
+    void *destination;
+    em_gpu_stream *destination_stream;
+    int destination_rank;
+    size_t bytes;
+} em_gpu_send_recv;
+
+/* Runs every transfer as one NCCL group: ncclSend on the source stream with the source
+ * rank's communicator, ncclRecv on the destination stream with the destination's.
+ * Callers serialize groups (NCCL needs the same order of operations on every rank). */
+em_gpu_status em_gpu_comm_exchange(em_gpu_comm *const *comms, const em_gpu_send_recv *transfers,
+                                   size_t count);
+
+/* ---- shared primitives -------------------------------------------------------------- */
+
+/* out[i] = i for i < n. */
+em_gpu_status em_gpu_iota_u32(em_gpu_stream *stream, uint32_t *out, uint64_t n);
+
+/* Exclusive prefix sum of n values (CUB). temp: em_gpu_scan_temp_bytes bytes for n
+ * (asked on the stream's GPU; no work is enqueued). */
+em_gpu_status em_gpu_scan_temp_bytes(em_gpu_stream *stream, uint64_t n, size_t *bytes);
+em_gpu_status em_gpu_exclusive_scan_u32(em_gpu_stream *stream, void *temp, size_t temp_bytes,
+                                        const uint32_t *in, uint32_t *out, uint64_t n);
+
+/* Stable sort of (key, value) pairs by the low end_bit bits of key (CUB radix sort).
+ * end_bit 0 copies the pairs unchanged. temp: em_gpu_sort_temp_bytes bytes for n and
+ * end_bit. */
+em_gpu_status em_gpu_sort_temp_bytes(em_gpu_stream *stream, uint64_t n, uint32_t end_bit,
+                                     size_t *bytes);
+em_gpu_status em_gpu_sort_pairs_u32(em_gpu_stream *stream, void *temp, size_t temp_bytes,
+                                    const uint32_t *keys_in, uint32_t *keys_out,
+                                    const uint32_t *values_in, uint32_t *values_out, uint64_t n,
+                                    uint32_t end_bit);
+
+/* For sorted keys[0..n): starts[s] = first i with keys[i] >= s, for s in 0..segments
+ * (starts[segments] = n). Keys are < segments. */
+em_gpu_status em_gpu_segment_starts(em_gpu_stream *stream, const uint32_t *sorted_keys,
+                                    uint64_t n, uint32_t segments, uint32_t *starts);
+
+/* ---- home-side request operations (lib/device.h) ------------------------------------ */
+
+/* unique_keys, in four steps over a scratch table of slot_count (a power of two)
+ * uint32 entries, zeroed, that ends up holding, per distinct key, 1 + its first
+ * position:
+ *   claim    slot_of[i] = the slot of keys[i]
+ *   flags    first[i] = 1 where i is its key's first position; first[n] = 0
+ *   (scan)   rank = exclusive scan of first[0..n]; rank[n] is the unique count
+ *   scatter  unique[rank[i]] = keys[i] and first_positions[rank[i]] = i for first
+ *            positions; inverse[i] = rank of the key's first position */
+em_gpu_status em_gpu_unique_claim(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
+                                  uint32_t *table, uint64_t slot_count, uint32_t *slot_of);
+em_gpu_status em_gpu_unique_flags(em_gpu_stream *stream, const uint32_t *table,
+                                  const uint32_t *slot_of, uint64_t n, uint32_t *first);
+em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
+                                    const uint32_t *table, const uint32_t *slot_of,
+                                    const uint32_t *first, const uint32_t *rank, uint64_t *unique,
+                                    uint32_t *inverse, uint32_t *first_positions);
+
+/* owner[u] = em_key_shard(unique[u], shard_count); index[u] = u. */
+em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *unique, uint64_t n,
+                                      uint32_t shard_count, uint32_t *owner, uint32_t *index);
+/* With sorted_index the unique indices stably sorted by owner: partitioned[i] =
+ * unique[sorted_index[i]], position[sorted_index[i]] = i, and (when targets is not
+ * NULL) targets[i] = first_positions[sorted_index[i]]. */
+em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *unique,
+                                       const uint32_t *sorted_index,
+                                       const uint32_t *first_positions, uint64_t n,
+                                       uint64_t *partitioned, uint32_t *position,
+                                       uint32_t *targets);
+
+/* key_row[k] = the row of key position k (offsets: rows + 1 entries). */
+em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, uint32_t rows,
+                              uint64_t nnz, uint32_t *key_row);
+
+/* Combiners as lib/csr.h numbers them. */
+#define EM_GPU_COMBINER_NONE 0
+#define EM_GPU_COMBINER_SUM 1
+#define EM_GPU_COMBINER_MEAN 2
+#define EM_GPU_COMBINER_SQRTN 3
+
+/* The batch as the sum and combine kernels see it (device pointers). */
+typedef struct em_gpu_batch {
+    uint32_t rows;
+    uint64_t nnz;
+    const uint32_t *offsets;  /* rows + 1 */
+    const uint32_t *inverse;  /* nnz */
+    const uint32_t *position; /* unique_count */
+    uint64_t unique_count;
+    int combiner;
+    uint32_t dim;             /* floats per vector */
+} em_gpu_batch;
+
+/* Gradient sums: for each unique u, the positions k with inverse[k] = u in increasing
+ * order are sorted_positions[starts[u] .. starts[u+1]); key_row is needed unless the
+ * combiner is NONE. out[position[u]] = -0.0 + contributions in that order. */
+em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
+                                   const uint32_t *sorted_positions, const uint32_t *starts,
+                                   const uint32_t *key_row, const float *gradients, float *out);
+/* Pull output: NONE copies vectors[position[inverse[k]]] to out[k]; pooled sums each
+ * row's vectors in key order from 0.0 and divides by the combiner's divisor. */
+em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,
+                             const float *vectors, float *out);
+/* Per-key output whose distinct keys sit at their first positions: out[k] =
+ * out[first_positions[inverse[k]]] for the other positions (dim floats each). */
+em_gpu_status em_gpu_copy_repeats(em_gpu_stream *stream, const uint32_t *inverse, uint64_t nnz,
+                                  const uint32_t *first_positions, uint32_t dim, float *out);
+
+/* ---- shards: hash map ---------------------------------------------------------------- */
+
+/* Key values that mark slots; keys equal to them live in the header's side rows. */
+#define EM_GPU_EMPTY_KEY UINT64_MAX
+#define EM_GPU_TOMBSTONE_KEY (UINT64_MAX - 1)
+/* Row of an absent key (lib/device.h EM_ROW_NONE); a side row being claimed. */
+#define EM_GPU_ROW_NONE UINT64_MAX
+#define EM_GPU_ROW_PENDING (UINT64_MAX - 1)
+
+#if defined(__cplusplus)
+#define EM_GPU_ALIGN16 alignas(16)
+#else
+#define EM_GPU_ALIGN16 _Alignas(16)
+#endif
+
+/* One open-addressing slot: key and row side by side, so a probe reads one sector. */
+typedef struct em_gpu_slot {
+    EM_GPU_ALIGN16 uint64_t key;
+    uint64_t row;
+} em_gpu_slot;
+
+/* Device-resident counters of a map. */
+typedef struct em_gpu_map_header {
+    uint64_t rows;          /* rows handed out (dense from 0) = keys stored */
+    uint64_t side_rows[2];  /* rows of the keys EMPTY and TOMBSTONE, or ROW_NONE */
+    uint64_t overflow;      /* set when an insert found no free slot */
+} em_gpu_map_header;
+
+typedef struct em_gpu_map {
+    em_gpu_slot *slots;
+    uint64_t slot_count;
+    em_gpu_map_header *header;
+} em_gpu_map;
+
+/* Every slot to (EMPTY, ROW_NONE). */
+em_gpu_status em_gpu_map_clear(em_gpu_stream *stream, em_gpu_slot *slots, uint64_t slot_count);
+/* rows[i] = row of keys[i] or ROW_NONE; *missing (device) += absent keys. */
+em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
+                              uint64_t n, uint64_t *rows, uint64_t *missing);
+/* For each i with rows[i] == ROW_NONE: rows[i] = the row of keys[i], inserting the key
+ * with the next row of header->rows when absent (inserted[i] = 1 then, else 0). */
+em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
+                                uint64_t n, uint64_t *rows, uint8_t *inserted);
+/* Places every key of old_slots (with its row) into the empty map. */
+em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
+                                uint64_t old_slot_count, em_gpu_map map);
+/* Export of slots [begin, begin + count): flags[i] = 1 when slot begin + i holds a key;
+ * flags[count] = 0. */
+em_gpu_status em_gpu_map_export_flags(em_gpu_stream *stream, em_gpu_map map, uint64_t begin,
+                                      uint64_t count, uint32_t *flags);
+/* With rank the exclusive scan of flags: the first `take` occupied slots go to
+ * keys[offset + rank], rows[offset + rank]; *next_slot (device) = one past the slot
+ * of rank take - 1. */
+em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu_map map, uint64_t begin,
+                                        uint64_t count, const uint32_t *flags,
+                                        const uint32_t *rank, uint64_t take, uint64_t offset,
+                                        uint64_t *keys, uint64_t *rows, uint64_t *next_slot);
+
+/* ---- shards: row storage -------------------------------------------------------------- */
+
+/* Rows live in fixed-size blocks: row r at blocks[r >> block_shift] + (r & block_mask) *
+ * stride floats, as dim weights then the optimizer state (row_floats in all). */
+typedef struct em_gpu_storage {
+    float *const *blocks; /* device array of device pointers */
+    uint32_t block_shift;
+    uint64_t block_mask;
+    uint32_t stride;      /* floats between rows, a multiple of 4 */
+    uint32_t dim;
+    uint32_t row_floats;
+    uint64_t row_limit;   /* rows the blocks hold; initialisation never writes past it */
+} em_gpu_storage;
+
+/* Initial weights and optimizer state of the rows with inserted[i] != 0. */
+em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
+                               const uint64_t *keys, const uint64_t *rows,
+                               const uint8_t *inserted, uint64_t n,
+                               em_initializer_config initializer, em_optimizer_config optimizer);
+/* vectors[t] = weights of rows[i], zeros for ROW_NONE (dim floats each), where t =
+ * targets[i], or i when targets is NULL. */
+em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
+                                 const uint64_t *rows, uint64_t n, const uint32_t *targets,
+                                 float *vectors);
+/* One optimizer step per row with gradients[i]; rows distinct. */
+em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
+                                em_optimizer_config optimizer, const uint64_t *rows, uint64_t n,
+                                const float *gradients);
+/* values[i] = whole row (row_floats floats) of rows[i]. */
+em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
+                               const uint64_t *rows, uint64_t n, float *values);
+/* Whole rows[i] = values[i]. */
+em_gpu_status em_gpu_rows_write(em_gpu_stream *stream, em_gpu_storage storage,
+                                const uint64_t *rows, uint64_t n, const float *values);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,193 @@
+/*
+ * DESIGN: kernels of the home-side request operations (dedupe, partition, gradient
+ * sums, pooling). Each kernel is a loop around one function of kernels/kernel_logic.h;
+ * lib/cuda_device.c puts them in order with the primitives of primitives.cu.
+ *
+ * Gradient sums and pooling are deterministic without atomics: one thread per output
+ * element walks that element's contributions in key order, exactly as the CPU device
+ * does, so both backends produce the same bits.
+ */
+#include "kernels/kernel_logic.h"
+#include "kernels/launch.cuh"
+
+__global__ void unique_claim_kernel(const uint64_t *keys, uint64_t n, uint32_t *table,
+                                    uint64_t slot_count, uint32_t *slot_of)
+{
+    EM_GPU_FOR_EACH(i, n)
+    em_gpu_unique_claim_item(keys, i, table, slot_count, slot_of);
+}
+
+__global__ void unique_flags_kernel(const uint32_t *table, const uint32_t *slot_of, uint64_t n,
+                                    uint32_t *first)
+{
+    EM_GPU_FOR_EACH(i, n + 1)
+    em_gpu_unique_flag_item(table, slot_of, n, i, first);
+}
+
+__global__ void unique_scatter_kernel(const uint64_t *keys, uint64_t n, const uint32_t *table,
+                                      const uint32_t *slot_of, const uint32_t *first,
+                                      const uint32_t *rank, uint64_t *unique, uint32_t *inverse,
+                                      uint32_t *first_positions)
+{
+    EM_GPU_FOR_EACH(i, n)
+    em_gpu_unique_scatter_item(keys, i, table, slot_of, first, rank, unique, inverse,
+                               first_positions);
+}
+
+__global__ void partition_owners_kernel(const uint64_t *unique, uint64_t n, uint32_t shard_count,
+                                        uint32_t *owner, uint32_t *index)
+{
+    EM_GPU_FOR_EACH(u, n)
+    em_gpu_partition_owner_item(unique, u, shard_count, owner, index);
+}
+
+__global__ void partition_scatter_kernel(const uint64_t *unique, const uint32_t *sorted_index,
+                                         const uint32_t *first_positions, uint64_t n,
+                                         uint64_t *partitioned, uint32_t *position,
+                                         uint32_t *targets)
+{
+    EM_GPU_FOR_EACH(i, n)
+    em_gpu_partition_scatter_item(unique, sorted_index, first_positions, i, partitioned,
+                                  position, targets);
+}
+
+__global__ void key_rows_kernel(const uint32_t *offsets, uint32_t rows, uint64_t nnz,
+                                uint32_t *key_row)
+{
+    EM_GPU_FOR_EACH(k, nnz)
+    key_row[k] = em_gpu_row_of_key(offsets, rows, k);
+}
+
+__global__ void sum_gradients_kernel(em_gpu_batch batch, const uint32_t *sorted_positions,
+                                     const uint32_t *starts, const uint32_t *key_row,
+                                     const float *gradients, float *out, uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(u, j, batch.unique_count, batch.dim, shift)
+    em_gpu_sum_gradient_element(&batch, sorted_positions, starts, key_row, gradients, out, u, j);
+}
+
+__global__ void combine_copy_kernel(em_gpu_batch batch, const float *vectors, float *out,
+                                    uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(k, j, batch.nnz, batch.dim, shift)
+    em_gpu_combine_copy_element(&batch, vectors, out, k, j);
+}
+
+__global__ void combine_pool_kernel(em_gpu_batch batch, const float *vectors, float *out,
+                                    uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(r, j, batch.rows, batch.dim, shift)
+    em_gpu_combine_pool_element(&batch, vectors, out, r, j);
+}
+
+__global__ void copy_repeats_kernel(const uint32_t *inverse, uint64_t nnz,
+                                    const uint32_t *first_positions, uint32_t dim, float *out,
+                                    uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(k, j, nnz, dim, shift)
+    em_gpu_copy_repeats_element(inverse, first_positions, dim, out, k, j);
+}
+
+extern "C" em_gpu_status em_gpu_unique_claim(em_gpu_stream *stream, const uint64_t *keys,
+                                             uint64_t n, uint32_t *table, uint64_t slot_count,
+                                             uint32_t *slot_of)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(unique_claim_kernel, n, stream, keys, n, table, slot_count, slot_of);
+}
+
+extern "C" em_gpu_status em_gpu_unique_flags(em_gpu_stream *stream, const uint32_t *table,
+                                             const uint32_t *slot_of, uint64_t n,
+                                             uint32_t *first)
+{
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(unique_flags_kernel, n + 1, stream, table, slot_of, n, first);
+}
+
+extern "C" em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys,
+                                               uint64_t n, const uint32_t *table,
+                                               const uint32_t *slot_of, const uint32_t *first,
+                                               const uint32_t *rank, uint64_t *unique,
+                                               uint32_t *inverse, uint32_t *first_positions)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(unique_scatter_kernel, n, stream, keys, n, table, slot_of, first, rank,
+                         unique, inverse, first_positions);
+}
+
+extern "C" em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *unique,
+                                                 uint64_t n, uint32_t shard_count,
+                                                 uint32_t *owner, uint32_t *index)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(partition_owners_kernel, n, stream, unique, n, shard_count, owner,
+                         index);
+}
+
+extern "C" em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *unique,
+                                                  const uint32_t *sorted_index,
+                                                  const uint32_t *first_positions, uint64_t n,
+                                                  uint64_t *partitioned, uint32_t *position,
+                                                  uint32_t *targets)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(partition_scatter_kernel, n, stream, unique, sorted_index,
+                         first_positions, n, partitioned, position, targets);
+}
+
+extern "C" em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets,
+                                         uint32_t rows, uint64_t nnz, uint32_t *key_row)
+{
+    if (nnz == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(key_rows_kernel, nnz, stream, offsets, rows, nnz, key_row);
+}
+
+extern "C" em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
+                                              const uint32_t *sorted_positions,
+                                              const uint32_t *starts, const uint32_t *key_row,
+                                              const float *gradients, float *out)
+{
+    if (batch->unique_count == 0 || batch->dim == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(batch->dim);
+    return EM_GPU_LAUNCH(sum_gradients_kernel, em_gpu_element_threads(batch->unique_count, shift),
+                         stream, *batch, sorted_positions, starts, key_row, gradients, out,
+                         shift);
+}
+
+extern "C" em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,
+                                        const float *vectors, float *out)
+{
+    uint64_t outputs = batch->combiner == EM_GPU_COMBINER_NONE ? batch->nnz : batch->rows;
+    if (outputs == 0 || batch->dim == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(batch->dim);
+    uint64_t threads = em_gpu_element_threads(outputs, shift);
+    if (batch->combiner == EM_GPU_COMBINER_NONE)
+        return EM_GPU_LAUNCH(combine_copy_kernel, threads, stream, *batch, vectors, out, shift);
+    return EM_GPU_LAUNCH(combine_pool_kernel, threads, stream, *batch, vectors, out, shift);
+}
+
+extern "C" em_gpu_status em_gpu_copy_repeats(em_gpu_stream *stream, const uint32_t *inverse,
+                                             uint64_t nnz, const uint32_t *first_positions,
+                                             uint32_t dim, float *out)
+{
+    if (nnz == 0 || dim == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(dim);
+    return EM_GPU_LAUNCH(copy_repeats_kernel, em_gpu_element_threads(nnz, shift), stream, inverse,
+                         nnz, first_positions, dim, out, shift);
+}

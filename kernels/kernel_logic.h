@@ -1,0 +1,624 @@
+/*
+ * DESIGN: what every GPU thread does, written once for the GPU and the host.
+ *
+ * Each kernel in kernels/ (the .cu files) is a loop over items (or over a row's elements) that
+ * calls one function of this header per item; the functions are EM_HOST_DEVICE and
+ * plain C, so the same text compiles three ways: into the kernels (nvcc, device),
+ * into tests/support/kernels_emulated.c (a serial host implementation of
+ * kernels/ember_kernels.h that runs the CUDA backend on machines without a GPU), and
+ * into host unit tests that compare the results with the CPU device's.
+ *
+ * Atomics are wrappers: CUDA atomics on the device, GCC __atomic builtins on the host,
+ * so the hash-map protocol can also be exercised by several host threads at once.
+ *
+ * Arithmetic follows the CPU device exactly: gradient sums start from -0.0 and add a
+ * key's contributions in increasing key position; pooled pulls start from +0.0 and add
+ * in key order, then divide; divisors come from em_gpu_combiner_divisor (the same
+ * formula as em_combiner_divisor in lib/csr.c); initial values and optimizer steps
+ * call the shared functions of lib/initializer.h and lib/optimizer.h. The kernels are
+ * compiled without fused multiply-add contraction (kernels/meson.build) so the
+ * roundings are the CPU's too.
+ *
+ * Not covered by running this on the host: launch geometry, the GPU memory model,
+ * warp shuffles (the rowwise reduction's tree order is emulated, see
+ * em_gpu_rowwise_partial) and 16-byte vector accesses (em_gpu_copy4).
+ */
+#ifndef EMBER_KERNELS_KERNEL_LOGIC_H
+#define EMBER_KERNELS_KERNEL_LOGIC_H
+
+#include <stdint.h>
+
+#ifndef __CUDACC__
+#include <math.h>
+#endif
+
+#include "kernels/ember_kernels.h"
+#include "lib/initializer.h"
+#include "lib/keyhash.h"
+#include "lib/optimizer.h"
+
+/* Threads that cooperate on one row in the rowwise-adagrad and adam kernels (a warp). */
+#define EM_GPU_ROW_LANES 32u
+
+/* ---- atomics and ordered accesses ---------------------------------------------------- */
+
+EM_HOST_DEVICE uint64_t em_gpu_atomic_cas_u64(uint64_t *address, uint64_t expected,
+                                              uint64_t desired)
+{
+#ifdef __CUDA_ARCH__
+    return (uint64_t)atomicCAS((unsigned long long *)address, (unsigned long long)expected,
+                               (unsigned long long)desired);
+#else
+    __atomic_compare_exchange_n(address, &expected, desired, 0, __ATOMIC_ACQ_REL,
+                                __ATOMIC_ACQUIRE);
+    return expected;
+#endif
+}
+
+EM_HOST_DEVICE uint32_t em_gpu_atomic_cas_u32(uint32_t *address, uint32_t expected,
+                                              uint32_t desired)
+{
+#ifdef __CUDA_ARCH__
+    return (uint32_t)atomicCAS((unsigned int *)address, (unsigned int)expected,
+                               (unsigned int)desired);
+#else
+    __atomic_compare_exchange_n(address, &expected, desired, 0, __ATOMIC_ACQ_REL,
+                                __ATOMIC_ACQUIRE);
+    return expected;
+#endif
+}
+
+/* Returns the value before the addition. */
+EM_HOST_DEVICE uint64_t em_gpu_atomic_add_u64(uint64_t *address, uint64_t value)
+{
+#ifdef __CUDA_ARCH__
+    return (uint64_t)atomicAdd((unsigned long long *)address, (unsigned long long)value);
+#else
+    return __atomic_fetch_add(address, value, __ATOMIC_ACQ_REL);
+#endif
+}
+
+EM_HOST_DEVICE void em_gpu_atomic_min_u32(uint32_t *address, uint32_t value)
+{
+#ifdef __CUDA_ARCH__
+    atomicMin((unsigned int *)address, (unsigned int)value);
+#else
+    uint32_t seen = __atomic_load_n(address, __ATOMIC_ACQUIRE);
+    while (value < seen &&
+           !__atomic_compare_exchange_n(address, &seen, value, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+    }
+#endif
+}
+
+/* A load that sees stores of other threads of the same kernel (no stale cached copy). */
+EM_HOST_DEVICE uint64_t em_gpu_load_u64(const uint64_t *address)
+{
+#ifdef __CUDA_ARCH__
+    return *(const volatile uint64_t *)address;
+#else
+    return __atomic_load_n(address, __ATOMIC_ACQUIRE);
+#endif
+}
+
+EM_HOST_DEVICE uint32_t em_gpu_load_u32(const uint32_t *address)
+{
+#ifdef __CUDA_ARCH__
+    return *(const volatile uint32_t *)address;
+#else
+    return __atomic_load_n(address, __ATOMIC_ACQUIRE);
+#endif
+}
+
+/* A store that other threads of the same kernel will see. */
+EM_HOST_DEVICE void em_gpu_store_u64(uint64_t *address, uint64_t value)
+{
+#ifdef __CUDA_ARCH__
+    atomicExch((unsigned long long *)address, (unsigned long long)value);
+#else
+    __atomic_store_n(address, value, __ATOMIC_RELEASE);
+#endif
+}
+
+/* ---- launch geometry ------------------------------------------------------------------ */
+
+/* log2 of the threads that share one row of width elements: the smallest power of two
+ * covering the row, at most 256 (one block). */
+EM_HOST_DEVICE uint32_t em_gpu_group_shift(uint32_t width)
+{
+    uint32_t shift = 0;
+    while (shift < 8 && (UINT32_C(1) << shift) < width)
+        shift++;
+    return shift;
+}
+
+/* Slots of the unique-keys scratch table for n keys: a power of two >= 2n (at least
+ * 16), at most 2^32 so a slot index fits 32 bits (n < 2^32 keeps a slot free). */
+EM_HOST_DEVICE uint64_t em_gpu_unique_slot_count(uint64_t n)
+{
+    uint64_t slots = 16;
+    while (slots < 2 * n && slots < (UINT64_C(1) << 32))
+        slots <<= 1;
+    return slots;
+}
+
+/* Bits that hold every value below count (0 for count <= 1): the radix sort's end_bit. */
+EM_HOST_DEVICE uint32_t em_gpu_bits_for(uint64_t count)
+{
+    uint32_t bits = 0;
+    while (bits < 64 && count > 1 && ((count - 1) >> bits) != 0)
+        bits++;
+    return bits;
+}
+
+/* ---- unique keys ------------------------------------------------------------------------ */
+
+/* Finds or claims the scratch slot of keys[i]: a slot holds 1 + a position of its key,
+ * lowered with atomic min to the key's first position. Distinct keys never share a
+ * slot (linear probing compares the keys at the held positions). */
+EM_HOST_DEVICE void em_gpu_unique_claim_item(const uint64_t *keys, uint64_t i, uint32_t *table,
+                                             uint64_t slot_count, uint32_t *slot_of)
+{
+    uint64_t key = keys[i];
+    uint64_t mask = slot_count - 1;
+    uint64_t slot = em_hashmap_hash(key) & mask;
+    uint32_t mine = (uint32_t)(i + 1);
+    for (;;) {
+        uint32_t held = em_gpu_load_u32(&table[slot]);
+        if (held == 0) {
+            held = em_gpu_atomic_cas_u32(&table[slot], 0, mine);
+            if (held == 0) {
+                slot_of[i] = (uint32_t)slot;
+                return;
+            }
+        }
+        if (keys[held - 1] == key) {
+            em_gpu_atomic_min_u32(&table[slot], mine);
+            slot_of[i] = (uint32_t)slot;
+            return;
+        }
+        slot = (slot + 1) & mask;
+    }
+}
+
+/* first[i] = 1 where position i is its key's first (i in 0..n; first[n] = 0 so that the
+ * exclusive scan's last entry is the unique count). */
+EM_HOST_DEVICE void em_gpu_unique_flag_item(const uint32_t *table, const uint32_t *slot_of,
+                                            uint64_t n, uint64_t i, uint32_t *first)
+{
+    first[i] = (uint32_t)(i < n && (uint64_t)table[slot_of[i]] - 1 == i);
+}
+
+EM_HOST_DEVICE void em_gpu_unique_scatter_item(const uint64_t *keys, uint64_t i,
+                                               const uint32_t *table, const uint32_t *slot_of,
+                                               const uint32_t *first, const uint32_t *rank,
+                                               uint64_t *unique, uint32_t *inverse,
+                                               uint32_t *first_positions)
+{
+    if (first[i]) {
+        unique[rank[i]] = keys[i];
+        first_positions[rank[i]] = (uint32_t)i;
+    }
+    inverse[i] = rank[table[slot_of[i]] - 1];
+}
+
+/* ---- partition and segments ------------------------------------------------------------- */
+
+EM_HOST_DEVICE void em_gpu_partition_owner_item(const uint64_t *unique, uint64_t u,
+                                                uint32_t shard_count, uint32_t *owner,
+                                                uint32_t *index)
+{
+    owner[u] = em_key_shard(unique[u], shard_count);
+    index[u] = (uint32_t)u;
+}
+
+EM_HOST_DEVICE void em_gpu_partition_scatter_item(const uint64_t *unique,
+                                                  const uint32_t *sorted_index,
+                                                  const uint32_t *first_positions, uint64_t i,
+                                                  uint64_t *partitioned, uint32_t *position,
+                                                  uint32_t *targets)
+{
+    uint32_t u = sorted_index[i];
+    partitioned[i] = unique[u];
+    position[u] = (uint32_t)i;
+    if (targets != NULL)
+        targets[i] = first_positions[u];
+}
+
+/* Item i in 0..n of em_gpu_segment_starts: the segments that begin at i are those above
+ * the previous key up to the current one (the end counts as key `segments`). */
+EM_HOST_DEVICE void em_gpu_segment_start_item(const uint32_t *sorted_keys, uint64_t n,
+                                              uint32_t segments, uint64_t i, uint32_t *starts)
+{
+    uint64_t first = i == 0 ? 0 : (uint64_t)sorted_keys[i - 1] + 1;
+    uint64_t last = i == n ? segments : sorted_keys[i];
+    for (uint64_t s = first; s <= last && s <= segments; s++)
+        starts[s] = (uint32_t)i;
+}
+
+/* The row holding key position k: the largest r < rows with offsets[r] <= k. */
+EM_HOST_DEVICE uint32_t em_gpu_row_of_key(const uint32_t *offsets, uint32_t rows, uint64_t k)
+{
+    uint32_t low = 0, high = rows;
+    while (high - low > 1) {
+        uint32_t middle = low + (high - low) / 2;
+        if (offsets[middle] <= k)
+            low = middle;
+        else
+            high = middle;
+    }
+    return low;
+}
+
+/* ---- gradient sums and pooling ------------------------------------------------------- */
+
+/* em_combiner_divisor (lib/csr.c): NONE and SUM 1, MEAN len, SQRTN sqrt(len); empty 1. */
+EM_HOST_DEVICE float em_gpu_combiner_divisor(int combiner, uint32_t length)
+{
+    if (length == 0)
+        return 1.0f;
+    if (combiner == EM_GPU_COMBINER_MEAN)
+        return (float)length;
+    if (combiner == EM_GPU_COMBINER_SQRTN)
+        return sqrtf((float)length);
+    return 1.0f;
+}
+
+/* Element j of unique key u's summed gradient, written at its partitioned position. */
+EM_HOST_DEVICE void em_gpu_sum_gradient_element(const em_gpu_batch *batch,
+                                                const uint32_t *sorted_positions,
+                                                const uint32_t *starts, const uint32_t *key_row,
+                                                const float *gradients, float *out, uint64_t u,
+                                                uint32_t j)
+{
+    uint64_t dim = batch->dim;
+    float sum = -0.0f;
+    for (uint32_t s = starts[u]; s < starts[u + 1]; s++) {
+        uint32_t k = sorted_positions[s];
+        if (batch->combiner == EM_GPU_COMBINER_NONE) {
+            sum += gradients[k * dim + j];
+            continue;
+        }
+        uint32_t row = key_row[k];
+        float divisor =
+            em_gpu_combiner_divisor(batch->combiner, batch->offsets[row + 1] - batch->offsets[row]);
+        float gradient = gradients[row * dim + j];
+        if (divisor == 1.0f)
+            sum += gradient;
+        else
+            sum += gradient / divisor;
+    }
+    out[batch->position[u] * dim + j] = sum;
+}
+
+/* NONE: element j of key k's vector. */
+EM_HOST_DEVICE void em_gpu_combine_copy_element(const em_gpu_batch *batch, const float *vectors,
+                                                float *out, uint64_t k, uint32_t j)
+{
+    uint64_t dim = batch->dim;
+    out[k * dim + j] = vectors[batch->position[batch->inverse[k]] * dim + j];
+}
+
+/* Pooled: element j of row r. */
+EM_HOST_DEVICE void em_gpu_combine_pool_element(const em_gpu_batch *batch, const float *vectors,
+                                                float *out, uint64_t r, uint32_t j)
+{
+    uint64_t dim = batch->dim;
+    uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
+    float sum = 0.0f;
+    for (uint32_t k = begin; k < end; k++)
+        sum += vectors[batch->position[batch->inverse[k]] * dim + j];
+    float divisor = em_gpu_combiner_divisor(batch->combiner, end - begin);
+    if (divisor != 1.0f)
+        sum /= divisor;
+    out[r * dim + j] = sum;
+}
+
+/* Element j of key position k of a per-key output whose distinct keys were gathered at
+ * their first positions: later occurrences copy their first one. First occurrences are
+ * never written here, so reads and writes never overlap. */
+EM_HOST_DEVICE void em_gpu_copy_repeats_element(const uint32_t *inverse,
+                                                const uint32_t *first_positions, uint32_t dim,
+                                                float *out, uint64_t k, uint32_t j)
+{
+    uint64_t origin = first_positions[inverse[k]];
+    if (origin != k)
+        out[k * dim + j] = out[origin * dim + j];
+}
+
+/* ---- hash map ------------------------------------------------------------------------- */
+
+EM_HOST_DEVICE uint64_t em_gpu_map_home(uint64_t key, uint64_t slot_count)
+{
+    return em_hash_scale(em_hashmap_hash(key), slot_count);
+}
+
+EM_HOST_DEVICE uint64_t em_gpu_map_next(uint64_t slot, uint64_t slot_count)
+{
+    return slot + 1 == slot_count ? 0 : slot + 1;
+}
+
+/* 0 or 1 for the two keys kept in side rows, -1 for every other key. */
+EM_HOST_DEVICE int em_gpu_side_index(uint64_t key)
+{
+    if (key == EM_GPU_EMPTY_KEY)
+        return 0;
+    if (key == EM_GPU_TOMBSTONE_KEY)
+        return 1;
+    return -1;
+}
+
+EM_HOST_DEVICE int em_gpu_slot_occupied(uint64_t key)
+{
+    return key != EM_GPU_EMPTY_KEY && key != EM_GPU_TOMBSTONE_KEY;
+}
+
+/* Row of key, or ROW_NONE. Lookups never run alongside inserts (tables order them:
+ * inserts hold the table exclusively and complete before it is released), so plain
+ * (cacheable) loads see published slots. */
+EM_HOST_DEVICE uint64_t em_gpu_map_lookup(em_gpu_map map, uint64_t key)
+{
+    int side = em_gpu_side_index(key);
+    if (side >= 0) {
+        uint64_t row = map.header->side_rows[side];
+        return row == EM_GPU_ROW_PENDING ? EM_GPU_ROW_NONE : row;
+    }
+    uint64_t slot = em_gpu_map_home(key, map.slot_count);
+    for (uint64_t probe = 0; probe < map.slot_count; probe++) {
+        uint64_t held = map.slots[slot].key;
+        if (held == key)
+            return map.slots[slot].row;
+        if (held == EM_GPU_EMPTY_KEY)
+            return EM_GPU_ROW_NONE;
+        slot = em_gpu_map_next(slot, map.slot_count);
+    }
+    return EM_GPU_ROW_NONE;
+}
+
+/* Waits until another thread of the same kernel has published a row in place of
+ * unpublished (only when one batch inserts a key twice; tables pass distinct keys). */
+EM_HOST_DEVICE uint64_t em_gpu_wait_row(const uint64_t *address, uint64_t unpublished)
+{
+    for (;;) {
+        uint64_t row = em_gpu_load_u64(address);
+        if (row != unpublished)
+            return row;
+    }
+}
+
+EM_HOST_DEVICE uint64_t em_gpu_claim_side(em_gpu_map_header *header, int side, int *inserted)
+{
+    uint64_t held =
+        em_gpu_atomic_cas_u64(&header->side_rows[side], EM_GPU_ROW_NONE, EM_GPU_ROW_PENDING);
+    if (held != EM_GPU_ROW_NONE)
+        return em_gpu_wait_row(&header->side_rows[side], EM_GPU_ROW_PENDING);
+    uint64_t row = em_gpu_atomic_add_u64(&header->rows, 1);
+    em_gpu_store_u64(&header->side_rows[side], row);
+    *inserted = 1;
+    return row;
+}
+
+/* Row of key, inserting it with the next row when absent (*inserted = 1 then). A slot
+ * is claimed by compare-and-swap of its key from EMPTY; the claimer then takes a row
+ * from the header's counter and publishes it. Returns ROW_NONE and sets the header's
+ * overflow flag when every slot is taken (callers reserve room first). */
+EM_HOST_DEVICE uint64_t em_gpu_map_insert_key(em_gpu_map map, uint64_t key, int *inserted)
+{
+    *inserted = 0;
+    int side = em_gpu_side_index(key);
+    if (side >= 0)
+        return em_gpu_claim_side(map.header, side, inserted);
+    uint64_t slot = em_gpu_map_home(key, map.slot_count);
+    for (uint64_t probe = 0; probe < map.slot_count; probe++) {
+        uint64_t held = em_gpu_load_u64(&map.slots[slot].key);
+        if (held == EM_GPU_EMPTY_KEY) {
+            held = em_gpu_atomic_cas_u64(&map.slots[slot].key, EM_GPU_EMPTY_KEY, key);
+            if (held == EM_GPU_EMPTY_KEY) {
+                uint64_t row = em_gpu_atomic_add_u64(&map.header->rows, 1);
+                em_gpu_store_u64(&map.slots[slot].row, row);
+                *inserted = 1;
+                return row;
+            }
+        }
+        if (held == key)
+            return em_gpu_wait_row(&map.slots[slot].row, EM_GPU_ROW_NONE);
+        slot = em_gpu_map_next(slot, map.slot_count);
+    }
+    em_gpu_store_u64(&map.header->overflow, 1);
+    return EM_GPU_ROW_NONE;
+}
+
+EM_HOST_DEVICE int em_gpu_map_find_item(em_gpu_map map, const uint64_t *keys, uint64_t i,
+                                        uint64_t *rows)
+{
+    rows[i] = em_gpu_map_lookup(map, keys[i]);
+    return rows[i] == EM_GPU_ROW_NONE;
+}
+
+EM_HOST_DEVICE void em_gpu_map_insert_item(em_gpu_map map, const uint64_t *keys, uint64_t i,
+                                           uint64_t *rows, uint8_t *inserted)
+{
+    int fresh = 0;
+    if (rows[i] == EM_GPU_ROW_NONE)
+        rows[i] = em_gpu_map_insert_key(map, keys[i], &fresh);
+    inserted[i] = (uint8_t)fresh;
+}
+
+/* Rehash: puts old slot i's key (with its row) into the new, empty map. */
+EM_HOST_DEVICE void em_gpu_map_rehash_item(const em_gpu_slot *old_slots, uint64_t i,
+                                           em_gpu_map map)
+{
+    uint64_t key = old_slots[i].key;
+    if (!em_gpu_slot_occupied(key))
+        return;
+    uint64_t slot = em_gpu_map_home(key, map.slot_count);
+    for (uint64_t probe = 0; probe < map.slot_count; probe++) {
+        if (em_gpu_atomic_cas_u64(&map.slots[slot].key, EM_GPU_EMPTY_KEY, key) ==
+            EM_GPU_EMPTY_KEY) {
+            map.slots[slot].row = old_slots[i].row;
+            return;
+        }
+        slot = em_gpu_map_next(slot, map.slot_count);
+    }
+    em_gpu_store_u64(&map.header->overflow, 1);
+}
+
+EM_HOST_DEVICE void em_gpu_map_export_flag_item(em_gpu_map map, uint64_t begin, uint64_t count,
+                                                uint64_t i, uint32_t *flags)
+{
+    flags[i] = (uint32_t)(i < count && em_gpu_slot_occupied(map.slots[begin + i].key));
+}
+
+EM_HOST_DEVICE void em_gpu_map_export_compact_item(em_gpu_map map, uint64_t begin, uint64_t i,
+                                                   const uint32_t *flags, const uint32_t *rank,
+                                                   uint64_t take, uint64_t offset,
+                                                   uint64_t *keys, uint64_t *rows,
+                                                   uint64_t *next_slot)
+{
+    if (!flags[i] || rank[i] >= take)
+        return;
+    keys[offset + rank[i]] = map.slots[begin + i].key;
+    rows[offset + rank[i]] = map.slots[begin + i].row;
+    if (rank[i] == take - 1)
+        *next_slot = begin + i + 1;
+}
+
+/* ---- row storage ------------------------------------------------------------------------ */
+
+EM_HOST_DEVICE float *em_gpu_row_address(em_gpu_storage storage, uint64_t row)
+{
+    return storage.blocks[row >> storage.block_shift] + (row & storage.block_mask) * storage.stride;
+}
+
+/* Element j (< dim + state floats) of a new row: the initializer's value for weights,
+ * initial_accumulator for (rowwise) adagrad accumulators, 0 for adam's moments and
+ * step. */
+EM_HOST_DEVICE float em_gpu_initial_value(const em_initializer_config *initializer,
+                                          const em_optimizer_config *optimizer, uint32_t dim,
+                                          uint64_t key, uint32_t j)
+{
+    if (j < dim)
+        return em_initializer_value(initializer, key, j);
+    if (optimizer->kind == EM_OPTIMIZER_ADAGRAD || optimizer->kind == EM_OPTIMIZER_ROWWISE_ADAGRAD)
+        return optimizer->initial_accumulator;
+    return 0.0f;
+}
+
+EM_HOST_DEVICE void em_gpu_rows_init_element(em_gpu_storage storage, const uint64_t *keys,
+                                             const uint64_t *rows, const uint8_t *inserted,
+                                             const em_initializer_config *initializer,
+                                             const em_optimizer_config *optimizer, uint64_t i,
+                                             uint32_t j)
+{
+    /* A row past the storage means insert ran without reserve: the host reports it
+     * (from the map's row counter); nothing is written out of bounds meanwhile. */
+    if (!inserted[i] || rows[i] >= storage.row_limit)
+        return;
+    em_gpu_row_address(storage, rows[i])[j] =
+        em_gpu_initial_value(initializer, optimizer, storage.dim, keys[i], j);
+}
+
+/* Where gathered vector i goes: targets[i] when the gather scatters into a per-key
+ * output, else i. */
+EM_HOST_DEVICE uint64_t em_gpu_gather_target(const uint32_t *targets, uint64_t i)
+{
+    return targets != NULL ? (uint64_t)targets[i] : i;
+}
+
+EM_HOST_DEVICE void em_gpu_rows_gather_element(em_gpu_storage storage, const uint64_t *rows,
+                                               const uint32_t *targets, float *vectors,
+                                               uint64_t i, uint32_t j)
+{
+    uint64_t row = rows[i];
+    vectors[em_gpu_gather_target(targets, i) * storage.dim + j] =
+        row == EM_GPU_ROW_NONE ? 0.0f : em_gpu_row_address(storage, row)[j];
+}
+
+/* Four floats at 16-byte aligned addresses, as one vector access on the GPU. */
+EM_HOST_DEVICE void em_gpu_copy4(float *destination, const float *source)
+{
+#ifdef __CUDA_ARCH__
+    *(float4 *)destination = *(const float4 *)source;
+#else
+    for (int e = 0; e < 4; e++)
+        destination[e] = source[e];
+#endif
+}
+
+EM_HOST_DEVICE void em_gpu_zero4(float *destination)
+{
+#ifdef __CUDA_ARCH__
+    *(float4 *)destination = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#else
+    for (int e = 0; e < 4; e++)
+        destination[e] = 0.0f;
+#endif
+}
+
+/* Gather with dim % 4 == 0: quad q (floats 4q .. 4q + 3) of vector i. */
+EM_HOST_DEVICE void em_gpu_rows_gather_quad(em_gpu_storage storage, const uint64_t *rows,
+                                            const uint32_t *targets, float *vectors, uint64_t i,
+                                            uint32_t q)
+{
+    uint64_t row = rows[i];
+    float *destination = vectors + em_gpu_gather_target(targets, i) * storage.dim + 4 * (uint64_t)q;
+    if (row == EM_GPU_ROW_NONE)
+        em_gpu_zero4(destination);
+    else
+        em_gpu_copy4(destination, em_gpu_row_address(storage, row) + 4 * (uint64_t)q);
+}
+
+EM_HOST_DEVICE void em_gpu_rows_read_element(em_gpu_storage storage, const uint64_t *rows,
+                                             float *values, uint64_t i, uint32_t j)
+{
+    values[i * storage.row_floats + j] = em_gpu_row_address(storage, rows[i])[j];
+}
+
+EM_HOST_DEVICE void em_gpu_rows_write_element(em_gpu_storage storage, const uint64_t *rows,
+                                              const float *values, uint64_t i, uint32_t j)
+{
+    em_gpu_row_address(storage, rows[i])[j] = values[i * storage.row_floats + j];
+}
+
+/* ---- optimizer steps -------------------------------------------------------------------- */
+
+EM_HOST_DEVICE void em_gpu_sgd_element(em_gpu_storage storage, const em_optimizer_config *optimizer,
+                                       const uint64_t *rows, const float *gradients, uint64_t i,
+                                       uint32_t j)
+{
+    float *weights = em_gpu_row_address(storage, rows[i]);
+    em_sgd_element(&weights[j], gradients[i * storage.dim + j], optimizer->learning_rate);
+}
+
+EM_HOST_DEVICE void em_gpu_adagrad_element(em_gpu_storage storage,
+                                           const em_optimizer_config *optimizer,
+                                           const uint64_t *rows, const float *gradients,
+                                           uint64_t i, uint32_t j)
+{
+    float *weights = em_gpu_row_address(storage, rows[i]);
+    em_adagrad_element(&weights[j], &weights[storage.dim + j], gradients[i * storage.dim + j],
+                       optimizer->learning_rate, optimizer->eps);
+}
+
+/* Rowwise adagrad, lane `lane` of lanes: the sum of g*g over the elements j = lane,
+ * lane + lanes, ... in increasing j. The lanes' partial sums are then added in a
+ * butterfly (xor 16, 8, 4, 2, 1), which every lane ends with bit for bit. */
+EM_HOST_DEVICE float em_gpu_rowwise_partial(const float *gradient, uint32_t dim, uint32_t lane,
+                                            uint32_t lanes)
+{
+    float sum = 0.0f;
+    for (uint32_t j = lane; j < dim; j += lanes)
+        sum += gradient[j] * gradient[j];
+    return sum;
+}
+
+/* The row's accumulator after the step (s += mean(g*g)), and the denominator
+ * sqrt(s) + eps of every element (as lib/optimizer.c). */
+EM_HOST_DEVICE float em_gpu_rowwise_denominator(float accumulator, float squares, uint32_t dim,
+                                                float eps, float *updated)
+{
+    *updated = accumulator + squares / (float)dim;
+    return sqrtf(*updated) + eps;
+}
+
+#endif

@@ -1,0 +1,273 @@
+/*
+ * DESIGN: thin wrappers over the CUDA runtime and NCCL (kernels/ember_kernels.h).
+ *
+ * Each wrapper makes the right GPU current, makes one or two calls, and reports the
+ * first failure with the call's name. Nothing here is on the request path except the
+ * asynchronous copies, stream and event operations and the NCCL group.
+ */
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/launch.cuh"
+
+struct em_gpu_comm {
+    ncclComm_t comm;
+};
+
+static em_gpu_status nccl_status(ncclResult_t result, const char *call)
+{
+    em_gpu_status status = em_gpu_ok();
+    if (result == ncclSuccess)
+        return status;
+    status.code = (int)result;
+    status.call = call;
+    status.message = ncclGetErrorString(result);
+    return status;
+}
+
+#define EM_GPU_NCCL(function, arguments) EM_GPU_TRY(nccl_status(function arguments, #function))
+
+static em_gpu_status use_device(int ordinal)
+{
+    return em_gpu_cuda_status(cudaSetDevice(ordinal), "cudaSetDevice");
+}
+
+/* ---- devices and memory ------------------------------------------------------------ */
+
+extern "C" em_gpu_status em_gpu_device_count(int *count)
+{
+    *count = 0;
+    EM_GPU_CALL(cudaGetDeviceCount, (count));
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_device_info_get(int ordinal, em_gpu_device_info *out)
+{
+    cudaDeviceProp properties;
+    EM_GPU_CALL(cudaGetDeviceProperties, (&properties, ordinal));
+    memset(out, 0, sizeof(*out));
+    snprintf(out->name, sizeof(out->name), "%s", properties.name);
+    out->total_bytes = properties.totalGlobalMem;
+    out->multiprocessors = (uint32_t)properties.multiProcessorCount;
+    out->compute_major = (uint32_t)properties.major;
+    out->compute_minor = (uint32_t)properties.minor;
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_memory_info(int ordinal, uint64_t *free_bytes,
+                                            uint64_t *total_bytes)
+{
+    size_t free_memory = 0, total_memory = 0;
+    EM_GPU_TRY(use_device(ordinal));
+    EM_GPU_CALL(cudaMemGetInfo, (&free_memory, &total_memory));
+    *free_bytes = free_memory;
+    *total_bytes = total_memory;
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_malloc(int ordinal, size_t bytes, void **out)
+{
+    *out = NULL;
+    EM_GPU_TRY(use_device(ordinal));
+    EM_GPU_CALL(cudaMalloc, (out, bytes));
+    return em_gpu_ok();
+}
+
+extern "C" void em_gpu_free(int ordinal, void *pointer)
+{
+    if (pointer == NULL || cudaSetDevice(ordinal) != cudaSuccess)
+        return;
+    cudaFree(pointer);
+}
+
+extern "C" em_gpu_status em_gpu_host_alloc(size_t bytes, void **out)
+{
+    *out = NULL;
+    EM_GPU_CALL(cudaHostAlloc, (out, bytes, cudaHostAllocPortable));
+    return em_gpu_ok();
+}
+
+extern "C" void em_gpu_host_free(void *pointer)
+{
+    if (pointer != NULL)
+        cudaFreeHost(pointer);
+}
+
+/* ---- streams and events ---------------------------------------------------------------- */
+
+extern "C" em_gpu_status em_gpu_stream_create(int ordinal, em_gpu_stream **out)
+{
+    *out = NULL;
+    em_gpu_stream *stream = (em_gpu_stream *)calloc(1, sizeof(*stream));
+    if (stream == NULL)
+        return em_gpu_cuda_status(cudaErrorMemoryAllocation, "calloc (stream handle)");
+    stream->ordinal = ordinal;
+    em_gpu_status status = use_device(ordinal);
+    if (status.code == 0)
+        status = em_gpu_cuda_status(cudaStreamCreateWithFlags(&stream->stream,
+                                                              cudaStreamNonBlocking),
+                                    "cudaStreamCreateWithFlags");
+    if (status.code != 0) {
+        free(stream);
+        return status;
+    }
+    *out = stream;
+    return status;
+}
+
+extern "C" void em_gpu_stream_destroy(em_gpu_stream *stream)
+{
+    if (stream == NULL)
+        return;
+    if (cudaSetDevice(stream->ordinal) == cudaSuccess)
+        cudaStreamDestroy(stream->stream);
+    free(stream);
+}
+
+extern "C" em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
+{
+    EM_GPU_CALL(cudaStreamSynchronize, (stream->stream));
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_event_create(int ordinal, int timing, em_gpu_event **out)
+{
+    *out = NULL;
+    em_gpu_event *event = (em_gpu_event *)calloc(1, sizeof(*event));
+    if (event == NULL)
+        return em_gpu_cuda_status(cudaErrorMemoryAllocation, "calloc (event handle)");
+    event->ordinal = ordinal;
+    em_gpu_status status = use_device(ordinal);
+    if (status.code == 0)
+        status = em_gpu_cuda_status(
+            cudaEventCreateWithFlags(&event->event,
+                                     timing ? cudaEventDefault : cudaEventDisableTiming),
+            "cudaEventCreateWithFlags");
+    if (status.code != 0) {
+        free(event);
+        return status;
+    }
+    *out = event;
+    return status;
+}
+
+extern "C" void em_gpu_event_destroy(em_gpu_event *event)
+{
+    if (event == NULL)
+        return;
+    if (cudaSetDevice(event->ordinal) == cudaSuccess)
+        cudaEventDestroy(event->event);
+    free(event);
+}
+
+extern "C" em_gpu_status em_gpu_event_record(em_gpu_event *event, em_gpu_stream *stream)
+{
+    EM_GPU_TRY(em_gpu_use(stream));
+    EM_GPU_CALL(cudaEventRecord, (event->event, stream->stream));
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_stream_wait(em_gpu_stream *stream, em_gpu_event *event)
+{
+    EM_GPU_TRY(em_gpu_use(stream));
+    EM_GPU_CALL(cudaStreamWaitEvent, (stream->stream, event->event, 0));
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_event_synchronize(em_gpu_event *event)
+{
+    EM_GPU_CALL(cudaEventSynchronize, (event->event));
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_event_elapsed_ms(em_gpu_event *start, em_gpu_event *end,
+                                                 float *ms)
+{
+    EM_GPU_CALL(cudaEventElapsedTime, (ms, start->event, end->event));
+    return em_gpu_ok();
+}
+
+/* ---- copies ------------------------------------------------------------------------------ */
+
+extern "C" em_gpu_status em_gpu_memcpy_async(em_gpu_stream *stream, void *destination,
+                                             const void *source, size_t bytes)
+{
+    if (bytes == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    EM_GPU_CALL(cudaMemcpyAsync,
+                (destination, source, bytes, cudaMemcpyDefault, stream->stream));
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_memset_async(em_gpu_stream *stream, void *destination, int value,
+                                             size_t bytes)
+{
+    if (bytes == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    EM_GPU_CALL(cudaMemsetAsync, (destination, value, bytes, stream->stream));
+    return em_gpu_ok();
+}
+
+/* ---- NCCL ---------------------------------------------------------------------------------- */
+
+extern "C" em_gpu_status em_gpu_comm_init_all(const int *ordinals, int count, em_gpu_comm **comms)
+{
+    ncclComm_t *raw = (ncclComm_t *)calloc((size_t)count, sizeof(*raw));
+    if (raw == NULL)
+        return em_gpu_cuda_status(cudaErrorMemoryAllocation, "calloc (communicators)");
+    for (int i = 0; i < count; i++)
+        comms[i] = NULL;
+    em_gpu_status status = nccl_status(ncclCommInitAll(raw, count, ordinals), "ncclCommInitAll");
+    for (int i = 0; status.code == 0 && i < count; i++) {
+        comms[i] = (em_gpu_comm *)calloc(1, sizeof(**comms));
+        if (comms[i] == NULL)
+            status = em_gpu_cuda_status(cudaErrorMemoryAllocation, "calloc (communicator)");
+        else
+            comms[i]->comm = raw[i];
+    }
+    if (status.code != 0) {
+        for (int i = 0; i < count; i++) {
+            free(comms[i]);
+            comms[i] = NULL;
+            if (raw[i] != NULL)
+                ncclCommDestroy(raw[i]);
+        }
+    }
+    free(raw);
+    return status;
+}
+
+extern "C" void em_gpu_comm_destroy(em_gpu_comm *comm)
+{
+    if (comm == NULL)
+        return;
+    ncclCommDestroy(comm->comm);
+    free(comm);
+}
+
+static em_gpu_status enqueue_transfers(em_gpu_comm *const *comms, const em_gpu_send_recv *transfers,
+                                       size_t count)
+{
+    for (size_t i = 0; i < count; i++) {
+        const em_gpu_send_recv *t = &transfers[i];
+        EM_GPU_NCCL(ncclSend, (t->source, t->bytes, ncclUint8, t->destination_rank,
+                               comms[t->source_rank]->comm, t->source_stream->stream));
+        EM_GPU_NCCL(ncclRecv, (t->destination, t->bytes, ncclUint8, t->source_rank,
+                               comms[t->destination_rank]->comm, t->destination_stream->stream));
+    }
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_comm_exchange(em_gpu_comm *const *comms,
+                                              const em_gpu_send_recv *transfers, size_t count)
+{
+    EM_GPU_NCCL(ncclGroupStart, ());
+    em_gpu_status status = enqueue_transfers(comms, transfers, count);
+    /* The group is closed even after a failed enqueue. */
+    em_gpu_status ended = nccl_status(ncclGroupEnd(), "ncclGroupEnd");
+    return status.code != 0 ? status : ended;
+}

@@ -1,0 +1,309 @@
+/*
+ * DESIGN: kernels of the shard operations: the GPU hash map (u64 key -> row) and the
+ * row storage (gather, optimizer steps, initial values, whole-row reads and writes).
+ *
+ * The map is open addressing with linear probing over 16-byte slots {key, row}; a
+ * slot is claimed by 64-bit compare-and-swap of its key (kernels/kernel_logic.h has
+ * the protocol). Lookups are one thread per key. Optimizer steps are one thread per
+ * element for sgd and adagrad, and one warp per row for rowwise adagrad (whose mean
+ * of g*g is a warp reduction) and adam (whose step count is read by every lane before
+ * lane 0 advances it).
+ */
+#include "kernels/kernel_logic.h"
+#include "kernels/launch.cuh"
+
+#define WARP_MASK 0xffffffffu
+
+/* ---- hash map ------------------------------------------------------------------------ */
+
+__global__ void map_find_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                uint64_t *missing)
+{
+    uint32_t absent = 0;
+    EM_GPU_FOR_EACH(i, n)
+    absent += (uint32_t)em_gpu_map_find_item(map, keys, i, rows);
+    /* One atomic per warp: every lane reaches this point (blocks are whole warps). */
+    absent = __reduce_add_sync(WARP_MASK, absent);
+    if ((threadIdx.x & 31u) == 0 && absent != 0)
+        atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
+}
+
+__global__ void map_insert_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n,
+                                  uint64_t *rows, uint8_t *inserted)
+{
+    EM_GPU_FOR_EACH(i, n)
+    em_gpu_map_insert_item(map, keys, i, rows, inserted);
+}
+
+__global__ void map_rehash_kernel(const em_gpu_slot *old_slots, uint64_t old_slot_count,
+                                  em_gpu_map map)
+{
+    EM_GPU_FOR_EACH(i, old_slot_count)
+    em_gpu_map_rehash_item(old_slots, i, map);
+}
+
+__global__ void map_export_flags_kernel(em_gpu_map map, uint64_t begin, uint64_t count,
+                                        uint32_t *flags)
+{
+    EM_GPU_FOR_EACH(i, count + 1)
+    em_gpu_map_export_flag_item(map, begin, count, i, flags);
+}
+
+__global__ void map_export_compact_kernel(em_gpu_map map, uint64_t begin, uint64_t count,
+                                          const uint32_t *flags, const uint32_t *rank,
+                                          uint64_t take, uint64_t offset, uint64_t *keys,
+                                          uint64_t *rows, uint64_t *next_slot)
+{
+    EM_GPU_FOR_EACH(i, count)
+    em_gpu_map_export_compact_item(map, begin, i, flags, rank, take, offset, keys, rows,
+                                   next_slot);
+}
+
+extern "C" em_gpu_status em_gpu_map_clear(em_gpu_stream *stream, em_gpu_slot *slots,
+                                          uint64_t slot_count)
+{
+    /* EMPTY key and ROW_NONE are both all-ones. */
+    EM_GPU_TRY(em_gpu_use(stream));
+    EM_GPU_CALL(cudaMemsetAsync,
+                (slots, 0xff, slot_count * sizeof(em_gpu_slot), stream->stream));
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map,
+                                         const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                         uint64_t *missing)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_find_kernel, n, stream, map, keys, n, rows, missing);
+}
+
+extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map,
+                                           const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                           uint8_t *inserted)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_insert_kernel, n, stream, map, keys, n, rows, inserted);
+}
+
+extern "C" em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
+                                           uint64_t old_slot_count, em_gpu_map map)
+{
+    if (old_slot_count == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_rehash_kernel, old_slot_count, stream, old_slots, old_slot_count,
+                         map);
+}
+
+extern "C" em_gpu_status em_gpu_map_export_flags(em_gpu_stream *stream, em_gpu_map map,
+                                                 uint64_t begin, uint64_t count, uint32_t *flags)
+{
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_export_flags_kernel, count + 1, stream, map, begin, count, flags);
+}
+
+extern "C" em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu_map map,
+                                                   uint64_t begin, uint64_t count,
+                                                   const uint32_t *flags, const uint32_t *rank,
+                                                   uint64_t take, uint64_t offset, uint64_t *keys,
+                                                   uint64_t *rows, uint64_t *next_slot)
+{
+    if (count == 0 || take == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_export_compact_kernel, count, stream, map, begin, count, flags, rank,
+                         take, offset, keys, rows, next_slot);
+}
+
+/* ---- row storage ------------------------------------------------------------------------ */
+
+__global__ void rows_init_kernel(em_gpu_storage storage, const uint64_t *keys,
+                                 const uint64_t *rows, const uint8_t *inserted, uint64_t n,
+                                 em_initializer_config initializer, em_optimizer_config optimizer,
+                                 uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.row_floats, shift)
+    em_gpu_rows_init_element(storage, keys, rows, inserted, &initializer, &optimizer, i, j);
+}
+
+__global__ void rows_gather_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
+                                   const uint32_t *targets, float *vectors, uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.dim, shift)
+    em_gpu_rows_gather_element(storage, rows, targets, vectors, i, j);
+}
+
+__global__ void rows_gather_quad_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
+                                        const uint32_t *targets, float *vectors, uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, q, n, storage.dim / 4, shift)
+    em_gpu_rows_gather_quad(storage, rows, targets, vectors, i, q);
+}
+
+__global__ void rows_read_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
+                                 float *values, uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.row_floats, shift)
+    em_gpu_rows_read_element(storage, rows, values, i, j);
+}
+
+__global__ void rows_write_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
+                                  const float *values, uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.row_floats, shift)
+    em_gpu_rows_write_element(storage, rows, values, i, j);
+}
+
+__global__ void sgd_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
+                           const uint64_t *rows, uint64_t n, const float *gradients,
+                           uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.dim, shift)
+    em_gpu_sgd_element(storage, &optimizer, rows, gradients, i, j);
+}
+
+__global__ void adagrad_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
+                               const uint64_t *rows, uint64_t n, const float *gradients,
+                               uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.dim, shift)
+    em_gpu_adagrad_element(storage, &optimizer, rows, gradients, i, j);
+}
+
+/* Warp-per-row loop: every lane of a warp has the same i (whole warps iterate). */
+#define FOR_EACH_ROW_OF_WARP(i, n)                                        \
+    for (uint64_t i = EM_GPU_THREAD_INDEX / EM_GPU_ROW_LANES; i < (n);    \
+         i += EM_GPU_THREAD_COUNT / EM_GPU_ROW_LANES)
+
+__global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
+                                       const uint64_t *rows, uint64_t n, const float *gradients)
+{
+    uint32_t lane = threadIdx.x % EM_GPU_ROW_LANES;
+    uint32_t dim = storage.dim;
+    FOR_EACH_ROW_OF_WARP(i, n)
+    {
+        float *weights = em_gpu_row_address(storage, rows[i]);
+        const float *gradient = gradients + i * dim;
+        float squares = em_gpu_rowwise_partial(gradient, dim, lane, EM_GPU_ROW_LANES);
+        for (uint32_t offset = EM_GPU_ROW_LANES / 2; offset > 0; offset /= 2)
+            squares += __shfl_xor_sync(WARP_MASK, squares, offset);
+        float updated = 0.0f;
+        float denominator =
+            em_gpu_rowwise_denominator(weights[dim], squares, dim, optimizer.eps, &updated);
+        for (uint32_t j = lane; j < dim; j += EM_GPU_ROW_LANES)
+            em_rowwise_adagrad_element(&weights[j], gradient[j], optimizer.learning_rate,
+                                       denominator);
+        __syncwarp();
+        if (lane == 0)
+            weights[dim] = updated;
+    }
+}
+
+__global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
+                            const uint64_t *rows, uint64_t n, const float *gradients)
+{
+    uint32_t lane = threadIdx.x % EM_GPU_ROW_LANES;
+    uint32_t dim = storage.dim;
+    FOR_EACH_ROW_OF_WARP(i, n)
+    {
+        float *weights = em_gpu_row_address(storage, rows[i]);
+        float *first_moment = weights + dim;
+        float *second_moment = first_moment + dim;
+        float *step = second_moment + dim;
+        const float *gradient = gradients + i * dim;
+        float next = em_adam_next_step(*step);
+        em_adam_constants constants = em_adam_row_setup(&optimizer, next);
+        for (uint32_t j = lane; j < dim; j += EM_GPU_ROW_LANES)
+            em_adam_element(&weights[j], &first_moment[j], &second_moment[j], gradient[j],
+                            constants);
+        /* Every lane has read the old step before lane 0 stores the new one. */
+        __syncwarp();
+        if (lane == 0)
+            *step = next;
+    }
+}
+
+extern "C" em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
+                                          const uint64_t *keys, const uint64_t *rows,
+                                          const uint8_t *inserted, uint64_t n,
+                                          em_initializer_config initializer,
+                                          em_optimizer_config optimizer)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(storage.row_floats);
+    return EM_GPU_LAUNCH(rows_init_kernel, em_gpu_element_threads(n, shift), stream, storage, keys,
+                         rows, inserted, n, initializer, optimizer, shift);
+}
+
+extern "C" em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
+                                            const uint64_t *rows, uint64_t n,
+                                            const uint32_t *targets, float *vectors)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    /* Rows are 16-byte aligned (stride % 4 == 0, aligned blocks); so is every output
+     * vector when dim % 4 == 0 and the output starts aligned. */
+    if (storage.dim % 4 == 0 && ((uintptr_t)vectors & 15u) == 0) {
+        uint32_t shift = em_gpu_group_shift(storage.dim / 4);
+        return EM_GPU_LAUNCH(rows_gather_quad_kernel, em_gpu_element_threads(n, shift), stream,
+                             storage, rows, n, targets, vectors, shift);
+    }
+    uint32_t shift = em_gpu_group_shift(storage.dim);
+    return EM_GPU_LAUNCH(rows_gather_kernel, em_gpu_element_threads(n, shift), stream, storage,
+                         rows, n, targets, vectors, shift);
+}
+
+extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
+                                           em_optimizer_config optimizer, const uint64_t *rows,
+                                           uint64_t n, const float *gradients)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(storage.dim);
+    uint64_t element_threads = em_gpu_element_threads(n, shift);
+    uint64_t warp_threads = n * EM_GPU_ROW_LANES;
+    switch (optimizer.kind) {
+    case EM_OPTIMIZER_ADAGRAD:
+        return EM_GPU_LAUNCH(adagrad_kernel, element_threads, stream, storage, optimizer, rows, n,
+                             gradients, shift);
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD:
+        return EM_GPU_LAUNCH(rowwise_adagrad_kernel, warp_threads, stream, storage, optimizer,
+                             rows, n, gradients);
+    case EM_OPTIMIZER_ADAM:
+        return EM_GPU_LAUNCH(adam_kernel, warp_threads, stream, storage, optimizer, rows, n,
+                             gradients);
+    default:
+        return EM_GPU_LAUNCH(sgd_kernel, element_threads, stream, storage, optimizer, rows, n,
+                             gradients, shift);
+    }
+}
+
+extern "C" em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
+                                          const uint64_t *rows, uint64_t n, float *values)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(storage.row_floats);
+    return EM_GPU_LAUNCH(rows_read_kernel, em_gpu_element_threads(n, shift), stream, storage, rows,
+                         n, values, shift);
+}
+
+extern "C" em_gpu_status em_gpu_rows_write(em_gpu_stream *stream, em_gpu_storage storage,
+                                           const uint64_t *rows, uint64_t n, const float *values)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(storage.row_floats);
+    return EM_GPU_LAUNCH(rows_write_kernel, em_gpu_element_threads(n, shift), stream, storage,
+                         rows, n, values, shift);
+}

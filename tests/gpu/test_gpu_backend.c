@@ -1,0 +1,905 @@
+/*
+ * The CUDA backend against the CPU backend: the same workloads on tables of both, with
+ * initial values bit for bit equal (zeros, uniform), pulls and final rows within 1e-5
+ * relative, the hash map grown far past its first size, pool exhaustion failing whole,
+ * import/export, concurrent requests, and (with several GPUs) every layout identical
+ * to one GPU.
+ *
+ * Built twice from this file: against the real kernels (suite 'gpu'; exits 77, i.e.
+ * skipped, when no GPU is visible) and against tests/support/kernels_emulated.c (suite
+ * 'unit'), where the CUDA backend's C code runs with the kernels emulated on the host.
+ *
+ * CUDA must not be initialised in a process that forks afterwards, and every Check
+ * test runs in a forked child: the parent asks whether a GPU is there from a child of
+ * its own.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "lib/backend.h"
+#include "lib/table.h"
+#include "tests/support/reference_table.h"
+#include "tests/support/test_support.h"
+
+#define MEBIBYTE (UINT64_C(1) << 20)
+#define GPU_POOL_BYTES (256 * MEBIBYTE)
+#define SKIP 77
+
+/* ---- fixtures ---------------------------------------------------------------------- */
+
+static em_backend *cpu_backend(void)
+{
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.pool_limit_bytes = 512 * MEBIBYTE;
+    options.pool_initial_bytes = 16 * MEBIBYTE;
+    options.pool_growth_bytes = 64 * MEBIBYTE;
+    em_backend *backend = NULL;
+    em_error err;
+    ck_assert_msg(em_backend_create_cpu(&options, &backend, &err) == EM_OK, "%s", err.message);
+    return backend;
+}
+
+/* devices 0: every visible GPU; else the first `devices` GPUs. */
+static em_backend *gpu_backend(uint32_t devices, uint64_t pool_bytes, bool host_staged)
+{
+    em_cuda_backend_options options;
+    em_cuda_backend_options_init(&options);
+    options.device_count = devices;
+    for (uint32_t d = 0; d < devices; d++)
+        options.devices[d] = d;
+    options.pool_bytes = pool_bytes;
+    options.staging_bytes = 1 * MEBIBYTE; /* small, so big copies are chunked */
+    options.host_staged_exchange = host_staged;
+    em_backend *backend = NULL;
+    em_error err;
+    ck_assert_msg(em_backend_create_cuda(&options, &backend, &err) == EM_OK, "%s", err.message);
+    ck_assert_str_eq(backend->kind, "cuda");
+    return backend;
+}
+
+static uint32_t visible_gpus(void)
+{
+    uint32_t count = 0;
+    em_error err;
+    ck_assert_msg(em_cuda_available(&count, &err) == EM_OK, "%s", err.message);
+    return count;
+}
+
+static em_table *make_table(em_backend *backend, const em_table_config *config)
+{
+    em_table *table = NULL;
+    em_error err;
+    ck_assert_msg(em_table_create(backend, config, &table, &err) == EM_OK, "%s", err.message);
+    return table;
+}
+
+static const em_optimizer_config optimizers[] = {
+    {.kind = EM_OPTIMIZER_SGD, .learning_rate = 0.05f},
+    {.kind = EM_OPTIMIZER_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
+     .initial_accumulator = 0.01f},
+    {.kind = EM_OPTIMIZER_ROWWISE_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
+     .initial_accumulator = 0.0f},
+    {.kind = EM_OPTIMIZER_ADAM, .learning_rate = 0.01f, .eps = 1e-8f, .beta1 = 0.9f,
+     .beta2 = 0.999f},
+};
+
+static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t shards,
+                                    int optimizer, int initializer)
+{
+    em_table_config config;
+    em_table_config_init(&config, "t", dim, capacity);
+    config.shards = shards;
+    config.optimizer = optimizers[optimizer];
+    config.initializer.kind = initializer;
+    config.initializer.bound = 0.5f;
+    config.initializer.stddev = 0.25f;
+    config.initializer.seed = 1234;
+    return config;
+}
+
+typedef struct batch {
+    em_csr csr;
+    uint32_t *offsets;
+    uint64_t *keys;
+} batch;
+
+/* Keys from a small universe (so they repeat) plus 0 and the hash-map sentinels. */
+static uint64_t draw_key(em_test_rng *rng, uint64_t universe)
+{
+    static const uint64_t special[] = {0, UINT64_MAX, UINT64_MAX - 1, UINT64_MAX - 2};
+    uint64_t pick = em_test_rng_below(rng, universe + 4);
+    return pick < 4 ? special[pick] : (pick - 4) * 0x9e3779b9ull + 1;
+}
+
+static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
+{
+    batch b;
+    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
+    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
+    b.offsets[0] = 0;
+    for (uint32_t r = 0; r < rows; r++) {
+        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
+        for (uint32_t k = 0; k < length; k++)
+            b.keys[b.offsets[r] + k] = draw_key(rng, universe);
+        b.offsets[r + 1] = b.offsets[r] + length;
+    }
+    b.csr = (em_csr){.rows = rows, .nnz = b.offsets[rows], .offsets = b.offsets, .keys = b.keys};
+    return b;
+}
+
+/* One key per row: keys[0..n). */
+static batch key_batch(const uint64_t *keys, uint32_t n)
+{
+    batch b;
+    b.offsets = malloc((n + 1) * sizeof(uint32_t));
+    b.keys = malloc((n + 1) * sizeof(uint64_t));
+    for (uint32_t i = 0; i <= n; i++)
+        b.offsets[i] = i;
+    memcpy(b.keys, keys, n * sizeof(uint64_t));
+    b.csr = (em_csr){.rows = n, .nnz = n, .offsets = b.offsets, .keys = b.keys};
+    return b;
+}
+
+static void free_batch(batch *b)
+{
+    free(b->offsets);
+    free(b->keys);
+}
+
+static float *random_gradients(em_test_rng *rng, uint64_t count)
+{
+    float *g = malloc((count + 1) * sizeof(float));
+    for (uint64_t i = 0; i < count; i++)
+        g[i] = (float)(2.0 * em_test_rng_unit(rng) - 1.0);
+    return g;
+}
+
+static em_status pull(em_table *table, const em_csr *csr, em_combiner combiner, bool create,
+                      float *out, em_pull_result *result, em_error *err)
+{
+    em_pull_request request = {
+        .batch = *csr,
+        .combiner = combiner,
+        .create_missing = create,
+        .out = out,
+        .out_capacity = em_csr_output_vectors(csr, combiner) * em_table_dim(table),
+    };
+    em_pull_result ignored;
+    return em_table_pull(table, &request, result != NULL ? result : &ignored, err);
+}
+
+static em_status push(em_table *table, const em_csr *csr, em_combiner combiner,
+                      const float *gradients, em_push_result *result, em_error *err)
+{
+    em_push_request request = {
+        .batch = *csr,
+        .combiner = combiner,
+        .gradients = gradients,
+        .gradient_count = em_csr_output_vectors(csr, combiner) * em_table_dim(table),
+    };
+    em_push_result ignored;
+    return em_table_push(table, &request, result != NULL ? result : &ignored, err);
+}
+
+/* Every row of a table (key + weights + state), sorted by key. */
+typedef struct snapshot {
+    uint64_t count;
+    uint32_t width;
+    uint64_t *keys;
+    float *values;
+} snapshot;
+
+typedef struct keyed_row {
+    uint64_t key;
+    uint64_t index;
+} keyed_row;
+
+static int compare_keyed_rows(const void *a, const void *b)
+{
+    uint64_t x = ((const keyed_row *)a)->key, y = ((const keyed_row *)b)->key;
+    return x < y ? -1 : x > y;
+}
+
+/* Exports in chunks of `chunk` rows (small chunks exercise the cursors). */
+static snapshot take_snapshot(em_table *table, uint64_t chunk)
+{
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    snapshot s = {.width = stats.row_floats};
+    uint64_t capacity = stats.rows + chunk;
+    uint64_t *keys = malloc(capacity * sizeof(uint64_t));
+    float *values = malloc(capacity * s.width * sizeof(float));
+    em_table_cursor cursor = {0};
+    em_error err;
+    for (;;) {
+        uint64_t got = 0;
+        ck_assert_msg(em_table_export(table, &cursor, chunk, keys + s.count,
+                                      values + s.count * s.width, &got, &err) == EM_OK,
+                      "%s", err.message);
+        if (got == 0)
+            break;
+        ck_assert_uint_le(got, chunk);
+        s.count += got;
+        ck_assert_uint_le(s.count, stats.rows);
+    }
+    ck_assert_uint_eq(s.count, stats.rows);
+    keyed_row *order = malloc((s.count + 1) * sizeof(*order));
+    for (uint64_t i = 0; i < s.count; i++)
+        order[i] = (keyed_row){keys[i], i};
+    qsort(order, s.count, sizeof(*order), compare_keyed_rows);
+    s.keys = malloc((s.count + 1) * sizeof(uint64_t));
+    s.values = malloc((s.count + 1) * s.width * sizeof(float));
+    for (uint64_t i = 0; i < s.count; i++) {
+        ck_assert_msg(i == 0 || order[i].key != order[i - 1].key, "key %llu exported twice",
+                      (unsigned long long)order[i].key);
+        s.keys[i] = order[i].key;
+        memcpy(s.values + i * s.width, values + order[i].index * s.width, s.width * sizeof(float));
+    }
+    free(order);
+    free(keys);
+    free(values);
+    return s;
+}
+
+static void free_snapshot(snapshot *s)
+{
+    free(s->keys);
+    free(s->values);
+}
+
+static void assert_same_keys(const snapshot *a, const snapshot *b)
+{
+    ck_assert_uint_eq(a->count, b->count);
+    ck_assert_uint_eq(a->width, b->width);
+    for (uint64_t i = 0; i < a->count; i++)
+        ck_assert_msg(a->keys[i] == b->keys[i], "row %llu: key %llu vs %llu",
+                      (unsigned long long)i, (unsigned long long)a->keys[i],
+                      (unsigned long long)b->keys[i]);
+}
+
+static void assert_snapshots_identical(const snapshot *a, const snapshot *b)
+{
+    assert_same_keys(a, b);
+    for (uint64_t i = 0; i < a->count * a->width; i++)
+        ck_assert_msg(memcmp(&a->values[i], &b->values[i], sizeof(float)) == 0,
+                      "key %llu value %llu: %a vs %a",
+                      (unsigned long long)a->keys[i / a->width],
+                      (unsigned long long)(i % a->width), (double)a->values[i],
+                      (double)b->values[i]);
+}
+
+/* Every value within 1e-5 relative of the CPU's (floor: below it, 1e-5 * floor absolute). */
+static void assert_snapshots_close(const snapshot *gpu, const snapshot *cpu, double floor)
+{
+    assert_same_keys(gpu, cpu);
+    for (uint64_t i = 0; i < cpu->count * cpu->width; i++)
+        ck_assert_msg(reference_close(gpu->values[i], cpu->values[i], floor),
+                      "key %llu value %llu: gpu %.9g vs cpu %.9g",
+                      (unsigned long long)cpu->keys[i / cpu->width],
+                      (unsigned long long)(i % cpu->width), (double)gpu->values[i],
+                      (double)cpu->values[i]);
+}
+
+static void assert_unchanged(em_table *table, const snapshot *before)
+{
+    snapshot after = take_snapshot(table, 1000);
+    assert_snapshots_identical(before, &after);
+    free_snapshot(&after);
+}
+
+/* ---- initial values ----------------------------------------------------------------- */
+
+/* Loop index: initializer (zeros, uniform, normal) x dim (13: scalar gather; 16: vector
+ * gather). Freshly created rows, pulled and exported, equal the CPU's bit for bit;
+ * normal (log and cos may round differently on a GPU) within 1e-6 relative. */
+START_TEST(initial_values_match_cpu_bit_for_bit)
+{
+    int initializer = _i / 2;
+    uint32_t dim = _i % 2 == 0 ? 13 : 16;
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(dim, 100000, 3, 3 /* adam */, initializer);
+    em_table *cpu_table = make_table(cpu, &config);
+    em_table *gpu_table = make_table(gpu, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
+    em_error err;
+    for (int round = 0; round < 6; round++) {
+        batch b = random_batch(&rng, 40, 6, 500);
+        uint64_t floats = b.csr.nnz * dim;
+        float *expected = malloc((floats + 1) * sizeof(float));
+        float *got = malloc((floats + 1) * sizeof(float));
+        em_pull_result cpu_result, gpu_result;
+        ck_assert_int_eq(pull(cpu_table, &b.csr, EM_COMBINER_NONE, true, expected, &cpu_result,
+                              &err), EM_OK);
+        ck_assert_msg(pull(gpu_table, &b.csr, EM_COMBINER_NONE, true, got, &gpu_result, &err) ==
+                          EM_OK, "%s", err.message);
+        ck_assert_uint_eq(gpu_result.unique_keys, cpu_result.unique_keys);
+        ck_assert_uint_eq(gpu_result.missing, cpu_result.missing);
+        ck_assert_uint_eq(gpu_result.created, cpu_result.created);
+        for (uint64_t i = 0; i < floats; i++) {
+            if (initializer == EM_INIT_NORMAL)
+                ck_assert_msg(fabs((double)got[i] - (double)expected[i]) <=
+                                  1e-6 * fabs((double)expected[i]) + 1e-30,
+                              "value %llu: %.9g vs %.9g", (unsigned long long)i, (double)got[i],
+                              (double)expected[i]);
+            else
+                ck_assert_msg(memcmp(&got[i], &expected[i], sizeof(float)) == 0,
+                              "round %d value %llu (key %llu): gpu %a cpu %a", round,
+                              (unsigned long long)i, (unsigned long long)b.keys[i / dim],
+                              (double)got[i], (double)expected[i]);
+        }
+        free(expected);
+        free(got);
+        free_batch(&b);
+    }
+    snapshot cpu_rows = take_snapshot(cpu_table, 7);
+    snapshot gpu_rows = take_snapshot(gpu_table, 7);
+    if (initializer == EM_INIT_NORMAL)
+        assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-3);
+    else
+        assert_snapshots_identical(&gpu_rows, &cpu_rows);
+    free_snapshot(&cpu_rows);
+    free_snapshot(&gpu_rows);
+    em_table_destroy(cpu_table);
+    em_table_destroy(gpu_table);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* ---- workloads ---------------------------------------------------------------------- */
+
+typedef struct workload {
+    uint32_t dim;
+    uint32_t shards;
+    int optimizer;
+    em_combiner combiner;
+    int rounds;
+} workload;
+
+/* Pulls (creating on two rounds of three), pushes; outputs and results compared. */
+static void run_both(em_table *cpu_table, em_table *gpu_table, const workload *w)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() * 17 + (uint64_t)w->optimizer * 4 + w->combiner);
+    em_error err;
+    for (int round = 0; round < w->rounds; round++) {
+        batch b = random_batch(&rng, 48, 8, 400);
+        uint64_t floats = em_csr_output_vectors(&b.csr, w->combiner) * w->dim;
+        float *expected = malloc((floats + 1) * sizeof(float));
+        float *got = malloc((floats + 1) * sizeof(float));
+        bool create = round % 3 != 2;
+        em_pull_result cpu_pulled, gpu_pulled;
+        ck_assert_int_eq(pull(cpu_table, &b.csr, w->combiner, create, expected, &cpu_pulled, &err),
+                         EM_OK);
+        ck_assert_msg(pull(gpu_table, &b.csr, w->combiner, create, got, &gpu_pulled, &err) ==
+                          EM_OK, "%s", err.message);
+        ck_assert_uint_eq(gpu_pulled.missing, cpu_pulled.missing);
+        ck_assert_uint_eq(gpu_pulled.created, cpu_pulled.created);
+        ck_assert_uint_eq(gpu_pulled.unique_keys, cpu_pulled.unique_keys);
+        /* Outputs are O(0.5): 1e-5 relative, 1e-6 absolute near zero. */
+        for (uint64_t i = 0; i < floats; i++)
+            ck_assert_msg(reference_close(got[i], expected[i], 0.1),
+                          "round %d output %llu: gpu %.9g vs cpu %.9g", round,
+                          (unsigned long long)i, (double)got[i], (double)expected[i]);
+        float *g = random_gradients(&rng, floats);
+        em_push_result cpu_pushed, gpu_pushed;
+        ck_assert_int_eq(push(cpu_table, &b.csr, w->combiner, g, &cpu_pushed, &err), EM_OK);
+        ck_assert_msg(push(gpu_table, &b.csr, w->combiner, g, &gpu_pushed, &err) == EM_OK, "%s",
+                      err.message);
+        ck_assert_uint_eq(gpu_pushed.updated, cpu_pushed.updated);
+        ck_assert_uint_eq(gpu_pushed.created, cpu_pushed.created);
+        free(g);
+        free(expected);
+        free(got);
+        free_batch(&b);
+    }
+}
+
+/* Loop index: optimizer * 4 + combiner; dim 13 or 16 alternately. Every pull and every
+ * final row (weights and optimizer state) of the GPU table is within 1e-5 relative of
+ * the CPU table's. */
+START_TEST(workloads_match_cpu)
+{
+    workload w = {
+        .dim = _i % 2 == 0 ? 13 : 16,
+        .shards = 3,
+        .optimizer = _i / 4,
+        .combiner = (em_combiner)(_i % 4),
+        .rounds = 12,
+    };
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(w.dim, 100000, w.shards, w.optimizer, EM_INIT_UNIFORM);
+    em_table *cpu_table = make_table(cpu, &config);
+    em_table *gpu_table = make_table(gpu, &config);
+    run_both(cpu_table, gpu_table, &w);
+    snapshot cpu_rows = take_snapshot(cpu_table, 7);
+    snapshot gpu_rows = take_snapshot(gpu_table, 7);
+    assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-2);
+    free_snapshot(&cpu_rows);
+    free_snapshot(&gpu_rows);
+    em_table_destroy(cpu_table);
+    em_table_destroy(gpu_table);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* Keys that repeat within a push are summed first, in key order: a push whose keys are
+ * all the same key gives exactly the CPU's row (sgd; sums of the same floats in the
+ * same order). */
+START_TEST(duplicate_keys_sum_like_cpu)
+{
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(5, 1000, 2, 0, EM_INIT_UNIFORM);
+    em_table *cpu_table = make_table(cpu, &config);
+    em_table *gpu_table = make_table(gpu, &config);
+    const uint32_t offsets[] = {0, 4, 4, 9};
+    const uint64_t keys[] = {7, 7, 3, 7, 3, 3, 7, UINT64_MAX, 7};
+    em_csr csr = {.rows = 3, .nnz = 9, .offsets = offsets, .keys = keys};
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_error err;
+    for (int combiner = 0; combiner < 4; combiner++) {
+        float *g = random_gradients(&rng, 9 * 5);
+        ck_assert_int_eq(push(cpu_table, &csr, (em_combiner)combiner, g, NULL, &err), EM_OK);
+        ck_assert_msg(push(gpu_table, &csr, (em_combiner)combiner, g, NULL, &err) == EM_OK, "%s",
+                      err.message);
+        free(g);
+    }
+    snapshot cpu_rows = take_snapshot(cpu_table, 2);
+    snapshot gpu_rows = take_snapshot(gpu_table, 2);
+    ck_assert_uint_eq(cpu_rows.count, 3);
+    assert_snapshots_identical(&gpu_rows, &cpu_rows);
+    free_snapshot(&cpu_rows);
+    free_snapshot(&gpu_rows);
+    em_table_destroy(cpu_table);
+    em_table_destroy(gpu_table);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+START_TEST(empty_rows_and_batches)
+{
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(3, 1000, 2, 0, EM_INIT_UNIFORM);
+    em_table *table = make_table(gpu, &config);
+    em_error err;
+    const uint32_t offsets[] = {0, 0, 2, 2};
+    const uint64_t keys[] = {1, 2};
+    em_csr csr = {.rows = 3, .nnz = 2, .offsets = offsets, .keys = keys};
+    float out[9];
+    memset(out, 0x7f, sizeof(out));
+    ck_assert_msg(pull(table, &csr, EM_COMBINER_MEAN, true, out, NULL, &err) == EM_OK, "%s",
+                  err.message);
+    for (uint32_t j = 0; j < 3; j++) {
+        ck_assert(out[j] == 0.0f && out[6 + j] == 0.0f);
+        float a = em_initializer_value(&config.initializer, 1, j);
+        float b = em_initializer_value(&config.initializer, 2, j);
+        ck_assert_float_eq(out[3 + j], (a + b) / 2.0f);
+    }
+    const uint32_t none[] = {0};
+    em_csr empty = {.rows = 0, .nnz = 0, .offsets = none, .keys = NULL};
+    em_pull_result result;
+    ck_assert_int_eq(pull(table, &empty, EM_COMBINER_SUM, true, out, &result, &err), EM_OK);
+    ck_assert_uint_eq(result.unique_keys, 0);
+    ck_assert_int_eq(push(table, &empty, EM_COMBINER_NONE, NULL, NULL, &err), EM_OK);
+    const uint32_t all_empty[] = {0, 0, 0};
+    em_csr no_keys = {.rows = 2, .nnz = 0, .offsets = all_empty, .keys = NULL};
+    float zeros[6];
+    memset(zeros, 0x7f, sizeof(zeros));
+    ck_assert_int_eq(pull(table, &no_keys, EM_COMBINER_SQRTN, false, zeros, NULL, &err), EM_OK);
+    for (int j = 0; j < 6; j++)
+        ck_assert(zeros[j] == 0.0f);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* ---- hash map growth ------------------------------------------------------------------ */
+
+/* Many keys through one shard: the map grows (rehash) again and again; after every
+ * batch the load stays at or below 0.9, and it gets close to 0.9 before growing. Every
+ * key keeps its row (value) across the rehashes. */
+START_TEST(hash_map_grows_at_load_0_9)
+{
+    const uint32_t dim = 4, per_batch = 2000;
+    const uint64_t total = 300000;
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(dim, 1000000, 1, 0, EM_INIT_UNIFORM);
+    em_table *table = make_table(gpu, &config);
+    uint64_t *keys = malloc(total * sizeof(uint64_t));
+    for (uint64_t i = 0; i < total; i++)
+        keys[i] = i < 3 ? UINT64_MAX - i : i * 0x9e3779b97f4a7c15ull;
+    float *out = malloc((size_t)per_batch * dim * sizeof(float));
+    double highest_load = 0.0;
+    uint64_t last_index_bytes = 0;
+    int growths = 0;
+    em_error err;
+    for (uint64_t start = 0; start < total; start += per_batch) {
+        batch b = key_batch(keys + start, per_batch);
+        em_pull_result result;
+        ck_assert_msg(pull(table, &b.csr, EM_COMBINER_NONE, true, out, &result, &err) == EM_OK,
+                      "%s", err.message);
+        ck_assert_uint_eq(result.created, per_batch);
+        free_batch(&b);
+        em_table_stats stats;
+        em_table_get_stats(table, &stats);
+        ck_assert_uint_eq(stats.rows, start + per_batch);
+        double slots = (double)stats.index_bytes / 16.0;
+        double load = (double)stats.rows / slots;
+        ck_assert_msg(load <= 0.9 + 3.0 / slots, "load %.4f after %llu keys", load,
+                      (unsigned long long)stats.rows);
+        highest_load = load > highest_load ? load : highest_load;
+        growths += last_index_bytes != 0 && stats.index_bytes != last_index_bytes;
+        last_index_bytes = stats.index_bytes;
+    }
+    ck_assert_msg(highest_load > 0.85, "highest load %.4f", highest_load);
+    ck_assert_int_ge(growths, 2);
+    /* Every key is found with its initial vector; none is created again. */
+    for (uint64_t start = 0; start < total; start += per_batch) {
+        batch b = key_batch(keys + start, per_batch);
+        em_pull_result result;
+        ck_assert_int_eq(pull(table, &b.csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
+        ck_assert_uint_eq(result.missing, 0);
+        for (uint32_t i = 0; i < per_batch; i++)
+            for (uint32_t j = 0; j < dim; j++) {
+                float expected = em_initializer_value(&config.initializer, keys[start + i], j);
+                ck_assert_msg(memcmp(&out[i * dim + j], &expected, sizeof(float)) == 0,
+                              "key %llu element %u", (unsigned long long)keys[start + i], j);
+            }
+        free_batch(&b);
+    }
+    snapshot rows = take_snapshot(table, 65536);
+    ck_assert_uint_eq(rows.count, total);
+    free_snapshot(&rows);
+    free(out);
+    free(keys);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* ---- pool exhaustion -------------------------------------------------------------------- */
+
+START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
+{
+    em_backend *gpu = gpu_backend(1, 24 * MEBIBYTE, false);
+    em_table_config config = table_config(256, 1000000, 1, 3, EM_INIT_UNIFORM);
+    em_table *table = make_table(gpu, &config);
+    em_error err;
+    uint64_t keys[500];
+    float *g = malloc(500 * 256 * sizeof(float));
+    for (int i = 0; i < 500 * 256; i++)
+        g[i] = 0.1f;
+    em_status status = EM_OK;
+    uint64_t next_key = 1;
+    snapshot before = {0};
+    for (int round = 0; round < 200 && status == EM_OK; round++) {
+        free_snapshot(&before);
+        before = take_snapshot(table, 1000);
+        for (int i = 0; i < 500; i++)
+            keys[i] = next_key++;
+        batch b = key_batch(keys, 500);
+        status = push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err);
+        free_batch(&b);
+    }
+    ck_assert_int_eq(status, EM_RESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(err.message, "pool 'cuda:0'") != NULL, "%s", err.message);
+    ck_assert_msg(strstr(err.message, "largest free block") != NULL ||
+                      strstr(err.message, "in use") != NULL, "%s", err.message);
+    assert_unchanged(table, &before);
+    /* Existing keys still update, and the update shows. */
+    batch old = key_batch(before.keys, 10);
+    ck_assert_msg(push(table, &old.csr, EM_COMBINER_NONE, g, NULL, &err) == EM_OK, "%s",
+                  err.message);
+    snapshot after = take_snapshot(table, 1000);
+    ck_assert_uint_eq(after.count, before.count);
+    ck_assert(memcmp(after.values, before.values, after.width * sizeof(float)) != 0);
+    free_snapshot(&after);
+    free_batch(&old);
+    free_snapshot(&before);
+    free(g);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* ---- import / export ------------------------------------------------------------------- */
+
+START_TEST(import_export_round_trip_bit_for_bit)
+{
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(6, 10000, 2, 1, EM_INIT_UNIFORM);
+    em_table *source = make_table(cpu, &config);
+    config.shards = 5;
+    em_table *copy = make_table(gpu, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 9);
+    em_error err;
+    batch b = random_batch(&rng, 30, 5, 80);
+    float *g = random_gradients(&rng, b.csr.nnz * 6);
+    ck_assert_int_eq(push(source, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    free(g);
+    free_batch(&b);
+    snapshot rows = take_snapshot(source, 1000);
+    rows.values[1] = -0.0f;       /* a signed zero and a subnormal travel unchanged */
+    rows.values[2] = 0x1p-140f;
+    for (uint64_t start = 0; start < rows.count; start += 9) {
+        uint64_t n = rows.count - start < 9 ? rows.count - start : 9;
+        ck_assert_msg(em_table_import(copy, rows.keys + start, rows.values + start * rows.width,
+                                      n, &err) == EM_OK, "%s", err.message);
+    }
+    snapshot copied = take_snapshot(copy, 5);
+    assert_snapshots_identical(&copied, &rows);
+    /* Importing over existing rows overwrites them. */
+    ck_assert_int_eq(em_table_import(copy, rows.keys, rows.values, rows.count, &err), EM_OK);
+    assert_unchanged(copy, &rows);
+    /* A repeated key is refused and nothing changes. */
+    uint64_t twice[3] = {rows.keys[0], 4242, rows.keys[0]};
+    float *values = calloc(3 * rows.width, sizeof(float));
+    ck_assert_int_eq(em_table_import(copy, twice, values, 3, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "appears twice (rows 0 and 2)") != NULL, "%s", err.message);
+    assert_unchanged(copy, &rows);
+    free(values);
+    free_snapshot(&rows);
+    free_snapshot(&copied);
+    em_table_destroy(source);
+    em_table_destroy(copy);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* ---- concurrency ------------------------------------------------------------------------ */
+
+#define RACE_KEYS 64
+#define RACE_DIM 32
+#define RACE_PUSHES 40
+#define RACE_PUSHERS 4
+
+typedef struct race {
+    em_table *table;
+    int torn;
+    int failures;
+} race;
+
+/* Every push subtracts 0.5 from every element of every row (sgd, lr 0.5, g = 1; exact
+ * in binary32), so rows stay uniform and end at -0.5 * pushes. */
+static void *race_pusher(void *argument)
+{
+    race *context = argument;
+    uint64_t keys[RACE_KEYS];
+    for (int i = 0; i < RACE_KEYS; i++)
+        keys[i] = 1000 + (uint64_t)i;
+    batch b = key_batch(keys, RACE_KEYS);
+    float *g = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
+    for (int i = 0; i < RACE_KEYS * RACE_DIM; i++)
+        g[i] = 1.0f;
+    em_error err;
+    for (int p = 0; p < RACE_PUSHES; p++)
+        if (push(context->table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
+            __atomic_fetch_add(&context->failures, 1, __ATOMIC_RELAXED);
+    free(g);
+    free_batch(&b);
+    return NULL;
+}
+
+static void *race_reader(void *argument)
+{
+    race *context = argument;
+    uint64_t keys[RACE_KEYS];
+    for (int i = 0; i < RACE_KEYS; i++)
+        keys[i] = 1000 + (uint64_t)i;
+    batch b = key_batch(keys, RACE_KEYS);
+    float *out = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
+    em_error err;
+    for (int p = 0; p < RACE_PUSHES; p++) {
+        if (pull(context->table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err) != EM_OK)
+            __atomic_fetch_add(&context->failures, 1, __ATOMIC_RELAXED);
+        for (int i = 0; i < RACE_KEYS; i++)
+            for (int j = 1; j < RACE_DIM; j++)
+                if (out[i * RACE_DIM + j] != out[i * RACE_DIM])
+                    __atomic_fetch_add(&context->torn, 1, __ATOMIC_RELAXED);
+    }
+    free(out);
+    free_batch(&b);
+    return NULL;
+}
+
+/* Pushes on several lanes at once never lose an update (the shard's events order them)
+ * and readers never see a half-applied push. */
+START_TEST(concurrent_pushes_lose_no_update)
+{
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(RACE_DIM, 10000, 2, 0, EM_INIT_ZEROS);
+    config.optimizer.learning_rate = 0.5f;
+    em_table *table = make_table(gpu, &config);
+    race context = {.table = table};
+    /* Create the keys first so every later push shares the table lock. */
+    uint64_t keys[RACE_KEYS];
+    for (int i = 0; i < RACE_KEYS; i++)
+        keys[i] = 1000 + (uint64_t)i;
+    batch b = key_batch(keys, RACE_KEYS);
+    float *out = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
+    em_error err;
+    ck_assert_int_eq(pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
+    pthread_t threads[RACE_PUSHERS + 2];
+    for (int t = 0; t < RACE_PUSHERS; t++)
+        pthread_create(&threads[t], NULL, race_pusher, &context);
+    for (int t = RACE_PUSHERS; t < RACE_PUSHERS + 2; t++)
+        pthread_create(&threads[t], NULL, race_reader, &context);
+    for (int t = 0; t < RACE_PUSHERS + 2; t++)
+        pthread_join(threads[t], NULL);
+    ck_assert_int_eq(context.failures, 0);
+    ck_assert_int_eq(context.torn, 0);
+    ck_assert_int_eq(pull(table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err), EM_OK);
+    for (int i = 0; i < RACE_KEYS * RACE_DIM; i++)
+        ck_assert_msg(out[i] == -0.5f * RACE_PUSHERS * RACE_PUSHES, "value %d: %g", i,
+                      (double)out[i]);
+    free(out);
+    free_batch(&b);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* ---- several GPUs ------------------------------------------------------------------------ */
+
+typedef struct record {
+    float *outputs;
+    uint64_t output_count;
+    snapshot final;
+} record;
+
+static record run_layout(em_backend *backend, uint32_t shards, int optimizer, em_combiner combiner)
+{
+    const uint32_t dim = 8;
+    em_table_config config = table_config(dim, 100000, shards, optimizer, EM_INIT_UNIFORM);
+    em_table *table = make_table(backend, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 77);
+    record r = {.outputs = malloc(20 * 64 * 8 * dim * sizeof(float))};
+    em_error err;
+    for (int round = 0; round < 20; round++) {
+        batch b = random_batch(&rng, 64, 8, 2000);
+        uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * dim;
+        ck_assert_msg(pull(table, &b.csr, combiner, round % 3 != 2, r.outputs + r.output_count,
+                           NULL, &err) == EM_OK, "%s", err.message);
+        r.output_count += floats;
+        float *g = random_gradients(&rng, floats);
+        ck_assert_msg(push(table, &b.csr, combiner, g, NULL, &err) == EM_OK, "%s", err.message);
+        free(g);
+        free_batch(&b);
+    }
+    r.final = take_snapshot(table, 100);
+    em_table_destroy(table);
+    return r;
+}
+
+/* Loop index: optimizer. With every visible GPU (NCCL and host-staged exchanges) and
+ * several shard counts, outputs and rows equal the one-GPU, one-shard run bit for bit. */
+START_TEST(layouts_over_gpus_identical_to_one_gpu)
+{
+    uint32_t gpus = visible_gpus();
+    if (gpus < 2) {
+        printf("one GPU visible: multi-GPU layouts not run\n");
+        return;
+    }
+    em_combiner combiner = (em_combiner)((_i + 1) % 4);
+    em_backend *one = gpu_backend(1, GPU_POOL_BYTES, false);
+    record base = run_layout(one, 1, _i, combiner);
+    em_backend_destroy(one);
+    static const uint32_t shard_counts[] = {2, 3, 8};
+    for (int staged = 0; staged < 2; staged++) {
+        em_backend *all = gpu_backend(0, GPU_POOL_BYTES, staged != 0);
+        ck_assert_uint_eq(all->device_count, gpus);
+        ck_assert_str_eq(all->exchange->name, staged ? "host-staged" : "nccl");
+        for (size_t s = 0; s < sizeof(shard_counts) / sizeof(shard_counts[0]); s++) {
+            record other = run_layout(all, shard_counts[s], _i, combiner);
+            ck_assert_uint_eq(other.output_count, base.output_count);
+            ck_assert_msg(memcmp(other.outputs, base.outputs,
+                                 base.output_count * sizeof(float)) == 0,
+                          "pulls differ with %u GPUs, %u shards, %s exchange", gpus,
+                          shard_counts[s], all->exchange->name);
+            assert_snapshots_identical(&other.final, &base.final);
+            free(other.outputs);
+            free_snapshot(&other.final);
+        }
+        em_backend_destroy(all);
+    }
+    free(base.outputs);
+    free_snapshot(&base.final);
+}
+END_TEST
+
+/* ---- options ------------------------------------------------------------------------------ */
+
+START_TEST(bad_options_are_named)
+{
+    em_cuda_backend_options options;
+    em_backend *backend = NULL;
+    em_error err;
+    em_cuda_backend_options_init(&options);
+    options.device_count = 1;
+    options.devices[0] = 99;
+    ck_assert_int_eq(em_backend_create_cuda(&options, &backend, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "devices[0] = 99") != NULL, "%s", err.message);
+    em_cuda_backend_options_init(&options);
+    options.lanes = 0;
+    ck_assert_int_eq(em_backend_create_cuda(&options, &backend, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "lanes 0") != NULL, "%s", err.message);
+    em_cuda_backend_options_init(&options);
+    options.memory_fraction = 1.5;
+    ck_assert_int_eq(em_backend_create_cuda(&options, &backend, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "memory_fraction 1.5") != NULL, "%s", err.message);
+    if (visible_gpus() >= 2) {
+        em_cuda_backend_options_init(&options);
+        options.device_count = 2;
+        options.devices[0] = options.devices[1] = 1;
+        ck_assert_int_eq(em_backend_create_cuda(&options, &backend, &err), EM_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(err.message, "listed twice") != NULL, "%s", err.message);
+    }
+}
+END_TEST
+
+/* ---- runner ---------------------------------------------------------------------------- */
+
+static Suite *gpu_backend_suite(void)
+{
+    Suite *suite = suite_create("gpu_backend");
+    TCase *tc = tcase_create("core");
+    tcase_set_timeout(tc, 600);
+    tcase_add_loop_test(tc, initial_values_match_cpu_bit_for_bit, 0, 6);
+    tcase_add_loop_test(tc, workloads_match_cpu, 0, 16);
+    tcase_add_test(tc, duplicate_keys_sum_like_cpu);
+    tcase_add_test(tc, empty_rows_and_batches);
+    tcase_add_test(tc, hash_map_grows_at_load_0_9);
+    tcase_add_test(tc, pool_exhaustion_fails_whole_and_table_keeps_working);
+    tcase_add_test(tc, import_export_round_trip_bit_for_bit);
+    tcase_add_test(tc, concurrent_pushes_lose_no_update);
+    tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
+    tcase_add_test(tc, bad_options_are_named);
+    suite_add_tcase(suite, tc);
+    return suite;
+}
+
+/* Asks in a child process, so this one never initialises CUDA before forking tests. */
+static bool gpu_visible(void)
+{
+    pid_t child = fork();
+    if (child == 0) {
+        uint32_t count = 0;
+        em_error err;
+        if (em_cuda_available(&count, &err) != EM_OK) {
+            printf("no GPU, the suite is skipped: %s\n", err.message);
+            fflush(stdout);
+            _exit(SKIP);
+        }
+        printf("%u GPU(s) visible\n", count);
+        fflush(stdout);
+        _exit(0);
+    }
+    int status = 0;
+    if (child < 0 || waitpid(child, &status, 0) != child)
+        return false;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+int main(void)
+{
+    if (!gpu_visible())
+        return SKIP;
+    return em_test_run(gpu_backend_suite());
+}

@@ -1,0 +1,757 @@
+/*
+ * DESIGN: kernels/ember_kernels.h implemented serially on the host, for tests.
+ *
+ * Linked instead of the real kernels, it lets the CUDA backend (lib/cuda_device.c,
+ * lib/cuda_backend.c, lib/exchange_nccl.c, unchanged) run on any machine: every
+ * launcher runs its kernel's per-item function from kernels/kernel_logic.h over all
+ * items, one after the other, at the moment it is enqueued; CUB's scan and radix sort
+ * are replaced by a serial scan and a stable sort; NCCL transfers are memcpy.
+ *
+ * "Device memory" is real host memory, but it is kept inaccessible (PROT_NONE) except
+ * while an emulated kernel or copy runs, so host code that touches a device pointer
+ * directly (which would fault on a GPU) faults here too. One mutex serialises all
+ * emulated device work for that reason.
+ *
+ * What this cannot show: anything about real concurrency on a GPU (all kernels run
+ * serially and complete at once, so missing synchronisation goes unnoticed), launch
+ * geometry, warp primitives (the butterfly reduction of rowwise adagrad is emulated
+ * below in the same order), the CUDA memory model, and CUB itself.
+ *
+ * Configuration (environment): EMBER_EMULATED_GPUS (default 2) devices of
+ * EMBER_EMULATED_GPU_MEBIBYTES (default 512) each.
+ */
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "kernels/kernel_logic.h"
+
+#define MAX_DEVICES 16
+#define MAX_REGIONS 4096
+#define DEFAULT_DEVICES 2
+#define DEFAULT_MEBIBYTES 512
+
+struct em_gpu_stream {
+    int ordinal;
+};
+
+struct em_gpu_event {
+    int ordinal;
+};
+
+struct em_gpu_comm {
+    int rank;
+};
+
+typedef struct region {
+    void *base;
+    size_t bytes;
+    int ordinal;
+} region;
+
+static pthread_mutex_t device_lock = PTHREAD_MUTEX_INITIALIZER;
+static region regions[MAX_REGIONS];
+static size_t region_count;
+static uint64_t allocated[MAX_DEVICES];
+
+/* ---- configuration and status ------------------------------------------------------- */
+
+static int emulated_devices(void)
+{
+    const char *text = getenv("EMBER_EMULATED_GPUS");
+    int count = text != NULL ? atoi(text) : DEFAULT_DEVICES;
+    return count < 0 ? 0 : count > MAX_DEVICES ? MAX_DEVICES : count;
+}
+
+static uint64_t emulated_bytes(void)
+{
+    const char *text = getenv("EMBER_EMULATED_GPU_MEBIBYTES");
+    uint64_t mebibytes = text != NULL ? strtoull(text, NULL, 10) : DEFAULT_MEBIBYTES;
+    return mebibytes << 20;
+}
+
+static em_gpu_status ok(void)
+{
+    return (em_gpu_status){0, 0, NULL, NULL};
+}
+
+static em_gpu_status failure(int code, int out_of_memory, const char *call, const char *message)
+{
+    return (em_gpu_status){code, out_of_memory, call, message};
+}
+
+static em_gpu_status check_ordinal(int ordinal, const char *call)
+{
+    if (ordinal < 0 || ordinal >= emulated_devices())
+        return failure(101, 0, call, "invalid device ordinal (emulated)");
+    return ok();
+}
+
+/* ---- device memory access ------------------------------------------------------------ */
+
+static void protect_all(int protection)
+{
+    for (size_t r = 0; r < region_count; r++)
+        if (mprotect(regions[r].base, regions[r].bytes, protection) != 0)
+            abort();
+}
+
+/* Device work runs between these two: regions readable and writable, one at a time. */
+static void enter_device(void)
+{
+    pthread_mutex_lock(&device_lock);
+    protect_all(PROT_READ | PROT_WRITE);
+}
+
+static void leave_device(void)
+{
+    protect_all(PROT_NONE);
+    pthread_mutex_unlock(&device_lock);
+}
+
+/* ---- runtime ----------------------------------------------------------------------------- */
+
+em_gpu_status em_gpu_device_count(int *count)
+{
+    *count = emulated_devices();
+    if (*count == 0)
+        return failure(100, 0, "cudaGetDeviceCount",
+                       "no CUDA-capable device is detected (emulated)");
+    return ok();
+}
+
+em_gpu_status em_gpu_device_info_get(int ordinal, em_gpu_device_info *out)
+{
+    em_gpu_status status = check_ordinal(ordinal, "cudaGetDeviceProperties");
+    if (status.code != 0)
+        return status;
+    memset(out, 0, sizeof(*out));
+    snprintf(out->name, sizeof(out->name), "emulated GPU %d", ordinal);
+    out->total_bytes = emulated_bytes();
+    out->multiprocessors = 1;
+    out->compute_major = 9;
+    return ok();
+}
+
+em_gpu_status em_gpu_kernels_supported(int ordinal)
+{
+    return check_ordinal(ordinal, "cudaFuncGetAttributes");
+}
+
+em_gpu_status em_gpu_memory_info(int ordinal, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    em_gpu_status status = check_ordinal(ordinal, "cudaMemGetInfo");
+    if (status.code != 0)
+        return status;
+    pthread_mutex_lock(&device_lock);
+    *total_bytes = emulated_bytes();
+    *free_bytes = *total_bytes - allocated[ordinal];
+    pthread_mutex_unlock(&device_lock);
+    return ok();
+}
+
+em_gpu_status em_gpu_malloc(int ordinal, size_t bytes, void **out)
+{
+    *out = NULL;
+    em_gpu_status status = check_ordinal(ordinal, "cudaMalloc");
+    if (status.code != 0)
+        return status;
+    pthread_mutex_lock(&device_lock);
+    bool fits = allocated[ordinal] + bytes <= emulated_bytes() && region_count < MAX_REGIONS;
+    if (bytes == 0 || !fits) {
+        pthread_mutex_unlock(&device_lock);
+        return failure(2, 1, "cudaMalloc", "out of memory (emulated)");
+    }
+    void *base = mmap(NULL, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) {
+        pthread_mutex_unlock(&device_lock);
+        return failure(2, 1, "cudaMalloc", "out of memory (emulated, mmap failed)");
+    }
+    regions[region_count++] = (region){base, bytes, ordinal};
+    allocated[ordinal] += bytes;
+    pthread_mutex_unlock(&device_lock);
+    *out = base;
+    return ok();
+}
+
+void em_gpu_free(int ordinal, void *pointer)
+{
+    (void)ordinal;
+    if (pointer == NULL)
+        return;
+    pthread_mutex_lock(&device_lock);
+    for (size_t r = 0; r < region_count; r++) {
+        if (regions[r].base != pointer)
+            continue;
+        munmap(regions[r].base, regions[r].bytes);
+        allocated[regions[r].ordinal] -= regions[r].bytes;
+        regions[r] = regions[--region_count];
+        break;
+    }
+    pthread_mutex_unlock(&device_lock);
+}
+
+em_gpu_status em_gpu_host_alloc(size_t bytes, void **out)
+{
+    *out = malloc(bytes);
+    return *out != NULL ? ok() : failure(2, 1, "cudaHostAlloc", "out of memory (emulated)");
+}
+
+void em_gpu_host_free(void *pointer)
+{
+    free(pointer);
+}
+
+em_gpu_status em_gpu_stream_create(int ordinal, em_gpu_stream **out)
+{
+    em_gpu_status status = check_ordinal(ordinal, "cudaStreamCreateWithFlags");
+    if (status.code != 0)
+        return status;
+    *out = calloc(1, sizeof(**out));
+    if (*out == NULL)
+        return failure(2, 1, "calloc (stream handle)", "out of memory");
+    (*out)->ordinal = ordinal;
+    return ok();
+}
+
+void em_gpu_stream_destroy(em_gpu_stream *stream)
+{
+    free(stream);
+}
+
+em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
+{
+    (void)stream;
+    return ok();
+}
+
+em_gpu_status em_gpu_event_create(int ordinal, int timing, em_gpu_event **out)
+{
+    (void)timing;
+    em_gpu_status status = check_ordinal(ordinal, "cudaEventCreateWithFlags");
+    if (status.code != 0)
+        return status;
+    *out = calloc(1, sizeof(**out));
+    if (*out == NULL)
+        return failure(2, 1, "calloc (event handle)", "out of memory");
+    (*out)->ordinal = ordinal;
+    return ok();
+}
+
+void em_gpu_event_destroy(em_gpu_event *event)
+{
+    free(event);
+}
+
+em_gpu_status em_gpu_event_record(em_gpu_event *event, em_gpu_stream *stream)
+{
+    /* A CUDA event records only on a stream of its own device. */
+    if (event->ordinal != stream->ordinal)
+        return failure(400, 0, "cudaEventRecord",
+                       "event and stream on different devices (emulated)");
+    return ok();
+}
+
+em_gpu_status em_gpu_stream_wait(em_gpu_stream *stream, em_gpu_event *event)
+{
+    (void)stream;
+    (void)event;
+    return ok();
+}
+
+em_gpu_status em_gpu_event_synchronize(em_gpu_event *event)
+{
+    (void)event;
+    return ok();
+}
+
+em_gpu_status em_gpu_event_elapsed_ms(em_gpu_event *start, em_gpu_event *end, float *ms)
+{
+    (void)start;
+    (void)end;
+    *ms = 0.0f;
+    return ok();
+}
+
+em_gpu_status em_gpu_memcpy_async(em_gpu_stream *stream, void *destination, const void *source,
+                                  size_t bytes)
+{
+    (void)stream;
+    enter_device();
+    memcpy(destination, source, bytes);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_memset_async(em_gpu_stream *stream, void *destination, int value,
+                                  size_t bytes)
+{
+    (void)stream;
+    enter_device();
+    memset(destination, value, bytes);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_comm_init_all(const int *ordinals, int count, em_gpu_comm **comms)
+{
+    for (int i = 0; i < count; i++) {
+        em_gpu_status status = check_ordinal(ordinals[i], "ncclCommInitAll");
+        if (status.code != 0)
+            return status;
+    }
+    for (int i = 0; i < count; i++) {
+        comms[i] = calloc(1, sizeof(**comms));
+        if (comms[i] == NULL)
+            return failure(2, 1, "calloc (communicator)", "out of memory");
+        comms[i]->rank = i;
+    }
+    return ok();
+}
+
+void em_gpu_comm_destroy(em_gpu_comm *comm)
+{
+    free(comm);
+}
+
+em_gpu_status em_gpu_comm_exchange(em_gpu_comm *const *comms, const em_gpu_send_recv *transfers,
+                                   size_t count)
+{
+    for (size_t i = 0; i < count; i++) {
+        const em_gpu_send_recv *t = &transfers[i];
+        if (comms[t->source_rank]->rank != t->source_rank ||
+            comms[t->destination_rank]->rank != t->destination_rank ||
+            t->source_rank == t->destination_rank ||
+            t->source_stream->ordinal == t->destination_stream->ordinal)
+            return failure(4, 0, "ncclSend", "invalid usage (emulated): ranks or streams");
+    }
+    enter_device();
+    for (size_t i = 0; i < count; i++)
+        memcpy(transfers[i].destination, transfers[i].source, transfers[i].bytes);
+    leave_device();
+    return ok();
+}
+
+/* ---- primitives ------------------------------------------------------------------------- */
+
+em_gpu_status em_gpu_iota_u32(em_gpu_stream *stream, uint32_t *out, uint64_t n)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        out[i] = (uint32_t)i;
+    leave_device();
+    return ok();
+}
+
+/* Temporary storage is not needed here; ask for some anyway so pool use resembles
+ * the GPU's. */
+static size_t emulated_temp_bytes(uint64_t n)
+{
+    return 256 + n * sizeof(uint32_t) / 4;
+}
+
+em_gpu_status em_gpu_scan_temp_bytes(em_gpu_stream *stream, uint64_t n, size_t *bytes)
+{
+    (void)stream;
+    *bytes = emulated_temp_bytes(n);
+    return ok();
+}
+
+em_gpu_status em_gpu_exclusive_scan_u32(em_gpu_stream *stream, void *temp, size_t temp_bytes,
+                                        const uint32_t *in, uint32_t *out, uint64_t n)
+{
+    (void)stream;
+    if (n > 0 && temp_bytes < emulated_temp_bytes(n))
+        return failure(1, 0, "cub::DeviceScan::ExclusiveSum", "temporary storage too small");
+    (void)temp;
+    enter_device();
+    uint32_t sum = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t value = in[i];
+        out[i] = sum;
+        sum += value;
+    }
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_sort_temp_bytes(em_gpu_stream *stream, uint64_t n, uint32_t end_bit,
+                                     size_t *bytes)
+{
+    (void)stream;
+    *bytes = end_bit == 0 ? 0 : emulated_temp_bytes(n);
+    return ok();
+}
+
+typedef struct sort_entry {
+    uint32_t key, value;
+    uint64_t position;
+} sort_entry;
+
+static int compare_entries(const void *a, const void *b)
+{
+    const sort_entry *x = a, *y = b;
+    if (x->key != y->key)
+        return x->key < y->key ? -1 : 1;
+    return x->position < y->position ? -1 : x->position > y->position;
+}
+
+em_gpu_status em_gpu_sort_pairs_u32(em_gpu_stream *stream, void *temp, size_t temp_bytes,
+                                    const uint32_t *keys_in, uint32_t *keys_out,
+                                    const uint32_t *values_in, uint32_t *values_out, uint64_t n,
+                                    uint32_t end_bit)
+{
+    (void)stream;
+    (void)temp;
+    if (n > 0 && end_bit > 0 && temp_bytes < emulated_temp_bytes(n))
+        return failure(1, 0, "cub::DeviceRadixSort::SortPairs", "temporary storage too small");
+    sort_entry *entries = malloc((n + 1) * sizeof(*entries));
+    if (entries == NULL)
+        return failure(2, 1, "malloc (emulated sort)", "out of memory");
+    uint32_t mask = end_bit >= 32 ? UINT32_MAX : (UINT32_C(1) << end_bit) - 1;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        entries[i] = (sort_entry){keys_in[i] & mask, values_in[i], i};
+    /* (key, position) order: stable, as the radix sort is. */
+    qsort(entries, n, sizeof(*entries), compare_entries);
+    for (uint64_t i = 0; i < n; i++) {
+        keys_out[i] = keys_in[entries[i].position];
+        values_out[i] = entries[i].value;
+    }
+    leave_device();
+    free(entries);
+    return ok();
+}
+
+em_gpu_status em_gpu_segment_starts(em_gpu_stream *stream, const uint32_t *sorted_keys,
+                                    uint64_t n, uint32_t segments, uint32_t *starts)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i <= n; i++)
+        em_gpu_segment_start_item(sorted_keys, n, segments, i, starts);
+    leave_device();
+    return ok();
+}
+
+/* ---- home-side operations ---------------------------------------------------------------- */
+
+em_gpu_status em_gpu_unique_claim(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
+                                  uint32_t *table, uint64_t slot_count, uint32_t *slot_of)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        em_gpu_unique_claim_item(keys, i, table, slot_count, slot_of);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_unique_flags(em_gpu_stream *stream, const uint32_t *table,
+                                  const uint32_t *slot_of, uint64_t n, uint32_t *first)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i <= n; i++)
+        em_gpu_unique_flag_item(table, slot_of, n, i, first);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
+                                    const uint32_t *table, const uint32_t *slot_of,
+                                    const uint32_t *first, const uint32_t *rank, uint64_t *unique,
+                                    uint32_t *inverse, uint32_t *first_positions)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        em_gpu_unique_scatter_item(keys, i, table, slot_of, first, rank, unique, inverse,
+                                   first_positions);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *unique, uint64_t n,
+                                      uint32_t shard_count, uint32_t *owner, uint32_t *index)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t u = 0; u < n; u++)
+        em_gpu_partition_owner_item(unique, u, shard_count, owner, index);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *unique,
+                                       const uint32_t *sorted_index,
+                                       const uint32_t *first_positions, uint64_t n,
+                                       uint64_t *partitioned, uint32_t *position,
+                                       uint32_t *targets)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        em_gpu_partition_scatter_item(unique, sorted_index, first_positions, i, partitioned,
+                                      position, targets);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, uint32_t rows,
+                              uint64_t nnz, uint32_t *key_row)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t k = 0; k < nnz; k++)
+        key_row[k] = em_gpu_row_of_key(offsets, rows, k);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
+                                   const uint32_t *sorted_positions, const uint32_t *starts,
+                                   const uint32_t *key_row, const float *gradients, float *out)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t u = 0; u < batch->unique_count; u++)
+        for (uint32_t j = 0; j < batch->dim; j++)
+            em_gpu_sum_gradient_element(batch, sorted_positions, starts, key_row, gradients, out,
+                                        u, j);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,
+                             const float *vectors, float *out)
+{
+    (void)stream;
+    enter_device();
+    if (batch->combiner == EM_GPU_COMBINER_NONE) {
+        for (uint64_t k = 0; k < batch->nnz; k++)
+            for (uint32_t j = 0; j < batch->dim; j++)
+                em_gpu_combine_copy_element(batch, vectors, out, k, j);
+    } else {
+        for (uint64_t r = 0; r < batch->rows; r++)
+            for (uint32_t j = 0; j < batch->dim; j++)
+                em_gpu_combine_pool_element(batch, vectors, out, r, j);
+    }
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_copy_repeats(em_gpu_stream *stream, const uint32_t *inverse, uint64_t nnz,
+                                  const uint32_t *first_positions, uint32_t dim, float *out)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t k = 0; k < nnz; k++)
+        for (uint32_t j = 0; j < dim; j++)
+            em_gpu_copy_repeats_element(inverse, first_positions, dim, out, k, j);
+    leave_device();
+    return ok();
+}
+
+/* ---- hash map ------------------------------------------------------------------------------ */
+
+em_gpu_status em_gpu_map_clear(em_gpu_stream *stream, em_gpu_slot *slots, uint64_t slot_count)
+{
+    return em_gpu_memset_async(stream, slots, 0xff, slot_count * sizeof(em_gpu_slot));
+}
+
+em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
+                              uint64_t n, uint64_t *rows, uint64_t *missing)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        *missing += (uint64_t)em_gpu_map_find_item(map, keys, i, rows);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
+                                uint64_t n, uint64_t *rows, uint8_t *inserted)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        em_gpu_map_insert_item(map, keys, i, rows, inserted);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
+                                uint64_t old_slot_count, em_gpu_map map)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < old_slot_count; i++)
+        em_gpu_map_rehash_item(old_slots, i, map);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_map_export_flags(em_gpu_stream *stream, em_gpu_map map, uint64_t begin,
+                                      uint64_t count, uint32_t *flags)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i <= count; i++)
+        em_gpu_map_export_flag_item(map, begin, count, i, flags);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu_map map, uint64_t begin,
+                                        uint64_t count, const uint32_t *flags,
+                                        const uint32_t *rank, uint64_t take, uint64_t offset,
+                                        uint64_t *keys, uint64_t *rows, uint64_t *next_slot)
+{
+    (void)stream;
+    if (take == 0)
+        return ok();
+    enter_device();
+    for (uint64_t i = 0; i < count; i++)
+        em_gpu_map_export_compact_item(map, begin, i, flags, rank, take, offset, keys, rows,
+                                       next_slot);
+    leave_device();
+    return ok();
+}
+
+/* ---- row storage ---------------------------------------------------------------------------- */
+
+em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
+                               const uint64_t *keys, const uint64_t *rows,
+                               const uint8_t *inserted, uint64_t n,
+                               em_initializer_config initializer, em_optimizer_config optimizer)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        for (uint32_t j = 0; j < storage.row_floats; j++)
+            em_gpu_rows_init_element(storage, keys, rows, inserted, &initializer, &optimizer, i, j);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
+                                 const uint64_t *rows, uint64_t n, const uint32_t *targets,
+                                 float *vectors)
+{
+    (void)stream;
+    enter_device();
+    /* The same choice as the kernel: quads when dim % 4 == 0 and the output is aligned. */
+    if (storage.dim % 4 == 0 && ((uintptr_t)vectors & 15u) == 0) {
+        for (uint64_t i = 0; i < n; i++)
+            for (uint32_t q = 0; q < storage.dim / 4; q++)
+                em_gpu_rows_gather_quad(storage, rows, targets, vectors, i, q);
+    } else {
+        for (uint64_t i = 0; i < n; i++)
+            for (uint32_t j = 0; j < storage.dim; j++)
+                em_gpu_rows_gather_element(storage, rows, targets, vectors, i, j);
+    }
+    leave_device();
+    return ok();
+}
+
+/* The warp butterfly of kernels/shard_ops.cu: lane l adds lane l ^ offset's value for
+ * offset 16, 8, 4, 2, 1; every lane ends with the same sum. */
+static float butterfly_sum(float partial[EM_GPU_ROW_LANES])
+{
+    for (uint32_t offset = EM_GPU_ROW_LANES / 2; offset > 0; offset /= 2) {
+        float next[EM_GPU_ROW_LANES];
+        for (uint32_t lane = 0; lane < EM_GPU_ROW_LANES; lane++)
+            next[lane] = partial[lane] + partial[lane ^ offset];
+        memcpy(partial, next, sizeof(next));
+    }
+    return partial[0];
+}
+
+static void rowwise_adagrad_row(em_gpu_storage storage, const em_optimizer_config *optimizer,
+                                float *weights, const float *gradient)
+{
+    uint32_t dim = storage.dim;
+    float partial[EM_GPU_ROW_LANES];
+    for (uint32_t lane = 0; lane < EM_GPU_ROW_LANES; lane++)
+        partial[lane] = em_gpu_rowwise_partial(gradient, dim, lane, EM_GPU_ROW_LANES);
+    float squares = butterfly_sum(partial);
+    float updated = 0.0f;
+    float denominator =
+        em_gpu_rowwise_denominator(weights[dim], squares, dim, optimizer->eps, &updated);
+    for (uint32_t j = 0; j < dim; j++)
+        em_rowwise_adagrad_element(&weights[j], gradient[j], optimizer->learning_rate, denominator);
+    weights[dim] = updated;
+}
+
+static void adam_row(em_gpu_storage storage, const em_optimizer_config *optimizer, float *weights,
+                     const float *gradient)
+{
+    uint32_t dim = storage.dim;
+    float *step = weights + 3 * (size_t)dim;
+    float next = em_adam_next_step(*step);
+    em_adam_constants constants = em_adam_row_setup(optimizer, next);
+    for (uint32_t j = 0; j < dim; j++)
+        em_adam_element(&weights[j], &weights[dim + j], &weights[2 * dim + j], gradient[j],
+                        constants);
+    *step = next;
+}
+
+em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
+                                em_optimizer_config optimizer, const uint64_t *rows, uint64_t n,
+                                const float *gradients)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++) {
+        float *weights = em_gpu_row_address(storage, rows[i]);
+        const float *gradient = gradients + i * storage.dim;
+        switch (optimizer.kind) {
+        case EM_OPTIMIZER_ADAGRAD:
+            for (uint32_t j = 0; j < storage.dim; j++)
+                em_gpu_adagrad_element(storage, &optimizer, rows, gradients, i, j);
+            break;
+        case EM_OPTIMIZER_ROWWISE_ADAGRAD:
+            rowwise_adagrad_row(storage, &optimizer, weights, gradient);
+            break;
+        case EM_OPTIMIZER_ADAM:
+            adam_row(storage, &optimizer, weights, gradient);
+            break;
+        default:
+            for (uint32_t j = 0; j < storage.dim; j++)
+                em_gpu_sgd_element(storage, &optimizer, rows, gradients, i, j);
+            break;
+        }
+    }
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
+                               const uint64_t *rows, uint64_t n, float *values)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        for (uint32_t j = 0; j < storage.row_floats; j++)
+            em_gpu_rows_read_element(storage, rows, values, i, j);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_rows_write(em_gpu_stream *stream, em_gpu_storage storage,
+                                const uint64_t *rows, uint64_t n, const float *values)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        for (uint32_t j = 0; j < storage.row_floats; j++)
+            em_gpu_rows_write_element(storage, rows, values, i, j);
+    leave_device();
+    return ok();
+}

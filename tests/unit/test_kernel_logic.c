@@ -1,0 +1,708 @@
+/*
+ * The GPU kernels' per-element logic (kernels/kernel_logic.h), run on the host.
+ *
+ * Device operations: the CUDA device (lib/cuda_device.c over the emulated kernels of
+ * tests/support/kernels_emulated.c, which call the same per-element functions as the
+ * real kernels) against the CPU device, op by op, on random inputs: unique keys (order
+ * of first appearance), partition (stable), gradient sums and pooling (bit for bit).
+ *
+ * Hash map protocol: the insert and lookup functions run from several host threads at
+ * once on one map, with real atomics (GCC builtins stand in for CUDA's), so claims
+ * race as they do on a GPU: every key must end with exactly one row, rows dense.
+ *
+ * What this cannot cover: the GPU memory model, warp-level primitives, launch geometry
+ * and CUB (see kernels/kernel_logic.h and tests/support/kernels_emulated.c).
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/kernel_logic.h"
+#include "lib/backend.h"
+#include "lib/cuda_device.h"
+#include "tests/support/test_support.h"
+
+#define MEBIBYTE (UINT64_C(1) << 20)
+
+/* ---- the two devices ------------------------------------------------------------------ */
+
+typedef struct devices {
+    em_device *cpu, *gpu;
+    em_lane *cpu_lane, *gpu_lane;
+} devices;
+
+static devices open_devices(void)
+{
+    devices d;
+    em_error err;
+    em_cpu_backend_options cpu_options;
+    em_cpu_backend_options_init(&cpu_options);
+    cpu_options.pool_limit_bytes = 256 * MEBIBYTE;
+    cpu_options.pool_initial_bytes = 64 * MEBIBYTE;
+    cpu_options.pool_growth_bytes = 64 * MEBIBYTE;
+    ck_assert_msg(em_cpu_device_create(0, &cpu_options, &d.cpu, &err) == EM_OK, "%s",
+                  err.message);
+    em__cuda_device_options gpu_options = {
+        .ordinal = 0, .pool_bytes = 128 * MEBIBYTE, .lanes = 2, .staging_bytes = 4096};
+    ck_assert_msg(em__cuda_device_create(0, &gpu_options, &d.gpu, &err) == EM_OK, "%s",
+                  err.message);
+    ck_assert_int_eq(d.cpu->ops->lane_acquire(d.cpu, &d.cpu_lane, &err), EM_OK);
+    ck_assert_int_eq(d.gpu->ops->lane_acquire(d.gpu, &d.gpu_lane, &err), EM_OK);
+    return d;
+}
+
+static void close_devices(devices *d)
+{
+    d->cpu->ops->lane_release(d->cpu_lane);
+    d->gpu->ops->lane_release(d->gpu_lane);
+    d->cpu->ops->destroy(d->cpu);
+    d->gpu->ops->destroy(d->gpu);
+}
+
+static void *device_buffer(em_device *device, size_t bytes)
+{
+    void *pointer = NULL;
+    em_error err;
+    ck_assert_msg(em_device_alloc(device, bytes, "test buffer", &pointer, &err) == EM_OK, "%s",
+                  err.message);
+    return pointer;
+}
+
+/* A copy of host bytes in the device's memory (a buffer of at least 8 bytes, so empty
+ * inputs still have an address). */
+static void *upload(em_device *device, em_lane *lane, const void *host, size_t bytes)
+{
+    void *pointer = device_buffer(device, bytes + 8);
+    em_error err;
+    ck_assert_int_eq(device->ops->copy_to_device(lane, pointer, host, bytes, &err), EM_OK);
+    return pointer;
+}
+
+/* A malloc'ed host copy of device bytes. */
+static void *download(em_device *device, em_lane *lane, const void *pointer, size_t bytes)
+{
+    void *host = malloc(bytes + 1);
+    em_error err;
+    ck_assert_int_eq(device->ops->synchronize(lane, &err), EM_OK);
+    ck_assert_int_eq(device->ops->copy_to_host(lane, host, pointer, bytes, &err), EM_OK);
+    return host;
+}
+
+static uint64_t random_key(em_test_rng *rng, uint64_t universe)
+{
+    static const uint64_t special[] = {0, UINT64_MAX, UINT64_MAX - 1, UINT64_MAX - 2};
+    uint64_t pick = em_test_rng_below(rng, universe + 4);
+    return pick < 4 ? special[pick] : (pick - 4) * 0x9e3779b97f4a7c15ull + 7;
+}
+
+/* ---- unique and partition --------------------------------------------------------------- */
+
+typedef struct deduped {
+    uint64_t count;
+    uint64_t *unique;   /* host */
+    uint32_t *inverse;  /* host */
+    uint32_t *first;    /* host: first position of each unique key */
+} deduped;
+
+static deduped run_unique(em_device *device, em_lane *lane, const uint64_t *keys, uint64_t n)
+{
+    em_error err;
+    const uint64_t *on_device = upload(device, lane, keys, n * sizeof(uint64_t));
+    uint64_t *unique = device_buffer(device, (n + 1) * sizeof(uint64_t));
+    uint32_t *inverse = device_buffer(device, (n + 1) * sizeof(uint32_t));
+    uint32_t *first = device_buffer(device, (n + 1) * sizeof(uint32_t));
+    deduped result;
+    ck_assert_msg(device->ops->unique_keys(lane, on_device, n, unique, inverse, first,
+                                           &result.count, &err) == EM_OK, "%s", err.message);
+    result.unique = download(device, lane, unique, (n + 1) * sizeof(uint64_t));
+    result.inverse = download(device, lane, inverse, (n + 1) * sizeof(uint32_t));
+    result.first = download(device, lane, first, (n + 1) * sizeof(uint32_t));
+    em_device_free(device, (void *)on_device);
+    em_device_free(device, unique);
+    em_device_free(device, inverse);
+    em_device_free(device, first);
+    return result;
+}
+
+/* Loop index picks the size and the key universe (many repeats or few). */
+START_TEST(unique_keys_in_order_of_first_appearance_like_cpu)
+{
+    static const uint64_t sizes[] = {0, 1, 2, 7, 1000, 20000};
+    uint64_t n = sizes[_i % 6];
+    uint64_t universe = _i < 6 ? 50 : 1u << 30;
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
+    uint64_t *keys = malloc((n + 1) * sizeof(uint64_t));
+    for (uint64_t i = 0; i < n; i++)
+        keys[i] = random_key(&rng, universe);
+    devices d = open_devices();
+    deduped cpu = run_unique(d.cpu, d.cpu_lane, keys, n);
+    deduped gpu = run_unique(d.gpu, d.gpu_lane, keys, n);
+    ck_assert_uint_eq(gpu.count, cpu.count);
+    ck_assert(memcmp(gpu.unique, cpu.unique, cpu.count * sizeof(uint64_t)) == 0);
+    ck_assert(memcmp(gpu.inverse, cpu.inverse, n * sizeof(uint32_t)) == 0);
+    ck_assert(memcmp(gpu.first, cpu.first, cpu.count * sizeof(uint32_t)) == 0);
+    for (uint64_t i = 0; i < n; i++) {
+        ck_assert(gpu.unique[gpu.inverse[i]] == keys[i]);
+        ck_assert_uint_le(gpu.first[gpu.inverse[i]], i);
+        ck_assert(keys[gpu.first[gpu.inverse[i]]] == keys[i]);
+    }
+    free(cpu.unique);
+    free(cpu.inverse);
+    free(cpu.first);
+    free(gpu.unique);
+    free(gpu.inverse);
+    free(gpu.first);
+    close_devices(&d);
+    free(keys);
+}
+END_TEST
+
+typedef struct partitioned {
+    uint64_t *keys;
+    uint32_t *position;
+    uint32_t *targets;
+    uint64_t *counts;
+} partitioned;
+
+/* first gives each unique key's "first position" (any values; the partition carries
+ * them into targets). */
+static partitioned run_partition(em_device *device, em_lane *lane, const uint64_t *unique,
+                                 const uint32_t *first, uint64_t n, uint32_t shards)
+{
+    em_error err;
+    const uint64_t *on_device = upload(device, lane, unique, n * sizeof(uint64_t));
+    const uint32_t *first_on_device = upload(device, lane, first, n * sizeof(uint32_t));
+    uint64_t *keys = device_buffer(device, (n + 1) * sizeof(uint64_t));
+    uint32_t *position = device_buffer(device, (n + 1) * sizeof(uint32_t));
+    uint32_t *targets = device_buffer(device, (n + 1) * sizeof(uint32_t));
+    partitioned result = {.counts = calloc(shards, sizeof(uint64_t))};
+    ck_assert_msg(device->ops->partition_keys(lane, on_device, n, shards, first_on_device, keys,
+                                              position, targets, result.counts, &err) == EM_OK,
+                  "%s", err.message);
+    result.keys = download(device, lane, keys, (n + 1) * sizeof(uint64_t));
+    result.position = download(device, lane, position, (n + 1) * sizeof(uint32_t));
+    result.targets = download(device, lane, targets, (n + 1) * sizeof(uint32_t));
+    em_device_free(device, (void *)on_device);
+    em_device_free(device, (void *)first_on_device);
+    em_device_free(device, keys);
+    em_device_free(device, position);
+    em_device_free(device, targets);
+    return result;
+}
+
+/* Loop index picks the shard count; distinct keys, as unique gives them. */
+START_TEST(partition_is_stable_like_cpu)
+{
+    static const uint32_t shard_counts[] = {1, 2, 3, 7, 64, 1024};
+    uint32_t shards = shard_counts[_i];
+    uint64_t n = 5000;
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 100 + (uint64_t)_i);
+    uint64_t *unique = malloc(n * sizeof(uint64_t));
+    for (uint64_t i = 0; i < n; i++)
+        unique[i] = em_test_rng_next(&rng);
+    unique[0] = UINT64_MAX;
+    unique[1] = UINT64_MAX - 1;
+    uint32_t *first = malloc(n * sizeof(uint32_t));
+    for (uint64_t i = 0; i < n; i++)
+        first[i] = (uint32_t)em_test_rng_below(&rng, 1u << 30);
+    devices d = open_devices();
+    partitioned cpu = run_partition(d.cpu, d.cpu_lane, unique, first, n, shards);
+    partitioned gpu = run_partition(d.gpu, d.gpu_lane, unique, first, n, shards);
+    ck_assert(memcmp(gpu.counts, cpu.counts, shards * sizeof(uint64_t)) == 0);
+    ck_assert(memcmp(gpu.keys, cpu.keys, n * sizeof(uint64_t)) == 0);
+    ck_assert(memcmp(gpu.position, cpu.position, n * sizeof(uint32_t)) == 0);
+    ck_assert(memcmp(gpu.targets, cpu.targets, n * sizeof(uint32_t)) == 0);
+    for (uint64_t u = 0; u < n; u++)
+        ck_assert_uint_eq(cpu.targets[cpu.position[u]], first[u]);
+    free(first);
+    free(cpu.keys);
+    free(cpu.position);
+    free(cpu.targets);
+    free(cpu.counts);
+    free(gpu.keys);
+    free(gpu.position);
+    free(gpu.targets);
+    free(gpu.counts);
+    close_devices(&d);
+    free(unique);
+}
+END_TEST
+
+/* ---- gradient sums and pooling --------------------------------------------------------- */
+
+/* A random batch with its dedupe and partition (computed on the CPU device). */
+typedef struct scenario {
+    uint32_t rows;
+    uint64_t nnz, unique_count;
+    uint32_t *offsets, *inverse, *position, *first; /* host */
+} scenario;
+
+static scenario random_scenario(em_test_rng *rng, devices *d)
+{
+    scenario s;
+    s.rows = 200;
+    s.offsets = malloc((s.rows + 1) * sizeof(uint32_t));
+    uint64_t *keys = malloc((size_t)s.rows * 12 * sizeof(uint64_t) + 8);
+    s.offsets[0] = 0;
+    for (uint32_t r = 0; r < s.rows - 1; r++) {
+        uint32_t length = (uint32_t)em_test_rng_below(rng, 12); /* empty rows included */
+        for (uint32_t k = 0; k < length; k++)
+            keys[s.offsets[r] + k] = random_key(rng, 150);
+        s.offsets[r + 1] = s.offsets[r] + length;
+    }
+    /* The last row holds one key that appears nowhere else (see with_negative_zeros). */
+    keys[s.offsets[s.rows - 1]] = 0x5eed5eedull;
+    s.offsets[s.rows] = s.offsets[s.rows - 1] + 1;
+    s.nnz = s.offsets[s.rows];
+    deduped u = run_unique(d->cpu, d->cpu_lane, keys, s.nnz);
+    partitioned p = run_partition(d->cpu, d->cpu_lane, u.unique, u.first, u.count, 5);
+    s.unique_count = u.count;
+    s.inverse = u.inverse;
+    s.position = p.position;
+    s.first = u.first;
+    free(u.unique);
+    free(p.keys);
+    free(p.targets);
+    free(p.counts);
+    free(keys);
+    return s;
+}
+
+static void free_scenario(scenario *s)
+{
+    free(s->offsets);
+    free(s->inverse);
+    free(s->position);
+    free(s->first);
+}
+
+typedef enum operation { SUM_GRADIENTS, COMBINE, COPY_REPEATS } operation;
+
+/* Runs one operation on a device over copies of the scenario; returns the output. */
+static float *run_operation(em_device *device, em_lane *lane, const scenario *s, operation op,
+                            em_combiner combiner, uint32_t dim, const float *input,
+                            uint64_t input_floats, uint64_t output_floats)
+{
+    em_error err;
+    em_device_batch batch = {
+        .rows = s->rows,
+        .nnz = s->nnz,
+        .offsets = upload(device, lane, s->offsets, (s->rows + 1) * sizeof(uint32_t)),
+        .inverse = upload(device, lane, s->inverse, s->nnz * sizeof(uint32_t)),
+        .position = upload(device, lane, s->position, s->unique_count * sizeof(uint32_t)),
+        .unique_count = s->unique_count,
+    };
+    const float *in = upload(device, lane, input, input_floats * sizeof(float));
+    float *out = device_buffer(device, (output_floats + 1) * sizeof(float));
+    const uint32_t *first = upload(device, lane, s->first, s->unique_count * sizeof(uint32_t));
+    em_status status = EM_OK;
+    if (op == SUM_GRADIENTS)
+        status = device->ops->sum_gradients(lane, &batch, combiner, dim, in, out, &err);
+    else if (op == COMBINE)
+        status = device->ops->combine(lane, &batch, combiner, dim, in, out, &err);
+    else if ((status = device->ops->copy_to_device(lane, out, input, output_floats * sizeof(float),
+                                                   &err)) == EM_OK)
+        status = device->ops->copy_repeats(lane, &batch, first, dim, out, &err); /* in place */
+    ck_assert_msg(status == EM_OK, "%s", err.message);
+    em_device_free(device, (void *)first);
+    float *result = download(device, lane, out, output_floats * sizeof(float));
+    em_device_free(device, (void *)batch.offsets);
+    em_device_free(device, (void *)batch.inverse);
+    em_device_free(device, (void *)batch.position);
+    em_device_free(device, (void *)in);
+    em_device_free(device, out);
+    return result;
+}
+
+static float *random_floats(em_test_rng *rng, uint64_t count)
+{
+    float *values = malloc((count + 1) * sizeof(float));
+    for (uint64_t i = 0; i < count; i++)
+        values[i] = (float)(2.0 * em_test_rng_unit(rng) - 1.0);
+    return values;
+}
+
+/* The last vector (the last key's, or the last row's: the scenario's lone key) becomes
+ * -0.0: its sum must stay -0.0, which only a sum starting from -0.0 gives. */
+static void with_negative_zeros(float *vectors, uint64_t count, uint32_t dim)
+{
+    for (uint32_t j = 0; j < dim; j++)
+        vectors[(count - 1) * dim + j] = -0.0f;
+}
+
+/* Loop index: combiner x dim (1, 13, 16, 33). Both operations, bit for bit. */
+START_TEST(sums_and_pooling_bit_for_bit_like_cpu)
+{
+    static const uint32_t dims[] = {1, 13, 16, 33};
+    em_combiner combiner = (em_combiner)(_i / 4);
+    uint32_t dim = dims[_i % 4];
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 200 + (uint64_t)_i);
+    devices d = open_devices();
+    scenario s = random_scenario(&rng, &d);
+    uint64_t vectors = combiner == EM_COMBINER_NONE ? s.nnz : s.rows;
+
+    float *gradients = random_floats(&rng, vectors * dim);
+    with_negative_zeros(gradients, vectors, dim);
+    float *cpu_sums = run_operation(d.cpu, d.cpu_lane, &s, SUM_GRADIENTS, combiner, dim, gradients,
+                                    vectors * dim, s.unique_count * dim);
+    float *gpu_sums = run_operation(d.gpu, d.gpu_lane, &s, SUM_GRADIENTS, combiner, dim, gradients,
+                                    vectors * dim, s.unique_count * dim);
+    ck_assert(memcmp(gpu_sums, cpu_sums, s.unique_count * dim * sizeof(float)) == 0);
+
+    float *unique_vectors = random_floats(&rng, s.unique_count * dim);
+    float *cpu_out = run_operation(d.cpu, d.cpu_lane, &s, COMBINE, combiner, dim, unique_vectors,
+                                   s.unique_count * dim, vectors * dim);
+    float *gpu_out = run_operation(d.gpu, d.gpu_lane, &s, COMBINE, combiner, dim, unique_vectors,
+                                   s.unique_count * dim, vectors * dim);
+    ck_assert(memcmp(gpu_out, cpu_out, vectors * dim * sizeof(float)) == 0);
+
+    /* A per-key output with vectors at their keys' first positions only: repeats copy. */
+    float *firsts_only = random_floats(&rng, s.nnz * dim);
+    float *cpu_repeats = run_operation(d.cpu, d.cpu_lane, &s, COPY_REPEATS, combiner, dim,
+                                       firsts_only, s.nnz * dim, s.nnz * dim);
+    float *gpu_repeats = run_operation(d.gpu, d.gpu_lane, &s, COPY_REPEATS, combiner, dim,
+                                       firsts_only, s.nnz * dim, s.nnz * dim);
+    ck_assert(memcmp(gpu_repeats, cpu_repeats, s.nnz * dim * sizeof(float)) == 0);
+    for (uint64_t k = 0; k < s.nnz; k++)
+        ck_assert(memcmp(cpu_repeats + k * dim, firsts_only + (uint64_t)s.first[s.inverse[k]] * dim,
+                         dim * sizeof(float)) == 0);
+    free(firsts_only);
+    free(cpu_repeats);
+    free(gpu_repeats);
+
+    free(gradients);
+    free(cpu_sums);
+    free(gpu_sums);
+    free(unique_vectors);
+    free(cpu_out);
+    free(gpu_out);
+    free_scenario(&s);
+    close_devices(&d);
+}
+END_TEST
+
+START_TEST(combiner_divisor_is_the_csr_formula)
+{
+    for (int combiner = 0; combiner < 4; combiner++)
+        for (uint32_t length = 0; length < 70000; length += length < 100 ? 1 : 997) {
+            float gpu = em_gpu_combiner_divisor(combiner, length);
+            float cpu = em_combiner_divisor((em_combiner)combiner, length);
+            ck_assert_msg(memcmp(&gpu, &cpu, sizeof(float)) == 0, "combiner %d length %u",
+                          combiner, length);
+        }
+}
+END_TEST
+
+/* ---- index math --------------------------------------------------------------------------- */
+
+START_TEST(segment_starts_cover_empty_segments)
+{
+    const uint32_t sorted[] = {1, 1, 3, 3, 3, 6};
+    uint32_t starts[9];
+    memset(starts, 0xff, sizeof(starts));
+    for (uint64_t i = 0; i <= 6; i++)
+        em_gpu_segment_start_item(sorted, 6, 8, i, starts);
+    const uint32_t expected[9] = {0, 0, 2, 2, 5, 5, 5, 6, 6};
+    ck_assert(memcmp(starts, expected, sizeof(expected)) == 0);
+    memset(starts, 0xff, sizeof(starts));
+    em_gpu_segment_start_item(sorted, 0, 3, 0, starts); /* no keys: every start is 0 */
+    for (int s = 0; s < 4; s++)
+        ck_assert_uint_eq(starts[s], 0);
+}
+END_TEST
+
+START_TEST(row_of_key_skips_empty_rows)
+{
+    const uint32_t offsets[] = {0, 0, 3, 3, 3, 4, 6, 6};
+    const uint32_t expected[] = {1, 1, 1, 4, 5, 5};
+    for (uint64_t k = 0; k < 6; k++)
+        ck_assert_uint_eq(em_gpu_row_of_key(offsets, 7, k), expected[k]);
+    const uint32_t single[] = {0, 5};
+    for (uint64_t k = 0; k < 5; k++)
+        ck_assert_uint_eq(em_gpu_row_of_key(single, 1, k), 0);
+}
+END_TEST
+
+START_TEST(group_shift_covers_rows_within_a_block)
+{
+    ck_assert_uint_eq(em_gpu_group_shift(1), 0);
+    ck_assert_uint_eq(em_gpu_group_shift(2), 1);
+    ck_assert_uint_eq(em_gpu_group_shift(13), 4);
+    ck_assert_uint_eq(em_gpu_group_shift(16), 4);
+    ck_assert_uint_eq(em_gpu_group_shift(17), 5);
+    ck_assert_uint_eq(em_gpu_group_shift(256), 8);
+    ck_assert_uint_eq(em_gpu_group_shift(4096), 8);
+}
+END_TEST
+
+/* Host row storage in two blocks of 4 rows, stride 20 floats (dim 16 + 4 padding). */
+START_TEST(gather_by_quads_equals_gather_by_elements)
+{
+    enum { DIM = 16, STRIDE = 20, ROWS = 8, N = 6 };
+    static _Alignas(16) float block0[4 * STRIDE], block1[4 * STRIDE];
+    for (int i = 0; i < 4 * STRIDE; i++) {
+        block0[i] = (float)i;
+        block1[i] = (float)(1000 + i);
+    }
+    float *blocks[2] = {block0, block1};
+    em_gpu_storage storage = {.blocks = blocks, .block_shift = 2, .block_mask = 3,
+                              .stride = STRIDE, .dim = DIM, .row_floats = DIM,
+                              .row_limit = ROWS};
+    const uint64_t rows[N] = {5, 0, EM_GPU_ROW_NONE, 7, 3, 4};
+    static _Alignas(16) float by_quads[N * DIM], by_elements[N * DIM];
+    memset(by_quads, 0x7f, sizeof(by_quads));
+    for (uint64_t i = 0; i < N; i++) {
+        for (uint32_t q = 0; q < DIM / 4; q++)
+            em_gpu_rows_gather_quad(storage, rows, NULL, by_quads, i, q);
+        for (uint32_t j = 0; j < DIM; j++)
+            em_gpu_rows_gather_element(storage, rows, NULL, by_elements, i, j);
+    }
+    ck_assert(memcmp(by_quads, by_elements, sizeof(by_quads)) == 0);
+    /* with targets, vector i lands at targets[i] */
+    const uint32_t targets[N] = {3, 5, 0, 1, 4, 2};
+    static _Alignas(16) float placed_quads[N * DIM], placed_elements[N * DIM];
+    for (uint64_t i = 0; i < N; i++) {
+        for (uint32_t q = 0; q < DIM / 4; q++)
+            em_gpu_rows_gather_quad(storage, rows, targets, placed_quads, i, q);
+        for (uint32_t j = 0; j < DIM; j++)
+            em_gpu_rows_gather_element(storage, rows, targets, placed_elements, i, j);
+    }
+    ck_assert(memcmp(placed_quads, placed_elements, sizeof(placed_quads)) == 0);
+    for (uint64_t i = 0; i < N; i++)
+        ck_assert(memcmp(placed_elements + targets[i] * DIM, by_elements + i * DIM,
+                         DIM * sizeof(float)) == 0);
+    ck_assert_float_eq(by_elements[0], 1000.0f + 1 * STRIDE); /* row 5: block 1, slot 1 */
+    ck_assert_float_eq(by_elements[2 * DIM + 5], 0.0f);       /* ROW_NONE reads zeros */
+    ck_assert_float_eq(by_elements[4 * DIM + 3], (float)(3 * STRIDE + 3));
+}
+END_TEST
+
+/* ---- hash map protocol under concurrency --------------------------------------------------- */
+
+#define MAP_THREADS 8
+#define MAP_KEYS 6000
+#define MAP_SLOTS 8192
+
+typedef struct map_race {
+    em_gpu_map map;
+    const uint64_t *keys;
+    uint64_t rows[MAP_THREADS][MAP_KEYS];
+    uint64_t inserted[MAP_THREADS];
+    int thread;
+} map_race;
+
+/* Each thread inserts every key, starting at its own offset, so claims collide. */
+static void *map_inserter(void *argument)
+{
+    map_race *race = argument;
+    int thread = __atomic_fetch_add(&race->thread, 1, __ATOMIC_RELAXED);
+    for (uint64_t step = 0; step < MAP_KEYS; step++) {
+        uint64_t i = (step + (uint64_t)thread * 997) % MAP_KEYS;
+        int fresh = 0;
+        race->rows[thread][i] = em_gpu_map_insert_key(race->map, race->keys[i], &fresh);
+        race->inserted[thread] += (uint64_t)fresh;
+    }
+    return NULL;
+}
+
+START_TEST(map_claims_give_every_key_one_row_under_threads)
+{
+    uint64_t *keys = malloc(MAP_KEYS * sizeof(uint64_t));
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 300);
+    for (uint64_t i = 0; i < MAP_KEYS; i++)
+        keys[i] = i < 2 ? UINT64_MAX - i : em_test_rng_next(&rng) | 1; /* sentinels too */
+    em_gpu_slot *slots = aligned_alloc(16, MAP_SLOTS * sizeof(em_gpu_slot));
+    memset(slots, 0xff, MAP_SLOTS * sizeof(em_gpu_slot));
+    em_gpu_map_header header = {.rows = 0, .side_rows = {EM_GPU_ROW_NONE, EM_GPU_ROW_NONE}};
+    map_race *race = calloc(1, sizeof(*race));
+    race->map = (em_gpu_map){.slots = slots, .slot_count = MAP_SLOTS, .header = &header};
+    race->keys = keys;
+    pthread_t threads[MAP_THREADS];
+    for (int t = 0; t < MAP_THREADS; t++)
+        pthread_create(&threads[t], NULL, map_inserter, race);
+    uint64_t inserted = 0;
+    for (int t = 0; t < MAP_THREADS; t++) {
+        pthread_join(threads[t], NULL);
+        inserted += race->inserted[t];
+    }
+    ck_assert_uint_eq(inserted, MAP_KEYS);
+    ck_assert_uint_eq(header.rows, MAP_KEYS);
+    ck_assert_uint_eq(header.overflow, 0);
+    uint8_t *seen = calloc(MAP_KEYS, 1);
+    for (uint64_t i = 0; i < MAP_KEYS; i++) {
+        uint64_t row = race->rows[0][i];
+        ck_assert_uint_lt(row, MAP_KEYS);
+        ck_assert_msg(!seen[row], "row %llu handed out twice", (unsigned long long)row);
+        seen[row] = 1;
+        for (int t = 1; t < MAP_THREADS; t++)
+            ck_assert_uint_eq(race->rows[t][i], row);
+        ck_assert_uint_eq(em_gpu_map_lookup(race->map, keys[i]), row);
+    }
+    ck_assert_uint_eq(em_gpu_map_lookup(race->map, 2), EM_GPU_ROW_NONE);
+
+    /* Rehash into a bigger map: same rows. */
+    em_gpu_slot *bigger = aligned_alloc(16, 4 * MAP_SLOTS * sizeof(em_gpu_slot));
+    memset(bigger, 0xff, 4 * MAP_SLOTS * sizeof(em_gpu_slot));
+    em_gpu_map grown = {.slots = bigger, .slot_count = 4 * MAP_SLOTS, .header = &header};
+    for (uint64_t s = 0; s < MAP_SLOTS; s++)
+        em_gpu_map_rehash_item(slots, s, grown);
+    for (uint64_t i = 0; i < MAP_KEYS; i++)
+        ck_assert_uint_eq(em_gpu_map_lookup(grown, keys[i]), race->rows[0][i]);
+    ck_assert_uint_eq(header.overflow, 0);
+    free(bigger);
+    free(seen);
+    free(race);
+    free(slots);
+    free(keys);
+}
+END_TEST
+
+START_TEST(map_full_sets_overflow_instead_of_looping)
+{
+    em_gpu_slot slots[16];
+    memset(slots, 0xff, sizeof(slots));
+    em_gpu_map_header header = {.rows = 0, .side_rows = {EM_GPU_ROW_NONE, EM_GPU_ROW_NONE}};
+    em_gpu_map map = {.slots = slots, .slot_count = 16, .header = &header};
+    int fresh = 0;
+    for (uint64_t key = 1; key <= 16; key++)
+        ck_assert_uint_eq(em_gpu_map_insert_key(map, key, &fresh), key - 1);
+    ck_assert_uint_eq(header.overflow, 0);
+    ck_assert_uint_eq(em_gpu_map_insert_key(map, 99, &fresh), EM_GPU_ROW_NONE);
+    ck_assert_int_eq(fresh, 0);
+    ck_assert_uint_eq(header.overflow, 1);
+    ck_assert_uint_eq(em_gpu_map_lookup(map, 99), EM_GPU_ROW_NONE);
+    ck_assert_uint_eq(em_gpu_map_lookup(map, 16), 15);
+}
+END_TEST
+
+/* ---- unique claims under concurrency ------------------------------------------------------ */
+
+#define CLAIM_THREADS 6
+#define CLAIM_KEYS 20000
+
+typedef struct claim_race {
+    const uint64_t *keys;
+    uint32_t *table, *slot_of;
+    uint64_t slot_count;
+    int thread;
+} claim_race;
+
+/* Thread t claims positions t, t + threads, ... from the last one down: later positions
+ * of a key usually claim its slot first and must be lowered by the earlier ones. */
+static void *claimer(void *argument)
+{
+    claim_race *race = argument;
+    uint64_t thread = (uint64_t)__atomic_fetch_add(&race->thread, 1, __ATOMIC_RELAXED);
+    for (uint64_t i = CLAIM_KEYS; i-- > 0;)
+        if (i % CLAIM_THREADS == thread)
+            em_gpu_unique_claim_item(race->keys, i, race->table, race->slot_count, race->slot_of);
+    return NULL;
+}
+
+START_TEST(unique_claims_keep_first_positions_under_threads)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 400);
+    uint64_t *keys = malloc(CLAIM_KEYS * sizeof(uint64_t));
+    for (uint64_t i = 0; i < CLAIM_KEYS; i++)
+        keys[i] = random_key(&rng, 3000);
+    claim_race race = {.keys = keys, .slot_count = 65536};
+    race.table = calloc(race.slot_count, sizeof(uint32_t));
+    race.slot_of = calloc(CLAIM_KEYS, sizeof(uint32_t));
+    pthread_t threads[CLAIM_THREADS];
+    for (int t = 0; t < CLAIM_THREADS; t++)
+        pthread_create(&threads[t], NULL, claimer, &race);
+    for (int t = 0; t < CLAIM_THREADS; t++)
+        pthread_join(threads[t], NULL);
+    uint32_t *first = calloc(CLAIM_KEYS + 1, sizeof(uint32_t));
+    uint32_t *rank = calloc(CLAIM_KEYS + 1, sizeof(uint32_t));
+    for (uint64_t i = 0; i <= CLAIM_KEYS; i++)
+        em_gpu_unique_flag_item(race.table, race.slot_of, CLAIM_KEYS, i, first);
+    for (uint64_t i = 1; i <= CLAIM_KEYS; i++)
+        rank[i] = rank[i - 1] + first[i - 1];
+    uint64_t *unique = calloc(CLAIM_KEYS, sizeof(uint64_t));
+    uint32_t *inverse = calloc(CLAIM_KEYS, sizeof(uint32_t));
+    uint32_t *first_positions = calloc(CLAIM_KEYS, sizeof(uint32_t));
+    for (uint64_t i = 0; i < CLAIM_KEYS; i++)
+        em_gpu_unique_scatter_item(keys, i, race.table, race.slot_of, first, rank, unique, inverse,
+                                   first_positions);
+    devices d = open_devices();
+    deduped cpu = run_unique(d.cpu, d.cpu_lane, keys, CLAIM_KEYS);
+    ck_assert_uint_eq(rank[CLAIM_KEYS], cpu.count);
+    ck_assert(memcmp(unique, cpu.unique, cpu.count * sizeof(uint64_t)) == 0);
+    ck_assert(memcmp(inverse, cpu.inverse, CLAIM_KEYS * sizeof(uint32_t)) == 0);
+    ck_assert(memcmp(first_positions, cpu.first, cpu.count * sizeof(uint32_t)) == 0);
+    free(first_positions);
+    free(cpu.unique);
+    free(cpu.inverse);
+    free(cpu.first);
+    close_devices(&d);
+    free(unique);
+    free(inverse);
+    free(first);
+    free(rank);
+    free(race.table);
+    free(race.slot_of);
+    free(keys);
+}
+END_TEST
+
+/* ---- shard preconditions ------------------------------------------------------------------ */
+
+/* Inserting without reserving first is a caller bug: it is reported, and the kernels
+ * write nothing outside the shard's storage meanwhile. */
+START_TEST(insert_without_reserve_is_reported)
+{
+    devices d = open_devices();
+    em_shard_spec spec = {.table = "t", .index = 0, .dim = 8, .expected_rows = 100,
+                          .optimizer = {.kind = EM_OPTIMIZER_ADAM},
+                          .initializer = {.kind = EM_INIT_UNIFORM, .bound = 1.0f, .seed = 3}};
+    em_shard *shard = NULL;
+    em_error err;
+    ck_assert_msg(d.gpu->ops->shard_create(d.gpu, &spec, &shard, &err) == EM_OK, "%s",
+                  err.message);
+    const uint64_t keys[3] = {11, 12, UINT64_MAX};
+    const uint64_t none[3] = {EM_ROW_NONE, EM_ROW_NONE, EM_ROW_NONE};
+    uint64_t *device_keys = upload(d.gpu, d.gpu_lane, keys, sizeof(keys));
+    uint64_t *device_rows = upload(d.gpu, d.gpu_lane, none, sizeof(none));
+    ck_assert_int_eq(d.gpu->ops->shard_insert_missing(shard, d.gpu_lane, device_keys, 3,
+                                                      device_rows, &err), EM_INTERNAL);
+    ck_assert_msg(strstr(err.message, "insert without reserve") != NULL, "%s", err.message);
+    em_device_free(d.gpu, device_keys);
+    em_device_free(d.gpu, device_rows);
+    d.gpu->ops->shard_destroy(shard);
+    close_devices(&d);
+}
+END_TEST
+
+/* ---- runner ------------------------------------------------------------------------------ */
+
+static Suite *kernel_logic_suite(void)
+{
+    Suite *suite = suite_create("kernel_logic");
+    TCase *tc = tcase_create("core");
+    tcase_set_timeout(tc, 120);
+    tcase_add_loop_test(tc, unique_keys_in_order_of_first_appearance_like_cpu, 0, 12);
+    tcase_add_loop_test(tc, partition_is_stable_like_cpu, 0, 6);
+    tcase_add_loop_test(tc, sums_and_pooling_bit_for_bit_like_cpu, 0, 16);
+    tcase_add_test(tc, combiner_divisor_is_the_csr_formula);
+    tcase_add_test(tc, segment_starts_cover_empty_segments);
+    tcase_add_test(tc, row_of_key_skips_empty_rows);
+    tcase_add_test(tc, group_shift_covers_rows_within_a_block);
+    tcase_add_test(tc, gather_by_quads_equals_gather_by_elements);
+    tcase_add_test(tc, map_claims_give_every_key_one_row_under_threads);
+    tcase_add_test(tc, map_full_sets_overflow_instead_of_looping);
+    tcase_add_test(tc, unique_claims_keep_first_positions_under_threads);
+    tcase_add_test(tc, insert_without_reserve_is_reported);
+    suite_add_tcase(suite, tc);
+    return suite;
+}
+
+int main(void)
+{
+    return em_test_run(kernel_logic_suite());
+}
