@@ -211,6 +211,52 @@ static const em_config_choice backend_choices[] = {
     {NULL, 0},
 };
 
+static em_status parse_gpus(const cJSON *value, void *field, const char *path, em_error *err)
+{
+    em_gpu_list *list = field;
+    memset(list, 0, sizeof(*list));
+    if (!cJSON_IsArray(value) || cJSON_GetArraySize(value) > EM_MAX_GPUS)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s: must be an array of at most %d GPU ordinals", path, EM_MAX_GPUS);
+    const cJSON *item = NULL;
+    cJSON_ArrayForEach(item, value) {
+        double ordinal = cJSON_IsNumber(item) ? item->valuedouble : -1;
+        if (ordinal < 0 || ordinal > 255 || ordinal != (double)(uint32_t)ordinal)
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "%s[%u]: must be a GPU ordinal from 0 to 255", path, list->count);
+        for (uint32_t i = 0; i < list->count; i++)
+            if (list->ordinals[i] == (uint32_t)ordinal)
+                return em_error_set(err, EM_INVALID_ARGUMENT, "%s[%u]: GPU %u is listed twice",
+                                    path, list->count, (uint32_t)ordinal);
+        list->ordinals[list->count++] = (uint32_t)ordinal;
+    }
+    return EM_OK;
+}
+
+static cJSON *print_gpus(const void *field)
+{
+    const em_gpu_list *list = field;
+    cJSON *array = cJSON_CreateArray();
+    for (uint32_t i = 0; array != NULL && i < list->count; i++)
+        cJSON_AddItemToArray(array, cJSON_CreateNumber(list->ordinals[i]));
+    return array;
+}
+
+static em_status check_backend(void *target, const cJSON *json, const char *path, em_error *err)
+{
+    const em_backend_config *config = target;
+    static const char *const cuda_only[] = {"gpus", "memory_fraction", "lanes", "staging_bytes"};
+    for (size_t i = 0; config->type == EM_BACKEND_CPU && i < 4; i++) {
+        if (cJSON_GetObjectItemCaseSensitive(json, cuda_only[i]) != NULL) {
+            char key_path[128];
+            em_config_join_path(key_path, sizeof(key_path), path, cuda_only[i]);
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "%s: applies to the cuda backend, not to type \"cpu\"", key_path);
+        }
+    }
+    return EM_OK;
+}
+
 static const em_config_field backend_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "type", em_backend_config, type), .choices = backend_choices,
      .default_json = "\"auto\"", .help = "auto (GPUs when present, else cpu), cpu or cuda"},
@@ -228,13 +274,25 @@ static const em_config_field backend_fields[] = {
      .help = "pool region reserved per device at start"},
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "growth_bytes", em_backend_config, growth_bytes),
      .flags = EM_CONFIG_UNSIGNED, .default_json = "268435456",
-     .help = "size of each further pool region"},
+     .help = "size of each further pool region (cpu)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_CUSTOM, "gpus", em_backend_config, gpus), .parse = parse_gpus,
+     .print = print_gpus, .help = "cuda: GPU ordinals to use ([] or absent: every usable GPU)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_DOUBLE, "memory_fraction", em_backend_config, memory_fraction),
+     .min = 0, .max = 1, .exclusive_min = true, .default_json = "0.8",
+     .help = "cuda: pool per GPU as a fraction of its free memory (memory_limit_bytes 0)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "lanes", em_backend_config, lanes),
+     .flags = EM_CONFIG_UNSIGNED, .min = 1, .max = 16, .default_json = "2",
+     .help = "cuda: streams per GPU, i.e. requests whose copies and kernels overlap"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "staging_bytes", em_backend_config, staging_bytes),
+     .flags = EM_CONFIG_UNSIGNED, .min = 65536, .max = 4294967296.0, .default_json = "16777216",
+     .help = "cuda: pinned host staging per lane (larger copies go through it in pieces)"},
 };
 
 static const em_config_schema backend_schema = {
     .name = "backend",
     .fields = backend_fields,
     .field_count = sizeof(backend_fields) / sizeof(backend_fields[0]),
+    .check = check_backend,
 };
 
 static const em_config_choice log_level_choices[] = {

@@ -11,6 +11,7 @@
  *                 "max_connections": 1024, "max_keys_per_request": 4194304,
  *                 "connection_inflight_bytes": 268435456, "idle_timeout_ms": 300000, ...},
  *     "backend": {"type": "cpu", "devices": 1, "threads": 0, "memory_limit_bytes": 0},
+ *                 (cuda: "gpus": [0, 1], "memory_fraction": 0.8, "lanes": 2),
  *     "tables":  [ {table config, lib/table_config.h}, ... ],
  *     "admin_token": {"value": "..."} | {"file": "/etc/ember/admin.token"} | {"env": "NAME"},
  *     "data_token":  same forms (optional),
@@ -64,13 +65,24 @@ typedef enum em_backend_type {
     EM_BACKEND_CUDA = 2,
 } em_backend_type;
 
+#define EM_MAX_GPUS 64
+
+typedef struct em_gpu_list {
+    uint32_t ordinals[EM_MAX_GPUS];
+    uint32_t count; /* 0: every usable GPU */
+} em_gpu_list;
+
 typedef struct em_backend_config {
     int type; /* em_backend_type */
     uint32_t devices;
-    uint32_t threads; /* worker threads; 0: one per online CPU */
+    uint32_t threads; /* worker threads; 0: one per online CPU (cpu), lanes (cuda) */
     uint64_t memory_limit_bytes;
     uint64_t initial_bytes;
     uint64_t growth_bytes;
+    em_gpu_list gpus;       /* cuda */
+    double memory_fraction; /* cuda, when memory_limit_bytes is 0 */
+    uint32_t lanes;         /* cuda: streams per GPU */
+    uint64_t staging_bytes; /* cuda: pinned staging per lane */
 } em_backend_config;
 
 typedef struct em_tables_config {

@@ -29,6 +29,13 @@
 #include "lib/catalog.h"
 #include "lib/log.h"
 
+/* Builds for tests may bring a host emulation of the kernels (EM_CUDA_EMULATED). */
+#if EM_HAVE_CUDA || defined(EM_CUDA_EMULATED)
+#define CUDA_BACKEND 1
+#else
+#define CUDA_BACKEND 0
+#endif
+
 enum exit_code {
     EXIT_OK = 0,
     EXIT_RUNTIME = 1, /* the daemon could not start or run */
@@ -43,6 +50,8 @@ typedef struct daemon_options {
     const char *listen_file;
     bool check_only;
 } daemon_options;
+
+static int list_devices(void);
 
 typedef struct daemon_state {
     daemon_options options;
@@ -76,6 +85,7 @@ static void print_usage(FILE *out)
             "  -c, --config FILE       configuration (default " DEFAULT_CONFIG_PATH ")\n"
             "      --check-config      validate the configuration and exit\n"
             "      --listen-file FILE  once serving, write the bound addresses there as JSON\n"
+            "      --list-devices      say which GPUs the cuda backend can use (exit 1: none)\n"
             "  -h, --help              show this help\n"
             "  -V, --version           show the version\n"
             "\n"
@@ -90,6 +100,7 @@ static int parse_arguments(int argc, char **argv, daemon_options *out)
         {"config", required_argument, NULL, 'c'},
         {"check-config", no_argument, NULL, 'k'},
         {"listen-file", required_argument, NULL, 'l'},
+        {"list-devices", no_argument, NULL, 'D'},
         {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, 'V'},
         {NULL, 0, NULL, 0},
@@ -107,6 +118,8 @@ static int parse_arguments(int argc, char **argv, daemon_options *out)
         case 'l':
             out->listen_file = optarg;
             break;
+        case 'D':
+            exit(list_devices());
         case 'h':
             print_usage(stdout);
             exit(EXIT_OK);
@@ -126,15 +139,84 @@ static int parse_arguments(int argc, char **argv, daemon_options *out)
     return EXIT_OK;
 }
 
+/* ---- devices ------------------------------------------------------------------------- */
+
+static int list_devices(void)
+{
+#if CUDA_BACKEND
+    uint32_t gpus = 0;
+    em_error err;
+    if (em_cuda_available(&gpus, &err) != EM_OK || gpus == 0) {
+        printf("cuda: no usable GPU: %s\n", gpus == 0 && err.message[0] ? err.message : "none");
+        return EXIT_RUNTIME;
+    }
+    printf("cuda: %u usable GPU(s)\n", gpus);
+    return EXIT_OK;
+#else
+    printf("cuda: this emberd was built without the CUDA backend\n");
+    return EXIT_RUNTIME;
+#endif
+}
+
 /* ---- bring-up steps ------------------------------------------------------------------ */
+
+#if CUDA_BACKEND
+static em_status create_cuda_backend(daemon_state *d, em_error *err)
+{
+    const em_backend_config *config = &d->config.backend;
+    em_cuda_backend_options options;
+    em_cuda_backend_options_init(&options);
+    memcpy(options.devices, config->gpus.ordinals, config->gpus.count * sizeof(uint32_t));
+    options.device_count = config->gpus.count;
+    options.pool_bytes = config->memory_limit_bytes;
+    options.memory_fraction = config->memory_fraction;
+    options.lanes = config->lanes;
+    options.staging_bytes = config->staging_bytes;
+    em_status status = em_backend_create_cuda(&options, &d->backend, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "backend \"cuda\": ");
+    em_pool_stats pool;
+    em_pool_get_stats(d->backend->devices[0]->pool, &pool);
+    em_log_notice(&d->log, "backend cuda: %u GPU(s) (%s first), pool %" PRIu64
+                  " MiB each, %u lanes each, %s exchange", d->backend->device_count,
+                  d->backend->devices[0]->name, pool.bytes_limit >> 20, config->lanes,
+                  d->backend->exchange->name);
+    return EM_OK;
+}
+#endif
+
+/* auto: the CUDA backend when this build has it and a usable GPU is visible. */
+static em_backend_type resolve_backend_type(daemon_state *d)
+{
+    int type = d->config.backend.type;
+    if (type != EM_BACKEND_AUTO)
+        return (em_backend_type)type;
+#if CUDA_BACKEND
+    uint32_t gpus = 0;
+    em_error err;
+    if (em_cuda_available(&gpus, &err) == EM_OK && gpus > 0)
+        return EM_BACKEND_CUDA;
+    em_log_notice(&d->log, "backend auto: no usable GPU (%s); using the CPU backend",
+                  err.message);
+#else
+    em_log_notice(&d->log, "backend auto: this build has no CUDA backend; using the CPU backend");
+#endif
+    return EM_BACKEND_CPU;
+}
 
 static em_status create_backend(daemon_state *d, em_error *err)
 {
     const em_backend_config *config = &d->config.backend;
-    if (config->type == EM_BACKEND_CUDA)
+    em_backend_type type = resolve_backend_type(d);
+    if (type == EM_BACKEND_CUDA) {
+#if CUDA_BACKEND
+        return create_cuda_backend(d, err);
+#else
         return em_error_set(err, EM_FAILED_PRECONDITION,
                             "backend.type is \"cuda\" but this emberd was built without the "
                             "CUDA backend; use \"cpu\" or \"auto\"");
+#endif
+    }
     em_cpu_backend_options options;
     em_cpu_backend_options_init(&options);
     options.devices = config->devices;
@@ -146,8 +228,7 @@ static em_status create_backend(daemon_state *d, em_error *err)
         return status;
     em_pool_stats pool;
     em_pool_get_stats(d->backend->devices[0]->pool, &pool);
-    em_log_notice(&d->log, "backend cpu%s: %u device(s), pool limit %" PRIu64 " MiB each",
-                  config->type == EM_BACKEND_AUTO ? " (auto: no GPU backend in this build)" : "",
+    em_log_notice(&d->log, "backend cpu: %u device(s), pool limit %" PRIu64 " MiB each",
                   d->backend->device_count, pool.bytes_limit >> 20);
     return EM_OK;
 }
@@ -165,10 +246,14 @@ static em_status create_tables(daemon_state *d, em_error *err)
     return status;
 }
 
+/* Workers run table requests. A GPU request holds a lane on every GPU for its whole
+ * run, so with the cuda backend more workers than lanes would only wait for lanes. */
 static uint32_t worker_threads(const daemon_state *d)
 {
     if (d->config.backend.threads > 0)
         return d->config.backend.threads;
+    if (strcmp(d->backend->kind, "cuda") == 0)
+        return d->config.backend.lanes;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     return online > 0 ? (uint32_t)online : 1;
 }

@@ -5,6 +5,7 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -58,10 +59,55 @@ char *test_daemon_log(const test_daemon *daemon)
     return text != NULL ? text : strdup("(no log)");
 }
 
+bool test_backend_is_cuda(void)
+{
+    const char *backend = getenv("EMBER_TEST_BACKEND");
+    return backend != NULL && strcmp(backend, "cuda") == 0;
+}
+
+const char *test_backend_name(void)
+{
+    return test_backend_is_cuda() ? "cuda" : "cpu";
+}
+
+void test_skip_without_backend(void)
+{
+    if (!test_backend_is_cuda())
+        return;
+    const char *binary = getenv("EMBERD");
+    char command[1024];
+    snprintf(command, sizeof(command), "%s --list-devices", binary != NULL ? binary : "emberd");
+    int status = system(command);
+    if (status != 0) {
+        printf("skipped: the cuda backend needs a usable GPU\n");
+        exit(77);
+    }
+}
+
+void test_assert_floats_match(const float *got, const float *expected, uint64_t count,
+                              const char *what)
+{
+    if (!test_backend_is_cuda()) {
+        ck_assert_msg(memcmp(got, expected, count * sizeof(float)) == 0,
+                      "%s: values differ from the engine", what);
+        return;
+    }
+    for (uint64_t i = 0; i < count; i++) {
+        double scale = fabs((double)expected[i]) > 1e-2 ? fabs((double)expected[i]) : 1e-2;
+        ck_assert_msg(fabs((double)got[i] - (double)expected[i]) <= 1e-5 * scale,
+                      "%s: value %llu is %.9g, the engine has %.9g", what,
+                      (unsigned long long)i, (double)got[i], (double)expected[i]);
+    }
+}
+
 static void write_config(test_daemon *daemon, const char *overrides_json)
 {
     cJSON *config = cJSON_Parse(base_config);
     ck_assert_ptr_nonnull(config);
+    if (test_backend_is_cuda())
+        cJSON_ReplaceItemInObjectCaseSensitive(
+            config, "backend",
+            cJSON_Parse("{\"type\": \"cuda\", \"lanes\": 2, \"memory_fraction\": 0.2}"));
     if (overrides_json != NULL) {
         cJSON *overrides = cJSON_Parse(overrides_json);
         ck_assert_msg(overrides != NULL, "overrides are not JSON: %s", overrides_json);

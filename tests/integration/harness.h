@@ -28,6 +28,22 @@ typedef struct test_daemon {
     char admin[64];
 } test_daemon;
 
+/* The backend the daemons run on: EMBER_TEST_BACKEND ("cpu" by default, or "cuda"). */
+bool test_backend_is_cuda(void);
+
+/* "cuda" or "cpu", as health and stats name the backend. */
+const char *test_backend_name(void);
+
+/* Call first in main(): exits 77 (skipped) when EMBER_TEST_BACKEND asks for the cuda
+ * backend and `emberd --list-devices` finds no usable GPU. */
+void test_skip_without_backend(void);
+
+/* Results of the daemon against the in-process CPU engine: identical bits on the cpu
+ * backend; on the cuda backend within 1e-5 relative (reductions may round in another
+ * order there). */
+void test_assert_floats_match(const float *got, const float *expected, uint64_t count,
+                              const char *what);
+
 /* Starts emberd with the base test config (ephemeral ports, admin token
  * TEST_ADMIN_TOKEN, cpu backend, 2 threads) overridden key by key by the top-level
  * keys of overrides_json (NULL for none). Fails the test if it does not come up. */
