@@ -2,7 +2,7 @@
  * emberd over loopback against redis-server on the same workload, in the same run.
  *
  *   bench_server [--emberd PATH] [--seconds S] [--keys N] [--quick]
- *                [--batch 256|4096|65536] [--connections 1|4|16]   (one configuration)
+ *                [--backend cpu|cuda] [--batch 256|4096|65536] [--connections 1|4|16]
  *
  * Starts an emberd (CPU backend) and a redis-server on ephemeral loopback ports, loads
  * the same N keys of dim 64 into both (Redis: one 256-byte binary value per key), then:
@@ -44,6 +44,7 @@ typedef struct bench_options {
     double seconds;
     uint64_t keys;
     bool quick;
+    const char *backend;       /* emberd's backend.type: cpu, cuda or auto */
     uint32_t only_batch;       /* 0: every batch size */
     uint32_t only_connections; /* 0: every connection count */
 } bench_options;
@@ -131,12 +132,12 @@ static void start_emberd(const bench_options *opt, servers *s)
     FILE *file = fopen(config, "w");
     fprintf(file,
             "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"},"
-            " \"backend\": {\"type\": \"cpu\"},"
+            " \"backend\": {\"type\": \"%s\"},"
             " \"limits\": {\"max_connections\": 4096},"
             " \"tables\": [{\"name\": \"bench\", \"dim\": %d, \"capacity\": %" PRIu64 ","
             " \"shards\": 8, \"optimizer\": {\"type\": \"adagrad\", \"lr\": 0.01}}],"
             " \"admin_token\": {\"value\": \"" ADMIN_TOKEN "\"}, \"log_level\": \"warning\"}",
-            DIM, opt->keys * 2);
+            opt->backend, DIM, opt->keys * 2);
     fclose(file);
     char *argv[] = {(char *)opt->emberd, "--config", config, "--listen-file", listen, NULL};
     s->emberd = spawn(argv, log);
@@ -689,7 +690,8 @@ static double raw_tcp_mb_per_second(double seconds)
 
 static void parse_options(int argc, char **argv, bench_options *opt)
 {
-    *opt = (bench_options){.emberd = "build/daemon/emberd", .seconds = 2.0, .keys = 1000000};
+    *opt = (bench_options){.emberd = "build/daemon/emberd", .seconds = 2.0, .keys = 1000000,
+                           .backend = "cpu"};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) {
             opt->quick = true;
@@ -701,13 +703,15 @@ static void parse_options(int argc, char **argv, bench_options *opt)
             opt->seconds = strtod(argv[++i], NULL);
         } else if (i + 1 < argc && strcmp(argv[i], "--keys") == 0) {
             opt->keys = strtoull(argv[++i], NULL, 10);
+        } else if (i + 1 < argc && strcmp(argv[i], "--backend") == 0) {
+            opt->backend = argv[++i];
         } else if (i + 1 < argc && strcmp(argv[i], "--batch") == 0) {
             opt->only_batch = (uint32_t)strtoul(argv[++i], NULL, 10);
         } else if (i + 1 < argc && strcmp(argv[i], "--connections") == 0) {
             opt->only_connections = (uint32_t)strtoul(argv[++i], NULL, 10);
         } else {
             fprintf(stderr, "usage: bench_server [--emberd PATH] [--seconds S] [--keys N] "
-                            "[--quick] [--batch N] [--connections N]\n");
+                            "[--quick] [--backend cpu|cuda] [--batch N] [--connections N]\n");
             exit(2);
         }
     }
@@ -722,8 +726,8 @@ int main(int argc, char **argv)
     start_emberd(&opt, &s);
     start_redis(&s);
     em_test_print_machine(" (clients, emberd and redis-server share them)");
-    printf("command: bench_server --emberd %s --seconds %g --keys %" PRIu64 "\n", opt.emberd,
-           opt.seconds, opt.keys);
+    printf("command: bench_server --emberd %s --backend %s --seconds %g --keys %" PRIu64 "\n",
+           opt.emberd, opt.backend, opt.seconds, opt.keys);
     printf("workload: dim %d (%zu-byte vectors), %" PRIu64 " keys loaded in both, keys drawn "
            "uniformly; ember pulls NONE without creating, pushes adagrad; redis MGET/MSET "
            "pipelined in commands of at most %d keys\n\n",
