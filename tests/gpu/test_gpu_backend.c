@@ -24,6 +24,7 @@
 #include "lib/backend.h"
 #include "lib/table.h"
 #include "tests/support/reference_table.h"
+#include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 
 #define MEBIBYTE (UINT64_C(1) << 20)
@@ -103,63 +104,6 @@ static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t sh
     return config;
 }
 
-typedef struct batch {
-    em_csr csr;
-    uint32_t *offsets;
-    uint64_t *keys;
-} batch;
-
-/* Keys from a small universe (so they repeat) plus 0 and the hash-map sentinels. */
-static uint64_t draw_key(em_test_rng *rng, uint64_t universe)
-{
-    static const uint64_t special[] = {0, UINT64_MAX, UINT64_MAX - 1, UINT64_MAX - 2};
-    uint64_t pick = em_test_rng_below(rng, universe + 4);
-    return pick < 4 ? special[pick] : (pick - 4) * 0x9e3779b9ull + 1;
-}
-
-static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
-{
-    batch b;
-    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
-    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
-    b.offsets[0] = 0;
-    for (uint32_t r = 0; r < rows; r++) {
-        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
-        for (uint32_t k = 0; k < length; k++)
-            b.keys[b.offsets[r] + k] = draw_key(rng, universe);
-        b.offsets[r + 1] = b.offsets[r] + length;
-    }
-    b.csr = (em_csr){.rows = rows, .nnz = b.offsets[rows], .offsets = b.offsets, .keys = b.keys};
-    return b;
-}
-
-/* One key per row: keys[0..n). */
-static batch key_batch(const uint64_t *keys, uint32_t n)
-{
-    batch b;
-    b.offsets = malloc((n + 1) * sizeof(uint32_t));
-    b.keys = malloc((n + 1) * sizeof(uint64_t));
-    for (uint32_t i = 0; i <= n; i++)
-        b.offsets[i] = i;
-    memcpy(b.keys, keys, n * sizeof(uint64_t));
-    b.csr = (em_csr){.rows = n, .nnz = n, .offsets = b.offsets, .keys = b.keys};
-    return b;
-}
-
-static void free_batch(batch *b)
-{
-    free(b->offsets);
-    free(b->keys);
-}
-
-static float *random_gradients(em_test_rng *rng, uint64_t count)
-{
-    float *g = malloc((count + 1) * sizeof(float));
-    for (uint64_t i = 0; i < count; i++)
-        g[i] = (float)(2.0 * em_test_rng_unit(rng) - 1.0);
-    return g;
-}
-
 static em_status pull(em_table *table, const em_csr *csr, em_combiner combiner, bool create,
                       float *out, em_pull_result *result, em_error *err)
 {
@@ -187,112 +131,6 @@ static em_status push(em_table *table, const em_csr *csr, em_combiner combiner,
     return em_table_push(table, &request, result != NULL ? result : &ignored, err);
 }
 
-/* Every row of a table (key + weights + state), sorted by key. */
-typedef struct snapshot {
-    uint64_t count;
-    uint32_t width;
-    uint64_t *keys;
-    float *values;
-} snapshot;
-
-typedef struct keyed_row {
-    uint64_t key;
-    uint64_t index;
-} keyed_row;
-
-static int compare_keyed_rows(const void *a, const void *b)
-{
-    uint64_t x = ((const keyed_row *)a)->key, y = ((const keyed_row *)b)->key;
-    return x < y ? -1 : x > y;
-}
-
-/* Exports in chunks of `chunk` rows (small chunks exercise the cursors). */
-static snapshot take_snapshot(em_table *table, uint64_t chunk)
-{
-    em_table_stats stats;
-    em_table_get_stats(table, &stats);
-    snapshot s = {.width = stats.row_floats};
-    uint64_t capacity = stats.rows + chunk;
-    uint64_t *keys = malloc(capacity * sizeof(uint64_t));
-    float *values = malloc(capacity * s.width * sizeof(float));
-    em_table_cursor cursor = {0};
-    em_error err;
-    for (;;) {
-        uint64_t got = 0;
-        ck_assert_msg(em_table_export(table, &cursor, chunk, keys + s.count,
-                                      values + s.count * s.width, &got, &err) == EM_OK,
-                      "%s", err.message);
-        if (got == 0)
-            break;
-        ck_assert_uint_le(got, chunk);
-        s.count += got;
-        ck_assert_uint_le(s.count, stats.rows);
-    }
-    ck_assert_uint_eq(s.count, stats.rows);
-    keyed_row *order = malloc((s.count + 1) * sizeof(*order));
-    for (uint64_t i = 0; i < s.count; i++)
-        order[i] = (keyed_row){keys[i], i};
-    qsort(order, s.count, sizeof(*order), compare_keyed_rows);
-    s.keys = malloc((s.count + 1) * sizeof(uint64_t));
-    s.values = malloc((s.count + 1) * s.width * sizeof(float));
-    for (uint64_t i = 0; i < s.count; i++) {
-        ck_assert_msg(i == 0 || order[i].key != order[i - 1].key, "key %llu exported twice",
-                      (unsigned long long)order[i].key);
-        s.keys[i] = order[i].key;
-        memcpy(s.values + i * s.width, values + order[i].index * s.width, s.width * sizeof(float));
-    }
-    free(order);
-    free(keys);
-    free(values);
-    return s;
-}
-
-static void free_snapshot(snapshot *s)
-{
-    free(s->keys);
-    free(s->values);
-}
-
-static void assert_same_keys(const snapshot *a, const snapshot *b)
-{
-    ck_assert_uint_eq(a->count, b->count);
-    ck_assert_uint_eq(a->width, b->width);
-    for (uint64_t i = 0; i < a->count; i++)
-        ck_assert_msg(a->keys[i] == b->keys[i], "row %llu: key %llu vs %llu",
-                      (unsigned long long)i, (unsigned long long)a->keys[i],
-                      (unsigned long long)b->keys[i]);
-}
-
-static void assert_snapshots_identical(const snapshot *a, const snapshot *b)
-{
-    assert_same_keys(a, b);
-    for (uint64_t i = 0; i < a->count * a->width; i++)
-        ck_assert_msg(memcmp(&a->values[i], &b->values[i], sizeof(float)) == 0,
-                      "key %llu value %llu: %a vs %a",
-                      (unsigned long long)a->keys[i / a->width],
-                      (unsigned long long)(i % a->width), (double)a->values[i],
-                      (double)b->values[i]);
-}
-
-/* Every value within 1e-5 relative of the CPU's (floor: below it, 1e-5 * floor absolute). */
-static void assert_snapshots_close(const snapshot *gpu, const snapshot *cpu, double floor)
-{
-    assert_same_keys(gpu, cpu);
-    for (uint64_t i = 0; i < cpu->count * cpu->width; i++)
-        ck_assert_msg(reference_close(gpu->values[i], cpu->values[i], floor),
-                      "key %llu value %llu: gpu %.9g vs cpu %.9g",
-                      (unsigned long long)cpu->keys[i / cpu->width],
-                      (unsigned long long)(i % cpu->width), (double)gpu->values[i],
-                      (double)cpu->values[i]);
-}
-
-static void assert_unchanged(em_table *table, const snapshot *before)
-{
-    snapshot after = take_snapshot(table, 1000);
-    assert_snapshots_identical(before, &after);
-    free_snapshot(&after);
-}
-
 /* ---- initial values ----------------------------------------------------------------- */
 
 /* Loop index: initializer (zeros, uniform, normal) x dim (13: scalar gather; 16: vector
@@ -311,7 +149,7 @@ START_TEST(initial_values_match_cpu_bit_for_bit)
     em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
     em_error err;
     for (int round = 0; round < 6; round++) {
-        batch b = random_batch(&rng, 40, 6, 500);
+        em_test_batch b = em_test_random_batch(&rng, 40, 6, 500);
         uint64_t floats = b.csr.nnz * dim;
         float *expected = malloc((floats + 1) * sizeof(float));
         float *got = malloc((floats + 1) * sizeof(float));
@@ -337,16 +175,16 @@ START_TEST(initial_values_match_cpu_bit_for_bit)
         }
         free(expected);
         free(got);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
-    snapshot cpu_rows = take_snapshot(cpu_table, 7);
-    snapshot gpu_rows = take_snapshot(gpu_table, 7);
+    em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, 7);
+    em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, 7);
     if (initializer == EM_INIT_NORMAL)
-        assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-3);
+        em_test_assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-3);
     else
-        assert_snapshots_identical(&gpu_rows, &cpu_rows);
-    free_snapshot(&cpu_rows);
-    free_snapshot(&gpu_rows);
+        em_test_assert_snapshots_identical(&gpu_rows, &cpu_rows);
+    em_test_snapshot_free(&cpu_rows);
+    em_test_snapshot_free(&gpu_rows);
     em_table_destroy(cpu_table);
     em_table_destroy(gpu_table);
     em_backend_destroy(cpu);
@@ -371,7 +209,7 @@ static void run_both(em_table *cpu_table, em_table *gpu_table, const workload *w
     em_test_rng_init(&rng, em_test_seed() * 17 + (uint64_t)w->optimizer * 4 + w->combiner);
     em_error err;
     for (int round = 0; round < w->rounds; round++) {
-        batch b = random_batch(&rng, 48, 8, 400);
+        em_test_batch b = em_test_random_batch(&rng, 48, 8, 400);
         uint64_t floats = em_csr_output_vectors(&b.csr, w->combiner) * w->dim;
         float *expected = malloc((floats + 1) * sizeof(float));
         float *got = malloc((floats + 1) * sizeof(float));
@@ -389,7 +227,7 @@ static void run_both(em_table *cpu_table, em_table *gpu_table, const workload *w
             ck_assert_msg(reference_close(got[i], expected[i], 0.1),
                           "round %d output %llu: gpu %.9g vs cpu %.9g", round,
                           (unsigned long long)i, (double)got[i], (double)expected[i]);
-        float *g = random_gradients(&rng, floats);
+        float *g = em_test_random_floats(&rng, floats);
         em_push_result cpu_pushed, gpu_pushed;
         ck_assert_int_eq(push(cpu_table, &b.csr, w->combiner, g, &cpu_pushed, &err), EM_OK);
         ck_assert_msg(push(gpu_table, &b.csr, w->combiner, g, &gpu_pushed, &err) == EM_OK, "%s",
@@ -399,7 +237,7 @@ static void run_both(em_table *cpu_table, em_table *gpu_table, const workload *w
         free(g);
         free(expected);
         free(got);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
 }
 
@@ -421,11 +259,11 @@ START_TEST(workloads_match_cpu)
     em_table *cpu_table = make_table(cpu, &config);
     em_table *gpu_table = make_table(gpu, &config);
     run_both(cpu_table, gpu_table, &w);
-    snapshot cpu_rows = take_snapshot(cpu_table, 7);
-    snapshot gpu_rows = take_snapshot(gpu_table, 7);
-    assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-2);
-    free_snapshot(&cpu_rows);
-    free_snapshot(&gpu_rows);
+    em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, 7);
+    em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, 7);
+    em_test_assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-2);
+    em_test_snapshot_free(&cpu_rows);
+    em_test_snapshot_free(&gpu_rows);
     em_table_destroy(cpu_table);
     em_table_destroy(gpu_table);
     em_backend_destroy(cpu);
@@ -450,18 +288,18 @@ START_TEST(duplicate_keys_sum_like_cpu)
     em_test_rng_init(&rng, em_test_seed());
     em_error err;
     for (int combiner = 0; combiner < 4; combiner++) {
-        float *g = random_gradients(&rng, 9 * 5);
+        float *g = em_test_random_floats(&rng, 9 * 5);
         ck_assert_int_eq(push(cpu_table, &csr, (em_combiner)combiner, g, NULL, &err), EM_OK);
         ck_assert_msg(push(gpu_table, &csr, (em_combiner)combiner, g, NULL, &err) == EM_OK, "%s",
                       err.message);
         free(g);
     }
-    snapshot cpu_rows = take_snapshot(cpu_table, 2);
-    snapshot gpu_rows = take_snapshot(gpu_table, 2);
+    em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, 2);
+    em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, 2);
     ck_assert_uint_eq(cpu_rows.count, 3);
-    assert_snapshots_identical(&gpu_rows, &cpu_rows);
-    free_snapshot(&cpu_rows);
-    free_snapshot(&gpu_rows);
+    em_test_assert_snapshots_identical(&gpu_rows, &cpu_rows);
+    em_test_snapshot_free(&cpu_rows);
+    em_test_snapshot_free(&gpu_rows);
     em_table_destroy(cpu_table);
     em_table_destroy(gpu_table);
     em_backend_destroy(cpu);
@@ -527,12 +365,12 @@ START_TEST(hash_map_grows_at_load_0_9)
     int growths = 0;
     em_error err;
     for (uint64_t start = 0; start < total; start += per_batch) {
-        batch b = key_batch(keys + start, per_batch);
+        em_test_batch b = em_test_key_batch(keys + start, per_batch);
         em_pull_result result;
         ck_assert_msg(pull(table, &b.csr, EM_COMBINER_NONE, true, out, &result, &err) == EM_OK,
                       "%s", err.message);
         ck_assert_uint_eq(result.created, per_batch);
-        free_batch(&b);
+        em_test_batch_free(&b);
         em_table_stats stats;
         em_table_get_stats(table, &stats);
         ck_assert_uint_eq(stats.rows, start + per_batch);
@@ -548,7 +386,7 @@ START_TEST(hash_map_grows_at_load_0_9)
     ck_assert_int_ge(growths, 2);
     /* Every key is found with its initial vector; none is created again. */
     for (uint64_t start = 0; start < total; start += per_batch) {
-        batch b = key_batch(keys + start, per_batch);
+        em_test_batch b = em_test_key_batch(keys + start, per_batch);
         em_pull_result result;
         ck_assert_int_eq(pull(table, &b.csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
         ck_assert_uint_eq(result.missing, 0);
@@ -558,11 +396,11 @@ START_TEST(hash_map_grows_at_load_0_9)
                 ck_assert_msg(memcmp(&out[i * dim + j], &expected, sizeof(float)) == 0,
                               "key %llu element %u", (unsigned long long)keys[start + i], j);
             }
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
-    snapshot rows = take_snapshot(table, 65536);
+    em_test_snapshot rows = em_test_snapshot_take(table, 65536);
     ck_assert_uint_eq(rows.count, total);
-    free_snapshot(&rows);
+    em_test_snapshot_free(&rows);
     free(out);
     free(keys);
     em_table_destroy(table);
@@ -584,31 +422,31 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
         g[i] = 0.1f;
     em_status status = EM_OK;
     uint64_t next_key = 1;
-    snapshot before = {0};
+    em_test_snapshot before = {0};
     for (int round = 0; round < 200 && status == EM_OK; round++) {
-        free_snapshot(&before);
-        before = take_snapshot(table, 1000);
+        em_test_snapshot_free(&before);
+        before = em_test_snapshot_take(table, 1000);
         for (int i = 0; i < 500; i++)
             keys[i] = next_key++;
-        batch b = key_batch(keys, 500);
+        em_test_batch b = em_test_key_batch(keys, 500);
         status = push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
     ck_assert_int_eq(status, EM_RESOURCE_EXHAUSTED);
     ck_assert_msg(strstr(err.message, "pool 'cuda:0'") != NULL, "%s", err.message);
     ck_assert_msg(strstr(err.message, "largest free block") != NULL ||
                       strstr(err.message, "in use") != NULL, "%s", err.message);
-    assert_unchanged(table, &before);
+    em_test_assert_table_unchanged(table, &before);
     /* Existing keys still update, and the update shows. */
-    batch old = key_batch(before.keys, 10);
+    em_test_batch old = em_test_key_batch(before.keys, 10);
     ck_assert_msg(push(table, &old.csr, EM_COMBINER_NONE, g, NULL, &err) == EM_OK, "%s",
                   err.message);
-    snapshot after = take_snapshot(table, 1000);
+    em_test_snapshot after = em_test_snapshot_take(table, 1000);
     ck_assert_uint_eq(after.count, before.count);
     ck_assert(memcmp(after.values, before.values, after.width * sizeof(float)) != 0);
-    free_snapshot(&after);
-    free_batch(&old);
-    free_snapshot(&before);
+    em_test_snapshot_free(&after);
+    em_test_batch_free(&old);
+    em_test_snapshot_free(&before);
     free(g);
     em_table_destroy(table);
     em_backend_destroy(gpu);
@@ -628,12 +466,12 @@ START_TEST(import_export_round_trip_bit_for_bit)
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + 9);
     em_error err;
-    batch b = random_batch(&rng, 30, 5, 80);
-    float *g = random_gradients(&rng, b.csr.nnz * 6);
+    em_test_batch b = em_test_random_batch(&rng, 30, 5, 80);
+    float *g = em_test_random_floats(&rng, b.csr.nnz * 6);
     ck_assert_int_eq(push(source, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
     free(g);
-    free_batch(&b);
-    snapshot rows = take_snapshot(source, 1000);
+    em_test_batch_free(&b);
+    em_test_snapshot rows = em_test_snapshot_take(source, 1000);
     rows.values[1] = -0.0f;       /* a signed zero and a subnormal travel unchanged */
     rows.values[2] = 0x1p-140f;
     for (uint64_t start = 0; start < rows.count; start += 9) {
@@ -641,20 +479,20 @@ START_TEST(import_export_round_trip_bit_for_bit)
         ck_assert_msg(em_table_import(copy, rows.keys + start, rows.values + start * rows.width,
                                       n, &err) == EM_OK, "%s", err.message);
     }
-    snapshot copied = take_snapshot(copy, 5);
-    assert_snapshots_identical(&copied, &rows);
+    em_test_snapshot copied = em_test_snapshot_take(copy, 5);
+    em_test_assert_snapshots_identical(&copied, &rows);
     /* Importing over existing rows overwrites them. */
     ck_assert_int_eq(em_table_import(copy, rows.keys, rows.values, rows.count, &err), EM_OK);
-    assert_unchanged(copy, &rows);
+    em_test_assert_table_unchanged(copy, &rows);
     /* A repeated key is refused and nothing changes. */
     uint64_t twice[3] = {rows.keys[0], 4242, rows.keys[0]};
     float *values = calloc(3 * rows.width, sizeof(float));
     ck_assert_int_eq(em_table_import(copy, twice, values, 3, &err), EM_INVALID_ARGUMENT);
     ck_assert_msg(strstr(err.message, "appears twice (rows 0 and 2)") != NULL, "%s", err.message);
-    assert_unchanged(copy, &rows);
+    em_test_assert_table_unchanged(copy, &rows);
     free(values);
-    free_snapshot(&rows);
-    free_snapshot(&copied);
+    em_test_snapshot_free(&rows);
+    em_test_snapshot_free(&copied);
     em_table_destroy(source);
     em_table_destroy(copy);
     em_backend_destroy(cpu);
@@ -683,7 +521,7 @@ static void *race_pusher(void *argument)
     uint64_t keys[RACE_KEYS];
     for (int i = 0; i < RACE_KEYS; i++)
         keys[i] = 1000 + (uint64_t)i;
-    batch b = key_batch(keys, RACE_KEYS);
+    em_test_batch b = em_test_key_batch(keys, RACE_KEYS);
     float *g = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
     for (int i = 0; i < RACE_KEYS * RACE_DIM; i++)
         g[i] = 1.0f;
@@ -692,7 +530,7 @@ static void *race_pusher(void *argument)
         if (push(context->table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
             __atomic_fetch_add(&context->failures, 1, __ATOMIC_RELAXED);
     free(g);
-    free_batch(&b);
+    em_test_batch_free(&b);
     return NULL;
 }
 
@@ -702,7 +540,7 @@ static void *race_reader(void *argument)
     uint64_t keys[RACE_KEYS];
     for (int i = 0; i < RACE_KEYS; i++)
         keys[i] = 1000 + (uint64_t)i;
-    batch b = key_batch(keys, RACE_KEYS);
+    em_test_batch b = em_test_key_batch(keys, RACE_KEYS);
     float *out = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
     em_error err;
     for (int p = 0; p < RACE_PUSHES; p++) {
@@ -714,7 +552,7 @@ static void *race_reader(void *argument)
                     __atomic_fetch_add(&context->torn, 1, __ATOMIC_RELAXED);
     }
     free(out);
-    free_batch(&b);
+    em_test_batch_free(&b);
     return NULL;
 }
 
@@ -731,7 +569,7 @@ START_TEST(concurrent_pushes_lose_no_update)
     uint64_t keys[RACE_KEYS];
     for (int i = 0; i < RACE_KEYS; i++)
         keys[i] = 1000 + (uint64_t)i;
-    batch b = key_batch(keys, RACE_KEYS);
+    em_test_batch b = em_test_key_batch(keys, RACE_KEYS);
     float *out = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
     em_error err;
     ck_assert_int_eq(pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
@@ -749,7 +587,7 @@ START_TEST(concurrent_pushes_lose_no_update)
         ck_assert_msg(out[i] == -0.5f * RACE_PUSHERS * RACE_PUSHES, "value %d: %g", i,
                       (double)out[i]);
     free(out);
-    free_batch(&b);
+    em_test_batch_free(&b);
     em_table_destroy(table);
     em_backend_destroy(gpu);
 }
@@ -760,7 +598,7 @@ END_TEST
 typedef struct record {
     float *outputs;
     uint64_t output_count;
-    snapshot final;
+    em_test_snapshot final;
 } record;
 
 static record run_layout(em_backend *backend, uint32_t shards, int optimizer, em_combiner combiner)
@@ -773,17 +611,17 @@ static record run_layout(em_backend *backend, uint32_t shards, int optimizer, em
     record r = {.outputs = malloc(20 * 64 * 8 * dim * sizeof(float))};
     em_error err;
     for (int round = 0; round < 20; round++) {
-        batch b = random_batch(&rng, 64, 8, 2000);
+        em_test_batch b = em_test_random_batch(&rng, 64, 8, 2000);
         uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * dim;
         ck_assert_msg(pull(table, &b.csr, combiner, round % 3 != 2, r.outputs + r.output_count,
                            NULL, &err) == EM_OK, "%s", err.message);
         r.output_count += floats;
-        float *g = random_gradients(&rng, floats);
+        float *g = em_test_random_floats(&rng, floats);
         ck_assert_msg(push(table, &b.csr, combiner, g, NULL, &err) == EM_OK, "%s", err.message);
         free(g);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
-    r.final = take_snapshot(table, 100);
+    r.final = em_test_snapshot_take(table, 100);
     em_table_destroy(table);
     return r;
 }
@@ -813,14 +651,14 @@ START_TEST(layouts_over_gpus_identical_to_one_gpu)
                                  base.output_count * sizeof(float)) == 0,
                           "pulls differ with %u GPUs, %u shards, %s exchange", gpus,
                           shard_counts[s], all->exchange->name);
-            assert_snapshots_identical(&other.final, &base.final);
+            em_test_assert_snapshots_identical(&other.final, &base.final);
             free(other.outputs);
-            free_snapshot(&other.final);
+            em_test_snapshot_free(&other.final);
         }
         em_backend_destroy(all);
     }
     free(base.outputs);
-    free_snapshot(&base.final);
+    em_test_snapshot_free(&base.final);
 }
 END_TEST
 

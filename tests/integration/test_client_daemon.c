@@ -13,6 +13,7 @@
 #include "lib/backend.h"
 #include "lib/table.h"
 #include "tests/integration/harness.h"
+#include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 
 #define DIM 6
@@ -34,34 +35,6 @@ static em_client *client_for(const char *servers, const char *token, uint32_t wi
     em_error err;
     ck_assert_msg(em_client_create(&options, &client, &err) == EM_OK, "%s", err.message);
     return client;
-}
-
-typedef struct batch {
-    em_csr csr;
-    uint32_t *offsets;
-    uint64_t *keys;
-} batch;
-
-static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
-{
-    batch b;
-    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
-    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
-    b.offsets[0] = 0;
-    for (uint32_t r = 0; r < rows; r++) {
-        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
-        for (uint32_t k = 0; k < length; k++)
-            b.keys[b.offsets[r] + k] = em_test_rng_below(rng, universe) * 0x9e3779b97f4a7c15ull;
-        b.offsets[r + 1] = b.offsets[r] + length;
-    }
-    b.csr = (em_csr){rows, b.offsets[rows], b.offsets, b.keys};
-    return b;
-}
-
-static void free_batch(batch *b)
-{
-    free(b->offsets);
-    free(b->keys);
 }
 
 static em_table *local_table(em_backend **backend)
@@ -115,7 +88,7 @@ static float *run_workload(em_client *client, em_table *local, uint64_t seed, in
     em_error err;
     for (int round = 0; round < rounds; round++) {
         em_combiner combiner = (em_combiner)(round % 4);
-        batch b = random_batch(&rng, 48, 5, 400);
+        em_test_batch b = em_test_random_batch(&rng, 48, 5, 400);
         uint64_t floats = floats_of(&b.csr, combiner);
         float *out = all + *count;
         client_pull(client, &b.csr, combiner, true, out);
@@ -138,7 +111,7 @@ static float *run_workload(em_client *client, em_table *local, uint64_t seed, in
             ck_assert_int_eq(em_table_push(local, &request, &result, &err), EM_OK);
         }
         free(g);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
     return all;
 }
@@ -211,12 +184,12 @@ START_TEST(thousand_calls_in_flight_through_the_client)
     em_table *local = local_table(&backend);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + 5);
-    static batch batches[CALLS];
+    static em_test_batch batches[CALLS];
     static float *outs[CALLS];
     static em_client_call *calls[CALLS];
     em_error err;
     for (int i = 0; i < CALLS; i++) {
-        batches[i] = random_batch(&rng, 4, 4, 100000);
+        batches[i] = em_test_random_batch(&rng, 4, 4, 100000);
         outs[i] = malloc((floats_of(&batches[i].csr, EM_COMBINER_SQRTN) + 1) * sizeof(float));
         em_client_pull_args args = {"t", batches[i].csr, EM_COMBINER_SQRTN, true, outs[i],
                                     floats_of(&batches[i].csr, EM_COMBINER_SQRTN)};
@@ -236,7 +209,7 @@ START_TEST(thousand_calls_in_flight_through_the_client)
         test_assert_floats_match(outs[i], expected, floats, "pipelined pull");
         free(expected);
         free(outs[i]);
-        free_batch(&batches[i]);
+        em_test_batch_free(&batches[i]);
     }
     em_client_destroy(client);
     em_table_destroy(local);

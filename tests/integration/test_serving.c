@@ -14,6 +14,7 @@
 #include "lib/backend.h"
 #include "lib/table.h"
 #include "tests/integration/harness.h"
+#include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 
 #define TABLE_JSON                                                                         \
@@ -23,36 +24,7 @@
 
 static const char *with_table = "{\"tables\": [" TABLE_JSON "]}";
 
-typedef struct batch {
-    uint32_t rows;
-    uint64_t nnz;
-    uint32_t *offsets;
-    uint64_t *keys;
-} batch;
-
-static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
-{
-    batch b = {.rows = rows};
-    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
-    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
-    b.offsets[0] = 0;
-    for (uint32_t r = 0; r < rows; r++) {
-        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
-        for (uint32_t k = 0; k < length; k++)
-            b.keys[b.offsets[r] + k] = em_test_rng_below(rng, universe);
-        b.offsets[r + 1] = b.offsets[r] + length;
-    }
-    b.nnz = b.offsets[rows];
-    return b;
-}
-
-static void free_batch(batch *b)
-{
-    free(b->offsets);
-    free(b->keys);
-}
-
-static bool send_pull(int fd, uint64_t id, const batch *b, int combiner, bool create)
+static bool send_pull(int fd, uint64_t id, const em_csr *b, int combiner, bool create)
 {
     Ember__PullRequest body = EMBER__PULL_REQUEST__INIT;
     body.table = "t";
@@ -68,7 +40,7 @@ static bool send_pull(int fd, uint64_t id, const batch *b, int combiner, bool cr
     return ok;
 }
 
-static bool send_push(int fd, uint64_t id, const batch *b, int combiner, const float *gradients,
+static bool send_push(int fd, uint64_t id, const em_csr *b, int combiner, const float *gradients,
                       uint64_t count)
 {
     Ember__PushRequest body = EMBER__PUSH_REQUEST__INIT;
@@ -106,7 +78,7 @@ static em_table *local_table(em_backend **backend)
     return table;
 }
 
-static float *local_pull(em_table *table, const batch *b, em_combiner combiner, bool create,
+static float *local_pull(em_table *table, const em_csr *b, em_combiner combiner, bool create,
                          uint64_t *floats)
 {
     em_csr csr = {b->rows, b->nnz, b->offsets, b->keys};
@@ -119,7 +91,7 @@ static float *local_pull(em_table *table, const batch *b, em_combiner combiner, 
     return out;
 }
 
-static void local_push(em_table *table, const batch *b, em_combiner combiner,
+static void local_push(em_table *table, const em_csr *b, em_combiner combiner,
                        const float *gradients, uint64_t count)
 {
     em_csr csr = {b->rows, b->nnz, b->offsets, b->keys};
@@ -142,10 +114,10 @@ START_TEST(wire_results_equal_the_engine)
     em_test_rng_init(&rng, em_test_seed());
     for (int round = 0; round < 60; round++) {
         int combiner = round % 4;
-        batch b = random_batch(&rng, 32, 6, 300);
+        em_test_batch b = em_test_random_batch(&rng, 32, 6, 300);
         uint64_t floats = 0;
-        float *expected = local_pull(table, &b, (em_combiner)combiner, true, &floats);
-        ck_assert(send_pull(fd, (uint64_t)round, &b, combiner, true));
+        float *expected = local_pull(table, &b.csr, (em_combiner)combiner, true, &floats);
+        ck_assert(send_pull(fd, (uint64_t)round, &b.csr, combiner, true));
         test_frame frame;
         ck_assert_int_eq(test_read_frame(fd, 20000, &frame), 1);
         assert_ok(&frame);
@@ -156,8 +128,8 @@ START_TEST(wire_results_equal_the_engine)
         float *g = malloc((floats + 1) * sizeof(float));
         for (uint64_t i = 0; i < floats; i++)
             g[i] = (float)(em_test_rng_unit(&rng) - 0.5);
-        local_push(table, &b, (em_combiner)combiner, g, floats);
-        ck_assert(send_push(fd, 1000 + (uint64_t)round, &b, combiner, g, floats));
+        local_push(table, &b.csr, (em_combiner)combiner, g, floats);
+        ck_assert(send_push(fd, 1000 + (uint64_t)round, &b.csr, combiner, g, floats));
         ck_assert_int_eq(test_read_frame(fd, 20000, &frame), 1);
         assert_ok(&frame);
         Ember__PushResponse *pushed =
@@ -167,7 +139,7 @@ START_TEST(wire_results_equal_the_engine)
         test_frame_free(&frame);
         free(g);
         free(expected);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
     em_table_destroy(table);
     em_backend_destroy(backend);
@@ -190,10 +162,10 @@ START_TEST(thousand_pipelined_requests_all_answered)
     static float *expected[REQUESTS];
     static uint64_t floats[REQUESTS];
     for (int i = 0; i < REQUESTS; i++) {
-        batch b = random_batch(&rng, 8, 4, 5000);
-        expected[i] = local_pull(table, &b, EM_COMBINER_SUM, true, &floats[i]);
-        ck_assert(send_pull(fd, (uint64_t)i, &b, EMBER__COMBINER__SUM, true));
-        free_batch(&b);
+        em_test_batch b = em_test_random_batch(&rng, 8, 4, 5000);
+        expected[i] = local_pull(table, &b.csr, EM_COMBINER_SUM, true, &floats[i]);
+        ck_assert(send_pull(fd, (uint64_t)i, &b.csr, EMBER__COMBINER__SUM, true));
+        em_test_batch_free(&b);
     }
     static bool seen[REQUESTS];
     for (int n = 0; n < REQUESTS; n++) {
@@ -234,10 +206,10 @@ START_TEST(later_requests_see_earlier_writes)
         push_keys[i] = i == 0 ? 42 : 1000 + (uint64_t)i;
     for (int i = 0; i < PUSH_KEYS * 8; i++)
         g[i] = 1.0f;
-    batch heavy = {1, PUSH_KEYS, push_offsets, push_keys};
+    em_csr heavy = {1, PUSH_KEYS, push_offsets, push_keys};
     uint32_t offsets[] = {0, 1};
     uint64_t keys[] = {42};
-    batch light = {1, 1, offsets, keys};
+    em_csr light = {1, 1, offsets, keys};
     for (int i = 0; i < PAIRS; i++) {
         ck_assert(send_push(fd, 2 * (uint64_t)i, &heavy, EMBER__COMBINER__NONE, g,
                             PUSH_KEYS * 8));
@@ -376,7 +348,7 @@ START_TEST(sigterm_answers_requests_in_flight_and_exits_zero)
     static uint64_t keys[KEYS];
     for (int i = 0; i < KEYS; i++)
         keys[i] = (uint64_t)i * 7919;
-    batch b = {1, KEYS, offsets, keys};
+    em_csr b = {1, KEYS, offsets, keys};
     for (int i = 0; i < REQUESTS; i++)
         ck_assert(send_pull(fd, (uint64_t)i, &b, EMBER__COMBINER__NONE, true));
     /* The ping is read after every pull before it: once it is answered, all are in. */
@@ -506,7 +478,7 @@ START_TEST(admin_methods_create_list_stats_drop)
     int data = test_connect(daemon->data);
     uint32_t offsets[] = {0, 3};
     uint64_t keys[] = {5, 6, 5};
-    batch b = {1, 3, offsets, keys};
+    em_csr b = {1, 3, offsets, keys};
     for (int i = 0; i < 4; i++) {
         ck_assert(send_pull(data, (uint64_t)i, &b, EMBER__COMBINER__MEAN, true));
         test_frame response;

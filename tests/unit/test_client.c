@@ -19,6 +19,7 @@
 #include "lib/table.h"
 #include "proto/frame.h"
 #include "tests/support/test_server.h"
+#include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 
 #define MAX_SERVERS 3
@@ -94,42 +95,6 @@ static void local_destroy(local *l)
 {
     em_table_destroy(l->table);
     em_backend_destroy(l->backend);
-}
-
-typedef struct batch {
-    em_csr csr;
-    uint32_t *offsets;
-    uint64_t *keys;
-} batch;
-
-static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
-{
-    batch b;
-    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
-    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
-    b.offsets[0] = 0;
-    for (uint32_t r = 0; r < rows; r++) {
-        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
-        for (uint32_t k = 0; k < length; k++)
-            b.keys[b.offsets[r] + k] = em_test_rng_below(rng, universe) * 0x10001 + (r & 1);
-        b.offsets[r + 1] = b.offsets[r] + length;
-    }
-    b.csr = (em_csr){.rows = rows, .nnz = b.offsets[rows], .offsets = b.offsets, .keys = b.keys};
-    return b;
-}
-
-static void free_batch(batch *b)
-{
-    free(b->offsets);
-    free(b->keys);
-}
-
-static float *random_gradients(em_test_rng *rng, uint64_t count)
-{
-    float *g = malloc((count + 1) * sizeof(float));
-    for (uint64_t i = 0; i < count; i++)
-        g[i] = (float)(2.0 * em_test_rng_unit(rng) - 1.0);
-    return g;
 }
 
 static float *local_pull(local *l, const em_csr *csr, em_combiner combiner, bool create,
@@ -214,16 +179,16 @@ START_TEST(pulls_and_pushes_match_a_local_table)
     em_test_rng_init(&rng, em_test_seed() + n);
     for (int round = 0; round < 16; round++) {
         em_combiner combiner = (em_combiner)(round % 4);
-        batch b = random_batch(&rng, 1 + (uint32_t)em_test_rng_below(&rng, 40), 6, 200);
+        em_test_batch b = em_test_random_batch(&rng, 1 + (uint32_t)em_test_rng_below(&rng, 40), 6, 200);
         assert_pull_matches(client, &l, &b.csr, combiner, round % 7 != 6);
-        float *g = random_gradients(&rng, em_csr_output_vectors(&b.csr, combiner) * DIM);
+        float *g = em_test_random_floats(&rng, em_csr_output_vectors(&b.csr, combiner) * DIM);
         assert_push_matches(client, &l, &b.csr, combiner, g);
         free(g);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
-    batch all = random_batch(&rng, 64, 8, 200);
+    em_test_batch all = em_test_random_batch(&rng, 64, 8, 200);
     assert_pull_matches(client, &l, &all.csr, EM_COMBINER_NONE, false);
-    free_batch(&all);
+    em_test_batch_free(&all);
     em_client_destroy(client);
     local_destroy(&l);
     stop_servers(servers, n);
@@ -269,13 +234,13 @@ START_TEST(pipelined_calls_finish_in_any_order)
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() * 3);
     enum { CALLS = 24 };
-    batch batches[CALLS];
+    em_test_batch batches[CALLS];
     float *outs[CALLS];
     em_client_call *calls[CALLS];
     em_error err;
     /* more calls than the window: start waits for room, answers come last-first */
     for (int i = 0; i < CALLS; i++) {
-        batches[i] = random_batch(&rng, 8, 5, 300);
+        batches[i] = em_test_random_batch(&rng, 8, 5, 300);
         em_combiner combiner = (em_combiner)(i % 4);
         outs[i] = malloc((em_csr_output_vectors(&batches[i].csr, combiner) * DIM + 1) *
                          sizeof(float));
@@ -299,7 +264,7 @@ START_TEST(pipelined_calls_finish_in_any_order)
                       "call %d", i);
         free(expected);
         free(outs[i]);
-        free_batch(&batches[i]);
+        em_test_batch_free(&batches[i]);
     }
     em_client_destroy(client);
     local_destroy(&l);
@@ -316,7 +281,7 @@ START_TEST(large_pipelined_requests_do_not_deadlock)
     local l = local_table();
     /* 200k keys per call: ~8 MB of gradients and ~5 MB of vectors each way */
     enum { CALLS = 3, ROWS = 50000 };
-    batch b = {0};
+    em_test_batch b = {0};
     b.offsets = malloc((ROWS + 1) * sizeof(uint32_t));
     b.keys = malloc(ROWS * 4 * sizeof(uint64_t));
     for (uint32_t r = 0; r <= ROWS; r++)
@@ -326,7 +291,7 @@ START_TEST(large_pipelined_requests_do_not_deadlock)
     b.csr = (em_csr){.rows = ROWS, .nnz = ROWS * 4, .offsets = b.offsets, .keys = b.keys};
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
-    float *g = random_gradients(&rng, (uint64_t)ROWS * 4 * DIM);
+    float *g = em_test_random_floats(&rng, (uint64_t)ROWS * 4 * DIM);
     float *outs[CALLS];
     em_client_call *pushes[CALLS], *pulls[CALLS];
     em_error err;
@@ -354,7 +319,7 @@ START_TEST(large_pipelined_requests_do_not_deadlock)
         free(outs[i]);
     }
     free(g);
-    free_batch(&b);
+    em_test_batch_free(&b);
     em_client_destroy(client);
     local_destroy(&l);
     stop_servers(servers, 2);
@@ -528,7 +493,7 @@ START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
     em_client *client = client_for(list, 8, 100);
     local l = local_table();
     enum { KEYS = 300000 };
-    batch b = {0};
+    em_test_batch b = {0};
     b.offsets = malloc(2 * sizeof(uint32_t));
     b.keys = malloc(KEYS * sizeof(uint64_t));
     b.offsets[0] = 0;
@@ -543,7 +508,7 @@ START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
     em_error err;
     em_test_server_set_delay(servers[0], 250);
     for (int i = 0; i < 3; i++) {
-        g[i] = random_gradients(&rng, (uint64_t)KEYS * DIM);
+        g[i] = em_test_random_floats(&rng, (uint64_t)KEYS * DIM);
         em_client_push_args push = {.table = "t", .batch = b.csr, .combiner = EM_COMBINER_NONE,
                                     .gradients = g[i], .gradient_count = (uint64_t)KEYS * DIM};
         ck_assert_msg(em_client_push_start(client, &push, &calls[i], &err) == EM_OK, "%s",
@@ -573,7 +538,7 @@ START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
     ck_assert_uint_le(reached, 3);
     em_test_rng_init(&rng, em_test_seed());
     for (uint64_t i = 0; i < reached; i++) {
-        float *again = random_gradients(&rng, (uint64_t)KEYS * DIM);
+        float *again = em_test_random_floats(&rng, (uint64_t)KEYS * DIM);
         em_push_result ignored;
         local_push(&l, &b.csr, EM_COMBINER_NONE, again, &ignored);
         free(again);
@@ -584,7 +549,7 @@ START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
     free(expected);
     for (int i = 0; i < 3; i++)
         free(g[i]);
-    free_batch(&b);
+    em_test_batch_free(&b);
     em_client_destroy(client);
     local_destroy(&l);
     stop_servers(servers, 1);

@@ -11,6 +11,7 @@
 #include "lib/backend.h"
 #include "lib/keyhash.h"
 #include "lib/table.h"
+#include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 
 #define MEBIBYTE (UINT64_C(1) << 20)
@@ -54,47 +55,6 @@ static em_table *make_table(em_backend *backend, int optimizer, uint32_t shards)
     em_error err;
     ck_assert_msg(em_table_create(backend, &config, &table, &err) == EM_OK, "%s", err.message);
     return table;
-}
-
-typedef struct batch {
-    em_csr csr;
-    uint32_t *offsets;
-    uint64_t *keys;
-} batch;
-
-/* Rows of 0..max_length keys from a small universe (keys repeat within and across
- * rows), with 0 and the top values of u64 among them. */
-static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
-{
-    static const uint64_t special[] = {0, UINT64_MAX, UINT64_MAX - 1};
-    batch b;
-    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
-    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
-    b.offsets[0] = 0;
-    for (uint32_t r = 0; r < rows; r++) {
-        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
-        for (uint32_t k = 0; k < length; k++) {
-            uint64_t pick = em_test_rng_below(rng, universe + 3);
-            b.keys[b.offsets[r] + k] = pick < 3 ? special[pick] : (pick << 32) + pick * 7;
-        }
-        b.offsets[r + 1] = b.offsets[r] + length;
-    }
-    b.csr = (em_csr){.rows = rows, .nnz = b.offsets[rows], .offsets = b.offsets, .keys = b.keys};
-    return b;
-}
-
-static void free_batch(batch *b)
-{
-    free(b->offsets);
-    free(b->keys);
-}
-
-static float *random_gradients(em_test_rng *rng, uint64_t count)
-{
-    float *g = malloc((count + 1) * sizeof(float));
-    for (uint64_t i = 0; i < count; i++)
-        g[i] = (float)(2.0 * em_test_rng_unit(rng) - 1.0);
-    return g;
 }
 
 /* ---- one table against several --------------------------------------------------- */
@@ -309,23 +269,23 @@ START_TEST(split_over_servers_matches_one_table_bit_for_bit)
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() * 17 + (uint64_t)_i);
     for (int round = 0; round < 20; round++) {
-        batch b = random_batch(&rng, 1 + (uint32_t)em_test_rng_below(&rng, 30), 7, 120);
+        em_test_batch b = em_test_random_batch(&rng, 1 + (uint32_t)em_test_rng_below(&rng, 30), 7, 120);
         bool create = round % 5 != 4;
         assert_pulls_identical(&c, &b.csr, combiner, create, round);
         uint64_t vectors = em_csr_output_vectors(&b.csr, combiner);
-        float *g = random_gradients(&rng, vectors * DIM);
+        float *g = em_test_random_floats(&rng, vectors * DIM);
         em_push_result one, many;
         push_single(&c, &b.csr, combiner, g, &one);
         push_split(&c, &b.csr, combiner, g, &many);
         ck_assert_uint_eq(one.updated, many.updated);
         ck_assert_uint_eq(one.created, many.created);
         free(g);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
     /* every key once more, then every row */
-    batch all = random_batch(&rng, 40, 7, 120);
+    em_test_batch all = em_test_random_batch(&rng, 40, 7, 120);
     assert_pulls_identical(&c, &all.csr, EM_COMBINER_NONE, false, -1);
-    free_batch(&all);
+    em_test_batch_free(&all);
     assert_same_rows(&c);
     em_table_destroy(c.single);
     for (uint32_t s = 0; s < c.servers; s++)

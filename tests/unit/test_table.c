@@ -6,6 +6,7 @@
 #include "lib/backend.h"
 #include "lib/table.h"
 #include "tests/support/reference_table.h"
+#include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 
 #define MEBIBYTE (UINT64_C(1) << 20)
@@ -57,52 +58,6 @@ static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t sh
     return config;
 }
 
-/* A random CSR batch: rows of 0..max_length keys drawn from a small key universe (so
- * keys repeat within rows and across the batch), including the hash-map sentinel
- * values and 0. */
-typedef struct batch {
-    em_csr csr;
-    uint32_t *offsets;
-    uint64_t *keys;
-} batch;
-
-static uint64_t draw_key(em_test_rng *rng, uint64_t universe)
-{
-    static const uint64_t special[] = {0, UINT64_MAX, UINT64_MAX - 1, UINT64_MAX - 2};
-    uint64_t pick = em_test_rng_below(rng, universe + 4);
-    return pick < 4 ? special[pick] : (pick - 4) * 0x9e3779b9ull + 1;
-}
-
-static batch random_batch(em_test_rng *rng, uint32_t rows, uint32_t max_length, uint64_t universe)
-{
-    batch b;
-    b.offsets = malloc((rows + 1) * sizeof(uint32_t));
-    b.keys = malloc(((size_t)rows * max_length + 1) * sizeof(uint64_t));
-    b.offsets[0] = 0;
-    for (uint32_t r = 0; r < rows; r++) {
-        uint32_t length = (uint32_t)em_test_rng_below(rng, max_length + 1);
-        for (uint32_t k = 0; k < length; k++)
-            b.keys[b.offsets[r] + k] = draw_key(rng, universe);
-        b.offsets[r + 1] = b.offsets[r] + length;
-    }
-    b.csr = (em_csr){.rows = rows, .nnz = b.offsets[rows], .offsets = b.offsets, .keys = b.keys};
-    return b;
-}
-
-static void free_batch(batch *b)
-{
-    free(b->offsets);
-    free(b->keys);
-}
-
-static float *random_gradients(em_test_rng *rng, uint64_t count)
-{
-    float *g = malloc((count + 1) * sizeof(float));
-    for (uint64_t i = 0; i < count; i++)
-        g[i] = (float)(2.0 * em_test_rng_unit(rng) - 1.0);
-    return g;
-}
-
 static em_status pull(em_table *table, const em_csr *csr, em_combiner combiner, bool create,
                       float *out, em_pull_result *result, em_error *err)
 {
@@ -130,85 +85,11 @@ static em_status push(em_table *table, const em_csr *csr, em_combiner combiner,
     return em_table_push(table, &request, result != NULL ? result : &ignored, err);
 }
 
-/* Every row of a table (key + weights + state), sorted by key. */
-typedef struct snapshot {
-    uint64_t count;
-    uint32_t width;
-    uint64_t *keys;
-    float *values;
-} snapshot;
-
-static int compare_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-static snapshot take_snapshot(em_table *table)
-{
-    em_table_stats stats;
-    em_table_get_stats(table, &stats);
-    snapshot s = {.width = stats.row_floats};
-    uint64_t capacity = stats.rows + 16;
-    uint64_t *keys = malloc(capacity * sizeof(uint64_t));
-    float *values = malloc(capacity * s.width * sizeof(float));
-    em_table_cursor cursor = {0};
-    em_error err;
-    for (;;) {
-        uint64_t got = 0;
-        /* small chunks exercise the cursor */
-        ck_assert_int_eq(em_table_export(table, &cursor, 7, keys + s.count,
-                                         values + s.count * s.width, &got, &err),
-                         EM_OK);
-        if (got == 0)
-            break;
-        s.count += got;
-        ck_assert_uint_le(s.count, capacity - 7);
-    }
-    ck_assert_uint_eq(s.count, stats.rows);
-    /* sort rows by key through an index */
-    uint64_t *order = malloc((s.count + 1) * 2 * sizeof(uint64_t));
-    for (uint64_t i = 0; i < s.count; i++) {
-        order[2 * i] = keys[i];
-        order[2 * i + 1] = i;
-    }
-    qsort(order, s.count, 2 * sizeof(uint64_t), compare_u64);
-    s.keys = malloc((s.count + 1) * sizeof(uint64_t));
-    s.values = malloc((s.count + 1) * s.width * sizeof(float));
-    for (uint64_t i = 0; i < s.count; i++) {
-        s.keys[i] = order[2 * i];
-        memcpy(s.values + i * s.width, values + order[2 * i + 1] * s.width,
-               s.width * sizeof(float));
-    }
-    free(order);
-    free(keys);
-    free(values);
-    return s;
-}
-
-static void assert_snapshots_identical(const snapshot *a, const snapshot *b)
-{
-    ck_assert_uint_eq(a->count, b->count);
-    ck_assert_uint_eq(a->width, b->width);
-    for (uint64_t i = 0; i < a->count; i++)
-        ck_assert_msg(a->keys[i] == b->keys[i], "row %llu: key %llu vs %llu",
-                      (unsigned long long)i, (unsigned long long)a->keys[i],
-                      (unsigned long long)b->keys[i]);
-    ck_assert_msg(memcmp(a->values, b->values, a->count * a->width * sizeof(float)) == 0,
-                  "row values differ");
-}
-
-static void free_snapshot(snapshot *s)
-{
-    free(s->keys);
-    free(s->values);
-}
-
 /* ---- agreement with the float64 reference ------------------------------------------ */
 
 static void assert_rows_match_reference(em_table *table, reference_table *reference)
 {
-    snapshot s = take_snapshot(table);
+    em_test_snapshot s = em_test_snapshot_take(table, 7);
     ck_assert_uint_eq(s.count, reference_table_rows(reference));
     double *expected = malloc(s.width * sizeof(double));
     for (uint64_t i = 0; i < s.count; i++) {
@@ -220,7 +101,7 @@ static void assert_rows_match_reference(em_table *table, reference_table *refere
                           expected[j]);
     }
     free(expected);
-    free_snapshot(&s);
+    em_test_snapshot_free(&s);
 }
 
 /* Loop index: optimizer * 4 + combiner. Pulls (creating), pushes, pulls again; every
@@ -238,7 +119,7 @@ START_TEST(pull_and_push_match_float64_reference)
     em_test_rng_init(&rng, em_test_seed() * 31 + (uint64_t)_i);
     em_error err;
     for (int round = 0; round < 25; round++) {
-        batch b = random_batch(&rng, 24, 6, 150);
+        em_test_batch b = em_test_random_batch(&rng, 24, 6, 150);
         uint64_t vectors = em_csr_output_vectors(&b.csr, combiner);
         float *out = malloc((vectors * dim + 1) * sizeof(float));
         double *expected = malloc((vectors * dim + 1) * sizeof(double));
@@ -255,7 +136,7 @@ START_TEST(pull_and_push_match_float64_reference)
                                           magnitude[i] > 1e-2 ? magnitude[i] : 1e-2),
                           "round %d output %llu: %.9g vs %.9g", round, (unsigned long long)i,
                           (double)out[i], expected[i]);
-        float *g = random_gradients(&rng, vectors * dim);
+        float *g = em_test_random_floats(&rng, vectors * dim);
         em_push_result pushed;
         ck_assert_msg(push(table, &b.csr, combiner, g, &pushed, &err) == EM_OK, "%s",
                       err.message);
@@ -265,7 +146,7 @@ START_TEST(pull_and_push_match_float64_reference)
         free(out);
         free(expected);
         free(magnitude);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
     assert_rows_match_reference(table, reference);
     reference_table_destroy(reference);
@@ -294,11 +175,11 @@ START_TEST(push_creates_and_updates_once_per_unique_key)
     ck_assert_uint_eq(result.created, 2);
     reference_push(reference, &csr, EM_COMBINER_NONE, g);
     assert_rows_match_reference(table, reference);
-    snapshot s = take_snapshot(table);
+    em_test_snapshot s = em_test_snapshot_take(table, 7);
     /* one adam step per unique key: the step counter (last state float) is 1 */
     for (uint64_t i = 0; i < s.count; i++)
         ck_assert_float_eq(s.values[i * s.width + s.width - 1], 1.0f);
-    free_snapshot(&s);
+    em_test_snapshot_free(&s);
     ck_assert_int_eq(push(table, &csr, EM_COMBINER_MEAN, g, &result, &err), EM_OK);
     ck_assert_uint_eq(result.created, 0);
     reference_push(reference, &csr, EM_COMBINER_MEAN, g);
@@ -388,7 +269,7 @@ END_TEST
 typedef struct run_record {
     float *outputs;
     uint64_t output_count;
-    snapshot final;
+    em_test_snapshot final;
 } run_record;
 
 /* The same random workload on a given layout; records every pulled float. */
@@ -403,18 +284,18 @@ static run_record run_workload(uint32_t devices, uint32_t shards, int optimizer,
     run_record record = {.outputs = malloc(40 * 64 * 8 * 7 * sizeof(float))};
     em_error err;
     for (int round = 0; round < 40; round++) {
-        batch b = random_batch(&rng, 64, 8, 2000);
+        em_test_batch b = em_test_random_batch(&rng, 64, 8, 2000);
         uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * 7;
         ck_assert_int_eq(pull(table, &b.csr, combiner, round % 3 != 2,
                               record.outputs + record.output_count, NULL, &err),
                          EM_OK);
         record.output_count += floats;
-        float *g = random_gradients(&rng, floats);
+        float *g = em_test_random_floats(&rng, floats);
         ck_assert_msg(push(table, &b.csr, combiner, g, NULL, &err) == EM_OK, "%s", err.message);
         free(g);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
-    record.final = take_snapshot(table);
+    record.final = em_test_snapshot_take(table, 7);
     em_table_destroy(table);
     em_backend_destroy(backend);
     return record;
@@ -435,12 +316,12 @@ START_TEST(results_identical_for_any_shard_and_device_count)
         ck_assert_msg(memcmp(other.outputs, base.outputs, base.output_count * sizeof(float)) == 0,
                       "pulled values differ with %u devices, %u shards", layouts[l][0],
                       layouts[l][1]);
-        assert_snapshots_identical(&base.final, &other.final);
+        em_test_assert_snapshots_identical(&base.final, &other.final);
         free(other.outputs);
-        free_snapshot(&other.final);
+        em_test_snapshot_free(&other.final);
     }
     free(base.outputs);
-    free_snapshot(&base.final);
+    em_test_snapshot_free(&base.final);
 }
 END_TEST
 
@@ -452,19 +333,12 @@ static em_table *populated_table(em_backend *backend, uint64_t capacity, int opt
     em_table_config config = table_config(6, capacity, 3, optimizer);
     em_table *table = make_table(backend, &config);
     em_error err;
-    batch b = random_batch(rng, 20, 5, 60);
-    float *g = random_gradients(rng, b.csr.nnz * 6);
+    em_test_batch b = em_test_random_batch(rng, 20, 5, 60);
+    float *g = em_test_random_floats(rng, b.csr.nnz * 6);
     ck_assert_int_eq(push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
     free(g);
-    free_batch(&b);
+    em_test_batch_free(&b);
     return table;
-}
-
-static void assert_unchanged(em_table *table, const snapshot *before)
-{
-    snapshot after = take_snapshot(table);
-    assert_snapshots_identical(before, &after);
-    free_snapshot(&after);
 }
 
 START_TEST(invalid_requests_apply_nothing)
@@ -473,7 +347,7 @@ START_TEST(invalid_requests_apply_nothing)
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
     em_table *table = populated_table(backend, 10000, 3, &rng);
-    snapshot before = take_snapshot(table);
+    em_test_snapshot before = em_test_snapshot_take(table, 7);
     em_error err;
 
     /* New and existing keys, a NaN in the last key's gradient. */
@@ -487,11 +361,11 @@ START_TEST(invalid_requests_apply_nothing)
     ck_assert_int_eq(push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_INVALID_ARGUMENT);
     ck_assert_str_eq(err.message, "push to table 't': gradient of key 616161 (keys[4], row 1) "
                                   "element 3 is NaN");
-    assert_unchanged(table, &before);
+    em_test_assert_table_unchanged(table, &before);
 
     g[4 * 6 + 3] = INFINITY;
     ck_assert_int_eq(push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_INVALID_ARGUMENT);
-    assert_unchanged(table, &before);
+    em_test_assert_table_unchanged(table, &before);
 
     /* Bad CSR in a push and in a creating pull. */
     const uint32_t bad_offsets[] = {0, 3, 2};
@@ -502,7 +376,7 @@ START_TEST(invalid_requests_apply_nothing)
     float out[5 * 6];
     ck_assert_int_eq(pull(table, &bad, EM_COMBINER_NONE, true, out, NULL, &err),
                      EM_INVALID_ARGUMENT);
-    assert_unchanged(table, &before);
+    em_test_assert_table_unchanged(table, &before);
 
     /* Gradient count that does not match the combiner. */
     em_push_request wrong = {.batch = csr, .combiner = EM_COMBINER_SUM, .gradients = g,
@@ -521,8 +395,8 @@ START_TEST(invalid_requests_apply_nothing)
     small.combiner = (em_combiner)9;
     ck_assert_int_eq(em_table_pull(table, &small, &pulled, &err), EM_INVALID_ARGUMENT);
     ck_assert(strstr(err.message, "combiner 9") != NULL);
-    assert_unchanged(table, &before);
-    free_snapshot(&before);
+    em_test_assert_table_unchanged(table, &before);
+    em_test_snapshot_free(&before);
     em_table_destroy(table);
     em_backend_destroy(backend);
 }
@@ -545,7 +419,7 @@ START_TEST(capacity_exhaustion_fails_whole)
         g[i] = 1.0f;
     em_csr first = {.rows = 40, .nnz = 40, .offsets = offsets, .keys = keys};
     ck_assert_int_eq(push(table, &first, EM_COMBINER_SUM, g, NULL, &err), EM_OK);
-    snapshot before = take_snapshot(table);
+    em_test_snapshot before = em_test_snapshot_take(table, 7);
 
     /* 5 existing keys and 20 new ones: 60 rows > 50. */
     em_csr over = {.rows = 25, .nnz = 25, .offsets = offsets, .keys = keys + 35};
@@ -554,11 +428,11 @@ START_TEST(capacity_exhaustion_fails_whole)
                                       "40 rows and this request would create 20 new keys; "
                                       "nothing was applied (pool cpu0: ") != NULL,
                   "%s", err.message);
-    assert_unchanged(table, &before);
+    em_test_assert_table_unchanged(table, &before);
     float out[25 * 4];
     ck_assert_int_eq(pull(table, &over, EM_COMBINER_NONE, true, out, NULL, &err),
                      EM_RESOURCE_EXHAUSTED);
-    assert_unchanged(table, &before);
+    em_test_assert_table_unchanged(table, &before);
 
     /* Exactly up to the capacity works. */
     em_csr fits = {.rows = 10, .nnz = 10, .offsets = offsets, .keys = keys + 40};
@@ -568,7 +442,7 @@ START_TEST(capacity_exhaustion_fails_whole)
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, 50);
-    free_snapshot(&before);
+    em_test_snapshot_free(&before);
     em_table_destroy(table);
     em_backend_destroy(backend);
 }
@@ -589,10 +463,10 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
         g[i] = 0.1f;
     em_status status = EM_OK;
     uint64_t next_key = 1;
-    snapshot before = {0};
+    em_test_snapshot before = {0};
     for (int round = 0; round < 100 && status == EM_OK; round++) {
-        free_snapshot(&before);
-        before = take_snapshot(table);
+        em_test_snapshot_free(&before);
+        before = em_test_snapshot_take(table, 7);
         for (int i = 0; i < 500; i++)
             keys[i] = next_key++;
         em_csr csr = {.rows = 500, .nnz = 500, .offsets = offsets, .keys = keys};
@@ -603,11 +477,11 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
                                       "nothing was applied") != NULL,
                   "%s", err.message);
     ck_assert_msg(strstr(err.message, "pool 'cpu0'") != NULL, "%s", err.message);
-    assert_unchanged(table, &before);
+    em_test_assert_table_unchanged(table, &before);
     /* Existing keys still update. */
     em_csr old = {.rows = 10, .nnz = 10, .offsets = offsets, .keys = before.keys};
     ck_assert_int_eq(push(table, &old, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
-    free_snapshot(&before);
+    em_test_snapshot_free(&before);
     free(g);
     em_table_destroy(table);
     em_backend_destroy(backend);
@@ -626,7 +500,7 @@ START_TEST(export_import_round_trip_across_layouts)
     em_table_config config = *em_table_get_config(a);
     config.shards = 5;
     em_table *b = make_table(b_backend, &config);
-    snapshot source = take_snapshot(a);
+    em_test_snapshot source = em_test_snapshot_take(a, 7);
     em_error err;
     for (uint64_t start = 0; start < source.count; start += 9) {
         uint64_t n = source.count - start < 9 ? source.count - start : 9;
@@ -634,12 +508,12 @@ START_TEST(export_import_round_trip_across_layouts)
                                       n, &err) == EM_OK,
                       "%s", err.message);
     }
-    snapshot copy = take_snapshot(b);
-    assert_snapshots_identical(&source, &copy);
+    em_test_snapshot copy = em_test_snapshot_take(b, 7);
+    em_test_assert_snapshots_identical(&source, &copy);
 
     /* Importing over existing rows overwrites them. */
     ck_assert_int_eq(em_table_import(b, source.keys, source.values, source.count, &err), EM_OK);
-    assert_unchanged(b, &source);
+    em_test_assert_table_unchanged(b, &source);
 
     /* Bad imports change nothing. */
     uint64_t dup_keys[3] = {source.keys[0], 999999, source.keys[0]};
@@ -655,24 +529,24 @@ START_TEST(export_import_round_trip_across_layouts)
     values[2] = NAN;
     ck_assert_int_eq(em_table_import(b, fresh, values, 2, &err), EM_INVALID_ARGUMENT);
     ck_assert(strstr(err.message, "weight element 2 is not finite") != NULL);
-    assert_unchanged(b, &source);
+    em_test_assert_table_unchanged(b, &source);
     /* Values travel bit for bit, negative zero included. */
     uint64_t signed_zero_key = 31337;
     float *signed_zero = calloc(source.width, sizeof(float));
     signed_zero[0] = -0.0f;
     signed_zero[1] = 0x1p-140f; /* subnormal */
     ck_assert_int_eq(em_table_import(b, &signed_zero_key, signed_zero, 1, &err), EM_OK);
-    snapshot with_zero = take_snapshot(b);
+    em_test_snapshot with_zero = em_test_snapshot_take(b, 7);
     for (uint64_t i = 0; i < with_zero.count; i++)
         if (with_zero.keys[i] == signed_zero_key)
             ck_assert(memcmp(with_zero.values + i * with_zero.width, signed_zero,
                              source.width * sizeof(float)) == 0);
-    free_snapshot(&with_zero);
+    em_test_snapshot_free(&with_zero);
     free(signed_zero);
 
     free(values);
-    free_snapshot(&source);
-    free_snapshot(&copy);
+    em_test_snapshot_free(&source);
+    em_test_snapshot_free(&copy);
     em_table_destroy(a);
     em_table_destroy(b);
     em_backend_destroy(a_backend);
@@ -754,11 +628,11 @@ START_TEST(concurrent_pulls_never_see_torn_rows)
         ck_assert_int_eq(contexts[t].torn, 0);
     }
     /* Every push applied exactly once: sgd with lr 0.05 and g = 1, 800 pushes. */
-    snapshot s = take_snapshot(table);
+    em_test_snapshot s = em_test_snapshot_take(table, 7);
     ck_assert_uint_eq(s.count, TORN_KEYS);
     for (uint64_t i = 0; i < s.count * s.width; i++)
         ck_assert_float_eq_tol(s.values[i], -0.05f * 800, 1e-3f);
-    free_snapshot(&s);
+    em_test_snapshot_free(&s);
     em_table_destroy(table);
     em_backend_destroy(backend);
 }
@@ -781,14 +655,14 @@ static void *disjoint_worker(void *argument)
     em_test_rng_init(&rng, context->seed);
     em_error err;
     for (int round = 0; round < 60 && context->status == EM_OK; round++) {
-        batch b = random_batch(&rng, 16, 4, 500);
+        em_test_batch b = em_test_random_batch(&rng, 16, 4, 500);
         for (uint64_t k = 0; k < b.csr.nnz; k++)
             b.keys[k] = b.keys[k] * (uint64_t)context->threads + (uint64_t)context->thread;
-        float *g = random_gradients(&rng, b.csr.rows * 9);
+        float *g = em_test_random_floats(&rng, b.csr.rows * 9);
         context->status = push(context->table, &b.csr, EM_COMBINER_SQRTN, g, NULL, &err);
         reference_push(context->reference, &b.csr, EM_COMBINER_SQRTN, g);
         free(g);
-        free_batch(&b);
+        em_test_batch_free(&b);
     }
     return NULL;
 }
@@ -808,7 +682,7 @@ START_TEST(concurrent_disjoint_pushes_match_reference)
     }
     for (int t = 0; t < threads; t++)
         pthread_join(handles[t], NULL);
-    snapshot s = take_snapshot(table);
+    em_test_snapshot s = em_test_snapshot_take(table, 7);
     uint64_t expected_rows = 0;
     double values[9 + 1];
     for (int t = 0; t < threads; t++) {
@@ -822,7 +696,7 @@ START_TEST(concurrent_disjoint_pushes_match_reference)
         for (uint32_t j = 0; j < s.width; j++)
             ck_assert(reference_close(s.values[i * s.width + j], values[j], 1e-2));
     }
-    free_snapshot(&s);
+    em_test_snapshot_free(&s);
     for (int t = 0; t < threads; t++)
         reference_table_destroy(contexts[t].reference);
     em_table_destroy(table);
