@@ -21,13 +21,8 @@
 #include "lib/hashmap.h"
 #include "lib/keyhash.h"
 
-/* Row blocks aim at this many bytes; rows per block is a power of two in
- * [MIN_BLOCK_ROWS, MAX_BLOCK_ROWS]. */
+/* Row blocks aim at this many bytes (em_row_blocks_plan). */
 #define TARGET_BLOCK_BYTES ((size_t)1 << 20)
-#define MIN_BLOCK_ROWS 16u
-#define MAX_BLOCK_ROWS 65536u
-/* Rows are padded to a multiple of this many floats (16 bytes, one SIMD vector). */
-#define ROW_ALIGN_FLOATS 4u
 /* Hash map slots a new shard starts with at most (it grows on demand). */
 #define MAX_INITIAL_SLOTS ((size_t)1 << 16)
 
@@ -275,22 +270,6 @@ static float *row_address(const cpu_shard *shard, uint64_t row)
     return shard->blocks[row >> shard->block_shift] + (row & shard->block_mask) * shard->stride;
 }
 
-static uint32_t rows_per_block(size_t row_bytes)
-{
-    uint32_t rows = MIN_BLOCK_ROWS;
-    while (rows < MAX_BLOCK_ROWS && (size_t)rows * 2 * row_bytes <= TARGET_BLOCK_BYTES)
-        rows *= 2;
-    return rows;
-}
-
-static uint32_t log2_of(uint32_t power_of_two)
-{
-    uint32_t shift = 0;
-    while ((UINT32_C(1) << shift) < power_of_two)
-        shift++;
-    return shift;
-}
-
 static uint64_t storage_rows(const cpu_shard *shard)
 {
     return shard->block_count << shard->block_shift;
@@ -347,12 +326,12 @@ static em_status cpu_shard_create(em_device *device, const em_shard_spec *spec, 
     shard->dim = spec->dim;
     shard->optimizer = spec->optimizer;
     shard->initializer = spec->initializer;
-    shard->row_floats = spec->dim + em_optimizer_state_floats(spec->optimizer.kind, spec->dim);
-    shard->stride = (shard->row_floats + ROW_ALIGN_FLOATS - 1) / ROW_ALIGN_FLOATS * ROW_ALIGN_FLOATS;
-    uint32_t block_rows = rows_per_block((size_t)shard->stride * sizeof(float));
-    shard->block_shift = log2_of(block_rows);
-    shard->block_mask = block_rows - 1;
-    shard->block_bytes = (size_t)block_rows * shard->stride * sizeof(float);
+    em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES);
+    shard->row_floats = plan.row_floats;
+    shard->stride = plan.stride;
+    shard->block_shift = plan.block_shift;
+    shard->block_mask = plan.block_mask;
+    shard->block_bytes = plan.block_bytes;
 
     em_hashmap_options map_options = {
         .initial_slots = spec->expected_rows < MAX_INITIAL_SLOTS ? (size_t)spec->expected_rows + 16

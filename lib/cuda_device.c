@@ -55,13 +55,8 @@
 
 #include "lib/keyhash.h"
 
-/* Row blocks aim at this many bytes; rows per block is a power of two in
- * [MIN_BLOCK_ROWS, MAX_BLOCK_ROWS]. */
+/* Row blocks aim at this many bytes (em_row_blocks_plan). */
 #define TARGET_BLOCK_BYTES ((size_t)4 << 20)
-#define MIN_BLOCK_ROWS 16u
-#define MAX_BLOCK_ROWS 65536u
-/* Rows are padded to a multiple of this many floats (one 16-byte vector). */
-#define ROW_ALIGN_FLOATS 4u
 /* Hash map slots a new shard starts with at most (it grows on demand). */
 #define MAX_INITIAL_SLOTS ((uint64_t)1 << 16)
 #define MIN_SLOTS ((uint64_t)16)
@@ -741,22 +736,6 @@ static uint64_t max_slot_keys(uint64_t slot_count)
     return slot_count / 10 * MAX_LOAD_TENTHS + slot_count % 10 * MAX_LOAD_TENTHS / 10;
 }
 
-static uint32_t rows_per_block(size_t row_bytes)
-{
-    uint32_t rows = MIN_BLOCK_ROWS;
-    while (rows < MAX_BLOCK_ROWS && (size_t)rows * 2 * row_bytes <= TARGET_BLOCK_BYTES)
-        rows *= 2;
-    return rows;
-}
-
-static uint32_t log2_of(uint32_t power_of_two)
-{
-    uint32_t shift = 0;
-    while ((UINT32_C(1) << shift) < power_of_two)
-        shift++;
-    return shift;
-}
-
 /* ---- shards: growth -------------------------------------------------------------------- */
 
 /* Rehashes into a map of slot_count slots (synchronizes: the old slots go back to the
@@ -937,13 +916,12 @@ static em_status create_map(cuda_shard *shard, uint64_t expected_rows, em_error 
 static void set_row_geometry(cuda_shard *shard, const em_shard_spec *spec)
 {
     shard->dim = spec->dim;
-    shard->row_floats = spec->dim + em_optimizer_state_floats(spec->optimizer.kind, spec->dim);
-    shard->stride =
-        (shard->row_floats + ROW_ALIGN_FLOATS - 1) / ROW_ALIGN_FLOATS * ROW_ALIGN_FLOATS;
-    uint32_t block_rows = rows_per_block((size_t)shard->stride * sizeof(float));
-    shard->block_shift = log2_of(block_rows);
-    shard->block_mask = block_rows - 1;
-    shard->block_bytes = (size_t)block_rows * shard->stride * sizeof(float);
+    em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES);
+    shard->row_floats = plan.row_floats;
+    shard->stride = plan.stride;
+    shard->block_shift = plan.block_shift;
+    shard->block_mask = plan.block_mask;
+    shard->block_bytes = plan.block_bytes;
 }
 
 static em_status cuda_shard_create(em_device *device, const em_shard_spec *spec, em_shard **out,

@@ -186,6 +186,23 @@ struct em_device {
     void *impl;            /* backend-private state */
 };
 
+/* How a shard stores rows (both backends): each row is its weights then its optimizer
+ * state (row_floats floats), padded to a multiple of 4 floats (16-byte rows, so vector
+ * loads and stores stay aligned); rows live in fixed-size blocks of a power of two rows
+ * (row r in block r >> block_shift, slot r & block_mask), so storage grows a block at a
+ * time and rows never move. */
+typedef struct em_row_blocks {
+    uint32_t row_floats;
+    uint32_t stride; /* floats from one row to the next */
+    uint32_t block_shift;
+    uint64_t block_mask;
+    size_t block_bytes;
+} em_row_blocks;
+
+/* Rows per block: the largest power of two in [16, 65536] whose block stays within
+ * target_block_bytes (16 when even that is larger). */
+em_row_blocks em_row_blocks_plan(uint32_t dim, int optimizer_kind, size_t target_block_bytes);
+
 /* Pool allocation of bytes on the device, as a pointer. Errors: RESOURCE_EXHAUSTED with
  * the pool's statistics, prefixed with what (e.g. "pull scratch"). */
 em_status em_device_alloc(em_device *device, size_t bytes, const char *what, void **out,

@@ -104,33 +104,6 @@ static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t sh
     return config;
 }
 
-static em_status pull(em_table *table, const em_csr *csr, em_combiner combiner, bool create,
-                      float *out, em_pull_result *result, em_error *err)
-{
-    em_pull_request request = {
-        .batch = *csr,
-        .combiner = combiner,
-        .create_missing = create,
-        .out = out,
-        .out_capacity = em_csr_output_vectors(csr, combiner) * em_table_dim(table),
-    };
-    em_pull_result ignored;
-    return em_table_pull(table, &request, result != NULL ? result : &ignored, err);
-}
-
-static em_status push(em_table *table, const em_csr *csr, em_combiner combiner,
-                      const float *gradients, em_push_result *result, em_error *err)
-{
-    em_push_request request = {
-        .batch = *csr,
-        .combiner = combiner,
-        .gradients = gradients,
-        .gradient_count = em_csr_output_vectors(csr, combiner) * em_table_dim(table),
-    };
-    em_push_result ignored;
-    return em_table_push(table, &request, result != NULL ? result : &ignored, err);
-}
-
 /* ---- initial values ----------------------------------------------------------------- */
 
 /* Loop index: initializer (zeros, uniform, normal) x dim (13: scalar gather; 16: vector
@@ -154,9 +127,9 @@ START_TEST(initial_values_match_cpu_bit_for_bit)
         float *expected = malloc((floats + 1) * sizeof(float));
         float *got = malloc((floats + 1) * sizeof(float));
         em_pull_result cpu_result, gpu_result;
-        ck_assert_int_eq(pull(cpu_table, &b.csr, EM_COMBINER_NONE, true, expected, &cpu_result,
+        ck_assert_int_eq(em_test_pull(cpu_table, &b.csr, EM_COMBINER_NONE, true, expected, &cpu_result,
                               &err), EM_OK);
-        ck_assert_msg(pull(gpu_table, &b.csr, EM_COMBINER_NONE, true, got, &gpu_result, &err) ==
+        ck_assert_msg(em_test_pull(gpu_table, &b.csr, EM_COMBINER_NONE, true, got, &gpu_result, &err) ==
                           EM_OK, "%s", err.message);
         ck_assert_uint_eq(gpu_result.unique_keys, cpu_result.unique_keys);
         ck_assert_uint_eq(gpu_result.missing, cpu_result.missing);
@@ -215,9 +188,9 @@ static void run_both(em_table *cpu_table, em_table *gpu_table, const workload *w
         float *got = malloc((floats + 1) * sizeof(float));
         bool create = round % 3 != 2;
         em_pull_result cpu_pulled, gpu_pulled;
-        ck_assert_int_eq(pull(cpu_table, &b.csr, w->combiner, create, expected, &cpu_pulled, &err),
+        ck_assert_int_eq(em_test_pull(cpu_table, &b.csr, w->combiner, create, expected, &cpu_pulled, &err),
                          EM_OK);
-        ck_assert_msg(pull(gpu_table, &b.csr, w->combiner, create, got, &gpu_pulled, &err) ==
+        ck_assert_msg(em_test_pull(gpu_table, &b.csr, w->combiner, create, got, &gpu_pulled, &err) ==
                           EM_OK, "%s", err.message);
         ck_assert_uint_eq(gpu_pulled.missing, cpu_pulled.missing);
         ck_assert_uint_eq(gpu_pulled.created, cpu_pulled.created);
@@ -229,8 +202,8 @@ static void run_both(em_table *cpu_table, em_table *gpu_table, const workload *w
                           (unsigned long long)i, (double)got[i], (double)expected[i]);
         float *g = em_test_random_floats(&rng, floats);
         em_push_result cpu_pushed, gpu_pushed;
-        ck_assert_int_eq(push(cpu_table, &b.csr, w->combiner, g, &cpu_pushed, &err), EM_OK);
-        ck_assert_msg(push(gpu_table, &b.csr, w->combiner, g, &gpu_pushed, &err) == EM_OK, "%s",
+        ck_assert_int_eq(em_test_push(cpu_table, &b.csr, w->combiner, g, &cpu_pushed, &err), EM_OK);
+        ck_assert_msg(em_test_push(gpu_table, &b.csr, w->combiner, g, &gpu_pushed, &err) == EM_OK, "%s",
                       err.message);
         ck_assert_uint_eq(gpu_pushed.updated, cpu_pushed.updated);
         ck_assert_uint_eq(gpu_pushed.created, cpu_pushed.created);
@@ -289,8 +262,8 @@ START_TEST(duplicate_keys_sum_like_cpu)
     em_error err;
     for (int combiner = 0; combiner < 4; combiner++) {
         float *g = em_test_random_floats(&rng, 9 * 5);
-        ck_assert_int_eq(push(cpu_table, &csr, (em_combiner)combiner, g, NULL, &err), EM_OK);
-        ck_assert_msg(push(gpu_table, &csr, (em_combiner)combiner, g, NULL, &err) == EM_OK, "%s",
+        ck_assert_int_eq(em_test_push(cpu_table, &csr, (em_combiner)combiner, g, NULL, &err), EM_OK);
+        ck_assert_msg(em_test_push(gpu_table, &csr, (em_combiner)combiner, g, NULL, &err) == EM_OK, "%s",
                       err.message);
         free(g);
     }
@@ -318,7 +291,7 @@ START_TEST(empty_rows_and_batches)
     em_csr csr = {.rows = 3, .nnz = 2, .offsets = offsets, .keys = keys};
     float out[9];
     memset(out, 0x7f, sizeof(out));
-    ck_assert_msg(pull(table, &csr, EM_COMBINER_MEAN, true, out, NULL, &err) == EM_OK, "%s",
+    ck_assert_msg(em_test_pull(table, &csr, EM_COMBINER_MEAN, true, out, NULL, &err) == EM_OK, "%s",
                   err.message);
     for (uint32_t j = 0; j < 3; j++) {
         ck_assert(out[j] == 0.0f && out[6 + j] == 0.0f);
@@ -329,14 +302,14 @@ START_TEST(empty_rows_and_batches)
     const uint32_t none[] = {0};
     em_csr empty = {.rows = 0, .nnz = 0, .offsets = none, .keys = NULL};
     em_pull_result result;
-    ck_assert_int_eq(pull(table, &empty, EM_COMBINER_SUM, true, out, &result, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &empty, EM_COMBINER_SUM, true, out, &result, &err), EM_OK);
     ck_assert_uint_eq(result.unique_keys, 0);
-    ck_assert_int_eq(push(table, &empty, EM_COMBINER_NONE, NULL, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &empty, EM_COMBINER_NONE, NULL, NULL, &err), EM_OK);
     const uint32_t all_empty[] = {0, 0, 0};
     em_csr no_keys = {.rows = 2, .nnz = 0, .offsets = all_empty, .keys = NULL};
     float zeros[6];
     memset(zeros, 0x7f, sizeof(zeros));
-    ck_assert_int_eq(pull(table, &no_keys, EM_COMBINER_SQRTN, false, zeros, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &no_keys, EM_COMBINER_SQRTN, false, zeros, NULL, &err), EM_OK);
     for (int j = 0; j < 6; j++)
         ck_assert(zeros[j] == 0.0f);
     em_table_destroy(table);
@@ -367,7 +340,7 @@ START_TEST(hash_map_grows_at_load_0_9)
     for (uint64_t start = 0; start < total; start += per_batch) {
         em_test_batch b = em_test_key_batch(keys + start, per_batch);
         em_pull_result result;
-        ck_assert_msg(pull(table, &b.csr, EM_COMBINER_NONE, true, out, &result, &err) == EM_OK,
+        ck_assert_msg(em_test_pull(table, &b.csr, EM_COMBINER_NONE, true, out, &result, &err) == EM_OK,
                       "%s", err.message);
         ck_assert_uint_eq(result.created, per_batch);
         em_test_batch_free(&b);
@@ -388,7 +361,7 @@ START_TEST(hash_map_grows_at_load_0_9)
     for (uint64_t start = 0; start < total; start += per_batch) {
         em_test_batch b = em_test_key_batch(keys + start, per_batch);
         em_pull_result result;
-        ck_assert_int_eq(pull(table, &b.csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
+        ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
         ck_assert_uint_eq(result.missing, 0);
         for (uint32_t i = 0; i < per_batch; i++)
             for (uint32_t j = 0; j < dim; j++) {
@@ -429,7 +402,7 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
         for (int i = 0; i < 500; i++)
             keys[i] = next_key++;
         em_test_batch b = em_test_key_batch(keys, 500);
-        status = push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err);
+        status = em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err);
         em_test_batch_free(&b);
     }
     ck_assert_int_eq(status, EM_RESOURCE_EXHAUSTED);
@@ -439,7 +412,7 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
     em_test_assert_table_unchanged(table, &before);
     /* Existing keys still update, and the update shows. */
     em_test_batch old = em_test_key_batch(before.keys, 10);
-    ck_assert_msg(push(table, &old.csr, EM_COMBINER_NONE, g, NULL, &err) == EM_OK, "%s",
+    ck_assert_msg(em_test_push(table, &old.csr, EM_COMBINER_NONE, g, NULL, &err) == EM_OK, "%s",
                   err.message);
     em_test_snapshot after = em_test_snapshot_take(table, 1000);
     ck_assert_uint_eq(after.count, before.count);
@@ -468,7 +441,7 @@ START_TEST(import_export_round_trip_bit_for_bit)
     em_error err;
     em_test_batch b = em_test_random_batch(&rng, 30, 5, 80);
     float *g = em_test_random_floats(&rng, b.csr.nnz * 6);
-    ck_assert_int_eq(push(source, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(source, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
     free(g);
     em_test_batch_free(&b);
     em_test_snapshot rows = em_test_snapshot_take(source, 1000);
@@ -527,7 +500,7 @@ static void *race_pusher(void *argument)
         g[i] = 1.0f;
     em_error err;
     for (int p = 0; p < RACE_PUSHES; p++)
-        if (push(context->table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
+        if (em_test_push(context->table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
             __atomic_fetch_add(&context->failures, 1, __ATOMIC_RELAXED);
     free(g);
     em_test_batch_free(&b);
@@ -544,7 +517,7 @@ static void *race_reader(void *argument)
     float *out = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
     em_error err;
     for (int p = 0; p < RACE_PUSHES; p++) {
-        if (pull(context->table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err) != EM_OK)
+        if (em_test_pull(context->table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err) != EM_OK)
             __atomic_fetch_add(&context->failures, 1, __ATOMIC_RELAXED);
         for (int i = 0; i < RACE_KEYS; i++)
             for (int j = 1; j < RACE_DIM; j++)
@@ -572,7 +545,7 @@ START_TEST(concurrent_pushes_lose_no_update)
     em_test_batch b = em_test_key_batch(keys, RACE_KEYS);
     float *out = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
     em_error err;
-    ck_assert_int_eq(pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
     pthread_t threads[RACE_PUSHERS + 2];
     for (int t = 0; t < RACE_PUSHERS; t++)
         pthread_create(&threads[t], NULL, race_pusher, &context);
@@ -582,7 +555,7 @@ START_TEST(concurrent_pushes_lose_no_update)
         pthread_join(threads[t], NULL);
     ck_assert_int_eq(context.failures, 0);
     ck_assert_int_eq(context.torn, 0);
-    ck_assert_int_eq(pull(table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err), EM_OK);
     for (int i = 0; i < RACE_KEYS * RACE_DIM; i++)
         ck_assert_msg(out[i] == -0.5f * RACE_PUSHERS * RACE_PUSHES, "value %d: %g", i,
                       (double)out[i]);
@@ -613,11 +586,11 @@ static record run_layout(em_backend *backend, uint32_t shards, int optimizer, em
     for (int round = 0; round < 20; round++) {
         em_test_batch b = em_test_random_batch(&rng, 64, 8, 2000);
         uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * dim;
-        ck_assert_msg(pull(table, &b.csr, combiner, round % 3 != 2, r.outputs + r.output_count,
+        ck_assert_msg(em_test_pull(table, &b.csr, combiner, round % 3 != 2, r.outputs + r.output_count,
                            NULL, &err) == EM_OK, "%s", err.message);
         r.output_count += floats;
         float *g = em_test_random_floats(&rng, floats);
-        ck_assert_msg(push(table, &b.csr, combiner, g, NULL, &err) == EM_OK, "%s", err.message);
+        ck_assert_msg(em_test_push(table, &b.csr, combiner, g, NULL, &err) == EM_OK, "%s", err.message);
         free(g);
         em_test_batch_free(&b);
     }

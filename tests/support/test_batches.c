@@ -57,6 +57,33 @@ float *em_test_random_floats(em_test_rng *rng, uint64_t count)
     return values;
 }
 
+em_status em_test_pull(em_table *table, const em_csr *batch, em_combiner combiner, bool create,
+                       float *out, em_pull_result *result, em_error *err)
+{
+    em_pull_request request = {
+        .batch = *batch,
+        .combiner = combiner,
+        .create_missing = create,
+        .out = out,
+        .out_capacity = em_csr_output_vectors(batch, combiner) * em_table_dim(table),
+    };
+    em_pull_result ignored;
+    return em_table_pull(table, &request, result != NULL ? result : &ignored, err);
+}
+
+em_status em_test_push(em_table *table, const em_csr *batch, em_combiner combiner,
+                       const float *gradients, em_push_result *result, em_error *err)
+{
+    em_push_request request = {
+        .batch = *batch,
+        .combiner = combiner,
+        .gradients = gradients,
+        .gradient_count = em_csr_output_vectors(batch, combiner) * em_table_dim(table),
+    };
+    em_push_result ignored;
+    return em_table_push(table, &request, result != NULL ? result : &ignored, err);
+}
+
 typedef struct keyed_row {
     uint64_t key;
     uint64_t index;

@@ -35,6 +35,13 @@ void em_test_batch_free(em_test_batch *batch);
 /* count floats uniform in [-1, 1) (malloc'ed, one spare element so count 0 is fine). */
 float *em_test_random_floats(em_test_rng *rng, uint64_t count);
 
+/* em_table_pull / em_table_push with the output or gradient size the batch, combiner and
+ * table dim call for; result may be NULL. */
+em_status em_test_pull(em_table *table, const em_csr *batch, em_combiner combiner, bool create,
+                       float *out, em_pull_result *result, em_error *err);
+em_status em_test_push(em_table *table, const em_csr *batch, em_combiner combiner,
+                       const float *gradients, em_push_result *result, em_error *err);
+
 /* Every row of a table (key, weights, optimizer state), sorted by key. */
 typedef struct em_test_snapshot {
     uint64_t count;

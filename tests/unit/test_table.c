@@ -58,33 +58,6 @@ static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t sh
     return config;
 }
 
-static em_status pull(em_table *table, const em_csr *csr, em_combiner combiner, bool create,
-                      float *out, em_pull_result *result, em_error *err)
-{
-    em_pull_request request = {
-        .batch = *csr,
-        .combiner = combiner,
-        .create_missing = create,
-        .out = out,
-        .out_capacity = em_csr_output_vectors(csr, combiner) * em_table_dim(table),
-    };
-    em_pull_result ignored;
-    return em_table_pull(table, &request, result != NULL ? result : &ignored, err);
-}
-
-static em_status push(em_table *table, const em_csr *csr, em_combiner combiner,
-                      const float *gradients, em_push_result *result, em_error *err)
-{
-    em_push_request request = {
-        .batch = *csr,
-        .combiner = combiner,
-        .gradients = gradients,
-        .gradient_count = em_csr_output_vectors(csr, combiner) * em_table_dim(table),
-    };
-    em_push_result ignored;
-    return em_table_push(table, &request, result != NULL ? result : &ignored, err);
-}
-
 /* ---- agreement with the float64 reference ------------------------------------------ */
 
 static void assert_rows_match_reference(em_table *table, reference_table *reference)
@@ -125,7 +98,7 @@ START_TEST(pull_and_push_match_float64_reference)
         double *expected = malloc((vectors * dim + 1) * sizeof(double));
         double *magnitude = malloc((vectors * dim + 1) * sizeof(double));
         em_pull_result result;
-        ck_assert_msg(pull(table, &b.csr, combiner, true, out, &result, &err) == EM_OK, "%s",
+        ck_assert_msg(em_test_pull(table, &b.csr, combiner, true, out, &result, &err) == EM_OK, "%s",
                       err.message);
         uint64_t missing = reference_pull(reference, &b.csr, combiner, true, expected, magnitude);
         ck_assert_uint_eq(result.missing, missing);
@@ -138,7 +111,7 @@ START_TEST(pull_and_push_match_float64_reference)
                           (double)out[i], expected[i]);
         float *g = em_test_random_floats(&rng, vectors * dim);
         em_push_result pushed;
-        ck_assert_msg(push(table, &b.csr, combiner, g, &pushed, &err) == EM_OK, "%s",
+        ck_assert_msg(em_test_push(table, &b.csr, combiner, g, &pushed, &err) == EM_OK, "%s",
                       err.message);
         reference_push(reference, &b.csr, combiner, g);
         ck_assert_uint_eq(pushed.created, 0);
@@ -170,7 +143,7 @@ START_TEST(push_creates_and_updates_once_per_unique_key)
         g[i] = (float)(i % 7) - 3.0f;
     em_push_result result;
     em_error err;
-    ck_assert_int_eq(push(table, &csr, EM_COMBINER_NONE, g, &result, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_NONE, g, &result, &err), EM_OK);
     ck_assert_uint_eq(result.updated, 2);
     ck_assert_uint_eq(result.created, 2);
     reference_push(reference, &csr, EM_COMBINER_NONE, g);
@@ -180,7 +153,7 @@ START_TEST(push_creates_and_updates_once_per_unique_key)
     for (uint64_t i = 0; i < s.count; i++)
         ck_assert_float_eq(s.values[i * s.width + s.width - 1], 1.0f);
     em_test_snapshot_free(&s);
-    ck_assert_int_eq(push(table, &csr, EM_COMBINER_MEAN, g, &result, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_MEAN, g, &result, &err), EM_OK);
     ck_assert_uint_eq(result.created, 0);
     reference_push(reference, &csr, EM_COMBINER_MEAN, g);
     assert_rows_match_reference(table, reference);
@@ -201,7 +174,7 @@ START_TEST(empty_rows_and_empty_batches)
     em_csr csr = {.rows = 3, .nnz = 2, .offsets = offsets, .keys = keys};
     float out[9];
     memset(out, 0x7f, sizeof(out));
-    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_MEAN, true, out, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &csr, EM_COMBINER_MEAN, true, out, NULL, &err), EM_OK);
     for (int j = 0; j < 3; j++) {
         ck_assert(out[j] == 0.0f && out[6 + j] == 0.0f);
         float a = em_initializer_value(&config.initializer, 1, (uint32_t)j);
@@ -211,16 +184,16 @@ START_TEST(empty_rows_and_empty_batches)
     const uint32_t none[] = {0};
     em_csr empty = {.rows = 0, .nnz = 0, .offsets = none, .keys = NULL};
     em_pull_result result;
-    ck_assert_int_eq(pull(table, &empty, EM_COMBINER_SUM, true, out, &result, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &empty, EM_COMBINER_SUM, true, out, &result, &err), EM_OK);
     ck_assert_uint_eq(result.unique_keys, 0);
     em_push_result pushed;
-    ck_assert_int_eq(push(table, &empty, EM_COMBINER_NONE, NULL, &pushed, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &empty, EM_COMBINER_NONE, NULL, &pushed, &err), EM_OK);
     ck_assert_uint_eq(pushed.updated, 0);
     const uint32_t all_empty[] = {0, 0, 0};
     em_csr no_keys = {.rows = 2, .nnz = 0, .offsets = all_empty, .keys = NULL};
     float zeros[6];
     memset(zeros, 0x7f, sizeof(zeros));
-    ck_assert_int_eq(pull(table, &no_keys, EM_COMBINER_SQRTN, false, zeros, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &no_keys, EM_COMBINER_SQRTN, false, zeros, NULL, &err), EM_OK);
     for (int j = 0; j < 6; j++)
         ck_assert(zeros[j] == 0.0f);
     em_table_destroy(table);
@@ -239,7 +212,7 @@ START_TEST(create_missing_off_reads_zeros_and_inserts_nothing)
     em_csr csr = {.rows = 1, .nnz = 4, .offsets = offsets, .keys = keys};
     float out[20];
     em_pull_result result;
-    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
     ck_assert_uint_eq(result.missing, 3);
     ck_assert_uint_eq(result.created, 0);
     for (int i = 0; i < 20; i++)
@@ -247,7 +220,7 @@ START_TEST(create_missing_off_reads_zeros_and_inserts_nothing)
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, 0);
-    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_NONE, true, out, &result, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &csr, EM_COMBINER_NONE, true, out, &result, &err), EM_OK);
     ck_assert_uint_eq(result.created, 3);
     for (int k = 0; k < 4; k++)
         for (uint32_t j = 0; j < 5; j++) {
@@ -257,7 +230,7 @@ START_TEST(create_missing_off_reads_zeros_and_inserts_nothing)
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, 3);
     ck_assert_uint_eq(stats.rows_created, 3);
-    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
     ck_assert_uint_eq(result.missing, 0);
     em_table_destroy(table);
     em_backend_destroy(backend);
@@ -286,12 +259,12 @@ static run_record run_workload(uint32_t devices, uint32_t shards, int optimizer,
     for (int round = 0; round < 40; round++) {
         em_test_batch b = em_test_random_batch(&rng, 64, 8, 2000);
         uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * 7;
-        ck_assert_int_eq(pull(table, &b.csr, combiner, round % 3 != 2,
+        ck_assert_int_eq(em_test_pull(table, &b.csr, combiner, round % 3 != 2,
                               record.outputs + record.output_count, NULL, &err),
                          EM_OK);
         record.output_count += floats;
         float *g = em_test_random_floats(&rng, floats);
-        ck_assert_msg(push(table, &b.csr, combiner, g, NULL, &err) == EM_OK, "%s", err.message);
+        ck_assert_msg(em_test_push(table, &b.csr, combiner, g, NULL, &err) == EM_OK, "%s", err.message);
         free(g);
         em_test_batch_free(&b);
     }
@@ -335,7 +308,7 @@ static em_table *populated_table(em_backend *backend, uint64_t capacity, int opt
     em_error err;
     em_test_batch b = em_test_random_batch(rng, 20, 5, 60);
     float *g = em_test_random_floats(rng, b.csr.nnz * 6);
-    ck_assert_int_eq(push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
     free(g);
     em_test_batch_free(&b);
     return table;
@@ -358,23 +331,23 @@ START_TEST(invalid_requests_apply_nothing)
     for (int i = 0; i < 30; i++)
         g[i] = 0.25f;
     g[4 * 6 + 3] = NAN;
-    ck_assert_int_eq(push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_INVALID_ARGUMENT);
+    ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_INVALID_ARGUMENT);
     ck_assert_str_eq(err.message, "push to table 't': gradient of key 616161 (keys[4], row 1) "
                                   "element 3 is NaN");
     em_test_assert_table_unchanged(table, &before);
 
     g[4 * 6 + 3] = INFINITY;
-    ck_assert_int_eq(push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_INVALID_ARGUMENT);
+    ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_INVALID_ARGUMENT);
     em_test_assert_table_unchanged(table, &before);
 
     /* Bad CSR in a push and in a creating pull. */
     const uint32_t bad_offsets[] = {0, 3, 2};
     em_csr bad = {.rows = 2, .nnz = 2, .offsets = bad_offsets, .keys = keys};
     g[4 * 6 + 3] = 0.5f;
-    ck_assert_int_eq(push(table, &bad, EM_COMBINER_SUM, g, NULL, &err), EM_INVALID_ARGUMENT);
+    ck_assert_int_eq(em_test_push(table, &bad, EM_COMBINER_SUM, g, NULL, &err), EM_INVALID_ARGUMENT);
     ck_assert_str_eq(err.message, "push to table 't': offsets[2]=2 < offsets[1]=3");
     float out[5 * 6];
-    ck_assert_int_eq(pull(table, &bad, EM_COMBINER_NONE, true, out, NULL, &err),
+    ck_assert_int_eq(em_test_pull(table, &bad, EM_COMBINER_NONE, true, out, NULL, &err),
                      EM_INVALID_ARGUMENT);
     em_test_assert_table_unchanged(table, &before);
 
@@ -418,26 +391,26 @@ START_TEST(capacity_exhaustion_fails_whole)
     for (int i = 0; i < 280; i++)
         g[i] = 1.0f;
     em_csr first = {.rows = 40, .nnz = 40, .offsets = offsets, .keys = keys};
-    ck_assert_int_eq(push(table, &first, EM_COMBINER_SUM, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &first, EM_COMBINER_SUM, g, NULL, &err), EM_OK);
     em_test_snapshot before = em_test_snapshot_take(table, 7);
 
     /* 5 existing keys and 20 new ones: 60 rows > 50. */
     em_csr over = {.rows = 25, .nnz = 25, .offsets = offsets, .keys = keys + 35};
-    ck_assert_int_eq(push(table, &over, EM_COMBINER_SUM, g, NULL, &err), EM_RESOURCE_EXHAUSTED);
+    ck_assert_int_eq(em_test_push(table, &over, EM_COMBINER_SUM, g, NULL, &err), EM_RESOURCE_EXHAUSTED);
     ck_assert_msg(strstr(err.message, "table 't': capacity 50 rows would be exceeded: it holds "
                                       "40 rows and this request would create 20 new keys; "
                                       "nothing was applied (pool cpu0: ") != NULL,
                   "%s", err.message);
     em_test_assert_table_unchanged(table, &before);
     float out[25 * 4];
-    ck_assert_int_eq(pull(table, &over, EM_COMBINER_NONE, true, out, NULL, &err),
+    ck_assert_int_eq(em_test_pull(table, &over, EM_COMBINER_NONE, true, out, NULL, &err),
                      EM_RESOURCE_EXHAUSTED);
     em_test_assert_table_unchanged(table, &before);
 
     /* Exactly up to the capacity works. */
     em_csr fits = {.rows = 10, .nnz = 10, .offsets = offsets, .keys = keys + 40};
     em_pull_result result;
-    ck_assert_int_eq(pull(table, &fits, EM_COMBINER_NONE, true, out, &result, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &fits, EM_COMBINER_NONE, true, out, &result, &err), EM_OK);
     ck_assert_uint_eq(result.created, 10);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
@@ -470,7 +443,7 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
         for (int i = 0; i < 500; i++)
             keys[i] = next_key++;
         em_csr csr = {.rows = 500, .nnz = 500, .offsets = offsets, .keys = keys};
-        status = push(table, &csr, EM_COMBINER_NONE, g, NULL, &err);
+        status = em_test_push(table, &csr, EM_COMBINER_NONE, g, NULL, &err);
     }
     ck_assert_int_eq(status, EM_RESOURCE_EXHAUSTED);
     ck_assert_msg(strstr(err.message, "table 't' shard 0: cannot make room for 500 new keys, "
@@ -480,7 +453,7 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
     em_test_assert_table_unchanged(table, &before);
     /* Existing keys still update. */
     em_csr old = {.rows = 10, .nnz = 10, .offsets = offsets, .keys = before.keys};
-    ck_assert_int_eq(push(table, &old, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &old, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
     em_test_snapshot_free(&before);
     free(g);
     em_table_destroy(table);
@@ -583,7 +556,7 @@ static void *torn_pusher(void *argument)
     em_csr csr = {.rows = TORN_KEYS, .nnz = TORN_KEYS, .offsets = offsets, .keys = keys};
     em_error err;
     for (int n = 0; n < context->iterations; n++)
-        if (push(context->table, &csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
+        if (em_test_push(context->table, &csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
             context->torn = -1;
     free(g);
     return NULL;
@@ -600,7 +573,7 @@ static void *torn_reader(void *argument)
     float *out = malloc(TORN_KEYS * TORN_DIM * sizeof(float));
     em_error err;
     for (int n = 0; n < context->iterations; n++) {
-        if (pull(context->table, &csr, EM_COMBINER_NONE, true, out, NULL, &err) != EM_OK)
+        if (em_test_pull(context->table, &csr, EM_COMBINER_NONE, true, out, NULL, &err) != EM_OK)
             context->torn = -1;
         for (int k = 0; k < TORN_KEYS; k++)
             for (int j = 1; j < TORN_DIM; j++)
@@ -659,7 +632,7 @@ static void *disjoint_worker(void *argument)
         for (uint64_t k = 0; k < b.csr.nnz; k++)
             b.keys[k] = b.keys[k] * (uint64_t)context->threads + (uint64_t)context->thread;
         float *g = em_test_random_floats(&rng, b.csr.rows * 9);
-        context->status = push(context->table, &b.csr, EM_COMBINER_SQRTN, g, NULL, &err);
+        context->status = em_test_push(context->table, &b.csr, EM_COMBINER_SQRTN, g, NULL, &err);
         reference_push(context->reference, &b.csr, EM_COMBINER_SQRTN, g);
         free(g);
         em_test_batch_free(&b);
@@ -714,9 +687,9 @@ START_TEST(stats_count_rows_memory_and_requests)
     const uint64_t keys[] = {1, 2, 2};
     em_csr csr = {.rows = 1, .nnz = 3, .offsets = offsets, .keys = keys};
     float out[24];
-    ck_assert_int_eq(pull(table, &csr, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &csr, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
     float g[8] = {1, 1, 1, 1, 1, 1, 1, 1};
-    ck_assert_int_eq(push(table, &csr, EM_COMBINER_SUM, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_SUM, g, NULL, &err), EM_OK);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, 2);
