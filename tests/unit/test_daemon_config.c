@@ -1,0 +1,156 @@
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "daemon/daemon_config.h"
+#include "tests/support/test_support.h"
+
+static em_status parse(const char *text, em_daemon_config *config, em_error *err)
+{
+    return em_daemon_config_parse_text(text, "test.json", config, err);
+}
+
+static void assert_rejected(const char *text, const char *expected)
+{
+    em_daemon_config config;
+    em_error err;
+    ck_assert_int_ne(parse(text, &config, &err), EM_OK);
+    ck_assert_msg(strcmp(err.message, expected) == 0, "for %s\n got: %s\nwant: %s", text,
+                  err.message, expected);
+}
+
+START_TEST(minimal_config_takes_the_defaults)
+{
+    em_daemon_config config;
+    em_error err;
+    ck_assert_int_eq(parse("{\"admin_token\": {\"value\": \"a\"}}", &config, &err), EM_OK);
+    ck_assert_str_eq(config.listen.data, "127.0.0.1:7070");
+    ck_assert_str_eq(config.listen.admin, "127.0.0.1:7071");
+    ck_assert_uint_eq(config.limits.max_connections, 1024);
+    ck_assert_uint_eq(config.limits.max_attachment_bytes, 1073741824u);
+    ck_assert_int_eq(config.backend.type, EM_BACKEND_AUTO);
+    ck_assert_uint_eq(config.backend.lanes, 2);
+    ck_assert(config.admin_token.set);
+    ck_assert_str_eq(config.admin_token.value, "a");
+    ck_assert(!config.data_token.set);
+    ck_assert_uint_eq(config.tables.count, 0);
+    em_daemon_config_deinit(&config);
+}
+END_TEST
+
+START_TEST(errors_name_the_key_and_the_value)
+{
+    assert_rejected("{}", "test.json: admin_token: required key is missing");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"listen\": {\"data\": \"localhost:70\"}}",
+                    "test.json: listen.data: listen address 'localhost:70': not an IPv4 address "
+                    "(expected IPv4:port or [IPv6]:port)");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"listen\": {\"admin\": \"[::1]:99999\"}}",
+                    "test.json: listen.admin: listen address '[::1]:99999': port must be a "
+                    "number from 0 to 65535 (expected IPv4:port or [IPv6]:port)");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"limits\": {\"max_connections\": 0}}",
+                    "test.json: limits.max_connections: must be between 1 and 1048576, got 0");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"backend\": {\"type\": \"tpu\"}}",
+                    "test.json: backend.type: 'tpu' is not one of auto, cpu, cuda");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"},"
+                    " \"backend\": {\"type\": \"cpu\", \"gpus\": [0]}}",
+                    "test.json: backend.gpus: applies to the cuda backend, not to type \"cpu\"");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"backend\": {\"gpus\": [1, 1]}}",
+                    "test.json: backend.gpus[1]: GPU 1 is listed twice");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"log_level\": \"loud\"}",
+                    "test.json: log_level: 'loud' is not one of error, warning, notice, info, "
+                    "debug");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"tables\": ["
+                    "{\"name\": \"t\", \"dim\": 4, \"capacity\": 9},"
+                    "{\"name\": \"t\", \"dim\": 8, \"capacity\": 9}]}",
+                    "test.json: tables[1].name: 't' is already used by tables[0]");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"tables\": ["
+                    "{\"name\": \"t\", \"dim\": 4, \"capacity\": 9, \"optimzer\": {}}]}",
+                    "test.json: tables[0].optimzer: unknown key (known keys: name, dim, capacity, "
+                    "shards, optimizer, initializer)");
+}
+END_TEST
+
+START_TEST(tokens_come_inline_from_a_file_or_the_environment)
+{
+    em_daemon_config config;
+    em_error err;
+    char path[] = "/tmp/ember-token-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_eq(write(fd, "from-file\n", 10), 10);
+    close(fd);
+    chmod(path, 0600);
+    char text[512];
+    snprintf(text, sizeof(text), "{\"admin_token\": {\"file\": \"%s\"},"
+                                 " \"data_token\": {\"env\": \"EMBER_TEST_DATA_TOKEN\"}}", path);
+    unsetenv("EMBER_TEST_DATA_TOKEN");
+    ck_assert_int_eq(parse(text, &config, &err), EM_INVALID_ARGUMENT);
+    ck_assert_str_eq(err.message, "test.json: data_token.env: environment variable "
+                                  "EMBER_TEST_DATA_TOKEN is not set");
+    setenv("EMBER_TEST_DATA_TOKEN", "from-env", 1);
+    ck_assert_int_eq(parse(text, &config, &err), EM_OK);
+    ck_assert_str_eq(config.admin_token.value, "from-file"); /* trailing newline dropped */
+    ck_assert_str_eq(config.data_token.value, "from-env");
+    /* The secret is never printed, only where it came from. */
+    cJSON *json = em_config_to_json(&em_daemon_config_schema, &config);
+    char *printed = cJSON_PrintUnformatted(json);
+    ck_assert(strstr(printed, "from-file") == NULL && strstr(printed, "from-env") == NULL);
+    ck_assert(strstr(printed, "\"env EMBER_TEST_DATA_TOKEN\"") != NULL);
+    free(printed);
+    cJSON_Delete(json);
+    em_daemon_config_deinit(&config);
+    /* A token file others can read is refused. */
+    chmod(path, 0644);
+    ck_assert_int_eq(parse(text, &config, &err), EM_PERMISSION_DENIED);
+    ck_assert(strstr(err.message, "readable or writable by others (mode 644)") != NULL);
+    unlink(path);
+    assert_rejected("{\"admin_token\": {\"value\": \"a\", \"env\": \"B\"}}",
+                    "test.json: admin_token: must be an object with one string key: value, "
+                    "file or env");
+    assert_rejected("{\"admin_token\": {\"value\": \"same\"}, \"data_token\": {\"value\": \"same\"}}",
+                    "test.json: data_token: must differ from admin_token, or data clients could "
+                    "administer the server");
+    assert_rejected("{\"admin_token\": {\"value\": \"\"}}",
+                    "test.json: admin_token.value: token must have 1 to 256 characters, got 0");
+}
+END_TEST
+
+static void count_change(void *context, const char *key)
+{
+    char *seen = context;
+    strcat(seen, key);
+    strcat(seen, " ");
+}
+
+START_TEST(reload_reports_keys_that_need_a_restart)
+{
+    em_daemon_config old_config, new_config;
+    em_error err;
+    ck_assert_int_eq(parse("{\"admin_token\": {\"value\": \"a\"}, \"log_level\": \"info\"}",
+                           &old_config, &err), EM_OK);
+    ck_assert_int_eq(parse("{\"admin_token\": {\"value\": \"b\"}, \"log_level\": \"debug\","
+                           " \"limits\": {\"max_connections\": 5},"
+                           " \"listen\": {\"data\": \"127.0.0.1:9\"},"
+                           " \"backend\": {\"threads\": 3}}",
+                           &new_config, &err), EM_OK);
+    char seen[256] = "";
+    ck_assert_int_eq(em_daemon_config_fixed_changes(&old_config, &new_config, count_change, seen),
+                     2);
+    ck_assert_str_eq(seen, "listen backend ");
+    em_daemon_config_deinit(&old_config);
+    em_daemon_config_deinit(&new_config);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *suite = suite_create("daemon_config");
+    TCase *tc = tcase_create("daemon_config");
+    tcase_add_test(tc, minimal_config_takes_the_defaults);
+    tcase_add_test(tc, errors_name_the_key_and_the_value);
+    tcase_add_test(tc, tokens_come_inline_from_a_file_or_the_environment);
+    tcase_add_test(tc, reload_reports_keys_that_need_a_restart);
+    suite_add_tcase(suite, tc);
+    return em_test_run(suite);
+}
