@@ -72,31 +72,13 @@ static uint32_t visible_gpus(void)
     return count;
 }
 
-static em_table *make_table(em_backend *backend, const em_table_config *config)
-{
-    em_table *table = NULL;
-    em_error err;
-    ck_assert_msg(em_table_create(backend, config, &table, &err) == EM_OK, "%s", err.message);
-    return table;
-}
-
-static const em_optimizer_config optimizers[] = {
-    {.kind = EM_OPTIMIZER_SGD, .learning_rate = 0.05f},
-    {.kind = EM_OPTIMIZER_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
-     .initial_accumulator = 0.01f},
-    {.kind = EM_OPTIMIZER_ROWWISE_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
-     .initial_accumulator = 0.0f},
-    {.kind = EM_OPTIMIZER_ADAM, .learning_rate = 0.01f, .eps = 1e-8f, .beta1 = 0.9f,
-     .beta2 = 0.999f},
-};
-
 static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t shards,
                                     int optimizer, int initializer)
 {
     em_table_config config;
     em_table_config_init(&config, "t", dim, capacity);
     config.shards = shards;
-    config.optimizer = optimizers[optimizer];
+    config.optimizer = em_test_optimizers[optimizer];
     config.initializer.kind = initializer;
     config.initializer.bound = 0.5f;
     config.initializer.stddev = 0.25f;
@@ -116,8 +98,8 @@ START_TEST(initial_values_match_cpu_bit_for_bit)
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(dim, 100000, 3, 3 /* adam */, initializer);
-    em_table *cpu_table = make_table(cpu, &config);
-    em_table *gpu_table = make_table(gpu, &config);
+    em_table *cpu_table = em_test_make_table(cpu, &config);
+    em_table *gpu_table = em_test_make_table(gpu, &config);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
     em_error err;
@@ -229,8 +211,8 @@ START_TEST(workloads_match_cpu)
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(w.dim, 100000, w.shards, w.optimizer, EM_INIT_UNIFORM);
-    em_table *cpu_table = make_table(cpu, &config);
-    em_table *gpu_table = make_table(gpu, &config);
+    em_table *cpu_table = em_test_make_table(cpu, &config);
+    em_table *gpu_table = em_test_make_table(gpu, &config);
     run_both(cpu_table, gpu_table, &w);
     em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, 7);
     em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, 7);
@@ -252,8 +234,8 @@ START_TEST(duplicate_keys_sum_like_cpu)
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(5, 1000, 2, 0, EM_INIT_UNIFORM);
-    em_table *cpu_table = make_table(cpu, &config);
-    em_table *gpu_table = make_table(gpu, &config);
+    em_table *cpu_table = em_test_make_table(cpu, &config);
+    em_table *gpu_table = em_test_make_table(gpu, &config);
     const uint32_t offsets[] = {0, 4, 4, 9};
     const uint64_t keys[] = {7, 7, 3, 7, 3, 3, 7, UINT64_MAX, 7};
     em_csr csr = {.rows = 3, .nnz = 9, .offsets = offsets, .keys = keys};
@@ -284,7 +266,7 @@ START_TEST(empty_rows_and_batches)
 {
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(3, 1000, 2, 0, EM_INIT_UNIFORM);
-    em_table *table = make_table(gpu, &config);
+    em_table *table = em_test_make_table(gpu, &config);
     em_error err;
     const uint32_t offsets[] = {0, 0, 2, 2};
     const uint64_t keys[] = {1, 2};
@@ -328,7 +310,7 @@ START_TEST(hash_map_grows_at_load_0_9)
     const uint64_t total = 300000;
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(dim, 1000000, 1, 0, EM_INIT_UNIFORM);
-    em_table *table = make_table(gpu, &config);
+    em_table *table = em_test_make_table(gpu, &config);
     uint64_t *keys = malloc(total * sizeof(uint64_t));
     for (uint64_t i = 0; i < total; i++)
         keys[i] = i < 3 ? UINT64_MAX - i : i * 0x9e3779b97f4a7c15ull;
@@ -387,7 +369,7 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
 {
     em_backend *gpu = gpu_backend(1, 24 * MEBIBYTE, false);
     em_table_config config = table_config(256, 1000000, 1, 3, EM_INIT_UNIFORM);
-    em_table *table = make_table(gpu, &config);
+    em_table *table = em_test_make_table(gpu, &config);
     em_error err;
     uint64_t keys[500];
     float *g = malloc(500 * 256 * sizeof(float));
@@ -433,9 +415,9 @@ START_TEST(import_export_round_trip_bit_for_bit)
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(6, 10000, 2, 1, EM_INIT_UNIFORM);
-    em_table *source = make_table(cpu, &config);
+    em_table *source = em_test_make_table(cpu, &config);
     config.shards = 5;
-    em_table *copy = make_table(gpu, &config);
+    em_table *copy = em_test_make_table(gpu, &config);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + 9);
     em_error err;
@@ -536,7 +518,7 @@ START_TEST(concurrent_pushes_lose_no_update)
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(RACE_DIM, 10000, 2, 0, EM_INIT_ZEROS);
     config.optimizer.learning_rate = 0.5f;
-    em_table *table = make_table(gpu, &config);
+    em_table *table = em_test_make_table(gpu, &config);
     race context = {.table = table};
     /* Create the keys first so every later push shares the table lock. */
     uint64_t keys[RACE_KEYS];
@@ -578,7 +560,7 @@ static record run_layout(em_backend *backend, uint32_t shards, int optimizer, em
 {
     const uint32_t dim = 8;
     em_table_config config = table_config(dim, 100000, shards, optimizer, EM_INIT_UNIFORM);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + 77);
     record r = {.outputs = malloc(20 * 64 * 8 * dim * sizeof(float))};

@@ -57,6 +57,24 @@ float *em_test_random_floats(em_test_rng *rng, uint64_t count)
     return values;
 }
 
+const em_optimizer_config em_test_optimizers[4] = {
+    {.kind = EM_OPTIMIZER_SGD, .learning_rate = 0.05f},
+    {.kind = EM_OPTIMIZER_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
+     .initial_accumulator = 0.01f},
+    {.kind = EM_OPTIMIZER_ROWWISE_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
+     .initial_accumulator = 0.0f},
+    {.kind = EM_OPTIMIZER_ADAM, .learning_rate = 0.01f, .eps = 1e-8f, .beta1 = 0.9f,
+     .beta2 = 0.999f},
+};
+
+em_table *em_test_make_table(em_backend *backend, const em_table_config *config)
+{
+    em_table *table = NULL;
+    em_error err;
+    ck_assert_msg(em_table_create(backend, config, &table, &err) == EM_OK, "%s", err.message);
+    return table;
+}
+
 em_status em_test_pull(em_table *table, const em_csr *batch, em_combiner combiner, bool create,
                        float *out, em_pull_result *result, em_error *err)
 {

@@ -35,6 +35,13 @@ void em_test_batch_free(em_test_batch *batch);
 /* count floats uniform in [-1, 1) (malloc'ed, one spare element so count 0 is fine). */
 float *em_test_random_floats(em_test_rng *rng, uint64_t count);
 
+/* The four optimizers with the hyperparameters the table suites use, by
+ * em_optimizer_kind: sgd, adagrad, rowwise_adagrad, adam. */
+extern const em_optimizer_config em_test_optimizers[4];
+
+/* em_table_create, failing the test on an error. */
+em_table *em_test_make_table(em_backend *backend, const em_table_config *config);
+
 /* em_table_pull / em_table_push with the output or gradient size the batch, combiner and
  * table dim call for; result may be NULL. */
 em_status em_test_pull(em_table *table, const em_csr *batch, em_combiner combiner, bool create,

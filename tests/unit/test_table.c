@@ -27,31 +27,13 @@ static em_backend *make_backend(uint32_t devices, uint64_t limit_bytes)
     return backend;
 }
 
-static em_table *make_table(em_backend *backend, const em_table_config *config)
-{
-    em_table *table = NULL;
-    em_error err;
-    ck_assert_msg(em_table_create(backend, config, &table, &err) == EM_OK, "%s", err.message);
-    return table;
-}
-
-static const em_optimizer_config optimizers[] = {
-    {.kind = EM_OPTIMIZER_SGD, .learning_rate = 0.05f},
-    {.kind = EM_OPTIMIZER_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
-     .initial_accumulator = 0.01f},
-    {.kind = EM_OPTIMIZER_ROWWISE_ADAGRAD, .learning_rate = 0.1f, .eps = 1e-10f,
-     .initial_accumulator = 0.0f},
-    {.kind = EM_OPTIMIZER_ADAM, .learning_rate = 0.01f, .eps = 1e-8f, .beta1 = 0.9f,
-     .beta2 = 0.999f},
-};
-
 static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t shards,
                                     int optimizer)
 {
     em_table_config config;
     em_table_config_init(&config, "t", dim, capacity);
     config.shards = shards;
-    config.optimizer = optimizers[optimizer];
+    config.optimizer = em_test_optimizers[optimizer];
     config.initializer.kind = EM_INIT_UNIFORM;
     config.initializer.bound = 0.5f;
     config.initializer.seed = 1234;
@@ -86,7 +68,7 @@ START_TEST(pull_and_push_match_float64_reference)
     const uint32_t dim = 13;
     em_backend *backend = make_backend(1, 256 * MEBIBYTE);
     em_table_config config = table_config(dim, 100000, 3, optimizer);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     reference_table *reference = reference_table_create(&config);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() * 31 + (uint64_t)_i);
@@ -133,7 +115,7 @@ START_TEST(push_creates_and_updates_once_per_unique_key)
 {
     em_backend *backend = make_backend(1, 64 * MEBIBYTE);
     em_table_config config = table_config(4, 1000, 2, 3 /* adam */);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     reference_table *reference = reference_table_create(&config);
     const uint32_t offsets[] = {0, 3, 5};
     const uint64_t keys[] = {9, 9, 5, 9, 5};
@@ -167,7 +149,7 @@ START_TEST(empty_rows_and_empty_batches)
 {
     em_backend *backend = make_backend(1, 64 * MEBIBYTE);
     em_table_config config = table_config(3, 1000, 2, 0);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     em_error err;
     const uint32_t offsets[] = {0, 0, 2, 2};
     const uint64_t keys[] = {1, 2};
@@ -205,7 +187,7 @@ START_TEST(create_missing_off_reads_zeros_and_inserts_nothing)
 {
     em_backend *backend = make_backend(1, 64 * MEBIBYTE);
     em_table_config config = table_config(5, 1000, 4, 1);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     em_error err;
     const uint32_t offsets[] = {0, 4};
     const uint64_t keys[] = {11, 12, 11, 13};
@@ -251,7 +233,7 @@ static run_record run_workload(uint32_t devices, uint32_t shards, int optimizer,
 {
     em_backend *backend = make_backend(devices, 128 * MEBIBYTE);
     em_table_config config = table_config(7, 100000, shards, optimizer);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + 77);
     run_record record = {.outputs = malloc(40 * 64 * 8 * 7 * sizeof(float))};
@@ -304,7 +286,7 @@ static em_table *populated_table(em_backend *backend, uint64_t capacity, int opt
                                  em_test_rng *rng)
 {
     em_table_config config = table_config(6, capacity, 3, optimizer);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     em_error err;
     em_test_batch b = em_test_random_batch(rng, 20, 5, 60);
     float *g = em_test_random_floats(rng, b.csr.nnz * 6);
@@ -379,7 +361,7 @@ START_TEST(capacity_exhaustion_fails_whole)
 {
     em_backend *backend = make_backend(1, 64 * MEBIBYTE);
     em_table_config config = table_config(4, 50, 4, 2);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     em_error err;
     uint64_t keys[70];
     uint32_t offsets[71];
@@ -425,7 +407,7 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
 {
     em_backend *backend = make_backend(1, 8 * MEBIBYTE);
     em_table_config config = table_config(256, 1000000, 1, 3);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     em_error err;
     uint32_t offsets[501];
     uint64_t keys[500];
@@ -472,7 +454,7 @@ START_TEST(export_import_round_trip_across_layouts)
     em_table *a = populated_table(a_backend, 10000, 1, &rng);
     em_table_config config = *em_table_get_config(a);
     config.shards = 5;
-    em_table *b = make_table(b_backend, &config);
+    em_table *b = em_test_make_table(b_backend, &config);
     em_test_snapshot source = em_test_snapshot_take(a, 7);
     em_error err;
     for (uint64_t start = 0; start < source.count; start += 9) {
@@ -589,7 +571,7 @@ START_TEST(concurrent_pulls_never_see_torn_rows)
     em_backend *backend = make_backend(2, 64 * MEBIBYTE);
     em_table_config config = table_config(TORN_DIM, 1000, 4, 0);
     config.initializer.kind = EM_INIT_ZEROS;
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     pthread_t threads[4];
     torn_context contexts[4];
     for (int t = 0; t < 4; t++) {
@@ -645,7 +627,7 @@ START_TEST(concurrent_disjoint_pushes_match_reference)
     const int threads = 4;
     em_backend *backend = make_backend(2, 64 * MEBIBYTE);
     em_table_config config = table_config(9, 100000, 6, 2);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     pthread_t handles[4];
     disjoint_context contexts[4];
     for (int t = 0; t < threads; t++) {
@@ -681,7 +663,7 @@ START_TEST(stats_count_rows_memory_and_requests)
 {
     em_backend *backend = make_backend(1, 64 * MEBIBYTE);
     em_table_config config = table_config(8, 1000, 2, 3);
-    em_table *table = make_table(backend, &config);
+    em_table *table = em_test_make_table(backend, &config);
     em_error err;
     const uint32_t offsets[] = {0, 3};
     const uint64_t keys[] = {1, 2, 2};
@@ -718,7 +700,7 @@ START_TEST(create_rejects_bad_config)
     ck_assert_str_eq(err.message, "table.dim: must be between 1 and 4096, got 0");
     ck_assert_ptr_null(table);
     config = table_config(4, 10, 0, 0);
-    table = make_table(backend, &config);
+    table = em_test_make_table(backend, &config);
     ck_assert_uint_eq(em_table_get_config(table)->shards, 1);
     em_table_destroy(table);
     em_backend_destroy(backend);
