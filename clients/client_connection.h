@@ -30,7 +30,7 @@
 
 #include "clients/client_frame.h"
 #include "clients/client_servers.h"
-#include "lib/status.h"
+#include "lib/base/status.h"
 
 typedef struct em__client_request {
     struct em__client_request *next, *previous; /* in the connection's list */

@@ -21,8 +21,8 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#include "lib/csr.h"
-#include "lib/status.h"
+#include "lib/table/csr.h"
+#include "lib/base/status.h"
 #include "proto/frame.h"
 
 /* prefix, offsets, padding, keys, gradients */

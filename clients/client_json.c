@@ -91,9 +91,15 @@ static size_t element_size(ProtobufCType type)
         return sizeof(void *);
     case PROTOBUF_C_TYPE_BYTES:
         return sizeof(ProtobufCBinaryData);
-    default:
+    case PROTOBUF_C_TYPE_INT32:
+    case PROTOBUF_C_TYPE_SINT32:
+    case PROTOBUF_C_TYPE_SFIXED32:
+    case PROTOBUF_C_TYPE_UINT32:
+    case PROTOBUF_C_TYPE_FIXED32:
+    case PROTOBUF_C_TYPE_FLOAT:
         return sizeof(uint32_t);
     }
+    return sizeof(uint32_t);
 }
 
 static cJSON *repeated_value(const ProtobufCFieldDescriptor *field, const uint8_t *message)

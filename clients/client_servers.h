@@ -13,7 +13,7 @@
 
 #include <stdint.h>
 
-#include "lib/status.h"
+#include "lib/base/status.h"
 
 /* Longest host name (RFC 1035 allows 253 characters) and list entry we accept. */
 #define EM_CLIENT_HOST_MAX 255

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lib/keyhash.h"
+#include "common/keyhash.h"
 
 /* ---- distinct keys ---------------------------------------------------------------- */
 

@@ -13,7 +13,7 @@
  * per-key vectors: NONE copies each key's vector in batch order; a pooled combiner
  * starts each row from +0.0f, adds the row's key vectors in key order in float and
  * divides by em_combiner_divisor(combiner, row length) - the arithmetic of the
- * server's own combine (lib/cpu_device.c combine_row) - so the result is bit-identical
+ * server's own combine (lib/device/cpu_device.c combine_row) - so the result is bit-identical
  * to one server holding every key.
  *
  * Push: each sub-batch holds every occurrence of the server's keys in batch order with
@@ -27,8 +27,8 @@
 
 #include <stdint.h>
 
-#include "lib/csr.h"
-#include "lib/status.h"
+#include "lib/table/csr.h"
+#include "lib/base/status.h"
 
 /* One server's part of a batch; batch views the arrays below (owned by the split). */
 typedef struct em__client_sub_batch {

@@ -29,8 +29,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "lib/csr.h"
-#include "lib/status.h"
+#include "lib/table/csr.h"
+#include "lib/base/status.h"
 
 typedef struct em_client em_client;
 

@@ -8,7 +8,7 @@
 #include <stdbool.h>
 #include <sys/socket.h>
 
-#include "lib/status.h"
+#include "lib/base/status.h"
 
 em_status em_address_parse(const char *text, struct sockaddr_storage *out, em_error *err);
 

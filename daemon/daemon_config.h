@@ -28,10 +28,10 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "lib/config.h"
-#include "lib/log.h"
-#include "lib/status.h"
-#include "lib/table_config.h"
+#include "lib/base/config.h"
+#include "lib/base/log.h"
+#include "lib/base/status.h"
+#include "lib/table/table_config.h"
 
 #define EM_ADDRESS_MAX 128
 #define EM_TOKEN_MAX 256

@@ -20,7 +20,7 @@
 #include "daemon/daemon_config.h"
 #include "daemon/executor.h"
 #include "daemon/server.h"
-#include "lib/status.h"
+#include "lib/base/status.h"
 
 /* What dispatching needs from the server; the loop thread owns it (reloads rewrite
  * it between frames). */

@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "lib/status.h"
+#include "lib/base/status.h"
 
 typedef struct em_job em_job;
 

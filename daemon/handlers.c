@@ -15,8 +15,8 @@
 
 #include "daemon/dispatch.h"
 #include "ember_config.h"
-#include "lib/catalog.h"
-#include "lib/table.h"
+#include "lib/table/catalog.h"
+#include "lib/table/table.h"
 
 /* ---- attachments --------------------------------------------------------------------- */
 

@@ -25,9 +25,9 @@
 #include "daemon/notify.h"
 #include "daemon/server.h"
 #include "ember_config.h"
-#include "lib/backend.h"
-#include "lib/catalog.h"
-#include "lib/log.h"
+#include "lib/device/backend.h"
+#include "lib/table/catalog.h"
+#include "lib/base/log.h"
 
 /* Builds for tests may bring a host emulation of the kernels (EM_CUDA_EMULATED). */
 #if EM_HAVE_CUDA || defined(EM_CUDA_EMULATED)

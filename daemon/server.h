@@ -19,9 +19,9 @@
 #include "daemon/daemon_config.h"
 #include "daemon/executor.h"
 #include "daemon/stats.h"
-#include "lib/backend.h"
-#include "lib/catalog.h"
-#include "lib/log.h"
+#include "lib/device/backend.h"
+#include "lib/table/catalog.h"
+#include "lib/base/log.h"
 
 typedef enum em_server_state {
     EM_SERVER_STARTING = 0,

@@ -14,9 +14,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "lib/catalog.h"
-#include "lib/pool.h"
-#include "lib/table.h"
+#include "lib/table/catalog.h"
+#include "lib/memory/pool.h"
+#include "lib/table/table.h"
 
 /* Slots for per-method counters (indices of the dispatch method table). */
 #define EM_METHOD_SLOTS 16

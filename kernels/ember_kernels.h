@@ -10,7 +10,7 @@
  *                      and communicators are opaque; a stream remembers its GPU, so
  *                      every call that takes one works from any host thread.
  *   launchers          one kernel (or one CUB primitive) each, enqueued on a stream
- *                      and returning at once. lib/cuda_device.c strings them together
+ *                      and returning at once. lib/device/cuda_device.c strings them together
  *                      into the device operations of lib/device.h; all scratch memory
  *                      is passed in (it comes from the device's pool), so nothing
  *                      here allocates on the request path.
@@ -25,7 +25,7 @@
  * tests/support/kernels_emulated.c implements this whole header with them).
  *
  * Sizes: key counts are 64-bit; per-request positions and ranks are 32-bit (a request
- * has at most UINT32_MAX keys, lib/table.c).
+ * has at most UINT32_MAX keys, lib/table/table.c).
  */
 #ifndef EMBER_KERNELS_EMBER_KERNELS_H
 #define EMBER_KERNELS_EMBER_KERNELS_H
@@ -33,8 +33,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "lib/initializer.h"
-#include "lib/optimizer.h"
+#include "common/combiner.h"
+#include "common/initializer.h"
+#include "common/optimizer.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -181,12 +182,6 @@ em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *un
 em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, uint32_t rows,
                               uint64_t nnz, uint32_t *key_row);
 
-/* Combiners as lib/csr.h numbers them. */
-#define EM_GPU_COMBINER_NONE 0
-#define EM_GPU_COMBINER_SUM 1
-#define EM_GPU_COMBINER_MEAN 2
-#define EM_GPU_COMBINER_SQRTN 3
-
 /* The batch as the sum and combine kernels see it (device pointers). */
 typedef struct em_gpu_batch {
     uint32_t rows;
@@ -195,7 +190,7 @@ typedef struct em_gpu_batch {
     const uint32_t *inverse;  /* nnz */
     const uint32_t *position; /* unique_count */
     uint64_t unique_count;
-    int combiner;
+    em_combiner combiner;
     uint32_t dim;             /* floats per vector */
 } em_gpu_batch;
 

@@ -1,7 +1,7 @@
 /*
  * DESIGN: kernels of the home-side request operations (dedupe, partition, gradient
  * sums, pooling). Each kernel is a loop around one function of kernels/kernel_logic.h;
- * lib/cuda_device.c puts them in order with the primitives of primitives.cu.
+ * lib/device/cuda_device.c puts them in order with the primitives of primitives.cu.
  *
  * Gradient sums and pooling are deterministic without atomics: one thread per output
  * element walks that element's contributions in key order, exactly as the CPU device
@@ -169,13 +169,13 @@ extern "C" em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gp
 extern "C" em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,
                                         const float *vectors, float *out)
 {
-    uint64_t outputs = batch->combiner == EM_GPU_COMBINER_NONE ? batch->nnz : batch->rows;
+    uint64_t outputs = batch->combiner == EM_COMBINER_NONE ? batch->nnz : batch->rows;
     if (outputs == 0 || batch->dim == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     uint32_t shift = em_gpu_group_shift(batch->dim);
     uint64_t threads = em_gpu_element_threads(outputs, shift);
-    if (batch->combiner == EM_GPU_COMBINER_NONE)
+    if (batch->combiner == EM_COMBINER_NONE)
         return EM_GPU_LAUNCH(combine_copy_kernel, threads, stream, *batch, vectors, out, shift);
     return EM_GPU_LAUNCH(combine_pool_kernel, threads, stream, *batch, vectors, out, shift);
 }

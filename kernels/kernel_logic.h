@@ -13,9 +13,9 @@
  *
  * Arithmetic follows the CPU device exactly: gradient sums start from -0.0 and add a
  * key's contributions in increasing key position; pooled pulls start from +0.0 and add
- * in key order, then divide; divisors come from em_gpu_combiner_divisor (the same
- * formula as em_combiner_divisor in lib/csr.c); initial values and optimizer steps
- * call the shared functions of lib/initializer.h and lib/optimizer.h. The kernels are
+ * in key order, then divide by em_combiner_divisor; divisors, initial values and
+ * optimizer steps call the shared functions of common/ (combiner.h, initializer.h,
+ * optimizer.h) that the CPU device calls too. The kernels are
  * compiled without fused multiply-add contraction (kernels/meson.build) so the
  * roundings are the CPU's too.
  *
@@ -32,10 +32,11 @@
 #include <math.h>
 #endif
 
+#include "common/combiner.h"
+#include "common/initializer.h"
+#include "common/keyhash.h"
+#include "common/optimizer.h"
 #include "kernels/ember_kernels.h"
-#include "lib/initializer.h"
-#include "lib/keyhash.h"
-#include "lib/optimizer.h"
 
 /* Threads that cooperate on one row in the rowwise-adagrad and adam kernels (a warp). */
 #define EM_GPU_ROW_LANES 32u
@@ -252,18 +253,6 @@ EM_HOST_DEVICE uint32_t em_gpu_row_of_key(const uint32_t *offsets, uint32_t rows
 
 /* ---- gradient sums and pooling ------------------------------------------------------- */
 
-/* em_combiner_divisor (lib/csr.c): NONE and SUM 1, MEAN len, SQRTN sqrt(len); empty 1. */
-EM_HOST_DEVICE float em_gpu_combiner_divisor(int combiner, uint32_t length)
-{
-    if (length == 0)
-        return 1.0f;
-    if (combiner == EM_GPU_COMBINER_MEAN)
-        return (float)length;
-    if (combiner == EM_GPU_COMBINER_SQRTN)
-        return sqrtf((float)length);
-    return 1.0f;
-}
-
 /* Element j of unique key u's summed gradient, written at its partitioned position. */
 EM_HOST_DEVICE void em_gpu_sum_gradient_element(const em_gpu_batch *batch,
                                                 const uint32_t *sorted_positions,
@@ -275,13 +264,13 @@ EM_HOST_DEVICE void em_gpu_sum_gradient_element(const em_gpu_batch *batch,
     float sum = -0.0f;
     for (uint32_t s = starts[u]; s < starts[u + 1]; s++) {
         uint32_t k = sorted_positions[s];
-        if (batch->combiner == EM_GPU_COMBINER_NONE) {
+        if (batch->combiner == EM_COMBINER_NONE) {
             sum += gradients[k * dim + j];
             continue;
         }
         uint32_t row = key_row[k];
         float divisor =
-            em_gpu_combiner_divisor(batch->combiner, batch->offsets[row + 1] - batch->offsets[row]);
+            em_combiner_divisor(batch->combiner, batch->offsets[row + 1] - batch->offsets[row]);
         float gradient = gradients[row * dim + j];
         if (divisor == 1.0f)
             sum += gradient;
@@ -308,7 +297,7 @@ EM_HOST_DEVICE void em_gpu_combine_pool_element(const em_gpu_batch *batch, const
     float sum = 0.0f;
     for (uint32_t k = begin; k < end; k++)
         sum += vectors[batch->position[batch->inverse[k]] * dim + j];
-    float divisor = em_gpu_combiner_divisor(batch->combiner, end - begin);
+    float divisor = em_combiner_divisor(batch->combiner, end - begin);
     if (divisor != 1.0f)
         sum /= divisor;
     out[r * dim + j] = sum;
@@ -499,7 +488,7 @@ EM_HOST_DEVICE float em_gpu_initial_value(const em_initializer_config *initializ
 {
     if (j < dim)
         return em_initializer_value(initializer, key, j);
-    if (optimizer->kind == EM_OPTIMIZER_ADAGRAD || optimizer->kind == EM_OPTIMIZER_ROWWISE_ADAGRAD)
+    if (em_optimizer_has_accumulator(optimizer->kind))
         return optimizer->initial_accumulator;
     return 0.0f;
 }
@@ -613,7 +602,7 @@ EM_HOST_DEVICE float em_gpu_rowwise_partial(const float *gradient, uint32_t dim,
 }
 
 /* The row's accumulator after the step (s += mean(g*g)), and the denominator
- * sqrt(s) + eps of every element (as lib/optimizer.c). */
+ * sqrt(s) + eps of every element (as lib/device/optimizer.c). */
 EM_HOST_DEVICE float em_gpu_rowwise_denominator(float accumulator, float squares, uint32_t dim,
                                                 float eps, float *updated)
 {

@@ -36,6 +36,15 @@ static inline em_gpu_status em_gpu_ok(void)
     return status;
 }
 
+/* A kind outside EM_OPTIMIZERS reached a launcher (a corrupted config): refused, never
+ * run as some other optimizer. */
+static inline em_gpu_status em_gpu_invalid_optimizer(void)
+{
+    em_gpu_status status = {(int)cudaErrorInvalidValue, 0, "em_gpu_rows_apply",
+                            "optimizer kind outside EM_OPTIMIZERS"};
+    return status;
+}
+
 static inline em_gpu_status em_gpu_cuda_status(cudaError_t error, const char *call)
 {
     em_gpu_status status = em_gpu_ok();

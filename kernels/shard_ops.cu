@@ -280,10 +280,13 @@ extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage
     case EM_OPTIMIZER_ADAM:
         return EM_GPU_LAUNCH(adam_kernel, warp_threads, stream, storage, optimizer, rows, n,
                              gradients);
-    default:
+    case EM_OPTIMIZER_SGD:
         return EM_GPU_LAUNCH(sgd_kernel, element_threads, stream, storage, optimizer, rows, n,
                              gradients, shift);
+    case EM_OPTIMIZER_COUNT:
+        break;
     }
+    return em_gpu_invalid_optimizer();
 }
 
 extern "C" em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,

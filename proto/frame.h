@@ -22,7 +22,7 @@
 
 #include <protobuf-c/protobuf-c.h>
 
-#include "lib/status.h"
+#include "lib/base/status.h"
 #include "proto/ember.pb-c.h"
 
 #define EM_FRAME_HEADER_BYTES 24

@@ -28,9 +28,9 @@
 #include <string.h>
 
 #include "kernels/ember_kernels.h"
-#include "lib/backend.h"
-#include "lib/pool.h"
-#include "lib/table.h"
+#include "lib/device/backend.h"
+#include "lib/memory/pool.h"
+#include "lib/table/table.h"
 #include "tests/support/test_support.h"
 
 #define KEYS_PER_CALL 1048576u

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "lib/hashmap.h"
+#include "lib/memory/hashmap.h"
 #include "tests/support/test_support.h"
 
 #define DEFAULT_KEYS 10000000u

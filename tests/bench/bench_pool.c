@@ -23,7 +23,7 @@
 #include <string.h>
 #include <sys/utsname.h>
 
-#include "lib/pool.h"
+#include "lib/memory/pool.h"
 #include "tests/support/test_support.h"
 
 #define KiB ((size_t)1024)

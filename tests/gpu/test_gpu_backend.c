@@ -21,8 +21,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "lib/backend.h"
-#include "lib/table.h"
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
 #include "tests/support/reference_table.h"
 #include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"

@@ -10,8 +10,8 @@
 #include <string.h>
 
 #include "clients/ember_client.h"
-#include "lib/backend.h"
-#include "lib/table.h"
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
 #include "tests/integration/harness.h"
 #include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"

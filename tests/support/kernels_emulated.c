@@ -1,8 +1,8 @@
 /*
  * DESIGN: kernels/ember_kernels.h implemented serially on the host, for tests.
  *
- * Linked instead of the real kernels, it lets the CUDA backend (lib/cuda_device.c,
- * lib/cuda_backend.c, lib/exchange_nccl.c, unchanged) run on any machine: every
+ * Linked instead of the real kernels, it lets the CUDA backend (lib/device/cuda_device.c,
+ * lib/device/cuda_backend.c, lib/device/exchange_nccl.c, unchanged) run on any machine: every
  * launcher runs its kernel's per-item function from kernels/kernel_logic.h over all
  * items, one after the other, at the moment it is enqueued; CUB's scan and radix sort
  * are replaced by a serial scan and a stable sort; NCCL transfers are memcpy.
@@ -532,7 +532,7 @@ em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,
 {
     (void)stream;
     enter_device();
-    if (batch->combiner == EM_GPU_COMBINER_NONE) {
+    if (batch->combiner == EM_COMBINER_NONE) {
         for (uint64_t k = 0; k < batch->nnz; k++)
             for (uint32_t j = 0; j < batch->dim; j++)
                 em_gpu_combine_copy_element(batch, vectors, out, k, j);
@@ -722,10 +722,14 @@ em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
         case EM_OPTIMIZER_ADAM:
             adam_row(storage, &optimizer, weights, gradient);
             break;
-        default:
+        case EM_OPTIMIZER_SGD:
             for (uint32_t j = 0; j < storage.dim; j++)
                 em_gpu_sgd_element(storage, &optimizer, rows, gradients, i, j);
             break;
+        case EM_OPTIMIZER_COUNT:
+            leave_device();
+            return (em_gpu_status){.code = 1, .call = "em_gpu_rows_apply",
+                                   .message = "optimizer kind outside EM_OPTIMIZERS"};
         }
     }
     leave_device();

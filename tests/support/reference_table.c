@@ -4,8 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lib/initializer.h"
-#include "lib/optimizer.h"
+#include "lib/device/initializer.h"
+#include "lib/device/optimizer.h"
 
 typedef struct reference_row_entry {
     uint64_t key;
@@ -192,6 +192,8 @@ void reference_apply_optimizer(const em_optimizer_config *o, uint32_t dim, doubl
         }
         break;
     }
+    case EM_OPTIMIZER_COUNT:
+        abort(); /* not an optimizer: the model has no formula to compare with */
     }
 }
 

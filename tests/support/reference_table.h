@@ -11,8 +11,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "lib/csr.h"
-#include "lib/table_config.h"
+#include "lib/table/csr.h"
+#include "lib/table/table_config.h"
 
 typedef struct reference_table reference_table;
 

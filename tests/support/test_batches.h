@@ -7,8 +7,8 @@
 
 #include <stdint.h>
 
-#include "lib/csr.h"
-#include "lib/table.h"
+#include "lib/table/csr.h"
+#include "lib/table/table.h"
 #include "tests/support/test_support.h"
 
 typedef struct em_test_batch {

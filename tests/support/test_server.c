@@ -16,9 +16,9 @@
 
 #include <check.h>
 
-#include "lib/backend.h"
-#include "lib/optimizer.h"
-#include "lib/table.h"
+#include "lib/device/backend.h"
+#include "lib/device/optimizer.h"
+#include "lib/table/table.h"
 #include "proto/frame.h"
 
 #define MAX_TABLES 16

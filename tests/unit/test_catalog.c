@@ -2,7 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lib/catalog.h"
+#include "lib/table/catalog.h"
 #include "tests/support/test_support.h"
 
 static em_backend *make_backend(void)

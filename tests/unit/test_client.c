@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #include "clients/ember_client.h"
-#include "lib/backend.h"
-#include "lib/table.h"
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
 #include "proto/frame.h"
 #include "tests/support/test_server.h"
 #include "tests/support/test_batches.h"

@@ -8,9 +8,9 @@
 #include <string.h>
 
 #include "clients/client_split.h"
-#include "lib/backend.h"
-#include "lib/keyhash.h"
-#include "lib/table.h"
+#include "lib/device/backend.h"
+#include "common/keyhash.h"
+#include "lib/table/table.h"
 #include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 

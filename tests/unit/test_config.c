@@ -3,7 +3,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "lib/table_config.h"
+#include "lib/table/table_config.h"
 #include "tests/support/test_support.h"
 
 static em_status parse(const char *text, em_table_config *config, em_error *err)

@@ -1,7 +1,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "lib/csr.h"
+#include "lib/table/csr.h"
 #include "tests/support/test_support.h"
 
 static em_status validate(uint32_t rows, uint64_t nnz, const uint32_t *offsets, em_error *err)

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lib/status.h"
+#include "lib/base/status.h"
 #include "proto/frame.h"
 #include "tests/support/test_support.h"
 

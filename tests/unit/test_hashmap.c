@@ -10,8 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lib/hashmap.h"
-#include "lib/keyhash.h"
+#include "lib/memory/hashmap.h"
+#include "common/keyhash.h"
 #include "tests/support/test_support.h"
 
 /* ck_assert records every check that passes (a write to the test runner), far too slow

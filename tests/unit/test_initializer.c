@@ -4,7 +4,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "lib/initializer.h"
+#include "lib/device/initializer.h"
 #include "tests/support/test_support.h"
 
 /* Independent transcription of the documented formula. */

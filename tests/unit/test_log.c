@@ -4,7 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "lib/log.h"
+#include "lib/base/log.h"
 #include "tests/support/test_support.h"
 
 /* Reads back everything written to the temporary file behind fd. */

@@ -1,8 +1,8 @@
 #include <math.h>
 #include <string.h>
 
-#include "lib/optimizer.h"
-#include "lib/table_config.h"
+#include "lib/device/optimizer.h"
+#include "lib/table/table_config.h"
 #include "tests/support/reference_table.h"
 #include "tests/support/test_support.h"
 

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lib/pool.h"
+#include "lib/memory/pool.h"
 #include "tests/support/test_support.h"
 
 #define KiB ((size_t)1024)

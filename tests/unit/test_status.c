@@ -1,6 +1,6 @@
 #include <string.h>
 
-#include "lib/status.h"
+#include "lib/base/status.h"
 #include "tests/support/test_support.h"
 
 START_TEST(codes_follow_grpc_numbering)

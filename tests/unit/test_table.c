@@ -3,8 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lib/backend.h"
-#include "lib/table.h"
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
 #include "tests/support/reference_table.h"
 #include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"

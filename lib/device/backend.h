@@ -1,0 +1,97 @@
+/*
+ * DESIGN: a backend is the set of devices tables live on, plus the exchange between
+ * them.
+ *
+ * The CPU backend has one or more host "devices", each with its own pool, so that
+ * several-device routing and the host-staged exchange run (and are tested) on any
+ * machine; the CUDA backend (lib/device/cuda_backend.c, built with the cuda feature) has one
+ * device per GPU and an NCCL exchange. A table's shards are spread over the devices in
+ * contiguous blocks (shard s of S lives on device s * D / S), so the keys a request
+ * sends to one device form one contiguous range of its partitioned keys.
+ */
+#ifndef EMBER_LIB_BACKEND_H
+#define EMBER_LIB_BACKEND_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "lib/device/device.h"
+#include "lib/device/exchange.h"
+#include "lib/base/status.h"
+
+#define EM_BACKEND_MAX_DEVICES 64
+
+typedef struct em_backend {
+    const char *kind; /* "cpu", "cuda" */
+    em_device **devices;
+    uint32_t device_count;
+    em_exchange *exchange;
+    _Atomic uint32_t next_home; /* round-robin choice of home devices */
+} em_backend;
+
+typedef struct em_cpu_backend_options {
+    uint32_t devices;            /* host devices (>= 1) */
+    uint64_t pool_limit_bytes;   /* per device; 0: half of the physical memory / devices */
+    uint64_t pool_initial_bytes; /* per device, reserved at start (<= limit) */
+    uint64_t pool_growth_bytes;  /* per device, each later region */
+} em_cpu_backend_options;
+
+/* Defaults: 1 device, limit half of physical memory, 64 MiB initial, 256 MiB growth. */
+void em_cpu_backend_options_init(em_cpu_backend_options *options);
+
+em_status em_backend_create_cpu(const em_cpu_backend_options *options, em_backend **out,
+                                em_error *err);
+
+/* Takes ownership of devices[0..count) (allocated with malloc) and exchange. */
+em_status em_backend_assemble(const char *kind, em_device **devices, uint32_t count,
+                              em_exchange *exchange, em_backend **out, em_error *err);
+
+/* Destroys the devices and the exchange. Tables must be destroyed first. */
+void em_backend_destroy(em_backend *backend);
+
+/* The device a request runs its home-side work on (round robin). Thread-safe. */
+em_device *em_backend_home_device(em_backend *backend);
+
+/* Device index of shard `shard` of a table with shard_count shards. */
+uint32_t em_backend_shard_device(const em_backend *backend, uint32_t shard, uint32_t shard_count);
+
+/* A CPU device with its own host-memory pool (used by em_backend_create_cpu). */
+em_status em_cpu_device_create(uint32_t index, const em_cpu_backend_options *options,
+                               em_device **out, em_error *err);
+
+/* ---- CUDA backend -------------------------------------------------------------------
+ * The declarations below exist only in builds with the CUDA backend (EM_HAVE_CUDA in
+ * ember_config.h); lib/device/cuda_backend.c defines them. */
+
+#define EM_CUDA_MAX_LANES 16
+
+typedef struct em_cuda_backend_options {
+    uint32_t devices[EM_BACKEND_MAX_DEVICES]; /* GPU ordinals to use, in this order */
+    uint32_t device_count;     /* 0: every usable GPU (see em_cuda_available) */
+    uint64_t pool_bytes;       /* device pool per GPU, reserved at start; 0: memory_fraction
+                                * of the GPU's free memory at start */
+    double memory_fraction;    /* in (0, 1]; used when pool_bytes is 0 */
+    uint32_t lanes;            /* streams per GPU: requests that run at once (1..16) */
+    uint64_t staging_bytes;    /* pinned host staging per lane; larger copies are chunked */
+    bool host_staged_exchange; /* skip NCCL even with several GPUs (tests, debugging) */
+} em_cuda_backend_options;
+
+/* Defaults: every usable GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging. */
+void em_cuda_backend_options_init(em_cuda_backend_options *options);
+
+/* Whether a usable GPU is visible (one this build's kernels run on; they are compiled
+ * for the gpu_architectures build option): *device_count gets how many. Errors:
+ * UNAVAILABLE naming the CUDA error (no driver, no device, no kernels for the GPUs
+ * there are); never crashes on a machine without a GPU. */
+em_status em_cuda_available(uint32_t *device_count, em_error *err);
+
+/* A backend with one device per GPU (each with its own pool and lanes) and the NCCL
+ * exchange when it has several GPUs and NCCL initialises, else the host-staged one
+ * (backend->exchange->name says which). Errors: UNAVAILABLE without a GPU,
+ * INVALID_ARGUMENT for bad options (named), RESOURCE_EXHAUSTED when a pool or the
+ * staging memory cannot be had, INTERNAL for other CUDA failures. */
+em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_backend **out,
+                                 em_error *err);
+
+#endif

@@ -1,0 +1,569 @@
+/*
+ * DESIGN: the CPU backend's device.
+ *
+ * Device memory is host memory from the device's pool (mmap'ed regions), so device
+ * pointers are plain pointers and copies are memcpy. A shard is a concurrent hash map
+ * (key -> row index, slot arrays in the pool) plus row storage in fixed-size blocks
+ * from the pool: row r lives in block r >> block_shift at slot r & block_mask, as its
+ * weights followed by its optimizer state, padded to a multiple of 4 floats. Blocks
+ * are added as rows are reserved and never move, so a row's address is stable and
+ * growing never copies rows.
+ *
+ * The home-side operations (unique, partition, gradient sums, combine) are plain
+ * loops in the order the interface defines; the unique step uses a scratch
+ * open-addressing index of unique positions (no key sentinel needed).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lib/device/backend.h"
+#include "lib/memory/hashmap.h"
+#include "common/keyhash.h"
+
+/* Row blocks aim at this many bytes (em_row_blocks_plan). */
+#define TARGET_BLOCK_BYTES ((size_t)1 << 20)
+/* Hash map slots a new shard starts with at most (it grows on demand). */
+#define MAX_INITIAL_SLOTS ((size_t)1 << 16)
+
+typedef struct cpu_shard {
+    em_shard base;
+    em_hashmap *map;
+    uint32_t dim;
+    uint32_t row_floats; /* dim + optimizer state: what export and import carry */
+    uint32_t stride;     /* floats between consecutive rows of a block */
+    em_optimizer_config optimizer;
+    em_initializer_config initializer;
+    float **blocks;
+    uint64_t block_count;
+    uint64_t block_slots; /* capacity of the blocks array */
+    uint32_t block_shift;
+    uint64_t block_mask;
+    size_t block_bytes;
+} cpu_shard;
+
+static cpu_shard *cpu_shard_of(em_shard *shard)
+{
+    return (cpu_shard *)shard;
+}
+
+/* The CPU device's lane: the calling thread does the work, so one stateless lane
+ * serves every request at once. */
+typedef struct cpu_device_state {
+    em_lane lane;
+} cpu_device_state;
+
+/* ---- memory and lanes ---------------------------------------------------------------- */
+
+static em_pool_region_provider cpu_region_provider(em_device *device)
+{
+    (void)device;
+    return em_pool_host_provider();
+}
+
+static em_status cpu_lane_acquire(em_device *device, em_lane **out, em_error *err)
+{
+    (void)err;
+    *out = &((cpu_device_state *)device->impl)->lane;
+    return EM_OK;
+}
+
+static void cpu_lane_release(em_lane *lane)
+{
+    (void)lane;
+}
+
+static em_status cpu_copy(em_lane *lane, void *destination, const void *source, size_t bytes,
+                          em_error *err)
+{
+    (void)lane;
+    (void)err;
+    if (bytes != 0 && destination != source)
+        memcpy(destination, source, bytes);
+    return EM_OK;
+}
+
+static em_status cpu_synchronize(em_lane *lane, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    return EM_OK;
+}
+
+/* ---- home-side operations -------------------------------------------------------- */
+
+static uint64_t power_of_two_at_least(uint64_t n)
+{
+    uint64_t power = 16;
+    while (power < n)
+        power <<= 1;
+    return power;
+}
+
+static em_status cpu_unique_keys(em_lane *lane, const uint64_t *keys, uint64_t n,
+                                 uint64_t *unique, uint32_t *inverse, uint32_t *first,
+                                 uint64_t *unique_count, em_error *err)
+{
+    em_device *device = lane->device;
+    uint64_t slots = power_of_two_at_least(2 * n);
+    uint32_t *index = NULL; /* slot -> unique position + 1, 0 when empty */
+    em_status status = em_device_alloc(device, slots * sizeof(*index), "unique index",
+                                       (void **)&index, err);
+    if (status != EM_OK)
+        return status;
+    memset(index, 0, slots * sizeof(*index));
+    uint64_t mask = slots - 1;
+    uint32_t count = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t key = keys[i];
+        uint64_t slot = em_hashmap_hash(key) & mask;
+        while (index[slot] != 0 && unique[index[slot] - 1] != key)
+            slot = (slot + 1) & mask;
+        if (index[slot] == 0) {
+            unique[count] = key;
+            first[count] = (uint32_t)i;
+            index[slot] = ++count;
+        }
+        inverse[i] = index[slot] - 1;
+    }
+    em_device_free(device, index);
+    *unique_count = count;
+    return EM_OK;
+}
+
+static em_status cpu_partition_keys(em_lane *lane, const uint64_t *unique, uint64_t n,
+                                    uint32_t shard_count, const uint32_t *first,
+                                    uint64_t *partitioned, uint32_t *position, uint32_t *targets,
+                                    uint64_t *shard_counts, em_error *err)
+{
+    em_device *device = lane->device;
+    uint32_t *owner = NULL;
+    em_status status = em_device_alloc(device, n * sizeof(*owner), "partition owners",
+                                       (void **)&owner, err);
+    if (status != EM_OK)
+        return status;
+    memset(shard_counts, 0, shard_count * sizeof(*shard_counts));
+    for (uint64_t u = 0; u < n; u++) {
+        owner[u] = em_key_shard(unique[u], shard_count);
+        shard_counts[owner[u]]++;
+    }
+    uint64_t *cursor = NULL;
+    status = em_device_alloc(device, shard_count * sizeof(*cursor), "partition cursors",
+                             (void **)&cursor, err);
+    if (status != EM_OK) {
+        em_device_free(device, owner);
+        return status;
+    }
+    uint64_t start = 0;
+    for (uint32_t s = 0; s < shard_count; s++) {
+        cursor[s] = start;
+        start += shard_counts[s];
+    }
+    for (uint64_t u = 0; u < n; u++) {
+        uint64_t slot = cursor[owner[u]]++;
+        partitioned[slot] = unique[u];
+        position[u] = (uint32_t)slot;
+        if (targets != NULL)
+            targets[slot] = first[u];
+    }
+    em_device_free(device, cursor);
+    em_device_free(device, owner);
+    return EM_OK;
+}
+
+static void add_vector(float *destination, const float *source, uint32_t dim)
+{
+    for (uint32_t j = 0; j < dim; j++)
+        destination[j] += source[j];
+}
+
+static void add_divided_vector(float *destination, const float *source, float divisor,
+                               uint32_t dim)
+{
+    for (uint32_t j = 0; j < dim; j++)
+        destination[j] += source[j] / divisor;
+}
+
+static float *vector_at(float *base, uint64_t index, uint32_t dim)
+{
+    return base + index * dim;
+}
+
+static const float *const_vector_at(const float *base, uint64_t index, uint32_t dim)
+{
+    return base + index * dim;
+}
+
+static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
+                                   em_combiner combiner, uint32_t dim, const float *gradients,
+                                   float *partitioned_gradients, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    uint64_t total = batch->unique_count * dim;
+    for (uint64_t i = 0; i < total; i++)
+        partitioned_gradients[i] = -0.0f;
+    for (uint32_t r = 0; r < batch->rows; r++) {
+        uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
+        float divisor = em_combiner_divisor(combiner, end - begin);
+        for (uint32_t k = begin; k < end; k++) {
+            float *sum = vector_at(partitioned_gradients, batch->position[batch->inverse[k]], dim);
+            if (combiner == EM_COMBINER_NONE)
+                add_vector(sum, const_vector_at(gradients, k, dim), dim);
+            else if (divisor == 1.0f)
+                add_vector(sum, const_vector_at(gradients, r, dim), dim);
+            else
+                add_divided_vector(sum, const_vector_at(gradients, r, dim), divisor, dim);
+        }
+    }
+    return EM_OK;
+}
+
+static void combine_row(const em_device_batch *batch, uint32_t row, em_combiner combiner,
+                        uint32_t dim, const float *vectors, float *out)
+{
+    uint32_t begin = batch->offsets[row], end = batch->offsets[row + 1];
+    memset(out, 0, dim * sizeof(float));
+    for (uint32_t k = begin; k < end; k++)
+        add_vector(out, const_vector_at(vectors, batch->position[batch->inverse[k]], dim), dim);
+    float divisor = em_combiner_divisor(combiner, end - begin);
+    if (divisor != 1.0f)
+        for (uint32_t j = 0; j < dim; j++)
+            out[j] /= divisor;
+}
+
+static em_status cpu_combine(em_lane *lane, const em_device_batch *batch,
+                             em_combiner combiner, uint32_t dim, const float *vectors, float *out,
+                             em_error *err)
+{
+    (void)lane;
+    (void)err;
+    if (combiner == EM_COMBINER_NONE) {
+        for (uint64_t k = 0; k < batch->nnz; k++)
+            memcpy(vector_at(out, k, dim),
+                   const_vector_at(vectors, batch->position[batch->inverse[k]], dim),
+                   dim * sizeof(float));
+        return EM_OK;
+    }
+    for (uint32_t r = 0; r < batch->rows; r++)
+        combine_row(batch, r, combiner, dim, vectors, vector_at(out, r, dim));
+    return EM_OK;
+}
+
+static em_status cpu_copy_repeats(em_lane *lane, const em_device_batch *batch,
+                                  const uint32_t *first, uint32_t dim, float *out, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    for (uint64_t k = 0; k < batch->nnz; k++) {
+        uint32_t origin = first[batch->inverse[k]];
+        if (origin != k)
+            memcpy(vector_at(out, k, dim), const_vector_at(out, origin, dim), dim * sizeof(float));
+    }
+    return EM_OK;
+}
+
+/* ---- shards: storage ------------------------------------------------------------- */
+
+static float *row_address(const cpu_shard *shard, uint64_t row)
+{
+    return shard->blocks[row >> shard->block_shift] + (row & shard->block_mask) * shard->stride;
+}
+
+static uint64_t storage_rows(const cpu_shard *shard)
+{
+    return shard->block_count << shard->block_shift;
+}
+
+static em_status grow_block_array(cpu_shard *shard, em_error *err)
+{
+    uint64_t slots = shard->block_slots == 0 ? 16 : shard->block_slots * 2;
+    float **grown = realloc(shard->blocks, slots * sizeof(*grown));
+    if (grown == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "shard block table: out of host memory");
+    shard->blocks = grown;
+    shard->block_slots = slots;
+    return EM_OK;
+}
+
+/* Adds blocks until the storage holds at least rows rows. Blocks added before a
+ * failure stay: they are spare capacity, never half-written rows. */
+static em_status ensure_storage(cpu_shard *shard, uint64_t rows, em_error *err)
+{
+    while (storage_rows(shard) < rows) {
+        if (shard->block_count == shard->block_slots) {
+            em_status status = grow_block_array(shard, err);
+            if (status != EM_OK)
+                return status;
+        }
+        void *block = NULL;
+        em_status status = em_device_alloc(shard->base.device, shard->block_bytes,
+                                           "row storage", &block, err);
+        if (status != EM_OK)
+            return status;
+        shard->blocks[shard->block_count++] = block;
+    }
+    return EM_OK;
+}
+
+static void initialize_row(cpu_shard *shard, uint64_t key, uint64_t row)
+{
+    float *weights = row_address(shard, row);
+    em_initializer_fill(&shard->initializer, key, shard->dim, weights);
+    em_optimizer_init_state(&shard->optimizer, shard->dim, weights + shard->dim);
+}
+
+/* ---- shards: operations ---------------------------------------------------------- */
+
+static em_status cpu_shard_create(em_device *device, const em_shard_spec *spec, em_shard **out,
+                                  em_error *err)
+{
+    cpu_shard *shard = calloc(1, sizeof(*shard));
+    if (shard == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "shard %u: out of host memory",
+                            spec->index);
+    shard->base.device = device;
+    shard->dim = spec->dim;
+    shard->optimizer = spec->optimizer;
+    shard->initializer = spec->initializer;
+    em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES);
+    shard->row_floats = plan.row_floats;
+    shard->stride = plan.stride;
+    shard->block_shift = plan.block_shift;
+    shard->block_mask = plan.block_mask;
+    shard->block_bytes = plan.block_bytes;
+
+    em_hashmap_options map_options = {
+        .initial_slots = spec->expected_rows < MAX_INITIAL_SLOTS ? (size_t)spec->expected_rows + 16
+                                                                 : MAX_INITIAL_SLOTS,
+        .max_load_factor = EM_HASHMAP_DEFAULT_MAX_LOAD,
+        .allocator = em_pool_host_allocator(device->pool),
+    };
+    em_status status = em_hashmap_create(&map_options, &shard->map, err);
+    if (status != EM_OK) {
+        free(shard);
+        return em_error_prefix(err, "table '%s' shard %u: ", spec->table, spec->index);
+    }
+    *out = &shard->base;
+    return EM_OK;
+}
+
+static void cpu_shard_destroy(em_shard *base)
+{
+    if (base == NULL)
+        return;
+    cpu_shard *shard = cpu_shard_of(base);
+    for (uint64_t b = 0; b < shard->block_count; b++)
+        em_device_free(base->device, shard->blocks[b]);
+    free(shard->blocks);
+    em_hashmap_destroy(shard->map);
+    free(shard);
+}
+
+static em_status cpu_shard_find(em_shard *base, em_lane *lane, const uint64_t *keys, uint64_t n,
+                                uint64_t *rows, uint64_t *missing, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    *missing = em_hashmap_find(cpu_shard_of(base)->map, keys, n, rows);
+    return EM_OK;
+}
+
+static em_status cpu_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
+                                   em_error *err)
+{
+    (void)lane;
+    cpu_shard *shard = cpu_shard_of(base);
+    em_status status = em_hashmap_reserve(shard->map, new_keys, err);
+    if (status != EM_OK)
+        return status;
+    return ensure_storage(shard, em_hashmap_row_limit(shard->map) + new_keys, err);
+}
+
+/* Copies the keys whose row is missing into `missing` (n entries); returns the count. */
+static uint64_t collect_missing(const uint64_t *keys, const uint64_t *rows, uint64_t n,
+                                uint64_t *missing)
+{
+    uint64_t count = 0;
+    for (uint64_t i = 0; i < n; i++)
+        if (rows[i] == EM_ROW_NONE)
+            missing[count++] = keys[i];
+    return count;
+}
+
+static em_status cpu_shard_insert_missing(em_shard *base, em_lane *lane, const uint64_t *keys,
+                                          uint64_t n, uint64_t *rows, em_error *err)
+{
+    (void)lane;
+    cpu_shard *shard = cpu_shard_of(base);
+    uint64_t *missing_keys = NULL, *new_rows = NULL;
+    uint8_t *inserted = NULL;
+    em_status status = em_device_alloc(base->device, n * sizeof(uint64_t), "insert keys",
+                                       (void **)&missing_keys, err);
+    if (status == EM_OK)
+        status = em_device_alloc(base->device, n * sizeof(uint64_t), "insert rows",
+                                 (void **)&new_rows, err);
+    if (status == EM_OK)
+        status = em_device_alloc(base->device, n, "insert flags", (void **)&inserted, err);
+    if (status == EM_OK) {
+        uint64_t count = collect_missing(keys, rows, n, missing_keys);
+        memset(inserted, 0, count);
+        status = em_hashmap_find_or_insert(shard->map, missing_keys, count, new_rows, inserted,
+                                           NULL, err);
+        /* Rows the map handed out are initialised even if a later key failed, so no
+         * reader ever sees uninitialised memory. */
+        for (uint64_t i = 0; i < count; i++)
+            if (inserted[i])
+                initialize_row(shard, missing_keys[i], new_rows[i]);
+        for (uint64_t i = 0, next = 0; status == EM_OK && i < n; i++)
+            if (rows[i] == EM_ROW_NONE)
+                rows[i] = new_rows[next++];
+    }
+    em_device_free(base->device, inserted);
+    em_device_free(base->device, new_rows);
+    em_device_free(base->device, missing_keys);
+    return status;
+}
+
+static em_status cpu_shard_gather(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                  uint64_t n, const uint32_t *targets, float *vectors,
+                                  em_error *err)
+{
+    (void)lane;
+    (void)err;
+    cpu_shard *shard = cpu_shard_of(base);
+    size_t vector_bytes = shard->dim * sizeof(float);
+    for (uint64_t i = 0; i < n; i++) {
+        float *destination = vector_at(vectors, targets != NULL ? targets[i] : i, shard->dim);
+        if (rows[i] == EM_ROW_NONE)
+            memset(destination, 0, vector_bytes);
+        else
+            memcpy(destination, row_address(shard, rows[i]), vector_bytes);
+    }
+    return EM_OK;
+}
+
+static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                 uint64_t n, const float *gradients, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    cpu_shard *shard = cpu_shard_of(base);
+    for (uint64_t i = 0; i < n; i++) {
+        float *weights = row_address(shard, rows[i]);
+        em_optimizer_apply_row(&shard->optimizer, shard->dim, weights, weights + shard->dim,
+                               const_vector_at(gradients, i, shard->dim));
+    }
+    return EM_OK;
+}
+
+static em_status cpu_shard_export(em_shard *base, em_lane *lane, uint64_t *cursor,
+                                  uint64_t *keys, float *values, uint64_t max, uint64_t *count,
+                                  em_error *err)
+{
+    (void)lane;
+    cpu_shard *shard = cpu_shard_of(base);
+    uint64_t *rows = NULL;
+    em_status status = em_device_alloc(base->device, max * sizeof(*rows), "export rows",
+                                       (void **)&rows, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t exported = em_hashmap_export(shard->map, cursor, keys, rows, max);
+    for (uint64_t i = 0; i < exported; i++)
+        memcpy(vector_at(values, i, shard->row_floats), row_address(shard, rows[i]),
+               shard->row_floats * sizeof(float));
+    em_device_free(base->device, rows);
+    *count = exported;
+    return EM_OK;
+}
+
+static em_status cpu_shard_write_rows(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                      uint64_t n, const float *values, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    cpu_shard *shard = cpu_shard_of(base);
+    for (uint64_t i = 0; i < n; i++)
+        memcpy(row_address(shard, rows[i]), const_vector_at(values, i, shard->row_floats),
+               shard->row_floats * sizeof(float));
+    return EM_OK;
+}
+
+static void cpu_shard_stats(em_shard *base, em_shard_stats *out)
+{
+    cpu_shard *shard = cpu_shard_of(base);
+    em_hashmap_stats map;
+    em_hashmap_get_stats(shard->map, &map);
+    out->rows = map.size;
+    out->row_bytes = shard->block_count * shard->block_bytes;
+    out->index_bytes = map.bytes;
+    out->row_limit = storage_rows(shard);
+}
+
+/* ---- device ---------------------------------------------------------------------- */
+
+static void cpu_device_destroy(em_device *device)
+{
+    em_pool_destroy(device->pool);
+    free(device->impl);
+    free(device);
+}
+
+static const em_device_ops cpu_device_ops = {
+    .region_provider = cpu_region_provider,
+    .lane_acquire = cpu_lane_acquire,
+    .lane_release = cpu_lane_release,
+    .copy_to_device = cpu_copy,
+    .copy_to_host = cpu_copy,
+    .synchronize = cpu_synchronize,
+    .unique_keys = cpu_unique_keys,
+    .partition_keys = cpu_partition_keys,
+    .sum_gradients = cpu_sum_gradients,
+    .combine = cpu_combine,
+    .copy_repeats = cpu_copy_repeats,
+    .shard_create = cpu_shard_create,
+    .shard_destroy = cpu_shard_destroy,
+    .shard_find = cpu_shard_find,
+    .shard_reserve = cpu_shard_reserve,
+    .shard_insert_missing = cpu_shard_insert_missing,
+    .shard_gather = cpu_shard_gather,
+    .shard_apply = cpu_shard_apply,
+    .shard_export = cpu_shard_export,
+    .shard_write_rows = cpu_shard_write_rows,
+    .shard_stats = cpu_shard_stats,
+    .destroy = cpu_device_destroy,
+};
+
+em_status em_cpu_device_create(uint32_t index, const em_cpu_backend_options *options,
+                               em_device **out, em_error *err)
+{
+    em_device *device = calloc(1, sizeof(*device));
+    cpu_device_state *state = calloc(1, sizeof(*state));
+    if (device == NULL || state == NULL) {
+        free(device);
+        free(state);
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "cpu device %u: out of memory", index);
+    }
+    state->lane.device = device;
+    device->impl = state;
+    device->ops = &cpu_device_ops;
+    snprintf(device->name, sizeof(device->name), "cpu%u", index);
+    device->kind = "cpu";
+    device->index = index;
+    device->host_addressable = true;
+    em_pool_options pool_options = {
+        .name = device->name,
+        .initial_bytes = options->pool_initial_bytes,
+        .growth_bytes = options->pool_growth_bytes,
+        .limit_bytes = options->pool_limit_bytes,
+        .provider = cpu_region_provider(device),
+    };
+    em_status status = em_pool_create(&pool_options, &device->pool, err);
+    if (status != EM_OK) {
+        free(state);
+        free(device);
+        return em_error_prefix(err, "cpu device %u: ", index);
+    }
+    *out = device;
+    return EM_OK;
+}

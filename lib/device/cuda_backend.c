@@ -1,0 +1,208 @@
+/*
+ * DESIGN: assembling the CUDA backend: one device per GPU, then the exchange.
+ *
+ * Options are checked and resolved first (GPU list, pool size from the free memory
+ * when not given), so a bad option fails before any GPU memory is taken. Each device
+ * takes its whole pool at once; with several GPUs the NCCL exchange is tried and the
+ * host-staged one used when NCCL cannot initialise (or when the options ask for it).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lib/device/backend.h"
+#include "lib/device/cuda_device.h"
+
+#define MEBIBYTE (UINT64_C(1) << 20)
+#define DEFAULT_MEMORY_FRACTION 0.8
+#define DEFAULT_LANES 2u
+#define DEFAULT_STAGING_BYTES (16 * MEBIBYTE)
+/* Below this a pool cannot hold a useful table; also the staging floor. */
+#define MIN_POOL_BYTES (16 * MEBIBYTE)
+#define MIN_STAGING_BYTES (UINT64_C(64) << 10)
+#define MAX_STAGING_BYTES (UINT64_C(4) << 30)
+/* Pools are whole mebibytes. */
+#define POOL_GRANULE MEBIBYTE
+
+void em_cuda_backend_options_init(em_cuda_backend_options *options)
+{
+    memset(options, 0, sizeof(*options));
+    options->memory_fraction = DEFAULT_MEMORY_FRACTION;
+    options->lanes = DEFAULT_LANES;
+    options->staging_bytes = DEFAULT_STAGING_BYTES;
+}
+
+/* The visible GPUs this build's kernels run on, in ordinal order (at most
+ * EM_BACKEND_MAX_DEVICES); *visible gets every visible GPU. */
+static em_status usable_gpus(uint32_t *ordinals, uint32_t *count, uint32_t *visible,
+                             em_error *err)
+{
+    int found = 0;
+    *count = *visible = 0;
+    em_gpu_status status = em_gpu_device_count(&found);
+    if (status.code != 0)
+        return em_error_set(err, EM_UNAVAILABLE, "no usable CUDA device: %s failed: %s (error %d)",
+                            status.call, status.message, status.code);
+    if (found <= 0)
+        return em_error_set(err, EM_UNAVAILABLE, "no usable CUDA device: none is visible");
+    *visible = (uint32_t)found;
+    em_gpu_status refused = {0, 0, NULL, NULL};
+    for (int ordinal = 0; ordinal < found && *count < EM_BACKEND_MAX_DEVICES; ordinal++) {
+        status = em_gpu_kernels_supported(ordinal);
+        if (status.code == 0)
+            ordinals[(*count)++] = (uint32_t)ordinal;
+        else if (refused.code == 0)
+            refused = status;
+    }
+    if (*count == 0)
+        return em_error_set(err, EM_UNAVAILABLE,
+                            "no usable CUDA device: %d visible, but this build's kernels run on "
+                            "none of them (%s: %s)",
+                            found, refused.call, refused.message);
+    return EM_OK;
+}
+
+em_status em_cuda_available(uint32_t *device_count, em_error *err)
+{
+    uint32_t ordinals[EM_BACKEND_MAX_DEVICES], visible = 0;
+    return usable_gpus(ordinals, device_count, &visible, err);
+}
+
+static em_status check_device_list(const em_cuda_backend_options *options, uint32_t visible,
+                                   em_error *err)
+{
+    if (options->device_count > EM_BACKEND_MAX_DEVICES)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "cuda backend: %u devices listed, at most %d",
+                            options->device_count, EM_BACKEND_MAX_DEVICES);
+    for (uint32_t i = 0; i < options->device_count; i++) {
+        if (options->devices[i] >= visible)
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "cuda backend: devices[%u] = %u, but %u GPUs are visible", i,
+                                options->devices[i], visible);
+        for (uint32_t j = 0; j < i; j++)
+            if (options->devices[j] == options->devices[i])
+                return em_error_set(err, EM_INVALID_ARGUMENT,
+                                    "cuda backend: GPU %u is listed twice (devices[%u] and "
+                                    "devices[%u])", options->devices[i], j, i);
+    }
+    return EM_OK;
+}
+
+static em_status check_options(const em_cuda_backend_options *options, uint32_t visible,
+                               em_error *err)
+{
+    em_status status = check_device_list(options, visible, err);
+    if (status != EM_OK)
+        return status;
+    if (options->pool_bytes == 0 &&
+        !(options->memory_fraction > 0.0 && options->memory_fraction <= 1.0))
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "cuda backend: memory_fraction %g must be in (0, 1]",
+                            options->memory_fraction);
+    if (options->pool_bytes != 0 && options->pool_bytes < MIN_POOL_BYTES)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "cuda backend: pool_bytes %llu is below the minimum %llu",
+                            (unsigned long long)options->pool_bytes,
+                            (unsigned long long)MIN_POOL_BYTES);
+    if (options->lanes < 1 || options->lanes > EM_CUDA_MAX_LANES)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "cuda backend: lanes %u must be 1..%d",
+                            options->lanes, EM_CUDA_MAX_LANES);
+    if (options->staging_bytes < MIN_STAGING_BYTES || options->staging_bytes > MAX_STAGING_BYTES)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "cuda backend: staging_bytes %llu must be %llu .. %llu",
+                            (unsigned long long)options->staging_bytes,
+                            (unsigned long long)MIN_STAGING_BYTES,
+                            (unsigned long long)MAX_STAGING_BYTES);
+    return EM_OK;
+}
+
+/* The pool of GPU ordinal: as configured, or the fraction of its free memory now. */
+static em_status pool_bytes_for(const em_cuda_backend_options *options, int ordinal,
+                                uint64_t *bytes, em_error *err)
+{
+    if (options->pool_bytes != 0) {
+        *bytes = options->pool_bytes;
+        return EM_OK;
+    }
+    uint64_t free_bytes = 0, total_bytes = 0;
+    char where[32];
+    snprintf(where, sizeof(where), "cuda:%d", ordinal);
+    em_status status = em__cuda_check(em_gpu_memory_info(ordinal, &free_bytes, &total_bytes),
+                                      where, err);
+    if (status != EM_OK)
+        return status;
+    *bytes = (uint64_t)((double)free_bytes * options->memory_fraction) / POOL_GRANULE *
+             POOL_GRANULE;
+    if (*bytes < MIN_POOL_BYTES)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "%s: %llu bytes free, memory_fraction %g gives a pool below the "
+                            "minimum %llu bytes",
+                            where, (unsigned long long)free_bytes, options->memory_fraction,
+                            (unsigned long long)MIN_POOL_BYTES);
+    return EM_OK;
+}
+
+static em_status create_device(const em_cuda_backend_options *options, uint32_t index,
+                               int ordinal, em_device **out, em_error *err)
+{
+    em__cuda_device_options device_options = {
+        .ordinal = ordinal,
+        .lanes = options->lanes,
+        .staging_bytes = options->staging_bytes,
+    };
+    em_status status = pool_bytes_for(options, ordinal, &device_options.pool_bytes, err);
+    if (status == EM_OK)
+        status = em__cuda_device_create(index, &device_options, out, err);
+    return status;
+}
+
+static void destroy_devices(em_device **devices, uint32_t count)
+{
+    for (uint32_t i = 0; devices != NULL && i < count; i++)
+        if (devices[i] != NULL)
+            devices[i]->ops->destroy(devices[i]);
+    free(devices);
+}
+
+/* NCCL with several GPUs when it initialises; otherwise host-staged. */
+static em_status create_exchange(const em_cuda_backend_options *options, em_device **devices,
+                                 uint32_t count, em_exchange **out, em_error *err)
+{
+    if (count > 1 && !options->host_staged_exchange) {
+        em_error ignored;
+        if (em_exchange_create_nccl(devices, count, out, &ignored) == EM_OK)
+            return EM_OK;
+    }
+    return em_exchange_create_host_staged(out, err);
+}
+
+em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_backend **out,
+                                 em_error *err)
+{
+    uint32_t usable[EM_BACKEND_MAX_DEVICES], usable_count = 0, visible = 0;
+    em_status status = usable_gpus(usable, &usable_count, &visible, err);
+    if (status == EM_OK)
+        status = check_options(options, visible, err);
+    if (status != EM_OK)
+        return status;
+    /* No list: every GPU the kernels run on. A listed GPU they cannot run on fails
+     * when its device is created, with its name and architecture. */
+    uint32_t count = options->device_count == 0 ? usable_count : options->device_count;
+    const uint32_t *ordinals = options->device_count == 0 ? usable : options->devices;
+    em_device **devices = calloc(count, sizeof(*devices));
+    if (devices == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "cuda backend: out of host memory");
+    for (uint32_t i = 0; i < count && status == EM_OK; i++)
+        status = create_device(options, i, (int)ordinals[i], &devices[i], err);
+    em_exchange *exchange = NULL;
+    if (status == EM_OK)
+        status = create_exchange(options, devices, count, &exchange, err);
+    if (status == EM_OK)
+        status = em_backend_assemble("cuda", devices, count, exchange, out, err);
+    if (status != EM_OK) {
+        em_exchange_destroy(exchange);
+        destroy_devices(devices, count);
+    }
+    return status;
+}

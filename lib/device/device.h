@@ -1,0 +1,212 @@
+/*
+ * DESIGN: the backend interface - what a device must provide.
+ *
+ * A device is one memory space with one pool allocator over it (the CPU backend's
+ * devices are host memory; a CUDA device is one GPU). Tables never touch a device's
+ * memory directly: they orchestrate a request as a sequence of the operations below,
+ * each given buffers in the device's own memory (pool allocations), so the same table
+ * code drives the CPU backend and the CUDA backend, and the same routing drives one
+ * device or many through an exchange (lib/exchange.h).
+ *
+ * A request runs on a "home" device:
+ *   unique_keys       dedupe the batch's keys (order of first appearance), with the
+ *                     index of each key's unique entry
+ *   partition_keys    group the unique keys by owner shard (stable), shards in order
+ *   sum_gradients     push: each unique key's summed gradient, in canonical order
+ *                     (keys' positions in the batch), placed in partitioned order
+ *   combine           pull: per-key vectors (partitioned order) back into batch order,
+ *                     pooled per row
+ * and each owner shard (on its own device) runs
+ *   find, reserve, insert_missing, gather, apply, export, import.
+ * Values computed on a device never depend on the number of shards or devices: sums
+ * happen at home in a fixed order, so results are identical with 1 or N shards.
+ *
+ * Every operation runs on a lane: a device's execution context held by one request at
+ * a time (for a GPU, a stream with its own pinned staging buffers; for the CPU, the
+ * calling thread). A request takes a lane on every device before it starts, in device
+ * order, so requests on different lanes overlap (one's copies with another's kernels)
+ * and lane acquisition cannot deadlock. Operations on one lane complete in the order
+ * they were issued; those that return a count (unique, partition, find) deliver it to
+ * host memory and so wait for the lane; the others may run asynchronously and are
+ * complete once `synchronize` returns. Tables order the operations of different lanes
+ * on one shard with their locks (see lib/table.h).
+ */
+#ifndef EMBER_LIB_DEVICE_H
+#define EMBER_LIB_DEVICE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lib/table/csr.h"
+#include "lib/device/initializer.h"
+#include "lib/device/optimizer.h"
+#include "lib/memory/pool.h"
+#include "lib/base/status.h"
+
+/* Row index marking a key that is not in a shard (as EM_HASHMAP_NOT_FOUND). */
+#define EM_ROW_NONE UINT64_MAX
+
+typedef struct em_device em_device;
+
+/* One shard's storage on its device. Backends embed this as the first member of their
+ * own shard struct. */
+typedef struct em_shard {
+    em_device *device;
+} em_shard;
+
+/* An execution context of a device, held by one request at a time. Backends embed this
+ * as the first member of their own lane struct. */
+typedef struct em_lane {
+    em_device *device;
+} em_lane;
+
+/* What a shard stores: used to create it. */
+typedef struct em_shard_spec {
+    const char *table;         /* for messages; borrowed for the call */
+    uint32_t index;            /* shard index within the table */
+    uint32_t dim;
+    uint64_t expected_rows;    /* sizing hint (capacity / shards) */
+    em_optimizer_config optimizer;
+    em_initializer_config initializer;
+} em_shard_spec;
+
+typedef struct em_shard_stats {
+    uint64_t rows;        /* keys stored */
+    uint64_t row_bytes;   /* bytes of row storage (weights + optimizer state) */
+    uint64_t index_bytes; /* bytes of the hash map */
+    uint64_t row_limit;   /* rows the storage can hold without growing */
+} em_shard_stats;
+
+/* Home-side view of a batch in device memory (offsets, keys from the request). */
+typedef struct em_device_batch {
+    uint32_t rows;
+    uint64_t nnz;
+    const uint32_t *offsets;  /* rows + 1, device memory */
+    const uint32_t *inverse;  /* nnz: index of each key's unique entry */
+    const uint32_t *position; /* unique_count: where unique entry u sits in partitioned order */
+    uint64_t unique_count;
+} em_device_batch;
+
+typedef struct em_device_ops {
+    /* -- memory and lanes ---------------------------------------------------------- */
+    /* Region provider for the device's pool (cudaMalloc, or host memory). */
+    em_pool_region_provider (*region_provider)(em_device *device);
+    /* Takes a lane, waiting while all are held. Thread-safe. */
+    em_status (*lane_acquire)(em_device *device, em_lane **out, em_error *err);
+    void (*lane_release)(em_lane *lane);
+    /* Host <-> device copies of bytes (device pointers from the pool). The host buffer
+     * of copy_to_device may be reused as soon as the call returns; copy_to_host has
+     * filled its host buffer when it returns. */
+    em_status (*copy_to_device)(em_lane *lane, void *destination, const void *host_source,
+                                size_t bytes, em_error *err);
+    em_status (*copy_to_host)(em_lane *lane, void *host_destination, const void *source,
+                              size_t bytes, em_error *err);
+    /* Waits until every operation issued on the lane so far has completed. */
+    em_status (*synchronize)(em_lane *lane, em_error *err);
+
+    /* -- home-side request operations -------------------------------------------- */
+    /* unique[0..*unique_count) = distinct keys in order of first appearance;
+     * inverse[i] = index in unique of keys[i]; first[u] = the position in keys where
+     * unique[u] first appears. unique, inverse and first hold n entries. */
+    em_status (*unique_keys)(em_lane *lane, const uint64_t *keys, uint64_t n, uint64_t *unique,
+                             uint32_t *inverse, uint32_t *first, uint64_t *unique_count,
+                             em_error *err);
+    /* Stable partition of unique[0..n) by owner shard (em_key_shard): partitioned keys
+     * grouped by shard 0, 1, ...; position[u] = index of unique[u] in partitioned;
+     * shard_counts (host memory, shard_count entries) = keys per shard. When targets is
+     * not NULL, targets[position[u]] = first[u] (where each partitioned key's vector
+     * goes in a per-key output). */
+    em_status (*partition_keys)(em_lane *lane, const uint64_t *unique, uint64_t n,
+                                uint32_t shard_count, const uint32_t *first,
+                                uint64_t *partitioned, uint32_t *position, uint32_t *targets,
+                                uint64_t *shard_counts, em_error *err);
+    /* Push: partitioned_gradients[position[u]] = sum, starting from -0.0 (the identity
+     * of IEEE addition, so a key's only gradient is copied bit for bit), over the
+     * batch's keys k with inverse[k] = u, in order of k, of the key's gradient (NONE:
+     * gradients[k]; otherwise gradients[row(k)] / em_combiner_divisor(row length)).
+     * dim floats each. */
+    em_status (*sum_gradients)(em_lane *lane, const em_device_batch *batch, em_combiner combiner,
+                               uint32_t dim, const float *gradients, float *partitioned_gradients,
+                               em_error *err);
+    /* Pull: out = per key vectors[position[inverse[k]]] in batch order (NONE) or, per
+     * row, their sum (in key order) / em_combiner_divisor(row length); empty rows 0. */
+    em_status (*combine)(em_lane *lane, const em_device_batch *batch, em_combiner combiner,
+                         uint32_t dim, const float *partitioned_vectors, float *out,
+                         em_error *err);
+    /* Per-key pull whose distinct keys' vectors were gathered straight into out at their
+     * first positions: copies them to the keys' later occurrences (out[k] =
+     * out[first[inverse[k]]] for every k that is not a first occurrence). */
+    em_status (*copy_repeats)(em_lane *lane, const em_device_batch *batch, const uint32_t *first,
+                              uint32_t dim, float *out, em_error *err);
+
+    /* -- shards --------------------------------------------------------------------- */
+    em_status (*shard_create)(em_device *device, const em_shard_spec *spec, em_shard **out,
+                              em_error *err);
+    void (*shard_destroy)(em_shard *shard);
+    /* rows[i] = row of keys[i] or EM_ROW_NONE; *missing (host) = how many were absent.
+     * Safe concurrently with other finds and gathers on the shard. */
+    em_status (*shard_find)(em_shard *shard, em_lane *lane, const uint64_t *keys, uint64_t n,
+                            uint64_t *rows, uint64_t *missing, em_error *err);
+    /* Makes room (index and storage) for new_keys more keys, so that insert_missing of
+     * that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the pool state. */
+    em_status (*shard_reserve)(em_shard *shard, em_lane *lane, uint64_t new_keys, em_error *err);
+    /* Inserts the keys whose rows[i] is EM_ROW_NONE with their initial values and
+     * optimizer state, storing their new rows in rows[i]. Keys are distinct. */
+    em_status (*shard_insert_missing)(em_shard *shard, em_lane *lane, const uint64_t *keys,
+                                      uint64_t n, uint64_t *rows, em_error *err);
+    /* vectors[t] = weights of rows[i] (zeros for EM_ROW_NONE), dim floats each, where
+     * t = targets[i], or t = i when targets is NULL. */
+    em_status (*shard_gather)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
+                              const uint32_t *targets, float *vectors, em_error *err);
+    /* One optimizer step per row with gradients[i] (dim floats each). Rows distinct. */
+    em_status (*shard_apply)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
+                             const float *gradients, em_error *err);
+    /* Copies up to max rows (key, weights and optimizer state: dim + state floats each)
+     * into host memory from *cursor on (0 to start); *count 0 means done. */
+    em_status (*shard_export)(em_shard *shard, em_lane *lane, uint64_t *cursor, uint64_t *keys,
+                              float *values, uint64_t max, uint64_t *count, em_error *err);
+    /* Overwrites rows[i] (existing rows) with values[i] (device memory, dim + state floats
+     * each). */
+    em_status (*shard_write_rows)(em_shard *shard, em_lane *lane, const uint64_t *rows,
+                                  uint64_t n, const float *values, em_error *err);
+    void (*shard_stats)(em_shard *shard, em_shard_stats *out);
+
+    /* -- lifecycle ----------------------------------------------------------------- */
+    void (*destroy)(em_device *device);
+} em_device_ops;
+
+struct em_device {
+    const em_device_ops *ops;
+    char name[32];         /* "cpu0", "cuda:0" */
+    const char *kind;      /* "cpu", "cuda" */
+    uint32_t index;        /* position in the backend's device list */
+    bool host_addressable; /* device pointers are host pointers: no staging copies */
+    em_pool *pool;         /* every allocation of the device comes from here */
+    void *impl;            /* backend-private state */
+};
+
+/* How a shard stores rows (both backends): each row is its weights then its optimizer
+ * state (row_floats floats), padded to a multiple of 4 floats (16-byte rows, so vector
+ * loads and stores stay aligned); rows live in fixed-size blocks of a power of two rows
+ * (row r in block r >> block_shift, slot r & block_mask), so storage grows a block at a
+ * time and rows never move. */
+typedef struct em_row_blocks {
+    uint32_t row_floats;
+    uint32_t stride; /* floats from one row to the next */
+    uint32_t block_shift;
+    uint64_t block_mask;
+    size_t block_bytes;
+} em_row_blocks;
+
+/* Rows per block: the largest power of two in [16, 65536] whose block stays within
+ * target_block_bytes (16 when even that is larger). */
+em_row_blocks em_row_blocks_plan(uint32_t dim, int optimizer_kind, size_t target_block_bytes);
+
+/* Pool allocation of bytes on the device, as a pointer. Errors: RESOURCE_EXHAUSTED with
+ * the pool's statistics, prefixed with what (e.g. "pull scratch"). */
+em_status em_device_alloc(em_device *device, size_t bytes, const char *what, void **out,
+                          em_error *err);
+void em_device_free(em_device *device, void *pointer);
+
+#endif

@@ -1,0 +1,123 @@
+/*
+ * DESIGN: embedding tables - sharded, on a backend's devices.
+ *
+ * A table has a dim, a capacity, an optimizer, an initializer and N shards; key k
+ * belongs to shard em_key_shard(k, N) (common/keyhash.h). Each shard lives on one device
+ * of the backend (contiguous blocks of shards per device) and keeps its rows there.
+ *
+ * A request is checked whole before anything is touched (CSR shape, lengths,
+ * non-finite gradients), then runs as: stage on a home device, dedupe, partition by
+ * shard, exchange to the owners, find the keys, check capacity for the keys it would
+ * create and reserve their memory, create, gather or apply, exchange back, combine.
+ * Every failure happens before the first row is created or updated, so a request that
+ * cannot be applied whole applies nothing.
+ *
+ * Concurrency: a table-wide read-write lock and one read-write lock per shard. Requests
+ * that find every key they touch (or that do not create) hold the table lock shared
+ * and run concurrently: gathers read a shard under its read lock, optimizer steps
+ * update it under its write lock, so a pull never sees a row half-updated and a shard
+ * applies pushes one at a time. A pull or push that must create keys retries under the
+ * exclusive table lock (creation needs the capacity check to see the whole table), as
+ * do imports. Requests from one caller apply in the order they are made.
+ */
+#ifndef EMBER_LIB_TABLE_H
+#define EMBER_LIB_TABLE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "lib/device/backend.h"
+#include "lib/table/csr.h"
+#include "lib/base/status.h"
+#include "lib/table/table_config.h"
+
+typedef struct em_table em_table;
+
+typedef struct em_pull_request {
+    em_csr batch;
+    em_combiner combiner;
+    bool create_missing;
+    float *out;            /* em_csr_output_vectors() x dim floats, caller-owned */
+    uint64_t out_capacity; /* floats available at out */
+} em_pull_request;
+
+typedef struct em_pull_result {
+    uint64_t unique_keys; /* distinct keys in the batch */
+    uint64_t missing;     /* distinct keys that were not in the table */
+    uint64_t created;     /* of those, how many this request inserted (create_missing) */
+} em_pull_result;
+
+typedef struct em_push_request {
+    em_csr batch;
+    em_combiner combiner;
+    const float *gradients;     /* em_csr_output_vectors() x dim floats */
+    uint64_t gradient_count;    /* floats at gradients */
+} em_push_request;
+
+typedef struct em_push_result {
+    uint64_t updated; /* distinct keys updated (one optimizer step each) */
+    uint64_t created; /* of those, how many were new */
+} em_push_result;
+
+typedef struct em_table_stats {
+    uint64_t rows;
+    uint64_t capacity;
+    uint32_t dim;
+    uint32_t shards;
+    uint32_t row_floats;  /* dim + optimizer state floats (the export width) */
+    uint64_t row_bytes;   /* row storage over all shards */
+    uint64_t index_bytes; /* hash maps over all shards */
+    uint64_t pulls, pushes, imports;
+    uint64_t keys_pulled, keys_pushed, rows_created;
+} em_table_stats;
+
+/* Position of an export in progress. Zero-initialise to start. */
+typedef struct em_table_cursor {
+    uint32_t shard;
+    uint64_t position;
+} em_table_cursor;
+
+/* Creates a table on backend (borrowed; must outlive the table). The config is
+ * validated (INVALID_ARGUMENT naming the field); shards 0 becomes the device count.
+ * Errors: RESOURCE_EXHAUSTED if the shards cannot be set up. */
+em_status em_table_create(em_backend *backend, const em_table_config *config, em_table **out,
+                          em_error *err);
+
+/* Destroys the table and releases its device memory. No request may be running. */
+void em_table_destroy(em_table *table);
+
+/* The config as resolved at create (shards filled in). */
+const em_table_config *em_table_get_config(const em_table *table);
+const char *em_table_name(const em_table *table);
+uint32_t em_table_dim(const em_table *table);
+
+/* Gathers the batch's vectors into request->out (pooled per row unless NONE).
+ * Unseen keys: create_missing inserts them with their initial values, else they read
+ * as zeros. Errors: INVALID_ARGUMENT (bad CSR, combiner, out too small),
+ * RESOURCE_EXHAUSTED (capacity or memory; nothing created). Thread-safe. */
+em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull_result *result,
+                        em_error *err);
+
+/* Sums the gradients per distinct key and applies one optimizer step to each, creating
+ * unseen keys first. Errors: INVALID_ARGUMENT (bad CSR, combiner, gradient count,
+ * non-finite gradient), RESOURCE_EXHAUSTED; in every error case nothing is applied.
+ * Thread-safe. */
+em_status em_table_push(em_table *table, const em_push_request *request, em_push_result *result,
+                        em_error *err);
+
+/* Copies up to max rows (key + em_table_stats.row_floats floats: weights then optimizer
+ * state) from *cursor on; *count 0 means the export is complete. Rows created or
+ * changed while an export is in progress may or may not be included. Thread-safe. */
+em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max, uint64_t *keys,
+                          float *values, uint64_t *count, em_error *err);
+
+/* Writes n rows (weights and optimizer state, as export gives them), creating keys that
+ * are absent and overwriting present ones. All-or-nothing: INVALID_ARGUMENT for a
+ * repeated key or a bad value (non-finite, negative accumulator), RESOURCE_EXHAUSTED
+ * for capacity. Thread-safe. */
+em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
+                          em_error *err);
+
+void em_table_get_stats(em_table *table, em_table_stats *out);
+
+#endif

@@ -1,0 +1,58 @@
+/*
+ * DESIGN: what a table is made of, and its JSON form.
+ *
+ *   {"name": "clicks", "dim": 64, "capacity": 10000000, "shards": 8,
+ *    "optimizer": {"type": "adagrad", "lr": 0.05, "eps": 1e-10, "initial_accumulator": 0},
+ *    "initializer": {"type": "uniform", "bound": 0.01, "seed": 7}}
+ *
+ * name, dim and capacity are required. shards 0 (the default) means one shard per
+ * device of the backend. Optimizer keys that do not apply to the chosen type are
+ * errors, so a typo never silently falls back to a default. The same schema checks
+ * configs built in code (em_table_config_validate serialises and re-parses them).
+ */
+#ifndef EMBER_LIB_TABLE_CONFIG_H
+#define EMBER_LIB_TABLE_CONFIG_H
+
+#include <cJSON.h>
+#include <stdint.h>
+
+#include "lib/base/config.h"
+#include "lib/device/initializer.h"
+#include "lib/device/optimizer.h"
+#include "lib/base/status.h"
+
+#define EM_TABLE_NAME_MAX 128
+#define EM_TABLE_DIM_MAX 4096
+#define EM_TABLE_SHARDS_MAX 1024
+/* Rows are indexed with 32 bits per shard; a table holds at most this many. */
+#define EM_TABLE_CAPACITY_MAX (UINT64_C(1) << 40)
+
+typedef struct em_table_config {
+    char name[EM_TABLE_NAME_MAX + 1];
+    uint32_t dim;
+    uint64_t capacity; /* maximum rows */
+    uint32_t shards;   /* 0: one per device */
+    em_optimizer_config optimizer;
+    em_initializer_config initializer;
+} em_table_config;
+
+extern const em_config_schema em_table_config_schema;
+
+/* Checks a table name: 1..128 characters of [A-Za-z0-9_.-]. The message names the
+ * first bad character and its position. Errors: INVALID_ARGUMENT. */
+em_status em_table_name_check(const char *name, em_error *err);
+
+em_status em_table_config_parse(const cJSON *json, const char *path, em_table_config *out,
+                                em_error *err);
+em_status em_table_config_parse_text(const char *text, em_table_config *out, em_error *err);
+
+/* Checks every field of a config built in code with the rules of the JSON schema. */
+em_status em_table_config_validate(const em_table_config *config, em_error *err);
+
+/* A config with the defaults and the given required values (for code and tests). */
+void em_table_config_init(em_table_config *config, const char *name, uint32_t dim,
+                          uint64_t capacity);
+
+cJSON *em_table_config_to_json(const em_table_config *config);
+
+#endif
