@@ -9,15 +9,21 @@
  *   CLOSING    no more frames are read (fatal frame error, peer EOF, drain): the
  *              connection closes once every received request is answered and written
  *
- * connection_advance() in server.c is the one function that moves a connection
- * between the reading states. A connection is reference-counted: the open handle,
- * every request received and not yet answered, and every write in progress hold one,
- * so a request finishing on a worker after its client left never touches freed memory.
+ * connection_advance() in connection.c is the one function that moves a connection
+ * between the reading states. A complete frame goes to the owner's frame hook (the
+ * server hands it to the dispatcher); the connection knows nothing of methods.
  *
- * Requests of one connection run in order where order matters: reads (pulls) may run
- * together, but a write (push, create, drop) waits for everything before it and
- * everything after it waits for the write. So a connection's later request always sees
- * the effects of its earlier ones, and pipelined pulls still run in parallel.
+ * A connection is reference-counted: the open handles, every request received and not
+ * yet answered, and every write in progress hold one, so a request finishing on a
+ * worker after its client left never touches freed memory.
+ *
+ * Requests of one connection run in order where order matters (em_connection_work):
+ * reads (pulls) may run together, but a write (push, create, drop) waits for everything
+ * before it and everything after it waits for the write. So a connection's later
+ * request always sees the effects of its earlier ones, and pipelined pulls still run in
+ * parallel.
+ *
+ * Every function here runs on the loop thread.
  */
 #ifndef EMBER_DAEMON_CONNECTION_H
 #define EMBER_DAEMON_CONNECTION_H
@@ -26,60 +32,58 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "lib/base/log.h"
+#include "lib/base/status.h"
 #include "proto/frame.h"
 
 /* Bytes read from the socket at a time into the connection's buffer. */
 #define EM_READ_BUFFER_BYTES (64u * 1024u)
 
-typedef struct em_server em_server;
-typedef struct em_request em_request;
-
-typedef enum em_connection_state {
-    EM_CONNECTION_HEADER,
-    EM_CONNECTION_MESSAGE,
-    EM_CONNECTION_ATTACHMENT,
-    EM_CONNECTION_BLOCKED,
-    EM_CONNECTION_CLOSING,
-} em_connection_state;
-
 typedef struct em_connection em_connection;
 
-struct em_connection {
-    uv_tcp_t handle; /* first: handle.data points back here */
-    uv_timer_t idle_timer;
-    em_server *server;
-    em_connection *previous, *next; /* the server's list of connections */
-    bool admin;                     /* accepted on the admin listener */
-    em_connection_state state;
-    bool reading;       /* uv_read_start in effect */
-    bool handle_closed; /* uv_close has been called */
-    uint32_t references;
-    char peer[64];
+/* What a connection needs from its owner (the server); the owner keeps it alive and
+ * may rewrite the limits between frames (reload). */
+typedef struct em_connection_settings {
+    em_frame_limits frame_limits;
+    uint64_t inflight_budget; /* bytes of requests + responses before reading stops */
+    uint32_t idle_timeout_ms; /* 0: never */
+} em_connection_settings;
 
-    /* read buffer: bytes [read_start, read_end) are received but not yet consumed */
-    uint8_t *read_buffer;
-    size_t read_start, read_end;
+typedef struct em_connection_hooks {
+    /* A complete frame: takes ownership of message (meta + body) and attachment; charged
+     * bytes are in the connection's budget until released by whoever holds them. */
+    void (*frame)(void *context, em_connection *connection, const em_frame_header *frame,
+                  uint8_t *message, uint8_t *attachment, uint64_t charged);
+    /* The socket is closed (the connection may live on while requests finish). */
+    void (*closed)(void *context, em_connection *connection);
+    /* Counters: bytes read, bytes written, frames refused while reading. */
+    void (*bytes_in)(void *context, uint64_t bytes);
+    void (*bytes_out)(void *context, uint64_t bytes);
+    void (*frame_rejected)(void *context);
+    void *context;
+} em_connection_hooks;
 
-    /* the frame being assembled */
-    uint8_t header[EM_FRAME_HEADER_BYTES];
-    size_t header_have;
-    em_frame_header frame;
-    uint8_t *message; /* meta + body */
-    uint64_t message_have;
-    uint8_t *attachment;
-    uint64_t attachment_have;
+/* Creates a connection whose handle is initialised on loop, ready for uv_accept on
+ * em_connection_stream. settings and hooks are borrowed. NULL when out of memory. */
+em_connection *em_connection_create(uv_loop_t *loop, const em_connection_settings *settings,
+                                    const em_connection_hooks *hooks, const em_log *log,
+                                    bool admin);
 
-    uint64_t inflight_bytes; /* requests received + responses not yet written */
-    uint32_t outstanding;    /* requests received and not yet answered */
-    uint32_t writes_pending;
+/* The stream to accept into. */
+uv_stream_t *em_connection_stream(em_connection *connection);
 
-    /* ordering of requests that run on workers */
-    em_request *queue_head, *queue_tail;
-    uint32_t running_reads;
-    bool running_write;
-};
+/* Starts reading frames (after a successful accept). */
+void em_connection_start(em_connection *connection);
 
-/* ---- services server.c offers dispatch.c ---------------------------------------- */
+/* Closes the socket now (answers not yet written are dropped). */
+void em_connection_close(em_connection *connection);
+
+/* Stops reading frames; what was received is still answered, then it closes. */
+void em_connection_begin_closing(em_connection *connection);
+
+/* Answers one error frame and closes the connection once everything is written. */
+void em_connection_fail(em_connection *connection, uint64_t correlation_id, int method,
+                        em_status status, const char *message);
 
 /* Sends a response frame (header + meta + body) and an optional attachment; takes
  * ownership of both buffers (attachment freed with free()). charged bytes are released
@@ -87,18 +91,57 @@ struct em_connection {
 void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_length,
                         void *attachment, size_t attachment_length, uint64_t charged);
 
-/* Answers one error frame and closes the connection once everything is written. */
-void em_connection_fail(em_connection *connection, uint64_t correlation_id, int method,
-                        em_status status, const char *message);
+/* Gives back bytes of the budget that nothing will write (a refused request); reading
+ * resumes with the next write that completes. */
+void em_connection_release(em_connection *connection, uint64_t charged);
 
-/* Counts a request answered (or abandoned) and closes a CLOSING connection when it was
- * the last. Drops the request's reference. */
-void em_connection_request_finished(em_connection *connection);
+/* True when responses can still be written to the peer. */
+bool em_connection_writable(const em_connection *connection);
+
+bool em_connection_is_admin(const em_connection *connection);
+const char *em_connection_peer(const em_connection *connection);
 
 void em_connection_ref(em_connection *connection);
 void em_connection_unref(em_connection *connection);
 
-/* True when responses can still be written to the peer. */
-bool em_connection_writable(const em_connection *connection);
+/* The owner's list of connections (intrusive links). */
+em_connection *em_connection_next(const em_connection *connection);
+void em_connection_link(em_connection **head, em_connection *connection);
+void em_connection_unlink(em_connection **head, em_connection *connection);
+
+/* ---- request ordering ------------------------------------------------------------- */
+
+/* One request that runs off the loop, as the ordering queue sees it. */
+typedef struct em_connection_work em_connection_work;
+struct em_connection_work {
+    bool write;       /* orders as a write */
+    uint64_t charged; /* budget bytes it holds */
+    /* Runs it (hands it to a worker); em_connection_work_done follows on the loop. */
+    void (*start)(em_connection_work *work);
+    /* Frees it without running it (the connection went away). */
+    void (*abandon)(em_connection_work *work);
+    em_connection_work *next;
+};
+
+/* A request was received: counts it outstanding (holding a reference) until
+ * em_connection_request_finished. */
+void em_connection_request_received(em_connection *connection);
+
+/* Queues work in the connection's order; it starts as soon as the order allows. */
+void em_connection_enqueue(em_connection *connection, em_connection_work *work);
+
+/* Work that started (a write if write) has run and been answered; later work may
+ * start. */
+void em_connection_work_done(em_connection *connection, bool write);
+
+/* Requests received and not yet answered. */
+uint32_t em_connection_outstanding(const em_connection *connection);
+
+/* One pointer the dispatcher may keep per connection (answers held back by a fault). */
+void **em_connection_dispatch_slot(em_connection *connection);
+
+/* Counts a request answered (or abandoned) and closes a CLOSING connection when it was
+ * the last. Drops the request's reference. */
+void em_connection_request_finished(em_connection *connection);
 
 #endif

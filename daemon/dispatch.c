@@ -1,71 +1,12 @@
 #include "daemon/dispatch.h"
 
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
+#include <unistd.h>
 
-typedef enum method_access {
-    ACCESS_OPEN,  /* anyone (ping, health) */
-    ACCESS_DATA,  /* the data token, when one is configured */
-    ACCESS_ADMIN, /* the admin listener and the admin token */
-} method_access;
-
-typedef struct method_info {
-    Ember__Method method;
-    const ProtobufCMessageDescriptor *body;
-    method_access access;
-    bool write;   /* orders as a write (see connection.h) */
-    bool on_loop; /* cheap and lock-free: answered on the loop thread */
-    em_status (*handler)(em_request *request, em_error *err);
-} method_info;
-
-static const method_info methods[] = {
-    {EMBER__METHOD__PULL, &ember__pull_request__descriptor, ACCESS_DATA, false, false,
-     em_handle_pull},
-    {EMBER__METHOD__PUSH, &ember__push_request__descriptor, ACCESS_DATA, true, false,
-     em_handle_push},
-    {EMBER__METHOD__PING, &ember__ping_request__descriptor, ACCESS_OPEN, false, true,
-     em_handle_ping},
-    {EMBER__METHOD__HEALTH, &ember__health_request__descriptor, ACCESS_OPEN, false, true,
-     em_handle_health},
-    {EMBER__METHOD__CREATE_TABLE, &ember__create_table_request__descriptor, ACCESS_ADMIN, true,
-     false, em_handle_create_table},
-    {EMBER__METHOD__DROP_TABLE, &ember__drop_table_request__descriptor, ACCESS_ADMIN, true, false,
-     em_handle_drop_table},
-    {EMBER__METHOD__LIST_TABLES, &ember__list_tables_request__descriptor, ACCESS_ADMIN, false,
-     false, em_handle_list_tables},
-    {EMBER__METHOD__STATS, &ember__stats_request__descriptor, ACCESS_ADMIN, false, false,
-     em_handle_stats},
-};
-
-#define METHOD_COUNT (sizeof(methods) / sizeof(methods[0]))
-_Static_assert(METHOD_COUNT <= EM_METHOD_SLOTS, "EM_METHOD_SLOTS too small for the method table");
-
-size_t em_dispatch_method_count(void)
-{
-    return METHOD_COUNT;
-}
-
-const char *em_dispatch_method_name(size_t slot)
-{
-    return slot < METHOD_COUNT ? em_method_name(methods[slot].method) : "UNKNOWN_METHOD";
-}
-
-uint64_t em_monotonic_ms(void)
-{
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u;
-}
-
-static int method_slot(int method)
-{
-    for (size_t i = 0; i < METHOD_COUNT; i++)
-        if ((int)methods[i].method == method)
-            return (int)i;
-    return -1;
-}
+#define REQUEST_OF(pointer, member) ((em_request *)((char *)(pointer) - offsetof(em_request, member)))
 
 /* ---- responses ----------------------------------------------------------------------- */
 
@@ -85,6 +26,11 @@ static em_status pack_response(em_request *request, em_status status, const char
 em_status em_request_respond(em_request *request, const ProtobufCMessage *body, void *attachment,
                              size_t attachment_length, em_error *err)
 {
+    if (request->info == NULL || body->descriptor != request->info->response) {
+        free(attachment);
+        return em_error_set(err, EM_INTERNAL, "%s answered with a %s message",
+                            em_method_name(request->method), body->descriptor->name);
+    }
     em_status status = pack_response(request, EM_OK, NULL, body, attachment_length, err);
     if (status != EM_OK) {
         free(attachment);
@@ -123,44 +69,96 @@ static void free_request(em_request *request)
 static void count_response(em_request *request)
 {
     em_server_stats *stats = &request->context->stats;
-    if (request->slot < 0)
+    if (request->info == NULL)
         return;
-    atomic_fetch_add_explicit(&stats->requests[request->slot], 1, memory_order_relaxed);
+    size_t slot = (size_t)(request->info - em_methods);
+    atomic_fetch_add_explicit(&stats->requests[slot], 1, memory_order_relaxed);
     if (request->error.status != EM_OK)
-        atomic_fetch_add_explicit(&stats->errors[request->slot], 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&stats->errors[slot], 1, memory_order_relaxed);
 }
 
 /* Writes the answer (if the connection can still take it) and retires the request. */
-static void deliver(em_request *request)
+static void send_answer(em_request *request)
 {
     em_connection *connection = request->connection;
-    if (request->error.status != EM_OK)
-        pack_error(request);
-    count_response(request);
     if (request->response_frame == NULL) {
         em_connection_fail(connection, request->correlation_id, request->method, EM_INTERNAL,
                            "the response could not be encoded");
     } else if (em_connection_writable(connection)) {
         em_connection_send(connection, request->response_frame, request->response_frame_length,
                            request->response_attachment, request->response_attachment_length,
-                           request->charged);
+                           request->work.charged);
         request->response_frame = NULL;
         request->response_attachment = NULL;
-        request->charged = 0;
+        request->work.charged = 0;
     }
-    if (request->charged > 0)
-        connection->inflight_bytes -= request->charged;
+    if (request->work.charged > 0)
+        em_connection_release(connection, request->work.charged);
     free_request(request);
     em_connection_request_finished(connection);
 }
 
+/* Fault (reverse_answers): answers held back, most recent first. */
+static uint32_t held_count(em_connection *connection)
+{
+    uint32_t count = 0;
+    for (em_request *r = *em_connection_dispatch_slot(connection); r != NULL; r = r->held_next)
+        count++;
+    return count;
+}
+
+static void send_held(em_connection *connection)
+{
+    void **slot = em_connection_dispatch_slot(connection);
+    em_request *request = *slot;
+    *slot = NULL;
+    while (request != NULL) {
+        em_request *next = request->held_next;
+        send_answer(request);
+        request = next;
+    }
+}
+
+/* Holds an answer while others of the connection are still to come. */
+static bool hold_answer(em_request *request)
+{
+    em_connection *connection = request->connection;
+    if (!atomic_load_explicit(&request->context->faults.reverse_answers, memory_order_relaxed))
+        return false;
+    uint32_t held = held_count(connection);
+    if (held + 1 >= em_connection_outstanding(connection) || held + 1 >= EM_FAULT_REVERSE_MAX ||
+        !em_connection_writable(connection))
+        return false;
+    void **slot = em_connection_dispatch_slot(connection);
+    request->held_next = *slot;
+    *slot = request;
+    return true;
+}
+
+static void deliver(em_request *request)
+{
+    em_connection *connection = request->connection;
+    if (request->error.status != EM_OK)
+        pack_error(request);
+    count_response(request);
+    if (hold_answer(request))
+        return;
+    em_connection_ref(connection);
+    send_answer(request);
+    send_held(connection);
+    em_connection_unref(connection);
+}
+
 /* ---- running on workers, in the connection's order ---------------------------------- */
 
-static void pump(em_connection *connection);
+static bool is_data_method(int method)
+{
+    return method == EMBER__METHOD__PULL || method == EMBER__METHOD__PUSH;
+}
 
 static void run_job(em_job *job)
 {
-    em_request *request = (em_request *)job;
+    em_request *request = REQUEST_OF(job, job);
     uint64_t now = em_monotonic_ms();
     if (request->deadline_ms != 0 && now > request->deadline_ms) {
         em_error_set(&request->error, EM_DEADLINE_EXCEEDED,
@@ -170,69 +168,36 @@ static void run_job(em_job *job)
                      request->deadline_ms - request->received_ms);
         return;
     }
+    uint32_t delay = atomic_load_explicit(&request->context->faults.delay_ms, memory_order_relaxed);
+    if (delay > 0 && is_data_method(request->method))
+        usleep(delay * 1000u);
     em_error_clear(&request->error);
-    request->handler(request, &request->error);
+    request->info->handler(request, &request->error);
 }
 
 static void job_done(em_job *job)
 {
-    em_request *request = (em_request *)job;
+    em_request *request = REQUEST_OF(job, job);
     em_connection *connection = request->connection;
-    if (request->write)
-        connection->running_write = false;
-    else
-        connection->running_reads--;
+    bool write = request->work.write;
     em_connection_ref(connection); /* deliver may drop the last reference */
     deliver(request);
-    pump(connection);
+    em_connection_work_done(connection, write);
     em_connection_unref(connection);
 }
 
-static bool can_start(const em_connection *connection, const em_request *request)
+static void start_work(em_connection_work *work)
 {
-    if (request->write)
-        return connection->running_reads == 0 && !connection->running_write;
-    return !connection->running_write;
+    em_request *request = REQUEST_OF(work, work);
+    em_executor_submit(request->context->executor, &request->job);
 }
 
-static void pump(em_connection *connection)
+static void abandon_work(em_connection_work *work)
 {
-    while (connection->queue_head != NULL && can_start(connection, connection->queue_head)) {
-        em_request *request = connection->queue_head;
-        connection->queue_head = request->next;
-        if (connection->queue_head == NULL)
-            connection->queue_tail = NULL;
-        if (request->write)
-            connection->running_write = true;
-        else
-            connection->running_reads++;
-        em_executor_submit(request->context->executor, &request->job);
-    }
-}
-
-static void enqueue(em_connection *connection, em_request *request)
-{
-    request->next = NULL;
-    if (connection->queue_tail != NULL)
-        connection->queue_tail->next = request;
-    else
-        connection->queue_head = request;
-    connection->queue_tail = request;
-    pump(connection);
-}
-
-void em_dispatch_abandon_queue(em_connection *connection)
-{
-    em_request *request = connection->queue_head;
-    connection->queue_head = NULL;
-    connection->queue_tail = NULL;
-    while (request != NULL) {
-        em_request *next = request->next;
-        connection->inflight_bytes -= request->charged;
-        free_request(request);
-        em_connection_request_finished(connection);
-        request = next;
-    }
+    em_request *request = REQUEST_OF(work, work);
+    em_connection *connection = request->connection;
+    free_request(request);
+    send_held(connection); /* the connection is closed: held answers are only freed */
 }
 
 /* ---- authorisation ------------------------------------------------------------------- */
@@ -248,37 +213,56 @@ static bool token_matches(const em_token *expected, const ProtobufCBinaryData *g
     return difference == 0;
 }
 
-static em_status authorize(const method_info *info, const Ember__RpcMeta *meta,
-                           const em_connection *connection, const em_dispatch_settings *settings,
-                           em_error *err)
+static em_status authorize_admin(const em_method_info *info, const ProtobufCBinaryData *token,
+                                 const em_connection *connection,
+                                 const em_dispatch_settings *settings, em_error *err)
 {
-    const char *name = em_method_name(info->method);
-    const ProtobufCBinaryData *token = &meta->auth_token;
-    if (info->access == ACCESS_OPEN)
-        return EM_OK;
-    if (info->access == ACCESS_ADMIN) {
-        if (!connection->admin)
-            return em_error_set(err, EM_PERMISSION_DENIED,
-                                "%s is an admin method; send it to the admin listener (%s)", name,
-                                settings->admin_address);
-        if (token->len == 0)
-            return em_error_set(err, EM_UNAUTHENTICATED, "%s needs the admin token; none was sent",
-                                name);
-        if (!token_matches(&settings->admin_token, token))
-            return em_error_set(err, EM_UNAUTHENTICATED,
-                                "the token sent with %s is not the admin token", name);
-        return EM_OK;
-    }
+    if (!em_connection_is_admin(connection))
+        return em_error_set(err, EM_PERMISSION_DENIED,
+                            "%s is an admin method; send it to the admin listener (%s)",
+                            info->name, settings->admin_address);
+    if (token->len == 0)
+        return em_error_set(err, EM_UNAUTHENTICATED, "%s needs the admin token; none was sent",
+                            info->name);
+    if (!token_matches(&settings->admin_token, token))
+        return em_error_set(err, EM_UNAUTHENTICATED,
+                            "the token sent with %s is not the admin token", info->name);
+    return EM_OK;
+}
+
+static em_status authorize_data(const em_method_info *info, const ProtobufCBinaryData *token,
+                                const em_connection *connection,
+                                const em_dispatch_settings *settings, em_error *err)
+{
     if (!settings->data_token.set)
         return EM_OK;
     if (token->len == 0)
         return em_error_set(err, EM_UNAUTHENTICATED, "%s needs the data token; none was sent",
-                            name);
+                            info->name);
     if (!token_matches(&settings->data_token, token) &&
-        !(connection->admin && token_matches(&settings->admin_token, token)))
+        !(em_connection_is_admin(connection) && token_matches(&settings->admin_token, token)))
         return em_error_set(err, EM_UNAUTHENTICATED, "the token sent with %s is not the data token",
-                            name);
+                            info->name);
     return EM_OK;
+}
+
+static em_status authorize(const em_method_info *info, const Ember__RpcMeta *meta,
+                           const em_connection *connection, const em_dispatch_settings *settings,
+                           em_error *err)
+{
+    if (info->listener == EM_METHOD_LISTENER_ADMIN && !em_connection_is_admin(connection))
+        return em_error_set(err, EM_PERMISSION_DENIED,
+                            "%s is an admin method; send it to the admin listener (%s)",
+                            info->name, settings->admin_address);
+    switch (info->access) {
+    case EM_METHOD_ACCESS_OPEN:
+        return EM_OK;
+    case EM_METHOD_ACCESS_DATA:
+        return authorize_data(info, &meta->auth_token, connection, settings, err);
+    case EM_METHOD_ACCESS_ADMIN:
+        return authorize_admin(info, &meta->auth_token, connection, settings, err);
+    }
+    return em_error_set(err, EM_INTERNAL, "%s has no access rule", info->name);
 }
 
 /* ---- decoding ------------------------------------------------------------------------ */
@@ -292,103 +276,126 @@ static em_request *new_request(em_connection *connection, const em_dispatch_sett
         return NULL;
     request->job.run = run_job;
     request->job.done = job_done;
+    request->work.start = start_work;
+    request->work.abandon = abandon_work;
+    request->work.charged = charged;
     request->connection = connection;
     request->context = settings->context;
-    request->slot = -1;
     request->message = message;
     request->attachment = attachment;
     request->attachment_length = attachment_length;
-    request->charged = charged;
     request->received_ms = em_monotonic_ms();
     request->max_keys_per_request = settings->max_keys_per_request;
     request->max_response_bytes = settings->max_response_bytes;
     return request;
 }
 
-static void reject_frame(em_connection *connection, uint8_t *message, uint8_t *attachment,
-                         uint64_t charged, uint64_t correlation_id, int method, em_status status,
-                         const char *text)
+static void reject_frame(const em_dispatch_settings *settings, em_connection *connection,
+                         uint8_t *message, uint8_t *attachment, uint64_t charged,
+                         uint64_t correlation_id, int method, em_status status, const char *text)
 {
     free(message);
     free(attachment);
-    connection->inflight_bytes -= charged;
-    em_server_stats *stats = &em_server_settings(connection->server)->context->stats;
-    atomic_fetch_add_explicit(&stats->frames_rejected, 1, memory_order_relaxed);
+    em_connection_release(connection, charged);
+    atomic_fetch_add_explicit(&settings->context->stats.frames_rejected, 1, memory_order_relaxed);
     em_connection_fail(connection, correlation_id, method, status, text);
 }
 
 /* Decodes the body of a request whose meta decoded; false when it does not decode. */
-static bool decode_body(em_request *request, const method_info *info, const em_frame_header *frame)
+static bool decode_body(em_request *request, const em_frame_header *frame)
 {
     const uint8_t *bytes = request->message + frame->meta_len;
-    request->body = protobuf_c_message_unpack(info->body, NULL, (size_t)frame->body_len, bytes);
+    request->body = protobuf_c_message_unpack(request->info->request, NULL,
+                                              (size_t)frame->body_len, bytes);
     return request->body != NULL;
 }
 
 static void answer_now(em_request *request, em_connection *connection)
 {
-    em_connection_ref(connection);
-    connection->outstanding++;
+    em_connection_request_received(connection);
     deliver(request);
 }
 
-void em_dispatch_frame(em_connection *connection, const em_frame_header *frame, uint8_t *message,
-                       uint8_t *attachment, uint64_t charged)
+/* Fault (close_after): true when this request's connection is to be closed instead. */
+static bool close_instead(const em_dispatch_settings *settings)
 {
-    const em_dispatch_settings *settings = em_server_settings(connection->server);
+    _Atomic uint32_t *left = &settings->context->faults.close_after;
+    uint32_t value = atomic_load(left);
+    while (value > 0 && !atomic_compare_exchange_weak(left, &value, value - 1))
+        ;
+    return value == 1;
+}
+
+/* Settles a deadline sent in the meta: milliseconds from now, clamped so that a huge
+ * value means "no deadline" rather than wrapping around. */
+static uint64_t deadline_from(uint64_t received_ms, uint64_t deadline_ms)
+{
+    if (deadline_ms == 0)
+        return 0;
+    if (deadline_ms > UINT64_MAX - received_ms)
+        return 0;
+    return received_ms + deadline_ms;
+}
+
+void em_dispatch_frame(const em_dispatch_settings *settings, em_connection *connection,
+                       const em_frame_header *frame, uint8_t *message, uint8_t *attachment,
+                       uint64_t charged)
+{
+    if (close_instead(settings)) {
+        free(message);
+        free(attachment);
+        em_connection_release(connection, charged);
+        em_connection_close(connection);
+        return;
+    }
     Ember__RpcMeta *meta = ember__rpc_meta__unpack(NULL, frame->meta_len, message);
     if (meta == NULL) {
-        reject_frame(connection, message, attachment, charged, 0, 0, EM_INVALID_ARGUMENT,
-                     "the frame's RpcMeta could not be decoded");
+        reject_frame(settings, connection, message, attachment, charged, 0, 0,
+                     EM_INVALID_ARGUMENT, "the frame's RpcMeta could not be decoded");
         return;
     }
     uint64_t correlation_id = meta->correlation_id;
     int method = (int)meta->method;
-    int slot = method_slot(method);
     em_request *request = new_request(connection, settings, message, attachment,
                                       frame->attach_len, charged);
     if (request == NULL) {
         ember__rpc_meta__free_unpacked(meta, NULL);
-        reject_frame(connection, message, attachment, charged, correlation_id, method,
+        reject_frame(settings, connection, message, attachment, charged, correlation_id, method,
                      EM_RESOURCE_EXHAUSTED, "out of memory for the request");
         return;
     }
     request->correlation_id = correlation_id;
     request->method = method;
-    request->slot = slot;
-    if (slot < 0) {
+    request->info = em_method_find(method);
+    if (request->info == NULL) {
         em_error_set(&request->error, EM_UNIMPLEMENTED, "method %d is not served by this server",
                      method);
         ember__rpc_meta__free_unpacked(meta, NULL);
         answer_now(request, connection);
         return;
     }
-    const method_info *info = &methods[slot];
-    request->write = info->write;
-    request->handler = info->handler;
-    if (meta->deadline_ms > 0)
-        request->deadline_ms = request->received_ms + meta->deadline_ms;
+    const em_method_info *info = request->info;
+    request->work.write = info->ordering == EM_METHOD_ORDERING_WRITE;
+    request->deadline_ms = deadline_from(request->received_ms, meta->deadline_ms);
     em_status status = authorize(info, meta, connection, settings, &request->error);
     ember__rpc_meta__free_unpacked(meta, NULL);
-    if (!decode_body(request, info, frame)) {
+    if (!decode_body(request, frame)) {
         char text[128];
         snprintf(text, sizeof(text), "the %s body (%" PRIu64 " bytes) could not be decoded",
-                 em_method_name(method), frame->body_len);
+                 info->name, frame->body_len);
         request->message = NULL;
         request->attachment = NULL;
-        request->charged = 0;
         free_request(request);
-        reject_frame(connection, message, attachment, charged, correlation_id, method,
+        reject_frame(settings, connection, message, attachment, charged, correlation_id, method,
                      EM_INVALID_ARGUMENT, text);
         return;
     }
-    if (status != EM_OK || info->on_loop) {
+    if (status != EM_OK || info->ordering == EM_METHOD_ORDERING_LOOP) {
         if (status == EM_OK)
-            request->handler(request, &request->error);
+            info->handler(request, &request->error);
         answer_now(request, connection);
         return;
     }
-    em_connection_ref(connection);
-    connection->outstanding++;
-    enqueue(connection, request);
+    em_connection_request_received(connection);
+    em_connection_enqueue(connection, &request->work);
 }

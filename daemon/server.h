@@ -11,34 +11,13 @@
 #ifndef EMBER_DAEMON_SERVER_H
 #define EMBER_DAEMON_SERVER_H
 
-#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <uv.h>
 
+#include "daemon/context.h"
 #include "daemon/daemon_config.h"
-#include "daemon/executor.h"
-#include "daemon/stats.h"
-#include "lib/device/backend.h"
-#include "lib/table/catalog.h"
-#include "lib/base/log.h"
-
-typedef enum em_server_state {
-    EM_SERVER_STARTING = 0,
-    EM_SERVER_SERVING = 1,
-    EM_SERVER_DRAINING = 2,
-} em_server_state;
-
-/* What request handlers need; owned by main, outlives the server. */
-typedef struct em_server_context {
-    em_catalog *catalog;
-    em_backend *backend;
-    em_executor *executor;
-    const em_log *log;
-    em_server_stats stats;
-    uint64_t start_ms;      /* uv_now at start */
-    _Atomic int state;      /* em_server_state */
-} em_server_context;
+#include "lib/base/status.h"
 
 typedef struct em_server em_server;
 
@@ -54,7 +33,8 @@ em_status em_server_listen(em_server *server, em_error *err);
 const char *em_server_data_address(const em_server *server);
 const char *em_server_admin_address(const em_server *server);
 
-/* Applies the reloadable parts of config (limits, tokens) to new frames. */
+/* Applies the reloadable parts of config (limits, tokens) to new frames and to the
+ * budgets and timeouts of open connections. */
 void em_server_reconfigure(em_server *server, const em_daemon_config *config);
 
 /* Stops accepting and reading; calls drained once every received request has been
@@ -68,8 +48,8 @@ void em_server_drain(em_server *server, uint32_t timeout_ms,
  * freed. */
 void em_server_close(em_server *server, void (*closed)(void *context), void *context);
 
-const char *em_server_state_name(int state);
-
-uint64_t em_server_now_ms(const em_server *server);
+/* Closes every open connection now (answers not yet written are dropped); the
+ * listeners stay open. */
+void em_server_close_connections(em_server *server);
 
 #endif

@@ -3,21 +3,154 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon/dispatch.h"
+/* ---- the schema ---------------------------------------------------------------------- */
+
+/* X(name, kind, unit, help): the server's descriptive numbers, set by the caller of
+ * em_stats_collect. */
+#define SERVER_INFO(X)                                                                        \
+    X(version, INFO, NONE, "ember version")                                                   \
+    X(state, INFO, NONE, "starting, serving or draining")                                     \
+    X(backend, INFO, NONE, "cpu or cuda")                                                     \
+    X(uptime_ms, GAUGE, MILLISECONDS, "time since start")
+
+#define SCHEMA_ROW(scope_, name_, kind_, unit_, help_)                                         \
+    {.name = #name_, .kind = EM_STAT_##kind_, .unit = EM_STAT_##unit_, .scope = (scope_),      \
+     .help = (help_)},
+#define SERVER_ROW(name, kind, unit, help) SCHEMA_ROW(EM_STAT_SERVER, name, kind, unit, help)
+#define METHOD_ROW(name, kind, unit, help) SCHEMA_ROW(EM_STAT_METHOD, name, kind, unit, help)
+#define TABLE_ROW(type, name, kind, unit, help) SCHEMA_ROW(EM_STAT_TABLE, name, kind, unit, help)
+#define POOL_ROW(type, name, kind, unit, help) SCHEMA_ROW(EM_STAT_POOL, name, kind, unit, help)
+
+enum {
+#define COUNT_SERVER(name, kind, unit, help) SERVER_STAT_##name,
+    SERVER_INFO(COUNT_SERVER) EM_SERVER_COUNTERS(COUNT_SERVER)
+#undef COUNT_SERVER
+    SERVER_STATS
+};
+enum {
+#define COUNT_METHOD(name, kind, unit, help) METHOD_STAT_##name,
+    EM_METHOD_COUNTERS(COUNT_METHOD)
+#undef COUNT_METHOD
+    METHOD_STATS
+};
+enum {
+#define COUNT_TABLE(type, name, kind, unit, help) TABLE_STAT_##name,
+    EM_TABLE_STATS(COUNT_TABLE)
+#undef COUNT_TABLE
+    TABLE_STATS
+};
+
+static const em_stat schema[] = {
+    SERVER_INFO(SERVER_ROW) EM_SERVER_COUNTERS(SERVER_ROW)
+    EM_METHOD_COUNTERS(METHOD_ROW)
+    EM_TABLE_STATS(TABLE_ROW)
+    EM_POOL_STATS(POOL_ROW)
+};
+
+#define SCHEMA_COUNT (sizeof(schema) / sizeof(schema[0]))
+
+/* Where each scope starts in schema. */
+#define METHOD_SCHEMA (schema + SERVER_STATS)
+#define TABLE_SCHEMA (METHOD_SCHEMA + METHOD_STATS)
+#define POOL_SCHEMA (TABLE_SCHEMA + TABLE_STATS)
+
+const em_stat *em_stats_schema(size_t *count)
+{
+    *count = SCHEMA_COUNT;
+    return schema;
+}
+
+/* ---- visiting ------------------------------------------------------------------------ */
+
+static em_stat_value u64_value(uint64_t value)
+{
+    return (em_stat_value){.type = EM_STAT_VALUE_U64, .u64 = value};
+}
+
+static em_stat_value double_value(double value)
+{
+    return (em_stat_value){.type = EM_STAT_VALUE_DOUBLE, .f64 = value};
+}
+
+static em_stat_value text_value(const char *value)
+{
+    return (em_stat_value){.type = EM_STAT_VALUE_TEXT, .text = value != NULL ? value : ""};
+}
+
+#define STAT_VALUE(x)                                                                          \
+    _Generic((x), double: double_value, const char *: text_value, default: u64_value)(x)
+
+static void visit_server(const em_stats_snapshot *snapshot, em_stats_visitor visitor,
+                         void *context)
+{
+    const em_stat *stat = schema;
+#define VISIT_SERVER(field, kind, unit, help)                                                  \
+    visitor(context, stat++, 0, NULL, STAT_VALUE(snapshot->field));
+    SERVER_INFO(VISIT_SERVER)
+    EM_SERVER_COUNTERS(VISIT_SERVER)
+#undef VISIT_SERVER
+}
+
+static void visit_method(const em_method_snapshot *method, size_t index, em_stats_visitor visitor,
+                         void *context)
+{
+    const em_stat *stat = METHOD_SCHEMA;
+    const char *label = method->name;
+#define VISIT_METHOD(field, kind, unit, help)                                                  \
+    visitor(context, stat++, index, label, STAT_VALUE(method->field));
+    EM_METHOD_COUNTERS(VISIT_METHOD)
+#undef VISIT_METHOD
+}
+
+static void visit_table(const em_table_snapshot *table, size_t index, em_stats_visitor visitor,
+                        void *context)
+{
+    const em_stat *stat = TABLE_SCHEMA;
+    const char *label = table->name;
+#define VISIT_TABLE(type, field, kind, unit, help)                                             \
+    visitor(context, stat++, index, label, STAT_VALUE(table->stats.field));
+    EM_TABLE_STATS(VISIT_TABLE)
+#undef VISIT_TABLE
+}
+
+static void visit_pool(const em_pool_snapshot *pool, size_t index, em_stats_visitor visitor,
+                       void *context)
+{
+    const em_stat *stat = POOL_SCHEMA;
+    const char *label = pool->device;
+#define VISIT_POOL(type, field, kind, unit, help)                                              \
+    visitor(context, stat++, index, label, STAT_VALUE(pool->stats.field));
+    EM_POOL_STATS(VISIT_POOL)
+#undef VISIT_POOL
+}
+
+void em_stats_visit(const em_stats_snapshot *snapshot, em_stats_visitor visitor, void *context)
+{
+    visit_server(snapshot, visitor, context);
+    for (size_t i = 0; i < snapshot->method_count; i++)
+        visit_method(&snapshot->methods[i], i, visitor, context);
+    for (size_t i = 0; i < snapshot->table_count; i++)
+        visit_table(&snapshot->tables[i], i, visitor, context);
+    for (size_t i = 0; i < snapshot->pool_count; i++)
+        visit_pool(&snapshot->pools[i], i, visitor, context);
+}
+
+/* ---- collecting ---------------------------------------------------------------------- */
+
 
 static void collect_counters(const em_server_stats *counters, em_stats_snapshot *snapshot)
 {
-    snapshot->connections_current = atomic_load(&counters->connections_current);
-    snapshot->connections_total = atomic_load(&counters->connections_total);
-    snapshot->connections_rejected = atomic_load(&counters->connections_rejected);
-    snapshot->bytes_in = atomic_load(&counters->bytes_in);
-    snapshot->bytes_out = atomic_load(&counters->bytes_out);
-    snapshot->frames_rejected = atomic_load(&counters->frames_rejected);
-    snapshot->method_count = em_dispatch_method_count();
-    for (size_t i = 0; i < snapshot->method_count; i++) {
-        snapshot->methods[i].name = em_dispatch_method_name(i);
-        snapshot->methods[i].requests = atomic_load(&counters->requests[i]);
-        snapshot->methods[i].errors = atomic_load(&counters->errors[i]);
+#define LOAD_SERVER_COUNTER(field, kind, unit, help)                                              \
+    snapshot->field = atomic_load(&counters->field);
+    EM_SERVER_COUNTERS(LOAD_SERVER_COUNTER)
+#undef LOAD_SERVER_COUNTER
+    snapshot->method_count = EM_METHOD_COUNT;
+    for (size_t i = 0; i < EM_METHOD_COUNT; i++) {
+        snapshot->methods[i].name = em_methods[i].name;
+#define LOAD_METHOD_COUNTER(field, kind, unit, help)                                              \
+    snapshot->methods[i].field = atomic_load(&counters->field[i]);
+        EM_METHOD_COUNTERS(LOAD_METHOD_COUNTER)
+#undef LOAD_METHOD_COUNTER
     }
 }
 

@@ -1,11 +1,20 @@
 /*
- * DESIGN: the server's numbers, produced once and rendered many ways.
+ * DESIGN: the server's numbers, declared once, produced once, rendered many ways.
+ *
+ * Every number has one declaration: the server's counters in EM_SERVER_COUNTERS below,
+ * the per-method counters in EM_METHOD_COUNTERS, a table's in EM_TABLE_STATS
+ * (lib/table/table.h) and a pool's in EM_POOL_STATS (lib/memory/pool.h). Each row gives
+ * the name, whether it is a counter or a gauge, its unit and a help text; the scope
+ * (server, method, table, pool) says which label it carries.
+ *
+ * em_stats_collect gathers everything into one plain snapshot; em_stats_visit walks a
+ * snapshot and calls a visitor once per number with its descriptor, label and value.
+ * Every output is a visitor over the same snapshot: the STATS answer (protobuf fields
+ * are found by the stat's name, daemon/handlers.c) today, a metrics endpoint tomorrow,
+ * so all outputs agree and a number declared here reaches every one of them.
  *
  * Counters live in em_server_stats (atomics: the loop thread counts frames and bytes,
- * workers read them). em_stats_collect gathers them together with every table's and
- * every device pool's statistics into one plain snapshot; the STATS method renders the
- * snapshot as protobuf, and any other output (a metrics endpoint) renders the same
- * snapshot, so all outputs always agree.
+ * workers count requests, anyone may read them).
  */
 #ifndef EMBER_DAEMON_STATS_H
 #define EMBER_DAEMON_STATS_H
@@ -14,27 +23,75 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "lib/table/catalog.h"
+#include "daemon/methods.h"
 #include "lib/memory/pool.h"
+#include "lib/table/catalog.h"
 #include "lib/table/table.h"
 
-/* Slots for per-method counters (indices of the dispatch method table). */
-#define EM_METHOD_SLOTS 16
+/* X(name, kind, unit, help): the server-wide counters the daemon keeps. */
+#define EM_SERVER_COUNTERS(X)                                                                 \
+    X(connections_current, GAUGE, NONE, "connections open now")                               \
+    X(connections_total, COUNTER, NONE, "connections accepted since start")                   \
+    X(connections_rejected, COUNTER, NONE, "connections refused over max_connections")        \
+    X(bytes_in, COUNTER, BYTES, "bytes read from clients")                                    \
+    X(bytes_out, COUNTER, BYTES, "bytes written to clients")                                  \
+    X(frames_rejected, COUNTER, NONE, "frames that could not be parsed (connection closed)")
+
+/* X(name, kind, unit, help): per method. */
+#define EM_METHOD_COUNTERS(X)                                                                 \
+    X(requests, COUNTER, NONE, "requests answered")                                           \
+    X(errors, COUNTER, NONE, "requests answered with an error")
 
 typedef struct em_server_stats {
-    _Atomic uint64_t connections_current;
-    _Atomic uint64_t connections_total;
-    _Atomic uint64_t connections_rejected;
-    _Atomic uint64_t bytes_in;
-    _Atomic uint64_t bytes_out;
-    _Atomic uint64_t frames_rejected;
-    _Atomic uint64_t requests[EM_METHOD_SLOTS];
-    _Atomic uint64_t errors[EM_METHOD_SLOTS];
+#define EM_SERVER_COUNTER_FIELD(name, kind, unit, help) _Atomic uint64_t name;
+    EM_SERVER_COUNTERS(EM_SERVER_COUNTER_FIELD)
+#undef EM_SERVER_COUNTER_FIELD
+#define EM_METHOD_COUNTER_FIELD(name, kind, unit, help) _Atomic uint64_t name[EM_METHOD_COUNT];
+    EM_METHOD_COUNTERS(EM_METHOD_COUNTER_FIELD)
+#undef EM_METHOD_COUNTER_FIELD
 } em_server_stats;
+
+typedef enum em_stat_kind {
+    EM_STAT_COUNTER, /* only grows */
+    EM_STAT_GAUGE,   /* goes up and down */
+    EM_STAT_INFO,    /* text (version, state, backend) */
+} em_stat_kind;
+
+typedef enum em_stat_unit {
+    EM_STAT_NONE,
+    EM_STAT_BYTES,
+    EM_STAT_MILLISECONDS,
+    EM_STAT_RATIO,
+} em_stat_unit;
+
+/* Which label a number carries. */
+typedef enum em_stat_scope {
+    EM_STAT_SERVER, /* none */
+    EM_STAT_METHOD, /* method ("PULL") */
+    EM_STAT_TABLE,  /* table name */
+    EM_STAT_POOL,   /* device ("cpu0") */
+} em_stat_scope;
+
+typedef struct em_stat {
+    const char *name; /* as on the wire: "keys_pulled" */
+    em_stat_kind kind;
+    em_stat_unit unit;
+    em_stat_scope scope;
+    const char *help;
+} em_stat;
+
+typedef struct em_stat_value {
+    enum { EM_STAT_VALUE_U64, EM_STAT_VALUE_DOUBLE, EM_STAT_VALUE_TEXT } type;
+    uint64_t u64;
+    double f64;
+    const char *text;
+} em_stat_value;
 
 typedef struct em_method_snapshot {
     const char *name;
-    uint64_t requests, errors;
+#define EM_METHOD_SNAPSHOT_FIELD(name, kind, unit, help) uint64_t name;
+    EM_METHOD_COUNTERS(EM_METHOD_SNAPSHOT_FIELD)
+#undef EM_METHOD_SNAPSHOT_FIELD
 } em_method_snapshot;
 
 typedef struct em_table_snapshot {
@@ -48,12 +105,14 @@ typedef struct em_pool_snapshot {
 } em_pool_snapshot;
 
 typedef struct em_stats_snapshot {
+    const char *version;
     const char *state;
     const char *backend;
     uint64_t uptime_ms;
-    uint64_t connections_current, connections_total, connections_rejected;
-    uint64_t bytes_in, bytes_out, frames_rejected;
-    em_method_snapshot methods[EM_METHOD_SLOTS];
+#define EM_SERVER_SNAPSHOT_FIELD(name, kind, unit, help) uint64_t name;
+    EM_SERVER_COUNTERS(EM_SERVER_SNAPSHOT_FIELD)
+#undef EM_SERVER_SNAPSHOT_FIELD
+    em_method_snapshot methods[EM_METHOD_COUNT];
     size_t method_count;
     em_table_snapshot *tables;
     size_t table_count;
@@ -61,11 +120,31 @@ typedef struct em_stats_snapshot {
     size_t pool_count;
 } em_stats_snapshot;
 
-/* Fills snapshot (tables limited to table_filter unless it is NULL or ""). Errors:
- * NOT_FOUND for an unknown table_filter, RESOURCE_EXHAUSTED. Thread-safe. */
+/* Fills snapshot (tables limited to table_filter unless it is NULL or ""); version,
+ * state and uptime are the caller's to set. Errors: NOT_FOUND for an unknown
+ * table_filter, RESOURCE_EXHAUSTED. Thread-safe. */
 em_status em_stats_collect(const em_server_stats *counters, em_catalog *catalog,
                            const char *table_filter, em_stats_snapshot *snapshot, em_error *err);
 
 void em_stats_snapshot_free(em_stats_snapshot *snapshot);
+
+/* Called once per number: index is the method, table or pool position in the snapshot
+ * (0 for server numbers), label its name (NULL for server numbers). */
+typedef void (*em_stats_visitor)(void *context, const em_stat *stat, size_t index,
+                                 const char *label, em_stat_value value);
+
+/* Visits every number of snapshot: the server's, then each method's, table's and
+ * pool's, each in declaration order. */
+void em_stats_visit(const em_stats_snapshot *snapshot, em_stats_visitor visitor, void *context);
+
+/* The STATS answer (an Ember__StatsResponse, packed) for snapshot, rendered by the
+ * visitor of daemon/handlers.c: *out is malloc'ed. Errors: INTERNAL when a stat has no
+ * field of its name on the wire, RESOURCE_EXHAUSTED. */
+em_status em_stats_render_response(const em_stats_snapshot *snapshot, uint8_t **out,
+                                   size_t *length, em_error *err);
+
+/* Every stat the schema declares, in visiting order within each scope (for tests and
+ * for outputs that describe the numbers before giving them). */
+const em_stat *em_stats_schema(size_t *count);
 
 #endif

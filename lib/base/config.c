@@ -537,3 +537,13 @@ em_status em_config_read_file(const char *path, size_t max_bytes, char **out, em
     *out = text;
     return EM_OK;
 }
+
+void em_config_copy_reloadable(const em_config_schema *schema, void *running, const void *fresh)
+{
+    for (size_t i = 0; i < schema->field_count; i++) {
+        const em_config_field *field = &schema->fields[i];
+        if (field->flags & EM_CONFIG_RELOADABLE)
+            memcpy((char *)running + field->offset, (const char *)fresh + field->offset,
+                   field->size);
+    }
+}

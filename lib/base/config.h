@@ -89,6 +89,10 @@ em_status em_config_parse_text(const em_config_schema *schema, const char *text,
 /* Serialises target (secrets omitted). Returns NULL on allocation failure. */
 cJSON *em_config_to_json(const em_config_schema *schema, const void *target);
 
+/* Copies every top-level RELOADABLE field of schema from fresh to running (a live
+ * reload): the schema says what may change, so no caller lists the keys again. */
+void em_config_copy_reloadable(const em_config_schema *schema, void *running, const void *fresh);
+
 /* Joins a path and a key ("tables[0]" + "dim" -> "tables[0].dim") into buffer. */
 void em_config_join_path(char *buffer, size_t capacity, const char *path, const char *key);
 

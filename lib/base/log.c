@@ -61,14 +61,20 @@ bool em_log_fd_is_journal(int fd)
 
 void em_log_init(em_log *log, em_log_level level, int fd)
 {
-    log->level = level;
+    atomic_init(&log->level, (int)level);
     log->fd = fd;
     log->journal = em_log_fd_is_journal(fd);
 }
 
+void em_log_set_level(em_log *log, em_log_level level)
+{
+    atomic_store_explicit(&log->level, (int)level, memory_order_relaxed);
+}
+
 bool em_log_enabled(const em_log *log, em_log_level level)
 {
-    return log != NULL && level <= log->level;
+    return log != NULL &&
+           (int)level <= atomic_load_explicit(&((em_log *)log)->level, memory_order_relaxed);
 }
 
 /* "2026-11-21T10:04:05.123Z" */

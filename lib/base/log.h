@@ -11,6 +11,7 @@
 #ifndef EMBER_LIB_LOG_H
 #define EMBER_LIB_LOG_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 
 #include "lib/base/status.h"
@@ -25,13 +26,16 @@ typedef enum em_log_level {
 } em_log_level;
 
 typedef struct em_log {
-    em_log_level level; /* lines above this priority number are dropped */
+    _Atomic int level; /* em_log_level: lines above this priority number are dropped */
     int fd;
     bool journal; /* write "<N>" prefixes instead of timestamps */
 } em_log;
 
 /* Initialises a caller-allocated logger writing to fd; detects the journal. */
 void em_log_init(em_log *log, em_log_level level, int fd);
+
+/* Changes the level while other threads log (a reload). Thread-safe. */
+void em_log_set_level(em_log *log, em_log_level level);
 
 /* True when fd is the stream JOURNAL_STREAM names (for tests and the daemon). */
 bool em_log_fd_is_journal(int fd);

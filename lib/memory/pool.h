@@ -53,19 +53,28 @@ typedef struct em_pool_options {
     em_pool_region_provider provider;
 } em_pool_options;
 
+/* A pool's numbers, declared once: X(type, name, kind, unit, help) (kind COUNTER or
+ * GAUGE; unit NONE, BYTES or RATIO). The struct below is generated from this list, and
+ * so are the daemon's stats schema and wire rendering (daemon/stats.h). */
+#define EM_POOL_STATS(X)                                                                      \
+    X(uint64_t, bytes_in_use, GAUGE, BYTES, "sum of live allocations, rounded sizes")         \
+    X(uint64_t, peak_bytes_in_use, GAUGE, BYTES, "highest bytes_in_use since start")          \
+    X(uint64_t, bytes_reserved, GAUGE, BYTES, "sum of region sizes")                          \
+    X(uint64_t, bytes_limit, GAUGE, BYTES, "most bytes the pool may reserve")                 \
+    X(uint64_t, bytes_free, GAUGE, BYTES, "bytes_reserved - bytes_in_use")                    \
+    X(uint64_t, largest_free_block, GAUGE, BYTES, "biggest single free chunk")                \
+    X(uint64_t, live_allocations, GAUGE, NONE, "allocations not yet freed")                   \
+    X(uint64_t, total_allocations, COUNTER, NONE, "successful allocations since start")       \
+    X(uint64_t, failed_allocations, COUNTER, NONE, "allocations that returned an error")      \
+    X(uint64_t, free_chunks, GAUGE, NONE, "free chunks over all regions")                     \
+    X(uint64_t, region_count, GAUGE, NONE, "regions reserved")                                \
+    X(double, fragmentation, GAUGE, RATIO,                                                    \
+      "1 - largest_free_block / bytes_free; 0 when nothing is free")
+
 typedef struct em_pool_stats {
-    uint64_t bytes_in_use;       /* sum of live allocations, rounded sizes */
-    uint64_t peak_bytes_in_use;  /* highest bytes_in_use since create */
-    uint64_t bytes_reserved;     /* sum of region sizes */
-    uint64_t bytes_limit;        /* limit_bytes from the options */
-    uint64_t bytes_free;         /* bytes_reserved - bytes_in_use */
-    uint64_t largest_free_block; /* biggest single free chunk */
-    uint64_t live_allocations;   /* allocations not yet freed */
-    uint64_t total_allocations;  /* successful allocations since create */
-    uint64_t failed_allocations; /* allocations that returned an error */
-    uint64_t free_chunks;        /* number of free chunks over all regions */
-    uint64_t region_count;
-    double fragmentation;        /* 1 - largest_free_block / bytes_free; 0 when nothing is free */
+#define EM_POOL_STATS_FIELD(type, name, kind, unit, help) type name;
+    EM_POOL_STATS(EM_POOL_STATS_FIELD)
+#undef EM_POOL_STATS_FIELD
 } em_pool_stats;
 
 /* One chunk, as the walk and the dump report it. */

@@ -59,16 +59,28 @@ typedef struct em_push_result {
     uint64_t created; /* of those, how many were new */
 } em_push_result;
 
+/* A table's numbers, declared once: X(type, name, kind, unit, help). kind is COUNTER
+ * (only grows) or GAUGE; unit NONE, BYTES or RATIO. The struct below is generated from
+ * this list, and so are the daemon's stats schema and wire rendering (daemon/stats.h). */
+#define EM_TABLE_STATS(X)                                                                     \
+    X(uint64_t, rows, GAUGE, NONE, "rows stored")                                             \
+    X(uint64_t, capacity, GAUGE, NONE, "most rows the table may hold")                        \
+    X(uint32_t, dim, GAUGE, NONE, "floats per embedding vector")                              \
+    X(uint32_t, shards, GAUGE, NONE, "shards the table is split into")                        \
+    X(uint32_t, row_floats, GAUGE, NONE, "floats per row: dim plus optimizer state")          \
+    X(uint64_t, row_bytes, GAUGE, BYTES, "row storage over all shards")                       \
+    X(uint64_t, index_bytes, GAUGE, BYTES, "hash maps over all shards")                       \
+    X(uint64_t, pulls, COUNTER, NONE, "pull requests served")                                 \
+    X(uint64_t, pushes, COUNTER, NONE, "push requests applied")                               \
+    X(uint64_t, imports, COUNTER, NONE, "import batches applied")                             \
+    X(uint64_t, keys_pulled, COUNTER, NONE, "keys read by pulls")                             \
+    X(uint64_t, keys_pushed, COUNTER, NONE, "keys updated by pushes")                         \
+    X(uint64_t, rows_created, COUNTER, NONE, "rows inserted")
+
 typedef struct em_table_stats {
-    uint64_t rows;
-    uint64_t capacity;
-    uint32_t dim;
-    uint32_t shards;
-    uint32_t row_floats;  /* dim + optimizer state floats (the export width) */
-    uint64_t row_bytes;   /* row storage over all shards */
-    uint64_t index_bytes; /* hash maps over all shards */
-    uint64_t pulls, pushes, imports;
-    uint64_t keys_pulled, keys_pushed, rows_created;
+#define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;
+    EM_TABLE_STATS(EM_TABLE_STATS_FIELD)
+#undef EM_TABLE_STATS_FIELD
 } em_table_stats;
 
 /* Position of an export in progress. Zero-initialise to start. */

@@ -1,0 +1,54 @@
+/*
+ * DESIGN: what every part of a running daemon shares, owned by the daemon
+ * (daemon/daemon.c) and borrowed by the server, the dispatcher and the handlers.
+ */
+#ifndef EMBER_DAEMON_CONTEXT_H
+#define EMBER_DAEMON_CONTEXT_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "daemon/executor.h"
+#include "daemon/stats.h"
+#include "lib/base/log.h"
+#include "lib/device/backend.h"
+#include "lib/table/catalog.h"
+
+typedef enum em_server_state {
+    EM_SERVER_STARTING = 0,
+    EM_SERVER_SERVING = 1,
+    EM_SERVER_DRAINING = 2,
+} em_server_state;
+
+/* Fault injection, for tests of clients against a real daemon (em_daemon_faults):
+ * every field is 0 in service, and nothing but a test sets them. */
+typedef struct em_faults {
+    _Atomic uint32_t delay_ms;    /* PULL and PUSH wait this long on their worker, once
+                                   * their deadline has been checked */
+    _Atomic uint32_t close_after; /* the connection receiving the n-th next request is
+                                   * closed instead of answering it (0: never) */
+    _Atomic bool reverse_answers; /* answers of pipelined requests (up to
+                                   * EM_FAULT_REVERSE_MAX) are held and sent last-first */
+} em_faults;
+
+#define EM_FAULT_REVERSE_MAX 8u
+
+typedef struct em_server_context {
+    em_catalog *catalog;
+    em_backend *backend;
+    em_executor *executor;
+    const em_log *log;
+    em_server_stats stats;
+    uint64_t start_ms;  /* em_monotonic_ms at start */
+    _Atomic int state;  /* em_server_state */
+    em_faults faults;
+} em_server_context;
+
+/* "starting", "serving", "draining". */
+const char *em_server_state_name(int state);
+
+/* Milliseconds on the monotonic clock (usable from any thread). */
+uint64_t em_monotonic_ms(void);
+
+#endif

@@ -1,0 +1,459 @@
+/*
+ * DESIGN: a running daemon, from configuration to drained.
+ *
+ * em_daemon_create brings the parts up in order (backend, tables, loop, workers,
+ * server and listeners, the wake-up handle) and destroys them in reverse through one
+ * cleanup path. The loop thread owns everything after that; other threads (and signal
+ * handlers) reach it only through `wake`, an async handle, with a flag saying what
+ * they want: a drain, a reload, or dropped connections.
+ *
+ * Reload goes through the configuration schema: every RELOADABLE key is copied from
+ * the freshly read file by em_config_copy_reloadable, then applied to the parts that
+ * read it (the server's limits and tokens, the log level, atomically for workers);
+ * keys that need a restart are reported.
+ */
+#include "daemon/daemon.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "daemon/executor.h"
+#include "daemon/server.h"
+#include "ember_config.h"
+#include "lib/device/backend.h"
+#include "lib/table/catalog.h"
+
+/* Builds for tests may bring a host emulation of the kernels (EM_CUDA_EMULATED). */
+#if EM_HAVE_CUDA || defined(EM_CUDA_EMULATED)
+#define CUDA_BACKEND 1
+#else
+#define CUDA_BACKEND 0
+#endif
+
+/* What other threads ask of the loop (bits of em_daemon.wanted). */
+enum {
+    WANT_STOP = 1u << 0,
+    WANT_RELOAD = 1u << 1,
+    WANT_DROP = 1u << 2,
+};
+
+struct em_daemon {
+    em_daemon_options options;
+    em_daemon_config config;
+    em_log log;
+    em_backend *backend;
+    em_catalog *catalog;
+    uv_loop_t loop;
+    bool loop_ready;
+    em_executor *executor;
+    em_server *server;
+    em_server_context context;
+    uv_async_t wake;
+    bool wake_open;
+    _Atomic unsigned wanted;
+    uv_timer_t watchdog;
+    bool watchdog_running;
+    uint64_t watchdog_completed;
+    bool stopping;
+    bool forced; /* the drain deadline passed */
+    char data_address[EM_ADDRESS_MAX];
+    char admin_address[EM_ADDRESS_MAX];
+};
+
+void em_daemon_options_init(em_daemon_options *options)
+{
+    *options = (em_daemon_options){.log_fd = STDERR_FILENO};
+}
+
+static void notify(em_daemon *d, const char *format, ...) __attribute__((format(printf, 2, 3)));
+
+static void notify(em_daemon *d, const char *format, ...)
+{
+    if (d->options.notify == NULL)
+        return;
+    char state[512];
+    va_list args;
+    va_start(args, format);
+    vsnprintf(state, sizeof(state), format, args);
+    va_end(args);
+    d->options.notify(d->options.notify_context, state);
+}
+
+/* ---- bring-up steps ------------------------------------------------------------------ */
+
+#if CUDA_BACKEND
+static em_status create_cuda_backend(em_daemon *d, em_error *err)
+{
+    const em_backend_config *config = &d->config.backend;
+    em_cuda_backend_options options;
+    em_cuda_backend_options_init(&options);
+    memcpy(options.devices, config->gpus.ordinals, config->gpus.count * sizeof(uint32_t));
+    options.device_count = config->gpus.count;
+    options.pool_bytes = config->memory_limit_bytes;
+    options.memory_fraction = config->memory_fraction;
+    options.lanes = config->lanes;
+    options.staging_bytes = config->staging_bytes;
+    em_status status = em_backend_create_cuda(&options, &d->backend, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "backend \"cuda\": ");
+    em_pool_stats pool;
+    em_pool_get_stats(d->backend->devices[0]->pool, &pool);
+    em_log_notice(&d->log, "backend cuda: %u GPU(s) (%s first), pool %" PRIu64
+                  " MiB each, %u lanes each, %s exchange", d->backend->device_count,
+                  d->backend->devices[0]->name, pool.bytes_limit >> 20, config->lanes,
+                  d->backend->exchange->name);
+    return EM_OK;
+}
+#endif
+
+/* auto: the CUDA backend when this build has it and a usable GPU is visible. */
+static em_backend_type resolve_backend_type(em_daemon *d)
+{
+    em_backend_type type = (em_backend_type)d->config.backend.type;
+    if (type != EM_BACKEND_AUTO)
+        return type;
+#if CUDA_BACKEND
+    uint32_t gpus = 0;
+    em_error err;
+    if (em_cuda_available(&gpus, &err) == EM_OK && gpus > 0)
+        return EM_BACKEND_CUDA;
+    em_log_notice(&d->log, "backend auto: no usable GPU (%s); using the CPU backend",
+                  err.message);
+#else
+    em_log_notice(&d->log, "backend auto: this build has no CUDA backend; using the CPU backend");
+#endif
+    return EM_BACKEND_CPU;
+}
+
+static em_status create_cpu_backend(em_daemon *d, em_error *err)
+{
+    const em_backend_config *config = &d->config.backend;
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.devices = config->devices;
+    options.pool_limit_bytes = config->memory_limit_bytes;
+    options.pool_initial_bytes = config->initial_bytes;
+    options.pool_growth_bytes = config->growth_bytes;
+    em_status status = em_backend_create_cpu(&options, &d->backend, err);
+    if (status != EM_OK)
+        return status;
+    em_pool_stats pool;
+    em_pool_get_stats(d->backend->devices[0]->pool, &pool);
+    em_log_notice(&d->log, "backend cpu: %u device(s), pool limit %" PRIu64 " MiB each",
+                  d->backend->device_count, pool.bytes_limit >> 20);
+    return EM_OK;
+}
+
+static em_status create_backend(em_daemon *d, em_error *err)
+{
+    switch (resolve_backend_type(d)) {
+    case EM_BACKEND_CUDA:
+#if CUDA_BACKEND
+        return create_cuda_backend(d, err);
+#else
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "backend.type is \"cuda\" but this emberd was built without the "
+                            "CUDA backend; use \"cpu\" or \"auto\"");
+#endif
+    case EM_BACKEND_CPU:
+    case EM_BACKEND_AUTO:
+        break;
+    }
+    return create_cpu_backend(d, err);
+}
+
+static em_status create_tables(em_daemon *d, em_error *err)
+{
+    em_status status = em_catalog_create(d->backend, &d->catalog, err);
+    for (uint32_t i = 0; status == EM_OK && i < d->config.tables.count; i++) {
+        const em_table_config *table = &d->config.tables.items[i];
+        status = em_catalog_create_table(d->catalog, table, NULL, err);
+        if (status == EM_OK)
+            em_log_notice(&d->log, "table '%s': dim %u, capacity %" PRIu64 ", %s", table->name,
+                          table->dim, table->capacity, em_optimizer_name(table->optimizer.kind));
+    }
+    return status;
+}
+
+/* Workers run table requests. A GPU request holds a lane on every GPU for its whole
+ * run, so with the cuda backend more workers than lanes would only wait for lanes. */
+static uint32_t worker_threads(const em_daemon *d)
+{
+    if (d->config.backend.threads > 0)
+        return d->config.backend.threads;
+    if (strcmp(d->backend->kind, "cuda") == 0)
+        return d->config.backend.lanes;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (uint32_t)online : 1;
+}
+
+/* ---- stopping ------------------------------------------------------------------------ */
+
+/* Stops everything that keeps the loop alive; uv_run then returns. */
+static void stop(em_daemon *d)
+{
+    if (d->stopping)
+        return;
+    d->stopping = true;
+    if (d->executor != NULL) {
+        em_executor_close(d->executor); /* waits for running jobs, answers them */
+        d->executor = NULL;
+    }
+    if (d->server != NULL) {
+        em_server_close(d->server, NULL, NULL);
+        d->server = NULL;
+    }
+    if (d->wake_open) {
+        uv_close((uv_handle_t *)&d->wake, NULL);
+        d->wake_open = false;
+    }
+    if (d->watchdog_running) {
+        uv_close((uv_handle_t *)&d->watchdog, NULL);
+        d->watchdog_running = false;
+    }
+}
+
+static void on_drained(em_server *server, bool forced, void *context)
+{
+    (void)server;
+    em_daemon *d = context;
+    d->forced = forced;
+    em_log_notice(&d->log, "drained%s; exiting", forced ? " (deadline passed)" : "");
+    stop(d);
+}
+
+static void begin_drain(em_daemon *d)
+{
+    if (d->server == NULL || atomic_load(&d->context.state) == EM_SERVER_DRAINING)
+        return;
+    atomic_store(&d->context.state, EM_SERVER_DRAINING);
+    em_log_notice(&d->log, "draining (deadline %u ms)", d->config.drain_timeout_ms);
+    notify(d, "STOPPING=1\nSTATUS=draining");
+    em_server_drain(d->server, d->config.drain_timeout_ms, on_drained, d);
+}
+
+/* ---- reload -------------------------------------------------------------------------- */
+
+static void report_fixed_change(void *context, const char *key)
+{
+    em_daemon *d = context;
+    em_log_warning(&d->log, "reload: '%s' changed but takes effect only after a restart", key);
+}
+
+static void reload(em_daemon *d)
+{
+    if (d->options.config_path == NULL || d->server == NULL)
+        return;
+    notify(d, "RELOADING=1\nSTATUS=reloading");
+    em_daemon_config fresh;
+    em_error err;
+    if (em_daemon_config_load(d->options.config_path, &fresh, &err) != EM_OK) {
+        em_log_error(&d->log, "reload failed, keeping the running configuration: %s",
+                     err.message);
+        notify(d, "READY=1\nSTATUS=serving (reload failed)");
+        return;
+    }
+    em_daemon_config_fixed_changes(&d->config, &fresh, report_fixed_change, d);
+    em_config_copy_reloadable(&em_daemon_config_schema, &d->config, &fresh);
+    em_log_set_level(&d->log, (em_log_level)d->config.log_level);
+    em_server_reconfigure(d->server, &d->config);
+    em_daemon_config_deinit(&fresh);
+    em_log_notice(&d->log, "configuration reloaded from %s", d->options.config_path);
+    notify(d, "READY=1\nSTATUS=serving");
+}
+
+/* ---- wake-ups and watchdog ----------------------------------------------------------- */
+
+static void on_wake(uv_async_t *handle)
+{
+    em_daemon *d = handle->data;
+    unsigned wanted = atomic_exchange(&d->wanted, 0u);
+    if ((wanted & WANT_DROP) && d->server != NULL)
+        em_server_close_connections(d->server);
+    if (wanted & WANT_RELOAD)
+        reload(d);
+    if (wanted & WANT_STOP)
+        begin_drain(d);
+}
+
+static void want(em_daemon *d, unsigned what)
+{
+    atomic_fetch_or(&d->wanted, what);
+    uv_async_send(&d->wake);
+}
+
+void em_daemon_stop(em_daemon *daemon)
+{
+    want(daemon, WANT_STOP);
+}
+
+void em_daemon_reload(em_daemon *daemon)
+{
+    want(daemon, WANT_RELOAD);
+}
+
+void em_daemon_drop_connections(em_daemon *daemon)
+{
+    want(daemon, WANT_DROP);
+}
+
+/* Pings the service manager only while the workers make progress: with work queued and
+ * none done since the last tick, the ping is withheld and a stuck daemon is restarted. */
+static void on_watchdog(uv_timer_t *timer)
+{
+    em_daemon *d = timer->data;
+    if (d->executor == NULL)
+        return;
+    uint64_t completed = em_executor_completed(d->executor);
+    bool stuck = em_executor_pending(d->executor) > 0 && completed == d->watchdog_completed;
+    d->watchdog_completed = completed;
+    if (stuck)
+        em_log_warning(&d->log, "workers made no progress in a watchdog interval");
+    else
+        notify(d, "WATCHDOG=1");
+}
+
+static void start_watchdog(em_daemon *d)
+{
+    uint64_t usec = d->options.watchdog_usec;
+    if (usec == 0 || d->options.notify == NULL)
+        return;
+    uint64_t interval_ms = usec / 2000 > 0 ? usec / 2000 : 1;
+    uv_timer_init(&d->loop, &d->watchdog);
+    d->watchdog.data = d;
+    uv_timer_start(&d->watchdog, on_watchdog, interval_ms, interval_ms);
+    d->watchdog_running = true;
+}
+
+/* ---- create, run, destroy ------------------------------------------------------------ */
+
+static em_status start(em_daemon *d, em_error *err)
+{
+    em_status status = create_backend(d, err);
+    if (status == EM_OK)
+        status = create_tables(d, err);
+    if (status != EM_OK)
+        return status;
+    int rc = uv_loop_init(&d->loop);
+    if (rc != 0)
+        return em_error_set(err, EM_INTERNAL, "uv_loop_init: %s", uv_strerror(rc));
+    d->loop_ready = true;
+    rc = uv_async_init(&d->loop, &d->wake, on_wake);
+    if (rc != 0)
+        return em_error_set(err, EM_INTERNAL, "uv_async_init: %s", uv_strerror(rc));
+    d->wake.data = d;
+    d->wake_open = true;
+    d->context.catalog = d->catalog;
+    d->context.backend = d->backend;
+    d->context.log = &d->log;
+    d->context.start_ms = em_monotonic_ms();
+    status = em_executor_create(&d->loop, worker_threads(d), "cpu", &d->executor, err);
+    d->context.executor = d->executor;
+    if (status == EM_OK)
+        status = em_server_create(&d->loop, &d->config, &d->context, &d->server, err);
+    if (status == EM_OK)
+        status = em_server_listen(d->server, err);
+    return status;
+}
+
+static em_status copy_config(em_daemon_config *to, const em_daemon_config *from, em_error *err)
+{
+    *to = *from;
+    to->tables.items = NULL;
+    if (from->tables.count == 0)
+        return EM_OK;
+    to->tables.items = calloc(from->tables.count, sizeof(*to->tables.items));
+    if (to->tables.items == NULL) {
+        to->tables.count = 0;
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "configuration: out of memory");
+    }
+    memcpy(to->tables.items, from->tables.items, from->tables.count * sizeof(*to->tables.items));
+    return EM_OK;
+}
+
+em_status em_daemon_create(const em_daemon_config *config, const em_daemon_options *options,
+                           em_daemon **out, em_error *err)
+{
+    em_daemon *d = calloc(1, sizeof(*d));
+    if (d == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "daemon: out of memory");
+    d->options = *options;
+    atomic_init(&d->wanted, 0u);
+    atomic_init(&d->context.state, EM_SERVER_STARTING);
+    em_status status = copy_config(&d->config, config, err);
+    if (status != EM_OK) {
+        free(d);
+        return status;
+    }
+    em_log_init(&d->log, (em_log_level)d->config.log_level, options->log_fd);
+    if (options->log_fd < 0)
+        em_log_set_level(&d->log, (em_log_level)0); /* nothing passes */
+    status = start(d, err);
+    if (status != EM_OK) {
+        em_daemon_destroy(d);
+        return status;
+    }
+    snprintf(d->data_address, sizeof(d->data_address), "%s", em_server_data_address(d->server));
+    snprintf(d->admin_address, sizeof(d->admin_address), "%s",
+             em_server_admin_address(d->server));
+    *out = d;
+    return EM_OK;
+}
+
+bool em_daemon_run(em_daemon *d)
+{
+    atomic_store(&d->context.state, EM_SERVER_SERVING);
+    start_watchdog(d);
+    em_log_notice(&d->log, "serving: data %s, admin %s, %u worker thread(s), %zu table(s)",
+                  d->data_address, d->admin_address, em_executor_threads(d->executor),
+                  em_catalog_count(d->catalog));
+    notify(d, "READY=1\nSTATUS=serving on %s (admin %s)", d->data_address, d->admin_address);
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    return !d->forced;
+}
+
+void em_daemon_destroy(em_daemon *d)
+{
+    if (d == NULL)
+        return;
+    stop(d);
+    if (d->loop_ready) {
+        uv_run(&d->loop, UV_RUN_DEFAULT); /* let closing handles finish */
+        uv_loop_close(&d->loop);
+    }
+    em_catalog_destroy(d->catalog);
+    em_backend_destroy(d->backend);
+    em_daemon_config_deinit(&d->config);
+    free(d);
+}
+
+const char *em_daemon_data_address(const em_daemon *daemon)
+{
+    return daemon->data_address;
+}
+
+const char *em_daemon_admin_address(const em_daemon *daemon)
+{
+    return daemon->admin_address;
+}
+
+const em_server_stats *em_daemon_stats(const em_daemon *daemon)
+{
+    return &daemon->context.stats;
+}
+
+uint32_t em_daemon_worker_threads(const em_daemon *daemon)
+{
+    return daemon->executor != NULL ? em_executor_threads(daemon->executor) : 0;
+}
+
+em_faults *em_daemon_faults(em_daemon *daemon)
+{
+    return &daemon->context.faults;
+}

@@ -1,0 +1,94 @@
+/*
+ * DESIGN: the methods emberd serves, declared once.
+ *
+ * EM_METHODS has one row per method of proto/ember.proto's Method enum (a unit test
+ * checks that every value has exactly one row). Each row says:
+ *
+ *   METHOD    the wire value, EMBER__METHOD__<METHOD>
+ *   name      the handler (em_handle_<name>, daemon/handlers.c) and the message types
+ *             (ember__<name>_request / ember__<name>_response)
+ *   listener  ANY: served on the data and the admin listener; ADMIN: admin listener only
+ *   access    OPEN: no token; DATA: the data token when one is configured (or the admin
+ *             token on the admin listener); ADMIN: the admin token
+ *   ordering  LOOP: cheap and lock-free, answered on the loop thread; READ: runs on a
+ *             worker alongside the connection's other reads; WRITE: runs on a worker
+ *             alone in the connection's order (daemon/connection.h)
+ *
+ * The dispatch table, the handler declarations and the per-method counter slots are
+ * generated from it, so adding a method is one row here, one handler, and its messages
+ * in the .proto.
+ */
+#ifndef EMBER_DAEMON_METHODS_H
+#define EMBER_DAEMON_METHODS_H
+
+#include <protobuf-c/protobuf-c.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "lib/base/status.h"
+#include "proto/ember.pb-c.h"
+
+/* X(METHOD, name, listener, access, ordering) */
+#define EM_METHODS(X)                                                                         \
+    X(PULL, pull, ANY, DATA, READ)                                                            \
+    X(PUSH, push, ANY, DATA, WRITE)                                                           \
+    X(PING, ping, ANY, OPEN, LOOP)                                                            \
+    X(HEALTH, health, ANY, OPEN, LOOP)                                                        \
+    X(CREATE_TABLE, create_table, ADMIN, ADMIN, WRITE)                                        \
+    X(DROP_TABLE, drop_table, ADMIN, ADMIN, WRITE)                                            \
+    X(LIST_TABLES, list_tables, ADMIN, ADMIN, READ)                                           \
+    X(STATS, stats, ADMIN, ADMIN, READ)
+
+typedef enum em_method_listener {
+    EM_METHOD_LISTENER_ANY,
+    EM_METHOD_LISTENER_ADMIN,
+} em_method_listener;
+
+typedef enum em_method_access {
+    EM_METHOD_ACCESS_OPEN,
+    EM_METHOD_ACCESS_DATA,
+    EM_METHOD_ACCESS_ADMIN,
+} em_method_access;
+
+typedef enum em_method_ordering {
+    EM_METHOD_ORDERING_LOOP,
+    EM_METHOD_ORDERING_READ,
+    EM_METHOD_ORDERING_WRITE,
+} em_method_ordering;
+
+/* Slots: indices of the table below, for per-method counters. */
+typedef enum em_method_slot {
+#define EM_METHOD_SLOT(METHOD, name, listener, access, ordering) EM_METHOD_SLOT_##METHOD,
+    EM_METHODS(EM_METHOD_SLOT)
+#undef EM_METHOD_SLOT
+    EM_METHOD_COUNT
+} em_method_slot;
+
+typedef struct em_request em_request;
+typedef em_status (*em_method_handler)(em_request *request, em_error *err);
+
+typedef struct em_method_info {
+    Ember__Method method;
+    const char *name; /* "PULL" */
+    em_method_listener listener;
+    em_method_access access;
+    em_method_ordering ordering;
+    const ProtobufCMessageDescriptor *request;
+    const ProtobufCMessageDescriptor *response;
+    em_method_handler handler;
+} em_method_info;
+
+/* The table, EM_METHOD_COUNT rows in EM_METHODS order. */
+extern const em_method_info em_methods[EM_METHOD_COUNT];
+
+/* The row of a wire method value, or NULL when this server does not serve it. */
+const em_method_info *em_method_find(int method);
+
+/* Handlers (daemon/handlers.c): run on a worker (or the loop for LOOP methods), fill in
+ * the response with em_request_respond, return an error naming what was wrong. */
+#define EM_METHOD_HANDLER(METHOD, name, listener, access, ordering)                          \
+    em_status em_handle_##name(em_request *request, em_error *err);
+EM_METHODS(EM_METHOD_HANDLER)
+#undef EM_METHOD_HANDLER
+
+#endif
