@@ -9,7 +9,8 @@
  *
  * main.c is arguments, signals and systemd around these calls; tests start real
  * daemons inside their own process the same way (each daemon owns its loop, so a test
- * may run several).
+ * may run several). The process must ignore SIGPIPE (a client that left is then an
+ * error from write(), not a signal); a library does not change signal dispositions.
  */
 #ifndef EMBER_DAEMON_DAEMON_H
 #define EMBER_DAEMON_DAEMON_H

@@ -1,6 +1,6 @@
 /*
  * The client library end to end, against in-process servers on loopback
- * (tests/support/test_server.h) backed by real tables: results are compared bit for
+ * (tests/support/test_daemon.h) backed by real tables: results are compared bit for
  * bit with a local em_table, and the failure paths (server errors, timeouts, dropped
  * connections, malformed responses) are driven on purpose.
  */
@@ -15,10 +15,11 @@
 #include <unistd.h>
 
 #include "clients/ember_client.h"
+#include "ember_config.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
 #include "proto/frame.h"
-#include "tests/support/test_server.h"
+#include "tests/support/test_daemon.h"
 #include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 
@@ -44,31 +45,36 @@ static em_client *client_for(const char *servers, uint32_t window, uint32_t time
     return client;
 }
 
-static void create_table_on(em_test_server *server, const char *config)
+static void create_table_on(em_test_daemon *server, const char *config)
 {
-    em_client *admin = client_for(em_test_server_address(server), 4, 5000);
+    em_client_options options;
+    em_client_options_init(&options);
+    options.servers = em_test_daemon_admin_address(server);
+    options.token = em_test_daemon_admin_token(server);
+    em_client *admin = NULL;
     em_error err;
+    ck_assert_msg(em_client_create(&options, &admin, &err) == EM_OK, "%s", err.message);
     ck_assert_msg(em_client_create_table(admin, config, NULL, &err) == EM_OK, "%s", err.message);
     em_client_destroy(admin);
 }
 
 /* n servers, each holding table t; *list gets "a:p,b:q,...". */
-static void start_servers(em_test_server **servers, uint32_t n, const em_test_server_options *o,
+static void start_servers(em_test_daemon **servers, uint32_t n, const em_test_daemon_options *o,
                           char *list, size_t capacity)
 {
     list[0] = '\0';
     for (uint32_t s = 0; s < n; s++) {
-        servers[s] = em_test_server_start(o);
+        servers[s] = em_test_daemon_start(o);
         create_table_on(servers[s], TABLE_CONFIG);
         snprintf(list + strlen(list), capacity - strlen(list), "%s%s", s > 0 ? "," : "",
-                 em_test_server_address(servers[s]));
+                 em_test_daemon_address(servers[s]));
     }
 }
 
-static void stop_servers(em_test_server **servers, uint32_t n)
+static void stop_servers(em_test_daemon **servers, uint32_t n)
 {
     for (uint32_t s = 0; s < n; s++)
-        em_test_server_stop(servers[s]);
+        em_test_daemon_stop(servers[s]);
 }
 
 typedef struct local {
@@ -169,7 +175,7 @@ static void assert_push_matches(em_client *client, local *l, const em_csr *csr,
 START_TEST(pulls_and_pushes_match_a_local_table)
 {
     uint32_t n = (uint32_t)_i + 1;
-    em_test_server *servers[MAX_SERVERS];
+    em_test_daemon *servers[MAX_SERVERS];
     char list[256];
     start_servers(servers, n, NULL, list, sizeof(list));
     em_client *client = client_for(list, 8, 10000);
@@ -197,7 +203,7 @@ END_TEST
 
 START_TEST(empty_batches_round_trip)
 {
-    em_test_server *servers[2];
+    em_test_daemon *servers[2];
     char list[128];
     start_servers(servers, 2, NULL, list, sizeof(list));
     em_client *client = client_for(list, 8, 10000);
@@ -225,8 +231,8 @@ END_TEST
 
 START_TEST(pipelined_calls_finish_in_any_order)
 {
-    em_test_server_options options = {.reverse_responses = true};
-    em_test_server *servers[2];
+    em_test_daemon_options options = {.reverse_responses = true};
+    em_test_daemon *servers[2];
     char list[128];
     start_servers(servers, 2, &options, list, sizeof(list));
     em_client *client = client_for(list, 3, 10000);
@@ -274,7 +280,7 @@ END_TEST
 
 START_TEST(large_pipelined_requests_do_not_deadlock)
 {
-    em_test_server *servers[2];
+    em_test_daemon *servers[2];
     char list[128];
     start_servers(servers, 2, NULL, list, sizeof(list));
     em_client *client = client_for(list, 8, 60000);
@@ -330,7 +336,7 @@ END_TEST
 
 START_TEST(bad_arguments_are_refused_before_sending)
 {
-    em_test_server *servers[1];
+    em_test_daemon *servers[1];
     char list[64];
     start_servers(servers, 1, NULL, list, sizeof(list));
     em_client *client = client_for(list, 8, 10000);
@@ -366,7 +372,7 @@ START_TEST(bad_arguments_are_refused_before_sending)
     g[DIM + 2] = NAN;
     ck_assert_int_eq(em_client_push(client, &push, NULL, &err), EM_INVALID_ARGUMENT);
     ck_assert(strstr(err.message, "NaN") != NULL);
-    ck_assert_uint_eq(em_test_server_data_requests(servers[0]), 0);
+    ck_assert_uint_eq(em_test_daemon_data_requests(servers[0]), 0);
 
     /* the dim is known only from the answer: out holds 3 vectors but not 3 x dim */
     args = pull_args(&good, EM_COMBINER_NONE, true, out);
@@ -384,11 +390,11 @@ END_TEST
 
 START_TEST(server_errors_carry_status_server_and_message)
 {
-    em_test_server_options options = {.admin_token = "admin-secret"};
-    em_test_server *server = em_test_server_start(&options);
+    em_test_daemon_options options = {.admin_token = "admin-secret"};
+    em_test_daemon *server = em_test_daemon_start(&options);
     em_client_options client_options;
     em_client_options_init(&client_options);
-    client_options.servers = em_test_server_address(server);
+    client_options.servers = em_test_daemon_admin_address(server);
     client_options.token = "wrong";
     em_client *client;
     em_error err;
@@ -397,8 +403,9 @@ START_TEST(server_errors_carry_status_server_and_message)
     ck_assert_int_eq(em_client_create_table(client, TABLE_CONFIG, NULL, &err),
                      EM_UNAUTHENTICATED);
     snprintf(expected, sizeof(expected),
-             "server %s: UNAUTHENTICATED: CREATE_TABLE needs the admin token",
-             em_test_server_address(server));
+             "server %s: UNAUTHENTICATED: the token sent with CREATE_TABLE is not the admin "
+             "token",
+             em_test_daemon_admin_address(server));
     ck_assert_str_eq(err.message, expected);
 
     const uint32_t offsets[] = {0, 1};
@@ -408,22 +415,22 @@ START_TEST(server_errors_carry_status_server_and_message)
     em_client_pull_args args = pull_args(&csr, EM_COMBINER_SUM, true, out);
     args.table = "nope";
     ck_assert_int_eq(em_client_pull(client, &args, NULL, &err), EM_NOT_FOUND);
-    snprintf(expected, sizeof(expected), "server %s: NOT_FOUND: no table 'nope'",
-             em_test_server_address(server));
+    snprintf(expected, sizeof(expected), "server %s: NOT_FOUND: no table 'nope' (tables: none)",
+             em_test_daemon_admin_address(server));
     ck_assert_str_eq(err.message, expected);
     em_client_destroy(client);
-    em_test_server_stop(server);
+    em_test_daemon_stop(server);
 }
 END_TEST
 
 START_TEST(servers_that_disagree_on_dim_are_reported)
 {
-    em_test_server *a = em_test_server_start(NULL);
-    em_test_server *b = em_test_server_start(NULL);
+    em_test_daemon *a = em_test_daemon_start(NULL);
+    em_test_daemon *b = em_test_daemon_start(NULL);
     create_table_on(a, "{\"name\":\"t\",\"dim\":4,\"capacity\":100}");
     create_table_on(b, "{\"name\":\"t\",\"dim\":8,\"capacity\":100}");
     char list[128];
-    snprintf(list, sizeof(list), "%s,%s", em_test_server_address(a), em_test_server_address(b));
+    snprintf(list, sizeof(list), "%s,%s", em_test_daemon_address(a), em_test_daemon_address(b));
     em_client *client = client_for(list, 8, 10000);
     const uint32_t offsets[] = {0, 0};
     em_csr csr = {.rows = 1, .nnz = 0, .offsets = offsets, .keys = NULL};
@@ -434,12 +441,12 @@ START_TEST(servers_that_disagree_on_dim_are_reported)
     ck_assert_int_eq(em_client_pull(client, &args, NULL, &err), EM_INTERNAL);
     char expected[256];
     snprintf(expected, sizeof(expected),
-             "servers %s and %s disagree on the table's dim: 4 vs 8", em_test_server_address(a),
-             em_test_server_address(b));
+             "servers %s and %s disagree on the table's dim: 4 vs 8", em_test_daemon_address(a),
+             em_test_daemon_address(b));
     ck_assert_str_eq(err.message, expected);
     em_client_destroy(client);
-    em_test_server_stop(a);
-    em_test_server_stop(b);
+    em_test_daemon_stop(a);
+    em_test_daemon_stop(b);
 }
 END_TEST
 
@@ -447,7 +454,7 @@ END_TEST
 
 START_TEST(timeouts_name_the_call_and_late_answers_are_discarded)
 {
-    em_test_server *servers[1];
+    em_test_daemon *servers[1];
     char list[64];
     start_servers(servers, 1, NULL, list, sizeof(list));
     em_client *client = client_for(list, 8, 150);
@@ -458,7 +465,7 @@ START_TEST(timeouts_name_the_call_and_late_answers_are_discarded)
     float abandoned[2 * DIM];
     memset(abandoned, 0x7f, sizeof(abandoned));
     em_client_pull_args args = pull_args(&csr, EM_COMBINER_NONE, true, abandoned);
-    em_test_server_set_delay(servers[0], 400);
+    em_test_daemon_set_delay(servers[0], 400);
     em_error err;
     double start = em_test_now();
     ck_assert_int_eq(em_client_pull(client, &args, NULL, &err), EM_DEADLINE_EXCEEDED);
@@ -467,7 +474,7 @@ START_TEST(timeouts_name_the_call_and_late_answers_are_discarded)
     char expected[128];
     snprintf(expected, sizeof(expected), "server %s: PULL timed out after 150 ms", list);
     ck_assert_str_eq(err.message, expected);
-    em_test_server_set_delay(servers[0], 0);
+    em_test_daemon_set_delay(servers[0], 0);
     /* the server did create the keys; the local table follows */
     em_pull_result created;
     free(local_pull(&l, &csr, EM_COMBINER_NONE, true, &created));
@@ -487,7 +494,7 @@ END_TEST
  * server sees whole frames) and later calls on the connection work. */
 START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
 {
-    em_test_server *servers[1];
+    em_test_daemon *servers[1];
     char list[64];
     start_servers(servers, 1, NULL, list, sizeof(list));
     em_client *client = client_for(list, 8, 100);
@@ -506,7 +513,7 @@ START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
     float *g[3];
     em_client_call *calls[3];
     em_error err;
-    em_test_server_set_delay(servers[0], 250);
+    em_test_daemon_set_delay(servers[0], 250);
     for (int i = 0; i < 3; i++) {
         g[i] = em_test_random_floats(&rng, (uint64_t)KEYS * DIM);
         em_client_push_args push = {.table = "t", .batch = b.csr, .combiner = EM_COMBINER_NONE,
@@ -520,7 +527,7 @@ START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
         /* the caller's gradients may go away now */
         memset(g[i], 0xff, (uint64_t)KEYS * DIM * sizeof(float));
     }
-    em_test_server_set_delay(servers[0], 0);
+    em_test_daemon_set_delay(servers[0], 0);
     /* keep calling until the backlog has drained and a pull is answered in time */
     const uint32_t offsets[] = {0, 3};
     const uint64_t probe_keys[] = {0, 1, 999};
@@ -533,7 +540,7 @@ START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
     ck_assert_msg(status == EM_OK, "%s", err.message);
     /* every push that reached the server arrived whole: the table equals the local one
      * after the same number of pushes (1, 2 or 3 of them) */
-    uint64_t reached = em_test_server_requests(servers[0], EMBER__METHOD__PUSH);
+    uint64_t reached = em_test_daemon_succeeded(servers[0], EMBER__METHOD__PUSH);
     ck_assert_uint_ge(reached, 1);
     ck_assert_uint_le(reached, 3);
     em_test_rng_init(&rng, em_test_seed());
@@ -558,7 +565,7 @@ END_TEST
 
 START_TEST(lost_connections_fail_calls_and_reconnect)
 {
-    em_test_server *servers[1];
+    em_test_daemon *servers[1];
     char list[64];
     start_servers(servers, 1, NULL, list, sizeof(list));
     em_client *client = client_for(list, 8, 5000);
@@ -569,14 +576,14 @@ START_TEST(lost_connections_fail_calls_and_reconnect)
     float out[DIM];
     em_client_pull_args args = pull_args(&csr, EM_COMBINER_MEAN, true, out);
     em_error err;
-    em_test_server_close_after(servers[0], 1);
+    em_test_daemon_close_after(servers[0], 1);
     ck_assert_int_eq(em_client_pull(client, &args, NULL, &err), EM_UNAVAILABLE);
     char expected[128];
     snprintf(expected, sizeof(expected), "server %s: connection closed by the server", list);
     ck_assert_str_eq(err.message, expected);
     assert_pull_matches(client, &l, &csr, EM_COMBINER_MEAN, true);
     /* the admin connection of start_servers, the first, and the reconnection */
-    ck_assert_uint_eq(em_test_server_connections(servers[0]), 3);
+    ck_assert_uint_eq(em_test_daemon_connections(servers[0]), 3);
     em_client_destroy(client);
     local_destroy(&l);
     stop_servers(servers, 1);
@@ -585,7 +592,7 @@ END_TEST
 
 START_TEST(idle_connections_closed_by_the_server_are_reopened)
 {
-    em_test_server *servers[1];
+    em_test_daemon *servers[1];
     char list[64];
     start_servers(servers, 1, NULL, list, sizeof(list));
     em_client *client = client_for(list, 8, 5000);
@@ -594,11 +601,11 @@ START_TEST(idle_connections_closed_by_the_server_are_reopened)
     const uint64_t keys[] = {10};
     em_csr csr = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = keys};
     assert_pull_matches(client, &l, &csr, EM_COMBINER_NONE, true);
-    em_test_server_drop_connections(servers[0]);
+    em_test_daemon_drop_connections(servers[0]);
     usleep(50 * 1000);
     /* no error: the closed connection is noticed before the call is sent */
     assert_pull_matches(client, &l, &csr, EM_COMBINER_NONE, true);
-    ck_assert_uint_eq(em_test_server_connections(servers[0]), 3);
+    ck_assert_uint_eq(em_test_daemon_connections(servers[0]), 3);
     em_client_destroy(client);
     local_destroy(&l);
     stop_servers(servers, 1);
@@ -721,11 +728,11 @@ END_TEST
 
 START_TEST(admin_calls_return_json)
 {
-    em_test_server_options options = {.admin_token = "admin-secret"};
-    em_test_server *server = em_test_server_start(&options);
+    em_test_daemon_options options = {.admin_token = "admin-secret"};
+    em_test_daemon *server = em_test_daemon_start(&options);
     em_client_options client_options;
     em_client_options_init(&client_options);
-    client_options.servers = em_test_server_address(server);
+    client_options.servers = em_test_daemon_admin_address(server);
     client_options.token = "admin-secret";
     em_client *client;
     em_error err;
@@ -761,7 +768,7 @@ START_TEST(admin_calls_return_json)
     char version[8];
     uint64_t uptime = 0;
     ck_assert_int_eq(em_client_ping(client, version, sizeof(version), &uptime, &err), EM_OK);
-    ck_assert_str_eq(version, "test");
+    ck_assert_str_eq(version, EM_VERSION);
     em_client_health health;
     ck_assert_int_eq(em_client_health_check(client, &health, &err), EM_OK);
     ck_assert(health.ready);
@@ -775,13 +782,13 @@ START_TEST(admin_calls_return_json)
     ck_assert_int_eq(cJSON_GetArraySize(tables), 0);
     cJSON_Delete(tables);
     em_client_destroy(client);
-    em_test_server_stop(server);
+    em_test_daemon_stop(server);
 }
 END_TEST
 
 START_TEST(destroy_drops_unfinished_calls)
 {
-    em_test_server *servers[2];
+    em_test_daemon *servers[2];
     char list[128];
     start_servers(servers, 2, NULL, list, sizeof(list));
     em_client *client = client_for(list, 2, 5000);

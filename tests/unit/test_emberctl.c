@@ -1,6 +1,7 @@
 /*
  * emberctl as a user runs it: the built binary (its path is this program's first
- * argument) against an in-process server, checking output and exit status.
+ * argument) against a real daemon in the test process (tests/support/test_daemon.h),
+ * checking output and exit status.
  */
 #include <arpa/inet.h>
 #include <cJSON.h>
@@ -13,7 +14,7 @@
 #include <unistd.h>
 
 #include "ember_config.h"
-#include "tests/support/test_server.h"
+#include "tests/support/test_daemon.h"
 #include "tests/support/test_support.h"
 
 #define DEVELOPMENT_TOKEN "ember-dev-admin-token"
@@ -70,10 +71,10 @@ static run_result *run(const char *token_env, const char *const *args)
 
 #define RUN(token, ...) run(token, (const char *const[]){__VA_ARGS__, NULL})
 
-static em_test_server *dev_server(void)
+static em_test_daemon *dev_server(void)
 {
-    em_test_server_options options = {.admin_token = DEVELOPMENT_TOKEN};
-    return em_test_server_start(&options);
+    em_test_daemon_options options = {.admin_token = DEVELOPMENT_TOKEN};
+    return em_test_daemon_start(&options);
 }
 
 START_TEST(version_and_help)
@@ -143,8 +144,8 @@ END_TEST
 
 START_TEST(tables_lifecycle_in_text_and_json)
 {
-    em_test_server *server = dev_server();
-    const char *at = em_test_server_address(server);
+    em_test_daemon *server = dev_server();
+    const char *at = em_test_daemon_admin_address(server);
     run_result *r = RUN(NULL, "--server", at, "tables", "list");
     ck_assert_int_eq(r->code, 0);
     ck_assert_str_eq(r->out, "no tables\n");
@@ -184,17 +185,17 @@ START_TEST(tables_lifecycle_in_text_and_json)
     ck_assert_int_eq(r->code, 1);
     char expected[128];
     snprintf(expected, sizeof(expected),
-             "emberctl: server %s: NOT_FOUND: no table 'clicks'\n", at);
+             "emberctl: server %s: NOT_FOUND: no table 'clicks' (tables: users)\n", at);
     ck_assert_str_eq(r->err, expected);
-    em_test_server_stop(server);
+    em_test_daemon_stop(server);
 }
 END_TEST
 
 START_TEST(tokens_come_from_flag_file_environment_or_default)
 {
-    em_test_server_options options = {.admin_token = "s3cret"};
-    em_test_server *server = em_test_server_start(&options);
-    const char *at = em_test_server_address(server);
+    em_test_daemon_options options = {.admin_token = "s3cret"};
+    em_test_daemon *server = em_test_daemon_start(&options);
+    const char *at = em_test_daemon_admin_address(server);
     /* the development default is not this server's token */
     run_result *r = RUN(NULL, "--server", at, "tables", "list");
     ck_assert_int_eq(r->code, 1);
@@ -213,23 +214,23 @@ START_TEST(tokens_come_from_flag_file_environment_or_default)
     r = RUN("wrong", "--server", at, "--token-file", path, "tables", "list");
     ck_assert_msg(r->code == 0, "%s", r->err);
     unlink(path);
-    em_test_server_stop(server);
+    em_test_daemon_stop(server);
 
     server = dev_server();
-    r = RUN(NULL, "--server", em_test_server_address(server), "tables", "list");
+    r = RUN(NULL, "--server", em_test_daemon_admin_address(server), "tables", "list");
     ck_assert_msg(r->code == 0, "%s", r->err);
-    em_test_server_stop(server);
+    em_test_daemon_stop(server);
 }
 END_TEST
 
 START_TEST(ping_health_and_stats)
 {
-    em_test_server *server = dev_server();
-    const char *at = em_test_server_address(server);
+    em_test_daemon *server = dev_server();
+    const char *at = em_test_daemon_admin_address(server);
     run_result *r = RUN(NULL, "--server", at, "ping");
     ck_assert_int_eq(r->code, 0);
     ck_assert(strstr(r->out, "pong from ") == r->out);
-    ck_assert(strstr(r->out, "version test, up ") != NULL);
+    ck_assert(strstr(r->out, "version " EM_VERSION ", up ") != NULL);
     r = RUN(NULL, "--server", at, "health");
     ck_assert_int_eq(r->code, 0);
     ck_assert(strstr(r->out, "ready    yes\nstate    serving\nbackend  cpu\n") != NULL);
@@ -244,19 +245,24 @@ START_TEST(ping_health_and_stats)
     ck_assert_int_eq(r->code, 0);
     r = RUN(NULL, "--server", at, "stats");
     ck_assert_msg(r->code == 0, "%s", r->err);
-    ck_assert(strstr(r->out, "server\n  version      test\n  state        serving\n") == r->out);
-    ck_assert(strstr(r->out, "\nMETHOD  REQUESTS  ERRORS\nPULL           0       0\n") != NULL);
+    ck_assert(strstr(r->out, "server\n  version      " EM_VERSION "\n  state        serving\n") ==
+              r->out);
+    ck_assert_msg(strstr(r->out, "\nMETHOD        REQUESTS  ERRORS\n"
+                                 "PULL                 0       0\n") != NULL,
+                  "%s", r->out);
     ck_assert(strstr(r->out, "\nTABLE  ROWS  CAPACITY  DIM  SHARDS") != NULL);
     ck_assert(strstr(r->out, "\nPOOL   IN USE  RESERVED    LIMIT") != NULL);
-    ck_assert(strstr(r->out, "cpu0  1.5 KiB  64.0 MiB  1.0 GiB") != NULL);
-    ck_assert(strstr(r->out, "12.5%") != NULL);
+    /* the table's 2 KiB in a 64 MiB region of the 1 GiB pool, all free space in one block */
+    ck_assert_msg(strstr(r->out, "cpu0  2.0 KiB  64.0 MiB  1.0 GiB  2.0 KiB      64.0 MiB"
+                                 "           0.0%\n") != NULL,
+                  "%s", r->out);
     r = RUN(NULL, "--server", at, "--json", "stats", "t");
     ck_assert_int_eq(r->code, 0);
     json = cJSON_Parse(r->out);
     ck_assert(cJSON_IsObject(cJSON_GetObjectItem(json, "server")));
     ck_assert(cJSON_IsArray(cJSON_GetObjectItem(json, "pools")));
     cJSON_Delete(json);
-    em_test_server_stop(server);
+    em_test_daemon_stop(server);
 }
 END_TEST
 

@@ -8,7 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "tests/support/test_server.h"
+#include "tests/support/test_daemon.h"
 #include "tests/support/test_support.h"
 
 #define OUTPUT_MAX 65536
@@ -57,11 +57,12 @@ static int losses(const char *out, double *values, int max)
 
 START_TEST(loss_falls_clearly)
 {
-    em_test_server_options options = {.admin_token = "ember-dev-admin-token"};
-    em_test_server *server = em_test_server_start(&options);
-    const char *at = em_test_server_address(server);
+    em_test_daemon_options options = {.admin_token = "ember-dev-admin-token"};
+    em_test_daemon *server = em_test_daemon_start(&options);
+    const char *at = em_test_daemon_address(server);
+    const char *admin = em_test_daemon_admin_address(server);
     static char out[OUTPUT_MAX];
-    int code = run((const char *const[]){"--server", at, "--admin", at, "--batches", "150",
+    int code = run((const char *const[]){"--server", at, "--admin", admin, "--batches", "150",
                                          "--report-every", "30", NULL},
                    out);
     ck_assert_msg(code == 0, "exit %d:\n%s", code, out);
@@ -78,14 +79,14 @@ START_TEST(loss_falls_clearly)
     ck_assert_msg(strstr(out, "loss went from ") != NULL, "%s", out);
 
     /* a second run finds the table and continues from its weights */
-    code = run((const char *const[]){"--server", at, "--admin", at, "--batches", "30",
+    code = run((const char *const[]){"--server", at, "--admin", admin, "--batches", "30",
                                      "--report-every", "30", NULL},
                out);
     ck_assert_msg(code == 0, "exit %d:\n%s", code, out);
     ck_assert_msg(strstr(out, "table 'logreg_demo' exists") != NULL, "%s", out);
     ck_assert_int_eq(losses(out, values + 8, 1), 1);
     ck_assert_msg(values[8] < values[0] - 0.15, "%s", out);
-    em_test_server_stop(server);
+    em_test_daemon_stop(server);
 }
 END_TEST
 
@@ -94,12 +95,13 @@ START_TEST(errors_exit_non_zero_with_a_message)
     static char out[OUTPUT_MAX];
     ck_assert_int_eq(run((const char *const[]){"--batch-size", "0", NULL}, out), 2);
     ck_assert(strstr(out, "--batch-size '0'") != NULL);
-    em_test_server_options options = {.admin_token = "another-token"};
-    em_test_server *server = em_test_server_start(&options);
-    const char *at = em_test_server_address(server);
-    ck_assert_int_eq(run((const char *const[]){"--server", at, "--admin", at, NULL}, out), 1);
+    em_test_daemon_options options = {.admin_token = "another-token"};
+    em_test_daemon *server = em_test_daemon_start(&options);
+    const char *at = em_test_daemon_address(server);
+    const char *admin = em_test_daemon_admin_address(server);
+    ck_assert_int_eq(run((const char *const[]){"--server", at, "--admin", admin, NULL}, out), 1);
     ck_assert_msg(strstr(out, "train_logreg: UNAUTHENTICATED: ") != NULL, "%s", out);
-    em_test_server_stop(server);
+    em_test_daemon_stop(server);
 }
 END_TEST
 
