@@ -38,7 +38,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "lib/table/csr.h"
+#include "common/combiner.h"
 #include "lib/device/initializer.h"
 #include "lib/device/optimizer.h"
 #include "lib/memory/pool.h"
