@@ -39,7 +39,7 @@ static em_status map_batch(const em_request *request, uint32_t rows, uint64_t nn
 {
     const char *method = em_method_name(request->method);
     if (nnz > request->max_keys_per_request)
-        return em_error_set(err, EM_INVALID_ARGUMENT,
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                             "%s of %" PRIu64 " keys exceeds max_keys_per_request %" PRIu64, method,
                             nnz, request->max_keys_per_request);
     em_status status = em_csr_attachment_layout(rows, nnz, gradient_floats, layout, err);
@@ -82,10 +82,12 @@ static em_status pull_table(em_request *request, em_table *table, const void *un
     em_csr batch;
     em_csr_attachment layout;
     em_status status = combiner_of((int)body->combiner, &combiner, err);
-    if (status == EM_OK)
-        status = map_batch(request, body->rows, body->nnz, 0, &batch, &layout, err);
     if (status != EM_OK)
-        return status;
+        return em_error_prefix(err, "pull from table '%s': ", em_table_name(table));
+    status = map_batch(request, body->rows, body->nnz, 0, &batch, &layout, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "pull from table '%s' (combiner %s): ", em_table_name(table),
+                               em_combiner_name(combiner));
     uint32_t dim = em_table_dim(table);
     uint64_t floats = em_csr_output_vectors(&batch, combiner) * dim;
     if (floats * sizeof(float) > request->max_response_bytes)
@@ -143,12 +145,13 @@ static em_status push_table(em_request *request, em_table *table, const void *un
     em_combiner combiner;
     em_status status = combiner_of((int)body->combiner, &combiner, err);
     if (status != EM_OK)
-        return status;
+        return em_error_prefix(err, "push to table '%s': ", em_table_name(table));
     uint64_t vectors = combiner == EM_COMBINER_NONE ? body->nnz : body->rows;
     uint64_t dim = em_table_dim(table);
     if (vectors > UINT64_MAX / dim)
-        return em_error_set(err, EM_OUT_OF_RANGE, "push of %" PRIu64 " vectors of dim %" PRIu64
-                            " overflows", vectors, dim);
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "push to table '%s': %" PRIu64 " vectors of dim %" PRIu64
+                            " overflow 64 bits", em_table_name(table), vectors, dim);
     em_csr batch;
     em_csr_attachment layout;
     status = map_batch(request, body->rows, body->nnz, vectors * dim, &batch, &layout, err);

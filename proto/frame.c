@@ -101,7 +101,7 @@ em_status em_csr_attachment_layout(uint32_t rows, uint64_t nnz, uint64_t gradien
     out->keys_at = em_align8(offsets_end);
     if (!multiply_add(nnz, sizeof(uint64_t), out->keys_at, &out->gradients_at) ||
         !multiply_add(gradient_floats, sizeof(float), out->gradients_at, &out->total))
-        return em_error_set(err, EM_OUT_OF_RANGE,
+        return em_error_set(err, EM_INVALID_ARGUMENT,
                             "attachment for rows=%" PRIu32 " nnz=%" PRIu64 " gradients=%" PRIu64
                             " overflows 64 bits",
                             rows, nnz, gradient_floats);

@@ -73,7 +73,7 @@ typedef struct em_csr_attachment {
 } em_csr_attachment;
 
 /* Layout of offsets + keys (+ gradient_floats floats, 0 for a pull). Errors:
- * OUT_OF_RANGE when the sizes overflow 64 bits. */
+ * INVALID_ARGUMENT when the sizes overflow 64 bits (no such request can exist). */
 em_status em_csr_attachment_layout(uint32_t rows, uint64_t nnz, uint64_t gradient_floats,
                                    em_csr_attachment *out, em_error *err);
 

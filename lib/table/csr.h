@@ -40,9 +40,10 @@ uint64_t em_csr_output_vectors(const em_csr *csr, em_combiner combiner);
 
 /* em_combiner_divisor: common/combiner.h. */
 
-/* Checks that every value is finite; the message names the gradient vector, the key it
- * belongs to and the element ("gradients for key 77 (index 5) element 3 is NaN").
- * For NONE there is one vector per key, else one per row. Errors: INVALID_ARGUMENT. */
+/* Checks that every value is finite; the message names the gradient vector, the key or
+ * row it belongs to and the element: for NONE (one vector per key) "gradient of key 77
+ * (keys[5], row 2) element 3 is NaN", otherwise (one per row) "gradient of row 2
+ * (keys[4..7)) element 3 is +inf". Errors: INVALID_ARGUMENT. */
 em_status em_csr_check_gradients(const em_csr *csr, em_combiner combiner, uint32_t dim,
                                  const float *gradients, em_error *err);
 

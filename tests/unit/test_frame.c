@@ -84,10 +84,11 @@ START_TEST(csr_layout_pads_to_eight_and_checks_overflow)
     ck_assert_uint_eq(layout.keys_at, 8);
     ck_assert_uint_eq(layout.gradients_at, 24);
     ck_assert_uint_eq(layout.total, 44);
+    /* counts no attachment could hold are malformed (README: limits convention) */
     ck_assert_int_eq(em_csr_attachment_layout(1, UINT64_MAX / 4, 0, &layout, &err),
-                     EM_OUT_OF_RANGE);
+                     EM_INVALID_ARGUMENT);
     ck_assert_int_eq(em_csr_attachment_layout(1, 1, UINT64_MAX / 2, &layout, &err),
-                     EM_OUT_OF_RANGE);
+                     EM_INVALID_ARGUMENT);
     ck_assert_uint_eq(em_align8(UINT64_MAX - 3), UINT64_MAX);
 }
 END_TEST
