@@ -6,7 +6,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#define REQUEST_OF(pointer, member) ((em_request *)((char *)(pointer) - offsetof(em_request, member)))
+/* The request a queue link (job or work) is embedded in. */
+#define REQUEST_OF(pointer, member)                                                            \
+    ((em_request *)((char *)(pointer) - offsetof(em_request, member)))
 
 /* ---- responses ----------------------------------------------------------------------- */
 

@@ -1,536 +1,18 @@
 /*
- * DESIGN: how a table runs a request over its shards and devices.
+ * DESIGN: a table: its shards over the backend's devices, its locks, pull and push.
  *
- * Everything here is orchestration: the work itself is done by device operations
- * (lib/device.h) on buffers from the devices' pools, so this file is the same for the
- * CPU and CUDA backends. A request_context tracks every scratch buffer it takes (freed
- * at the end whatever happens) and the plan of the request:
- *
- *   home device   stages the input, dedupes keys, partitions the unique keys by shard
- *   shard_start   prefix sums of keys per shard: shard s owns partitioned[start[s] ..
- *                 start[s+1])
- *   segments      one per device: the contiguous range of partitioned keys its shards
- *                 own, with that device's copies of keys / rows / vectors. A segment on
- *                 the home device aliases the home buffers; others are filled and
- *                 drained through the backend's exchange.
- *
- * All-or-nothing: validation, dedupe, partition, exchange and find change nothing;
- * then the keys to create are counted, checked against the capacity, and their index
- * and storage reserved on every shard; only after all of that succeeds does any shard
- * create a row or apply a gradient.
+ * Requests whose keys all exist share the table (each shard's rows are read or updated
+ * under that shard's lock); one that must create keys runs again alone, because the
+ * capacity check has to see the whole table. The request engine that runs a request
+ * over shards and devices is lib/table/table_request.c; import and export are
+ * lib/table/table_transfer.c.
  */
-#include "lib/table/table.h"
-
 #include <inttypes.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* A request addresses keys with 32-bit positions (inverse, position arrays). */
-#define MAX_KEYS_PER_REQUEST UINT32_MAX
-/* Scratch buffers per request: a few at home plus a few per device segment. */
-#define SCRATCH_FIXED 16u
-#define SCRATCH_PER_DEVICE 4u
-
-struct em_table {
-    em_table_config config;
-    em_backend *backend;
-    uint32_t shard_count;
-    uint32_t row_floats;
-    em_shard **shards;
-    uint32_t *shard_device; /* device index of each shard */
-    pthread_rwlock_t lock;
-    pthread_rwlock_t *shard_locks; /* readers gather or export, writers apply or write */
-    uint64_t rows; /* written under the exclusive lock */
-    _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
-};
-
-typedef struct scratch_item {
-    em_device *device;
-    void *pointer;
-} scratch_item;
-
-/* The slice of a request that one device handles. */
-typedef struct segment {
-    em_device *device;
-    em_lane *lane;
-    uint32_t first_shard, end_shard;
-    uint64_t begin, count; /* range in the partitioned order */
-    bool remote;           /* device is not the home device */
-    uint64_t *keys;        /* count keys in device memory */
-    const uint32_t *targets; /* direct pulls: where each key's vector goes in the output */
-    uint64_t *rows;        /* count rows from find / insert */
-    void *payload;         /* gradients, vectors or import values for the keys */
-} segment;
-
-typedef struct request_context {
-    em_table *table;
-    em_device *home;
-    em_lane *home_lane;
-    em_lane **lanes;           /* the request's lane on every device, by device index */
-    scratch_item *scratch;
-    uint32_t scratch_count, scratch_capacity;
-    em_device_batch batch;     /* offsets, inverse, position, counts at home */
-    const uint64_t *keys;      /* the batch keys at home */
-    uint64_t *partitioned;     /* unique keys grouped by shard, at home */
-    uint32_t *first;           /* first position of each unique key in the batch, at home */
-    uint32_t *targets;         /* direct pulls: output position per partitioned key */
-    uint64_t *shard_start;     /* host, shard_count + 1 */
-    uint64_t *shard_missing;   /* host, shard_count */
-    segment *segments;         /* one per device */
-    uint64_t missing;          /* distinct keys not in the table */
-} request_context;
-
-/* ---- scratch and staging ----------------------------------------------------------- */
-
-static em_status request_alloc(request_context *r, em_device *device, size_t bytes,
-                               const char *what, void **out, em_error *err)
-{
-    if (r->scratch_count == r->scratch_capacity)
-        return em_error_set(err, EM_INTERNAL, "request scratch list full (%u buffers)",
-                            r->scratch_capacity);
-    em_status status = em_device_alloc(device, bytes, what, out, err);
-    if (status != EM_OK)
-        return status;
-    r->scratch[r->scratch_count++] = (scratch_item){device, *out};
-    return EM_OK;
-}
-
-/* Takes a lane on every device, in device order (so two requests never wait on each
- * other's lanes crosswise). */
-static em_status acquire_lanes(request_context *r, em_error *err)
-{
-    em_backend *backend = r->table->backend;
-    for (uint32_t d = 0; d < backend->device_count; d++) {
-        em_device *device = backend->devices[d];
-        em_status status = device->ops->lane_acquire(device, &r->lanes[d], err);
-        if (status != EM_OK)
-            return em_error_prefix(err, "table '%s': lane on %s: ", r->table->config.name,
-                                   device->name);
-        if (device == r->home)
-            r->home_lane = r->lanes[d];
-    }
-    return EM_OK;
-}
-
-static em_status request_begin(em_table *table, request_context *r, em_error *err)
-{
-    memset(r, 0, sizeof(*r));
-    r->table = table;
-    r->home = em_backend_home_device(table->backend);
-    uint32_t devices = table->backend->device_count;
-    r->scratch_capacity = SCRATCH_FIXED + SCRATCH_PER_DEVICE * devices;
-    r->scratch = calloc(r->scratch_capacity, sizeof(*r->scratch));
-    r->shard_start = calloc(table->shard_count + 1, sizeof(*r->shard_start));
-    r->shard_missing = calloc(table->shard_count, sizeof(*r->shard_missing));
-    r->segments = calloc(devices, sizeof(*r->segments));
-    r->lanes = calloc(devices, sizeof(*r->lanes));
-    if (r->scratch == NULL || r->shard_start == NULL || r->shard_missing == NULL ||
-        r->segments == NULL || r->lanes == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': request bookkeeping: "
-                            "out of host memory", table->config.name);
-    return acquire_lanes(r, err);
-}
-
-static void release_lanes(request_context *r)
-{
-    em_backend *backend = r->table->backend;
-    for (uint32_t d = 0; r->lanes != NULL && d < backend->device_count; d++) {
-        if (r->lanes[d] == NULL)
-            continue;
-        /* Scratch is freed next: nothing may still be reading or writing it. */
-        r->lanes[d]->device->ops->synchronize(r->lanes[d], NULL);
-        r->lanes[d]->device->ops->lane_release(r->lanes[d]);
-    }
-    free(r->lanes);
-}
-
-static void request_end(request_context *r)
-{
-    release_lanes(r);
-    for (uint32_t i = r->scratch_count; i > 0; i--)
-        em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
-    free(r->scratch);
-    free(r->shard_start);
-    free(r->shard_missing);
-    free(r->segments);
-}
-
-/* Makes host data visible at home: aliased when the home device addresses host memory,
- * else copied into scratch. */
-static em_status stage_input(request_context *r, const void *host, size_t bytes,
-                             const char *what, const void **out, em_error *err)
-{
-    if (r->home->host_addressable) {
-        *out = host;
-        return EM_OK;
-    }
-    void *staged = NULL;
-    em_status status = request_alloc(r, r->home, bytes, what, &staged, err);
-    if (status == EM_OK)
-        status = r->home->ops->copy_to_device(r->home_lane, staged, host, bytes, err);
-    *out = staged;
-    return status;
-}
-
-/* ---- planning: dedupe, partition, segments ---------------------------------------- */
-
-static em_status dedupe_keys(request_context *r, const uint64_t *host_keys, uint64_t nnz,
-                             uint64_t **unique, em_error *err)
-{
-    em_device *home = r->home;
-    uint32_t *inverse = NULL;
-    em_status status = stage_input(r, host_keys, nnz * sizeof(uint64_t), "request keys",
-                                   (const void **)&r->keys, err);
-    if (status == EM_OK)
-        status = request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys", (void **)unique,
-                               err);
-    if (status == EM_OK)
-        status = request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
-                               (void **)&inverse, err);
-    if (status == EM_OK)
-        status = request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
-                               (void **)&r->first, err);
-    if (status == EM_OK)
-        status = home->ops->unique_keys(r->home_lane, r->keys, nnz, *unique, inverse, r->first,
-                                        &r->batch.unique_count, err);
-    r->batch.inverse = inverse;
-    r->batch.nnz = nnz;
-    return status;
-}
-
-static em_status partition_keys(request_context *r, const uint64_t *unique, bool want_targets,
-                                em_error *err)
-{
-    em_device *home = r->home;
-    uint64_t count = r->batch.unique_count;
-    uint32_t *position = NULL;
-    em_status status = request_alloc(r, home, count * sizeof(uint64_t), "partitioned keys",
-                                      (void **)&r->partitioned, err);
-    if (status == EM_OK)
-        status = request_alloc(r, home, count * sizeof(uint32_t), "key positions",
-                               (void **)&position, err);
-    if (status == EM_OK && want_targets)
-        status = request_alloc(r, home, count * sizeof(uint32_t), "output targets",
-                               (void **)&r->targets, err);
-    if (status == EM_OK)
-        status = home->ops->partition_keys(r->home_lane, unique, count, r->table->shard_count,
-                                           r->first, r->partitioned, position, r->targets,
-                                           r->shard_start + 1, err);
-    r->batch.position = position;
-    if (status != EM_OK)
-        return status;
-    r->shard_start[0] = 0;
-    for (uint32_t s = 0; s < r->table->shard_count; s++)
-        r->shard_start[s + 1] += r->shard_start[s];
-    return EM_OK;
-}
-
-static void plan_segments(request_context *r)
-{
-    em_table *table = r->table;
-    em_backend *backend = table->backend;
-    uint32_t shard = 0;
-    for (uint32_t d = 0; d < backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        seg->device = backend->devices[d];
-        seg->lane = r->lanes[d];
-        seg->remote = seg->device != r->home;
-        seg->first_shard = shard;
-        while (shard < table->shard_count && table->shard_device[shard] == d)
-            shard++;
-        seg->end_shard = shard;
-        seg->begin = r->shard_start[seg->first_shard];
-        seg->count = r->shard_start[seg->end_shard] - seg->begin;
-        seg->targets = r->targets != NULL ? r->targets + seg->begin : NULL;
-    }
-}
-
-/* Puts each segment's share of a home array (element_bytes per key, in partitioned
- * order) on the segment's device: aliased at home, sent through the exchange
- * elsewhere. Stores the device pointers through pointer_of. */
-static em_status scatter_to_segments(request_context *r, const void *home_array,
-                                     size_t element_bytes, const char *what,
-                                     void **(*pointer_of)(segment *), em_error *err)
-{
-    em_backend *backend = r->table->backend;
-    em_transfer *transfers = calloc(backend->device_count, sizeof(*transfers));
-    if (transfers == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "%s: out of host memory", what);
-    size_t transfer_count = 0;
-    em_status status = EM_OK;
-    for (uint32_t d = 0; d < backend->device_count && status == EM_OK; d++) {
-        segment *seg = &r->segments[d];
-        const char *source = (const char *)home_array + seg->begin * element_bytes;
-        size_t bytes = seg->count * element_bytes;
-        if (!seg->remote || seg->count == 0) {
-            *pointer_of(seg) = (void *)source;
-            continue;
-        }
-        status = request_alloc(r, seg->device, bytes, what, pointer_of(seg), err);
-        if (status != EM_OK)
-            break;
-        transfers[transfer_count++] = (em_transfer){r->home_lane, source, seg->lane,
-                                                    *pointer_of(seg), bytes};
-    }
-    if (status == EM_OK && transfer_count > 0)
-        status = em_exchange_run(backend->exchange, transfers, transfer_count, err);
-    free(transfers);
-    return status;
-}
-
-/* The reverse: remote segments' payloads come back into the home array. */
-static em_status gather_from_segments(request_context *r, void *home_array,
-                                      size_t element_bytes, em_error *err)
-{
-    em_backend *backend = r->table->backend;
-    em_transfer *transfers = calloc(backend->device_count, sizeof(*transfers));
-    if (transfers == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "gather: out of host memory");
-    size_t transfer_count = 0;
-    for (uint32_t d = 0; d < backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        if (!seg->remote || seg->count == 0)
-            continue;
-        transfers[transfer_count++] =
-            (em_transfer){seg->lane, seg->payload, r->home_lane,
-                          (char *)home_array + seg->begin * element_bytes,
-                          seg->count * element_bytes};
-    }
-    em_status status = EM_OK;
-    if (transfer_count > 0)
-        status = em_exchange_run(backend->exchange, transfers, transfer_count, err);
-    free(transfers);
-    return status;
-}
-
-static void **segment_keys(segment *seg)
-{
-    return (void **)&seg->keys;
-}
-
-static void **segment_payload(segment *seg)
-{
-    return &seg->payload;
-}
-
-/* Offset of shard s's keys within its segment. */
-static uint64_t shard_offset(const request_context *r, const segment *seg, uint32_t s)
-{
-    return r->shard_start[s] - seg->begin;
-}
-
-static uint64_t shard_key_count(const request_context *r, uint32_t s)
-{
-    return r->shard_start[s + 1] - r->shard_start[s];
-}
-
-static em_status find_keys(request_context *r, em_error *err)
-{
-    em_table *table = r->table;
-    r->missing = 0;
-    for (uint32_t d = 0; d < table->backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        if (seg->count == 0)
-            continue;
-        em_status status = request_alloc(r, seg->device, seg->count * sizeof(uint64_t),
-                                         "key rows", (void **)&seg->rows, err);
-        for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
-            uint64_t offset = shard_offset(r, seg, s);
-            status = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
-                                                  shard_key_count(r, s), seg->rows + offset,
-                                                  &r->shard_missing[s], err);
-            r->missing += r->shard_missing[s];
-        }
-        if (status != EM_OK)
-            return status;
-    }
-    return EM_OK;
-}
-
-/* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
- * them. Changes nothing in the table. want_targets asks for the output position of
- * every partitioned key (for gathering straight into a per-key output). */
-static em_status plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
-                               bool want_targets, em_error *err)
-{
-    uint64_t *unique = NULL;
-    em_status status = dedupe_keys(r, host_keys, nnz, &unique, err);
-    if (status == EM_OK)
-        status = partition_keys(r, unique, want_targets, err);
-    if (status != EM_OK)
-        return status;
-    plan_segments(r);
-    status = scatter_to_segments(r, r->partitioned, sizeof(uint64_t), "segment keys",
-                                 segment_keys, err);
-    if (status != EM_OK)
-        return status;
-    return find_keys(r, err);
-}
-
-/* ---- creating keys ----------------------------------------------------------------- */
-
-static void describe_pools(const em_backend *backend, char *buffer, size_t capacity)
-{
-    size_t used = 0;
-    buffer[0] = '\0';
-    for (uint32_t d = 0; d < backend->device_count && used < capacity; d++) {
-        em_pool_stats stats;
-        em_pool_get_stats(backend->devices[d]->pool, &stats);
-        int written = snprintf(buffer + used, capacity - used,
-                               "%spool %s: %" PRIu64 " of %" PRIu64 " bytes in use (limit %"
-                               PRIu64 ")", d == 0 ? "" : "; ", backend->devices[d]->name,
-                               stats.bytes_in_use, stats.bytes_reserved, stats.bytes_limit);
-        if (written < 0)
-            break;
-        used += (size_t)written;
-    }
-}
-
-static em_status check_capacity(const request_context *r, em_error *err)
-{
-    const em_table *table = r->table;
-    if (r->missing <= table->config.capacity - table->rows)
-        return EM_OK;
-    char pools[256];
-    describe_pools(table->backend, pools, sizeof(pools));
-    return em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                        "table '%s': capacity %" PRIu64 " rows would be exceeded: it holds %"
-                        PRIu64 " rows and this request would create %" PRIu64
-                        " new keys; nothing was applied (%s)",
-                        table->config.name, table->config.capacity, table->rows, r->missing,
-                        pools);
-}
-
-static em_status reserve_missing(request_context *r, em_error *err)
-{
-    em_table *table = r->table;
-    for (uint32_t s = 0; s < table->shard_count; s++) {
-        if (r->shard_missing[s] == 0)
-            continue;
-        em_device *device = table->shards[s]->device;
-        em_lane *lane = r->lanes[table->shard_device[s]];
-        em_status status = device->ops->shard_reserve(table->shards[s], lane, r->shard_missing[s],
-                                                      err);
-        if (status != EM_OK)
-            return em_error_prefix(err, "table '%s' shard %u: cannot make room for %" PRIu64
-                                   " new keys, nothing was applied: ",
-                                   table->config.name, s, r->shard_missing[s]);
-    }
-    return EM_OK;
-}
-
-static em_status insert_missing(request_context *r, em_error *err)
-{
-    em_table *table = r->table;
-    for (uint32_t d = 0; d < table->backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            if (r->shard_missing[s] == 0)
-                continue;
-            uint64_t offset = shard_offset(r, seg, s);
-            em_status status = seg->device->ops->shard_insert_missing(
-                table->shards[s], seg->lane, seg->keys + offset, shard_key_count(r, s),
-                seg->rows + offset, err);
-            if (status != EM_OK)
-                return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
-            table->rows += r->shard_missing[s];
-        }
-    }
-    atomic_fetch_add_explicit(&table->rows_created, r->missing, memory_order_relaxed);
-    return EM_OK;
-}
-
-/* Creates every missing key, or nothing: capacity and memory are settled first. */
-static em_status create_missing(request_context *r, em_error *err)
-{
-    if (r->missing == 0)
-        return EM_OK;
-    em_status status = check_capacity(r, err);
-    if (status == EM_OK)
-        status = reserve_missing(r, err);
-    if (status == EM_OK)
-        status = insert_missing(r, err);
-    return status;
-}
-
-/* ---- per-shard work ---------------------------------------------------------------- */
-
-typedef enum shard_work { WORK_GATHER, WORK_APPLY, WORK_WRITE } shard_work;
-
-/* Runs one operation on every shard over its keys' rows and its part of the segment
- * payload (floats_per_key floats per key). */
-static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
-                               em_error *err)
-{
-    em_table *table = r->table;
-    for (uint32_t d = 0; d < table->backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        const em_device_ops *ops = seg->device->ops;
-        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
-            if (n == 0)
-                continue;
-            /* direct gathers place each vector by its target; others fill in order */
-            const uint32_t *targets = seg->targets != NULL ? seg->targets + offset : NULL;
-            float *payload = targets != NULL ? (float *)seg->payload
-                                             : (float *)seg->payload + offset * floats_per_key;
-            const uint64_t *rows = seg->rows + offset;
-            em_status status = EM_OK;
-            if (work == WORK_GATHER)
-                pthread_rwlock_rdlock(&table->shard_locks[s]);
-            else
-                pthread_rwlock_wrlock(&table->shard_locks[s]);
-            if (work == WORK_GATHER)
-                status = ops->shard_gather(table->shards[s], seg->lane, rows, n, targets, payload,
-                                           err);
-            else if (work == WORK_APPLY)
-                status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
-            else
-                status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
-            pthread_rwlock_unlock(&table->shard_locks[s]);
-            if (status != EM_OK)
-                return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
-        }
-    }
-    return EM_OK;
-}
-
-static em_status synchronize_devices(request_context *r, em_error *err)
-{
-    em_backend *backend = r->table->backend;
-    for (uint32_t d = 0; d < backend->device_count; d++) {
-        em_device *device = backend->devices[d];
-        if (device != r->home && r->segments[d].count == 0)
-            continue;
-        em_status status = device->ops->synchronize(r->lanes[d], err);
-        if (status != EM_OK)
-            return status;
-    }
-    return EM_OK;
-}
-
-/* Allocates the payload of every remote segment (local ones alias home_array). */
-static em_status prepare_payloads(request_context *r, float *home_array, uint32_t floats_per_key,
-                                  const char *what, em_error *err)
-{
-    em_backend *backend = r->table->backend;
-    for (uint32_t d = 0; d < backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        if (!seg->remote || seg->count == 0) {
-            seg->payload = home_array + seg->begin * floats_per_key;
-            continue;
-        }
-        em_status status = request_alloc(r, seg->device,
-                                         seg->count * floats_per_key * sizeof(float), what,
-                                         &seg->payload, err);
-        if (status != EM_OK)
-            return status;
-    }
-    return EM_OK;
-}
+#include "lib/table/table_internal.h"
 
 /* ---- validation -------------------------------------------------------------------- */
 
@@ -581,25 +63,18 @@ static em_status run_shared_then_exclusive(em_table *table, locked_attempt attem
 
 /* ---- pull ------------------------------------------------------------------------ */
 
-static em_status stage_offsets(request_context *r, const em_csr *batch, em_error *err)
-{
-    r->batch.rows = batch->rows;
-    return stage_input(r, batch->offsets, ((size_t)batch->rows + 1) * sizeof(uint32_t),
-                       "request offsets", (const void **)&r->batch.offsets, err);
-}
-
 /* Gathers the vectors of every unique key into home memory, in partitioned order. */
 static em_status gather_vectors(request_context *r, float **vectors, em_error *err)
 {
     uint32_t dim = r->table->config.dim;
-    em_status status = request_alloc(r, r->home, r->batch.unique_count * dim * sizeof(float),
-                                     "gathered vectors", (void **)vectors, err);
+    em_status status = em__request_alloc(r, r->home, r->batch.unique_count * dim * sizeof(float),
+                                         "gathered vectors", (void **)vectors, err);
     if (status == EM_OK)
-        status = prepare_payloads(r, *vectors, dim, "segment vectors", err);
+        status = em__prepare_payloads(r, *vectors, dim, "segment vectors", err);
     if (status == EM_OK)
-        status = run_on_shards(r, WORK_GATHER, dim, err);
+        status = em__run_on_shards(r, WORK_GATHER, dim, err);
     if (status == EM_OK)
-        status = gather_from_segments(r, *vectors, dim * sizeof(float), err);
+        status = em__gather_from_segments(r, *vectors, dim * sizeof(float), err);
     return status;
 }
 
@@ -624,11 +99,11 @@ static em_status gather_direct(request_context *r, const em_pull_request *reques
     float *out = request->out;
     em_status status = EM_OK;
     if (!home->host_addressable)
-        status = request_alloc(r, home, out_bytes, "pull output", (void **)&out, err);
+        status = em__request_alloc(r, home, out_bytes, "pull output", (void **)&out, err);
     for (uint32_t d = 0; status == EM_OK && d < r->table->backend->device_count; d++)
         r->segments[d].payload = out;
     if (status == EM_OK)
-        status = run_on_shards(r, WORK_GATHER, dim, err);
+        status = em__run_on_shards(r, WORK_GATHER, dim, err);
     if (status == EM_OK && r->batch.unique_count < request->batch.nnz)
         status = home->ops->copy_repeats(r->home_lane, &r->batch, r->first, dim, out, err);
     if (status == EM_OK && !home->host_addressable)
@@ -645,7 +120,7 @@ static em_status combine_output(request_context *r, const em_pull_request *reque
     float *out = request->out;
     em_status status = EM_OK;
     if (!home->host_addressable)
-        status = request_alloc(r, home, out_bytes, "pull output", (void **)&out, err);
+        status = em__request_alloc(r, home, out_bytes, "pull output", (void **)&out, err);
     if (status == EM_OK)
         status = home->ops->combine(r->home_lane, &r->batch, request->combiner, dim, vectors, out,
                                     err);
@@ -662,20 +137,20 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     em_pull_result *result = untyped_result;
     request_context r;
     float *vectors = NULL;
-    em_status status = request_begin(table, &r, err);
+    em_status status = em__request_begin(table, &r, err);
     bool direct = status == EM_OK && pull_is_direct(table, &r, request);
     if (status == EM_OK)
-        status = stage_offsets(&r, &request->batch, err);
+        status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
-        status = plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
+        status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
     if (status == EM_OK && r.missing > 0 && request->create_missing && !may_create) {
         *needs_create = true;
-        request_end(&r);
+        em__request_end(&r);
         return EM_OK;
     }
     uint64_t missing = r.missing;
     if (status == EM_OK && request->create_missing)
-        status = create_missing(&r, err);
+        status = em__create_missing(&r, err);
     if (status == EM_OK && direct)
         status = gather_direct(&r, request, err);
     if (status == EM_OK && !direct)
@@ -683,13 +158,13 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     if (status == EM_OK && !direct)
         status = combine_output(&r, request, vectors, err);
     if (status == EM_OK)
-        status = synchronize_devices(&r, err);
+        status = em__synchronize_devices(&r, err);
     if (status == EM_OK) {
         result->unique_keys = r.batch.unique_count;
         result->missing = missing;
         result->created = request->create_missing ? missing : 0;
     }
-    request_end(&r);
+    em__request_end(&r);
     return status;
 }
 
@@ -734,17 +209,18 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
     uint32_t dim = r->table->config.dim;
     const float *gradients = NULL;
     float *sums = NULL;
-    em_status status = stage_input(r, request->gradients, request->gradient_count * sizeof(float),
-                                   "request gradients", (const void **)&gradients, err);
+    em_status status = em__stage_input(r, request->gradients,
+                                       request->gradient_count * sizeof(float),
+                                       "request gradients", (const void **)&gradients, err);
     if (status == EM_OK)
-        status = request_alloc(r, home, r->batch.unique_count * dim * sizeof(float),
-                               "summed gradients", (void **)&sums, err);
+        status = em__request_alloc(r, home, r->batch.unique_count * dim * sizeof(float),
+                                   "summed gradients", (void **)&sums, err);
     if (status == EM_OK)
         status = home->ops->sum_gradients(r->home_lane, &r->batch, request->combiner, dim,
                                           gradients, sums, err);
     if (status == EM_OK)
-        status = scatter_to_segments(r, sums, dim * sizeof(float), "segment gradients",
-                                     segment_payload, err);
+        status = em__scatter_to_segments(r, sums, dim * sizeof(float), "segment gradients",
+                                         em__segment_payload, err);
     return status;
 }
 
@@ -755,30 +231,30 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     const em_push_request *request = untyped_request;
     em_push_result *result = untyped_result;
     request_context r;
-    em_status status = request_begin(table, &r, err);
+    em_status status = em__request_begin(table, &r, err);
     if (status == EM_OK)
-        status = stage_offsets(&r, &request->batch, err);
+        status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
-        status = plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
+        status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
     if (status == EM_OK && r.missing > 0 && !may_create) {
         *needs_create = true;
-        request_end(&r);
+        em__request_end(&r);
         return EM_OK;
     }
     if (status == EM_OK)
         status = sum_and_send_gradients(&r, request, err);
     uint64_t missing = r.missing;
     if (status == EM_OK)
-        status = create_missing(&r, err);
+        status = em__create_missing(&r, err);
     if (status == EM_OK)
-        status = run_on_shards(&r, WORK_APPLY, table->config.dim, err);
+        status = em__run_on_shards(&r, WORK_APPLY, table->config.dim, err);
     if (status == EM_OK)
-        status = synchronize_devices(&r, err);
+        status = em__synchronize_devices(&r, err);
     if (status == EM_OK) {
         result->updated = r.batch.unique_count;
         result->created = missing;
     }
-    request_end(&r);
+    em__request_end(&r);
     return status;
 }
 
@@ -811,190 +287,6 @@ em_status em_table_push(em_table *table, const em_push_request *request, em_push
         return status;
     atomic_fetch_add_explicit(&table->pushes, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&table->keys_pushed, request->batch.nnz, memory_order_relaxed);
-    return EM_OK;
-}
-
-/* ---- import / export ------------------------------------------------------------- */
-
-static em_status check_import_row(const em_table *table, uint64_t key, uint64_t index,
-                                  const float *row, em_error *err)
-{
-    uint32_t dim = table->config.dim;
-    em_optimizer_kind kind = table->config.optimizer.kind;
-    for (uint32_t j = 0; j < table->row_floats; j++) {
-        bool weight = j < dim;
-        uint32_t state_index = j - dim;
-        const char *what = weight ? "weight" : em_optimizer_state_name(kind, dim, state_index);
-        if (!isfinite(row[j]))
-            return em_error_set(err, EM_INVALID_ARGUMENT,
-                                "row %" PRIu64 " (key %" PRIu64 "): %s element %u is not finite",
-                                index, key, what, weight ? j : state_index);
-        if (!weight && row[j] < 0 && em_optimizer_state_nonnegative(kind, dim, state_index))
-            return em_error_set(err, EM_INVALID_ARGUMENT,
-                                "row %" PRIu64 " (key %" PRIu64 "): %s element %u is %g, must "
-                                "be >= 0", index, key, what, state_index, (double)row[j]);
-    }
-    return EM_OK;
-}
-
-static em_status check_import(const em_table *table, const uint64_t *keys, const float *values,
-                              uint64_t n, em_error *err)
-{
-    if (n > MAX_KEYS_PER_REQUEST)
-        return em_error_set(err, EM_INVALID_ARGUMENT, "import of %" PRIu64 " rows exceeds %"
-                            PRIu32 " rows per call", n, MAX_KEYS_PER_REQUEST);
-    for (uint64_t i = 0; i < n; i++) {
-        em_status status =
-            check_import_row(table, keys[i], i, values + i * table->row_floats, err);
-        if (status != EM_OK)
-            return status;
-    }
-    return EM_OK;
-}
-
-/* Keys of an import are distinct; inverse[i] == i for all i exactly then (unique keeps
- * the order of first appearance). */
-static em_status check_distinct(request_context *r, const uint64_t *keys, uint64_t n,
-                                em_error *err)
-{
-    if (r->batch.unique_count == n)
-        return EM_OK;
-    const uint32_t *inverse = r->batch.inverse;
-    uint32_t *host_inverse = NULL;
-    if (!r->home->host_addressable) {
-        host_inverse = malloc(n * sizeof(*host_inverse));
-        if (host_inverse == NULL)
-            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of host memory");
-        em_status status = r->home->ops->copy_to_host(r->home_lane, host_inverse, inverse,
-                                                      n * sizeof(*host_inverse), err);
-        if (status != EM_OK) {
-            free(host_inverse);
-            return status;
-        }
-        inverse = host_inverse;
-    }
-    uint64_t i = 0;
-    while (i < n && inverse[i] == i)
-        i++;
-    em_status status = em_error_set(err, EM_INVALID_ARGUMENT,
-                                    "key %" PRIu64 " appears twice (rows %u and %" PRIu64 ")",
-                                    keys[i], inverse[i], i);
-    free(host_inverse);
-    return status;
-}
-
-/* Identity offsets (one key per row) so the gradient-sum operation places import rows
- * in partitioned order; sums start at -0.0, so single values are copied bit for bit. */
-static em_status stage_identity_offsets(request_context *r, uint64_t n, em_error *err)
-{
-    uint32_t *offsets = malloc((n + 1) * sizeof(*offsets));
-    if (offsets == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of host memory");
-    for (uint64_t i = 0; i <= n; i++)
-        offsets[i] = (uint32_t)i;
-    em_csr identity = {.rows = (uint32_t)n, .nnz = n, .offsets = offsets};
-    em_status status = EM_OK;
-    if (r->home->host_addressable) {
-        /* Aliased staging would outlive this buffer: copy into scratch instead. */
-        void *copy = NULL;
-        status = request_alloc(r, r->home, (n + 1) * sizeof(uint32_t), "import offsets", &copy,
-                               err);
-        if (status == EM_OK)
-            memcpy(copy, offsets, (n + 1) * sizeof(uint32_t));
-        r->batch.rows = (uint32_t)n;
-        r->batch.offsets = copy;
-    } else {
-        status = stage_offsets(r, &identity, err);
-    }
-    free(offsets);
-    return status;
-}
-
-static em_status send_import_rows(request_context *r, const float *values, uint64_t n,
-                                  em_error *err)
-{
-    em_device *home = r->home;
-    uint32_t width = r->table->row_floats;
-    const float *staged = NULL;
-    float *ordered = NULL;
-    em_status status = stage_identity_offsets(r, n, err);
-    if (status == EM_OK)
-        status = stage_input(r, values, n * width * sizeof(float), "import values",
-                             (const void **)&staged, err);
-    if (status == EM_OK)
-        status = request_alloc(r, home, n * width * sizeof(float), "ordered import values",
-                               (void **)&ordered, err);
-    if (status == EM_OK)
-        status = home->ops->sum_gradients(r->home_lane, &r->batch, EM_COMBINER_NONE, width,
-                                          staged, ordered, err);
-    if (status == EM_OK)
-        status = scatter_to_segments(r, ordered, width * sizeof(float), "segment import values",
-                                     segment_payload, err);
-    return status;
-}
-
-static em_status import_locked(em_table *table, const uint64_t *keys, const float *values,
-                               uint64_t n, em_error *err)
-{
-    request_context r;
-    em_status status = request_begin(table, &r, err);
-    if (status == EM_OK)
-        status = plan_and_find(&r, keys, n, false, err);
-    if (status == EM_OK)
-        status = check_distinct(&r, keys, n, err);
-    if (status == EM_OK)
-        status = send_import_rows(&r, values, n, err);
-    if (status == EM_OK)
-        status = create_missing(&r, err);
-    if (status == EM_OK)
-        status = run_on_shards(&r, WORK_WRITE, table->row_floats, err);
-    if (status == EM_OK)
-        status = synchronize_devices(&r, err);
-    request_end(&r);
-    return status;
-}
-
-em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
-                          em_error *err)
-{
-    em_status status = check_import(table, keys, values, n, err);
-    if (status == EM_OK) {
-        pthread_rwlock_wrlock(&table->lock);
-        status = import_locked(table, keys, values, n, err);
-        pthread_rwlock_unlock(&table->lock);
-    }
-    if (status != EM_OK)
-        return em_error_prefix(err, "import into table '%s': ", table->config.name);
-    atomic_fetch_add_explicit(&table->imports, 1, memory_order_relaxed);
-    return EM_OK;
-}
-
-em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max, uint64_t *keys,
-                          float *values, uint64_t *count, em_error *err)
-{
-    *count = 0;
-    em_status status = EM_OK;
-    pthread_rwlock_rdlock(&table->lock);
-    while (status == EM_OK && *count == 0 && cursor->shard < table->shard_count && max > 0) {
-        em_shard *shard = table->shards[cursor->shard];
-        const em_device_ops *ops = shard->device->ops;
-        em_lane *lane = NULL;
-        status = ops->lane_acquire(shard->device, &lane, err);
-        if (status != EM_OK)
-            break;
-        pthread_rwlock_rdlock(&table->shard_locks[cursor->shard]);
-        status = ops->shard_export(shard, lane, &cursor->position, keys, values, max, count, err);
-        pthread_rwlock_unlock(&table->shard_locks[cursor->shard]);
-        ops->lane_release(lane);
-        if (status == EM_OK && *count == 0) {
-            cursor->shard++;
-            cursor->position = 0;
-        }
-    }
-    pthread_rwlock_unlock(&table->lock);
-    if (status != EM_OK)
-        return em_error_prefix(err, "export of table '%s' shard %u: ", table->config.name,
-                               cursor->shard);
     return EM_OK;
 }
 
@@ -1116,3 +408,4 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->keys_pushed = atomic_load_explicit(&table->keys_pushed, memory_order_relaxed);
     out->rows_created = atomic_load_explicit(&table->rows_created, memory_order_relaxed);
 }
+

@@ -1,0 +1,142 @@
+/*
+ * DESIGN: what the table's files share (lib/table/table.c: create, lock, pull, push,
+ * stats; table_request.c: the request engine over shards and devices;
+ * table_transfer.c: import and export). Not a public header: nothing outside
+ * lib/table/ includes it.
+ *
+ * A request_context tracks every scratch buffer a request takes (freed at the end
+ * whatever happens) and the plan of the request:
+ *
+ *   home device   stages the input, dedupes keys, partitions the unique keys by shard
+ *   shard_start   prefix sums of keys per shard: shard s owns partitioned[start[s] ..
+ *                 start[s+1])
+ *   segments      one per device: the contiguous range of partitioned keys its shards
+ *                 own, with that device's copies of keys / rows / vectors. A segment on
+ *                 the home device aliases the home buffers; others are filled and
+ *                 drained through the backend's exchange.
+ */
+#ifndef EMBER_LIB_TABLE_INTERNAL_H
+#define EMBER_LIB_TABLE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "lib/table/table.h"
+
+/* A request addresses keys with 32-bit positions (inverse, position arrays). */
+#define MAX_KEYS_PER_REQUEST UINT32_MAX
+/* Scratch buffers per request: a few at home plus a few per device segment. */
+#define SCRATCH_FIXED 16u
+#define SCRATCH_PER_DEVICE 4u
+
+struct em_table {
+    em_table_config config;
+    em_backend *backend;
+    uint32_t shard_count;
+    uint32_t row_floats;
+    em_shard **shards;
+    uint32_t *shard_device; /* device index of each shard */
+    pthread_rwlock_t lock;
+    pthread_rwlock_t *shard_locks; /* readers gather or export, writers apply or write */
+    uint64_t rows; /* written under the exclusive lock */
+    _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
+};
+
+typedef struct scratch_item {
+    em_device *device;
+    void *pointer;
+} scratch_item;
+
+/* The slice of a request that one device handles. */
+typedef struct segment {
+    em_device *device;
+    em_lane *lane;
+    uint32_t first_shard, end_shard;
+    uint64_t begin, count; /* range in the partitioned order */
+    bool remote;           /* device is not the home device */
+    uint64_t *keys;        /* count keys in device memory */
+    const uint32_t *targets; /* direct pulls: where each key's vector goes in the output */
+    uint64_t *rows;        /* count rows from find / insert */
+    void *payload;         /* gradients, vectors or import values for the keys */
+} segment;
+
+typedef struct request_context {
+    em_table *table;
+    em_device *home;
+    em_lane *home_lane;
+    em_lane **lanes;           /* the request's lane on every device, by device index */
+    scratch_item *scratch;
+    uint32_t scratch_count, scratch_capacity;
+    em_device_batch batch;     /* offsets, inverse, position, counts at home */
+    const uint64_t *keys;      /* the batch keys at home */
+    uint64_t *partitioned;     /* unique keys grouped by shard, at home */
+    uint32_t *first;           /* first position of each unique key in the batch, at home */
+    uint32_t *targets;         /* direct pulls: output position per partitioned key */
+    uint64_t *shard_start;     /* host, shard_count + 1 */
+    uint64_t *shard_missing;   /* host, shard_count */
+    segment *segments;         /* one per device */
+    uint64_t missing;          /* distinct keys not in the table */
+} request_context;
+
+/* What em__run_on_shards does on each shard. */
+typedef enum shard_work { WORK_GATHER, WORK_APPLY, WORK_WRITE } shard_work;
+
+/* ---- the request engine (lib/table/table_request.c) --------------------------------- */
+
+/* Sets up r for one request on table and takes a lane on every device. Always pair with
+ * em__request_end, even when this fails. */
+em_status em__request_begin(em_table *table, request_context *r, em_error *err);
+
+/* Releases the lanes (after synchronizing them) and every scratch buffer. */
+void em__request_end(request_context *r);
+
+/* A scratch buffer on device, freed by em__request_end. */
+em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
+                            const char *what, void **out, em_error *err);
+
+/* Makes host data visible at home: aliased when the home device addresses host memory,
+ * else copied into scratch. */
+em_status em__stage_input(request_context *r, const void *host, size_t bytes,
+                          const char *what, const void **out, em_error *err);
+
+/* Stages the batch's row offsets at home (r->batch.offsets). */
+em_status em__stage_offsets(request_context *r, const em_csr *batch, em_error *err);
+
+/* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
+ * them. Changes nothing in the table. want_targets asks for the output position of
+ * every partitioned key (for gathering straight into a per-key output). */
+em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
+                            bool want_targets, em_error *err);
+
+/* Creates every missing key, or nothing: capacity and memory are settled first. */
+em_status em__create_missing(request_context *r, em_error *err);
+
+/* Runs one operation on every shard over its keys' rows and its part of the segment
+ * payload (floats_per_key floats per key). */
+em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
+                            em_error *err);
+
+/* Puts each segment's share of a home array (element_bytes per key, in partitioned
+ * order) on the segment's device: aliased at home, sent through the exchange
+ * elsewhere. Stores the device pointers through pointer_of. */
+em_status em__scatter_to_segments(request_context *r, const void *home_array,
+                                  size_t element_bytes, const char *what,
+                                  void **(*pointer_of)(segment *), em_error *err);
+
+/* The payload slot of a segment (a em__scatter_to_segments destination). */
+void **em__segment_payload(segment *seg);
+
+/* The reverse: remote segments' payloads come back into the home array. */
+em_status em__gather_from_segments(request_context *r, void *home_array,
+                                   size_t element_bytes, em_error *err);
+
+/* Allocates the payload of every remote segment (local ones alias home_array). */
+em_status em__prepare_payloads(request_context *r, float *home_array, uint32_t floats_per_key,
+                               const char *what, em_error *err);
+
+/* Waits for every lane of the request. */
+em_status em__synchronize_devices(request_context *r, em_error *err);
+
+#endif

@@ -1,0 +1,475 @@
+/*
+ * DESIGN: the request engine: how one request runs over a table's shards and devices.
+ *
+ * Everything here is orchestration: the work itself is done by device operations
+ * (lib/device/device.h) on buffers from the devices' pools, so this file is the same
+ * for the CPU and CUDA backends. The plan of a request (home device, shard ranges,
+ * per-device segments) is described in lib/table/table_internal.h.
+ *
+ * All-or-nothing: validation, dedupe, partition, exchange and find change nothing;
+ * then the keys to create are counted, checked against the capacity, and their index
+ * and storage reserved on every shard; only after all of that succeeds does any shard
+ * create a row or apply a gradient.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lib/table/table_internal.h"
+
+/* ---- scratch and staging ----------------------------------------------------------- */
+
+em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
+                               const char *what, void **out, em_error *err)
+{
+    if (r->scratch_count == r->scratch_capacity)
+        return em_error_set(err, EM_INTERNAL, "request scratch list full (%u buffers)",
+                            r->scratch_capacity);
+    em_status status = em_device_alloc(device, bytes, what, out, err);
+    if (status != EM_OK)
+        return status;
+    r->scratch[r->scratch_count++] = (scratch_item){device, *out};
+    return EM_OK;
+}
+
+/* Takes a lane on every device, in device order (so two requests never wait on each
+ * other's lanes crosswise). */
+static em_status acquire_lanes(request_context *r, em_error *err)
+{
+    em_backend *backend = r->table->backend;
+    for (uint32_t d = 0; d < backend->device_count; d++) {
+        em_device *device = backend->devices[d];
+        em_status status = device->ops->lane_acquire(device, &r->lanes[d], err);
+        if (status != EM_OK)
+            return em_error_prefix(err, "table '%s': lane on %s: ", r->table->config.name,
+                                   device->name);
+        if (device == r->home)
+            r->home_lane = r->lanes[d];
+    }
+    return EM_OK;
+}
+
+em_status em__request_begin(em_table *table, request_context *r, em_error *err)
+{
+    memset(r, 0, sizeof(*r));
+    r->table = table;
+    r->home = em_backend_home_device(table->backend);
+    uint32_t devices = table->backend->device_count;
+    r->scratch_capacity = SCRATCH_FIXED + SCRATCH_PER_DEVICE * devices;
+    r->scratch = calloc(r->scratch_capacity, sizeof(*r->scratch));
+    r->shard_start = calloc(table->shard_count + 1, sizeof(*r->shard_start));
+    r->shard_missing = calloc(table->shard_count, sizeof(*r->shard_missing));
+    r->segments = calloc(devices, sizeof(*r->segments));
+    r->lanes = calloc(devices, sizeof(*r->lanes));
+    if (r->scratch == NULL || r->shard_start == NULL || r->shard_missing == NULL ||
+        r->segments == NULL || r->lanes == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': request bookkeeping: "
+                            "out of host memory", table->config.name);
+    return acquire_lanes(r, err);
+}
+
+static void release_lanes(request_context *r)
+{
+    em_backend *backend = r->table->backend;
+    for (uint32_t d = 0; r->lanes != NULL && d < backend->device_count; d++) {
+        if (r->lanes[d] == NULL)
+            continue;
+        /* Scratch is freed next: nothing may still be reading or writing it. */
+        r->lanes[d]->device->ops->synchronize(r->lanes[d], NULL);
+        r->lanes[d]->device->ops->lane_release(r->lanes[d]);
+    }
+    free(r->lanes);
+}
+
+void em__request_end(request_context *r)
+{
+    release_lanes(r);
+    for (uint32_t i = r->scratch_count; i > 0; i--)
+        em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
+    free(r->scratch);
+    free(r->shard_start);
+    free(r->shard_missing);
+    free(r->segments);
+}
+
+/* Makes host data visible at home: aliased when the home device addresses host memory,
+ * else copied into scratch. */
+em_status em__stage_input(request_context *r, const void *host, size_t bytes,
+                             const char *what, const void **out, em_error *err)
+{
+    if (r->home->host_addressable) {
+        *out = host;
+        return EM_OK;
+    }
+    void *staged = NULL;
+    em_status status = em__request_alloc(r, r->home, bytes, what, &staged, err);
+    if (status == EM_OK)
+        status = r->home->ops->copy_to_device(r->home_lane, staged, host, bytes, err);
+    *out = staged;
+    return status;
+}
+
+em_status em__stage_offsets(request_context *r, const em_csr *batch, em_error *err)
+{
+    r->batch.rows = batch->rows;
+    return em__stage_input(r, batch->offsets, ((size_t)batch->rows + 1) * sizeof(uint32_t),
+                           "request offsets", (const void **)&r->batch.offsets, err);
+}
+
+/* ---- planning: dedupe, partition, segments ---------------------------------------- */
+
+static em_status dedupe_keys(request_context *r, const uint64_t *host_keys, uint64_t nnz,
+                             uint64_t **unique, em_error *err)
+{
+    em_device *home = r->home;
+    uint32_t *inverse = NULL;
+    em_status status = em__stage_input(r, host_keys, nnz * sizeof(uint64_t), "request keys",
+                                       (const void **)&r->keys, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys", (void **)unique,
+                                   err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
+                                   (void **)&inverse, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
+                                   (void **)&r->first, err);
+    if (status == EM_OK)
+        status = home->ops->unique_keys(r->home_lane, r->keys, nnz, *unique, inverse, r->first,
+                                        &r->batch.unique_count, err);
+    r->batch.inverse = inverse;
+    r->batch.nnz = nnz;
+    return status;
+}
+
+static em_status partition_keys(request_context *r, const uint64_t *unique, bool want_targets,
+                                em_error *err)
+{
+    em_device *home = r->home;
+    uint64_t count = r->batch.unique_count;
+    uint32_t *position = NULL;
+    em_status status = em__request_alloc(r, home, count * sizeof(uint64_t), "partitioned keys",
+                                      (void **)&r->partitioned, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, count * sizeof(uint32_t), "key positions",
+                                   (void **)&position, err);
+    if (status == EM_OK && want_targets)
+        status = em__request_alloc(r, home, count * sizeof(uint32_t), "output targets",
+                                   (void **)&r->targets, err);
+    if (status == EM_OK)
+        status = home->ops->partition_keys(r->home_lane, unique, count, r->table->shard_count,
+                                           r->first, r->partitioned, position, r->targets,
+                                           r->shard_start + 1, err);
+    r->batch.position = position;
+    if (status != EM_OK)
+        return status;
+    r->shard_start[0] = 0;
+    for (uint32_t s = 0; s < r->table->shard_count; s++)
+        r->shard_start[s + 1] += r->shard_start[s];
+    return EM_OK;
+}
+
+static void plan_segments(request_context *r)
+{
+    em_table *table = r->table;
+    em_backend *backend = table->backend;
+    uint32_t shard = 0;
+    for (uint32_t d = 0; d < backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        seg->device = backend->devices[d];
+        seg->lane = r->lanes[d];
+        seg->remote = seg->device != r->home;
+        seg->first_shard = shard;
+        while (shard < table->shard_count && table->shard_device[shard] == d)
+            shard++;
+        seg->end_shard = shard;
+        seg->begin = r->shard_start[seg->first_shard];
+        seg->count = r->shard_start[seg->end_shard] - seg->begin;
+        seg->targets = r->targets != NULL ? r->targets + seg->begin : NULL;
+    }
+}
+
+/* Puts each segment's share of a home array (element_bytes per key, in partitioned
+ * order) on the segment's device: aliased at home, sent through the exchange
+ * elsewhere. Stores the device pointers through pointer_of. */
+em_status em__scatter_to_segments(request_context *r, const void *home_array,
+                                     size_t element_bytes, const char *what,
+                                     void **(*pointer_of)(segment *), em_error *err)
+{
+    em_backend *backend = r->table->backend;
+    em_transfer *transfers = calloc(backend->device_count, sizeof(*transfers));
+    if (transfers == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "%s: out of host memory", what);
+    size_t transfer_count = 0;
+    em_status status = EM_OK;
+    for (uint32_t d = 0; d < backend->device_count && status == EM_OK; d++) {
+        segment *seg = &r->segments[d];
+        const char *source = (const char *)home_array + seg->begin * element_bytes;
+        size_t bytes = seg->count * element_bytes;
+        if (!seg->remote || seg->count == 0) {
+            *pointer_of(seg) = (void *)source;
+            continue;
+        }
+        status = em__request_alloc(r, seg->device, bytes, what, pointer_of(seg), err);
+        if (status != EM_OK)
+            break;
+        transfers[transfer_count++] = (em_transfer){r->home_lane, source, seg->lane,
+                                                    *pointer_of(seg), bytes};
+    }
+    if (status == EM_OK && transfer_count > 0)
+        status = em_exchange_run(backend->exchange, transfers, transfer_count, err);
+    free(transfers);
+    return status;
+}
+
+/* The reverse: remote segments' payloads come back into the home array. */
+em_status em__gather_from_segments(request_context *r, void *home_array,
+                                      size_t element_bytes, em_error *err)
+{
+    em_backend *backend = r->table->backend;
+    em_transfer *transfers = calloc(backend->device_count, sizeof(*transfers));
+    if (transfers == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "gather: out of host memory");
+    size_t transfer_count = 0;
+    for (uint32_t d = 0; d < backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        if (!seg->remote || seg->count == 0)
+            continue;
+        transfers[transfer_count++] =
+            (em_transfer){seg->lane, seg->payload, r->home_lane,
+                          (char *)home_array + seg->begin * element_bytes,
+                          seg->count * element_bytes};
+    }
+    em_status status = EM_OK;
+    if (transfer_count > 0)
+        status = em_exchange_run(backend->exchange, transfers, transfer_count, err);
+    free(transfers);
+    return status;
+}
+
+static void **segment_keys(segment *seg)
+{
+    return (void **)&seg->keys;
+}
+
+void **em__segment_payload(segment *seg)
+{
+    return &seg->payload;
+}
+
+/* Offset of shard s's keys within its segment. */
+static uint64_t shard_offset(const request_context *r, const segment *seg, uint32_t s)
+{
+    return r->shard_start[s] - seg->begin;
+}
+
+static uint64_t shard_key_count(const request_context *r, uint32_t s)
+{
+    return r->shard_start[s + 1] - r->shard_start[s];
+}
+
+static em_status find_keys(request_context *r, em_error *err)
+{
+    em_table *table = r->table;
+    r->missing = 0;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        if (seg->count == 0)
+            continue;
+        em_status status = em__request_alloc(r, seg->device, seg->count * sizeof(uint64_t),
+                                             "key rows", (void **)&seg->rows, err);
+        for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
+            uint64_t offset = shard_offset(r, seg, s);
+            status = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
+                                                  shard_key_count(r, s), seg->rows + offset,
+                                                  &r->shard_missing[s], err);
+            r->missing += r->shard_missing[s];
+        }
+        if (status != EM_OK)
+            return status;
+    }
+    return EM_OK;
+}
+
+/* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
+ * them. Changes nothing in the table. want_targets asks for the output position of
+ * every partitioned key (for gathering straight into a per-key output). */
+em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
+                               bool want_targets, em_error *err)
+{
+    uint64_t *unique = NULL;
+    em_status status = dedupe_keys(r, host_keys, nnz, &unique, err);
+    if (status == EM_OK)
+        status = partition_keys(r, unique, want_targets, err);
+    if (status != EM_OK)
+        return status;
+    plan_segments(r);
+    status = em__scatter_to_segments(r, r->partitioned, sizeof(uint64_t), "segment keys",
+                                     segment_keys, err);
+    if (status != EM_OK)
+        return status;
+    return find_keys(r, err);
+}
+
+/* ---- creating keys ----------------------------------------------------------------- */
+
+static void describe_pools(const em_backend *backend, char *buffer, size_t capacity)
+{
+    size_t used = 0;
+    buffer[0] = '\0';
+    for (uint32_t d = 0; d < backend->device_count && used < capacity; d++) {
+        em_pool_stats stats;
+        em_pool_get_stats(backend->devices[d]->pool, &stats);
+        int written = snprintf(buffer + used, capacity - used,
+                               "%spool %s: %" PRIu64 " of %" PRIu64 " bytes in use (limit %"
+                               PRIu64 ")", d == 0 ? "" : "; ", backend->devices[d]->name,
+                               stats.bytes_in_use, stats.bytes_reserved, stats.bytes_limit);
+        if (written < 0)
+            break;
+        used += (size_t)written;
+    }
+}
+
+static em_status check_capacity(const request_context *r, em_error *err)
+{
+    const em_table *table = r->table;
+    if (r->missing <= table->config.capacity - table->rows)
+        return EM_OK;
+    char pools[256];
+    describe_pools(table->backend, pools, sizeof(pools));
+    return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                        "table '%s': capacity %" PRIu64 " rows would be exceeded: it holds %"
+                        PRIu64 " rows and this request would create %" PRIu64
+                        " new keys; nothing was applied (%s)",
+                        table->config.name, table->config.capacity, table->rows, r->missing,
+                        pools);
+}
+
+static em_status reserve_missing(request_context *r, em_error *err)
+{
+    em_table *table = r->table;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        if (r->shard_missing[s] == 0)
+            continue;
+        em_device *device = table->shards[s]->device;
+        em_lane *lane = r->lanes[table->shard_device[s]];
+        em_status status = device->ops->shard_reserve(table->shards[s], lane, r->shard_missing[s],
+                                                      err);
+        if (status != EM_OK)
+            return em_error_prefix(err, "table '%s' shard %u: cannot make room for %" PRIu64
+                                   " new keys, nothing was applied: ",
+                                   table->config.name, s, r->shard_missing[s]);
+    }
+    return EM_OK;
+}
+
+static em_status insert_missing(request_context *r, em_error *err)
+{
+    em_table *table = r->table;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            if (r->shard_missing[s] == 0)
+                continue;
+            uint64_t offset = shard_offset(r, seg, s);
+            em_status status = seg->device->ops->shard_insert_missing(
+                table->shards[s], seg->lane, seg->keys + offset, shard_key_count(r, s),
+                seg->rows + offset, err);
+            if (status != EM_OK)
+                return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+            table->rows += r->shard_missing[s];
+        }
+    }
+    atomic_fetch_add_explicit(&table->rows_created, r->missing, memory_order_relaxed);
+    return EM_OK;
+}
+
+/* Creates every missing key, or nothing: capacity and memory are settled first. */
+em_status em__create_missing(request_context *r, em_error *err)
+{
+    if (r->missing == 0)
+        return EM_OK;
+    em_status status = check_capacity(r, err);
+    if (status == EM_OK)
+        status = reserve_missing(r, err);
+    if (status == EM_OK)
+        status = insert_missing(r, err);
+    return status;
+}
+
+/* ---- per-shard work ---------------------------------------------------------------- */
+
+
+/* Runs one operation on every shard over its keys' rows and its part of the segment
+ * payload (floats_per_key floats per key). */
+em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
+                               em_error *err)
+{
+    em_table *table = r->table;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        const em_device_ops *ops = seg->device->ops;
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
+            if (n == 0)
+                continue;
+            /* direct gathers place each vector by its target; others fill in order */
+            const uint32_t *targets = seg->targets != NULL ? seg->targets + offset : NULL;
+            float *payload = targets != NULL ? (float *)seg->payload
+                                             : (float *)seg->payload + offset * floats_per_key;
+            const uint64_t *rows = seg->rows + offset;
+            em_status status = EM_OK;
+            if (work == WORK_GATHER)
+                pthread_rwlock_rdlock(&table->shard_locks[s]);
+            else
+                pthread_rwlock_wrlock(&table->shard_locks[s]);
+            if (work == WORK_GATHER)
+                status = ops->shard_gather(table->shards[s], seg->lane, rows, n, targets, payload,
+                                           err);
+            else if (work == WORK_APPLY)
+                status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
+            else
+                status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
+            pthread_rwlock_unlock(&table->shard_locks[s]);
+            if (status != EM_OK)
+                return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+        }
+    }
+    return EM_OK;
+}
+
+em_status em__synchronize_devices(request_context *r, em_error *err)
+{
+    em_backend *backend = r->table->backend;
+    for (uint32_t d = 0; d < backend->device_count; d++) {
+        em_device *device = backend->devices[d];
+        if (device != r->home && r->segments[d].count == 0)
+            continue;
+        em_status status = device->ops->synchronize(r->lanes[d], err);
+        if (status != EM_OK)
+            return status;
+    }
+    return EM_OK;
+}
+
+/* Allocates the payload of every remote segment (local ones alias home_array). */
+em_status em__prepare_payloads(request_context *r, float *home_array, uint32_t floats_per_key,
+                                  const char *what, em_error *err)
+{
+    em_backend *backend = r->table->backend;
+    for (uint32_t d = 0; d < backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        if (!seg->remote || seg->count == 0) {
+            seg->payload = home_array + seg->begin * floats_per_key;
+            continue;
+        }
+        em_status status = em__request_alloc(r, seg->device,
+                                             seg->count * floats_per_key * sizeof(float), what,
+                                             &seg->payload, err);
+        if (status != EM_OK)
+            return status;
+    }
+    return EM_OK;
+}
+

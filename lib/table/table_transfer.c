@@ -1,0 +1,196 @@
+/*
+ * DESIGN: moving whole rows in and out of a table: import (rows with their optimizer
+ * state, checked to be finite and well-formed before anything is written) and export
+ * (a cursor over every shard's rows, for checkpoints and rebalancing).
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lib/table/table_internal.h"
+
+/* ---- import / export ------------------------------------------------------------- */
+
+static em_status check_import_row(const em_table *table, uint64_t key, uint64_t index,
+                                  const float *row, em_error *err)
+{
+    uint32_t dim = table->config.dim;
+    em_optimizer_kind kind = table->config.optimizer.kind;
+    for (uint32_t j = 0; j < table->row_floats; j++) {
+        bool weight = j < dim;
+        uint32_t state_index = j - dim;
+        const char *what = weight ? "weight" : em_optimizer_state_name(kind, dim, state_index);
+        if (!isfinite(row[j]))
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "row %" PRIu64 " (key %" PRIu64 "): %s element %u is not finite",
+                                index, key, what, weight ? j : state_index);
+        if (!weight && row[j] < 0 && em_optimizer_state_nonnegative(kind, dim, state_index))
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "row %" PRIu64 " (key %" PRIu64 "): %s element %u is %g, must "
+                                "be >= 0", index, key, what, state_index, (double)row[j]);
+    }
+    return EM_OK;
+}
+
+static em_status check_import(const em_table *table, const uint64_t *keys, const float *values,
+                              uint64_t n, em_error *err)
+{
+    if (n > MAX_KEYS_PER_REQUEST)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "import of %" PRIu64 " rows exceeds %"
+                            PRIu32 " rows per call", n, MAX_KEYS_PER_REQUEST);
+    for (uint64_t i = 0; i < n; i++) {
+        em_status status =
+            check_import_row(table, keys[i], i, values + i * table->row_floats, err);
+        if (status != EM_OK)
+            return status;
+    }
+    return EM_OK;
+}
+
+/* Keys of an import are distinct; inverse[i] == i for all i exactly then (unique keeps
+ * the order of first appearance). */
+static em_status check_distinct(request_context *r, const uint64_t *keys, uint64_t n,
+                                em_error *err)
+{
+    if (r->batch.unique_count == n)
+        return EM_OK;
+    const uint32_t *inverse = r->batch.inverse;
+    uint32_t *host_inverse = NULL;
+    if (!r->home->host_addressable) {
+        host_inverse = malloc(n * sizeof(*host_inverse));
+        if (host_inverse == NULL)
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of host memory");
+        em_status status = r->home->ops->copy_to_host(r->home_lane, host_inverse, inverse,
+                                                      n * sizeof(*host_inverse), err);
+        if (status != EM_OK) {
+            free(host_inverse);
+            return status;
+        }
+        inverse = host_inverse;
+    }
+    uint64_t i = 0;
+    while (i < n && inverse[i] == i)
+        i++;
+    em_status status = em_error_set(err, EM_INVALID_ARGUMENT,
+                                    "key %" PRIu64 " appears twice (rows %u and %" PRIu64 ")",
+                                    keys[i], inverse[i], i);
+    free(host_inverse);
+    return status;
+}
+
+/* Identity offsets (one key per row) so the gradient-sum operation places import rows
+ * in partitioned order; sums start at -0.0, so single values are copied bit for bit. */
+static em_status stage_identity_offsets(request_context *r, uint64_t n, em_error *err)
+{
+    uint32_t *offsets = malloc((n + 1) * sizeof(*offsets));
+    if (offsets == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of host memory");
+    for (uint64_t i = 0; i <= n; i++)
+        offsets[i] = (uint32_t)i;
+    em_csr identity = {.rows = (uint32_t)n, .nnz = n, .offsets = offsets};
+    em_status status = EM_OK;
+    if (r->home->host_addressable) {
+        /* Aliased staging would outlive this buffer: copy into scratch instead. */
+        void *copy = NULL;
+        status = em__request_alloc(r, r->home, (n + 1) * sizeof(uint32_t), "import offsets", &copy,
+                                   err);
+        if (status == EM_OK)
+            memcpy(copy, offsets, (n + 1) * sizeof(uint32_t));
+        r->batch.rows = (uint32_t)n;
+        r->batch.offsets = copy;
+    } else {
+        status = em__stage_offsets(r, &identity, err);
+    }
+    free(offsets);
+    return status;
+}
+
+static em_status send_import_rows(request_context *r, const float *values, uint64_t n,
+                                  em_error *err)
+{
+    em_device *home = r->home;
+    uint32_t width = r->table->row_floats;
+    const float *staged = NULL;
+    float *ordered = NULL;
+    em_status status = stage_identity_offsets(r, n, err);
+    if (status == EM_OK)
+        status = em__stage_input(r, values, n * width * sizeof(float), "import values",
+                                 (const void **)&staged, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, n * width * sizeof(float), "ordered import values",
+                                   (void **)&ordered, err);
+    if (status == EM_OK)
+        status = home->ops->sum_gradients(r->home_lane, &r->batch, EM_COMBINER_NONE, width,
+                                          staged, ordered, err);
+    if (status == EM_OK)
+        status = em__scatter_to_segments(r, ordered, width * sizeof(float), "segment import values",
+                                         em__segment_payload, err);
+    return status;
+}
+
+static em_status import_locked(em_table *table, const uint64_t *keys, const float *values,
+                               uint64_t n, em_error *err)
+{
+    request_context r;
+    em_status status = em__request_begin(table, &r, err);
+    if (status == EM_OK)
+        status = em__plan_and_find(&r, keys, n, false, err);
+    if (status == EM_OK)
+        status = check_distinct(&r, keys, n, err);
+    if (status == EM_OK)
+        status = send_import_rows(&r, values, n, err);
+    if (status == EM_OK)
+        status = em__create_missing(&r, err);
+    if (status == EM_OK)
+        status = em__run_on_shards(&r, WORK_WRITE, table->row_floats, err);
+    if (status == EM_OK)
+        status = em__synchronize_devices(&r, err);
+    em__request_end(&r);
+    return status;
+}
+
+em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
+                          em_error *err)
+{
+    em_status status = check_import(table, keys, values, n, err);
+    if (status == EM_OK) {
+        pthread_rwlock_wrlock(&table->lock);
+        status = import_locked(table, keys, values, n, err);
+        pthread_rwlock_unlock(&table->lock);
+    }
+    if (status != EM_OK)
+        return em_error_prefix(err, "import into table '%s': ", table->config.name);
+    atomic_fetch_add_explicit(&table->imports, 1, memory_order_relaxed);
+    return EM_OK;
+}
+
+em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max, uint64_t *keys,
+                          float *values, uint64_t *count, em_error *err)
+{
+    *count = 0;
+    em_status status = EM_OK;
+    pthread_rwlock_rdlock(&table->lock);
+    while (status == EM_OK && *count == 0 && cursor->shard < table->shard_count && max > 0) {
+        em_shard *shard = table->shards[cursor->shard];
+        const em_device_ops *ops = shard->device->ops;
+        em_lane *lane = NULL;
+        status = ops->lane_acquire(shard->device, &lane, err);
+        if (status != EM_OK)
+            break;
+        pthread_rwlock_rdlock(&table->shard_locks[cursor->shard]);
+        status = ops->shard_export(shard, lane, &cursor->position, keys, values, max, count, err);
+        pthread_rwlock_unlock(&table->shard_locks[cursor->shard]);
+        ops->lane_release(lane);
+        if (status == EM_OK && *count == 0) {
+            cursor->shard++;
+            cursor->position = 0;
+        }
+    }
+    pthread_rwlock_unlock(&table->lock);
+    if (status != EM_OK)
+        return em_error_prefix(err, "export of table '%s' shard %u: ", table->config.name,
+                               cursor->shard);
+    return EM_OK;
+}
+
