@@ -1,0 +1,278 @@
+/*
+ * DESIGN: the CUDA device's home-side operations: dedupe, partition, gradient sums,
+ * pooling and repeat copies on the buffers of a request at its home GPU, each a short
+ * chain of kernel launches on the request's lane (kernels/ember_kernels.h).
+ */
+#include "lib/device/cuda_internal.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- home-side operations --------------------------------------------------------- */
+
+/* Slots of the unique-keys table for n keys: a power of two >= 2n, at most 2^32 (slot
+ * indices are 32-bit; n < 2^32 keeps one free). */
+static uint64_t unique_table_slots(uint64_t n)
+{
+    uint64_t slots = MIN_SLOTS;
+    while (slots < 2 * n && slots < ((uint64_t)1 << 32))
+        slots <<= 1;
+    return slots;
+}
+
+/* Bits that hold every value below count: the radix sort's end_bit. */
+static uint32_t bits_for(uint64_t count)
+{
+    uint32_t bits = 0;
+    while (count > 1 && bits < 64 && ((count - 1) >> bits) != 0)
+        bits++;
+    return bits;
+}
+
+em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void **temp,
+                                size_t *temp_bytes, em_error *err)
+{
+    em_status status = lane_check(lane, em_gpu_scan_temp_bytes(lane->stream, n, temp_bytes), err);
+    if (status == EM_OK)
+        status = scratch_take(s, *temp_bytes, "scan scratch", temp, err);
+    return status;
+}
+
+static em_status take_sort_temp(scratch *s, cuda_lane *lane, uint64_t n, uint32_t end_bit,
+                                void **temp, size_t *temp_bytes, em_error *err)
+{
+    em_status status =
+        lane_check(lane, em_gpu_sort_temp_bytes(lane->stream, n, end_bit, temp_bytes), err);
+    if (status == EM_OK)
+        status = scratch_take(s, *temp_bytes, "sort scratch", temp, err);
+    return status;
+}
+
+em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
+                                  uint64_t *unique, uint32_t *inverse, uint32_t *first_positions,
+                                  uint64_t *unique_count, em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    *unique_count = 0;
+    if (n == 0)
+        return EM_OK;
+    scratch s = {.device = base->device};
+    uint64_t slots = unique_table_slots(n);
+    uint32_t *table = NULL, *slot_of = NULL, *first = NULL, *rank = NULL;
+    void *temp = NULL;
+    size_t temp_bytes = 0;
+    em_status status = scratch_take(&s, slots * sizeof(uint32_t), "unique table",
+                                    (void **)&table, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, n * sizeof(uint32_t), "unique slots", (void **)&slot_of, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, (n + 1) * sizeof(uint32_t), "unique flags", (void **)&first, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, (n + 1) * sizeof(uint32_t), "unique ranks", (void **)&rank, err);
+    if (status == EM_OK)
+        status = em__cuda_take_scan_temp(&s, lane, n + 1, &temp, &temp_bytes, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, table, 0,
+                                                      slots * sizeof(uint32_t)), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_unique_claim(lane->stream, keys, n, table, slots, slot_of),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_unique_flags(lane->stream, table, slot_of, n, first), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_exclusive_scan_u32(lane->stream, temp, temp_bytes, first,
+                                                            rank, n + 1), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_unique_scatter(lane->stream, keys, n, table, slot_of,
+                                                        first, rank, unique, inverse,
+                                                        first_positions), err);
+    uint32_t count = 0;
+    if (status == EM_OK)
+        status = em__cuda_copy_to_host(base, &count, rank + n, sizeof(count), err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, lane, status, err);
+    scratch_free_now(&s);
+    *unique_count = count;
+    return EM_OK;
+}
+
+/* Reads the per-shard starts back and turns them into counts. */
+static em_status shard_counts_from_starts(cuda_lane *lane, const uint32_t *starts,
+                                          uint32_t shard_count, uint64_t *shard_counts,
+                                          em_error *err)
+{
+    uint32_t *host = malloc(((size_t)shard_count + 1) * sizeof(*host));
+    if (host == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "partition: out of host memory");
+    em_status status = em__cuda_copy_to_host(&lane->base, host, starts,
+                                             ((size_t)shard_count + 1) * sizeof(*host), err);
+    for (uint32_t shard = 0; status == EM_OK && shard < shard_count; shard++)
+        shard_counts[shard] = host[shard + 1] - host[shard];
+    free(host);
+    return status;
+}
+
+/* One shard: the partitioned order is the unique order. */
+static em_status partition_single(cuda_lane *lane, const uint64_t *unique, uint64_t n,
+                                  const uint32_t *first_positions, uint64_t *partitioned,
+                                  uint32_t *position, uint32_t *targets, uint64_t *shard_counts,
+                                  em_error *err)
+{
+    em_status status = lane_check(
+        lane, em_gpu_memcpy_async(lane->stream, partitioned, unique, n * sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_iota_u32(lane->stream, position, n), err);
+    if (status == EM_OK && targets != NULL)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, targets, first_positions,
+                                                      n * sizeof(uint32_t)), err);
+    shard_counts[0] = n;
+    return status;
+}
+
+em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_t n,
+                                     uint32_t shard_count, const uint32_t *first_positions,
+                                     uint64_t *partitioned, uint32_t *position, uint32_t *targets,
+                                     uint64_t *shard_counts, em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    memset(shard_counts, 0, shard_count * sizeof(*shard_counts));
+    if (n == 0)
+        return EM_OK;
+    if (shard_count == 1)
+        return partition_single(lane, unique, n, first_positions, partitioned, position, targets,
+                                shard_counts, err);
+    scratch s = {.device = base->device};
+    uint32_t *owner = NULL, *index = NULL, *sorted_owner = NULL, *sorted_index = NULL;
+    uint32_t *starts = NULL;
+    void *temp = NULL;
+    size_t temp_bytes = 0;
+    uint32_t end_bit = bits_for(shard_count);
+    size_t bytes = n * sizeof(uint32_t);
+    em_status status = scratch_take(&s, bytes, "partition owners", (void **)&owner, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, bytes, "partition indices", (void **)&index, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, bytes, "sorted owners", (void **)&sorted_owner, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, bytes, "sorted indices", (void **)&sorted_index, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, ((size_t)shard_count + 1) * sizeof(uint32_t), "shard starts",
+                              (void **)&starts, err);
+    if (status == EM_OK)
+        status = take_sort_temp(&s, lane, n, end_bit, &temp, &temp_bytes, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_partition_owners(lane->stream, unique, n, shard_count,
+                                                          owner, index), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_sort_pairs_u32(lane->stream, temp, temp_bytes, owner,
+                                                        sorted_owner, index, sorted_index, n,
+                                                        end_bit), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_partition_scatter(lane->stream, unique, sorted_index,
+                                                           first_positions, n, partitioned,
+                                                           position, targets), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_segment_starts(lane->stream, sorted_owner, n,
+                                                        shard_count, starts), err);
+    if (status == EM_OK)
+        status = shard_counts_from_starts(lane, starts, shard_count, shard_counts, err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, lane, status, err);
+    scratch_free_now(&s);
+    return EM_OK;
+}
+
+static em_gpu_batch gpu_batch(const em_device_batch *batch, em_combiner combiner, uint32_t dim)
+{
+    return (em_gpu_batch){
+        .rows = batch->rows,
+        .nnz = batch->nnz,
+        .offsets = batch->offsets,
+        .inverse = batch->inverse,
+        .position = batch->position,
+        .unique_count = batch->unique_count,
+        .combiner = combiner,
+        .dim = dim,
+    };
+}
+
+/* The batch's key positions grouped by unique index, in increasing position within a
+ * group: sorted_positions[starts[u] .. starts[u + 1]) are unique u's. */
+static em_status group_positions(scratch *s, cuda_lane *lane, const em_device_batch *batch,
+                                 uint32_t **sorted_positions, uint32_t **starts, em_error *err)
+{
+    uint64_t nnz = batch->nnz;
+    uint32_t end_bit = bits_for(batch->unique_count);
+    uint32_t *positions = NULL, *sorted_inverse = NULL;
+    void *temp = NULL;
+    size_t temp_bytes = 0;
+    em_status status = scratch_take(s, nnz * sizeof(uint32_t), "key positions",
+                                    (void **)&positions, err);
+    if (status == EM_OK)
+        status = scratch_take(s, nnz * sizeof(uint32_t), "sorted inverse",
+                              (void **)&sorted_inverse, err);
+    if (status == EM_OK)
+        status = scratch_take(s, nnz * sizeof(uint32_t), "sorted positions",
+                              (void **)sorted_positions, err);
+    if (status == EM_OK)
+        status = scratch_take(s, (batch->unique_count + 1) * sizeof(uint32_t), "unique starts",
+                              (void **)starts, err);
+    if (status == EM_OK)
+        status = take_sort_temp(s, lane, nnz, end_bit, &temp, &temp_bytes, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_iota_u32(lane->stream, positions, nnz), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_sort_pairs_u32(lane->stream, temp, temp_bytes,
+                                                        batch->inverse, sorted_inverse, positions,
+                                                        *sorted_positions, nnz, end_bit), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_segment_starts(lane->stream, sorted_inverse, nnz,
+                                                        (uint32_t)batch->unique_count, *starts),
+                            err);
+    return status;
+}
+
+em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
+                                    em_combiner combiner, uint32_t dim, const float *gradients,
+                                    float *partitioned_gradients, em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    if (batch->nnz == 0 || batch->unique_count == 0)
+        return EM_OK;
+    scratch s = {.device = base->device};
+    uint32_t *sorted_positions = NULL, *starts = NULL, *key_row = NULL;
+    em_status status = group_positions(&s, lane, batch, &sorted_positions, &starts, err);
+    if (status == EM_OK && combiner != EM_COMBINER_NONE) {
+        status = scratch_take(&s, batch->nnz * sizeof(uint32_t), "key rows", (void **)&key_row,
+                              err);
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_key_rows(lane->stream, batch->offsets, batch->rows,
+                                                      batch->nnz, key_row), err);
+    }
+    em_gpu_batch view = gpu_batch(batch, combiner, dim);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_sum_gradients(lane->stream, &view, sorted_positions,
+                                                       starts, key_row, gradients,
+                                                       partitioned_gradients), err);
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
+em_status em__cuda_combine(em_lane *base, const em_device_batch *batch, em_combiner combiner,
+                              uint32_t dim, const float *vectors, float *out, em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    em_gpu_batch view = gpu_batch(batch, combiner, dim);
+    return lane_check(lane, em_gpu_combine(lane->stream, &view, vectors, out), err);
+}
+
+em_status em__cuda_copy_repeats(em_lane *base, const em_device_batch *batch,
+                                   const uint32_t *first_positions, uint32_t dim, float *out,
+                                   em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    return lane_check(lane, em_gpu_copy_repeats(lane->stream, batch->inverse, batch->nnz,
+                                                first_positions, dim, out), err);
+}
+

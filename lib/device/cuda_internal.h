@@ -1,0 +1,219 @@
+/*
+ * DESIGN: what the CUDA device's files share: its lanes, per-GPU state and shards, the
+ * small helpers every operation uses, and the functions one file offers the others
+ * (lib/device/cuda_device.c: memory, lanes, copies and the device; cuda_home_ops.c:
+ * operations on a request's buffers at its home GPU; cuda_shard.c: hash maps and row
+ * storage of shards). Not a public header: only these files include it.
+ */
+#ifndef EMBER_LIB_CUDA_INTERNAL_H
+#define EMBER_LIB_CUDA_INTERNAL_H
+
+#include "lib/device/cuda_device.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/keyhash.h"
+
+/* Row blocks aim at this many bytes (em_row_blocks_plan). */
+#define TARGET_BLOCK_BYTES ((size_t)4 << 20)
+/* Hash map slots a new shard starts with at most (it grows on demand). */
+#define MAX_INITIAL_SLOTS ((uint64_t)1 << 16)
+#define MIN_SLOTS ((uint64_t)16)
+/* Maps grow when keys in slots would pass this fraction of the slots (tenths). */
+#define MAX_LOAD_TENTHS 9u
+/* Export: slots examined per scan, and bytes of rows returned per call at most; both
+ * halve (down to one row and MIN_EXPORT_WINDOW slots) while the pool cannot hold the
+ * scratch, so a full pool can still be exported (checkpoints). */
+#define EXPORT_WINDOW_SLOTS ((uint64_t)1 << 20)
+#define MIN_EXPORT_WINDOW ((uint64_t)1 << 10)
+#define EXPORT_MAX_BYTES ((uint64_t)64 << 20)
+/* Pool buffers freed when their lane next synchronizes, at most (more forces a sync). */
+#define DEFERRED_MAX 64u
+/* Scratch buffers one operation takes at most. */
+#define SCRATCH_MAX 8u
+
+_Static_assert(EM_GPU_ROW_NONE == EM_ROW_NONE, "row marker shared with the kernels");
+
+typedef struct cuda_lane {
+    em_lane base;
+    uint32_t index;
+    bool held;
+    em_gpu_stream *stream;
+    uint8_t *staging; /* pinned */
+    size_t staging_bytes;
+    em_gpu_event *staging_done; /* recorded after the last copy out of staging */
+    bool staging_in_flight;
+    em_gpu_event *handoff;      /* same-device copies between lanes */
+    uint64_t *counter;          /* device word for counts (find) */
+    void *deferred[DEFERRED_MAX];
+    uint32_t deferred_count;
+} cuda_lane;
+
+typedef struct cuda_state {
+    int ordinal;
+    em_gpu_device_info info;
+    cuda_lane *lanes;
+    uint32_t lane_count;
+    pthread_mutex_t lock;
+    pthread_cond_t lane_freed;
+} cuda_state;
+
+typedef struct cuda_shard {
+    em_shard base;
+    char table[136];
+    uint32_t index;
+    uint32_t dim;
+    uint32_t row_floats; /* dim + optimizer state */
+    uint32_t stride;     /* floats between rows */
+    em_optimizer_config optimizer;
+    em_initializer_config initializer;
+    /* hash map */
+    em_gpu_slot *slots;
+    uint64_t slot_count;
+    em_gpu_map_header *header;
+    uint64_t size;         /* keys stored (= rows handed out) */
+    uint64_t side_rows[2]; /* rows of the keys EMPTY and TOMBSTONE, host copy */
+    /* row storage */
+    float **blocks;        /* host table of device block pointers */
+    float **device_blocks; /* the same table on the device */
+    uint64_t block_count, block_capacity;
+    uint32_t block_shift;
+    uint64_t block_mask;
+    size_t block_bytes;
+    /* ordering between lanes */
+    pthread_mutex_t order_lock;
+    em_gpu_event *write_event;
+    bool write_recorded;
+    uint32_t write_lane;
+    em_gpu_event **read_events; /* one per lane */
+    bool *read_recorded;
+} cuda_shard;
+
+static inline cuda_state *state_of(const em_device *device)
+{
+    return (cuda_state *)device->impl;
+}
+
+static inline cuda_lane *lane_of(em_lane *lane)
+{
+    return (cuda_lane *)lane;
+}
+
+static inline cuda_shard *shard_of(em_shard *shard)
+{
+    return (cuda_shard *)shard;
+}
+
+/* Pool buffers of one operation, freed together. */
+typedef struct scratch {
+    em_device *device;
+    void *pointers[SCRATCH_MAX];
+    uint32_t count;
+} scratch;
+
+static inline em_status lane_check(const cuda_lane *lane, em_gpu_status status, em_error *err)
+{
+    return em__cuda_check(status, lane->base.device->name, err);
+}
+
+static inline em_status scratch_take(scratch *s, size_t bytes, const char *what, void **out,
+                                     em_error *err)
+{
+    if (s->count == SCRATCH_MAX)
+        return em_error_set(err, EM_INTERNAL, "%s: scratch list full", what);
+    em_status status = em_device_alloc(s->device, bytes, what, out, err);
+    if (status == EM_OK)
+        s->pointers[s->count++] = *out;
+    return status;
+}
+
+/* Frees at once: only when the lane has synchronized since the buffers were used. */
+static inline void scratch_free_now(scratch *s)
+{
+    for (uint32_t i = s->count; i > 0; i--)
+        em_device_free(s->device, s->pointers[i - 1]);
+    s->count = 0;
+}
+
+/* ---- lanes, memory and copies (lib/device/cuda_device.c) ---- */
+
+em_status em__cuda_copy_to_device(em_lane *base, void *destination, const void *host_source,
+                                  size_t bytes, em_error *err);
+
+em_status em__cuda_copy_to_host(em_lane *base, void *host_destination, const void *source,
+                                size_t bytes, em_error *err);
+
+em_status em__cuda_lane_acquire(em_device *device, em_lane **out, em_error *err);
+
+void em__cuda_lane_release(em_lane *base);
+
+/* Ends an operation that may have enqueued work using its scratch. */
+em_status em__cuda_finish_async(scratch *s, cuda_lane *lane, em_status status, em_error *err);
+
+/* Waits for everything issued on the lane, then frees what was waiting for that. */
+em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err);
+
+/* ---- home-side operations (lib/device/cuda_home_ops.c) ---- */
+
+em_status em__cuda_combine(em_lane *base, const em_device_batch *batch, em_combiner combiner,
+                           uint32_t dim, const float *vectors, float *out, em_error *err);
+
+em_status em__cuda_copy_repeats(em_lane *base, const em_device_batch *batch,
+                                const uint32_t *first_positions, uint32_t dim, float *out,
+                                em_error *err);
+
+em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_t n,
+                                  uint32_t shard_count, const uint32_t *first_positions,
+                                  uint64_t *partitioned, uint32_t *position, uint32_t *targets,
+                                  uint64_t *shard_counts, em_error *err);
+
+em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
+                                 em_combiner combiner, uint32_t dim, const float *gradients,
+                                 float *partitioned_gradients, em_error *err);
+
+em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
+                               uint64_t *unique, uint32_t *inverse, uint32_t *first_positions,
+                               uint64_t *unique_count, em_error *err);
+
+em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void **temp,
+                                  size_t *temp_bytes, em_error *err);
+
+/* ---- shards (lib/device/cuda_shard.c) ---- */
+
+em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                               uint64_t n, const float *gradients, em_error *err);
+
+em_status em__cuda_shard_create(em_device *device, const em_shard_spec *spec, em_shard **out,
+                                em_error *err);
+
+void em__cuda_shard_destroy(em_shard *base);
+
+em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cursor,
+                                uint64_t *keys, float *values, uint64_t max, uint64_t *count,
+                                em_error *err);
+
+em_status em__cuda_shard_find(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                              uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
+
+em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                uint64_t n, const uint32_t *targets, float *vectors,
+                                em_error *err);
+
+em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
+                                        const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                        em_error *err);
+
+em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
+                                 em_error *err);
+
+void em__cuda_shard_stats(em_shard *base, em_shard_stats *out);
+
+em_status em__cuda_shard_write_rows(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                    uint64_t n, const float *values, em_error *err);
+
+#endif

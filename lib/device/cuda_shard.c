@@ -1,0 +1,601 @@
+/*
+ * DESIGN: the CUDA device's shards: a GPU hash map and block-allocated row storage per
+ * shard, grown within the pool; the ordering of lanes that read and write one shard
+ * (events), and find, insert, gather, apply, write and export over them.
+ */
+#include "lib/device/cuda_internal.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- shards: ordering between lanes ------------------------------------------------- */
+
+/* Before a write on lane: wait for the shard's last write and every read since. */
+static em_status order_write(cuda_shard *shard, cuda_lane *lane, em_error *err)
+{
+    em_status status = EM_OK;
+    pthread_mutex_lock(&shard->order_lock);
+    if (shard->write_recorded && shard->write_lane != lane->index)
+        status = lane_check(lane, em_gpu_stream_wait(lane->stream, shard->write_event), err);
+    uint32_t lanes = state_of(shard->base.device)->lane_count;
+    for (uint32_t l = 0; status == EM_OK && l < lanes; l++)
+        if (shard->read_recorded[l] && l != lane->index)
+            status = lane_check(lane, em_gpu_stream_wait(lane->stream, shard->read_events[l]), err);
+    pthread_mutex_unlock(&shard->order_lock);
+    return status;
+}
+
+static em_status record_write(cuda_shard *shard, cuda_lane *lane, em_error *err)
+{
+    pthread_mutex_lock(&shard->order_lock);
+    em_status status = lane_check(lane, em_gpu_event_record(shard->write_event, lane->stream), err);
+    if (status == EM_OK) {
+        shard->write_recorded = true;
+        shard->write_lane = lane->index;
+        uint32_t lanes = state_of(shard->base.device)->lane_count;
+        for (uint32_t l = 0; l < lanes; l++)
+            shard->read_recorded[l] = false;
+    }
+    pthread_mutex_unlock(&shard->order_lock);
+    return status;
+}
+
+/* Before a read on lane: wait for the shard's last write. */
+static em_status order_read(cuda_shard *shard, cuda_lane *lane, em_error *err)
+{
+    em_status status = EM_OK;
+    pthread_mutex_lock(&shard->order_lock);
+    if (shard->write_recorded && shard->write_lane != lane->index)
+        status = lane_check(lane, em_gpu_stream_wait(lane->stream, shard->write_event), err);
+    pthread_mutex_unlock(&shard->order_lock);
+    return status;
+}
+
+static em_status record_read(cuda_shard *shard, cuda_lane *lane, em_error *err)
+{
+    pthread_mutex_lock(&shard->order_lock);
+    em_status status =
+        lane_check(lane, em_gpu_event_record(shard->read_events[lane->index], lane->stream), err);
+    if (status == EM_OK)
+        shard->read_recorded[lane->index] = true;
+    pthread_mutex_unlock(&shard->order_lock);
+    return status;
+}
+
+/* ---- shards: views and sizes --------------------------------------------------------- */
+
+static em_gpu_map map_view(const cuda_shard *shard)
+{
+    return (em_gpu_map){
+        .slots = shard->slots, .slot_count = shard->slot_count, .header = shard->header};
+}
+
+static em_gpu_storage storage_view(const cuda_shard *shard)
+{
+    return (em_gpu_storage){
+        .blocks = shard->device_blocks,
+        .block_shift = shard->block_shift,
+        .block_mask = shard->block_mask,
+        .stride = shard->stride,
+        .dim = shard->dim,
+        .row_floats = shard->row_floats,
+        .row_limit = shard->block_count << shard->block_shift,
+    };
+}
+
+static uint64_t storage_rows(const cuda_shard *shard)
+{
+    return shard->block_count << shard->block_shift;
+}
+
+static uint64_t side_keys(const cuda_shard *shard)
+{
+    return (uint64_t)(shard->side_rows[0] != EM_ROW_NONE) +
+           (uint64_t)(shard->side_rows[1] != EM_ROW_NONE);
+}
+
+/* Keys a map of slot_count slots holds before it must grow. */
+static uint64_t max_slot_keys(uint64_t slot_count)
+{
+    return slot_count / 10 * MAX_LOAD_TENTHS + slot_count % 10 * MAX_LOAD_TENTHS / 10;
+}
+
+/* ---- shards: growth -------------------------------------------------------------------- */
+
+/* Rehashes into a map of slot_count slots (synchronizes: the old slots go back to the
+ * pool). */
+static em_status rehash_map(cuda_shard *shard, cuda_lane *lane, uint64_t slot_count, em_error *err)
+{
+    em_device *device = shard->base.device;
+    em_gpu_slot *slots = NULL;
+    em_status status = em_device_alloc(device, slot_count * sizeof(em_gpu_slot), "hash map slots",
+                                       (void **)&slots, err);
+    if (status != EM_OK)
+        return status;
+    em_gpu_map grown = {.slots = slots, .slot_count = slot_count, .header = shard->header};
+    status = lane_check(lane, em_gpu_map_clear(lane->stream, slots, slot_count), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_map_rehash(lane->stream, shard->slots, shard->slot_count,
+                                                     grown), err);
+    em_status synced = em__cuda_lane_sync(lane, status == EM_OK ? err : NULL);
+    if (status == EM_OK)
+        status = synced;
+    if (status != EM_OK) {
+        em_device_free(device, slots);
+        return status;
+    }
+    em_device_free(device, shard->slots);
+    shard->slots = slots;
+    shard->slot_count = slot_count;
+    return EM_OK;
+}
+
+/* Grows the map (doubling) so that new_keys more keys stay within the maximum load. */
+static em_status reserve_map(cuda_shard *shard, cuda_lane *lane, uint64_t new_keys, em_error *err)
+{
+    uint64_t needed = shard->size - side_keys(shard) + new_keys;
+    if (needed <= max_slot_keys(shard->slot_count))
+        return EM_OK;
+    uint64_t slot_count = shard->slot_count;
+    while (max_slot_keys(slot_count) < needed)
+        slot_count *= 2;
+    return rehash_map(shard, lane, slot_count, err);
+}
+
+/* Makes the block tables hold `blocks` entries (a new device table; the old one is freed
+ * by the caller after a synchronize, returned in *retired). */
+static em_status grow_block_tables(cuda_shard *shard, uint64_t blocks, float ***retired,
+                                   em_error *err)
+{
+    *retired = NULL;
+    if (blocks <= shard->block_capacity)
+        return EM_OK;
+    uint64_t capacity = shard->block_capacity < 16 ? 16 : 2 * shard->block_capacity;
+    if (capacity < blocks)
+        capacity = blocks;
+    float **device_table = NULL;
+    em_status status = em_device_alloc(shard->base.device, capacity * sizeof(float *),
+                                       "row block table", (void **)&device_table, err);
+    if (status != EM_OK)
+        return status;
+    float **host_table = realloc(shard->blocks, capacity * sizeof(float *));
+    if (host_table == NULL) {
+        em_device_free(shard->base.device, device_table);
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "row block table: out of host memory");
+    }
+    shard->blocks = host_table;
+    *retired = shard->device_blocks;
+    shard->device_blocks = device_table;
+    shard->block_capacity = capacity;
+    return EM_OK;
+}
+
+/* Adds row blocks until the storage holds `rows` rows. Blocks added before a failure
+ * stay (spare capacity) and are published like the others. */
+static em_status reserve_storage(cuda_shard *shard, cuda_lane *lane, uint64_t rows, em_error *err)
+{
+    if (storage_rows(shard) >= rows)
+        return EM_OK;
+    uint64_t rows_per = shard->block_mask + 1;
+    uint64_t blocks = (rows + rows_per - 1) / rows_per;
+    float **retired = NULL;
+    em_status status = grow_block_tables(shard, blocks, &retired, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t before = shard->block_count;
+    while (status == EM_OK && shard->block_count < blocks) {
+        void *block = NULL;
+        status = em_device_alloc(shard->base.device, shard->block_bytes, "row storage", &block,
+                                 err);
+        if (status == EM_OK)
+            shard->blocks[shard->block_count++] = block;
+    }
+    em_error upload_error;
+    em_status published = EM_OK;
+    if (shard->block_count != before || retired != NULL)
+        published = em__cuda_copy_to_device(&lane->base, shard->device_blocks, shard->blocks,
+                                            shard->block_count * sizeof(float *), &upload_error);
+    if (published == EM_OK)
+        published = em__cuda_lane_sync(lane, &upload_error);
+    em_device_free(shard->base.device, retired);
+    if (status == EM_OK && published != EM_OK)
+        return em_error_copy(err, &upload_error);
+    return status;
+}
+
+/* ---- shards: operations ------------------------------------------------------------- */
+
+static void destroy_shard_events(cuda_shard *shard, uint32_t lanes)
+{
+    em_gpu_event_destroy(shard->write_event);
+    for (uint32_t l = 0; shard->read_events != NULL && l < lanes; l++)
+        em_gpu_event_destroy(shard->read_events[l]);
+    free(shard->read_events);
+    free(shard->read_recorded);
+}
+
+void em__cuda_shard_destroy(em_shard *base)
+{
+    if (base == NULL)
+        return;
+    cuda_shard *shard = shard_of(base);
+    em_device *device = base->device;
+    for (uint64_t b = 0; b < shard->block_count; b++)
+        em_device_free(device, shard->blocks[b]);
+    free(shard->blocks);
+    em_device_free(device, shard->device_blocks);
+    em_device_free(device, shard->slots);
+    em_device_free(device, shard->header);
+    destroy_shard_events(shard, state_of(device)->lane_count);
+    pthread_mutex_destroy(&shard->order_lock);
+    free(shard);
+}
+
+static em_status create_shard_events(cuda_shard *shard, em_error *err)
+{
+    cuda_state *state = state_of(shard->base.device);
+    shard->read_events = calloc(state->lane_count, sizeof(*shard->read_events));
+    shard->read_recorded = calloc(state->lane_count, sizeof(*shard->read_recorded));
+    if (shard->read_events == NULL || shard->read_recorded == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "shard events: out of host memory");
+    em_status status = em__cuda_check(em_gpu_event_create(state->ordinal, 0, &shard->write_event),
+                                      shard->base.device->name, err);
+    for (uint32_t l = 0; status == EM_OK && l < state->lane_count; l++)
+        status = em__cuda_check(em_gpu_event_create(state->ordinal, 0, &shard->read_events[l]),
+                                shard->base.device->name, err);
+    return status;
+}
+
+/* An empty map: cleared slots and a header with no rows, set up on a lane of its own. */
+static em_status create_map(cuda_shard *shard, uint64_t expected_rows, em_error *err)
+{
+    em_device *device = shard->base.device;
+    uint64_t slots = expected_rows + 16;
+    if (slots > MAX_INITIAL_SLOTS)
+        slots = MAX_INITIAL_SLOTS;
+    em_status status = em_device_alloc(device, slots * sizeof(em_gpu_slot), "hash map slots",
+                                       (void **)&shard->slots, err);
+    if (status == EM_OK)
+        status = em_device_alloc(device, sizeof(em_gpu_map_header), "hash map header",
+                                 (void **)&shard->header, err);
+    if (status != EM_OK)
+        return status;
+    shard->slot_count = slots;
+    shard->side_rows[0] = shard->side_rows[1] = EM_ROW_NONE;
+    em_gpu_map_header header = {.rows = 0, .side_rows = {EM_ROW_NONE, EM_ROW_NONE}, .overflow = 0};
+    em_lane *lane = NULL;
+    status = em__cuda_lane_acquire(device, &lane, err);
+    if (status != EM_OK)
+        return status;
+    status = lane_check(lane_of(lane), em_gpu_map_clear(lane_of(lane)->stream, shard->slots, slots),
+                        err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(lane, shard->header, &header, sizeof(header), err);
+    if (status == EM_OK)
+        status = em__cuda_lane_sync(lane_of(lane), err);
+    em__cuda_lane_release(lane);
+    return status;
+}
+
+static void set_row_geometry(cuda_shard *shard, const em_shard_spec *spec)
+{
+    shard->dim = spec->dim;
+    em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES);
+    shard->row_floats = plan.row_floats;
+    shard->stride = plan.stride;
+    shard->block_shift = plan.block_shift;
+    shard->block_mask = plan.block_mask;
+    shard->block_bytes = plan.block_bytes;
+}
+
+em_status em__cuda_shard_create(em_device *device, const em_shard_spec *spec, em_shard **out,
+                                   em_error *err)
+{
+    cuda_shard *shard = calloc(1, sizeof(*shard));
+    if (shard == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "shard %u: out of host memory",
+                            spec->index);
+    shard->base.device = device;
+    snprintf(shard->table, sizeof(shard->table), "%s", spec->table);
+    shard->index = spec->index;
+    shard->optimizer = spec->optimizer;
+    shard->initializer = spec->initializer;
+    set_row_geometry(shard, spec);
+    pthread_mutex_init(&shard->order_lock, NULL);
+    em_status status = create_shard_events(shard, err);
+    if (status == EM_OK)
+        status = create_map(shard, spec->expected_rows, err);
+    if (status != EM_OK) {
+        em__cuda_shard_destroy(&shard->base);
+        return em_error_prefix(err, "table '%s' shard %u: ", spec->table, spec->index);
+    }
+    *out = &shard->base;
+    return EM_OK;
+}
+
+em_status em__cuda_shard_find(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                                 uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    *missing = 0;
+    if (n == 0)
+        return EM_OK;
+    em_status status = lane_check(
+        lane, em_gpu_memset_async(lane->stream, lane->counter, 0, sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_map_find(lane->stream, map_view(shard), keys, n, rows,
+                                                  lane->counter), err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_host(lane_base, missing, lane->counter, sizeof(uint64_t), err);
+    return status;
+}
+
+em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
+                                    em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    em_status status = reserve_map(shard, lane_of(lane), new_keys, err);
+    if (status == EM_OK)
+        status = reserve_storage(shard, lane_of(lane), shard->size + new_keys, err);
+    return status;
+}
+
+/* Reads the map's header back into the host copies; INTERNAL if an insert overflowed
+ * the slots or the storage (reserve was not called first). */
+static em_status read_back_header(cuda_shard *shard, cuda_lane *lane, em_error *err)
+{
+    em_gpu_map_header header;
+    em_status status =
+        em__cuda_copy_to_host(&lane->base, &header, shard->header, sizeof(header), err);
+    if (status != EM_OK)
+        return status;
+    shard->size = header.rows;
+    shard->side_rows[0] = header.side_rows[0];
+    shard->side_rows[1] = header.side_rows[1];
+    if (header.overflow != 0 || header.rows > storage_rows(shard))
+        return em_error_set(err, EM_INTERNAL,
+                            "insert without reserve: %" PRIu64 " rows for %" PRIu64
+                            " rows of storage, %" PRIu64 " slots%s",
+                            header.rows, storage_rows(shard), shard->slot_count,
+                            header.overflow != 0 ? ", no free slot" : "");
+    return EM_OK;
+}
+
+em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
+                                           const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                           em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    if (n == 0)
+        return EM_OK;
+    scratch s = {.device = base->device};
+    uint8_t *inserted = NULL;
+    em_status status = scratch_take(&s, n, "insert flags", (void **)&inserted, err);
+    if (status == EM_OK)
+        status = order_write(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_map_insert(lane->stream, map_view(shard), keys, n, rows,
+                                                    inserted), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_init(lane->stream, storage_view(shard), keys, rows,
+                                                   inserted, n, shard->initializer,
+                                                   shard->optimizer), err);
+    if (status == EM_OK)
+        status = record_write(shard, lane, err);
+    if (status == EM_OK)
+        status = read_back_header(shard, lane, err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, lane, status, err);
+    scratch_free_now(&s);
+    return EM_OK;
+}
+
+em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                   uint64_t n, const uint32_t *targets, float *vectors,
+                                   em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    em_status status = order_read(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_gather(lane->stream, storage_view(shard), rows, n,
+                                                     targets, vectors), err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    return status;
+}
+
+em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                  uint64_t n, const float *gradients, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    em_status status = order_write(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_apply(lane->stream, storage_view(shard),
+                                                    shard->optimizer, rows, n, gradients), err);
+    if (status == EM_OK)
+        status = record_write(shard, lane, err);
+    return status;
+}
+
+em_status em__cuda_shard_write_rows(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                       uint64_t n, const float *values, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    em_status status = order_write(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_write(lane->stream, storage_view(shard), rows, n,
+                                                    values), err);
+    if (status == EM_OK)
+        status = record_write(shard, lane, err);
+    return status;
+}
+
+/* ---- shards: export ---------------------------------------------------------------- */
+
+/*
+ * Export positions: 0 and 1 are the side rows (keys EMPTY and TOMBSTONE), 2 + s is slot
+ * s. A call collects up to `limit` entries from *cursor on into device arrays of keys
+ * and rows (side entries from the host copies, slots a window at a time: flags of
+ * occupied slots, a scan for their ranks, a compaction of the first ones), then reads
+ * the rows and copies keys and values to the host.
+ */
+typedef struct export_buffers {
+    uint64_t *keys, *rows, *next_slot;
+    float *values;
+    uint32_t *flags, *rank;
+    void *temp;
+    size_t temp_bytes;
+    uint64_t window;
+} export_buffers;
+
+static em_status take_export_buffers(scratch *s, cuda_shard *shard, cuda_lane *lane,
+                                     uint64_t limit, export_buffers *b, em_error *err)
+{
+    em_status status = scratch_take(s, limit * sizeof(uint64_t), "export keys",
+                                    (void **)&b->keys, err);
+    if (status == EM_OK)
+        status = scratch_take(s, limit * sizeof(uint64_t), "export rows", (void **)&b->rows, err);
+    if (status == EM_OK)
+        status = scratch_take(s, sizeof(uint64_t), "export cursor", (void **)&b->next_slot, err);
+    if (status == EM_OK)
+        status = scratch_take(s, limit * shard->row_floats * sizeof(float), "export values",
+                              (void **)&b->values, err);
+    if (status == EM_OK)
+        status = scratch_take(s, (b->window + 1) * sizeof(uint32_t), "export flags",
+                              (void **)&b->flags, err);
+    if (status == EM_OK)
+        status = scratch_take(s, (b->window + 1) * sizeof(uint32_t), "export ranks",
+                              (void **)&b->rank, err);
+    if (status == EM_OK)
+        status = em__cuda_take_scan_temp(s, lane, b->window + 1, &b->temp, &b->temp_bytes, err);
+    return status;
+}
+
+/* Side entries at positions *cursor < 2, into the first device entries. */
+static em_status export_side_rows(cuda_shard *shard, cuda_lane *lane, uint64_t *cursor,
+                                  uint64_t limit, const export_buffers *b, uint64_t *taken,
+                                  em_error *err)
+{
+    static const uint64_t side_keys_by_position[2] = {EM_GPU_EMPTY_KEY, EM_GPU_TOMBSTONE_KEY};
+    uint64_t keys[2], rows[2], count = 0;
+    for (; *cursor < 2 && count < limit; (*cursor)++) {
+        if (shard->side_rows[*cursor] == EM_ROW_NONE)
+            continue;
+        keys[count] = side_keys_by_position[*cursor];
+        rows[count++] = shard->side_rows[*cursor];
+    }
+    *taken = count;
+    if (count == 0)
+        return EM_OK;
+    em_status status = em__cuda_copy_to_device(&lane->base, b->keys, keys, count * sizeof(uint64_t),
+                                               err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(&lane->base, b->rows, rows, count * sizeof(uint64_t), err);
+    return status;
+}
+
+/* One window of slots from *cursor: appends up to limit - *taken entries. */
+static em_status export_window(cuda_shard *shard, cuda_lane *lane, uint64_t *cursor,
+                               uint64_t limit, const export_buffers *b, uint64_t *taken,
+                               em_error *err)
+{
+    em_gpu_map map = map_view(shard);
+    uint64_t begin = *cursor - 2;
+    uint64_t count = shard->slot_count - begin < b->window ? shard->slot_count - begin : b->window;
+    uint32_t occupied = 0;
+    em_status status =
+        lane_check(lane, em_gpu_map_export_flags(lane->stream, map, begin, count, b->flags), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_exclusive_scan_u32(lane->stream, b->temp, b->temp_bytes,
+                                                            b->flags, b->rank, count + 1), err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_host(&lane->base, &occupied, b->rank + count, sizeof(occupied),
+                                       err);
+    if (status != EM_OK)
+        return status;
+    uint64_t take = occupied < limit - *taken ? occupied : limit - *taken;
+    status = lane_check(lane, em_gpu_map_export_compact(lane->stream, map, begin, count, b->flags,
+                                                        b->rank, take, *taken, b->keys, b->rows,
+                                                        b->next_slot), err);
+    uint64_t next_slot = begin + count;
+    if (status == EM_OK && take < occupied)
+        status = em__cuda_copy_to_host(&lane->base, &next_slot, b->next_slot, sizeof(next_slot),
+                                       err);
+    *cursor = 2 + next_slot;
+    *taken += take;
+    return status;
+}
+
+/* Reads the collected rows and copies keys and values to the host. */
+static em_status export_rows(cuda_shard *shard, cuda_lane *lane, uint64_t taken,
+                             const export_buffers *b, uint64_t *keys, float *values,
+                             em_error *err)
+{
+    em_status status = order_read(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_read(lane->stream, storage_view(shard), b->rows,
+                                                   taken, b->values), err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_host(&lane->base, keys, b->keys, taken * sizeof(uint64_t), err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_host(&lane->base, values, b->values,
+                                       taken * shard->row_floats * sizeof(float), err);
+    return status;
+}
+
+em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cursor,
+                                   uint64_t *keys, float *values, uint64_t max, uint64_t *count,
+                                   em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    *count = 0;
+    uint64_t end = 2 + shard->slot_count;
+    uint64_t entry_bytes = shard->row_floats * sizeof(float) + 2 * sizeof(uint64_t);
+    uint64_t limit = EXPORT_MAX_BYTES / entry_bytes;
+    limit = limit < 1 ? 1 : limit;
+    limit = max < limit ? max : limit;
+    if (limit == 0 || *cursor >= end)
+        return EM_OK;
+    scratch s = {.device = base->device};
+    export_buffers b = {.window = shard->slot_count < EXPORT_WINDOW_SLOTS ? shard->slot_count
+                                                                           : EXPORT_WINDOW_SLOTS};
+    uint64_t taken = 0;
+    em_status status = take_export_buffers(&s, shard, lane, limit, &b, err);
+    while (status == EM_RESOURCE_EXHAUSTED && (limit > 1 || b.window > MIN_EXPORT_WINDOW)) {
+        scratch_free_now(&s); /* nothing was enqueued yet */
+        limit = (limit + 1) / 2;
+        b.window = b.window / 2 > MIN_EXPORT_WINDOW ? b.window / 2 : MIN_EXPORT_WINDOW;
+        status = take_export_buffers(&s, shard, lane, limit, &b, err);
+    }
+    if (status == EM_OK)
+        status = export_side_rows(shard, lane, cursor, limit, &b, &taken, err);
+    while (status == EM_OK && taken < limit && *cursor < end)
+        status = export_window(shard, lane, cursor, limit, &b, &taken, err);
+    if (status == EM_OK && taken > 0)
+        status = export_rows(shard, lane, taken, &b, keys, values, err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, lane, status, err);
+    scratch_free_now(&s);
+    *count = taken;
+    return EM_OK;
+}
+
+void em__cuda_shard_stats(em_shard *base, em_shard_stats *out)
+{
+    cuda_shard *shard = shard_of(base);
+    out->rows = shard->size;
+    out->row_bytes = shard->block_count * shard->block_bytes;
+    out->index_bytes = shard->slot_count * sizeof(em_gpu_slot);
+    out->row_limit = storage_rows(shard);
+}
+
