@@ -115,7 +115,7 @@ em_status em_client_ping(em_client *client, char *version, size_t version_capaci
                          uint64_t *uptime_ms, em_error *err);
 em_status em_client_health_check(em_client *client, em_client_health *out, em_error *err);
 
-/* config_json: a table config object (lib/table_config.h). *info (nullable) gets the
+/* config_json: a table config object (lib/table/table_config.h). *info (nullable) gets the
  * created table as a JSON object (caller frees with cJSON_Delete). */
 em_status em_client_create_table(em_client *client, const char *config_json, cJSON **info,
                                  em_error *err);

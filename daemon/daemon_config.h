@@ -1,7 +1,7 @@
 /*
  * DESIGN: emberd's configuration file.
  *
- * One JSON object, declared below as schema tables (lib/config.h), so every key has
+ * One JSON object, declared below as schema tables (lib/base/config.h), so every key has
  * one line saying its type, bounds, default, whether SIGHUP may change it, and its
  * help text; unknown keys and bad values are errors naming the key path and the value.
  *
@@ -12,7 +12,7 @@
  *                 "connection_inflight_bytes": 268435456, "idle_timeout_ms": 300000, ...},
  *     "backend": {"type": "cpu", "devices": 1, "threads": 0, "memory_limit_bytes": 0},
  *                 (cuda: "gpus": [0, 1], "memory_fraction": 0.8, "lanes": 2),
- *     "tables":  [ {table config, lib/table_config.h}, ... ],
+ *     "tables":  [ {table config, lib/table/table_config.h}, ... ],
  *     "admin_token": {"value": "..."} | {"file": "/etc/ember/admin.token"} | {"env": "NAME"},
  *     "data_token":  same forms (optional),
  *     "log_level": "info",

@@ -11,7 +11,7 @@
  *                      every call that takes one works from any host thread.
  *   launchers          one kernel (or one CUB primitive) each, enqueued on a stream
  *                      and returning at once. lib/device/cuda_device.c strings them together
- *                      into the device operations of lib/device.h; all scratch memory
+ *                      into the device operations of lib/device/device.h; all scratch memory
  *                      is passed in (it comes from the device's pool), so nothing
  *                      here allocates on the request path.
  *
@@ -147,7 +147,7 @@ em_gpu_status em_gpu_sort_pairs_u32(em_gpu_stream *stream, void *temp, size_t te
 em_gpu_status em_gpu_segment_starts(em_gpu_stream *stream, const uint32_t *sorted_keys,
                                     uint64_t n, uint32_t segments, uint32_t *starts);
 
-/* ---- home-side request operations (lib/device.h) ------------------------------------ */
+/* ---- home-side request operations (lib/device/device.h) ------------------------------------ */
 
 /* unique_keys, in four steps over a scratch table of slot_count (a power of two)
  * uint32 entries, zeroed, that ends up holding, per distinct key, 1 + its first
@@ -214,7 +214,7 @@ em_gpu_status em_gpu_copy_repeats(em_gpu_stream *stream, const uint32_t *inverse
 /* Key values that mark slots; keys equal to them live in the header's side rows. */
 #define EM_GPU_EMPTY_KEY UINT64_MAX
 #define EM_GPU_TOMBSTONE_KEY (UINT64_MAX - 1)
-/* Row of an absent key (lib/device.h EM_ROW_NONE); a side row being claimed. */
+/* Row of an absent key (lib/device/device.h EM_ROW_NONE); a side row being claimed. */
 #define EM_GPU_ROW_NONE UINT64_MAX
 #define EM_GPU_ROW_PENDING (UINT64_MAX - 1)
 

@@ -1,7 +1,7 @@
 /*
  * DESIGN: the CUDA backend's device (one GPU), over kernels/ember_kernels.h.
  *
- * Memory. The device pool (lib/pool.h) carves one region that is cudaMalloc'ed when
+ * Memory. The device pool (lib/memory/pool.h) carves one region that is cudaMalloc'ed when
  * the device is created; it never grows, so nothing on the request path calls
  * cudaMalloc or cudaFree. Every buffer below, per-request scratch and CUB's temporary
  * storage included, comes from that pool.

@@ -6,7 +6,7 @@
  * memory directly: they orchestrate a request as a sequence of the operations below,
  * each given buffers in the device's own memory (pool allocations), so the same table
  * code drives the CPU backend and the CUDA backend, and the same routing drives one
- * device or many through an exchange (lib/exchange.h).
+ * device or many through an exchange (lib/device/exchange.h).
  *
  * A request runs on a "home" device:
  *   unique_keys       dedupe the batch's keys (order of first appearance), with the

@@ -1,5 +1,5 @@
 /*
- * DESIGN: the NCCL exchange (lib/exchange.h) between the GPUs of one daemon.
+ * DESIGN: the NCCL exchange (lib/device/exchange.h) between the GPUs of one daemon.
  *
  * One communicator per device, all created together (ncclCommInitAll), rank i on the
  * backend's device i. An exchange round runs as ONE NCCL group: for each transfer

@@ -1,5 +1,5 @@
 /* The frame codec (proto/frame.c) and the agreement between the wire Status enum of
- * proto/ember.proto and the status table of lib/status.h. */
+ * proto/ember.proto and the status table of lib/base/status.h. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -7,7 +7,7 @@
 #include "proto/frame.h"
 #include "tests/support/test_support.h"
 
-/* Every code of lib/status.h has the same name and number in the wire enum, and the
+/* Every code of lib/base/status.h has the same name and number in the wire enum, and the
  * wire enum has no other values. */
 START_TEST(wire_status_enum_matches_the_status_table)
 {

@@ -1,5 +1,5 @@
 /* The initializers are a documented pure function of (seed, key, element). This suite
- * recomputes them from the formula in lib/initializer.h with its own code, so a change
+ * recomputes them from the formula in common/initializer.h with its own code, so a change
  * to the function (which would break CPU/GPU and checkpoint agreement) fails here. */
 #include <math.h>
 #include <string.h>
