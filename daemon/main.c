@@ -250,7 +250,9 @@ static int serve(const daemon_options *options, const em_daemon_config *config)
         return EXIT_RUNTIME;
     }
     em_daemon_run(daemon);
+    /* drained: from here on a signal finds no loop to wake */
     signal(SIGTERM, SIG_DFL);
+    signal(SIGINT, SIG_DFL);
     signal(SIGHUP, SIG_IGN);
     em_daemon_destroy(daemon);
     return EXIT_OK;
