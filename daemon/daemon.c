@@ -57,6 +57,7 @@ struct em_daemon {
     uv_async_t wake;
     bool wake_open;
     _Atomic unsigned wanted;
+    const char *_Atomic stop_reason; /* what asked for the drain (a literal) */
     uv_timer_t watchdog;
     bool watchdog_running;
     uint64_t watchdog_completed;
@@ -233,7 +234,9 @@ static void begin_drain(em_daemon *d)
     if (d->server == NULL || atomic_load(&d->context.state) == EM_SERVER_DRAINING)
         return;
     atomic_store(&d->context.state, EM_SERVER_DRAINING);
-    em_log_notice(&d->log, "draining (deadline %u ms)", d->config.drain_timeout_ms);
+    const char *reason = atomic_load(&d->stop_reason);
+    em_log_notice(&d->log, "%s: draining (deadline %u ms)", reason != NULL ? reason : "stop",
+                  d->config.drain_timeout_ms);
     notify(d, "STOPPING=1\nSTATUS=draining");
     em_server_drain(d->server, d->config.drain_timeout_ms, on_drained, d);
 }
@@ -288,8 +291,9 @@ static void want(em_daemon *d, unsigned what)
     uv_async_send(&d->wake);
 }
 
-void em_daemon_stop(em_daemon *daemon)
+void em_daemon_stop(em_daemon *daemon, const char *reason)
 {
+    atomic_store(&daemon->stop_reason, reason);
     want(daemon, WANT_STOP);
 }
 
@@ -385,6 +389,7 @@ em_status em_daemon_create(const em_daemon_config *config, const em_daemon_optio
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "daemon: out of memory");
     d->options = *options;
     atomic_init(&d->wanted, 0u);
+    atomic_init(&d->stop_reason, NULL);
     atomic_init(&d->context.state, EM_SERVER_STARTING);
     em_status status = copy_config(&d->config, config, err);
     if (status != EM_OK) {
@@ -394,8 +399,11 @@ em_status em_daemon_create(const em_daemon_config *config, const em_daemon_optio
     em_log_init(&d->log, (em_log_level)d->config.log_level, options->log_fd);
     if (options->log_fd < 0)
         em_log_set_level(&d->log, (em_log_level)0); /* nothing passes */
+    em_log_notice(&d->log, "emberd %s starting with %s", EM_VERSION,
+                  options->config_path != NULL ? options->config_path : "a configuration");
     status = start(d, err);
     if (status != EM_OK) {
+        em_log_error(&d->log, "cannot start: %s", err->message);
         em_daemon_destroy(d);
         return status;
     }

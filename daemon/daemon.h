@@ -52,8 +52,9 @@ em_status em_daemon_create(const em_daemon_config *config, const em_daemon_optio
 bool em_daemon_run(em_daemon *daemon);
 
 /* Starts a drain: stop accepting, answer what was received (up to drain_timeout_ms),
- * then em_daemon_run returns. Any thread; async-signal-safe. */
-void em_daemon_stop(em_daemon *daemon);
+ * then em_daemon_run returns. reason ("SIGTERM") is logged with it and must outlive
+ * the daemon (a string literal). Any thread; async-signal-safe. */
+void em_daemon_stop(em_daemon *daemon, const char *reason);
 
 /* Reads options.config_path again and applies what may change at runtime (the
  * RELOADABLE keys of the schema); changes that need a restart are logged. Any thread;

@@ -153,7 +153,7 @@ static void on_signal(int signal_number)
         (void)ignored;
         _exit(EXIT_INTERRUPTED);
     }
-    em_daemon_stop(signalled_daemon);
+    em_daemon_stop(signalled_daemon, signal_number == SIGINT ? "SIGINT" : "SIGTERM");
 }
 
 static int watch_signals(em_daemon *daemon)
@@ -240,7 +240,8 @@ static int serve(const daemon_options *options, const em_daemon_config *config)
     if (status == EM_OK)
         status = write_listen_file(options->listen_file, daemon, &err);
     if (status != EM_OK) {
-        fprintf(stderr, "emberd: cannot start: %s\n", err.message);
+        if (daemon != NULL) /* the listen file; em_daemon_create logs its own errors */
+            fprintf(stderr, "emberd: %s\n", err.message);
         em_notify("STATUS=failed: %s", err.message);
         em_daemon_destroy(daemon);
         return EXIT_RUNTIME;

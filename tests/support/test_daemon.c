@@ -73,7 +73,7 @@ em_test_daemon *em_test_daemon_start(const em_test_daemon_options *options)
 
 void em_test_daemon_stop(em_test_daemon *test)
 {
-    em_daemon_stop(test->daemon);
+    em_daemon_stop(test->daemon, "test finished");
     pthread_join(test->thread, NULL);
     em_daemon_destroy(test->daemon);
     free(test);
