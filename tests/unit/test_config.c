@@ -189,6 +189,46 @@ START_TEST(read_file_errors)
 }
 END_TEST
 
+/* A live reload copies exactly the fields the schema marks RELOADABLE. */
+typedef struct reload_target {
+    uint32_t fixed;
+    double rate;
+    char name[16];
+} reload_target;
+
+static const em_config_field reload_fields[] = {
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "fixed", reload_target, fixed), .flags = EM_CONFIG_UNSIGNED},
+    {EM_CONFIG_FIELD(EM_CONFIG_DOUBLE, "rate", reload_target, rate),
+     .flags = EM_CONFIG_RELOADABLE},
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "name", reload_target, name),
+     .flags = EM_CONFIG_RELOADABLE},
+};
+
+static const em_config_schema reload_schema = {
+    .name = "reload",
+    .fields = reload_fields,
+    .field_count = sizeof(reload_fields) / sizeof(reload_fields[0]),
+};
+
+START_TEST(reload_copies_only_reloadable_fields)
+{
+    reload_target running, fresh;
+    em_error err;
+    ck_assert_int_eq(em_config_parse_text(&reload_schema,
+                                          "{\"fixed\": 1, \"rate\": 0.5, \"name\": \"old\"}",
+                                          "running", &running, &err),
+                     EM_OK);
+    ck_assert_int_eq(em_config_parse_text(&reload_schema,
+                                          "{\"fixed\": 2, \"rate\": 0.25, \"name\": \"new\"}",
+                                          "fresh", &fresh, &err),
+                     EM_OK);
+    em_config_copy_reloadable(&reload_schema, &running, &fresh);
+    ck_assert_uint_eq(running.fixed, 1);
+    ck_assert_double_eq(running.rate, 0.25);
+    ck_assert_str_eq(running.name, "new");
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("config");
@@ -200,6 +240,7 @@ int main(void)
     tcase_add_test(tc, to_json_round_trips);
     tcase_add_test(tc, validate_checks_configs_built_in_code);
     tcase_add_test(tc, read_file_errors);
+    tcase_add_test(tc, reload_copies_only_reloadable_fields);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
 }

@@ -85,6 +85,28 @@ START_TEST(null_log_is_silent)
 }
 END_TEST
 
+/* A reload changes the level while workers log: the next line obeys the new level. */
+START_TEST(the_level_changes_while_logging)
+{
+    unsetenv("JOURNAL_STREAM");
+    int fd = temporary_fd();
+    em_log log;
+    em_log_init(&log, EM_LOG_WARNING, fd);
+    em_log_info(&log, "hidden");
+    ck_assert(!em_log_enabled(&log, EM_LOG_INFO));
+    em_log_set_level(&log, EM_LOG_DEBUG);
+    ck_assert(em_log_enabled(&log, EM_LOG_DEBUG));
+    em_log_info(&log, "shown");
+    em_log_set_level(&log, EM_LOG_ERROR);
+    em_log_warning(&log, "hidden again");
+    char text[256];
+    read_all(fd, text, sizeof(text));
+    ck_assert_msg(strstr(text, "hidden") == NULL, "%s", text);
+    ck_assert_msg(strstr(text, " info shown\n") != NULL, "%s", text);
+    close(fd);
+}
+END_TEST
+
 START_TEST(overlong_lines_are_cut)
 {
     unsetenv("JOURNAL_STREAM");
@@ -114,6 +136,7 @@ int main(void)
     tcase_add_test(tc, journal_lines_have_priority_prefix);
     tcase_add_test(tc, level_names_parse);
     tcase_add_test(tc, null_log_is_silent);
+    tcase_add_test(tc, the_level_changes_while_logging);
     tcase_add_test(tc, overlong_lines_are_cut);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
