@@ -258,11 +258,12 @@ static void send_push(int fd, uint64_t correlation_id, uint64_t key)
     free(frame);
 }
 
-/* Sends a one-key PULL of table t with the given correlation id. */
-static void send_pull(int fd, uint64_t correlation_id, uint64_t key)
+/* Sends a one-key PULL of table t with the given correlation id (and deadline). */
+static void send_pull_by(int fd, uint64_t correlation_id, uint64_t key, uint64_t deadline_ms)
 {
     Ember__RpcMeta meta = EMBER__RPC_META__INIT;
     meta.correlation_id = correlation_id;
+    meta.deadline_ms = deadline_ms;
     meta.method = EMBER__METHOD__PULL;
     Ember__PullRequest body = EMBER__PULL_REQUEST__INIT;
     body.table = "t";
@@ -281,6 +282,11 @@ static void send_pull(int fd, uint64_t correlation_id, uint64_t key)
     write_all(fd, frame, length);
     write_all(fd, attachment, sizeof(attachment));
     free(frame);
+}
+
+static void send_pull(int fd, uint64_t correlation_id, uint64_t key)
+{
+    send_pull_by(fd, correlation_id, key, 0);
 }
 
 /* Reads one answer; returns its correlation id (status must be OK). */
@@ -354,6 +360,25 @@ START_TEST(close_after_closes_the_connection_that_receives_the_request)
 }
 END_TEST
 
+/* A deadline so far away that now + deadline overflows is no deadline at all, not one
+ * already passed. */
+START_TEST(a_deadline_near_two_to_the_64_never_expires)
+{
+    em_test_daemon *daemon = em_test_daemon_start(NULL);
+    em_client *admin = client_for(em_test_daemon_admin_address(daemon), EM_TEST_DAEMON_ADMIN_TOKEN);
+    em_error err;
+    ck_assert_int_eq(em_client_create_table(admin, "{\"name\":\"t\",\"dim\":4,\"capacity\":100}",
+                                            NULL, &err),
+                     EM_OK);
+    em_client_destroy(admin);
+    int fd = connect_to(em_test_daemon_address(daemon));
+    send_pull_by(fd, 7, 1, UINT64_MAX - 3);
+    ck_assert_uint_eq(read_answer(fd), 7); /* status OK, checked inside */
+    close(fd);
+    em_test_daemon_stop(daemon);
+}
+END_TEST
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -369,6 +394,7 @@ int main(void)
     tcase_set_timeout(faults, 60);
     tcase_add_test(faults, reverse_answers_sends_pipelined_answers_last_first);
     tcase_add_test(faults, close_after_closes_the_connection_that_receives_the_request);
+    tcase_add_test(faults, a_deadline_near_two_to_the_64_never_expires);
     suite_add_tcase(suite, faults);
     return em_test_run(suite);
 }
