@@ -4,7 +4,10 @@
 Every project header or source names its includes by path from the root
 ("lib/table/table.h"); this walks every C, CUDA and header file of the tree, maps each
 file to its layer, and fails when a file includes a layer its own may not reach, or
-when the graph between project files has a cycle. Run from anywhere:
+when the graph between project files has a cycle. Two system headers are held to
+their layers too: libuv only in daemon/, clients/ and tests/ (the engine has no event
+loop), CUDA and NCCL only in kernels/ (everything else reaches the GPU through
+kernels/ember_kernels.h). Run from anywhere:
 
     tests/include_rules.py [SOURCE_ROOT]
 """
@@ -29,6 +32,13 @@ ALLOWED = {
 ANYWHERE = {"ember_config.h", "proto/ember.pb-c.h"}
 SOURCE_SUFFIXES = (".c", ".h", ".cu", ".cuh")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+SYSTEM_INCLUDE = re.compile(r'^\s*#\s*include\s+<([^>]+)>', re.MULTILINE)
+# System headers that only some layers may include: (pattern, layers allowed, what).
+SYSTEM_RULES = [
+    (re.compile(r"^uv\.h$|^uv/"), {"daemon", "clients", "tests"}, "libuv"),
+    (re.compile(r"^(cuda|cub/|thrust/|nccl|curand|cublas)"), {"kernels", "tests"},
+     "a CUDA or NCCL header"),
+]
 
 
 def layer_of(path):
@@ -98,7 +108,12 @@ def main():
         if layer is None:
             continue
         with open(os.path.join(root, path), encoding="utf-8") as source:
-            targets = INCLUDE.findall(source.read())
+            text = source.read()
+        targets = INCLUDE.findall(text)
+        for header in SYSTEM_INCLUDE.findall(text):
+            for pattern, layers, what in SYSTEM_RULES:
+                if pattern.search(header) and layer not in layers:
+                    problems.append(f"{path}: {layer}/ may not include <{header}> ({what})")
         for target in targets:
             if target not in ANYWHERE and not os.path.exists(os.path.join(root, target)):
                 problems.append(f"{path}: includes \"{target}\", which is not a path from "
