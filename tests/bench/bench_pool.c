@@ -333,7 +333,7 @@ static bench_options parse_options(int argc, char **argv)
 {
     bench_options options = {
         .ops = 1000000, .probe_ops = 200000, .max_holes = 100000, .seed = em_test_seed()};
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(argv[i], "--ops") == 0)
             options.ops = parse_count("--ops", value);
@@ -345,7 +345,6 @@ static bench_options parse_options(int argc, char **argv)
             options.seed = parse_count("--seed", value);
         else
             die(argv[i], "unknown option (--ops, --probe-ops, --max-holes, --seed)");
-        i++;
     }
     if (options.ops == 0 || options.probe_ops == 0)
         die("--ops/--probe-ops", "must be > 0");
