@@ -272,6 +272,19 @@ bool test_send_all(int fd, const void *data, size_t length)
     return true;
 }
 
+bool test_send_frame(int fd, const Ember__RpcMeta *meta, const ProtobufCMessage *body,
+                     const void *attachment, size_t attachment_length)
+{
+    uint8_t *frame = NULL;
+    size_t length = 0;
+    em_error err;
+    ck_assert_int_eq(em_frame_pack(meta, body, attachment_length, &frame, &length, &err), EM_OK);
+    bool ok = test_send_all(fd, frame, length) &&
+              (attachment_length == 0 || test_send_all(fd, attachment, attachment_length));
+    free(frame);
+    return ok;
+}
+
 bool test_send_request(int fd, uint64_t correlation_id, int method, const char *token,
                        const ProtobufCMessage *body, const void *attachment,
                        size_t attachment_length)
@@ -283,14 +296,7 @@ bool test_send_request(int fd, uint64_t correlation_id, int method, const char *
         meta.auth_token.data = (uint8_t *)token;
         meta.auth_token.len = strlen(token);
     }
-    uint8_t *frame = NULL;
-    size_t length = 0;
-    em_error err;
-    ck_assert_int_eq(em_frame_pack(&meta, body, attachment_length, &frame, &length, &err), EM_OK);
-    bool ok = test_send_all(fd, frame, length) &&
-              (attachment_length == 0 || test_send_all(fd, attachment, attachment_length));
-    free(frame);
-    return ok;
+    return test_send_frame(fd, &meta, body, attachment, attachment_length);
 }
 
 /* Reads exactly length bytes: 1, 0 on EOF, -1 on timeout or error. */

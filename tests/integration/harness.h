@@ -65,6 +65,10 @@ int test_connect(const char *address);
 /* Sends everything or returns false. */
 bool test_send_all(int fd, const void *data, size_t length);
 
+/* Sends one frame with the given meta (any fields: deadline, method, token ...). */
+bool test_send_frame(int fd, const Ember__RpcMeta *meta, const ProtobufCMessage *body,
+                     const void *attachment, size_t attachment_length);
+
 /* Sends one request frame. token may be NULL. */
 bool test_send_request(int fd, uint64_t correlation_id, int method, const char *token,
                        const ProtobufCMessage *body, const void *attachment,

@@ -3,21 +3,17 @@
  * through the configuration schema, stop from another thread, and the fault hooks the
  * client suites rely on, observed on the wire.
  */
-#include <arpa/inet.h>
 #include <cJSON.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "clients/ember_client.h"
 #include "daemon/daemon.h"
-#include "proto/frame.h"
+#include "tests/integration/harness.h"
 #include "tests/support/test_daemon.h"
 #include "tests/support/test_support.h"
 
@@ -193,46 +189,18 @@ END_TEST
 
 /* ---- faults, on the wire ------------------------------------------------------------ */
 
-static int connect_to(const char *address)
+/* One-key requests to table t (dim 4); keys and gradients travel in the attachment. */
+static void send_one(int fd, const Ember__RpcMeta *meta, const ProtobufCMessage *body,
+                     uint64_t key, const float *gradient)
 {
-    char host[64];
-    snprintf(host, sizeof(host), "%s", address);
-    char *colon = strrchr(host, ':');
-    ck_assert_ptr_nonnull(colon);
-    *colon = '\0';
-    struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
-    ck_assert_int_eq(inet_pton(AF_INET, host, &to.sin_addr), 1);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    ck_assert_int_ge(fd, 0);
-    ck_assert_int_eq(connect(fd, (struct sockaddr *)&to, sizeof(to)), 0);
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    return fd;
+    const uint32_t offsets[] = {0, 1};
+    size_t length = 0;
+    uint8_t *attachment =
+        test_csr_attachment(1, offsets, 1, &key, gradient, gradient != NULL ? 4 : 0, &length);
+    ck_assert(test_send_frame(fd, meta, body, attachment, length));
+    free(attachment);
 }
 
-static void write_all(int fd, const void *data, size_t length)
-{
-    const uint8_t *bytes = data;
-    while (length > 0) {
-        ssize_t sent = write(fd, bytes, length);
-        ck_assert_int_gt(sent, 0);
-        bytes += sent;
-        length -= (size_t)sent;
-    }
-}
-
-static void read_all(int fd, void *data, size_t length)
-{
-    uint8_t *bytes = data;
-    while (length > 0) {
-        ssize_t got = read(fd, bytes, length);
-        ck_assert_int_gt(got, 0);
-        bytes += got;
-        length -= (size_t)got;
-    }
-}
-
-/* Sends a one-key PUSH of a dim-4 gradient to table t with the given correlation id. */
 static void send_push(int fd, uint64_t correlation_id, uint64_t key)
 {
     Ember__RpcMeta meta = EMBER__RPC_META__INIT;
@@ -242,89 +210,55 @@ static void send_push(int fd, uint64_t correlation_id, uint64_t key)
     body.table = "t";
     body.rows = 1;
     body.nnz = 1;
-    body.combiner = EMBER__COMBINER__NONE;
-    uint8_t attachment[32] = {0};
-    em_put_u32(attachment + 4, 1); /* offsets {0, 1}, the key at 8, 4 floats at 16 */
-    em_put_u64(attachment + 8, key);
     const float gradient[4] = {0.5f, -0.25f, 1.0f, 2.0f};
-    memcpy(attachment + 16, gradient, sizeof(gradient));
-    uint8_t *frame = NULL;
-    size_t length = 0;
-    em_error err;
-    ck_assert_int_eq(em_frame_pack(&meta, &body.base, sizeof(attachment), &frame, &length, &err),
-                     EM_OK);
-    write_all(fd, frame, length);
-    write_all(fd, attachment, sizeof(attachment));
-    free(frame);
+    send_one(fd, &meta, &body.base, key, gradient);
 }
 
-/* Sends a one-key PULL of table t with the given correlation id (and deadline). */
-static void send_pull_by(int fd, uint64_t correlation_id, uint64_t key, uint64_t deadline_ms)
+static void send_pull(int fd, uint64_t correlation_id, uint64_t key, uint64_t deadline_ms)
 {
     Ember__RpcMeta meta = EMBER__RPC_META__INIT;
     meta.correlation_id = correlation_id;
-    meta.deadline_ms = deadline_ms;
     meta.method = EMBER__METHOD__PULL;
+    meta.deadline_ms = deadline_ms;
     Ember__PullRequest body = EMBER__PULL_REQUEST__INIT;
     body.table = "t";
     body.rows = 1;
     body.nnz = 1;
-    body.combiner = EMBER__COMBINER__NONE;
     body.create_missing = true;
-    uint8_t attachment[16] = {0};
-    em_put_u32(attachment + 4, 1); /* offsets {0, 1}, then the key at 8 */
-    em_put_u64(attachment + 8, key);
-    uint8_t *frame = NULL;
-    size_t length = 0;
-    em_error err;
-    ck_assert_int_eq(em_frame_pack(&meta, &body.base, sizeof(attachment), &frame, &length, &err),
-                     EM_OK);
-    write_all(fd, frame, length);
-    write_all(fd, attachment, sizeof(attachment));
-    free(frame);
-}
-
-static void send_pull(int fd, uint64_t correlation_id, uint64_t key)
-{
-    send_pull_by(fd, correlation_id, key, 0);
+    send_one(fd, &meta, &body.base, key, NULL);
 }
 
 /* Reads one answer; returns its correlation id (status must be OK). */
 static uint64_t read_answer(int fd)
 {
-    uint8_t header[EM_FRAME_HEADER_BYTES];
-    read_all(fd, header, sizeof(header));
-    em_frame_header frame;
-    em_frame_limits limits = em_frame_default_limits();
-    em_error err;
-    ck_assert_int_eq(em_frame_header_decode(header, &limits, &frame, &err), EM_OK);
-    size_t rest = frame.meta_len + (size_t)frame.body_len + (size_t)frame.attach_len;
-    uint8_t *bytes = malloc(rest);
-    read_all(fd, bytes, rest);
-    Ember__RpcMeta *meta = ember__rpc_meta__unpack(NULL, frame.meta_len, bytes);
-    ck_assert_ptr_nonnull(meta);
-    ck_assert_msg(meta->status == EMBER__STATUS__OK, "%s", meta->error);
-    uint64_t id = meta->correlation_id;
-    ember__rpc_meta__free_unpacked(meta, NULL);
-    free(bytes);
+    test_frame frame;
+    ck_assert_int_eq(test_read_frame(fd, 10000, &frame), 1);
+    ck_assert_msg(frame.meta->status == EMBER__STATUS__OK, "%s", frame.meta->error);
+    uint64_t id = frame.meta->correlation_id;
+    test_frame_free(&frame);
     return id;
 }
 
-START_TEST(reverse_answers_sends_pipelined_answers_last_first)
+static void create_table_t(const em_test_daemon *daemon)
 {
-    em_test_daemon_options options = {.reverse_responses = true};
-    em_test_daemon *daemon = em_test_daemon_start(&options);
     em_client *admin = client_for(em_test_daemon_admin_address(daemon), EM_TEST_DAEMON_ADMIN_TOKEN);
     em_error err;
     ck_assert_int_eq(em_client_create_table(admin, "{\"name\":\"t\",\"dim\":4,\"capacity\":100}",
                                             NULL, &err),
                      EM_OK);
     em_client_destroy(admin);
+}
+
+START_TEST(reverse_answers_sends_pipelined_answers_last_first)
+{
+    em_test_daemon_options options = {.reverse_responses = true};
+    em_test_daemon *daemon = em_test_daemon_start(&options);
+    create_table_t(daemon);
     /* pushes run one after the other in the connection's order and each waits on its
      * worker, so all three are outstanding when the first is done, and they finish
      * 1, 2, 3 */
     em_test_daemon_set_delay(daemon, 50);
-    int fd = connect_to(em_test_daemon_address(daemon));
+    int fd = test_connect(em_test_daemon_address(daemon));
     for (uint64_t id = 1; id <= 3; id++)
         send_push(fd, id, id * 10);
     uint64_t order[3];
@@ -342,18 +276,14 @@ START_TEST(close_after_closes_the_connection_that_receives_the_request)
 {
     em_test_daemon *daemon = em_test_daemon_start(NULL);
     em_test_daemon_close_after(daemon, 2);
-    int fd = connect_to(em_test_daemon_address(daemon));
-    send_pull(fd, 1, 10); /* no table: answered with an error, but answered */
-    uint8_t header[EM_FRAME_HEADER_BYTES];
-    read_all(fd, header, sizeof(header));
-    em_frame_header frame;
-    em_frame_limits limits = em_frame_default_limits();
-    em_error err;
-    ck_assert_int_eq(em_frame_header_decode(header, &limits, &frame, &err), EM_OK);
-    uint8_t skip[4096];
-    read_all(fd, skip, frame.meta_len + (size_t)frame.body_len + (size_t)frame.attach_len);
-    send_pull(fd, 2, 20); /* the second request: the connection closes instead */
-    ck_assert_int_eq(read(fd, header, sizeof(header)), 0);
+    int fd = test_connect(em_test_daemon_address(daemon));
+    send_pull(fd, 1, 10, 0); /* no table: answered with an error, but answered */
+    test_frame frame;
+    ck_assert_int_eq(test_read_frame(fd, 10000, &frame), 1);
+    ck_assert_int_eq(frame.meta->status, EMBER__STATUS__NOT_FOUND);
+    test_frame_free(&frame);
+    send_pull(fd, 2, 20, 0); /* the second request: the connection closes instead */
+    ck_assert_int_eq(test_read_frame(fd, 10000, &frame), 0);
     close(fd);
     ck_assert_uint_eq(em_test_daemon_data_requests(daemon), 1);
     em_test_daemon_stop(daemon);
@@ -365,14 +295,9 @@ END_TEST
 START_TEST(a_deadline_near_two_to_the_64_never_expires)
 {
     em_test_daemon *daemon = em_test_daemon_start(NULL);
-    em_client *admin = client_for(em_test_daemon_admin_address(daemon), EM_TEST_DAEMON_ADMIN_TOKEN);
-    em_error err;
-    ck_assert_int_eq(em_client_create_table(admin, "{\"name\":\"t\",\"dim\":4,\"capacity\":100}",
-                                            NULL, &err),
-                     EM_OK);
-    em_client_destroy(admin);
-    int fd = connect_to(em_test_daemon_address(daemon));
-    send_pull_by(fd, 7, 1, UINT64_MAX - 3);
+    create_table_t(daemon);
+    int fd = test_connect(em_test_daemon_address(daemon));
+    send_pull(fd, 7, 1, UINT64_MAX - 3);
     ck_assert_uint_eq(read_answer(fd), 7); /* status OK, checked inside */
     close(fd);
     em_test_daemon_stop(daemon);
