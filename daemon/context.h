@@ -24,8 +24,8 @@ typedef enum em_server_state {
 /* Fault injection, for tests of clients against a real daemon (em_daemon_faults):
  * every field is 0 in service, and nothing but a test sets them. */
 typedef struct em_faults {
-    _Atomic uint32_t delay_ms;    /* PULL and PUSH wait this long on their worker, once
-                                   * their deadline has been checked */
+    _Atomic uint32_t delay_ms;    /* data methods (PULL, PUSH) wait this long on their
+                                   * worker, once their deadline has been checked */
     _Atomic uint32_t close_after; /* the connection receiving the n-th next request is
                                    * closed instead of answering it (0: never) */
     _Atomic bool reverse_answers; /* answers of pipelined requests (up to

@@ -153,11 +153,6 @@ static void deliver(em_request *request)
 
 /* ---- running on workers, in the connection's order ---------------------------------- */
 
-static bool is_data_method(int method)
-{
-    return method == EMBER__METHOD__PULL || method == EMBER__METHOD__PUSH;
-}
-
 static void run_job(em_job *job)
 {
     em_request *request = REQUEST_OF(job, job);
@@ -171,7 +166,7 @@ static void run_job(em_job *job)
         return;
     }
     uint32_t delay = atomic_load_explicit(&request->context->faults.delay_ms, memory_order_relaxed);
-    if (delay > 0 && is_data_method(request->method))
+    if (delay > 0 && request->info->access == EM_METHOD_ACCESS_DATA)
         usleep(delay * 1000u);
     em_error_clear(&request->error);
     request->info->handler(request, &request->error);
