@@ -10,17 +10,22 @@
 /* Attachment buffers are aligned for any array the protocol carries (and SIMD). */
 #define ATTACHMENT_ALIGNMENT 64u
 
+/* Reads larger than this go straight into the frame's buffer. */
+#define DIRECT_READ_MAX ((size_t)1 << 30)
+
 typedef enum connection_state {
     CONNECTION_HEADER,
-    CONNECTION_MESSAGE,
+    CONNECTION_META,
+    CONNECTION_BODY,
     CONNECTION_ATTACHMENT,
-    CONNECTION_BLOCKED,
+    CONNECTION_DISCARD,
+    CONNECTION_WAITING,
     CONNECTION_CLOSING,
 } connection_state;
 
 struct em_connection {
     uv_tcp_t handle; /* first: handle.data points back here */
-    uv_timer_t idle_timer;
+    uv_timer_t timer;
     const em_connection_settings *settings;
     const em_connection_hooks *hooks;
     const em_log *log;
@@ -29,10 +34,12 @@ struct em_connection {
     connection_state state;
     bool reading;       /* uv_read_start in effect */
     bool handle_closed; /* uv_close has been called */
+    bool draining;
+    bool advancing; /* connection_advance is on the stack */
     uint32_t references;
     char peer[64];
 
-    /* read buffer: bytes [read_start, read_end) are received but not yet consumed */
+    /* read buffer (allocated while bytes wait in it): [read_start, read_end) unconsumed */
     uint8_t *read_buffer;
     size_t read_start, read_end;
 
@@ -40,14 +47,28 @@ struct em_connection {
     uint8_t header[EM_FRAME_HEADER_BYTES];
     size_t header_have;
     em_frame_header frame;
-    uint8_t *message; /* meta + body */
-    uint64_t message_have;
-    uint8_t *attachment;
-    uint64_t attachment_have;
+    uint8_t *part;      /* the buffer of the part being read (meta, body, attachment) */
+    uint64_t part_size; /* its length */
+    uint64_t part_have;
+    uint64_t discard_left;
+    void *request;          /* the owner's, between META and the complete frame */
+    uint64_t frame_charged; /* charged for the frame being read */
 
-    uint64_t inflight_bytes; /* requests received + responses not yet written */
+    /* waiting for memory: the charge that did not fit and the state it leads to */
+    uint64_t wait_bytes;
+    connection_state wait_next;
+    bool queued; /* in the budget's waiting queue */
+    em_connection *wait_next_connection;
+
+    uint64_t inflight_bytes; /* charged: requests received + answers not yet written */
     uint32_t outstanding;    /* requests received and not yet answered */
     uint32_t writes_pending;
+
+    /* deadlines (loop time, ms) */
+    uint64_t last_activity;
+    uint64_t frame_started;
+    uint64_t write_progress;
+    size_t write_queue_seen;
 
     /* ordering of requests that run off the loop */
     em_connection_work *queue_head, *queue_tail;
@@ -57,8 +78,14 @@ struct em_connection {
 };
 
 static void connection_advance(em_connection *connection);
-static void restart_idle_timer(em_connection *connection);
+static void schedule_timer(em_connection *connection);
 static void abandon_queue(em_connection *connection);
+static void stop_reading(em_connection *connection);
+
+static uint64_t now_ms(const em_connection *connection)
+{
+    return uv_now(connection->handle.loop);
+}
 
 /* ---- lifetime ------------------------------------------------------------------------ */
 
@@ -125,22 +152,17 @@ em_connection *em_connection_create(uv_loop_t *loop, const em_connection_setting
                                     bool admin)
 {
     em_connection *connection = calloc(1, sizeof(*connection));
-    uint8_t *buffer = malloc(EM_READ_BUFFER_BYTES);
-    if (connection == NULL || buffer == NULL) {
-        free(connection);
-        free(buffer);
+    if (connection == NULL)
         return NULL;
-    }
-    connection->read_buffer = buffer;
     connection->settings = settings;
     connection->hooks = hooks;
     connection->log = log;
     connection->admin = admin;
     connection->state = CONNECTION_HEADER;
     uv_tcp_init(loop, &connection->handle);
-    uv_timer_init(loop, &connection->idle_timer);
+    uv_timer_init(loop, &connection->timer);
     connection->handle.data = connection;
-    connection->idle_timer.data = connection;
+    connection->timer.data = connection;
     connection->references = 2; /* the two handles */
     return connection;
 }
@@ -150,25 +172,109 @@ static void on_handle_closed(uv_handle_t *handle)
     em_connection_unref(handle->data);
 }
 
-/* Frees a frame that was being read when the connection went away. */
-static void discard_partial_frame(em_connection *connection)
+/* ---- the budgets --------------------------------------------------------------------- */
+
+static em_memory_budget *memory_of(const em_connection *connection)
 {
-    if (connection->message != NULL || connection->attachment != NULL)
-        connection->inflight_bytes -= EM_FRAME_HEADER_BYTES + connection->frame.meta_len +
-                                      connection->frame.body_len + connection->frame.attach_len;
-    free(connection->message);
-    free(connection->attachment);
-    connection->message = NULL;
-    connection->attachment = NULL;
-    connection->header_have = 0;
+    return connection->settings->memory;
 }
 
-static void stop_reading(em_connection *connection)
+/* The connection's own limit: one request with nothing else in flight always fits. */
+static bool own_budget_allows(const em_connection *connection, uint64_t bytes)
 {
-    if (connection->reading) {
-        uv_read_stop((uv_stream_t *)&connection->handle);
-        connection->reading = false;
+    uint64_t held = connection->inflight_bytes;
+    if (held == connection->frame_charged)
+        return true;
+    return bytes <= connection->settings->inflight_budget &&
+           held <= connection->settings->inflight_budget - bytes;
+}
+
+/* The server's limit; an empty server takes any request (the owner refuses requests
+ * larger than the whole budget before they are charged), and operators on the admin
+ * listener are never held back by data traffic. */
+static bool server_budget_allows(const em_connection *connection, uint64_t bytes)
+{
+    const em_memory_budget *memory = memory_of(connection);
+    return connection->admin || memory->used == 0 || em_memory_budget_fits(memory, bytes);
+}
+
+static void charge(em_connection *connection, uint64_t bytes, bool frame)
+{
+    connection->inflight_bytes += bytes;
+    if (frame)
+        connection->frame_charged += bytes;
+    em_memory_budget_charge(memory_of(connection), bytes);
+}
+
+static void release(em_connection *connection, uint64_t bytes)
+{
+    connection->inflight_bytes -= bytes;
+    em_memory_budget_release(memory_of(connection), bytes);
+}
+
+static void enqueue_waiting(em_connection *connection)
+{
+    em_memory_budget *memory = memory_of(connection);
+    em_connection_ref(connection); /* the queue holds one */
+    connection->queued = true;
+    connection->wait_next_connection = NULL;
+    if (memory->waiting_tail != NULL)
+        memory->waiting_tail->wait_next_connection = connection;
+    else
+        memory->waiting_head = connection;
+    memory->waiting_tail = connection;
+    atomic_fetch_add(&memory->stats->connections_waiting, 1);
+}
+
+/* Takes a connection out of the waiting queue (it is closing). */
+static void remove_waiting(em_connection *connection)
+{
+    if (!connection->queued)
+        return;
+    em_memory_budget *memory = memory_of(connection);
+    em_connection *previous = NULL;
+    for (em_connection *c = memory->waiting_head; c != NULL; c = c->wait_next_connection) {
+        if (c != connection) {
+            previous = c;
+            continue;
+        }
+        if (previous != NULL)
+            previous->wait_next_connection = c->wait_next_connection;
+        else
+            memory->waiting_head = c->wait_next_connection;
+        if (memory->waiting_tail == c)
+            memory->waiting_tail = previous;
+        break;
     }
+    connection->queued = false;
+    connection->wait_next_connection = NULL;
+    atomic_fetch_sub(&memory->stats->connections_waiting, 1);
+    em_connection_unref(connection);
+}
+
+/* ---- closing ------------------------------------------------------------------------- */
+
+/* Gives up the frame being read: its buffers, its request and its charge. */
+static void discard_partial_frame(em_connection *connection)
+{
+    free(connection->part);
+    connection->part = NULL;
+    if (connection->request != NULL) {
+        connection->hooks->abandon(connection->hooks->context, connection->request);
+        connection->request = NULL;
+    }
+    release(connection, connection->frame_charged);
+    connection->frame_charged = 0;
+    connection->header_have = 0;
+    connection->discard_left = 0;
+    remove_waiting(connection);
+}
+
+static void free_read_buffer(em_connection *connection)
+{
+    free(connection->read_buffer);
+    connection->read_buffer = NULL;
+    connection->read_start = connection->read_end = 0;
 }
 
 void em_connection_close(em_connection *connection)
@@ -179,10 +285,11 @@ void em_connection_close(em_connection *connection)
     connection->state = CONNECTION_CLOSING;
     stop_reading(connection);
     discard_partial_frame(connection);
+    free_read_buffer(connection);
     abandon_queue(connection);
     em_log_debug(connection->log, "connection from %s closed", connection->peer);
-    uv_timer_stop(&connection->idle_timer);
-    uv_close((uv_handle_t *)&connection->idle_timer, on_handle_closed);
+    uv_timer_stop(&connection->timer);
+    uv_close((uv_handle_t *)&connection->timer, on_handle_closed);
     uv_close((uv_handle_t *)&connection->handle, on_handle_closed);
     connection->hooks->closed(connection->hooks->context, connection);
 }
@@ -214,7 +321,9 @@ void **em_connection_dispatch_slot(em_connection *connection)
 void em_connection_request_finished(em_connection *connection)
 {
     connection->outstanding--;
+    connection->last_activity = now_ms(connection);
     maybe_finish_closing(connection);
+    schedule_timer(connection);
     em_connection_unref(connection);
 }
 
@@ -223,8 +332,14 @@ void em_connection_begin_closing(em_connection *connection)
     connection->state = CONNECTION_CLOSING;
     stop_reading(connection);
     discard_partial_frame(connection);
-    connection->read_start = connection->read_end = 0;
+    free_read_buffer(connection);
     maybe_finish_closing(connection);
+}
+
+void em_connection_drain(em_connection *connection)
+{
+    connection->draining = true;
+    schedule_timer(connection);
 }
 
 /* ---- writing ------------------------------------------------------------------------- */
@@ -234,11 +349,8 @@ typedef struct pending_write {
     em_connection *connection;
     uint8_t *frame;
     void *attachment;
-    uint64_t charged;
     size_t bytes;
 } pending_write;
-
-static void maybe_unblock(em_connection *connection);
 
 static void on_write(uv_write_t *request, int status)
 {
@@ -246,12 +358,13 @@ static void on_write(uv_write_t *request, int status)
     em_connection *connection = write->connection;
     free(write->frame);
     free(write->attachment);
-    connection->inflight_bytes -= write->charged;
+    release(connection, write->bytes);
     connection->writes_pending--;
     if (status == 0) {
         connection->hooks->bytes_out(connection->hooks->context, write->bytes);
-        maybe_unblock(connection);
+        connection->last_activity = connection->write_progress = now_ms(connection);
         maybe_finish_closing(connection);
+        schedule_timer(connection);
     } else if (!connection->handle_closed) {
         em_log_debug(connection->log, "write to %s failed: %s", connection->peer,
                      uv_strerror(status));
@@ -269,29 +382,36 @@ void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_
         free(write);
         free(frame);
         free(attachment);
-        connection->inflight_bytes -= charged;
+        release(connection, charged);
         if (!connection->handle_closed)
             em_connection_close(connection);
         return;
     }
     size_t response_bytes = frame_length + attachment_length;
     *write = (pending_write){.connection = connection, .frame = frame, .attachment = attachment,
-                             .charged = charged + response_bytes, .bytes = response_bytes};
-    connection->inflight_bytes += response_bytes;
+                             .bytes = response_bytes};
+    /* the answer's own bytes replace the request's charge until they are written */
+    charge(connection, response_bytes, false);
+    release(connection, charged);
     uv_buf_t buffers[2] = {uv_buf_init((char *)frame, (unsigned)frame_length),
                            uv_buf_init((char *)attachment, (unsigned)attachment_length)};
     buffers[1].len = attachment_length; /* uv_buf_init takes 32 bits; the field holds size_t */
     em_connection_ref(connection);
-    connection->writes_pending++;
+    if (connection->writes_pending++ == 0)
+        connection->write_progress = now_ms(connection);
     int rc = uv_write(&write->request, (uv_stream_t *)&connection->handle, buffers,
                       attachment_length > 0 ? 2 : 1, on_write);
-    if (rc != 0)
+    if (rc != 0) {
         on_write(&write->request, rc); /* libuv does not call back a write it refused */
+        return;
+    }
+    connection->write_queue_seen = uv_stream_get_write_queue_size((uv_stream_t *)&connection->handle);
+    schedule_timer(connection);
 }
 
 void em_connection_release(em_connection *connection, uint64_t charged)
 {
-    connection->inflight_bytes -= charged;
+    release(connection, charged);
 }
 
 void em_connection_fail(em_connection *connection, uint64_t correlation_id, int method,
@@ -317,14 +437,16 @@ void em_connection_fail(em_connection *connection, uint64_t correlation_id, int 
 
 /* ---- reading ------------------------------------------------------------------------- */
 
-static void block(em_connection *connection)
-{
-    connection->state = CONNECTION_BLOCKED;
-    stop_reading(connection);
-}
-
 static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buffer);
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buffer);
+
+static void stop_reading(em_connection *connection)
+{
+    if (connection->reading) {
+        uv_read_stop((uv_stream_t *)&connection->handle);
+        connection->reading = false;
+    }
+}
 
 static void start_reading(em_connection *connection)
 {
@@ -345,50 +467,33 @@ void em_connection_start(em_connection *connection)
     else
         snprintf(connection->peer, sizeof(connection->peer), "unknown peer");
     uv_tcp_nodelay(&connection->handle, 1);
-    restart_idle_timer(connection);
+    connection->last_activity = now_ms(connection);
+    schedule_timer(connection);
     start_reading(connection);
 }
 
-static void maybe_unblock(em_connection *connection)
+/* True while the part being read can take a large read directly. */
+static bool reads_into_part(const em_connection *connection)
 {
-    if (connection->state != CONNECTION_BLOCKED ||
-        connection->inflight_bytes >= connection->settings->inflight_budget)
-        return;
-    connection->state = CONNECTION_HEADER;
-    connection_advance(connection);
-    if (connection->state != CONNECTION_BLOCKED && connection->state != CONNECTION_CLOSING)
-        start_reading(connection);
-}
-
-/* The frame buffer the next bytes belong to, when a large read can go straight there. */
-static bool direct_target(em_connection *connection, uint8_t **target, size_t *room)
-{
-    if (connection->read_start != connection->read_end)
-        return false;
-    uint64_t remaining = 0;
-    if (connection->state == CONNECTION_MESSAGE) {
-        remaining = connection->frame.meta_len + connection->frame.body_len -
-                    connection->message_have;
-        *target = connection->message + connection->message_have;
-    } else if (connection->state == CONNECTION_ATTACHMENT) {
-        remaining = connection->frame.attach_len - connection->attachment_have;
-        *target = connection->attachment + connection->attachment_have;
-    }
-    if (remaining < EM_READ_BUFFER_BYTES)
-        return false;
-    *room = remaining > (uint64_t)1 << 30 ? (size_t)1 << 30 : (size_t)remaining;
-    return true;
+    return connection->state == CONNECTION_BODY || connection->state == CONNECTION_ATTACHMENT;
 }
 
 static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buffer)
 {
     (void)suggested;
     em_connection *connection = handle->data;
-    uint8_t *target = NULL;
-    size_t room = 0;
-    if (direct_target(connection, &target, &room)) {
-        buffer->base = (char *)target;
-        buffer->len = room;
+    if (connection->read_start == connection->read_end && reads_into_part(connection)) {
+        uint64_t remaining = connection->part_size - connection->part_have;
+        if (remaining >= EM_READ_BUFFER_BYTES) {
+            buffer->base = (char *)connection->part + connection->part_have;
+            buffer->len = remaining > DIRECT_READ_MAX ? DIRECT_READ_MAX : (size_t)remaining;
+            return;
+        }
+    }
+    if (connection->read_buffer == NULL)
+        connection->read_buffer = malloc(EM_READ_BUFFER_BYTES);
+    if (connection->read_buffer == NULL) {
+        *buffer = uv_buf_init(NULL, 0); /* libuv reports UV_ENOBUFS */
         return;
     }
     if (connection->read_start == connection->read_end)
@@ -397,13 +502,30 @@ static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buffer)
     buffer->len = EM_READ_BUFFER_BYTES - connection->read_end;
 }
 
+static bool mid_frame(const em_connection *connection)
+{
+    switch (connection->state) {
+    case CONNECTION_HEADER:
+        return connection->header_have > 0;
+    case CONNECTION_META:
+    case CONNECTION_BODY:
+    case CONNECTION_ATTACHMENT:
+    case CONNECTION_DISCARD:
+    case CONNECTION_WAITING:
+        return true;
+    case CONNECTION_CLOSING:
+        return false;
+    }
+    return false;
+}
+
 static void on_peer_closed(em_connection *connection, ssize_t error)
 {
-    bool mid_frame = connection->header_have > 0 || connection->message != NULL;
-    if (error != UV_EOF || mid_frame) {
+    bool partial = mid_frame(connection);
+    if (error != UV_EOF || partial) {
         em_log_debug(connection->log, "connection from %s: %s%s", connection->peer,
                      error == UV_EOF ? "" : uv_strerror((int)error),
-                     mid_frame ? "truncated frame" : "");
+                     partial ? "truncated frame" : "");
         em_connection_close(connection);
         return;
     }
@@ -413,24 +535,26 @@ static void on_peer_closed(em_connection *connection, ssize_t error)
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buffer)
 {
     em_connection *connection = stream->data;
-    if (nread == 0)
-        return;
     if (nread < 0) {
         on_peer_closed(connection, nread);
         return;
     }
-    connection->hooks->bytes_in(connection->hooks->context, (uint64_t)nread);
-    restart_idle_timer(connection);
-    uint8_t *in_buffer = connection->read_buffer + connection->read_end;
-    if ((uint8_t *)buffer->base != in_buffer) {
-        if (connection->state == CONNECTION_MESSAGE)
-            connection->message_have += (uint64_t)nread;
+    if (nread > 0) {
+        connection->hooks->bytes_in(connection->hooks->context, (uint64_t)nread);
+        connection->last_activity = now_ms(connection);
+        bool direct = connection->read_buffer == NULL ||
+                      (uint8_t *)buffer->base !=
+                          connection->read_buffer + connection->read_end;
+        if (direct)
+            connection->part_have += (uint64_t)nread;
         else
-            connection->attachment_have += (uint64_t)nread;
-    } else {
-        connection->read_end += (size_t)nread;
+            connection->read_end += (size_t)nread;
+        connection_advance(connection);
     }
-    connection_advance(connection);
+    if (!connection->handle_closed && connection->state != CONNECTION_WAITING &&
+        connection->read_start == connection->read_end)
+        free_read_buffer(connection); /* idle connections hold no buffer */
+    schedule_timer(connection);
 }
 
 /* Copies up to wanted bytes from the read buffer to destination; returns how many. */
@@ -443,21 +567,106 @@ static size_t consume(em_connection *connection, uint8_t *destination, uint64_t 
     return take;
 }
 
-static em_status allocate_frame(em_connection *connection, em_error *err)
+/* Allocates the part next is about to read (the charge is already made). */
+static void enter(em_connection *connection, connection_state next)
 {
     const em_frame_header *frame = &connection->frame;
-    size_t message_bytes = frame->meta_len + (size_t)frame->body_len;
-    connection->message = malloc(message_bytes);
-    if (frame->attach_len > 0) {
-        size_t rounded = ((size_t)frame->attach_len + ATTACHMENT_ALIGNMENT - 1) /
-                         ATTACHMENT_ALIGNMENT * ATTACHMENT_ALIGNMENT;
-        connection->attachment = aligned_alloc(ATTACHMENT_ALIGNMENT, rounded);
+    uint64_t size = next == CONNECTION_META ? frame->meta_len
+                    : next == CONNECTION_BODY ? frame->body_len
+                                              : frame->attach_len;
+    uint8_t *part = NULL;
+    if (next == CONNECTION_ATTACHMENT && size > 0) {
+        size_t rounded = ((size_t)size + ATTACHMENT_ALIGNMENT - 1) / ATTACHMENT_ALIGNMENT *
+                         ATTACHMENT_ALIGNMENT;
+        part = aligned_alloc(ATTACHMENT_ALIGNMENT, rounded);
+    } else if (next != CONNECTION_ATTACHMENT) {
+        part = malloc(size > 0 ? (size_t)size : 1);
     }
-    if (connection->message == NULL || (frame->attach_len > 0 && connection->attachment == NULL))
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                            "out of memory for a frame of %zu + %" PRIu64 " bytes", message_bytes,
-                            frame->attach_len);
-    return EM_OK;
+    if (size > 0 && part == NULL) {
+        char message[128];
+        snprintf(message, sizeof(message), "out of memory for a frame part of %" PRIu64 " bytes",
+                 size);
+        connection->hooks->frame_rejected(connection->hooks->context);
+        em_connection_fail(connection, 0, 0, EM_RESOURCE_EXHAUSTED, message);
+        return;
+    }
+    connection->part = part;
+    connection->part_size = size;
+    connection->part_have = 0;
+    connection->state = next;
+}
+
+/* Charges bytes and moves on to next, or waits for memory. */
+static void charge_or_wait(em_connection *connection, uint64_t bytes, connection_state next)
+{
+    if (own_budget_allows(connection, bytes) && server_budget_allows(connection, bytes)) {
+        charge(connection, bytes, true);
+        enter(connection, next);
+        return;
+    }
+    connection->state = CONNECTION_WAITING;
+    connection->wait_bytes = bytes;
+    connection->wait_next = next;
+    stop_reading(connection);
+    atomic_fetch_add_explicit(&memory_of(connection)->stats->memory_waits, 1,
+                              memory_order_relaxed);
+    enqueue_waiting(connection);
+}
+
+static bool can_resume(const em_connection *connection)
+{
+    return own_budget_allows(connection, connection->wait_bytes) &&
+           server_budget_allows(connection, connection->wait_bytes);
+}
+
+static void resume(em_connection *connection)
+{
+    charge(connection, connection->wait_bytes, true);
+    connection->wait_bytes = 0;
+    enter(connection, connection->wait_next);
+    if (connection->state == CONNECTION_CLOSING)
+        return;
+    connection->frame_started = now_ms(connection); /* a wait is not the sender's delay */
+    connection_advance(connection);
+    if (connection->state != CONNECTION_WAITING && connection->state != CONNECTION_CLOSING)
+        start_reading(connection);
+    schedule_timer(connection);
+}
+
+void em_connection_wake_waiting(em_memory_budget *memory)
+{
+    memory->wake_scheduled = false;
+    em_connection *connection = memory->waiting_head;
+    memory->waiting_head = memory->waiting_tail = NULL;
+    bool server_full = false; /* an older connection waits for the server's memory */
+    while (connection != NULL) {
+        em_connection *next = connection->wait_next_connection;
+        connection->wait_next_connection = NULL;
+        connection->queued = false;
+        atomic_fetch_sub(&memory->stats->connections_waiting, 1);
+        if (!connection->handle_closed && connection->state == CONNECTION_WAITING) {
+            if (!server_full && can_resume(connection))
+                resume(connection);
+            else {
+                if (own_budget_allows(connection, connection->wait_bytes))
+                    server_full = true;
+                enqueue_waiting(connection);
+            }
+        }
+        em_connection_unref(connection); /* the old queue's reference */
+        connection = next;
+    }
+}
+
+/* Gives the charge of a frame answered before it was complete back; the rest of it is
+ * skipped. */
+static void skip_rest(em_connection *connection, uint64_t bytes)
+{
+    connection->request = NULL;
+    release(connection, connection->frame_charged);
+    connection->frame_charged = 0;
+    connection->discard_left = bytes;
+    connection->state = CONNECTION_DISCARD;
 }
 
 static void begin_frame(em_connection *connection)
@@ -466,36 +675,85 @@ static void begin_frame(em_connection *connection)
     em_status status = em_frame_header_decode(connection->header,
                                               &connection->settings->frame_limits,
                                               &connection->frame, &err);
-    if (status == EM_OK) {
-        connection->inflight_bytes += EM_FRAME_HEADER_BYTES + connection->frame.meta_len +
-                                      connection->frame.body_len + connection->frame.attach_len;
-        status = allocate_frame(connection, &err);
-    }
     if (status != EM_OK) {
         connection->hooks->frame_rejected(connection->hooks->context);
         em_connection_fail(connection, 0, 0, status, err.message);
         return;
     }
-    connection->message_have = 0;
-    connection->attachment_have = 0;
-    connection->state = CONNECTION_MESSAGE;
+    charge_or_wait(connection, EM_FRAME_HEADER_BYTES + (uint64_t)connection->frame.meta_len,
+                   CONNECTION_META);
+}
+
+static void meta_arrived(em_connection *connection)
+{
+    uint8_t *meta = connection->part;
+    connection->part = NULL;
+    void *request = connection->hooks->meta(connection->hooks->context, connection,
+                                            &connection->frame, meta);
+    if (connection->state == CONNECTION_CLOSING)
+        return;
+    const em_frame_header *frame = &connection->frame;
+    if (request == NULL) {
+        skip_rest(connection, frame->body_len + frame->attach_len);
+        return;
+    }
+    connection->request = request;
+    /* the body and what protobuf-c unpacks it into */
+    charge_or_wait(connection, frame->body_len * 2, CONNECTION_BODY);
+}
+
+static void body_arrived(em_connection *connection)
+{
+    uint8_t *body = connection->part;
+    connection->part = NULL;
+    uint64_t answer_bytes = 0;
+    void *request = connection->request;
+    connection->request = NULL; /* the owner's while it looks at the body */
+    bool accepted = connection->hooks->body(connection->hooks->context, connection,
+                                            &connection->frame, request, body, &answer_bytes);
+    if (connection->state == CONNECTION_CLOSING)
+        return; /* refused: the owner has freed the request */
+    if (!accepted) {
+        skip_rest(connection, connection->frame.attach_len);
+        return;
+    }
+    connection->request = request;
+    charge_or_wait(connection, connection->frame.attach_len + answer_bytes,
+                   CONNECTION_ATTACHMENT);
 }
 
 static void complete_frame(em_connection *connection)
 {
-    uint64_t charged = EM_FRAME_HEADER_BYTES + connection->frame.meta_len +
-                       connection->frame.body_len + connection->frame.attach_len;
-    uint8_t *message = connection->message, *attachment = connection->attachment;
-    em_frame_header frame = connection->frame;
-    connection->message = NULL;
-    connection->attachment = NULL;
+    void *request = connection->request;
+    uint8_t *attachment = connection->part;
+    uint64_t charged = connection->frame_charged;
+    connection->request = NULL;
+    connection->part = NULL;
+    connection->frame_charged = 0;
     connection->header_have = 0;
     connection->state = CONNECTION_HEADER;
-    connection->hooks->frame(connection->hooks->context, connection, &frame, message, attachment,
+    connection->hooks->frame(connection->hooks->context, connection, request, attachment,
                              charged);
-    if (connection->state == CONNECTION_HEADER &&
-        connection->inflight_bytes >= connection->settings->inflight_budget)
-        block(connection);
+}
+
+static void part_arrived(em_connection *connection)
+{
+    switch (connection->state) {
+    case CONNECTION_META:
+        meta_arrived(connection);
+        return;
+    case CONNECTION_BODY:
+        body_arrived(connection);
+        return;
+    case CONNECTION_ATTACHMENT:
+        complete_frame(connection);
+        return;
+    case CONNECTION_HEADER:
+    case CONNECTION_DISCARD:
+    case CONNECTION_WAITING:
+    case CONNECTION_CLOSING:
+        return;
+    }
 }
 
 /* The one function that moves a connection through its reading states. */
@@ -503,69 +761,138 @@ static void connection_advance(em_connection *connection)
 {
     for (;;) {
         size_t available = connection->read_end - connection->read_start;
-        const em_frame_header *frame = &connection->frame;
         switch (connection->state) {
         case CONNECTION_HEADER:
             if (available == 0)
                 return;
+            if (connection->header_have == 0)
+                connection->frame_started = now_ms(connection);
             connection->header_have += consume(connection,
                                                connection->header + connection->header_have,
                                                EM_FRAME_HEADER_BYTES - connection->header_have);
             if (connection->header_have == EM_FRAME_HEADER_BYTES)
                 begin_frame(connection);
             break;
-        case CONNECTION_MESSAGE: {
-            uint64_t size = frame->meta_len + frame->body_len;
-            if (connection->message_have == size) {
-                if (frame->attach_len == 0)
-                    complete_frame(connection);
-                else
-                    connection->state = CONNECTION_ATTACHMENT;
+        case CONNECTION_META:
+        case CONNECTION_BODY:
+        case CONNECTION_ATTACHMENT:
+            if (connection->part_have == connection->part_size) {
+                part_arrived(connection);
                 break;
             }
             if (available == 0)
                 return;
-            connection->message_have += consume(connection,
-                                                connection->message + connection->message_have,
-                                                size - connection->message_have);
+            connection->part_have += consume(connection, connection->part + connection->part_have,
+                                             connection->part_size - connection->part_have);
+            break;
+        case CONNECTION_DISCARD: {
+            if (connection->discard_left == 0) {
+                connection->header_have = 0;
+                connection->state = CONNECTION_HEADER;
+                break;
+            }
+            if (available == 0)
+                return;
+            size_t take = connection->discard_left < available ? (size_t)connection->discard_left
+                                                               : available;
+            connection->read_start += take;
+            connection->discard_left -= take;
             break;
         }
-        case CONNECTION_ATTACHMENT:
-            if (connection->attachment_have == frame->attach_len) {
-                complete_frame(connection);
-                break;
-            }
-            if (available == 0)
-                return;
-            connection->attachment_have += consume(
-                connection, connection->attachment + connection->attachment_have,
-                frame->attach_len - connection->attachment_have);
-            break;
-        case CONNECTION_BLOCKED:
+        case CONNECTION_WAITING:
         case CONNECTION_CLOSING:
             return;
         }
     }
 }
 
-/* ---- idle timeout -------------------------------------------------------------------- */
+/* ---- deadlines ----------------------------------------------------------------------- */
 
-static void on_idle(uv_timer_t *timer)
+/* Nothing in flight: the idle clock runs (a frame begun and left unfinished is idle
+ * too once no byte arrives); the drain linger waits for a frame boundary as well. */
+static bool quiet(const em_connection *connection)
 {
-    em_connection *connection = timer->data;
-    if (connection->outstanding > 0 || connection->writes_pending > 0) {
-        restart_idle_timer(connection);
-        return;
-    }
-    em_log_debug(connection->log, "closing idle connection from %s", connection->peer);
+    return connection->outstanding == 0 && connection->writes_pending == 0 &&
+           connection->state != CONNECTION_WAITING;
+}
+
+static bool lingering(const em_connection *connection)
+{
+    return connection->draining && quiet(connection) && !mid_frame(connection);
+}
+
+static bool frame_clock_runs(const em_connection *connection)
+{
+    return mid_frame(connection) && connection->state != CONNECTION_WAITING;
+}
+
+static void close_for(em_connection *connection, em_connection_timeout which, const char *what)
+{
+    em_log_info(connection->log, "closing connection from %s: %s", connection->peer, what);
+    connection->hooks->timed_out(connection->hooks->context, which);
     em_connection_close(connection);
 }
 
-static void restart_idle_timer(em_connection *connection)
+static void on_timer(uv_timer_t *timer)
 {
-    uint32_t timeout = connection->settings->idle_timeout_ms;
-    if (timeout > 0 && !connection->handle_closed)
-        uv_timer_start(&connection->idle_timer, on_idle, timeout, 0);
+    em_connection *connection = timer->data;
+    const em_connection_settings *settings = connection->settings;
+    uint64_t now = now_ms(connection);
+    if (connection->writes_pending > 0 && settings->write_timeout_ms > 0) {
+        size_t queued = uv_stream_get_write_queue_size((uv_stream_t *)&connection->handle);
+        if (queued < connection->write_queue_seen)
+            connection->write_progress = now; /* the peer is reading, slowly */
+        connection->write_queue_seen = queued;
+        if (now - connection->write_progress >= settings->write_timeout_ms) {
+            close_for(connection, EM_CONNECTION_TIMEOUT_WRITE,
+                      "its answers made no progress within write_timeout_ms");
+            return;
+        }
+    }
+    if (frame_clock_runs(connection) && settings->frame_timeout_ms > 0 &&
+        now - connection->frame_started >= settings->frame_timeout_ms) {
+        close_for(connection, EM_CONNECTION_TIMEOUT_FRAME,
+                  "a frame was not completed within frame_timeout_ms");
+        return;
+    }
+    if (lingering(connection) && now - connection->last_activity >= settings->drain_linger_ms) {
+        em_connection_begin_closing(connection);
+        return;
+    }
+    if (quiet(connection) && settings->idle_timeout_ms > 0 &&
+        now - connection->last_activity >= settings->idle_timeout_ms) {
+        close_for(connection, EM_CONNECTION_TIMEOUT_IDLE, "idle past idle_timeout_ms");
+        return;
+    }
+    schedule_timer(connection);
+}
+
+static uint64_t earlier(uint64_t a, uint64_t b)
+{
+    return a < b ? a : b;
+}
+
+/* Arms the timer for the nearest deadline that applies now. */
+static void schedule_timer(em_connection *connection)
+{
+    if (connection->handle_closed)
+        return;
+    const em_connection_settings *settings = connection->settings;
+    uint64_t next = UINT64_MAX;
+    if (lingering(connection))
+        next = connection->last_activity + settings->drain_linger_ms;
+    if (quiet(connection) && settings->idle_timeout_ms > 0)
+        next = earlier(next, connection->last_activity + settings->idle_timeout_ms);
+    if (frame_clock_runs(connection) && settings->frame_timeout_ms > 0)
+        next = earlier(next, connection->frame_started + settings->frame_timeout_ms);
+    if (connection->writes_pending > 0 && settings->write_timeout_ms > 0)
+        next = earlier(next, connection->write_progress + settings->write_timeout_ms);
+    if (next == UINT64_MAX) {
+        uv_timer_stop(&connection->timer);
+        return;
+    }
+    uint64_t now = now_ms(connection);
+    uv_timer_start(&connection->timer, on_timer, next > now ? next - now : 0, 0);
 }
 
 /* ---- request ordering ---------------------------------------------------------------- */
@@ -620,7 +947,7 @@ static void abandon_queue(em_connection *connection)
     connection->queue_tail = NULL;
     while (work != NULL) {
         em_connection_work *next = work->next;
-        connection->inflight_bytes -= work->charged;
+        release(connection, work->charged);
         work->abandon(work);
         em_connection_request_finished(connection);
         work = next;

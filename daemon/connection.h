@@ -1,17 +1,30 @@
 /*
  * DESIGN: one client connection, as an explicit state machine.
  *
- *   HEADER     reading the 24 header bytes of the next frame
- *   MESSAGE    reading RpcMeta + body (lengths already checked against the limits)
+ *   HEADER     reading the 24 header bytes of the next frame; its lengths are checked
+ *              against the frame limits, then the header and RpcMeta are charged
+ *   META       reading RpcMeta; the owner decodes it, checks the method, the caller's
+ *              token and the lengths against the method, and either accepts the frame
+ *              (the body is charged and read) or answers it (the rest is skipped)
+ *   BODY       reading the body; the owner decodes it and says how large its answer can
+ *              be; the attachment and that answer are charged, or the frame is answered
  *   ATTACHMENT reading the attachment into its own 64-byte-aligned buffer
- *   BLOCKED    the in-flight budget is used up: the socket is not read until
- *              responses drain (unconsumed bytes wait in the read buffer)
- *   CLOSING    no more frames are read (fatal frame error, peer EOF, drain): the
- *              connection closes once every received request is answered and written
+ *   DISCARD    skipping the body and attachment of a frame already answered
+ *   WAITING    a charge does not fit the connection's or the server's budget
+ *              (daemon/budget.h): the socket is not read until memory is released
+ *   CLOSING    no more frames are read (fatal frame error, peer EOF): the connection
+ *              closes once every received request is answered and written
  *
  * connection_advance() in connection.c is the one function that moves a connection
- * between the reading states. A complete frame goes to the owner's frame hook (the
- * server hands it to the dispatcher); the connection knows nothing of methods.
+ * between the reading states. Nothing large is allocated before it is charged, and
+ * nothing is charged for a frame the owner refuses from its meta.
+ *
+ * One timer watches three deadlines: idle (nothing in flight for idle_timeout_ms), frame
+ * (a frame started and not finished within frame_timeout_ms: a trickling sender) and
+ * write (answers waiting to be written made no progress for write_timeout_ms: a peer
+ * that does not read). Each closes the connection and releases what it held. A draining
+ * connection keeps reading so that late requests get an answer (the owner answers them
+ * UNAVAILABLE) and closes once it has been quiet for its linger.
  *
  * A connection is reference-counted: the open handles, every request received and not
  * yet answered, and every write in progress hold one, so a request finishing on a
@@ -32,6 +45,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "daemon/budget.h"
 #include "lib/base/log.h"
 #include "lib/base/status.h"
 #include "proto/frame.h"
@@ -45,21 +59,46 @@ typedef struct em_connection em_connection;
  * may rewrite the limits between frames (reload). */
 typedef struct em_connection_settings {
     em_frame_limits frame_limits;
-    uint64_t inflight_budget; /* bytes of requests + responses before reading stops */
-    uint32_t idle_timeout_ms; /* 0: never */
+    uint64_t inflight_budget;   /* bytes of requests + answers before reading stops */
+    uint32_t idle_timeout_ms;   /* 0: never */
+    uint32_t frame_timeout_ms;  /* 0: never */
+    uint32_t write_timeout_ms;  /* 0: never */
+    uint32_t drain_linger_ms;   /* quiet time before a draining connection closes */
+    em_memory_budget *memory;   /* the server's budget */
 } em_connection_settings;
 
+/* Why a timer closed a connection. */
+typedef enum em_connection_timeout {
+    EM_CONNECTION_TIMEOUT_IDLE,
+    EM_CONNECTION_TIMEOUT_FRAME,
+    EM_CONNECTION_TIMEOUT_WRITE,
+} em_connection_timeout;
+
 typedef struct em_connection_hooks {
-    /* A complete frame: takes ownership of message (meta + body) and attachment; charged
-     * bytes are in the connection's budget until released by whoever holds them. */
-    void (*frame)(void *context, em_connection *connection, const em_frame_header *frame,
-                  uint8_t *message, uint8_t *attachment, uint64_t charged);
+    /* The RpcMeta of a frame arrived (meta is the owner's to free). Returns the request
+     * the body belongs to, or NULL when the frame was answered (or the connection
+     * failed) from its meta alone: its body and attachment are then skipped. */
+    void *(*meta)(void *context, em_connection *connection, const em_frame_header *frame,
+                  uint8_t *meta);
+    /* The body arrived (the owner's to free). Returns false when the request was
+     * answered from it (the attachment is skipped); otherwise *answer_bytes is the most
+     * its answer will hold, charged with the attachment before it is read. */
+    bool (*body)(void *context, em_connection *connection, const em_frame_header *frame,
+                 void *request, uint8_t *body, uint64_t *answer_bytes);
+    /* The attachment arrived: the request runs. charged bytes stay in the budgets until
+     * its answer is sent (em_connection_send) or given back (em_connection_release). */
+    void (*frame)(void *context, em_connection *connection, void *request,
+                  uint8_t *attachment, uint64_t charged);
+    /* A request whose frame will not complete (the connection closed mid-frame). */
+    void (*abandon)(void *context, void *request);
     /* The socket is closed (the connection may live on while requests finish). */
     void (*closed)(void *context, em_connection *connection);
-    /* Counters: bytes read, bytes written, frames refused while reading. */
+    /* Counters: bytes read, bytes written, frames refused while reading, timeouts, waits
+     * for memory. */
     void (*bytes_in)(void *context, uint64_t bytes);
     void (*bytes_out)(void *context, uint64_t bytes);
     void (*frame_rejected)(void *context);
+    void (*timed_out)(void *context, em_connection_timeout which);
     void *context;
 } em_connection_hooks;
 
@@ -81,18 +120,25 @@ void em_connection_close(em_connection *connection);
 /* Stops reading frames; what was received is still answered, then it closes. */
 void em_connection_begin_closing(em_connection *connection);
 
+/* The server is draining: frames are still read (and answered by the owner), and the
+ * connection closes once nothing is in flight and no frame arrived for the linger. */
+void em_connection_drain(em_connection *connection);
+
+/* Resumes the connections of budget that wait for memory and now fit, oldest first
+ * (the owner calls it when the budget schedules a wake). */
+void em_connection_wake_waiting(em_memory_budget *budget);
+
 /* Answers one error frame and closes the connection once everything is written. */
 void em_connection_fail(em_connection *connection, uint64_t correlation_id, int method,
                         em_status status, const char *message);
 
 /* Sends a response frame (header + meta + body) and an optional attachment; takes
- * ownership of both buffers (attachment freed with free()). charged bytes are released
- * from the in-flight budget when the write completes. */
+ * ownership of both buffers (attachment freed with free()). The request's charged
+ * bytes are given back and the answer's own bytes are charged until it is written. */
 void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_length,
                         void *attachment, size_t attachment_length, uint64_t charged);
 
-/* Gives back bytes of the budget that nothing will write (a refused request); reading
- * resumes with the next write that completes. */
+/* Gives back charged bytes that nothing will write (a request answered without them). */
 void em_connection_release(em_connection *connection, uint64_t charged);
 
 /* True when responses can still be written to the peer. */

@@ -1,9 +1,13 @@
 #include "daemon/daemon_config.h"
 
+#include <errno.h>
+#include <inttypes.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "daemon/address.h"
 
@@ -27,23 +31,61 @@ static em_status token_from_text(const char *text, size_t length, em_token *toke
     return EM_OK;
 }
 
+/* Reads a token file: opened without following a symbolic link, checked on the open
+ * descriptor (a regular file only its owner can read: mode 0600 or 0400), then read. */
+static em_status read_token_file(const char *file, char *text, size_t capacity,
+                                 const char *path, em_error *err)
+{
+    int fd = open(file, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) {
+        int saved = errno;
+        return em_error_set(err, saved == ENOENT ? EM_NOT_FOUND : EM_PERMISSION_DENIED,
+                            "%s: cannot open token file '%s': %s%s", path, file,
+                            strerror(saved),
+                            saved == ELOOP ? " (token files may not be symbolic links)" : "");
+    }
+    struct stat info;
+    em_status status = EM_OK;
+    if (fstat(fd, &info) != 0)
+        status = em_error_set(err, EM_PERMISSION_DENIED, "%s: cannot stat token file '%s': %s",
+                              path, file, strerror(errno));
+    else if (!S_ISREG(info.st_mode))
+        status = em_error_set(err, EM_INVALID_ARGUMENT,
+                              "%s: token file '%s' is not a regular file", path, file);
+    else if ((info.st_mode & 07777) != 0600 && (info.st_mode & 07777) != 0400)
+        status = em_error_set(err, EM_PERMISSION_DENIED,
+                              "%s: token file '%s' has mode %04o; only its owner may read it "
+                              "(chmod 600 or 400)",
+                              path, file, (unsigned)(info.st_mode & 07777));
+    else if ((uint64_t)info.st_size >= capacity)
+        status = em_error_set(err, EM_INVALID_ARGUMENT,
+                              "%s: token file '%s' is %lld bytes; at most %zu", path, file,
+                              (long long)info.st_size, capacity - 1);
+    size_t length = 0;
+    while (status == EM_OK && length < capacity - 1) {
+        ssize_t got = read(fd, text + length, capacity - 1 - length);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0)
+            status = em_error_set(err, EM_PERMISSION_DENIED, "%s: cannot read token file '%s': %s",
+                                  path, file, strerror(errno));
+        if (got <= 0)
+            break;
+        length += (size_t)got;
+    }
+    close(fd);
+    text[length] = '\0';
+    return status;
+}
+
 static em_status token_from_file(const char *file, em_token *token, const char *path,
                                  em_error *err)
 {
-    char *text = NULL;
-    em_status status = em_config_read_file(file, TOKEN_FILE_MAX_BYTES, &text, err);
-    if (status != EM_OK)
-        return em_error_prefix(err, "%s: ", path);
-    struct stat info;
-    if (stat(file, &info) == 0 && (info.st_mode & (S_IROTH | S_IWOTH)) != 0) {
-        free(text);
-        return em_error_set(err, EM_PERMISSION_DENIED,
-                            "%s: token file '%s' is readable or writable by others (mode "
-                            "%03o); restrict it, e.g. chmod 600", path, file,
-                            (unsigned)(info.st_mode & 0777));
-    }
-    status = token_from_text(text, strlen(text), token, path, err);
-    free(text);
+    char text[TOKEN_FILE_MAX_BYTES + 1];
+    em_status status = read_token_file(file, text, sizeof(text), path, err);
+    if (status == EM_OK)
+        status = token_from_text(text, strlen(text), token, path, err);
+    memset(text, 0, sizeof(text));
     snprintf(token->source, sizeof(token->source), "file %.*s", EM_ADDRESS_MAX, file);
     return status;
 }
@@ -84,11 +126,22 @@ static em_status parse_token(const cJSON *value, void *field, const char *path, 
                         key_path);
 }
 
+/* The secret itself is never printed: a file or variable is printed as it was given
+ * (so the printed configuration reads the same token again), an inline value as a
+ * placeholder. */
 static cJSON *print_token(const void *field)
 {
     const em_token *token = field;
-    /* The secret itself is never printed: only where it came from. */
-    return token->set ? cJSON_CreateString(token->source) : NULL;
+    if (!token->set)
+        return NULL;
+    cJSON *object = cJSON_CreateObject();
+    if (strncmp(token->source, "file ", 5) == 0)
+        cJSON_AddStringToObject(object, "file", token->source + 5);
+    else if (strncmp(token->source, "env ", 4) == 0)
+        cJSON_AddStringToObject(object, "env", token->source + 4);
+    else
+        cJSON_AddStringToObject(object, "value", EM_TOKEN_REDACTED);
+    return object;
 }
 
 /* ---- tables ------------------------------------------------------------------------ */
@@ -196,12 +249,44 @@ static const em_config_field limits_fields[] = {
           "requests and responses one connection may hold; past it the server stops reading it"),
     LIMIT("idle_timeout_ms", idle_timeout_ms, 0, 86400000, "300000",
           "close connections idle this long (0: never)"),
+    LIMIT("max_admin_connections", max_admin_connections, 1, 65536, "16",
+          "connections the admin listener serves at once, apart from max_connections"),
+    LIMIT("memory_bytes", memory_bytes, 0, 1125899906842624.0, "0",
+          "memory all connections may hold for requests and unwritten answers; past it the "
+          "server stops reading until answers drain (0: a quarter of physical memory)"),
+    LIMIT("frame_timeout_ms", frame_timeout_ms, 0, 86400000, "60000",
+          "close a connection whose frame is not complete this long after it began (0: never)"),
+    LIMIT("write_timeout_ms", write_timeout_ms, 0, 86400000, "60000",
+          "close a connection whose answers make no progress this long (0: never)"),
+    LIMIT("drain_linger_ms", drain_linger_ms, 0, 60000, "200",
+          "when draining, close a connection once it has been quiet this long"),
 };
+
+/* limits.memory_bytes 0 is a quarter of physical memory (resolved when read, so the
+ * printed configuration says the number in force). */
+static em_status check_limits(void *target, const cJSON *json, const char *path, em_error *err)
+{
+    (void)json;
+    em_limits_config *limits = target;
+    if (limits->memory_bytes == 0) {
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        uint64_t physical = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page
+                                                  : UINT64_C(4) << 30;
+        limits->memory_bytes = physical / 4;
+    }
+    if (limits->memory_bytes < EM_MEMORY_BUDGET_MIN)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s%smemory_bytes: %" PRIu64 " is below the minimum %u", path,
+                            path[0] != '\0' ? "." : "", limits->memory_bytes,
+                            EM_MEMORY_BUDGET_MIN);
+    return EM_OK;
+}
 
 static const em_config_schema limits_schema = {
     .name = "limits",
     .fields = limits_fields,
     .field_count = sizeof(limits_fields) / sizeof(limits_fields[0]),
+    .check = check_limits,
 };
 
 static const em_config_choice backend_choices[] = {
@@ -242,10 +327,20 @@ static cJSON *print_gpus(const void *field)
     return array;
 }
 
+static const char *const cuda_only[] = {"gpus", "memory_fraction", "lanes", "staging_bytes"};
+
+static bool backend_applies(const void *target, const em_config_field *field)
+{
+    const em_backend_config *config = target;
+    for (size_t i = 0; config->type == EM_BACKEND_CPU && i < 4; i++)
+        if (strcmp(field->name, cuda_only[i]) == 0)
+            return false;
+    return true;
+}
+
 static em_status check_backend(void *target, const cJSON *json, const char *path, em_error *err)
 {
     const em_backend_config *config = target;
-    static const char *const cuda_only[] = {"gpus", "memory_fraction", "lanes", "staging_bytes"};
     for (size_t i = 0; config->type == EM_BACKEND_CPU && i < 4; i++) {
         if (cJSON_GetObjectItemCaseSensitive(json, cuda_only[i]) != NULL) {
             char key_path[128];
@@ -293,6 +388,7 @@ static const em_config_schema backend_schema = {
     .fields = backend_fields,
     .field_count = sizeof(backend_fields) / sizeof(backend_fields[0]),
     .check = check_backend,
+    .applies = backend_applies,
 };
 
 static const em_config_choice log_level_choices[] = {
@@ -331,6 +427,9 @@ static const em_config_field daemon_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "log_level", em_daemon_config, log_level),
      .flags = EM_CONFIG_RELOADABLE, .choices = log_level_choices, .default_json = "\"info\"",
      .help = "error, warning, notice, info or debug"},
+    {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "insecure", em_daemon_config, insecure),
+     .default_json = "false",
+     .help = "let a listener reachable from other hosts run without TLS or a data token"},
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "drain_timeout_ms", em_daemon_config, drain_timeout_ms),
      .flags = EM_CONFIG_UNSIGNED | EM_CONFIG_RELOADABLE, .min = 0, .max = 3600000,
      .default_json = "30000",

@@ -9,13 +9,16 @@
  *     "listen":  {"data": "127.0.0.1:7070", "admin": "127.0.0.1:7071"},
  *     "limits":  {"max_body_bytes": 67108864, "max_attachment_bytes": 1073741824,
  *                 "max_connections": 1024, "max_keys_per_request": 4194304,
- *                 "connection_inflight_bytes": 268435456, "idle_timeout_ms": 300000, ...},
+ *                 "connection_inflight_bytes": 268435456, "idle_timeout_ms": 300000,
+ *                 "memory_bytes": 0 (a quarter of RAM), "max_admin_connections": 16,
+ *                 "frame_timeout_ms": 60000, "write_timeout_ms": 60000, ...},
  *     "backend": {"type": "cpu", "devices": 1, "threads": 0, "memory_limit_bytes": 0},
  *                 (cuda: "gpus": [0, 1], "memory_fraction": 0.8, "lanes": 2),
  *     "tables":  [ {table config, lib/table/table_config.h}, ... ],
  *     "admin_token": {"value": "..."} | {"file": "/etc/ember/admin.token"} | {"env": "NAME"},
  *     "data_token":  same forms (optional),
  *     "log_level": "info",
+ *     "insecure": false,
  *     "drain_timeout_ms": 30000
  *   }
  *
@@ -36,6 +39,8 @@
 #define EM_ADDRESS_MAX 128
 #define EM_TOKEN_MAX 256
 #define EM_DAEMON_CONFIG_MAX_BYTES (16u << 20)
+/* What a printed configuration shows for an inline token. */
+#define EM_TOKEN_REDACTED "(redacted)"
 
 typedef struct em_token {
     bool set;
@@ -57,7 +62,15 @@ typedef struct em_limits_config {
     uint64_t max_response_bytes;
     uint64_t connection_inflight_bytes;
     uint32_t idle_timeout_ms;
+    uint32_t max_admin_connections;
+    uint64_t memory_bytes; /* resolved: never 0 after parsing */
+    uint32_t frame_timeout_ms;
+    uint32_t write_timeout_ms;
+    uint32_t drain_linger_ms;
 } em_limits_config;
+
+/* The smallest memory budget a configuration may set. */
+#define EM_MEMORY_BUDGET_MIN (1u << 20)
 
 typedef enum em_backend_type {
     EM_BACKEND_AUTO = 0,
@@ -98,6 +111,7 @@ typedef struct em_daemon_config {
     em_token admin_token;
     em_token data_token;
     int log_level; /* em_log_level */
+    bool insecure;  /* non-loopback listeners without TLS or data token allowed */
     uint32_t drain_timeout_ms;
 } em_daemon_config;
 

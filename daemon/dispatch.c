@@ -61,7 +61,6 @@ static void free_request(em_request *request)
 {
     if (request->body != NULL)
         protobuf_c_message_free_unpacked(request->body, NULL);
-    free(request->message);
     free(request->attachment);
     free(request->response_frame);
     free(request->response_attachment);
@@ -262,11 +261,16 @@ static em_status authorize(const em_method_info *info, const Ember__RpcMeta *met
     return em_error_set(err, EM_INTERNAL, "%s has no access rule", info->name);
 }
 
-/* ---- decoding ------------------------------------------------------------------------ */
+/* ---- decoding, stage by stage ------------------------------------------------------- */
+
+/* What a request holds besides its frame: the request itself and its decoded meta. */
+#define REQUEST_OVERHEAD_BYTES 1024u
+
+/* The most a method without a CSR payload answers with (tables, stats). */
+#define SMALL_ANSWER_BYTES (256u * 1024u)
 
 static em_request *new_request(em_connection *connection, const em_dispatch_settings *settings,
-                               uint8_t *message, uint8_t *attachment, uint64_t attachment_length,
-                               uint64_t charged)
+                               const em_frame_header *frame)
 {
     em_request *request = calloc(1, sizeof(*request));
     if (request == NULL)
@@ -275,36 +279,21 @@ static em_request *new_request(em_connection *connection, const em_dispatch_sett
     request->job.done = job_done;
     request->work.start = start_work;
     request->work.abandon = abandon_work;
-    request->work.charged = charged;
     request->connection = connection;
     request->context = settings->context;
-    request->message = message;
-    request->attachment = attachment;
-    request->attachment_length = attachment_length;
+    request->attachment_length = frame->attach_len;
     request->received_ms = em_monotonic_ms();
     request->max_keys_per_request = settings->max_keys_per_request;
     request->max_response_bytes = settings->max_response_bytes;
     return request;
 }
 
+/* A framing error: one error answer, then the connection closes. */
 static void reject_frame(const em_dispatch_settings *settings, em_connection *connection,
-                         uint8_t *message, uint8_t *attachment, uint64_t charged,
                          uint64_t correlation_id, int method, em_status status, const char *text)
 {
-    free(message);
-    free(attachment);
-    em_connection_release(connection, charged);
     atomic_fetch_add_explicit(&settings->context->stats.frames_rejected, 1, memory_order_relaxed);
     em_connection_fail(connection, correlation_id, method, status, text);
-}
-
-/* Decodes the body of a request whose meta decoded; false when it does not decode. */
-static bool decode_body(em_request *request, const em_frame_header *frame)
-{
-    const uint8_t *bytes = request->message + frame->meta_len;
-    request->body = protobuf_c_message_unpack(request->info->request, NULL,
-                                              (size_t)frame->body_len, bytes);
-    return request->body != NULL;
 }
 
 static void answer_now(em_request *request, em_connection *connection)
@@ -334,65 +323,142 @@ static uint64_t deadline_from(uint64_t received_ms, uint64_t deadline_ms)
     return received_ms + deadline_ms;
 }
 
-void em_dispatch_frame(const em_dispatch_settings *settings, em_connection *connection,
-                       const em_frame_header *frame, uint8_t *message, uint8_t *attachment,
-                       uint64_t charged)
+/* Refuses a request that could never fit the server's memory budget. */
+static em_status check_memory(const em_dispatch_settings *settings, const em_request *request,
+                              uint64_t bytes, const char *what, em_error *err)
+{
+    uint64_t limit = settings->memory->limit;
+    if (limit == 0 || bytes <= limit || em_connection_is_admin(request->connection))
+        return EM_OK;
+    atomic_fetch_add_explicit(&settings->context->stats.requests_refused_memory, 1,
+                              memory_order_relaxed);
+    return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                        "%s needs %" PRIu64 " bytes (%s), more than limits.memory_bytes %" PRIu64,
+                        request->info->name, bytes, what, limit);
+}
+
+/* Everything a frame is checked for before its body is read. */
+static em_status admit_meta(const em_dispatch_settings *settings, em_request *request,
+                            const Ember__RpcMeta *meta, const em_frame_header *frame,
+                            em_error *err)
+{
+    const em_method_info *info = request->info;
+    if (settings->draining) {
+        atomic_fetch_add_explicit(&settings->context->stats.requests_refused_draining, 1,
+                                  memory_order_relaxed);
+        return em_error_set(err, EM_UNAVAILABLE,
+                            "the server is draining (shutting down); send %s to another "
+                            "server or retry once it is back",
+                            info->name);
+    }
+    em_status status = authorize(info, meta, request->connection, settings, err);
+    if (status != EM_OK)
+        return status;
+    if (info->payload == EM_METHOD_PAYLOAD_NONE && frame->attach_len > 0)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s carries no attachment; the frame announces %" PRIu64 " bytes",
+                            info->name, frame->attach_len);
+    uint64_t bytes = EM_FRAME_HEADER_BYTES + (uint64_t)frame->meta_len + frame->body_len * 2 +
+                     frame->attach_len;
+    return check_memory(settings, request, bytes, "its frame", err);
+}
+
+em_request *em_dispatch_meta(const em_dispatch_settings *settings, em_connection *connection,
+                             const em_frame_header *frame, uint8_t *meta_bytes)
 {
     if (close_instead(settings)) {
-        free(message);
-        free(attachment);
-        em_connection_release(connection, charged);
+        free(meta_bytes);
         em_connection_close(connection);
-        return;
+        return NULL;
     }
-    Ember__RpcMeta *meta = ember__rpc_meta__unpack(NULL, frame->meta_len, message);
+    Ember__RpcMeta *meta = ember__rpc_meta__unpack(NULL, frame->meta_len, meta_bytes);
+    free(meta_bytes);
     if (meta == NULL) {
-        reject_frame(settings, connection, message, attachment, charged, 0, 0,
-                     EM_INVALID_ARGUMENT, "the frame's RpcMeta could not be decoded");
-        return;
+        reject_frame(settings, connection, 0, 0, EM_INVALID_ARGUMENT,
+                     "the frame's RpcMeta could not be decoded");
+        return NULL;
     }
     uint64_t correlation_id = meta->correlation_id;
     int method = (int)meta->method;
-    em_request *request = new_request(connection, settings, message, attachment,
-                                      frame->attach_len, charged);
+    em_request *request = new_request(connection, settings, frame);
     if (request == NULL) {
         ember__rpc_meta__free_unpacked(meta, NULL);
-        reject_frame(settings, connection, message, attachment, charged, correlation_id, method,
-                     EM_RESOURCE_EXHAUSTED, "out of memory for the request");
-        return;
+        reject_frame(settings, connection, correlation_id, method, EM_RESOURCE_EXHAUSTED,
+                     "out of memory for the request");
+        return NULL;
     }
     request->correlation_id = correlation_id;
     request->method = method;
     request->info = em_method_find(method);
+    em_status status = EM_OK;
     if (request->info == NULL) {
-        em_error_set(&request->error, EM_UNIMPLEMENTED, "method %d is not served by this server",
-                     method);
-        ember__rpc_meta__free_unpacked(meta, NULL);
-        answer_now(request, connection);
-        return;
+        status = em_error_set(&request->error, EM_UNIMPLEMENTED,
+                              "method %d is not served by this server", method);
+    } else {
+        request->work.write = request->info->ordering == EM_METHOD_ORDERING_WRITE;
+        request->deadline_ms = deadline_from(request->received_ms, meta->deadline_ms);
+        status = admit_meta(settings, request, meta, frame, &request->error);
     }
-    const em_method_info *info = request->info;
-    request->work.write = info->ordering == EM_METHOD_ORDERING_WRITE;
-    request->deadline_ms = deadline_from(request->received_ms, meta->deadline_ms);
-    em_status status = authorize(info, meta, connection, settings, &request->error);
     ember__rpc_meta__free_unpacked(meta, NULL);
-    if (!decode_body(request, frame)) {
+    if (status != EM_OK) {
+        answer_now(request, connection);
+        return NULL;
+    }
+    return request;
+}
+
+bool em_dispatch_body(const em_dispatch_settings *settings, em_request *request,
+                      const em_frame_header *frame, uint8_t *body, uint64_t *answer_bytes)
+{
+    em_connection *connection = request->connection;
+    const em_method_info *info = request->info;
+    request->body = protobuf_c_message_unpack(info->request, NULL, (size_t)frame->body_len, body);
+    free(body);
+    if (request->body == NULL) {
         char text[128];
         snprintf(text, sizeof(text), "the %s body (%" PRIu64 " bytes) could not be decoded",
                  info->name, frame->body_len);
-        request->message = NULL;
-        request->attachment = NULL;
+        uint64_t correlation_id = request->correlation_id;
+        int method = request->method;
         free_request(request);
-        reject_frame(settings, connection, message, attachment, charged, correlation_id, method,
-                     EM_INVALID_ARGUMENT, text);
-        return;
+        reject_frame(settings, connection, correlation_id, method, EM_INVALID_ARGUMENT, text);
+        return false;
     }
-    if (status != EM_OK || info->ordering == EM_METHOD_ORDERING_LOOP) {
-        if (status == EM_OK)
-            info->handler(request, &request->error);
+    uint64_t answer = SMALL_ANSWER_BYTES;
+    em_status status = EM_OK;
+    if (info->admit != NULL)
+        status = info->admit(request, frame->attach_len, &answer, &request->error);
+    if (status == EM_OK) {
+        answer += REQUEST_OVERHEAD_BYTES;
+        status = check_memory(settings, request, frame->attach_len + answer,
+                              "its attachment and the most its answer can hold",
+                              &request->error);
+    }
+    if (status != EM_OK) {
+        answer_now(request, connection);
+        return false;
+    }
+    *answer_bytes = answer;
+    return true;
+}
+
+void em_dispatch_frame(const em_dispatch_settings *settings, em_connection *connection,
+                       em_request *request, uint8_t *attachment, uint64_t charged)
+{
+    (void)settings;
+    request->attachment = attachment;
+    request->work.charged = charged;
+    const em_method_info *info = request->info;
+    if (info->ordering == EM_METHOD_ORDERING_LOOP) {
+        info->handler(request, &request->error);
         answer_now(request, connection);
         return;
     }
     em_connection_request_received(connection);
     em_connection_enqueue(connection, &request->work);
+}
+
+void em_dispatch_abandon(em_request *request)
+{
+    free_request(request);
 }

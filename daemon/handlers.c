@@ -72,6 +72,92 @@ static em_status combiner_of(int wire, em_combiner *out, em_error *err)
     return status;
 }
 
+/* ---- admission (loop thread, before the attachment is read) ------------------------- */
+
+/* The table's dim, or EM_TABLE_DIM_MAX when the table does not exist yet (an earlier
+ * request of the connection may create it): the answer is then charged at its most. */
+static uint32_t admitted_dim(const em_request *request, const char *name, bool *known)
+{
+    em_catalog *catalog = request->context->catalog;
+    em_table *table = NULL;
+    em_error ignored;
+    *known = em_catalog_acquire(catalog, name, &table, &ignored) == EM_OK;
+    if (!*known)
+        return EM_TABLE_DIM_MAX;
+    uint32_t dim = em_table_dim(table);
+    em_catalog_release(catalog, table);
+    return dim;
+}
+
+/* The attachment's announced length against the layout the body describes; what
+ * names the request in messages ("push to table 't' (dim 4)"). */
+static em_status admit_batch(const em_request *request, const char *what, uint32_t rows,
+                             uint64_t nnz, uint64_t gradient_floats, uint64_t attachment_length,
+                             em_error *err)
+{
+    if (nnz > request->max_keys_per_request)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "%s of %" PRIu64 " keys exceeds max_keys_per_request %" PRIu64, what,
+                            nnz, request->max_keys_per_request);
+    em_csr_attachment layout;
+    em_status status = em_csr_attachment_layout(rows, nnz, gradient_floats, &layout, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "%s: ", what);
+    if (attachment_length != layout.total)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s: %s attachment is %" PRIu64 " bytes; rows=%" PRIu32
+                            " nnz=%" PRIu64 "%s need %" PRIu64 " (offsets %" PRIu64
+                            ", keys at %" PRIu64 "%s)",
+                            what, em_method_name(request->method), attachment_length, rows, nnz,
+                            gradient_floats > 0 ? " with their gradients" : "", layout.total,
+                            ((uint64_t)rows + 1) * 4, layout.keys_at,
+                            gradient_floats > 0 ? ", gradients after the keys" : "");
+    return EM_OK;
+}
+
+em_status em_admit_pull(em_request *request, uint64_t attachment_length, uint64_t *answer_bytes,
+                        em_error *err)
+{
+    const Ember__PullRequest *body = (const Ember__PullRequest *)request->body;
+    char what[EM_TABLE_NAME_MAX + 64];
+    snprintf(what, sizeof(what), "pull from table '%s'", body->table);
+    em_status status = admit_batch(request, what, body->rows, body->nnz, 0, attachment_length,
+                                   err);
+    if (status != EM_OK)
+        return status;
+    bool known = false;
+    uint64_t dim = admitted_dim(request, body->table, &known);
+    uint64_t vectors = body->combiner == EMBER__COMBINER__NONE ? body->nnz : body->rows;
+    uint64_t bytes = vectors * dim * sizeof(float);
+    if (known && bytes > request->max_response_bytes)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "pull from table '%s' would answer %" PRIu64
+                            " bytes, more than max_response_bytes %" PRIu64,
+                            body->table, bytes, request->max_response_bytes);
+    *answer_bytes = bytes < request->max_response_bytes ? bytes : request->max_response_bytes;
+    return EM_OK;
+}
+
+em_status em_admit_push(em_request *request, uint64_t attachment_length, uint64_t *answer_bytes,
+                        em_error *err)
+{
+    const Ember__PushRequest *body = (const Ember__PushRequest *)request->body;
+    *answer_bytes = 0;
+    bool known = false;
+    uint64_t dim = admitted_dim(request, body->table, &known);
+    if (!known) /* the handler checks the attachment once the table exists */
+        return EM_OK;
+    uint64_t vectors = body->combiner == EMBER__COMBINER__NONE ? body->nnz : body->rows;
+    if (vectors > UINT64_MAX / dim)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "push to table '%s': %" PRIu64 " vectors of dim %" PRIu64
+                            " overflow 64 bits", body->table, vectors, dim);
+    char what[EM_TABLE_NAME_MAX + 64];
+    snprintf(what, sizeof(what), "push to table '%s' (dim %" PRIu64 ")", body->table, dim);
+    return admit_batch(request, what, body->rows, body->nnz, vectors * dim, attachment_length,
+                       err);
+}
+
 /* ---- pull and push ------------------------------------------------------------------- */
 
 static em_status pull_table(em_request *request, em_table *table, const void *untyped_body,

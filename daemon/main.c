@@ -46,6 +46,7 @@ typedef struct daemon_options {
     const char *config_path;
     const char *listen_file;
     bool check_only;
+    bool print_config;
 } daemon_options;
 
 static int list_devices(void);
@@ -55,12 +56,14 @@ static int list_devices(void);
 static void print_usage(FILE *out)
 {
     fprintf(out,
-            "usage: emberd [--config FILE] [--check-config] [--listen-file FILE]\n"
+            "usage: emberd [--config FILE] [--check-config | --print-config] [--listen-file FILE]\n"
             "\n"
             "Serves sharded embedding tables over the ember protocol.\n"
             "\n"
             "  -c, --config FILE       configuration (default " DEFAULT_CONFIG_PATH ")\n"
             "      --check-config      validate the configuration and exit\n"
+            "      --print-config      print the configuration in force (defaults filled in,\n"
+            "                          inline tokens redacted) as JSON and exit\n"
             "      --listen-file FILE  once serving, write the bound addresses there as JSON\n"
             "      --list-devices      say which GPUs the cuda backend can use (exit 1: none)\n"
             "  -h, --help              show this help\n"
@@ -76,6 +79,7 @@ static int parse_arguments(int argc, char **argv, daemon_options *out)
     static const struct option long_options[] = {
         {"config", required_argument, NULL, 'c'},
         {"check-config", no_argument, NULL, 'k'},
+        {"print-config", no_argument, NULL, 'P'},
         {"listen-file", required_argument, NULL, 'l'},
         {"list-devices", no_argument, NULL, 'D'},
         {"help", no_argument, NULL, 'h'},
@@ -91,6 +95,9 @@ static int parse_arguments(int argc, char **argv, daemon_options *out)
             break;
         case 'k':
             out->check_only = true;
+            break;
+        case 'P':
+            out->print_config = true;
             break;
         case 'l':
             out->listen_file = optarg;
@@ -226,6 +233,21 @@ static int check_config(const daemon_options *options, const em_daemon_config *c
     return EXIT_OK;
 }
 
+/* The configuration in force, as JSON that parses to the same configuration. */
+static int print_config(const em_daemon_config *config)
+{
+    cJSON *json = em_config_to_json(&em_daemon_config_schema, config);
+    char *text = json != NULL ? cJSON_Print(json) : NULL;
+    cJSON_Delete(json);
+    if (text == NULL) {
+        fprintf(stderr, "emberd: out of memory printing the configuration\n");
+        return EXIT_RUNTIME;
+    }
+    printf("%s\n", text);
+    cJSON_free(text);
+    return EXIT_OK;
+}
+
 /* Creates the daemon, runs it until it has drained; the exit code. */
 static int serve(const daemon_options *options, const em_daemon_config *config)
 {
@@ -273,7 +295,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "emberd: %s\n", err.message);
         return EXIT_USAGE;
     }
-    if (options.check_only)
+    if (options.print_config)
+        code = print_config(&config);
+    else if (options.check_only)
         code = check_config(&options, &config);
     else
         code = serve(&options, &config);

@@ -13,6 +13,10 @@
  *   ordering  LOOP: cheap and lock-free, answered on the loop thread; READ: runs on a
  *             worker alongside the connection's other reads; WRITE: runs on a worker
  *             alone in the connection's order (daemon/connection.h)
+ *   payload   NONE: the frame carries no attachment; CSR: it carries a CSR batch, and
+ *             em_admit_<name> (daemon/handlers.c) checks its length and says how large
+ *             the answer will be once the body is decoded, before the attachment is
+ *             read or anything is allocated for it
  *
  * The dispatch table, the handler declarations and the per-method counter slots are
  * generated from it, so adding a method is one row here, one handler, and its messages
@@ -24,20 +28,21 @@
 #include <protobuf-c/protobuf-c.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "lib/base/status.h"
 #include "proto/ember.pb-c.h"
 
-/* X(METHOD, name, listener, access, ordering) */
+/* X(METHOD, name, listener, access, ordering, payload) */
 #define EM_METHODS(X)                                                                         \
-    X(PULL, pull, ANY, DATA, READ)                                                            \
-    X(PUSH, push, ANY, DATA, WRITE)                                                           \
-    X(PING, ping, ANY, OPEN, LOOP)                                                            \
-    X(HEALTH, health, ANY, OPEN, LOOP)                                                        \
-    X(CREATE_TABLE, create_table, ADMIN, ADMIN, WRITE)                                        \
-    X(DROP_TABLE, drop_table, ADMIN, ADMIN, WRITE)                                            \
-    X(LIST_TABLES, list_tables, ADMIN, ADMIN, READ)                                           \
-    X(STATS, stats, ADMIN, ADMIN, READ)
+    X(PULL, pull, ANY, DATA, READ, CSR)                                                       \
+    X(PUSH, push, ANY, DATA, WRITE, CSR)                                                      \
+    X(PING, ping, ANY, OPEN, LOOP, NONE)                                                      \
+    X(HEALTH, health, ANY, OPEN, LOOP, NONE)                                                  \
+    X(CREATE_TABLE, create_table, ADMIN, ADMIN, WRITE, NONE)                                  \
+    X(DROP_TABLE, drop_table, ADMIN, ADMIN, WRITE, NONE)                                      \
+    X(LIST_TABLES, list_tables, ADMIN, ADMIN, READ, NONE)                                     \
+    X(STATS, stats, ADMIN, ADMIN, READ, NONE)
 
 typedef enum em_method_listener {
     EM_METHOD_LISTENER_ANY,
@@ -58,14 +63,23 @@ typedef enum em_method_ordering {
 
 /* Slots: indices of the table below, for per-method counters. */
 typedef enum em_method_slot {
-#define EM_METHOD_SLOT(METHOD, name, listener, access, ordering) EM_METHOD_SLOT_##METHOD,
+#define EM_METHOD_SLOT(METHOD, name, listener, access, ordering, payload) EM_METHOD_SLOT_##METHOD,
     EM_METHODS(EM_METHOD_SLOT)
 #undef EM_METHOD_SLOT
     EM_METHOD_COUNT
 } em_method_slot;
 
+typedef enum em_method_payload {
+    EM_METHOD_PAYLOAD_NONE,
+    EM_METHOD_PAYLOAD_CSR,
+} em_method_payload;
+
 typedef struct em_request em_request;
 typedef em_status (*em_method_handler)(em_request *request, em_error *err);
+/* Checks a decoded request against the attachment length its frame announced and
+ * sets *answer_bytes to the most its answer will hold (loop thread). */
+typedef em_status (*em_method_admit)(em_request *request, uint64_t attachment_length,
+                                     uint64_t *answer_bytes, em_error *err);
 
 typedef struct em_method_info {
     Ember__Method method;
@@ -73,6 +87,8 @@ typedef struct em_method_info {
     em_method_listener listener;
     em_method_access access;
     em_method_ordering ordering;
+    em_method_payload payload;
+    em_method_admit admit; /* CSR payloads only */
     const ProtobufCMessageDescriptor *request;
     const ProtobufCMessageDescriptor *response;
     em_method_handler handler;
@@ -86,9 +102,21 @@ const em_method_info *em_method_find(int method);
 
 /* Handlers (daemon/handlers.c): run on a worker (or the loop for LOOP methods), fill in
  * the response with em_request_respond, return an error naming what was wrong. */
-#define EM_METHOD_HANDLER(METHOD, name, listener, access, ordering)                          \
+#define EM_METHOD_HANDLER(METHOD, name, listener, access, ordering, payload)                 \
     em_status em_handle_##name(em_request *request, em_error *err);
 EM_METHODS(EM_METHOD_HANDLER)
 #undef EM_METHOD_HANDLER
+
+/* Admission checks of the methods whose payload is CSR (daemon/handlers.c). */
+#define EM_METHOD_ADMIT_NONE(name) NULL
+#define EM_METHOD_ADMIT_CSR(name) em_admit_##name
+#define EM_METHOD_ADMIT_DECLARE_NONE(name)
+#define EM_METHOD_ADMIT_DECLARE_CSR(name)                                                     \
+    em_status em_admit_##name(em_request *request, uint64_t attachment_length,                \
+                              uint64_t *answer_bytes, em_error *err);
+#define EM_METHOD_ADMIT_DECLARE(METHOD, name, listener, access, ordering, payload)            \
+    EM_METHOD_ADMIT_DECLARE_##payload(name)
+EM_METHODS(EM_METHOD_ADMIT_DECLARE)
+#undef EM_METHOD_ADMIT_DECLARE
 
 #endif

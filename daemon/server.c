@@ -21,7 +21,11 @@ struct em_server {
     em_dispatch_settings settings;
     em_connection_settings connection_settings;
     em_connection_hooks hooks;
+    em_memory_budget memory;
+    uv_timer_t wake_timer; /* runs the budget's wakes on the next loop turn */
     uint32_t max_connections;
+    uint32_t max_admin_connections;
+    bool insecure;
 
     uv_tcp_t listeners[LISTENER_COUNT];
     bool listener_open[LISTENER_COUNT];
@@ -29,7 +33,8 @@ struct em_server {
     char bound[LISTENER_COUNT][EM_ADDRESS_MAX];
 
     em_connection *connections;
-    uint32_t connection_count;
+    uint32_t connection_count;       /* data and admin */
+    uint32_t admin_connection_count; /* admin */
 
     bool draining, drain_reported;
     uv_timer_t drain_timer;
@@ -45,11 +50,61 @@ static void check_drained(em_server *server);
 
 /* ---- what connections report ---------------------------------------------------------- */
 
-static void on_frame(void *context, em_connection *connection, const em_frame_header *frame,
-                     uint8_t *message, uint8_t *attachment, uint64_t charged)
+static void *on_meta(void *context, em_connection *connection, const em_frame_header *frame,
+                     uint8_t *meta)
 {
     em_server *server = context;
-    em_dispatch_frame(&server->settings, connection, frame, message, attachment, charged);
+    return em_dispatch_meta(&server->settings, connection, frame, meta);
+}
+
+static bool on_body(void *context, em_connection *connection, const em_frame_header *frame,
+                    void *request, uint8_t *body, uint64_t *answer_bytes)
+{
+    em_server *server = context;
+    (void)connection;
+    return em_dispatch_body(&server->settings, request, frame, body, answer_bytes);
+}
+
+static void on_frame(void *context, em_connection *connection, void *request,
+                     uint8_t *attachment, uint64_t charged)
+{
+    em_server *server = context;
+    em_dispatch_frame(&server->settings, connection, request, attachment, charged);
+}
+
+static void on_abandon(void *context, void *request)
+{
+    (void)context;
+    em_dispatch_abandon(request);
+}
+
+static void on_timed_out(void *context, em_connection_timeout which)
+{
+    em_server *server = context;
+    em_server_stats *stats = &server->context->stats;
+    switch (which) {
+    case EM_CONNECTION_TIMEOUT_IDLE:
+        atomic_fetch_add_explicit(&stats->timeouts_idle, 1, memory_order_relaxed);
+        return;
+    case EM_CONNECTION_TIMEOUT_FRAME:
+        atomic_fetch_add_explicit(&stats->timeouts_frame, 1, memory_order_relaxed);
+        return;
+    case EM_CONNECTION_TIMEOUT_WRITE:
+        atomic_fetch_add_explicit(&stats->timeouts_write, 1, memory_order_relaxed);
+        return;
+    }
+}
+
+static void on_wake(uv_timer_t *timer)
+{
+    em_server *server = timer->data;
+    em_connection_wake_waiting(&server->memory);
+}
+
+static void schedule_wake(void *context)
+{
+    em_server *server = context;
+    uv_timer_start(&server->wake_timer, on_wake, 0, 0);
 }
 
 static void on_connection_closed(void *context, em_connection *connection)
@@ -58,6 +113,10 @@ static void on_connection_closed(void *context, em_connection *connection)
     em_connection_unlink(&server->connections, connection);
     server->connection_count--;
     atomic_fetch_sub(&server->context->stats.connections_current, 1);
+    if (em_connection_is_admin(connection)) {
+        server->admin_connection_count--;
+        atomic_fetch_sub(&server->context->stats.admin_connections_current, 1);
+    }
     check_drained(server);
 }
 
@@ -92,8 +151,15 @@ static void apply_config(em_server *server, const em_daemon_config *config)
         },
         .inflight_budget = limits->connection_inflight_bytes,
         .idle_timeout_ms = limits->idle_timeout_ms,
+        .frame_timeout_ms = limits->frame_timeout_ms,
+        .write_timeout_ms = limits->write_timeout_ms,
+        .drain_linger_ms = limits->drain_linger_ms,
+        .memory = &server->memory,
     };
+    em_memory_budget_set_limit(&server->memory, limits->memory_bytes);
     server->max_connections = limits->max_connections;
+    server->max_admin_connections = limits->max_admin_connections;
+    server->insecure = config->insecure;
     server->settings.admin_token = config->admin_token;
     server->settings.data_token = config->data_token;
     server->settings.max_keys_per_request = limits->max_keys_per_request;
@@ -109,17 +175,23 @@ em_status em_server_create(uv_loop_t *loop, const em_daemon_config *config,
     server->loop = loop;
     server->context = context;
     server->settings.context = context;
+    server->settings.memory = &server->memory;
+    em_memory_budget_init(&server->memory, config->limits.memory_bytes, &context->stats,
+                          schedule_wake, server);
+    uv_timer_init(loop, &server->wake_timer);
+    server->wake_timer.data = server;
     snprintf(server->configured[LISTENER_DATA], EM_ADDRESS_MAX, "%s", config->listen.data);
     snprintf(server->configured[LISTENER_ADMIN], EM_ADDRESS_MAX, "%s", config->listen.admin);
     snprintf(server->settings.admin_address, EM_ADDRESS_MAX, "%s", config->listen.admin);
     apply_config(server, config);
-    server->hooks = (em_connection_hooks){.frame = on_frame, .closed = on_connection_closed,
+    server->hooks = (em_connection_hooks){.meta = on_meta, .body = on_body, .frame = on_frame,
+                                          .abandon = on_abandon, .closed = on_connection_closed,
                                           .bytes_in = count_bytes_in, .bytes_out = count_bytes_out,
                                           .frame_rejected = count_frame_rejected,
-                                          .context = server};
+                                          .timed_out = on_timed_out, .context = server};
     uv_timer_init(loop, &server->drain_timer);
     server->drain_timer.data = server;
-    server->open_handles = 1;
+    server->open_handles = 2; /* the drain and wake timers */
     *out = server;
     return EM_OK;
 }
@@ -147,6 +219,30 @@ static void link_connection(em_server *server, em_connection *connection)
     server->connection_count++;
     atomic_fetch_add(&server->context->stats.connections_current, 1);
     atomic_fetch_add(&server->context->stats.connections_total, 1);
+    if (em_connection_is_admin(connection)) {
+        server->admin_connection_count++;
+        atomic_fetch_add(&server->context->stats.admin_connections_current, 1);
+    }
+}
+
+/* Refuses a connection over its listener's limit: the data listener's and the admin
+ * listener's are separate, so data clients can never lock operators out. */
+static bool refuse_over_limit(em_server *server, em_connection *connection)
+{
+    bool admin = em_connection_is_admin(connection);
+    uint32_t count = admin ? server->admin_connection_count
+                           : server->connection_count - server->admin_connection_count;
+    uint32_t limit = admin ? server->max_admin_connections : server->max_connections;
+    if (count <= limit)
+        return false;
+    atomic_fetch_add(admin ? &server->context->stats.admin_connections_rejected
+                           : &server->context->stats.connections_rejected,
+                     1);
+    char message[128];
+    snprintf(message, sizeof(message), "the %s listener already serves %u connections (%s)",
+             admin ? "admin" : "data", limit, admin ? "max_admin_connections" : "max_connections");
+    em_connection_fail(connection, 0, 0, EM_RESOURCE_EXHAUSTED, message);
+    return true;
 }
 
 static void on_connection(uv_stream_t *listener, int status)
@@ -171,14 +267,7 @@ static void on_connection(uv_stream_t *listener, int status)
     em_connection_start(connection);
     em_log_debug(server->context->log, "connection from %s on the %s listener",
                  em_connection_peer(connection), admin ? "admin" : "data");
-    if (server->connection_count > server->max_connections) {
-        atomic_fetch_add(&server->context->stats.connections_rejected, 1);
-        char message[128];
-        snprintf(message, sizeof(message),
-                 "the server already serves %u connections (max_connections)",
-                 server->max_connections);
-        em_connection_fail(connection, 0, 0, EM_RESOURCE_EXHAUSTED, message);
-    }
+    refuse_over_limit(server, connection);
 }
 
 static em_status listen_on(em_server *server, int which, em_error *err)
@@ -201,10 +290,25 @@ static em_status listen_on(em_server *server, int which, em_error *err)
     int length = sizeof(address);
     uv_tcp_getsockname(listener, (struct sockaddr *)&address, &length);
     em_address_format((struct sockaddr *)&address, server->bound[which], EM_ADDRESS_MAX);
-    if (!em_address_is_loopback((struct sockaddr *)&address))
+    if (em_address_is_loopback((struct sockaddr *)&address))
+        return EM_OK;
+    /* Reachable from other hosts: data needs a token unless the config says otherwise. */
+    if (which == LISTENER_DATA && !server->settings.data_token.set) {
+        if (!server->insecure)
+            return em_error_set(err, EM_FAILED_PRECONDITION,
+                                "the data listener %s is reachable from other hosts and has "
+                                "no data_token: set one, listen on loopback, or set "
+                                "\"insecure\": true",
+                                server->bound[which]);
         em_log_warning(server->context->log,
-                       "the %s listener %s is reachable from other hosts", listener_names[which],
+                       "the data listener %s is reachable from other hosts without a token "
+                       "(\"insecure\": true)",
                        server->bound[which]);
+    }
+    em_log_warning(server->context->log,
+                   "the %s listener %s is reachable from other hosts; its tokens cross the "
+                   "network in plaintext",
+                   listener_names[which], server->bound[which]);
     return EM_OK;
 }
 
@@ -285,13 +389,12 @@ void em_server_drain(em_server *server, uint32_t timeout_ms,
                      void *context)
 {
     server->draining = true;
+    server->settings.draining = true;
     server->drained = drained;
     server->drained_context = context;
     close_listeners(server);
-    for (em_connection *c = server->connections, *next = NULL; c != NULL; c = next) {
-        next = em_connection_next(c);
-        em_connection_begin_closing(c);
-    }
+    for (em_connection *c = server->connections; c != NULL; c = em_connection_next(c))
+        em_connection_drain(c);
     uv_timer_start(&server->drain_timer, on_drain_timeout, timeout_ms, 0);
     check_drained(server);
 }
@@ -304,4 +407,5 @@ void em_server_close(em_server *server, void (*closed)(void *context), void *con
     close_all_connections(server);
     close_listeners(server);
     uv_close((uv_handle_t *)&server->drain_timer, on_server_handle_closed);
+    uv_close((uv_handle_t *)&server->wake_timer, on_server_handle_closed);
 }

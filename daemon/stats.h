@@ -35,7 +35,23 @@
     X(connections_rejected, COUNTER, NONE, "connections refused over max_connections")        \
     X(bytes_in, COUNTER, BYTES, "bytes read from clients")                                    \
     X(bytes_out, COUNTER, BYTES, "bytes written to clients")                                  \
-    X(frames_rejected, COUNTER, NONE, "frames that could not be parsed (connection closed)")
+    X(frames_rejected, COUNTER, NONE, "frames that could not be parsed (connection closed)")    \
+    X(admin_connections_current, GAUGE, NONE, "connections open on the admin listener now")   \
+    X(admin_connections_rejected, COUNTER, NONE,                                             \
+      "admin connections refused over max_admin_connections")                                 \
+    X(memory_limit_bytes, GAUGE, BYTES, "memory connections may hold (limits.memory_bytes)")  \
+    X(memory_used_bytes, GAUGE, BYTES, "bytes held now for requests and unwritten answers")   \
+    X(memory_peak_bytes, GAUGE, BYTES, "most bytes held at once since start")                 \
+    X(memory_waits, COUNTER, NONE, "times a connection stopped reading to wait for memory")   \
+    X(connections_waiting, GAUGE, NONE, "connections waiting for memory now")                 \
+    X(requests_refused_memory, COUNTER, NONE,                                                 \
+      "requests refused as larger than the whole memory budget")                              \
+    X(timeouts_idle, COUNTER, NONE, "connections closed after idle_timeout_ms")               \
+    X(timeouts_frame, COUNTER, NONE,                                                          \
+      "connections closed for a frame slower than frame_timeout_ms")                          \
+    X(timeouts_write, COUNTER, NONE,                                                          \
+      "connections closed when their answers made no progress for write_timeout_ms")          \
+    X(requests_refused_draining, COUNTER, NONE, "requests answered UNAVAILABLE while draining")
 
 /* X(name, kind, unit, help): per method. */
 #define EM_METHOD_COUNTERS(X)                                                                 \

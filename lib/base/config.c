@@ -485,6 +485,8 @@ cJSON *em_config_to_json(const em_config_schema *schema, const void *target)
         const em_config_field *field = &schema->fields[i];
         if (field->flags & EM_CONFIG_SECRET)
             continue;
+        if (schema->applies != NULL && !schema->applies(target, field))
+            continue;
         cJSON *value = field_to_json(field, target);
         if (value != NULL)
             cJSON_AddItemToObject(object, field->name, value);

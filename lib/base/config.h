@@ -71,6 +71,10 @@ struct em_config_schema {
     /* Optional cross-field validation after all fields are parsed; json is the object
      * the user wrote (to see which keys were given). */
     em_status (*check)(void *target, const cJSON *json, const char *path, em_error *err);
+    /* Optional: false for a field that does not apply to target as configured (a cuda
+     * key on the cpu backend); em_config_to_json leaves it out, so what is printed
+     * parses again. */
+    bool (*applies)(const void *target, const em_config_field *field);
 };
 
 /* Fills target with every field's default (zero where none). */

@@ -96,14 +96,34 @@ START_TEST(tokens_come_inline_from_a_file_or_the_environment)
     cJSON *json = em_config_to_json(&em_daemon_config_schema, &config);
     char *printed = cJSON_PrintUnformatted(json);
     ck_assert(strstr(printed, "from-file") == NULL && strstr(printed, "from-env") == NULL);
-    ck_assert(strstr(printed, "\"env EMBER_TEST_DATA_TOKEN\"") != NULL);
+    ck_assert(strstr(printed, "{\"env\":\"EMBER_TEST_DATA_TOKEN\"}") != NULL);
     free(printed);
     cJSON_Delete(json);
     em_daemon_config_deinit(&config);
-    /* A token file others can read is refused. */
-    chmod(path, 0644);
-    ck_assert_int_eq(parse(text, &config, &err), EM_PERMISSION_DENIED);
-    ck_assert(strstr(err.message, "readable or writable by others (mode 644)") != NULL);
+    /* Only owner-only modes are accepted: group or others reading is refused. */
+    const unsigned refused[] = {0644, 0640, 0660, 0604, 0700};
+    for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+        chmod(path, refused[i]);
+        ck_assert_int_eq(parse(text, &config, &err), EM_PERMISSION_DENIED);
+        char fragment[64];
+        snprintf(fragment, sizeof(fragment), "has mode %04o; only its owner may read it",
+                 refused[i]);
+        ck_assert_msg(strstr(err.message, fragment) != NULL, "%s", err.message);
+    }
+    chmod(path, 0400);
+    ck_assert_int_eq(parse(text, &config, &err), EM_OK);
+    em_daemon_config_deinit(&config);
+    /* A symbolic link to a good token file is refused, not followed. */
+    char link_path[96];
+    snprintf(link_path, sizeof(link_path), "%s.link", path);
+    ck_assert_int_eq(symlink(path, link_path), 0);
+    char linked[256];
+    snprintf(linked, sizeof(linked), "{\"admin_token\": {\"file\": \"%s\"}}", link_path);
+    ck_assert_int_eq(parse(linked, &config, &err), EM_PERMISSION_DENIED);
+    ck_assert_msg(strstr(err.message, "token files may not be symbolic links") != NULL, "%s",
+                  err.message);
+    unlink(link_path);
+    chmod(path, 0600);
     unlink(path);
     assert_rejected("{\"admin_token\": {\"value\": \"a\", \"env\": \"B\"}}",
                     "test.json: admin_token: must be an object with one string key: value, "
