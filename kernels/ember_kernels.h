@@ -295,6 +295,14 @@ em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
 em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, const uint64_t *rows, uint64_t n,
                                 const float *gradients);
+/* Whether one optimizer step per row with gradients[i] keeps every value finite,
+ * without writing (common/row_check.h); rows[i] ROW_NONE is the row to be created for
+ * keys[i]. *first (device memory, set to UINT64_MAX by the caller) becomes the smallest
+ * (i << 32 | code) of the items that fail. */
+em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
+                                em_optimizer_config optimizer, em_initializer_config initializer,
+                                const uint64_t *keys, const uint64_t *rows, uint64_t n,
+                                const float *gradients, uint64_t *first);
 /* values[i] = whole row (row_floats floats) of rows[i]. */
 em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *rows, uint64_t n, float *values);

@@ -36,6 +36,7 @@
 #include "common/initializer.h"
 #include "common/keyhash.h"
 #include "common/optimizer.h"
+#include "common/row_check.h"
 #include "kernels/ember_kernels.h"
 
 /* Threads that cooperate on one row in the rowwise-adagrad and adam kernels (a warp). */
@@ -570,6 +571,25 @@ EM_HOST_DEVICE void em_gpu_rows_write_element(em_gpu_storage storage, const uint
 }
 
 /* ---- optimizer steps -------------------------------------------------------------------- */
+
+/* The check of row i's step (common/row_check.h), before anything is applied: rows[i]
+ * ROW_NONE is the row the push will create for keys[i]. */
+EM_HOST_DEVICE uint32_t em_gpu_rows_check_item(em_gpu_storage storage,
+                                               const em_optimizer_config *optimizer,
+                                               const em_initializer_config *initializer,
+                                               const uint64_t *keys, const uint64_t *rows,
+                                               const float *gradients, uint64_t i)
+{
+    const float *row = rows[i] == EM_GPU_ROW_NONE ? 0 : em_gpu_row_address(storage, rows[i]);
+    return em_row_check(optimizer, initializer, storage.dim, row, keys[i],
+                        gradients + i * storage.dim);
+}
+
+/* The first problem as the check reports it: the smallest item, then its code. */
+EM_HOST_DEVICE uint64_t em_gpu_rows_check_result(uint64_t i, uint32_t code)
+{
+    return (i << 32) | code;
+}
 
 EM_HOST_DEVICE void em_gpu_sgd_element(em_gpu_storage storage, const em_optimizer_config *optimizer,
                                        const uint64_t *rows, const float *gradients, uint64_t i,

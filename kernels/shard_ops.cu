@@ -144,6 +144,21 @@ __global__ void rows_gather_quad_kernel(em_gpu_storage storage, const uint64_t *
     em_gpu_rows_gather_quad(storage, rows, targets, vectors, i, q);
 }
 
+__global__ void rows_check_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
+                                  em_initializer_config initializer, const uint64_t *keys,
+                                  const uint64_t *rows, uint64_t n, const float *gradients,
+                                  uint64_t *first)
+{
+    EM_GPU_FOR_EACH(i, n)
+    {
+        uint32_t code = em_gpu_rows_check_item(storage, &optimizer, &initializer, keys, rows,
+                                               gradients, i);
+        if (code != EM_ROW_CHECK_OK)
+            atomicMin((unsigned long long *)first,
+                      (unsigned long long)em_gpu_rows_check_result(i, code));
+    }
+}
+
 __global__ void rows_read_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
                                  float *values, uint32_t shift)
 {
@@ -287,6 +302,19 @@ extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage
         break;
     }
     return em_gpu_invalid_optimizer();
+}
+
+extern "C" em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
+                                           em_optimizer_config optimizer,
+                                           em_initializer_config initializer,
+                                           const uint64_t *keys, const uint64_t *rows,
+                                           uint64_t n, const float *gradients, uint64_t *first)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(rows_check_kernel, n, stream, storage, optimizer, initializer, keys,
+                         rows, n, gradients, first);
 }
 
 extern "C" em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,

@@ -20,6 +20,7 @@
 #include "lib/device/backend.h"
 #include "lib/memory/hashmap.h"
 #include "common/keyhash.h"
+#include "common/row_check.h"
 
 /* Row blocks aim at this many bytes (em_row_blocks_plan). */
 #define TARGET_BLOCK_BYTES ((size_t)1 << 20)
@@ -457,6 +458,26 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
     return EM_OK;
 }
 
+static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint64_t *keys,
+                                       const uint64_t *rows, uint64_t n, const float *gradients,
+                                       uint64_t *first_problem, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    cpu_shard *shard = cpu_shard_of(base);
+    *first_problem = UINT64_MAX;
+    for (uint64_t i = 0; i < n; i++) {
+        const float *row = rows[i] == EM_ROW_NONE ? NULL : row_address(shard, rows[i]);
+        uint32_t code = em_row_check(&shard->optimizer, &shard->initializer, shard->dim, row,
+                                     keys[i], const_vector_at(gradients, i, shard->dim));
+        if (code != EM_ROW_CHECK_OK) {
+            *first_problem = (i << 32) | code;
+            break;
+        }
+    }
+    return EM_OK;
+}
+
 static em_status cpu_shard_export(em_shard *base, em_lane *lane, uint64_t *cursor,
                                   uint64_t *keys, float *values, uint64_t max, uint64_t *count,
                                   em_error *err)
@@ -527,6 +548,7 @@ static const em_device_ops cpu_device_ops = {
     .shard_reserve = cpu_shard_reserve,
     .shard_insert_missing = cpu_shard_insert_missing,
     .shard_gather = cpu_shard_gather,
+    .shard_check_apply = cpu_shard_check_apply,
     .shard_apply = cpu_shard_apply,
     .shard_export = cpu_shard_export,
     .shard_write_rows = cpu_shard_write_rows,

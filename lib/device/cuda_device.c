@@ -316,6 +316,7 @@ static const em_device_ops cuda_device_ops = {
     .shard_reserve = em__cuda_shard_reserve,
     .shard_insert_missing = em__cuda_shard_insert_missing,
     .shard_gather = em__cuda_shard_gather,
+    .shard_check_apply = em__cuda_shard_check_apply,
     .shard_apply = em__cuda_shard_apply,
     .shard_export = em__cuda_shard_export,
     .shard_write_rows = em__cuda_shard_write_rows,

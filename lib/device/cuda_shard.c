@@ -409,6 +409,31 @@ em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64
     return status;
 }
 
+em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                                     const uint64_t *rows, uint64_t n, const float *gradients,
+                                     uint64_t *first_problem, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    *first_problem = UINT64_MAX;
+    if (n == 0)
+        return EM_OK;
+    em_status status = order_read(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, lane->counter, 0xff,
+                                                      sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_check(lane->stream, storage_view(shard),
+                                                    shard->optimizer, shard->initializer, keys,
+                                                    rows, n, gradients, lane->counter), err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_host(lane_base, first_problem, lane->counter, sizeof(uint64_t),
+                                       err);
+    return status;
+}
+
 em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_t *rows,
                                   uint64_t n, const float *gradients, em_error *err)
 {

@@ -245,9 +245,7 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
         status = sum_and_send_gradients(&r, request, err);
     uint64_t missing = r.missing;
     if (status == EM_OK)
-        status = em__create_missing(&r, err);
-    if (status == EM_OK)
-        status = em__run_on_shards(&r, WORK_APPLY, table->config.dim, err);
+        status = em__check_create_apply(&r, err);
     if (status == EM_OK)
         status = em__synchronize_devices(&r, err);
     if (status == EM_OK) {

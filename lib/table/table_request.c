@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/row_check.h"
 #include "lib/table/table_internal.h"
 
 /* ---- scratch and staging ----------------------------------------------------------- */
@@ -400,11 +401,114 @@ em_status em__create_missing(request_context *r, em_error *err)
 
 /* ---- per-shard work ---------------------------------------------------------------- */
 
+/* A device value of a segment as a host value (copied when the device is not host
+ * memory). */
+static em_status read_device_value(const segment *seg, void *host, const void *device_value,
+                                   size_t bytes, em_error *err)
+{
+    if (seg->device->host_addressable) {
+        memcpy(host, device_value, bytes);
+        return EM_OK;
+    }
+    return seg->device->ops->copy_to_host(seg->lane, host, device_value, bytes, err);
+}
 
-/* Runs one operation on every shard over its keys' rows and its part of the segment
- * payload (floats_per_key floats per key). */
-em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
-                               em_error *err)
+/* The push's error for the first problem a shard's check found (row_check.h). */
+static em_status describe_problem(request_context *r, const segment *seg, uint64_t offset,
+                                  uint64_t problem, em_error *err)
+{
+    const em_table *table = r->table;
+    uint64_t i = offset + (problem >> 32);
+    uint32_t code = (uint32_t)problem, element = EM_ROW_CHECK_ELEMENT(code);
+    uint32_t dim = table->config.dim;
+    uint64_t key = 0;
+    em_status status = read_device_value(seg, &key, seg->keys + i, sizeof(key), err);
+    if (status != EM_OK)
+        return status;
+    const em_optimizer_config *optimizer = &table->config.optimizer;
+    if (EM_ROW_CHECK_KIND(code) == EM_ROW_CHECK_GRADIENT) {
+        float value = 0.0f;
+        status = read_device_value(seg, &value, (const float *)seg->payload + i * dim + element,
+                                   sizeof(value), err);
+        if (status != EM_OK)
+            return status;
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "key %" PRIu64 ": element %u of its summed gradient is %s (its "
+                            "gradients in this push add up past the float range); nothing was "
+                            "applied",
+                            key, element, isnan(value) ? "nan" : value > 0 ? "inf" : "-inf");
+    }
+    if (element < dim)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "key %" PRIu64 ": this %s step would make weight element %u "
+                            "non-finite; nothing was applied",
+                            key, em_optimizer_name(optimizer->kind), element);
+    return em_error_set(err, EM_INVALID_ARGUMENT,
+                        "key %" PRIu64 ": this %s step would make its %s (state float %u) "
+                        "non-finite; nothing was applied",
+                        key, em_optimizer_name(optimizer->kind),
+                        em_optimizer_state_name(optimizer->kind, dim, element - dim),
+                        element - dim);
+}
+
+/* Asks every shard whether its rows' steps keep them finite; the first problem, in
+ * shard order, becomes the error. */
+static em_status check_shards(request_context *r, em_error *err)
+{
+    em_table *table = r->table;
+    uint32_t dim = table->config.dim;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
+            if (n == 0)
+                continue;
+            uint64_t problem = UINT64_MAX;
+            em_status status = seg->device->ops->shard_check_apply(
+                table->shards[s], seg->lane, seg->keys + offset, seg->rows + offset, n,
+                (const float *)seg->payload + offset * dim, &problem, err);
+            if (status == EM_OK && problem != UINT64_MAX) {
+                status = describe_problem(r, seg, offset, problem, err);
+                if (status == EM_INVALID_ARGUMENT)
+                    em_error_prefix(err, "push to table '%s': ", table->config.name);
+            }
+            if (status != EM_OK)
+                return status;
+        }
+    }
+    return EM_OK;
+}
+
+static void lock_push_shards(request_context *r, bool lock)
+{
+    em_table *table = r->table;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        if (r->shard_start[s + 1] == r->shard_start[s])
+            continue;
+        if (lock)
+            pthread_rwlock_wrlock(&table->shard_locks[s]);
+        else
+            pthread_rwlock_unlock(&table->shard_locks[s]);
+    }
+}
+
+em_status em__check_create_apply(request_context *r, em_error *err)
+{
+    lock_push_shards(r, true);
+    em_status status = check_shards(r, err);
+    if (status == EM_OK)
+        status = em__create_missing(r, err);
+    if (status == EM_OK)
+        status = em__run_on_shards_locked(r, WORK_APPLY, r->table->config.dim, err);
+    lock_push_shards(r, false);
+    return status;
+}
+
+
+/* One operation on every shard over its keys' rows and its part of the segment payload
+ * (floats_per_key floats per key); lock: take each shard's lock around it. */
+static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
+                               bool lock, em_error *err)
 {
     em_table *table = r->table;
     for (uint32_t d = 0; d < table->backend->device_count; d++) {
@@ -420,9 +524,9 @@ em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats
                                              : (float *)seg->payload + offset * floats_per_key;
             const uint64_t *rows = seg->rows + offset;
             em_status status = EM_OK;
-            if (work == WORK_GATHER)
+            if (lock && work == WORK_GATHER)
                 pthread_rwlock_rdlock(&table->shard_locks[s]);
-            else
+            else if (lock)
                 pthread_rwlock_wrlock(&table->shard_locks[s]);
             if (work == WORK_GATHER)
                 status = ops->shard_gather(table->shards[s], seg->lane, rows, n, targets, payload,
@@ -431,12 +535,25 @@ em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats
                 status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
             else
                 status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
-            pthread_rwlock_unlock(&table->shard_locks[s]);
+            if (lock)
+                pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK)
                 return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         }
     }
     return EM_OK;
+}
+
+em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
+                            em_error *err)
+{
+    return run_on_shards(r, work, floats_per_key, true, err);
+}
+
+em_status em__run_on_shards_locked(request_context *r, shard_work work, uint32_t floats_per_key,
+                                   em_error *err)
+{
+    return run_on_shards(r, work, floats_per_key, false, err);
 }
 
 em_status em__synchronize_devices(request_context *r, em_error *err)

@@ -23,7 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "harness.h"
+#include "tests/integration/harness.h"
 #include "proto/ember.pb-c.h"
 #include "proto/frame.h"
 

@@ -736,6 +736,24 @@ em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
+em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
+                                em_optimizer_config optimizer, em_initializer_config initializer,
+                                const uint64_t *keys, const uint64_t *rows, uint64_t n,
+                                const float *gradients, uint64_t *first)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t code = em_gpu_rows_check_item(storage, &optimizer, &initializer, keys, rows,
+                                               gradients, i);
+        uint64_t result = em_gpu_rows_check_result(i, code);
+        if (code != EM_ROW_CHECK_OK && result < *first)
+            *first = result;
+    }
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *rows, uint64_t n, float *values)
 {

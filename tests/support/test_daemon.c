@@ -128,6 +128,14 @@ uint64_t em_test_daemon_connections(const em_test_daemon *test)
     return atomic_load(&em_daemon_stats(test->daemon)->connections_total);
 }
 
+uint64_t em_test_daemon_answered(const em_test_daemon *test, int method)
+{
+    const em_method_info *info = em_method_find(method);
+    ck_assert_ptr_nonnull(info);
+    size_t slot = (size_t)(info - em_methods);
+    return atomic_load(&em_daemon_stats(test->daemon)->requests[slot]);
+}
+
 uint64_t em_test_daemon_succeeded(const em_test_daemon *test, int method)
 {
     const em_method_info *info = em_method_find(method);

@@ -48,6 +48,8 @@ void em_test_daemon_drop_connections(em_test_daemon *daemon);
  * listeners). */
 uint64_t em_test_daemon_data_requests(const em_test_daemon *daemon);
 uint64_t em_test_daemon_connections(const em_test_daemon *daemon);
+/* Requests of one method (Ember__Method) answered, with or without an error. */
+uint64_t em_test_daemon_answered(const em_test_daemon *daemon, int method);
 /* Requests of one method (Ember__Method) answered without an error: for a PUSH, the
  * pushes applied. */
 uint64_t em_test_daemon_succeeded(const em_test_daemon *daemon, int method);

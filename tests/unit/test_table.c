@@ -1,3 +1,4 @@
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -351,6 +352,75 @@ START_TEST(invalid_requests_apply_nothing)
     ck_assert_int_eq(em_table_pull(table, &small, &pulled, &err), EM_INVALID_ARGUMENT);
     ck_assert(strstr(err.message, "combiner 9") != NULL);
     em_test_assert_table_unchanged(table, &before);
+    em_test_snapshot_free(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* A push whose summed gradient or whose step would leave a value non-finite is refused
+ * whole, naming the key and the element, for every optimizer; new keys included. */
+START_TEST(pushes_that_would_make_rows_non_finite_apply_nothing)
+{
+    int optimizer = _i;
+    em_backend *backend = make_backend(2, 64 * MEBIBYTE);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = populated_table(backend, 10000, optimizer, &rng);
+    em_test_snapshot before = em_test_snapshot_take(table, 7);
+    em_error err;
+
+    /* Two finite gradients of one key that add up past the float range. */
+    const uint32_t offsets[] = {0, 1, 2, 3};
+    const uint64_t keys[] = {before.keys[0], 777777, before.keys[0]};
+    em_csr csr = {.rows = 3, .nnz = 3, .offsets = offsets, .keys = keys};
+    float g[3 * 6];
+    for (int i = 0; i < 18; i++)
+        g[i] = 0.125f;
+    g[0 * 6 + 2] = 3e38f;
+    g[2 * 6 + 2] = 3e38f;
+    ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_NONE, g, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    char expected[256];
+    snprintf(expected, sizeof(expected),
+             "push to table 't': key %" PRIu64 ": element 2 of its summed gradient is inf",
+             before.keys[0]);
+    ck_assert_msg(strstr(err.message, expected) == err.message, "%s", err.message);
+    em_test_assert_table_unchanged(table, &before);
+    em_test_snapshot_free(&before);
+    em_table_destroy(table);
+
+    /* Finite gradients whose step overflows, on a key the push would create: it is
+     * not created, and the existing key in the same push is not stepped. */
+    em_table_config config = table_config(6, 1000, 3, optimizer);
+    config.optimizer.learning_rate = 1e6f;
+    table = em_test_make_table(backend, &config);
+    const uint64_t first[] = {11};
+    em_csr one = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = first};
+    ck_assert_int_eq(em_test_push(table, &one, EM_COMBINER_NONE, g + 6, NULL, &err), EM_OK);
+    before = em_test_snapshot_take(table, 7);
+    const uint64_t mixed[] = {11, 888888};
+    em_csr two = {.rows = 2, .nnz = 2, .offsets = offsets, .keys = mixed};
+    float steep[2 * 6];
+    for (int i = 0; i < 12; i++)
+        steep[i] = 0.125f;
+    steep[6 + 2] = 1e35f;
+    ck_assert_int_eq(em_test_push(table, &two, EM_COMBINER_NONE, steep, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    static const char *const problems[4] = {
+        "this sgd step would make weight element 2 non-finite",
+        "this adagrad step would make its accumulator (state float 2) non-finite",
+        "this rowwise_adagrad step would make its accumulator (state float 0) non-finite",
+        "this adam step would make its second moment (state float 8) non-finite",
+    };
+    ck_assert_msg(strstr(err.message, "key 888888: ") != NULL &&
+                      strstr(err.message, problems[config.optimizer.kind]) != NULL &&
+                      strstr(err.message, "nothing was applied") != NULL,
+                  "%s", err.message);
+    em_test_assert_table_unchanged(table, &before);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 1);
     em_test_snapshot_free(&before);
     em_table_destroy(table);
     em_backend_destroy(backend);
@@ -726,6 +796,7 @@ int main(void)
     TCase *atomic = tcase_create("all-or-nothing");
     tcase_set_timeout(atomic, 120);
     tcase_add_test(atomic, invalid_requests_apply_nothing);
+    tcase_add_loop_test(atomic, pushes_that_would_make_rows_non_finite_apply_nothing, 0, 4);
     tcase_add_test(atomic, capacity_exhaustion_fails_whole);
     tcase_add_test(atomic, pool_exhaustion_fails_whole_and_table_keeps_working);
     tcase_add_test(atomic, export_import_round_trip_across_layouts);

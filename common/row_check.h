@@ -1,0 +1,121 @@
+/*
+ * DESIGN: whether one optimizer step keeps a row finite, decided before anything is
+ * written.
+ *
+ * A push is applied only when, for every row it touches, the summed gradient is finite
+ * and the step would leave every weight and every optimizer state value finite. This
+ * function computes the step element by element into locals, from the row's current
+ * values (or, for a row the push would create, from its initializer and initial state),
+ * and never writes the row. The CPU device, the CUDA check kernel and its host emulation
+ * all call it, so the three decide alike; the arithmetic is the optimizers' own element
+ * functions (common/optimizer.h) in the same order as the apply paths.
+ *
+ * Header-only (EM_HOST_DEVICE); includes nothing of the project but common/.
+ */
+#ifndef EMBER_COMMON_ROW_CHECK_H
+#define EMBER_COMMON_ROW_CHECK_H
+
+#include <stdint.h>
+
+#include "common/host_device.h"
+#include "common/initializer.h"
+#include "common/optimizer.h"
+
+/* What the check found, encoded in 32 bits: the kind in the top 4, the element (an
+ * index into the row's floats: weights 0..dim-1, then optimizer state) below. */
+#define EM_ROW_CHECK_OK 0u
+#define EM_ROW_CHECK_GRADIENT 1u /* the summed gradient's element is not finite */
+#define EM_ROW_CHECK_VALUE 2u    /* the step would make the row's element non-finite */
+#define EM_ROW_CHECK_KIND(code) ((code) >> 28)
+#define EM_ROW_CHECK_ELEMENT(code) ((code) & 0x0fffffffu)
+#define EM_ROW_CHECK_CODE(kind, element) (((uint32_t)(kind) << 28) | (uint32_t)(element))
+
+EM_HOST_DEVICE int em_row_check_finite(float value)
+{
+    return isfinite(value) ? 1 : 0;
+}
+
+/* The row's current value of float index (weights, then state), or its initial value
+ * when row is NULL (the push creates it). */
+EM_HOST_DEVICE float em_row_check_value(const float *row, const em_optimizer_config *optimizer,
+                                        const em_initializer_config *initializer, uint64_t key,
+                                        uint32_t dim, uint32_t index)
+{
+    if (row != 0)
+        return row[index];
+    if (index < dim)
+        return em_initializer_value(initializer, key, index);
+    return em_optimizer_has_accumulator(optimizer->kind) ? optimizer->initial_accumulator : 0.0f;
+}
+
+/* EM_ROW_CHECK_OK, or the first problem of the step of gradient (dim floats) on row
+ * (dim weights then the optimizer's state; NULL for a row to be created for key). */
+EM_HOST_DEVICE uint32_t em_row_check(const em_optimizer_config *optimizer,
+                                     const em_initializer_config *initializer, uint32_t dim,
+                                     const float *row, uint64_t key, const float *gradient)
+{
+    for (uint32_t j = 0; j < dim; j++)
+        if (!em_row_check_finite(gradient[j]))
+            return EM_ROW_CHECK_CODE(EM_ROW_CHECK_GRADIENT, j);
+#define EM_ROW_CHECK_VALUE_AT(index)                                                          \
+    em_row_check_value(row, optimizer, initializer, key, dim, index)
+    switch (optimizer->kind) {
+    case EM_OPTIMIZER_SGD:
+        for (uint32_t j = 0; j < dim; j++) {
+            float w = EM_ROW_CHECK_VALUE_AT(j);
+            em_sgd_element(&w, gradient[j], optimizer->learning_rate);
+            if (!em_row_check_finite(w))
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);
+        }
+        break;
+    case EM_OPTIMIZER_ADAGRAD:
+        for (uint32_t j = 0; j < dim; j++) {
+            float w = EM_ROW_CHECK_VALUE_AT(j), s = EM_ROW_CHECK_VALUE_AT(dim + j);
+            em_adagrad_element(&w, &s, gradient[j], optimizer->learning_rate, optimizer->eps);
+            if (!em_row_check_finite(s))
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim + j);
+            if (!em_row_check_finite(w))
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);
+        }
+        break;
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD: {
+        float squares = 0.0f;
+        for (uint32_t j = 0; j < dim; j++)
+            squares += gradient[j] * gradient[j];
+        float accumulator = EM_ROW_CHECK_VALUE_AT(dim) + squares / (float)dim;
+        if (!em_row_check_finite(accumulator))
+            return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim);
+        float denominator = sqrtf(accumulator) + optimizer->eps;
+        for (uint32_t j = 0; j < dim; j++) {
+            float w = EM_ROW_CHECK_VALUE_AT(j);
+            em_rowwise_adagrad_element(&w, gradient[j], optimizer->learning_rate, denominator);
+            if (!em_row_check_finite(w))
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);
+        }
+        break;
+    }
+    case EM_OPTIMIZER_ADAM: {
+        /* state: first moments, second moments, then the step */
+        float step = em_adam_next_step(EM_ROW_CHECK_VALUE_AT(3 * dim));
+        em_adam_constants constants = em_adam_row_setup(optimizer, step);
+        for (uint32_t j = 0; j < dim; j++) {
+            float w = EM_ROW_CHECK_VALUE_AT(j), m = EM_ROW_CHECK_VALUE_AT(dim + j),
+                  v = EM_ROW_CHECK_VALUE_AT(2 * dim + j);
+            em_adam_element(&w, &m, &v, gradient[j], constants);
+            if (!em_row_check_finite(m))
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim + j);
+            if (!em_row_check_finite(v))
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, 2 * dim + j);
+            if (!em_row_check_finite(w))
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);
+        }
+        break;
+    }
+    case EM_OPTIMIZER_COUNT:
+        break;
+    }
+#undef EM_ROW_CHECK_VALUE_AT
+    return EM_ROW_CHECK_OK;
+}
+
+#endif
