@@ -48,74 +48,104 @@ EM_HOST_DEVICE float em_row_check_value(const float *row, const em_optimizer_con
     return em_optimizer_has_accumulator(optimizer->kind) ? optimizer->initial_accumulator : 0.0f;
 }
 
+/* The first problem of the step on the values returned by EM_ROW_CHECK_AT(index) (a
+ * row's float index: weights, then state), written once for both kinds of row below. */
+#define EM_ROW_CHECK_BODY(EM_ROW_CHECK_AT)                                                    \
+    switch (optimizer->kind) {                                                                \
+    case EM_OPTIMIZER_SGD:                                                                    \
+        for (uint32_t j = 0; j < dim; j++) {                                                  \
+            float w = EM_ROW_CHECK_AT(j);                                                     \
+            em_sgd_element(&w, gradient[j], optimizer->learning_rate);                        \
+            if (!em_row_check_finite(w))                                                      \
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);                              \
+        }                                                                                     \
+        break;                                                                                \
+    case EM_OPTIMIZER_ADAGRAD:                                                                \
+        for (uint32_t j = 0; j < dim; j++) {                                                  \
+            float w = EM_ROW_CHECK_AT(j), s = EM_ROW_CHECK_AT(dim + j);                       \
+            em_adagrad_element(&w, &s, gradient[j], optimizer->learning_rate, optimizer->eps); \
+            if (!em_row_check_finite(s))                                                      \
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim + j);                        \
+            if (!em_row_check_finite(w))                                                      \
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);                              \
+        }                                                                                     \
+        break;                                                                                \
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD: {                                                      \
+        float squares = 0.0f;                                                                 \
+        for (uint32_t j = 0; j < dim; j++)                                                    \
+            squares += gradient[j] * gradient[j];                                             \
+        float accumulator = EM_ROW_CHECK_AT(dim) + squares / (float)dim;                      \
+        if (!em_row_check_finite(accumulator))                                                \
+            return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim);                                \
+        float denominator = sqrtf(accumulator) + optimizer->eps;                              \
+        for (uint32_t j = 0; j < dim; j++) {                                                  \
+            float w = EM_ROW_CHECK_AT(j);                                                     \
+            em_rowwise_adagrad_element(&w, gradient[j], optimizer->learning_rate, denominator); \
+            if (!em_row_check_finite(w))                                                      \
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);                              \
+        }                                                                                     \
+        break;                                                                                \
+    }                                                                                         \
+    case EM_OPTIMIZER_ADAM: {                                                                 \
+        /* state: first moments, second moments, then the step */                             \
+        float step = em_adam_next_step(EM_ROW_CHECK_AT(3 * dim));                             \
+        em_adam_constants constants = em_adam_row_setup(optimizer, step);                     \
+        for (uint32_t j = 0; j < dim; j++) {                                                  \
+            float w = EM_ROW_CHECK_AT(j), m = EM_ROW_CHECK_AT(dim + j),                       \
+                  v = EM_ROW_CHECK_AT(2 * dim + j);                                           \
+            em_adam_element(&w, &m, &v, gradient[j], constants);                              \
+            if (!em_row_check_finite(m))                                                      \
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim + j);                        \
+            if (!em_row_check_finite(v))                                                      \
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, 2 * dim + j);                    \
+            if (!em_row_check_finite(w))                                                      \
+                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);                              \
+        }                                                                                     \
+        break;                                                                                \
+    }                                                                                         \
+    case EM_OPTIMIZER_COUNT:                                                                  \
+        break;                                                                                \
+    }                                                                                         \
+    return EM_ROW_CHECK_OK;
+
+EM_HOST_DEVICE uint32_t em_row_check_gradient(uint32_t dim, const float *gradient)
+{
+    for (uint32_t j = 0; j < dim; j++)
+        if (!em_row_check_finite(gradient[j]))
+            return EM_ROW_CHECK_CODE(EM_ROW_CHECK_GRADIENT, j);
+    return EM_ROW_CHECK_OK;
+}
+
+/* The step on an existing row: plain loads, the hot path of every push. */
+EM_HOST_DEVICE uint32_t em_row_check_existing(const em_optimizer_config *optimizer, uint32_t dim,
+                                              const float *row, const float *gradient)
+{
+#define EM_ROW_CHECK_EXISTING_AT(index) row[index]
+    EM_ROW_CHECK_BODY(EM_ROW_CHECK_EXISTING_AT)
+#undef EM_ROW_CHECK_EXISTING_AT
+}
+
+/* The step on the row the push will create for key: its initial values. */
+EM_HOST_DEVICE uint32_t em_row_check_new(const em_optimizer_config *optimizer,
+                                         const em_initializer_config *initializer, uint32_t dim,
+                                         uint64_t key, const float *gradient)
+{
+#define EM_ROW_CHECK_NEW_AT(index) em_row_check_value(0, optimizer, initializer, key, dim, index)
+    EM_ROW_CHECK_BODY(EM_ROW_CHECK_NEW_AT)
+#undef EM_ROW_CHECK_NEW_AT
+}
+
 /* EM_ROW_CHECK_OK, or the first problem of the step of gradient (dim floats) on row
  * (dim weights then the optimizer's state; NULL for a row to be created for key). */
 EM_HOST_DEVICE uint32_t em_row_check(const em_optimizer_config *optimizer,
                                      const em_initializer_config *initializer, uint32_t dim,
                                      const float *row, uint64_t key, const float *gradient)
 {
-    for (uint32_t j = 0; j < dim; j++)
-        if (!em_row_check_finite(gradient[j]))
-            return EM_ROW_CHECK_CODE(EM_ROW_CHECK_GRADIENT, j);
-#define EM_ROW_CHECK_VALUE_AT(index)                                                          \
-    em_row_check_value(row, optimizer, initializer, key, dim, index)
-    switch (optimizer->kind) {
-    case EM_OPTIMIZER_SGD:
-        for (uint32_t j = 0; j < dim; j++) {
-            float w = EM_ROW_CHECK_VALUE_AT(j);
-            em_sgd_element(&w, gradient[j], optimizer->learning_rate);
-            if (!em_row_check_finite(w))
-                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);
-        }
-        break;
-    case EM_OPTIMIZER_ADAGRAD:
-        for (uint32_t j = 0; j < dim; j++) {
-            float w = EM_ROW_CHECK_VALUE_AT(j), s = EM_ROW_CHECK_VALUE_AT(dim + j);
-            em_adagrad_element(&w, &s, gradient[j], optimizer->learning_rate, optimizer->eps);
-            if (!em_row_check_finite(s))
-                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim + j);
-            if (!em_row_check_finite(w))
-                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);
-        }
-        break;
-    case EM_OPTIMIZER_ROWWISE_ADAGRAD: {
-        float squares = 0.0f;
-        for (uint32_t j = 0; j < dim; j++)
-            squares += gradient[j] * gradient[j];
-        float accumulator = EM_ROW_CHECK_VALUE_AT(dim) + squares / (float)dim;
-        if (!em_row_check_finite(accumulator))
-            return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim);
-        float denominator = sqrtf(accumulator) + optimizer->eps;
-        for (uint32_t j = 0; j < dim; j++) {
-            float w = EM_ROW_CHECK_VALUE_AT(j);
-            em_rowwise_adagrad_element(&w, gradient[j], optimizer->learning_rate, denominator);
-            if (!em_row_check_finite(w))
-                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);
-        }
-        break;
-    }
-    case EM_OPTIMIZER_ADAM: {
-        /* state: first moments, second moments, then the step */
-        float step = em_adam_next_step(EM_ROW_CHECK_VALUE_AT(3 * dim));
-        em_adam_constants constants = em_adam_row_setup(optimizer, step);
-        for (uint32_t j = 0; j < dim; j++) {
-            float w = EM_ROW_CHECK_VALUE_AT(j), m = EM_ROW_CHECK_VALUE_AT(dim + j),
-                  v = EM_ROW_CHECK_VALUE_AT(2 * dim + j);
-            em_adam_element(&w, &m, &v, gradient[j], constants);
-            if (!em_row_check_finite(m))
-                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim + j);
-            if (!em_row_check_finite(v))
-                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, 2 * dim + j);
-            if (!em_row_check_finite(w))
-                return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, j);
-        }
-        break;
-    }
-    case EM_OPTIMIZER_COUNT:
-        break;
-    }
-#undef EM_ROW_CHECK_VALUE_AT
-    return EM_ROW_CHECK_OK;
+    uint32_t code = em_row_check_gradient(dim, gradient);
+    if (code != EM_ROW_CHECK_OK)
+        return code;
+    return row != 0 ? em_row_check_existing(optimizer, dim, row, gradient)
+                    : em_row_check_new(optimizer, initializer, dim, key, gradient);
 }
 
 #endif

@@ -13,6 +13,8 @@
  * loops in the order the interface defines; the unique step uses a scratch
  * open-addressing index of unique positions (no key sentinel needed).
  */
+#include <float.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -458,6 +460,62 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
     return EM_OK;
 }
 
+/* Whether x is finite, as 0 or 1 without a branch (NaN compares false). */
+static inline int finite_bit(float x)
+{
+    return fabsf(x) <= FLT_MAX;
+}
+
+/* 1 when any value of the step on an existing row would not be finite: every element
+ * is looked at without an early exit, so the loops vectorise; the first problem is then
+ * located with em_row_check. */
+static int step_screen(const em_optimizer_config *optimizer, uint32_t dim,
+                       const float *restrict row, const float *restrict gradient)
+{
+    int finite = 1;
+    float lr = optimizer->learning_rate, eps = optimizer->eps;
+    switch (optimizer->kind) {
+    case EM_OPTIMIZER_SGD:
+        for (uint32_t j = 0; j < dim; j++)
+            finite &= finite_bit(gradient[j]) & finite_bit(row[j] - lr * gradient[j]);
+        return !finite;
+    case EM_OPTIMIZER_ADAGRAD:
+        for (uint32_t j = 0; j < dim; j++) {
+            float g = gradient[j], s = row[dim + j] + g * g;
+            finite &= finite_bit(g) & finite_bit(s) &
+                      finite_bit(row[j] - lr * g / (sqrtf(s) + eps));
+        }
+        return !finite;
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD: {
+        float squares = 0.0f;
+        for (uint32_t j = 0; j < dim; j++)
+            squares += gradient[j] * gradient[j];
+        float accumulator = row[dim] + squares / (float)dim;
+        float denominator = sqrtf(accumulator) + eps;
+        finite &= finite_bit(accumulator);
+        for (uint32_t j = 0; j < dim; j++)
+            finite &= finite_bit(gradient[j]) &
+                      finite_bit(row[j] - lr * gradient[j] / denominator);
+        return !finite;
+    }
+    case EM_OPTIMIZER_ADAM: {
+        em_adam_constants c = em_adam_row_setup(optimizer, em_adam_next_step(row[3 * dim]));
+        for (uint32_t j = 0; j < dim; j++) {
+            float g = gradient[j];
+            float m = c.beta1 * row[dim + j] + (1.0f - c.beta1) * g;
+            float v = c.beta2 * row[2 * dim + j] + (1.0f - c.beta2) * g * g;
+            float w = row[j] - c.learning_rate * (m / c.correction1) /
+                                   (sqrtf(v / c.correction2) + c.eps);
+            finite &= finite_bit(g) & finite_bit(m) & finite_bit(v) & finite_bit(w);
+        }
+        return !finite;
+    }
+    case EM_OPTIMIZER_COUNT:
+        break;
+    }
+    return 1;
+}
+
 static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint64_t *keys,
                                        const uint64_t *rows, uint64_t n, const float *gradients,
                                        uint64_t *first_problem, em_error *err)
@@ -467,9 +525,12 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
     cpu_shard *shard = cpu_shard_of(base);
     *first_problem = UINT64_MAX;
     for (uint64_t i = 0; i < n; i++) {
+        const float *gradient = const_vector_at(gradients, i, shard->dim);
         const float *row = rows[i] == EM_ROW_NONE ? NULL : row_address(shard, rows[i]);
+        if (row != NULL && !step_screen(&shard->optimizer, shard->dim, row, gradient))
+            continue;
         uint32_t code = em_row_check(&shard->optimizer, &shard->initializer, shard->dim, row,
-                                     keys[i], const_vector_at(gradients, i, shard->dim));
+                                     keys[i], gradient);
         if (code != EM_ROW_CHECK_OK) {
             *first_problem = (i << 32) | code;
             break;

@@ -34,14 +34,17 @@ static void build_config(const em_test_daemon_options *options, const char *admi
     if (options->data_token != NULL)
         snprintf(data_token, sizeof(data_token), ", \"data_token\": {\"value\": \"%s\"}",
                  options->data_token);
+    char tables[1024] = "";
+    if (options->tables_json != NULL)
+        snprintf(tables, sizeof(tables), ", \"tables\": %s", options->tables_json);
     snprintf(json, capacity,
              "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"},"
              " \"backend\": {\"type\": \"cpu\", \"devices\": 1, \"threads\": 4,"
              "  \"memory_limit_bytes\": 1073741824, \"initial_bytes\": 67108864,"
              "  \"growth_bytes\": 67108864},"
              " \"admin_token\": {\"value\": \"%s\"}%s,"
-             " \"log_level\": \"error\", \"drain_timeout_ms\": 5000}",
-             admin_token, data_token);
+             " \"log_level\": \"error\", \"drain_timeout_ms\": 5000%s}",
+             admin_token, data_token, tables);
 }
 
 em_test_daemon *em_test_daemon_start(const em_test_daemon_options *options)
@@ -126,6 +129,11 @@ uint64_t em_test_daemon_data_requests(const em_test_daemon *test)
 uint64_t em_test_daemon_connections(const em_test_daemon *test)
 {
     return atomic_load(&em_daemon_stats(test->daemon)->connections_total);
+}
+
+uint64_t em_test_daemon_memory_used(const em_test_daemon *test)
+{
+    return atomic_load(&em_daemon_stats(test->daemon)->memory_used_bytes);
 }
 
 uint64_t em_test_daemon_answered(const em_test_daemon *test, int method)

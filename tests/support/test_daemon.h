@@ -25,6 +25,8 @@ typedef struct em_test_daemon_options {
     const char *data_token;  /* NULL: data methods need no token */
     /* Answers of pipelined requests of one connection (up to 8) go out last-first. */
     bool reverse_responses;
+    /* The "tables" array of the configuration, as JSON text (NULL: none). */
+    const char *tables_json;
 } em_test_daemon_options;
 
 /* Starts a daemon (options may be NULL); aborts the test on failure. */
@@ -48,6 +50,8 @@ void em_test_daemon_drop_connections(em_test_daemon *daemon);
  * listeners). */
 uint64_t em_test_daemon_data_requests(const em_test_daemon *daemon);
 uint64_t em_test_daemon_connections(const em_test_daemon *daemon);
+/* Bytes charged to the daemon's memory budget now (daemon/budget.h). */
+uint64_t em_test_daemon_memory_used(const em_test_daemon *daemon);
 /* Requests of one method (Ember__Method) answered, with or without an error. */
 uint64_t em_test_daemon_answered(const em_test_daemon *daemon, int method);
 /* Requests of one method (Ember__Method) answered without an error: for a PUSH, the
