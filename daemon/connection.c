@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "daemon/address.h"
+#include "lib/base/failpoint.h"
 #include "lib/base/log.h"
 
 /* Attachment buffers are aligned for any array the protocol carries (and SIMD). */
@@ -350,14 +351,23 @@ typedef struct pending_write {
     uint8_t *frame;
     void *attachment;
     size_t bytes;
+    uint32_t parts_left; /* uv_write calls not yet called back (partial_write failpoint) */
+    int status;
+    uv_write_t *parts;
 } pending_write;
 
 static void on_write(uv_write_t *request, int status)
 {
-    pending_write *write = (pending_write *)request;
+    pending_write *write = request->data;
+    if (status != 0 && write->status == 0)
+        write->status = status;
+    if (--write->parts_left > 0)
+        return;
+    status = write->status;
     em_connection *connection = write->connection;
     free(write->frame);
     free(write->attachment);
+    free(write->parts);
     release(connection, write->bytes);
     connection->writes_pending--;
     if (status == 0) {
@@ -372,6 +382,38 @@ static void on_write(uv_write_t *request, int status)
     }
     free(write);
     em_connection_unref(connection);
+}
+
+/* Failpoint partial_write: the answer goes out in pieces of piece bytes, one uv_write
+ * each, so clients see it arrive a little at a time. */
+static int write_in_pieces(em_connection *connection, pending_write *write,
+                           const uv_buf_t *buffers, int count, size_t piece)
+{
+    size_t pieces = 0;
+    for (int b = 0; b < count; b++)
+        pieces += (buffers[b].len + piece - 1) / piece;
+    write->parts = calloc(pieces, sizeof(*write->parts));
+    if (write->parts == NULL)
+        return UV_ENOMEM;
+    write->parts_left = (uint32_t)pieces;
+    size_t issued = 0;
+    for (int b = 0; b < count; b++) {
+        for (size_t at = 0; at < buffers[b].len; at += piece) {
+            size_t length = buffers[b].len - at < piece ? buffers[b].len - at : piece;
+            uv_buf_t slice = uv_buf_init(buffers[b].base + at, (unsigned)length);
+            uv_write_t *part = &write->parts[issued];
+            part->data = write;
+            int rc = uv_write(part, (uv_stream_t *)&connection->handle, &slice, 1, on_write);
+            if (rc != 0) {
+                /* the pieces not issued will never call back */
+                write->parts_left -= (uint32_t)(pieces - issued - 1);
+                on_write(part, rc);
+                return 0;
+            }
+            issued++;
+        }
+    }
+    return 0;
 }
 
 void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_length,
@@ -389,23 +431,32 @@ void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_
     }
     size_t response_bytes = frame_length + attachment_length;
     *write = (pending_write){.connection = connection, .frame = frame, .attachment = attachment,
-                             .bytes = response_bytes};
+                             .bytes = response_bytes, .parts_left = 1};
+    write->request.data = write;
     /* the answer's own bytes replace the request's charge until they are written */
     charge(connection, response_bytes, false);
     release(connection, charged);
     uv_buf_t buffers[2] = {uv_buf_init((char *)frame, (unsigned)frame_length),
                            uv_buf_init((char *)attachment, (unsigned)attachment_length)};
     buffers[1].len = attachment_length; /* uv_buf_init takes 32 bits; the field holds size_t */
+    int count = attachment_length > 0 ? 2 : 1;
     em_connection_ref(connection);
     if (connection->writes_pending++ == 0)
         connection->write_progress = now_ms(connection);
-    int rc = uv_write(&write->request, (uv_stream_t *)&connection->handle, buffers,
-                      attachment_length > 0 ? 2 : 1, on_write);
+    uint64_t piece = 0;
+    int rc;
+    if (em_failpoint_hit(EM_FAILPOINT_PARTIAL_WRITE, &piece))
+        rc = write_in_pieces(connection, write, buffers, count, piece > 0 ? piece : 1);
+    else
+        rc = uv_write(&write->request, (uv_stream_t *)&connection->handle, buffers, count,
+                      on_write);
     if (rc != 0) {
         on_write(&write->request, rc); /* libuv does not call back a write it refused */
         return;
     }
-    connection->write_queue_seen = uv_stream_get_write_queue_size((uv_stream_t *)&connection->handle);
+    if (!connection->handle_closed)
+        connection->write_queue_seen =
+            uv_stream_get_write_queue_size((uv_stream_t *)&connection->handle);
     schedule_timer(connection);
 }
 

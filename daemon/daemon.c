@@ -14,6 +14,8 @@
  */
 #include "daemon/daemon.h"
 
+#include "lib/base/failpoint.h"
+
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -262,6 +264,12 @@ static void reload(em_daemon *d)
         notify(d, "READY=1\nSTATUS=serving (reload failed)");
         return;
     }
+    if (em_failpoints_arm_from_env(&err) != EM_OK)
+        em_log_error(&d->log, "failpoints: %s", err.message);
+    char armed[256];
+    em_failpoints_describe(armed, sizeof(armed));
+    if (armed[0] != '\0')
+        em_log_warning(&d->log, "failpoints armed (for tests only): %s", armed);
     em_daemon_config_fixed_changes(&d->config, &fresh, report_fixed_change, d);
     em_config_copy_reloadable(&em_daemon_config_schema, &d->config, &fresh);
     em_log_set_level(&d->log, (em_log_level)d->config.log_level);
@@ -401,7 +409,13 @@ em_status em_daemon_create(const em_daemon_config *config, const em_daemon_optio
         em_log_set_level(&d->log, (em_log_level)0); /* nothing passes */
     em_log_notice(&d->log, "emberd %s starting with %s", EM_VERSION,
                   options->config_path != NULL ? options->config_path : "a configuration");
-    status = start(d, err);
+    status = em_failpoints_arm_from_env(err);
+    char armed[256];
+    em_failpoints_describe(armed, sizeof(armed));
+    if (armed[0] != '\0')
+        em_log_warning(&d->log, "failpoints armed (for tests only): %s", armed);
+    if (status == EM_OK)
+        status = start(d, err);
     if (status != EM_OK) {
         em_log_error(&d->log, "cannot start: %s", err->message);
         em_daemon_destroy(d);

@@ -262,12 +262,11 @@ static const em_config_field limits_fields[] = {
           "when draining, close a connection once it has been quiet this long"),
 };
 
-/* limits.memory_bytes 0 is a quarter of physical memory (resolved when read, so the
- * printed configuration says the number in force). */
-static em_status check_limits(void *target, const cJSON *json, const char *path, em_error *err)
+/* limits.memory_bytes 0 is a quarter of physical memory, resolved when the whole file
+ * is read (the limits object may be absent), so the printed configuration says the
+ * number in force. */
+static em_status resolve_memory_budget(em_limits_config *limits, em_error *err)
 {
-    (void)json;
-    em_limits_config *limits = target;
     if (limits->memory_bytes == 0) {
         long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
         uint64_t physical = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page
@@ -276,9 +275,8 @@ static em_status check_limits(void *target, const cJSON *json, const char *path,
     }
     if (limits->memory_bytes < EM_MEMORY_BUDGET_MIN)
         return em_error_set(err, EM_INVALID_ARGUMENT,
-                            "%s%smemory_bytes: %" PRIu64 " is below the minimum %u", path,
-                            path[0] != '\0' ? "." : "", limits->memory_bytes,
-                            EM_MEMORY_BUDGET_MIN);
+                            "limits.memory_bytes: %" PRIu64 " is below the minimum %u",
+                            limits->memory_bytes, EM_MEMORY_BUDGET_MIN);
     return EM_OK;
 }
 
@@ -286,7 +284,6 @@ static const em_config_schema limits_schema = {
     .name = "limits",
     .fields = limits_fields,
     .field_count = sizeof(limits_fields) / sizeof(limits_fields[0]),
-    .check = check_limits,
 };
 
 static const em_config_choice backend_choices[] = {
@@ -401,6 +398,9 @@ static em_status check_daemon(void *target, const cJSON *json, const char *path,
     (void)json;
     (void)path;
     em_daemon_config *config = target;
+    em_status status = resolve_memory_budget(&config->limits, err);
+    if (status != EM_OK)
+        return status;
     if (config->data_token.set && strcmp(config->data_token.value, config->admin_token.value) == 0)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "data_token: must differ from admin_token, or data clients could "

@@ -1,5 +1,7 @@
 #include "daemon/dispatch.h"
 
+#include "lib/base/failpoint.h"
+
 #include <inttypes.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -155,6 +157,9 @@ static void deliver(em_request *request)
 static void run_job(em_job *job)
 {
     em_request *request = REQUEST_OF(job, job);
+    uint64_t stall_ms = 0;
+    if (em_failpoint_hit(EM_FAILPOINT_WORKER_STALL, &stall_ms))
+        usleep((useconds_t)(stall_ms * 1000u));
     uint64_t now = em_monotonic_ms();
     if (request->deadline_ms != 0 && now > request->deadline_ms) {
         em_error_set(&request->error, EM_DEADLINE_EXCEEDED,

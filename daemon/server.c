@@ -7,6 +7,7 @@
 #include "daemon/address.h"
 #include "daemon/connection.h"
 #include "daemon/dispatch.h"
+#include "lib/base/failpoint.h"
 
 /* Pending connections the kernel may queue per listener. */
 #define LISTEN_BACKLOG 511
@@ -260,7 +261,12 @@ static void on_connection(uv_stream_t *listener, int status)
         return;
     }
     link_connection(server, connection);
-    if (uv_accept(listener, em_connection_stream(connection)) != 0) {
+    int rc = uv_accept(listener, em_connection_stream(connection));
+    if (rc == 0 && em_failpoint_hit(EM_FAILPOINT_ACCEPT_FAIL, NULL))
+        rc = UV_ECONNABORTED;
+    if (rc != 0) {
+        em_log_warning(server->context->log, "accept on the %s listener failed: %s",
+                       admin ? "admin" : "data", uv_strerror(rc));
         em_connection_close(connection);
         return;
     }

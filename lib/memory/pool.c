@@ -36,6 +36,8 @@
  */
 #include "lib/memory/pool.h"
 
+#include "lib/base/failpoint.h"
+
 #include <assert.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -645,6 +647,10 @@ static em_status allocate_locked(em_pool *pool, size_t bytes, uintptr_t *address
 
 em_status em_pool_alloc(em_pool *pool, size_t bytes, uintptr_t *address, em_error *err)
 {
+    if (em_failpoint_hit(EM_FAILPOINT_POOL_ALLOC, NULL))
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "pool '%s': allocation of %zu bytes failed (failpoint pool_alloc)",
+                            pool->name, bytes);
     pthread_mutex_lock(&pool->mutex);
     em_status status = allocate_locked(pool, bytes, address, err);
     pthread_mutex_unlock(&pool->mutex);
