@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "daemon/address.h"
+#include "daemon/tls.h"
 #include "lib/base/failpoint.h"
 #include "lib/base/log.h"
 
@@ -39,6 +40,12 @@ struct em_connection {
     bool advancing; /* connection_advance is on the stack */
     uint32_t references;
     char peer[64];
+
+    /* TLS (NULL: plaintext): ciphertext is read into cipher_buffer, and plaintext comes
+     * out of the session into the read buffer or straight into a frame part */
+    em_tls_session *tls;
+    bool tls_ready; /* handshake done */
+    uint8_t *cipher_buffer;
 
     /* read buffer (allocated while bytes wait in it): [read_start, read_end) unconsumed */
     uint8_t *read_buffer;
@@ -99,6 +106,8 @@ void em_connection_unref(em_connection *connection)
 {
     if (--connection->references > 0)
         return;
+    em_tls_session_destroy(connection->tls);
+    free(connection->cipher_buffer);
     free(connection->read_buffer);
     free(connection);
 }
@@ -150,11 +159,18 @@ void em_connection_unlink(em_connection **head, em_connection *connection)
 
 em_connection *em_connection_create(uv_loop_t *loop, const em_connection_settings *settings,
                                     const em_connection_hooks *hooks, const em_log *log,
-                                    bool admin)
+                                    bool admin, em_tls_server *tls)
 {
     em_connection *connection = calloc(1, sizeof(*connection));
     if (connection == NULL)
         return NULL;
+    if (tls != NULL) {
+        connection->tls = em_tls_session_create(tls);
+        if (connection->tls == NULL) {
+            free(connection);
+            return NULL;
+        }
+    }
     connection->settings = settings;
     connection->hooks = hooks;
     connection->log = log;
@@ -287,6 +303,8 @@ void em_connection_close(em_connection *connection)
     stop_reading(connection);
     discard_partial_frame(connection);
     free_read_buffer(connection);
+    free(connection->cipher_buffer);
+    connection->cipher_buffer = NULL;
     abandon_queue(connection);
     em_log_debug(connection->log, "connection from %s closed", connection->peer);
     uv_timer_stop(&connection->timer);
@@ -416,30 +434,22 @@ static int write_in_pieces(em_connection *connection, pending_write *write,
     return 0;
 }
 
-void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_length,
-                        void *attachment, size_t attachment_length, uint64_t charged)
+/* Writes count buffers (owning first and second, freed once written) and charges their
+ * bytes until then. */
+static void queue_write(em_connection *connection, uint8_t *first, void *second,
+                        const uv_buf_t *buffers, int count, size_t bytes)
 {
     pending_write *write = calloc(1, sizeof(*write));
-    if (write == NULL || connection->handle_closed) {
-        free(write);
-        free(frame);
-        free(attachment);
-        release(connection, charged);
-        if (!connection->handle_closed)
-            em_connection_close(connection);
+    if (write == NULL) {
+        free(first);
+        free(second);
+        em_connection_close(connection);
         return;
     }
-    size_t response_bytes = frame_length + attachment_length;
-    *write = (pending_write){.connection = connection, .frame = frame, .attachment = attachment,
-                             .bytes = response_bytes, .parts_left = 1};
+    *write = (pending_write){.connection = connection, .frame = first, .attachment = second,
+                             .bytes = bytes, .parts_left = 1};
     write->request.data = write;
-    /* the answer's own bytes replace the request's charge until they are written */
-    charge(connection, response_bytes, false);
-    release(connection, charged);
-    uv_buf_t buffers[2] = {uv_buf_init((char *)frame, (unsigned)frame_length),
-                           uv_buf_init((char *)attachment, (unsigned)attachment_length)};
-    buffers[1].len = attachment_length; /* uv_buf_init takes 32 bits; the field holds size_t */
-    int count = attachment_length > 0 ? 2 : 1;
+    charge(connection, bytes, false);
     em_connection_ref(connection);
     if (connection->writes_pending++ == 0)
         connection->write_progress = now_ms(connection);
@@ -448,8 +458,8 @@ void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_
     if (em_failpoint_hit(EM_FAILPOINT_PARTIAL_WRITE, &piece))
         rc = write_in_pieces(connection, write, buffers, count, piece > 0 ? piece : 1);
     else
-        rc = uv_write(&write->request, (uv_stream_t *)&connection->handle, buffers, count,
-                      on_write);
+        rc = uv_write(&write->request, (uv_stream_t *)&connection->handle, buffers,
+                      (unsigned)count, on_write);
     if (rc != 0) {
         on_write(&write->request, rc); /* libuv does not call back a write it refused */
         return;
@@ -458,6 +468,61 @@ void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_
         connection->write_queue_seen =
             uv_stream_get_write_queue_size((uv_stream_t *)&connection->handle);
     schedule_timer(connection);
+}
+
+/* Sends what the TLS session has to send (handshake messages, encrypted answers). */
+static void flush_tls(em_connection *connection)
+{
+    uint8_t *output = NULL;
+    size_t length = 0;
+    em_error err;
+    if (em_tls_session_take_output(connection->tls, &output, &length, &err) != EM_OK) {
+        em_log_info(connection->log, "closing connection from %s: %s", connection->peer,
+                    err.message);
+        em_connection_close(connection);
+        return;
+    }
+    if (length == 0)
+        return;
+    uv_buf_t buffer = uv_buf_init((char *)output, 0);
+    buffer.len = length;
+    queue_write(connection, output, NULL, &buffer, 1, length);
+}
+
+void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_length,
+                        void *attachment, size_t attachment_length, uint64_t charged)
+{
+    if (connection->handle_closed) {
+        free(frame);
+        free(attachment);
+        release(connection, charged);
+        return;
+    }
+    if (connection->tls != NULL) {
+        /* encrypted into the session's output: the plaintext goes at once */
+        em_error err;
+        em_status status = em_tls_session_write(connection->tls, frame, frame_length, &err);
+        if (status == EM_OK && attachment_length > 0)
+            status = em_tls_session_write(connection->tls, attachment, attachment_length, &err);
+        free(frame);
+        free(attachment);
+        release(connection, charged);
+        if (status != EM_OK) {
+            em_log_info(connection->log, "closing connection from %s: %s", connection->peer,
+                        err.message);
+            em_connection_close(connection);
+            return;
+        }
+        flush_tls(connection);
+        return;
+    }
+    uv_buf_t buffers[2] = {uv_buf_init((char *)frame, (unsigned)frame_length),
+                           uv_buf_init((char *)attachment, (unsigned)attachment_length)};
+    buffers[1].len = attachment_length; /* uv_buf_init takes 32 bits; the field holds size_t */
+    /* the answer's own bytes replace the request's charge until they are written */
+    queue_write(connection, frame, attachment, buffers, attachment_length > 0 ? 2 : 1,
+                frame_length + attachment_length);
+    release(connection, charged);
 }
 
 void em_connection_release(em_connection *connection, uint64_t charged)
@@ -533,6 +598,13 @@ static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buffer)
 {
     (void)suggested;
     em_connection *connection = handle->data;
+    if (connection->tls != NULL) {
+        if (connection->cipher_buffer == NULL)
+            connection->cipher_buffer = malloc(EM_READ_BUFFER_BYTES);
+        *buffer = uv_buf_init((char *)connection->cipher_buffer,
+                              connection->cipher_buffer != NULL ? EM_READ_BUFFER_BYTES : 0);
+        return;
+    }
     if (connection->read_start == connection->read_end && reads_into_part(connection)) {
         uint64_t remaining = connection->part_size - connection->part_have;
         if (remaining >= EM_READ_BUFFER_BYTES) {
@@ -583,6 +655,79 @@ static void on_peer_closed(em_connection *connection, ssize_t error)
     em_connection_begin_closing(connection);
 }
 
+/* TLS: advances the handshake, then decrypts what was received into the read buffer or
+ * straight into the frame part being read, and moves the frame reader along, until
+ * the session has nothing more or the connection must wait. */
+static void tls_pump(em_connection *connection)
+{
+    em_error err;
+    if (!connection->tls_ready) {
+        bool done = false;
+        em_status status = em_tls_session_handshake(connection->tls, &done, &err);
+        if (status == EM_OK)
+            flush_tls(connection);
+        if (connection->handle_closed)
+            return;
+        if (status != EM_OK) {
+            connection->hooks->tls_handshake(connection->hooks->context, false);
+            em_log_info(connection->log, "closing connection from %s: %s", connection->peer,
+                        err.message);
+            em_connection_close(connection);
+            return;
+        }
+        if (!done)
+            return;
+        connection->tls_ready = true;
+        connection->hooks->tls_handshake(connection->hooks->context, true);
+    }
+    while (connection->state != CONNECTION_WAITING && connection->state != CONNECTION_CLOSING) {
+        uint8_t *target = NULL;
+        size_t room = 0;
+        bool direct = false;
+        if (connection->read_start == connection->read_end && reads_into_part(connection) &&
+            connection->part_size - connection->part_have >= EM_READ_BUFFER_BYTES) {
+            uint64_t remaining = connection->part_size - connection->part_have;
+            target = connection->part + connection->part_have;
+            room = remaining > DIRECT_READ_MAX ? DIRECT_READ_MAX : (size_t)remaining;
+            direct = true;
+        } else {
+            if (connection->read_buffer == NULL)
+                connection->read_buffer = malloc(EM_READ_BUFFER_BYTES);
+            if (connection->read_buffer == NULL) {
+                em_connection_close(connection);
+                return;
+            }
+            if (connection->read_start == connection->read_end)
+                connection->read_start = connection->read_end = 0;
+            target = connection->read_buffer + connection->read_end;
+            room = EM_READ_BUFFER_BYTES - connection->read_end;
+            if (room == 0)
+                break; /* the reader is waiting for its buffer to drain */
+        }
+        size_t got = 0;
+        bool closed = false;
+        if (em_tls_session_read(connection->tls, target, room, &got, &closed, &err) != EM_OK) {
+            em_log_info(connection->log, "closing connection from %s: %s", connection->peer,
+                        err.message);
+            em_connection_close(connection);
+            return;
+        }
+        if (closed) {
+            on_peer_closed(connection, UV_EOF);
+            return;
+        }
+        if (got == 0)
+            break;
+        if (direct)
+            connection->part_have += got;
+        else
+            connection->read_end += got;
+        connection_advance(connection);
+    }
+    if (!connection->handle_closed)
+        flush_tls(connection); /* what reading made the session want to send */
+}
+
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buffer)
 {
     em_connection *connection = stream->data;
@@ -590,7 +735,19 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buffer)
         on_peer_closed(connection, nread);
         return;
     }
-    if (nread > 0) {
+    if (nread > 0 && connection->tls != NULL) {
+        connection->hooks->bytes_in(connection->hooks->context, (uint64_t)nread);
+        connection->last_activity = now_ms(connection);
+        em_error err;
+        if (em_tls_session_receive(connection->tls, (const uint8_t *)buffer->base,
+                                   (size_t)nread, &err) != EM_OK) {
+            em_log_info(connection->log, "closing connection from %s: %s", connection->peer,
+                        err.message);
+            em_connection_close(connection);
+            return;
+        }
+        tls_pump(connection);
+    } else if (nread > 0) {
         connection->hooks->bytes_in(connection->hooks->context, (uint64_t)nread);
         connection->last_activity = now_ms(connection);
         bool direct = connection->read_buffer == NULL ||
@@ -602,8 +759,9 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buffer)
             connection->read_end += (size_t)nread;
         connection_advance(connection);
     }
-    if (!connection->handle_closed && connection->state != CONNECTION_WAITING &&
-        connection->read_start == connection->read_end)
+    if (connection->handle_closed)
+        return;
+    if (connection->state != CONNECTION_WAITING && connection->read_start == connection->read_end)
         free_read_buffer(connection); /* idle connections hold no buffer */
     schedule_timer(connection);
 }
@@ -679,6 +837,8 @@ static void resume(em_connection *connection)
         return;
     connection->frame_started = now_ms(connection); /* a wait is not the sender's delay */
     connection_advance(connection);
+    if (connection->tls != NULL && !connection->handle_closed)
+        tls_pump(connection); /* plaintext the session still holds */
     if (connection->state != CONNECTION_WAITING && connection->state != CONNECTION_CLOSING)
         start_reading(connection);
     schedule_timer(connection);

@@ -46,6 +46,7 @@
 #include <uv.h>
 
 #include "daemon/budget.h"
+#include "daemon/tls.h"
 #include "lib/base/log.h"
 #include "lib/base/status.h"
 #include "proto/frame.h"
@@ -99,14 +100,17 @@ typedef struct em_connection_hooks {
     void (*bytes_out)(void *context, uint64_t bytes);
     void (*frame_rejected)(void *context);
     void (*timed_out)(void *context, em_connection_timeout which);
+    /* A TLS handshake completed (ok) or was refused. */
+    void (*tls_handshake)(void *context, bool ok);
     void *context;
 } em_connection_hooks;
 
 /* Creates a connection whose handle is initialised on loop, ready for uv_accept on
- * em_connection_stream. settings and hooks are borrowed. NULL when out of memory. */
+ * em_connection_stream; with tls, the connection speaks TLS (daemon/tls.h). settings,
+ * hooks and tls are borrowed. NULL when out of memory. */
 em_connection *em_connection_create(uv_loop_t *loop, const em_connection_settings *settings,
                                     const em_connection_hooks *hooks, const em_log *log,
-                                    bool admin);
+                                    bool admin, em_tls_server *tls);
 
 /* The stream to accept into. */
 uv_stream_t *em_connection_stream(em_connection *connection);

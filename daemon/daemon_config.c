@@ -388,6 +388,26 @@ static const em_config_schema backend_schema = {
     .applies = backend_applies,
 };
 
+static const em_config_field tls_fields[] = {
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "certificate_file", em_tls_config, certificate_file),
+     .help = "PEM certificate chain the listeners present (required with tls)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "private_key_file", em_tls_config, private_key_file),
+     .help = "PEM private key of the certificate (required with tls)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "client_ca_file", em_tls_config, client_ca_file),
+     .default_json = "\"\"",
+     .help = "PEM CA certificates; when set, clients must present a certificate it signed"},
+    {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "data", em_tls_config, data), .default_json = "true",
+     .help = "the data listener speaks TLS"},
+    {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "admin", em_tls_config, admin), .default_json = "true",
+     .help = "the admin listener speaks TLS"},
+};
+
+static const em_config_schema tls_schema = {
+    .name = "tls",
+    .fields = tls_fields,
+    .field_count = sizeof(tls_fields) / sizeof(tls_fields[0]),
+};
+
 static const em_config_choice log_level_choices[] = {
     {"error", EM_LOG_ERROR}, {"warning", EM_LOG_WARNING}, {"notice", EM_LOG_NOTICE},
     {"info", EM_LOG_INFO},   {"debug", EM_LOG_DEBUG},     {NULL, 0},
@@ -395,12 +415,19 @@ static const em_config_choice log_level_choices[] = {
 
 static em_status check_daemon(void *target, const cJSON *json, const char *path, em_error *err)
 {
-    (void)json;
     (void)path;
     em_daemon_config *config = target;
     em_status status = resolve_memory_budget(&config->limits, err);
     if (status != EM_OK)
         return status;
+    config->tls.enabled = cJSON_GetObjectItemCaseSensitive(json, "tls") != NULL;
+    if (config->tls.enabled && (config->tls.certificate_file[0] == '\0' ||
+                                config->tls.private_key_file[0] == '\0'))
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "tls: certificate_file and private_key_file are both required");
+    if (config->tls.enabled && !config->tls.data && !config->tls.admin)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "tls: data and admin are both false; remove tls instead");
     if (config->data_token.set && strcmp(config->data_token.value, config->admin_token.value) == 0)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "data_token: must differ from admin_token, or data clients could "
@@ -427,6 +454,8 @@ static const em_config_field daemon_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "log_level", em_daemon_config, log_level),
      .flags = EM_CONFIG_RELOADABLE, .choices = log_level_choices, .default_json = "\"info\"",
      .help = "error, warning, notice, info or debug"},
+    {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "tls", em_daemon_config, tls), .object = &tls_schema,
+     .help = "TLS for the listeners (absent: plaintext)"},
     {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "insecure", em_daemon_config, insecure),
      .default_json = "false",
      .help = "let a listener reachable from other hosts run without TLS or a data token"},
@@ -436,11 +465,19 @@ static const em_config_field daemon_fields[] = {
      .help = "on SIGTERM, how long in-flight requests may take before exiting anyway"},
 };
 
+/* tls is printed only when it is configured. */
+static bool daemon_applies(const void *target, const em_config_field *field)
+{
+    const em_daemon_config *config = target;
+    return strcmp(field->name, "tls") != 0 || config->tls.enabled;
+}
+
 const em_config_schema em_daemon_config_schema = {
     .name = "emberd",
     .fields = daemon_fields,
     .field_count = sizeof(daemon_fields) / sizeof(daemon_fields[0]),
     .check = check_daemon,
+    .applies = daemon_applies,
 };
 
 /* ---- loading ----------------------------------------------------------------------- */
@@ -491,7 +528,7 @@ int em_daemon_config_fixed_changes(const em_daemon_config *old, const em_daemon_
             continue;
         const cJSON *a = cJSON_GetObjectItemCaseSensitive(before, field->name);
         const cJSON *b = cJSON_GetObjectItemCaseSensitive(after, field->name);
-        if (!cJSON_Compare(a, b, true)) {
+        if ((a != NULL || b != NULL) && !cJSON_Compare(a, b, true)) {
             report(context, field->name);
             changes++;
         }

@@ -18,6 +18,8 @@
  *     "admin_token": {"value": "..."} | {"file": "/etc/ember/admin.token"} | {"env": "NAME"},
  *     "data_token":  same forms (optional),
  *     "log_level": "info",
+ *     "tls": {"certificate_file": "...", "private_key_file": "...",
+ *             "client_ca_file": "..." (mutual TLS), "data": true, "admin": true},
  *     "insecure": false,
  *     "drain_timeout_ms": 30000
  *   }
@@ -33,6 +35,7 @@
 
 #include "lib/base/config.h"
 #include "lib/base/log.h"
+#include "daemon/tls.h"
 #include "lib/base/status.h"
 #include "lib/table/table_config.h"
 
@@ -111,6 +114,7 @@ typedef struct em_daemon_config {
     em_token admin_token;
     em_token data_token;
     int log_level; /* em_log_level */
+    em_tls_config tls;
     bool insecure;  /* non-loopback listeners without TLS or data token allowed */
     uint32_t drain_timeout_ms;
 } em_daemon_config;

@@ -27,6 +27,8 @@ struct em_server {
     uint32_t max_connections;
     uint32_t max_admin_connections;
     bool insecure;
+    em_tls_server *tls[LISTENER_COUNT]; /* NULL: plaintext */
+    em_tls_server *tls_owned;
 
     uv_tcp_t listeners[LISTENER_COUNT];
     bool listener_open[LISTENER_COUNT];
@@ -94,6 +96,14 @@ static void on_timed_out(void *context, em_connection_timeout which)
         atomic_fetch_add_explicit(&stats->timeouts_write, 1, memory_order_relaxed);
         return;
     }
+}
+
+static void on_tls_handshake(void *context, bool ok)
+{
+    em_server *server = context;
+    atomic_fetch_add_explicit(ok ? &server->context->stats.tls_handshakes
+                                 : &server->context->stats.tls_handshakes_failed,
+                              1, memory_order_relaxed);
 }
 
 static void on_wake(uv_timer_t *timer)
@@ -185,11 +195,23 @@ em_status em_server_create(uv_loop_t *loop, const em_daemon_config *config,
     snprintf(server->configured[LISTENER_ADMIN], EM_ADDRESS_MAX, "%s", config->listen.admin);
     snprintf(server->settings.admin_address, EM_ADDRESS_MAX, "%s", config->listen.admin);
     apply_config(server, config);
+    if (config->tls.enabled) {
+        em_tls_server *tls = NULL;
+        em_status status = em_tls_server_create(&config->tls, &tls, err);
+        if (status != EM_OK) {
+            free(server);
+            return status;
+        }
+        server->tls_owned = tls;
+        server->tls[LISTENER_DATA] = config->tls.data ? tls : NULL;
+        server->tls[LISTENER_ADMIN] = config->tls.admin ? tls : NULL;
+    }
     server->hooks = (em_connection_hooks){.meta = on_meta, .body = on_body, .frame = on_frame,
                                           .abandon = on_abandon, .closed = on_connection_closed,
                                           .bytes_in = count_bytes_in, .bytes_out = count_bytes_out,
                                           .frame_rejected = count_frame_rejected,
-                                          .timed_out = on_timed_out, .context = server};
+                                          .timed_out = on_timed_out,
+                                          .tls_handshake = on_tls_handshake, .context = server};
     uv_timer_init(loop, &server->drain_timer);
     server->drain_timer.data = server;
     server->open_handles = 2; /* the drain and wake timers */
@@ -255,7 +277,8 @@ static void on_connection(uv_stream_t *listener, int status)
     }
     bool admin = listener == (uv_stream_t *)&server->listeners[LISTENER_ADMIN];
     em_connection *connection = em_connection_create(
-        server->loop, &server->connection_settings, &server->hooks, server->context->log, admin);
+        server->loop, &server->connection_settings, &server->hooks, server->context->log, admin,
+        server->tls[admin ? LISTENER_ADMIN : LISTENER_DATA]);
     if (connection == NULL) {
         em_log_error(server->context->log, "out of memory for a new connection");
         return;
@@ -298,23 +321,26 @@ static em_status listen_on(em_server *server, int which, em_error *err)
     em_address_format((struct sockaddr *)&address, server->bound[which], EM_ADDRESS_MAX);
     if (em_address_is_loopback((struct sockaddr *)&address))
         return EM_OK;
-    /* Reachable from other hosts: data needs a token unless the config says otherwise. */
-    if (which == LISTENER_DATA && !server->settings.data_token.set) {
+    /* Reachable from other hosts: data needs a token or TLS unless the config says
+     * otherwise, and tokens without TLS cross the network in plaintext. */
+    bool tls = server->tls[which] != NULL;
+    if (which == LISTENER_DATA && !server->settings.data_token.set && !tls) {
         if (!server->insecure)
             return em_error_set(err, EM_FAILED_PRECONDITION,
-                                "the data listener %s is reachable from other hosts and has "
-                                "no data_token: set one, listen on loopback, or set "
+                                "the data listener %s is reachable from other hosts with neither "
+                                "a data_token nor tls: set one, listen on loopback, or set "
                                 "\"insecure\": true",
                                 server->bound[which]);
         em_log_warning(server->context->log,
-                       "the data listener %s is reachable from other hosts without a token "
-                       "(\"insecure\": true)",
+                       "the data listener %s is reachable from other hosts without a token or "
+                       "TLS (\"insecure\": true)",
                        server->bound[which]);
     }
-    em_log_warning(server->context->log,
-                   "the %s listener %s is reachable from other hosts; its tokens cross the "
-                   "network in plaintext",
-                   listener_names[which], server->bound[which]);
+    if (!tls)
+        em_log_warning(server->context->log,
+                       "the %s listener %s is reachable from other hosts; its tokens cross the "
+                       "network in plaintext (no tls)",
+                       listener_names[which], server->bound[which]);
     return EM_OK;
 }
 
@@ -338,6 +364,7 @@ static void on_server_handle_closed(uv_handle_t *handle)
         return;
     void (*closed)(void *) = server->closed;
     void *context = server->closed_context;
+    em_tls_server_destroy(server->tls_owned);
     free(server);
     if (closed != NULL)
         closed(context);

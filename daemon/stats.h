@@ -51,7 +51,9 @@
       "connections closed for a frame slower than frame_timeout_ms")                          \
     X(timeouts_write, COUNTER, NONE,                                                          \
       "connections closed when their answers made no progress for write_timeout_ms")          \
-    X(requests_refused_draining, COUNTER, NONE, "requests answered UNAVAILABLE while draining")
+    X(requests_refused_draining, COUNTER, NONE, "requests answered UNAVAILABLE while draining") \
+    X(tls_handshakes, COUNTER, NONE, "TLS handshakes completed")                              \
+    X(tls_handshakes_failed, COUNTER, NONE, "TLS handshakes refused (bad certificate, protocol)")
 
 /* X(name, kind, unit, help): per method. */
 #define EM_METHOD_COUNTERS(X)                                                                 \

@@ -7,8 +7,8 @@ set -euo pipefail
 
 packages=(
   build-essential pkg-config meson ninja-build
-  libuv1-dev libprotobuf-c-dev protobuf-c-compiler libcjson-dev libsystemd-dev
-  check
+  libuv1-dev libprotobuf-c-dev protobuf-c-compiler libcjson-dev libsystemd-dev libssl-dev
+  check openssl clang libclang-rt-14-dev
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(redis-server)
