@@ -111,10 +111,11 @@ static em__client_request *find_request(const em__client_connection *connection,
 /* ---- lifecycle -------------------------------------------------------------------- */
 
 void em__client_connection_init(em__client_connection *connection,
-                                const em__client_server *server)
+                                const em__client_server *server, const em__client_tls *tls)
 {
     memset(connection, 0, sizeof(*connection));
     connection->server = server;
+    connection->tls = tls;
     connection->fd = -1;
     em_frame_limits limits = em_frame_default_limits();
     em__client_reader_init(&connection->reader, &limits);
@@ -131,6 +132,8 @@ static void fail_requests(em__client_connection *connection, const em_error *err
 
 static void close_socket(em__client_connection *connection)
 {
+    SSL_free(connection->ssl);
+    connection->ssl = NULL;
     if (connection->fd >= 0)
         close(connection->fd);
     connection->fd = -1;
@@ -239,6 +242,16 @@ em_status em__client_connection_open(em__client_connection *connection, int time
     for (struct addrinfo *a = addresses; a != NULL && connection->fd < 0; a = a->ai_next)
         connection->fd = connect_address(a, timeout_ms, &error);
     freeaddrinfo(addresses);
+    if (connection->fd >= 0 && connection->tls != NULL) {
+        em_status status = em__client_tls_connect(connection->tls, connection->fd, server->host,
+                                                  server->name, timeout_ms, &connection->ssl,
+                                                  err);
+        if (status != EM_OK) {
+            close(connection->fd);
+            connection->fd = -1;
+        }
+        return status;
+    }
     if (connection->fd >= 0)
         return EM_OK;
     if (error == ETIMEDOUT)
@@ -282,9 +295,36 @@ static void advance_unsent(em__client_connection *connection, uint64_t bytes)
     }
 }
 
+/* TLS: writes the unsent bytes through the session; false when the connection failed. */
+static bool write_some_tls(em__client_connection *connection)
+{
+    while (connection->unsent != NULL) {
+        struct iovec pieces[SEND_PIECES_MAX];
+        gather_unsent(connection, pieces);
+        size_t written = 0;
+        em_error error;
+        em__client_tls_result result = em__client_tls_write(
+            connection->ssl, pieces[0].iov_base, pieces[0].iov_len, &written, &error);
+        if (result == EM_CLIENT_TLS_WAIT)
+            return true;
+        if (result != EM_CLIENT_TLS_DONE) {
+            em__client_connection_fail(connection, EM_UNAVAILABLE, "server %s: %s",
+                                       connection->server->name,
+                                       result == EM_CLIENT_TLS_CLOSED
+                                           ? "connection closed by the server"
+                                           : error.message);
+            return false;
+        }
+        advance_unsent(connection, (uint64_t)written);
+    }
+    return true;
+}
+
 /* Returns false when the connection failed. */
 static bool write_some(em__client_connection *connection)
 {
+    if (connection->ssl != NULL)
+        return write_some_tls(connection);
     while (connection->unsent != NULL) {
         struct iovec pieces[SEND_PIECES_MAX];
         struct msghdr message = {.msg_iov = pieces};
@@ -498,7 +538,23 @@ static bool read_once(em__client_connection *connection)
                                    connection->server->name, error.message);
         return false;
     }
-    ssize_t got = recv(connection->fd, at, length, MSG_DONTWAIT);
+    ssize_t got;
+    if (connection->ssl != NULL) {
+        size_t taken = 0;
+        em__client_tls_result result = em__client_tls_read(connection->ssl, at, length, &taken,
+                                                           &error);
+        if (result == EM_CLIENT_TLS_WAIT)
+            return false;
+        if (result == EM_CLIENT_TLS_FAILED) {
+            em__client_connection_fail(connection, EM_UNAVAILABLE, "server %s: %s",
+                                       connection->server->name, error.message);
+            return false;
+        }
+        got = result == EM_CLIENT_TLS_CLOSED ? 0 : (ssize_t)taken;
+        errno = 0;
+    } else {
+        got = recv(connection->fd, at, length, MSG_DONTWAIT);
+    }
     if (got < 0 && errno == EINTR)
         return true;
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))

@@ -30,6 +30,7 @@
 
 #include "clients/client_frame.h"
 #include "clients/client_servers.h"
+#include "clients/client_tls.h"
 #include "lib/base/status.h"
 
 typedef struct em__client_request {
@@ -56,7 +57,9 @@ typedef struct em__client_request {
 
 typedef struct em__client_connection {
     const em__client_server *server;
-    int fd; /* -1 while closed */
+    const em__client_tls *tls; /* NULL: plaintext */
+    int fd;                    /* -1 while closed */
+    SSL *ssl;                  /* the TLS session on fd, with tls */
     em__client_request *head, *tail;
     em__client_request *unsent; /* first request of the list not completely written */
     uint32_t in_flight;         /* requests in the list */
@@ -71,13 +74,15 @@ em__client_request *em__client_request_create(void *owner, const em__client_serv
 /* Frees a request that is in no list. NULL is ignored. */
 void em__client_request_destroy(em__client_request *request);
 
+/* tls (borrowed; NULL for plaintext) is used by every open. */
 void em__client_connection_init(em__client_connection *connection,
-                                const em__client_server *server);
+                                const em__client_server *server, const em__client_tls *tls);
 /* Closes the socket; abandoned requests are freed, the others unlinked and failed. */
 void em__client_connection_deinit(em__client_connection *connection);
 
 /* Resolves the server's name and connects (one attempt over its addresses) within
- * timeout_ms. Errors: UNAVAILABLE naming the server and the reason. */
+ * timeout_ms, with the TLS handshake when the connection has tls. Errors: UNAVAILABLE
+ * naming the server and the reason, UNAUTHENTICATED for a refused certificate. */
 em_status em__client_connection_open(em__client_connection *connection, int timeout_ms,
                                      em_error *err);
 

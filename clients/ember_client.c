@@ -71,6 +71,7 @@ struct em_client {
     uint32_t *poll_servers; /* server of each poll entry */
     uint64_t next_correlation_id;
     em_client_call *calls;
+    em__client_tls *tls; /* NULL: plaintext */
 };
 
 /* ---- time ------------------------------------------------------------------------- */
@@ -773,6 +774,11 @@ static em_status copy_options(em_client *client, const em_client_options *option
         return out_of_memory(err, "client options");
     client->options.servers = client->servers_text;
     client->options.token = client->token;
+    /* the TLS files are read once, when the client is created */
+    client->options.tls_ca_file = NULL;
+    client->options.tls_cert_file = NULL;
+    client->options.tls_key_file = NULL;
+    client->options.tls_server_name = NULL;
     return EM_OK;
 }
 
@@ -786,7 +792,7 @@ static em_status setup_connections(em_client *client, em_error *err)
         client->poll_servers == NULL)
         return out_of_memory(err, "connections");
     for (uint32_t s = 0; s < n; s++)
-        em__client_connection_init(&client->connections[s], &client->servers[s]);
+        em__client_connection_init(&client->connections[s], &client->servers[s], client->tls);
     client->connection_count = n;
     for (uint32_t s = 0; s < n; s++) {
         em_status status = connect_with_retries(client, s, 0, err);
@@ -806,6 +812,10 @@ em_status em_client_create(const em_client_options *options, em_client **out, em
         return out_of_memory(err, "client");
     client->next_correlation_id = 1;
     em_status status = copy_options(client, options, err);
+    if (status == EM_OK && options->tls_ca_file != NULL && options->tls_ca_file[0] != '\0')
+        status = em__client_tls_create(options->tls_ca_file, options->tls_cert_file,
+                                       options->tls_key_file, options->tls_server_name,
+                                       &client->tls, err);
     if (status == EM_OK)
         status = em__client_servers_parse(client->servers_text, &client->servers,
                                           &client->server_count, err);
@@ -833,5 +843,6 @@ void em_client_destroy(em_client *client)
     free(client->servers);
     free(client->servers_text);
     free(client->token);
+    em__client_tls_destroy(client->tls);
     free(client);
 }

@@ -41,6 +41,14 @@ typedef struct em_client_options {
     uint32_t timeout_ms;         /* per call, sent as deadline_ms; 0 = none (default 30000) */
     uint32_t connect_timeout_ms; /* default 5000 */
     uint32_t reconnect_attempts; /* default 3 */
+    /* TLS: on when tls_ca_file is set (the CA the servers' certificates chain to); with
+     * tls_cert_file and tls_key_file the client presents a certificate (mutual TLS);
+     * tls_server_name, when set, is the name checked in the servers' certificates
+     * instead of the host dialled. All copied. */
+    const char *tls_ca_file;
+    const char *tls_cert_file;
+    const char *tls_key_file;
+    const char *tls_server_name;
 } em_client_options;
 
 void em_client_options_init(em_client_options *options);
