@@ -5,7 +5,7 @@
  * [attachment: the rest]: a well-formed frame whose protobuf body and CSR attachment
  * are the fuzzer's. It goes to a daemon in this process whose table "t" (dim 4) holds
  * keys 0..63. Whatever the answer, the daemon goes on serving; and a request answered
- * with an error must have changed nothing: the table's rows and the values of keys
+ * with an error (or closed without an answer) must have changed nothing: the table's rows and the values of keys
  * 0..63 are the same before and after it.
  */
 #include <stdint.h>
@@ -33,9 +33,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     fuzz_table_state before;
     fuzz_table_state_read(daemon, &before);
+    /* -1: no answer read, as when a framing error closes the connection while the rest
+     * of the request is still being sent; the checks below apply as to any error */
     int status = fuzz_call_raw(daemon, method, body, body_length, attachment, attachment_length);
-    if (status < 0)
-        abort(); /* no answer at all */
     fuzz_table_state after;
     fuzz_table_state_read(daemon, &after);
     if (status != EMBER__STATUS__OK && !fuzz_table_state_equal(&before, &after)) {

@@ -15,7 +15,7 @@
 #define FUZZ_DIM 4
 #define FUZZ_KEYS 64
 
-typedef struct em_test_daemon fuzz_daemon;
+typedef struct fuzz_daemon fuzz_daemon;
 
 /* The daemon, started on first use. */
 fuzz_daemon *fuzz_daemon_get(void);
