@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: installs dependencies, builds, runs every suite, then builds
 # again with AddressSanitizer + UndefinedBehaviorSanitizer and reruns the unit and
-# integration suites there. Build trees: build/ and build-asan/.
+# integration suites there, then runs each libFuzzer harness for EMBER_FUZZ_SECONDS
+# (30 by default) in a clang build. Build trees: build/, build-asan/ and build-fuzz/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,4 +32,9 @@ echo "== unit and integration tests under ASan + UBSan"
 ASAN_OPTIONS=abort_on_error=1:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   meson test -C build-asan --print-errorlogs --num-processes 2 --timeout-multiplier 4 \
   --suite unit --suite integration
+echo "== fuzzers (build-fuzz/, clang + libFuzzer, ${EMBER_FUZZ_SECONDS:-30} s each)"
+CC=clang setup build-fuzz -Dcuda=disabled -Dfuzz=enabled -Db_sanitize=address,undefined \
+  -Db_lundef=false -Dc_args=-fsanitize=fuzzer-no-link
+meson compile -C build-fuzz fuzz_config fuzz_frames fuzz_requests
+meson test -C build-fuzz --no-rebuild --print-errorlogs --num-processes 2 --suite fuzz
 echo "== all tests passed"
