@@ -50,7 +50,8 @@ struct em_client_call {
     int method;
     int64_t deadline_ms; /* monotonic; 0: none */
     uint32_t request_count;
-    em__client_request **requests; /* one per server (pull and push with several) */
+    em__client_request **requests; /* one per server that has keys of the call */
+    em__client_request *by_server[EM_CLIENT_SERVERS_MAX]; /* NULL: no keys there */
     /* pull and push: the caller's arguments (arrays borrowed until finish) */
     em_csr batch;
     em_combiner combiner;
@@ -232,8 +233,10 @@ static em__client_request *call_add_request(em_client *client, em_client_call *c
 {
     em__client_request *request = em__client_request_create(
         call, &client->servers[server], client->next_correlation_id++, call->method);
-    if (request != NULL)
+    if (request != NULL) {
         call->requests[call->request_count++] = request;
+        call->by_server[server] = request;
+    }
     return request;
 }
 
@@ -403,9 +406,13 @@ static em_status pull_requests(em_client *client, em_client_call *call,
         return pull_request(client, call, 0, args->table, &args->batch, args->combiner,
                             args->create_missing, args->out, args->out_capacity, err);
     em_status status = em__client_split_pull(&args->batch, client->server_count, &call->split, err);
+    /* only the servers that hold keys of the batch are asked (a batch without keys asks
+     * every one, which also checks that they agree on dim), so a server that is down
+     * fails only the calls that need it */
     for (uint32_t s = 0; status == EM_OK && s < client->server_count; s++)
-        status = pull_request(client, call, s, args->table, &call->split.servers[s].batch,
-                              EM_COMBINER_NONE, args->create_missing, NULL, 0, err);
+        if (call->split.servers[s].batch.nnz > 0 || args->batch.nnz == 0)
+            status = pull_request(client, call, s, args->table, &call->split.servers[s].batch,
+                                  EM_COMBINER_NONE, args->create_missing, NULL, 0, err);
     return status;
 }
 
@@ -454,9 +461,9 @@ static em_status merge_pull(const em_client_call *call, uint32_t *dim, em_error 
                             "out_capacity %llu floats is less than %llu vectors x dim %u",
                             (unsigned long long)call->out_capacity, (unsigned long long)vectors,
                             *dim);
-    const float *vectors_of[EM_CLIENT_SERVERS_MAX];
-    for (uint32_t s = 0; s < call->request_count; s++)
-        vectors_of[s] = call->requests[s]->scratch;
+    const float *vectors_of[EM_CLIENT_SERVERS_MAX] = {0};
+    for (uint32_t s = 0; s < call->split.server_count; s++)
+        vectors_of[s] = call->by_server[s] != NULL ? call->by_server[s]->scratch : NULL;
     em__client_split_merge_pull(&call->split, &call->batch, call->combiner, *dim, vectors_of,
                                 call->out);
     return EM_OK;
@@ -467,8 +474,8 @@ static em_status finish_pull(const em_client_call *call, em_client_pull_result *
 {
     em_client_pull_result total = {0};
     em_status status = EM_OK;
-    if (call->request_count == 1)
-        total.dim = call->requests[0]->dim;
+    if (call->split.server_count == 0)
+        total.dim = call->requests[0]->dim; /* one server: the answer went straight to out */
     else
         status = merge_pull(call, &total.dim, err);
     for (uint32_t s = 0; s < call->request_count; s++) {
@@ -517,6 +524,8 @@ static em_status push_requests(em_client *client, em_client_call *call,
                                              client->server_count, &call->split, err);
     for (uint32_t s = 0; status == EM_OK && s < client->server_count; s++) {
         const em__client_sub_batch *sub = &call->split.servers[s];
+        if (sub->batch.nnz == 0 && args->batch.nnz > 0)
+            continue; /* as for pulls: only the servers with keys are asked */
         status = push_request(client, call, s, args->table, &sub->batch, EM_COMBINER_NONE,
                               sub->gradients, sub->gradient_count, err);
     }

@@ -180,38 +180,39 @@ static void apply_config(em_server *server, const em_daemon_config *config)
 em_status em_server_create(uv_loop_t *loop, const em_daemon_config *config,
                            em_server_context *context, em_server **out, em_error *err)
 {
+    /* TLS first: it can fail, and nothing is registered with the loop before it */
+    em_tls_server *tls = NULL;
+    if (config->tls.enabled) {
+        em_status status = em_tls_server_create(&config->tls, &tls, err);
+        if (status != EM_OK)
+            return status;
+    }
     em_server *server = calloc(1, sizeof(*server));
-    if (server == NULL)
+    if (server == NULL) {
+        em_tls_server_destroy(tls);
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "server: out of memory");
+    }
+    server->tls_owned = tls;
+    server->tls[LISTENER_DATA] = config->tls.data ? tls : NULL;
+    server->tls[LISTENER_ADMIN] = config->tls.admin ? tls : NULL;
     server->loop = loop;
     server->context = context;
     server->settings.context = context;
     server->settings.memory = &server->memory;
     em_memory_budget_init(&server->memory, config->limits.memory_bytes, &context->stats,
                           schedule_wake, server);
-    uv_timer_init(loop, &server->wake_timer);
-    server->wake_timer.data = server;
     snprintf(server->configured[LISTENER_DATA], EM_ADDRESS_MAX, "%s", config->listen.data);
     snprintf(server->configured[LISTENER_ADMIN], EM_ADDRESS_MAX, "%s", config->listen.admin);
     snprintf(server->settings.admin_address, EM_ADDRESS_MAX, "%s", config->listen.admin);
     apply_config(server, config);
-    if (config->tls.enabled) {
-        em_tls_server *tls = NULL;
-        em_status status = em_tls_server_create(&config->tls, &tls, err);
-        if (status != EM_OK) {
-            free(server);
-            return status;
-        }
-        server->tls_owned = tls;
-        server->tls[LISTENER_DATA] = config->tls.data ? tls : NULL;
-        server->tls[LISTENER_ADMIN] = config->tls.admin ? tls : NULL;
-    }
     server->hooks = (em_connection_hooks){.meta = on_meta, .body = on_body, .frame = on_frame,
                                           .abandon = on_abandon, .closed = on_connection_closed,
                                           .bytes_in = count_bytes_in, .bytes_out = count_bytes_out,
                                           .frame_rejected = count_frame_rejected,
                                           .timed_out = on_timed_out,
                                           .tls_handshake = on_tls_handshake, .context = server};
+    uv_timer_init(loop, &server->wake_timer);
+    server->wake_timer.data = server;
     uv_timer_init(loop, &server->drain_timer);
     server->drain_timer.data = server;
     server->open_handles = 2; /* the drain and wake timers */

@@ -12,7 +12,10 @@
  *   2. latency p50 / p99 of a 26-key pull with 16 concurrent clients, one request at
  *      a time each (MGET of 26 keys for Redis);
  *   3. raw loopback TCP throughput (one socket, 1 MiB writes) and ember's best pull
- *      MB/s as a fraction of it.
+ *      MB/s as a fraction of it;
+ *   4. pull keys/s with TLS against without, same daemon and run: the admin listener
+ *      speaks TLS (certificates made with the openssl command) and serves pulls too, the
+ *      data listener is plaintext.
  * It prints the ratio of ember to Redis pull keys/s.
  */
 #include <arpa/inet.h>
@@ -105,6 +108,7 @@ typedef struct servers {
     char data[64], admin[64];
     uint16_t redis_port;
     char directory[64];
+    char ca[128]; /* the CA that signed the admin listener's TLS certificate */
 } servers;
 
 static bool read_listen_file(const char *path, servers *s)
@@ -120,11 +124,34 @@ static bool read_listen_file(const char *path, servers *s)
     return sscanf(text, "{\"data\": \"%63[^\"]\", \"admin\": \"%63[^\"]\"", s->data, s->admin) == 2;
 }
 
+/* A CA and a certificate for 127.0.0.1 it signed, in the run's directory. */
+static void make_certificates(servers *s)
+{
+    char command[2048];
+    snprintf(command, sizeof(command),
+             "cd %s && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes "
+             "-days 1 -keyout ca.key -out ca.pem -subj /CN=bench-ca && "
+             "openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout "
+             "server.key -out server.csr -subj /CN=emberd && "
+             "printf 'subjectAltName=IP:127.0.0.1\\n' > server.ext && "
+             "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+             "-days 1 -extfile server.ext -out server.pem && chmod 600 *.key",
+             s->directory);
+    char quiet[2200];
+    snprintf(quiet, sizeof(quiet), "(%s) >/dev/null 2>&1", command);
+    if (system(quiet) != 0) {
+        fprintf(stderr, "making the TLS certificates failed (is openssl installed?)\n");
+        exit(1);
+    }
+    snprintf(s->ca, sizeof(s->ca), "%s/ca.pem", s->directory);
+}
+
 static void start_emberd(const bench_options *opt, servers *s)
 {
     snprintf(s->directory, sizeof(s->directory), "/tmp/ember-bench-XXXXXX");
     if (mkdtemp(s->directory) == NULL)
         exit(1);
+    make_certificates(s);
     char config[256], listen[256], log[256];
     snprintf(config, sizeof(config), "%s/emberd.json", s->directory);
     snprintf(listen, sizeof(listen), "%s/listen.json", s->directory);
@@ -136,8 +163,10 @@ static void start_emberd(const bench_options *opt, servers *s)
             " \"limits\": {\"max_connections\": 4096},"
             " \"tables\": [{\"name\": \"bench\", \"dim\": %d, \"capacity\": %" PRIu64 ","
             " \"shards\": 8, \"optimizer\": {\"type\": \"adagrad\", \"lr\": 0.01}}],"
+            " \"tls\": {\"certificate_file\": \"%s/server.pem\","
+            "  \"private_key_file\": \"%s/server.key\", \"data\": false, \"admin\": true},"
             " \"admin_token\": {\"value\": \"" ADMIN_TOKEN "\"}, \"log_level\": \"warning\"}",
-            opt->backend, DIM, opt->keys * 2);
+            opt->backend, DIM, opt->keys * 2, s->directory, s->directory);
     fclose(file);
     char *argv[] = {(char *)opt->emberd, "--config", config, "--listen-file", listen, NULL};
     s->emberd = spawn(argv, log);
@@ -184,11 +213,12 @@ static void fill_keys(em_test_rng *rng, uint64_t universe, uint64_t *keys, uint3
         keys[i] = key_of(em_test_rng_below(rng, universe));
 }
 
-static em_client *connect_ember(const char *address)
+static em_client *connect_ember(const char *address, const char *tls_ca)
 {
     em_client_options options;
     em_client_options_init(&options);
     options.servers = address;
+    options.tls_ca_file = tls_ca;
     em_client *client = NULL;
     em_error err;
     if (em_client_create(&options, &client, &err) != EM_OK) {
@@ -209,7 +239,7 @@ static uint32_t *identity_offsets(uint32_t n)
 
 static void load_ember(const servers *s, uint64_t universe)
 {
-    em_client *client = connect_ember(s->data);
+    em_client *client = connect_ember(s->data, NULL);
     const uint32_t batch = 65536;
     uint64_t *keys = malloc(batch * sizeof(uint64_t));
     uint32_t *offsets = identity_offsets(batch);
@@ -427,7 +457,13 @@ static void load_redis(const servers *s, uint64_t universe)
 
 /* ---- throughput runs ----------------------------------------------------------------- */
 
-typedef enum target { EMBER, REDIS } target;
+/* EMBER_TLS: ember through the admin listener, which speaks TLS. */
+typedef enum target { EMBER, EMBER_TLS, REDIS } target;
+
+static em_client *connect_target(const servers *s, target t)
+{
+    return t == EMBER_TLS ? connect_ember(s->admin, s->ca) : connect_ember(s->data, NULL);
+}
 
 typedef struct worker {
     const servers *servers;
@@ -444,7 +480,7 @@ typedef struct worker {
 static void run_ember(worker *w, em_test_rng *rng, uint64_t *keys, uint32_t *offsets,
                       float *buffer, double end)
 {
-    em_client *client = connect_ember(w->servers->data);
+    em_client *client = connect_target(w->servers, w->target);
     pthread_barrier_wait(w->start);
     em_error err;
     while (em_test_now() < end && !w->failed) {
@@ -499,7 +535,7 @@ static void *worker_main(void *argument)
         buffer[i] = 1e-3f;
     /* the barrier is passed inside run_* once connected */
     double end = 0;
-    if (w->target == EMBER) {
+    if (w->target != REDIS) {
         end = em_test_now() + w->seconds + 0.05;
         run_ember(w, &rng, keys, offsets, buffer, end);
     } else {
@@ -569,7 +605,7 @@ static void *latency_main(void *argument)
     uint64_t keys[LATENCY_KEYS];
     uint32_t *offsets = identity_offsets(LATENCY_KEYS);
     float out[LATENCY_KEYS * DIM];
-    em_client *client = w->target == EMBER ? connect_ember(w->servers->data) : NULL;
+    em_client *client = w->target != REDIS ? connect_target(w->servers, w->target) : NULL;
     resp *r = w->target == REDIS ? resp_connect(w->servers->redis_port) : NULL;
     pthread_barrier_wait(w->start);
     double end = em_test_now() + w->seconds;
@@ -774,6 +810,22 @@ int main(int argc, char **argv)
            100.0 * best_pull_mb / raw);
     printf("ember / redis pull keys/s: %.1fx to %.1fx over the table above\n", worst_ratio,
            best_ratio);
+
+    printf("\npull keys/s with TLS (admin listener) against without (data listener), same "
+           "daemon, same run:\n");
+    printf("%7s %6s %14s %14s %8s\n", "batch", "conns", "plain keys/s", "tls keys/s",
+           "tls/plain");
+    static const uint32_t tls_batches[] = {4096, 65536};
+    static const uint32_t tls_connections[] = {1, 4};
+    for (size_t b = 0; b < 2; b++) {
+        for (size_t c = 0; c < 2; c++) {
+            double plain = measure(&s, EMBER, false, tls_batches[b], tls_connections[c], &opt);
+            double tls = measure(&s, EMBER_TLS, false, tls_batches[b], tls_connections[c], &opt);
+            printf("%7u %6u %14.0f %14.0f %7.2fx\n", tls_batches[b], tls_connections[c], plain,
+                   tls, tls / plain);
+            fflush(stdout);
+        }
+    }
     stop_process(s.emberd);
     stop_process(s.redis);
     return 0;

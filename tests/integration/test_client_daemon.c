@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clients/client_split.h"
 #include "clients/ember_client.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
@@ -172,6 +173,92 @@ START_TEST(three_daemons_give_what_one_gives)
     ck_assert_int_eq(test_daemon_stop(one, SIGTERM, 10000), 0);
     for (int i = 0; i < 3; i++)
         ck_assert_int_eq(test_daemon_stop(three[i], SIGTERM, 10000), 0);
+}
+END_TEST
+
+/* The server (of server_count) that the client sends key to. */
+static uint32_t server_of(uint64_t key, uint32_t server_count)
+{
+    const uint32_t offsets[] = {0, 1};
+    em_csr one = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &key};
+    em__client_split split;
+    em_error err;
+    ck_assert_int_eq(em__client_split_pull(&one, server_count, &split, &err), EM_OK);
+    uint32_t server = split.key_server[0];
+    em__client_split_deinit(&split);
+    return server;
+}
+
+/* A pull of keys, with the status and error it got. */
+static em_status pull_keys(em_client *client, const uint64_t *keys, uint32_t n, em_error *err)
+{
+    uint32_t offsets[65];
+    for (uint32_t i = 0; i <= n; i++)
+        offsets[i] = i;
+    em_csr batch = {.rows = n, .nnz = n, .offsets = offsets, .keys = keys};
+    float out[64 * DIM];
+    em_client_pull_args args = {"t", batch, EM_COMBINER_NONE, true, out, (uint64_t)n * DIM};
+    return em_client_pull(client, &args, NULL, err);
+}
+
+START_TEST(one_of_three_servers_killed_mid_call)
+{
+    test_daemon *daemons[3];
+    char list[256] = "";
+    for (int i = 0; i < 3; i++) {
+        daemons[i] = test_daemon_start(with_table);
+        strcat(list, daemons[i]->data);
+        if (i < 2)
+            strcat(list, ",");
+    }
+    em_client *client = client_for(list, NULL, 64);
+    /* keys of every server, and keys of servers 0 and 2 only */
+    uint64_t all[48], healthy[32];
+    uint32_t all_count = 0, healthy_count = 0;
+    for (uint64_t key = 1; all_count < 48 || healthy_count < 32; key++) {
+        uint32_t server = server_of(key, 3);
+        if (all_count < 48)
+            all[all_count++] = key;
+        if (server != 1 && healthy_count < 32)
+            healthy[healthy_count++] = key;
+    }
+    em_error err;
+    ck_assert_msg(pull_keys(client, all, 48, &err) == EM_OK, "%s", err.message);
+
+    /* Server 1 dies while a call to every server is in flight on it. */
+    char dead[64];
+    snprintf(dead, sizeof(dead), "%s", daemons[1]->data);
+    const uint32_t offsets[] = {0, 48};
+    em_csr batch = {.rows = 1, .nnz = 48, .offsets = offsets, .keys = all};
+    float *gradients = calloc(48 * DIM, sizeof(float));
+    em_client_push_args push = {"t", batch, EM_COMBINER_NONE, gradients, 48 * DIM};
+    em_client_call *call = NULL;
+    ck_assert_int_eq(em_client_push_start(client, &push, &call, &err), EM_OK);
+    ck_assert_int_eq(kill(daemons[1]->pid, SIGKILL), 0);
+    ck_assert_int_eq(test_daemon_stop(daemons[1], SIGKILL, 10000), 128 + SIGKILL);
+    em_status status = em_client_finish(client, call, NULL, &err);
+    if (status != EM_OK) { /* the push may have been answered before the kill */
+        ck_assert_int_eq(status, EM_UNAVAILABLE);
+        ck_assert_msg(strstr(err.message, dead) != NULL, "'%s' does not name %s", err.message,
+                      dead);
+    }
+    free(gradients);
+    /* Calls that need it fail naming it; calls to the others go on. */
+    ck_assert_int_eq(pull_keys(client, all, 48, &err), EM_UNAVAILABLE);
+    ck_assert_msg(strstr(err.message, dead) != NULL, "'%s' does not name %s", err.message, dead);
+    ck_assert_msg(pull_keys(client, healthy, 32, &err) == EM_OK, "%s", err.message);
+
+    /* It comes back on the same address: the client reconnects on the next call. */
+    char overrides[512];
+    snprintf(overrides, sizeof(overrides),
+             "{\"tables\": [" TABLE_JSON "], \"listen\": {\"data\": \"%s\","
+             " \"admin\": \"127.0.0.1:0\"}}",
+             dead);
+    daemons[1] = test_daemon_start(overrides);
+    ck_assert_msg(pull_keys(client, all, 48, &err) == EM_OK, "%s", err.message);
+    em_client_destroy(client);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(test_daemon_stop(daemons[i], SIGTERM, 10000), 0);
 }
 END_TEST
 
@@ -407,6 +494,7 @@ int main(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, client_results_equal_the_engine);
     tcase_add_test(tc, three_daemons_give_what_one_gives);
+    tcase_add_test(tc, one_of_three_servers_killed_mid_call);
     tcase_add_test(tc, thousand_calls_in_flight_through_the_client);
     tcase_add_test(tc, sixty_four_concurrent_connections);
     tcase_add_test(tc, every_admin_method_through_the_client);
