@@ -41,6 +41,7 @@ typedef struct cli {
     char token_buffer[TOKEN_MAX];
     bool json;
     uint32_t timeout_ms;
+    const char *tls_ca, *tls_cert, *tls_key; /* TLS to the admin listener */
     em_client *client;
 } cli;
 
@@ -106,6 +107,9 @@ static void print_help(FILE *out)
           "  --token-file FILE    read the admin token from FILE\n"
           "  --json               print JSON instead of tables\n"
           "  --timeout MS         per-call timeout in milliseconds (default 10000)\n"
+          "  --tls-ca FILE        speak TLS; the server's certificate must chain to FILE\n"
+          "  --tls-cert FILE      with --tls-key: present this client certificate\n"
+          "  --tls-key FILE       the client certificate's private key\n"
           "  -h, --help           print this help\n"
           "  --version            print the version\n"
           "\n"
@@ -291,6 +295,9 @@ static int connected(cli *c)
     options.timeout_ms = c->timeout_ms;
     options.connect_timeout_ms = c->timeout_ms;
     options.reconnect_attempts = 1; /* a command line fails fast */
+    options.tls_ca_file = c->tls_ca;
+    options.tls_cert_file = c->tls_cert;
+    options.tls_key_file = c->tls_key;
     em_error err;
     if (em_client_create(&options, &c->client, &err) != EM_OK)
         return call_failed(&err);
@@ -730,6 +737,7 @@ static const command commands[] = {
 };
 
 enum { OPTION_SERVER = 256, OPTION_TOKEN, OPTION_TOKEN_FILE, OPTION_JSON, OPTION_TIMEOUT,
+       OPTION_TLS_CA, OPTION_TLS_CERT, OPTION_TLS_KEY,
        OPTION_VERSION };
 
 static int parse_timeout(cli *c, const char *text)
@@ -751,6 +759,9 @@ static int parse_global_options(cli *c, int argc, char **argv, bool *done)
         {"token-file", required_argument, NULL, OPTION_TOKEN_FILE},
         {"json", no_argument, NULL, OPTION_JSON},
         {"timeout", required_argument, NULL, OPTION_TIMEOUT},
+        {"tls-ca", required_argument, NULL, OPTION_TLS_CA},
+        {"tls-cert", required_argument, NULL, OPTION_TLS_CERT},
+        {"tls-key", required_argument, NULL, OPTION_TLS_KEY},
         {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, OPTION_VERSION},
         {NULL, 0, NULL, 0},
@@ -773,6 +784,15 @@ static int parse_global_options(cli *c, int argc, char **argv, bool *done)
             break;
         case OPTION_TIMEOUT:
             code = parse_timeout(c, optarg);
+            break;
+        case OPTION_TLS_CA:
+            c->tls_ca = optarg;
+            break;
+        case OPTION_TLS_CERT:
+            c->tls_cert = optarg;
+            break;
+        case OPTION_TLS_KEY:
+            c->tls_key = optarg;
             break;
         case 'h':
             print_help(stdout);
@@ -801,7 +821,9 @@ static const command *find_command(const char *name)
  * in front of it, so each command only sees its own arguments. */
 static char **global_options_first(int argc, char **argv)
 {
-    static const char *const with_value[] = {"--server", "--token", "--token-file", "--timeout"};
+    static const char *const with_value[] = {"--server",  "--token",    "--token-file",
+                                             "--timeout", "--tls-ca",   "--tls-cert",
+                                             "--tls-key"};
     char **ordered = calloc((size_t)argc + 1, sizeof(*ordered));
     int front = 1, command_index = 0;
     ordered[0] = argv[0];
@@ -811,7 +833,8 @@ static char **global_options_first(int argc, char **argv)
         bool global = strcmp(argv[i], "--json") == 0 || strncmp(argv[i], "--server=", 9) == 0 ||
                       strncmp(argv[i], "--token=", 8) == 0 ||
                       strncmp(argv[i], "--token-file=", 13) == 0 ||
-                      strncmp(argv[i], "--timeout=", 10) == 0;
+                      strncmp(argv[i], "--timeout=", 10) == 0 ||
+                      strncmp(argv[i], "--tls-", 6) == 0;
         bool takes_value = false;
         for (size_t v = 0; v < sizeof(with_value) / sizeof(with_value[0]); v++)
             takes_value |= strcmp(argv[i], with_value[v]) == 0;

@@ -250,6 +250,27 @@ START_TEST(bad_tls_files_and_exposed_listeners_refuse_to_start)
 }
 END_TEST
 
+START_TEST(emberctl_reaches_a_tls_admin_listener)
+{
+    char json[1024];
+    snprintf(json, sizeof(json),
+             "{\"tls\": {\"certificate_file\": \"%s\", \"private_key_file\": \"%s\"}}",
+             path_of("server.pem"), path_of("server.key"));
+    test_daemon *daemon = test_daemon_start(json);
+    char *with_tls[] = {getenv("EMBERCTL"), "--server", daemon->admin, "--tls-ca",
+                        path_of("ca.pem"), "--json", "stats", NULL};
+    char *output = NULL;
+    ck_assert_int_eq(test_run_program(with_tls, TEST_ADMIN_TOKEN, &output), 0);
+    ck_assert_msg(strstr(output, "tls_handshakes") != NULL, "%s", output);
+    free(output);
+    char *plain[] = {getenv("EMBERCTL"), "--server", daemon->admin, "--timeout", "2000", "ping",
+                     NULL};
+    ck_assert_int_eq(test_run_program(plain, TEST_ADMIN_TOKEN, &output), 3);
+    free(output);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
+}
+END_TEST
+
 static Suite *tls_suite(void)
 {
     Suite *suite = suite_create("tls");
@@ -258,6 +279,7 @@ static Suite *tls_suite(void)
     tcase_add_test(tc, tls_serves_clients_that_trust_the_server_and_refuses_plaintext);
     tcase_add_test(tc, mutual_tls_takes_only_certificates_from_the_client_ca);
     tcase_add_test(tc, bad_tls_files_and_exposed_listeners_refuse_to_start);
+    tcase_add_test(tc, emberctl_reaches_a_tls_admin_listener);
     suite_add_tcase(suite, tc);
     return suite;
 }
