@@ -835,7 +835,6 @@ static void resume(em_connection *connection)
     enter(connection, connection->wait_next);
     if (connection->state == CONNECTION_CLOSING)
         return;
-    connection->frame_started = now_ms(connection); /* a wait is not the sender's delay */
     connection_advance(connection);
     if (connection->tls != NULL && !connection->handle_closed)
         tls_pump(connection); /* plaintext the session still holds */
@@ -1032,9 +1031,12 @@ static bool lingering(const em_connection *connection)
     return connection->draining && quiet(connection) && !mid_frame(connection);
 }
 
+/* The frame clock runs while a frame is begun, waiting for memory included: a frame
+ * parked longer than frame_timeout_ms gives its memory back (a server kept full by
+ * half-sent frames would otherwise never drain). */
 static bool frame_clock_runs(const em_connection *connection)
 {
-    return mid_frame(connection) && connection->state != CONNECTION_WAITING;
+    return mid_frame(connection);
 }
 
 static void close_for(em_connection *connection, em_connection_timeout which, const char *what)
@@ -1062,6 +1064,17 @@ static void on_timer(uv_timer_t *timer)
     }
     if (frame_clock_runs(connection) && settings->frame_timeout_ms > 0 &&
         now - connection->frame_started >= settings->frame_timeout_ms) {
+        if (connection->state == CONNECTION_WAITING) {
+            char message[160];
+            snprintf(message, sizeof(message),
+                     "the request waited %" PRIu64 " ms for memory (limits.memory_bytes, "
+                     "connection_inflight_bytes); the server is overloaded",
+                     now - connection->frame_started);
+            connection->hooks->timed_out(connection->hooks->context,
+                                         EM_CONNECTION_TIMEOUT_FRAME);
+            em_connection_fail(connection, 0, 0, EM_RESOURCE_EXHAUSTED, message);
+            return;
+        }
         close_for(connection, EM_CONNECTION_TIMEOUT_FRAME,
                   "a frame was not completed within frame_timeout_ms");
         return;

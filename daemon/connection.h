@@ -20,7 +20,8 @@
  * nothing is charged for a frame the owner refuses from its meta.
  *
  * One timer watches three deadlines: idle (nothing in flight for idle_timeout_ms), frame
- * (a frame started and not finished within frame_timeout_ms: a trickling sender) and
+ * (a frame started and not finished within frame_timeout_ms: a trickling sender, or a
+ * frame that waited that long for memory, which is answered RESOURCE_EXHAUSTED) and
  * write (answers waiting to be written made no progress for write_timeout_ms: a peer
  * that does not read). Each closes the connection and releases what it held. A draining
  * connection keeps reading so that late requests get an answer (the owner answers them

@@ -342,6 +342,50 @@ START_TEST(a_request_larger_than_the_whole_budget_is_refused_unread)
 }
 END_TEST
 
+START_TEST(frames_parked_for_memory_too_long_are_refused)
+{
+    /* A 16 MiB server budget and pulls answering 12 MiB each from clients that do not
+     * read: one answer holds the budget (more than the sockets' buffers take), the other
+     * frames wait for memory, and after frame_timeout_ms they are answered
+     * RESOURCE_EXHAUSTED and their memory let go. */
+    test_daemon *daemon = test_daemon_start(
+        "{\"tables\": [" TABLE_JSON "], \"limits\": {\"memory_bytes\": 16777216,"
+        " \"frame_timeout_ms\": 1000, \"write_timeout_ms\": 60000}}");
+    enum { CLIENTS = 4 };
+    int fds[CLIENTS];
+    size_t length = 0;
+    uint8_t *frame = pooled_pull_frame(3, 3072, &length);
+    for (int i = 0; i < CLIENTS; i++) {
+        fds[i] = test_connect(daemon->data);
+        ck_assert(test_send_all(fds[i], frame, length));
+    }
+    free(frame);
+    sleep_ms(2500);
+    int refused = 0, answered = 0;
+    for (int i = 0; i < CLIENTS; i++) {
+        test_frame answer;
+        ck_assert_int_eq(test_read_frame(fds[i], 20000, &answer), 1);
+        if (answer.meta->status == EMBER__STATUS__OK) {
+            answered++;
+        } else {
+            ck_assert_int_eq(answer.meta->status, EMBER__STATUS__RESOURCE_EXHAUSTED);
+            ck_assert_msg(strstr(answer.meta->error, "for memory (limits.memory_bytes") != NULL,
+                          "%s", answer.meta->error);
+            refused++;
+        }
+        test_frame_free(&answer);
+        close(fds[i]);
+    }
+    ck_assert_int_ge(answered, 1);
+    ck_assert_int_ge(refused, 1);
+    Ember__StatsResponse *after = stats(daemon);
+    ck_assert_uint_ge(after->server->timeouts_frame, (uint64_t)refused);
+    ember__stats_response__free_unpacked(after, NULL);
+    assert_served(daemon, 5000);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
+}
+END_TEST
+
 /* ---- connections ------------------------------------------------------------------------ */
 
 START_TEST(two_thousand_data_connections_leave_the_admin_listener_open)
@@ -418,6 +462,7 @@ static Suite *hostile_suite(void)
     tcase_add_test(tc, a_full_server_budget_stops_reading_and_the_admin_still_answers);
     tcase_add_test(tc, trickling_and_stalled_frames_are_closed_by_the_frame_timeout);
     tcase_add_test(tc, a_request_larger_than_the_whole_budget_is_refused_unread);
+    tcase_add_test(tc, frames_parked_for_memory_too_long_are_refused);
     tcase_add_test(tc, two_thousand_data_connections_leave_the_admin_listener_open);
     tcase_add_test(tc, requests_after_sigterm_are_answered_unavailable);
     suite_add_tcase(suite, tc);
