@@ -251,7 +251,8 @@ static uint8_t *csr_attachment(uint32_t rows, const uint32_t *offsets, uint64_t 
     if (bytes == NULL)
         fail("out of memory");
     memcpy(bytes, offsets, ((size_t)rows + 1) * sizeof(uint32_t));
-    memcpy(bytes + layout.keys_at, keys, nnz * sizeof(uint64_t));
+    if (nnz > 0)
+        memcpy(bytes + layout.keys_at, keys, nnz * sizeof(uint64_t));
     if (floats > 0)
         memcpy(bytes + layout.gradients_at, gradients, floats * sizeof(float));
     *length = layout.total;

@@ -391,7 +391,8 @@ uint8_t *test_csr_attachment(uint32_t rows, const uint32_t *offsets, uint64_t nn
     ck_assert_int_eq(em_csr_attachment_layout(rows, nnz, gradient_count, &layout, &err), EM_OK);
     uint8_t *buffer = calloc(layout.total + 1, 1);
     memcpy(buffer, offsets, ((size_t)rows + 1) * sizeof(uint32_t));
-    memcpy(buffer + layout.keys_at, keys, nnz * sizeof(uint64_t));
+    if (nnz > 0)
+        memcpy(buffer + layout.keys_at, keys, nnz * sizeof(uint64_t));
     if (gradients != NULL)
         memcpy(buffer + layout.gradients_at, gradients, gradient_count * sizeof(float));
     *length = layout.total;

@@ -168,6 +168,9 @@ static void assert_rss_within(const test_daemon *daemon, uint64_t baseline, uint
                               const char *when)
 {
     uint64_t rss = rss_bytes(daemon->pid);
+    printf("%s: RSS %" PRIu64 " MiB (baseline %" PRIu64 " MiB, budget %" PRIu64 " MiB)\n", when,
+           rss / MIB, baseline / MIB, budget / MIB);
+    fflush(stdout);
     ck_assert_msg(rss <= baseline + budget + OVERHEAD_BYTES,
                   "%s: RSS %" PRIu64 " MiB over baseline %" PRIu64 " MiB + budget %" PRIu64
                   " MiB + overhead %u MiB",
