@@ -163,6 +163,54 @@ START_TEST(reload_reports_keys_that_need_a_restart)
 }
 END_TEST
 
+static char *printed(const em_daemon_config *config)
+{
+    cJSON *json = em_config_to_json(&em_daemon_config_schema, config);
+    char *text = cJSON_PrintUnformatted(json);
+    cJSON_Delete(json);
+    return text;
+}
+
+/* What emberd --print-config prints parses again to a configuration that prints the
+ * same: defaults filled in, the keys of another backend left out, tls only when set. */
+START_TEST(the_printed_configuration_parses_again)
+{
+    static const char *const configs[] = {
+        "{\"admin_token\": {\"env\": \"EMBER_TEST_ADMIN\"},"
+        " \"backend\": {\"type\": \"cpu\", \"devices\": 2},"
+        " \"limits\": {\"memory_bytes\": 67108864, \"write_timeout_ms\": 5000},"
+        " \"tables\": [{\"name\": \"a\", \"dim\": 4, \"capacity\": 10,"
+        "  \"optimizer\": {\"type\": \"adam\", \"lr\": 0.01}}]}",
+        "{\"admin_token\": {\"value\": \"secret\"}, \"backend\": {\"type\": \"cuda\","
+        " \"gpus\": [0, 1], \"lanes\": 3}, \"insecure\": true,"
+        " \"tls\": {\"certificate_file\": \"/c.pem\", \"private_key_file\": \"/k.pem\","
+        "  \"admin\": false}}",
+        "{\"admin_token\": {\"value\": \"secret\"}}",
+    };
+    setenv("EMBER_TEST_ADMIN", "from-env", 1);
+    for (size_t i = 0; i < sizeof(configs) / sizeof(configs[0]); i++) {
+        em_daemon_config first, second;
+        em_error err;
+        ck_assert_msg(parse(configs[i], &first, &err) == EM_OK, "%s", err.message);
+        char *text = printed(&first);
+        ck_assert_msg(parse(text, &second, &err) == EM_OK, "%s does not parse: %s", text,
+                      err.message);
+        char *again = printed(&second);
+        ck_assert_str_eq(text, again);
+        if (first.backend.type == EM_BACKEND_CPU)
+            ck_assert_ptr_null(strstr(text, "memory_fraction"));
+        ck_assert_int_eq(strstr(text, "\"tls\"") != NULL, first.tls.enabled);
+        ck_assert_ptr_null(strstr(text, "secret"));
+        ck_assert_uint_ne(first.limits.memory_bytes, 0);
+        free(text);
+        free(again);
+        em_daemon_config_deinit(&first);
+        em_daemon_config_deinit(&second);
+    }
+    unsetenv("EMBER_TEST_ADMIN");
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("daemon_config");
@@ -171,6 +219,7 @@ int main(void)
     tcase_add_test(tc, errors_name_the_key_and_the_value);
     tcase_add_test(tc, tokens_come_inline_from_a_file_or_the_environment);
     tcase_add_test(tc, reload_reports_keys_that_need_a_restart);
+    tcase_add_test(tc, the_printed_configuration_parses_again);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
 }
