@@ -12,6 +12,10 @@
  *
  * Each item is name[=value][*count]: value is the failpoint's argument (milliseconds,
  * bytes), count how many hits trigger it (absent: every hit until disarmed).
+ *
+ * The armed set is process-wide on purpose, the one piece of global state in lib/: it
+ * is a test facility reached from deep inside (the pool), like the environment that
+ * arms it, and in service every failpoint stays disarmed.
  */
 #ifndef EMBER_LIB_BASE_FAILPOINT_H
 #define EMBER_LIB_BASE_FAILPOINT_H
