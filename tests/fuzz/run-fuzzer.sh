@@ -5,8 +5,8 @@
 # crash, saved as crash-* in the scratch directory, which is kept).
 #   run-fuzzer.sh FUZZER SEED_CORPUS
 set -uo pipefail
-fuzzer=$1
-seeds=$2
+fuzzer=$(realpath "$1")
+seeds=$(realpath "$2")
 seconds=${EMBER_FUZZ_SECONDS:-30}
 scratch=$(mktemp -d -t ember-fuzz-XXXXXX)
 cd "$scratch"
