@@ -273,6 +273,18 @@ static float *row_address(const cpu_shard *shard, uint64_t row)
     return shard->blocks[row >> shard->block_shift] + (row & shard->block_mask) * shard->stride;
 }
 
+/* Rows are visited in key order, scattered over the blocks: the row this many steps
+ * ahead is fetched while the current one is worked on. */
+#define PREFETCH_AHEAD 8
+
+static void prefetch_row(const cpu_shard *shard, uint64_t row)
+{
+    const char *address = (const char *)row_address(shard, row);
+    size_t bytes = (size_t)shard->row_floats * sizeof(float);
+    for (size_t offset = 0; offset < bytes; offset += 64)
+        __builtin_prefetch(address + offset, 1);
+}
+
 static uint64_t storage_rows(const cpu_shard *shard)
 {
     return shard->block_count << shard->block_shift;
@@ -453,6 +465,8 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     for (uint64_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            prefetch_row(shard, rows[i + PREFETCH_AHEAD]);
         float *weights = row_address(shard, rows[i]);
         em_optimizer_apply_row(&shard->optimizer, shard->dim, weights, weights + shard->dim,
                                const_vector_at(gradients, i, shard->dim));
@@ -525,6 +539,8 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
     cpu_shard *shard = cpu_shard_of(base);
     *first_problem = UINT64_MAX;
     for (uint64_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n && rows[i + PREFETCH_AHEAD] != EM_ROW_NONE)
+            prefetch_row(shard, rows[i + PREFETCH_AHEAD]);
         const float *gradient = const_vector_at(gradients, i, shard->dim);
         const float *row = rows[i] == EM_ROW_NONE ? NULL : row_address(shard, rows[i]);
         if (row != NULL && !step_screen(&shard->optimizer, shard->dim, row, gradient))

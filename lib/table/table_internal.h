@@ -115,14 +115,11 @@ em_status em__create_missing(request_context *r, em_error *err);
 
 /* Runs one operation on every shard over its keys' rows and its part of the segment
  * payload (floats_per_key floats per key). */
-/* The same with the shards' locks already held by the caller. */
-em_status em__run_on_shards_locked(request_context *r, shard_work work, uint32_t floats_per_key,
-                                   em_error *err);
-
 /* Push: holding the write locks of every shard the push touches, checks that every
- * row's step keeps it finite (common/row_check.h), then creates the missing rows and
- * applies the steps; on a problem nothing is created or applied and the error names
- * the key and the element (INVALID_ARGUMENT). */
+ * row's step keeps it finite (common/row_check.h), then creates the missing rows, then
+ * applies the steps shard by shard, letting each shard go once stepped; on a problem
+ * nothing is created or applied and the error names the key and the element
+ * (INVALID_ARGUMENT). */
 em_status em__check_create_apply(request_context *r, em_error *err);
 
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,

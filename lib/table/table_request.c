@@ -401,6 +401,15 @@ em_status em__create_missing(request_context *r, em_error *err)
 
 /* ---- per-shard work ---------------------------------------------------------------- */
 
+typedef enum shard_locking {
+    SHARDS_LOCK_EACH,    /* take each shard's lock around its work */
+    SHARDS_HELD,         /* the caller holds the locks */
+    SHARDS_RELEASE_EACH, /* the caller holds the locks; each goes once its shard is done */
+} shard_locking;
+
+static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
+                               shard_locking locking, em_error *err);
+
 /* A device value of a segment as a host value (copied when the device is not host
  * memory). */
 static em_status read_device_value(const segment *seg, void *host, const void *device_value,
@@ -498,18 +507,25 @@ em_status em__check_create_apply(request_context *r, em_error *err)
     em_status status = check_shards(r, err);
     if (status == EM_OK)
         status = em__create_missing(r, err);
-    if (status == EM_OK)
-        status = em__run_on_shards_locked(r, WORK_APPLY, r->table->config.dim, err);
-    lock_push_shards(r, false);
-    return status;
+    if (status != EM_OK) {
+        lock_push_shards(r, false);
+        return status;
+    }
+    /* Every step is known to keep its rows finite: each shard is stepped and let go at
+     * once, so the next push can check it while this one steps the others. */
+    return run_on_shards(r, WORK_APPLY, r->table->config.dim, SHARDS_RELEASE_EACH, err);
 }
 
 
 /* One operation on every shard over its keys' rows and its part of the segment payload
- * (floats_per_key floats per key); lock: take each shard's lock around it. */
+ * (floats_per_key floats per key), taking each shard's lock around it, with the locks
+ * already held, or releasing each held lock once its shard is done (on an error, the
+ * shards not reached are only released). */
 static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
-                               bool lock, em_error *err)
+                               shard_locking locking, em_error *err)
 {
+    bool lock = locking == SHARDS_LOCK_EACH;
+    em_status failed = EM_OK;
     em_table *table = r->table;
     for (uint32_t d = 0; d < table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
@@ -524,6 +540,10 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                                              : (float *)seg->payload + offset * floats_per_key;
             const uint64_t *rows = seg->rows + offset;
             em_status status = EM_OK;
+            if (failed != EM_OK) {
+                pthread_rwlock_unlock(&table->shard_locks[s]); /* SHARDS_RELEASE_EACH */
+                continue;
+            }
             if (lock && work == WORK_GATHER)
                 pthread_rwlock_rdlock(&table->shard_locks[s]);
             else if (lock)
@@ -535,26 +555,25 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
             else
                 status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
-            if (lock)
+            if (locking != SHARDS_HELD)
                 pthread_rwlock_unlock(&table->shard_locks[s]);
-            if (status != EM_OK)
-                return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+            if (status != EM_OK) {
+                em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+                if (locking != SHARDS_RELEASE_EACH)
+                    return status;
+                failed = status;
+            }
         }
     }
-    return EM_OK;
+    return failed;
 }
 
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
                             em_error *err)
 {
-    return run_on_shards(r, work, floats_per_key, true, err);
+    return run_on_shards(r, work, floats_per_key, SHARDS_LOCK_EACH, err);
 }
 
-em_status em__run_on_shards_locked(request_context *r, shard_work work, uint32_t floats_per_key,
-                                   em_error *err)
-{
-    return run_on_shards(r, work, floats_per_key, false, err);
-}
 
 em_status em__synchronize_devices(request_context *r, em_error *err)
 {
