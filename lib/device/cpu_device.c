@@ -480,9 +480,15 @@ static inline int finite_bit(float x)
     return fabsf(x) <= FLT_MAX;
 }
 
-/* 1 when any value of the step on an existing row would not be finite: every element
- * is looked at without an early exit, so the loops vectorise; the first problem is then
- * located with em_row_check. */
+/* Bounds of the screen below: weights within SCREEN_WEIGHT_ROOM stay finite after a
+ * step of at most 64 x lr with lr <= SCREEN_STEP_SCALE_MAX (far inside FLT_MAX). */
+#define SCREEN_WEIGHT_ROOM 1e38f
+#define SCREEN_STEP_SCALE_MAX 1e30f
+
+/* 0 only when every value of the step on an existing row is sure to stay finite (1 may
+ * be a false alarm): every element is looked at without an early exit, so the loops
+ * vectorise, and where a bound settles it the step itself is not computed; the exact
+ * answer, and the first problem, come from em_row_check. */
 static int step_screen(const em_optimizer_config *optimizer, uint32_t dim,
                        const float *restrict row, const float *restrict gradient)
 {
@@ -494,23 +500,24 @@ static int step_screen(const em_optimizer_config *optimizer, uint32_t dim,
             finite &= finite_bit(gradient[j]) & finite_bit(row[j] - lr * gradient[j]);
         return !finite;
     case EM_OPTIMIZER_ADAGRAD:
+        /* The step lr*g/(sqrt(s + g*g) + eps) is at most lr in size, so it is enough that
+         * the accumulators stay finite and the weights keep room for lr. */
         for (uint32_t j = 0; j < dim; j++) {
-            float g = gradient[j], s = row[dim + j] + g * g;
-            finite &= finite_bit(g) & finite_bit(s) &
-                      finite_bit(row[j] - lr * g / (sqrtf(s) + eps));
+            float g = gradient[j];
+            finite &= finite_bit(g) & finite_bit(row[dim + j] + g * g) &
+                      (fabsf(row[j]) <= SCREEN_WEIGHT_ROOM);
         }
-        return !finite;
+        return !finite || !(lr <= SCREEN_STEP_SCALE_MAX) || !(eps >= 0.0f);
     case EM_OPTIMIZER_ROWWISE_ADAGRAD: {
+        /* The row's accumulator grows by the mean of g*g, so each element's step is at most
+         * sqrt(dim) <= 64 times lr: the same room suffices. */
         float squares = 0.0f;
-        for (uint32_t j = 0; j < dim; j++)
+        for (uint32_t j = 0; j < dim; j++) {
             squares += gradient[j] * gradient[j];
-        float accumulator = row[dim] + squares / (float)dim;
-        float denominator = sqrtf(accumulator) + eps;
-        finite &= finite_bit(accumulator);
-        for (uint32_t j = 0; j < dim; j++)
-            finite &= finite_bit(gradient[j]) &
-                      finite_bit(row[j] - lr * gradient[j] / denominator);
-        return !finite;
+            finite &= finite_bit(gradient[j]) & (fabsf(row[j]) <= SCREEN_WEIGHT_ROOM);
+        }
+        finite &= finite_bit(row[dim] + squares / (float)dim);
+        return !finite || !(lr <= SCREEN_STEP_SCALE_MAX) || !(eps >= 0.0f);
     }
     case EM_OPTIMIZER_ADAM: {
         em_adam_constants c = em_adam_row_setup(optimizer, em_adam_next_step(row[3 * dim]));
