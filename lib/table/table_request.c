@@ -7,9 +7,11 @@
  * per-device segments) is described in lib/table/table_internal.h.
  *
  * All-or-nothing: validation, dedupe, partition, exchange and find change nothing;
- * then the keys to create are counted, checked against the capacity, and their index
- * and storage reserved on every shard; only after all of that succeeds does any shard
- * create a row or apply a gradient.
+ * then, holding the write locks of every shard a push touches, every row's step is
+ * checked to keep its values finite (common/row_check.h), the keys to create are
+ * counted, checked against the capacity, and their index and storage reserved on every
+ * shard; only after all of that succeeds does any shard create a row or apply a
+ * gradient, and each shard's lock goes as soon as it has been stepped.
  */
 #include <inttypes.h>
 #include <math.h>
