@@ -295,7 +295,9 @@ static em_status create_shards(em_table *table, em_error *err)
     table->shards = calloc(table->shard_count, sizeof(*table->shards));
     table->shard_device = calloc(table->shard_count, sizeof(*table->shard_device));
     table->shard_locks = calloc(table->shard_count, sizeof(*table->shard_locks));
-    if (table->shards == NULL || table->shard_device == NULL || table->shard_locks == NULL)
+    table->shard_versions = calloc(table->shard_count, sizeof(*table->shard_versions));
+    if (table->shards == NULL || table->shard_device == NULL || table->shard_locks == NULL ||
+        table->shard_versions == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
                             table->config.name);
     for (uint32_t s = 0; s < table->shard_count; s++)
@@ -362,6 +364,7 @@ void em_table_destroy(em_table *table)
     for (uint32_t s = 0; table->shard_locks != NULL && s < table->shard_count; s++)
         pthread_rwlock_destroy(&table->shard_locks[s]);
     free(table->shard_locks);
+    free(table->shard_versions);
     free(table->shards);
     free(table->shard_device);
     pthread_rwlock_destroy(&table->lock);

@@ -7,11 +7,13 @@
  * per-device segments) is described in lib/table/table_internal.h.
  *
  * All-or-nothing: validation, dedupe, partition, exchange and find change nothing;
- * then, holding the write locks of every shard a push touches, every row's step is
- * checked to keep its values finite (common/row_check.h), the keys to create are
- * counted, checked against the capacity, and their index and storage reserved on every
- * shard; only after all of that succeeds does any shard create a row or apply a
- * gradient, and each shard's lock goes as soon as it has been stepped.
+ * then every row's step is checked to keep its values finite (common/row_check.h),
+ * shard by shard under read locks; then, holding the write locks of every shard a push
+ * touches, the shards another push stepped since are checked again (shard versions),
+ * the keys to create are counted, checked against the capacity, and their index and
+ * storage reserved on every shard; only after all of that succeeds does any shard
+ * create a row or apply a gradient, and each shard's lock goes as soon as it has been
+ * stepped.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -462,27 +464,56 @@ static em_status describe_problem(request_context *r, const segment *seg, uint64
                         element - dim);
 }
 
-/* Asks every shard whether its rows' steps keep them finite; the first problem, in
- * shard order, becomes the error. */
-static em_status check_shards(request_context *r, em_error *err)
+/* Asks shard s (of segment seg) whether its rows' steps keep them finite; a problem
+ * becomes the error. */
+static em_status check_shard(request_context *r, segment *seg, uint32_t s, em_error *err)
 {
     em_table *table = r->table;
-    uint32_t dim = table->config.dim;
+    uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
+    uint64_t problem = UINT64_MAX;
+    em_status status = seg->device->ops->shard_check_apply(
+        table->shards[s], seg->lane, seg->keys + offset, seg->rows + offset, n,
+        (const float *)seg->payload + offset * table->config.dim, &problem, err);
+    if (status == EM_OK && problem != UINT64_MAX) {
+        status = describe_problem(r, seg, offset, problem, err);
+        if (status == EM_INVALID_ARGUMENT)
+            em_error_prefix(err, "push to table '%s': ", table->config.name);
+    }
+    return status;
+}
+
+/* Checks every shard under its read lock, so pushes check side by side; records the
+ * version each shard had (seen). */
+static em_status check_shards(request_context *r, uint64_t *seen, em_error *err)
+{
+    em_table *table = r->table;
     for (uint32_t d = 0; d < table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
-            if (n == 0)
+            if (shard_key_count(r, s) == 0)
                 continue;
-            uint64_t problem = UINT64_MAX;
-            em_status status = seg->device->ops->shard_check_apply(
-                table->shards[s], seg->lane, seg->keys + offset, seg->rows + offset, n,
-                (const float *)seg->payload + offset * dim, &problem, err);
-            if (status == EM_OK && problem != UINT64_MAX) {
-                status = describe_problem(r, seg, offset, problem, err);
-                if (status == EM_INVALID_ARGUMENT)
-                    em_error_prefix(err, "push to table '%s': ", table->config.name);
-            }
+            pthread_rwlock_rdlock(&table->shard_locks[s]);
+            seen[s] = table->shard_versions[s];
+            em_status status = check_shard(r, seg, s, err);
+            pthread_rwlock_unlock(&table->shard_locks[s]);
+            if (status != EM_OK)
+                return status;
+        }
+    }
+    return EM_OK;
+}
+
+/* With every write lock held: checks again the shards another push stepped since they
+ * were checked (their version moved). */
+static em_status recheck_moved_shards(request_context *r, const uint64_t *seen, em_error *err)
+{
+    em_table *table = r->table;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            if (shard_key_count(r, s) == 0 || table->shard_versions[s] == seen[s])
+                continue;
+            em_status status = check_shard(r, seg, s, err);
             if (status != EM_OK)
                 return status;
         }
@@ -505,17 +536,28 @@ static void lock_push_shards(request_context *r, bool lock)
 
 em_status em__check_create_apply(request_context *r, em_error *err)
 {
-    lock_push_shards(r, true);
-    em_status status = check_shards(r, err);
-    if (status == EM_OK)
-        status = em__create_missing(r, err);
-    if (status != EM_OK) {
-        lock_push_shards(r, false);
-        return status;
+    em_table *table = r->table;
+    uint64_t *seen = calloc(table->shard_count, sizeof(*seen));
+    if (seen == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': push: out of memory",
+                            table->config.name);
+    /* the heavy part, side by side with other pushes; then, holding every lock, only
+     * what changed since is checked again */
+    em_status status = check_shards(r, seen, err);
+    if (status == EM_OK) {
+        lock_push_shards(r, true);
+        status = recheck_moved_shards(r, seen, err);
+        if (status == EM_OK)
+            status = em__create_missing(r, err);
+        if (status != EM_OK)
+            lock_push_shards(r, false);
     }
+    free(seen);
+    if (status != EM_OK)
+        return status;
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
-     * once, so the next push can check it while this one steps the others. */
-    return run_on_shards(r, WORK_APPLY, r->table->config.dim, SHARDS_RELEASE_EACH, err);
+     * once, so pushes behind this one follow it shard by shard. */
+    return run_on_shards(r, WORK_APPLY, table->config.dim, SHARDS_RELEASE_EACH, err);
 }
 
 
@@ -557,6 +599,8 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
             else
                 status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
+            if (work != WORK_GATHER)
+                table->shard_versions[s]++; /* what pushes checked before this is stale */
             if (locking != SHARDS_HELD)
                 pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK) {
