@@ -127,8 +127,8 @@ static em_status parse_token(const cJSON *value, void *field, const char *path, 
 }
 
 /* The secret itself is never printed: a file or variable is printed as it was given
- * (so the printed configuration reads the same token again), an inline value as a
- * placeholder. */
+ * (so the printed configuration reads the same token again), an inline value as the
+ * text EM_TOKEN_REDACTED. */
 static cJSON *print_token(const void *field)
 {
     const em_token *token = field;

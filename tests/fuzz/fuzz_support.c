@@ -29,18 +29,11 @@ struct fuzz_daemon {
 
 static fuzz_daemon the_daemon;
 static bool started;
-static uint64_t connects_made;
 
 static void dump_stats(void)
 {
     if (!started)
         return;
-    fprintf(stderr, "fuzz: %llu connections made by the harness\n",
-            (unsigned long long)connects_made);
-    if (getenv("FUZZ_HANG_WAIT") != NULL) {
-        fprintf(stderr, "fuzz: waiting for a debugger, pid %d\n", (int)getpid());
-        sleep(120);
-    }
     const em_server_stats *s = em_daemon_stats(the_daemon.daemon);
     fprintf(stderr,
             "fuzz: daemon: %llu connections (%llu admin), %llu waiting for memory, %llu bytes "
@@ -89,7 +82,6 @@ static void answer_free(answer *a)
 
 static int connect_to(const char *address)
 {
-    connects_made++;
     char host[64];
     snprintf(host, sizeof(host), "%s", address);
     char *colon = strrchr(host, ':');
