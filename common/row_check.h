@@ -148,4 +148,107 @@ EM_HOST_DEVICE uint32_t em_row_check(const em_optimizer_config *optimizer,
                     : em_row_check_new(optimizer, initializer, dim, key, gradient);
 }
 
+/* ---- bounded steps ---------------------------------------------------------------------
+ *
+ * A push checks its rows before it holds their write locks, so other pushes may step the
+ * same rows between its check and its own step. A check that found every row "bounded"
+ * stays true across up to EM_ROW_BOUNDED_STEPS bounded steps by others:
+ *
+ * - a row is bounded for a gradient when every gradient element is at most
+ *   EM_ROW_BOUND_GRADIENT in size, every weight at most EM_ROW_BOUND_WEIGHT, and the
+ *   optimizer state within the bounds below (accumulators and second moments in
+ *   [0, EM_ROW_BOUND_ACCUMULATOR], first moments at most the gradient bound, Adam's step
+ *   count at least 0);
+ * - the table's hyperparameters bound every step (em_row_bound_step): the change of a
+ *   weight, and every intermediate value of the formulas in common/optimizer.h, is at
+ *   most EM_ROW_BOUND_STEP. SGD moves a weight by lr*|g|; Adagrad by at most lr (|g| is at
+ *   most the square root of its accumulator, eps > 0); row-wise Adagrad by at most
+ *   lr*sqrt(dim); Adam by at most lr*G/((1-beta1)*eps), since its first moment stays
+ *   within the gradient bound G and 1-beta1^t >= 1-beta1;
+ * - a bounded step adds at most G*G to an accumulator and keeps Adam's moments within
+ *   their bounds (they are convex combinations of values within them).
+ *
+ * So after k <= EM_ROW_BOUNDED_STEPS bounded steps by others and its own, a weight is at
+ * most EM_ROW_BOUND_WEIGHT + (k + 1) * EM_ROW_BOUND_STEP = 1e38 and an accumulator at
+ * most 1e37 + 9e30: both far inside FLT_MAX (3.4e38). A step that was not bounded moves
+ * its shards' version by more than EM_ROW_BOUNDED_STEPS, so pushes that checked before
+ * it check again.
+ */
+#define EM_ROW_BOUND_GRADIENT 1e15f
+#define EM_ROW_BOUND_WEIGHT 1e37f
+#define EM_ROW_BOUND_ACCUMULATOR 1e37f
+#define EM_ROW_BOUND_STEP 1e37f
+#define EM_ROW_BOUNDED_STEPS 8u
+
+/* 1 when the hyperparameters bound every step as above (dim floats per row). */
+EM_HOST_DEVICE int em_row_bound_step(const em_optimizer_config *optimizer, uint32_t dim)
+{
+    double lr = fabs((double)optimizer->learning_rate), eps = (double)optimizer->eps;
+    double gradient = (double)EM_ROW_BOUND_GRADIENT, limit = (double)EM_ROW_BOUND_STEP;
+    double squares = gradient * gradient * (double)dim;
+    switch (optimizer->kind) {
+    case EM_OPTIMIZER_SGD:
+        return lr * gradient <= limit;
+    case EM_OPTIMIZER_ADAGRAD:
+        return eps > 0.0 && lr * gradient <= limit;
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD:
+        return eps > 0.0 && lr * gradient <= limit && squares <= limit &&
+               lr * sqrt((double)dim) <= limit;
+    case EM_OPTIMIZER_ADAM: {
+        double beta1 = (double)optimizer->beta1, beta2 = (double)optimizer->beta2;
+        if (!(eps > 0.0) || !(beta1 >= 0.0 && beta1 < 1.0) || !(beta2 >= 0.0 && beta2 < 1.0))
+            return 0;
+        double moment = gradient / (1.0 - beta1); /* the largest bias-corrected m */
+        return lr * moment <= limit && lr * moment / eps <= limit &&
+               gradient * gradient / (1.0 - beta2) <= limit;
+    }
+    case EM_OPTIMIZER_COUNT:
+        break;
+    }
+    return 0;
+}
+
+EM_HOST_DEVICE int em_row_bound_within(float value, float bound)
+{
+    return fabsf(value) <= bound; /* false for NaN */
+}
+
+EM_HOST_DEVICE int em_row_bound_between(float value, float low, float high)
+{
+    return (value >= low) & (value <= high); /* false for NaN */
+}
+
+/* 1 when an existing row and its gradient are bounded as above. Every element is looked
+ * at without an early exit, so the loops vectorise. */
+EM_HOST_DEVICE int em_row_bounded(const em_optimizer_config *optimizer, uint32_t dim,
+                                  const float *row, const float *gradient)
+{
+    const float g_max = EM_ROW_BOUND_GRADIENT, w_max = EM_ROW_BOUND_WEIGHT,
+                a_max = EM_ROW_BOUND_ACCUMULATOR;
+    int bounded = 1;
+    for (uint32_t j = 0; j < dim; j++)
+        bounded &= em_row_bound_within(gradient[j], g_max) & em_row_bound_within(row[j], w_max);
+    switch (optimizer->kind) {
+    case EM_OPTIMIZER_SGD:
+        break;
+    case EM_OPTIMIZER_ADAGRAD:
+        for (uint32_t j = 0; j < dim; j++)
+            bounded &= em_row_bound_between(row[dim + j], 0.0f, a_max);
+        break;
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD:
+        bounded &= em_row_bound_between(row[dim], 0.0f, a_max);
+        break;
+    case EM_OPTIMIZER_ADAM:
+        for (uint32_t j = 0; j < dim; j++)
+            bounded &= em_row_bound_within(row[dim + j], g_max) &
+                       em_row_bound_between(row[2 * dim + j], 0.0f, g_max * g_max);
+        bounded &= em_row_bound_between(row[3 * dim], 0.0f, EM_ADAM_MAX_STEP);
+        break;
+    case EM_OPTIMIZER_COUNT:
+        bounded = 0;
+        break;
+    }
+    return bounded;
+}
+
 #endif

@@ -13,7 +13,6 @@
  * loops in the order the interface defines; the unique step uses a scratch
  * open-addressing index of unique positions (no key sentinel needed).
  */
-#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -474,84 +473,28 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
     return EM_OK;
 }
 
-/* Whether x is finite, as 0 or 1 without a branch (NaN compares false). */
-static inline int finite_bit(float x)
-{
-    return fabsf(x) <= FLT_MAX;
-}
-
-/* Bounds of the screen below: weights within SCREEN_WEIGHT_ROOM stay finite after a
- * step of at most 64 x lr with lr <= SCREEN_STEP_SCALE_MAX (far inside FLT_MAX). */
-#define SCREEN_WEIGHT_ROOM 1e38f
-#define SCREEN_STEP_SCALE_MAX 1e30f
-
-/* 0 only when every value of the step on an existing row is sure to stay finite (1 may
- * be a false alarm): every element is looked at without an early exit, so the loops
- * vectorise, and where a bound settles it the step itself is not computed; the exact
- * answer, and the first problem, come from em_row_check. */
-static int step_screen(const em_optimizer_config *optimizer, uint32_t dim,
-                       const float *restrict row, const float *restrict gradient)
-{
-    int finite = 1;
-    float lr = optimizer->learning_rate, eps = optimizer->eps;
-    switch (optimizer->kind) {
-    case EM_OPTIMIZER_SGD:
-        for (uint32_t j = 0; j < dim; j++)
-            finite &= finite_bit(gradient[j]) & finite_bit(row[j] - lr * gradient[j]);
-        return !finite;
-    case EM_OPTIMIZER_ADAGRAD:
-        /* The step lr*g/(sqrt(s + g*g) + eps) is at most lr in size, so it is enough that
-         * the accumulators stay finite and the weights keep room for lr. */
-        for (uint32_t j = 0; j < dim; j++) {
-            float g = gradient[j];
-            finite &= finite_bit(g) & finite_bit(row[dim + j] + g * g) &
-                      (fabsf(row[j]) <= SCREEN_WEIGHT_ROOM);
-        }
-        return !finite || !(lr <= SCREEN_STEP_SCALE_MAX) || !(eps >= 0.0f);
-    case EM_OPTIMIZER_ROWWISE_ADAGRAD: {
-        /* The row's accumulator grows by the mean of g*g, so each element's step is at most
-         * sqrt(dim) <= 64 times lr: the same room suffices. */
-        float squares = 0.0f;
-        for (uint32_t j = 0; j < dim; j++) {
-            squares += gradient[j] * gradient[j];
-            finite &= finite_bit(gradient[j]) & (fabsf(row[j]) <= SCREEN_WEIGHT_ROOM);
-        }
-        finite &= finite_bit(row[dim] + squares / (float)dim);
-        return !finite || !(lr <= SCREEN_STEP_SCALE_MAX) || !(eps >= 0.0f);
-    }
-    case EM_OPTIMIZER_ADAM: {
-        em_adam_constants c = em_adam_row_setup(optimizer, em_adam_next_step(row[3 * dim]));
-        for (uint32_t j = 0; j < dim; j++) {
-            float g = gradient[j];
-            float m = c.beta1 * row[dim + j] + (1.0f - c.beta1) * g;
-            float v = c.beta2 * row[2 * dim + j] + (1.0f - c.beta2) * g * g;
-            float w = row[j] - c.learning_rate * (m / c.correction1) /
-                                   (sqrtf(v / c.correction2) + c.eps);
-            finite &= finite_bit(g) & finite_bit(m) & finite_bit(v) & finite_bit(w);
-        }
-        return !finite;
-    }
-    case EM_OPTIMIZER_COUNT:
-        break;
-    }
-    return 1;
-}
-
+/* Rows within the bounds of row_check.h are sure to stay finite and are passed in one
+ * branch-free look; any other row (and every row the push creates) gets the exact
+ * check, which also finds the first problem. */
 static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint64_t *keys,
                                        const uint64_t *rows, uint64_t n, const float *gradients,
-                                       uint64_t *first_problem, em_error *err)
+                                       uint64_t *first_problem, int *bounded, em_error *err)
 {
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
+    int steps_bounded = em_row_bound_step(&shard->optimizer, shard->dim);
+    int all_bounded = steps_bounded;
     *first_problem = UINT64_MAX;
     for (uint64_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n && rows[i + PREFETCH_AHEAD] != EM_ROW_NONE)
             prefetch_row(shard, rows[i + PREFETCH_AHEAD]);
         const float *gradient = const_vector_at(gradients, i, shard->dim);
         const float *row = rows[i] == EM_ROW_NONE ? NULL : row_address(shard, rows[i]);
-        if (row != NULL && !step_screen(&shard->optimizer, shard->dim, row, gradient))
+        if (steps_bounded && row != NULL &&
+            em_row_bounded(&shard->optimizer, shard->dim, row, gradient))
             continue;
+        all_bounded = 0;
         uint32_t code = em_row_check(&shard->optimizer, &shard->initializer, shard->dim, row,
                                      keys[i], gradient);
         if (code != EM_ROW_CHECK_OK) {
@@ -559,6 +502,7 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
             break;
         }
     }
+    *bounded = all_bounded;
     return EM_OK;
 }
 

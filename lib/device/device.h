@@ -162,10 +162,13 @@ typedef struct em_device_ops {
     /* Whether one optimizer step per row with gradients[i] would keep every value
      * finite, writing nothing (common/row_check.h): *first_problem (host) is UINT64_MAX
      * when it would, else (i << 32 | code) for the smallest failing i. rows[i]
-     * EM_ROW_NONE stands for the row the push will create for keys[i]. */
+     * EM_ROW_NONE stands for the row the push will create for keys[i]. *bounded (host) is
+     * 1 when every row was bounded (row_check.h: em_row_bounded, for existing rows only),
+     * so the answer holds across a few concurrent bounded steps; a device may always say
+     * 0. */
     em_status (*shard_check_apply)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                    const uint64_t *rows, uint64_t n, const float *gradients,
-                                   uint64_t *first_problem, em_error *err);
+                                   uint64_t *first_problem, int *bounded, em_error *err);
     /* One optimizer step per row with gradients[i] (dim floats each). Rows distinct. */
     em_status (*shard_apply)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                              const float *gradients, em_error *err);

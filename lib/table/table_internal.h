@@ -40,9 +40,11 @@ struct em_table {
     uint32_t *shard_device; /* device index of each shard */
     pthread_rwlock_t lock;
     pthread_rwlock_t *shard_locks; /* readers gather or export, writers apply or write */
-    uint64_t *shard_versions;      /* steps applied to each shard (under its write lock):
-                                    * a push that checked a shard under its read lock
-                                    * checks it again if the version moved */
+    uint64_t *shard_versions;      /* moved by every step and write of a shard (under
+                                    * its write lock): 1 for a bounded step, more for
+                                    * anything else; a push that checked a shard under
+                                    * its read lock checks it again when its check no
+                                    * longer holds (row_check.h) */
     uint64_t rows; /* written under the exclusive lock */
     _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
 };

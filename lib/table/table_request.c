@@ -9,7 +9,9 @@
  * All-or-nothing: validation, dedupe, partition, exchange and find change nothing;
  * then every row's step is checked to keep its values finite (common/row_check.h),
  * shard by shard under read locks; then, holding the write locks of every shard a push
- * touches, the shards another push stepped since are checked again (shard versions),
+ * touches, the shards whose check no longer holds are checked again (another push
+ * stepped them since, and the check was not bounded or too many steps came: shard
+ * versions and row_check.h),
  * the keys to create are counted, checked against the capacity, and their index and
  * storage reserved on every shard; only after all of that succeeds does any shard
  * create a row or apply a gradient, and each shard's lock goes as soon as it has been
@@ -464,16 +466,25 @@ static em_status describe_problem(request_context *r, const segment *seg, uint64
                         element - dim);
 }
 
+/* What a push's check found for one shard. */
+typedef struct shard_check {
+    uint64_t version; /* the shard's version when it was checked */
+    int bounded;      /* every row was bounded (row_check.h) */
+} shard_check;
+
 /* Asks shard s (of segment seg) whether its rows' steps keep them finite; a problem
  * becomes the error. */
-static em_status check_shard(request_context *r, segment *seg, uint32_t s, em_error *err)
+static em_status check_shard(request_context *r, segment *seg, uint32_t s, shard_check *check,
+                             em_error *err)
 {
     em_table *table = r->table;
     uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
     uint64_t problem = UINT64_MAX;
+    check->version = table->shard_versions[s];
     em_status status = seg->device->ops->shard_check_apply(
         table->shards[s], seg->lane, seg->keys + offset, seg->rows + offset, n,
-        (const float *)seg->payload + offset * table->config.dim, &problem, err);
+        (const float *)seg->payload + offset * table->config.dim, &problem, &check->bounded,
+        err);
     if (status == EM_OK && problem != UINT64_MAX) {
         status = describe_problem(r, seg, offset, problem, err);
         if (status == EM_INVALID_ARGUMENT)
@@ -482,9 +493,8 @@ static em_status check_shard(request_context *r, segment *seg, uint32_t s, em_er
     return status;
 }
 
-/* Checks every shard under its read lock, so pushes check side by side; records the
- * version each shard had (seen). */
-static em_status check_shards(request_context *r, uint64_t *seen, em_error *err)
+/* Checks every shard under its read lock, so pushes check side by side. */
+static em_status check_shards(request_context *r, shard_check *checks, em_error *err)
 {
     em_table *table = r->table;
     for (uint32_t d = 0; d < table->backend->device_count; d++) {
@@ -493,8 +503,7 @@ static em_status check_shards(request_context *r, uint64_t *seen, em_error *err)
             if (shard_key_count(r, s) == 0)
                 continue;
             pthread_rwlock_rdlock(&table->shard_locks[s]);
-            seen[s] = table->shard_versions[s];
-            em_status status = check_shard(r, seg, s, err);
+            em_status status = check_shard(r, seg, s, &checks[s], err);
             pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK)
                 return status;
@@ -503,22 +512,42 @@ static em_status check_shards(request_context *r, uint64_t *seen, em_error *err)
     return EM_OK;
 }
 
-/* With every write lock held: checks again the shards another push stepped since they
- * were checked (their version moved). */
-static em_status recheck_moved_shards(request_context *r, const uint64_t *seen, em_error *err)
+/* Whether the check of a shard no longer holds: another push stepped it since, and the
+ * check was not bounded or more steps came than a bounded check covers (row_check.h). */
+static bool check_stale(const shard_check *check, uint64_t version)
+{
+    uint64_t moved = version - check->version;
+    return moved != 0 && (!check->bounded || moved > EM_ROW_BOUNDED_STEPS);
+}
+
+/* With every write lock held: checks again the shards whose check went stale. */
+static em_status recheck_stale_shards(request_context *r, shard_check *checks, em_error *err)
 {
     em_table *table = r->table;
     for (uint32_t d = 0; d < table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            if (shard_key_count(r, s) == 0 || table->shard_versions[s] == seen[s])
+            if (shard_key_count(r, s) == 0)
                 continue;
-            em_status status = check_shard(r, seg, s, err);
-            if (status != EM_OK)
-                return status;
+            if (check_stale(&checks[s], table->shard_versions[s])) {
+                em_status status = check_shard(r, seg, s, &checks[s], err);
+                if (status != EM_OK)
+                    return status;
+            }
         }
     }
     return EM_OK;
+}
+
+/* With every write lock held, before the step: moves each shard's version by what the
+ * step will be, 1 for a bounded step and more than a bounded check covers for any other,
+ * so the pushes that checked before it know what to check again. */
+static void advance_versions(request_context *r, const shard_check *checks)
+{
+    em_table *table = r->table;
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (shard_key_count(r, s) != 0)
+            table->shard_versions[s] += checks[s].bounded ? 1 : EM_ROW_BOUNDED_STEPS + 1;
 }
 
 static void lock_push_shards(request_context *r, bool lock)
@@ -537,22 +566,24 @@ static void lock_push_shards(request_context *r, bool lock)
 em_status em__check_create_apply(request_context *r, em_error *err)
 {
     em_table *table = r->table;
-    uint64_t *seen = calloc(table->shard_count, sizeof(*seen));
-    if (seen == NULL)
+    shard_check *checks = calloc(table->shard_count, sizeof(*checks));
+    if (checks == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': push: out of memory",
                             table->config.name);
     /* the heavy part, side by side with other pushes; then, holding every lock, only
-     * what changed since is checked again */
-    em_status status = check_shards(r, seen, err);
+     * the shards whose check no longer holds are checked again */
+    em_status status = check_shards(r, checks, err);
     if (status == EM_OK) {
         lock_push_shards(r, true);
-        status = recheck_moved_shards(r, seen, err);
+        status = recheck_stale_shards(r, checks, err);
         if (status == EM_OK)
             status = em__create_missing(r, err);
-        if (status != EM_OK)
+        if (status == EM_OK)
+            advance_versions(r, checks);
+        else
             lock_push_shards(r, false);
     }
-    free(seen);
+    free(checks);
     if (status != EM_OK)
         return status;
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
@@ -599,8 +630,8 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
             else
                 status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
-            if (work != WORK_GATHER)
-                table->shard_versions[s]++; /* what pushes checked before this is stale */
+            if (work == WORK_WRITE) /* what pushes checked before this is stale */
+                table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
             if (locking != SHARDS_HELD)
                 pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK) {

@@ -4,7 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/row_check.h"
 #include "lib/device/backend.h"
+#include "lib/device/optimizer.h"
 #include "lib/table/table.h"
 #include "tests/support/reference_table.h"
 #include "tests/support/test_batches.h"
@@ -636,6 +638,118 @@ static void *torn_reader(void *argument)
     return NULL;
 }
 
+/* The bounds of row_check.h: from a row at its bounds, EM_ROW_BOUNDED_STEPS + 1 steps
+ * with gradients at their bound, all pushing the same way, with hyperparameters that
+ * only just bound the step, leave every value finite. */
+START_TEST(bounded_steps_stay_finite)
+{
+    const uint32_t dim = 64;
+    em_optimizer_config optimizer = {.kind = (em_optimizer_kind)_i, .learning_rate = 1e6f,
+                                     .eps = 1e-10f, .beta1 = 0.999999f, .beta2 = 0.999999f};
+    ck_assert(em_row_bound_step(&optimizer, dim));
+    optimizer.eps = 1e-12f;
+    ck_assert(optimizer.kind != EM_OPTIMIZER_ADAM || !em_row_bound_step(&optimizer, dim));
+    optimizer.eps = 1e-10f;
+    uint32_t floats = dim + em_optimizer_state_floats(optimizer.kind, dim);
+    float *row = calloc(floats, sizeof(float)), gradient[64];
+    for (uint32_t j = 0; j < dim; j++) {
+        row[j] = EM_ROW_BOUND_WEIGHT;
+        gradient[j] = -EM_ROW_BOUND_GRADIENT;
+    }
+    if (optimizer.kind == EM_OPTIMIZER_ADAGRAD || optimizer.kind == EM_OPTIMIZER_ROWWISE_ADAGRAD)
+        for (uint32_t j = dim; j < floats; j++)
+            row[j] = EM_ROW_BOUND_ACCUMULATOR;
+    if (optimizer.kind == EM_OPTIMIZER_ADAM)
+        for (uint32_t j = 0; j < dim; j++)
+            row[dim + j] = -EM_ROW_BOUND_GRADIENT; /* first moments; second moments 0 */
+    ck_assert(em_row_bounded(&optimizer, dim, row, gradient));
+    for (uint32_t step = 0; step <= EM_ROW_BOUNDED_STEPS; step++) {
+        em_optimizer_apply_row(&optimizer, dim, row, row + dim, gradient);
+        for (uint32_t j = 0; j < floats; j++)
+            ck_assert_msg(isfinite(row[j]), "step %u, float %u: %g", step, j, (double)row[j]);
+    }
+    /* and the bounds mean something: beyond them a row is not bounded */
+    row[0] = 2 * EM_ROW_BOUND_WEIGHT;
+    ck_assert(!em_row_bounded(&optimizer, dim, row, gradient));
+    row[0] = NAN;
+    ck_assert(!em_row_bounded(&optimizer, dim, row, gradient));
+    free(row);
+}
+END_TEST
+
+typedef struct overflow_context {
+    em_table *table;
+    uint64_t seed;
+    int applied, refused, failed;
+} overflow_context;
+
+#define OVERFLOW_KEYS 16
+#define OVERFLOW_DIM 8
+
+/* Pushes steps of 1.2e38, all of one push the same way, so weights walk between
+ * -2.4e38 and 2.4e38 (a third step would overflow); each push is applied or refused
+ * whole. */
+static void *overflow_pusher(void *argument)
+{
+    overflow_context *context = argument;
+    em_test_rng rng;
+    em_test_rng_init(&rng, context->seed);
+    uint32_t offsets[OVERFLOW_KEYS + 1];
+    uint64_t keys[OVERFLOW_KEYS];
+    float g[OVERFLOW_KEYS * OVERFLOW_DIM];
+    for (int i = 0; i <= OVERFLOW_KEYS; i++)
+        offsets[i] = (uint32_t)i;
+    for (int i = 0; i < OVERFLOW_KEYS; i++)
+        keys[i] = (uint64_t)i;
+    em_csr csr = {.rows = OVERFLOW_KEYS, .nnz = OVERFLOW_KEYS, .offsets = offsets, .keys = keys};
+    em_error err;
+    for (int n = 0; n < 1000; n++) {
+        float sign = em_test_rng_below(&rng, 2) ? 1.0f : -1.0f;
+        for (int i = 0; i < OVERFLOW_KEYS * OVERFLOW_DIM; i++)
+            g[i] = sign * 1.2e38f;
+        em_status status = em_test_push(context->table, &csr, EM_COMBINER_NONE, g, NULL, &err);
+        if (status == EM_OK)
+            context->applied++;
+        else if (status == EM_INVALID_ARGUMENT)
+            context->refused++;
+        else
+            context->failed++;
+    }
+    return NULL;
+}
+
+/* Four pushers race rows toward overflow: a step checked while another push was
+ * stepping the same rows is checked again before it applies, so no row ever becomes
+ * infinite, however the two interleave. */
+START_TEST(concurrent_pushes_near_the_float_range_keep_rows_finite)
+{
+    em_backend *backend = make_backend(2, 64 * MEBIBYTE);
+    em_table_config config = table_config(OVERFLOW_DIM, 1000, 4, EM_OPTIMIZER_SGD);
+    config.optimizer.learning_rate = 1.0f;
+    config.initializer.kind = EM_INIT_ZEROS;
+    em_table *table = em_test_make_table(backend, &config);
+    pthread_t threads[4];
+    overflow_context contexts[4];
+    for (int t = 0; t < 4; t++) {
+        contexts[t] = (overflow_context){.table = table, .seed = em_test_seed() + (uint64_t)t};
+        pthread_create(&threads[t], NULL, overflow_pusher, &contexts[t]);
+    }
+    for (int t = 0; t < 4; t++) {
+        pthread_join(threads[t], NULL);
+        ck_assert_int_eq(contexts[t].failed, 0);
+        ck_assert_int_gt(contexts[t].applied, 0);
+    }
+    ck_assert_int_gt(contexts[0].refused + contexts[1].refused + contexts[2].refused, 0);
+    em_test_snapshot s = em_test_snapshot_take(table, 7);
+    ck_assert_uint_eq(s.count, OVERFLOW_KEYS);
+    for (uint64_t i = 0; i < s.count * s.width; i++)
+        ck_assert_msg(isfinite(s.values[i]), "value %" PRIu64 ": %g", i, (double)s.values[i]);
+    em_test_snapshot_free(&s);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 START_TEST(concurrent_pulls_never_see_torn_rows)
 {
     em_backend *backend = make_backend(2, 64 * MEBIBYTE);
@@ -797,6 +911,7 @@ int main(void)
     tcase_set_timeout(atomic, 120);
     tcase_add_test(atomic, invalid_requests_apply_nothing);
     tcase_add_loop_test(atomic, pushes_that_would_make_rows_non_finite_apply_nothing, 0, 4);
+    tcase_add_loop_test(atomic, bounded_steps_stay_finite, 0, 4);
     tcase_add_test(atomic, capacity_exhaustion_fails_whole);
     tcase_add_test(atomic, pool_exhaustion_fails_whole_and_table_keeps_working);
     tcase_add_test(atomic, export_import_round_trip_across_layouts);
@@ -806,6 +921,7 @@ int main(void)
     TCase *concurrency = tcase_create("concurrency");
     tcase_set_timeout(concurrency, 240);
     tcase_add_test(concurrency, concurrent_pulls_never_see_torn_rows);
+    tcase_add_test(concurrency, concurrent_pushes_near_the_float_range_keep_rows_finite);
     tcase_add_test(concurrency, concurrent_disjoint_pushes_match_reference);
     tcase_add_test(concurrency, stats_count_rows_memory_and_requests);
     suite_add_tcase(suite, concurrency);
