@@ -4,7 +4,7 @@
  * drawn uniformly from a pre-populated key set, with 1 and 2 threads issuing requests
  * against the same table.
  *
- *   bench_table [--keys N] [--seconds S] [--shards N]
+ *   bench_table [--keys N] [--seconds S] [--shards N] [--operations all|push]
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -23,6 +23,7 @@ typedef struct options {
     uint64_t keys;
     double seconds;
     uint32_t shards;
+    bool pushes_only; /* --operations push: only the push rows */
 } options;
 
 typedef enum operation { PULL_NONE, PULL_SUM, PUSH } operation;
@@ -171,10 +172,12 @@ int main(int argc, char **argv)
             opt.seconds = strtod(argv[i + 1], NULL);
         else if (strcmp(argv[i], "--shards") == 0)
             opt.shards = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--operations") == 0)
+            opt.pushes_only = strcmp(argv[i + 1], "push") == 0;
     }
     em_test_print_machine(NULL);
-    printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u\n", opt.keys,
-           opt.seconds, opt.shards);
+    printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u --operations %s\n",
+           opt.keys, opt.seconds, opt.shards, opt.pushes_only ? "push" : "all");
     printf("CPU backend, 1 device; batches of %d keys drawn uniformly from %" PRIu64
            " existing keys; each thread issues its own requests on one table\n\n",
            BATCH_KEYS, opt.keys);
@@ -193,7 +196,8 @@ int main(int argc, char **argv)
                 return 1;
             }
             em_table *table = populated_table(backend, dims[d], optimizer, &opt);
-            for (int op = optimizer == 0 ? PULL_NONE : PUSH; op <= PUSH; op++) {
+            for (int op = optimizer == 0 && !opt.pushes_only ? PULL_NONE : PUSH; op <= PUSH;
+                 op++) {
                 for (int threads = 1; threads <= 2; threads++) {
                     double rate = measure(table, (operation)op, dims[d], threads, &opt);
                     const char *name = op == PULL_NONE ? "pull" : op == PULL_SUM ? "pull-sum"
