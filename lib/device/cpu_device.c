@@ -507,22 +507,37 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
 }
 
 static em_status cpu_shard_export(em_shard *base, em_lane *lane, uint64_t *cursor,
-                                  uint64_t *keys, float *values, uint64_t max, uint64_t *count,
-                                  em_error *err)
+                                  uint64_t *keys, float *values, uint64_t *rows_out,
+                                  uint64_t max, uint64_t *count, em_error *err)
 {
     (void)lane;
     cpu_shard *shard = cpu_shard_of(base);
-    uint64_t *rows = NULL;
-    em_status status = em_device_alloc(base->device, max * sizeof(*rows), "export rows",
-                                       (void **)&rows, err);
-    if (status != EM_OK)
-        return status;
+    uint64_t *rows = rows_out;
+    if (rows == NULL) {
+        em_status status = em_device_alloc(base->device, max * sizeof(*rows), "export rows",
+                                           (void **)&rows, err);
+        if (status != EM_OK)
+            return status;
+    }
     uint64_t exported = em_hashmap_export(shard->map, cursor, keys, rows, max);
-    for (uint64_t i = 0; i < exported; i++)
+    for (uint64_t i = 0; values != NULL && i < exported; i++)
         memcpy(vector_at(values, i, shard->row_floats), row_address(shard, rows[i]),
                shard->row_floats * sizeof(float));
-    em_device_free(base->device, rows);
+    if (rows != rows_out)
+        em_device_free(base->device, rows);
     *count = exported;
+    return EM_OK;
+}
+
+static em_status cpu_shard_read_rows(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                     uint64_t n, float *values, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    cpu_shard *shard = cpu_shard_of(base);
+    for (uint64_t i = 0; i < n; i++)
+        memcpy(vector_at(values, i, shard->row_floats), row_address(shard, rows[i]),
+               shard->row_floats * sizeof(float));
     return EM_OK;
 }
 
@@ -579,6 +594,7 @@ static const em_device_ops cpu_device_ops = {
     .shard_check_apply = cpu_shard_check_apply,
     .shard_apply = cpu_shard_apply,
     .shard_export = cpu_shard_export,
+    .shard_read_rows = cpu_shard_read_rows,
     .shard_write_rows = cpu_shard_write_rows,
     .shard_stats = cpu_shard_stats,
     .destroy = cpu_device_destroy,

@@ -319,6 +319,7 @@ static const em_device_ops cuda_device_ops = {
     .shard_check_apply = em__cuda_shard_check_apply,
     .shard_apply = em__cuda_shard_apply,
     .shard_export = em__cuda_shard_export,
+    .shard_read_rows = em__cuda_shard_read_rows,
     .shard_write_rows = em__cuda_shard_write_rows,
     .shard_stats = em__cuda_shard_stats,
     .destroy = cuda_device_destroy,

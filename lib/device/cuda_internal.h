@@ -197,8 +197,10 @@ em_status em__cuda_shard_create(em_device *device, const em_shard_spec *spec, em
 void em__cuda_shard_destroy(em_shard *base);
 
 em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cursor,
-                                uint64_t *keys, float *values, uint64_t max, uint64_t *count,
-                                em_error *err);
+                                uint64_t *keys, float *values, uint64_t *rows, uint64_t max,
+                                uint64_t *count, em_error *err);
+em_status em__cuda_shard_read_rows(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                   uint64_t n, float *values, em_error *err);
 
 em_status em__cuda_shard_find(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                               uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);

@@ -559,28 +559,42 @@ static em_status export_window(cuda_shard *shard, cuda_lane *lane, uint64_t *cur
     return status;
 }
 
-/* Reads the collected rows and copies keys and values to the host. */
-static em_status export_rows(cuda_shard *shard, cuda_lane *lane, uint64_t taken,
-                             const export_buffers *b, uint64_t *keys, float *values,
-                             em_error *err)
+em_status em__cuda_shard_read_rows(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                   uint64_t n, float *values, em_error *err)
 {
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
     em_status status = order_read(shard, lane, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_read(lane->stream, storage_view(shard), b->rows,
-                                                   taken, b->values), err);
+        status = lane_check(lane, em_gpu_rows_read(lane->stream, storage_view(shard), rows, n,
+                                                   values), err);
     if (status == EM_OK)
         status = record_read(shard, lane, err);
+    return status;
+}
+
+/* Copies the collected keys (and rows, and the rows' values, where asked) to the host. */
+static em_status export_rows(cuda_shard *shard, cuda_lane *lane, uint64_t taken,
+                             const export_buffers *b, uint64_t *keys, float *values,
+                             uint64_t *rows, em_error *err)
+{
+    em_status status = EM_OK;
+    if (values != NULL)
+        status = em__cuda_shard_read_rows(&shard->base, &lane->base, b->rows, taken, b->values,
+                                          err);
     if (status == EM_OK)
         status = em__cuda_copy_to_host(&lane->base, keys, b->keys, taken * sizeof(uint64_t), err);
-    if (status == EM_OK)
+    if (status == EM_OK && rows != NULL)
+        status = em__cuda_copy_to_host(&lane->base, rows, b->rows, taken * sizeof(uint64_t), err);
+    if (status == EM_OK && values != NULL)
         status = em__cuda_copy_to_host(&lane->base, values, b->values,
                                        taken * shard->row_floats * sizeof(float), err);
     return status;
 }
 
 em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cursor,
-                                   uint64_t *keys, float *values, uint64_t max, uint64_t *count,
-                                   em_error *err)
+                                   uint64_t *keys, float *values, uint64_t *rows, uint64_t max,
+                                   uint64_t *count, em_error *err)
 {
     cuda_shard *shard = shard_of(base);
     cuda_lane *lane = lane_of(lane_base);
@@ -608,7 +622,7 @@ em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cu
     while (status == EM_OK && taken < limit && *cursor < end)
         status = export_window(shard, lane, cursor, limit, &b, &taken, err);
     if (status == EM_OK && taken > 0)
-        status = export_rows(shard, lane, taken, &b, keys, values, err);
+        status = export_rows(shard, lane, taken, &b, keys, values, rows, err);
     if (status != EM_OK)
         return em__cuda_finish_async(&s, lane, status, err);
     scratch_free_now(&s);

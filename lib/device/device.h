@@ -173,9 +173,14 @@ typedef struct em_device_ops {
     em_status (*shard_apply)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                              const float *gradients, em_error *err);
     /* Copies up to max rows (key, weights and optimizer state: dim + state floats each)
-     * into host memory from *cursor on (0 to start); *count 0 means done. */
+     * into host memory from *cursor on (0 to start); *count 0 means done. values may be
+     * NULL (keys only); rows (nullable, host) gets each key's row. */
     em_status (*shard_export)(em_shard *shard, em_lane *lane, uint64_t *cursor, uint64_t *keys,
-                              float *values, uint64_t max, uint64_t *count, em_error *err);
+                              float *values, uint64_t *rows, uint64_t max, uint64_t *count,
+                              em_error *err);
+    /* values[i] = rows[i] (existing rows; dim + state floats each); both device memory. */
+    em_status (*shard_read_rows)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
+                                 float *values, em_error *err);
     /* Overwrites rows[i] (existing rows) with values[i] (device memory, dim + state floats
      * each). */
     em_status (*shard_write_rows)(em_shard *shard, em_lane *lane, const uint64_t *rows,

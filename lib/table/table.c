@@ -345,6 +345,8 @@ em_status em_table_create(em_backend *backend, const em_table_config *config, em
     pthread_rwlockattr_setkind_np(&attributes, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
     pthread_rwlock_init(&table->lock, &attributes);
     pthread_rwlockattr_destroy(&attributes);
+    pthread_mutex_init(&table->snapshot_mutex, NULL);
+    pthread_cond_init(&table->snapshot_room, NULL);
     status = create_shards(table, err);
     if (status != EM_OK) {
         em_table_destroy(table);
@@ -368,6 +370,8 @@ void em_table_destroy(em_table *table)
     free(table->shards);
     free(table->shard_device);
     pthread_rwlock_destroy(&table->lock);
+    pthread_mutex_destroy(&table->snapshot_mutex);
+    pthread_cond_destroy(&table->snapshot_room);
     free(table);
 }
 

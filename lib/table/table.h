@@ -132,4 +132,28 @@ em_status em_table_import(em_table *table, const uint64_t *keys, const float *va
 
 void em_table_get_stats(em_table *table, em_table_stats *out);
 
+/* A point-in-time view of a table, read while the table keeps serving (checkpoints;
+ * lib/table/table_snapshot.c). */
+typedef struct em_table_snapshot em_table_snapshot;
+
+/* Fixes every row and its optimizer state as of now: pushes and imports that finish
+ * before this call are in it, later ones are not, none in part. Holds every shard for
+ * a moment while the table's index (16 bytes per row) is copied to the host. Rows
+ * changed before they are read are copied aside first, up to copy_limit_bytes (writers
+ * then wait for the reader to move on). Errors: FAILED_PRECONDITION if a snapshot of the
+ * table is open, RESOURCE_EXHAUSTED. */
+em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
+                                  em_table_snapshot **out, em_error *err);
+
+/* Rows in the snapshot. */
+uint64_t em_table_snapshot_rows(const em_table_snapshot *snapshot);
+
+/* The next up to max rows of the snapshot (keys, and row_floats floats each as export
+ * gives them); *count 0 when every row has been read. One reader at a time. */
+em_status em_table_snapshot_read(em_table_snapshot *snapshot, uint64_t max, uint64_t *keys,
+                                 float *values, uint64_t *count, em_error *err);
+
+/* Closes the snapshot (read completely or not). NULL is ignored. */
+void em_table_snapshot_end(em_table_snapshot *snapshot);
+
 #endif

@@ -46,6 +46,11 @@ struct em_table {
                                     * its read lock checks it again when its check no
                                     * longer holds (row_check.h) */
     uint64_t rows; /* written under the exclusive lock */
+    /* The snapshot being read (table_snapshot.c), set and cleared holding every shard's
+     * write lock and snapshot_mutex; snapshot_room signals freed copies. */
+    struct em_table_snapshot *snapshot;
+    pthread_mutex_t snapshot_mutex;
+    pthread_cond_t snapshot_room;
     _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
 };
 
@@ -125,6 +130,16 @@ em_status em__create_missing(request_context *r, em_error *err);
  * applies the steps shard by shard, letting each shard go once stepped; on a problem
  * nothing is created or applied and the error names the key and the element
  * (INVALID_ARGUMENT). */
+/* Before a write to rows of shard s (device memory, n of them) under its write lock:
+ * copies aside the snapshot's rows it is the first to change (table_snapshot.c). */
+em_status em__snapshot_preserve(em_table *table, uint32_t s, em_lane *lane, const uint64_t *rows,
+                                uint64_t n, em_error *err);
+/* Before taking any shard lock to write: waits while a snapshot's copies are over their
+ * limit. */
+void em__snapshot_wait_room(em_table *table);
+/* Before any row of the request is written: em__snapshot_preserve on every shard it
+ * touches, holding each shard's write lock (take_locks) or with all of them held. */
+em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_error *err);
 em_status em__check_create_apply(request_context *r, em_error *err);
 
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,

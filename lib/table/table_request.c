@@ -563,6 +563,30 @@ static void lock_push_shards(request_context *r, bool lock)
     }
 }
 
+em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_error *err)
+{
+    em_table *table = r->table;
+    if (table->snapshot == NULL && !take_locks)
+        return EM_OK; /* read under the write locks held */
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            uint64_t n = shard_key_count(r, s);
+            if (n == 0)
+                continue;
+            if (take_locks)
+                pthread_rwlock_wrlock(&table->shard_locks[s]);
+            em_status status = em__snapshot_preserve(table, s, seg->lane,
+                                                     seg->rows + shard_offset(r, seg, s), n, err);
+            if (take_locks)
+                pthread_rwlock_unlock(&table->shard_locks[s]);
+            if (status != EM_OK)
+                return status;
+        }
+    }
+    return EM_OK;
+}
+
 em_status em__check_create_apply(request_context *r, em_error *err)
 {
     em_table *table = r->table;
@@ -574,8 +598,11 @@ em_status em__check_create_apply(request_context *r, em_error *err)
      * the shards whose check no longer holds are checked again */
     em_status status = check_shards(r, checks, err);
     if (status == EM_OK) {
+        em__snapshot_wait_room(table);
         lock_push_shards(r, true);
         status = recheck_stale_shards(r, checks, err);
+        if (status == EM_OK)
+            status = em__preserve_for_snapshot(r, false, err);
         if (status == EM_OK)
             status = em__create_missing(r, err);
         if (status == EM_OK)

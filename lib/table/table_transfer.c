@@ -142,6 +142,10 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
         status = send_import_rows(&r, values, n, err);
     if (status == EM_OK)
         status = em__create_missing(&r, err);
+    if (status == EM_OK) {
+        em__snapshot_wait_room(table);
+        status = em__preserve_for_snapshot(&r, true, err);
+    }
     if (status == EM_OK)
         status = em__run_on_shards(&r, WORK_WRITE, table->row_floats, err);
     if (status == EM_OK)
@@ -179,7 +183,8 @@ em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max
         if (status != EM_OK)
             break;
         pthread_rwlock_rdlock(&table->shard_locks[cursor->shard]);
-        status = ops->shard_export(shard, lane, &cursor->position, keys, values, max, count, err);
+        status = ops->shard_export(shard, lane, &cursor->position, keys, values, NULL, max, count,
+                                   err);
         pthread_rwlock_unlock(&table->shard_locks[cursor->shard]);
         ops->lane_release(lane);
         if (status == EM_OK && *count == 0) {

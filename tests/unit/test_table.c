@@ -750,6 +750,120 @@ START_TEST(concurrent_pushes_near_the_float_range_keep_rows_finite)
 }
 END_TEST
 
+typedef struct snapshot_context {
+    em_table *table;
+    uint64_t first_key, key_count; /* pushes cover every key of the range in one push */
+    _Atomic int *stop;
+    int pushes, failed;
+} snapshot_context;
+
+#define SNAPSHOT_KEYS 2000
+#define SNAPSHOT_DIM 4
+#define SNAPSHOT_ROOM 1000000 /* the table's capacity */
+
+/* Pushes gradient -1 to every key of its range at once (sgd, lr 1: every element of
+ * every row goes up by 1 per push); with first_key beyond the table's keys, it creates
+ * new keys instead. */
+static void *snapshot_pusher(void *argument)
+{
+    snapshot_context *context = argument;
+    uint64_t n = context->key_count;
+    uint32_t *offsets = malloc((n + 1) * sizeof(uint32_t));
+    uint64_t *keys = malloc(n * sizeof(uint64_t));
+    float *g = malloc(n * SNAPSHOT_DIM * sizeof(float));
+    for (uint64_t i = 0; i <= n; i++)
+        offsets[i] = (uint32_t)i;
+    for (uint64_t i = 0; i < n * SNAPSHOT_DIM; i++)
+        g[i] = -1.0f;
+    em_error err;
+    do { /* at least once */
+        for (uint64_t i = 0; i < n; i++)
+            keys[i] = context->first_key + i;
+        em_csr csr = {.rows = (uint32_t)n, .nnz = n, .offsets = offsets, .keys = keys};
+        if (em_test_push(context->table, &csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
+            context->failed++;
+        context->pushes++;
+        if (context->first_key >= SNAPSHOT_KEYS) /* a creator: new keys every time */
+            context->first_key = context->first_key + n < SNAPSHOT_ROOM / 2 ? context->first_key + n
+                                                                             : SNAPSHOT_KEYS;
+    } while (!atomic_load(context->stop));
+    free(offsets);
+    free(keys);
+    free(g);
+    return NULL;
+}
+
+/* A snapshot taken while pushes run is one instant: every push is wholly in it or
+ * wholly absent (all rows equal), keys created after it are absent, and it is read in
+ * small pieces with a copy limit small enough that pushes wait for the reader. */
+START_TEST(snapshots_are_one_instant_while_pushes_run)
+{
+    em_backend *backend = make_backend(2, 256 * MEBIBYTE);
+    em_table_config config = table_config(SNAPSHOT_DIM, SNAPSHOT_ROOM, 4, EM_OPTIMIZER_SGD);
+    config.optimizer.learning_rate = 1.0f;
+    config.initializer.kind = EM_INIT_ZEROS;
+    em_table *table = em_test_make_table(backend, &config);
+    _Atomic int stop = 0;
+    snapshot_context contexts[3] = {
+        {.table = table, .first_key = 0, .key_count = SNAPSHOT_KEYS, .stop = &stop},
+        {.table = table, .first_key = 0, .key_count = SNAPSHOT_KEYS, .stop = &stop},
+        {.table = table, .first_key = SNAPSHOT_KEYS, .key_count = 64, .stop = &stop},
+    };
+    /* the keys exist before the pushers start */
+    contexts[0].stop = &(_Atomic int){1};
+    snapshot_pusher(&contexts[0]);
+    contexts[0].stop = &stop;
+    pthread_t threads[3];
+    for (int t = 0; t < 3; t++)
+        pthread_create(&threads[t], NULL, snapshot_pusher, &contexts[t]);
+    em_error err;
+    uint64_t *keys = malloc(SNAPSHOT_ROOM * sizeof(uint64_t));
+    float *values = malloc(SNAPSHOT_ROOM * SNAPSHOT_DIM * sizeof(float));
+    for (int round = 0; round < 20; round++) {
+        em_table_snapshot *snapshot = NULL;
+        ck_assert_int_eq(em_table_snapshot_begin(table, 4096, &snapshot, &err), EM_OK);
+        em_table_snapshot *second = NULL;
+        ck_assert_int_eq(em_table_snapshot_begin(table, 4096, &second, &err),
+                         EM_FAILED_PRECONDITION);
+        uint64_t total = 0, count = 0, created_seen = 0;
+        float level = NAN;
+        do {
+            ck_assert_int_eq(em_table_snapshot_read(snapshot, 37, keys + total,
+                                                    values + total * SNAPSHOT_DIM, &count, &err),
+                             EM_OK);
+            total += count;
+            ck_assert_uint_le(total, SNAPSHOT_ROOM);
+        } while (count > 0);
+        for (uint64_t i = 0; i < total; i++) {
+            if (keys[i] >= SNAPSHOT_KEYS) {
+                created_seen++;
+                continue;
+            }
+            if (isnan(level))
+                level = values[i * SNAPSHOT_DIM];
+            for (int j = 0; j < SNAPSHOT_DIM; j++)
+                ck_assert_msg(values[i * SNAPSHOT_DIM + j] == level,
+                              "round %d key %" PRIu64 ": %g, other rows %g", round, keys[i],
+                              (double)values[i * SNAPSHOT_DIM + j], (double)level);
+        }
+        ck_assert_uint_eq(total - created_seen, SNAPSHOT_KEYS);
+        ck_assert_uint_eq(total, em_table_snapshot_rows(snapshot));
+        em_table_snapshot_end(snapshot);
+    }
+    atomic_store(&stop, 1);
+    for (int t = 0; t < 3; t++) {
+        pthread_join(threads[t], NULL);
+        ck_assert_int_eq(contexts[t].failed, 0);
+    }
+    /* the snapshot ends: writes copy nothing more, and the table went on */
+    ck_assert_int_gt(contexts[1].pushes, 0);
+    free(keys);
+    free(values);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 START_TEST(concurrent_pulls_never_see_torn_rows)
 {
     em_backend *backend = make_backend(2, 64 * MEBIBYTE);
@@ -921,6 +1035,7 @@ int main(void)
     TCase *concurrency = tcase_create("concurrency");
     tcase_set_timeout(concurrency, 240);
     tcase_add_test(concurrency, concurrent_pulls_never_see_torn_rows);
+    tcase_add_test(concurrency, snapshots_are_one_instant_while_pushes_run);
     tcase_add_test(concurrency, concurrent_pushes_near_the_float_range_keep_rows_finite);
     tcase_add_test(concurrency, concurrent_disjoint_pushes_match_reference);
     tcase_add_test(concurrency, stats_count_rows_memory_and_requests);
