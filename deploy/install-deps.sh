@@ -8,6 +8,7 @@ set -euo pipefail
 packages=(
   build-essential pkg-config meson ninja-build
   libuv1-dev libprotobuf-c-dev protobuf-c-compiler libcjson-dev libsystemd-dev libssl-dev
+  libxxhash-dev
   check openssl clang libclang-rt-14-dev
 )
 if [[ "${1:-}" == "--bench" ]]; then

@@ -23,9 +23,12 @@ ALLOWED = {
     "lib/memory": {"common", "lib/base"},
     "lib/device": {"common", "lib/base", "lib/memory", "kernels/ember_kernels.h"},
     "lib/table": {"common", "lib/base", "lib/memory", "lib/device"},
+    "lib/checkpoint": {"common", "lib/base", "lib/memory", "lib/device", "lib/table"},
     "proto": {"common", "lib/base", "lib/memory", "lib/device", "lib/table"},
-    "clients": {"common", "lib/base", "lib/memory", "lib/device", "lib/table", "proto"},
-    "daemon": {"common", "lib/base", "lib/memory", "lib/device", "lib/table", "proto"},
+    "clients": {"common", "lib/base", "lib/memory", "lib/device", "lib/table", "lib/checkpoint",
+                "proto"},
+    "daemon": {"common", "lib/base", "lib/memory", "lib/device", "lib/table", "lib/checkpoint",
+               "proto"},
     "tests": None,  # tests may include anything
 }
 # Generated or configured headers every layer may include.

@@ -31,7 +31,10 @@
     X(POOL_ALLOC, pool_alloc, "a pool allocation fails with RESOURCE_EXHAUSTED")              \
     X(WORKER_STALL, worker_stall, "a worker sleeps value ms before it runs a request")        \
     X(PARTIAL_WRITE, partial_write, "answers go out value bytes per write (default 1)")       \
-    X(ACCEPT_FAIL, accept_fail, "an accepted connection is dropped as if accept failed")
+    X(ACCEPT_FAIL, accept_fail, "an accepted connection is dropped as if accept failed")      \
+    X(CHECKPOINT_FAIL, checkpoint_fail,                                                       \
+      "step value of a save fails with EIO (a write writes half, then ENOSPC)")              \
+    X(CHECKPOINT_CRASH, checkpoint_crash, "the process exits at once before step value of a save")
 
 typedef enum em_failpoint {
 #define EM_FAILPOINT_ENUM(ID, name, help) EM_FAILPOINT_##ID,

@@ -1,0 +1,96 @@
+/*
+ * DESIGN: durable checkpoints of tables (the format: docs/checkpoints.md).
+ *
+ * A checkpoint of a table is a directory <dir>/<table>/<id>/ holding
+ *
+ *   rows.emb       chunks: each a header and the keys and rows (weights and optimizer
+ *                  state) of one virtual bucket of the key hash, checksummed (XXH3-64)
+ *   index.emb      where each chunk is, its bucket, rows and checksum; checksummed
+ *   manifest.json  the table's config, rows, the key hash and buckets, each file's size
+ *                  and checksum, the parent (none for a full checkpoint), the time and
+ *                  the ember version; ends with the checksum of its own text
+ *
+ * and <dir>/<table>/LATEST names the newest complete one. A save writes a temporary
+ * directory, fsyncs every file and the directory, renames it to its id, fsyncs the
+ * table's directory, and only then replaces LATEST (write, fsync, rename, fsync): a
+ * crash at any instant leaves the previous checkpoint current and whole. Checkpoints
+ * beyond `keep` are removed after LATEST moved. A failed fsync fails the save; nothing
+ * retries it.
+ *
+ * The rows come from a table snapshot (lib/table/table.h): one instant, while the table
+ * goes on serving. Loading reads every byte once, checks every checksum and the counts
+ * against the manifest, and fills a new table that the caller publishes only when the
+ * whole load succeeded: a bad checkpoint is refused with DATA_LOSS naming the file, the
+ * chunk and the expected and seen checksums, and nothing of it is used.
+ */
+#ifndef EMBER_LIB_CHECKPOINT_H
+#define EMBER_LIB_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lib/base/status.h"
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
+
+#define EM_CHECKPOINT_FORMAT_VERSION 1u
+/* Virtual buckets of the key hash: bucket = em_key_hash(key) >> (64 - 12). */
+#define EM_CHECKPOINT_BUCKET_BITS 12u
+#define EM_CHECKPOINT_BUCKETS (1u << EM_CHECKPOINT_BUCKET_BITS)
+#define EM_CHECKPOINT_ID_DIGITS 20
+
+typedef struct em_checkpoint_options {
+    const char *dir;           /* the root: one folder per table below it */
+    uint32_t keep;             /* complete checkpoints kept per table (0 means 1) */
+    uint64_t copy_limit_bytes; /* rows changed during a save kept aside, at most */
+    uint64_t buffer_bytes;     /* rows grouped by bucket before writing (two buffers) */
+} em_checkpoint_options;
+
+/* Defaults: keep 3, copy limit 256 MiB, buffer 32 MiB. */
+void em_checkpoint_options_init(em_checkpoint_options *options, const char *dir);
+
+typedef struct em_checkpoint_info {
+    char table[160];
+    char id[EM_CHECKPOINT_ID_DIGITS + 1];
+    char path[4096];  /* the checkpoint's directory */
+    uint64_t rows;
+    uint64_t bytes;   /* of every file */
+    uint64_t chunks;
+    uint64_t created_unix_ms;
+    double seconds;   /* the save or the load */
+} em_checkpoint_info;
+
+/* Saves the table as a new checkpoint under options->dir and makes it the table's
+ * latest. Errors: FAILED_PRECONDITION (a save of the table is running), INTERNAL naming
+ * the step and the file for an I/O failure (the previous checkpoint stays current),
+ * RESOURCE_EXHAUSTED. */
+em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,
+                             em_checkpoint_info *info, em_error *err);
+
+/* Reads every file of the checkpoint at path (a checkpoint's directory) and checks
+ * every checksum and count, without a table. Errors: DATA_LOSS naming the file (and the
+ * chunk), NOT_FOUND, INVALID_ARGUMENT for a manifest of another format or version. */
+em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err);
+
+/* Creates a table on backend from the checkpoint at path (named as saved, or name when
+ * not NULL) and fills it; *out is the caller's, to publish or destroy. Errors: those of
+ * verify, and em_table_create's and em_table_import's. */
+em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
+                             em_table **out, em_checkpoint_info *info, em_error *err);
+
+/* The path of the latest complete checkpoint of table under dir. Errors: NOT_FOUND
+ * when the table has none. */
+em_status em_checkpoint_latest(const char *dir, const char *table, char *path, size_t capacity,
+                               em_error *err);
+
+/* The names of the tables under dir that have a latest checkpoint, sorted, in a
+ * malloc'ed array of malloc'ed strings (em_checkpoint_free_names). */
+em_status em_checkpoint_tables(const char *dir, char ***names, size_t *count, em_error *err);
+void em_checkpoint_free_names(char **names, size_t count);
+
+/* The complete checkpoints of a table under dir, oldest first (ids), in a malloc'ed
+ * array. */
+em_status em_checkpoint_list(const char *dir, const char *table, em_checkpoint_info **infos,
+                             size_t *count, em_error *err);
+
+#endif

@@ -1,0 +1,50 @@
+/*
+ * DESIGN: the binary layout of rows.emb and index.emb (docs/checkpoints.md), shared by
+ * the writer and the reader. Every number is little-endian.
+ */
+#ifndef EMBER_LIB_CHECKPOINT_FORMAT_H
+#define EMBER_LIB_CHECKPOINT_FORMAT_H
+
+#include <stdint.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "checkpoints are written in the host's byte order, which must be little-endian"
+#endif
+
+#define EM_CHUNK_MAGIC "EMBCHUNK"
+#define EM_INDEX_MAGIC "EMBINDEX"
+
+/* A chunk of rows.emb: this header, then rows keys (u64), then rows x row_floats
+ * floats (f32). */
+typedef struct em_chunk_header {
+    char magic[8];
+    uint32_t version;
+    uint32_t bucket;
+    uint32_t rows;
+    uint32_t row_floats;
+    uint64_t payload_bytes; /* rows x (8 + 4 x row_floats) */
+    uint64_t payload_xxh3;  /* XXH3-64 of the payload */
+    uint64_t header_xxh3;   /* XXH3-64 of the 40 bytes above */
+} em_chunk_header;
+
+_Static_assert(sizeof(em_chunk_header) == 48, "chunk header layout");
+
+/* index.emb: this header, chunks entries, then the XXH3-64 of all bytes before it. */
+typedef struct em_index_header {
+    char magic[8];
+    uint32_t version;
+    uint32_t buckets;
+    uint64_t chunks;
+} em_index_header;
+
+typedef struct em_index_entry {
+    uint32_t bucket;
+    uint32_t rows;
+    uint64_t offset;       /* of the chunk's header in rows.emb */
+    uint64_t payload_xxh3; /* as in the chunk's header */
+} em_index_entry;
+
+_Static_assert(sizeof(em_index_header) == 24, "index header layout");
+_Static_assert(sizeof(em_index_entry) == 24, "index entry layout");
+
+#endif

@@ -1,0 +1,81 @@
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "lib/base/failpoint.h"
+#include "lib/checkpoint/checkpoint_io.h"
+
+const char *em_save_step_name(em_save_step step)
+{
+    switch (step) {
+#define EM_SAVE_STEP_NAME(ID, number, name)                                                   \
+    case EM_SAVE_##ID:                                                                        \
+        return name;
+        EM_SAVE_STEPS(EM_SAVE_STEP_NAME)
+#undef EM_SAVE_STEP_NAME
+    }
+    return "?";
+}
+
+/* The failpoints: a crash ends the process before the step; a failure is reported. */
+static bool step_fails(em_save_step step)
+{
+    uint64_t value = 0;
+    if (em_failpoint_hit(EM_FAILPOINT_CHECKPOINT_CRASH, &value) && value == (uint64_t)step)
+        _exit(99);
+    return em_failpoint_hit(EM_FAILPOINT_CHECKPOINT_FAIL, &value) && value == (uint64_t)step;
+}
+
+static em_status step_error(em_save_step step, const char *path, int error, em_error *err)
+{
+    return em_error_set(err, EM_INTERNAL, "%s (step %d) failed for %s: %s", em_save_step_name(step),
+                        (int)step, path, strerror(error));
+}
+
+em_status em_save_write(int fd, const void *data, size_t bytes, em_save_step step,
+                        const char *path, em_error *err)
+{
+    const char *p = data;
+    bool fail = step_fails(step);
+    size_t limit = fail ? bytes / 2 : bytes;
+    while (limit > 0) {
+        ssize_t written = write(fd, p, limit);
+        if (written < 0 && errno == EINTR)
+            continue;
+        if (written < 0)
+            return step_error(step, path, errno, err);
+        p += written;
+        limit -= (size_t)written;
+    }
+    return fail ? step_error(step, path, ENOSPC, err) : EM_OK;
+}
+
+em_status em_save_fsync(int fd, em_save_step step, const char *path, em_error *err)
+{
+    if (step_fails(step))
+        return step_error(step, path, EIO, err);
+    if (fsync(fd) != 0)
+        return step_error(step, path, errno, err);
+    return EM_OK;
+}
+
+em_status em_save_fsync_dir(const char *path, em_save_step step, em_error *err)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return step_error(step, path, errno, err);
+    em_status status = em_save_fsync(fd, step, path, err);
+    close(fd);
+    return status;
+}
+
+em_status em_save_rename(const char *from, const char *to, em_save_step step, em_error *err)
+{
+    if (step_fails(step))
+        return step_error(step, to, EIO, err);
+    if (rename(from, to) != 0)
+        return step_error(step, to, errno, err);
+    return EM_OK;
+}

@@ -1,0 +1,47 @@
+/*
+ * DESIGN: the file operations of a save, each a named step, so that a failure names
+ * what failed and tests can make any step fail or crash (failpoints checkpoint_fail and
+ * checkpoint_crash, whose value is the step's number below).
+ */
+#ifndef EMBER_LIB_CHECKPOINT_IO_H
+#define EMBER_LIB_CHECKPOINT_IO_H
+
+#include <stddef.h>
+
+#include "lib/base/status.h"
+
+/* X(ID, number, name) in the order a save takes them. */
+#define EM_SAVE_STEPS(X)                                                                      \
+    X(ROWS_WRITE, 1, "write rows.emb")                                                        \
+    X(ROWS_FSYNC, 2, "fsync rows.emb")                                                        \
+    X(INDEX_WRITE, 3, "write index.emb")                                                      \
+    X(INDEX_FSYNC, 4, "fsync index.emb")                                                      \
+    X(MANIFEST_WRITE, 5, "write manifest.json")                                               \
+    X(MANIFEST_FSYNC, 6, "fsync manifest.json")                                               \
+    X(DIR_FSYNC, 7, "fsync the checkpoint's directory")                                       \
+    X(RENAME, 8, "rename the checkpoint's directory to its id")                               \
+    X(TABLE_DIR_FSYNC, 9, "fsync the table's directory")                                      \
+    X(LATEST_WRITE, 10, "write LATEST.tmp")                                                   \
+    X(LATEST_FSYNC, 11, "fsync LATEST.tmp")                                                   \
+    X(LATEST_RENAME, 12, "rename LATEST.tmp to LATEST")                                       \
+    X(LATEST_DIR_FSYNC, 13, "fsync the table's directory after LATEST")
+
+typedef enum em_save_step {
+#define EM_SAVE_STEP_ENUM(ID, number, name) EM_SAVE_##ID = number,
+    EM_SAVE_STEPS(EM_SAVE_STEP_ENUM)
+#undef EM_SAVE_STEP_ENUM
+} em_save_step;
+
+const char *em_save_step_name(em_save_step step);
+
+/* Writes all of data to fd (a short write and EINTR go on; a step made to fail writes
+ * half, then fails with ENOSPC). Errors: INTERNAL naming the step and path. */
+em_status em_save_write(int fd, const void *data, size_t bytes, em_save_step step,
+                        const char *path, em_error *err);
+/* fsync; a failure is final (never retried). */
+em_status em_save_fsync(int fd, em_save_step step, const char *path, em_error *err);
+/* Opens a directory and fsyncs it. */
+em_status em_save_fsync_dir(const char *path, em_save_step step, em_error *err);
+em_status em_save_rename(const char *from, const char *to, em_save_step step, em_error *err);
+
+#endif

@@ -1,0 +1,606 @@
+/*
+ * DESIGN: reading a checkpoint: the manifest first (its own checksum, its format, the
+ * table config), then index.emb whole, then rows.emb once from start to end, each chunk
+ * checked against its header, the index and the manifest before its rows are used.
+ * Verify and load are the same pass; load also imports each chunk into a new table.
+ */
+#include <cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "lib/checkpoint/checkpoint.h"
+#include "lib/checkpoint/checkpoint_format.h"
+#include "lib/checkpoint/checkpoint_internal.h"
+#include "lib/table/table_config.h"
+
+#define MANIFEST_MAX_BYTES (16u << 20)
+
+typedef struct file_entry {
+    uint64_t bytes, xxh3;
+} file_entry;
+
+typedef struct manifest {
+    em_table_config config;
+    uint64_t rows, chunks, created_unix_ms;
+    uint32_t row_floats;
+    char id[EM_CHECKPOINT_ID_DIGITS + 1];
+    file_entry rows_file, index_file;
+} manifest;
+
+bool em__checkpoint_is_id(const char *name)
+{
+    size_t i = 0;
+    for (; name[i] != '\0'; i++)
+        if (name[i] < '0' || name[i] > '9')
+            return false;
+    return i == EM_CHECKPOINT_ID_DIGITS;
+}
+
+static em_status data_loss(em_error *err, const char *dir, const char *file, const char *format,
+                           ...) __attribute__((format(printf, 4, 5)));
+
+static em_status data_loss(em_error *err, const char *dir, const char *file, const char *format,
+                           ...)
+{
+    char what[768];
+    va_list args;
+    va_start(args, format);
+    vsnprintf(what, sizeof(what), format, args);
+    va_end(args);
+    return em_error_set(err, EM_DATA_LOSS, "checkpoint %s: %s: %s", dir, file, what);
+}
+
+/* ---- the manifest ---------------------------------------------------------------------- */
+
+static em_status read_small_file(const char *dir, const char *name, size_t limit, char **out,
+                                 size_t *size, em_error *err)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return data_loss(err, dir, name, "cannot open: %s", strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size > limit) {
+        close(fd);
+        return data_loss(err, dir, name, "larger than %zu bytes", limit);
+    }
+    char *data = malloc((size_t)st.st_size + 1);
+    size_t done = 0;
+    while (data != NULL && done < (size_t)st.st_size) {
+        ssize_t got = read(fd, data + done, (size_t)st.st_size - done);
+        if (got <= 0)
+            break;
+        done += (size_t)got;
+    }
+    close(fd);
+    if (data == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory reading %s", path);
+    if (done != (size_t)st.st_size) {
+        free(data);
+        return data_loss(err, dir, name, "read %zu of %lld bytes", done, (long long)st.st_size);
+    }
+    data[done] = '\0';
+    *out = data;
+    *size = done;
+    return EM_OK;
+}
+
+static bool parse_hex64(const char *text, uint64_t *out)
+{
+    if (text == NULL || strlen(text) != 16)
+        return false;
+    char *end = NULL;
+    *out = strtoull(text, &end, 16);
+    return end == text + 16;
+}
+
+static em_status read_file_entry(const cJSON *files, const char *dir, const char *name,
+                                 file_entry *out, em_error *err)
+{
+    const cJSON *file = NULL;
+    cJSON_ArrayForEach(file, files)
+    {
+        const cJSON *n = cJSON_GetObjectItemCaseSensitive(file, "name");
+        if (!cJSON_IsString(n) || strcmp(n->valuestring, name) != 0)
+            continue;
+        const cJSON *bytes = cJSON_GetObjectItemCaseSensitive(file, "bytes");
+        const cJSON *hash = cJSON_GetObjectItemCaseSensitive(file, "xxh3");
+        if (!cJSON_IsNumber(bytes) || bytes->valuedouble < 0 || !cJSON_IsString(hash) ||
+            !parse_hex64(hash->valuestring, &out->xxh3))
+            return data_loss(err, dir, "manifest.json", "the entry of %s is malformed", name);
+        out->bytes = (uint64_t)bytes->valuedouble;
+        return EM_OK;
+    }
+    return data_loss(err, dir, "manifest.json", "lists no file %s", name);
+}
+
+static em_status number_field(const cJSON *json, const char *dir, const char *name,
+                              uint64_t *out, em_error *err)
+{
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(json, name);
+    if (!cJSON_IsNumber(item) || item->valuedouble < 0)
+        return data_loss(err, dir, "manifest.json", "field %s is missing or not a count", name);
+    *out = (uint64_t)item->valuedouble;
+    return EM_OK;
+}
+
+static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m, em_error *err)
+{
+    const cJSON *format = cJSON_GetObjectItemCaseSensitive(json, "format");
+    const cJSON *version = cJSON_GetObjectItemCaseSensitive(json, "version");
+    if (!cJSON_IsString(format) || strcmp(format->valuestring, "ember-checkpoint") != 0)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "checkpoint %s: manifest.json is not an ember checkpoint's", dir);
+    if (!cJSON_IsNumber(version) || version->valuedouble != EM_CHECKPOINT_FORMAT_VERSION)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "checkpoint %s: format version %g, this ember reads version %u",
+                            dir, cJSON_IsNumber(version) ? version->valuedouble : -1.0,
+                            EM_CHECKPOINT_FORMAT_VERSION);
+    const cJSON *kind = cJSON_GetObjectItemCaseSensitive(json, "kind");
+    if (!cJSON_IsString(kind) || strcmp(kind->valuestring, "full") != 0)
+        return data_loss(err, dir, "manifest.json", "kind is not \"full\"");
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(json, "id");
+    if (!cJSON_IsString(id) || !em__checkpoint_is_id(id->valuestring))
+        return data_loss(err, dir, "manifest.json", "id is missing or malformed");
+    snprintf(m->id, sizeof(m->id), "%s", id->valuestring);
+    em_status status = em_table_config_parse(cJSON_GetObjectItemCaseSensitive(json, "table"),
+                                             "table", &m->config, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "checkpoint %s: manifest.json: ", dir);
+    uint64_t row_floats = 0, buckets = 0;
+    status = number_field(json, dir, "rows", &m->rows, err);
+    if (status == EM_OK)
+        status = number_field(json, dir, "chunks", &m->chunks, err);
+    if (status == EM_OK)
+        status = number_field(json, dir, "created_unix_ms", &m->created_unix_ms, err);
+    if (status == EM_OK)
+        status = number_field(json, dir, "row_floats", &row_floats, err);
+    if (status == EM_OK)
+        status = number_field(json, dir, "buckets", &buckets, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t expected = m->config.dim +
+                        em_optimizer_state_floats(m->config.optimizer.kind, m->config.dim);
+    if (row_floats != expected)
+        return data_loss(err, dir, "manifest.json",
+                         "row_floats %" PRIu64 " does not match the table (%" PRIu64 ")",
+                         row_floats, expected);
+    if (buckets != EM_CHECKPOINT_BUCKETS)
+        return data_loss(err, dir, "manifest.json", "%" PRIu64 " buckets, expected %u", buckets,
+                         EM_CHECKPOINT_BUCKETS);
+    m->row_floats = (uint32_t)row_floats;
+    const cJSON *files = cJSON_GetObjectItemCaseSensitive(json, "files");
+    status = read_file_entry(files, dir, "rows.emb", &m->rows_file, err);
+    if (status == EM_OK)
+        status = read_file_entry(files, dir, "index.emb", &m->index_file, err);
+    return status;
+}
+
+static em_status read_manifest(const char *dir, manifest *m, em_error *err)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+        return em_error_set(err, EM_NOT_FOUND, "checkpoint %s: no such directory", dir);
+    char *text = NULL;
+    size_t size = 0;
+    em_status status = read_small_file(dir, "manifest.json", MANIFEST_MAX_BYTES, &text, &size, err);
+    if (status != EM_OK)
+        return status;
+    /* the last line is "xxh3 <16 hex digits>", the checksum of everything before it */
+    char *line = size >= 23 ? text + size - 22 : NULL;
+    uint64_t expected = 0;
+    if (line == NULL || line[-1] != '\n' || strncmp(line, "xxh3 ", 5) != 0 ||
+        text[size - 1] != '\n') {
+        free(text);
+        return data_loss(err, dir, "manifest.json", "its checksum line is missing (truncated?)");
+    }
+    line[21] = '\0';
+    if (!parse_hex64(line + 5, &expected)) {
+        free(text);
+        return data_loss(err, dir, "manifest.json", "its checksum line is malformed");
+    }
+    uint64_t seen = XXH3_64bits(text, (size_t)(line - text));
+    if (seen != expected) {
+        free(text);
+        return data_loss(err, dir, "manifest.json",
+                         "checksum mismatch: expected %016" PRIx64 ", seen %016" PRIx64, expected,
+                         seen);
+    }
+    line[0] = '\0';
+    cJSON *json = cJSON_Parse(text);
+    free(text);
+    if (json == NULL)
+        return data_loss(err, dir, "manifest.json", "not valid JSON");
+    status = parse_manifest(json, dir, m, err);
+    cJSON_Delete(json);
+    return status;
+}
+
+/* ---- index.emb ------------------------------------------------------------------------- */
+
+static em_status read_index(const char *dir, const manifest *m, em_index_entry **out,
+                            em_error *err)
+{
+    char *data = NULL;
+    size_t size = 0;
+    size_t limit = sizeof(em_index_header) + EM_CHECKPOINT_BUCKETS * sizeof(em_index_entry) *
+                                                 (m->chunks / EM_CHECKPOINT_BUCKETS + 1) +
+                   sizeof(uint64_t);
+    em_status status = read_small_file(dir, "index.emb", limit, &data, &size, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t seen = XXH3_64bits(data, size);
+    if (size != m->index_file.bytes)
+        status = data_loss(err, dir, "index.emb",
+                           "%zu bytes, the manifest says %" PRIu64 " (truncated?)", size,
+                           m->index_file.bytes);
+    else if (seen != m->index_file.xxh3)
+        status = data_loss(err, dir, "index.emb",
+                           "checksum mismatch: expected %016" PRIx64 ", seen %016" PRIx64,
+                           m->index_file.xxh3, seen);
+    em_index_header header;
+    if (status == EM_OK) {
+        memcpy(&header, data, sizeof(header));
+        if (size != sizeof(header) + m->chunks * sizeof(em_index_entry) + sizeof(uint64_t) ||
+            memcmp(header.magic, EM_INDEX_MAGIC, 8) != 0 || header.chunks != m->chunks ||
+            header.version != EM_CHECKPOINT_FORMAT_VERSION)
+            status = data_loss(err, dir, "index.emb",
+                               "its header does not match the manifest (%" PRIu64 " chunks)",
+                               m->chunks);
+    }
+    if (status == EM_OK) {
+        *out = malloc(m->chunks * sizeof(em_index_entry) + 1);
+        if (*out == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        else
+            memcpy(*out, data + sizeof(header), m->chunks * sizeof(em_index_entry));
+    }
+    free(data);
+    return status;
+}
+
+/* ---- rows.emb -------------------------------------------------------------------------- */
+
+typedef struct reader {
+    const char *dir;
+    const manifest *m;
+    FILE *file;
+    XXH3_state_t *hash;
+    uint64_t position;
+    unsigned char *payload;
+    size_t payload_capacity;
+} reader;
+
+static em_status read_exactly(reader *r, void *data, size_t bytes, uint64_t chunk, em_error *err)
+{
+    if (fread(data, 1, bytes, r->file) != bytes)
+        return data_loss(err, r->dir, "rows.emb",
+                         "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early (truncated)",
+                         chunk, r->position);
+    XXH3_64bits_update(r->hash, data, bytes);
+    r->position += bytes;
+    return EM_OK;
+}
+
+/* Reads chunk i and checks it against its header and index entry. */
+static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, em_error *err)
+{
+    const manifest *m = r->m;
+    if (entry->offset != r->position)
+        return data_loss(err, r->dir, "index.emb",
+                         "chunk %" PRIu64 " is at byte %" PRIu64 ", expected %" PRIu64, i,
+                         entry->offset, r->position);
+    em_chunk_header header;
+    em_status status = read_exactly(r, &header, sizeof(header), i, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t header_seen = XXH3_64bits(&header, offsetof(em_chunk_header, header_xxh3));
+    size_t row_bytes = sizeof(uint64_t) + m->row_floats * sizeof(float);
+    if (memcmp(header.magic, EM_CHUNK_MAGIC, 8) != 0)
+        return data_loss(err, r->dir, "rows.emb", "chunk %" PRIu64 ": not a chunk header", i);
+    if (header_seen != header.header_xxh3)
+        return data_loss(err, r->dir, "rows.emb",
+                         "chunk %" PRIu64 ": header checksum mismatch: expected %016" PRIx64
+                         ", seen %016" PRIx64, i, header.header_xxh3, header_seen);
+    if (header.bucket != entry->bucket || header.rows != entry->rows ||
+        header.row_floats != m->row_floats || header.payload_bytes != header.rows * row_bytes ||
+        header.payload_xxh3 != entry->payload_xxh3 || header.bucket >= EM_CHECKPOINT_BUCKETS)
+        return data_loss(err, r->dir, "rows.emb",
+                         "chunk %" PRIu64 ": its header does not match index.emb", i);
+    if (header.payload_bytes > r->payload_capacity) {
+        unsigned char *payload = realloc(r->payload, header.payload_bytes);
+        if (payload == NULL)
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        r->payload = payload;
+        r->payload_capacity = header.payload_bytes;
+    }
+    status = read_exactly(r, r->payload, header.payload_bytes, i, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t seen = XXH3_64bits(r->payload, header.payload_bytes);
+    if (seen != header.payload_xxh3)
+        return data_loss(err, r->dir, "rows.emb",
+                         "chunk %" PRIu64 ": checksum mismatch: expected %016" PRIx64
+                         ", seen %016" PRIx64, i, header.payload_xxh3, seen);
+    const uint64_t *keys = (const uint64_t *)r->payload;
+    for (uint32_t k = 0; k < header.rows; k++)
+        if (em__checkpoint_bucket(keys[k]) != header.bucket)
+            return data_loss(err, r->dir, "rows.emb",
+                             "chunk %" PRIu64 ": key %" PRIu64 " is not of bucket %u", i, keys[k],
+                             header.bucket);
+    return EM_OK;
+}
+
+/* One pass over rows.emb; each chunk's rows go into table when it is not NULL. */
+static em_status read_rows(const char *dir, const manifest *m, const em_index_entry *index,
+                           em_table *table, em_error *err)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/rows.emb", dir);
+    reader r = {.dir = dir, .m = m, .file = fopen(path, "rbe"), .hash = XXH3_createState()};
+    if (r.file == NULL) {
+        XXH3_freeState(r.hash);
+        return data_loss(err, dir, "rows.emb", "cannot open: %s", strerror(errno));
+    }
+    em_status status = EM_OK;
+    struct stat st;
+    if (r.hash == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    else if (fstat(fileno(r.file), &st) != 0 || (uint64_t)st.st_size != m->rows_file.bytes)
+        status = data_loss(err, dir, "rows.emb",
+                           "%lld bytes, the manifest says %" PRIu64 " (truncated or extended)",
+                           (long long)st.st_size, m->rows_file.bytes);
+    else
+        XXH3_64bits_reset(r.hash);
+    setvbuf(r.file, NULL, _IOFBF, 4u << 20);
+    uint64_t rows = 0;
+    for (uint64_t i = 0; status == EM_OK && i < m->chunks; i++) {
+        status = read_chunk(&r, i, &index[i], err);
+        if (status == EM_OK && table != NULL) {
+            const uint64_t *keys = (const uint64_t *)r.payload;
+            const float *values = (const float *)(r.payload + index[i].rows * sizeof(uint64_t));
+            status = em_table_import(table, keys, values, index[i].rows, err);
+            if (status == EM_INVALID_ARGUMENT) {
+                /* rows that passed their checksums but that no table takes (a repeated
+                 * key, a non-finite value): the checkpoint is bad, not the request */
+                em_error_prefix(err, "checkpoint %s: rows.emb: chunk %" PRIu64 ": ", dir, i);
+                err->status = EM_DATA_LOSS;
+                status = EM_DATA_LOSS;
+            }
+        }
+        rows += index[i].rows;
+    }
+    if (status == EM_OK && r.position != m->rows_file.bytes)
+        status = data_loss(err, dir, "rows.emb",
+                           "%" PRIu64 " bytes after the last chunk the index names",
+                           m->rows_file.bytes - r.position);
+    if (status == EM_OK && XXH3_64bits_digest(r.hash) != m->rows_file.xxh3)
+        status = data_loss(err, dir, "rows.emb",
+                           "checksum mismatch: expected %016" PRIx64 ", seen %016" PRIx64,
+                           m->rows_file.xxh3, XXH3_64bits_digest(r.hash));
+    if (status == EM_OK && rows != m->rows)
+        status = data_loss(err, dir, "rows.emb",
+                           "%" PRIu64 " rows, the manifest says %" PRIu64, rows, m->rows);
+    fclose(r.file);
+    XXH3_freeState(r.hash);
+    free(r.payload);
+    return status;
+}
+
+/* ---- verify and load -------------------------------------------------------------------- */
+
+static double monotonic_seconds(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
+}
+
+static em_status read_checkpoint(const char *path, em_backend *backend, const char *name,
+                                 em_table **out, em_checkpoint_info *info, em_error *err)
+{
+    double start = monotonic_seconds();
+    manifest m;
+    memset(&m, 0, sizeof(m));
+    em_index_entry *index = NULL;
+    em_table *table = NULL;
+    em_status status = read_manifest(path, &m, err);
+    if (status == EM_OK)
+        status = read_index(path, &m, &index, err);
+    if (status == EM_OK && backend != NULL) {
+        if (name != NULL && em_table_name_check(name, err) != EM_OK)
+            status = EM_INVALID_ARGUMENT;
+        else if (name != NULL)
+            snprintf(m.config.name, sizeof(m.config.name), "%s", name);
+        if (status == EM_OK && m.config.capacity < m.rows)
+            m.config.capacity = m.rows;
+        if (status == EM_OK)
+            status = em_table_create(backend, &m.config, &table, err);
+    }
+    if (status == EM_OK)
+        status = read_rows(path, &m, index, table, err);
+    if (status == EM_OK && table != NULL) {
+        em_table_stats stats;
+        em_table_get_stats(table, &stats);
+        if (stats.rows != m.rows)
+            status = data_loss(err, path, "rows.emb",
+                               "%" PRIu64 " distinct keys, the manifest says %" PRIu64 " rows",
+                               stats.rows, m.rows);
+    }
+    free(index);
+    if (status != EM_OK) {
+        em_table_destroy(table);
+        return status;
+    }
+    if (info != NULL) {
+        memset(info, 0, sizeof(*info));
+        snprintf(info->table, sizeof(info->table), "%s", m.config.name);
+        snprintf(info->id, sizeof(info->id), "%s", m.id);
+        snprintf(info->path, sizeof(info->path), "%s", path);
+        info->rows = m.rows;
+        info->chunks = m.chunks;
+        info->bytes = m.rows_file.bytes + m.index_file.bytes;
+        info->created_unix_ms = m.created_unix_ms;
+        info->seconds = monotonic_seconds() - start;
+    }
+    if (out != NULL)
+        *out = table;
+    return EM_OK;
+}
+
+em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err)
+{
+    return read_checkpoint(path, NULL, NULL, NULL, info, err);
+}
+
+em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
+                             em_table **out, em_checkpoint_info *info, em_error *err)
+{
+    return read_checkpoint(path, backend, name, out, info, err);
+}
+
+/* ---- the checkpoint directory --------------------------------------------------------- */
+
+em_status em_checkpoint_latest(const char *dir, const char *table, char *path, size_t capacity,
+                               em_error *err)
+{
+    char table_dir[4200];
+    snprintf(table_dir, sizeof(table_dir), "%s/%s", dir, table);
+    char latest[4400];
+    snprintf(latest, sizeof(latest), "%s/LATEST", table_dir);
+    FILE *file = fopen(latest, "re");
+    if (file == NULL)
+        return em_error_set(err, EM_NOT_FOUND, "table '%s' has no checkpoint in %s", table, dir);
+    char line[64] = {0};
+    bool read = fgets(line, sizeof(line), file) != NULL;
+    fclose(file);
+    line[strcspn(line, "\n")] = '\0';
+    if (!read || !em__checkpoint_is_id(line))
+        return data_loss(err, table_dir, "LATEST", "does not hold a checkpoint id");
+    if ((size_t)snprintf(path, capacity, "%s/%s", table_dir, line) >= capacity)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "checkpoint path too long");
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return data_loss(err, table_dir, "LATEST", "names %s, which is missing", line);
+    return EM_OK;
+}
+
+static int compare_names(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+void em_checkpoint_free_names(char **names, size_t count)
+{
+    for (size_t i = 0; names != NULL && i < count; i++)
+        free(names[i]);
+    free(names);
+}
+
+em_status em_checkpoint_tables(const char *dir, char ***names, size_t *count, em_error *err)
+{
+    *names = NULL;
+    *count = 0;
+    DIR *d = opendir(dir);
+    if (d == NULL) {
+        if (errno == ENOENT)
+            return EM_OK;
+        return em_error_set(err, EM_INTERNAL, "cannot read %s: %s", dir, strerror(errno));
+    }
+    size_t capacity = 0;
+    em_status status = EM_OK;
+    struct dirent *entry;
+    while (status == EM_OK && (entry = readdir(d)) != NULL) {
+        if (entry->d_name[0] == '.')
+            continue;
+        char latest[4400];
+        snprintf(latest, sizeof(latest), "%s/%s/LATEST", dir, entry->d_name);
+        if (access(latest, F_OK) != 0)
+            continue;
+        if (*count == capacity) {
+            capacity = capacity == 0 ? 8 : capacity * 2;
+            char **grown = realloc(*names, capacity * sizeof(char *));
+            if (grown == NULL) {
+                status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+                break;
+            }
+            *names = grown;
+        }
+        (*names)[*count] = strdup(entry->d_name);
+        if ((*names)[*count] == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        else
+            (*count)++;
+    }
+    closedir(d);
+    if (status != EM_OK) {
+        em_checkpoint_free_names(*names, *count);
+        *names = NULL;
+        *count = 0;
+        return status;
+    }
+    if (*count > 1)
+        qsort(*names, *count, sizeof(char *), compare_names);
+    return EM_OK;
+}
+
+static int compare_infos(const void *a, const void *b)
+{
+    return strcmp(((const em_checkpoint_info *)a)->id, ((const em_checkpoint_info *)b)->id);
+}
+
+em_status em_checkpoint_list(const char *dir, const char *table, em_checkpoint_info **infos,
+                             size_t *count, em_error *err)
+{
+    *infos = NULL;
+    *count = 0;
+    char latest[4400], table_dir[4200];
+    snprintf(table_dir, sizeof(table_dir), "%s/%s", dir, table);
+    em_status status = em_checkpoint_latest(dir, table, latest, sizeof(latest), err);
+    if (status != EM_OK)
+        return status;
+    const char *latest_id = strrchr(latest, '/') + 1;
+    DIR *d = opendir(table_dir);
+    if (d == NULL)
+        return em_error_set(err, EM_INTERNAL, "cannot read %s: %s", table_dir, strerror(errno));
+    size_t capacity = 0;
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL) {
+        /* published ones only: ids up to LATEST's */
+        if (!em__checkpoint_is_id(entry->d_name) || strcmp(entry->d_name, latest_id) > 0)
+            continue;
+        if (*count == capacity) {
+            capacity = capacity == 0 ? 8 : capacity * 2;
+            em_checkpoint_info *grown = realloc(*infos, capacity * sizeof(**infos));
+            if (grown == NULL) {
+                closedir(d);
+                free(*infos);
+                *infos = NULL;
+                *count = 0;
+                return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+            }
+            *infos = grown;
+        }
+        em_checkpoint_info *info = &(*infos)[(*count)++];
+        memset(info, 0, sizeof(*info));
+        snprintf(info->table, sizeof(info->table), "%s", table);
+        memcpy(info->id, entry->d_name, EM_CHECKPOINT_ID_DIGITS + 1); /* an id: 20 digits */
+        if (snprintf(info->path, sizeof(info->path), "%s/%s", table_dir, entry->d_name) < 0)
+            info->path[0] = '\0';
+    }
+    closedir(d);
+    if (*count > 1)
+        qsort(*infos, *count, sizeof(**infos), compare_infos);
+    return EM_OK;
+}

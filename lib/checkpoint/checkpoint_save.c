@@ -1,0 +1,485 @@
+/*
+ * DESIGN: writing a checkpoint (checkpoint.h has the protocol).
+ *
+ * Rows come from a table snapshot into a staging buffer; each full buffer is grouped by
+ * bucket (a counting sort into the second buffer, already laid out as chunks: header,
+ * keys, rows) and written with one write. So the extra memory of a save is the
+ * snapshot's (table.h) plus two buffers of options->buffer_bytes, and every row is read
+ * once and written once.
+ */
+#include <cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "common/keyhash.h"
+#include "ember_config.h"
+#include "lib/checkpoint/checkpoint.h"
+#include "lib/checkpoint/checkpoint_format.h"
+#include "lib/checkpoint/checkpoint_internal.h"
+#include "lib/checkpoint/checkpoint_io.h"
+#include "lib/table/table_config.h"
+
+void em_checkpoint_options_init(em_checkpoint_options *options, const char *dir)
+{
+    *options = (em_checkpoint_options){
+        .dir = dir,
+        .keep = 3,
+        .copy_limit_bytes = UINT64_C(256) << 20,
+        .buffer_bytes = UINT64_C(32) << 20,
+    };
+}
+
+uint32_t em__checkpoint_bucket(uint64_t key)
+{
+    return (uint32_t)(em_key_hash(key) >> (64 - EM_CHECKPOINT_BUCKET_BITS));
+}
+
+/* ---- the state of one save ----------------------------------------------------------- */
+
+typedef struct save {
+    em_table *table;
+    const em_checkpoint_options *options;
+    uint32_t row_floats;
+    size_t row_bytes;        /* key and floats */
+    uint64_t buffer_rows;
+    uint64_t *keys;          /* staging, buffer_rows each */
+    float *values;
+    unsigned char *out;      /* chunks of one run */
+    size_t out_capacity;
+    uint64_t staged;
+    int fd;
+    char tmp_dir[4096], rows_path[4200];
+    uint64_t file_bytes;
+    XXH3_state_t *file_hash;
+    em_index_entry *index;
+    uint64_t chunks, index_capacity;
+    uint64_t rows;
+} save;
+
+/* Groups the staged rows by bucket into chunks and writes them. */
+static em_status flush_run(save *s, em_error *err)
+{
+    if (s->staged == 0)
+        return EM_OK;
+    uint32_t *count = calloc(EM_CHECKPOINT_BUCKETS, sizeof(uint32_t));
+    uint32_t *placed = calloc(EM_CHECKPOINT_BUCKETS, sizeof(uint32_t));
+    uint64_t *chunk_at = calloc(EM_CHECKPOINT_BUCKETS, sizeof(uint64_t));
+    em_status status = EM_OK;
+    if (count == NULL || placed == NULL || chunk_at == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
+    for (uint64_t i = 0; status == EM_OK && i < s->staged; i++)
+        count[em__checkpoint_bucket(s->keys[i])]++;
+    uint64_t used = 0, chunks = 0;
+    for (uint32_t b = 0; status == EM_OK && b < EM_CHECKPOINT_BUCKETS; b++) {
+        chunk_at[b] = used;
+        if (count[b] > 0) {
+            used += sizeof(em_chunk_header) + count[b] * s->row_bytes;
+            chunks++;
+        }
+    }
+    if (status == EM_OK && s->chunks + chunks > s->index_capacity) {
+        uint64_t capacity = s->index_capacity < 4096 ? 4096 : s->index_capacity;
+        while (capacity < s->chunks + chunks)
+            capacity *= 2;
+        em_index_entry *index = realloc(s->index, capacity * sizeof(*index));
+        if (index == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
+        else {
+            s->index = index;
+            s->index_capacity = capacity;
+        }
+    }
+    /* rows into place: keys after the header, values after the keys */
+    for (uint64_t i = 0; status == EM_OK && i < s->staged; i++) {
+        uint32_t b = em__checkpoint_bucket(s->keys[i]);
+        unsigned char *chunk = s->out + chunk_at[b];
+        unsigned char *keys = chunk + sizeof(em_chunk_header);
+        unsigned char *values = keys + (size_t)count[b] * sizeof(uint64_t);
+        memcpy(keys + (size_t)placed[b] * sizeof(uint64_t), &s->keys[i], sizeof(uint64_t));
+        memcpy(values + (size_t)placed[b] * s->row_floats * sizeof(float),
+               s->values + i * s->row_floats, s->row_floats * sizeof(float));
+        placed[b]++;
+    }
+    for (uint32_t b = 0; status == EM_OK && b < EM_CHECKPOINT_BUCKETS; b++) {
+        if (count[b] == 0)
+            continue;
+        em_chunk_header header = {.version = EM_CHECKPOINT_FORMAT_VERSION,
+                                  .bucket = b,
+                                  .rows = count[b],
+                                  .row_floats = s->row_floats,
+                                  .payload_bytes = (uint64_t)count[b] * s->row_bytes};
+        memcpy(header.magic, EM_CHUNK_MAGIC, 8);
+        unsigned char *chunk = s->out + chunk_at[b];
+        header.payload_xxh3 = XXH3_64bits(chunk + sizeof(header), header.payload_bytes);
+        header.header_xxh3 = XXH3_64bits(&header, offsetof(em_chunk_header, header_xxh3));
+        memcpy(chunk, &header, sizeof(header));
+        s->index[s->chunks++] = (em_index_entry){.bucket = b,
+                                                 .rows = count[b],
+                                                 .offset = s->file_bytes + chunk_at[b],
+                                                 .payload_xxh3 = header.payload_xxh3};
+    }
+    if (status == EM_OK) {
+        XXH3_64bits_update(s->file_hash, s->out, used);
+        status = em_save_write(s->fd, s->out, used, EM_SAVE_ROWS_WRITE, s->rows_path, err);
+    }
+    if (status == EM_OK) {
+        s->file_bytes += used;
+        s->rows += s->staged;
+        s->staged = 0;
+    }
+    free(count);
+    free(placed);
+    free(chunk_at);
+    return status;
+}
+
+/* Reads the whole snapshot through the staging buffer into rows.emb. */
+static em_status write_rows(save *s, em_error *err)
+{
+    em_table_snapshot *snapshot = NULL;
+    em_status status =
+        em_table_snapshot_begin(s->table, s->options->copy_limit_bytes, &snapshot, err);
+    uint64_t count = 1;
+    while (status == EM_OK && count > 0) {
+        status = em_table_snapshot_read(snapshot, s->buffer_rows - s->staged,
+                                        s->keys + s->staged,
+                                        s->values + s->staged * s->row_floats, &count, err);
+        s->staged += count;
+        if (status == EM_OK && (s->staged == s->buffer_rows || count == 0))
+            status = flush_run(s, err);
+    }
+    em_table_snapshot_end(snapshot);
+    return status;
+}
+
+/* ---- files ---------------------------------------------------------------------------- */
+
+static em_status write_file(const char *path, const void *data, size_t bytes,
+                            em_save_step write_step, em_error *err)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return em_error_set(err, EM_INTERNAL, "%s (step %d) failed for %s: %s",
+                            em_save_step_name(write_step), (int)write_step, path,
+                            strerror(errno));
+    em_status status = em_save_write(fd, data, bytes, write_step, path, err);
+    if (status == EM_OK) /* the fsync step follows its write step */
+        status = em_save_fsync(fd, (em_save_step)(write_step + 1), path, err);
+    close(fd);
+    return status;
+}
+
+static em_status write_index(save *s, uint64_t *bytes, uint64_t *checksum, em_error *err)
+{
+    size_t size = sizeof(em_index_header) + s->chunks * sizeof(em_index_entry) + sizeof(uint64_t);
+    unsigned char *data = malloc(size);
+    if (data == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
+    em_index_header header = {.version = EM_CHECKPOINT_FORMAT_VERSION,
+                              .buckets = EM_CHECKPOINT_BUCKETS,
+                              .chunks = s->chunks};
+    memcpy(header.magic, EM_INDEX_MAGIC, 8);
+    memcpy(data, &header, sizeof(header));
+    memcpy(data + sizeof(header), s->index, s->chunks * sizeof(em_index_entry));
+    uint64_t trailer = XXH3_64bits(data, size - sizeof(uint64_t));
+    memcpy(data + size - sizeof(uint64_t), &trailer, sizeof(trailer));
+    *bytes = size;
+    *checksum = XXH3_64bits(data, size);
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/index.emb", s->tmp_dir);
+    em_status status = write_file(path, data, size, EM_SAVE_INDEX_WRITE, err);
+    free(data);
+    return status;
+}
+
+static void add_file(cJSON *files, const char *name, uint64_t bytes, uint64_t checksum)
+{
+    char hex[17];
+    snprintf(hex, sizeof(hex), "%016" PRIx64, checksum);
+    cJSON *file = cJSON_CreateObject();
+    cJSON_AddStringToObject(file, "name", name);
+    cJSON_AddNumberToObject(file, "bytes", (double)bytes);
+    cJSON_AddStringToObject(file, "xxh3", hex);
+    cJSON_AddItemToArray(files, file);
+}
+
+static em_status write_manifest(save *s, const em_checkpoint_info *info, uint64_t index_bytes,
+                                uint64_t index_checksum, em_error *err)
+{
+    cJSON *manifest = cJSON_CreateObject();
+    cJSON_AddStringToObject(manifest, "format", "ember-checkpoint");
+    cJSON_AddNumberToObject(manifest, "version", EM_CHECKPOINT_FORMAT_VERSION);
+    cJSON_AddStringToObject(manifest, "ember_version", EM_VERSION);
+    cJSON_AddStringToObject(manifest, "id", info->id);
+    cJSON_AddStringToObject(manifest, "kind", "full");
+    cJSON_AddNullToObject(manifest, "parent");
+    cJSON_AddNumberToObject(manifest, "created_unix_ms", (double)info->created_unix_ms);
+    cJSON_AddItemToObject(manifest, "table", em_table_config_to_json(em_table_get_config(s->table)));
+    cJSON_AddNumberToObject(manifest, "row_floats", s->row_floats);
+    cJSON_AddNumberToObject(manifest, "rows", (double)s->rows);
+    cJSON_AddStringToObject(manifest, "key_hash", "splitmix64 finalizer (Mix13)");
+    cJSON_AddNumberToObject(manifest, "buckets", EM_CHECKPOINT_BUCKETS);
+    cJSON_AddStringToObject(manifest, "bucket_of_key", "key_hash(key) >> 52");
+    cJSON_AddNumberToObject(manifest, "chunks", (double)s->chunks);
+    cJSON *files = cJSON_AddArrayToObject(manifest, "files");
+    add_file(files, "rows.emb", s->file_bytes, XXH3_64bits_digest(s->file_hash));
+    add_file(files, "index.emb", index_bytes, index_checksum);
+    char *text = cJSON_Print(manifest);
+    cJSON_Delete(manifest);
+    if (text == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
+    size_t length = strlen(text);
+    char *full = malloc(length + 32);
+    em_status status = EM_OK;
+    if (full == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
+    else {
+        memcpy(full, text, length);
+        full[length++] = '\n';
+        length += (size_t)snprintf(full + length, 32, "xxh3 %016" PRIx64 "\n",
+                                   XXH3_64bits(full, length));
+        char path[4200];
+        snprintf(path, sizeof(path), "%s/manifest.json", s->tmp_dir);
+        status = write_file(path, full, length, EM_SAVE_MANIFEST_WRITE, err);
+    }
+    free(full);
+    cJSON_free(text);
+    return status;
+}
+
+/* ---- directories ------------------------------------------------------------------------- */
+
+static em_status make_dir(const char *path, em_error *err)
+{
+    if (mkdir(path, 0755) == 0 || errno == EEXIST)
+        return EM_OK;
+    return em_error_set(err, EM_INTERNAL, "cannot create directory %s: %s", path,
+                        strerror(errno));
+}
+
+/* Removes a checkpoint's directory (its files are plain files). */
+void em__checkpoint_remove_dir(const char *path)
+{
+    DIR *dir = opendir(path);
+    if (dir != NULL) {
+        struct dirent *entry;
+        while ((entry = readdir(dir)) != NULL) {
+            if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
+                continue;
+            char file[4400];
+            snprintf(file, sizeof(file), "%s/%s", path, entry->d_name);
+            unlink(file);
+        }
+        closedir(dir);
+    }
+    rmdir(path);
+}
+
+/* Removes the published checkpoints beyond keep (the oldest), and what saves that
+ * never finished left: temporaries, and directories newer than LATEST. The table's save
+ * lock is held, so no save is writing them. */
+static void prune(const char *table_dir, const char *dir, const char *table, uint32_t keep)
+{
+    em_checkpoint_info *infos = NULL;
+    size_t count = 0;
+    em_error err;
+    if (em_checkpoint_list(dir, table, &infos, &count, &err) != EM_OK)
+        return;
+    for (size_t i = 0; i + keep < count; i++)
+        em__checkpoint_remove_dir(infos[i].path);
+    char latest_id[EM_CHECKPOINT_ID_DIGITS + 1];
+    snprintf(latest_id, sizeof(latest_id), "%s", count > 0 ? infos[count - 1].id : "");
+    free(infos);
+    DIR *d = opendir(table_dir);
+    if (d == NULL)
+        return;
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL) {
+        bool unpublished = em__checkpoint_is_id(entry->d_name) &&
+                           strcmp(entry->d_name, latest_id) > 0;
+        if (strncmp(entry->d_name, ".tmp-", 5) != 0 && !unpublished)
+            continue;
+        char path[4400];
+        snprintf(path, sizeof(path), "%s/%s", table_dir, entry->d_name);
+        em__checkpoint_remove_dir(path);
+    }
+    closedir(d);
+}
+
+/* The next id: one more than any checkpoint (complete or not) of the table. */
+static uint64_t next_id(const char *table_dir)
+{
+    uint64_t next = 1;
+    DIR *d = opendir(table_dir);
+    if (d == NULL)
+        return next;
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL) {
+        const char *name = entry->d_name;
+        if (strncmp(name, ".tmp-", 5) == 0)
+            name += 5;
+        if (em__checkpoint_is_id(name)) {
+            uint64_t id = strtoull(name, NULL, 10);
+            next = id + 1 > next ? id + 1 : next;
+        }
+    }
+    closedir(d);
+    return next;
+}
+
+/* LATEST.tmp, fsynced, renamed over LATEST, the directory fsynced. */
+static em_status publish_latest(const char *table_dir, const char *id, em_error *err)
+{
+    char tmp[4200], latest[4200], line[EM_CHECKPOINT_ID_DIGITS + 2];
+    snprintf(tmp, sizeof(tmp), "%s/LATEST.tmp", table_dir);
+    snprintf(latest, sizeof(latest), "%s/LATEST", table_dir);
+    int length = snprintf(line, sizeof(line), "%s\n", id);
+    em_status status = write_file(tmp, line, (size_t)length, EM_SAVE_LATEST_WRITE, err);
+    if (status == EM_OK)
+        status = em_save_rename(tmp, latest, EM_SAVE_LATEST_RENAME, err);
+    if (status == EM_OK)
+        status = em_save_fsync_dir(table_dir, EM_SAVE_LATEST_DIR_FSYNC, err);
+    return status;
+}
+
+/* ---- save --------------------------------------------------------------------------------- */
+
+static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *info,
+                            em_error *err)
+{
+    em_status status = make_dir(s->tmp_dir, err);
+    if (status != EM_OK)
+        return status;
+    s->fd = open(s->rows_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (s->fd < 0)
+        return em_error_set(err, EM_INTERNAL, "cannot create %s: %s", s->rows_path,
+                            strerror(errno));
+    status = write_rows(s, err);
+    if (status == EM_OK)
+        status = em_save_fsync(s->fd, EM_SAVE_ROWS_FSYNC, s->rows_path, err);
+    close(s->fd);
+    uint64_t index_bytes = 0, index_checksum = 0;
+    if (status == EM_OK)
+        status = write_index(s, &index_bytes, &index_checksum, err);
+    if (status == EM_OK)
+        status = write_manifest(s, info, index_bytes, index_checksum, err);
+    if (status == EM_OK)
+        status = em_save_fsync_dir(s->tmp_dir, EM_SAVE_DIR_FSYNC, err);
+    if (status == EM_OK)
+        status = em_save_rename(s->tmp_dir, info->path, EM_SAVE_RENAME, err);
+    if (status == EM_OK)
+        status = em_save_fsync_dir(table_dir, EM_SAVE_TABLE_DIR_FSYNC, err);
+    if (status == EM_OK)
+        status = publish_latest(table_dir, info->id, err);
+    info->bytes = s->file_bytes + index_bytes;
+    info->rows = s->rows;
+    info->chunks = s->chunks;
+    return status;
+}
+
+static uint64_t unix_ms(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    return (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u;
+}
+
+static double monotonic_seconds(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
+}
+
+em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,
+                             em_checkpoint_info *info, em_error *err)
+{
+    double start = monotonic_seconds();
+    const char *name = em_table_name(table);
+    memset(info, 0, sizeof(*info));
+    snprintf(info->table, sizeof(info->table), "%s", name);
+    char table_dir[4096];
+    if ((size_t)snprintf(table_dir, sizeof(table_dir), "%s/%s", options->dir, name) >=
+        sizeof(table_dir) - 64)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "checkpoint dir path is too long");
+    em_status status = make_dir(options->dir, err);
+    if (status == EM_OK)
+        status = make_dir(table_dir, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "save of table '%s': ", name);
+
+    /* one save of a table at a time, across processes too */
+    char lock_path[4200];
+    snprintf(lock_path, sizeof(lock_path), "%s/.lock", table_dir);
+    int lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (lock_fd < 0)
+        return em_error_set(err, EM_INTERNAL, "save of table '%s': cannot open %s: %s", name,
+                            lock_path, strerror(errno));
+    if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+        close(lock_fd);
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "save of table '%s': another save of it is running", name);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    save s = {.table = table, .options = options, .row_floats = stats.row_floats, .fd = -1};
+    s.row_bytes = sizeof(uint64_t) + s.row_floats * sizeof(float);
+    uint64_t buffer = options->buffer_bytes < (UINT64_C(1) << 20) ? UINT64_C(1) << 20
+                                                                   : options->buffer_bytes;
+    s.buffer_rows = buffer / s.row_bytes + 1;
+    s.out_capacity = s.buffer_rows * s.row_bytes + EM_CHECKPOINT_BUCKETS * sizeof(em_chunk_header);
+    s.keys = malloc(s.buffer_rows * sizeof(uint64_t));
+    s.values = malloc(s.buffer_rows * s.row_floats * sizeof(float));
+    s.out = malloc(s.out_capacity);
+    s.file_hash = XXH3_createState();
+    if (s.keys == NULL || s.values == NULL || s.out == NULL || s.file_hash == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for buffers");
+    else
+        XXH3_64bits_reset(s.file_hash);
+
+    info->created_unix_ms = unix_ms();
+    snprintf(info->id, sizeof(info->id), "%0*" PRIu64, EM_CHECKPOINT_ID_DIGITS,
+             next_id(table_dir));
+    /* table_dir left room for these (checked above) */
+    if (snprintf(info->path, sizeof(info->path), "%s/%s", table_dir, info->id) < 0 ||
+        snprintf(s.tmp_dir, sizeof(s.tmp_dir), "%s/.tmp-%s", table_dir, info->id) < 0 ||
+        snprintf(s.rows_path, sizeof(s.rows_path), "%s/rows.emb", s.tmp_dir) < 0)
+        status = em_error_set(err, EM_INTERNAL, "checkpoint path");
+    if (status == EM_OK)
+        status = save_files(&s, table_dir, info, err);
+    if (status != EM_OK) {
+        em__checkpoint_remove_dir(s.tmp_dir);
+        char latest_tmp[4200];
+        if (snprintf(latest_tmp, sizeof(latest_tmp), "%s/LATEST.tmp", table_dir) > 0)
+            unlink(latest_tmp);
+        /* a directory renamed but never published is not a checkpoint */
+        char current[4200];
+        em_error ignored;
+        if (em_checkpoint_latest(options->dir, name, current, sizeof(current), &ignored) !=
+                EM_OK ||
+            strcmp(current, info->path) != 0)
+            em__checkpoint_remove_dir(info->path);
+    } else {
+        prune(table_dir, options->dir, name, options->keep == 0 ? 1 : options->keep);
+    }
+    free(s.keys);
+    free(s.values);
+    free(s.out);
+    free(s.index);
+    XXH3_freeState(s.file_hash);
+    close(lock_fd); /* and the lock with it */
+    info->seconds = monotonic_seconds() - start;
+    if (status != EM_OK)
+        return em_error_prefix(err, "save of table '%s': ", name);
+    return EM_OK;
+}

@@ -1,0 +1,417 @@
+#include <dirent.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "lib/base/failpoint.h"
+#include "lib/checkpoint/checkpoint.h"
+#include "lib/checkpoint/checkpoint_io.h"
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
+#include "tests/support/test_batches.h"
+#include "tests/support/test_support.h"
+
+#define MEBIBYTE (UINT64_C(1) << 20)
+
+/* ---- fixtures ---------------------------------------------------------------------- */
+
+static em_backend *make_backend(void)
+{
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.devices = 2;
+    options.pool_limit_bytes = 256 * MEBIBYTE;
+    em_backend *backend = NULL;
+    em_error err;
+    ck_assert_msg(em_backend_create_cpu(&options, &backend, &err) == EM_OK, "%s", err.message);
+    return backend;
+}
+
+/* A fresh, empty directory under the test's temporary folder. */
+static void make_dir(char *path, size_t capacity)
+{
+    snprintf(path, capacity, "%s/ember-checkpoint-XXXXXX",
+             getenv("TMPDIR") != NULL ? getenv("TMPDIR") : "/tmp");
+    ck_assert_ptr_nonnull(mkdtemp(path));
+}
+
+static void remove_tree(const char *path)
+{
+    DIR *dir = opendir(path);
+    if (dir == NULL) {
+        unlink(path);
+        return;
+    }
+    struct dirent *entry;
+    while ((entry = readdir(dir)) != NULL) {
+        if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
+            continue;
+        char child[4400];
+        snprintf(child, sizeof(child), "%s/%s", path, entry->d_name);
+        remove_tree(child);
+    }
+    closedir(dir);
+    rmdir(path);
+}
+
+/* A table with rows trained by a few random pushes (every optimizer state moves). */
+static em_table *trained_table(em_backend *backend, int optimizer, uint32_t dim, uint32_t rows,
+                               em_test_rng *rng)
+{
+    em_table_config config;
+    em_table_config_init(&config, "t", dim, 100000);
+    config.shards = 3;
+    config.optimizer = em_test_optimizers[optimizer];
+    config.initializer.kind = EM_INIT_UNIFORM;
+    config.initializer.bound = 0.5f;
+    config.initializer.seed = 99;
+    em_table *table = em_test_make_table(backend, &config);
+    em_error err;
+    for (int round = 0; round < 3; round++) {
+        em_test_batch b = em_test_random_batch(rng, rows, 4, rows * 2);
+        float *g = em_test_random_floats(rng, b.csr.nnz * dim);
+        ck_assert_int_eq(em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+        free(g);
+        em_test_batch_free(&b);
+    }
+    return table;
+}
+
+static void push_same(em_table *a, em_table *b, uint32_t dim, uint64_t seed)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, seed);
+    em_test_batch batch = em_test_random_batch(&rng, 200, 4, 600);
+    float *g = em_test_random_floats(&rng, batch.csr.nnz * dim);
+    em_error err;
+    ck_assert_int_eq(em_test_push(a, &batch.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(b, &batch.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    free(g);
+    em_test_batch_free(&batch);
+}
+
+/* ---- round trips ------------------------------------------------------------------- */
+
+/* Every row and all optimizer state come back bit for bit, and training on from the
+ * restored table gives bit for bit what training on from the original gives. */
+START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
+{
+    int optimizer = _i;
+    char dir[256];
+    make_dir(dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, optimizer, 8, 3000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.buffer_bytes = 1; /* the smallest buffer: several runs per save */
+    em_checkpoint_info saved, loaded;
+    em_error err;
+    ck_assert_msg(em_checkpoint_save(table, &options, &saved, &err) == EM_OK, "%s", err.message);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(saved.rows, stats.rows);
+    ck_assert_str_eq(saved.id, "00000000000000000001");
+
+    char latest[4200];
+    ck_assert_int_eq(em_checkpoint_latest(dir, "t", latest, sizeof(latest), &err), EM_OK);
+    ck_assert_str_eq(latest, saved.path);
+    em_table *restored = NULL;
+    ck_assert_msg(em_checkpoint_load(latest, backend, NULL, &restored, &loaded, &err) == EM_OK,
+                  "%s", err.message);
+    ck_assert_uint_eq(loaded.rows, saved.rows);
+    ck_assert_uint_eq(loaded.bytes, saved.bytes);
+    const em_table_config *a = em_table_get_config(table), *b = em_table_get_config(restored);
+    ck_assert_str_eq(b->name, "t");
+    ck_assert_uint_eq(b->dim, a->dim);
+    ck_assert_int_eq(b->optimizer.kind, a->optimizer.kind);
+    ck_assert_uint_eq(b->shards, a->shards);
+
+    em_test_snapshot before = em_test_snapshot_take(table, 1000);
+    em_test_snapshot after = em_test_snapshot_take(restored, 1000);
+    em_test_assert_snapshots_identical(&before, &after);
+    em_test_snapshot_free(&after);
+    for (uint64_t step = 0; step < 3; step++)
+        push_same(table, restored, 8, em_test_seed() + step);
+    em_test_snapshot_free(&before);
+    before = em_test_snapshot_take(table, 1000);
+    after = em_test_snapshot_take(restored, 1000);
+    em_test_assert_snapshots_identical(&before, &after);
+    em_test_snapshot_free(&before);
+    em_test_snapshot_free(&after);
+
+    /* and under another name */
+    em_table *renamed = NULL;
+    ck_assert_int_eq(em_checkpoint_load(latest, backend, "u", &renamed, NULL, &err), EM_OK);
+    ck_assert_str_eq(em_table_name(renamed), "u");
+    em_table_destroy(renamed);
+    em_table_destroy(restored);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    remove_tree(dir);
+}
+END_TEST
+
+START_TEST(empty_tables_round_trip)
+{
+    char dir[256];
+    make_dir(dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_table_config config;
+    em_table_config_init(&config, "empty", 4, 100);
+    em_table *table = em_test_make_table(backend, &config);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    ck_assert_uint_eq(info.rows, 0);
+    em_table *restored = NULL;
+    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, &restored, NULL, &err) == EM_OK,
+                  "%s", err.message);
+    em_table_stats stats;
+    em_table_get_stats(restored, &stats);
+    ck_assert_uint_eq(stats.rows, 0);
+    em_table_destroy(restored);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    remove_tree(dir);
+}
+END_TEST
+
+/* Saves number themselves, LATEST moves to each, and only `keep` stay. */
+START_TEST(saves_keep_the_newest)
+{
+    char dir[256];
+    make_dir(dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 0, 4, 100, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.keep = 2;
+    em_checkpoint_info info;
+    em_error err;
+    for (int i = 1; i <= 4; i++) {
+        ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+        char expected[32];
+        snprintf(expected, sizeof(expected), "%020d", i);
+        ck_assert_str_eq(info.id, expected);
+    }
+    em_checkpoint_info *list = NULL;
+    size_t count = 0;
+    ck_assert_int_eq(em_checkpoint_list(dir, "t", &list, &count, &err), EM_OK);
+    ck_assert_uint_eq(count, 2);
+    ck_assert_str_eq(list[0].id, "00000000000000000003");
+    ck_assert_str_eq(list[1].id, "00000000000000000004");
+    free(list);
+    char **names = NULL;
+    ck_assert_int_eq(em_checkpoint_tables(dir, &names, &count, &err), EM_OK);
+    ck_assert_uint_eq(count, 1);
+    ck_assert_str_eq(names[0], "t");
+    em_checkpoint_free_names(names, count);
+    ck_assert_int_eq(em_checkpoint_latest(dir, "nothing", info.path, sizeof(info.path), &err),
+                     EM_NOT_FOUND);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    remove_tree(dir);
+}
+END_TEST
+
+/* ---- corruption -------------------------------------------------------------------- */
+
+static long file_size(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? (long)st.st_size : -1;
+}
+
+static void flip_byte(const char *path, long offset)
+{
+    int fd = open(path, O_RDWR);
+    ck_assert_int_ge(fd, 0);
+    unsigned char byte = 0;
+    ck_assert_int_eq(pread(fd, &byte, 1, offset), 1);
+    byte ^= 0x10;
+    ck_assert_int_eq(pwrite(fd, &byte, 1, offset), 1);
+    close(fd);
+}
+
+/* Damages one file of a copy of the checkpoint, in one of the ways below. */
+enum damage { FLIP_ROWS, FLIP_ROWS_HEADER, FLIP_INDEX, FLIP_MANIFEST, TRUNCATE_ROWS,
+              EXTEND_ROWS, MISSING_INDEX, FOREIGN_ROWS, DAMAGE_COUNT };
+
+static const char *const damaged_file[DAMAGE_COUNT] = {
+    "rows.emb", "rows.emb", "index.emb", "manifest.json", "rows.emb", "rows.emb",
+    "index.emb", "rows.emb",
+};
+
+static void damage(const char *checkpoint, enum damage how)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/%s", checkpoint, damaged_file[how]);
+    long size = file_size(path);
+    switch (how) {
+    case FLIP_ROWS:
+        flip_byte(path, size / 2);
+        break;
+    case FLIP_ROWS_HEADER:
+        flip_byte(path, 20);
+        break;
+    case FLIP_INDEX:
+        flip_byte(path, 30);
+        break;
+    case FLIP_MANIFEST:
+        flip_byte(path, 40);
+        break;
+    case TRUNCATE_ROWS:
+        ck_assert_int_eq(truncate(path, size - 100), 0);
+        break;
+    case EXTEND_ROWS: {
+        FILE *f = fopen(path, "ab");
+        fputs("more", f);
+        fclose(f);
+        break;
+    }
+    case MISSING_INDEX:
+        ck_assert_int_eq(unlink(path), 0);
+        break;
+    case FOREIGN_ROWS: { /* the same size of something else */
+        FILE *f = fopen(path, "wb");
+        for (long i = 0; i < size; i++)
+            fputc((int)(i * 7 % 251), f);
+        fclose(f);
+        break;
+    }
+    case DAMAGE_COUNT:
+        break;
+    }
+}
+
+/* Each damage is refused with DATA_LOSS naming the file; loading fails whole. */
+START_TEST(damaged_checkpoints_are_refused_naming_the_file)
+{
+    enum damage how = (enum damage)_i;
+    char dir[256];
+    make_dir(dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 3, 8, 2000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_verify(info.path, NULL, &err), EM_OK);
+    damage(info.path, how);
+    ck_assert_int_eq(em_checkpoint_verify(info.path, NULL, &err), EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, damaged_file[how]) != NULL, "%s", err.message);
+    ck_assert_msg(strstr(err.message, info.path) != NULL, "%s", err.message);
+    if (how == FLIP_ROWS)
+        ck_assert_msg(strstr(err.message, "chunk ") != NULL &&
+                          strstr(err.message, "checksum mismatch: expected ") != NULL &&
+                          strstr(err.message, ", seen ") != NULL,
+                      "%s", err.message);
+    em_table *restored = NULL;
+    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, &restored, NULL, &err),
+                     EM_DATA_LOSS);
+    ck_assert_ptr_null(restored);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    remove_tree(dir);
+}
+END_TEST
+
+/* ---- failures of every step --------------------------------------------------------- */
+
+static int count_entries(const char *path)
+{
+    int count = 0;
+    DIR *dir = opendir(path);
+    struct dirent *entry;
+    while (dir != NULL && (entry = readdir(dir)) != NULL)
+        count += entry->d_name[0] != '.' || strcmp(entry->d_name, ".lock") == 0 ? 1 : 0;
+    if (dir != NULL)
+        closedir(dir);
+    return count;
+}
+
+/* A save whose step fails says which, and the checkpoint before it stays current and
+ * whole; nothing of the failed one stays behind (the step after the rename of LATEST
+ * is the one exception: the new checkpoint is complete and current then). */
+START_TEST(a_failed_step_leaves_the_previous_checkpoint_current)
+{
+    int step = _i;
+    char dir[256];
+    make_dir(dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 1, 4, 500, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info first, second;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
+    em_test_snapshot before = em_test_snapshot_take(table, 1000);
+    push_same(table, table, 4, 5); /* the table moves on */
+
+    char spec[64];
+    snprintf(spec, sizeof(spec), "checkpoint_fail=%d", step);
+    ck_assert_int_eq(em_failpoints_arm(spec, &err), EM_OK);
+    em_status status = em_checkpoint_save(table, &options, &second, &err);
+    em_failpoints_disarm_all();
+    ck_assert_int_eq(status, EM_INTERNAL);
+    ck_assert_msg(strstr(err.message, em_save_step_name((em_save_step)step)) != NULL, "%s",
+                  err.message);
+
+    char latest[4200], table_dir[300];
+    em_status found = em_checkpoint_latest(dir, "t", latest, sizeof(latest), &err);
+    ck_assert_int_eq(found, EM_OK);
+    snprintf(table_dir, sizeof(table_dir), "%s/t", dir);
+    if (step == EM_SAVE_LATEST_DIR_FSYNC) {
+        ck_assert_str_eq(latest, second.path);
+    } else {
+        ck_assert_str_eq(latest, first.path);
+        /* LATEST, .lock and the first checkpoint only */
+        ck_assert_int_eq(count_entries(table_dir), 3);
+        em_table *restored = NULL;
+        ck_assert_int_eq(em_checkpoint_load(latest, backend, NULL, &restored, NULL, &err), EM_OK);
+        em_test_assert_table_unchanged(restored, &before);
+        em_table_destroy(restored);
+    }
+    /* the next save works */
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &second, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_verify(second.path, NULL, &err), EM_OK);
+    em_test_snapshot_free(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    remove_tree(dir);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *suite = suite_create("checkpoint");
+    TCase *round_trip = tcase_create("round_trip");
+    tcase_set_timeout(round_trip, 120);
+    tcase_add_loop_test(round_trip, saved_tables_load_bit_for_bit_and_train_on_alike, 0, 4);
+    tcase_add_test(round_trip, empty_tables_round_trip);
+    tcase_add_test(round_trip, saves_keep_the_newest);
+    suite_add_tcase(suite, round_trip);
+    TCase *damaged = tcase_create("damaged");
+    tcase_add_loop_test(damaged, damaged_checkpoints_are_refused_naming_the_file, 0, DAMAGE_COUNT);
+    suite_add_tcase(suite, damaged);
+    TCase *failures = tcase_create("failures");
+    tcase_add_loop_test(failures, a_failed_step_leaves_the_previous_checkpoint_current,
+                        EM_SAVE_ROWS_WRITE, EM_SAVE_LATEST_DIR_FSYNC + 1);
+    suite_add_tcase(suite, failures);
+    return em_test_run(suite);
+}
