@@ -365,6 +365,8 @@ static const ProtobufCMessageDescriptor *response_descriptor(int method)
         return &ember__list_tables_response__descriptor;
     case EMBER__METHOD__STATS:
         return &ember__stats_response__descriptor;
+    case EMBER__METHOD__SAVE:
+        return &ember__save_response__descriptor;
     default:
         return NULL;
     }

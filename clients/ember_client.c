@@ -747,6 +747,42 @@ em_status em_client_stats(em_client *client, const char *table, cJSON **stats, e
     return status;
 }
 
+static cJSON *checkpoint_list(const Ember__SaveResponse *response)
+{
+    cJSON *list = cJSON_CreateArray();
+    for (size_t i = 0; list != NULL && i < response->n_saved; i++) {
+        const Ember__CheckpointInfo *info = response->saved[i];
+        cJSON *item = cJSON_CreateObject();
+        if (item == NULL || !cJSON_AddItemToArray(list, item) ||
+            cJSON_AddStringToObject(item, "table", info->table) == NULL ||
+            cJSON_AddStringToObject(item, "id", info->id) == NULL ||
+            cJSON_AddStringToObject(item, "path", info->path) == NULL ||
+            cJSON_AddNumberToObject(item, "rows", (double)info->rows) == NULL ||
+            cJSON_AddNumberToObject(item, "bytes", (double)info->bytes) == NULL ||
+            cJSON_AddNumberToObject(item, "seconds", info->seconds) == NULL) {
+            cJSON_Delete(list);
+            return NULL;
+        }
+    }
+    return list;
+}
+
+em_status em_client_save(em_client *client, const char *table, cJSON **saved, em_error *err)
+{
+    *saved = NULL;
+    Ember__SaveRequest body = EMBER__SAVE_REQUEST__INIT;
+    body.table = (char *)(table != NULL ? table : "");
+    em_client_call *call;
+    em_status status = message_call(client, EMBER__METHOD__SAVE, &body.base, &call, err);
+    if (status != EM_OK)
+        return status;
+    *saved = checkpoint_list((const Ember__SaveResponse *)call_response(call));
+    if (*saved == NULL)
+        status = out_of_memory(err, "save");
+    call_destroy(client, call);
+    return status;
+}
+
 /* ---- lifecycle -------------------------------------------------------------------- */
 
 void em_client_options_init(em_client_options *options)

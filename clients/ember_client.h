@@ -136,4 +136,8 @@ em_status em_client_list_tables(em_client *client, cJSON **tables, em_error *err
  * StatsResponse in proto/ember.proto; table NULL or "" for every table. */
 em_status em_client_stats(em_client *client, const char *table, cJSON **stats, em_error *err);
 
+/* Saves the table (NULL or "": every table) as a checkpoint on the first server; *saved
+ * gets a JSON array of {table, id, path, rows, bytes, seconds}. */
+em_status em_client_save(em_client *client, const char *table, cJSON **saved, em_error *err);
+
 #endif

@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "clients/ember_client.h"
+#include "lib/checkpoint/checkpoint.h"
 #include "ember_config.h"
 
 #define DEFAULT_ADMIN_SERVER "127.0.0.1:7071"
@@ -100,6 +101,10 @@ static void print_help(FILE *out)
           "                             initializers: zeros, uniform, normal\n"
           "  tables drop NAME\n"
           "  stats [TABLE]              server, request, table and memory pool statistics\n"
+          "  save [TABLE]               save every table (or one) as a checkpoint now\n"
+          "  checkpoints list DIR [TABLE]\n"
+          "                             the complete checkpoints under a checkpoint dir\n"
+          "  checkpoints verify PATH    check every checksum of a checkpoint (no server)\n"
           "\n"
           "Options:\n"
           "  --server HOST:PORT   admin listener (default " DEFAULT_ADMIN_SERVER ")\n"
@@ -722,6 +727,117 @@ static int command_stats(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+/* ---- checkpoints -------------------------------------------------------------------- */
+
+static int command_save(cli *c, int argc, char **argv)
+{
+    if (argc > 2)
+        return usage_error("save takes at most one table name");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    cJSON *saved;
+    em_error err;
+    if (em_client_save(c->client, argc == 2 ? argv[1] : NULL, &saved, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        print_json(saved);
+    } else {
+        const cJSON *item = NULL;
+        cJSON_ArrayForEach(item, saved)
+        {
+            printf("%s: checkpoint %s, %.0f rows, %.0f bytes, %.3f s, %s\n",
+                   cJSON_GetObjectItem(item, "table")->valuestring,
+                   cJSON_GetObjectItem(item, "id")->valuestring,
+                   cJSON_GetObjectItem(item, "rows")->valuedouble,
+                   cJSON_GetObjectItem(item, "bytes")->valuedouble,
+                   cJSON_GetObjectItem(item, "seconds")->valuedouble,
+                   cJSON_GetObjectItem(item, "path")->valuestring);
+        }
+    }
+    cJSON_Delete(saved);
+    return EXIT_OK;
+}
+
+/* Offline: a checkpoint's files are read here, not by a server. */
+static int checkpoint_failed(const em_error *err)
+{
+    fprintf(stderr, "emberctl: %s: %s\n", em_status_name(err->status), err->message);
+    return EXIT_SERVER_ERROR;
+}
+
+static void print_checkpoint(const cli *c, const em_checkpoint_info *info, const char *verdict)
+{
+    if (c->json) {
+        printf("{\"table\": \"%s\", \"id\": \"%s\", \"path\": \"%s\", \"rows\": %" PRIu64
+               ", \"bytes\": %" PRIu64 ", \"created_unix_ms\": %" PRIu64 "}\n",
+               info->table, info->id, info->path, info->rows, info->bytes, info->created_unix_ms);
+        return;
+    }
+    printf("%s %s: table %s, %" PRIu64 " rows, %" PRIu64 " bytes, %" PRIu64 " chunks%s\n",
+           info->id, info->path, info->table, info->rows, info->bytes, info->chunks, verdict);
+}
+
+static int checkpoints_list(cli *c, int argc, char **argv)
+{
+    if (argc < 3 || argc > 4)
+        return usage_error("checkpoints list needs a checkpoint dir and at most one table");
+    char **names = NULL;
+    size_t count = 0;
+    em_error err;
+    if (argc == 4) {
+        names = malloc(sizeof(char *));
+        names[0] = strdup(argv[3]);
+        count = 1;
+    } else if (em_checkpoint_tables(argv[2], &names, &count, &err) != EM_OK) {
+        return checkpoint_failed(&err);
+    }
+    int code = EXIT_OK;
+    for (size_t t = 0; t < count && code == EXIT_OK; t++) {
+        em_checkpoint_info *infos = NULL;
+        size_t n = 0;
+        if (em_checkpoint_list(argv[2], names[t], &infos, &n, &err) != EM_OK) {
+            code = checkpoint_failed(&err);
+            break;
+        }
+        for (size_t i = 0; i < n; i++) {
+            em_checkpoint_info full;
+            em_error ignored;
+            /* the manifest's figures; a damaged one is listed as such */
+            if (em_checkpoint_verify(infos[i].path, &full, &ignored) == EM_OK)
+                print_checkpoint(c, &full, i + 1 == n ? " (latest)" : "");
+            else
+                printf("%s %s: DAMAGED: %s\n", infos[i].id, infos[i].path, ignored.message);
+        }
+        free(infos);
+    }
+    em_checkpoint_free_names(names, count);
+    return code;
+}
+
+static int checkpoints_verify(cli *c, int argc, char **argv)
+{
+    if (argc != 3)
+        return usage_error("checkpoints verify needs exactly one checkpoint path");
+    em_checkpoint_info info;
+    em_error err;
+    if (em_checkpoint_verify(argv[2], &info, &err) != EM_OK)
+        return checkpoint_failed(&err);
+    print_checkpoint(c, &info, ": every checksum matches");
+    return EXIT_OK;
+}
+
+static int command_checkpoints(cli *c, int argc, char **argv)
+{
+    if (argc < 2)
+        return usage_error("checkpoints needs a subcommand: list or verify");
+    if (strcmp(argv[1], "list") == 0)
+        return checkpoints_list(c, argc, argv);
+    if (strcmp(argv[1], "verify") == 0)
+        return checkpoints_verify(c, argc, argv);
+    return usage_error("unknown checkpoints subcommand '%s' (list, verify)", argv[1]);
+}
+
 /* ---- main -------------------------------------------------------------------------- */
 
 typedef struct command {
@@ -734,6 +850,8 @@ static const command commands[] = {
     {"health", command_health},
     {"tables", command_tables},
     {"stats", command_stats},
+    {"save", command_save},
+    {"checkpoints", command_checkpoints},
 };
 
 enum { OPTION_SERVER = 256, OPTION_TOKEN, OPTION_TOKEN_FILE, OPTION_JSON, OPTION_TIMEOUT,
@@ -866,11 +984,11 @@ int main(int argc, char **argv)
     }
     if (optind >= argc) {
         free(ordered);
-        return usage_error("no command given (ping, health, tables, stats)");
+        return usage_error("no command given (ping, health, tables, stats, save, checkpoints)");
     }
     const command *chosen = find_command(ordered[optind]);
     if (chosen == NULL) {
-        code = usage_error("unknown command '%s' (ping, health, tables, stats)", ordered[optind]);
+        code = usage_error("unknown command '%s' (ping, health, tables, stats, save, checkpoints)", ordered[optind]);
         free(ordered);
         return code;
     }

@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "daemon/checkpointer.h"
 #include "daemon/executor.h"
 #include "daemon/stats.h"
 #include "lib/base/log.h"
@@ -36,6 +37,7 @@ typedef struct em_faults {
 
 typedef struct em_server_context {
     em_catalog *catalog;
+    em_checkpointer *checkpointer; /* NULL without a checkpoint section */
     em_backend *backend;
     em_executor *executor;
     const em_log *log;

@@ -51,6 +51,7 @@ struct em_daemon {
     em_log log;
     em_backend *backend;
     em_catalog *catalog;
+    em_checkpointer *checkpointer; /* NULL without a checkpoint section */
     uv_loop_t loop;
     bool loop_ready;
     em_executor *executor;
@@ -171,11 +172,46 @@ static em_status create_backend(em_daemon *d, em_error *err)
     return create_cpu_backend(d, err);
 }
 
+static void restore_progress(void *context, const char *line)
+{
+    em_daemon *d = context;
+    em_log_notice(&d->log, "%s", line);
+    notify(d, "STATUS=%s", line);
+}
+
+/* A configured table that a checkpoint restored stays as restored, if its dim agrees. */
+static em_status check_restored(em_daemon *d, const em_table_config *configured, bool *restored,
+                                em_error *err)
+{
+    em_table *table = NULL;
+    em_error ignored;
+    *restored = em_catalog_acquire(d->catalog, configured->name, &table, &ignored) == EM_OK;
+    if (!*restored)
+        return EM_OK;
+    uint32_t dim = em_table_dim(table);
+    em_catalog_release(d->catalog, table);
+    if (dim != configured->dim)
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "table '%s': the configuration says dim %u, its checkpoint has dim "
+                            "%u", configured->name, configured->dim, dim);
+    return EM_OK;
+}
+
 static em_status create_tables(em_daemon *d, em_error *err)
 {
     em_status status = em_catalog_create(d->backend, &d->catalog, err);
+    if (status == EM_OK && d->config.checkpoint.enabled)
+        status = em_checkpointer_create(&d->config.checkpoint, d->catalog, &d->log,
+                                        &d->checkpointer, err);
+    if (status == EM_OK && d->checkpointer != NULL &&
+        d->config.checkpoint.restore == EM_RESTORE_LATEST)
+        status = em_checkpointer_restore(d->checkpointer, restore_progress, d, err);
     for (uint32_t i = 0; status == EM_OK && i < d->config.tables.count; i++) {
         const em_table_config *table = &d->config.tables.items[i];
+        bool restored = false;
+        status = check_restored(d, table, &restored, err);
+        if (status != EM_OK || restored)
+            continue;
         status = em_catalog_create_table(d->catalog, table, NULL, err);
         if (status == EM_OK)
             em_log_notice(&d->log, "table '%s': dim %u, capacity %" PRIu64 ", %s", table->name,
@@ -362,6 +398,7 @@ static em_status start(em_daemon *d, em_error *err)
     d->wake.data = d;
     d->wake_open = true;
     d->context.catalog = d->catalog;
+    d->context.checkpointer = d->checkpointer;
     d->context.backend = d->backend;
     d->context.log = &d->log;
     d->context.start_ms = em_monotonic_ms();
@@ -437,6 +474,15 @@ bool em_daemon_run(em_daemon *d)
                   em_catalog_count(d->catalog));
     notify(d, "READY=1\nSTATUS=serving on %s (admin %s)", d->data_address, d->admin_address);
     uv_run(&d->loop, UV_RUN_DEFAULT);
+    if (d->checkpointer != NULL && d->config.checkpoint.on_shutdown) {
+        notify(d, "STATUS=saving every table");
+        em_checkpoint_info *infos = NULL;
+        size_t count = 0;
+        em_error err;
+        if (em_checkpointer_save(d->checkpointer, NULL, &infos, &count, &err) != EM_OK)
+            em_log_error(&d->log, "shutdown save: %s", err.message);
+        free(infos);
+    }
     return !d->forced;
 }
 
@@ -449,6 +495,7 @@ void em_daemon_destroy(em_daemon *d)
         uv_run(&d->loop, UV_RUN_DEFAULT); /* let closing handles finish */
         uv_loop_close(&d->loop);
     }
+    em_checkpointer_destroy(d->checkpointer);
     em_catalog_destroy(d->catalog);
     em_backend_destroy(d->backend);
     em_daemon_config_deinit(&d->config);

@@ -408,6 +408,49 @@ static const em_config_schema tls_schema = {
     .field_count = sizeof(tls_fields) / sizeof(tls_fields[0]),
 };
 
+static const em_config_choice restore_choices[] = {
+    {"latest", EM_RESTORE_LATEST}, {"none", EM_RESTORE_NONE}, {NULL, 0},
+};
+
+static const em_config_field checkpoint_fields[] = {
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "dir", em_checkpoint_config, dir),
+     .flags = EM_CONFIG_REQUIRED,
+     .help = "where checkpoints live: one folder per table (docs/checkpoints.md)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "keep", em_checkpoint_config, keep),
+     .flags = EM_CONFIG_UNSIGNED, .min = 1, .max = 1000, .default_json = "3",
+     .help = "complete checkpoints kept per table"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "interval_s", em_checkpoint_config, interval_s),
+     .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 31536000, .default_json = "0",
+     .help = "save every table this often (0: only on request and at shutdown)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "on_shutdown", em_checkpoint_config, on_shutdown),
+     .default_json = "true", .help = "save every table when SIGTERM has drained the server"},
+    {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "restore", em_checkpoint_config, restore),
+     .choices = restore_choices, .default_json = "\"latest\"",
+     .help = "at start: load every table's latest checkpoint (latest) or nothing (none)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "copy_limit_bytes", em_checkpoint_config, copy_limit_bytes),
+     .flags = EM_CONFIG_UNSIGNED, .min = 1048576, .max = 1e15, .default_json = "268435456",
+     .help = "rows pushed during a save are copied aside up to this; then pushes wait"},
+};
+
+static em_status check_checkpoint(void *target, const cJSON *json, const char *path,
+                                  em_error *err)
+{
+    (void)json;
+    em_checkpoint_config *config = target;
+    config->enabled = true;
+    if (config->dir[0] != '/')
+        return em_error_set(err, EM_INVALID_ARGUMENT, "%s.dir: must be an absolute path, not '%s'",
+                            path, config->dir);
+    return EM_OK;
+}
+
+static const em_config_schema checkpoint_schema = {
+    .name = "checkpoint",
+    .fields = checkpoint_fields,
+    .field_count = sizeof(checkpoint_fields) / sizeof(checkpoint_fields[0]),
+    .check = check_checkpoint,
+};
+
 static const em_config_choice log_level_choices[] = {
     {"error", EM_LOG_ERROR}, {"warning", EM_LOG_WARNING}, {"notice", EM_LOG_NOTICE},
     {"info", EM_LOG_INFO},   {"debug", EM_LOG_DEBUG},     {NULL, 0},
@@ -463,12 +506,16 @@ static const em_config_field daemon_fields[] = {
      .flags = EM_CONFIG_UNSIGNED | EM_CONFIG_RELOADABLE, .min = 0, .max = 3600000,
      .default_json = "30000",
      .help = "on SIGTERM, how long in-flight requests may take before exiting anyway"},
+    {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "checkpoint", em_daemon_config, checkpoint),
+     .object = &checkpoint_schema, .help = "durable tables (absent: nothing is saved)"},
 };
 
 /* tls is printed only when it is configured. */
 static bool daemon_applies(const void *target, const em_config_field *field)
 {
     const em_daemon_config *config = target;
+    if (strcmp(field->name, "checkpoint") == 0)
+        return config->checkpoint.enabled;
     return strcmp(field->name, "tls") != 0 || config->tls.enabled;
 }
 

@@ -106,6 +106,23 @@ typedef struct em_tables_config {
     uint32_t count;
 } em_tables_config;
 
+#define EM_CHECKPOINT_DIR_MAX 1024
+
+typedef enum em_restore_mode {
+    EM_RESTORE_LATEST = 0, /* every table's latest checkpoint under dir */
+    EM_RESTORE_NONE = 1,
+} em_restore_mode;
+
+typedef struct em_checkpoint_config {
+    bool enabled; /* the section is present */
+    char dir[EM_CHECKPOINT_DIR_MAX];
+    uint32_t keep;
+    uint32_t interval_s; /* 0: no periodic saves */
+    bool on_shutdown;
+    int restore;         /* em_restore_mode */
+    uint64_t copy_limit_bytes;
+} em_checkpoint_config;
+
 typedef struct em_daemon_config {
     em_listen_config listen;
     em_limits_config limits;
@@ -117,6 +134,7 @@ typedef struct em_daemon_config {
     em_tls_config tls;
     bool insecure;  /* non-loopback listeners without TLS or data token allowed */
     uint32_t drain_timeout_ms;
+    em_checkpoint_config checkpoint;
 } em_daemon_config;
 
 extern const em_config_schema em_daemon_config_schema;

@@ -398,6 +398,44 @@ em_status em_handle_list_tables(em_request *request, em_error *err)
     return status;
 }
 
+/* ---- checkpoints ----------------------------------------------------------------------- */
+
+em_status em_handle_save(em_request *request, em_error *err)
+{
+    const Ember__SaveRequest *body = (const Ember__SaveRequest *)request->body;
+    em_checkpointer *checkpointer = request->context->checkpointer;
+    if (checkpointer == NULL)
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "save: this server has no checkpoint section in its configuration");
+    em_checkpoint_info *infos = NULL;
+    size_t count = 0;
+    em_status status = em_checkpointer_save(checkpointer, body->table, &infos, &count, err);
+    Ember__CheckpointInfo *items = calloc(count + 1, sizeof(*items));
+    Ember__CheckpointInfo **pointers = calloc(count + 1, sizeof(*pointers));
+    if (status == EM_OK && (items == NULL || pointers == NULL))
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of memory");
+    if (status == EM_OK) {
+        for (size_t i = 0; i < count; i++) {
+            ember__checkpoint_info__init(&items[i]);
+            items[i].table = infos[i].table;
+            items[i].id = infos[i].id;
+            items[i].path = infos[i].path;
+            items[i].rows = infos[i].rows;
+            items[i].bytes = infos[i].bytes;
+            items[i].seconds = infos[i].seconds;
+            pointers[i] = &items[i];
+        }
+        Ember__SaveResponse response = EMBER__SAVE_RESPONSE__INIT;
+        response.n_saved = count;
+        response.saved = pointers;
+        status = em_request_respond(request, &response.base, NULL, 0, err);
+    }
+    free(items);
+    free(pointers);
+    free(infos);
+    return status;
+}
+
 /* ---- stats ----------------------------------------------------------------------------- */
 
 /* The STATS answer is a visitor over the snapshot (daemon/stats.h): each number goes to

@@ -42,7 +42,8 @@
     X(CREATE_TABLE, create_table, ADMIN, ADMIN, WRITE, NONE)                                  \
     X(DROP_TABLE, drop_table, ADMIN, ADMIN, WRITE, NONE)                                      \
     X(LIST_TABLES, list_tables, ADMIN, ADMIN, READ, NONE)                                     \
-    X(STATS, stats, ADMIN, ADMIN, READ, NONE)
+    X(STATS, stats, ADMIN, ADMIN, READ, NONE)                                                 \
+    X(SAVE, save, ADMIN, ADMIN, READ, NONE)
 
 typedef enum em_method_listener {
     EM_METHOD_LISTENER_ANY,

@@ -112,24 +112,18 @@ static em_status append_entry(em_catalog *catalog, entry *added, em_error *err)
     return EM_OK;
 }
 
-em_status em_catalog_create_table(em_catalog *catalog, const em_table_config *config,
-                                  em_table **out, em_error *err)
+/* Names table in the catalog with the given references (the catalog's and maybe the
+ * caller's); on an error the table is destroyed. */
+static em_status adopt(em_catalog *catalog, em_table *table, unsigned references, em_error *err)
 {
-    pthread_mutex_lock(&catalog->lock);
-    bool taken = find_named(catalog, config->name) != NULL;
-    pthread_mutex_unlock(&catalog->lock);
-    if (taken)
-        return em_error_set(err, EM_ALREADY_EXISTS, "table '%s' already exists", config->name);
-    em_table *table = NULL;
-    em_status status = em_table_create(catalog->backend, config, &table, err);
-    if (status != EM_OK)
-        return status;
+    const em_table_config *config = em_table_get_config(table);
+    em_status status = EM_OK;
     entry *added = calloc(1, sizeof(*added));
     if (added == NULL) {
         em_table_destroy(table);
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "catalog: out of memory");
     }
-    *added = (entry){.table = table, .references = out != NULL ? 2 : 1, .named = true};
+    *added = (entry){.table = table, .references = references, .named = true};
     pthread_mutex_lock(&catalog->lock);
     /* Another creator may have taken the name while the shards were being set up. */
     if (find_named(catalog, config->name) != NULL)
@@ -142,9 +136,30 @@ em_status em_catalog_create_table(em_catalog *catalog, const em_table_config *co
         free(added);
         return status;
     }
-    if (out != NULL)
-        *out = table;
     return EM_OK;
+}
+
+em_status em_catalog_create_table(em_catalog *catalog, const em_table_config *config,
+                                  em_table **out, em_error *err)
+{
+    pthread_mutex_lock(&catalog->lock);
+    bool taken = find_named(catalog, config->name) != NULL;
+    pthread_mutex_unlock(&catalog->lock);
+    if (taken)
+        return em_error_set(err, EM_ALREADY_EXISTS, "table '%s' already exists", config->name);
+    em_table *table = NULL;
+    em_status status = em_table_create(catalog->backend, config, &table, err);
+    if (status != EM_OK)
+        return status;
+    status = adopt(catalog, table, out != NULL ? 2 : 1, err);
+    if (status == EM_OK && out != NULL)
+        *out = table;
+    return status;
+}
+
+em_status em_catalog_add(em_catalog *catalog, em_table *table, em_error *err)
+{
+    return adopt(catalog, table, 1, err);
 }
 
 em_status em_catalog_acquire(em_catalog *catalog, const char *name, em_table **out,

@@ -30,6 +30,10 @@ void em_catalog_destroy(em_catalog *catalog);
 em_status em_catalog_create_table(em_catalog *catalog, const em_table_config *config,
                                   em_table **out, em_error *err);
 
+/* Adds a table built elsewhere (a checkpoint load), which the catalog then owns; on an
+ * error (ALREADY_EXISTS naming it) the table is destroyed. Thread-safe. */
+em_status em_catalog_add(em_catalog *catalog, em_table *table, em_error *err);
+
 /* A reference to the table called name. Errors: NOT_FOUND ("no table 'x'; tables: a, b").
  * Thread-safe. */
 em_status em_catalog_acquire(em_catalog *catalog, const char *name, em_table **out,

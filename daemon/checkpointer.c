@@ -1,0 +1,213 @@
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "daemon/checkpointer.h"
+
+struct em_checkpointer {
+    const em_checkpoint_config *config;
+    em_catalog *catalog;
+    const em_log *log;
+    em_checkpoint_options options;
+    em_checkpoint_stats stats;
+    pthread_t thread;
+    bool thread_running;
+    pthread_mutex_t mutex;
+    pthread_cond_t wake;
+    bool stopping;
+};
+
+static uint64_t now_unix_ms(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    return (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u;
+}
+
+/* ---- saving -------------------------------------------------------------------------- */
+
+static em_status save_one(em_checkpointer *c, em_table *table, em_checkpoint_info *info,
+                          em_error *err)
+{
+    atomic_fetch_add(&c->stats.saves_running, 1);
+    em_status status = em_checkpoint_save(table, &c->options, info, err);
+    atomic_fetch_sub(&c->stats.saves_running, 1);
+    if (status != EM_OK) {
+        atomic_fetch_add(&c->stats.save_failures, 1);
+        em_log_error(c->log, "%s", err->message);
+        return status;
+    }
+    atomic_fetch_add(&c->stats.saves, 1);
+    atomic_fetch_add(&c->stats.rows_saved, info->rows);
+    atomic_fetch_add(&c->stats.bytes_saved, info->bytes);
+    atomic_store(&c->stats.last_success_unix_ms, now_unix_ms());
+    atomic_store(&c->stats.last_save_ms, (uint64_t)(info->seconds * 1000.0));
+    atomic_store(&c->stats.last_save_bytes, info->bytes);
+    em_log_notice(c->log, "saved table '%s' as checkpoint %s: %" PRIu64 " rows, %" PRIu64
+                  " bytes in %.3f s", info->table, info->id, info->rows, info->bytes,
+                  info->seconds);
+    return EM_OK;
+}
+
+em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_checkpoint_info **infos,
+                               size_t *count, em_error *err)
+{
+    *infos = NULL;
+    *count = 0;
+    em_table **tables = NULL;
+    size_t n = 0;
+    em_status status = EM_OK;
+    if (name != NULL && name[0] != '\0') {
+        tables = malloc(sizeof(*tables));
+        if (tables == NULL)
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of memory");
+        status = em_catalog_acquire(c->catalog, name, &tables[0], err);
+        n = status == EM_OK ? 1 : 0;
+    } else {
+        status = em_catalog_list(c->catalog, &tables, &n, err);
+    }
+    if (status == EM_OK && n > 0) {
+        *infos = calloc(n, sizeof(**infos));
+        if (*infos == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of memory");
+    }
+    em_status first = status;
+    for (size_t i = 0; i < n; i++) {
+        em_error one;
+        if (first == EM_OK || *infos != NULL) {
+            em_status saved = save_one(c, tables[i], &(*infos)[*count], &one);
+            if (saved == EM_OK)
+                (*count)++;
+            else if (first == EM_OK) {
+                first = saved;
+                em_error_copy(err, &one);
+            }
+        }
+        em_catalog_release(c->catalog, tables[i]);
+    }
+    free(tables);
+    return first;
+}
+
+/* ---- the periodic saves ------------------------------------------------------------- */
+
+static void *periodic(void *argument)
+{
+    em_checkpointer *c = argument;
+    pthread_mutex_lock(&c->mutex);
+    while (!c->stopping) {
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_sec += (time_t)c->config->interval_s;
+        while (!c->stopping && pthread_cond_timedwait(&c->wake, &c->mutex, &until) != ETIMEDOUT)
+            ;
+        if (c->stopping)
+            break;
+        pthread_mutex_unlock(&c->mutex);
+        em_checkpoint_info *infos = NULL;
+        size_t count = 0;
+        em_error err;
+        em_checkpointer_save(c, NULL, &infos, &count, &err); /* failures are logged */
+        free(infos);
+        pthread_mutex_lock(&c->mutex);
+    }
+    pthread_mutex_unlock(&c->mutex);
+    return NULL;
+}
+
+em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog *catalog,
+                                 const em_log *log, em_checkpointer **out, em_error *err)
+{
+    em_checkpointer *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "checkpointer: out of memory");
+    c->config = config;
+    c->catalog = catalog;
+    c->log = log;
+    em_checkpoint_options_init(&c->options, config->dir);
+    c->options.keep = config->keep;
+    c->options.copy_limit_bytes = config->copy_limit_bytes;
+    pthread_mutex_init(&c->mutex, NULL);
+    pthread_condattr_t attributes;
+    pthread_condattr_init(&attributes);
+    pthread_condattr_setclock(&attributes, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->wake, &attributes);
+    pthread_condattr_destroy(&attributes);
+    if (config->interval_s > 0) {
+        int rc = pthread_create(&c->thread, NULL, periodic, c);
+        if (rc != 0) {
+            em_checkpointer_destroy(c);
+            return em_error_set(err, EM_INTERNAL, "checkpointer thread: %s", strerror(rc));
+        }
+        c->thread_running = true;
+    }
+    *out = c;
+    return EM_OK;
+}
+
+void em_checkpointer_destroy(em_checkpointer *c)
+{
+    if (c == NULL)
+        return;
+    if (c->thread_running) {
+        pthread_mutex_lock(&c->mutex);
+        c->stopping = true;
+        pthread_cond_signal(&c->wake);
+        pthread_mutex_unlock(&c->mutex);
+        pthread_join(c->thread, NULL);
+    }
+    pthread_cond_destroy(&c->wake);
+    pthread_mutex_destroy(&c->mutex);
+    free(c);
+}
+
+const em_checkpoint_stats *em_checkpointer_stats(const em_checkpointer *c)
+{
+    return &c->stats;
+}
+
+/* ---- restore ---------------------------------------------------------------------------- */
+
+em_status em_checkpointer_restore(em_checkpointer *c,
+                                  void (*progress)(void *context, const char *line),
+                                  void *context, em_error *err)
+{
+    char **names = NULL;
+    size_t count = 0;
+    em_status status = em_checkpoint_tables(c->config->dir, &names, &count, err);
+    struct timespec start, end;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (size_t i = 0; status == EM_OK && i < count; i++) {
+        char line[512], path[4200];
+        snprintf(line, sizeof(line), "restoring table '%s' (%zu of %zu)", names[i], i + 1, count);
+        if (progress != NULL)
+            progress(context, line);
+        em_checkpoint_info info;
+        em_table *table = NULL;
+        status = em_checkpoint_latest(c->config->dir, names[i], path, sizeof(path), err);
+        if (status == EM_OK)
+            status = em_checkpoint_load(path, em_catalog_backend(c->catalog), NULL, &table, &info,
+                                        err);
+        if (status == EM_OK)
+            status = em_catalog_add(c->catalog, table, err);
+        if (status != EM_OK) {
+            em_error_prefix(err, "restore of table '%s': ", names[i]);
+            break;
+        }
+        atomic_fetch_add(&c->stats.tables_restored, 1);
+        atomic_fetch_add(&c->stats.rows_restored, info.rows);
+        em_log_notice(c->log, "restored table '%s' from checkpoint %s: %" PRIu64 " rows, %" PRIu64
+                      " bytes in %.3f s (%.2f GB/s)", names[i], info.id, info.rows, info.bytes,
+                      info.seconds, info.seconds > 0 ? (double)info.bytes / info.seconds / 1e9 : 0.0);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    atomic_store(&c->stats.restore_ms,
+                 (uint64_t)((end.tv_sec - start.tv_sec) * 1000 + (end.tv_nsec - start.tv_nsec) / 1000000));
+    em_checkpoint_free_names(names, count);
+    return status;
+}

@@ -1,0 +1,55 @@
+/*
+ * DESIGN: the daemon's checkpoints (config "checkpoint"): restore at start, saves on
+ * request (admin SAVE), every interval_s on a thread of their own, and at shutdown.
+ *
+ * Saves run off the event loop: SAVE on a worker, periodic saves on the checkpointer's
+ * thread, the shutdown save after the loop has stopped. Two saves of one table never
+ * overlap (the second gets FAILED_PRECONDITION: lib/checkpoint/checkpoint.h).
+ */
+#ifndef EMBER_DAEMON_CHECKPOINTER_H
+#define EMBER_DAEMON_CHECKPOINTER_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/daemon_config.h"
+#include "lib/base/log.h"
+#include "lib/base/status.h"
+#include "lib/checkpoint/checkpoint.h"
+#include "lib/table/catalog.h"
+
+typedef struct em_checkpointer em_checkpointer;
+
+/* What STATS shows of the saves (daemon/stats.h). */
+typedef struct em_checkpoint_stats {
+    _Atomic uint64_t saves, save_failures, rows_saved, bytes_saved;
+    _Atomic uint64_t last_success_unix_ms, last_save_ms, last_save_bytes;
+    _Atomic uint64_t saves_running;
+    _Atomic uint64_t tables_restored, rows_restored, restore_ms;
+} em_checkpoint_stats;
+
+/* Starts the periodic saves when config->interval_s > 0. config, catalog and log are
+ * borrowed and outlive the checkpointer. */
+em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog *catalog,
+                                 const em_log *log, em_checkpointer **out, em_error *err);
+
+/* Stops the periodic saves (waits for one that runs). NULL is ignored. */
+void em_checkpointer_destroy(em_checkpointer *checkpointer);
+
+/* Loads the latest checkpoint of every table under the checkpoint dir into the catalog
+ * (before it serves). progress (nullable) hears "restoring table 't' (i of n)". Errors:
+ * those of em_checkpoint_load, naming the table; the first one stops the restore. */
+em_status em_checkpointer_restore(em_checkpointer *checkpointer,
+                                  void (*progress)(void *context, const char *line),
+                                  void *context, em_error *err);
+
+/* Saves the table called name, or every table when name is NULL or empty; *infos (a
+ * malloc'ed array the caller frees) gets what was saved. Every table is tried; the
+ * error is the first failure. Errors: NOT_FOUND, those of em_checkpoint_save. */
+em_status em_checkpointer_save(em_checkpointer *checkpointer, const char *name,
+                               em_checkpoint_info **infos, size_t *count, em_error *err);
+
+const em_checkpoint_stats *em_checkpointer_stats(const em_checkpointer *checkpointer);
+
+#endif
