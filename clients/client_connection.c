@@ -367,6 +367,8 @@ static const ProtobufCMessageDescriptor *response_descriptor(int method)
         return &ember__stats_response__descriptor;
     case EMBER__METHOD__SAVE:
         return &ember__save_response__descriptor;
+    case EMBER__METHOD__LOAD:
+        return &ember__load_response__descriptor;
     default:
         return NULL;
     }

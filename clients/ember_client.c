@@ -747,19 +747,28 @@ em_status em_client_stats(em_client *client, const char *table, cJSON **stats, e
     return status;
 }
 
+static cJSON *checkpoint_info(const Ember__CheckpointInfo *info)
+{
+    cJSON *item = cJSON_CreateObject();
+    if (item == NULL || cJSON_AddStringToObject(item, "table", info->table) == NULL ||
+        cJSON_AddStringToObject(item, "id", info->id) == NULL ||
+        cJSON_AddStringToObject(item, "path", info->path) == NULL ||
+        cJSON_AddNumberToObject(item, "rows", (double)info->rows) == NULL ||
+        cJSON_AddNumberToObject(item, "bytes", (double)info->bytes) == NULL ||
+        cJSON_AddNumberToObject(item, "seconds", info->seconds) == NULL) {
+        cJSON_Delete(item);
+        return NULL;
+    }
+    return item;
+}
+
 static cJSON *checkpoint_list(const Ember__SaveResponse *response)
 {
     cJSON *list = cJSON_CreateArray();
     for (size_t i = 0; list != NULL && i < response->n_saved; i++) {
-        const Ember__CheckpointInfo *info = response->saved[i];
-        cJSON *item = cJSON_CreateObject();
-        if (item == NULL || !cJSON_AddItemToArray(list, item) ||
-            cJSON_AddStringToObject(item, "table", info->table) == NULL ||
-            cJSON_AddStringToObject(item, "id", info->id) == NULL ||
-            cJSON_AddStringToObject(item, "path", info->path) == NULL ||
-            cJSON_AddNumberToObject(item, "rows", (double)info->rows) == NULL ||
-            cJSON_AddNumberToObject(item, "bytes", (double)info->bytes) == NULL ||
-            cJSON_AddNumberToObject(item, "seconds", info->seconds) == NULL) {
+        cJSON *item = checkpoint_info(response->saved[i]);
+        if (item == NULL || !cJSON_AddItemToArray(list, item)) {
+            cJSON_Delete(item);
             cJSON_Delete(list);
             return NULL;
         }
@@ -779,6 +788,31 @@ em_status em_client_save(em_client *client, const char *table, cJSON **saved, em
     *saved = checkpoint_list((const Ember__SaveResponse *)call_response(call));
     if (*saved == NULL)
         status = out_of_memory(err, "save");
+    call_destroy(client, call);
+    return status;
+}
+
+em_status em_client_load(em_client *client, const char *table, const char *path,
+                         bool weights_only, cJSON **loaded, em_error *err)
+{
+    if (loaded != NULL)
+        *loaded = NULL;
+    if (table == NULL || table[0] == '\0')
+        return em_error_set(err, EM_INVALID_ARGUMENT, "table name is empty");
+    Ember__LoadRequest body = EMBER__LOAD_REQUEST__INIT;
+    body.table = (char *)table;
+    body.path = (char *)(path != NULL ? path : "");
+    body.weights_only = weights_only;
+    em_client_call *call;
+    em_status status = message_call(client, EMBER__METHOD__LOAD, &body.base, &call, err);
+    if (status != EM_OK)
+        return status;
+    const Ember__LoadResponse *response = (const Ember__LoadResponse *)call_response(call);
+    if (loaded != NULL && response->loaded != NULL) {
+        *loaded = checkpoint_info(response->loaded);
+        if (*loaded == NULL)
+            status = out_of_memory(err, "load");
+    }
     call_destroy(client, call);
     return status;
 }

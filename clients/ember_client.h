@@ -140,4 +140,11 @@ em_status em_client_stats(em_client *client, const char *table, cJSON **stats, e
  * gets a JSON array of {table, id, path, rows, bytes, seconds}. */
 em_status em_client_save(em_client *client, const char *table, cJSON **saved, em_error *err);
 
+/* Loads a checkpoint on the first server into the table (new, or replacing it in one
+ * step): path is the checkpoint's directory on the server, or NULL for the table's
+ * latest checkpoint; weights_only keeps the table's optimizer and loads the weights.
+ * *loaded (nullable) gets {table, id, path, rows, bytes, seconds}. */
+em_status em_client_load(em_client *client, const char *table, const char *path,
+                         bool weights_only, cJSON **loaded, em_error *err);
+
 #endif

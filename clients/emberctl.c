@@ -102,6 +102,10 @@ static void print_help(FILE *out)
           "  tables drop NAME\n"
           "  stats [TABLE]              server, request, table and memory pool statistics\n"
           "  save [TABLE]               save every table (or one) as a checkpoint now\n"
+          "  load TABLE [--from PATH] [--weights-only]\n"
+          "                             load a checkpoint (the table's latest, or the\n"
+          "                             directory PATH on the server) as TABLE, replacing\n"
+          "                             it; --weights-only keeps TABLE's optimizer\n"
           "  checkpoints list DIR [TABLE]\n"
           "                             the complete checkpoints under a checkpoint dir\n"
           "  checkpoints verify PATH    check every checksum of a checkpoint (no server)\n"
@@ -759,6 +763,43 @@ static int command_save(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+static int command_load(cli *c, int argc, char **argv)
+{
+    const char *table = NULL, *path = NULL;
+    bool weights_only = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--from") == 0 && i + 1 < argc)
+            path = argv[++i];
+        else if (strcmp(argv[i], "--weights-only") == 0)
+            weights_only = true;
+        else if (argv[i][0] != '-' && table == NULL)
+            table = argv[i];
+        else
+            return usage_error("load: unexpected argument '%s'", argv[i]);
+    }
+    if (table == NULL)
+        return usage_error("load needs a table name");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    cJSON *loaded = NULL;
+    em_error err;
+    if (em_client_load(c->client, table, path, weights_only, &loaded, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        print_json(loaded);
+    } else {
+        printf("%s: loaded checkpoint %s, %.0f rows, %.3f s, from %s%s\n", table,
+               cJSON_GetObjectItem(loaded, "id")->valuestring,
+               cJSON_GetObjectItem(loaded, "rows")->valuedouble,
+               cJSON_GetObjectItem(loaded, "seconds")->valuedouble,
+               cJSON_GetObjectItem(loaded, "path")->valuestring,
+               weights_only ? " (weights only)" : "");
+    }
+    cJSON_Delete(loaded);
+    return EXIT_OK;
+}
+
 /* Offline: a checkpoint's files are read here, not by a server. */
 static int checkpoint_failed(const em_error *err)
 {
@@ -851,6 +892,7 @@ static const command commands[] = {
     {"tables", command_tables},
     {"stats", command_stats},
     {"save", command_save},
+    {"load", command_load},
     {"checkpoints", command_checkpoints},
 };
 
@@ -984,11 +1026,11 @@ int main(int argc, char **argv)
     }
     if (optind >= argc) {
         free(ordered);
-        return usage_error("no command given (ping, health, tables, stats, save, checkpoints)");
+        return usage_error("no command given (ping, health, tables, stats, save, load, checkpoints)");
     }
     const command *chosen = find_command(ordered[optind]);
     if (chosen == NULL) {
-        code = usage_error("unknown command '%s' (ping, health, tables, stats, save, checkpoints)", ordered[optind]);
+        code = usage_error("unknown command '%s' (ping, health, tables, stats, save, load, checkpoints)", ordered[optind]);
         free(ordered);
         return code;
     }

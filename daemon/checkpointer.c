@@ -14,7 +14,7 @@ struct em_checkpointer {
     em_catalog *catalog;
     const em_log *log;
     em_checkpoint_options options;
-    em_checkpoint_stats stats;
+    em_server_stats *stats;
     pthread_t thread;
     bool thread_running;
     pthread_mutex_t mutex;
@@ -34,20 +34,18 @@ static uint64_t now_unix_ms(void)
 static em_status save_one(em_checkpointer *c, em_table *table, em_checkpoint_info *info,
                           em_error *err)
 {
-    atomic_fetch_add(&c->stats.saves_running, 1);
+    atomic_fetch_add(&c->stats->checkpoint_saves_running, 1);
     em_status status = em_checkpoint_save(table, &c->options, info, err);
-    atomic_fetch_sub(&c->stats.saves_running, 1);
+    atomic_fetch_sub(&c->stats->checkpoint_saves_running, 1);
     if (status != EM_OK) {
-        atomic_fetch_add(&c->stats.save_failures, 1);
+        atomic_fetch_add(&c->stats->checkpoint_save_failures, 1);
         em_log_error(c->log, "%s", err->message);
         return status;
     }
-    atomic_fetch_add(&c->stats.saves, 1);
-    atomic_fetch_add(&c->stats.rows_saved, info->rows);
-    atomic_fetch_add(&c->stats.bytes_saved, info->bytes);
-    atomic_store(&c->stats.last_success_unix_ms, now_unix_ms());
-    atomic_store(&c->stats.last_save_ms, (uint64_t)(info->seconds * 1000.0));
-    atomic_store(&c->stats.last_save_bytes, info->bytes);
+    atomic_fetch_add(&c->stats->checkpoint_saves, 1);
+    atomic_store(&c->stats->checkpoint_last_success_unix_ms, now_unix_ms());
+    atomic_store(&c->stats->checkpoint_last_save_ms, (uint64_t)(info->seconds * 1000.0));
+    atomic_store(&c->stats->checkpoint_last_save_bytes, info->bytes);
     em_log_notice(c->log, "saved table '%s' as checkpoint %s: %" PRIu64 " rows, %" PRIu64
                   " bytes in %.3f s", info->table, info->id, info->rows, info->bytes,
                   info->seconds);
@@ -121,7 +119,8 @@ static void *periodic(void *argument)
 }
 
 em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog *catalog,
-                                 const em_log *log, em_checkpointer **out, em_error *err)
+                                 const em_log *log, em_server_stats *stats,
+                                 em_checkpointer **out, em_error *err)
 {
     em_checkpointer *c = calloc(1, sizeof(*c));
     if (c == NULL)
@@ -129,6 +128,7 @@ em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog 
     c->config = config;
     c->catalog = catalog;
     c->log = log;
+    c->stats = stats;
     em_checkpoint_options_init(&c->options, config->dir);
     c->options.keep = config->keep;
     c->options.copy_limit_bytes = config->copy_limit_bytes;
@@ -166,11 +166,6 @@ void em_checkpointer_destroy(em_checkpointer *c)
     free(c);
 }
 
-const em_checkpoint_stats *em_checkpointer_stats(const em_checkpointer *c)
-{
-    return &c->stats;
-}
-
 /* ---- restore ---------------------------------------------------------------------------- */
 
 em_status em_checkpointer_restore(em_checkpointer *c,
@@ -180,8 +175,6 @@ em_status em_checkpointer_restore(em_checkpointer *c,
     char **names = NULL;
     size_t count = 0;
     em_status status = em_checkpoint_tables(c->config->dir, &names, &count, err);
-    struct timespec start, end;
-    clock_gettime(CLOCK_MONOTONIC, &start);
     for (size_t i = 0; status == EM_OK && i < count; i++) {
         char line[512], path[4200];
         snprintf(line, sizeof(line), "restoring table '%s' (%zu of %zu)", names[i], i + 1, count);
@@ -199,15 +192,47 @@ em_status em_checkpointer_restore(em_checkpointer *c,
             em_error_prefix(err, "restore of table '%s': ", names[i]);
             break;
         }
-        atomic_fetch_add(&c->stats.tables_restored, 1);
-        atomic_fetch_add(&c->stats.rows_restored, info.rows);
+        atomic_fetch_add(&c->stats->checkpoint_tables_restored, 1);
+        atomic_fetch_add(&c->stats->checkpoint_rows_restored, info.rows);
         em_log_notice(c->log, "restored table '%s' from checkpoint %s: %" PRIu64 " rows, %" PRIu64
                       " bytes in %.3f s (%.2f GB/s)", names[i], info.id, info.rows, info.bytes,
                       info.seconds, info.seconds > 0 ? (double)info.bytes / info.seconds / 1e9 : 0.0);
     }
-    clock_gettime(CLOCK_MONOTONIC, &end);
-    atomic_store(&c->stats.restore_ms,
-                 (uint64_t)((end.tv_sec - start.tv_sec) * 1000 + (end.tv_nsec - start.tv_nsec) / 1000000));
     em_checkpoint_free_names(names, count);
     return status;
+}
+
+em_status em_checkpointer_load(em_checkpointer *c, em_catalog *catalog, const char *dir,
+                               const char *table, const char *path, bool weights_only,
+                               em_checkpoint_info *info, em_error *err)
+{
+    (void)c;
+    char latest[4200];
+    em_status status = EM_OK;
+    if (path == NULL || path[0] == '\0') {
+        if (dir == NULL)
+            return em_error_set(err, EM_FAILED_PRECONDITION,
+                                "load of table '%s': no path given, and this server has no "
+                                "checkpoint dir", table);
+        status = em_checkpoint_latest(dir, table, latest, sizeof(latest), err);
+        path = latest;
+    }
+    em_table *loaded = NULL;
+    if (status == EM_OK && weights_only) {
+        em_table *existing = NULL;
+        status = em_catalog_acquire(catalog, table, &existing, err);
+        if (status == EM_OK) {
+            em_table_config config = *em_table_get_config(existing);
+            em_catalog_release(catalog, existing);
+            status = em_checkpoint_load_weights(path, em_catalog_backend(catalog), &config,
+                                                &loaded, info, err);
+        }
+    } else if (status == EM_OK) {
+        status = em_checkpoint_load(path, em_catalog_backend(catalog), table, &loaded, info, err);
+    }
+    if (status == EM_OK)
+        status = em_catalog_replace(catalog, loaded, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "load of table '%s': ", table);
+    return EM_OK;
 }

@@ -10,10 +10,12 @@
 #define EMBER_DAEMON_CHECKPOINTER_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "daemon/daemon_config.h"
+#include "daemon/stats.h"
 #include "lib/base/log.h"
 #include "lib/base/status.h"
 #include "lib/checkpoint/checkpoint.h"
@@ -21,18 +23,11 @@
 
 typedef struct em_checkpointer em_checkpointer;
 
-/* What STATS shows of the saves (daemon/stats.h). */
-typedef struct em_checkpoint_stats {
-    _Atomic uint64_t saves, save_failures, rows_saved, bytes_saved;
-    _Atomic uint64_t last_success_unix_ms, last_save_ms, last_save_bytes;
-    _Atomic uint64_t saves_running;
-    _Atomic uint64_t tables_restored, rows_restored, restore_ms;
-} em_checkpoint_stats;
-
-/* Starts the periodic saves when config->interval_s > 0. config, catalog and log are
- * borrowed and outlive the checkpointer. */
+/* Starts the periodic saves when config->interval_s > 0. config, catalog, log and stats
+ * (where the checkpoint_* counters go) are borrowed and outlive the checkpointer. */
 em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog *catalog,
-                                 const em_log *log, em_checkpointer **out, em_error *err);
+                                 const em_log *log, em_server_stats *stats,
+                                 em_checkpointer **out, em_error *err);
 
 /* Stops the periodic saves (waits for one that runs). NULL is ignored. */
 void em_checkpointer_destroy(em_checkpointer *checkpointer);
@@ -50,6 +45,14 @@ em_status em_checkpointer_restore(em_checkpointer *checkpointer,
 em_status em_checkpointer_save(em_checkpointer *checkpointer, const char *name,
                                em_checkpoint_info **infos, size_t *count, em_error *err);
 
-const em_checkpoint_stats *em_checkpointer_stats(const em_checkpointer *checkpointer);
+/* Loads the checkpoint at path (NULL or empty: the latest of table under the checkpoint
+ * dir) as the table called table, replacing the one of that name in one step; with
+ * weights_only the existing table's config is kept and only the weights are loaded.
+ * Nothing changes on an error. Errors: those of em_checkpoint_load and _load_weights,
+ * NOT_FOUND (weights_only without the table, or no checkpoint), FAILED_PRECONDITION
+ * without a checkpoint dir and no path. */
+em_status em_checkpointer_load(em_checkpointer *checkpointer, em_catalog *catalog,
+                               const char *dir, const char *table, const char *path,
+                               bool weights_only, em_checkpoint_info *info, em_error *err);
 
 #endif

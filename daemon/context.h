@@ -38,6 +38,7 @@ typedef struct em_faults {
 typedef struct em_server_context {
     em_catalog *catalog;
     em_checkpointer *checkpointer; /* NULL without a checkpoint section */
+    const char *checkpoint_dir;    /* checkpoint.dir, with the checkpointer */
     em_backend *backend;
     em_executor *executor;
     const em_log *log;

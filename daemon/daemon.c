@@ -202,7 +202,7 @@ static em_status create_tables(em_daemon *d, em_error *err)
     em_status status = em_catalog_create(d->backend, &d->catalog, err);
     if (status == EM_OK && d->config.checkpoint.enabled)
         status = em_checkpointer_create(&d->config.checkpoint, d->catalog, &d->log,
-                                        &d->checkpointer, err);
+                                        &d->context.stats, &d->checkpointer, err);
     if (status == EM_OK && d->checkpointer != NULL &&
         d->config.checkpoint.restore == EM_RESTORE_LATEST)
         status = em_checkpointer_restore(d->checkpointer, restore_progress, d, err);
@@ -399,6 +399,7 @@ static em_status start(em_daemon *d, em_error *err)
     d->wake_open = true;
     d->context.catalog = d->catalog;
     d->context.checkpointer = d->checkpointer;
+    d->context.checkpoint_dir = d->config.checkpoint.dir;
     d->context.backend = d->backend;
     d->context.log = &d->log;
     d->context.start_ms = em_monotonic_ms();

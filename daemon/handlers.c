@@ -436,6 +436,34 @@ em_status em_handle_save(em_request *request, em_error *err)
     return status;
 }
 
+em_status em_handle_load(em_request *request, em_error *err)
+{
+    const Ember__LoadRequest *body = (const Ember__LoadRequest *)request->body;
+    em_server_context *context = request->context;
+    em_status status = em_table_name_check(body->table, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "load: ");
+    const char *dir = context->checkpointer != NULL ? context->checkpoint_dir : NULL;
+    em_checkpoint_info info;
+    status = em_checkpointer_load(context->checkpointer, context->catalog, dir, body->table,
+                                  body->path, body->weights_only, &info, err);
+    if (status != EM_OK)
+        return status;
+    em_log_notice(context->log, "loaded table '%s' from %s%s: %" PRIu64 " rows in %.3f s",
+                  body->table, info.path, body->weights_only ? " (weights only)" : "", info.rows,
+                  info.seconds);
+    Ember__CheckpointInfo item = EMBER__CHECKPOINT_INFO__INIT;
+    item.table = info.table;
+    item.id = info.id;
+    item.path = info.path;
+    item.rows = info.rows;
+    item.bytes = info.bytes;
+    item.seconds = info.seconds;
+    Ember__LoadResponse response = EMBER__LOAD_RESPONSE__INIT;
+    response.loaded = &item;
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
 /* ---- stats ----------------------------------------------------------------------------- */
 
 /* The STATS answer is a visitor over the snapshot (daemon/stats.h): each number goes to

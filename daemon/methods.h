@@ -43,7 +43,8 @@
     X(DROP_TABLE, drop_table, ADMIN, ADMIN, WRITE, NONE)                                      \
     X(LIST_TABLES, list_tables, ADMIN, ADMIN, READ, NONE)                                     \
     X(STATS, stats, ADMIN, ADMIN, READ, NONE)                                                 \
-    X(SAVE, save, ADMIN, ADMIN, READ, NONE)
+    X(SAVE, save, ADMIN, ADMIN, READ, NONE)                                                   \
+    X(LOAD, load, ADMIN, ADMIN, WRITE, NONE)
 
 typedef enum em_method_listener {
     EM_METHOD_LISTENER_ANY,

@@ -102,7 +102,7 @@ static void visit_method(const em_method_snapshot *method, size_t index, em_stat
 #undef VISIT_METHOD
 }
 
-static void visit_table(const em_table_snapshot *table, size_t index, em_stats_visitor visitor,
+static void visit_table(const em_table_stats_snapshot *table, size_t index, em_stats_visitor visitor,
                         void *context)
 {
     const em_stat *stat = TABLE_SCHEMA;

@@ -53,7 +53,16 @@
       "connections closed when their answers made no progress for write_timeout_ms")          \
     X(requests_refused_draining, COUNTER, NONE, "requests answered UNAVAILABLE while draining") \
     X(tls_handshakes, COUNTER, NONE, "TLS handshakes completed")                              \
-    X(tls_handshakes_failed, COUNTER, NONE, "TLS handshakes refused (bad certificate, protocol)")
+    X(tls_handshakes_failed, COUNTER, NONE, "TLS handshakes refused (bad certificate, protocol)") \
+    X(checkpoint_saves, COUNTER, NONE, "table checkpoints completed")                         \
+    X(checkpoint_save_failures, COUNTER, NONE, "table checkpoints that failed")               \
+    X(checkpoint_saves_running, GAUGE, NONE, "table checkpoints being written now")           \
+    X(checkpoint_last_success_unix_ms, GAUGE, MILLISECONDS,                                   \
+      "when the last checkpoint completed (Unix time)")                                       \
+    X(checkpoint_last_save_ms, GAUGE, MILLISECONDS, "how long the last completed save took") \
+    X(checkpoint_last_save_bytes, GAUGE, BYTES, "bytes the last completed save wrote")        \
+    X(checkpoint_tables_restored, COUNTER, NONE, "tables loaded from checkpoints at start")   \
+    X(checkpoint_rows_restored, COUNTER, NONE, "rows loaded from checkpoints at start")
 
 /* X(name, kind, unit, help): per method. */
 #define EM_METHOD_COUNTERS(X)                                                                 \
@@ -112,10 +121,10 @@ typedef struct em_method_snapshot {
 #undef EM_METHOD_SNAPSHOT_FIELD
 } em_method_snapshot;
 
-typedef struct em_table_snapshot {
+typedef struct em_table_stats_snapshot {
     char name[EM_TABLE_NAME_MAX + 1];
     em_table_stats stats;
-} em_table_snapshot;
+} em_table_stats_snapshot;
 
 typedef struct em_pool_snapshot {
     char device[32];
@@ -132,7 +141,7 @@ typedef struct em_stats_snapshot {
 #undef EM_SERVER_SNAPSHOT_FIELD
     em_method_snapshot methods[EM_METHOD_COUNT];
     size_t method_count;
-    em_table_snapshot *tables;
+    em_table_stats_snapshot *tables;
     size_t table_count;
     em_pool_snapshot *pools;
     size_t pool_count;

@@ -29,7 +29,8 @@ setup build-asan -Dcuda=disabled -Db_sanitize=address,undefined -Db_lundef=false
   -Dc_args=-fno-sanitize-recover=all
 meson compile -C build-asan
 echo "== unit and integration tests under ASan + UBSan"
-ASAN_OPTIONS=abort_on_error=1:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+EMBER_CRASH_ITERATIONS=${EMBER_CRASH_ITERATIONS:-40} ASAN_OPTIONS=abort_on_error=1:detect_leaks=1 \
+  UBSAN_OPTIONS=print_stacktrace=1 \
   meson test -C build-asan --print-errorlogs --num-processes 2 --timeout-multiplier 4 \
   --suite unit --suite integration
 echo "== fuzzers (build-fuzz/, clang + libFuzzer, ${EMBER_FUZZ_SECONDS:-30} s each)"

@@ -78,6 +78,13 @@ em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_er
 em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
                              em_table **out, em_checkpoint_info *info, em_error *err);
 
+/* Warm start: creates a table with config (its own optimizer) holding the checkpoint's
+ * keys with their weights only; each row's optimizer state starts as a new row's.
+ * Errors: those of load, and INVALID_ARGUMENT naming both dims when they differ. */
+em_status em_checkpoint_load_weights(const char *path, em_backend *backend,
+                                     const em_table_config *config, em_table **out,
+                                     em_checkpoint_info *info, em_error *err);
+
 /* The path of the latest complete checkpoint of table under dir. Errors: NOT_FOUND
  * when the table has none. */
 em_status em_checkpoint_latest(const char *dir, const char *table, char *path, size_t capacity,

@@ -272,6 +272,9 @@ static em_status read_index(const char *dir, const manifest *m, em_index_entry *
 
 /* ---- rows.emb -------------------------------------------------------------------------- */
 
+/* Rows go into the table in batches of about this many bytes (chunks are small). */
+#define IMPORT_BATCH_BYTES (16u << 20)
+
 typedef struct reader {
     const char *dir;
     const manifest *m;
@@ -280,7 +283,88 @@ typedef struct reader {
     uint64_t position;
     unsigned char *payload;
     size_t payload_capacity;
+    em_table *table;        /* NULL: verify only */
+    bool weights_only;      /* rows get the weights, and a new row's optimizer state */
+    uint32_t table_floats;  /* floats per row of the table */
+    float initial_state;    /* weights only: every state float of a new row */
+    uint64_t *batch_keys;   /* rows waiting for the table */
+    float *batch_values;
+    uint64_t batched, batch_capacity, batch_first_chunk;
 } reader;
+
+/* Imports rows of chunks first..last. A refusal means rows that passed their checksums
+ * but that no table takes (a repeated key, a non-finite value): the checkpoint is bad. */
+static em_status import_rows(reader *r, const uint64_t *keys, const float *values, uint64_t n,
+                             uint64_t first, uint64_t last, em_error *err)
+{
+    em_status status = em_table_import(r->table, keys, values, n, err);
+    if (status == EM_INVALID_ARGUMENT) {
+        em_error_prefix(err, "checkpoint %s: rows.emb: chunks %" PRIu64 "..%" PRIu64 ": ", r->dir,
+                        first, last);
+        err->status = EM_DATA_LOSS;
+        status = EM_DATA_LOSS;
+    }
+    return status;
+}
+
+static em_status flush_batch(reader *r, uint64_t last_chunk, em_error *err)
+{
+    uint64_t n = r->batched;
+    r->batched = 0;
+    return n == 0 ? EM_OK
+                  : import_rows(r, r->batch_keys, r->batch_values, n, r->batch_first_chunk,
+                                last_chunk, err);
+}
+
+/* Adds chunk i's rows (in r->payload) to the batch, importing it first when full. */
+static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err)
+{
+    uint32_t floats = r->table_floats, dim = r->m->config.dim;
+    if (r->batch_capacity == 0) {
+        r->batch_capacity = IMPORT_BATCH_BYTES / (sizeof(uint64_t) + floats * sizeof(float)) + 1;
+        r->batch_keys = malloc(r->batch_capacity * sizeof(uint64_t));
+        r->batch_values = malloc(r->batch_capacity * floats * sizeof(float));
+        if (r->batch_keys == NULL || r->batch_values == NULL)
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    }
+    em_status status = EM_OK;
+    if (r->batched + rows > r->batch_capacity)
+        status = flush_batch(r, i - 1, err);
+    if (status != EM_OK)
+        return status;
+    if (rows > r->batch_capacity && !r->weights_only) /* a large chunk goes alone */
+        return import_rows(r, (const uint64_t *)r->payload,
+                           (const float *)(r->payload + rows * sizeof(uint64_t)), rows, i, i, err);
+    for (uint32_t done = 0; done < rows;) {
+        if (r->batched == r->batch_capacity) {
+            status = flush_batch(r, i, err);
+            if (status != EM_OK)
+                return status;
+        }
+        if (r->batched == 0)
+            r->batch_first_chunk = i;
+        uint32_t take = rows - done;
+        uint64_t room = r->batch_capacity - r->batched;
+        take = take < room ? take : (uint32_t)room;
+        const float *values = (const float *)(r->payload + rows * sizeof(uint64_t));
+        memcpy(r->batch_keys + r->batched, (const uint64_t *)r->payload + done,
+               take * sizeof(uint64_t));
+        if (!r->weights_only) {
+            memcpy(r->batch_values + r->batched * floats, values + (size_t)done * floats,
+                   (size_t)take * floats * sizeof(float));
+        } else { /* weights only: a new row's state after them */
+            for (uint32_t k = 0; k < take; k++) {
+                float *row = r->batch_values + (r->batched + k) * floats;
+                memcpy(row, values + (size_t)(done + k) * r->m->row_floats, dim * sizeof(float));
+                for (uint32_t j = dim; j < floats; j++)
+                    row[j] = r->initial_state;
+            }
+        }
+        r->batched += take;
+        done += take;
+    }
+    return EM_OK;
+}
 
 static em_status read_exactly(reader *r, void *data, size_t bytes, uint64_t chunk, em_error *err)
 {
@@ -344,11 +428,21 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
 
 /* One pass over rows.emb; each chunk's rows go into table when it is not NULL. */
 static em_status read_rows(const char *dir, const manifest *m, const em_index_entry *index,
-                           em_table *table, em_error *err)
+                           em_table *table, bool weights_only, em_error *err)
 {
     char path[4400];
     snprintf(path, sizeof(path), "%s/rows.emb", dir);
-    reader r = {.dir = dir, .m = m, .file = fopen(path, "rbe"), .hash = XXH3_createState()};
+    reader r = {.dir = dir, .m = m, .file = fopen(path, "rbe"), .hash = XXH3_createState(),
+                .table = table, .weights_only = weights_only, .table_floats = m->row_floats};
+    if (table != NULL) {
+        em_table_stats stats;
+        em_table_get_stats(table, &stats);
+        r.table_floats = stats.row_floats;
+        const em_optimizer_config *optimizer = &em_table_get_config(table)->optimizer;
+        r.initial_state = em_optimizer_has_accumulator(optimizer->kind)
+                              ? optimizer->initial_accumulator
+                              : 0.0f;
+    }
     if (r.file == NULL) {
         XXH3_freeState(r.hash);
         return data_loss(err, dir, "rows.emb", "cannot open: %s", strerror(errno));
@@ -367,20 +461,12 @@ static em_status read_rows(const char *dir, const manifest *m, const em_index_en
     uint64_t rows = 0;
     for (uint64_t i = 0; status == EM_OK && i < m->chunks; i++) {
         status = read_chunk(&r, i, &index[i], err);
-        if (status == EM_OK && table != NULL) {
-            const uint64_t *keys = (const uint64_t *)r.payload;
-            const float *values = (const float *)(r.payload + index[i].rows * sizeof(uint64_t));
-            status = em_table_import(table, keys, values, index[i].rows, err);
-            if (status == EM_INVALID_ARGUMENT) {
-                /* rows that passed their checksums but that no table takes (a repeated
-                 * key, a non-finite value): the checkpoint is bad, not the request */
-                em_error_prefix(err, "checkpoint %s: rows.emb: chunk %" PRIu64 ": ", dir, i);
-                err->status = EM_DATA_LOSS;
-                status = EM_DATA_LOSS;
-            }
-        }
+        if (status == EM_OK && table != NULL)
+            status = batch_chunk(&r, i, index[i].rows, err);
         rows += index[i].rows;
     }
+    if (status == EM_OK && table != NULL)
+        status = flush_batch(&r, m->chunks - 1, err);
     if (status == EM_OK && r.position != m->rows_file.bytes)
         status = data_loss(err, dir, "rows.emb",
                            "%" PRIu64 " bytes after the last chunk the index names",
@@ -395,6 +481,8 @@ static em_status read_rows(const char *dir, const manifest *m, const em_index_en
     fclose(r.file);
     XXH3_freeState(r.hash);
     free(r.payload);
+    free(r.batch_keys);
+    free(r.batch_values);
     return status;
 }
 
@@ -407,8 +495,11 @@ static double monotonic_seconds(void)
     return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
 }
 
+/* Verifies (backend NULL) or loads the checkpoint at path; weights_into, when not NULL,
+ * is the config of the table to create with the weights only. */
 static em_status read_checkpoint(const char *path, em_backend *backend, const char *name,
-                                 em_table **out, em_checkpoint_info *info, em_error *err)
+                                 const em_table_config *weights_into, em_table **out,
+                                 em_checkpoint_info *info, em_error *err)
 {
     double start = monotonic_seconds();
     manifest m;
@@ -423,13 +514,22 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
             status = EM_INVALID_ARGUMENT;
         else if (name != NULL)
             snprintf(m.config.name, sizeof(m.config.name), "%s", name);
-        if (status == EM_OK && m.config.capacity < m.rows)
-            m.config.capacity = m.rows;
+        em_table_config config = m.config;
+        if (status == EM_OK && weights_into != NULL) {
+            if (weights_into->dim != m.config.dim)
+                status = em_error_set(err, EM_INVALID_ARGUMENT,
+                                      "checkpoint %s: its table has dim %u, table '%s' has dim "
+                                      "%u", path, m.config.dim, weights_into->name,
+                                      weights_into->dim);
+            config = *weights_into;
+        }
+        if (status == EM_OK && config.capacity < m.rows)
+            config.capacity = m.rows;
         if (status == EM_OK)
-            status = em_table_create(backend, &m.config, &table, err);
+            status = em_table_create(backend, &config, &table, err);
     }
     if (status == EM_OK)
-        status = read_rows(path, &m, index, table, err);
+        status = read_rows(path, &m, index, table, weights_into != NULL, err);
     if (status == EM_OK && table != NULL) {
         em_table_stats stats;
         em_table_get_stats(table, &stats);
@@ -445,7 +545,8 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
     }
     if (info != NULL) {
         memset(info, 0, sizeof(*info));
-        snprintf(info->table, sizeof(info->table), "%s", m.config.name);
+        snprintf(info->table, sizeof(info->table), "%s",
+                 table != NULL ? em_table_name(table) : m.config.name);
         snprintf(info->id, sizeof(info->id), "%s", m.id);
         snprintf(info->path, sizeof(info->path), "%s", path);
         info->rows = m.rows;
@@ -461,13 +562,20 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
 
 em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err)
 {
-    return read_checkpoint(path, NULL, NULL, NULL, info, err);
+    return read_checkpoint(path, NULL, NULL, NULL, NULL, info, err);
 }
 
 em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
                              em_table **out, em_checkpoint_info *info, em_error *err)
 {
-    return read_checkpoint(path, backend, name, out, info, err);
+    return read_checkpoint(path, backend, name, NULL, out, info, err);
+}
+
+em_status em_checkpoint_load_weights(const char *path, em_backend *backend,
+                                     const em_table_config *config, em_table **out,
+                                     em_checkpoint_info *info, em_error *err)
+{
+    return read_checkpoint(path, backend, NULL, config, out, info, err);
 }
 
 /* ---- the checkpoint directory --------------------------------------------------------- */

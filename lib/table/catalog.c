@@ -112,13 +112,17 @@ static em_status append_entry(em_catalog *catalog, entry *added, em_error *err)
     return EM_OK;
 }
 
+static entry *unreference(em_catalog *catalog, entry *e, size_t index);
+
 /* Names table in the catalog with the given references (the catalog's and maybe the
- * caller's); on an error the table is destroyed. */
-static em_status adopt(em_catalog *catalog, em_table *table, unsigned references, em_error *err)
+ * caller's), in place of the table of that name when replace; on an error the table is
+ * destroyed. */
+static em_status adopt(em_catalog *catalog, em_table *table, unsigned references, bool replace,
+                       em_error *err)
 {
     const em_table_config *config = em_table_get_config(table);
     em_status status = EM_OK;
-    entry *added = calloc(1, sizeof(*added));
+    entry *added = calloc(1, sizeof(*added)), *last = NULL;
     if (added == NULL) {
         em_table_destroy(table);
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "catalog: out of memory");
@@ -126,11 +130,24 @@ static em_status adopt(em_catalog *catalog, em_table *table, unsigned references
     *added = (entry){.table = table, .references = references, .named = true};
     pthread_mutex_lock(&catalog->lock);
     /* Another creator may have taken the name while the shards were being set up. */
-    if (find_named(catalog, config->name) != NULL)
+    entry *old = find_named(catalog, config->name);
+    if (old != NULL && !replace)
         status = em_error_set(err, EM_ALREADY_EXISTS, "table '%s' already exists", config->name);
     else
         status = append_entry(catalog, added, err);
+    if (status == EM_OK && old != NULL) {
+        /* one step under the lock: later lookups find the new table; requests holding
+         * the old one finish on it, and it goes with their last reference */
+        size_t index = 0;
+        old->named = false;
+        find_table(catalog, old->table, &index);
+        last = unreference(catalog, old, index);
+    }
     pthread_mutex_unlock(&catalog->lock);
+    if (last != NULL) {
+        em_table_destroy(last->table);
+        free(last);
+    }
     if (status != EM_OK) {
         em_table_destroy(table);
         free(added);
@@ -151,7 +168,7 @@ em_status em_catalog_create_table(em_catalog *catalog, const em_table_config *co
     em_status status = em_table_create(catalog->backend, config, &table, err);
     if (status != EM_OK)
         return status;
-    status = adopt(catalog, table, out != NULL ? 2 : 1, err);
+    status = adopt(catalog, table, out != NULL ? 2 : 1, false, err);
     if (status == EM_OK && out != NULL)
         *out = table;
     return status;
@@ -159,7 +176,12 @@ em_status em_catalog_create_table(em_catalog *catalog, const em_table_config *co
 
 em_status em_catalog_add(em_catalog *catalog, em_table *table, em_error *err)
 {
-    return adopt(catalog, table, 1, err);
+    return adopt(catalog, table, 1, false, err);
+}
+
+em_status em_catalog_replace(em_catalog *catalog, em_table *table, em_error *err)
+{
+    return adopt(catalog, table, 1, true, err);
 }
 
 em_status em_catalog_acquire(em_catalog *catalog, const char *name, em_table **out,

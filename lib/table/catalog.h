@@ -34,6 +34,11 @@ em_status em_catalog_create_table(em_catalog *catalog, const em_table_config *co
  * error (ALREADY_EXISTS naming it) the table is destroyed. Thread-safe. */
 em_status em_catalog_add(em_catalog *catalog, em_table *table, em_error *err);
 
+/* Adds a table built elsewhere in place of the table of its name, if any, in one step:
+ * lookups find the old table or the new one, never neither; requests holding the old one
+ * finish on it. On an error the new table is destroyed and the old one stays. */
+em_status em_catalog_replace(em_catalog *catalog, em_table *table, em_error *err);
+
 /* A reference to the table called name. Errors: NOT_FOUND ("no table 'x'; tables: a, b").
  * Thread-safe. */
 em_status em_catalog_acquire(em_catalog *catalog, const char *name, em_table **out,

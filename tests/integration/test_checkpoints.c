@@ -156,6 +156,16 @@ START_TEST(saved_tables_survive_kill_9)
     char path[4200];
     snprintf(path, sizeof(path), "%s", cJSON_GetObjectItem(item, "path")->valuestring);
     cJSON_Delete(saved);
+    cJSON *stats = NULL;
+    ck_assert_int_eq(em_client_stats(client, NULL, &stats, &err), EM_OK);
+    const cJSON *server = cJSON_GetObjectItem(stats, "server");
+    ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_saves")->valuedouble, 1);
+    ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_save_failures")->valuedouble, 0);
+    ck_assert_double_gt(cJSON_GetObjectItem(server, "checkpoint_last_save_bytes")->valuedouble,
+                        KEYS * DIM * 3 * 4);
+    ck_assert_double_gt(cJSON_GetObjectItem(server, "checkpoint_last_success_unix_ms")->valuedouble,
+                        1.7e12);
+    cJSON_Delete(stats);
     /* trained on after the save: lost with the kill */
     train(client, b, 3);
     em_client_destroy(client);
@@ -177,12 +187,32 @@ START_TEST(saved_tables_survive_kill_9)
     float *restored = read_state(client, b, &missing);
     ck_assert_uint_eq(missing, 0);
     ck_assert(same(restored, saved_state));
+    ck_assert_int_eq(em_client_stats(client, NULL, &stats, &err), EM_OK);
+    server = cJSON_GetObjectItem(stats, "server");
+    ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_tables_restored")->valuedouble, 1);
+    ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_rows_restored")->valuedouble, KEYS);
+    cJSON_Delete(stats);
     /* and a save there goes on numbering */
     ck_assert_int_eq(em_client_save(client, "t", &saved, &err), EM_OK);
     ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(saved, 0), "id")->valuestring,
                      "00000000000000000002");
     cJSON_Delete(saved);
     ck_assert_int_eq(em_client_save(client, "nope", &saved, &err), EM_NOT_FOUND);
+
+    /* LOAD: trained on, then back to the latest checkpoint; and the first one under
+     * another name */
+    train(client, b, 4);
+    cJSON *loaded = NULL;
+    ck_assert_msg(em_client_load(client, "t", NULL, false, &loaded, &err) == EM_OK, "%s",
+                  err.message);
+    ck_assert_str_eq(cJSON_GetObjectItem(loaded, "id")->valuestring, "00000000000000000002");
+    cJSON_Delete(loaded);
+    float *reloaded = read_state(client, b, &missing);
+    ck_assert(missing == 0 && same(reloaded, saved_state));
+    free(reloaded);
+    ck_assert_int_eq(em_client_load(client, "copy", path, false, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_client_load(client, "other", "/nonexistent", false, NULL, &err),
+                     EM_NOT_FOUND);
     em_client_destroy(client);
     test_daemon_stop(daemon, SIGTERM, 10000);
     free(restored);

@@ -157,6 +157,57 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
 }
 END_TEST
 
+/* Warm start: the weights of an adam table into tables with other optimizers, each
+ * row's state as a new row's; another dim is refused naming both. */
+START_TEST(weights_load_into_another_optimizer)
+{
+    char dir[256];
+    make_dir(dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 3, 8, 500, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    em_test_snapshot source = em_test_snapshot_take(table, 1000);
+    for (int optimizer = 0; optimizer < 3; optimizer++) {
+        em_table_config config;
+        em_table_config_init(&config, "warm", 8, 1000);
+        config.optimizer = em_test_optimizers[optimizer];
+        config.optimizer.initial_accumulator = optimizer == 0 ? 0.0f : 0.25f;
+        em_table *warm = NULL;
+        ck_assert_msg(em_checkpoint_load_weights(info.path, backend, &config, &warm, NULL,
+                                                 &err) == EM_OK, "%s", err.message);
+        ck_assert_str_eq(em_table_name(warm), "warm");
+        em_test_snapshot got = em_test_snapshot_take(warm, 1000);
+        ck_assert_uint_eq(got.count, source.count);
+        for (uint64_t r = 0; r < got.count; r++) {
+            ck_assert_uint_eq(got.keys[r], source.keys[r]);
+            ck_assert_mem_eq(got.values + r * got.width, source.values + r * source.width,
+                             8 * sizeof(float));
+            for (uint32_t j = 8; j < got.width; j++)
+                ck_assert_float_eq(got.values[r * got.width + j], 0.25f);
+        }
+        em_test_snapshot_free(&got);
+        em_table_destroy(warm);
+    }
+    em_table_config wide;
+    em_table_config_init(&wide, "wide", 16, 1000);
+    em_table *none = NULL;
+    ck_assert_int_eq(em_checkpoint_load_weights(info.path, backend, &wide, &none, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "dim 8") != NULL && strstr(err.message, "dim 16") != NULL,
+                  "%s", err.message);
+    em_test_snapshot_free(&source);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    remove_tree(dir);
+}
+END_TEST
+
 START_TEST(empty_tables_round_trip)
 {
     char dir[256];
@@ -404,6 +455,7 @@ int main(void)
     tcase_set_timeout(round_trip, 120);
     tcase_add_loop_test(round_trip, saved_tables_load_bit_for_bit_and_train_on_alike, 0, 4);
     tcase_add_test(round_trip, empty_tables_round_trip);
+    tcase_add_test(round_trip, weights_load_into_another_optimizer);
     tcase_add_test(round_trip, saves_keep_the_newest);
     suite_add_tcase(suite, round_trip);
     TCase *damaged = tcase_create("damaged");

@@ -135,7 +135,7 @@ static void assert_field_is(const ProtobufCMessage *message, const visit *item)
 }
 
 /* A snapshot in which every number differs from every other. */
-static void fill_snapshot(em_stats_snapshot *s, em_table_snapshot *tables, em_pool_snapshot *pools)
+static void fill_snapshot(em_stats_snapshot *s, em_table_stats_snapshot *tables, em_pool_snapshot *pools)
 {
     memset(s, 0, sizeof(*s));
     uint64_t next = 1000;
@@ -175,7 +175,7 @@ static void fill_snapshot(em_stats_snapshot *s, em_table_snapshot *tables, em_po
 START_TEST(the_answer_carries_every_visited_value)
 {
     em_stats_snapshot snapshot;
-    em_table_snapshot tables[2];
+    em_table_stats_snapshot tables[2];
     em_pool_snapshot pools[3];
     fill_snapshot(&snapshot, tables, pools);
     static visits seen;

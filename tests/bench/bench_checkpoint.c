@@ -1,0 +1,316 @@
+/*
+ * Checkpoint throughput and the cost of a save to serving, on the CPU backend:
+ *
+ *   1. save and load GB/s of a table (Adam state) against dd writing the same bytes with
+ *      conv=fdatasync and reading them back, on the same disk in the same run (the page
+ *      cache is dropped before each read when /proc/sys/vm/drop_caches is writable);
+ *   2. latency of 26-key pulls from `clients` threads while idle and while a save runs
+ *      (in-process threads, no network), p50 / p99 / max.
+ *
+ *   bench_checkpoint [--rows N] [--dim D] [--dir PATH] [--clients C] [--seconds S]
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "lib/checkpoint/checkpoint.h"
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
+#include "tests/support/test_support.h"
+
+#define PULL_KEYS 26
+
+typedef struct options {
+    uint64_t rows;
+    uint32_t dim;
+    const char *dir;
+    int clients;
+    double seconds;
+} options;
+
+static uint64_t key_of(uint64_t i)
+{
+    return i * 0x9e3779b97f4a7c15ull + 1;
+}
+
+static em_table *populated_table(em_backend *backend, const options *opt)
+{
+    em_table_config config;
+    em_table_config_init(&config, "bench", opt->dim, opt->rows + 1024);
+    config.shards = 8;
+    config.optimizer.kind = EM_OPTIMIZER_ADAM;
+    config.optimizer.learning_rate = 0.01f;
+    config.optimizer.eps = 1e-8f;
+    config.optimizer.beta1 = 0.9f;
+    config.optimizer.beta2 = 0.999f;
+    em_table *table = NULL;
+    em_error err;
+    if (em_table_create(backend, &config, &table, &err) != EM_OK) {
+        fprintf(stderr, "create: %s\n", err.message);
+        exit(1);
+    }
+    enum { BATCH = 65536 };
+    uint64_t *keys = malloc(BATCH * sizeof(uint64_t));
+    uint32_t *offsets = malloc((BATCH + 1) * sizeof(uint32_t));
+    float *g = malloc((size_t)BATCH * opt->dim * sizeof(float));
+    for (uint32_t i = 0; i <= BATCH; i++)
+        offsets[i] = i;
+    for (size_t i = 0; i < (size_t)BATCH * opt->dim; i++)
+        g[i] = 1e-3f * (float)(i % 17) - 0.008f;
+    for (uint64_t start = 0; start < opt->rows; start += BATCH) {
+        uint32_t n = (uint32_t)(opt->rows - start < BATCH ? opt->rows - start : BATCH);
+        for (uint32_t i = 0; i < n; i++)
+            keys[i] = key_of(start + i);
+        em_push_request request = {{n, n, offsets, keys}, EM_COMBINER_NONE, g,
+                                   (uint64_t)n * opt->dim};
+        em_push_result result;
+        if (em_table_push(table, &request, &result, &err) != EM_OK) {
+            fprintf(stderr, "populate: %s\n", err.message);
+            exit(1);
+        }
+    }
+    free(keys);
+    free(offsets);
+    free(g);
+    return table;
+}
+
+static bool drop_caches(void)
+{
+    sync();
+    FILE *f = fopen("/proc/sys/vm/drop_caches", "w");
+    if (f == NULL)
+        return false;
+    bool ok = fputs("3\n", f) >= 0;
+    return fclose(f) == 0 && ok;
+}
+
+/* dd of `bytes` (rounded to whole MiB) to a file with conv=fdatasync, then back. */
+static void run_dd(const char *dir, uint64_t bytes, double *write_s, double *read_s)
+{
+    char command[1024];
+    uint64_t mib = (bytes + (1u << 20) - 1) >> 20;
+    snprintf(command, sizeof(command),
+             "dd if=/dev/zero of=%s/dd.bin bs=1M count=%" PRIu64 " conv=fdatasync status=none",
+             dir, mib);
+    double start = em_test_now();
+    if (system(command) != 0)
+        fprintf(stderr, "dd failed: %s\n", command);
+    *write_s = em_test_now() - start;
+    drop_caches();
+    snprintf(command, sizeof(command), "dd if=%s/dd.bin of=/dev/null bs=1M status=none", dir);
+    start = em_test_now();
+    if (system(command) != 0)
+        fprintf(stderr, "dd failed: %s\n", command);
+    *read_s = em_test_now() - start;
+    snprintf(command, sizeof(command), "%s/dd.bin", dir);
+    unlink(command);
+}
+
+/* ---- pull latency ---------------------------------------------------------------------- */
+
+typedef struct client {
+    em_table *table;
+    const options *opt;
+    uint64_t seed;
+    _Atomic int *stop;
+    double *latencies;
+    uint64_t count, capacity;
+} client;
+
+static void *run_client(void *argument)
+{
+    client *c = argument;
+    em_test_rng rng;
+    em_test_rng_init(&rng, c->seed);
+    uint64_t keys[PULL_KEYS];
+    uint32_t offsets[] = {0, PULL_KEYS};
+    float *out = malloc((size_t)c->opt->dim * sizeof(float));
+    em_error err;
+    while (!atomic_load(c->stop) && c->count < c->capacity) {
+        for (int i = 0; i < PULL_KEYS; i++)
+            keys[i] = key_of(em_test_rng_below(&rng, c->opt->rows));
+        em_pull_request request = {{1, PULL_KEYS, offsets, keys}, EM_COMBINER_SUM, false, out,
+                                   c->opt->dim};
+        em_pull_result result;
+        double start = em_test_now();
+        if (em_table_pull(c->table, &request, &result, &err) != EM_OK) {
+            fprintf(stderr, "pull: %s\n", err.message);
+            break;
+        }
+        c->latencies[c->count++] = em_test_now() - start;
+    }
+    free(out);
+    return NULL;
+}
+
+static int compare_doubles(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct latency {
+    double p50, p99, max;
+    uint64_t pulls;
+} latency;
+
+typedef struct saver {
+    em_table *table;
+    const options *opt;
+    em_checkpoint_info info;
+    int status;
+} saver;
+
+static void *run_save(void *argument)
+{
+    saver *s = argument;
+    em_checkpoint_options save_options;
+    em_checkpoint_options_init(&save_options, s->opt->dir);
+    save_options.keep = 1;
+    em_error err;
+    s->status = em_checkpoint_save(s->table, &save_options, &s->info, &err);
+    if (s->status != EM_OK)
+        fprintf(stderr, "save: %s\n", err.message);
+    return NULL;
+}
+
+/* Pull latencies for `seconds`, or while a save runs when with_save. */
+static latency measure_pulls(em_table *table, const options *opt, bool with_save, double *save_s)
+{
+    _Atomic int stop = 0;
+    client *clients = calloc((size_t)opt->clients, sizeof(*clients));
+    pthread_t *threads = calloc((size_t)opt->clients, sizeof(*threads));
+    for (int i = 0; i < opt->clients; i++) {
+        clients[i] = (client){.table = table, .opt = opt, .seed = 77 + (uint64_t)i,
+                              .stop = &stop, .capacity = 4000000};
+        clients[i].latencies = malloc(clients[i].capacity * sizeof(double));
+        pthread_create(&threads[i], NULL, run_client, &clients[i]);
+    }
+    if (with_save) {
+        saver s = {.table = table, .opt = opt};
+        double start = em_test_now();
+        run_save(&s);
+        *save_s = em_test_now() - start;
+    } else {
+        usleep((useconds_t)(opt->seconds * 1e6));
+    }
+    atomic_store(&stop, 1);
+    uint64_t total = 0;
+    for (int i = 0; i < opt->clients; i++) {
+        pthread_join(threads[i], NULL);
+        total += clients[i].count;
+    }
+    double *all = malloc((total + 1) * sizeof(double));
+    uint64_t at = 0;
+    for (int i = 0; i < opt->clients; i++) {
+        memcpy(all + at, clients[i].latencies, clients[i].count * sizeof(double));
+        at += clients[i].count;
+        free(clients[i].latencies);
+    }
+    qsort(all, total, sizeof(double), compare_doubles);
+    latency l = {.pulls = total};
+    if (total > 0) {
+        l.p50 = all[total / 2];
+        l.p99 = all[(uint64_t)((double)total * 0.99)];
+        l.max = all[total - 1];
+    }
+    free(all);
+    free(clients);
+    free(threads);
+    return l;
+}
+
+int main(int argc, char **argv)
+{
+    options opt = {.rows = 2000000, .dim = 64, .dir = "/tmp/ember-bench-checkpoint",
+                   .clients = 16, .seconds = 3};
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (strcmp(argv[i], "--rows") == 0)
+            opt.rows = strtoull(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--dim") == 0)
+            opt.dim = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--dir") == 0)
+            opt.dir = argv[i + 1];
+        else if (strcmp(argv[i], "--clients") == 0)
+            opt.clients = atoi(argv[i + 1]);
+        else if (strcmp(argv[i], "--seconds") == 0)
+            opt.seconds = strtod(argv[i + 1], NULL);
+    }
+    mkdir(opt.dir, 0755);
+    em_test_print_machine(NULL);
+    printf("command: bench_checkpoint --rows %" PRIu64 " --dim %u --dir %s --clients %d "
+           "--seconds %g\n", opt.rows, opt.dim, opt.dir, opt.clients, opt.seconds);
+    printf("CPU backend, 1 device, 8 shards, adam (weights, two moments and a step per row)\n\n");
+
+    em_cpu_backend_options backend_options;
+    em_cpu_backend_options_init(&backend_options);
+    em_backend *backend = NULL;
+    em_error err;
+    if (em_backend_create_cpu(&backend_options, &backend, &err) != EM_OK) {
+        fprintf(stderr, "%s\n", err.message);
+        return 1;
+    }
+    em_table *table = populated_table(backend, &opt);
+
+    /* 1. save and load against dd */
+    saver s = {.table = table, .opt = &opt};
+    double start = em_test_now();
+    run_save(&s);
+    double save_s = em_test_now() - start;
+    if (s.status != EM_OK)
+        return 1;
+    bool dropped = drop_caches();
+    em_table *loaded = NULL;
+    em_checkpoint_info info;
+    start = em_test_now();
+    if (em_checkpoint_load(s.info.path, backend, "loaded", &loaded, &info, &err) != EM_OK) {
+        fprintf(stderr, "load: %s\n", err.message);
+        return 1;
+    }
+    double load_s = em_test_now() - start;
+    em_table_destroy(loaded);
+    drop_caches();
+    start = em_test_now();
+    if (em_checkpoint_verify(s.info.path, &info, &err) != EM_OK) {
+        fprintf(stderr, "verify: %s\n", err.message);
+        return 1;
+    }
+    double verify_s = em_test_now() - start;
+    double dd_write_s = 0, dd_read_s = 0;
+    run_dd(opt.dir, s.info.bytes, &dd_write_s, &dd_read_s);
+    double gb = (double)s.info.bytes / 1e9;
+    printf("checkpoint of %" PRIu64 " rows: %.3f GB (page cache %s before reads)\n",
+           s.info.rows, gb, dropped ? "dropped" : "NOT dropped (not root)");
+    printf("%-34s %10s %10s %12s\n", "operation", "seconds", "GB/s", "vs dd");
+    printf("%-34s %10.3f %10.3f %12s\n", "dd write, conv=fdatasync", dd_write_s, gb / dd_write_s,
+           "1.00");
+    printf("%-34s %10.3f %10.3f %12.2f\n", "save (snapshot, write, fsyncs)", save_s, gb / save_s,
+           dd_write_s / save_s);
+    printf("%-34s %10.3f %10.3f %12s\n", "dd read", dd_read_s, gb / dd_read_s, "1.00");
+    printf("%-34s %10.3f %10.3f %12.2f\n", "load (read, check, new table)", load_s, gb / load_s,
+           dd_read_s / load_s);
+    printf("%-34s %10.3f %10.3f %12.2f\n\n", "verify (read, check)", verify_s, gb / verify_s,
+           dd_read_s / verify_s);
+
+    /* 2. pull latency, idle and during a save */
+    latency idle = measure_pulls(table, &opt, false, NULL);
+    double during_s = 0;
+    latency busy = measure_pulls(table, &opt, true, &during_s);
+    printf("%d clients pulling %d keys (sum), in-process:\n", opt.clients, PULL_KEYS);
+    printf("%-22s %10s %10s %10s %10s\n", "", "pulls", "p50 us", "p99 us", "max us");
+    printf("%-22s %10" PRIu64 " %10.1f %10.1f %10.1f\n", "idle", idle.pulls, idle.p50 * 1e6,
+           idle.p99 * 1e6, idle.max * 1e6);
+    printf("%-22s %10" PRIu64 " %10.1f %10.1f %10.1f\n", "during a save", busy.pulls,
+           busy.p50 * 1e6, busy.p99 * 1e6, busy.max * 1e6);
+    printf("p99 during / idle: %.2f (the save took %.3f s with the pulls running)\n",
+           busy.p99 / idle.p99, during_s);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    return 0;
+}
