@@ -218,16 +218,25 @@ EM_HOST_DEVICE int em_row_bound_between(float value, float low, float high)
     return (value >= low) & (value <= high); /* false for NaN */
 }
 
-/* 1 when an existing row and its gradient are bounded as above. Every element is looked
- * at without an early exit, so the loops vectorise. */
-EM_HOST_DEVICE int em_row_bounded(const em_optimizer_config *optimizer, uint32_t dim,
-                                  const float *row, const float *gradient)
+/* 1 when every element of a gradient (dim floats) is within its bound. */
+EM_HOST_DEVICE int em_row_bound_gradient(uint32_t dim, const float *gradient)
+{
+    int bounded = 1;
+    for (uint32_t j = 0; j < dim; j++)
+        bounded &= em_row_bound_within(gradient[j], EM_ROW_BOUND_GRADIENT);
+    return bounded;
+}
+
+/* 1 when a row's values (weights, then optimizer state) are within the bounds above.
+ * Every element is looked at without an early exit, so the loops vectorise. */
+EM_HOST_DEVICE int em_row_values_bounded(const em_optimizer_config *optimizer, uint32_t dim,
+                                         const float *row)
 {
     const float g_max = EM_ROW_BOUND_GRADIENT, w_max = EM_ROW_BOUND_WEIGHT,
                 a_max = EM_ROW_BOUND_ACCUMULATOR;
     int bounded = 1;
     for (uint32_t j = 0; j < dim; j++)
-        bounded &= em_row_bound_within(gradient[j], g_max) & em_row_bound_within(row[j], w_max);
+        bounded &= em_row_bound_within(row[j], w_max);
     switch (optimizer->kind) {
     case EM_OPTIMIZER_SGD:
         break;
@@ -249,6 +258,30 @@ EM_HOST_DEVICE int em_row_bounded(const em_optimizer_config *optimizer, uint32_t
         break;
     }
     return bounded;
+}
+
+/* 1 when an existing row and its gradient are bounded as above. */
+EM_HOST_DEVICE int em_row_bounded(const em_optimizer_config *optimizer, uint32_t dim,
+                                  const float *row, const float *gradient)
+{
+    return em_row_bound_gradient(dim, gradient) & em_row_values_bounded(optimizer, dim, row);
+}
+
+/* 1 when every row the initializer and the initial optimizer state make is within the
+ * bounds: uniform(-a, a) with a <= the weight bound; normal draws are Box-Muller over
+ * 53-bit uniforms, so at most 8.6 standard deviations from 0. */
+EM_HOST_DEVICE int em_row_bound_initial(const em_optimizer_config *optimizer,
+                                        const em_initializer_config *initializer)
+{
+    int weights = 1;
+    if (initializer->kind == EM_INIT_UNIFORM)
+        weights = em_row_bound_within(initializer->bound, EM_ROW_BOUND_WEIGHT);
+    else if (initializer->kind == EM_INIT_NORMAL)
+        weights = em_row_bound_within(9.0f * initializer->stddev, EM_ROW_BOUND_WEIGHT);
+    int state = !em_optimizer_has_accumulator(optimizer->kind) ||
+                em_row_bound_between(optimizer->initial_accumulator, 0.0f,
+                                     EM_ROW_BOUND_ACCUMULATOR);
+    return weights & state;
 }
 
 #endif

@@ -36,6 +36,11 @@ typedef struct cpu_shard {
     uint32_t stride;     /* floats between consecutive rows of a block */
     em_optimizer_config optimizer;
     em_initializer_config initializer;
+    /* Every row is within the bounds of common/row_check.h (so a bounded gradient's step
+     * needs no look at the rows): true at create when the initializer keeps new rows
+     * within them, false for good once a step or a write leaves any value outside. Read
+     * under the shard's lock, written under its write lock. */
+    bool rows_bounded;
     float **blocks;
     uint64_t block_count;
     uint64_t block_slots; /* capacity of the blocks array */
@@ -340,6 +345,7 @@ static em_status cpu_shard_create(em_device *device, const em_shard_spec *spec, 
     shard->dim = spec->dim;
     shard->optimizer = spec->optimizer;
     shard->initializer = spec->initializer;
+    shard->rows_bounded = em_row_bound_initial(&spec->optimizer, &spec->initializer);
     em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES);
     shard->row_floats = plan.row_floats;
     shard->stride = plan.stride;
@@ -463,19 +469,25 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
+    int bounded = 1;
     for (uint64_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n)
             prefetch_row(shard, rows[i + PREFETCH_AHEAD]);
         float *weights = row_address(shard, rows[i]);
         em_optimizer_apply_row(&shard->optimizer, shard->dim, weights, weights + shard->dim,
                                const_vector_at(gradients, i, shard->dim));
+        bounded &= em_row_values_bounded(&shard->optimizer, shard->dim, weights);
     }
+    if (!bounded)
+        shard->rows_bounded = false;
     return EM_OK;
 }
 
-/* Rows within the bounds of row_check.h are sure to stay finite and are passed in one
- * branch-free look; any other row (and every row the push creates) gets the exact
- * check, which also finds the first problem. */
+/* When every row of the shard is within the bounds of row_check.h (rows_bounded), only
+ * the gradients are looked at: bounded gradients then step every row, new ones included,
+ * to finite values. Otherwise rows within the bounds are passed in one branch-free look;
+ * any other row (and every row the push creates) gets the exact check, which also finds
+ * the first problem. */
 static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint64_t *keys,
                                        const uint64_t *rows, uint64_t n, const float *gradients,
                                        uint64_t *first_problem, int *bounded, em_error *err)
@@ -484,8 +496,19 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     int steps_bounded = em_row_bound_step(&shard->optimizer, shard->dim);
-    int all_bounded = steps_bounded;
     *first_problem = UINT64_MAX;
+    if (steps_bounded && shard->rows_bounded) {
+        /* every row is within the bounds: the gradients decide, rows are not read */
+        int gradients_bounded = 1;
+        for (uint64_t i = 0; i < n; i++)
+            gradients_bounded &= em_row_bound_gradient(shard->dim,
+                                                       const_vector_at(gradients, i, shard->dim));
+        if (gradients_bounded) {
+            *bounded = 1;
+            return EM_OK;
+        }
+    }
+    int all_bounded = steps_bounded;
     for (uint64_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n && rows[i + PREFETCH_AHEAD] != EM_ROW_NONE)
             prefetch_row(shard, rows[i + PREFETCH_AHEAD]);
@@ -547,9 +570,15 @@ static em_status cpu_shard_write_rows(em_shard *base, em_lane *lane, const uint6
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
-    for (uint64_t i = 0; i < n; i++)
-        memcpy(row_address(shard, rows[i]), const_vector_at(values, i, shard->row_floats),
+    int bounded = 1;
+    for (uint64_t i = 0; i < n; i++) {
+        float *row = row_address(shard, rows[i]);
+        memcpy(row, const_vector_at(values, i, shard->row_floats),
                shard->row_floats * sizeof(float));
+        bounded &= em_row_values_bounded(&shard->optimizer, shard->dim, row);
+    }
+    if (!bounded)
+        shard->rows_bounded = false;
     return EM_OK;
 }
 
