@@ -48,30 +48,7 @@ static char *overrides(const char *dir, bool on_shutdown)
     return json;
 }
 
-static void make_dir(char *path, size_t capacity)
-{
-    snprintf(path, capacity, "/tmp/ember-checkpoints-XXXXXX");
-    ck_assert_ptr_nonnull(mkdtemp(path));
-}
 
-static void remove_tree(const char *path)
-{
-    DIR *dir = opendir(path);
-    if (dir == NULL) {
-        unlink(path);
-        return;
-    }
-    struct dirent *entry;
-    while ((entry = readdir(dir)) != NULL) {
-        if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
-            continue;
-        char child[4400];
-        snprintf(child, sizeof(child), "%s/%s", path, entry->d_name);
-        remove_tree(child);
-    }
-    closedir(dir);
-    rmdir(path);
-}
 
 /* ---- the table's state through the wire -------------------------------------------- */
 
@@ -137,7 +114,7 @@ static bool same(const float *a, const float *b)
 START_TEST(saved_tables_survive_kill_9)
 {
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
     batch *b = every_key();
     test_daemon *daemon = test_daemon_start(overrides(dir, false));
     em_client *client = client_for(daemon);
@@ -218,7 +195,7 @@ START_TEST(saved_tables_survive_kill_9)
     free(restored);
     free(saved_state);
     free(b);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 
@@ -226,7 +203,7 @@ END_TEST
 START_TEST(sigterm_saves_every_table)
 {
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
     batch *b = every_key();
     test_daemon *daemon = test_daemon_start(overrides(dir, true));
     em_client *client = client_for(daemon);
@@ -245,7 +222,7 @@ START_TEST(sigterm_saves_every_table)
     free(restored);
     free(last);
     free(b);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 
@@ -291,7 +268,7 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
     em_test_rng rng;
     em_test_rng_init(&rng, seed);
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
     batch *b = every_key();
     float *completed = NULL; /* the last state a completed save holds */
     int saves_completed = 0, by_failpoint = 0;
@@ -360,7 +337,7 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
            by_failpoint);
     free(completed);
     free(b);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 

@@ -1,10 +1,12 @@
 #include "tests/support/test_support.h"
 
+#include <dirent.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define DEFAULT_TEST_SEED UINT64_C(20261121)
 
@@ -94,4 +96,30 @@ void em_test_print_machine(const char *note)
     if (cpuinfo != NULL)
         fclose(cpuinfo);
     printf("machine: %s, %d logical CPUs%s\n", model, cpus, note != NULL ? note : "");
+}
+
+void em_test_make_dir(const char *prefix, char *path, size_t capacity)
+{
+    const char *tmp = getenv("TMPDIR") != NULL ? getenv("TMPDIR") : "/tmp";
+    snprintf(path, capacity, "%s/%s-XXXXXX", tmp, prefix);
+    ck_assert_ptr_nonnull(mkdtemp(path));
+}
+
+void em_test_remove_tree(const char *path)
+{
+    DIR *dir = opendir(path);
+    if (dir == NULL) {
+        unlink(path);
+        return;
+    }
+    struct dirent *entry;
+    while ((entry = readdir(dir)) != NULL) {
+        if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
+            continue;
+        char child[4400];
+        snprintf(child, sizeof(child), "%s/%s", path, entry->d_name);
+        em_test_remove_tree(child);
+    }
+    closedir(dir);
+    rmdir(path);
 }

@@ -35,4 +35,10 @@ double em_test_now(void);
 /* Prints "machine: <CPU model>, <n> logical CPUs<note>" for benchmark tables. */
 void em_test_print_machine(const char *note);
 
+/* A new empty directory named <TMPDIR or /tmp>/<prefix>-XXXXXX, written to path. */
+void em_test_make_dir(const char *prefix, char *path, size_t capacity);
+
+/* Removes a directory tree (or a file), best effort. */
+void em_test_remove_tree(const char *path);
+
 #endif

@@ -31,32 +31,7 @@ static em_backend *make_backend(void)
     return backend;
 }
 
-/* A fresh, empty directory under the test's temporary folder. */
-static void make_dir(char *path, size_t capacity)
-{
-    snprintf(path, capacity, "%s/ember-checkpoint-XXXXXX",
-             getenv("TMPDIR") != NULL ? getenv("TMPDIR") : "/tmp");
-    ck_assert_ptr_nonnull(mkdtemp(path));
-}
 
-static void remove_tree(const char *path)
-{
-    DIR *dir = opendir(path);
-    if (dir == NULL) {
-        unlink(path);
-        return;
-    }
-    struct dirent *entry;
-    while ((entry = readdir(dir)) != NULL) {
-        if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
-            continue;
-        char child[4400];
-        snprintf(child, sizeof(child), "%s/%s", path, entry->d_name);
-        remove_tree(child);
-    }
-    closedir(dir);
-    rmdir(path);
-}
 
 /* A table with rows trained by a few random pushes (every optimizer state moves). */
 static em_table *trained_table(em_backend *backend, int optimizer, uint32_t dim, uint32_t rows,
@@ -102,7 +77,7 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
 {
     int optimizer = _i;
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
@@ -153,7 +128,7 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
     em_table_destroy(restored);
     em_table_destroy(table);
     em_backend_destroy(backend);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 
@@ -162,7 +137,7 @@ END_TEST
 START_TEST(weights_load_into_another_optimizer)
 {
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
@@ -204,14 +179,14 @@ START_TEST(weights_load_into_another_optimizer)
     em_test_snapshot_free(&source);
     em_table_destroy(table);
     em_backend_destroy(backend);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 
 START_TEST(empty_tables_round_trip)
 {
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
     em_table_config config;
     em_table_config_init(&config, "empty", 4, 100);
@@ -231,7 +206,7 @@ START_TEST(empty_tables_round_trip)
     em_table_destroy(restored);
     em_table_destroy(table);
     em_backend_destroy(backend);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 
@@ -239,7 +214,7 @@ END_TEST
 START_TEST(saves_keep_the_newest)
 {
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
@@ -271,7 +246,7 @@ START_TEST(saves_keep_the_newest)
                      EM_NOT_FOUND);
     em_table_destroy(table);
     em_backend_destroy(backend);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 
@@ -350,7 +325,7 @@ START_TEST(damaged_checkpoints_are_refused_naming_the_file)
 {
     enum damage how = (enum damage)_i;
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
@@ -376,7 +351,7 @@ START_TEST(damaged_checkpoints_are_refused_naming_the_file)
     ck_assert_ptr_null(restored);
     em_table_destroy(table);
     em_backend_destroy(backend);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 
@@ -401,7 +376,7 @@ START_TEST(a_failed_step_leaves_the_previous_checkpoint_current)
 {
     int step = _i;
     char dir[256];
-    make_dir(dir, sizeof(dir));
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
@@ -444,7 +419,7 @@ START_TEST(a_failed_step_leaves_the_previous_checkpoint_current)
     em_test_snapshot_free(&before);
     em_table_destroy(table);
     em_backend_destroy(backend);
-    remove_tree(dir);
+    em_test_remove_tree(dir);
 }
 END_TEST
 
