@@ -190,7 +190,8 @@ static em_status write_index(save *s, uint64_t *bytes, uint64_t *checksum, em_er
                               .chunks = s->chunks};
     memcpy(header.magic, EM_INDEX_MAGIC, 8);
     memcpy(data, &header, sizeof(header));
-    memcpy(data + sizeof(header), s->index, s->chunks * sizeof(em_index_entry));
+    if (s->chunks > 0) /* an empty table has no chunks (and no index array) */
+        memcpy(data + sizeof(header), s->index, s->chunks * sizeof(em_index_entry));
     uint64_t trailer = XXH3_64bits(data, size - sizeof(uint64_t));
     memcpy(data + size - sizeof(uint64_t), &trailer, sizeof(trailer));
     *bytes = size;
