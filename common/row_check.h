@@ -267,21 +267,4 @@ EM_HOST_DEVICE int em_row_bounded(const em_optimizer_config *optimizer, uint32_t
     return em_row_bound_gradient(dim, gradient) & em_row_values_bounded(optimizer, dim, row);
 }
 
-/* 1 when every row the initializer and the initial optimizer state make is within the
- * bounds: uniform(-a, a) with a <= the weight bound; normal draws are Box-Muller over
- * 53-bit uniforms, so at most 8.6 standard deviations from 0. */
-EM_HOST_DEVICE int em_row_bound_initial(const em_optimizer_config *optimizer,
-                                        const em_initializer_config *initializer)
-{
-    int weights = 1;
-    if (initializer->kind == EM_INIT_UNIFORM)
-        weights = em_row_bound_within(initializer->bound, EM_ROW_BOUND_WEIGHT);
-    else if (initializer->kind == EM_INIT_NORMAL)
-        weights = em_row_bound_within(9.0f * initializer->stddev, EM_ROW_BOUND_WEIGHT);
-    int state = !em_optimizer_has_accumulator(optimizer->kind) ||
-                em_row_bound_between(optimizer->initial_accumulator, 0.0f,
-                                     EM_ROW_BOUND_ACCUMULATOR);
-    return weights & state;
-}
-
 #endif

@@ -36,11 +36,13 @@ typedef struct cpu_shard {
     uint32_t stride;     /* floats between consecutive rows of a block */
     em_optimizer_config optimizer;
     em_initializer_config initializer;
-    /* Every row is within the bounds of common/row_check.h (so a bounded gradient's step
-     * needs no look at the rows): true at create when the initializer keeps new rows
-     * within them, false for good once a step or a write leaves any value outside. Read
-     * under the shard's lock, written under its write lock. */
-    bool rows_bounded;
+    /* Upper bounds on the size of every row's values: weights, accumulators and second
+     * moments, first moments. While they are within the bounds of common/row_check.h, a
+     * push of bounded gradients needs no look at the rows (shard_values_bounded). Set
+     * from the initializer at create, widened by every step by what the step can move a
+     * value (from the push's largest gradient) and by every write by what it wrote; they
+     * never narrow. Read under the shard's lock, written under its write lock. */
+    double weight_bound, state_bound, moment_bound;
     float **blocks;
     uint64_t block_count;
     uint64_t block_slots; /* capacity of the blocks array */
@@ -345,7 +347,14 @@ static em_status cpu_shard_create(em_device *device, const em_shard_spec *spec, 
     shard->dim = spec->dim;
     shard->optimizer = spec->optimizer;
     shard->initializer = spec->initializer;
-    shard->rows_bounded = em_row_bound_initial(&spec->optimizer, &spec->initializer);
+    /* the initializer's largest value: uniform(-a, a) stays within a; normal draws are
+     * Box-Muller over 53-bit uniforms, within 8.6 standard deviations */
+    shard->weight_bound = spec->initializer.kind == EM_INIT_UNIFORM  ? fabs(spec->initializer.bound)
+                          : spec->initializer.kind == EM_INIT_NORMAL ? 9.0 * fabs(spec->initializer.stddev)
+                                                                      : 0.0;
+    shard->state_bound = em_optimizer_has_accumulator(spec->optimizer.kind)
+                             ? spec->optimizer.initial_accumulator
+                             : 0.0;
     em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES);
     shard->row_floats = plan.row_floats;
     shard->stride = plan.stride;
@@ -463,27 +472,98 @@ static em_status cpu_shard_gather(em_shard *base, em_lane *lane, const uint64_t 
     return EM_OK;
 }
 
+/* ---- the bounds on a shard's values (cpu_shard.weight_bound) ---- */
+
+/* Whether every row is within the bounds of common/row_check.h. */
+static bool shard_values_bounded(const cpu_shard *shard)
+{
+    bool adam = shard->optimizer.kind == EM_OPTIMIZER_ADAM;
+    double state_limit = adam ? (double)EM_ROW_BOUND_GRADIENT * EM_ROW_BOUND_GRADIENT
+                              : (double)EM_ROW_BOUND_ACCUMULATOR;
+    return shard->weight_bound <= EM_ROW_BOUND_WEIGHT && shard->state_bound <= state_limit &&
+           shard->moment_bound <= EM_ROW_BOUND_GRADIENT;
+}
+
+/* After a step of n rows by gradients: each bound grows by the most the step can move
+ * its values, from the largest gradient (row_check.h has the arithmetic: Adagrad moves a
+ * weight by at most lr, row-wise Adagrad by lr * sqrt(dim), Adam by lr * m / ((1 - beta1)
+ * * eps); accumulators grow by at most g * g; Adam's moments stay within the largest of
+ * their old bound and the gradient's). A margin covers float rounding. */
+static void widen_bounds(cpu_shard *shard, const float *gradients, uint64_t n)
+{
+    float largest = 0.0f;
+    for (uint64_t i = 0; i < n * shard->dim; i++)
+        largest = fmaxf(largest, fabsf(gradients[i]));
+    const em_optimizer_config *o = &shard->optimizer;
+    double margin = 1.0 + 1e-5, g = (double)largest * margin;
+    double lr = fabs((double)o->learning_rate) * margin;
+    switch (o->kind) {
+    case EM_OPTIMIZER_SGD:
+        shard->weight_bound += lr * g;
+        break;
+    case EM_OPTIMIZER_ADAGRAD:
+        shard->weight_bound += lr;
+        shard->state_bound += g * g;
+        break;
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD:
+        shard->weight_bound += lr * sqrt((double)shard->dim);
+        shard->state_bound += g * g;
+        break;
+    case EM_OPTIMIZER_ADAM:
+        shard->moment_bound = fmax(shard->moment_bound, g);
+        shard->state_bound = fmax(shard->state_bound, g * g);
+        shard->weight_bound += lr * shard->moment_bound / ((1.0 - (double)o->beta1) * o->eps);
+        break;
+    case EM_OPTIMIZER_COUNT:
+        shard->weight_bound = INFINITY;
+        break;
+    }
+}
+
+/* After a row was written as given: the bounds take in its values. */
+static void widen_bounds_to_row(cpu_shard *shard, const float *row)
+{
+    uint32_t dim = shard->dim;
+    for (uint32_t j = 0; j < dim; j++)
+        shard->weight_bound = fmax(shard->weight_bound, fabs((double)row[j]));
+    switch (shard->optimizer.kind) {
+    case EM_OPTIMIZER_ADAM:
+        for (uint32_t j = 0; j < dim; j++) {
+            shard->moment_bound = fmax(shard->moment_bound, fabs((double)row[dim + j]));
+            shard->state_bound = fmax(shard->state_bound, fabs((double)row[2 * dim + j]));
+        }
+        if (!(row[3 * dim] >= 0.0f && row[3 * dim] <= EM_ADAM_MAX_STEP))
+            shard->weight_bound = INFINITY; /* a step count no step makes: check every row */
+        break;
+    case EM_OPTIMIZER_ADAGRAD:
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD:
+        for (uint32_t j = dim; j < shard->row_floats; j++)
+            shard->state_bound = fmax(shard->state_bound, fabs((double)row[j]));
+        break;
+    case EM_OPTIMIZER_SGD:
+    case EM_OPTIMIZER_COUNT:
+        break;
+    }
+}
+
 static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *rows,
                                  uint64_t n, const float *gradients, em_error *err)
 {
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
-    int bounded = 1;
     for (uint64_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n)
             prefetch_row(shard, rows[i + PREFETCH_AHEAD]);
         float *weights = row_address(shard, rows[i]);
         em_optimizer_apply_row(&shard->optimizer, shard->dim, weights, weights + shard->dim,
                                const_vector_at(gradients, i, shard->dim));
-        bounded &= em_row_values_bounded(&shard->optimizer, shard->dim, weights);
     }
-    if (!bounded)
-        shard->rows_bounded = false;
+    widen_bounds(shard, gradients, n);
     return EM_OK;
 }
 
-/* When every row of the shard is within the bounds of row_check.h (rows_bounded), only
+/* When every row of the shard is within the bounds of row_check.h (its bounds say so), only
  * the gradients are looked at: bounded gradients then step every row, new ones included,
  * to finite values. Otherwise rows within the bounds are passed in one branch-free look;
  * any other row (and every row the push creates) gets the exact check, which also finds
@@ -497,7 +577,7 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
     cpu_shard *shard = cpu_shard_of(base);
     int steps_bounded = em_row_bound_step(&shard->optimizer, shard->dim);
     *first_problem = UINT64_MAX;
-    if (steps_bounded && shard->rows_bounded) {
+    if (steps_bounded && shard_values_bounded(shard)) {
         /* every row is within the bounds: the gradients decide, rows are not read */
         int gradients_bounded = 1;
         for (uint64_t i = 0; i < n; i++)
@@ -570,15 +650,12 @@ static em_status cpu_shard_write_rows(em_shard *base, em_lane *lane, const uint6
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
-    int bounded = 1;
     for (uint64_t i = 0; i < n; i++) {
         float *row = row_address(shard, rows[i]);
         memcpy(row, const_vector_at(values, i, shard->row_floats),
                shard->row_floats * sizeof(float));
-        bounded &= em_row_values_bounded(&shard->optimizer, shard->dim, row);
+        widen_bounds_to_row(shard, row);
     }
-    if (!bounded)
-        shard->rows_bounded = false;
     return EM_OK;
 }
 
