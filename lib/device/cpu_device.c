@@ -491,9 +491,16 @@ static bool shard_values_bounded(const cpu_shard *shard)
  * their old bound and the gradient's). A margin covers float rounding. */
 static void widen_bounds(cpu_shard *shard, const float *gradients, uint64_t n)
 {
-    float largest = 0.0f;
-    for (uint64_t i = 0; i < n * shard->dim; i++)
-        largest = fmaxf(largest, fabsf(gradients[i]));
+    /* the largest size as the largest of the bit patterns without the sign: they order
+     * as the floats do, and an integer max the compiler vectorises */
+    const uint32_t *bits = (const uint32_t *)gradients;
+    uint32_t largest_bits = 0;
+    for (uint64_t i = 0; i < n * shard->dim; i++) {
+        uint32_t size = bits[i] & 0x7fffffffu;
+        largest_bits = size > largest_bits ? size : largest_bits;
+    }
+    float largest;
+    memcpy(&largest, &largest_bits, sizeof(largest));
     const em_optimizer_config *o = &shard->optimizer;
     double margin = 1.0 + 1e-5, g = (double)largest * margin;
     double lr = fabs((double)o->learning_rate) * margin;
