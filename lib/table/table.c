@@ -150,7 +150,7 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     }
     uint64_t missing = r.missing;
     if (status == EM_OK && request->create_missing)
-        status = em__create_missing(&r, err);
+        status = em__create_missing(&r, false, err);
     if (status == EM_OK && direct)
         status = gather_direct(&r, request, err);
     if (status == EM_OK && !direct)

@@ -120,8 +120,10 @@ em_status em__stage_offsets(request_context *r, const em_csr *batch, em_error *e
 em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
                             bool want_targets, em_error *err);
 
-/* Creates every missing key, or nothing: capacity and memory are settled first. */
-em_status em__create_missing(request_context *r, em_error *err);
+/* Creates every missing key, or nothing: capacity and memory are settled first. The
+ * write locks of the shards that get keys are taken here unless locks_held (the caller
+ * holds them). */
+em_status em__create_missing(request_context *r, bool locks_held, em_error *err);
 
 /* Runs one operation on every shard over its keys' rows and its part of the segment
  * payload (floats_per_key floats per key). */

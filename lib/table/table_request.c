@@ -393,15 +393,36 @@ static em_status insert_missing(request_context *r, em_error *err)
 }
 
 /* Creates every missing key, or nothing: capacity and memory are settled first. */
-em_status em__create_missing(request_context *r, em_error *err)
+/* Takes or releases the write locks of the shards that get new keys. */
+static void lock_creating_shards(request_context *r, bool lock)
+{
+    em_table *table = r->table;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        if (r->shard_missing[s] == 0)
+            continue;
+        if (lock)
+            pthread_rwlock_wrlock(&table->shard_locks[s]);
+        else
+            pthread_rwlock_unlock(&table->shard_locks[s]);
+    }
+}
+
+em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
 {
     if (r->missing == 0)
         return EM_OK;
     em_status status = check_capacity(r, err);
-    if (status == EM_OK)
-        status = reserve_missing(r, err);
+    if (status != EM_OK)
+        return status;
+    /* Growing a shard's storage or index moves them: the shards' write locks keep out a
+     * snapshot reader, which holds only shard locks (table_snapshot.c). */
+    if (!locks_held)
+        lock_creating_shards(r, true);
+    status = reserve_missing(r, err);
     if (status == EM_OK)
         status = insert_missing(r, err);
+    if (!locks_held)
+        lock_creating_shards(r, false);
     return status;
 }
 
@@ -604,7 +625,7 @@ em_status em__check_create_apply(request_context *r, em_error *err)
         if (status == EM_OK)
             status = em__preserve_for_snapshot(r, false, err);
         if (status == EM_OK)
-            status = em__create_missing(r, err);
+            status = em__create_missing(r, true, err);
         if (status == EM_OK)
             advance_versions(r, checks);
         else

@@ -141,7 +141,7 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     if (status == EM_OK)
         status = send_import_rows(&r, values, n, err);
     if (status == EM_OK)
-        status = em__create_missing(&r, err);
+        status = em__create_missing(&r, false, err);
     if (status == EM_OK) {
         em__snapshot_wait_room(table);
         status = em__preserve_for_snapshot(&r, true, err);

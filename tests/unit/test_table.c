@@ -753,6 +753,7 @@ END_TEST
 typedef struct snapshot_context {
     em_table *table;
     uint64_t first_key, key_count; /* pushes cover every key of the range in one push */
+    bool pull;                     /* creates its keys by pulling them instead */
     _Atomic int *stop;
     int pushes, failed;
 } snapshot_context;
@@ -780,7 +781,10 @@ static void *snapshot_pusher(void *argument)
         for (uint64_t i = 0; i < n; i++)
             keys[i] = context->first_key + i;
         em_csr csr = {.rows = (uint32_t)n, .nnz = n, .offsets = offsets, .keys = keys};
-        if (em_test_push(context->table, &csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
+        em_status status =
+            context->pull ? em_test_pull(context->table, &csr, EM_COMBINER_NONE, true, g, NULL, &err)
+                          : em_test_push(context->table, &csr, EM_COMBINER_NONE, g, NULL, &err);
+        if (status != EM_OK)
             context->failed++;
         context->pushes++;
         if (context->first_key >= SNAPSHOT_KEYS) /* a creator: new keys every time */
@@ -804,17 +808,19 @@ START_TEST(snapshots_are_one_instant_while_pushes_run)
     config.initializer.kind = EM_INIT_ZEROS;
     em_table *table = em_test_make_table(backend, &config);
     _Atomic int stop = 0;
-    snapshot_context contexts[3] = {
+    snapshot_context contexts[4] = {
         {.table = table, .first_key = 0, .key_count = SNAPSHOT_KEYS, .stop = &stop},
         {.table = table, .first_key = 0, .key_count = SNAPSHOT_KEYS, .stop = &stop},
         {.table = table, .first_key = SNAPSHOT_KEYS, .key_count = 64, .stop = &stop},
+        {.table = table, .first_key = SNAPSHOT_ROOM / 2, .key_count = 512, .pull = true,
+         .stop = &stop},
     };
     /* the keys exist before the pushers start */
     contexts[0].stop = &(_Atomic int){1};
     snapshot_pusher(&contexts[0]);
     contexts[0].stop = &stop;
-    pthread_t threads[3];
-    for (int t = 0; t < 3; t++)
+    pthread_t threads[4];
+    for (int t = 0; t < 4; t++)
         pthread_create(&threads[t], NULL, snapshot_pusher, &contexts[t]);
     em_error err;
     uint64_t *keys = malloc(SNAPSHOT_ROOM * sizeof(uint64_t));
@@ -851,7 +857,7 @@ START_TEST(snapshots_are_one_instant_while_pushes_run)
         em_table_snapshot_end(snapshot);
     }
     atomic_store(&stop, 1);
-    for (int t = 0; t < 3; t++) {
+    for (int t = 0; t < 4; t++) {
         pthread_join(threads[t], NULL);
         ck_assert_int_eq(contexts[t].failed, 0);
     }
