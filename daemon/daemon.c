@@ -475,16 +475,20 @@ bool em_daemon_run(em_daemon *d)
                   em_catalog_count(d->catalog));
     notify(d, "READY=1\nSTATUS=serving on %s (admin %s)", d->data_address, d->admin_address);
     uv_run(&d->loop, UV_RUN_DEFAULT);
-    if (d->checkpointer != NULL && d->config.checkpoint.on_shutdown) {
-        notify(d, "STATUS=saving every table");
-        em_checkpoint_info *infos = NULL;
-        size_t count = 0;
-        em_error err;
-        if (em_checkpointer_save(d->checkpointer, NULL, &infos, &count, &err) != EM_OK)
-            em_log_error(&d->log, "shutdown save: %s", err.message);
-        free(infos);
-    }
     return !d->forced;
+}
+
+void em_daemon_save_at_shutdown(em_daemon *d)
+{
+    if (d->checkpointer == NULL || !d->config.checkpoint.on_shutdown)
+        return;
+    notify(d, "STATUS=saving every table");
+    em_checkpoint_info *infos = NULL;
+    size_t count = 0;
+    em_error err;
+    if (em_checkpointer_save(d->checkpointer, NULL, &infos, &count, &err) != EM_OK)
+        em_log_error(&d->log, "shutdown save: %s", err.message);
+    free(infos);
 }
 
 void em_daemon_destroy(em_daemon *d)

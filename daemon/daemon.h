@@ -61,6 +61,11 @@ void em_daemon_stop(em_daemon *daemon, const char *reason);
  * async-signal-safe. */
 void em_daemon_reload(em_daemon *daemon);
 
+/* After em_daemon_run returned: saves every table when checkpoint.on_shutdown says so
+ * (failures are logged). The caller makes sure no signal calls into the daemon any more
+ * (em_daemon_stop and em_daemon_reload need the loop, which is gone). */
+void em_daemon_save_at_shutdown(em_daemon *daemon);
+
 /* Frees everything; after em_daemon_run returned, or instead of it. */
 void em_daemon_destroy(em_daemon *daemon);
 

@@ -273,10 +273,13 @@ static int serve(const daemon_options *options, const em_daemon_config *config)
         return EXIT_RUNTIME;
     }
     em_daemon_run(daemon);
-    /* drained: from here on a signal finds no loop to wake */
-    signal(SIGTERM, SIG_DFL);
+    /* Drained: a signal finds no loop to wake any more. Another SIGTERM is ignored, as the
+     * process is on its way out (a kill during the shutdown save would only lose that
+     * save); SIGINT ends it at once. */
+    signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_DFL);
     signal(SIGHUP, SIG_IGN);
+    em_daemon_save_at_shutdown(daemon);
     em_daemon_destroy(daemon);
     return EXIT_OK;
 }
