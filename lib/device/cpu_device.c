@@ -489,18 +489,24 @@ static bool shard_values_bounded(const cpu_shard *shard)
  * weight by at most lr, row-wise Adagrad by lr * sqrt(dim), Adam by lr * m / ((1 - beta1)
  * * eps); accumulators grow by at most g * g; Adam's moments stay within the largest of
  * their old bound and the gradient's). A margin covers float rounding. */
-static void widen_bounds(cpu_shard *shard, const float *gradients, uint64_t n)
+/* The largest size of count floats: the largest of the bit patterns without the sign,
+ * which order as the floats do (NaN above infinity), an integer max the compiler
+ * vectorises. */
+static float largest_size(const float *values, uint64_t count)
 {
-    /* the largest size as the largest of the bit patterns without the sign: they order
-     * as the floats do, and an integer max the compiler vectorises */
-    const uint32_t *bits = (const uint32_t *)gradients;
+    const uint32_t *bits = (const uint32_t *)values;
     uint32_t largest_bits = 0;
-    for (uint64_t i = 0; i < n * shard->dim; i++) {
+    for (uint64_t i = 0; i < count; i++) {
         uint32_t size = bits[i] & 0x7fffffffu;
         largest_bits = size > largest_bits ? size : largest_bits;
     }
     float largest;
     memcpy(&largest, &largest_bits, sizeof(largest));
+    return largest;
+}
+
+static void widen_bounds(cpu_shard *shard, float largest)
+{
     const em_optimizer_config *o = &shard->optimizer;
     double margin = 1.0 + 1e-5, g = (double)largest * margin;
     double lr = fabs((double)o->learning_rate) * margin;
@@ -554,7 +560,7 @@ static void widen_bounds_to_row(cpu_shard *shard, const float *row)
 }
 
 static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *rows,
-                                 uint64_t n, const float *gradients, em_error *err)
+                                 uint64_t n, const float *gradients, float largest, em_error *err)
 {
     (void)lane;
     (void)err;
@@ -566,7 +572,8 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
         em_optimizer_apply_row(&shard->optimizer, shard->dim, weights, weights + shard->dim,
                                const_vector_at(gradients, i, shard->dim));
     }
-    widen_bounds(shard, gradients, n);
+    /* the check usually found the largest gradient already */
+    widen_bounds(shard, largest >= 0.0f ? largest : largest_size(gradients, n * shard->dim));
     return EM_OK;
 }
 
@@ -577,23 +584,24 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
  * the first problem. */
 static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint64_t *keys,
                                        const uint64_t *rows, uint64_t n, const float *gradients,
-                                       uint64_t *first_problem, int *bounded, em_error *err)
+                                       uint64_t *first_problem, int *bounded, float *largest,
+                                       em_error *err)
 {
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     int steps_bounded = em_row_bound_step(&shard->optimizer, shard->dim);
     *first_problem = UINT64_MAX;
+    *largest = -1.0f;
     if (steps_bounded && shard_values_bounded(shard)) {
-        /* every row is within the bounds: the gradients decide, rows are not read */
-        int gradients_bounded = 1;
-        for (uint64_t i = 0; i < n; i++)
-            gradients_bounded &= em_row_bound_gradient(shard->dim,
-                                                       const_vector_at(gradients, i, shard->dim));
-        if (gradients_bounded) {
+        /* every row is within the bounds: the gradients decide, rows are not read; their
+         * largest size also serves the step (widen_bounds) */
+        *largest = largest_size(gradients, n * shard->dim);
+        if (*largest <= EM_ROW_BOUND_GRADIENT) {
             *bounded = 1;
             return EM_OK;
         }
+        *largest = -1.0f;
     }
     int all_bounded = steps_bounded;
     for (uint64_t i = 0; i < n; i++) {

@@ -187,9 +187,11 @@ em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void 
 
 em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                      const uint64_t *rows, uint64_t n, const float *gradients,
-                                     uint64_t *first_problem, int *bounded, em_error *err);
+                                     uint64_t *first_problem, int *bounded, float *largest,
+                                     em_error *err);
 em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_t *rows,
-                               uint64_t n, const float *gradients, em_error *err);
+                               uint64_t n, const float *gradients, float largest,
+                               em_error *err);
 
 em_status em__cuda_shard_create(em_device *device, const em_shard_spec *spec, em_shard **out,
                                 em_error *err);

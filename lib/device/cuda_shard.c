@@ -411,12 +411,14 @@ em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64
 
 em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                      const uint64_t *rows, uint64_t n, const float *gradients,
-                                     uint64_t *first_problem, int *bounded, em_error *err)
+                                     uint64_t *first_problem, int *bounded, float *largest,
+                                     em_error *err)
 {
     cuda_shard *shard = shard_of(base);
     cuda_lane *lane = lane_of(lane_base);
     *first_problem = UINT64_MAX;
     *bounded = 0; /* not computed here: a moved shard is always checked again */
+    *largest = -1.0f;
     if (n == 0)
         return EM_OK;
     em_status status = order_read(shard, lane, err);
@@ -436,8 +438,10 @@ em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const u
 }
 
 em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_t *rows,
-                                  uint64_t n, const float *gradients, em_error *err)
+                                  uint64_t n, const float *gradients, float largest,
+                                  em_error *err)
 {
+    (void)largest;
     cuda_shard *shard = shard_of(base);
     cuda_lane *lane = lane_of(lane_base);
     em_status status = order_write(shard, lane, err);

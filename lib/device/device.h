@@ -165,13 +165,17 @@ typedef struct em_device_ops {
      * EM_ROW_NONE stands for the row the push will create for keys[i]. *bounded (host) is
      * 1 when every row was bounded (row_check.h: em_row_bounded, for existing rows only),
      * so the answer holds across a few concurrent bounded steps; a device may always say
-     * 0. */
+     * 0. *largest (host) is the largest size of the gradients' elements when the check
+     * found it, else -1. */
     em_status (*shard_check_apply)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                    const uint64_t *rows, uint64_t n, const float *gradients,
-                                   uint64_t *first_problem, int *bounded, em_error *err);
-    /* One optimizer step per row with gradients[i] (dim floats each). Rows distinct. */
+                                   uint64_t *first_problem, int *bounded, float *largest,
+                                   em_error *err);
+    /* One optimizer step per row with gradients[i] (dim floats each). Rows distinct.
+     * largest: the gradients' largest element size as shard_check_apply found it, or -1
+     * when unknown. */
     em_status (*shard_apply)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
-                             const float *gradients, em_error *err);
+                             const float *gradients, float largest, em_error *err);
     /* Copies up to max rows (key, weights and optimizer state: dim + state floats each)
      * into host memory from *cursor on (0 to start); *count 0 means done. values may be
      * NULL (keys only); rows (nullable, host) gets each key's row. */

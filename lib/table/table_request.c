@@ -434,8 +434,15 @@ typedef enum shard_locking {
     SHARDS_RELEASE_EACH, /* the caller holds the locks; each goes once its shard is done */
 } shard_locking;
 
+/* What a push's check found for one shard. */
+typedef struct shard_check {
+    uint64_t version; /* the shard's version when it was checked */
+    int bounded;      /* every row was bounded (row_check.h) */
+    float largest;    /* the largest gradient element size, or -1 when not found */
+} shard_check;
+
 static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
-                               shard_locking locking, em_error *err);
+                               shard_locking locking, const shard_check *checks, em_error *err);
 
 /* A device value of a segment as a host value (copied when the device is not host
  * memory). */
@@ -487,12 +494,6 @@ static em_status describe_problem(request_context *r, const segment *seg, uint64
                         element - dim);
 }
 
-/* What a push's check found for one shard. */
-typedef struct shard_check {
-    uint64_t version; /* the shard's version when it was checked */
-    int bounded;      /* every row was bounded (row_check.h) */
-} shard_check;
-
 /* Asks shard s (of segment seg) whether its rows' steps keep them finite; a problem
  * becomes the error. */
 static em_status check_shard(request_context *r, segment *seg, uint32_t s, shard_check *check,
@@ -505,7 +506,7 @@ static em_status check_shard(request_context *r, segment *seg, uint32_t s, shard
     em_status status = seg->device->ops->shard_check_apply(
         table->shards[s], seg->lane, seg->keys + offset, seg->rows + offset, n,
         (const float *)seg->payload + offset * table->config.dim, &problem, &check->bounded,
-        err);
+        &check->largest, err);
     if (status == EM_OK && problem != UINT64_MAX) {
         status = describe_problem(r, seg, offset, problem, err);
         if (status == EM_INVALID_ARGUMENT)
@@ -631,12 +632,13 @@ em_status em__check_create_apply(request_context *r, em_error *err)
         else
             lock_push_shards(r, false);
     }
-    free(checks);
-    if (status != EM_OK)
-        return status;
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
      * once, so pushes behind this one follow it shard by shard. */
-    return run_on_shards(r, WORK_APPLY, table->config.dim, SHARDS_RELEASE_EACH, err);
+    if (status == EM_OK)
+        status = run_on_shards(r, WORK_APPLY, table->config.dim, SHARDS_RELEASE_EACH, checks,
+                               err);
+    free(checks);
+    return status;
 }
 
 
@@ -645,7 +647,7 @@ em_status em__check_create_apply(request_context *r, em_error *err)
  * already held, or releasing each held lock once its shard is done (on an error, the
  * shards not reached are only released). */
 static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
-                               shard_locking locking, em_error *err)
+                               shard_locking locking, const shard_check *checks, em_error *err)
 {
     bool lock = locking == SHARDS_LOCK_EACH;
     em_status failed = EM_OK;
@@ -675,7 +677,8 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 status = ops->shard_gather(table->shards[s], seg->lane, rows, n, targets, payload,
                                            err);
             else if (work == WORK_APPLY)
-                status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload, err);
+                status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload,
+                                          checks != NULL ? checks[s].largest : -1.0f, err);
             else
                 status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
             if (work == WORK_WRITE) /* what pushes checked before this is stale */
@@ -696,7 +699,7 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
                             em_error *err)
 {
-    return run_on_shards(r, work, floats_per_key, SHARDS_LOCK_EACH, err);
+    return run_on_shards(r, work, floats_per_key, SHARDS_LOCK_EACH, NULL, err);
 }
 
 
