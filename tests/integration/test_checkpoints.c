@@ -245,6 +245,7 @@ END_TEST
 typedef struct save_call {
     em_client *client;
     em_status status;
+    double seconds; /* how long the call took */
 } save_call;
 
 static void *save_in_background(void *argument)
@@ -252,14 +253,18 @@ static void *save_in_background(void *argument)
     save_call *call = argument;
     cJSON *saved = NULL;
     em_error err;
+    double start = em_test_now();
     call->status = em_client_save(call->client, NULL, &saved, &err);
+    call->seconds = em_test_now() - start;
     cJSON_Delete(saved);
     return NULL;
 }
 
 /* Each iteration: the restarted daemon holds exactly the last completed checkpoint (or
  * nothing before the first); it trains, a save starts, and the daemon dies by kill -9
- * after a random delay, or by a failpoint at a random step of the save. */
+ * after a random delay of up to three times the last completed save's duration (so most
+ * saves complete, however fast the machine), or by a failpoint at a random step of
+ * the save. */
 START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
 {
     const char *configured = getenv("EMBER_CRASH_ITERATIONS");
@@ -272,6 +277,7 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
     batch *b = every_key();
     float *completed = NULL; /* the last state a completed save holds */
     int saves_completed = 0, by_failpoint = 0;
+    double save_seconds = 0.2; /* until a save has been timed */
     for (int i = 0; i < iterations; i++) {
         bool failpoint = em_test_rng_below(&rng, 3) == 0;
         int step = 1 + (int)em_test_rng_below(&rng, 13);
@@ -297,12 +303,17 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
         save_call call = {.client = client, .status = EM_UNKNOWN};
         pthread_t thread;
         pthread_create(&thread, NULL, save_in_background, &call);
-        if (!failpoint)
-            usleep((useconds_t)em_test_rng_below(&rng, 150000));
-        else
-            usleep(200000);
+        if (!failpoint) {
+            double delay = 3.0 * save_seconds * em_test_rng_unit(&rng);
+            usleep((useconds_t)(delay * 1e6));
+        } else {
+            pthread_join(thread, NULL); /* answered when the daemon ends itself */
+        }
         int code = test_daemon_stop(daemon, SIGKILL, 5000);
-        pthread_join(thread, NULL);
+        if (!failpoint)
+            pthread_join(thread, NULL);
+        if (call.status == EM_OK)
+            save_seconds = call.seconds;
         em_client_destroy(client);
         if (failpoint)
             by_failpoint += code == 99;
