@@ -640,6 +640,19 @@ static void print_server_stats(const cJSON *server)
            json_string(server, "backend"), uptime, json_number(server, "connections_current"),
            json_number(server, "connections_total"), json_number(server, "connections_rejected"),
            bytes_in, bytes_out, json_number(server, "frames_rejected"));
+    double saves = json_number(server, "checkpoint_saves");
+    double failures = json_number(server, "checkpoint_save_failures");
+    double restored = json_number(server, "checkpoint_tables_restored");
+    if (saves + failures + restored == 0)
+        return;
+    char last_bytes[32];
+    format_bytes(json_number(server, "checkpoint_last_save_bytes"), last_bytes,
+                 sizeof(last_bytes));
+    printf("  checkpoints  %.0f saved, %.0f failed, %.0f running; last save %s in %.0f ms;"
+           " %.0f tables (%.0f rows) restored at start\n",
+           saves, failures, json_number(server, "checkpoint_saves_running"), last_bytes,
+           json_number(server, "checkpoint_last_save_ms"), restored,
+           json_number(server, "checkpoint_rows_restored"));
 }
 
 static void print_method_stats(const cJSON *methods)
