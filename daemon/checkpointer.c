@@ -202,11 +202,10 @@ em_status em_checkpointer_restore(em_checkpointer *c,
     return status;
 }
 
-em_status em_checkpointer_load(em_checkpointer *c, em_catalog *catalog, const char *dir,
-                               const char *table, const char *path, bool weights_only,
-                               em_checkpoint_info *info, em_error *err)
+em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char *table,
+                               const char *path, bool weights_only, em_checkpoint_info *info,
+                               em_error *err)
 {
-    (void)c;
     char latest[4200];
     em_status status = EM_OK;
     if (path == NULL || path[0] == '\0') {

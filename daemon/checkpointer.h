@@ -51,8 +51,8 @@ em_status em_checkpointer_save(em_checkpointer *checkpointer, const char *name,
  * Nothing changes on an error. Errors: those of em_checkpoint_load and _load_weights,
  * NOT_FOUND (weights_only without the table, or no checkpoint), FAILED_PRECONDITION
  * without a checkpoint dir and no path. */
-em_status em_checkpointer_load(em_checkpointer *checkpointer, em_catalog *catalog,
-                               const char *dir, const char *table, const char *path,
-                               bool weights_only, em_checkpoint_info *info, em_error *err);
+em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char *table,
+                               const char *path, bool weights_only, em_checkpoint_info *info,
+                               em_error *err);
 
 #endif

@@ -445,8 +445,8 @@ em_status em_handle_load(em_request *request, em_error *err)
         return em_error_prefix(err, "load: ");
     const char *dir = context->checkpointer != NULL ? context->checkpoint_dir : NULL;
     em_checkpoint_info info;
-    status = em_checkpointer_load(context->checkpointer, context->catalog, dir, body->table,
-                                  body->path, body->weights_only, &info, err);
+    status = em_checkpointer_load(context->catalog, dir, body->table, body->path,
+                                  body->weights_only, &info, err);
     if (status != EM_OK)
         return status;
     em_log_notice(context->log, "loaded table '%s' from %s%s: %" PRIu64 " rows in %.3f s",

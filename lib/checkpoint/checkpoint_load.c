@@ -597,7 +597,9 @@ em_status em_checkpoint_latest(const char *dir, const char *table, char *path, s
     if (!read || !em__checkpoint_is_id(line))
         return data_loss(err, table_dir, "LATEST", "does not hold a checkpoint id");
     if ((size_t)snprintf(path, capacity, "%s/%s", table_dir, line) >= capacity)
-        return em_error_set(err, EM_INVALID_ARGUMENT, "checkpoint path too long");
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "checkpoint path under '%.256s' for table '%s' is too long", dir,
+                            table);
     struct stat st;
     if (stat(path, &st) != 0)
         return data_loss(err, table_dir, "LATEST", "names %s, which is missing", line);

@@ -412,7 +412,10 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     char table_dir[4096];
     if ((size_t)snprintf(table_dir, sizeof(table_dir), "%s/%s", options->dir, name) >=
         sizeof(table_dir) - 64)
-        return em_error_set(err, EM_INVALID_ARGUMENT, "checkpoint dir path is too long");
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "save of table '%s': checkpoint dir '%.256s' is too long (at most "
+                            "%zu characters with the table name)",
+                            name, options->dir, sizeof(table_dir) - 64);
     em_status status = make_dir(options->dir, err);
     if (status == EM_OK)
         status = make_dir(table_dir, err);

@@ -392,13 +392,15 @@ static em_status insert_missing(request_context *r, em_error *err)
     return EM_OK;
 }
 
-/* Creates every missing key, or nothing: capacity and memory are settled first. */
-/* Takes or releases the write locks of the shards that get new keys. */
-static void lock_creating_shards(request_context *r, bool lock)
+/* Takes or releases, in shard order, the write locks of the shards the request touches
+ * (or only of those that get new keys). */
+static void lock_shards(request_context *r, bool creating_only, bool lock)
 {
     em_table *table = r->table;
     for (uint32_t s = 0; s < table->shard_count; s++) {
-        if (r->shard_missing[s] == 0)
+        bool touched = creating_only ? r->shard_missing[s] != 0
+                                     : r->shard_start[s + 1] != r->shard_start[s];
+        if (!touched)
             continue;
         if (lock)
             pthread_rwlock_wrlock(&table->shard_locks[s]);
@@ -407,6 +409,7 @@ static void lock_creating_shards(request_context *r, bool lock)
     }
 }
 
+/* Creates every missing key, or nothing: capacity and memory are settled first. */
 em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
 {
     if (r->missing == 0)
@@ -417,12 +420,12 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
     /* Growing a shard's storage or index moves them: the shards' write locks keep out a
      * snapshot reader, which holds only shard locks (table_snapshot.c). */
     if (!locks_held)
-        lock_creating_shards(r, true);
+        lock_shards(r, true, true);
     status = reserve_missing(r, err);
     if (status == EM_OK)
         status = insert_missing(r, err);
     if (!locks_held)
-        lock_creating_shards(r, false);
+        lock_shards(r, true, false);
     return status;
 }
 
@@ -572,19 +575,6 @@ static void advance_versions(request_context *r, const shard_check *checks)
             table->shard_versions[s] += checks[s].bounded ? 1 : EM_ROW_BOUNDED_STEPS + 1;
 }
 
-static void lock_push_shards(request_context *r, bool lock)
-{
-    em_table *table = r->table;
-    for (uint32_t s = 0; s < table->shard_count; s++) {
-        if (r->shard_start[s + 1] == r->shard_start[s])
-            continue;
-        if (lock)
-            pthread_rwlock_wrlock(&table->shard_locks[s]);
-        else
-            pthread_rwlock_unlock(&table->shard_locks[s]);
-    }
-}
-
 em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_error *err)
 {
     em_table *table = r->table;
@@ -621,7 +611,7 @@ em_status em__check_create_apply(request_context *r, em_error *err)
     em_status status = check_shards(r, checks, err);
     if (status == EM_OK) {
         em__snapshot_wait_room(table);
-        lock_push_shards(r, true);
+        lock_shards(r, false, true);
         status = recheck_stale_shards(r, checks, err);
         if (status == EM_OK)
             status = em__preserve_for_snapshot(r, false, err);
@@ -630,7 +620,7 @@ em_status em__check_create_apply(request_context *r, em_error *err)
         if (status == EM_OK)
             advance_versions(r, checks);
         else
-            lock_push_shards(r, false);
+            lock_shards(r, false, false);
     }
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
      * once, so pushes behind this one follow it shard by shard. */

@@ -7,13 +7,11 @@
  */
 #include <check.h>
 #include <cJSON.h>
-#include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "clients/ember_client.h"
