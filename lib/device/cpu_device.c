@@ -186,11 +186,43 @@ static void add_vector(float *destination, const float *source, uint32_t dim)
         destination[j] += source[j];
 }
 
-static void add_divided_vector(float *destination, const float *source, float divisor,
-                               uint32_t dim)
+/* The size bits of a float (sign cleared): sizes order as these integers do, NaN above
+ * infinity, so an integer max finds the largest size and vectorises. */
+static uint32_t size_bits(float value)
 {
-    for (uint32_t j = 0; j < dim; j++)
-        destination[j] += source[j] / divisor;
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof(bits));
+    return bits & 0x7fffffffu;
+}
+
+static float float_of_bits(uint32_t bits)
+{
+    float value;
+    memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+/* destination += source / divisor (divisor 1: source itself), returning the largest of
+ * largest_bits and the new sums' size bits. */
+static uint32_t add_vector_sizing(float *destination, const float *source, float divisor,
+                                  uint32_t dim, uint32_t largest_bits)
+{
+    if (divisor == 1.0f) {
+        for (uint32_t j = 0; j < dim; j++) {
+            float sum = destination[j] + source[j];
+            uint32_t size = size_bits(sum);
+            destination[j] = sum;
+            largest_bits = size > largest_bits ? size : largest_bits;
+        }
+        return largest_bits;
+    }
+    for (uint32_t j = 0; j < dim; j++) {
+        float sum = destination[j] + source[j] / divisor;
+        uint32_t size = size_bits(sum);
+        destination[j] = sum;
+        largest_bits = size > largest_bits ? size : largest_bits;
+    }
+    return largest_bits;
 }
 
 static float *vector_at(float *base, uint64_t index, uint32_t dim)
@@ -203,28 +235,30 @@ static const float *const_vector_at(const float *base, uint64_t index, uint32_t 
     return base + index * dim;
 }
 
+/* The sums' bound comes from the same loop: every partial sum's size is taken as it is
+ * stored, so the check that follows need not read the sums again. */
 static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
                                    em_combiner combiner, uint32_t dim, const float *gradients,
-                                   float *partitioned_gradients, em_error *err)
+                                   float *partitioned_gradients, float *largest, em_error *err)
 {
     (void)lane;
     (void)err;
     uint64_t total = batch->unique_count * dim;
     for (uint64_t i = 0; i < total; i++)
         partitioned_gradients[i] = -0.0f;
+    uint32_t largest_bits = 0;
     for (uint32_t r = 0; r < batch->rows; r++) {
         uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
         float divisor = em_combiner_divisor(combiner, end - begin);
         for (uint32_t k = begin; k < end; k++) {
             float *sum = vector_at(partitioned_gradients, batch->position[batch->inverse[k]], dim);
-            if (combiner == EM_COMBINER_NONE)
-                add_vector(sum, const_vector_at(gradients, k, dim), dim);
-            else if (divisor == 1.0f)
-                add_vector(sum, const_vector_at(gradients, r, dim), dim);
-            else
-                add_divided_vector(sum, const_vector_at(gradients, r, dim), divisor, dim);
+            const float *gradient = const_vector_at(gradients,
+                                                    combiner == EM_COMBINER_NONE ? k : r, dim);
+            largest_bits = add_vector_sizing(sum, gradient, divisor, dim, largest_bits);
         }
     }
+    if (largest != NULL)
+        *largest = float_of_bits(largest_bits);
     return EM_OK;
 }
 
@@ -494,15 +528,12 @@ static bool shard_values_bounded(const cpu_shard *shard)
  * vectorises. */
 static float largest_size(const float *values, uint64_t count)
 {
-    const uint32_t *bits = (const uint32_t *)values;
     uint32_t largest_bits = 0;
     for (uint64_t i = 0; i < count; i++) {
-        uint32_t size = bits[i] & 0x7fffffffu;
+        uint32_t size = size_bits(values[i]);
         largest_bits = size > largest_bits ? size : largest_bits;
     }
-    float largest;
-    memcpy(&largest, &largest_bits, sizeof(largest));
-    return largest;
+    return float_of_bits(largest_bits);
 }
 
 static void widen_bounds(cpu_shard *shard, float largest)
@@ -584,8 +615,8 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
  * the first problem. */
 static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint64_t *keys,
                                        const uint64_t *rows, uint64_t n, const float *gradients,
-                                       uint64_t *first_problem, int *bounded, float *largest,
-                                       em_error *err)
+                                       float gradient_bound, uint64_t *first_problem,
+                                       int *bounded, float *largest, em_error *err)
 {
     (void)lane;
     (void)err;
@@ -595,8 +626,10 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
     *largest = -1.0f;
     if (steps_bounded && shard_values_bounded(shard)) {
         /* every row is within the bounds: the gradients decide, rows are not read; their
-         * largest size also serves the step (widen_bounds) */
-        *largest = largest_size(gradients, n * shard->dim);
+         * bound (from sum_gradients when it came, else their largest size) also serves
+         * the step (widen_bounds) */
+        *largest = gradient_bound >= 0.0f ? gradient_bound
+                                          : largest_size(gradients, n * shard->dim);
         if (*largest <= EM_ROW_BOUND_GRADIENT) {
             *bounded = 1;
             return EM_OK;

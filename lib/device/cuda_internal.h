@@ -174,7 +174,7 @@ em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_
 
 em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
                                  em_combiner combiner, uint32_t dim, const float *gradients,
-                                 float *partitioned_gradients, em_error *err);
+                                 float *partitioned_gradients, float *largest, em_error *err);
 
 em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
                                uint64_t *unique, uint32_t *inverse, uint32_t *first_positions,
@@ -187,8 +187,8 @@ em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void 
 
 em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                      const uint64_t *rows, uint64_t n, const float *gradients,
-                                     uint64_t *first_problem, int *bounded, float *largest,
-                                     em_error *err);
+                                     float gradient_bound, uint64_t *first_problem, int *bounded,
+                                     float *largest, em_error *err);
 em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_t *rows,
                                uint64_t n, const float *gradients, float largest,
                                em_error *err);

@@ -217,7 +217,7 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
                                    "summed gradients", (void **)&sums, err);
     if (status == EM_OK)
         status = home->ops->sum_gradients(r->home_lane, &r->batch, request->combiner, dim,
-                                          gradients, sums, err);
+                                          gradients, sums, &r->gradient_bound, err);
     if (status == EM_OK)
         status = em__scatter_to_segments(r, sums, dim * sizeof(float), "segment gradients",
                                          em__segment_payload, err);

@@ -88,6 +88,7 @@ typedef struct request_context {
     uint64_t *shard_missing;   /* host, shard_count */
     segment *segments;         /* one per device */
     uint64_t missing;          /* distinct keys not in the table */
+    float gradient_bound;      /* push: a bound on the summed gradients' sizes, or -1 */
 } request_context;
 
 /* What em__run_on_shards does on each shard. */

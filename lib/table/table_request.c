@@ -62,6 +62,7 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
     memset(r, 0, sizeof(*r));
     r->table = table;
     r->home = em_backend_home_device(table->backend);
+    r->gradient_bound = -1.0f;
     uint32_t devices = table->backend->device_count;
     r->scratch_capacity = SCRATCH_FIXED + SCRATCH_PER_DEVICE * devices;
     r->scratch = calloc(r->scratch_capacity, sizeof(*r->scratch));
@@ -508,8 +509,8 @@ static em_status check_shard(request_context *r, segment *seg, uint32_t s, shard
     check->version = table->shard_versions[s];
     em_status status = seg->device->ops->shard_check_apply(
         table->shards[s], seg->lane, seg->keys + offset, seg->rows + offset, n,
-        (const float *)seg->payload + offset * table->config.dim, &problem, &check->bounded,
-        &check->largest, err);
+        (const float *)seg->payload + offset * table->config.dim, r->gradient_bound, &problem,
+        &check->bounded, &check->largest, err);
     if (status == EM_OK && problem != UINT64_MAX) {
         status = describe_problem(r, seg, offset, problem, err);
         if (status == EM_INVALID_ARGUMENT)
