@@ -378,7 +378,8 @@ static em_status check_push_args(const em_client_push_args *args, uint32_t *dim,
         return em_error_set(err, EM_INVALID_ARGUMENT, "gradients are NULL for gradient_count %llu",
                             (unsigned long long)args->gradient_count);
     *dim = (uint32_t)(args->gradient_count / vectors);
-    return em_csr_check_gradients(&args->batch, args->combiner, *dim, args->gradients, err);
+    return em_csr_check_gradients(&args->batch, args->combiner, *dim, args->gradients, NULL,
+                                  err);
 }
 
 /* ---- pull ------------------------------------------------------------------------- */

@@ -15,7 +15,9 @@
 #ifndef EMBER_COMMON_ROW_CHECK_H
 #define EMBER_COMMON_ROW_CHECK_H
 
+#include <float.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "common/host_device.h"
 #include "common/initializer.h"
@@ -179,6 +181,38 @@ EM_HOST_DEVICE uint32_t em_row_check(const em_optimizer_config *optimizer,
 #define EM_ROW_BOUND_ACCUMULATOR 1e37f
 #define EM_ROW_BOUND_STEP 1e37f
 #define EM_ROW_BOUNDED_STEPS 8u
+
+/* The largest size of count floats: the largest of their bit patterns without the sign,
+ * which order as the sizes do (infinity above every finite size, NaN above infinity),
+ * so one integer max finds it, and vectorises. */
+EM_HOST_DEVICE float em_row_largest_size(const float *values, uint64_t count)
+{
+    uint32_t largest_bits = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        uint32_t bits;
+        memcpy(&bits, &values[i], sizeof(bits));
+        bits &= 0x7fffffffu;
+        largest_bits = bits > largest_bits ? bits : largest_bits;
+    }
+    float largest;
+    memcpy(&largest, &largest_bits, sizeof(largest));
+    return largest;
+}
+
+/* A bound on the size of a float sum of at most terms values, each of size at most
+ * largest, added in any order: terms * largest, grown by what the additions can round
+ * up ((1 + 2^-24)^terms <= 1 + terms * 2^-23 for terms up to 2^22) and by the
+ * conversion to float; infinity past that or past the float range. A push's summed
+ * gradients are such sums: a key occurring k times sums k terms, each the size of a
+ * pushed gradient or less (combiner divisors are at least 1). */
+EM_HOST_DEVICE float em_row_sum_bound(float largest, uint64_t terms)
+{
+    if (terms > (1u << 22) || !(largest <= FLT_MAX))
+        return INFINITY;
+    double bound = (double)largest * (double)terms * (1.0 + (double)terms * 0x1p-23);
+    bound *= 1.0 + 0x1p-22; /* float(bound) may round down by 2^-24 */
+    return bound <= (double)FLT_MAX ? (float)bound : INFINITY;
+}
 
 /* 1 when the hyperparameters bound every step as above (dim floats per row). */
 EM_HOST_DEVICE int em_row_bound_step(const em_optimizer_config *optimizer, uint32_t dim)

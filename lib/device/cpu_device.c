@@ -186,43 +186,11 @@ static void add_vector(float *destination, const float *source, uint32_t dim)
         destination[j] += source[j];
 }
 
-/* The size bits of a float (sign cleared): sizes order as these integers do, NaN above
- * infinity, so an integer max finds the largest size and vectorises. */
-static uint32_t size_bits(float value)
+static void add_divided_vector(float *destination, const float *source, float divisor,
+                               uint32_t dim)
 {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof(bits));
-    return bits & 0x7fffffffu;
-}
-
-static float float_of_bits(uint32_t bits)
-{
-    float value;
-    memcpy(&value, &bits, sizeof(value));
-    return value;
-}
-
-/* destination += source / divisor (divisor 1: source itself), returning the largest of
- * largest_bits and the new sums' size bits. */
-static uint32_t add_vector_sizing(float *destination, const float *source, float divisor,
-                                  uint32_t dim, uint32_t largest_bits)
-{
-    if (divisor == 1.0f) {
-        for (uint32_t j = 0; j < dim; j++) {
-            float sum = destination[j] + source[j];
-            uint32_t size = size_bits(sum);
-            destination[j] = sum;
-            largest_bits = size > largest_bits ? size : largest_bits;
-        }
-        return largest_bits;
-    }
-    for (uint32_t j = 0; j < dim; j++) {
-        float sum = destination[j] + source[j] / divisor;
-        uint32_t size = size_bits(sum);
-        destination[j] = sum;
-        largest_bits = size > largest_bits ? size : largest_bits;
-    }
-    return largest_bits;
+    for (uint32_t j = 0; j < dim; j++)
+        destination[j] += source[j] / divisor;
 }
 
 static float *vector_at(float *base, uint64_t index, uint32_t dim)
@@ -235,30 +203,28 @@ static const float *const_vector_at(const float *base, uint64_t index, uint32_t 
     return base + index * dim;
 }
 
-/* The sums' bound comes from the same loop: every partial sum's size is taken as it is
- * stored, so the check that follows need not read the sums again. */
 static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
                                    em_combiner combiner, uint32_t dim, const float *gradients,
-                                   float *partitioned_gradients, float *largest, em_error *err)
+                                   float *partitioned_gradients, em_error *err)
 {
     (void)lane;
     (void)err;
     uint64_t total = batch->unique_count * dim;
     for (uint64_t i = 0; i < total; i++)
         partitioned_gradients[i] = -0.0f;
-    uint32_t largest_bits = 0;
     for (uint32_t r = 0; r < batch->rows; r++) {
         uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
         float divisor = em_combiner_divisor(combiner, end - begin);
         for (uint32_t k = begin; k < end; k++) {
             float *sum = vector_at(partitioned_gradients, batch->position[batch->inverse[k]], dim);
-            const float *gradient = const_vector_at(gradients,
-                                                    combiner == EM_COMBINER_NONE ? k : r, dim);
-            largest_bits = add_vector_sizing(sum, gradient, divisor, dim, largest_bits);
+            if (combiner == EM_COMBINER_NONE)
+                add_vector(sum, const_vector_at(gradients, k, dim), dim);
+            else if (divisor == 1.0f)
+                add_vector(sum, const_vector_at(gradients, r, dim), dim);
+            else
+                add_divided_vector(sum, const_vector_at(gradients, r, dim), divisor, dim);
         }
     }
-    if (largest != NULL)
-        *largest = float_of_bits(largest_bits);
     return EM_OK;
 }
 
@@ -523,19 +489,6 @@ static bool shard_values_bounded(const cpu_shard *shard)
  * weight by at most lr, row-wise Adagrad by lr * sqrt(dim), Adam by lr * m / ((1 - beta1)
  * * eps); accumulators grow by at most g * g; Adam's moments stay within the largest of
  * their old bound and the gradient's). A margin covers float rounding. */
-/* The largest size of count floats: the largest of the bit patterns without the sign,
- * which order as the floats do (NaN above infinity), an integer max the compiler
- * vectorises. */
-static float largest_size(const float *values, uint64_t count)
-{
-    uint32_t largest_bits = 0;
-    for (uint64_t i = 0; i < count; i++) {
-        uint32_t size = size_bits(values[i]);
-        largest_bits = size > largest_bits ? size : largest_bits;
-    }
-    return float_of_bits(largest_bits);
-}
-
 static void widen_bounds(cpu_shard *shard, float largest)
 {
     const em_optimizer_config *o = &shard->optimizer;
@@ -604,7 +557,8 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
                                const_vector_at(gradients, i, shard->dim));
     }
     /* the check usually found the largest gradient already */
-    widen_bounds(shard, largest >= 0.0f ? largest : largest_size(gradients, n * shard->dim));
+    widen_bounds(shard, largest >= 0.0f ? largest
+                                        : em_row_largest_size(gradients, n * shard->dim));
     return EM_OK;
 }
 
@@ -625,11 +579,11 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
     *first_problem = UINT64_MAX;
     *largest = -1.0f;
     if (steps_bounded && shard_values_bounded(shard)) {
-        /* every row is within the bounds: the gradients decide, rows are not read; their
-         * bound (from sum_gradients when it came, else their largest size) also serves
-         * the step (widen_bounds) */
+        /* every row is within the bounds: the gradients decide (by the bound the push
+         * found while checking its input, else their largest size), rows are not read;
+         * the same bound serves the step (widen_bounds) */
         *largest = gradient_bound >= 0.0f ? gradient_bound
-                                          : largest_size(gradients, n * shard->dim);
+                                          : em_row_largest_size(gradients, n * shard->dim);
         if (*largest <= EM_ROW_BOUND_GRADIENT) {
             *bounded = 1;
             return EM_OK;

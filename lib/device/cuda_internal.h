@@ -174,7 +174,7 @@ em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_
 
 em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
                                  em_combiner combiner, uint32_t dim, const float *gradients,
-                                 float *partitioned_gradients, float *largest, em_error *err);
+                                 float *partitioned_gradients, em_error *err);
 
 em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
                                uint64_t *unique, uint32_t *inverse, uint32_t *first_positions,

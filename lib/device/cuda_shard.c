@@ -414,7 +414,7 @@ em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const u
                                      float gradient_bound, uint64_t *first_problem, int *bounded,
                                      float *largest, em_error *err)
 {
-    (void)gradient_bound; /* the check kernel reads the gradients anyway */
+    (void)gradient_bound; /* the check kernel reads every gradient anyway */
     cuda_shard *shard = shard_of(base);
     cuda_lane *lane = lane_of(lane_base);
     *first_problem = UINT64_MAX;

@@ -125,12 +125,10 @@ typedef struct em_device_ops {
      * of IEEE addition, so a key's only gradient is copied bit for bit), over the
      * batch's keys k with inverse[k] = u, in order of k, of the key's gradient (NONE:
      * gradients[k]; otherwise gradients[row(k)] / em_combiner_divisor(row length)).
-     * dim floats each. largest (nullable, host) gets a bound on the sums' element sizes
-     * (the largest size any partial sum reached; gradients finite), or -1 when the device
-     * does not find one on the way. */
+     * dim floats each. */
     em_status (*sum_gradients)(em_lane *lane, const em_device_batch *batch, em_combiner combiner,
                                uint32_t dim, const float *gradients, float *partitioned_gradients,
-                               float *largest, em_error *err);
+                               em_error *err);
     /* Pull: out = per key vectors[position[inverse[k]]] in batch order (NONE) or, per
      * row, their sum (in key order) / em_combiner_divisor(row length); empty rows 0. */
     em_status (*combine)(em_lane *lane, const em_device_batch *batch, em_combiner combiner,
@@ -167,9 +165,9 @@ typedef struct em_device_ops {
      * EM_ROW_NONE stands for the row the push will create for keys[i]. *bounded (host) is
      * 1 when every row was bounded (row_check.h: em_row_bounded, for existing rows only),
      * so the answer holds across a few concurrent bounded steps; a device may always say
-     * 0. gradient_bound: a bound on the gradients' element sizes known already (from
-     * sum_gradients), or -1. *largest (host) is a bound on them that the check found or
-     * was given (for shard_apply), else -1. */
+     * 0. gradient_bound: a bound on the gradients' element sizes known already (the push
+     * finds one while checking its input), or -1. *largest (host) is the bound the check
+     * used, for shard_apply, or -1. */
     em_status (*shard_check_apply)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                    const uint64_t *rows, uint64_t n, const float *gradients,
                                    float gradient_bound, uint64_t *first_problem, int *bounded,

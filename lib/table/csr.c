@@ -1,7 +1,10 @@
 #include "lib/table/csr.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
+
+#include "common/row_check.h"
 
 static const char *const combiner_names[] = {"none", "sum", "mean", "sqrtn"};
 #define COMBINER_COUNT EM_COMBINER_COUNT
@@ -106,9 +109,16 @@ static em_status per_row_gradient_error(const em_csr *csr, uint32_t row, uint32_
 }
 
 em_status em_csr_check_gradients(const em_csr *csr, em_combiner combiner, uint32_t dim,
-                                 const float *gradients, em_error *err)
+                                 const float *gradients, float *largest, em_error *err)
 {
     uint64_t vectors = em_csr_output_vectors(csr, combiner);
+    /* one branch-free pass settles the usual case; only a non-finite element is looked
+     * for vector by vector, to be named */
+    float found = em_row_largest_size(gradients, vectors * dim);
+    if (largest != NULL)
+        *largest = found;
+    if (found <= FLT_MAX)
+        return EM_OK;
     for (uint64_t v = 0; v < vectors; v++) {
         const float *vector = gradients + v * dim;
         uint32_t bad = first_non_finite(vector, dim);

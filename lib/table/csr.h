@@ -43,8 +43,9 @@ uint64_t em_csr_output_vectors(const em_csr *csr, em_combiner combiner);
 /* Checks that every value is finite; the message names the gradient vector, the key or
  * row it belongs to and the element: for NONE (one vector per key) "gradient of key 77
  * (keys[5], row 2) element 3 is NaN", otherwise (one per row) "gradient of row 2
- * (keys[4..7)) element 3 is +inf". Errors: INVALID_ARGUMENT. */
+ * (keys[4..7)) element 3 is +inf". largest (nullable) gets the largest element size.
+ * Errors: INVALID_ARGUMENT. */
 em_status em_csr_check_gradients(const em_csr *csr, em_combiner combiner, uint32_t dim,
-                                 const float *gradients, em_error *err);
+                                 const float *gradients, float *largest, em_error *err);
 
 #endif

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/row_check.h"
 #include "lib/table/table_internal.h"
 
 /* ---- validation -------------------------------------------------------------------- */
@@ -200,10 +201,16 @@ em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull
 
 /* ---- push ------------------------------------------------------------------------ */
 
+/* A push and the largest gradient element size its input check found. */
+typedef struct push_call {
+    const em_push_request *request;
+    float largest;
+} push_call;
+
 /* Sums the batch's gradients per unique key at home (partitioned order) and hands each
  * segment its share. */
 static em_status sum_and_send_gradients(request_context *r, const em_push_request *request,
-                                        em_error *err)
+                                        float largest, em_error *err)
 {
     em_device *home = r->home;
     uint32_t dim = r->table->config.dim;
@@ -217,7 +224,9 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
                                    "summed gradients", (void **)&sums, err);
     if (status == EM_OK)
         status = home->ops->sum_gradients(r->home_lane, &r->batch, request->combiner, dim,
-                                          gradients, sums, &r->gradient_bound, err);
+                                          gradients, sums, err);
+    /* a key occurs at most nnz - unique + 1 times, so its sum has at most that many terms */
+    r->gradient_bound = em_row_sum_bound(largest, r->batch.nnz - r->batch.unique_count + 1);
     if (status == EM_OK)
         status = em__scatter_to_segments(r, sums, dim * sizeof(float), "segment gradients",
                                          em__segment_payload, err);
@@ -228,7 +237,8 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
 static em_status push_locked(em_table *table, const void *untyped_request, void *untyped_result,
                              bool may_create, bool *needs_create, em_error *err)
 {
-    const em_push_request *request = untyped_request;
+    const push_call *call = untyped_request;
+    const em_push_request *request = call->request;
     em_push_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
@@ -242,7 +252,7 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
         return EM_OK;
     }
     if (status == EM_OK)
-        status = sum_and_send_gradients(&r, request, err);
+        status = sum_and_send_gradients(&r, request, call->largest, err);
     uint64_t missing = r.missing;
     if (status == EM_OK)
         status = em__check_create_apply(&r, err);
@@ -256,7 +266,8 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     return status;
 }
 
-static em_status check_push(const em_table *table, const em_push_request *request, em_error *err)
+static em_status check_push(const em_table *table, const em_push_request *request,
+                            float *largest, em_error *err)
 {
     em_status status = check_batch(&request->batch, request->combiner, err);
     if (status != EM_OK)
@@ -271,16 +282,17 @@ static em_status check_push(const em_table *table, const em_push_request *reques
                             request->combiner == EM_COMBINER_NONE ? "keys" : "rows",
                             table->config.dim);
     return em_csr_check_gradients(&request->batch, request->combiner, table->config.dim,
-                                  request->gradients, err);
+                                  request->gradients, largest, err);
 }
 
 em_status em_table_push(em_table *table, const em_push_request *request, em_push_result *result,
                         em_error *err)
 {
-    em_status status = check_push(table, request, err);
+    push_call call = {request, -1.0f};
+    em_status status = check_push(table, request, &call.largest, err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s': ", table->config.name);
-    status = run_shared_then_exclusive(table, push_locked, request, result, err);
+    status = run_shared_then_exclusive(table, push_locked, &call, result, err);
     if (status != EM_OK)
         return status;
     atomic_fetch_add_explicit(&table->pushes, 1, memory_order_relaxed);

@@ -122,7 +122,7 @@ static em_status send_import_rows(request_context *r, const float *values, uint6
                                    (void **)&ordered, err);
     if (status == EM_OK)
         status = home->ops->sum_gradients(r->home_lane, &r->batch, EM_COMBINER_NONE, width,
-                                          staged, ordered, NULL, err);
+                                          staged, ordered, err);
     if (status == EM_OK)
         status = em__scatter_to_segments(r, ordered, width * sizeof(float), "segment import values",
                                          em__segment_payload, err);

@@ -81,15 +81,21 @@ START_TEST(non_finite_gradients_are_located)
     em_csr csr = {.rows = 3, .nnz = 5, .offsets = offsets, .keys = keys};
     float per_key[5 * 4] = {0};
     em_error err;
-    ck_assert_int_eq(em_csr_check_gradients(&csr, EM_COMBINER_NONE, 4, per_key, &err), EM_OK);
+    float largest = -1.0f;
+    per_key[7] = 3.5f;
+    per_key[13] = -1e30f; /* the largest size, negative */
+    per_key[19] = 2e29f;
+    ck_assert_int_eq(em_csr_check_gradients(&csr, EM_COMBINER_NONE, 4, per_key, &largest, &err),
+                     EM_OK);
+    ck_assert_float_eq(largest, 1e30f);
     per_key[3 * 4 + 2] = NAN;
-    ck_assert_int_eq(em_csr_check_gradients(&csr, EM_COMBINER_NONE, 4, per_key, &err),
+    ck_assert_int_eq(em_csr_check_gradients(&csr, EM_COMBINER_NONE, 4, per_key, NULL, &err),
                      EM_INVALID_ARGUMENT);
     ck_assert_str_eq(err.message, "gradient of key 77 (keys[3], row 2) element 2 is NaN");
 
     float per_row[3 * 4] = {0};
     per_row[2 * 4 + 1] = -INFINITY;
-    ck_assert_int_eq(em_csr_check_gradients(&csr, EM_COMBINER_MEAN, 4, per_row, &err),
+    ck_assert_int_eq(em_csr_check_gradients(&csr, EM_COMBINER_MEAN, 4, per_row, NULL, &err),
                      EM_INVALID_ARGUMENT);
     ck_assert_str_eq(err.message, "gradient of row 2 (keys[2..5)) element 1 is -inf");
 }

@@ -13,8 +13,6 @@
  * What this cannot cover: the GPU memory model, warp-level primitives, launch geometry
  * and CUB (see kernels/kernel_logic.h and tests/support/kernels_emulated.c).
  */
-#include <inttypes.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -300,9 +298,8 @@ static float *run_operation(em_device *device, em_lane *lane, const scenario *s,
     float *out = device_buffer(device, (output_floats + 1) * sizeof(float));
     const uint32_t *first = upload(device, lane, s->first, s->unique_count * sizeof(uint32_t));
     em_status status = EM_OK;
-    float bound = 0.0f;
     if (op == SUM_GRADIENTS)
-        status = device->ops->sum_gradients(lane, &batch, combiner, dim, in, out, &bound, &err);
+        status = device->ops->sum_gradients(lane, &batch, combiner, dim, in, out, &err);
     else if (op == COMBINE)
         status = device->ops->combine(lane, &batch, combiner, dim, in, out, &err);
     else if ((status = device->ops->copy_to_device(lane, out, input, output_floats * sizeof(float),
@@ -311,10 +308,6 @@ static float *run_operation(em_device *device, em_lane *lane, const scenario *s,
     ck_assert_msg(status == EM_OK, "%s", err.message);
     em_device_free(device, (void *)first);
     float *result = download(device, lane, out, output_floats * sizeof(float));
-    /* a bound the device gives covers every sum (and -1 says it gave none) */
-    for (uint64_t i = 0; op == SUM_GRADIENTS && bound != -1.0f && i < output_floats; i++)
-        ck_assert_msg(fabsf(result[i]) <= bound, "sum %" PRIu64 " is %g, past the bound %g", i,
-                      (double)result[i], (double)bound);
     em_device_free(device, (void *)batch.offsets);
     em_device_free(device, (void *)batch.inverse);
     em_device_free(device, (void *)batch.position);

@@ -677,6 +677,86 @@ START_TEST(bounded_steps_stay_finite)
 }
 END_TEST
 
+/* The bound of a sum of n terms of size at most m covers every order of adding them. */
+START_TEST(sum_bounds_cover_float_sums)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    static const uint64_t counts[] = {1, 2, 3, 40, 1000, 1u << 16, 1u << 22};
+    float *terms = malloc((1u << 22) * sizeof(float));
+    for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+        uint64_t n = counts[c];
+        float largest = 0.0f;
+        for (uint64_t i = 0; i < n; i++) {
+            /* mostly one sign, sizes near the largest, so the sum grows and rounds */
+            terms[i] = (float)(em_test_rng_unit(&rng) * 0.25 + 0.75) * 1.0000001f;
+            terms[i] = em_test_rng_below(&rng, 16) == 0 ? -terms[i] : terms[i];
+            largest = fabsf(terms[i]) > largest ? fabsf(terms[i]) : largest;
+        }
+        ck_assert_float_eq(em_row_largest_size(terms, n), largest);
+        float sum = -0.0f, bound = em_row_sum_bound(largest, n);
+        for (uint64_t i = 0; i < n; i++) {
+            sum += terms[i];
+            ck_assert_msg(fabsf(sum) <= bound, "%" PRIu64 " terms: partial sum %g past %g", n,
+                          (double)sum, (double)bound);
+        }
+        ck_assert(bound <= (double)largest * (double)n * 1.6); /* and stays useful */
+    }
+    free(terms);
+    ck_assert_float_eq(em_row_sum_bound(FLT_MAX / 2, 3), INFINITY);
+    ck_assert_float_eq(em_row_sum_bound(1.0f, (1u << 22) + 1), INFINITY);
+    ck_assert_float_eq(em_row_sum_bound(NAN, 1), INFINITY);
+    ck_assert_float_eq(em_row_sum_bound(INFINITY, 1), INFINITY);
+    float inputs[] = {1.0f, -INFINITY, 3.0f};
+    ck_assert_float_eq(em_row_largest_size(inputs, 3), INFINITY);
+}
+END_TEST
+
+/* A key pushed many times in one push sums past the gradient bound though every pushed
+ * gradient is within it: the push's bound counts the occurrences, so the rows are looked
+ * at and a step past the float range is refused. (With the largest pushed gradient
+ * alone as the bound, 25,000 occurrences of 9e14 would pass as bounded, and their sum,
+ * 2.25e19, squared into the Adagrad accumulator, is past FLT_MAX.) */
+START_TEST(repeated_keys_sum_past_the_gradient_bound)
+{
+    em_backend *backend = make_backend(1, 64 * MEBIBYTE);
+    em_table_config config = table_config(4, 100, 2, EM_OPTIMIZER_ADAGRAD);
+    config.initializer.kind = EM_INIT_ZEROS;
+    em_table *table = em_test_make_table(backend, &config);
+    enum { REPEATS = 25000 };
+    uint32_t *offsets = malloc((REPEATS + 1) * sizeof(*offsets));
+    uint64_t *keys = malloc(REPEATS * sizeof(*keys));
+    float *g = malloc(REPEATS * 4 * sizeof(*g));
+    for (int i = 0; i <= REPEATS; i++)
+        offsets[i] = (uint32_t)i;
+    for (int i = 0; i < REPEATS; i++)
+        keys[i] = 5;
+    for (int i = 0; i < REPEATS * 4; i++)
+        g[i] = 9e14f;
+    em_csr once = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = keys};
+    em_csr csr = {.rows = REPEATS, .nnz = REPEATS, .offsets = offsets, .keys = keys};
+    em_csr pooled = {.rows = 1, .nnz = REPEATS, .offsets = (uint32_t[]){0, REPEATS},
+                     .keys = keys};
+    em_error err;
+    ck_assert_int_eq(em_test_push(table, &once, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_NONE, g, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "key 5:") != NULL, "%s", err.message);
+    ck_assert_int_eq(em_test_push(table, &pooled, EM_COMBINER_SUM, g, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    em_test_snapshot s = em_test_snapshot_take(table, 7);
+    ck_assert_uint_eq(s.count, 1);
+    for (uint64_t i = 0; i < s.count * s.width; i++)
+        ck_assert_msg(isfinite(s.values[i]), "value %" PRIu64 ": %g", i, (double)s.values[i]);
+    em_test_snapshot_free(&s);
+    free(offsets);
+    free(keys);
+    free(g);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 typedef struct overflow_context {
     em_table *table;
     uint64_t seed;
@@ -1032,6 +1112,8 @@ int main(void)
     tcase_add_test(atomic, invalid_requests_apply_nothing);
     tcase_add_loop_test(atomic, pushes_that_would_make_rows_non_finite_apply_nothing, 0, 4);
     tcase_add_loop_test(atomic, bounded_steps_stay_finite, 0, 4);
+    tcase_add_test(atomic, sum_bounds_cover_float_sums);
+    tcase_add_test(atomic, repeated_keys_sum_past_the_gradient_bound);
     tcase_add_test(atomic, capacity_exhaustion_fails_whole);
     tcase_add_test(atomic, pool_exhaustion_fails_whole_and_table_keeps_working);
     tcase_add_test(atomic, export_import_round_trip_across_layouts);
