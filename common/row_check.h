@@ -184,14 +184,14 @@ EM_HOST_DEVICE uint32_t em_row_check(const em_optimizer_config *optimizer,
 
 /* The largest size of count floats: the largest of their bit patterns without the sign,
  * which order as the sizes do (infinity above every finite size, NaN above infinity),
- * so one integer max finds it, and vectorises. */
+ * so one integer max finds it, and vectorises (signed: SSE2 compares signed integers). */
 EM_HOST_DEVICE float em_row_largest_size(const float *values, uint64_t count)
 {
-    uint32_t largest_bits = 0;
+    int32_t largest_bits = 0;
     for (uint64_t i = 0; i < count; i++) {
-        uint32_t bits;
+        int32_t bits;
         memcpy(&bits, &values[i], sizeof(bits));
-        bits &= 0x7fffffffu;
+        bits &= 0x7fffffff;
         largest_bits = bits > largest_bits ? bits : largest_bits;
     }
     float largest;
