@@ -2,6 +2,8 @@
 
 #include <time.h>
 
+#include "ember_config.h"
+
 const char *em_server_state_name(int state)
 {
     switch ((em_server_state)state) {
@@ -13,6 +15,21 @@ const char *em_server_state_name(int state)
         return "draining";
     }
     return "unknown";
+}
+
+em_status em_server_collect_stats(em_server_context *context, const char *table_filter,
+                                  em_stats_snapshot *snapshot, em_error *err)
+{
+    if (context->executor != NULL)
+        atomic_store(&context->stats.work_queued, em_executor_pending(context->executor));
+    em_status status = em_stats_collect(&context->stats, context->catalog, table_filter,
+                                        snapshot, err);
+    if (status != EM_OK)
+        return status;
+    snapshot->version = EM_VERSION;
+    snapshot->state = em_server_state_name(atomic_load(&context->state));
+    snapshot->uptime_ms = em_monotonic_ms() - context->start_ms;
+    return EM_OK;
 }
 
 uint64_t em_monotonic_ms(void)

@@ -43,6 +43,7 @@ typedef struct em_server_context {
     em_executor *executor;
     const em_log *log;
     em_server_stats stats;
+    bool request_details; /* answers by status and durations are recorded (metrics on) */
     uint64_t start_ms;  /* em_monotonic_ms at start */
     _Atomic int state;  /* em_server_state */
     em_faults faults;
@@ -50,6 +51,11 @@ typedef struct em_server_context {
 
 /* "starting", "serving", "draining". */
 const char *em_server_state_name(int state);
+
+/* Every number of the server (tables limited to table_filter unless NULL or ""), with
+ * version, state and uptime: what STATS and /metrics render. Errors: em_stats_collect's. */
+em_status em_server_collect_stats(em_server_context *context, const char *table_filter,
+                                  em_stats_snapshot *snapshot, em_error *err);
 
 /* Milliseconds on the monotonic clock (usable from any thread). */
 uint64_t em_monotonic_ms(void);

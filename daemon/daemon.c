@@ -26,6 +26,8 @@
 #include <uv.h>
 
 #include "daemon/executor.h"
+#include "daemon/http.h"
+#include "daemon/metrics.h"
 #include "daemon/server.h"
 #include "ember_config.h"
 #include "lib/device/backend.h"
@@ -68,6 +70,8 @@ struct em_daemon {
     bool forced; /* the drain deadline passed */
     char data_address[EM_ADDRESS_MAX];
     char admin_address[EM_ADDRESS_MAX];
+    em_http_server *metrics; /* NULL without listen.metrics */
+    char metrics_address[EM_ADDRESS_MAX];
 };
 
 void em_daemon_options_init(em_daemon_options *options)
@@ -248,6 +252,10 @@ static void stop(em_daemon *d)
         em_server_close(d->server, NULL, NULL);
         d->server = NULL;
     }
+    if (d->metrics != NULL) {
+        em_http_server_close(d->metrics);
+        d->metrics = NULL;
+    }
     if (d->wake_open) {
         uv_close((uv_handle_t *)&d->wake, NULL);
         d->wake_open = false;
@@ -381,6 +389,29 @@ static void start_watchdog(em_daemon *d)
 
 /* ---- create, run, destroy ------------------------------------------------------------ */
 
+/* ---- the metrics listener's routes ----------------------------------------------------- */
+
+static em_status scrape(void *context, bool openmetrics, char **body, size_t *length,
+                        em_error *err)
+{
+    em_daemon *d = context;
+    em_stats_snapshot snapshot;
+    em_status status = em_server_collect_stats(&d->context, NULL, &snapshot, err);
+    if (status != EM_OK)
+        return status;
+    status = em_metrics_render(&snapshot, openmetrics, body, length, err);
+    em_stats_snapshot_free(&snapshot);
+    return status;
+}
+
+static bool healthy(void *context, const char **state)
+{
+    em_daemon *d = context;
+    int now = atomic_load(&d->context.state);
+    *state = em_server_state_name(now);
+    return now == EM_SERVER_SERVING;
+}
+
 static em_status start(em_daemon *d, em_error *err)
 {
     em_status status = create_backend(d, err);
@@ -409,6 +440,15 @@ static em_status start(em_daemon *d, em_error *err)
         status = em_server_create(&d->loop, &d->config, &d->context, &d->server, err);
     if (status == EM_OK)
         status = em_server_listen(d->server, err);
+    d->context.request_details = d->config.listen.metrics[0] != '\0';
+    if (status == EM_OK && d->context.request_details) {
+        em_http_routes routes = {.metrics = scrape, .healthy = healthy, .context = d};
+        status = em_http_server_start(&d->loop, d->config.listen.metrics, &routes,
+                                      &d->context.stats, &d->metrics, err);
+        if (status == EM_OK)
+            snprintf(d->metrics_address, sizeof(d->metrics_address), "%s",
+                     em_http_server_address(d->metrics));
+    }
     return status;
 }
 
@@ -470,9 +510,10 @@ bool em_daemon_run(em_daemon *d)
 {
     atomic_store(&d->context.state, EM_SERVER_SERVING);
     start_watchdog(d);
-    em_log_notice(&d->log, "serving: data %s, admin %s, %u worker thread(s), %zu table(s)",
-                  d->data_address, d->admin_address, em_executor_threads(d->executor),
-                  em_catalog_count(d->catalog));
+    em_log_notice(&d->log, "serving: data %s, admin %s, metrics %s, %u worker thread(s), %zu "
+                  "table(s)", d->data_address, d->admin_address,
+                  d->metrics_address[0] != '\0' ? d->metrics_address : "off",
+                  em_executor_threads(d->executor), em_catalog_count(d->catalog));
     notify(d, "READY=1\nSTATUS=serving on %s (admin %s)", d->data_address, d->admin_address);
     uv_run(&d->loop, UV_RUN_DEFAULT);
     return !d->forced;
@@ -515,6 +556,11 @@ const char *em_daemon_data_address(const em_daemon *daemon)
 const char *em_daemon_admin_address(const em_daemon *daemon)
 {
     return daemon->admin_address;
+}
+
+const char *em_daemon_metrics_address(const em_daemon *daemon)
+{
+    return daemon->metrics_address;
 }
 
 const em_server_stats *em_daemon_stats(const em_daemon *daemon)

@@ -72,6 +72,8 @@ void em_daemon_destroy(em_daemon *daemon);
 /* The bound addresses ("127.0.0.1:7070"); valid from create to destroy. */
 const char *em_daemon_data_address(const em_daemon *daemon);
 const char *em_daemon_admin_address(const em_daemon *daemon);
+/* "" without a metrics listener. */
+const char *em_daemon_metrics_address(const em_daemon *daemon);
 
 /* Counters as the STATS method reports them (read with atomic loads). */
 const em_server_stats *em_daemon_stats(const em_daemon *daemon);

@@ -198,9 +198,11 @@ static em_status check_listen(void *target, const cJSON *json, const char *path,
     (void)json;
     em_listen_config *listen = target;
     struct sockaddr_storage address;
-    const char *fields[2] = {listen->data, listen->admin};
-    const char *names[2] = {"data", "admin"};
-    for (int i = 0; i < 2; i++) {
+    const char *fields[3] = {listen->data, listen->admin, listen->metrics};
+    const char *names[3] = {"data", "admin", "metrics"};
+    for (int i = 0; i < 3; i++) {
+        if (i == 2 && listen->metrics[0] == '\0')
+            continue;
         em_status status = em_address_parse(fields[i], &address, err);
         if (status != EM_OK) {
             char key_path[64];
@@ -217,6 +219,10 @@ static const em_config_field listen_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_STRING, "admin", em_listen_config, admin),
      .default_json = "\"127.0.0.1:7071\"",
      .help = "address of the admin listener (every method; admin methods need the admin token)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "metrics", em_listen_config, metrics),
+     .default_json = "\"127.0.0.1:9464\"",
+     .help = "address of the HTTP listener serving /metrics (Prometheus) and /healthz, without "
+             "a token; \"\" for none"},
 };
 
 static const em_config_schema listen_schema = {

@@ -6,7 +6,8 @@
  * help text; unknown keys and bad values are errors naming the key path and the value.
  *
  *   {
- *     "listen":  {"data": "127.0.0.1:7070", "admin": "127.0.0.1:7071"},
+ *     "listen":  {"data": "127.0.0.1:7070", "admin": "127.0.0.1:7071",
+ *                 "metrics": "127.0.0.1:9464" ("" for none; daemon/http.h)},
  *     "limits":  {"max_body_bytes": 67108864, "max_attachment_bytes": 1073741824,
  *                 "max_connections": 1024, "max_keys_per_request": 4194304,
  *                 "connection_inflight_bytes": 268435456, "idle_timeout_ms": 300000,
@@ -54,6 +55,7 @@ typedef struct em_token {
 typedef struct em_listen_config {
     char data[EM_ADDRESS_MAX];
     char admin[EM_ADDRESS_MAX];
+    char metrics[EM_ADDRESS_MAX]; /* "": no metrics listener */
 } em_listen_config;
 
 typedef struct em_limits_config {

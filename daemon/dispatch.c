@@ -71,13 +71,13 @@ static void free_request(em_request *request)
 
 static void count_response(em_request *request)
 {
-    em_server_stats *stats = &request->context->stats;
     if (request->info == NULL)
         return;
-    size_t slot = (size_t)(request->info - em_methods);
-    atomic_fetch_add_explicit(&stats->requests[slot], 1, memory_order_relaxed);
-    if (request->error.status != EM_OK)
-        atomic_fetch_add_explicit(&stats->errors[slot], 1, memory_order_relaxed);
+    em_server_context *context = request->context;
+    em_stats_record_response(&context->stats, (size_t)(request->info - em_methods),
+                             request->error.status,
+                             context->request_details ? uv_hrtime() - request->received_ns : 0,
+                             context->request_details);
 }
 
 /* Writes the answer (if the connection can still take it) and retires the request. */
@@ -288,6 +288,7 @@ static em_request *new_request(em_connection *connection, const em_dispatch_sett
     request->context = settings->context;
     request->attachment_length = frame->attach_len;
     request->received_ms = em_monotonic_ms();
+    request->received_ns = uv_hrtime();
     request->max_keys_per_request = settings->max_keys_per_request;
     request->max_response_bytes = settings->max_response_bytes;
     return request;

@@ -52,6 +52,7 @@ struct em_request {
     const em_method_info *info; /* NULL for a method this server does not serve */
     uint64_t correlation_id;
     uint64_t received_ms, deadline_ms; /* monotonic; deadline 0 = none */
+    uint64_t received_ns;              /* uv_hrtime() when its meta was read */
     ProtobufCMessage *body;            /* decoded request */
     uint8_t *attachment;
     uint64_t attachment_length;

@@ -15,7 +15,7 @@ struct em_executor {
     bool stopping;
     pthread_t *threads;
     uint32_t thread_count;
-    uint64_t pending; /* loop thread only */
+    _Atomic uint64_t pending; /* written by the loop thread only, read by anyone */
     _Atomic uint64_t completed_count;
 };
 
@@ -72,7 +72,9 @@ static void drain_completions(uv_async_t *handle)
     }
     while (oldest_first != NULL) {
         em_job *next = oldest_first->next;
-        executor->pending--;
+        atomic_store_explicit(&executor->pending,
+                              atomic_load_explicit(&executor->pending, memory_order_relaxed) - 1,
+                              memory_order_relaxed);
         oldest_first->done(oldest_first);
         oldest_first = next;
     }
@@ -116,7 +118,9 @@ em_status em_executor_create(uv_loop_t *loop, uint32_t threads, const char *name
 void em_executor_submit(em_executor *executor, em_job *job)
 {
     job->next = NULL;
-    executor->pending++;
+    atomic_store_explicit(&executor->pending,
+                          atomic_load_explicit(&executor->pending, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
     pthread_mutex_lock(&executor->lock);
     if (executor->queue_tail != NULL)
         executor->queue_tail->next = job;
@@ -129,7 +133,7 @@ void em_executor_submit(em_executor *executor, em_job *job)
 
 uint64_t em_executor_pending(const em_executor *executor)
 {
-    return executor->pending;
+    return atomic_load_explicit(&executor->pending, memory_order_relaxed);
 }
 
 uint64_t em_executor_completed(const em_executor *executor)

@@ -36,7 +36,7 @@ em_status em_executor_create(uv_loop_t *loop, uint32_t threads, const char *name
 /* Queues a job. Loop thread only. */
 void em_executor_submit(em_executor *executor, em_job *job);
 
-/* Jobs submitted and not yet done. */
+/* Jobs submitted and not yet done. Any thread. */
 uint64_t em_executor_pending(const em_executor *executor);
 
 /* Jobs each worker has finished since start (progress for watchdogs), summed. */

@@ -617,13 +617,9 @@ em_status em_handle_stats(em_request *request, em_error *err)
     const Ember__StatsRequest *body = (const Ember__StatsRequest *)request->body;
     em_server_context *context = request->context;
     em_stats_snapshot snapshot;
-    em_status status = em_stats_collect(&context->stats, context->catalog, body->table, &snapshot,
-                                        err);
+    em_status status = em_server_collect_stats(context, body->table, &snapshot, err);
     if (status != EM_OK)
         return status;
-    snapshot.version = EM_VERSION;
-    snapshot.state = em_server_state_name(atomic_load(&context->state));
-    snapshot.uptime_ms = uptime_ms(request);
     stats_message message;
     status = render_stats(&snapshot, &message, err);
     if (status == EM_OK)

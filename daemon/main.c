@@ -201,8 +201,9 @@ static em_status write_listen_file(const char *path, const em_daemon *daemon, em
     if (file == NULL)
         return em_error_set(err, EM_UNAVAILABLE, "cannot write listen file '%s': %s", temporary,
                             strerror(errno));
-    fprintf(file, "{\"data\": \"%s\", \"admin\": \"%s\", \"pid\": %ld}\n",
-            em_daemon_data_address(daemon), em_daemon_admin_address(daemon), (long)getpid());
+    fprintf(file, "{\"data\": \"%s\", \"admin\": \"%s\", \"metrics\": \"%s\", \"pid\": %ld}\n",
+            em_daemon_data_address(daemon), em_daemon_admin_address(daemon),
+            em_daemon_metrics_address(daemon), (long)getpid());
     if (fclose(file) != 0 || rename(temporary, path) != 0)
         return em_error_set(err, EM_UNAVAILABLE, "cannot write listen file '%s': %s", path,
                             strerror(errno));

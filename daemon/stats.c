@@ -5,6 +5,12 @@
 
 /* ---- the schema ---------------------------------------------------------------------- */
 
+const uint64_t em_duration_bounds_ns[EM_DURATION_BUCKETS] = {
+    50000,      100000,     250000,     500000,      1000000,    2500000,
+    5000000,    10000000,   25000000,   50000000,    100000000,  250000000,
+    500000000,  1000000000, 2500000000, 5000000000u, 10000000000u,
+};
+
 /* X(name, kind, unit, help): the server's descriptive numbers, set by the caller of
  * em_stats_collect. */
 #define SERVER_INFO(X)                                                                        \
@@ -135,8 +141,33 @@ void em_stats_visit(const em_stats_snapshot *snapshot, em_stats_visitor visitor,
         visit_pool(&snapshot->pools[i], i, visitor, context);
 }
 
-/* ---- collecting ---------------------------------------------------------------------- */
+/* ---- recording ---------------------------------------------------------------------- */
 
+/* One writer: a relaxed load and store, no locked instruction. */
+static void bump(_Atomic uint64_t *counter, uint64_t amount)
+{
+    atomic_store_explicit(counter, atomic_load_explicit(counter, memory_order_relaxed) + amount,
+                          memory_order_relaxed);
+}
+
+void em_stats_record_response(em_server_stats *stats, size_t method, em_status status,
+                              uint64_t duration_ns, bool details)
+{
+    bump(&stats->requests[method], 1);
+    if (status != EM_OK)
+        bump(&stats->errors[method], 1);
+    if (!details)
+        return;
+    size_t bucket = 0;
+    while (bucket < EM_DURATION_BUCKETS && duration_ns > em_duration_bounds_ns[bucket])
+        bucket++;
+    if ((unsigned)status < EM_STATUS_COUNT)
+        bump(&stats->answers[method][status], 1);
+    bump(&stats->duration_buckets[method][bucket], 1);
+    bump(&stats->duration_sum_ns[method], duration_ns);
+}
+
+/* ---- collecting ---------------------------------------------------------------------- */
 
 static void collect_counters(const em_server_stats *counters, em_stats_snapshot *snapshot)
 {
@@ -151,6 +182,12 @@ static void collect_counters(const em_server_stats *counters, em_stats_snapshot 
     snapshot->methods[i].field = atomic_load(&counters->field[i]);
         EM_METHOD_COUNTERS(LOAD_METHOD_COUNTER)
 #undef LOAD_METHOD_COUNTER
+        for (size_t s = 0; s < EM_STATUS_COUNT; s++)
+            snapshot->methods[i].answers[s] = atomic_load(&counters->answers[i][s]);
+        for (size_t b = 0; b <= EM_DURATION_BUCKETS; b++)
+            snapshot->methods[i].duration_buckets[b] =
+                atomic_load(&counters->duration_buckets[i][b]);
+        snapshot->methods[i].duration_sum_ns = atomic_load(&counters->duration_sum_ns[i]);
     }
 }
 

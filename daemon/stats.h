@@ -13,13 +13,17 @@
  * are found by the stat's name, daemon/handlers.c) today, a metrics endpoint tomorrow,
  * so all outputs agree and a number declared here reaches every one of them.
  *
- * Counters live in em_server_stats (atomics: the loop thread counts frames and bytes,
- * workers count requests, anyone may read them).
+ * Counters live in em_server_stats (atomics: the loop thread counts frames, bytes and
+ * answered requests, anyone may read them). Besides the declared numbers, each method
+ * keeps its answers by status and a histogram of request durations (from the frame's
+ * arrival to its answer being handed to the connection), written only by the loop
+ * thread, so recording one is a few plain stores and reading takes no lock.
  */
 #ifndef EMBER_DAEMON_STATS_H
 #define EMBER_DAEMON_STATS_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -62,12 +66,20 @@
     X(checkpoint_last_save_ms, GAUGE, MILLISECONDS, "how long the last completed save took") \
     X(checkpoint_last_save_bytes, GAUGE, BYTES, "bytes the last completed save wrote")        \
     X(checkpoint_tables_restored, COUNTER, NONE, "tables loaded from checkpoints at start")   \
-    X(checkpoint_rows_restored, COUNTER, NONE, "rows loaded from checkpoints at start")
+    X(checkpoint_rows_restored, COUNTER, NONE, "rows loaded from checkpoints at start")      \
+    X(work_queued, GAUGE, NONE, "requests queued for or running on the workers now")       \
+    X(metrics_scrapes, COUNTER, NONE, "answers to GET /metrics")                              \
+    X(http_requests_refused, COUNTER, NONE,                                                   \
+      "metrics listener requests refused (path, method, size, too slow, too many)")
 
 /* X(name, kind, unit, help): per method. */
 #define EM_METHOD_COUNTERS(X)                                                                 \
     X(requests, COUNTER, NONE, "requests answered")                                           \
     X(errors, COUNTER, NONE, "requests answered with an error")
+
+/* Request duration buckets: upper bounds, 50 us to 10 s; one more, unbounded, follows. */
+#define EM_DURATION_BUCKETS 17
+extern const uint64_t em_duration_bounds_ns[EM_DURATION_BUCKETS];
 
 typedef struct em_server_stats {
 #define EM_SERVER_COUNTER_FIELD(name, kind, unit, help) _Atomic uint64_t name;
@@ -76,7 +88,16 @@ typedef struct em_server_stats {
 #define EM_METHOD_COUNTER_FIELD(name, kind, unit, help) _Atomic uint64_t name[EM_METHOD_COUNT];
     EM_METHOD_COUNTERS(EM_METHOD_COUNTER_FIELD)
 #undef EM_METHOD_COUNTER_FIELD
+    /* the loop thread's alone to write (em_stats_record_response) */
+    _Atomic uint64_t answers[EM_METHOD_COUNT][EM_STATUS_COUNT];
+    _Atomic uint64_t duration_buckets[EM_METHOD_COUNT][EM_DURATION_BUCKETS + 1];
+    _Atomic uint64_t duration_sum_ns[EM_METHOD_COUNT];
 } em_server_stats;
+
+/* Counts one answered request of method slot (requests, errors) and, with details, its
+ * status and duration. Loop thread only (the single writer of these counters). */
+void em_stats_record_response(em_server_stats *stats, size_t method, em_status status,
+                              uint64_t duration_ns, bool details);
 
 typedef enum em_stat_kind {
     EM_STAT_COUNTER, /* only grows */
@@ -119,6 +140,9 @@ typedef struct em_method_snapshot {
 #define EM_METHOD_SNAPSHOT_FIELD(name, kind, unit, help) uint64_t name;
     EM_METHOD_COUNTERS(EM_METHOD_SNAPSHOT_FIELD)
 #undef EM_METHOD_SNAPSHOT_FIELD
+    uint64_t answers[EM_STATUS_COUNT];                 /* by status */
+    uint64_t duration_buckets[EM_DURATION_BUCKETS + 1]; /* per bucket, not cumulative */
+    uint64_t duration_sum_ns;
 } em_method_snapshot;
 
 typedef struct em_table_stats_snapshot {

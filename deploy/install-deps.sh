@@ -8,8 +8,9 @@ set -euo pipefail
 packages=(
   build-essential pkg-config meson ninja-build
   libuv1-dev libprotobuf-c-dev protobuf-c-compiler libcjson-dev libsystemd-dev libssl-dev
-  libxxhash-dev
+  libxxhash-dev libhttp-parser-dev
   check openssl clang libclang-rt-14-dev
+  prometheus
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(redis-server)

@@ -84,7 +84,7 @@ def known_limits(emberd, limits, directory):
 
 def write_config(directory, limits):
     config = {
-        "listen": {"data": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+        "listen": {"data": "127.0.0.1:0", "admin": "127.0.0.1:0", "metrics": ""},
         "backend": {"type": "cpu", "threads": 2},
         "limits": limits,
         "tables": [{"name": "t", "dim": DIM, "capacity": 4096}],

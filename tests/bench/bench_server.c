@@ -158,7 +158,7 @@ static void start_emberd(const bench_options *opt, servers *s)
     snprintf(log, sizeof(log), "%s/emberd.log", s->directory);
     FILE *file = fopen(config, "w");
     fprintf(file,
-            "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"},"
+            "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"},"
             " \"backend\": {\"type\": \"%s\"},"
             " \"limits\": {\"max_connections\": 4096},"
             " \"tables\": [{\"name\": \"bench\", \"dim\": %d, \"capacity\": %" PRIu64 ","

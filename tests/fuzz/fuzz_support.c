@@ -290,7 +290,7 @@ fuzz_daemon *fuzz_daemon_get(void)
         return &the_daemon;
     signal(SIGPIPE, SIG_IGN);
     const char *json =
-        "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"},"
+        "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"},"
         " \"backend\": {\"type\": \"cpu\", \"devices\": 1, \"threads\": 2,"
         "  \"memory_limit_bytes\": 268435456, \"initial_bytes\": 16777216,"
         "  \"growth_bytes\": 16777216},"

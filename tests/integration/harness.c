@@ -23,7 +23,7 @@
 #define START_TIMEOUT_MS 20000
 
 static const char *base_config =
-    "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"},"
+    "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"127.0.0.1:0\"},"
     " \"backend\": {\"type\": \"cpu\", \"threads\": 2, \"memory_limit_bytes\": 536870912,"
     "              \"initial_bytes\": 16777216, \"growth_bytes\": 67108864},"
     " \"admin_token\": {\"value\": \"" TEST_ADMIN_TOKEN "\"},"
@@ -166,6 +166,8 @@ static bool read_listen_file(test_daemon *daemon, const char *path)
              cJSON_GetStringValue(cJSON_GetObjectItem(json, "data")));
     snprintf(daemon->admin, sizeof(daemon->admin), "%s",
              cJSON_GetStringValue(cJSON_GetObjectItem(json, "admin")));
+    const char *metrics = cJSON_GetStringValue(cJSON_GetObjectItem(json, "metrics"));
+    snprintf(daemon->metrics, sizeof(daemon->metrics), "%s", metrics != NULL ? metrics : "");
     cJSON_Delete(json);
     return true;
 }

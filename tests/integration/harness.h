@@ -26,6 +26,7 @@ typedef struct test_daemon {
     char log_path[320];
     char data[64];
     char admin[64];
+    char metrics[64]; /* "" without a metrics listener */
 } test_daemon;
 
 /* The backend the daemons run on: EMBER_TEST_BACKEND ("cpu" by default, or "cuda"). */

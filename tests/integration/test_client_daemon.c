@@ -252,7 +252,7 @@ START_TEST(one_of_three_servers_killed_mid_call)
     char overrides[512];
     snprintf(overrides, sizeof(overrides),
              "{\"tables\": [" TABLE_JSON "], \"listen\": {\"data\": \"%s\","
-             " \"admin\": \"127.0.0.1:0\"}}",
+             " \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"}}",
              dead);
     daemons[1] = test_daemon_start(overrides);
     ck_assert_msg(pull_keys(client, all, 48, &err) == EM_OK, "%s", err.message);
@@ -459,9 +459,12 @@ START_TEST(emberctl_against_a_real_daemon)
     char *usage[] = {ctl, "--server", daemon->admin, "tables", "frobnicate", NULL};
     ck_assert_int_eq(test_run_program(usage, TEST_ADMIN_TOKEN, &out), 2);
     free(out);
+    char admin[sizeof(daemon->admin)];
+    snprintf(admin, sizeof(admin), "%s", daemon->admin); /* stop frees daemon */
     ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 10000), 0);
-    char *gone[] = {ctl, "--server", daemon->admin, "ping", NULL};
-    ck_assert_int_eq(test_run_program(gone, TEST_ADMIN_TOKEN, &out), 3);
+    char *gone[] = {ctl, "--server", admin, "ping", NULL};
+    int gone_rc = test_run_program(gone, TEST_ADMIN_TOKEN, &out);
+    ck_assert_msg(gone_rc == 3, "exit %d: %s", gone_rc, out);
     free(out);
 }
 END_TEST

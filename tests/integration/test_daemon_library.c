@@ -96,7 +96,7 @@ START_TEST(reload_applies_the_reloadable_keys_and_keeps_the_rest)
     ck_assert_int_ge(fd, 0);
     close(fd);
     write_config(path, "first-token", "error", 1000,
-                 "{\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"}");
+                 "{\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"}");
     em_daemon_config config;
     em_error err;
     ck_assert_msg(em_daemon_config_load(path, &config, &err) == EM_OK, "%s", err.message);
@@ -115,7 +115,7 @@ START_TEST(reload_applies_the_reloadable_keys_and_keeps_the_rest)
     char admin_before[64];
     snprintf(admin_before, sizeof(admin_before), "%s", em_daemon_admin_address(daemon));
     write_config(path, "second-token", "error", 2000,
-                 "{\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:1\"}");
+                 "{\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:1\", \"metrics\": \"\"}");
     em_daemon_reload(daemon);
     em_status status = EM_UNAUTHENTICATED;
     for (int attempt = 0; attempt < 500 && status != EM_OK; attempt++) {
@@ -144,7 +144,7 @@ END_TEST
 
 START_TEST(a_daemon_stopped_before_it_runs_drains_at_once)
 {
-    const char *json = "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"},"
+    const char *json = "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"},"
                        " \"backend\": {\"type\": \"cpu\", \"threads\": 1,"
                        " \"memory_limit_bytes\": 67108864},"
                        " \"admin_token\": {\"value\": \"t\"}, \"log_level\": \"error\"}";
@@ -167,7 +167,7 @@ END_TEST
 
 START_TEST(a_bad_listen_address_fails_create_naming_it)
 {
-    const char *json = "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"256.1.1.1:7\"},"
+    const char *json = "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"256.1.1.1:7\", \"metrics\": \"\"},"
                        " \"backend\": {\"type\": \"cpu\", \"memory_limit_bytes\": 67108864},"
                        " \"admin_token\": {\"value\": \"t\"}, \"log_level\": \"error\"}";
     em_daemon_config config;

@@ -224,7 +224,7 @@ START_TEST(bad_tls_files_and_exposed_listeners_refuse_to_start)
     FILE *file = fopen(config, "w");
     fprintf(file,
             "{\"admin_token\": {\"value\": \"a-token\"},"
-            " \"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"},"
+            " \"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"},"
             " \"backend\": {\"type\": \"cpu\"},"
             " \"tls\": {\"certificate_file\": \"%s\", \"private_key_file\": \"%s\"}}",
             path_of("server.pem"), path_of("client.key"));
@@ -241,7 +241,7 @@ START_TEST(bad_tls_files_and_exposed_listeners_refuse_to_start)
     file = fopen(config, "w");
     fprintf(file,
             "{\"admin_token\": {\"value\": \"a-token\"},"
-            " \"listen\": {\"data\": \"0.0.0.0:0\", \"admin\": \"127.0.0.1:0\"},"
+            " \"listen\": {\"data\": \"0.0.0.0:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"},"
             " \"backend\": {\"type\": \"cpu\"}}");
     fclose(file);
     ck_assert_int_eq(test_run_program(argv, NULL, &output), 1);

@@ -38,13 +38,14 @@ static void build_config(const em_test_daemon_options *options, const char *admi
     if (options->tables_json != NULL)
         snprintf(tables, sizeof(tables), ", \"tables\": %s", options->tables_json);
     snprintf(json, capacity,
-             "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\"},"
+             "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\","
+             " \"metrics\": \"%s\"},"
              " \"backend\": {\"type\": \"cpu\", \"devices\": 1, \"threads\": 4,"
              "  \"memory_limit_bytes\": 1073741824, \"initial_bytes\": 67108864,"
              "  \"growth_bytes\": 67108864},"
              " \"admin_token\": {\"value\": \"%s\"}%s,"
              " \"log_level\": \"error\", \"drain_timeout_ms\": 5000%s}",
-             admin_token, data_token, tables);
+             options->metrics ? "127.0.0.1:0" : "", admin_token, data_token, tables);
 }
 
 em_test_daemon *em_test_daemon_start(const em_test_daemon_options *options)
@@ -90,6 +91,11 @@ const char *em_test_daemon_address(const em_test_daemon *test)
 const char *em_test_daemon_admin_address(const em_test_daemon *test)
 {
     return em_daemon_admin_address(test->daemon);
+}
+
+const char *em_test_daemon_metrics_address(const em_test_daemon *test)
+{
+    return em_daemon_metrics_address(test->daemon);
 }
 
 const char *em_test_daemon_admin_token(const em_test_daemon *test)

@@ -27,6 +27,8 @@ typedef struct em_test_daemon_options {
     bool reverse_responses;
     /* The "tables" array of the configuration, as JSON text (NULL: none). */
     const char *tables_json;
+    /* A metrics listener on an ephemeral loopback port (and its recording). */
+    bool metrics;
 } em_test_daemon_options;
 
 /* Starts a daemon (options may be NULL); aborts the test on failure. */
@@ -38,6 +40,8 @@ void em_test_daemon_stop(em_test_daemon *daemon);
 const char *em_test_daemon_address(const em_test_daemon *daemon);
 const char *em_test_daemon_admin_address(const em_test_daemon *daemon);
 const char *em_test_daemon_admin_token(const em_test_daemon *daemon);
+/* The metrics listener's address ("" without one). */
+const char *em_test_daemon_metrics_address(const em_test_daemon *daemon);
 
 /* Data requests wait this long on their worker from now on (0: at once). */
 void em_test_daemon_set_delay(em_test_daemon *daemon, uint32_t delay_ms);
