@@ -1,8 +1,8 @@
 /*
- * What recording metrics costs: pull throughput of two daemons in this process, one
- * with a metrics listener (every answer recorded by status and duration) and one
- * without, measured alternately, round after round, on the same workload; then what a
- * scrape costs.
+ * What recording metrics costs: pull throughput of daemons in this process, one with a
+ * metrics listener (every answer recorded by status and duration) and two without (the
+ * second a control: how much two alike daemons differ), measured in turn, round after
+ * round, on the same workload; then what a scrape costs.
  *
  *   bench_metrics [--seconds S] [--rounds R] [--connections C]
  *
@@ -192,33 +192,41 @@ int main(int argc, char **argv)
     static const char *tables = "[{\"name\": \"t\", \"dim\": 64, \"capacity\": 200000}]";
     em_test_daemon_options off = {.tables_json = tables};
     em_test_daemon_options on = {.tables_json = tables, .metrics = true};
-    em_test_daemon *daemons[2] = {em_test_daemon_start(&off), em_test_daemon_start(&on)};
+    /* a second daemon without metrics is the control: what two alike daemons differ by */
+    em_test_daemon *daemons[3] = {em_test_daemon_start(&off), em_test_daemon_start(&off),
+                                  em_test_daemon_start(&on)};
     em_test_print_machine(NULL);
     printf("command: bench_metrics --seconds %g --rounds %d --connections %d\n", opt.seconds,
            opt.rounds, opt.connections);
-    printf("two daemons in this process (CPU backend), one with a metrics listener; pulls of "
-           "%u keys (dim %u), one at a time per connection, alternating\n\n", KEYS, DIM);
-    printf("%5s %16s %16s %8s\n", "round", "off pulls/s", "on pulls/s", "on/off");
-    double ratios[99], offs[99], ons[99];
+    printf("three daemons in this process (CPU backend): two without a metrics listener (off, "
+           "control), one with (on); pulls of %u keys (dim %u), one request at a time per "
+           "connection, the three in turn, the order rotating each round\n\n", KEYS, DIM);
+    printf("%5s %14s %14s %14s %9s %9s\n", "round", "off pulls/s", "control", "on pulls/s",
+           "ctrl/off", "on/off");
+    double off_rates[99], control_rates[99], on_rates[99], control_ratios[99], on_ratios[99];
     for (int r = 0; r < opt.rounds; r++) {
-        /* alternate which goes first, so neither always runs on a warmer machine */
-        int first = r % 2;
-        double rate[2];
-        rate[first] = measure(em_test_daemon_address(daemons[first]), &opt, 17u + (uint64_t)r);
-        rate[1 - first] =
-            measure(em_test_daemon_address(daemons[1 - first]), &opt, 17u + (uint64_t)r);
-        offs[r] = rate[0];
-        ons[r] = rate[1];
-        ratios[r] = rate[1] / rate[0];
-        printf("%5d %16.0f %16.0f %7.3fx\n", r + 1, rate[0], rate[1], ratios[r]);
+        double rate[3];
+        for (int k = 0; k < 3; k++) {
+            int which = (r + k) % 3;
+            rate[which] = measure(em_test_daemon_address(daemons[which]), &opt, 17u + (uint64_t)r);
+        }
+        off_rates[r] = rate[0];
+        control_rates[r] = rate[1];
+        on_rates[r] = rate[2];
+        control_ratios[r] = rate[1] / rate[0];
+        on_ratios[r] = rate[2] / rate[0];
+        printf("%5d %14.0f %14.0f %14.0f %8.3fx %8.3fx\n", r + 1, rate[0], rate[1], rate[2],
+               control_ratios[r], on_ratios[r]);
     }
-    printf("median %15.0f %16.0f %7.3fx (median of the per-round ratios)\n",
-           median(offs, opt.rounds), median(ons, opt.rounds), median(ratios, opt.rounds));
+    printf("%5s %14.0f %14.0f %14.0f %8.3fx %8.3fx (medians; ratios: median of the rounds')\n",
+           "median", median(off_rates, opt.rounds), median(control_rates, opt.rounds),
+           median(on_rates, opt.rounds), median(control_ratios, opt.rounds),
+           median(on_ratios, opt.rounds));
     size_t bytes = 0;
-    double seconds = scrape_seconds(em_test_daemon_metrics_address(daemons[1]), 200, &bytes);
+    double seconds = scrape_seconds(em_test_daemon_metrics_address(daemons[2]), 200, &bytes);
     printf("\nscrape: %.1f us per GET /metrics (%zu bytes, 1 table), 200 scrapes\n",
            seconds * 1e6, bytes);
-    em_test_daemon_stop(daemons[0]);
-    em_test_daemon_stop(daemons[1]);
+    for (int d = 0; d < 3; d++)
+        em_test_daemon_stop(daemons[d]);
     return 0;
 }

@@ -48,6 +48,15 @@ static void build_config(const em_test_daemon_options *options, const char *admi
              options->metrics ? "127.0.0.1:0" : "", admin_token, data_token, tables);
 }
 
+/* Not check's assertions: benchmarks start test daemons outside any test. */
+static void require(bool ok, const char *message)
+{
+    if (ok)
+        return;
+    fprintf(stderr, "test daemon: %s\n", message);
+    abort();
+}
+
 em_test_daemon *em_test_daemon_start(const em_test_daemon_options *options)
 {
     /* as in emberd: a peer that left is an error from write(), not a signal */
@@ -56,22 +65,20 @@ em_test_daemon *em_test_daemon_start(const em_test_daemon_options *options)
     if (options == NULL)
         options = &defaults;
     em_test_daemon *test = calloc(1, sizeof(*test));
-    ck_assert_ptr_nonnull(test);
+    require(test != NULL, "out of memory");
     snprintf(test->admin_token, sizeof(test->admin_token), "%s",
              options->admin_token != NULL ? options->admin_token : EM_TEST_DAEMON_ADMIN_TOKEN);
     char json[2048];
     build_config(options, test->admin_token, json, sizeof(json));
     em_daemon_config config;
     em_error err;
-    ck_assert_msg(em_daemon_config_parse_text(json, "test daemon", &config, &err) == EM_OK, "%s",
-                  err.message);
+    require(em_daemon_config_parse_text(json, "test daemon", &config, &err) == EM_OK, err.message);
     em_daemon_options daemon_options;
     em_daemon_options_init(&daemon_options);
-    ck_assert_msg(em_daemon_create(&config, &daemon_options, &test->daemon, &err) == EM_OK, "%s",
-                  err.message);
+    require(em_daemon_create(&config, &daemon_options, &test->daemon, &err) == EM_OK, err.message);
     em_daemon_config_deinit(&config);
     atomic_store(&em_daemon_faults(test->daemon)->reverse_answers, options->reverse_responses);
-    ck_assert_int_eq(pthread_create(&test->thread, NULL, run_daemon, test), 0);
+    require(pthread_create(&test->thread, NULL, run_daemon, test) == 0, "pthread_create failed");
     return test;
 }
 

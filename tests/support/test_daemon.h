@@ -31,7 +31,7 @@ typedef struct em_test_daemon_options {
     bool metrics;
 } em_test_daemon_options;
 
-/* Starts a daemon (options may be NULL); aborts the test on failure. */
+/* Starts a daemon (options may be NULL); aborts (the test, or the program) on failure. */
 em_test_daemon *em_test_daemon_start(const em_test_daemon_options *options);
 /* Drains it and frees everything. */
 void em_test_daemon_stop(em_test_daemon *daemon);
