@@ -369,6 +369,10 @@ static const ProtobufCMessageDescriptor *response_descriptor(int method)
         return &ember__save_response__descriptor;
     case EMBER__METHOD__LOAD:
         return &ember__load_response__descriptor;
+    case EMBER__METHOD__DRAIN:
+        return &ember__drain_response__descriptor;
+    case EMBER__METHOD__UNDRAIN:
+        return &ember__undrain_response__descriptor;
     default:
         return NULL;
     }

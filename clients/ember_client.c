@@ -793,6 +793,35 @@ em_status em_client_save(em_client *client, const char *table, cJSON **saved, em
     return status;
 }
 
+em_status em_client_drain(em_client *client, em_client_drain_state *out, em_error *err)
+{
+    Ember__DrainRequest body = EMBER__DRAIN_REQUEST__INIT;
+    em_client_call *call;
+    em_status status = message_call(client, EMBER__METHOD__DRAIN, &body.base, &call, err);
+    if (status != EM_OK)
+        return status;
+    const Ember__DrainResponse *response = call_response(call);
+    out->was_drained = response->was_drained;
+    out->requests_running = response->requests_running;
+    out->data_connections = response->data_connections;
+    call_destroy(client, call);
+    return EM_OK;
+}
+
+em_status em_client_undrain(em_client *client, bool *was_drained, em_error *err)
+{
+    Ember__UndrainRequest body = EMBER__UNDRAIN_REQUEST__INIT;
+    em_client_call *call;
+    em_status status = message_call(client, EMBER__METHOD__UNDRAIN, &body.base, &call, err);
+    if (status != EM_OK)
+        return status;
+    const Ember__UndrainResponse *response = call_response(call);
+    if (was_drained != NULL)
+        *was_drained = response->was_drained;
+    call_destroy(client, call);
+    return EM_OK;
+}
+
 em_status em_client_load(em_client *client, const char *table, const char *path,
                          bool weights_only, cJSON **loaded, em_error *err)
 {

@@ -147,4 +147,16 @@ em_status em_client_save(em_client *client, const char *table, cJSON **saved, em
 em_status em_client_load(em_client *client, const char *table, const char *path,
                          bool weights_only, cJSON **loaded, em_error *err);
 
+/* Maintenance on the first server: DRAIN takes it out of service (its data listener
+ * refuses connections and data requests; HEALTH says "drained"), requests already
+ * received finish; UNDRAIN puts it back. Both are idempotent. */
+typedef struct em_client_drain_state {
+    bool was_drained;          /* it was drained before this call */
+    uint64_t requests_running; /* requests queued for or running on its workers */
+    uint32_t data_connections; /* connections still open on its data listener */
+} em_client_drain_state;
+
+em_status em_client_drain(em_client *client, em_client_drain_state *out, em_error *err);
+em_status em_client_undrain(em_client *client, bool *was_drained, em_error *err);
+
 #endif

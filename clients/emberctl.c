@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "clients/ember_client.h"
@@ -106,6 +107,10 @@ static void print_help(FILE *out)
           "                             load a checkpoint (the table's latest, or the\n"
           "                             directory PATH on the server) as TABLE, replacing\n"
           "                             it; --weights-only keeps TABLE's optimizer\n"
+          "  drain [--wait SECONDS]     take the server out of service (data requests and\n"
+          "                             connections refused, HEALTH not ready); --wait\n"
+          "                             until its running requests finish (exit 1 if not)\n"
+          "  undrain                    put the server back in service\n"
           "  checkpoints list DIR [TABLE]\n"
           "                             the complete checkpoints under a checkpoint dir\n"
           "  checkpoints verify PATH    check every checksum of a checkpoint (no server)\n"
@@ -746,6 +751,68 @@ static int command_stats(cli *c, int argc, char **argv)
 
 /* ---- checkpoints -------------------------------------------------------------------- */
 
+static void print_drain(cli *c, const em_client_drain_state *state)
+{
+    if (c->json) {
+        cJSON *json = cJSON_CreateObject();
+        cJSON_AddBoolToObject(json, "was_drained", state->was_drained);
+        cJSON_AddNumberToObject(json, "requests_running", (double)state->requests_running);
+        cJSON_AddNumberToObject(json, "data_connections", state->data_connections);
+        print_json(json);
+        cJSON_Delete(json);
+        return;
+    }
+    printf("%s: drained%s; %" PRIu64 " request(s) running, %u data connection(s) open\n",
+           c->server, state->was_drained ? " (already)" : "", state->requests_running,
+           state->data_connections);
+}
+
+static int command_drain(cli *c, int argc, char **argv)
+{
+    double wait_s = 0;
+    if (argc == 3 && strcmp(argv[1], "--wait") == 0) {
+        if (!parse_whole(argv[2], &wait_s) || wait_s > 86400)
+            return usage_error("--wait '%s' is not a number of seconds in 0..86400", argv[2]);
+    } else if (argc != 1) {
+        return usage_error("drain takes only --wait SECONDS");
+    }
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    em_client_drain_state state;
+    em_error err;
+    if (em_client_drain(c->client, &state, &err) != EM_OK)
+        return call_failed(&err);
+    /* DRAIN again only reports: poll until nothing runs or the wait is over */
+    for (double waited = 0; state.requests_running > 0 && waited < wait_s; waited += 0.1) {
+        usleep(100000);
+        if (em_client_drain(c->client, &state, &err) != EM_OK)
+            return call_failed(&err);
+        state.was_drained = false;
+    }
+    print_drain(c, &state);
+    return wait_s > 0 && state.requests_running > 0 ? EXIT_SERVER_ERROR : EXIT_OK;
+}
+
+static int command_undrain(cli *c, int argc, char **argv)
+{
+    (void)argv;
+    if (argc != 1)
+        return usage_error("undrain takes no arguments");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    bool was_drained = false;
+    em_error err;
+    if (em_client_undrain(c->client, &was_drained, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json)
+        printf("{\"was_drained\": %s}\n", was_drained ? "true" : "false");
+    else
+        printf("%s: in service%s\n", c->server, was_drained ? "" : " (was not drained)");
+    return EXIT_OK;
+}
+
 static int command_save(cli *c, int argc, char **argv)
 {
     if (argc > 2)
@@ -906,6 +973,8 @@ static const command commands[] = {
     {"stats", command_stats},
     {"save", command_save},
     {"load", command_load},
+    {"drain", command_drain},
+    {"undrain", command_undrain},
     {"checkpoints", command_checkpoints},
 };
 

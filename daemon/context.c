@@ -27,9 +27,22 @@ em_status em_server_collect_stats(em_server_context *context, const char *table_
     if (status != EM_OK)
         return status;
     snapshot->version = EM_VERSION;
-    snapshot->state = em_server_state_name(atomic_load(&context->state));
+    snapshot->state = em_server_state_now(context);
     snapshot->uptime_ms = em_monotonic_ms() - context->start_ms;
     return EM_OK;
+}
+
+const char *em_server_state_now(const em_server_context *context)
+{
+    int state = atomic_load(&context->state);
+    if (state == EM_SERVER_SERVING && atomic_load(&context->drained))
+        return "drained";
+    return em_server_state_name(state);
+}
+
+bool em_server_ready(const em_server_context *context)
+{
+    return atomic_load(&context->state) == EM_SERVER_SERVING && !atomic_load(&context->drained);
 }
 
 uint64_t em_monotonic_ms(void)

@@ -46,11 +46,19 @@ typedef struct em_server_context {
     bool request_details; /* answers by status and durations are recorded (metrics on) */
     uint64_t start_ms;  /* em_monotonic_ms at start */
     _Atomic int state;  /* em_server_state */
+    _Atomic bool drained; /* out of service by DRAIN until UNDRAIN */
+    _Atomic uint32_t data_connections; /* open on the data listener */
     em_faults faults;
 } em_server_context;
 
 /* "starting", "serving", "draining". */
 const char *em_server_state_name(int state);
+
+/* The state as HEALTH, STATS and /healthz say it: "drained" while serving under DRAIN. */
+const char *em_server_state_now(const em_server_context *context);
+
+/* Whether the server takes data requests: serving and not drained. */
+bool em_server_ready(const em_server_context *context);
 
 /* Every number of the server (tables limited to table_filter unless NULL or ""), with
  * version, state and uptime: what STATS and /metrics render. Errors: em_stats_collect's. */

@@ -407,9 +407,8 @@ static em_status scrape(void *context, bool openmetrics, char **body, size_t *le
 static bool healthy(void *context, const char **state)
 {
     em_daemon *d = context;
-    int now = atomic_load(&d->context.state);
-    *state = em_server_state_name(now);
-    return now == EM_SERVER_SERVING;
+    *state = em_server_state_now(&d->context);
+    return em_server_ready(&d->context);
 }
 
 static em_status start(em_daemon *d, em_error *err)

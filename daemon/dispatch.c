@@ -357,6 +357,14 @@ static em_status admit_meta(const em_dispatch_settings *settings, em_request *re
                             "server or retry once it is back",
                             info->name);
     }
+    if (info->access == EM_METHOD_ACCESS_DATA && atomic_load(&settings->context->drained)) {
+        atomic_fetch_add_explicit(&settings->context->stats.requests_refused_draining, 1,
+                                  memory_order_relaxed);
+        return em_error_set(err, EM_UNAVAILABLE,
+                            "the server is drained for maintenance (DRAIN); send %s to another "
+                            "server or retry once it is back (UNDRAIN)",
+                            info->name);
+    }
     em_status status = authorize(info, meta, request->connection, settings, err);
     if (status != EM_OK)
         return status;

@@ -281,13 +281,37 @@ em_status em_handle_ping(em_request *request, em_error *err)
 em_status em_handle_health(em_request *request, em_error *err)
 {
     em_server_context *context = request->context;
-    int state = atomic_load(&context->state);
     Ember__HealthResponse response = EMBER__HEALTH_RESPONSE__INIT;
-    response.ready = state == EM_SERVER_SERVING;
-    response.state = (char *)em_server_state_name(state);
+    response.ready = em_server_ready(context);
+    response.state = (char *)em_server_state_now(context);
     response.backend = (char *)context->backend->kind;
     response.devices = context->backend->device_count;
     response.tables = (uint32_t)em_catalog_count(context->catalog);
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
+/* ---- maintenance --------------------------------------------------------------------- */
+
+em_status em_handle_drain(em_request *request, em_error *err)
+{
+    em_server_context *context = request->context;
+    Ember__DrainResponse response = EMBER__DRAIN_RESPONSE__INIT;
+    response.was_drained = atomic_exchange(&context->drained, true);
+    if (!response.was_drained)
+        em_log_notice(context->log, "DRAIN: out of service; data requests are refused until "
+                                    "UNDRAIN");
+    response.requests_running = em_executor_pending(context->executor);
+    response.data_connections = atomic_load(&context->data_connections);
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
+em_status em_handle_undrain(em_request *request, em_error *err)
+{
+    em_server_context *context = request->context;
+    Ember__UndrainResponse response = EMBER__UNDRAIN_RESPONSE__INIT;
+    response.was_drained = atomic_exchange(&context->drained, false);
+    if (response.was_drained)
+        em_log_notice(context->log, "UNDRAIN: back in service");
     return em_request_respond(request, &response.base, NULL, 0, err);
 }
 

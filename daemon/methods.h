@@ -44,7 +44,9 @@
     X(LIST_TABLES, list_tables, ADMIN, ADMIN, READ, NONE)                                     \
     X(STATS, stats, ADMIN, ADMIN, READ, NONE)                                                 \
     X(SAVE, save, ADMIN, ADMIN, READ, NONE)                                                   \
-    X(LOAD, load, ADMIN, ADMIN, WRITE, NONE)
+    X(LOAD, load, ADMIN, ADMIN, WRITE, NONE)                                                  \
+    X(DRAIN, drain, ADMIN, ADMIN, LOOP, NONE)                                                 \
+    X(UNDRAIN, undrain, ADMIN, ADMIN, LOOP, NONE)
 
 typedef enum em_method_listener {
     EM_METHOD_LISTENER_ANY,

@@ -127,6 +127,8 @@ static void on_connection_closed(void *context, em_connection *connection)
     if (em_connection_is_admin(connection)) {
         server->admin_connection_count--;
         atomic_fetch_sub(&server->context->stats.admin_connections_current, 1);
+    } else {
+        atomic_fetch_sub(&server->context->data_connections, 1);
     }
     check_drained(server);
 }
@@ -246,6 +248,8 @@ static void link_connection(em_server *server, em_connection *connection)
     if (em_connection_is_admin(connection)) {
         server->admin_connection_count++;
         atomic_fetch_add(&server->context->stats.admin_connections_current, 1);
+    } else {
+        atomic_fetch_add(&server->context->data_connections, 1);
     }
 }
 
@@ -297,6 +301,13 @@ static void on_connection(uv_stream_t *listener, int status)
     em_connection_start(connection);
     em_log_debug(server->context->log, "connection from %s on the %s listener",
                  em_connection_peer(connection), admin ? "admin" : "data");
+    if (!admin && atomic_load(&server->context->drained)) {
+        atomic_fetch_add(&server->context->stats.connections_rejected, 1);
+        em_connection_fail(connection, 0, 0, EM_UNAVAILABLE,
+                           "the server is drained for maintenance (DRAIN); connect to another "
+                           "server or retry once it is back (UNDRAIN)");
+        return;
+    }
     refuse_over_limit(server, connection);
 }
 

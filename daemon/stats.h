@@ -36,7 +36,8 @@
 #define EM_SERVER_COUNTERS(X)                                                                 \
     X(connections_current, GAUGE, NONE, "connections open now")                               \
     X(connections_total, COUNTER, NONE, "connections accepted since start")                   \
-    X(connections_rejected, COUNTER, NONE, "connections refused over max_connections")        \
+    X(connections_rejected, COUNTER, NONE,                                                    \
+      "connections refused over max_connections or while drained")        \
     X(bytes_in, COUNTER, BYTES, "bytes read from clients")                                    \
     X(bytes_out, COUNTER, BYTES, "bytes written to clients")                                  \
     X(frames_rejected, COUNTER, NONE, "frames that could not be parsed (connection closed)")    \

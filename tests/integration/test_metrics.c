@@ -1,8 +1,8 @@
 /*
- * The metrics listener of a real emberd: a scrape after a known workload counts exactly
- * what was sent, agrees with STATS and passes `promtool check metrics`; /healthz; and
- * bad HTTP requests (methods, paths, oversized headers, slow senders, too many
- * connections) are refused without disturbing the RPC listeners.
+ * Operating a real emberd: a scrape of the metrics listener after a known workload
+ * counts exactly what was sent, agrees with STATS and passes `promtool check metrics`;
+ * /healthz; bad HTTP requests (methods, paths, oversized headers, slow senders, too many
+ * connections) are refused without disturbing the RPC listeners; DRAIN and UNDRAIN.
  */
 #include <check.h>
 #include <cJSON.h>
@@ -326,6 +326,85 @@ START_TEST(the_metrics_listener_refuses_bad_requests_and_the_rpc_listeners_go_on
 }
 END_TEST
 
+/* DRAIN and UNDRAIN end to end through emberctl, with tokens: drained, the data side
+ * refuses (requests and new connections), HEALTH and /healthz say not ready, admin goes
+ * on; undrained, all is back. */
+START_TEST(drain_and_undrain_through_emberctl)
+{
+    test_daemon *daemon = test_daemon_start(table_overrides);
+    const char *ctl = getenv("EMBERCTL");
+    ck_assert_ptr_nonnull(ctl);
+    char *out = NULL;
+    char *drain[] = {(char *)ctl, "--server", daemon->admin, "drain", NULL};
+    ck_assert_int_eq(test_run_program(drain, "wrong-token", &out), 1);
+    ck_assert_msg(strstr(out, "UNAUTHENTICATED") != NULL, "%s", out);
+    free(out);
+    em_client *data = client_for(daemon->data); /* connected before the drain */
+    ck_assert_int_eq(test_run_program(drain, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "drained;") != NULL && strstr(out, "already") == NULL, "%s", out);
+    free(out);
+
+    uint32_t offsets[] = {0, 1};
+    uint64_t keys[] = {5};
+    float vector[DIM];
+    em_client_pull_args pull = {.table = "t",
+                                .batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = keys},
+                                .combiner = EM_COMBINER_NONE,
+                                .create_missing = true,
+                                .out = vector,
+                                .out_capacity = DIM};
+    em_error err;
+    ck_assert_int_eq(em_client_pull(data, &pull, NULL, &err), EM_UNAVAILABLE);
+    ck_assert_msg(strstr(err.message, "drained") != NULL, "%s", err.message);
+    em_client *late = client_for(daemon->data); /* the data listener refuses new ones */
+    char version[64];
+    uint64_t uptime = 0;
+    ck_assert_int_ne(em_client_ping(late, version, sizeof(version), &uptime, &err), EM_OK);
+    em_client_destroy(late);
+
+    em_client *admin = client_for(daemon->admin);
+    em_client_health health;
+    ck_assert_msg(em_client_health_check(admin, &health, &err) == EM_OK, "%s", err.message);
+    ck_assert(!health.ready);
+    ck_assert_str_eq(health.state, "drained");
+    http_answer healthz = http_get(daemon->metrics, "/healthz", NULL);
+    ck_assert_int_eq(healthz.status, 503);
+    ck_assert_str_eq(healthz.body, "drained\n");
+    http_answer_free(&healthz);
+    cJSON *stats = NULL;
+    ck_assert_msg(em_client_stats(admin, NULL, &stats, &err) == EM_OK, "%s", err.message);
+    const cJSON *server = cJSON_GetObjectItem(stats, "server");
+    ck_assert_double_eq(stats_number(server, "requests_refused_draining"), 1);
+    ck_assert_double_ge(stats_number(server, "connections_rejected"), 1);
+    ck_assert_str_eq(cJSON_GetStringValue(cJSON_GetObjectItem(server, "state")), "drained");
+    cJSON_Delete(stats);
+
+    char *again[] = {(char *)ctl, "--server", daemon->admin, "drain", "--wait", "5", NULL};
+    ck_assert_int_eq(test_run_program(again, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "already") != NULL && strstr(out, "0 request(s) running") != NULL,
+                  "%s", out);
+    free(out);
+    char *bad[] = {(char *)ctl, "--server", daemon->admin, "drain", "--wait", "soon", NULL};
+    ck_assert_int_eq(test_run_program(bad, TEST_ADMIN_TOKEN, &out), 2);
+    free(out);
+    char *undrain[] = {(char *)ctl, "--server", daemon->admin, "undrain", NULL};
+    ck_assert_int_eq(test_run_program(undrain, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "in service") != NULL, "%s", out);
+    free(out);
+
+    ck_assert_msg(em_client_pull(data, &pull, NULL, &err) == EM_OK, "%s", err.message);
+    ck_assert_msg(em_client_health_check(admin, &health, &err) == EM_OK, "%s", err.message);
+    ck_assert(health.ready);
+    ck_assert_str_eq(health.state, "serving");
+    healthz = http_get(daemon->metrics, "/healthz", NULL);
+    ck_assert_int_eq(healthz.status, 200);
+    http_answer_free(&healthz);
+    em_client_destroy(admin);
+    em_client_destroy(data);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("metrics");
@@ -333,6 +412,7 @@ int main(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, a_scrape_counts_the_workload_agrees_with_stats_and_passes_promtool);
     tcase_add_test(tc, the_metrics_listener_refuses_bad_requests_and_the_rpc_listeners_go_on);
+    tcase_add_test(tc, drain_and_undrain_through_emberctl);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
 }

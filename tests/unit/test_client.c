@@ -551,16 +551,16 @@ START_TEST(abandoned_half_sent_requests_keep_the_stream_whole)
     ck_assert_msg(em_client_pull(client, &args, NULL, &err) == EM_OK, "%s", err.message);
     /* the table equals the local one after the pushes that were applied, in order: which
      * ones depends on when each frame arrived against its deadline, so every ordered
-     * choice of `reached` of the three is tried */
+     * choice of `reached` of the three is tried (none, on a loaded machine where every
+     * frame took longer to arrive than its deadline) */
     uint64_t reached = em_test_daemon_succeeded(servers[0], EMBER__METHOD__PUSH);
-    ck_assert_uint_ge(reached, 1);
     ck_assert_uint_le(reached, 3);
     float *replayed[3];
     em_test_rng_init(&rng, em_test_seed());
     for (int i = 0; i < 3; i++)
         replayed[i] = em_test_random_floats(&rng, (uint64_t)KEYS * DIM);
     bool matched = false;
-    for (unsigned mask = 1; mask < 8 && !matched; mask++) {
+    for (unsigned mask = 0; mask < 8 && !matched; mask++) {
         if ((uint64_t)__builtin_popcount(mask) != reached)
             continue;
         local replay = local_table();
