@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -299,7 +300,12 @@ static void reload(em_daemon *d)
 {
     if (d->options.config_path == NULL || d->server == NULL)
         return;
-    notify(d, "RELOADING=1\nSTATUS=reloading");
+    /* MONOTONIC_USEC lets a Type=notify-reload manager (systemd 253 and later) match the
+     * reload it asked for; older managers ignore it */
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    notify(d, "RELOADING=1\nMONOTONIC_USEC=%" PRIu64 "\nSTATUS=reloading",
+           (uint64_t)now.tv_sec * 1000000u + (uint64_t)now.tv_nsec / 1000u);
     em_daemon_config fresh;
     em_error err;
     if (em_daemon_config_load(d->options.config_path, &fresh, &err) != EM_OK) {

@@ -343,28 +343,29 @@ static em_status check_memory(const em_dispatch_settings *settings, const em_req
                         request->info->name, bytes, what, limit);
 }
 
+/* A request the server does not take now: every one while it shuts down, data requests
+ * while an operator has it drained. */
+static em_status refuse_out_of_service(const em_dispatch_settings *settings,
+                                       const em_method_info *info, em_error *err)
+{
+    atomic_fetch_add_explicit(&settings->context->stats.requests_refused_draining, 1,
+                              memory_order_relaxed);
+    return em_error_set(err, EM_UNAVAILABLE,
+                        "the server is %s; send %s to another server or retry once it is back%s",
+                        settings->draining ? "draining (shutting down)"
+                                           : "drained for maintenance (DRAIN)",
+                        info->name, settings->draining ? "" : " (UNDRAIN)");
+}
+
 /* Everything a frame is checked for before its body is read. */
 static em_status admit_meta(const em_dispatch_settings *settings, em_request *request,
                             const Ember__RpcMeta *meta, const em_frame_header *frame,
                             em_error *err)
 {
     const em_method_info *info = request->info;
-    if (settings->draining) {
-        atomic_fetch_add_explicit(&settings->context->stats.requests_refused_draining, 1,
-                                  memory_order_relaxed);
-        return em_error_set(err, EM_UNAVAILABLE,
-                            "the server is draining (shutting down); send %s to another "
-                            "server or retry once it is back",
-                            info->name);
-    }
-    if (info->access == EM_METHOD_ACCESS_DATA && atomic_load(&settings->context->drained)) {
-        atomic_fetch_add_explicit(&settings->context->stats.requests_refused_draining, 1,
-                                  memory_order_relaxed);
-        return em_error_set(err, EM_UNAVAILABLE,
-                            "the server is drained for maintenance (DRAIN); send %s to another "
-                            "server or retry once it is back (UNDRAIN)",
-                            info->name);
-    }
+    if (settings->draining ||
+        (info->access == EM_METHOD_ACCESS_DATA && atomic_load(&settings->context->drained)))
+        return refuse_out_of_service(settings, info, err);
     em_status status = authorize(info, meta, request->connection, settings, err);
     if (status != EM_OK)
         return status;

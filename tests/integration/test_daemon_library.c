@@ -89,8 +89,24 @@ static em_status list_with(const em_daemon *daemon, const char *token)
     return status;
 }
 
+/* The service manager notifications a daemon sent, one after another. */
+typedef struct notifications {
+    pthread_mutex_t lock;
+    char text[8192];
+} notifications;
+
+static void record_notification(void *context, const char *state)
+{
+    notifications *n = context;
+    pthread_mutex_lock(&n->lock);
+    size_t used = strlen(n->text);
+    snprintf(n->text + used, sizeof(n->text) - used, "%s\n--\n", state);
+    pthread_mutex_unlock(&n->lock);
+}
+
 START_TEST(reload_applies_the_reloadable_keys_and_keeps_the_rest)
 {
+    static notifications sent = {.lock = PTHREAD_MUTEX_INITIALIZER};
     char path[] = "/tmp/ember-daemon-config-XXXXXX";
     int fd = mkstemp(path);
     ck_assert_int_ge(fd, 0);
@@ -103,6 +119,8 @@ START_TEST(reload_applies_the_reloadable_keys_and_keeps_the_rest)
     em_daemon_options options;
     em_daemon_options_init(&options);
     options.config_path = path;
+    options.notify = record_notification;
+    options.notify_context = &sent;
     em_daemon *daemon = NULL;
     ck_assert_msg(em_daemon_create(&config, &options, &daemon, &err) == EM_OK, "%s",
                   err.message);
@@ -126,6 +144,14 @@ START_TEST(reload_applies_the_reloadable_keys_and_keeps_the_rest)
     ck_assert_int_eq(status, EM_OK);
     ck_assert_int_eq(list_with(daemon, "first-token"), EM_UNAUTHENTICATED);
     ck_assert_str_eq(em_daemon_admin_address(daemon), admin_before);
+    /* systemd heard the reload, with the monotonic time a notify-reload manager matches */
+    pthread_mutex_lock(&sent.lock);
+    const char *reloading = strstr(sent.text, "RELOADING=1\nMONOTONIC_USEC=");
+    ck_assert_msg(reloading != NULL, "%s", sent.text);
+    ck_assert_msg(strtoull(reloading + strlen("RELOADING=1\nMONOTONIC_USEC="), NULL, 10) > 0,
+                  "%s", sent.text);
+    ck_assert_msg(strstr(reloading, "READY=1") != NULL, "%s", sent.text);
+    pthread_mutex_unlock(&sent.lock);
 
     /* a file that does not parse keeps the running configuration */
     FILE *file = fopen(path, "w");

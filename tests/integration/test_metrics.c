@@ -119,6 +119,35 @@ static double stats_number(const cJSON *object, const char *name)
     return cJSON_IsString(item) ? strtod(item->valuestring, NULL) : item->valuedouble;
 }
 
+/* Reads the file at path (the dashboard: valid JSON too) and checks that every ember_
+ * name in it starts a line of the scrape; returns how many names it found. */
+static int check_names(const char *path, const char *scrape, bool json)
+{
+    ck_assert_ptr_nonnull(path);
+    FILE *file = fopen(path, "r");
+    ck_assert_msg(file != NULL, "%s", path);
+    static char text[1 << 17];
+    size_t length = fread(text, 1, sizeof(text) - 1, file);
+    text[length] = '\0';
+    fclose(file);
+    if (json) {
+        cJSON *parsed = cJSON_Parse(text);
+        ck_assert_msg(parsed != NULL, "%s is not valid JSON", path);
+        cJSON_Delete(parsed);
+    }
+    int named = 0;
+    for (const char *at = strstr(text, "ember_"); at != NULL; at = strstr(at + 1, "ember_")) {
+        char name[128], line_start[132];
+        size_t name_length = strspn(at, "abcdefghijklmnopqrstuvwxyz_");
+        snprintf(name, sizeof(name), "%.*s", (int)name_length, at);
+        snprintf(line_start, sizeof(line_start), "\n%s", name);
+        ck_assert_msg(strstr(scrape, line_start) != NULL, "%s names %s, which a scrape does not "
+                      "have", path, name);
+        named++;
+    }
+    return named;
+}
+
 /* ---- the workload ------------------------------------------------------------------- */
 
 static void run_workload(em_client *client)
@@ -243,6 +272,10 @@ START_TEST(a_scrape_counts_the_workload_agrees_with_stats_and_passes_promtool)
     unlink(path);
     ck_assert_msg(rc == 0, "promtool check metrics (is promtool installed? "
                            "deploy/install-deps.sh installs it): %s", output);
+
+    /* every metric the shipped alert rules and dashboard name is in a real scrape */
+    ck_assert_int_ge(check_names(getenv("EMBER_ALERT_RULES"), text, false), 8);
+    ck_assert_int_ge(check_names(getenv("EMBER_DASHBOARD"), text, true), 15);
 
     /* OpenMetrics when asked */
     http_answer open = http_get(daemon->metrics, "/metrics",
