@@ -10,7 +10,7 @@ packages=(
   libuv1-dev libprotobuf-c-dev protobuf-c-compiler libcjson-dev libsystemd-dev libssl-dev
   libxxhash-dev libhttp-parser-dev
   check openssl clang libclang-rt-14-dev
-  prometheus
+  prometheus systemd
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(redis-server)
