@@ -822,6 +822,38 @@ em_status em_client_undrain(em_client *client, bool *was_drained, em_error *err)
     return EM_OK;
 }
 
+static cJSON *string_array(char *const *items, size_t count)
+{
+    cJSON *array = cJSON_CreateArray();
+    for (size_t i = 0; array != NULL && i < count; i++)
+        cJSON_AddItemToArray(array, cJSON_CreateString(items[i]));
+    return array;
+}
+
+em_status em_client_reload(em_client *client, cJSON **report, em_error *err)
+{
+    *report = NULL;
+    Ember__ReloadRequest body = EMBER__RELOAD_REQUEST__INIT;
+    em_client_call *call;
+    em_status status = message_call(client, EMBER__METHOD__RELOAD, &body.base, &call, err);
+    if (status != EM_OK)
+        return status;
+    const Ember__ReloadResponse *response = call_response(call);
+    cJSON *json = cJSON_CreateObject();
+    if (json != NULL) {
+        cJSON_AddStringToObject(json, "path", response->path);
+        cJSON_AddItemToObject(json, "changed",
+                              string_array(response->changed, response->n_changed));
+        cJSON_AddItemToObject(json, "needs_restart",
+                              string_array(response->needs_restart, response->n_needs_restart));
+    }
+    call_destroy(client, call);
+    if (json == NULL)
+        return out_of_memory(err, "reload");
+    *report = json;
+    return EM_OK;
+}
+
 em_status em_client_load(em_client *client, const char *table, const char *path,
                          bool weights_only, cJSON **loaded, em_error *err)
 {

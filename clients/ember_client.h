@@ -159,4 +159,8 @@ typedef struct em_client_drain_state {
 em_status em_client_drain(em_client *client, em_client_drain_state *out, em_error *err);
 em_status em_client_undrain(em_client *client, bool *was_drained, em_error *err);
 
+/* RELOAD on the first server (as SIGHUP): *report gets {path, changed: [keys],
+ * needs_restart: [keys]}. */
+em_status em_client_reload(em_client *client, cJSON **report, em_error *err);
+
 #endif

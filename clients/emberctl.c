@@ -111,6 +111,8 @@ static void print_help(FILE *out)
           "                             connections refused, HEALTH not ready); --wait\n"
           "                             until its running requests finish (exit 1 if not)\n"
           "  undrain                    put the server back in service\n"
+          "  reload                     read the configuration file again (as SIGHUP) and\n"
+          "                             say what changed and what needs a restart\n"
           "  checkpoints list DIR [TABLE]\n"
           "                             the complete checkpoints under a checkpoint dir\n"
           "  checkpoints verify PATH    check every checksum of a checkpoint (no server)\n"
@@ -813,6 +815,42 @@ static int command_undrain(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+static void print_keys(const char *label, const cJSON *keys)
+{
+    printf("%s:", label);
+    const cJSON *key = NULL;
+    int count = 0;
+    cJSON_ArrayForEach(key, keys)
+    {
+        printf(" %s", key->valuestring);
+        count++;
+    }
+    printf("%s\n", count == 0 ? " none" : "");
+}
+
+static int command_reload(cli *c, int argc, char **argv)
+{
+    (void)argv;
+    if (argc != 1)
+        return usage_error("reload takes no arguments");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    cJSON *report = NULL;
+    em_error err;
+    if (em_client_reload(c->client, &report, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        print_json(report);
+    } else {
+        printf("reloaded %s\n", cJSON_GetStringValue(cJSON_GetObjectItem(report, "path")));
+        print_keys("changed", cJSON_GetObjectItem(report, "changed"));
+        print_keys("needs a restart", cJSON_GetObjectItem(report, "needs_restart"));
+    }
+    cJSON_Delete(report);
+    return EXIT_OK;
+}
+
 static int command_save(cli *c, int argc, char **argv)
 {
     if (argc > 2)
@@ -975,6 +1013,7 @@ static const command commands[] = {
     {"load", command_load},
     {"drain", command_drain},
     {"undrain", command_undrain},
+    {"reload", command_reload},
     {"checkpoints", command_checkpoints},
 };
 

@@ -35,6 +35,13 @@ typedef struct em_faults {
 
 #define EM_FAULT_REVERSE_MAX 8u
 
+/* What a reload changed: space-separated top-level keys. */
+typedef struct em_reload_report {
+    char path[1024];          /* the file read */
+    char changed[512];        /* applied now */
+    char needs_restart[512];  /* take effect only after a restart */
+} em_reload_report;
+
 typedef struct em_server_context {
     em_catalog *catalog;
     em_checkpointer *checkpointer; /* NULL without a checkpoint section */
@@ -49,6 +56,9 @@ typedef struct em_server_context {
     _Atomic bool drained; /* out of service by DRAIN until UNDRAIN */
     _Atomic uint32_t data_connections; /* open on the data listener */
     em_faults faults;
+    /* the daemon's reload (RELOAD; the loop thread only) and its argument */
+    em_status (*reload)(void *owner, em_reload_report *report, em_error *err);
+    void *owner;
 } em_server_context;
 
 /* "starting", "serving", "draining". */

@@ -290,16 +290,40 @@ static void begin_drain(em_daemon *d)
 
 /* ---- reload -------------------------------------------------------------------------- */
 
-static void report_fixed_change(void *context, const char *key)
+typedef struct reload_changes {
+    em_daemon *daemon;
+    em_reload_report *report; /* NULL: only logged */
+} reload_changes;
+
+static void append_key(char *list, size_t capacity, const char *key)
 {
-    em_daemon *d = context;
-    em_log_warning(&d->log, "reload: '%s' changed but takes effect only after a restart", key);
+    size_t used = strlen(list);
+    snprintf(list + used, capacity - used, "%s%s", used > 0 ? " " : "", key);
 }
 
-static void reload(em_daemon *d)
+static void report_change(void *context, const char *key, bool reloadable)
+{
+    reload_changes *changes = context;
+    if (!reloadable)
+        em_log_warning(&changes->daemon->log,
+                       "reload: '%s' changed but takes effect only after a restart", key);
+    if (changes->report != NULL)
+        append_key(reloadable ? changes->report->changed : changes->report->needs_restart,
+                   sizeof(changes->report->changed), key);
+}
+
+/* Reads the configuration file again and applies what may change while running; report
+ * (nullable) gets the changed keys. Loop thread. Errors: FAILED_PRECONDITION (no file to
+ * read, or a file that does not parse: the running configuration stays). */
+static em_status reload_now(em_daemon *d, em_reload_report *report, em_error *err)
 {
     if (d->options.config_path == NULL || d->server == NULL)
-        return;
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "this daemon was started without a configuration file to reload");
+    if (report != NULL) {
+        memset(report, 0, sizeof(*report));
+        snprintf(report->path, sizeof(report->path), "%s", d->options.config_path);
+    }
     /* MONOTONIC_USEC lets a Type=notify-reload manager (systemd 253 and later) match the
      * reload it asked for; older managers ignore it */
     struct timespec now;
@@ -307,26 +331,42 @@ static void reload(em_daemon *d)
     notify(d, "RELOADING=1\nMONOTONIC_USEC=%" PRIu64 "\nSTATUS=reloading",
            (uint64_t)now.tv_sec * 1000000u + (uint64_t)now.tv_nsec / 1000u);
     em_daemon_config fresh;
-    em_error err;
-    if (em_daemon_config_load(d->options.config_path, &fresh, &err) != EM_OK) {
+    if (em_daemon_config_load(d->options.config_path, &fresh, err) != EM_OK) {
         em_log_error(&d->log, "reload failed, keeping the running configuration: %s",
-                     err.message);
+                     err->message);
         notify(d, "READY=1\nSTATUS=serving (reload failed)");
-        return;
+        em_error_prefix(err, "reload failed, the running configuration stays: ");
+        err->status = EM_FAILED_PRECONDITION;
+        return EM_FAILED_PRECONDITION;
     }
-    if (em_failpoints_arm_from_env(&err) != EM_OK)
-        em_log_error(&d->log, "failpoints: %s", err.message);
+    em_error failpoint_err;
+    if (em_failpoints_arm_from_env(&failpoint_err) != EM_OK)
+        em_log_error(&d->log, "failpoints: %s", failpoint_err.message);
     char armed[256];
     em_failpoints_describe(armed, sizeof(armed));
     if (armed[0] != '\0')
         em_log_warning(&d->log, "failpoints armed (for tests only): %s", armed);
-    em_daemon_config_fixed_changes(&d->config, &fresh, report_fixed_change, d);
+    reload_changes changes = {d, report};
+    em_daemon_config_changes(&d->config, &fresh, report_change, &changes);
     em_config_copy_reloadable(&em_daemon_config_schema, &d->config, &fresh);
     em_log_set_level(&d->log, (em_log_level)d->config.log_level);
     em_server_reconfigure(d->server, &d->config);
     em_daemon_config_deinit(&fresh);
     em_log_notice(&d->log, "configuration reloaded from %s", d->options.config_path);
     notify(d, "READY=1\nSTATUS=serving");
+    return EM_OK;
+}
+
+static void reload(em_daemon *d)
+{
+    em_error ignored; /* logged by reload_now */
+    (void)reload_now(d, NULL, &ignored);
+}
+
+/* RELOAD over the admin RPC (context: the daemon). */
+static em_status reload_for_rpc(void *context, em_reload_report *report, em_error *err)
+{
+    return reload_now(context, report, err);
 }
 
 /* ---- wake-ups and watchdog ----------------------------------------------------------- */
@@ -438,6 +478,8 @@ static em_status start(em_daemon *d, em_error *err)
     d->context.checkpoint_dir = d->config.checkpoint.dir;
     d->context.backend = d->backend;
     d->context.log = &d->log;
+    d->context.reload = reload_for_rpc;
+    d->context.owner = d;
     d->context.start_ms = em_monotonic_ms();
     status = em_executor_create(&d->loop, worker_threads(d), "cpu", &d->executor, err);
     d->context.executor = d->executor;

@@ -568,8 +568,9 @@ void em_daemon_config_deinit(em_daemon_config *config)
     memset(config->data_token.value, 0, sizeof(config->data_token.value));
 }
 
-int em_daemon_config_fixed_changes(const em_daemon_config *old, const em_daemon_config *new_config,
-                                   void (*report)(void *context, const char *key), void *context)
+int em_daemon_config_changes(const em_daemon_config *old, const em_daemon_config *new_config,
+                             void (*report)(void *context, const char *key, bool reloadable),
+                             void *context)
 {
     cJSON *before = em_config_to_json(&em_daemon_config_schema, old);
     cJSON *after = em_config_to_json(&em_daemon_config_schema, new_config);
@@ -577,12 +578,10 @@ int em_daemon_config_fixed_changes(const em_daemon_config *old, const em_daemon_
     for (size_t i = 0; before != NULL && after != NULL && i < em_daemon_config_schema.field_count;
          i++) {
         const em_config_field *field = &em_daemon_config_schema.fields[i];
-        if (field->flags & EM_CONFIG_RELOADABLE)
-            continue;
         const cJSON *a = cJSON_GetObjectItemCaseSensitive(before, field->name);
         const cJSON *b = cJSON_GetObjectItemCaseSensitive(after, field->name);
         if ((a != NULL || b != NULL) && !cJSON_Compare(a, b, true)) {
-            report(context, field->name);
+            report(context, field->name, (field->flags & EM_CONFIG_RELOADABLE) != 0);
             changes++;
         }
     }

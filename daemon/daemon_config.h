@@ -151,10 +151,12 @@ em_status em_daemon_config_parse_text(const char *text, const char *origin,
 /* Frees what parsing allocated (the tables array). */
 void em_daemon_config_deinit(em_daemon_config *config);
 
-/* Calls report once per top-level key whose value differs between old and new and that
- * a reload cannot change (no RELOADABLE flag); returns how many there were. */
-int em_daemon_config_fixed_changes(const em_daemon_config *old, const em_daemon_config *new_config,
-                                   void (*report)(void *context, const char *key), void *context);
+/* Calls report once per top-level key whose value differs between old and new, saying
+ * whether a reload can change it (its RELOADABLE flag); returns how many there were.
+ * Secrets are compared by where they come from (a rotated token file is not a change). */
+int em_daemon_config_changes(const em_daemon_config *old, const em_daemon_config *new_config,
+                             void (*report)(void *context, const char *key, bool reloadable),
+                             void *context);
 
 /* "cpu", "cuda", "auto". */
 const char *em_backend_type_name(int type);

@@ -315,6 +315,35 @@ em_status em_handle_undrain(em_request *request, em_error *err)
     return em_request_respond(request, &response.base, NULL, 0, err);
 }
 
+/* Splits a space-separated key list into the strings of a repeated field (in place). */
+static size_t split_keys(char *list, char **keys, size_t capacity)
+{
+    size_t count = 0;
+    for (char *save = NULL, *key = strtok_r(list, " ", &save); key != NULL && count < capacity;
+         key = strtok_r(NULL, " ", &save))
+        keys[count++] = key;
+    return count;
+}
+
+em_status em_handle_reload(em_request *request, em_error *err)
+{
+    em_server_context *context = request->context;
+    if (context->reload == NULL)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "this server cannot reload");
+    em_reload_report report;
+    em_status status = context->reload(context->owner, &report, err);
+    if (status != EM_OK)
+        return status;
+    char *changed[64], *needs_restart[64];
+    Ember__ReloadResponse response = EMBER__RELOAD_RESPONSE__INIT;
+    response.path = report.path;
+    response.changed = changed;
+    response.n_changed = split_keys(report.changed, changed, 64);
+    response.needs_restart = needs_restart;
+    response.n_needs_restart = split_keys(report.needs_restart, needs_restart, 64);
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
 /* ---- tables -------------------------------------------------------------------------- */
 
 /* Fills info for table; the strings it points to are malloc'ed (free_table_info). */

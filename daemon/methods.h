@@ -46,7 +46,8 @@
     X(SAVE, save, ADMIN, ADMIN, READ, NONE)                                                   \
     X(LOAD, load, ADMIN, ADMIN, WRITE, NONE)                                                  \
     X(DRAIN, drain, ADMIN, ADMIN, LOOP, NONE)                                                 \
-    X(UNDRAIN, undrain, ADMIN, ADMIN, LOOP, NONE)
+    X(UNDRAIN, undrain, ADMIN, ADMIN, LOOP, NONE)                                             \
+    X(RELOAD, reload, ADMIN, ADMIN, LOOP, NONE)
 
 typedef enum em_method_listener {
     EM_METHOD_LISTENER_ANY,

@@ -2,7 +2,7 @@
  * Operating a real emberd: a scrape of the metrics listener after a known workload
  * counts exactly what was sent, agrees with STATS and passes `promtool check metrics`;
  * /healthz; bad HTTP requests (methods, paths, oversized headers, slow senders, too many
- * connections) are refused without disturbing the RPC listeners; DRAIN and UNDRAIN.
+ * connections) are refused without disturbing the RPC listeners; DRAIN, UNDRAIN, RELOAD.
  */
 #include <check.h>
 #include <cJSON.h>
@@ -438,6 +438,68 @@ START_TEST(drain_and_undrain_through_emberctl)
 }
 END_TEST
 
+/* RELOAD through emberctl, with tokens: what changed is applied and listed, what needs
+ * a restart is listed apart, and a file that does not parse is refused with the running
+ * configuration kept. */
+START_TEST(reload_through_emberctl_says_what_changed)
+{
+    test_daemon *daemon = test_daemon_start(table_overrides);
+    const char *ctl = getenv("EMBERCTL");
+    ck_assert_ptr_nonnull(ctl);
+    char *out = NULL;
+    char *reload[] = {(char *)ctl, "--server", daemon->admin, "reload", NULL};
+    ck_assert_int_eq(test_run_program(reload, "wrong-token", &out), 1);
+    ck_assert_msg(strstr(out, "UNAUTHENTICATED") != NULL, "%s", out);
+    free(out);
+    ck_assert_int_eq(test_run_program(reload, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "changed: none") != NULL &&
+                      strstr(out, "needs a restart: none") != NULL, "%s", out);
+    free(out);
+
+    char overrides[1024];
+    snprintf(overrides, sizeof(overrides),
+             "{\"tables\": [{\"name\": \"t\", \"dim\": 8, \"capacity\": 10000, \"shards\": 2,"
+             " \"optimizer\": {\"type\": \"sgd\", \"lr\": 0.1}}],"
+             " \"log_level\": \"info\", \"limits\": {\"max_connections\": 77},"
+             " \"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\","
+             " \"metrics\": \"127.0.0.1:1\"}}");
+    test_daemon_rewrite_config(daemon, overrides);
+    char *json_reload[] = {(char *)ctl, "--server", daemon->admin, "--json", "reload", NULL};
+    ck_assert_int_eq(test_run_program(json_reload, TEST_ADMIN_TOKEN, &out), 0);
+    cJSON *report = cJSON_Parse(out);
+    ck_assert_msg(report != NULL, "%s", out);
+    char *changed = cJSON_PrintUnformatted(cJSON_GetObjectItem(report, "changed"));
+    char *restart = cJSON_PrintUnformatted(cJSON_GetObjectItem(report, "needs_restart"));
+    ck_assert_str_eq(changed, "[\"limits\",\"log_level\"]");
+    ck_assert_str_eq(restart, "[\"listen\"]");
+    free(changed);
+    free(restart);
+    cJSON_Delete(report);
+    free(out);
+    /* the metrics listener stayed where it was (listen needs a restart) */
+    em_client *admin = client_for(daemon->admin);
+    em_error err;
+    http_answer health = http_get(daemon->metrics, "/healthz", NULL);
+    ck_assert_int_eq(health.status, 200);
+    http_answer_free(&health);
+
+    FILE *file = fopen(daemon->config_path, "w");
+    ck_assert_ptr_nonnull(file);
+    fputs("{\"admin_token\": ", file);
+    fclose(file);
+    ck_assert_int_eq(test_run_program(reload, TEST_ADMIN_TOKEN, &out), 1);
+    ck_assert_msg(strstr(out, "FAILED_PRECONDITION") != NULL &&
+                      strstr(out, "running configuration stays") != NULL, "%s", out);
+    free(out);
+    char version[64];
+    uint64_t uptime = 0;
+    ck_assert_msg(em_client_ping(admin, version, sizeof(version), &uptime, &err) == EM_OK, "%s",
+                  err.message);
+    em_client_destroy(admin);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("metrics");
@@ -446,6 +508,7 @@ int main(void)
     tcase_add_test(tc, a_scrape_counts_the_workload_agrees_with_stats_and_passes_promtool);
     tcase_add_test(tc, the_metrics_listener_refuses_bad_requests_and_the_rpc_listeners_go_on);
     tcase_add_test(tc, drain_and_undrain_through_emberctl);
+    tcase_add_test(tc, reload_through_emberctl_says_what_changed);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
 }
