@@ -375,6 +375,8 @@ static const ProtobufCMessageDescriptor *response_descriptor(int method)
         return &ember__undrain_response__descriptor;
     case EMBER__METHOD__RELOAD:
         return &ember__reload_response__descriptor;
+    case EMBER__METHOD__SLOWLOG:
+        return &ember__slowlog_response__descriptor;
     default:
         return NULL;
     }

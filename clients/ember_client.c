@@ -854,6 +854,48 @@ em_status em_client_reload(em_client *client, cJSON **report, em_error *err)
     return EM_OK;
 }
 
+em_status em_client_slowlog(em_client *client, uint32_t max, bool reset, cJSON **log,
+                            em_error *err)
+{
+    *log = NULL;
+    Ember__SlowlogRequest body = EMBER__SLOWLOG_REQUEST__INIT;
+    body.max = max;
+    body.reset = reset;
+    em_client_call *call;
+    em_status status = message_call(client, EMBER__METHOD__SLOWLOG, &body.base, &call, err);
+    if (status != EM_OK)
+        return status;
+    const Ember__SlowlogResponse *response = call_response(call);
+    cJSON *json = cJSON_CreateObject();
+    cJSON *entries = cJSON_AddArrayToObject(json, "entries");
+    cJSON_AddNumberToObject(json, "recorded", (double)response->recorded);
+    cJSON_AddNumberToObject(json, "dropped", (double)response->dropped);
+    cJSON_AddNumberToObject(json, "threshold_ms", (double)response->threshold_ms);
+    for (size_t i = 0; entries != NULL && i < response->n_entries; i++) {
+        const Ember__SlowRequest *e = response->entries[i];
+        cJSON *item = cJSON_CreateObject();
+        cJSON_AddNumberToObject(item, "id", (double)e->id);
+        cJSON_AddNumberToObject(item, "unix_ms", (double)e->unix_ms);
+        cJSON_AddNumberToObject(item, "duration_us", (double)e->duration_us);
+        cJSON_AddNumberToObject(item, "queue_us", (double)e->queue_us);
+        cJSON_AddNumberToObject(item, "run_us", (double)e->run_us);
+        cJSON_AddStringToObject(item, "method", e->method);
+        cJSON_AddStringToObject(item, "table", e->table);
+        cJSON_AddNumberToObject(item, "keys", (double)e->keys);
+        cJSON_AddNumberToObject(item, "bytes", (double)e->bytes);
+        cJSON_AddStringToObject(item, "status", e->status);
+        cJSON_AddStringToObject(item, "peer", e->peer);
+        cJSON_AddItemToArray(entries, item);
+    }
+    call_destroy(client, call);
+    if (json == NULL || entries == NULL) {
+        cJSON_Delete(json);
+        return out_of_memory(err, "slowlog");
+    }
+    *log = json;
+    return EM_OK;
+}
+
 em_status em_client_load(em_client *client, const char *table, const char *path,
                          bool weights_only, cJSON **loaded, em_error *err)
 {

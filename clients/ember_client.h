@@ -163,4 +163,10 @@ em_status em_client_undrain(em_client *client, bool *was_drained, em_error *err)
  * needs_restart: [keys]}. */
 em_status em_client_reload(em_client *client, cJSON **report, em_error *err);
 
+/* The slow log of the first server, newest first (max 0: every entry held; reset empties
+ * it after reading): *log gets {recorded, dropped, threshold_ms, entries: [{id, unix_ms,
+ * duration_us, queue_us, run_us, method, table, keys, bytes, status, peer}]}. */
+em_status em_client_slowlog(em_client *client, uint32_t max, bool reset, cJSON **log,
+                            em_error *err);
+
 #endif

@@ -111,6 +111,8 @@ static void print_help(FILE *out)
           "                             connections refused, HEALTH not ready); --wait\n"
           "                             until its running requests finish (exit 1 if not)\n"
           "  undrain                    put the server back in service\n"
+          "  slowlog [--max N] [--reset] the slowest recent requests, newest first;\n"
+          "                             --reset empties the log after reading it\n"
           "  reload                     read the configuration file again (as SIGHUP) and\n"
           "                             say what changed and what needs a restart\n"
           "  checkpoints list DIR [TABLE]\n"
@@ -851,6 +853,58 @@ static int command_reload(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+static int command_slowlog(cli *c, int argc, char **argv)
+{
+    double max = 0;
+    bool reset = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--reset") == 0)
+            reset = true;
+        else if (strcmp(argv[i], "--max") == 0 && i + 1 < argc) {
+            if (!parse_whole(argv[++i], &max) || max > 100000)
+                return usage_error("--max '%s' is not a number in 0..100000", argv[i]);
+        } else
+            return usage_error("slowlog takes --max N and --reset");
+    }
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    cJSON *log = NULL;
+    em_error err;
+    if (em_client_slowlog(c->client, (uint32_t)max, reset, &log, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        print_json(log);
+        cJSON_Delete(log);
+        return EXIT_OK;
+    }
+    printf("%.0f slow request(s) (at least %.0f ms) recorded, %.0f dropped%s\n",
+           cJSON_GetObjectItem(log, "recorded")->valuedouble,
+           cJSON_GetObjectItem(log, "threshold_ms")->valuedouble,
+           cJSON_GetObjectItem(log, "dropped")->valuedouble, reset ? "; the log is now empty" : "");
+    printf("%6s %-13s %10s %10s %10s %-9s %-16s %9s %11s %-18s %s\n", "id", "answered (ms)",
+           "total us", "queued us", "run us", "method", "table", "keys", "bytes", "status",
+           "peer");
+    const cJSON *e = NULL;
+    cJSON_ArrayForEach(e, cJSON_GetObjectItem(log, "entries"))
+    {
+        printf("%6.0f %-13.0f %10.0f %10.0f %10.0f %-9s %-16s %9.0f %11.0f %-18s %s\n",
+               cJSON_GetObjectItem(e, "id")->valuedouble,
+               cJSON_GetObjectItem(e, "unix_ms")->valuedouble,
+               cJSON_GetObjectItem(e, "duration_us")->valuedouble,
+               cJSON_GetObjectItem(e, "queue_us")->valuedouble,
+               cJSON_GetObjectItem(e, "run_us")->valuedouble,
+               cJSON_GetObjectItem(e, "method")->valuestring,
+               cJSON_GetObjectItem(e, "table")->valuestring,
+               cJSON_GetObjectItem(e, "keys")->valuedouble,
+               cJSON_GetObjectItem(e, "bytes")->valuedouble,
+               cJSON_GetObjectItem(e, "status")->valuestring,
+               cJSON_GetObjectItem(e, "peer")->valuestring);
+    }
+    cJSON_Delete(log);
+    return EXIT_OK;
+}
+
 static int command_save(cli *c, int argc, char **argv)
 {
     if (argc > 2)
@@ -1014,6 +1068,7 @@ static const command commands[] = {
     {"drain", command_drain},
     {"undrain", command_undrain},
     {"reload", command_reload},
+    {"slowlog", command_slowlog},
     {"checkpoints", command_checkpoints},
 };
 

@@ -11,6 +11,7 @@
 
 #include "daemon/checkpointer.h"
 #include "daemon/executor.h"
+#include "daemon/slowlog.h"
 #include "daemon/stats.h"
 #include "lib/base/log.h"
 #include "lib/device/backend.h"
@@ -56,6 +57,8 @@ typedef struct em_server_context {
     _Atomic bool drained; /* out of service by DRAIN until UNDRAIN */
     _Atomic uint32_t data_connections; /* open on the data listener */
     em_faults faults;
+    em_slowlog slowlog;                     /* loop thread only */
+    _Atomic uint64_t slowlog_threshold_us; /* 0: off */
     /* the daemon's reload (RELOAD; the loop thread only) and its argument */
     em_status (*reload)(void *owner, em_reload_report *report, em_error *err);
     void *owner;

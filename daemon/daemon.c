@@ -350,6 +350,7 @@ static em_status reload_now(em_daemon *d, em_reload_report *report, em_error *er
     em_daemon_config_changes(&d->config, &fresh, report_change, &changes);
     em_config_copy_reloadable(&em_daemon_config_schema, &d->config, &fresh);
     em_log_set_level(&d->log, (em_log_level)d->config.log_level);
+    atomic_store(&d->context.slowlog_threshold_us, (uint64_t)d->config.slowlog_threshold_ms * 1000u);
     em_server_reconfigure(d->server, &d->config);
     em_daemon_config_deinit(&fresh);
     em_log_notice(&d->log, "configuration reloaded from %s", d->options.config_path);
@@ -480,6 +481,10 @@ static em_status start(em_daemon *d, em_error *err)
     d->context.log = &d->log;
     d->context.reload = reload_for_rpc;
     d->context.owner = d;
+    status = em_slowlog_init(&d->context.slowlog, d->config.slowlog_max_entries, err);
+    if (status != EM_OK)
+        return status;
+    atomic_store(&d->context.slowlog_threshold_us, (uint64_t)d->config.slowlog_threshold_ms * 1000u);
     d->context.start_ms = em_monotonic_ms();
     status = em_executor_create(&d->loop, worker_threads(d), "cpu", &d->executor, err);
     d->context.executor = d->executor;
@@ -589,6 +594,7 @@ void em_daemon_destroy(em_daemon *d)
         uv_loop_close(&d->loop);
     }
     em_checkpointer_destroy(d->checkpointer);
+    em_slowlog_free(&d->context.slowlog);
     em_catalog_destroy(d->catalog);
     em_backend_destroy(d->backend);
     em_daemon_config_deinit(&d->config);

@@ -22,7 +22,8 @@
  *     "tls": {"certificate_file": "...", "private_key_file": "...",
  *             "client_ca_file": "..." (mutual TLS), "data": true, "admin": true},
  *     "insecure": false,
- *     "drain_timeout_ms": 30000
+ *     "drain_timeout_ms": 30000,
+ *     "slowlog_threshold_ms": 100, "slowlog_max_entries": 128 (daemon/slowlog.h)
  *   }
  *
  * Tokens are resolved when the file is read (a token file's trailing newline is
@@ -136,6 +137,8 @@ typedef struct em_daemon_config {
     em_tls_config tls;
     bool insecure;  /* non-loopback listeners without TLS or data token allowed */
     uint32_t drain_timeout_ms;
+    uint32_t slowlog_threshold_ms; /* 0: nothing is recorded */
+    uint32_t slowlog_max_entries;
     em_checkpoint_config checkpoint;
 } em_daemon_config;
 

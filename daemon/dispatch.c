@@ -4,8 +4,10 @@
 
 #include <inttypes.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* The request a queue link (job or work) is embedded in. */
@@ -69,15 +71,47 @@ static void free_request(em_request *request)
     free(request);
 }
 
+/* A slow request's entry in the slow log (daemon/slowlog.h). */
+static void record_slow(em_request *request, uint64_t duration_ns)
+{
+    em_slow_request entry = {0};
+    entry.unix_ms = (uint64_t)time(NULL) * 1000u;
+    entry.duration_us = duration_ns / 1000u;
+    if (request->started_ns != 0) {
+        entry.queue_us = (request->started_ns - request->received_ns) / 1000u;
+        entry.run_us = (request->finished_ns - request->started_ns) / 1000u;
+    } else {
+        entry.run_us = entry.duration_us;
+    }
+    entry.bytes = request->attachment_length + request->response_attachment_length;
+    snprintf(entry.method, sizeof(entry.method), "%s", request->info->name);
+    snprintf(entry.status, sizeof(entry.status), "%s", em_status_name(request->error.status));
+    snprintf(entry.peer, sizeof(entry.peer), "%s", em_connection_peer(request->connection));
+    if (request->body != NULL && request->method == EMBER__METHOD__PULL) {
+        const Ember__PullRequest *pull = (const Ember__PullRequest *)request->body;
+        snprintf(entry.table, sizeof(entry.table), "%s", pull->table);
+        entry.keys = pull->nnz;
+    } else if (request->body != NULL && request->method == EMBER__METHOD__PUSH) {
+        const Ember__PushRequest *push = (const Ember__PushRequest *)request->body;
+        snprintf(entry.table, sizeof(entry.table), "%s", push->table);
+        entry.keys = push->nnz;
+    }
+    em_slowlog_record(&request->context->slowlog, &entry);
+}
+
 static void count_response(em_request *request)
 {
     if (request->info == NULL)
         return;
     em_server_context *context = request->context;
+    uint64_t threshold_us = atomic_load_explicit(&context->slowlog_threshold_us,
+                                                 memory_order_relaxed);
+    bool timed = context->request_details || threshold_us > 0;
+    uint64_t duration_ns = timed ? uv_hrtime() - request->received_ns : 0;
     em_stats_record_response(&context->stats, (size_t)(request->info - em_methods),
-                             request->error.status,
-                             context->request_details ? uv_hrtime() - request->received_ns : 0,
-                             context->request_details);
+                             request->error.status, duration_ns, context->request_details);
+    if (threshold_us > 0 && duration_ns >= threshold_us * 1000u)
+        record_slow(request, duration_ns);
 }
 
 /* Writes the answer (if the connection can still take it) and retires the request. */
@@ -173,7 +207,9 @@ static void run_job(em_job *job)
     if (delay > 0 && request->info->access == EM_METHOD_ACCESS_DATA)
         usleep(delay * 1000u);
     em_error_clear(&request->error);
+    request->started_ns = uv_hrtime();
     request->info->handler(request, &request->error);
+    request->finished_ns = uv_hrtime();
 }
 
 static void job_done(em_job *job)

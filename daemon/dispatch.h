@@ -53,6 +53,7 @@ struct em_request {
     uint64_t correlation_id;
     uint64_t received_ms, deadline_ms; /* monotonic; deadline 0 = none */
     uint64_t received_ns;              /* uv_hrtime() when its meta was read */
+    uint64_t started_ns, finished_ns;  /* on its worker (0 for methods run on the loop) */
     ProtobufCMessage *body;            /* decoded request */
     uint8_t *attachment;
     uint64_t attachment_length;

@@ -344,6 +344,51 @@ em_status em_handle_reload(em_request *request, em_error *err)
     return em_request_respond(request, &response.base, NULL, 0, err);
 }
 
+em_status em_handle_slowlog(em_request *request, em_error *err)
+{
+    const Ember__SlowlogRequest *body = (const Ember__SlowlogRequest *)request->body;
+    em_slowlog *log = &request->context->slowlog;
+    size_t max = body->max == 0 || body->max > log->count ? log->count : body->max;
+    em_slow_request *held = calloc(max + 1, sizeof(*held));
+    Ember__SlowRequest *entries = calloc(max + 1, sizeof(*entries));
+    Ember__SlowRequest **pointers = calloc(max + 1, sizeof(*pointers));
+    em_status status = EM_OK;
+    if (held == NULL || entries == NULL || pointers == NULL) {
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "slowlog: out of memory");
+    } else {
+        size_t n = em_slowlog_read(log, held, max);
+        for (size_t i = 0; i < n; i++) {
+            Ember__SlowRequest *e = &entries[i];
+            ember__slow_request__init(e);
+            e->id = held[i].id;
+            e->unix_ms = held[i].unix_ms;
+            e->duration_us = held[i].duration_us;
+            e->queue_us = held[i].queue_us;
+            e->run_us = held[i].run_us;
+            e->method = held[i].method;
+            e->table = held[i].table;
+            e->keys = held[i].keys;
+            e->bytes = held[i].bytes;
+            e->status = held[i].status;
+            e->peer = held[i].peer;
+            pointers[i] = e;
+        }
+        Ember__SlowlogResponse response = EMBER__SLOWLOG_RESPONSE__INIT;
+        response.entries = pointers;
+        response.n_entries = n;
+        response.recorded = log->recorded;
+        response.dropped = em_slowlog_dropped(log);
+        response.threshold_ms = atomic_load(&request->context->slowlog_threshold_us) / 1000u;
+        status = em_request_respond(request, &response.base, NULL, 0, err);
+        if (status == EM_OK && body->reset)
+            em_slowlog_reset(log);
+    }
+    free(pointers);
+    free(entries);
+    free(held);
+    return status;
+}
+
 /* ---- tables -------------------------------------------------------------------------- */
 
 /* Fills info for table; the strings it points to are malloc'ed (free_table_info). */

@@ -47,7 +47,8 @@
     X(LOAD, load, ADMIN, ADMIN, WRITE, NONE)                                                  \
     X(DRAIN, drain, ADMIN, ADMIN, LOOP, NONE)                                                 \
     X(UNDRAIN, undrain, ADMIN, ADMIN, LOOP, NONE)                                             \
-    X(RELOAD, reload, ADMIN, ADMIN, LOOP, NONE)
+    X(RELOAD, reload, ADMIN, ADMIN, LOOP, NONE)                                               \
+    X(SLOWLOG, slowlog, ADMIN, ADMIN, LOOP, NONE)
 
 typedef enum em_method_listener {
     EM_METHOD_LISTENER_ANY,

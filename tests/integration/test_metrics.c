@@ -2,7 +2,8 @@
  * Operating a real emberd: a scrape of the metrics listener after a known workload
  * counts exactly what was sent, agrees with STATS and passes `promtool check metrics`;
  * /healthz; bad HTTP requests (methods, paths, oversized headers, slow senders, too many
- * connections) are refused without disturbing the RPC listeners; DRAIN, UNDRAIN, RELOAD.
+ * connections) are refused without disturbing the RPC listeners; DRAIN, UNDRAIN, RELOAD,
+ * and the slow log.
  */
 #include <check.h>
 #include <cJSON.h>
@@ -500,6 +501,92 @@ START_TEST(reload_through_emberctl_says_what_changed)
 }
 END_TEST
 
+/* The slow log through emberctl: slow pulls are recorded with what they asked, the ring
+ * keeps the newest, and --reset empties it. */
+START_TEST(the_slow_log_keeps_the_newest_slow_requests)
+{
+    test_daemon *daemon = test_daemon_start(
+        "{\"tables\": [{\"name\": \"t\", \"dim\": 8, \"capacity\": 300000, \"shards\": 2,"
+        " \"optimizer\": {\"type\": \"sgd\", \"lr\": 0.1}}],"
+        " \"slowlog_threshold_ms\": 1, \"slowlog_max_entries\": 3}");
+    enum { BIG = 200000 };
+    uint32_t *offsets = malloc((BIG + 1) * sizeof(*offsets));
+    uint64_t *keys = malloc(BIG * sizeof(*keys));
+    float *out = malloc((size_t)BIG * DIM * sizeof(float));
+    for (uint32_t i = 0; i <= BIG; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < BIG; i++)
+        keys[i] = i;
+    em_client *client = client_for(daemon->data);
+    em_error err;
+    for (int p = 0; p < 5; p++) { /* 6.4 MB answers: well over 1 ms each */
+        em_client_pull_args args = {.table = "t",
+                                    .batch = {.rows = BIG, .nnz = BIG, .offsets = offsets,
+                                              .keys = keys},
+                                    .combiner = EM_COMBINER_NONE,
+                                    .create_missing = true,
+                                    .out = out,
+                                    .out_capacity = (uint64_t)BIG * DIM};
+        ck_assert_msg(em_client_pull(client, &args, NULL, &err) == EM_OK, "%s", err.message);
+    }
+    em_client_destroy(client);
+    free(offsets);
+    free(keys);
+    free(out);
+
+    const char *ctl = getenv("EMBERCTL");
+    ck_assert_ptr_nonnull(ctl);
+    char *output = NULL;
+    char *read_log[] = {(char *)ctl, "--server", daemon->admin, "--json", "slowlog", NULL};
+    ck_assert_int_eq(test_run_program(read_log, "wrong-token", &output), 1);
+    free(output);
+    ck_assert_int_eq(test_run_program(read_log, TEST_ADMIN_TOKEN, &output), 0);
+    cJSON *log = cJSON_Parse(output);
+    ck_assert_msg(log != NULL, "%s", output);
+    const cJSON *entries = cJSON_GetObjectItem(log, "entries");
+    ck_assert_int_eq(cJSON_GetArraySize(entries), 3);
+    double recorded = stats_number(log, "recorded");
+    ck_assert_double_ge(recorded, 5);
+    ck_assert_double_eq(stats_number(log, "dropped"), recorded - 3);
+    ck_assert_double_eq(stats_number(log, "threshold_ms"), 1);
+    const cJSON *newest = cJSON_GetArrayItem(entries, 0);
+    ck_assert_double_eq(stats_number(newest, "id"), recorded);
+    ck_assert_double_gt(stats_number(newest, "id"), stats_number(cJSON_GetArrayItem(entries, 1), "id"));
+    int pulls = 0;
+    const cJSON *e = NULL;
+    cJSON_ArrayForEach(e, entries)
+    {
+        if (strcmp(cJSON_GetStringValue(cJSON_GetObjectItem(e, "method")), "PULL") != 0)
+            continue;
+        pulls++;
+        ck_assert_str_eq(cJSON_GetStringValue(cJSON_GetObjectItem(e, "table")), "t");
+        ck_assert_double_eq(stats_number(e, "keys"), BIG);
+        ck_assert_double_ge(stats_number(e, "bytes"), (double)BIG * DIM * sizeof(float));
+        ck_assert_str_eq(cJSON_GetStringValue(cJSON_GetObjectItem(e, "status")), "OK");
+        ck_assert_double_ge(stats_number(e, "duration_us"), 1000);
+        ck_assert_double_ge(stats_number(e, "duration_us") + 1,
+                            stats_number(e, "queue_us") + stats_number(e, "run_us"));
+    }
+    ck_assert_int_ge(pulls, 2);
+    cJSON_Delete(log);
+    free(output);
+
+    char *reset[] = {(char *)ctl, "--server", daemon->admin, "slowlog", "--reset", NULL};
+    ck_assert_int_eq(test_run_program(reset, TEST_ADMIN_TOKEN, &output), 0);
+    ck_assert_msg(strstr(output, "the log is now empty") != NULL && strstr(output, "PULL") != NULL,
+                  "%s", output);
+    free(output);
+    ck_assert_int_eq(test_run_program(read_log, TEST_ADMIN_TOKEN, &output), 0);
+    log = cJSON_Parse(output);
+    ck_assert_msg(log != NULL, "%s", output);
+    cJSON_ArrayForEach(e, cJSON_GetObjectItem(log, "entries")) /* at most the reset itself */
+        ck_assert_str_ne(cJSON_GetStringValue(cJSON_GetObjectItem(e, "method")), "PULL");
+    cJSON_Delete(log);
+    free(output);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("metrics");
@@ -509,6 +596,7 @@ int main(void)
     tcase_add_test(tc, the_metrics_listener_refuses_bad_requests_and_the_rpc_listeners_go_on);
     tcase_add_test(tc, drain_and_undrain_through_emberctl);
     tcase_add_test(tc, reload_through_emberctl_says_what_changed);
+    tcase_add_test(tc, the_slow_log_keeps_the_newest_slow_requests);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
 }
