@@ -350,6 +350,7 @@ static em_status reload_now(em_daemon *d, em_reload_report *report, em_error *er
     em_daemon_config_changes(&d->config, &fresh, report_change, &changes);
     em_config_copy_reloadable(&em_daemon_config_schema, &d->config, &fresh);
     em_log_set_level(&d->log, (em_log_level)d->config.log_level);
+    em_log_set_logfmt(&d->log, d->config.log_format == 1);
     atomic_store(&d->context.slowlog_threshold_us, (uint64_t)d->config.slowlog_threshold_ms * 1000u);
     em_server_reconfigure(d->server, &d->config);
     em_daemon_config_deinit(&fresh);
@@ -535,6 +536,7 @@ em_status em_daemon_create(const em_daemon_config *config, const em_daemon_optio
         return status;
     }
     em_log_init(&d->log, (em_log_level)d->config.log_level, options->log_fd);
+    em_log_set_logfmt(&d->log, d->config.log_format == 1);
     if (options->log_fd < 0)
         em_log_set_level(&d->log, (em_log_level)0); /* nothing passes */
     em_log_notice(&d->log, "emberd %s starting with %s", EM_VERSION,

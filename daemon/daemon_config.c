@@ -462,6 +462,10 @@ static const em_config_choice log_level_choices[] = {
     {"info", EM_LOG_INFO},   {"debug", EM_LOG_DEBUG},     {NULL, 0},
 };
 
+static const em_config_choice log_format_choices[] = {
+    {"text", 0}, {"logfmt", 1}, {NULL, 0},
+};
+
 static em_status check_daemon(void *target, const cJSON *json, const char *path, em_error *err)
 {
     (void)path;
@@ -503,6 +507,9 @@ static const em_config_field daemon_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "log_level", em_daemon_config, log_level),
      .flags = EM_CONFIG_RELOADABLE, .choices = log_level_choices, .default_json = "\"info\"",
      .help = "error, warning, notice, info or debug"},
+    {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "log_format", em_daemon_config, log_format),
+     .flags = EM_CONFIG_RELOADABLE, .choices = log_format_choices, .default_json = "\"text\"",
+     .help = "text (\"<time> <level> <message>\") or logfmt (ts=... level=... msg=\"...\")"},
     {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "tls", em_daemon_config, tls), .object = &tls_schema,
      .help = "TLS for the listeners (absent: plaintext)"},
     {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "insecure", em_daemon_config, insecure),

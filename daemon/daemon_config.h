@@ -18,7 +18,7 @@
  *     "tables":  [ {table config, lib/table/table_config.h}, ... ],
  *     "admin_token": {"value": "..."} | {"file": "/etc/ember/admin.token"} | {"env": "NAME"},
  *     "data_token":  same forms (optional),
- *     "log_level": "info",
+ *     "log_level": "info", "log_format": "text" | "logfmt",
  *     "tls": {"certificate_file": "...", "private_key_file": "...",
  *             "client_ca_file": "..." (mutual TLS), "data": true, "admin": true},
  *     "insecure": false,
@@ -134,6 +134,7 @@ typedef struct em_daemon_config {
     em_token admin_token;
     em_token data_token;
     int log_level; /* em_log_level */
+    int log_format; /* 0 text, 1 logfmt */
     em_tls_config tls;
     bool insecure;  /* non-loopback listeners without TLS or data token allowed */
     uint32_t drain_timeout_ms;

@@ -112,6 +112,11 @@ static void count_response(em_request *request)
                              request->error.status, duration_ns, context->request_details);
     if (threshold_us > 0 && duration_ns >= threshold_us * 1000u)
         record_slow(request, duration_ns);
+    if (request->error.status != EM_OK) /* the request id: peer and correlation id */
+        em_log_debug(context->log, "request %s#%" PRIu64 " %s answered %s: %s",
+                     em_connection_peer(request->connection), request->correlation_id,
+                     request->info->name, em_status_name(request->error.status),
+                     request->error.message);
 }
 
 /* Writes the answer (if the connection can still take it) and retires the request. */

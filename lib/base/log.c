@@ -64,6 +64,12 @@ void em_log_init(em_log *log, em_log_level level, int fd)
     atomic_init(&log->level, (int)level);
     log->fd = fd;
     log->journal = em_log_fd_is_journal(fd);
+    atomic_init(&log->logfmt, false);
+}
+
+void em_log_set_logfmt(em_log *log, bool logfmt)
+{
+    atomic_store_explicit(&log->logfmt, logfmt, memory_order_relaxed);
 }
 
 void em_log_set_level(em_log *log, em_log_level level)
@@ -90,13 +96,50 @@ static int format_timestamp(char *buffer, size_t capacity)
     return snprintf(buffer, capacity, "%.20s.%03uZ", seconds, milliseconds);
 }
 
+static bool is_logfmt(const em_log *log)
+{
+    return atomic_load_explicit(&((em_log *)log)->logfmt, memory_order_relaxed);
+}
+
 static int format_prefix(const em_log *log, em_log_level level, char *buffer, size_t capacity)
 {
+    bool logfmt = is_logfmt(log);
     if (log->journal)
-        return snprintf(buffer, capacity, "<%d>", (int)level);
+        return logfmt ? snprintf(buffer, capacity, "<%d>level=%s msg=\"", (int)level,
+                                 em_log_level_name(level))
+                      : snprintf(buffer, capacity, "<%d>", (int)level);
     char stamp[40];
     format_timestamp(stamp, sizeof(stamp));
-    return snprintf(buffer, capacity, "%s %s ", stamp, em_log_level_name(level));
+    return logfmt ? snprintf(buffer, capacity, "ts=%s level=%s msg=\"", stamp,
+                             em_log_level_name(level))
+                  : snprintf(buffer, capacity, "%s %s ", stamp, em_log_level_name(level));
+}
+
+/* The message as a logfmt quoted value: backslash, quote and newline escaped, then the
+ * closing quote; returns the new length within capacity. */
+static size_t quote_message(char *line, size_t start, size_t end, size_t capacity)
+{
+    char escaped[LOG_LINE_MAX];
+    size_t used = 0;
+    for (size_t i = start; i < end && used + 3 < sizeof(escaped); i++) {
+        char c = line[i];
+        if (c == '"' || c == '\\' || c == '\n') {
+            escaped[used++] = '\\';
+            c = c == '\n' ? 'n' : c;
+        }
+        escaped[used++] = c;
+    }
+    size_t room = capacity - start - 3; /* quote, newline, spare */
+    if (used > room) {
+        used = room;
+        size_t backslashes = 0; /* a cut escape would escape the closing quote */
+        while (backslashes < used && escaped[used - 1 - backslashes] == '\\')
+            backslashes++;
+        used -= backslashes % 2;
+    }
+    memcpy(line + start, escaped, used);
+    line[start + used] = '"';
+    return start + used + 1;
 }
 
 static void write_all(int fd, const char *data, size_t length)
@@ -131,6 +174,8 @@ void em_log_write(const em_log *log, em_log_level level, const char *format, ...
         length = sizeof(line) - 2;
         memcpy(line + length - 3, "...", 3);
     }
+    if (is_logfmt(log))
+        length = quote_message(line, (size_t)prefix, length, sizeof(line));
     line[length++] = '\n';
     write_all(log->fd, line, length);
 }

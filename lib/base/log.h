@@ -29,6 +29,7 @@ typedef struct em_log {
     _Atomic int level; /* em_log_level: lines above this priority number are dropped */
     int fd;
     bool journal; /* write "<N>" prefixes instead of timestamps */
+    _Atomic bool logfmt; /* ts=... level=... msg="..." instead of plain text */
 } em_log;
 
 /* Initialises a caller-allocated logger writing to fd; detects the journal. */
@@ -36,6 +37,10 @@ void em_log_init(em_log *log, em_log_level level, int fd);
 
 /* Changes the level while other threads log (a reload). Thread-safe. */
 void em_log_set_level(em_log *log, em_log_level level);
+
+/* Lines as logfmt (`ts=2026-11-21T10:04:05.123Z level=info msg="..."`, under the journal
+ * `<6>level=info msg="..."`) or as plain text (the default). Thread-safe. */
+void em_log_set_logfmt(em_log *log, bool logfmt);
 
 /* True when fd is the stream JOURNAL_STREAM names (for tests and the daemon). */
 bool em_log_fd_is_journal(int fd);

@@ -288,6 +288,12 @@ START_TEST(a_scrape_counts_the_workload_agrees_with_stats_and_passes_promtool)
     ck_assert_msg(strstr(open.body, "# TYPE ember_table_keys_pulled counter") != NULL, "%s", open.body);
     http_answer_free(&open);
     http_answer_free(&scrape);
+    /* the refused pull's log line carries its request id (debug level) */
+    char *log = test_daemon_log(daemon);
+    const char *line = strstr(log, "request 127.0.0.1:");
+    ck_assert_msg(line != NULL && strstr(line, " PULL answered NOT_FOUND: ") != NULL &&
+                      strchr(line, '#') != NULL, "%s", log);
+    free(log);
     ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
 }
 END_TEST

@@ -128,6 +128,55 @@ START_TEST(overlong_lines_are_cut)
 }
 END_TEST
 
+START_TEST(logfmt_lines_quote_the_message)
+{
+    unsetenv("JOURNAL_STREAM");
+    int fd = temporary_fd();
+    em_log log;
+    em_log_init(&log, EM_LOG_INFO, fd);
+    em_log_set_logfmt(&log, true);
+    em_log_notice(&log, "table \"%s\": a\\b\nnext", "t");
+    char text[1024];
+    read_all(fd, text, sizeof(text));
+    /* ts=2026-11-21T10:04:05.123Z level=notice msg="..." */
+    ck_assert_int_eq(strncmp(text, "ts=", 3), 0);
+    ck_assert_int_eq(text[26], 'Z');
+    ck_assert_str_eq(text + 27, " level=notice msg=\"table \\\"t\\\": a\\\\b\\nnext\"\n");
+    close(fd);
+
+    /* under the journal: the priority prefix, no timestamp; long lines stay quoted */
+    fd = temporary_fd();
+    struct stat info;
+    ck_assert_int_eq(fstat(fd, &info), 0);
+    char stream[64];
+    snprintf(stream, sizeof(stream), "%lu:%lu", (unsigned long)info.st_dev,
+             (unsigned long)info.st_ino);
+    setenv("JOURNAL_STREAM", stream, 1);
+    em_log_init(&log, EM_LOG_INFO, fd);
+    em_log_set_logfmt(&log, true);
+    em_log_error(&log, "bad");
+    char *big = malloc(10000);
+    memset(big, '"', 9999);
+    big[9999] = '\0';
+    em_log_error(&log, "%s", big);
+    free(big);
+    char *all = malloc(16384);
+    read_all(fd, all, 16384);
+    ck_assert_int_eq(strncmp(all, "<3>level=error msg=\"bad\"\n<3>level=error msg=\"\\\"", 31),
+                     0);
+    size_t length = strlen(all);
+    ck_assert_str_eq(all + length - 2, "\"\n");
+    size_t backslashes = 0; /* the closing quote is not escaped */
+    while (all[length - 3 - backslashes] == '\\')
+        backslashes++;
+    ck_assert_uint_eq(backslashes % 2, 0);
+    ck_assert_uint_le(length, 4096 + 25);
+    free(all);
+    unsetenv("JOURNAL_STREAM");
+    close(fd);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("log");
@@ -138,6 +187,7 @@ int main(void)
     tcase_add_test(tc, null_log_is_silent);
     tcase_add_test(tc, the_level_changes_while_logging);
     tcase_add_test(tc, overlong_lines_are_cut);
+    tcase_add_test(tc, logfmt_lines_quote_the_message);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
 }
