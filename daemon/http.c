@@ -167,6 +167,13 @@ static void answer_text(http_connection *connection, int code, const char *text,
            head);
 }
 
+/* Whether the request's path (the URL up to any query) is path. */
+static bool path_is(const http_connection *connection, const char *path)
+{
+    size_t length = strcspn(connection->url, "?#");
+    return length == strlen(path) && strncmp(connection->url, path, length) == 0;
+}
+
 static void route(http_connection *connection)
 {
     em_http_server *server = connection->server;
@@ -180,8 +187,7 @@ static void route(http_connection *connection)
         answer_text(connection, 414, "the path is too long\n", head);
         return;
     }
-    size_t path_length = strcspn(connection->url, "?#");
-    if (path_length == strlen("/metrics") && strncmp(connection->url, "/metrics", path_length) == 0) {
+    if (path_is(connection, "/metrics")) {
         bool openmetrics = em_metrics_wants_openmetrics(connection->accept);
         char *body = NULL;
         size_t length = 0;
@@ -198,7 +204,7 @@ static void route(http_connection *connection)
                body, length, head);
         return;
     }
-    if (path_length == strlen("/healthz") && strncmp(connection->url, "/healthz", path_length) == 0) {
+    if (path_is(connection, "/healthz")) {
         const char *state = "";
         bool healthy = server->routes.healthy(server->routes.context, &state);
         char text[64];

@@ -39,7 +39,7 @@ static void family_name(const em_stat *stat, char *out, size_t capacity)
         }
     }
     if (stat->kind != EM_STAT_COUNTER && ends_with(base, "_count")) /* region_count: regions */
-        snprintf(base + strlen(base) - strlen("_count"), sizeof(base) - strlen(base) + 6, "s");
+        strcpy(base + strlen(base) - strlen("_count"), "s");
     if (stat->unit == EM_STAT_BYTES && strstr(base, "bytes") == NULL) /* largest_free_block */
         unit = "_bytes";
     if (stat->kind == EM_STAT_COUNTER && strncmp(base, "total_", 6) == 0) /* total_allocations */

@@ -21,7 +21,6 @@
 #include <unistd.h>
 
 #include "clients/ember_client.h"
-#include "daemon/daemon.h"
 #include "tests/support/test_daemon.h"
 #include "tests/support/test_support.h"
 

@@ -257,12 +257,15 @@ START_TEST(a_scrape_counts_the_workload_agrees_with_stats_and_passes_promtool)
     em_client_destroy(admin);
 
     /* promtool (Debian's prometheus package) accepts the exposition */
-    char path[] = "/tmp/ember-scrape-XXXXXX";
+    char path[4096];
+    const char *tmpdir = getenv("TMPDIR");
+    snprintf(path, sizeof(path), "%s/ember-scrape-XXXXXX",
+             tmpdir != NULL && tmpdir[0] != '\0' ? tmpdir : "/tmp");
     int fd = mkstemp(path);
     ck_assert(fd >= 0);
     ck_assert(write(fd, text, strlen(text)) == (ssize_t)strlen(text));
     close(fd);
-    char command[256];
+    char command[4200];
     snprintf(command, sizeof(command), "promtool check metrics < %s 2>&1", path);
     FILE *promtool = popen(command, "r");
     ck_assert(promtool != NULL);

@@ -25,6 +25,19 @@ static int temporary_fd(void)
     return dup(fileno(file));
 }
 
+/* A temporary file that JOURNAL_STREAM names, as systemd sets it for the journal. */
+static int journal_fd(void)
+{
+    int fd = temporary_fd();
+    struct stat info;
+    ck_assert_int_eq(fstat(fd, &info), 0);
+    char stream[64];
+    snprintf(stream, sizeof(stream), "%lu:%lu", (unsigned long)info.st_dev,
+             (unsigned long)info.st_ino);
+    setenv("JOURNAL_STREAM", stream, 1);
+    return fd;
+}
+
 START_TEST(plain_lines_have_timestamp_and_level)
 {
     unsetenv("JOURNAL_STREAM");
@@ -47,13 +60,7 @@ END_TEST
 
 START_TEST(journal_lines_have_priority_prefix)
 {
-    int fd = temporary_fd();
-    struct stat info;
-    ck_assert_int_eq(fstat(fd, &info), 0);
-    char stream[64];
-    snprintf(stream, sizeof(stream), "%lu:%lu", (unsigned long)info.st_dev,
-             (unsigned long)info.st_ino);
-    setenv("JOURNAL_STREAM", stream, 1);
+    int fd = journal_fd();
     em_log log;
     em_log_init(&log, EM_LOG_DEBUG, fd);
     ck_assert(log.journal);
@@ -145,13 +152,7 @@ START_TEST(logfmt_lines_quote_the_message)
     close(fd);
 
     /* under the journal: the priority prefix, no timestamp; long lines stay quoted */
-    fd = temporary_fd();
-    struct stat info;
-    ck_assert_int_eq(fstat(fd, &info), 0);
-    char stream[64];
-    snprintf(stream, sizeof(stream), "%lu:%lu", (unsigned long)info.st_dev,
-             (unsigned long)info.st_ino);
-    setenv("JOURNAL_STREAM", stream, 1);
+    fd = journal_fd();
     em_log_init(&log, EM_LOG_INFO, fd);
     em_log_set_logfmt(&log, true);
     em_log_error(&log, "bad");
