@@ -573,6 +573,10 @@ typedef struct stats_message {
     Ember__ServerStats server;
     Ember__MethodStats methods[EM_METHOD_COUNT];
     Ember__MethodStats *method_pointers[EM_METHOD_COUNT];
+    Ember__StatusCount answers[EM_METHOD_COUNT][EM_STATUS_COUNT];
+    Ember__StatusCount *answer_pointers[EM_METHOD_COUNT][EM_STATUS_COUNT];
+    uint64_t duration_buckets[EM_METHOD_COUNT][EM_DURATION_BUCKETS + 1];
+    double duration_bounds[EM_DURATION_BUCKETS];
     Ember__TableStats *tables;
     Ember__TableStats **table_pointers;
     Ember__PoolStats *pools;
@@ -645,17 +649,57 @@ static void render_stat(void *context, const em_stat *stat, size_t index, const 
         m->missing = stat->name;
 }
 
-static em_status render_stats(const em_stats_snapshot *snapshot, stats_message *m, em_error *err)
+/* The numbers outside the schema's scalars: each method's answers by status and its
+ * duration histogram (the buckets /metrics exposes, not cumulative here). */
+static void render_method_histograms(const em_stats_snapshot *snapshot, stats_message *m)
 {
-    memset(m, 0, sizeof(*m));
+    for (size_t b = 0; b < EM_DURATION_BUCKETS; b++)
+        m->duration_bounds[b] = (double)em_duration_bounds_ns[b] / 1e9;
+    m->server.n_duration_bounds_seconds = EM_DURATION_BUCKETS;
+    m->server.duration_bounds_seconds = m->duration_bounds;
+    for (size_t i = 0; i < snapshot->method_count; i++) {
+        const em_method_snapshot *method = &snapshot->methods[i];
+        Ember__MethodStats *out = &m->methods[i];
+        for (size_t s = 0; s < EM_STATUS_COUNT; s++) {
+            if (method->answers[s] == 0)
+                continue;
+            Ember__StatusCount *answer = &m->answers[i][out->n_answers];
+            ember__status_count__init(answer);
+            answer->status = (Ember__Status)s;
+            answer->count = method->answers[s];
+            m->answer_pointers[i][out->n_answers++] = answer;
+        }
+        out->answers = m->answer_pointers[i];
+        memcpy(m->duration_buckets[i], method->duration_buckets,
+               sizeof(m->duration_buckets[i]));
+        out->n_duration_buckets = EM_DURATION_BUCKETS + 1;
+        out->duration_buckets = m->duration_buckets[i];
+        out->duration_sum_seconds = (double)method->duration_sum_ns / 1e9;
+    }
+}
+
+static void free_stats_message(stats_message *m);
+
+/* The STATS answer for snapshot, in a message of its own (free_stats_message), or NULL
+ * with err set. */
+static stats_message *render_stats(const em_stats_snapshot *snapshot, em_error *err)
+{
+    stats_message *m = calloc(1, sizeof(*m));
+    if (m == NULL) {
+        em_error_set(err, EM_RESOURCE_EXHAUSTED, "stats: out of memory");
+        return NULL;
+    }
     ember__stats_response__init(&m->response);
     ember__server_stats__init(&m->server);
     m->tables = calloc(snapshot->table_count + 1, sizeof(*m->tables));
     m->table_pointers = calloc(snapshot->table_count + 1, sizeof(*m->table_pointers));
     m->pools = calloc(snapshot->pool_count + 1, sizeof(*m->pools));
     m->pool_pointers = calloc(snapshot->pool_count + 1, sizeof(*m->pool_pointers));
-    if (!m->tables || !m->table_pointers || !m->pools || !m->pool_pointers)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "stats: out of memory");
+    if (!m->tables || !m->table_pointers || !m->pools || !m->pool_pointers) {
+        em_error_set(err, EM_RESOURCE_EXHAUSTED, "stats: out of memory");
+        free_stats_message(m);
+        return NULL;
+    }
     for (size_t i = 0; i < snapshot->method_count; i++) {
         ember__method_stats__init(&m->methods[i]);
         m->methods[i].method = (char *)snapshot->methods[i].name;
@@ -672,9 +716,12 @@ static em_status render_stats(const em_stats_snapshot *snapshot, stats_message *
         m->pool_pointers[i] = &m->pools[i];
     }
     em_stats_visit(snapshot, render_stat, m);
-    if (m->missing != NULL)
-        return em_error_set(err, EM_INTERNAL, "stat '%s' has no field in the STATS answer",
-                            m->missing);
+    if (m->missing != NULL) {
+        em_error_set(err, EM_INTERNAL, "stat '%s' has no field in the STATS answer", m->missing);
+        free_stats_message(m);
+        return NULL;
+    }
+    render_method_histograms(snapshot, m);
     m->server.n_methods = snapshot->method_count;
     m->server.methods = m->method_pointers;
     m->response.server = &m->server;
@@ -682,31 +729,34 @@ static em_status render_stats(const em_stats_snapshot *snapshot, stats_message *
     m->response.tables = m->table_pointers;
     m->response.n_pools = snapshot->pool_count;
     m->response.pools = m->pool_pointers;
-    return EM_OK;
+    return m;
 }
 
 static void free_stats_message(stats_message *m)
 {
+    if (m == NULL)
+        return;
     free(m->tables);
     free(m->table_pointers);
     free(m->pools);
     free(m->pool_pointers);
+    free(m);
 }
 
 em_status em_stats_render_response(const em_stats_snapshot *snapshot, uint8_t **out,
                                    size_t *length, em_error *err)
 {
-    stats_message message;
-    em_status status = render_stats(snapshot, &message, err);
-    if (status == EM_OK) {
-        *length = protobuf_c_message_get_packed_size(&message.response.base);
-        *out = malloc(*length + 1);
-        if (*out == NULL)
-            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "stats: out of memory");
-        else
-            protobuf_c_message_pack(&message.response.base, *out);
-    }
-    free_stats_message(&message);
+    stats_message *message = render_stats(snapshot, err);
+    if (message == NULL)
+        return err->status;
+    em_status status = EM_OK;
+    *length = protobuf_c_message_get_packed_size(&message->response.base);
+    *out = malloc(*length + 1);
+    if (*out == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "stats: out of memory");
+    else
+        protobuf_c_message_pack(&message->response.base, *out);
+    free_stats_message(message);
     return status;
 }
 
@@ -718,11 +768,12 @@ em_status em_handle_stats(em_request *request, em_error *err)
     em_status status = em_server_collect_stats(context, body->table, &snapshot, err);
     if (status != EM_OK)
         return status;
-    stats_message message;
-    status = render_stats(&snapshot, &message, err);
-    if (status == EM_OK)
-        status = em_request_respond(request, &message.response.base, NULL, 0, err);
-    free_stats_message(&message);
+    stats_message *message = render_stats(&snapshot, err);
+    if (message == NULL)
+        status = err->status;
+    else
+        status = em_request_respond(request, &message->response.base, NULL, 0, err);
+    free_stats_message(message);
     em_stats_snapshot_free(&snapshot);
     return status;
 }

@@ -149,6 +149,52 @@ static int check_names(const char *path, const char *scrape, bool json)
     return named;
 }
 
+/* The STATS answer's histogram and answers of method equal the scrape's, bucket by
+ * bucket (STATS holds per-bucket counts, the exposition cumulative ones). */
+static void check_method_histogram(const char *scrape, const cJSON *server, const char *method)
+{
+    const cJSON *stats = NULL, *m;
+    cJSON_ArrayForEach(m, cJSON_GetObjectItem(server, "methods"))
+    {
+        if (strcmp(cJSON_GetStringValue(cJSON_GetObjectItem(m, "method")), method) == 0)
+            stats = m;
+    }
+    ck_assert_msg(stats != NULL, "STATS has no method %s", method);
+    const cJSON *bounds = cJSON_GetObjectItem(server, "duration_bounds_seconds");
+    const cJSON *buckets = cJSON_GetObjectItem(stats, "duration_buckets");
+    int bound_count = cJSON_GetArraySize(bounds);
+    ck_assert_int_eq(bound_count, 17);
+    ck_assert_int_eq(cJSON_GetArraySize(buckets), bound_count + 1);
+    ck_assert_double_eq_tol(cJSON_GetArrayItem(bounds, 0)->valuedouble, 50e-6, 1e-12);
+    ck_assert_double_eq_tol(cJSON_GetArrayItem(bounds, bound_count - 1)->valuedouble, 10.0, 1e-9);
+    double cumulative = 0.0;
+    char prefix[160];
+    for (int b = 0; b <= bound_count; b++) {
+        cumulative += cJSON_GetArrayItem(buckets, b)->valuedouble;
+        char bound[32] = "+Inf";
+        if (b < bound_count)
+            snprintf(bound, sizeof(bound), "%g", cJSON_GetArrayItem(bounds, b)->valuedouble);
+        snprintf(prefix, sizeof(prefix),
+                 "ember_request_duration_seconds_bucket{method=\"%s\",le=\"%s\"} ", method,
+                 bound);
+        ck_assert_double_eq(sample(scrape, prefix), cumulative);
+    }
+    ck_assert_double_eq(cumulative, stats_number(stats, "requests"));
+    snprintf(prefix, sizeof(prefix), "ember_request_duration_seconds_sum{method=\"%s\"} ",
+             method);
+    ck_assert_double_eq_tol(sample(scrape, prefix), stats_number(stats, "duration_sum_seconds"),
+                            1e-6);
+    double answered = 0.0;
+    cJSON_ArrayForEach(m, cJSON_GetObjectItem(stats, "answers"))
+    {
+        snprintf(prefix, sizeof(prefix), "ember_responses_total{method=\"%s\",status=\"%s\"} ",
+                 method, cJSON_GetStringValue(cJSON_GetObjectItem(m, "status")));
+        ck_assert_double_eq(sample(scrape, prefix), stats_number(m, "count"));
+        answered += stats_number(m, "count");
+    }
+    ck_assert_double_eq(answered, stats_number(stats, "requests"));
+}
+
 /* ---- the workload ------------------------------------------------------------------- */
 
 static void run_workload(em_client *client)
@@ -253,6 +299,8 @@ START_TEST(a_scrape_counts_the_workload_agrees_with_stats_and_passes_promtool)
     snprintf(pool_prefix, sizeof(pool_prefix), "ember_pool_bytes_limit{device=\"%s\"} ",
              cJSON_GetStringValue(cJSON_GetObjectItem(pool, "device")));
     ck_assert_double_eq(sample(text, pool_prefix), stats_number(pool, "bytes_limit"));
+    check_method_histogram(text, server, "PULL");
+    check_method_histogram(text, server, "PUSH");
     cJSON_Delete(stats);
     em_client_destroy(admin);
 
