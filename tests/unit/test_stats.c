@@ -28,14 +28,17 @@ static const ProtobufCMessageDescriptor *scope_message(em_stat_scope scope)
     return NULL;
 }
 
-/* Fields of the stats messages that are not numbers of the schema: the labels, and the
- * server's list of methods. */
+/* Fields of the stats messages that are not numbers of the schema: the labels, the
+ * server's list of methods, and the duration histograms with their bounds and the
+ * answers by status (rendered from the method snapshots directly). */
 static bool is_label(const ProtobufCMessageDescriptor *message, const char *field)
 {
     if (message == &ember__server_stats__descriptor)
-        return strcmp(field, "methods") == 0;
+        return strcmp(field, "methods") == 0 || strcmp(field, "duration_bounds_seconds") == 0;
     if (message == &ember__method_stats__descriptor)
-        return strcmp(field, "method") == 0;
+        return strcmp(field, "method") == 0 || strcmp(field, "answers") == 0 ||
+               strcmp(field, "duration_buckets") == 0 ||
+               strcmp(field, "duration_sum_seconds") == 0;
     if (message == &ember__table_stats__descriptor)
         return strcmp(field, "name") == 0;
     return strcmp(field, "device") == 0;
