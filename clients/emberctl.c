@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <time.h>
 
+#include "clients/client_top.h"
 #include "clients/ember_client.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "ember_config.h"
@@ -102,6 +103,12 @@ static void print_help(FILE *out)
           "                             initializers: zeros, uniform, normal\n"
           "  tables drop NAME\n"
           "  stats [TABLE]              server, request, table and memory pool statistics\n"
+          "  top [TABLE] [--interval SECONDS] [--count N] [--once]\n"
+          "                             live view, refreshed every --interval (1 s): request\n"
+          "                             rates and p50/p90/p99 latency by method, table\n"
+          "                             rates, pool use, connections; --once prints one\n"
+          "                             view after one interval (with --json: a JSON line\n"
+          "                             per view)\n"
           "  save [TABLE]               save every table (or one) as a checkpoint now\n"
           "  load TABLE [--from PATH] [--weights-only]\n"
           "                             load a checkpoint (the table's latest, or the\n"
@@ -754,6 +761,210 @@ static int command_stats(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+/* ---- top --------------------------------------------------------------------------- */
+
+/* "850 us", "12.5 ms", "1.20 s" */
+static void format_seconds(double seconds, char *out, size_t capacity)
+{
+    if (seconds < 1e-3)
+        snprintf(out, capacity, "%.0f us", seconds * 1e6);
+    else if (seconds < 1.0)
+        snprintf(out, capacity, "%.1f ms", seconds * 1e3);
+    else
+        snprintf(out, capacity, "%.2f s", seconds);
+}
+
+/* "12.5", "3.4k", "1.25M" */
+static void format_rate(double rate, char *out, size_t capacity)
+{
+    if (rate < 1e3)
+        snprintf(out, capacity, "%.1f", rate);
+    else if (rate < 1e6)
+        snprintf(out, capacity, "%.1fk", rate / 1e3);
+    else
+        snprintf(out, capacity, "%.2fM", rate / 1e6);
+}
+
+static void print_top_server(const cJSON *view)
+{
+    const cJSON *server = cJSON_GetObjectItemCaseSensitive(view, "server");
+    char uptime[32], bytes_in[32], bytes_out[32], used[32], limit[32];
+    format_duration(json_number(server, "uptime_ms"), uptime, sizeof(uptime));
+    format_bytes(json_number(server, "bytes_in_per_second"), bytes_in, sizeof(bytes_in));
+    format_bytes(json_number(server, "bytes_out_per_second"), bytes_out, sizeof(bytes_out));
+    format_bytes(json_number(server, "memory_used_bytes"), used, sizeof(used));
+    format_bytes(json_number(server, "memory_limit_bytes"), limit, sizeof(limit));
+    printf("emberd %s, %s backend, %s, up %s; rates over the last %.1fs\n"
+           "connections  %.0f open, %.1f/s accepted, %.1f/s rejected\n"
+           "traffic      %s/s in, %s/s out\n"
+           "work         %.0f queued or running; request memory %s of %s\n",
+           json_string(server, "version"), json_string(server, "backend"),
+           json_string(server, "state"), uptime, json_number(view, "seconds"),
+           json_number(server, "connections_current"),
+           json_number(server, "connections_per_second"),
+           json_number(server, "rejected_per_second"), bytes_in, bytes_out,
+           json_number(server, "work_queued"), used, limit);
+}
+
+static void print_top_methods(const cJSON *methods)
+{
+    putchar('\n');
+    if (cJSON_GetArraySize(methods) == 0) {
+        puts("no requests in the interval");
+        return;
+    }
+    static const char *const headers[] = {"METHOD", ">REQ/S", ">ERR/S", ">P50", ">P90", ">P99"};
+    static const char *const quantiles[] = {"p50_seconds", "p90_seconds", "p99_seconds"};
+    text_table table;
+    text_table_init(&table, 6, headers, cJSON_GetArraySize(methods));
+    const cJSON *m;
+    cJSON_ArrayForEach(m, methods)
+    {
+        text_table_cell(&table, 0, "%s", json_string(m, "method"));
+        format_rate(json_number(m, "requests_per_second"), table.cells[table.rows][1], CELL_MAX);
+        format_rate(json_number(m, "errors_per_second"), table.cells[table.rows][2], CELL_MAX);
+        for (int q = 0; q < 3; q++)
+            format_seconds(json_number(m, quantiles[q]), table.cells[table.rows][3 + q],
+                           CELL_MAX);
+        table.rows++;
+    }
+    text_table_print(&table);
+}
+
+static void print_top_tables(const cJSON *tables)
+{
+    if (cJSON_GetArraySize(tables) == 0)
+        return;
+    static const char *const headers[] = {"TABLE",     ">ROWS",          ">FILL",
+                                          ">PULLS/S",  ">PUSHES/S",      ">KEYS PULLED/S",
+                                          ">KEYS PUSHED/S", ">CREATED/S"};
+    static const char *const rates[] = {"pulls_per_second", "pushes_per_second",
+                                        "keys_pulled_per_second", "keys_pushed_per_second",
+                                        "rows_created_per_second"};
+    text_table table;
+    text_table_init(&table, 8, headers, cJSON_GetArraySize(tables));
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tables)
+    {
+        double capacity = json_number(t, "capacity");
+        text_table_cell(&table, 0, "%s", json_string(t, "name"));
+        text_table_cell(&table, 1, "%.0f", json_number(t, "rows"));
+        text_table_cell(&table, 2, "%.1f%%",
+                        capacity > 0 ? 100.0 * json_number(t, "rows") / capacity : 0.0);
+        for (int r = 0; r < 5; r++)
+            format_rate(json_number(t, rates[r]), table.cells[table.rows][3 + r], CELL_MAX);
+        table.rows++;
+    }
+    putchar('\n');
+    text_table_print(&table);
+}
+
+static void print_top_pools(const cJSON *pools)
+{
+    static const char *const headers[] = {"POOL", ">IN USE", ">LIMIT", ">USE",
+                                          ">PEAK", ">LARGEST FREE", ">FRAGMENTATION"};
+    text_table table;
+    text_table_init(&table, 7, headers, cJSON_GetArraySize(pools));
+    const cJSON *p;
+    cJSON_ArrayForEach(p, pools)
+    {
+        double in_use = json_number(p, "bytes_in_use"), limit = json_number(p, "bytes_limit");
+        text_table_cell(&table, 0, "%s", json_string(p, "device"));
+        format_bytes(in_use, table.cells[table.rows][1], CELL_MAX);
+        format_bytes(limit, table.cells[table.rows][2], CELL_MAX);
+        text_table_cell(&table, 3, "%.1f%%", limit > 0 ? 100.0 * in_use / limit : 0.0);
+        format_bytes(json_number(p, "peak_bytes_in_use"), table.cells[table.rows][4], CELL_MAX);
+        format_bytes(json_number(p, "largest_free_block"), table.cells[table.rows][5], CELL_MAX);
+        text_table_cell(&table, 6, "%.1f%%", 100.0 * json_number(p, "fragmentation"));
+        table.rows++;
+    }
+    putchar('\n');
+    text_table_print(&table);
+}
+
+static void print_top(const cJSON *view)
+{
+    print_top_server(view);
+    print_top_methods(cJSON_GetObjectItemCaseSensitive(view, "methods"));
+    print_top_tables(cJSON_GetObjectItemCaseSensitive(view, "tables"));
+    print_top_pools(cJSON_GetObjectItemCaseSensitive(view, "pools"));
+}
+
+static void sleep_seconds(double seconds)
+{
+    struct timespec wait = {.tv_sec = (time_t)seconds,
+                            .tv_nsec = (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&wait, &wait) != 0 && errno == EINTR) {
+    }
+}
+
+static int command_top(cli *c, int argc, char **argv)
+{
+    double interval = 1.0, count = 0;
+    const char *table_name = NULL;
+    bool once = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--once") == 0) {
+            once = true;
+        } else if (strcmp(argv[i], "--interval") == 0 && i + 1 < argc) {
+            if (!parse_real(argv[++i], &interval) || interval < 0.05 || interval > 3600)
+                return usage_error("--interval '%s' is not a number of seconds in 0.05..3600",
+                                   argv[i]);
+        } else if (strcmp(argv[i], "--count") == 0 && i + 1 < argc) {
+            if (!parse_whole(argv[++i], &count) || count < 1)
+                return usage_error("--count '%s' is not a whole number of at least 1", argv[i]);
+        } else if (argv[i][0] != '-' && table_name == NULL) {
+            table_name = argv[i];
+        } else {
+            return usage_error("top takes [TABLE] [--interval SECONDS] [--count N] [--once]");
+        }
+    }
+    if (once)
+        count = 1;
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    /* redraw in place only for a person watching a terminal */
+    bool redraw = !once && !c->json && isatty(STDOUT_FILENO);
+    em_error err;
+    cJSON *before = NULL;
+    if (em_client_stats(c->client, table_name, &before, &err) != EM_OK)
+        return call_failed(&err);
+    for (double shown = 0; count == 0 || shown < count; shown++) {
+        double started = monotonic_ms();
+        sleep_seconds(interval);
+        cJSON *after = NULL;
+        if (em_client_stats(c->client, table_name, &after, &err) != EM_OK) {
+            cJSON_Delete(before);
+            return call_failed(&err);
+        }
+        cJSON *view = em_top_view(before, after, (monotonic_ms() - started) / 1000.0);
+        cJSON_Delete(before);
+        before = after;
+        if (view == NULL) {
+            cJSON_Delete(before);
+            fputs("emberctl: out of memory\n", stderr);
+            return EXIT_NO_ANSWER;
+        }
+        if (c->json) {
+            char *line = cJSON_PrintUnformatted(view);
+            if (line != NULL)
+                puts(line);
+            free(line);
+        } else {
+            if (redraw)
+                fputs("\033[H\033[2J", stdout);
+            else if (shown > 0)
+                putchar('\n');
+            print_top(view);
+        }
+        fflush(stdout);
+        cJSON_Delete(view);
+    }
+    cJSON_Delete(before);
+    return EXIT_OK;
+}
+
 /* ---- checkpoints -------------------------------------------------------------------- */
 
 static void print_drain(cli *c, const em_client_drain_state *state)
@@ -1064,6 +1275,7 @@ static const command commands[] = {
     {"health", command_health},
     {"tables", command_tables},
     {"stats", command_stats},
+    {"top", command_top},
     {"save", command_save},
     {"load", command_load},
     {"drain", command_drain},
@@ -1203,11 +1415,13 @@ int main(int argc, char **argv)
     }
     if (optind >= argc) {
         free(ordered);
-        return usage_error("no command given (ping, health, tables, stats, save, load, checkpoints)");
+        return usage_error("no command given (ping, health, tables, stats, top, save, load,"
+                           " drain, undrain, reload, slowlog, checkpoints)");
     }
     const command *chosen = find_command(ordered[optind]);
     if (chosen == NULL) {
-        code = usage_error("unknown command '%s' (ping, health, tables, stats, save, load, checkpoints)", ordered[optind]);
+        code = usage_error("unknown command '%s' (ping, health, tables, stats, top, save, load, drain,"
+                           " undrain, reload, slowlog, checkpoints)", ordered[optind]);
         free(ordered);
         return code;
     }

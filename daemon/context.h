@@ -51,7 +51,7 @@ typedef struct em_server_context {
     em_executor *executor;
     const em_log *log;
     em_server_stats stats;
-    bool request_details; /* answers by status and durations are recorded (metrics on) */
+    bool request_details; /* answers by status and durations are recorded (request_histograms) */
     uint64_t start_ms;  /* em_monotonic_ms at start */
     _Atomic int state;  /* em_server_state */
     _Atomic bool drained; /* out of service by DRAIN until UNDRAIN */

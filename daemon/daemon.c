@@ -493,8 +493,8 @@ static em_status start(em_daemon *d, em_error *err)
         status = em_server_create(&d->loop, &d->config, &d->context, &d->server, err);
     if (status == EM_OK)
         status = em_server_listen(d->server, err);
-    d->context.request_details = d->config.listen.metrics[0] != '\0';
-    if (status == EM_OK && d->context.request_details) {
+    d->context.request_details = d->config.request_histograms;
+    if (status == EM_OK && d->config.listen.metrics[0] != '\0') {
         em_http_routes routes = {.metrics = scrape, .healthy = healthy, .context = d};
         status = em_http_server_start(&d->loop, d->config.listen.metrics, &routes,
                                       &d->context.stats, &d->metrics, err);

@@ -528,6 +528,11 @@ static const em_config_field daemon_fields[] = {
                      slowlog_max_entries),
      .flags = EM_CONFIG_UNSIGNED, .min = 1, .max = 100000, .default_json = "128",
      .help = "slow requests kept (the oldest are dropped first)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "request_histograms", em_daemon_config,
+                     request_histograms),
+     .default_json = "true",
+     .help = "count answers by status and keep duration histograms per method (STATS, "
+             "emberctl top, /metrics)"},
     {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "checkpoint", em_daemon_config, checkpoint),
      .object = &checkpoint_schema, .help = "durable tables (absent: nothing is saved)"},
 };

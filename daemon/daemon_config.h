@@ -23,7 +23,8 @@
  *             "client_ca_file": "..." (mutual TLS), "data": true, "admin": true},
  *     "insecure": false,
  *     "drain_timeout_ms": 30000,
- *     "slowlog_threshold_ms": 100, "slowlog_max_entries": 128 (daemon/slowlog.h)
+ *     "slowlog_threshold_ms": 100, "slowlog_max_entries": 128 (daemon/slowlog.h),
+ *     "request_histograms": true (answers by status and durations, daemon/stats.h)
  *   }
  *
  * Tokens are resolved when the file is read (a token file's trailing newline is
@@ -140,6 +141,7 @@ typedef struct em_daemon_config {
     uint32_t drain_timeout_ms;
     uint32_t slowlog_threshold_ms; /* 0: nothing is recorded */
     uint32_t slowlog_max_entries;
+    bool request_histograms; /* answers by status, durations by method */
     em_checkpoint_config checkpoint;
 } em_daemon_config;
 

@@ -44,8 +44,10 @@ static void build_config(const em_test_daemon_options *options, const char *admi
              "  \"memory_limit_bytes\": 1073741824, \"initial_bytes\": 67108864,"
              "  \"growth_bytes\": 67108864},"
              " \"admin_token\": {\"value\": \"%s\"}%s,"
-             " \"log_level\": \"error\", \"drain_timeout_ms\": 5000%s}",
-             options->metrics ? "127.0.0.1:0" : "", admin_token, data_token, tables);
+             " \"log_level\": \"error\", \"drain_timeout_ms\": 5000,"
+             " \"request_histograms\": %s%s}",
+             options->metrics ? "127.0.0.1:0" : "", admin_token, data_token,
+             options->no_request_histograms ? "false" : "true", tables);
 }
 
 /* Not check's assertions: benchmarks start test daemons outside any test. */

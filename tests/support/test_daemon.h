@@ -29,6 +29,8 @@ typedef struct em_test_daemon_options {
     const char *tables_json;
     /* A metrics listener on an ephemeral loopback port (and its recording). */
     bool metrics;
+    /* Answers by status and duration histograms not recorded (request_histograms). */
+    bool no_request_histograms;
 } em_test_daemon_options;
 
 /* Starts a daemon (options may be NULL); aborts (the test, or the program) on failure. */

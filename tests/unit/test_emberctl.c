@@ -6,6 +6,9 @@
 #include <arpa/inet.h>
 #include <cJSON.h>
 #include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "clients/ember_client.h"
 #include "ember_config.h"
 #include "tests/support/test_daemon.h"
 #include "tests/support/test_support.h"
@@ -266,6 +270,123 @@ START_TEST(ping_health_and_stats)
 }
 END_TEST
 
+/* ---- top, over live traffic ---------------------------------------------------------- */
+
+#define TOP_KEYS 8
+
+typedef struct pull_loop {
+    const char *address;
+    atomic_bool stop;
+    uint64_t pulls;
+} pull_loop;
+
+static void *pull_until_stopped(void *arg)
+{
+    pull_loop *loop = arg;
+    em_client_options options;
+    em_client_options_init(&options);
+    options.servers = loop->address;
+    em_client *client = NULL;
+    em_error err;
+    if (em_client_create(&options, &client, &err) != EM_OK)
+        return NULL;
+    uint32_t offsets[TOP_KEYS + 1];
+    uint64_t keys[TOP_KEYS];
+    float out[TOP_KEYS * 4];
+    for (uint32_t i = 0; i <= TOP_KEYS; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < TOP_KEYS; i++)
+        keys[i] = i;
+    while (!atomic_load(&loop->stop)) {
+        em_client_pull_args args = {.table = "t",
+                                    .batch = {.rows = TOP_KEYS, .nnz = TOP_KEYS,
+                                              .offsets = offsets, .keys = keys},
+                                    .combiner = EM_COMBINER_NONE,
+                                    .create_missing = true,
+                                    .out = out,
+                                    .out_capacity = TOP_KEYS * 4};
+        if (em_client_pull(client, &args, NULL, &err) != EM_OK)
+            break;
+        loop->pulls++;
+    }
+    em_client_destroy(client);
+    return NULL;
+}
+
+static double number_of(const cJSON *object, const char *name)
+{
+    const cJSON *item = cJSON_GetObjectItem(object, name);
+    ck_assert_msg(cJSON_IsNumber(item), "no number '%s'", name);
+    return item->valuedouble;
+}
+
+START_TEST(top_shows_the_rates_and_latency_of_live_traffic)
+{
+    em_test_daemon *server = dev_server();
+    const char *at = em_test_daemon_admin_address(server);
+    run_result *r = RUN(NULL, "--server", at, "tables", "create", "--name", "t", "--dim", "4",
+                        "--capacity", "100");
+    ck_assert_int_eq(r->code, 0);
+    pull_loop loop = {.address = em_test_daemon_address(server)};
+    pthread_t thread;
+    ck_assert_int_eq(pthread_create(&thread, NULL, pull_until_stopped, &loop), 0);
+
+    r = RUN(NULL, "--server", at, "--json", "top", "--once", "--interval", "0.5");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    cJSON *view = cJSON_Parse(r->out);
+    ck_assert_msg(view != NULL, "%s", r->out);
+    ck_assert_double_ge(number_of(view, "seconds"), 0.45);
+    const cJSON *pull = NULL, *m;
+    cJSON_ArrayForEach(m, cJSON_GetObjectItem(view, "methods"))
+    {
+        if (strcmp(cJSON_GetObjectItem(m, "method")->valuestring, "PULL") == 0)
+            pull = m;
+    }
+    ck_assert_msg(pull != NULL, "%s", r->out);
+    double pulls_per_second = number_of(pull, "requests_per_second");
+    ck_assert_double_gt(pulls_per_second, 0);
+    ck_assert_double_eq(number_of(pull, "errors_per_second"), 0);
+    double p50 = number_of(pull, "p50_seconds"), p90 = number_of(pull, "p90_seconds");
+    double p99 = number_of(pull, "p99_seconds");
+    ck_assert_msg(p50 > 0 && p50 <= p90 && p90 <= p99 && p99 <= 10.0, "%g %g %g", p50, p90,
+                  p99);
+    const cJSON *table = cJSON_GetArrayItem(cJSON_GetObjectItem(view, "tables"), 0);
+    ck_assert_str_eq(cJSON_GetObjectItem(table, "name")->valuestring, "t");
+    ck_assert_double_eq(number_of(table, "rows"), TOP_KEYS);
+    /* each pull reads TOP_KEYS keys (the table counts pulls and keys one after the other,
+     * so a pull may fall between them) */
+    double per_second = number_of(table, "pulls_per_second");
+    double seconds = number_of(view, "seconds");
+    ck_assert_double_eq_tol(number_of(table, "keys_pulled_per_second") * seconds,
+                            per_second * seconds * TOP_KEYS, TOP_KEYS + 0.5);
+    ck_assert_double_eq_tol(per_second * seconds, pulls_per_second * seconds, 1.5);
+    cJSON_Delete(view);
+
+    /* for a person: two views, one after the other (no terminal: no redrawing) */
+    r = RUN(NULL, "--server", at, "top", "--count", "2", "--interval", "0.2");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    const char *second = strstr(r->out, "rates over the last");
+    ck_assert_msg(second != NULL && strstr(second + 1, "rates over the last") != NULL, "%s",
+                  r->out);
+    ck_assert_msg(strstr(r->out, "\nMETHOD  ") != NULL && strstr(r->out, "\nPULL  ") != NULL &&
+                      strstr(r->out, "\nTABLE  ROWS  FILL  PULLS/S") != NULL &&
+                      strstr(r->out, "\nt  ") != NULL && strstr(r->out, "\nPOOL  ") != NULL,
+                  "%s", r->out);
+    ck_assert(strchr(r->out, '\033') == NULL);
+    atomic_store(&loop.stop, true);
+    pthread_join(thread, NULL);
+    ck_assert_uint_gt(loop.pulls, 0);
+
+    r = RUN(NULL, "--server", at, "top", "--interval", "0");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert_msg(strstr(r->err, "--interval '0' is not a number of seconds") != NULL, "%s",
+                  r->err);
+    r = RUN("wrong-token", "--server", at, "top", "--once");
+    ck_assert_int_eq(r->code, 1);
+    em_test_daemon_stop(server);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -282,6 +403,7 @@ int main(int argc, char **argv)
     tcase_add_test(cli, tables_lifecycle_in_text_and_json);
     tcase_add_test(cli, tokens_come_from_flag_file_environment_or_default);
     tcase_add_test(cli, ping_health_and_stats);
+    tcase_add_test(cli, top_shows_the_rates_and_latency_of_live_traffic);
     suite_add_tcase(suite, cli);
     return em_test_run(suite);
 }
