@@ -13,6 +13,7 @@
  * loops in the order the interface defines; the unique step uses a scratch
  * open-addressing index of unique positions (no key sentinel needed).
  */
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +45,8 @@ typedef struct cpu_shard {
      * never narrow. Read under the shard's lock, written under its write lock. */
     double weight_bound, state_bound, moment_bound;
     float **blocks;
+    em_row_access **access_blocks; /* parallel to blocks when track_access */
+    bool track_access;
     uint64_t block_count;
     uint64_t block_slots; /* capacity of the blocks array */
     uint32_t block_shift;
@@ -296,6 +299,16 @@ static uint64_t storage_rows(const cpu_shard *shard)
     return shard->block_count << shard->block_shift;
 }
 
+static size_t access_block_bytes(const cpu_shard *shard)
+{
+    return ((size_t)1 << shard->block_shift) * sizeof(em_row_access);
+}
+
+static em_row_access *row_access(const cpu_shard *shard, uint64_t row)
+{
+    return shard->access_blocks[row >> shard->block_shift] + (row & shard->block_mask);
+}
+
 static em_status grow_block_array(cpu_shard *shard, em_error *err)
 {
     uint64_t slots = shard->block_slots == 0 ? 16 : shard->block_slots * 2;
@@ -303,6 +316,10 @@ static em_status grow_block_array(cpu_shard *shard, em_error *err)
     if (grown == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "shard block table: out of host memory");
     shard->blocks = grown;
+    em_row_access **access = realloc(shard->access_blocks, slots * sizeof(*access));
+    if (access == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "shard block table: out of host memory");
+    shard->access_blocks = access;
     shard->block_slots = slots;
     return EM_OK;
 }
@@ -317,11 +334,20 @@ static em_status ensure_storage(cpu_shard *shard, uint64_t rows, em_error *err)
             if (status != EM_OK)
                 return status;
         }
-        void *block = NULL;
+        void *access = NULL, *block = NULL;
+        if (shard->track_access) {
+            em_status status = em_device_alloc(shard->base.device, access_block_bytes(shard),
+                                               "row access metadata", &access, err);
+            if (status != EM_OK)
+                return status;
+        }
         em_status status = em_device_alloc(shard->base.device, shard->block_bytes,
                                            "row storage", &block, err);
-        if (status != EM_OK)
+        if (status != EM_OK) {
+            em_device_free(shard->base.device, access);
             return status;
+        }
+        shard->access_blocks[shard->block_count] = access;
         shard->blocks[shard->block_count++] = block;
     }
     return EM_OK;
@@ -332,6 +358,8 @@ static void initialize_row(cpu_shard *shard, uint64_t key, uint64_t row)
     float *weights = row_address(shard, row);
     em_initializer_fill(&shard->initializer, key, shard->dim, weights);
     em_optimizer_init_state(&shard->optimizer, shard->dim, weights + shard->dim);
+    if (shard->track_access)
+        *row_access(shard, row) = (em_row_access){0};
 }
 
 /* ---- shards: operations ---------------------------------------------------------- */
@@ -347,6 +375,7 @@ static em_status cpu_shard_create(em_device *device, const em_shard_spec *spec, 
     shard->dim = spec->dim;
     shard->optimizer = spec->optimizer;
     shard->initializer = spec->initializer;
+    shard->track_access = spec->track_access;
     /* the initializer's largest value: uniform(-a, a) stays within a; normal draws are
      * Box-Muller over 53-bit uniforms, within 8.6 standard deviations */
     shard->weight_bound = spec->initializer.kind == EM_INIT_UNIFORM  ? fabs(spec->initializer.bound)
@@ -382,9 +411,12 @@ static void cpu_shard_destroy(em_shard *base)
     if (base == NULL)
         return;
     cpu_shard *shard = cpu_shard_of(base);
-    for (uint64_t b = 0; b < shard->block_count; b++)
+    for (uint64_t b = 0; b < shard->block_count; b++) {
         em_device_free(base->device, shard->blocks[b]);
+        em_device_free(base->device, shard->access_blocks[b]);
+    }
     free(shard->blocks);
+    free(shard->access_blocks);
     em_hashmap_destroy(shard->map);
     free(shard);
 }
@@ -670,6 +702,163 @@ static void cpu_shard_stats(em_shard *base, em_shard_stats *out)
     out->row_bytes = shard->block_count * shard->block_bytes;
     out->index_bytes = map.bytes;
     out->row_limit = storage_rows(shard);
+    out->access_bytes = shard->track_access ? shard->block_count * access_block_bytes(shard) : 0;
+}
+
+/* ---- shards: access and eviction ------------------------------------------------- */
+
+static em_status cpu_shard_touch(em_shard *base, em_lane *lane, const uint64_t *rows, uint64_t n,
+                                 uint64_t accessed, uint32_t updated, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    cpu_shard *shard = cpu_shard_of(base);
+    if (!shard->track_access)
+        return EM_OK;
+    /* pulls touch under the shard's read lock: relaxed atomic loads and stores, so two
+     * touches of one row at once are no data race (one of their counts may be lost) */
+    for (uint64_t i = 0; i < n; i++) {
+        if (rows[i] == EM_ROW_NONE)
+            continue;
+        em_row_access *access = row_access(shard, rows[i]);
+        __atomic_store_n(&access->accessed, accessed, __ATOMIC_RELAXED);
+        uint32_t frequency = __atomic_load_n(&access->frequency, __ATOMIC_RELAXED);
+        if (frequency != UINT32_MAX)
+            __atomic_store_n(&access->frequency, frequency + 1, __ATOMIC_RELAXED);
+        if (updated != 0)
+            __atomic_store_n(&access->updated, updated, __ATOMIC_RELAXED);
+    }
+    return EM_OK;
+}
+
+static bool row_kept(const em_evict_spec *spec, uint64_t row)
+{
+    uint64_t low = 0, high = spec->kept_count;
+    while (low < high) {
+        uint64_t middle = low + (high - low) / 2;
+        if (spec->kept[middle] < row)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    return low < spec->kept_count && spec->kept[low] == row;
+}
+
+/* Pushes since the row's last push (rows never pushed: older than any). */
+static uint64_t update_age(const em_evict_spec *spec, const em_row_access *access)
+{
+    if (access->updated == 0)
+        return UINT64_MAX;
+    return (uint32_t)(spec->update_clock - access->updated);
+}
+
+/* Whether row a should go before row b under the policy. */
+static bool goes_first(const em_evict_spec *spec, const em_row_access *a, const em_row_access *b)
+{
+    switch ((em_eviction_policy)spec->policy) {
+    case EM_EVICTION_LFU:
+        if (a->frequency != b->frequency)
+            return a->frequency < b->frequency;
+        break;
+    case EM_EVICTION_AGE: {
+        uint64_t age_a = update_age(spec, a), age_b = update_age(spec, b);
+        if (age_a != age_b)
+            return age_a > age_b;
+        break;
+    }
+    case EM_EVICTION_LRU:
+    case EM_EVICTION_NONE:
+        break;
+    }
+    return a->accessed < b->accessed;
+}
+
+/* The policy's first victim among the n map entries keys/rows that is not kept;
+ * returns its index, or n when every entry is kept. */
+static uint64_t pick_victim(const cpu_shard *shard, const em_evict_spec *spec,
+                            const uint64_t *rows, uint64_t n)
+{
+    uint64_t best = n;
+    for (uint64_t i = 0; i < n; i++) {
+        if (row_kept(spec, rows[i]))
+            continue;
+        if (best == n || goes_first(spec, row_access(shard, rows[i]), row_access(shard, rows[best])))
+            best = i;
+    }
+    return best;
+}
+
+/* Up to max entries of the map from position on, wrapping to the start once. */
+static uint64_t sample_entries(em_hashmap *map, uint64_t position, uint64_t *keys, uint64_t *rows,
+                               uint64_t max)
+{
+    uint64_t cursor = position;
+    uint64_t got = em_hashmap_export(map, &cursor, keys, rows, max);
+    if (got < max && position > 0) {
+        cursor = 0;
+        while (got < max && cursor < position) {
+            uint64_t more = em_hashmap_export(map, &cursor, keys + got, rows + got,
+                                              max - got > position - cursor ? position - cursor
+                                                                            : max - got);
+            if (more == 0)
+                break;
+            got += more;
+        }
+    }
+    return got;
+}
+
+/* Tries of a sample before a full scan finds a row that is not kept. */
+#define EVICT_SAMPLE_TRIES 8
+
+static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_spec *spec,
+                                 uint64_t *keys, uint64_t *rows, em_error *err)
+{
+    (void)lane;
+    cpu_shard *shard = cpu_shard_of(base);
+    if (!shard->track_access)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    uint64_t width = spec->candidates > 0 ? spec->candidates : 1;
+    uint64_t *sample_keys = malloc(width * sizeof(uint64_t));
+    uint64_t *sample_rows = malloc(width * sizeof(uint64_t));
+    if (sample_keys == NULL || sample_rows == NULL) {
+        free(sample_keys);
+        free(sample_rows);
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    }
+    em_status status = EM_OK;
+    uint64_t random = spec->random;
+    for (uint64_t v = 0; v < spec->count && status == EM_OK; v++) {
+        em_hashmap_stats map;
+        em_hashmap_get_stats(shard->map, &map);
+        uint64_t positions = map.slots + 2; /* the two side entries, then the slots */
+        uint64_t chosen = width, got = 0;
+        for (int attempt = 0; attempt < EVICT_SAMPLE_TRIES && chosen >= got; attempt++) {
+            random = em_mix64(random + 0x9e3779b97f4a7c15ull);
+            got = sample_entries(shard->map, random % positions, sample_keys, sample_rows, width);
+            chosen = pick_victim(shard, spec, sample_rows, got);
+        }
+        /* every sample was kept rows: walk the whole map for one that is not */
+        for (uint64_t cursor = 0; chosen >= got;) {
+            got = em_hashmap_export(shard->map, &cursor, sample_keys, sample_rows, width);
+            if (got == 0)
+                break;
+            chosen = pick_victim(shard, spec, sample_rows, got);
+        }
+        if (chosen >= got) {
+            status = em_error_set(err, EM_INTERNAL,
+                                  "eviction found only %" PRIu64 " of %" PRIu64
+                                  " rows outside the request",
+                                  v, spec->count);
+            break;
+        }
+        keys[v] = sample_keys[chosen];
+        rows[v] = sample_rows[chosen];
+        em_hashmap_erase(shard->map, &keys[v], 1, NULL);
+    }
+    free(sample_keys);
+    free(sample_rows);
+    return status;
 }
 
 /* ---- device ---------------------------------------------------------------------- */
@@ -705,6 +894,8 @@ static const em_device_ops cpu_device_ops = {
     .shard_read_rows = cpu_shard_read_rows,
     .shard_write_rows = cpu_shard_write_rows,
     .shard_stats = cpu_shard_stats,
+    .shard_touch = cpu_shard_touch,
+    .shard_evict = cpu_shard_evict,
     .destroy = cpu_device_destroy,
 };
 

@@ -39,6 +39,7 @@
 #include <stdint.h>
 
 #include "common/combiner.h"
+#include "lib/device/eviction.h"
 #include "lib/device/initializer.h"
 #include "lib/device/optimizer.h"
 #include "lib/memory/pool.h"
@@ -69,13 +70,16 @@ typedef struct em_shard_spec {
     uint64_t expected_rows;    /* sizing hint (capacity / shards) */
     em_optimizer_config optimizer;
     em_initializer_config initializer;
+    bool track_access; /* keep per-row access metadata (tables with an eviction policy) */
 } em_shard_spec;
+
 
 typedef struct em_shard_stats {
     uint64_t rows;        /* keys stored */
     uint64_t row_bytes;   /* bytes of row storage (weights + optimizer state) */
     uint64_t index_bytes; /* bytes of the hash map */
     uint64_t row_limit;   /* rows the storage can hold without growing */
+    uint64_t access_bytes; /* bytes of per-row access metadata (em_row_access) */
 } em_shard_stats;
 
 /* Home-side view of a batch in device memory (offsets, keys from the request). */
@@ -191,6 +195,20 @@ typedef struct em_device_ops {
     em_status (*shard_write_rows)(em_shard *shard, em_lane *lane, const uint64_t *rows,
                                   uint64_t n, const float *values, em_error *err);
     void (*shard_stats)(em_shard *shard, em_shard_stats *out);
+
+    /* -- capacity: shards that track access (NULL where a backend has no eviction) -- */
+    /* Records a pull (updated 0) or a push of rows: each row's last access becomes
+     * accessed and its frequency grows by one; a push also sets its last update.
+     * EM_ROW_NONE rows are skipped. Safe under the shard's read lock (two touches of one
+     * row at once may count once). */
+    em_status (*shard_touch)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
+                             uint64_t accessed, uint32_t updated, em_error *err);
+    /* Removes spec->count keys chosen by spec's policy, none of whose rows is in
+     * spec->kept, and writes their keys and rows to host memory (count each); the rows'
+     * values stay as they were until a later insert reuses them. The caller has checked
+     * that the shard holds that many rows outside kept. Under the shard's write lock. */
+    em_status (*shard_evict)(em_shard *shard, em_lane *lane, const em_evict_spec *spec,
+                             uint64_t *keys, uint64_t *rows, em_error *err);
 
     /* -- lifecycle ----------------------------------------------------------------- */
     void (*destroy)(em_device *device);

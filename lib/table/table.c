@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/keyhash.h"
 #include "common/row_check.h"
 #include "lib/table/table_internal.h"
 
@@ -324,7 +325,16 @@ static em_status create_shards(em_table *table, em_error *err)
             .expected_rows = table->config.capacity / table->shard_count,
             .optimizer = table->config.optimizer,
             .initializer = table->config.initializer,
+            .track_access = table->config.eviction.policy != EM_EVICTION_NONE,
         };
+        if (spec.track_access &&
+            (device->ops->shard_evict == NULL || device->ops->shard_touch == NULL))
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "table '%s': eviction policy '%s' is not available on the %s "
+                                "backend (its tables take policy 'none')",
+                                table->config.name,
+                                em_eviction_policy_name(table->config.eviction.policy),
+                                table->backend->kind);
         table->shard_device[s] = d;
         em_status status = device->ops->shard_create(device, &spec, &table->shards[s], err);
         if (status != EM_OK)
@@ -351,6 +361,7 @@ em_status em_table_create(em_backend *backend, const em_table_config *config, em
     table->shard_count = table->config.shards;
     table->row_floats =
         config->dim + em_optimizer_state_floats(config->optimizer.kind, config->dim);
+    table->evict_random = em_mix64(config->initializer.seed ^ 0x65766963746564ull);
     pthread_rwlockattr_t attributes;
     pthread_rwlockattr_init(&attributes);
     /* Writers (pushes) must not starve behind a steady stream of pulls. */
@@ -411,6 +422,7 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
         table->shards[s]->device->ops->shard_stats(table->shards[s], &shard);
         out->row_bytes += shard.row_bytes;
         out->index_bytes += shard.index_bytes;
+        out->access_bytes += shard.access_bytes;
     }
     out->rows = table->rows;
     pthread_rwlock_unlock(&table->lock);
@@ -424,5 +436,6 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->keys_pulled = atomic_load_explicit(&table->keys_pulled, memory_order_relaxed);
     out->keys_pushed = atomic_load_explicit(&table->keys_pushed, memory_order_relaxed);
     out->rows_created = atomic_load_explicit(&table->rows_created, memory_order_relaxed);
+    out->rows_evicted = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
 }
 

@@ -70,12 +70,15 @@ typedef struct em_push_result {
     X(uint32_t, row_floats, GAUGE, NONE, "floats per row: dim plus optimizer state")          \
     X(uint64_t, row_bytes, GAUGE, BYTES, "row storage over all shards")                       \
     X(uint64_t, index_bytes, GAUGE, BYTES, "hash maps over all shards")                       \
+    X(uint64_t, access_bytes, GAUGE, BYTES,                                                   \
+      "per-row access metadata for eviction over all shards (16 bytes a row)")                \
     X(uint64_t, pulls, COUNTER, NONE, "pull requests served")                                 \
     X(uint64_t, pushes, COUNTER, NONE, "push requests applied")                               \
     X(uint64_t, imports, COUNTER, NONE, "import batches applied")                             \
     X(uint64_t, keys_pulled, COUNTER, NONE, "keys read by pulls")                             \
     X(uint64_t, keys_pushed, COUNTER, NONE, "keys updated by pushes")                         \
-    X(uint64_t, rows_created, COUNTER, NONE, "rows inserted")
+    X(uint64_t, rows_created, COUNTER, NONE, "rows inserted")                                 \
+    X(uint64_t, rows_evicted, COUNTER, NONE, "rows removed by the eviction policy to make room")
 
 typedef struct em_table_stats {
 #define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;

@@ -124,6 +124,37 @@ static const em_config_schema initializer_schema = {
     .check = check_initializer,
 };
 
+static const em_config_choice eviction_choices[] = {
+    {"none", EM_EVICTION_NONE},
+    {"lru", EM_EVICTION_LRU},
+    {"lfu", EM_EVICTION_LFU},
+    {"age", EM_EVICTION_AGE},
+    {NULL, 0},
+};
+
+const char *em_eviction_policy_name(em_eviction_policy policy)
+{
+    for (size_t i = 0; eviction_choices[i].name != NULL; i++)
+        if (eviction_choices[i].value == (int)policy)
+            return eviction_choices[i].name;
+    return "unknown";
+}
+
+static const em_config_field eviction_fields[] = {
+    {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "policy", em_eviction_config, policy),
+     .choices = eviction_choices, .default_json = "\"none\"",
+     .help = "what makes room when the table is full: none (refuse), lru, lfu or age"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "candidates", em_eviction_config, candidates),
+     .flags = EM_CONFIG_UNSIGNED, .min = 1, .max = EM_EVICTION_CANDIDATES_MAX,
+     .default_json = "16", .help = "hash map entries compared for each row removed"},
+};
+
+static const em_config_schema eviction_schema = {
+    .name = "eviction",
+    .fields = eviction_fields,
+    .field_count = sizeof(eviction_fields) / sizeof(eviction_fields[0]),
+};
+
 static em_status parse_name(const cJSON *value, void *field, const char *path, em_error *err)
 {
     if (!cJSON_IsString(value))
@@ -157,6 +188,9 @@ static const em_config_field table_fields[] = {
      .object = &optimizer_schema, .default_json = "{\"type\": \"sgd\"}"},
     {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "initializer", em_table_config, initializer),
      .object = &initializer_schema, .default_json = "{}"},
+    {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "eviction", em_table_config, eviction),
+     .object = &eviction_schema, .default_json = "{}",
+     .help = "what happens when the table is full"},
 };
 
 const em_config_schema em_table_config_schema = {

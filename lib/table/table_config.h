@@ -3,12 +3,23 @@
  *
  *   {"name": "clicks", "dim": 64, "capacity": 10000000, "shards": 8,
  *    "optimizer": {"type": "adagrad", "lr": 0.05, "eps": 1e-10, "initial_accumulator": 0},
- *    "initializer": {"type": "uniform", "bound": 0.01, "seed": 7}}
+ *    "initializer": {"type": "uniform", "bound": 0.01, "seed": 7},
+ *    "eviction": {"policy": "lru", "candidates": 16}}
  *
  * name, dim and capacity are required. shards 0 (the default) means one shard per
  * device of the backend. Optimizer keys that do not apply to the chosen type are
  * errors, so a typo never silently falls back to a default. The same schema checks
  * configs built in code (em_table_config_validate serialises and re-parses them).
+ *
+ * eviction says what happens when a request would create keys in a full table:
+ *   none  the request is refused (RESOURCE_EXHAUSTED), nothing changes: the default
+ *   lru   rows whose last pull or push is the oldest make room
+ *   lfu   rows pulled and pushed the fewest times make room (ties: the least recent)
+ *   age   rows whose last push is the oldest make room (rows never pushed first)
+ * The choice is approximate: for each row to remove, `candidates` consecutive entries
+ * of the shard's hash map from a pseudo-random position (a function of the table's
+ * initializer seed and its evictions so far) are compared and the policy's worst goes
+ * (tests/bench/bench_eviction measures how close this comes to exact LRU and LFU).
  */
 #ifndef EMBER_LIB_TABLE_CONFIG_H
 #define EMBER_LIB_TABLE_CONFIG_H
@@ -17,6 +28,7 @@
 #include <stdint.h>
 
 #include "lib/base/config.h"
+#include "lib/device/eviction.h"
 #include "lib/device/initializer.h"
 #include "lib/device/optimizer.h"
 #include "lib/base/status.h"
@@ -27,6 +39,15 @@
 /* Rows are indexed with 32 bits per shard; a table holds at most this many. */
 #define EM_TABLE_CAPACITY_MAX (UINT64_C(1) << 40)
 
+#define EM_EVICTION_CANDIDATES_MAX 1024
+
+typedef struct em_eviction_config {
+    int policy;          /* em_eviction_policy */
+    uint32_t candidates; /* map entries compared per row removed */
+} em_eviction_config;
+
+const char *em_eviction_policy_name(em_eviction_policy policy);
+
 typedef struct em_table_config {
     char name[EM_TABLE_NAME_MAX + 1];
     uint32_t dim;
@@ -34,6 +55,7 @@ typedef struct em_table_config {
     uint32_t shards;   /* 0: one per device */
     em_optimizer_config optimizer;
     em_initializer_config initializer;
+    em_eviction_config eviction;
 } em_table_config;
 
 extern const em_config_schema em_table_config_schema;

@@ -52,6 +52,11 @@ struct em_table {
     pthread_mutex_t snapshot_mutex;
     pthread_cond_t snapshot_room;
     _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
+    /* eviction (tables with a policy): the clocks rows are stamped with (requests, and
+     * pushes), the rows removed, and the state of the sampling's pseudo-random numbers
+     * (under the exclusive lock) */
+    _Atomic uint64_t access_clock, update_clock, rows_evicted;
+    uint64_t evict_random;
 };
 
 typedef struct scratch_item {
@@ -89,6 +94,8 @@ typedef struct request_context {
     segment *segments;         /* one per device */
     uint64_t missing;          /* distinct keys not in the table */
     float gradient_bound;      /* push: a bound on the summed gradients' sizes, or -1 */
+    uint64_t access_stamp;     /* the table's request clock for this request (eviction) */
+    uint32_t update_stamp;     /* its push clock, once the request steps rows (0: not yet) */
 } request_context;
 
 /* What em__run_on_shards does on each shard. */

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/keyhash.h"
 #include "common/row_check.h"
 #include "lib/table/table_internal.h"
 
@@ -63,6 +64,9 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
     r->table = table;
     r->home = em_backend_home_device(table->backend);
     r->gradient_bound = -1.0f;
+    if (table->config.eviction.policy != EM_EVICTION_NONE)
+        r->access_stamp = atomic_fetch_add_explicit(&table->access_clock, 1,
+                                                    memory_order_relaxed) + 1;
     uint32_t devices = table->backend->device_count;
     r->scratch_capacity = SCRATCH_FIXED + SCRATCH_PER_DEVICE * devices;
     r->scratch = calloc(r->scratch_capacity, sizeof(*r->scratch));
@@ -410,23 +414,180 @@ static void lock_shards(request_context *r, bool creating_only, bool lock)
     }
 }
 
-/* Creates every missing key, or nothing: capacity and memory are settled first. */
+/* ---- eviction ------------------------------------------------------------------------ */
+
+static em_status read_device_value(const segment *seg, void *host, const void *device_value,
+                                   size_t bytes, em_error *err);
+
+/* How many rows each shard that gets new keys gives up so that the request's new keys
+ * fit (evict[s]): a new key's room is made in its own shard, as many rows as it gets
+ * new keys, in shard order until need is met, never a row the request reads or writes.
+ * Changes nothing; RESOURCE_EXHAUSTED when the shards hold too few other rows. */
+static em_status plan_evictions(request_context *r, uint64_t need, uint64_t *evict,
+                                em_error *err)
+{
+    em_table *table = r->table;
+    uint64_t remaining = need, evictable_total = 0;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        evict[s] = 0;
+        if (r->shard_missing[s] == 0)
+            continue;
+        em_shard_stats stats;
+        table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
+        uint64_t own = shard_key_count(r, s) - r->shard_missing[s]; /* the request's rows */
+        uint64_t evictable = stats.rows > own ? stats.rows - own : 0;
+        evictable_total += evictable < r->shard_missing[s] ? evictable : r->shard_missing[s];
+        uint64_t take = r->shard_missing[s] < evictable ? r->shard_missing[s] : evictable;
+        evict[s] = take < remaining ? take : remaining;
+        remaining -= evict[s];
+    }
+    if (remaining == 0)
+        return EM_OK;
+    return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                        "table '%s': full (capacity %" PRIu64 ", %" PRIu64 " rows): this request "
+                        "creates %" PRIu64 " keys and the shards they go to hold only %" PRIu64
+                        " rows it does not use, %" PRIu64 " short of making room; nothing was "
+                        "applied",
+                        table->config.name, table->config.capacity, table->rows, r->missing,
+                        evictable_total, remaining);
+}
+
+static int compare_rows(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The request's rows of shard s (sorted, on the host: rows it reads or writes, which
+ * eviction must keep); *count of them. */
+static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_t **out,
+                           uint64_t *count, em_error *err)
+{
+    uint64_t n = shard_key_count(r, s);
+    uint64_t *rows = malloc((n + 1) * sizeof(uint64_t));
+    if (rows == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    em_status status = read_device_value(seg, rows, seg->rows + shard_offset(r, seg, s),
+                                         n * sizeof(uint64_t), err);
+    if (status == EM_OK && !seg->device->host_addressable)
+        status = seg->device->ops->synchronize(seg->lane, err);
+    if (status != EM_OK) {
+        free(rows);
+        return status;
+    }
+    uint64_t kept = 0;
+    for (uint64_t i = 0; i < n; i++)
+        if (rows[i] != EM_ROW_NONE)
+            rows[kept++] = rows[i];
+    qsort(rows, kept, sizeof(uint64_t), compare_rows);
+    *out = rows;
+    *count = kept;
+    return EM_OK;
+}
+
+/* Shard s gives up count rows by the table's policy; a snapshot being read keeps their
+ * values (the rows are reused by this request's inserts). */
+static em_status evict_from_shard(request_context *r, segment *seg, uint32_t s, uint64_t count,
+                                  em_error *err)
+{
+    em_table *table = r->table;
+    uint64_t *kept = NULL, kept_count = 0;
+    uint64_t *keys = malloc(count * sizeof(uint64_t)), *rows = malloc(count * sizeof(uint64_t));
+    em_status status = keys == NULL || rows == NULL
+                           ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                          "eviction: out of host memory")
+                           : kept_rows(r, seg, s, &kept, &kept_count, err);
+    if (status == EM_OK) {
+        uint64_t evicted_before = atomic_load_explicit(&table->rows_evicted,
+                                                       memory_order_relaxed);
+        table->evict_random = em_mix64(table->evict_random ^ (evicted_before + s));
+        em_evict_spec spec = {
+            .policy = table->config.eviction.policy,
+            .candidates = table->config.eviction.candidates,
+            .count = count,
+            .update_clock = (uint32_t)atomic_load_explicit(&table->update_clock,
+                                                           memory_order_relaxed),
+            .random = table->evict_random,
+            .kept = kept,
+            .kept_count = kept_count,
+        };
+        status = seg->device->ops->shard_evict(table->shards[s], seg->lane, &spec, keys, rows,
+                                               err);
+    }
+    if (status == EM_OK) {
+        table->rows -= count;
+        atomic_fetch_add_explicit(&table->rows_evicted, count, memory_order_relaxed);
+        const uint64_t *device_rows = rows;
+        if (!seg->device->host_addressable && table->snapshot != NULL) {
+            void *copy = NULL;
+            status = em__request_alloc(r, seg->device, count * sizeof(uint64_t),
+                                       "evicted rows", &copy, err);
+            if (status == EM_OK)
+                status = seg->device->ops->copy_to_device(seg->lane, copy, rows,
+                                                          count * sizeof(uint64_t), err);
+            device_rows = copy;
+        }
+        if (status == EM_OK)
+            status = em__snapshot_preserve(table, s, seg->lane, device_rows, count, err);
+    }
+    free(kept);
+    free(keys);
+    free(rows);
+    if (status != EM_OK)
+        em_error_prefix(err, "table '%s' shard %u: eviction: ", table->config.name, s);
+    return status;
+}
+
+static em_status evict_rows(request_context *r, const uint64_t *evict, em_error *err)
+{
+    em_table *table = r->table;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            if (evict[s] == 0)
+                continue;
+            em_status status = evict_from_shard(r, seg, s, evict[s], err);
+            if (status != EM_OK)
+                return status;
+        }
+    }
+    return EM_OK;
+}
+
+/* Creates every missing key, or nothing: capacity and memory are settled first, and a
+ * full table with an eviction policy makes room (plan_evictions). */
 em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
 {
     if (r->missing == 0)
         return EM_OK;
-    em_status status = check_capacity(r, err);
-    if (status != EM_OK)
-        return status;
+    em_table *table = r->table;
+    uint64_t room = table->config.capacity - table->rows;
+    uint64_t need = r->missing > room ? r->missing - room : 0;
+    if (need > 0 && table->config.eviction.policy == EM_EVICTION_NONE)
+        return check_capacity(r, err);
+    uint64_t *evict = NULL;
+    if (need > 0) {
+        evict = calloc(table->shard_count, sizeof(*evict));
+        if (evict == NULL)
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+        em_status status = plan_evictions(r, need, evict, err);
+        if (status != EM_OK) {
+            free(evict);
+            return status;
+        }
+    }
     /* Growing a shard's storage or index moves them: the shards' write locks keep out a
      * snapshot reader, which holds only shard locks (table_snapshot.c). */
     if (!locks_held)
         lock_shards(r, true, true);
-    status = reserve_missing(r, err);
+    em_status status = reserve_missing(r, err);
+    if (status == EM_OK && evict != NULL)
+        status = evict_rows(r, evict, err);
     if (status == EM_OK)
         status = insert_missing(r, err);
     if (!locks_held)
         lock_shards(r, true, false);
+    free(evict);
     return status;
 }
 
@@ -637,6 +798,20 @@ em_status em__check_create_apply(request_context *r, em_error *err)
  * (floats_per_key floats per key), taking each shard's lock around it, with the locks
  * already held, or releasing each held lock once its shard is done (on an error, the
  * shards not reached are only released). */
+/* Stamps the rows a request read or wrote with the table's clocks (eviction). */
+static em_status touch_rows(request_context *r, segment *seg, uint32_t s, const uint64_t *rows,
+                            uint64_t n, shard_work work, em_error *err)
+{
+    em_table *table = r->table;
+    if (work != WORK_GATHER && r->update_stamp == 0) {
+        uint32_t stamp = (uint32_t)(atomic_fetch_add_explicit(&table->update_clock, 1,
+                                                              memory_order_relaxed) + 1);
+        r->update_stamp = stamp != 0 ? stamp : 1; /* 0 means never pushed */
+    }
+    return seg->device->ops->shard_touch(table->shards[s], seg->lane, rows, n, r->access_stamp,
+                                         work == WORK_GATHER ? 0 : r->update_stamp, err);
+}
+
 static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
                                shard_locking locking, const shard_check *checks, em_error *err)
 {
@@ -674,6 +849,8 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
             if (work == WORK_WRITE) /* what pushes checked before this is stale */
                 table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+            if (status == EM_OK && r->access_stamp != 0)
+                status = touch_rows(r, seg, s, rows, n, work, err);
             if (locking != SHARDS_HELD)
                 pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK) {
