@@ -1,0 +1,421 @@
+/*
+ * Eviction (lib/table/table_config.h): each policy against an exact model of its rule,
+ * the request's own rows kept, all-or-nothing when no room can be made, determinism
+ * across runs and shard counts, snapshots seeing evicted rows as they were, and the
+ * counters adding up under concurrent pushes.
+ *
+ * With `candidates` at least the rows of a shard, a shard compares every row, so the
+ * table follows its policy exactly and the model must agree key for key.
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
+#include "tests/support/test_batches.h"
+#include "tests/support/test_support.h"
+
+#define MEBIBYTE (UINT64_C(1) << 20)
+#define DIM 4
+
+static em_backend *make_backend(uint32_t devices)
+{
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.devices = devices;
+    options.pool_limit_bytes = 256 * MEBIBYTE;
+    options.pool_initial_bytes = 16 * MEBIBYTE;
+    options.pool_growth_bytes = 16 * MEBIBYTE;
+    em_backend *backend = NULL;
+    em_error err;
+    ck_assert_msg(em_backend_create_cpu(&options, &backend, &err) == EM_OK, "%s", err.message);
+    return backend;
+}
+
+static em_table *make_table(em_backend *backend, uint64_t capacity, uint32_t shards,
+                            em_eviction_policy policy, uint32_t candidates)
+{
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, capacity);
+    config.shards = shards;
+    config.optimizer = em_test_optimizers[1];
+    config.initializer.seed = 99;
+    config.eviction.policy = policy;
+    config.eviction.candidates = candidates;
+    return em_test_make_table(backend, &config);
+}
+
+/* One request of the streams below: its keys (distinct), pull or push. */
+static em_status run_request(em_table *table, const uint64_t *keys, uint32_t n, bool push,
+                             em_error *err)
+{
+    uint32_t offsets[65];
+    float values[64 * DIM];
+    ck_assert_uint_le(n, 64);
+    for (uint32_t i = 0; i <= n; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < n * DIM; i++)
+        values[i] = 0.01f;
+    em_csr batch = {.rows = n, .nnz = n, .offsets = offsets, .keys = keys};
+    if (push)
+        return em_test_push(table, &batch, EM_COMBINER_NONE, values, NULL, err);
+    return em_test_pull(table, &batch, EM_COMBINER_NONE, true, values, NULL, err);
+}
+
+/* ---- the exact model ------------------------------------------------------------------ */
+
+typedef struct model_row {
+    uint64_t key;
+    uint64_t accessed;
+    uint64_t frequency;
+    uint64_t updated; /* push clock of the last push, 0: never */
+} model_row;
+
+typedef struct model {
+    em_eviction_policy policy;
+    uint64_t capacity, count, clock, push_clock, evicted;
+    model_row *rows;
+} model;
+
+static model model_make(em_eviction_policy policy, uint64_t capacity)
+{
+    model m = {.policy = policy, .capacity = capacity};
+    m.rows = calloc(capacity, sizeof(*m.rows));
+    return m;
+}
+
+static int64_t model_find(const model *m, uint64_t key)
+{
+    for (uint64_t i = 0; i < m->count; i++)
+        if (m->rows[i].key == key)
+            return (int64_t)i;
+    return -1;
+}
+
+/* The documented rule: whether a goes before b. */
+static bool model_goes_first(const model *m, const model_row *a, const model_row *b)
+{
+    if (m->policy == EM_EVICTION_LFU && a->frequency != b->frequency)
+        return a->frequency < b->frequency;
+    if (m->policy == EM_EVICTION_AGE) {
+        uint64_t age_a = a->updated == 0 ? UINT64_MAX : m->push_clock - a->updated;
+        uint64_t age_b = b->updated == 0 ? UINT64_MAX : m->push_clock - b->updated;
+        if (age_a != age_b)
+            return age_a > age_b;
+    }
+    return a->accessed < b->accessed;
+}
+
+static bool in_request(const uint64_t *keys, uint32_t n, uint64_t key)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (keys[i] == key)
+            return true;
+    return false;
+}
+
+static void model_request(model *m, const uint64_t *keys, uint32_t n, bool push)
+{
+    m->clock++;
+    uint64_t fresh = 0;
+    for (uint32_t i = 0; i < n; i++)
+        fresh += model_find(m, keys[i]) < 0;
+    while (m->count + fresh > m->capacity) {
+        int64_t victim = -1;
+        for (uint64_t i = 0; i < m->count; i++)
+            if (!in_request(keys, n, m->rows[i].key) &&
+                (victim < 0 || model_goes_first(m, &m->rows[i], &m->rows[victim])))
+                victim = (int64_t)i;
+        ck_assert_int_ge(victim, 0);
+        m->rows[victim] = m->rows[--m->count];
+        m->evicted++;
+    }
+    if (push)
+        m->push_clock++;
+    for (uint32_t i = 0; i < n; i++) {
+        int64_t at = model_find(m, keys[i]);
+        if (at < 0) {
+            at = (int64_t)m->count++;
+            m->rows[at] = (model_row){.key = keys[i]};
+        }
+        m->rows[at].accessed = m->clock;
+        m->rows[at].frequency++;
+        if (push)
+            m->rows[at].updated = m->push_clock;
+    }
+}
+
+static int compare_keys(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void assert_keys_match_model(em_table *table, const model *m, uint64_t step)
+{
+    em_test_snapshot s = em_test_snapshot_take(table, 64);
+    uint64_t *expected = malloc((m->count + 1) * sizeof(uint64_t));
+    for (uint64_t i = 0; i < m->count; i++)
+        expected[i] = m->rows[i].key;
+    qsort(expected, m->count, sizeof(uint64_t), compare_keys);
+    ck_assert_msg(s.count == m->count, "after request %" PRIu64 ": %" PRIu64 " rows, model %" PRIu64,
+                  step, s.count, m->count);
+    for (uint64_t i = 0; i < s.count; i++)
+        ck_assert_msg(s.keys[i] == expected[i],
+                      "after request %" PRIu64 ": row %" PRIu64 " is key %" PRIu64
+                      ", the model has %" PRIu64,
+                      step, i, s.keys[i], expected[i]);
+    free(expected);
+    em_test_snapshot_free(&s);
+}
+
+/* ---- tests ------------------------------------------------------------------------------ */
+
+static const em_eviction_policy policies[] = {EM_EVICTION_LRU, EM_EVICTION_LFU, EM_EVICTION_AGE};
+
+/* Loop index: the policy. Single-key pulls and pushes over a skewed universe of three
+ * times the capacity, every row compared (candidates 1024), against the model. */
+START_TEST(each_policy_follows_its_rule_exactly)
+{
+    em_eviction_policy policy = policies[_i];
+    const uint64_t capacity = 48;
+    em_backend *backend = make_backend(1);
+    em_table *table = make_table(backend, capacity, 1, policy, 1024);
+    model m = model_make(policy, capacity);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
+    em_error err;
+    for (uint64_t step = 1; step <= 1500; step++) {
+        /* skewed: half the requests go to the first 16 keys */
+        uint64_t key = em_test_rng_below(&rng, 2) == 0 ? em_test_rng_below(&rng, 16)
+                                                       : em_test_rng_below(&rng, 3 * capacity);
+        bool push = em_test_rng_below(&rng, 3) == 0;
+        ck_assert_msg(run_request(table, &key, 1, push, &err) == EM_OK, "%s", err.message);
+        model_request(&m, &key, 1, push);
+        if (step % 100 == 0)
+            assert_keys_match_model(table, &m, step);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, capacity);
+    ck_assert_uint_eq(stats.rows_evicted, m.evicted);
+    ck_assert_uint_eq(stats.rows_created, stats.rows + stats.rows_evicted);
+    ck_assert_uint_eq(stats.access_bytes % 16, 0);
+    ck_assert_uint_ge(stats.access_bytes, capacity * 16);
+    free(m.rows);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(a_request_never_evicts_its_own_rows)
+{
+    em_backend *backend = make_backend(1);
+    em_table *table = make_table(backend, 8, 1, EM_EVICTION_LRU, 1024);
+    em_error err;
+    for (uint64_t key = 1; key <= 8; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, false, &err), EM_OK);
+    /* key 1 is the least recent row, but this request reads it: key 2 goes instead */
+    uint64_t keys[] = {1, 100};
+    ck_assert_msg(run_request(table, keys, 2, true, &err) == EM_OK, "%s", err.message);
+    em_test_snapshot s = em_test_snapshot_take(table, 3);
+    const uint64_t expected[] = {1, 3, 4, 5, 6, 7, 8, 100};
+    ck_assert_uint_eq(s.count, 8);
+    for (int i = 0; i < 8; i++)
+        ck_assert_uint_eq(s.keys[i], expected[i]);
+    em_test_snapshot_free(&s);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(no_room_to_make_fails_whole)
+{
+    em_backend *backend = make_backend(1);
+    em_table *table = make_table(backend, 4, 1, EM_EVICTION_LRU, 16);
+    em_error err;
+    uint64_t full[] = {1, 2, 3, 4};
+    ck_assert_int_eq(run_request(table, full, 4, true, &err), EM_OK);
+    em_test_snapshot before = em_test_snapshot_take(table, 2);
+    /* five new keys cannot fit a table of four, whatever leaves */
+    uint64_t five[] = {10, 11, 12, 13, 14};
+    ck_assert_int_eq(run_request(table, five, 5, false, &err), EM_RESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(err.message, "table 't': full (capacity 4, 4 rows): this request creates "
+                                      "5 keys and the shards they go to hold only 4 rows it "
+                                      "does not use, 1 short of making room; nothing was "
+                                      "applied") != NULL,
+                  "%s", err.message);
+    em_test_assert_table_unchanged(table, &before);
+    /* three of its rows in use and two new keys: one row may leave, two must */
+    uint64_t mixed[] = {1, 2, 3, 20, 21};
+    ck_assert_int_eq(run_request(table, mixed, 5, true, &err), EM_RESOURCE_EXHAUSTED);
+    em_test_assert_table_unchanged(table, &before);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows_evicted, 0);
+    /* one new key with three in use: key 4 leaves */
+    uint64_t fits[] = {1, 2, 3, 30};
+    ck_assert_int_eq(run_request(table, fits, 4, true, &err), EM_OK);
+    em_test_snapshot after = em_test_snapshot_take(table, 2);
+    ck_assert_uint_eq(after.count, 4);
+    ck_assert_uint_eq(after.keys[3], 30);
+    em_test_snapshot_free(&after);
+    em_test_snapshot_free(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* The keys left after a sampled (candidates 4) stream, sorted. */
+static em_test_snapshot sampled_run(uint32_t shards, uint64_t *evicted)
+{
+    em_backend *backend = make_backend(shards > 1 ? 2 : 1);
+    em_table *table = make_table(backend, 100, shards, EM_EVICTION_LFU, 4);
+    em_test_rng rng;
+    em_test_rng_init(&rng, 4242);
+    em_error err;
+    for (int step = 0; step < 600; step++) {
+        uint64_t keys[8];
+        uint32_t n = 1 + (uint32_t)em_test_rng_below(&rng, 8);
+        for (uint32_t i = 0; i < n; i++)
+            keys[i] = 1000 * (uint64_t)step + i; /* distinct */
+        if (step % 3 == 0)
+            keys[0] = em_test_rng_below(&rng, 50); /* a few keys come back often */
+        ck_assert_msg(run_request(table, keys, n, step % 2 == 0, &err) == EM_OK, "%s",
+                      err.message);
+    }
+    em_test_snapshot s = em_test_snapshot_take(table, 64);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    *evicted = stats.rows_evicted;
+    ck_assert_uint_le(stats.rows, 100);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    return s;
+}
+
+START_TEST(the_same_requests_evict_the_same_keys)
+{
+    const uint32_t shard_counts[] = {1, 2, 4};
+    for (int c = 0; c < 3; c++) {
+        uint64_t evicted_a = 0, evicted_b = 0;
+        em_test_snapshot a = sampled_run(shard_counts[c], &evicted_a);
+        em_test_snapshot b = sampled_run(shard_counts[c], &evicted_b);
+        ck_assert_uint_gt(evicted_a, 1000);
+        ck_assert_uint_eq(evicted_a, evicted_b);
+        em_test_assert_snapshots_identical(&a, &b);
+        em_test_snapshot_free(&a);
+        em_test_snapshot_free(&b);
+    }
+}
+END_TEST
+
+START_TEST(a_snapshot_sees_evicted_rows_as_they_were)
+{
+    em_backend *backend = make_backend(1);
+    em_table *table = make_table(backend, 32, 2, EM_EVICTION_LRU, 8);
+    em_error err;
+    for (uint64_t key = 0; key < 32; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    em_test_snapshot before = em_test_snapshot_take(table, 5);
+    em_table_snapshot *snapshot = NULL;
+    ck_assert_int_eq(em_table_snapshot_begin(table, 1 << 20, &snapshot, &err), EM_OK);
+    /* 32 new keys: every old row is evicted and its row reused */
+    for (uint64_t key = 100; key < 132; key++)
+        ck_assert_msg(run_request(table, &key, 1, true, &err) == EM_OK, "%s", err.message);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows_evicted, 32);
+    uint64_t keys[32], total = 0, count = 0;
+    float values[32 * 8];
+    do {
+        ck_assert_int_eq(em_table_snapshot_read(snapshot, 32 - total, keys + total,
+                                                values + total * before.width, &count, &err),
+                         EM_OK);
+        total += count;
+    } while (count > 0 && total < 32);
+    ck_assert_uint_eq(total, 32);
+    em_table_snapshot_end(snapshot);
+    for (uint64_t i = 0; i < total; i++) {
+        uint64_t at = 0;
+        while (at < before.count && before.keys[at] != keys[i])
+            at++;
+        ck_assert_uint_lt(at, before.count);
+        ck_assert_int_eq(memcmp(values + i * before.width, before.values + at * before.width,
+                                before.width * sizeof(float)),
+                         0);
+    }
+    em_test_snapshot_free(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+typedef struct pusher {
+    em_table *table;
+    uint64_t seed;
+    int failures;
+} pusher;
+
+static void *push_random_keys(void *argument)
+{
+    pusher *p = argument;
+    em_test_rng rng;
+    em_test_rng_init(&rng, p->seed);
+    em_error err;
+    for (int step = 0; step < 400; step++) {
+        uint64_t keys[16];
+        uint32_t n = 1 + (uint32_t)em_test_rng_below(&rng, 16);
+        for (uint32_t i = 0; i < n; i++)
+            keys[i] = p->seed * 100000 + em_test_rng_below(&rng, 2000) * 16 + i; /* distinct */
+        if (run_request(p->table, keys, n, step % 4 != 0, &err) != EM_OK)
+            p->failures++;
+    }
+    return NULL;
+}
+
+START_TEST(concurrent_pushes_at_capacity_fail_nothing_and_counters_add_up)
+{
+    em_backend *backend = make_backend(2);
+    em_table *table = make_table(backend, 300, 4, EM_EVICTION_LRU, 16);
+    pusher pushers[4];
+    pthread_t threads[4];
+    for (int t = 0; t < 4; t++) {
+        pushers[t] = (pusher){.table = table, .seed = (uint64_t)t + 1};
+        ck_assert_int_eq(pthread_create(&threads[t], NULL, push_random_keys, &pushers[t]), 0);
+    }
+    for (int t = 0; t < 4; t++) {
+        pthread_join(threads[t], NULL);
+        ck_assert_int_eq(pushers[t].failures, 0);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_le(stats.rows, 300);
+    ck_assert_uint_gt(stats.rows_evicted, 0);
+    ck_assert_uint_eq(stats.rows_created, stats.rows + stats.rows_evicted);
+    em_test_snapshot s = em_test_snapshot_take(table, 64);
+    ck_assert_uint_eq(s.count, stats.rows);
+    em_test_snapshot_free(&s);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *suite = suite_create("eviction");
+    TCase *rules = tcase_create("rules");
+    tcase_add_loop_test(rules, each_policy_follows_its_rule_exactly, 0, 3);
+    tcase_add_test(rules, a_request_never_evicts_its_own_rows);
+    tcase_add_test(rules, no_room_to_make_fails_whole);
+    tcase_add_test(rules, the_same_requests_evict_the_same_keys);
+    tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);
+    suite_add_tcase(suite, rules);
+    TCase *concurrency = tcase_create("concurrency");
+    tcase_set_timeout(concurrency, 120);
+    tcase_add_test(concurrency, concurrent_pushes_at_capacity_fail_nothing_and_counters_add_up);
+    suite_add_tcase(suite, concurrency);
+    return em_test_run(suite);
+}
