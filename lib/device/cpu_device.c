@@ -773,14 +773,41 @@ static bool goes_first(const em_evict_spec *spec, const em_row_access *a, const 
     return a->accessed < b->accessed;
 }
 
-/* The policy's first victim among the n map entries keys/rows that is not kept;
- * returns its index, or n when every entry is kept. */
-static uint64_t pick_victim(const cpu_shard *shard, const em_evict_spec *spec,
-                            const uint64_t *rows, uint64_t n)
+/* Rows chosen by one eviction call so far: an open-addressing set (rows are never
+ * EM_ROW_NONE), so later samples pass over them until they are erased together. */
+typedef struct chosen_rows {
+    uint64_t *slots;
+    uint64_t mask;
+} chosen_rows;
+
+static bool chosen_has(const chosen_rows *chosen, uint64_t row)
 {
+    for (uint64_t slot = em_mix64(row) & chosen->mask;; slot = (slot + 1) & chosen->mask) {
+        if (chosen->slots[slot] == row)
+            return true;
+        if (chosen->slots[slot] == EM_ROW_NONE)
+            return false;
+    }
+}
+
+static void chosen_add(chosen_rows *chosen, uint64_t row)
+{
+    uint64_t slot = em_mix64(row) & chosen->mask;
+    while (chosen->slots[slot] != EM_ROW_NONE)
+        slot = (slot + 1) & chosen->mask;
+    chosen->slots[slot] = row;
+}
+
+/* The policy's first victim among the n map entries whose rows are neither kept nor
+ * chosen already; its index, or n when there is none. */
+static uint64_t pick_victim(const cpu_shard *shard, const em_evict_spec *spec,
+                            const chosen_rows *chosen, const uint64_t *rows, uint64_t n)
+{
+    for (uint64_t i = 0; i < n; i++)
+        __builtin_prefetch(row_access(shard, rows[i]), 0);
     uint64_t best = n;
     for (uint64_t i = 0; i < n; i++) {
-        if (row_kept(spec, rows[i]))
+        if (row_kept(spec, rows[i]) || chosen_has(chosen, rows[i]))
             continue;
         if (best == n || goes_first(spec, row_access(shard, rows[i]), row_access(shard, rows[best])))
             best = i;
@@ -788,27 +815,7 @@ static uint64_t pick_victim(const cpu_shard *shard, const em_evict_spec *spec,
     return best;
 }
 
-/* Up to max entries of the map from position on, wrapping to the start once. */
-static uint64_t sample_entries(em_hashmap *map, uint64_t position, uint64_t *keys, uint64_t *rows,
-                               uint64_t max)
-{
-    uint64_t cursor = position;
-    uint64_t got = em_hashmap_export(map, &cursor, keys, rows, max);
-    if (got < max && position > 0) {
-        cursor = 0;
-        while (got < max && cursor < position) {
-            uint64_t more = em_hashmap_export(map, &cursor, keys + got, rows + got,
-                                              max - got > position - cursor ? position - cursor
-                                                                            : max - got);
-            if (more == 0)
-                break;
-            got += more;
-        }
-    }
-    return got;
-}
-
-/* Tries of a sample before a full scan finds a row that is not kept. */
+/* Tries of a sample before a full scan finds a row that is neither kept nor chosen. */
 #define EVICT_SAMPLE_TRIES 8
 
 static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_spec *spec,
@@ -819,45 +826,49 @@ static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_s
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
     uint64_t width = spec->candidates > 0 ? spec->candidates : 1;
+    uint64_t set_slots = power_of_two_at_least(2 * spec->count + 2);
     uint64_t *sample_keys = malloc(width * sizeof(uint64_t));
     uint64_t *sample_rows = malloc(width * sizeof(uint64_t));
-    if (sample_keys == NULL || sample_rows == NULL) {
+    chosen_rows chosen = {.slots = malloc(set_slots * sizeof(uint64_t)), .mask = set_slots - 1};
+    if (sample_keys == NULL || sample_rows == NULL || chosen.slots == NULL) {
         free(sample_keys);
         free(sample_rows);
+        free(chosen.slots);
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
     }
+    memset(chosen.slots, 0xff, set_slots * sizeof(uint64_t));
     em_status status = EM_OK;
     uint64_t random = spec->random;
-    for (uint64_t v = 0; v < spec->count && status == EM_OK; v++) {
-        em_hashmap_stats map;
-        em_hashmap_get_stats(shard->map, &map);
-        uint64_t positions = map.slots + 2; /* the two side entries, then the slots */
-        uint64_t chosen = width, got = 0;
-        for (int attempt = 0; attempt < EVICT_SAMPLE_TRIES && chosen >= got; attempt++) {
+    for (uint64_t v = 0; v < spec->count; v++) {
+        uint64_t chosen_index = width, got = 0;
+        for (int attempt = 0; attempt < EVICT_SAMPLE_TRIES && chosen_index >= got; attempt++) {
             random = em_mix64(random + 0x9e3779b97f4a7c15ull);
-            got = sample_entries(shard->map, random % positions, sample_keys, sample_rows, width);
-            chosen = pick_victim(shard, spec, sample_rows, got);
+            got = em_hashmap_sample(shard->map, random, sample_keys, sample_rows, width);
+            chosen_index = pick_victim(shard, spec, &chosen, sample_rows, got);
         }
-        /* every sample was kept rows: walk the whole map for one that is not */
-        for (uint64_t cursor = 0; chosen >= got;) {
+        /* every sample was kept or chosen rows: walk the whole map for one that is not */
+        for (uint64_t cursor = 0; chosen_index >= got;) {
             got = em_hashmap_export(shard->map, &cursor, sample_keys, sample_rows, width);
             if (got == 0)
                 break;
-            chosen = pick_victim(shard, spec, sample_rows, got);
+            chosen_index = pick_victim(shard, spec, &chosen, sample_rows, got);
         }
-        if (chosen >= got) {
+        if (chosen_index >= got) {
             status = em_error_set(err, EM_INTERNAL,
                                   "eviction found only %" PRIu64 " of %" PRIu64
                                   " rows outside the request",
                                   v, spec->count);
             break;
         }
-        keys[v] = sample_keys[chosen];
-        rows[v] = sample_rows[chosen];
-        em_hashmap_erase(shard->map, &keys[v], 1, NULL);
+        keys[v] = sample_keys[chosen_index];
+        rows[v] = sample_rows[chosen_index];
+        chosen_add(&chosen, rows[v]);
     }
+    if (status == EM_OK)
+        em_hashmap_erase(shard->map, keys, spec->count, NULL);
     free(sample_keys);
     free(sample_rows);
+    free(chosen.slots);
     return status;
 }
 

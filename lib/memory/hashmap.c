@@ -761,6 +761,21 @@ static bool export_position(em_hashmap *map, uint64_t position, uint64_t *key,
     return true;
 }
 
+size_t em_hashmap_sample(em_hashmap *map, uint64_t random, uint64_t *keys, uint64_t *values,
+                         size_t max)
+{
+    size_t copied = 0;
+    pthread_rwlock_rdlock(&map->lock);
+    uint64_t positions = SIDE_COUNT + (uint64_t)map->slot_count;
+    uint64_t position = random % positions;
+    for (uint64_t seen = 0; seen < positions && copied < max; seen++) {
+        copied += export_position(map, position, &keys[copied], &values[copied]);
+        position = position + 1 == positions ? 0 : position + 1;
+    }
+    pthread_rwlock_unlock(&map->lock);
+    return copied;
+}
+
 size_t em_hashmap_export(em_hashmap *map, uint64_t *cursor, uint64_t *keys, uint64_t *values,
                          size_t max)
 {

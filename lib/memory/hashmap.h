@@ -105,6 +105,13 @@ size_t em_hashmap_erase(em_hashmap *map, const uint64_t *keys, size_t n, uint64_
 size_t em_hashmap_export(em_hashmap *map, uint64_t *cursor, uint64_t *keys, uint64_t *values,
                          size_t max);
 
+/* Up to max entries (keys, values) in export order from a position chosen by random
+ * (random modulo the positions), wrapping at the end, never an entry twice: a sample of
+ * neighbouring entries, which linear probing places by their keys' hashes. Returns how
+ * many were copied (fewer than max only when the map holds fewer). */
+size_t em_hashmap_sample(em_hashmap *map, uint64_t random, uint64_t *keys, uint64_t *values,
+                         size_t max);
+
 size_t em_hashmap_size(em_hashmap *map);
 
 /* One past the highest row index handed out so far (0 for a new map). */

@@ -1,0 +1,417 @@
+/*
+ * Eviction on the CPU backend:
+ *
+ *   1. insert throughput (pushes of batches of new keys, sgd, dim 64) into a full table
+ *      that evicts (lru) against the same inserts into a table at load 0.5 that needs
+ *      no room, in the same run;
+ *   2. hit rate of lru and lfu (sampled, `candidates` entries per row removed) against
+ *      an exact LRU and an exact LFU on the same Zipf streams (alpha 1.05 and 1.2, key
+ *      space 10x the capacity), one key per request.
+ *
+ *   bench_eviction [--rows N] [--batch B] [--rounds R] [--capacity C] [--accesses A]
+ *                  [--candidates K]
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lib/device/backend.h"
+#include "lib/table/table.h"
+#include "tests/support/test_support.h"
+
+typedef struct options {
+    uint64_t rows;      /* part 1: capacity */
+    uint32_t batch;     /* part 1: new keys per push */
+    uint64_t capacity;  /* part 2 */
+    uint64_t accesses;  /* part 2: requests per stream */
+    uint32_t candidates;
+    int rounds;         /* part 1 */
+} options;
+
+static void die(const char *what, const em_error *err)
+{
+    fprintf(stderr, "bench_eviction: %s: %s\n", what, err != NULL ? err->message : "");
+    exit(1);
+}
+
+static em_backend *cpu_backend(void)
+{
+    em_cpu_backend_options cpu;
+    em_cpu_backend_options_init(&cpu);
+    cpu.devices = 1;
+    em_backend *backend = NULL;
+    em_error err;
+    if (em_backend_create_cpu(&cpu, &backend, &err) != EM_OK)
+        die("backend", &err);
+    return backend;
+}
+
+static em_table *make_table(em_backend *backend, uint32_t dim, uint64_t capacity,
+                            em_eviction_policy policy, uint32_t candidates)
+{
+    em_table_config config;
+    em_table_config_init(&config, "bench", dim, capacity);
+    config.shards = 8;
+    config.optimizer.kind = EM_OPTIMIZER_SGD;
+    config.optimizer.learning_rate = 0.01;
+    config.eviction.policy = policy;
+    config.eviction.candidates = candidates;
+    em_table *table = NULL;
+    em_error err;
+    if (em_table_create(backend, &config, &table, &err) != EM_OK)
+        die("create", &err);
+    return table;
+}
+
+/* ---- part 1: insert throughput ---------------------------------------------------------- */
+
+typedef struct pusher {
+    uint32_t batch, dim;
+    uint64_t *keys;
+    uint32_t *offsets;
+    float *gradients;
+} pusher;
+
+static pusher pusher_make(uint32_t batch, uint32_t dim)
+{
+    pusher p = {.batch = batch, .dim = dim};
+    p.keys = malloc(batch * sizeof(uint64_t));
+    p.offsets = malloc((batch + 1) * sizeof(uint32_t));
+    p.gradients = malloc((size_t)batch * dim * sizeof(float));
+    for (uint32_t i = 0; i <= batch; i++)
+        p.offsets[i] = i;
+    for (size_t i = 0; i < (size_t)batch * dim; i++)
+        p.gradients[i] = 0.001f;
+    return p;
+}
+
+/* Pushes keys first, first + 1, ... (scrambled), batch by batch, n keys in all;
+ * returns the seconds it took. */
+static double push_new_keys(em_table *table, pusher *p, uint64_t first, uint64_t n)
+{
+    double start = em_test_now();
+    for (uint64_t done = 0; done < n; done += p->batch) {
+        uint32_t count = n - done < p->batch ? (uint32_t)(n - done) : p->batch;
+        for (uint32_t i = 0; i < count; i++)
+            p->keys[i] = (first + done + i) * 0x9e3779b97f4a7c15ull + 7;
+        em_push_request request = {
+            .batch = {.rows = count, .nnz = count, .offsets = p->offsets, .keys = p->keys},
+            .combiner = EM_COMBINER_NONE,
+            .gradients = p->gradients,
+            .gradient_count = (uint64_t)count * p->dim,
+        };
+        em_push_result result;
+        em_error err;
+        if (em_table_push(table, &request, &result, &err) != EM_OK)
+            die("push", &err);
+    }
+    return em_test_now() - start;
+}
+
+static void insert_throughput(const options *opt)
+{
+    const uint32_t dim = 64;
+    em_backend *backend = cpu_backend();
+    pusher p = pusher_make(opt->batch, dim);
+    uint64_t measured = opt->rows / 4;
+    printf("1. insert throughput: pushes of %u new keys (sgd, dim %u, 8 shards), %" PRIu64
+           " keys timed per round\n\n",
+           opt->batch, dim, measured);
+    printf("%5s %16s %16s %10s\n", "round", "load 0.5 keys/s", "full+lru keys/s", "full/0.5");
+    em_table *half = make_table(backend, dim, opt->rows, EM_EVICTION_NONE, 16);
+    em_table *full = make_table(backend, dim, opt->rows, EM_EVICTION_LRU, opt->candidates);
+    push_new_keys(half, &p, 0, opt->rows / 2);
+    push_new_keys(full, &p, 0, opt->rows);
+    uint64_t next_half = opt->rows / 2, next_full = opt->rows;
+    double ratios[64];
+    int rounds = opt->rounds;
+    for (int r = 0; r < rounds; r++) {
+        /* the load-0.5 table stays between 0.5 and 0.75: a fresh one each round */
+        em_table_destroy(half);
+        half = make_table(backend, dim, opt->rows, EM_EVICTION_NONE, 16);
+        push_new_keys(half, &p, 1u << 30, opt->rows / 2);
+        double t_half = push_new_keys(half, &p, next_half, measured);
+        double t_full = push_new_keys(full, &p, next_full, measured);
+        next_half += measured;
+        next_full += measured;
+        ratios[r] = t_half / t_full;
+        printf("%5d %16.0f %16.0f %9.3fx\n", r + 1, measured / t_half, measured / t_full,
+               ratios[r]);
+    }
+    for (int i = 1; i < rounds; i++)
+        for (int j = i; j > 0 && ratios[j] < ratios[j - 1]; j--) {
+            double t = ratios[j];
+            ratios[j] = ratios[j - 1];
+            ratios[j - 1] = t;
+        }
+    em_table_stats stats;
+    em_table_get_stats(full, &stats);
+    printf("median %37.3fx   (full table: %" PRIu64 " rows, %" PRIu64 " evicted)\n\n",
+           ratios[rounds / 2], stats.rows, stats.rows_evicted);
+    em_table_destroy(half);
+    em_table_destroy(full);
+    free(p.keys);
+    free(p.offsets);
+    free(p.gradients);
+    em_backend_destroy(backend);
+}
+
+/* ---- part 2: hit rates against exact oracles -------------------------------------------- */
+
+/* Zipf ranks 0..n-1 by inverse CDF; rank r is key scramble(r). */
+typedef struct zipf {
+    uint64_t n;
+    double *cdf;
+} zipf;
+
+static zipf zipf_make(uint64_t n, double alpha)
+{
+    zipf z = {.n = n, .cdf = malloc(n * sizeof(double))};
+    double sum = 0.0;
+    for (uint64_t r = 0; r < n; r++) {
+        sum += 1.0 / pow((double)(r + 1), alpha);
+        z.cdf[r] = sum;
+    }
+    for (uint64_t r = 0; r < n; r++)
+        z.cdf[r] /= sum;
+    return z;
+}
+
+static uint64_t zipf_draw(const zipf *z, em_test_rng *rng)
+{
+    double u = em_test_rng_unit(rng);
+    uint64_t low = 0, high = z->n - 1;
+    while (low < high) {
+        uint64_t middle = (low + high) / 2;
+        if (z->cdf[middle] < u)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    return low * 0x9e3779b97f4a7c15ull + 3;
+}
+
+/* An exact LRU or LFU cache of keys: a binary min-heap of (score, stamp) with each key's
+ * heap position in an open-addressing map. LRU scores by the last access, LFU by the
+ * access count (ties: the last access), as the table's policies do. */
+typedef struct oracle_entry {
+    uint64_t key, frequency, stamp;
+} oracle_entry;
+
+typedef struct oracle {
+    bool lfu;
+    uint64_t capacity, count, slots;
+    oracle_entry *heap;
+    uint64_t *slot_keys;     /* UINT64_MAX: empty */
+    uint64_t *slot_position; /* heap index of the slot's key */
+} oracle;
+
+static uint64_t oracle_slot(const oracle *o, uint64_t key)
+{
+    uint64_t slot = (key * 0xff51afd7ed558ccdull) % o->slots;
+    while (o->slot_keys[slot] != UINT64_MAX && o->slot_keys[slot] != key)
+        slot = slot + 1 == o->slots ? 0 : slot + 1;
+    return slot;
+}
+
+static bool oracle_before(const oracle *o, const oracle_entry *a, const oracle_entry *b)
+{
+    if (o->lfu && a->frequency != b->frequency)
+        return a->frequency < b->frequency;
+    return a->stamp < b->stamp;
+}
+
+static void oracle_place(oracle *o, uint64_t at, oracle_entry entry)
+{
+    o->heap[at] = entry;
+    o->slot_position[oracle_slot(o, entry.key)] = at;
+}
+
+static void oracle_sift(oracle *o, uint64_t at)
+{
+    oracle_entry entry = o->heap[at];
+    while (at > 0 && oracle_before(o, &entry, &o->heap[(at - 1) / 2])) {
+        oracle_place(o, at, o->heap[(at - 1) / 2]);
+        at = (at - 1) / 2;
+    }
+    for (;;) {
+        uint64_t child = 2 * at + 1;
+        if (child >= o->count)
+            break;
+        if (child + 1 < o->count && oracle_before(o, &o->heap[child + 1], &o->heap[child]))
+            child++;
+        if (!oracle_before(o, &o->heap[child], &entry))
+            break;
+        oracle_place(o, at, o->heap[child]);
+        at = child;
+    }
+    oracle_place(o, at, entry);
+}
+
+/* Removes the key at slot, keeping the probe chains whole (backward shift). */
+static void oracle_unmap(oracle *o, uint64_t slot)
+{
+    o->slot_keys[slot] = UINT64_MAX;
+    for (uint64_t next = slot + 1 == o->slots ? 0 : slot + 1; o->slot_keys[next] != UINT64_MAX;
+         next = next + 1 == o->slots ? 0 : next + 1) {
+        uint64_t key = o->slot_keys[next], position = o->slot_position[next];
+        o->slot_keys[next] = UINT64_MAX;
+        uint64_t home = oracle_slot(o, key);
+        o->slot_keys[home] = key;
+        o->slot_position[home] = position;
+    }
+}
+
+/* One access; returns whether it was a hit. */
+static bool oracle_access(oracle *o, uint64_t key, uint64_t stamp)
+{
+    uint64_t slot = oracle_slot(o, key);
+    if (o->slot_keys[slot] == key) {
+        uint64_t at = o->slot_position[slot];
+        o->heap[at].frequency++;
+        o->heap[at].stamp = stamp;
+        oracle_sift(o, at);
+        return true;
+    }
+    if (o->count == o->capacity) {
+        oracle_unmap(o, oracle_slot(o, o->heap[0].key));
+        o->count--;
+        if (o->count > 0) {
+            oracle_place(o, 0, o->heap[o->count]);
+            oracle_sift(o, 0);
+        }
+        slot = oracle_slot(o, key);
+    }
+    o->slot_keys[slot] = key;
+    o->slot_position[slot] = o->count;
+    o->heap[o->count++] = (oracle_entry){.key = key, .frequency = 1, .stamp = stamp};
+    oracle_sift(o, o->count - 1);
+    return false;
+}
+
+static double oracle_hit_rate(bool lfu, uint64_t capacity, const uint64_t *stream, uint64_t n)
+{
+    oracle o = {.lfu = lfu, .capacity = capacity, .slots = capacity * 2 + 1};
+    o.heap = malloc(capacity * sizeof(*o.heap));
+    o.slot_keys = malloc(o.slots * sizeof(uint64_t));
+    o.slot_position = malloc(o.slots * sizeof(uint64_t));
+    memset(o.slot_keys, 0xff, o.slots * sizeof(uint64_t));
+    uint64_t hits = 0;
+    for (uint64_t i = 0; i < n; i++)
+        hits += oracle_access(&o, stream[i], i + 1);
+    free(o.heap);
+    free(o.slot_keys);
+    free(o.slot_position);
+    return (double)hits / (double)n;
+}
+
+static double table_hit_rate(em_backend *backend, em_eviction_policy policy, uint32_t candidates,
+                             uint64_t capacity, const uint64_t *stream, uint64_t n,
+                             double *seconds)
+{
+    const uint32_t dim = 8;
+    em_table *table = make_table(backend, dim, capacity, policy, candidates);
+    uint32_t offsets[2] = {0, 1};
+    float out[8];
+    uint64_t hits = 0;
+    double start = em_test_now();
+    for (uint64_t i = 0; i < n; i++) {
+        em_pull_request request = {
+            .batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &stream[i]},
+            .combiner = EM_COMBINER_NONE,
+            .create_missing = true,
+            .out = out,
+            .out_capacity = dim,
+        };
+        em_pull_result result;
+        em_error err;
+        if (em_table_pull(table, &request, &result, &err) != EM_OK)
+            die("pull", &err);
+        hits += result.missing == 0;
+    }
+    *seconds = em_test_now() - start;
+    em_table_destroy(table);
+    return (double)hits / (double)n;
+}
+
+static void hit_rates(const options *opt)
+{
+    em_backend *backend = cpu_backend();
+    printf("2. hit rate: one key per pull (create_missing), capacity %" PRIu64
+           ", key space %" PRIu64 ", %" PRIu64 " accesses per stream, candidates %u\n\n",
+           opt->capacity, opt->capacity * 10, opt->accesses, opt->candidates);
+    printf("%6s %7s %11s %11s %11s %12s\n", "alpha", "policy", "ember", "exact", "difference",
+           "ember s");
+    const double alphas[] = {1.05, 1.2};
+    for (int a = 0; a < 2; a++) {
+        zipf z = zipf_make(opt->capacity * 10, alphas[a]);
+        em_test_rng rng;
+        em_test_rng_init(&rng, 77 + (uint64_t)a);
+        uint64_t *stream = malloc(opt->accesses * sizeof(uint64_t));
+        for (uint64_t i = 0; i < opt->accesses; i++)
+            stream[i] = zipf_draw(&z, &rng);
+        for (int lfu = 0; lfu <= 1; lfu++) {
+            double seconds = 0.0;
+            double ours = table_hit_rate(backend, lfu ? EM_EVICTION_LFU : EM_EVICTION_LRU,
+                                         opt->candidates, opt->capacity, stream, opt->accesses,
+                                         &seconds);
+            double exact = oracle_hit_rate(lfu, opt->capacity, stream, opt->accesses);
+            printf("%6.2f %7s %10.2f%% %10.2f%% %+10.2f pp %11.2f\n", alphas[a],
+                   lfu ? "lfu" : "lru", 100.0 * ours, 100.0 * exact, 100.0 * (ours - exact),
+                   seconds);
+        }
+        free(stream);
+        free(z.cdf);
+    }
+    em_backend_destroy(backend);
+}
+
+static uint64_t parse_count(const char *text, const char *flag)
+{
+    char *end = NULL;
+    unsigned long long value = strtoull(text, &end, 10);
+    if (end == text || *end != '\0' || value == 0) {
+        fprintf(stderr, "bench_eviction: %s '%s' is not a positive whole number\n", flag, text);
+        exit(2);
+    }
+    return value;
+}
+
+int main(int argc, char **argv)
+{
+    options opt = {.rows = 1u << 19, .batch = 65536, .capacity = 10000, .accesses = 500000,
+                   .candidates = 16, .rounds = 5};
+    for (int i = 1; i < argc; i++) {
+        if (i + 1 >= argc) {
+            fprintf(stderr, "usage: bench_eviction [--rows N] [--batch B] [--rounds R] "
+                            "[--capacity C] [--accesses A] [--candidates K]\n");
+            return 2;
+        }
+        if (strcmp(argv[i], "--rows") == 0)
+            opt.rows = parse_count(argv[++i], "--rows");
+        else if (strcmp(argv[i], "--batch") == 0)
+            opt.batch = (uint32_t)parse_count(argv[++i], "--batch");
+        else if (strcmp(argv[i], "--rounds") == 0) {
+            uint64_t rounds = parse_count(argv[++i], "--rounds");
+            opt.rounds = rounds < 64 ? (int)rounds : 64;
+        } else if (strcmp(argv[i], "--capacity") == 0)
+            opt.capacity = parse_count(argv[++i], "--capacity");
+        else if (strcmp(argv[i], "--accesses") == 0)
+            opt.accesses = parse_count(argv[++i], "--accesses");
+        else if (strcmp(argv[i], "--candidates") == 0)
+            opt.candidates = (uint32_t)parse_count(argv[++i], "--candidates");
+        else {
+            fprintf(stderr, "bench_eviction: unknown option '%s'\n", argv[i]);
+            return 2;
+        }
+    }
+    em_test_print_machine(NULL);
+    printf("command: bench_eviction --rows %" PRIu64 " --batch %u --rounds %d --capacity %" PRIu64
+           " --accesses %" PRIu64 " --candidates %u\n\n",
+           opt.rows, opt.batch, opt.rounds, opt.capacity, opt.accesses, opt.candidates);
+    insert_throughput(&opt);
+    hit_rates(&opt);
+    return 0;
+}
