@@ -872,6 +872,25 @@ static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_s
     return status;
 }
 
+static em_status cpu_shard_erase(em_shard *base, em_lane *lane, const uint64_t *keys,
+                                 const uint64_t *rows, uint64_t n, em_error *err)
+{
+    (void)lane;
+    cpu_shard *shard = cpu_shard_of(base);
+    uint64_t *present = NULL;
+    em_status status = em_device_alloc(base->device, (n + 1) * sizeof(uint64_t), "erase keys",
+                                       (void **)&present, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t count = 0;
+    for (uint64_t i = 0; i < n; i++)
+        if (rows[i] != EM_ROW_NONE)
+            present[count++] = keys[i];
+    em_hashmap_erase(shard->map, present, count, NULL);
+    em_device_free(base->device, present);
+    return EM_OK;
+}
+
 /* ---- device ---------------------------------------------------------------------- */
 
 static void cpu_device_destroy(em_device *device)
@@ -907,6 +926,7 @@ static const em_device_ops cpu_device_ops = {
     .shard_stats = cpu_shard_stats,
     .shard_touch = cpu_shard_touch,
     .shard_evict = cpu_shard_evict,
+    .shard_erase = cpu_shard_erase,
     .destroy = cpu_device_destroy,
 };
 

@@ -209,6 +209,11 @@ typedef struct em_device_ops {
      * that the shard holds that many rows outside kept. Under the shard's write lock. */
     em_status (*shard_evict)(em_shard *shard, em_lane *lane, const em_evict_spec *spec,
                              uint64_t *keys, uint64_t *rows, em_error *err);
+    /* Removes the keys whose rows[i] is not EM_ROW_NONE (distinct keys with their rows
+     * from shard_find, device memory); their rows are reused by later inserts. Under the
+     * shard's write lock. NULL where a backend cannot erase. */
+    em_status (*shard_erase)(em_shard *shard, em_lane *lane, const uint64_t *keys,
+                             const uint64_t *rows, uint64_t n, em_error *err);
 
     /* -- lifecycle ----------------------------------------------------------------- */
     void (*destroy)(em_device *device);

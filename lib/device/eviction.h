@@ -33,4 +33,7 @@ typedef struct em_evict_spec {
     uint64_t kept_count;
 } em_evict_spec;
 
+/* Most evicted keys a table remembers (table_config: eviction.ring). */
+#define EM_EVICTION_RING_MAX (UINT32_C(1) << 20)
+
 #endif

@@ -301,6 +301,67 @@ em_status em_table_push(em_table *table, const em_push_request *request, em_push
     return EM_OK;
 }
 
+/* ---- erase ---------------------------------------------------------------------------- */
+
+em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint64_t *erased,
+                         em_error *err)
+{
+    *erased = 0;
+    if (n > MAX_KEYS_PER_REQUEST)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "erase from table '%s': %" PRIu64 " keys exceed %" PRIu32
+                            " keys per request",
+                            table->config.name, n, MAX_KEYS_PER_REQUEST);
+    if (n > 0 && keys == NULL)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "erase from table '%s': keys are missing",
+                            table->config.name);
+    for (uint32_t d = 0; d < table->backend->device_count; d++)
+        if (table->backend->devices[d]->ops->shard_erase == NULL)
+            return em_error_set(err, EM_FAILED_PRECONDITION,
+                                "erase from table '%s': the %s backend cannot erase keys",
+                                table->config.name, table->backend->kind);
+    if (n == 0)
+        return EM_OK;
+    request_context r;
+    pthread_rwlock_wrlock(&table->lock);
+    em_status status = em__request_begin(table, &r, err);
+    if (status == EM_OK)
+        status = em__plan_and_find(&r, keys, n, false, err);
+    if (status == EM_OK)
+        status = em__erase_found(&r, erased, err);
+    if (status == EM_OK)
+        status = em__synchronize_devices(&r, err);
+    em__request_end(&r);
+    pthread_rwlock_unlock(&table->lock);
+    atomic_fetch_add_explicit(&table->rows_erased, *erased, memory_order_relaxed);
+    if (status != EM_OK)
+        return em_error_prefix(err, "erase from table '%s': ", table->config.name);
+    return EM_OK;
+}
+
+em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64_t *keys,
+                           em_evicted_view *view, em_error *err)
+{
+    (void)err;
+    memset(view, 0, sizeof(*view));
+    uint32_t ring = table->evicted_keys != NULL ? table->config.eviction.ring : 0;
+    pthread_mutex_lock(&table->evicted_lock);
+    uint64_t total = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
+    uint64_t oldest = total > ring ? total - ring + 1 : 1; /* sequence of the oldest kept */
+    uint64_t first = after + 1 > oldest ? after + 1 : oldest;
+    uint64_t count = first <= total ? total - first + 1 : 0;
+    if (count > max)
+        count = max;
+    for (uint64_t i = 0; i < count; i++)
+        keys[i] = table->evicted_keys[(first + i - 1) % ring];
+    pthread_mutex_unlock(&table->evicted_lock);
+    view->total = total;
+    view->count = count;
+    view->first = count > 0 ? first : 0;
+    view->missed = first > after + 1 ? first - after - 1 : 0;
+    return EM_OK;
+}
+
 /* ---- lifecycle and stats --------------------------------------------------------- */
 
 static em_status create_shards(em_table *table, em_error *err)
@@ -369,6 +430,16 @@ em_status em_table_create(em_backend *backend, const em_table_config *config, em
     pthread_rwlock_init(&table->lock, &attributes);
     pthread_rwlockattr_destroy(&attributes);
     pthread_mutex_init(&table->snapshot_mutex, NULL);
+    pthread_mutex_init(&table->evicted_lock, NULL);
+    if (config->eviction.policy != EM_EVICTION_NONE && config->eviction.ring > 0) {
+        table->evicted_keys = calloc(config->eviction.ring, sizeof(uint64_t));
+        if (table->evicted_keys == NULL) {
+            em_table_destroy(table);
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                "table '%s': out of host memory for the evicted-key ring",
+                                config->name);
+        }
+    }
     pthread_cond_init(&table->snapshot_room, NULL);
     status = create_shards(table, err);
     if (status != EM_OK) {
@@ -394,6 +465,8 @@ void em_table_destroy(em_table *table)
     free(table->shard_device);
     pthread_rwlock_destroy(&table->lock);
     pthread_mutex_destroy(&table->snapshot_mutex);
+    pthread_mutex_destroy(&table->evicted_lock);
+    free(table->evicted_keys);
     pthread_cond_destroy(&table->snapshot_room);
     free(table);
 }
@@ -436,6 +509,9 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->keys_pulled = atomic_load_explicit(&table->keys_pulled, memory_order_relaxed);
     out->keys_pushed = atomic_load_explicit(&table->keys_pushed, memory_order_relaxed);
     out->rows_created = atomic_load_explicit(&table->rows_created, memory_order_relaxed);
+    pthread_mutex_lock(&table->evicted_lock);
     out->rows_evicted = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
+    pthread_mutex_unlock(&table->evicted_lock);
+    out->rows_erased = atomic_load_explicit(&table->rows_erased, memory_order_relaxed);
 }
 

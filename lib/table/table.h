@@ -78,7 +78,8 @@ typedef struct em_push_result {
     X(uint64_t, keys_pulled, COUNTER, NONE, "keys read by pulls")                             \
     X(uint64_t, keys_pushed, COUNTER, NONE, "keys updated by pushes")                         \
     X(uint64_t, rows_created, COUNTER, NONE, "rows inserted")                                 \
-    X(uint64_t, rows_evicted, COUNTER, NONE, "rows removed by the eviction policy to make room")
+    X(uint64_t, rows_evicted, COUNTER, NONE, "rows removed by the eviction policy to make room") \
+    X(uint64_t, rows_erased, COUNTER, NONE, "rows removed by ERASE")
 
 typedef struct em_table_stats {
 #define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;
@@ -119,6 +120,28 @@ em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull
  * Thread-safe. */
 em_status em_table_push(em_table *table, const em_push_request *request, em_push_result *result,
                         em_error *err);
+
+/* Removes the listed keys that are present (n of them, repeats allowed); *erased says
+ * how many were. A snapshot being read still sees them. Errors: INVALID_ARGUMENT,
+ * FAILED_PRECONDITION for a backend that cannot erase, RESOURCE_EXHAUSTED. Thread-safe. */
+em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint64_t *erased,
+                         em_error *err);
+
+/* What em_table_evicted read. Every key the table evicts gets a sequence number, 1,
+ * 2, ...; the table keeps the last eviction.ring of them. */
+typedef struct em_evicted_view {
+    uint64_t total;  /* keys evicted since the table was created: the last sequence */
+    uint64_t first;  /* sequence of keys[0] (0 when count is 0) */
+    uint64_t count;  /* keys copied */
+    uint64_t missed; /* keys after `after` that the ring no longer holds */
+} em_evicted_view;
+
+/* Copies the evicted keys with sequence numbers above after, oldest first, at most max
+ * of them, into keys. A reader that passes the last sequence it saw gets exactly what
+ * it has not seen, and view->missed says how many of those the ring dropped first.
+ * Thread-safe. */
+em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64_t *keys,
+                           em_evicted_view *view, em_error *err);
 
 /* Copies up to max rows (key + em_table_stats.row_floats floats: weights then optimizer
  * state) from *cursor on; *count 0 means the export is complete. Rows created or

@@ -147,6 +147,9 @@ static const em_config_field eviction_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "candidates", em_eviction_config, candidates),
      .flags = EM_CONFIG_UNSIGNED, .min = 1, .max = EM_EVICTION_CANDIDATES_MAX,
      .default_json = "16", .help = "hash map entries compared for each row removed"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "ring", em_eviction_config, ring),
+     .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = EM_EVICTION_RING_MAX, .default_json = "1024",
+     .help = "the most recently evicted keys kept for EVICTED (0: none)"},
 };
 
 static const em_config_schema eviction_schema = {

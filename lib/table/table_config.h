@@ -4,7 +4,7 @@
  *   {"name": "clicks", "dim": 64, "capacity": 10000000, "shards": 8,
  *    "optimizer": {"type": "adagrad", "lr": 0.05, "eps": 1e-10, "initial_accumulator": 0},
  *    "initializer": {"type": "uniform", "bound": 0.01, "seed": 7},
- *    "eviction": {"policy": "lru", "candidates": 16}}
+ *    "eviction": {"policy": "lru", "candidates": 16, "ring": 1024}}
  *
  * name, dim and capacity are required. shards 0 (the default) means one shard per
  * device of the backend. Optimizer keys that do not apply to the chosen type are
@@ -20,6 +20,8 @@
  * of the shard's hash map from a pseudo-random position (a function of the table's
  * initializer seed and its evictions so far) are compared and the policy's worst goes
  * (tests/bench/bench_eviction measures how close this comes to exact LRU and LFU).
+ * Nothing leaves silently: rows_evicted counts every key removed, and the last `ring`
+ * of them are kept, numbered, for em_table_evicted (the EVICTED admin call).
  */
 #ifndef EMBER_LIB_TABLE_CONFIG_H
 #define EMBER_LIB_TABLE_CONFIG_H
@@ -44,6 +46,7 @@
 typedef struct em_eviction_config {
     int policy;          /* em_eviction_policy */
     uint32_t candidates; /* map entries compared per row removed */
+    uint32_t ring;       /* the most recently evicted keys kept for EVICTED (0: none) */
 } em_eviction_config;
 
 const char *em_eviction_policy_name(em_eviction_policy policy);

@@ -55,8 +55,12 @@ struct em_table {
     /* eviction (tables with a policy): the clocks rows are stamped with (requests, and
      * pushes), the rows removed, and the state of the sampling's pseudo-random numbers
      * (under the exclusive lock) */
-    _Atomic uint64_t access_clock, update_clock, rows_evicted;
+    _Atomic uint64_t access_clock, update_clock, rows_evicted, rows_erased;
     uint64_t evict_random;
+    /* the last evicted keys: key with sequence q (1, 2, ... over every key evicted) sits
+     * at evicted_keys[(q - 1) % ring]; under evicted_lock */
+    pthread_mutex_t evicted_lock;
+    uint64_t *evicted_keys;
 };
 
 typedef struct scratch_item {
@@ -127,6 +131,13 @@ em_status em__stage_offsets(request_context *r, const em_csr *batch, em_error *e
  * every partitioned key (for gathering straight into a per-key output). */
 em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
                             bool want_targets, em_error *err);
+
+/* Counts count evicted keys and keeps them in the table's ring. */
+void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count);
+
+/* Erases the request's keys that were found (under the exclusive table lock; each
+ * shard's write lock is taken here); *erased of them. */
+em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err);
 
 /* Creates every missing key, or nothing: capacity and memory are settled first. The
  * write locks of the shards that get keys are taken here unless locks_held (the caller

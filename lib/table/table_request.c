@@ -485,6 +485,17 @@ static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_
     return EM_OK;
 }
 
+void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count)
+{
+    uint32_t ring = table->config.eviction.ring;
+    pthread_mutex_lock(&table->evicted_lock);
+    uint64_t total = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
+    for (uint64_t i = 0; ring > 0 && i < count; i++)
+        table->evicted_keys[(total + i) % ring] = keys[i];
+    atomic_store_explicit(&table->rows_evicted, total + count, memory_order_relaxed);
+    pthread_mutex_unlock(&table->evicted_lock);
+}
+
 /* Shard s gives up count rows by the table's policy; a snapshot being read keeps their
  * values (the rows are reused by this request's inserts). */
 static em_status evict_from_shard(request_context *r, segment *seg, uint32_t s, uint64_t count,
@@ -516,7 +527,7 @@ static em_status evict_from_shard(request_context *r, segment *seg, uint32_t s, 
     }
     if (status == EM_OK) {
         table->rows -= count;
-        atomic_fetch_add_explicit(&table->rows_evicted, count, memory_order_relaxed);
+        em__record_evicted(table, keys, count);
         const uint64_t *device_rows = rows;
         if (!seg->device->host_addressable && table->snapshot != NULL) {
             void *copy = NULL;
@@ -549,6 +560,38 @@ static em_status evict_rows(request_context *r, const uint64_t *evict, em_error 
             em_status status = evict_from_shard(r, seg, s, evict[s], err);
             if (status != EM_OK)
                 return status;
+        }
+    }
+    return EM_OK;
+}
+
+em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err)
+{
+    em_table *table = r->table;
+    *erased = 0;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            uint64_t n = shard_key_count(r, s), found = n - r->shard_missing[s];
+            if (found == 0)
+                continue;
+            uint64_t offset = shard_offset(r, seg, s);
+            pthread_rwlock_wrlock(&table->shard_locks[s]);
+            /* a snapshot being read keeps the rows' values: later inserts reuse them */
+            em_status status = em__snapshot_preserve(table, s, seg->lane, seg->rows + offset, n,
+                                                     err);
+            if (status == EM_OK)
+                status = seg->device->ops->shard_erase(table->shards[s], seg->lane,
+                                                       seg->keys + offset, seg->rows + offset, n,
+                                                       err);
+            if (status == EM_OK) {
+                table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+                table->rows -= found;
+                *erased += found;
+            }
+            pthread_rwlock_unlock(&table->shard_locks[s]);
+            if (status != EM_OK)
+                return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         }
     }
     return EM_OK;

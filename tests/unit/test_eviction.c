@@ -353,6 +353,107 @@ START_TEST(a_snapshot_sees_evicted_rows_as_they_were)
 }
 END_TEST
 
+START_TEST(erase_removes_listed_keys_and_a_snapshot_still_sees_them)
+{
+    em_backend *backend = make_backend(2);
+    /* erase needs no eviction policy */
+    em_table *table = make_table(backend, 100, 3, EM_EVICTION_NONE, 16);
+    em_error err;
+    uint64_t keys[10];
+    for (uint64_t i = 0; i < 10; i++)
+        keys[i] = i + 1;
+    ck_assert_int_eq(run_request(table, keys, 10, true, &err), EM_OK);
+    em_test_snapshot before = em_test_snapshot_take(table, 4);
+    em_table_snapshot *snapshot = NULL;
+    ck_assert_int_eq(em_table_snapshot_begin(table, 1 << 20, &snapshot, &err), EM_OK);
+    const uint64_t doomed[] = {2, 3, 3, 99, 7};
+    uint64_t erased = 0;
+    ck_assert_int_eq(em_table_erase(table, doomed, 5, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 3);
+    /* new keys take the erased rows: the snapshot still reads the old values */
+    uint64_t fresh[] = {50, 51, 52};
+    ck_assert_int_eq(run_request(table, fresh, 3, true, &err), EM_OK);
+    uint64_t snap_keys[16], total = 0, count = 0;
+    float values[16 * 16];
+    do {
+        ck_assert_int_eq(em_table_snapshot_read(snapshot, 16 - total, snap_keys + total,
+                                                values + total * before.width, &count, &err),
+                         EM_OK);
+        total += count;
+    } while (count > 0 && total < 16);
+    em_table_snapshot_end(snapshot);
+    ck_assert_uint_eq(total, 10);
+    for (uint64_t i = 0; i < total; i++) {
+        uint64_t at = snap_keys[i] - 1; /* before holds keys 1..10 in order */
+        ck_assert_uint_eq(before.keys[at], snap_keys[i]);
+        ck_assert_int_eq(memcmp(values + i * before.width, before.values + at * before.width,
+                                before.width * sizeof(float)),
+                         0);
+    }
+    em_test_snapshot after = em_test_snapshot_take(table, 4);
+    const uint64_t expected[] = {1, 4, 5, 6, 8, 9, 10, 50, 51, 52};
+    ck_assert_uint_eq(after.count, 10);
+    for (int i = 0; i < 10; i++)
+        ck_assert_uint_eq(after.keys[i], expected[i]);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows_erased, 3);
+    ck_assert_uint_eq(stats.rows, 10);
+    ck_assert_uint_eq(stats.rows_created, stats.rows + stats.rows_erased);
+    /* nothing listed is present: nothing erased; an empty list is fine */
+    ck_assert_int_eq(em_table_erase(table, doomed, 4, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 0);
+    ck_assert_int_eq(em_table_erase(table, NULL, 0, &erased, &err), EM_OK);
+    ck_assert_int_eq(em_table_erase(table, NULL, 3, &erased, &err), EM_INVALID_ARGUMENT);
+    em_test_snapshot_free(&after);
+    em_test_snapshot_free(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(the_ring_keeps_the_last_evicted_keys_in_order)
+{
+    em_backend *backend = make_backend(1);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, 4);
+    config.shards = 1;
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 64;
+    config.eviction.ring = 3;
+    em_table *table = em_test_make_table(backend, &config);
+    em_error err;
+    for (uint64_t key = 1; key <= 9; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, false, &err), EM_OK);
+    /* keys 1..5 left, in that order; the ring holds the last three */
+    uint64_t keys[8];
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, 8, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.total, 5);
+    ck_assert_uint_eq(view.count, 3);
+    ck_assert_uint_eq(view.first, 3);
+    ck_assert_uint_eq(view.missed, 2);
+    ck_assert_uint_eq(keys[0], 3);
+    ck_assert_uint_eq(keys[1], 4);
+    ck_assert_uint_eq(keys[2], 5);
+    /* a reader that saw up to sequence 4 gets key 5 and missed nothing */
+    ck_assert_int_eq(em_table_evicted(table, 4, 8, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.count, 1);
+    ck_assert_uint_eq(view.first, 5);
+    ck_assert_uint_eq(view.missed, 0);
+    ck_assert_uint_eq(keys[0], 5);
+    ck_assert_int_eq(em_table_evicted(table, 5, 8, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.count, 0);
+    ck_assert_uint_eq(view.total, 5);
+    /* max limits the copy, oldest first */
+    ck_assert_int_eq(em_table_evicted(table, 0, 2, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.count, 2);
+    ck_assert_uint_eq(keys[1], 4);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 typedef struct pusher {
     em_table *table;
     uint64_t seed;
@@ -412,6 +513,8 @@ int main(void)
     tcase_add_test(rules, no_room_to_make_fails_whole);
     tcase_add_test(rules, the_same_requests_evict_the_same_keys);
     tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);
+    tcase_add_test(rules, erase_removes_listed_keys_and_a_snapshot_still_sees_them);
+    tcase_add_test(rules, the_ring_keeps_the_last_evicted_keys_in_order);
     suite_add_tcase(suite, rules);
     TCase *concurrency = tcase_create("concurrency");
     tcase_set_timeout(concurrency, 120);
