@@ -377,6 +377,10 @@ static const ProtobufCMessageDescriptor *response_descriptor(int method)
         return &ember__reload_response__descriptor;
     case EMBER__METHOD__SLOWLOG:
         return &ember__slowlog_response__descriptor;
+    case EMBER__METHOD__ERASE:
+        return &ember__erase_response__descriptor;
+    case EMBER__METHOD__EVICTED:
+        return &ember__evicted_response__descriptor;
     default:
         return NULL;
     }
@@ -450,6 +454,12 @@ static void *pull_target(em__client_request *request, uint64_t attach_len)
 static void take_body(em__client_request *request, const uint8_t *body, size_t body_len)
 {
     const ProtobufCMessageDescriptor *descriptor = response_descriptor(request->method);
+    if (descriptor == NULL) {
+        em_error_set(&request->error, EM_INTERNAL,
+                     "server %s: an answer to method %d, which this client cannot decode",
+                     request->server->name, request->method);
+        return;
+    }
     request->response = protobuf_c_message_unpack(descriptor, NULL, body_len, body);
     if (request->response == NULL)
         em_error_set(&request->error, EM_INTERNAL, "server %s: undecodable %s body of %zu bytes",

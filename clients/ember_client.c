@@ -33,6 +33,7 @@
 #include "clients/client_json.h"
 #include "clients/client_servers.h"
 #include "clients/client_split.h"
+#include "common/keyhash.h"
 
 #define DEFAULT_SERVERS "127.0.0.1:7070"
 #define DEFAULT_WINDOW 64
@@ -893,6 +894,105 @@ em_status em_client_slowlog(em_client *client, uint32_t max, bool reset, cJSON *
         return out_of_memory(err, "slowlog");
     }
     *log = json;
+    return EM_OK;
+}
+
+/* ---- erase and evicted keys ------------------------------------------------------- */
+
+em_status em_client_erase(em_client *client, const char *table, const uint64_t *keys,
+                          uint64_t n, uint64_t *erased, em_error *err)
+{
+    *erased = 0;
+    if (table == NULL || table[0] == '\0')
+        return em_error_set(err, EM_INVALID_ARGUMENT, "table name is empty");
+    if (n > 0 && keys == NULL)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "erase: %" PRIu64 " keys but no array", n);
+    uint32_t servers = client->server_count;
+    /* each key goes to the server that holds it (as pulls and pushes route it) */
+    uint64_t *grouped = malloc((n + 1) * sizeof(uint64_t));
+    uint64_t *start = calloc(servers + 1, sizeof(uint64_t));
+    em_client_call *call = call_create(client, CALL_MESSAGE, EMBER__METHOD__ERASE, servers);
+    if (grouped == NULL || start == NULL || call == NULL) {
+        free(grouped);
+        free(start);
+        if (call != NULL)
+            call_destroy(client, call);
+        return out_of_memory(err, "erase");
+    }
+    for (uint64_t i = 0; i < n; i++)
+        start[em_key_server(keys[i], (int32_t)servers) + 1]++;
+    for (uint32_t s = 0; s < servers; s++)
+        start[s + 1] += start[s];
+    uint64_t *cursor = calloc(servers, sizeof(uint64_t));
+    em_status status = cursor == NULL ? out_of_memory(err, "erase") : EM_OK;
+    for (uint64_t i = 0; status == EM_OK && i < n; i++) {
+        uint32_t s = (uint32_t)em_key_server(keys[i], (int32_t)servers);
+        grouped[start[s] + cursor[s]++] = keys[i];
+    }
+    for (uint32_t s = 0; status == EM_OK && s < servers; s++) {
+        if (start[s + 1] == start[s] && !(n == 0 && s == 0)) /* an empty list asks server 0 */
+            continue;
+        em__client_request *request = call_add_request(client, call, s);
+        if (request == NULL) {
+            status = out_of_memory(err, "erase");
+            break;
+        }
+        Ember__EraseRequest body = EMBER__ERASE_REQUEST__INIT;
+        body.table = (char *)table;
+        body.n_keys = start[s + 1] - start[s];
+        body.keys = grouped + start[s];
+        em__client_rpc rpc = call_rpc(client, call, request);
+        status = em__client_frame_message(&rpc, &body.base, &request->frame, err);
+    }
+    free(cursor);
+    if (status == EM_OK)
+        status = call_send(client, call, err);
+    else
+        call_destroy(client, call);
+    if (status == EM_OK) {
+        status = call_wait(client, call, err);
+        for (uint32_t i = 0; status == EM_OK && i < call->request_count; i++)
+            *erased += ((const Ember__EraseResponse *)call->requests[i]->response)->erased;
+        call_destroy(client, call);
+    }
+    free(grouped);
+    free(start);
+    return status;
+}
+
+em_status em_client_evicted(em_client *client, const char *table, uint64_t after, uint32_t max,
+                            cJSON **evicted, em_error *err)
+{
+    *evicted = NULL;
+    if (table == NULL || table[0] == '\0')
+        return em_error_set(err, EM_INVALID_ARGUMENT, "table name is empty");
+    Ember__EvictedRequest body = EMBER__EVICTED_REQUEST__INIT;
+    body.table = (char *)table;
+    body.after = after;
+    body.max = max;
+    em_client_call *call;
+    em_status status = message_call(client, EMBER__METHOD__EVICTED, &body.base, &call, err);
+    if (status != EM_OK)
+        return status;
+    const Ember__EvictedResponse *response = call_response(call);
+    cJSON *json = cJSON_CreateObject();
+    cJSON *keys = cJSON_AddArrayToObject(json, "keys");
+    cJSON_AddNumberToObject(json, "first", (double)response->first);
+    cJSON_AddNumberToObject(json, "total", (double)response->total);
+    cJSON_AddNumberToObject(json, "missed", (double)response->missed);
+    bool complete = keys != NULL;
+    for (size_t i = 0; complete && i < response->n_keys; i++) {
+        /* keys are 64-bit: as decimal text, which a JSON number cannot hold exactly */
+        char text[24];
+        snprintf(text, sizeof(text), "%" PRIu64, response->keys[i]);
+        complete = cJSON_AddItemToArray(keys, cJSON_CreateString(text));
+    }
+    call_destroy(client, call);
+    if (json == NULL || !complete) {
+        cJSON_Delete(json);
+        return out_of_memory(err, "evicted");
+    }
+    *evicted = json;
     return EM_OK;
 }
 

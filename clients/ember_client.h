@@ -169,4 +169,16 @@ em_status em_client_reload(em_client *client, cJSON **report, em_error *err);
 em_status em_client_slowlog(em_client *client, uint32_t max, bool reset, cJSON **log,
                             em_error *err);
 
+/* ERASE: removes the listed keys (repeats allowed) from the table, each on the server
+ * that holds it; *erased gets how many were present. */
+em_status em_client_erase(em_client *client, const char *table, const uint64_t *keys,
+                          uint64_t n, uint64_t *erased, em_error *err);
+
+/* EVICTED on the first server: the keys the table's eviction policy removed after
+ * sequence number `after`, oldest first (max 0: all the ring holds): *evicted gets
+ * {keys: ["decimal", ...], first, total, missed} (keys[0] has sequence `first`; missed:
+ * keys after `after` the ring dropped before this read). */
+em_status em_client_evicted(em_client *client, const char *table, uint64_t after, uint32_t max,
+                            cJSON **evicted, em_error *err);
+
 #endif

@@ -99,6 +99,7 @@ static void print_help(FILE *out)
           "  tables create --json-config '{...}'\n"
           "  tables create --name N --dim D --capacity C [--shards S]\n"
           "                [--optimizer TYPE] [--lr X] [--initializer TYPE] [--seed N]\n"
+          "                [--eviction none|lru|lfu|age] [--candidates N] [--ring N]\n"
           "                             TYPE: sgd, adagrad, rowwise_adagrad, adam;\n"
           "                             initializers: zeros, uniform, normal\n"
           "  tables drop NAME\n"
@@ -109,6 +110,11 @@ static void print_help(FILE *out)
           "                             rates, pool use, connections; --once prints one\n"
           "                             view after one interval (with --json: a JSON line\n"
           "                             per view)\n"
+          "  erase TABLE KEY... | erase TABLE --file PATH\n"
+          "                             remove keys (PATH: one per line, - for stdin)\n"
+          "  evicted TABLE [--after SEQUENCE] [--max N]\n"
+          "                             keys the eviction policy removed, oldest first,\n"
+          "                             numbered; --after the last sequence seen\n"
           "  save [TABLE]               save every table (or one) as a checkpoint now\n"
           "  load TABLE [--from PATH] [--weights-only]\n"
           "                             load a checkpoint (the table's latest, or the\n"
@@ -445,7 +451,7 @@ static int tables_list(cli *c, int argc)
 /* The flags of tables create, as given. */
 typedef struct create_flags {
     const char *json_config, *name, *dim, *capacity, *shards, *optimizer, *lr, *initializer,
-        *seed;
+        *seed, *eviction, *candidates, *ring;
 } create_flags;
 
 static const struct create_flag {
@@ -461,6 +467,9 @@ static const struct create_flag {
     {"lr", offsetof(create_flags, lr)},
     {"initializer", offsetof(create_flags, initializer)},
     {"seed", offsetof(create_flags, seed)},
+    {"eviction", offsetof(create_flags, eviction)},
+    {"candidates", offsetof(create_flags, candidates)},
+    {"ring", offsetof(create_flags, ring)},
 };
 
 #define CREATE_FLAG_COUNT (sizeof(create_flag_table) / sizeof(create_flag_table[0]))
@@ -540,6 +549,17 @@ static int add_initializer(cJSON *config, const create_flags *flags)
     return add_whole(initializer, "seed", "seed", flags->seed);
 }
 
+static int add_eviction(cJSON *config, const create_flags *flags)
+{
+    if (flags->eviction == NULL && flags->candidates == NULL && flags->ring == NULL)
+        return EXIT_OK;
+    cJSON *eviction = cJSON_AddObjectToObject(config, "eviction");
+    if (flags->eviction != NULL)
+        cJSON_AddStringToObject(eviction, "policy", flags->eviction);
+    int code = add_whole(eviction, "candidates", "candidates", flags->candidates);
+    return code == EXIT_OK ? add_whole(eviction, "ring", "ring", flags->ring) : code;
+}
+
 /* The table config JSON text (malloc'ed) from the flags; NULL after a usage error. */
 static char *config_from_flags(const create_flags *flags, int *code)
 {
@@ -567,6 +587,8 @@ static char *config_from_flags(const create_flags *flags, int *code)
         *code = add_optimizer(config, flags);
     if (*code == EXIT_OK)
         *code = add_initializer(config, flags);
+    if (*code == EXIT_OK)
+        *code = add_eviction(config, flags);
     char *text = *code == EXIT_OK ? cJSON_PrintUnformatted(config) : NULL;
     cJSON_Delete(config);
     return text;
@@ -965,6 +987,148 @@ static int command_top(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+/* ---- erase and evicted keys --------------------------------------------------------- */
+
+static bool parse_key(const char *text, uint64_t *key)
+{
+    char *end = NULL;
+    errno = 0;
+    unsigned long long value = strtoull(text, &end, 10);
+    if (text[0] < '0' || text[0] > '9' || *end != '\0' || errno != 0)
+        return false;
+    *key = value;
+    return true;
+}
+
+/* Keys from a file (or "-": standard input), one decimal key per line; blank lines and
+ * lines starting with '#' are skipped. */
+static int read_key_file(const char *path, uint64_t **keys, uint64_t *count, uint64_t *capacity)
+{
+    FILE *file = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");
+    if (file == NULL)
+        return usage_error("cannot read key file '%s': %s", path, strerror(errno));
+    char line[256];
+    int code = EXIT_OK;
+    for (uint64_t number = 1; code == EXIT_OK && fgets(line, sizeof(line), file) != NULL;
+         number++) {
+        line[strcspn(line, "\r\n")] = '\0';
+        if (line[0] == '\0' || line[0] == '#')
+            continue;
+        if (*count == *capacity) {
+            uint64_t grown = *capacity == 0 ? 1024 : *capacity * 2;
+            uint64_t *more = realloc(*keys, grown * sizeof(uint64_t));
+            if (more == NULL) {
+                code = usage_error("key file '%s': out of memory", path);
+                break;
+            }
+            *keys = more;
+            *capacity = grown;
+        }
+        if (!parse_key(line, &(*keys)[*count]))
+            code = usage_error("key file '%s' line %" PRIu64 ": '%s' is not a key (a whole "
+                               "number 0..18446744073709551615)", path, number, line);
+        else
+            (*count)++;
+    }
+    if (file != stdin)
+        fclose(file);
+    return code;
+}
+
+static int command_erase(cli *c, int argc, char **argv)
+{
+    if (argc < 2)
+        return usage_error("erase needs a table name, then keys or --file PATH");
+    const char *table = argv[1];
+    uint64_t *keys = NULL, count = 0, capacity = 0;
+    int code = EXIT_OK;
+    for (int i = 2; code == EXIT_OK && i < argc; i++) {
+        if (strcmp(argv[i], "--file") == 0 && i + 1 < argc) {
+            code = read_key_file(argv[++i], &keys, &count, &capacity);
+            continue;
+        }
+        if (count == capacity) {
+            capacity = capacity == 0 ? 64 : capacity * 2;
+            uint64_t *more = realloc(keys, capacity * sizeof(uint64_t));
+            if (more == NULL) {
+                code = usage_error("erase: out of memory");
+                break;
+            }
+            keys = more;
+        }
+        if (!parse_key(argv[i], &keys[count]))
+            code = usage_error("erase: '%s' is not a key (a whole number "
+                               "0..18446744073709551615) or --file PATH", argv[i]);
+        else
+            count++;
+    }
+    if (code == EXIT_OK && count == 0)
+        code = usage_error("erase: no keys given (list them, or --file PATH)");
+    if (code == EXIT_OK)
+        code = connected(c);
+    uint64_t erased = 0;
+    em_error err;
+    if (code == EXIT_OK && em_client_erase(c->client, table, keys, count, &erased, &err) != EM_OK)
+        code = call_failed(&err);
+    free(keys);
+    if (code != EXIT_OK)
+        return code;
+    if (c->json)
+        printf("{\"table\": \"%s\", \"listed\": %" PRIu64 ", \"erased\": %" PRIu64 "}\n",
+               table, count, erased);
+    else
+        printf("erased %" PRIu64 " of %" PRIu64 " listed key(s) from table '%s'\n", erased, count,
+               table);
+    return EXIT_OK;
+}
+
+static int command_evicted(cli *c, int argc, char **argv)
+{
+    if (argc < 2)
+        return usage_error("evicted needs a table name");
+    double after = 0, max = 0;
+    for (int i = 2; i < argc; i++) {
+        if (strcmp(argv[i], "--after") == 0 && i + 1 < argc) {
+            if (!parse_whole(argv[++i], &after))
+                return usage_error("--after '%s' is not a sequence number", argv[i]);
+        } else if (strcmp(argv[i], "--max") == 0 && i + 1 < argc) {
+            if (!parse_whole(argv[++i], &max) || max > 1048576)
+                return usage_error("--max '%s' is not a number in 0..1048576", argv[i]);
+        } else {
+            return usage_error("evicted takes TABLE [--after SEQUENCE] [--max N]");
+        }
+    }
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    cJSON *evicted = NULL;
+    em_error err;
+    if (em_client_evicted(c->client, argv[1], (uint64_t)after, (uint32_t)max, &evicted, &err) !=
+        EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        print_json(evicted);
+        cJSON_Delete(evicted);
+        return EXIT_OK;
+    }
+    const cJSON *keys = cJSON_GetObjectItemCaseSensitive(evicted, "keys");
+    int shown = cJSON_GetArraySize(keys);
+    double first = json_number(evicted, "first");
+    printf("table '%s': %.0f key(s) evicted in all", argv[1], json_number(evicted, "total"));
+    if (shown > 0)
+        printf("; sequence %.0f to %.0f below", first, first + shown - 1);
+    if (json_number(evicted, "missed") > 0)
+        printf("; %.0f after %.0f no longer kept", json_number(evicted, "missed"), after);
+    putchar('\n');
+    const cJSON *key;
+    cJSON_ArrayForEach(key, keys)
+    {
+        puts(key->valuestring);
+    }
+    cJSON_Delete(evicted);
+    return EXIT_OK;
+}
+
 /* ---- checkpoints -------------------------------------------------------------------- */
 
 static void print_drain(cli *c, const em_client_drain_state *state)
@@ -1276,6 +1440,8 @@ static const command commands[] = {
     {"tables", command_tables},
     {"stats", command_stats},
     {"top", command_top},
+    {"erase", command_erase},
+    {"evicted", command_evicted},
     {"save", command_save},
     {"load", command_load},
     {"drain", command_drain},
@@ -1415,13 +1581,13 @@ int main(int argc, char **argv)
     }
     if (optind >= argc) {
         free(ordered);
-        return usage_error("no command given (ping, health, tables, stats, top, save, load,"
-                           " drain, undrain, reload, slowlog, checkpoints)");
+        return usage_error("no command given (ping, health, tables, stats, top, erase, evicted,"
+                           " save, load, drain, undrain, reload, slowlog, checkpoints)");
     }
     const command *chosen = find_command(ordered[optind]);
     if (chosen == NULL) {
-        code = usage_error("unknown command '%s' (ping, health, tables, stats, top, save, load, drain,"
-                           " undrain, reload, slowlog, checkpoints)", ordered[optind]);
+        code = usage_error("unknown command '%s' (ping, health, tables, stats, top, erase, evicted, "
+                           "save, load, drain, undrain, reload, slowlog, checkpoints)", ordered[optind]);
         free(ordered);
         return code;
     }

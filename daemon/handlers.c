@@ -461,6 +461,64 @@ em_status em_handle_drop_table(em_request *request, em_error *err)
     return em_request_respond(request, &response.base, NULL, 0, err);
 }
 
+static em_status erase_table(em_request *request, em_table *table, const void *untyped_body,
+                             em_error *err)
+{
+    const Ember__EraseRequest *body = untyped_body;
+    if (body->n_keys > request->max_keys_per_request)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "ERASE of %zu keys exceeds max_keys_per_request %" PRIu64,
+                            body->n_keys, request->max_keys_per_request);
+    uint64_t erased = 0;
+    em_status status = em_table_erase(table, body->keys, body->n_keys, &erased, err);
+    if (status != EM_OK)
+        return status;
+    em_log_info(request->context->log, "erased %" PRIu64 " of %zu listed keys from table '%s'",
+                erased, body->n_keys, em_table_name(table));
+    Ember__EraseResponse response = EMBER__ERASE_RESPONSE__INIT;
+    response.erased = erased;
+    return em_request_respond(request, &response.base, NULL, 0, err);
+}
+
+em_status em_handle_erase(em_request *request, em_error *err)
+{
+    const Ember__EraseRequest *body = (const Ember__EraseRequest *)request->body;
+    return with_table(request, body->table, erase_table, body, err);
+}
+
+static em_status evicted_table(em_request *request, em_table *table, const void *untyped_body,
+                               em_error *err)
+{
+    const Ember__EvictedRequest *body = untyped_body;
+    uint64_t max = body->max == 0 || body->max > EM_EVICTION_RING_MAX ? EM_EVICTION_RING_MAX
+                                                                       : body->max;
+    uint64_t ring = em_table_get_config(table)->eviction.ring;
+    if (max > ring)
+        max = ring;
+    uint64_t *keys = malloc((max + 1) * sizeof(uint64_t));
+    if (keys == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "evicted keys: out of memory");
+    em_evicted_view view;
+    em_status status = em_table_evicted(table, body->after, max, keys, &view, err);
+    if (status == EM_OK) {
+        Ember__EvictedResponse response = EMBER__EVICTED_RESPONSE__INIT;
+        response.n_keys = view.count;
+        response.keys = keys;
+        response.first = view.first;
+        response.total = view.total;
+        response.missed = view.missed;
+        status = em_request_respond(request, &response.base, NULL, 0, err);
+    }
+    free(keys);
+    return status;
+}
+
+em_status em_handle_evicted(em_request *request, em_error *err)
+{
+    const Ember__EvictedRequest *body = (const Ember__EvictedRequest *)request->body;
+    return with_table(request, body->table, evicted_table, body, err);
+}
+
 em_status em_handle_list_tables(em_request *request, em_error *err)
 {
     em_catalog *catalog = request->context->catalog;

@@ -48,7 +48,9 @@
     X(DRAIN, drain, ADMIN, ADMIN, LOOP, NONE)                                                 \
     X(UNDRAIN, undrain, ADMIN, ADMIN, LOOP, NONE)                                             \
     X(RELOAD, reload, ADMIN, ADMIN, LOOP, NONE)                                               \
-    X(SLOWLOG, slowlog, ADMIN, ADMIN, LOOP, NONE)
+    X(SLOWLOG, slowlog, ADMIN, ADMIN, LOOP, NONE)                                             \
+    X(ERASE, erase, ADMIN, ADMIN, WRITE, NONE)                                                \
+    X(EVICTED, evicted, ADMIN, ADMIN, READ, NONE)
 
 typedef enum em_method_listener {
     EM_METHOD_LISTENER_ANY,

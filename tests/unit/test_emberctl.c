@@ -387,6 +387,103 @@ START_TEST(top_shows_the_rates_and_latency_of_live_traffic)
 }
 END_TEST
 
+/* ---- capacity: eviction, evicted keys, erase --------------------------------------------- */
+
+static void pull_one(em_client *client, uint64_t key)
+{
+    uint32_t offsets[2] = {0, 1};
+    float out[4];
+    em_client_pull_args args = {.table = "t",
+                                .batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &key},
+                                .combiner = EM_COMBINER_NONE,
+                                .create_missing = true,
+                                .out = out,
+                                .out_capacity = 4};
+    em_error err;
+    ck_assert_msg(em_client_pull(client, &args, NULL, &err) == EM_OK, "%s", err.message);
+}
+
+START_TEST(eviction_evicted_keys_and_erase_through_emberctl)
+{
+    em_test_daemon *server = dev_server();
+    const char *at = em_test_daemon_admin_address(server);
+    run_result *r = RUN(NULL, "--server", at, "tables", "create", "--name", "t", "--dim", "4",
+                        "--capacity", "4", "--shards", "1", "--eviction", "lru",
+                        "--candidates", "64", "--ring", "8");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    r = RUN(NULL, "--server", at, "tables", "create", "--name", "u", "--dim", "4",
+            "--capacity", "4", "--eviction", "mru");
+    ck_assert_int_eq(r->code, 1);
+    ck_assert_msg(strstr(r->err, "eviction.policy") != NULL && strstr(r->err, "mru") != NULL,
+                  "%s", r->err);
+    em_client_options options;
+    em_client_options_init(&options);
+    options.servers = em_test_daemon_address(server);
+    em_client *client = NULL;
+    em_error err;
+    ck_assert(em_client_create(&options, &client, &err) == EM_OK);
+    for (uint64_t key = 1; key <= 6; key++)
+        pull_one(client, key);
+    em_client_destroy(client);
+
+    /* keys 1 and 2 made room for 5 and 6 */
+    r = RUN(NULL, "--server", at, "evicted", "t");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    ck_assert_str_eq(r->out, "table 't': 2 key(s) evicted in all; sequence 1 to 2 below\n1\n2\n");
+    r = RUN(NULL, "--server", at, "--json", "evicted", "t", "--after", "1");
+    ck_assert_int_eq(r->code, 0);
+    cJSON *json = cJSON_Parse(r->out);
+    ck_assert_double_eq(cJSON_GetObjectItem(json, "first")->valuedouble, 2);
+    ck_assert_double_eq(cJSON_GetObjectItem(json, "total")->valuedouble, 2);
+    ck_assert_double_eq(cJSON_GetObjectItem(json, "missed")->valuedouble, 0);
+    ck_assert_str_eq(cJSON_GetArrayItem(cJSON_GetObjectItem(json, "keys"), 0)->valuestring, "2");
+    cJSON_Delete(json);
+
+    /* erase from the command line and from a file */
+    r = RUN(NULL, "--server", at, "erase", "t", "3", "99");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    ck_assert_str_eq(r->out, "erased 1 of 2 listed key(s) from table 't'\n");
+    char path[] = "/tmp/ember-keys-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert(fd >= 0);
+    const char *lines = "# keys to forget\n4\n\n5\n";
+    ck_assert(write(fd, lines, strlen(lines)) == (ssize_t)strlen(lines));
+    close(fd);
+    r = RUN(NULL, "--server", at, "--json", "erase", "t", "--file", path);
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    json = cJSON_Parse(r->out);
+    ck_assert_double_eq(cJSON_GetObjectItem(json, "erased")->valuedouble, 2);
+    ck_assert_double_eq(cJSON_GetObjectItem(json, "listed")->valuedouble, 2);
+    cJSON_Delete(json);
+    unlink(path);
+    r = RUN(NULL, "--server", at, "--json", "stats", "t");
+    json = cJSON_Parse(r->out);
+    const cJSON *table = cJSON_GetArrayItem(cJSON_GetObjectItem(json, "tables"), 0);
+    ck_assert_double_eq(cJSON_GetObjectItem(table, "rows")->valuedouble, 1);
+    ck_assert_double_eq(cJSON_GetObjectItem(table, "rows_evicted")->valuedouble, 2);
+    ck_assert_double_eq(cJSON_GetObjectItem(table, "rows_erased")->valuedouble, 3);
+    ck_assert_double_eq(cJSON_GetObjectItem(table, "access_bytes")->valuedouble,
+                        cJSON_GetObjectItem(table, "access_bytes")->valuedouble);
+    ck_assert_double_gt(cJSON_GetObjectItem(table, "access_bytes")->valuedouble, 0);
+    cJSON_Delete(json);
+
+    /* mistakes: a bad key, no keys, an unknown table, the wrong token */
+    r = RUN(NULL, "--server", at, "erase", "t", "12x");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert_msg(strstr(r->err, "'12x' is not a key") != NULL, "%s", r->err);
+    r = RUN(NULL, "--server", at, "erase", "t");
+    ck_assert_int_eq(r->code, 2);
+    r = RUN(NULL, "--server", at, "erase", "nope", "1");
+    ck_assert_int_eq(r->code, 1);
+    ck_assert_msg(strstr(r->err, "NOT_FOUND") != NULL, "%s", r->err);
+    r = RUN("wrong-token", "--server", at, "erase", "t", "1");
+    ck_assert_int_eq(r->code, 1);
+    r = RUN(NULL, "--server", at, "evicted", "t", "--max", "x");
+    ck_assert_int_eq(r->code, 2);
+    em_test_daemon_stop(server);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -404,6 +501,7 @@ int main(int argc, char **argv)
     tcase_add_test(cli, tokens_come_from_flag_file_environment_or_default);
     tcase_add_test(cli, ping_health_and_stats);
     tcase_add_test(cli, top_shows_the_rates_and_latency_of_live_traffic);
+    tcase_add_test(cli, eviction_evicted_keys_and_erase_through_emberctl);
     suite_add_tcase(suite, cli);
     return em_test_run(suite);
 }
