@@ -708,7 +708,7 @@ static void cpu_shard_stats(em_shard *base, em_shard_stats *out)
 /* ---- shards: access and eviction ------------------------------------------------- */
 
 static em_status cpu_shard_touch(em_shard *base, em_lane *lane, const uint64_t *rows, uint64_t n,
-                                 uint64_t accessed, uint32_t updated, em_error *err)
+                                 uint64_t accessed, uint32_t updated, bool pushed, em_error *err)
 {
     (void)lane;
     (void)err;
@@ -725,7 +725,7 @@ static em_status cpu_shard_touch(em_shard *base, em_lane *lane, const uint64_t *
         uint32_t frequency = __atomic_load_n(&access->frequency, __ATOMIC_RELAXED);
         if (frequency != UINT32_MAX)
             __atomic_store_n(&access->frequency, frequency + 1, __ATOMIC_RELAXED);
-        if (updated != 0)
+        if (pushed || frequency == 0) /* pushed, or created by this request */
             __atomic_store_n(&access->updated, updated, __ATOMIC_RELAXED);
     }
     return EM_OK;
@@ -744,12 +744,10 @@ static bool row_kept(const em_evict_spec *spec, uint64_t row)
     return low < spec->kept_count && spec->kept[low] == row;
 }
 
-/* Pushes since the row's last push (rows never pushed: older than any). */
-static uint64_t update_age(const em_evict_spec *spec, const em_row_access *access)
+/* Pushes of the table since the row's last push or its creation. */
+static uint32_t update_age(uint32_t update_clock, const em_row_access *access)
 {
-    if (access->updated == 0)
-        return UINT64_MAX;
-    return (uint32_t)(spec->update_clock - access->updated);
+    return update_clock - access->updated;
 }
 
 /* Whether row a should go before row b under the policy. */
@@ -761,7 +759,8 @@ static bool goes_first(const em_evict_spec *spec, const em_row_access *a, const 
             return a->frequency < b->frequency;
         break;
     case EM_EVICTION_AGE: {
-        uint64_t age_a = update_age(spec, a), age_b = update_age(spec, b);
+        uint32_t age_a = update_age(spec->update_clock, a);
+        uint32_t age_b = update_age(spec->update_clock, b);
         if (age_a != age_b)
             return age_a > age_b;
         break;
@@ -872,6 +871,30 @@ static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_s
     return status;
 }
 
+static em_status cpu_shard_expire(em_shard *base, em_lane *lane, uint32_t update_clock,
+                                  uint32_t max_age, uint64_t *cursor, uint64_t scan,
+                                  uint64_t *keys, uint64_t *rows, uint64_t *count, em_error *err)
+{
+    (void)lane;
+    cpu_shard *shard = cpu_shard_of(base);
+    *count = 0;
+    if (!shard->track_access)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    /* the examined entries land in keys/rows, the expired ones are packed in front */
+    uint64_t got = em_hashmap_export(shard->map, cursor, keys, rows, scan);
+    if (got < scan) /* the export reached the end of the map */
+        *cursor = 0;
+    for (uint64_t i = 0; i < got; i++) {
+        if (update_age(update_clock, row_access(shard, rows[i])) <= max_age)
+            continue;
+        keys[*count] = keys[i];
+        rows[*count] = rows[i];
+        (*count)++;
+    }
+    em_hashmap_erase(shard->map, keys, *count, NULL);
+    return EM_OK;
+}
+
 static em_status cpu_shard_erase(em_shard *base, em_lane *lane, const uint64_t *keys,
                                  const uint64_t *rows, uint64_t n, em_error *err)
 {
@@ -927,6 +950,7 @@ static const em_device_ops cpu_device_ops = {
     .shard_touch = cpu_shard_touch,
     .shard_evict = cpu_shard_evict,
     .shard_erase = cpu_shard_erase,
+    .shard_expire = cpu_shard_expire,
     .destroy = cpu_device_destroy,
 };
 

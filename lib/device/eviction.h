@@ -18,7 +18,7 @@ typedef enum em_eviction_policy {
 /* Per-row access metadata, kept by shards that track access: 16 bytes a row. */
 typedef struct em_row_access {
     uint64_t accessed;  /* the table's request clock at the row's last pull or push */
-    uint32_t updated;   /* the table's push clock at its last push, modulo 2^32 (0: never) */
+    uint32_t updated;   /* the table's push clock at its last push or creation, mod 2^32 */
     uint32_t frequency; /* pulls and pushes of the row (saturating) */
 } em_row_access;
 

@@ -339,6 +339,60 @@ em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint
     return EM_OK;
 }
 
+em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_error *err)
+{
+    *expired = 0;
+    if (table->config.eviction.max_age_steps == 0 || scan == 0)
+        return EM_OK;
+    em_age_slice slice = {.sweep = true,
+                          .max_age = table->config.eviction.max_age_steps,
+                          .scan = scan,
+                          .keys = malloc(scan * sizeof(uint64_t)),
+                          .rows = malloc(scan * sizeof(uint64_t))};
+    em_status status = slice.keys == NULL || slice.rows == NULL
+                           ? em_error_set(err, EM_RESOURCE_EXHAUSTED, "expiry: out of memory")
+                           : em__age_slice(table, &slice, err);
+    *expired = slice.removed;
+    free(slice.keys);
+    free(slice.rows);
+    if (status != EM_OK)
+        return em_error_prefix(err, "expiry of table '%s': ", table->config.name);
+    return EM_OK;
+}
+
+em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
+                               em_error *err)
+{
+    *erased = 0;
+    if (!em_eviction_tracks_access(&table->config.eviction))
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "erase from table '%s' by age: the table keeps no access "
+                            "metadata (it needs an eviction policy or max_age_steps)",
+                            table->config.name);
+    enum { SCAN = 65536 };
+    em_age_slice slice = {.max_age = not_pushed_for,
+                          .scan = SCAN,
+                          .keys = malloc(SCAN * sizeof(uint64_t)),
+                          .rows = malloc(SCAN * sizeof(uint64_t))};
+    em_status status = slice.keys == NULL || slice.rows == NULL
+                           ? em_error_set(err, EM_RESOURCE_EXHAUSTED, "erase: out of memory")
+                           : EM_OK;
+    /* shard by shard, a slice at a time: requests run between the slices */
+    for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++) {
+        slice.shard = s;
+        slice.cursor = 0;
+        do {
+            status = em__age_slice(table, &slice, err);
+            *erased += slice.removed;
+        } while (status == EM_OK && !slice.wrapped);
+    }
+    free(slice.keys);
+    free(slice.rows);
+    if (status != EM_OK)
+        return em_error_prefix(err, "erase from table '%s' by age: ", table->config.name);
+    return EM_OK;
+}
+
 em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64_t *keys,
                            em_evicted_view *view, em_error *err)
 {
@@ -346,7 +400,7 @@ em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64
     memset(view, 0, sizeof(*view));
     uint32_t ring = table->evicted_keys != NULL ? table->config.eviction.ring : 0;
     pthread_mutex_lock(&table->evicted_lock);
-    uint64_t total = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
+    uint64_t total = table->removed_total;
     uint64_t oldest = total > ring ? total - ring + 1 : 1; /* sequence of the oldest kept */
     uint64_t first = after + 1 > oldest ? after + 1 : oldest;
     uint64_t count = first <= total ? total - first + 1 : 0;
@@ -386,16 +440,18 @@ static em_status create_shards(em_table *table, em_error *err)
             .expected_rows = table->config.capacity / table->shard_count,
             .optimizer = table->config.optimizer,
             .initializer = table->config.initializer,
-            .track_access = table->config.eviction.policy != EM_EVICTION_NONE,
+            .track_access = em_eviction_tracks_access(&table->config.eviction),
         };
         if (spec.track_access &&
-            (device->ops->shard_evict == NULL || device->ops->shard_touch == NULL))
+            (device->ops->shard_evict == NULL || device->ops->shard_touch == NULL ||
+             device->ops->shard_expire == NULL))
             return em_error_set(err, EM_INVALID_ARGUMENT,
-                                "table '%s': eviction policy '%s' is not available on the %s "
-                                "backend (its tables take policy 'none')",
+                                "table '%s': eviction (policy '%s', max_age_steps %u) is not "
+                                "available on the %s backend (its tables take policy 'none' "
+                                "and no expiry)",
                                 table->config.name,
                                 em_eviction_policy_name(table->config.eviction.policy),
-                                table->backend->kind);
+                                table->config.eviction.max_age_steps, table->backend->kind);
         table->shard_device[s] = d;
         em_status status = device->ops->shard_create(device, &spec, &table->shards[s], err);
         if (status != EM_OK)
@@ -431,7 +487,7 @@ em_status em_table_create(em_backend *backend, const em_table_config *config, em
     pthread_rwlockattr_destroy(&attributes);
     pthread_mutex_init(&table->snapshot_mutex, NULL);
     pthread_mutex_init(&table->evicted_lock, NULL);
-    if (config->eviction.policy != EM_EVICTION_NONE && config->eviction.ring > 0) {
+    if (em_eviction_tracks_access(&config->eviction) && config->eviction.ring > 0) {
         table->evicted_keys = calloc(config->eviction.ring, sizeof(uint64_t));
         if (table->evicted_keys == NULL) {
             em_table_destroy(table);
@@ -509,9 +565,8 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->keys_pulled = atomic_load_explicit(&table->keys_pulled, memory_order_relaxed);
     out->keys_pushed = atomic_load_explicit(&table->keys_pushed, memory_order_relaxed);
     out->rows_created = atomic_load_explicit(&table->rows_created, memory_order_relaxed);
-    pthread_mutex_lock(&table->evicted_lock);
     out->rows_evicted = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
-    pthread_mutex_unlock(&table->evicted_lock);
+    out->rows_expired = atomic_load_explicit(&table->rows_expired, memory_order_relaxed);
     out->rows_erased = atomic_load_explicit(&table->rows_erased, memory_order_relaxed);
 }
 

@@ -79,6 +79,8 @@ typedef struct em_push_result {
     X(uint64_t, keys_pushed, COUNTER, NONE, "keys updated by pushes")                         \
     X(uint64_t, rows_created, COUNTER, NONE, "rows inserted")                                 \
     X(uint64_t, rows_evicted, COUNTER, NONE, "rows removed by the eviction policy to make room") \
+    X(uint64_t, rows_expired, COUNTER, NONE,                                                  \
+      "rows removed by the expiry sweep (eviction.max_age_steps)")                            \
     X(uint64_t, rows_erased, COUNTER, NONE, "rows removed by ERASE")
 
 typedef struct em_table_stats {
@@ -126,6 +128,19 @@ em_status em_table_push(em_table *table, const em_push_request *request, em_push
  * FAILED_PRECONDITION for a backend that cannot erase, RESOURCE_EXHAUSTED. Thread-safe. */
 em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint64_t *erased,
                          em_error *err);
+
+/* One slice of the expiry sweep (eviction.max_age_steps > 0; otherwise nothing): up to
+ * scan rows of one shard examined, from where the last slice stopped, and those
+ * neither pushed nor created in the table's last max_age_steps pushes removed (counted
+ * in rows_expired, kept in the evicted-key ring); *expired of them. Holds the table
+ * exclusively for the slice only. Thread-safe. */
+em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_error *err);
+
+/* Removes every row neither pushed nor created in the table's last not_pushed_for
+ * pushes (counted in rows_erased), slice by slice. Errors: FAILED_PRECONDITION for a
+ * table without access metadata (no eviction policy, no max_age_steps). Thread-safe. */
+em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
+                               em_error *err);
 
 /* What em_table_evicted read. Every key the table evicts gets a sequence number, 1,
  * 2, ...; the table keeps the last eviction.ring of them. */

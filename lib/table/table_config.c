@@ -132,6 +132,11 @@ static const em_config_choice eviction_choices[] = {
     {NULL, 0},
 };
 
+bool em_eviction_tracks_access(const em_eviction_config *config)
+{
+    return config->policy != EM_EVICTION_NONE || config->max_age_steps > 0;
+}
+
 const char *em_eviction_policy_name(em_eviction_policy policy)
 {
     for (size_t i = 0; eviction_choices[i].name != NULL; i++)
@@ -150,6 +155,9 @@ static const em_config_field eviction_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "ring", em_eviction_config, ring),
      .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = EM_EVICTION_RING_MAX, .default_json = "1024",
      .help = "the most recently evicted keys kept for EVICTED (0: none)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "max_age_steps", em_eviction_config, max_age_steps),
+     .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 2147483647.0, .default_json = "0",
+     .help = "expire rows not pushed nor created in this many pushes of the table (0: never)"},
 };
 
 static const em_config_schema eviction_schema = {

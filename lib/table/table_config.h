@@ -15,18 +15,23 @@
  *   none  the request is refused (RESOURCE_EXHAUSTED), nothing changes: the default
  *   lru   rows whose last pull or push is the oldest make room
  *   lfu   rows pulled and pushed the fewest times make room (ties: the least recent)
- *   age   rows whose last push is the oldest make room (rows never pushed first)
+ *   age   rows whose last push (or creation) is the oldest make room
  * The choice is approximate: for each row to remove, `candidates` consecutive entries
  * of the shard's hash map from a pseudo-random position (a function of the table's
  * initializer seed and its evictions so far) are compared and the policy's worst goes
  * (tests/bench/bench_eviction measures how close this comes to exact LRU and LFU).
- * Nothing leaves silently: rows_evicted counts every key removed, and the last `ring`
- * of them are kept, numbered, for em_table_evicted (the EVICTED admin call).
+ * Expiry runs with or without a policy: with max_age_steps > 0, rows neither pushed nor
+ * created in the table's last max_age_steps pushes are removed by a background sweep
+ * (em_table_expire, in bounded slices).
+ * Nothing leaves silently: rows_evicted and rows_expired count every key removed, and
+ * the last `ring` of them are kept, numbered, for em_table_evicted (the EVICTED admin
+ * call).
  */
 #ifndef EMBER_LIB_TABLE_CONFIG_H
 #define EMBER_LIB_TABLE_CONFIG_H
 
 #include <cJSON.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "lib/base/config.h"
@@ -47,7 +52,12 @@ typedef struct em_eviction_config {
     int policy;          /* em_eviction_policy */
     uint32_t candidates; /* map entries compared per row removed */
     uint32_t ring;       /* the most recently evicted keys kept for EVICTED (0: none) */
+    uint32_t max_age_steps; /* expiry: rows not pushed (nor created) in this many of the
+                             * table's pushes are removed by the sweep (0: never) */
 } em_eviction_config;
+
+/* Whether a table keeps per-row access metadata (an eviction policy or expiry). */
+bool em_eviction_tracks_access(const em_eviction_config *config);
 
 const char *em_eviction_policy_name(em_eviction_policy policy);
 

@@ -55,12 +55,16 @@ struct em_table {
     /* eviction (tables with a policy): the clocks rows are stamped with (requests, and
      * pushes), the rows removed, and the state of the sampling's pseudo-random numbers
      * (under the exclusive lock) */
-    _Atomic uint64_t access_clock, update_clock, rows_evicted, rows_erased;
+    _Atomic uint64_t access_clock, update_clock, rows_evicted, rows_expired, rows_erased;
     uint64_t evict_random;
-    /* the last evicted keys: key with sequence q (1, 2, ... over every key evicted) sits
-     * at evicted_keys[(q - 1) % ring]; under evicted_lock */
+    /* the last keys the policy removed (evicted or expired): key with sequence q (1, 2,
+     * ... over removed_total) sits at evicted_keys[(q - 1) % ring]; under evicted_lock */
     pthread_mutex_t evicted_lock;
     uint64_t *evicted_keys;
+    uint64_t removed_total;
+    /* the expiry sweep's position: a shard and a cursor in its map (exclusive lock) */
+    uint32_t expire_shard;
+    uint64_t expire_cursor;
 };
 
 typedef struct scratch_item {
@@ -99,7 +103,8 @@ typedef struct request_context {
     uint64_t missing;          /* distinct keys not in the table */
     float gradient_bound;      /* push: a bound on the summed gradients' sizes, or -1 */
     uint64_t access_stamp;     /* the table's request clock for this request (eviction) */
-    uint32_t update_stamp;     /* its push clock, once the request steps rows (0: not yet) */
+    uint32_t update_stamp;     /* its push clock, once the request steps rows */
+    bool has_update_stamp;
 } request_context;
 
 /* What em__run_on_shards does on each shard. */
@@ -132,8 +137,29 @@ em_status em__stage_offsets(request_context *r, const em_csr *batch, em_error *e
 em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
                             bool want_targets, em_error *err);
 
-/* Counts count evicted keys and keeps them in the table's ring. */
-void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count);
+/* One slice of removing rows by age: up to scan map entries of one shard examined
+ * from a cursor, those older than max_age pushes removed (their keys and rows land in
+ * keys/rows, scan entries of room each). The sweep (expiry) keeps its shard and cursor
+ * in the table and counts in rows_expired and the ring; otherwise (ERASE by age) the
+ * caller's shard and cursor are used and the rows count in rows_erased. Takes the
+ * exclusive table lock for the slice. */
+typedef struct em_age_slice {
+    bool sweep;
+    uint32_t shard;        /* not sweep */
+    uint64_t cursor;       /* not sweep: 0 to start */
+    uint32_t max_age;
+    uint64_t scan;
+    uint64_t *keys, *rows; /* host, scan entries each */
+    uint64_t removed;      /* out */
+    bool wrapped;          /* out: the shard's map was examined to its end */
+} em_age_slice;
+
+em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err);
+
+/* Keeps count keys the policy removed in the table's ring and counts them in counter
+ * (rows_evicted or rows_expired). */
+void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count,
+                        _Atomic uint64_t *counter);
 
 /* Erases the request's keys that were found (under the exclusive table lock; each
  * shard's write lock is taken here); *erased of them. */

@@ -64,7 +64,7 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
     r->table = table;
     r->home = em_backend_home_device(table->backend);
     r->gradient_bound = -1.0f;
-    if (table->config.eviction.policy != EM_EVICTION_NONE)
+    if (em_eviction_tracks_access(&table->config.eviction))
         r->access_stamp = atomic_fetch_add_explicit(&table->access_clock, 1,
                                                     memory_order_relaxed) + 1;
     uint32_t devices = table->backend->device_count;
@@ -485,14 +485,80 @@ static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_
     return EM_OK;
 }
 
-void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count)
+/* em__snapshot_preserve for rows of shard s given in host memory. */
+static em_status preserve_host_rows(request_context *r, uint32_t s, em_lane *lane,
+                                    const uint64_t *rows, uint64_t count, em_error *err)
 {
-    uint32_t ring = table->config.eviction.ring;
+    em_table *table = r->table;
+    em_device *device = table->shards[s]->device;
+    if (table->snapshot == NULL || count == 0)
+        return EM_OK;
+    const uint64_t *device_rows = rows;
+    if (!device->host_addressable) {
+        void *copy = NULL;
+        em_status status = em__request_alloc(r, device, count * sizeof(uint64_t),
+                                             "removed rows", &copy, err);
+        if (status == EM_OK)
+            status = device->ops->copy_to_device(lane, copy, rows, count * sizeof(uint64_t),
+                                                 err);
+        if (status != EM_OK)
+            return status;
+        device_rows = copy;
+    }
+    return em__snapshot_preserve(table, s, lane, device_rows, count, err);
+}
+
+em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
+{
+    slice->removed = 0;
+    request_context r;
+    em__snapshot_wait_room(table);
+    pthread_rwlock_wrlock(&table->lock);
+    em_status status = em__request_begin(table, &r, err);
+    uint32_t s = slice->sweep ? table->expire_shard : slice->shard;
+    uint64_t *cursor = slice->sweep ? &table->expire_cursor : &slice->cursor;
+    if (status == EM_OK && s < table->shard_count) {
+        em_lane *lane = r.lanes[table->shard_device[s]];
+        em_device *device = table->shards[s]->device;
+        uint32_t clock = (uint32_t)atomic_load_explicit(&table->update_clock,
+                                                        memory_order_relaxed);
+        pthread_rwlock_wrlock(&table->shard_locks[s]);
+        status = device->ops->shard_expire(table->shards[s], lane, clock, slice->max_age, cursor,
+                                           slice->scan, slice->keys, slice->rows,
+                                           &slice->removed, err);
+        if (status == EM_OK)
+            status = preserve_host_rows(&r, s, lane, slice->rows, slice->removed, err);
+        if (status == EM_OK && slice->removed > 0) {
+            table->rows -= slice->removed;
+            table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+            if (slice->sweep)
+                em__record_evicted(table, slice->keys, slice->removed, &table->rows_expired);
+            else
+                atomic_fetch_add_explicit(&table->rows_erased, slice->removed,
+                                          memory_order_relaxed);
+        }
+        pthread_rwlock_unlock(&table->shard_locks[s]);
+        slice->wrapped = *cursor == 0;
+        if (slice->sweep && slice->wrapped)
+            table->expire_shard = (s + 1) % table->shard_count;
+        if (status != EM_OK)
+            em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+    }
+    em__request_end(&r);
+    pthread_rwlock_unlock(&table->lock);
+    return status;
+}
+
+void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count,
+                        _Atomic uint64_t *counter)
+{
+    uint32_t ring = table->evicted_keys != NULL ? table->config.eviction.ring : 0;
     pthread_mutex_lock(&table->evicted_lock);
-    uint64_t total = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
+    uint64_t total = table->removed_total;
     for (uint64_t i = 0; ring > 0 && i < count; i++)
         table->evicted_keys[(total + i) % ring] = keys[i];
-    atomic_store_explicit(&table->rows_evicted, total + count, memory_order_relaxed);
+    table->removed_total = total + count;
+    atomic_fetch_add_explicit(counter, count, memory_order_relaxed);
     pthread_mutex_unlock(&table->evicted_lock);
 }
 
@@ -527,19 +593,8 @@ static em_status evict_from_shard(request_context *r, segment *seg, uint32_t s, 
     }
     if (status == EM_OK) {
         table->rows -= count;
-        em__record_evicted(table, keys, count);
-        const uint64_t *device_rows = rows;
-        if (!seg->device->host_addressable && table->snapshot != NULL) {
-            void *copy = NULL;
-            status = em__request_alloc(r, seg->device, count * sizeof(uint64_t),
-                                       "evicted rows", &copy, err);
-            if (status == EM_OK)
-                status = seg->device->ops->copy_to_device(seg->lane, copy, rows,
-                                                          count * sizeof(uint64_t), err);
-            device_rows = copy;
-        }
-        if (status == EM_OK)
-            status = em__snapshot_preserve(table, s, seg->lane, device_rows, count, err);
+        em__record_evicted(table, keys, count, &table->rows_evicted);
+        status = preserve_host_rows(r, s, seg->lane, rows, count, err);
     }
     free(kept);
     free(keys);
@@ -846,13 +901,17 @@ static em_status touch_rows(request_context *r, segment *seg, uint32_t s, const 
                             uint64_t n, shard_work work, em_error *err)
 {
     em_table *table = r->table;
-    if (work != WORK_GATHER && r->update_stamp == 0) {
-        uint32_t stamp = (uint32_t)(atomic_fetch_add_explicit(&table->update_clock, 1,
-                                                              memory_order_relaxed) + 1);
-        r->update_stamp = stamp != 0 ? stamp : 1; /* 0 means never pushed */
+    if (work != WORK_GATHER && !r->has_update_stamp) {
+        r->update_stamp = (uint32_t)(atomic_fetch_add_explicit(&table->update_clock, 1,
+                                                               memory_order_relaxed) + 1);
+        r->has_update_stamp = true;
     }
+    uint32_t updated = work == WORK_GATHER
+                           ? (uint32_t)atomic_load_explicit(&table->update_clock,
+                                                            memory_order_relaxed)
+                           : r->update_stamp;
     return seg->device->ops->shard_touch(table->shards[s], seg->lane, rows, n, r->access_stamp,
-                                         work == WORK_GATHER ? 0 : r->update_stamp, err);
+                                         updated, work != WORK_GATHER, err);
 }
 
 static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,

@@ -70,7 +70,7 @@ typedef struct model_row {
     uint64_t key;
     uint64_t accessed;
     uint64_t frequency;
-    uint64_t updated; /* push clock of the last push, 0: never */
+    uint64_t updated; /* push clock of the last push, or at creation */
 } model_row;
 
 typedef struct model {
@@ -100,8 +100,7 @@ static bool model_goes_first(const model *m, const model_row *a, const model_row
     if (m->policy == EM_EVICTION_LFU && a->frequency != b->frequency)
         return a->frequency < b->frequency;
     if (m->policy == EM_EVICTION_AGE) {
-        uint64_t age_a = a->updated == 0 ? UINT64_MAX : m->push_clock - a->updated;
-        uint64_t age_b = b->updated == 0 ? UINT64_MAX : m->push_clock - b->updated;
+        uint64_t age_a = m->push_clock - a->updated, age_b = m->push_clock - b->updated;
         if (age_a != age_b)
             return age_a > age_b;
     }
@@ -138,7 +137,7 @@ static void model_request(model *m, const uint64_t *keys, uint32_t n, bool push)
         int64_t at = model_find(m, keys[i]);
         if (at < 0) {
             at = (int64_t)m->count++;
-            m->rows[at] = (model_row){.key = keys[i]};
+            m->rows[at] = (model_row){.key = keys[i], .updated = m->push_clock};
         }
         m->rows[at].accessed = m->clock;
         m->rows[at].frequency++;
@@ -454,6 +453,111 @@ START_TEST(the_ring_keeps_the_last_evicted_keys_in_order)
 }
 END_TEST
 
+static em_table *expiring_table(em_backend *backend, em_eviction_policy policy, uint32_t max_age)
+{
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, 100);
+    config.shards = 2;
+    config.eviction.policy = policy;
+    config.eviction.max_age_steps = max_age;
+    return em_test_make_table(backend, &config);
+}
+
+/* Sweeps until every shard has been examined once more (slices of scan entries). */
+static uint64_t sweep(em_table *table, uint64_t scan, int slices)
+{
+    uint64_t total = 0, expired = 0;
+    em_error err;
+    for (int i = 0; i < slices; i++) {
+        ck_assert_msg(em_table_expire(table, scan, &expired, &err) == EM_OK, "%s", err.message);
+        ck_assert_uint_le(expired, scan);
+        total += expired;
+    }
+    return total;
+}
+
+static void assert_keys(em_table *table, const uint64_t *expected, uint64_t n)
+{
+    em_test_snapshot s = em_test_snapshot_take(table, 16);
+    ck_assert_uint_eq(s.count, n);
+    for (uint64_t i = 0; i < n; i++)
+        ck_assert_uint_eq(s.keys[i], expected[i]);
+    em_test_snapshot_free(&s);
+}
+
+START_TEST(the_sweep_expires_rows_not_pushed_in_max_age_steps)
+{
+    em_backend *backend = make_backend(1);
+    em_table *table = expiring_table(backend, EM_EVICTION_NONE, 5);
+    em_error err;
+    /* key k is pushed by the table's k-th push */
+    for (uint64_t key = 1; key <= 10; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    /* a pull creates key 50 at push clock 10 */
+    uint64_t pulled = 50;
+    ck_assert_int_eq(run_request(table, &pulled, 1, false, &err), EM_OK);
+    /* ages are 10 - k: keys 1..4 are older than 5 pushes; slices of 3 entries, the
+     * shards in turn, until both were swept whole */
+    ck_assert_uint_eq(sweep(table, 3, 12), 4);
+    const uint64_t left[] = {5, 6, 7, 8, 9, 10, 50};
+    assert_keys(table, left, 7);
+    /* six more pushes of key 10: key 50 and keys 5..9 pass the age */
+    uint64_t ten = 10;
+    for (int i = 0; i < 6; i++)
+        ck_assert_int_eq(run_request(table, &ten, 1, true, &err), EM_OK);
+    ck_assert_uint_eq(sweep(table, 100, 4), 6);
+    assert_keys(table, &ten, 1);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows_expired, 10);
+    ck_assert_uint_eq(stats.rows_evicted, 0);
+    ck_assert_uint_eq(stats.rows_created, stats.rows + stats.rows_expired);
+    /* the ring holds what expired, numbered */
+    uint64_t keys[16];
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, 16, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.total, 10);
+    ck_assert_uint_eq(view.count, 10);
+    uint64_t sum = 0;
+    for (int i = 0; i < 10; i++)
+        sum += keys[i];
+    ck_assert_uint_eq(sum, 1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 9 + 50);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(erase_by_age_removes_rows_not_pushed_recently)
+{
+    em_backend *backend = make_backend(1);
+    em_table *table = expiring_table(backend, EM_EVICTION_LRU, 0);
+    em_error err;
+    for (uint64_t key = 1; key <= 10; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    /* a pull does not update: key 2 stays as old as its push */
+    uint64_t two = 2;
+    ck_assert_int_eq(run_request(table, &two, 1, false, &err), EM_OK);
+    uint64_t erased = 0;
+    ck_assert_int_eq(em_table_erase_older(table, 3, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 6);
+    const uint64_t left[] = {7, 8, 9, 10};
+    assert_keys(table, left, 4);
+    /* expiry was not configured: the sweep does nothing */
+    ck_assert_uint_eq(sweep(table, 100, 4), 0);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows_erased, 6);
+    ck_assert_uint_eq(stats.rows_expired, 0);
+    em_table_destroy(table);
+    /* without access metadata there is no age to go by */
+    table = expiring_table(backend, EM_EVICTION_NONE, 0);
+    ck_assert_int_eq(em_table_erase_older(table, 3, &erased, &err), EM_FAILED_PRECONDITION);
+    ck_assert_msg(strstr(err.message, "keeps no access metadata") != NULL, "%s", err.message);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 typedef struct pusher {
     em_table *table;
     uint64_t seed;
@@ -515,6 +619,8 @@ int main(void)
     tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);
     tcase_add_test(rules, erase_removes_listed_keys_and_a_snapshot_still_sees_them);
     tcase_add_test(rules, the_ring_keeps_the_last_evicted_keys_in_order);
+    tcase_add_test(rules, the_sweep_expires_rows_not_pushed_in_max_age_steps);
+    tcase_add_test(rules, erase_by_age_removes_rows_not_pushed_recently);
     suite_add_tcase(suite, rules);
     TCase *concurrency = tcase_create("concurrency");
     tcase_set_timeout(concurrency, 120);
