@@ -960,6 +960,45 @@ em_status em_client_erase(em_client *client, const char *table, const uint64_t *
     return status;
 }
 
+em_status em_client_erase_older(em_client *client, const char *table, uint32_t not_pushed_for,
+                                uint64_t *erased, em_error *err)
+{
+    *erased = 0;
+    if (table == NULL || table[0] == '\0')
+        return em_error_set(err, EM_INVALID_ARGUMENT, "table name is empty");
+    em_client_call *call = call_create(client, CALL_MESSAGE, EMBER__METHOD__ERASE,
+                                       client->server_count);
+    if (call == NULL)
+        return out_of_memory(err, "erase");
+    em_status status = EM_OK;
+    /* every server holds rows of the table: each erases its own old ones */
+    for (uint32_t s = 0; status == EM_OK && s < client->server_count; s++) {
+        em__client_request *request = call_add_request(client, call, s);
+        if (request == NULL) {
+            status = out_of_memory(err, "erase");
+            break;
+        }
+        Ember__EraseRequest body = EMBER__ERASE_REQUEST__INIT;
+        body.table = (char *)table;
+        body.by_age = true;
+        body.not_pushed_for = not_pushed_for;
+        em__client_rpc rpc = call_rpc(client, call, request);
+        status = em__client_frame_message(&rpc, &body.base, &request->frame, err);
+    }
+    if (status != EM_OK) {
+        call_destroy(client, call);
+        return status;
+    }
+    status = call_send(client, call, err);
+    if (status == EM_OK) {
+        status = call_wait(client, call, err);
+        for (uint32_t i = 0; status == EM_OK && i < call->request_count; i++)
+            *erased += ((const Ember__EraseResponse *)call->requests[i]->response)->erased;
+        call_destroy(client, call);
+    }
+    return status;
+}
+
 em_status em_client_evicted(em_client *client, const char *table, uint64_t after, uint32_t max,
                             cJSON **evicted, em_error *err)
 {

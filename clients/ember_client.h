@@ -174,6 +174,11 @@ em_status em_client_slowlog(em_client *client, uint32_t max, bool reset, cJSON *
 em_status em_client_erase(em_client *client, const char *table, const uint64_t *keys,
                           uint64_t n, uint64_t *erased, em_error *err);
 
+/* ERASE by age on every server: removes the rows neither pushed nor created in the
+ * table's last not_pushed_for pushes; *erased gets how many. */
+em_status em_client_erase_older(em_client *client, const char *table, uint32_t not_pushed_for,
+                                uint64_t *erased, em_error *err);
+
 /* EVICTED on the first server: the keys the table's eviction policy removed after
  * sequence number `after`, oldest first (max 0: all the ring holds): *evicted gets
  * {keys: ["decimal", ...], first, total, missed} (keys[0] has sequence `first`; missed:

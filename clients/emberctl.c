@@ -100,6 +100,7 @@ static void print_help(FILE *out)
           "  tables create --name N --dim D --capacity C [--shards S]\n"
           "                [--optimizer TYPE] [--lr X] [--initializer TYPE] [--seed N]\n"
           "                [--eviction none|lru|lfu|age] [--candidates N] [--ring N]\n"
+          "                [--max-age-steps N]\n"
           "                             TYPE: sgd, adagrad, rowwise_adagrad, adam;\n"
           "                             initializers: zeros, uniform, normal\n"
           "  tables drop NAME\n"
@@ -112,6 +113,9 @@ static void print_help(FILE *out)
           "                             per view)\n"
           "  erase TABLE KEY... | erase TABLE --file PATH\n"
           "                             remove keys (PATH: one per line, - for stdin)\n"
+          "  erase TABLE --not-pushed-for N\n"
+          "                             remove rows not pushed (nor created) in the\n"
+          "                             table's last N pushes\n"
           "  evicted TABLE [--after SEQUENCE] [--max N]\n"
           "                             keys the eviction policy removed, oldest first,\n"
           "                             numbered; --after the last sequence seen\n"
@@ -451,7 +455,7 @@ static int tables_list(cli *c, int argc)
 /* The flags of tables create, as given. */
 typedef struct create_flags {
     const char *json_config, *name, *dim, *capacity, *shards, *optimizer, *lr, *initializer,
-        *seed, *eviction, *candidates, *ring;
+        *seed, *eviction, *candidates, *ring, *max_age_steps;
 } create_flags;
 
 static const struct create_flag {
@@ -470,6 +474,7 @@ static const struct create_flag {
     {"eviction", offsetof(create_flags, eviction)},
     {"candidates", offsetof(create_flags, candidates)},
     {"ring", offsetof(create_flags, ring)},
+    {"max-age-steps", offsetof(create_flags, max_age_steps)},
 };
 
 #define CREATE_FLAG_COUNT (sizeof(create_flag_table) / sizeof(create_flag_table[0]))
@@ -551,13 +556,18 @@ static int add_initializer(cJSON *config, const create_flags *flags)
 
 static int add_eviction(cJSON *config, const create_flags *flags)
 {
-    if (flags->eviction == NULL && flags->candidates == NULL && flags->ring == NULL)
+    if (flags->eviction == NULL && flags->candidates == NULL && flags->ring == NULL &&
+        flags->max_age_steps == NULL)
         return EXIT_OK;
     cJSON *eviction = cJSON_AddObjectToObject(config, "eviction");
     if (flags->eviction != NULL)
         cJSON_AddStringToObject(eviction, "policy", flags->eviction);
     int code = add_whole(eviction, "candidates", "candidates", flags->candidates);
-    return code == EXIT_OK ? add_whole(eviction, "ring", "ring", flags->ring) : code;
+    if (code == EXIT_OK)
+        code = add_whole(eviction, "ring", "ring", flags->ring);
+    return code == EXIT_OK
+               ? add_whole(eviction, "max_age_steps", "max-age-steps", flags->max_age_steps)
+               : code;
 }
 
 /* The table config JSON text (malloc'ed) from the flags; NULL after a usage error. */
@@ -1035,11 +1045,35 @@ static int read_key_file(const char *path, uint64_t **keys, uint64_t *count, uin
     return code;
 }
 
+static int erase_by_age(cli *c, const char *table, int argc, char **argv)
+{
+    double pushes = 0;
+    if (argc != 4 || !parse_whole(argv[3], &pushes) || pushes > 2147483647.0)
+        return usage_error("erase TABLE --not-pushed-for N takes one number of pushes in "
+                           "0..2147483647");
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    uint64_t erased = 0;
+    em_error err;
+    if (em_client_erase_older(c->client, table, (uint32_t)pushes, &erased, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json)
+        printf("{\"table\": \"%s\", \"not_pushed_for\": %.0f, \"erased\": %" PRIu64 "}\n",
+               table, pushes, erased);
+    else
+        printf("erased %" PRIu64 " row(s) of table '%s' not pushed in its last %.0f pushes\n",
+               erased, table, pushes);
+    return EXIT_OK;
+}
+
 static int command_erase(cli *c, int argc, char **argv)
 {
     if (argc < 2)
         return usage_error("erase needs a table name, then keys or --file PATH");
     const char *table = argv[1];
+    if (argc >= 3 && strcmp(argv[2], "--not-pushed-for") == 0)
+        return erase_by_age(c, table, argc, argv);
     uint64_t *keys = NULL, count = 0, capacity = 0;
     int code = EXIT_OK;
     for (int i = 2; code == EXIT_OK && i < argc; i++) {
@@ -1114,7 +1148,8 @@ static int command_evicted(cli *c, int argc, char **argv)
     const cJSON *keys = cJSON_GetObjectItemCaseSensitive(evicted, "keys");
     int shown = cJSON_GetArraySize(keys);
     double first = json_number(evicted, "first");
-    printf("table '%s': %.0f key(s) evicted in all", argv[1], json_number(evicted, "total"));
+    printf("table '%s': %.0f key(s) evicted or expired in all", argv[1],
+           json_number(evicted, "total"));
     if (shown > 0)
         printf("; sequence %.0f to %.0f below", first, first + shown - 1);
     if (json_number(evicted, "missed") > 0)

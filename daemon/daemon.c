@@ -30,6 +30,7 @@
 #include "daemon/http.h"
 #include "daemon/metrics.h"
 #include "daemon/server.h"
+#include "daemon/sweeper.h"
 #include "ember_config.h"
 #include "lib/device/backend.h"
 #include "lib/table/catalog.h"
@@ -55,6 +56,7 @@ struct em_daemon {
     em_backend *backend;
     em_catalog *catalog;
     em_checkpointer *checkpointer; /* NULL without a checkpoint section */
+    em_sweeper *sweeper;           /* the expiry sweep */
     uv_loop_t loop;
     bool loop_ready;
     em_executor *executor;
@@ -464,6 +466,8 @@ static em_status start(em_daemon *d, em_error *err)
     em_status status = create_backend(d, err);
     if (status == EM_OK)
         status = create_tables(d, err);
+    if (status == EM_OK)
+        status = em_sweeper_create(d->catalog, &d->log, &d->sweeper, err);
     if (status != EM_OK)
         return status;
     int rc = uv_loop_init(&d->loop);
@@ -595,6 +599,7 @@ void em_daemon_destroy(em_daemon *d)
         uv_run(&d->loop, UV_RUN_DEFAULT); /* let closing handles finish */
         uv_loop_close(&d->loop);
     }
+    em_sweeper_destroy(d->sweeper);
     em_checkpointer_destroy(d->checkpointer);
     em_slowlog_free(&d->context.slowlog);
     em_catalog_destroy(d->catalog);

@@ -465,6 +465,22 @@ static em_status erase_table(em_request *request, em_table *table, const void *u
                              em_error *err)
 {
     const Ember__EraseRequest *body = untyped_body;
+    if (body->by_age && body->n_keys > 0)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "ERASE takes keys or by_age, not both (%zu keys given)",
+                            body->n_keys);
+    if (body->by_age) {
+        uint64_t erased = 0;
+        em_status status = em_table_erase_older(table, body->not_pushed_for, &erased, err);
+        if (status != EM_OK)
+            return status;
+        em_log_info(request->context->log,
+                    "erased %" PRIu64 " rows of table '%s' not pushed in %u pushes", erased,
+                    em_table_name(table), body->not_pushed_for);
+        Ember__EraseResponse response = EMBER__ERASE_RESPONSE__INIT;
+        response.erased = erased;
+        return em_request_respond(request, &response.base, NULL, 0, err);
+    }
     if (body->n_keys > request->max_keys_per_request)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "ERASE of %zu keys exceeds max_keys_per_request %" PRIu64,

@@ -429,7 +429,8 @@ START_TEST(eviction_evicted_keys_and_erase_through_emberctl)
     /* keys 1 and 2 made room for 5 and 6 */
     r = RUN(NULL, "--server", at, "evicted", "t");
     ck_assert_msg(r->code == 0, "%s", r->err);
-    ck_assert_str_eq(r->out, "table 't': 2 key(s) evicted in all; sequence 1 to 2 below\n1\n2\n");
+    ck_assert_str_eq(r->out,
+                     "table 't': 2 key(s) evicted or expired in all; sequence 1 to 2 below\n1\n2\n");
     r = RUN(NULL, "--server", at, "--json", "evicted", "t", "--after", "1");
     ck_assert_int_eq(r->code, 0);
     cJSON *json = cJSON_Parse(r->out);
@@ -480,6 +481,45 @@ START_TEST(eviction_evicted_keys_and_erase_through_emberctl)
     ck_assert_int_eq(r->code, 1);
     r = RUN(NULL, "--server", at, "evicted", "t", "--max", "x");
     ck_assert_int_eq(r->code, 2);
+
+    /* by age: key 6 stays (pushed last), key 1 goes */
+    r = RUN(NULL, "--server", at, "erase", "t", "--not-pushed-for", "0");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    ck_assert_msg(strstr(r->out, "erased ") == r->out, "%s", r->out);
+    r = RUN(NULL, "--server", at, "erase", "t", "--not-pushed-for", "x");
+    ck_assert_int_eq(r->code, 2);
+
+    /* expiry: the daemon's sweep removes rows not pushed in the last 3 pushes */
+    r = RUN(NULL, "--server", at, "tables", "create", "--name", "x", "--dim", "4",
+            "--capacity", "100", "--max-age-steps", "3");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    ck_assert(em_client_create(&options, &client, &err) == EM_OK);
+    uint32_t offsets[2] = {0, 1};
+    float gradient[4] = {0.1f, 0.1f, 0.1f, 0.1f};
+    for (uint64_t key = 1; key <= 10; key++) {
+        uint64_t pushed = key <= 5 ? key : 6; /* keys 1..5, then key 6 five times */
+        em_client_push_args args = {.table = "x",
+                                    .batch = {.rows = 1, .nnz = 1, .offsets = offsets,
+                                              .keys = &pushed},
+                                    .combiner = EM_COMBINER_NONE,
+                                    .gradients = gradient,
+                                    .gradient_count = 4};
+        ck_assert_msg(em_client_push(client, &args, NULL, &err) == EM_OK, "%s", err.message);
+    }
+    em_client_destroy(client);
+    double expired = 0;
+    for (int wait = 0; wait < 100 && expired < 5; wait++) {
+        usleep(50 * 1000);
+        r = RUN(NULL, "--server", at, "--json", "stats", "x");
+        json = cJSON_Parse(r->out);
+        table = cJSON_GetArrayItem(cJSON_GetObjectItem(json, "tables"), 0);
+        expired = cJSON_GetObjectItem(table, "rows_expired")->valuedouble;
+        cJSON_Delete(json);
+    }
+    ck_assert_double_eq(expired, 5);
+    r = RUN(NULL, "--server", at, "evicted", "x");
+    ck_assert_msg(strstr(r->out, "table 'x': 5 key(s) evicted or expired in all") == r->out, "%s",
+                  r->out);
     em_test_daemon_stop(server);
 }
 END_TEST
