@@ -496,7 +496,7 @@ static em_status cpu_shard_gather(em_shard *base, em_lane *lane, const uint64_t 
     size_t vector_bytes = shard->dim * sizeof(float);
     for (uint64_t i = 0; i < n; i++) {
         float *destination = vector_at(vectors, targets != NULL ? targets[i] : i, shard->dim);
-        if (rows[i] == EM_ROW_NONE)
+        if (!em_row_stored(rows[i]))
             memset(destination, 0, vector_bytes);
         else
             memcpy(destination, row_address(shard, rows[i]), vector_bytes);
@@ -582,8 +582,10 @@ static em_status cpu_shard_apply(em_shard *base, em_lane *lane, const uint64_t *
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     for (uint64_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n)
+        if (i + PREFETCH_AHEAD < n && em_row_stored(rows[i + PREFETCH_AHEAD]))
             prefetch_row(shard, rows[i + PREFETCH_AHEAD]);
+        if (rows[i] == EM_ROW_REJECTED)
+            continue;
         float *weights = row_address(shard, rows[i]);
         em_optimizer_apply_row(&shard->optimizer, shard->dim, weights, weights + shard->dim,
                                const_vector_at(gradients, i, shard->dim));
@@ -624,8 +626,10 @@ static em_status cpu_shard_check_apply(em_shard *base, em_lane *lane, const uint
     }
     int all_bounded = steps_bounded;
     for (uint64_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n && rows[i + PREFETCH_AHEAD] != EM_ROW_NONE)
+        if (i + PREFETCH_AHEAD < n && em_row_stored(rows[i + PREFETCH_AHEAD]))
             prefetch_row(shard, rows[i + PREFETCH_AHEAD]);
+        if (rows[i] == EM_ROW_REJECTED)
+            continue;
         const float *gradient = const_vector_at(gradients, i, shard->dim);
         const float *row = rows[i] == EM_ROW_NONE ? NULL : row_address(shard, rows[i]);
         if (steps_bounded && row != NULL &&
@@ -718,7 +722,7 @@ static em_status cpu_shard_touch(em_shard *base, em_lane *lane, const uint64_t *
     /* pulls touch under the shard's read lock: relaxed atomic loads and stores, so two
      * touches of one row at once are no data race (one of their counts may be lost) */
     for (uint64_t i = 0; i < n; i++) {
-        if (rows[i] == EM_ROW_NONE)
+        if (!em_row_stored(rows[i]))
             continue;
         em_row_access *access = row_access(shard, rows[i]);
         __atomic_store_n(&access->accessed, accessed, __ATOMIC_RELAXED);
@@ -895,6 +899,20 @@ static em_status cpu_shard_expire(em_shard *base, em_lane *lane, uint32_t update
     return EM_OK;
 }
 
+static em_status cpu_shard_fill_initial(em_shard *base, em_lane *lane, const uint64_t *keys,
+                                        const uint64_t *rows, uint64_t n,
+                                        const uint32_t *targets, float *vectors, em_error *err)
+{
+    (void)lane;
+    (void)err;
+    cpu_shard *shard = cpu_shard_of(base);
+    for (uint64_t i = 0; i < n; i++)
+        if (rows[i] == EM_ROW_REJECTED)
+            em_initializer_fill(&shard->initializer, keys[i], shard->dim,
+                                vector_at(vectors, targets != NULL ? targets[i] : i, shard->dim));
+    return EM_OK;
+}
+
 static em_status cpu_shard_erase(em_shard *base, em_lane *lane, const uint64_t *keys,
                                  const uint64_t *rows, uint64_t n, em_error *err)
 {
@@ -907,7 +925,7 @@ static em_status cpu_shard_erase(em_shard *base, em_lane *lane, const uint64_t *
         return status;
     uint64_t count = 0;
     for (uint64_t i = 0; i < n; i++)
-        if (rows[i] != EM_ROW_NONE)
+        if (em_row_stored(rows[i]))
             present[count++] = keys[i];
     em_hashmap_erase(shard->map, present, count, NULL);
     em_device_free(base->device, present);
@@ -951,6 +969,7 @@ static const em_device_ops cpu_device_ops = {
     .shard_evict = cpu_shard_evict,
     .shard_erase = cpu_shard_erase,
     .shard_expire = cpu_shard_expire,
+    .shard_fill_initial = cpu_shard_fill_initial,
     .destroy = cpu_device_destroy,
 };
 

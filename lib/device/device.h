@@ -47,6 +47,15 @@
 
 /* Row index marking a key that is not in a shard (as EM_HASHMAP_NOT_FOUND). */
 #define EM_ROW_NONE UINT64_MAX
+/* Row index marking a key the table did not admit (lib/table/table_config.h:
+ * admission): it is not created, reads as its initial value, and steps skip it. */
+#define EM_ROW_REJECTED (UINT64_MAX - 1)
+
+/* Whether a row index names a stored row (not EM_ROW_NONE or EM_ROW_REJECTED). */
+static inline bool em_row_stored(uint64_t row)
+{
+    return row < EM_ROW_REJECTED;
+}
 
 typedef struct em_device em_device;
 
@@ -159,14 +168,16 @@ typedef struct em_device_ops {
      * optimizer state, storing their new rows in rows[i]. Keys are distinct. */
     em_status (*shard_insert_missing)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                       uint64_t n, uint64_t *rows, em_error *err);
-    /* vectors[t] = weights of rows[i] (zeros for EM_ROW_NONE), dim floats each, where
+    /* vectors[t] = weights of rows[i] (zeros for EM_ROW_NONE and EM_ROW_REJECTED), dim
+     * floats each, where
      * t = targets[i], or t = i when targets is NULL. */
     em_status (*shard_gather)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                               const uint32_t *targets, float *vectors, em_error *err);
     /* Whether one optimizer step per row with gradients[i] would keep every value
      * finite, writing nothing (common/row_check.h): *first_problem (host) is UINT64_MAX
      * when it would, else (i << 32 | code) for the smallest failing i. rows[i]
-     * EM_ROW_NONE stands for the row the push will create for keys[i]. *bounded (host) is
+     * EM_ROW_NONE stands for the row the push will create for keys[i]; EM_ROW_REJECTED
+     * rows are skipped (nothing is applied to them). *bounded (host) is
      * 1 when every row was bounded (row_check.h: em_row_bounded, for existing rows only),
      * so the answer holds across a few concurrent bounded steps; a device may always say
      * 0. gradient_bound: a bound on the gradients' element sizes known already (the push
@@ -176,7 +187,8 @@ typedef struct em_device_ops {
                                    const uint64_t *rows, uint64_t n, const float *gradients,
                                    float gradient_bound, uint64_t *first_problem, int *bounded,
                                    float *largest, em_error *err);
-    /* One optimizer step per row with gradients[i] (dim floats each). Rows distinct.
+    /* One optimizer step per row with gradients[i] (dim floats each); EM_ROW_REJECTED
+     * rows are skipped. Rows distinct.
      * largest: a bound on the gradients' element sizes from shard_check_apply, or -1 when
      * unknown. */
     em_status (*shard_apply)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
@@ -223,6 +235,12 @@ typedef struct em_device_ops {
      * shard's write lock. NULL where a backend cannot erase. */
     em_status (*shard_erase)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                              const uint64_t *rows, uint64_t n, em_error *err);
+    /* After shard_gather: vectors[t] = the initial weights of keys[i] for every i whose
+     * rows[i] is EM_ROW_REJECTED (t as in shard_gather). NULL where a backend has no
+     * admission. */
+    em_status (*shard_fill_initial)(em_shard *shard, em_lane *lane, const uint64_t *keys,
+                                    const uint64_t *rows, uint64_t n, const uint32_t *targets,
+                                    float *vectors, em_error *err);
 
     /* -- lifecycle ----------------------------------------------------------------- */
     void (*destroy)(em_device *device);

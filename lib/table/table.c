@@ -152,6 +152,8 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     }
     uint64_t missing = r.missing;
     if (status == EM_OK && request->create_missing)
+        status = em__admit_missing(&r, err);
+    if (status == EM_OK && request->create_missing)
         status = em__create_missing(&r, false, err);
     if (status == EM_OK && direct)
         status = gather_direct(&r, request, err);
@@ -164,7 +166,8 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     if (status == EM_OK) {
         result->unique_keys = r.batch.unique_count;
         result->missing = missing;
-        result->created = request->create_missing ? missing : 0;
+        result->created = request->create_missing ? r.missing : 0;
+        atomic_fetch_add_explicit(&table->pulls_not_admitted, r.rejected, memory_order_relaxed);
     }
     em__request_end(&r);
     return status;
@@ -253,6 +256,8 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
         return EM_OK;
     }
     if (status == EM_OK)
+        status = em__admit_missing(&r, err);
+    if (status == EM_OK)
         status = sum_and_send_gradients(&r, request, call->largest, err);
     uint64_t missing = r.missing;
     if (status == EM_OK)
@@ -260,8 +265,9 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     if (status == EM_OK)
         status = em__synchronize_devices(&r, err);
     if (status == EM_OK) {
-        result->updated = r.batch.unique_count;
+        result->updated = r.batch.unique_count - r.rejected;
         result->created = missing;
+        atomic_fetch_add_explicit(&table->pushes_dropped, r.rejected, memory_order_relaxed);
     }
     em__request_end(&r);
     return status;
@@ -442,6 +448,12 @@ static em_status create_shards(em_table *table, em_error *err)
             .initializer = table->config.initializer,
             .track_access = em_eviction_tracks_access(&table->config.eviction),
         };
+        if (table->config.admission.policy != EM_ADMISSION_ALWAYS &&
+            device->ops->shard_fill_initial == NULL)
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "table '%s': admission other than 'always' is not available on "
+                                "the %s backend",
+                                table->config.name, table->backend->kind);
         if (spec.track_access &&
             (device->ops->shard_evict == NULL || device->ops->shard_touch == NULL ||
              device->ops->shard_expire == NULL))
@@ -487,6 +499,15 @@ em_status em_table_create(em_backend *backend, const em_table_config *config, em
     pthread_rwlockattr_destroy(&attributes);
     pthread_mutex_init(&table->snapshot_mutex, NULL);
     pthread_mutex_init(&table->evicted_lock, NULL);
+    if (config->admission.policy == EM_ADMISSION_COUNTER) {
+        table->admission_counts = calloc(config->admission.counters, 1);
+        if (table->admission_counts == NULL) {
+            em_table_destroy(table);
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                "table '%s': out of host memory for %u admission counters",
+                                config->name, config->admission.counters);
+        }
+    }
     if (em_eviction_tracks_access(&config->eviction) && config->eviction.ring > 0) {
         table->evicted_keys = calloc(config->eviction.ring, sizeof(uint64_t));
         if (table->evicted_keys == NULL) {
@@ -523,6 +544,7 @@ void em_table_destroy(em_table *table)
     pthread_mutex_destroy(&table->snapshot_mutex);
     pthread_mutex_destroy(&table->evicted_lock);
     free(table->evicted_keys);
+    free(table->admission_counts);
     pthread_cond_destroy(&table->snapshot_room);
     free(table);
 }
@@ -568,5 +590,8 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->rows_evicted = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
     out->rows_expired = atomic_load_explicit(&table->rows_expired, memory_order_relaxed);
     out->rows_erased = atomic_load_explicit(&table->rows_erased, memory_order_relaxed);
+    out->pulls_not_admitted = atomic_load_explicit(&table->pulls_not_admitted,
+                                                   memory_order_relaxed);
+    out->pushes_dropped = atomic_load_explicit(&table->pushes_dropped, memory_order_relaxed);
 }
 

@@ -81,7 +81,11 @@ typedef struct em_push_result {
     X(uint64_t, rows_evicted, COUNTER, NONE, "rows removed by the eviction policy to make room") \
     X(uint64_t, rows_expired, COUNTER, NONE,                                                  \
       "rows removed by the expiry sweep (eviction.max_age_steps)")                            \
-    X(uint64_t, rows_erased, COUNTER, NONE, "rows removed by ERASE")
+    X(uint64_t, rows_erased, COUNTER, NONE, "rows removed by ERASE")                          \
+    X(uint64_t, pulls_not_admitted, COUNTER, NONE,                                            \
+      "keys pulled with create_missing that admission did not store (read as initial)")       \
+    X(uint64_t, pushes_dropped, COUNTER, NONE,                                                \
+      "keys whose pushed gradients were dropped: admission did not store them")
 
 typedef struct em_table_stats {
 #define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;

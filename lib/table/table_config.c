@@ -166,6 +166,33 @@ static const em_config_schema eviction_schema = {
     .field_count = sizeof(eviction_fields) / sizeof(eviction_fields[0]),
 };
 
+static const em_config_choice admission_choices[] = {
+    {"always", EM_ADMISSION_ALWAYS},
+    {"counter", EM_ADMISSION_COUNTER},
+    {"probability", EM_ADMISSION_PROBABILITY},
+    {NULL, 0},
+};
+
+static const em_config_field admission_fields[] = {
+    {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "policy", em_admission_config, policy),
+     .choices = admission_choices, .default_json = "\"always\"",
+     .help = "which new keys are stored: always, counter or probability"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "threshold", em_admission_config, threshold),
+     .flags = EM_CONFIG_UNSIGNED, .min = 1, .max = 255, .default_json = "2",
+     .help = "counter: times a key is seen before it is stored"},
+    {EM_CONFIG_FIELD(EM_CONFIG_DOUBLE, "probability", em_admission_config, probability),
+     .min = 0, .max = 1, .default_json = "1", .help = "probability: chance a key is stored"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "counters", em_admission_config, counters),
+     .flags = EM_CONFIG_UNSIGNED, .min = 1024, .max = 1073741824.0, .default_json = "1048576",
+     .help = "counter: one-byte counters of the sketch (bytes of memory)"},
+};
+
+static const em_config_schema admission_schema = {
+    .name = "admission",
+    .fields = admission_fields,
+    .field_count = sizeof(admission_fields) / sizeof(admission_fields[0]),
+};
+
 static em_status parse_name(const cJSON *value, void *field, const char *path, em_error *err)
 {
     if (!cJSON_IsString(value))
@@ -202,6 +229,8 @@ static const em_config_field table_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "eviction", em_table_config, eviction),
      .object = &eviction_schema, .default_json = "{}",
      .help = "what happens when the table is full"},
+    {EM_CONFIG_FIELD(EM_CONFIG_OBJECT, "admission", em_table_config, admission),
+     .object = &admission_schema, .default_json = "{}", .help = "which new keys are stored"},
 };
 
 const em_config_schema em_table_config_schema = {

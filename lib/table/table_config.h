@@ -61,6 +61,28 @@ bool em_eviction_tracks_access(const em_eviction_config *config);
 
 const char *em_eviction_policy_name(em_eviction_policy policy);
 
+typedef enum em_admission_policy {
+    EM_ADMISSION_ALWAYS,
+    EM_ADMISSION_COUNTER,
+    EM_ADMISSION_PROBABILITY,
+} em_admission_policy;
+
+/* Which new keys a table stores (a key not admitted reads as its initial value and its
+ * pushes are dropped, both counted):
+ *   always       every key: the default
+ *   counter      a key seen `threshold` times by requests that would create it: counted
+ *                in `counters` one-byte counters (a count-min sketch of 4 hashes with
+ *                conservative update), so a key may be admitted early when its counters
+ *                are shared with others (tests/bench/bench_eviction measures it)
+ *   probability  a key with probability `probability`, decided by a hash of the
+ *                initializer seed and the key: the same key is always decided the same */
+typedef struct em_admission_config {
+    int policy;           /* em_admission_policy */
+    uint32_t threshold;   /* counter: sightings before a key is stored (1..255) */
+    double probability;   /* probability: in [0, 1] */
+    uint32_t counters;    /* counter: one-byte counters in the sketch */
+} em_admission_config;
+
 typedef struct em_table_config {
     char name[EM_TABLE_NAME_MAX + 1];
     uint32_t dim;
@@ -69,6 +91,7 @@ typedef struct em_table_config {
     em_optimizer_config optimizer;
     em_initializer_config initializer;
     em_eviction_config eviction;
+    em_admission_config admission;
 } em_table_config;
 
 extern const em_config_schema em_table_config_schema;

@@ -62,6 +62,9 @@ struct em_table {
     pthread_mutex_t evicted_lock;
     uint64_t *evicted_keys;
     uint64_t removed_total;
+    /* admission: the counter policy's sketch (exclusive lock), and what was refused */
+    uint8_t *admission_counts;
+    _Atomic uint64_t pulls_not_admitted, pushes_dropped;
     /* the expiry sweep's position: a shard and a cursor in its map (exclusive lock) */
     uint32_t expire_shard;
     uint64_t expire_cursor;
@@ -99,6 +102,8 @@ typedef struct request_context {
     uint32_t *targets;         /* direct pulls: output position per partitioned key */
     uint64_t *shard_start;     /* host, shard_count + 1 */
     uint64_t *shard_missing;   /* host, shard_count */
+    uint64_t *shard_rejected;  /* host, shard_count: keys not admitted (EM_ROW_REJECTED) */
+    uint64_t rejected;
     segment *segments;         /* one per device */
     uint64_t missing;          /* distinct keys not in the table */
     float gradient_bound;      /* push: a bound on the summed gradients' sizes, or -1 */
@@ -155,6 +160,11 @@ typedef struct em_age_slice {
 } em_age_slice;
 
 em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err);
+
+/* Admission (lib/table/table_config.h), under the exclusive lock before any key is
+ * created: the missing keys the policy refuses get EM_ROW_REJECTED and leave the
+ * missing counts (r->rejected, r->shard_rejected). */
+em_status em__admit_missing(request_context *r, em_error *err);
 
 /* Keeps count keys the policy removed in the table's ring and counts them in counter
  * (rows_evicted or rows_expired). */

@@ -72,9 +72,11 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
     r->scratch = calloc(r->scratch_capacity, sizeof(*r->scratch));
     r->shard_start = calloc(table->shard_count + 1, sizeof(*r->shard_start));
     r->shard_missing = calloc(table->shard_count, sizeof(*r->shard_missing));
+    r->shard_rejected = calloc(table->shard_count, sizeof(*r->shard_rejected));
     r->segments = calloc(devices, sizeof(*r->segments));
     r->lanes = calloc(devices, sizeof(*r->lanes));
     if (r->scratch == NULL || r->shard_start == NULL || r->shard_missing == NULL ||
+        r->shard_rejected == NULL ||
         r->segments == NULL || r->lanes == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': request bookkeeping: "
                             "out of host memory", table->config.name);
@@ -102,6 +104,7 @@ void em__request_end(request_context *r)
     free(r->scratch);
     free(r->shard_start);
     free(r->shard_missing);
+    free(r->shard_rejected);
     free(r->segments);
 }
 
@@ -434,7 +437,8 @@ static em_status plan_evictions(request_context *r, uint64_t need, uint64_t *evi
             continue;
         em_shard_stats stats;
         table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
-        uint64_t own = shard_key_count(r, s) - r->shard_missing[s]; /* the request's rows */
+        /* the request's rows: its keys less the missing and the refused ones */
+        uint64_t own = shard_key_count(r, s) - r->shard_missing[s] - r->shard_rejected[s];
         uint64_t evictable = stats.rows > own ? stats.rows - own : 0;
         evictable_total += evictable < r->shard_missing[s] ? evictable : r->shard_missing[s];
         uint64_t take = r->shard_missing[s] < evictable ? r->shard_missing[s] : evictable;
@@ -477,11 +481,105 @@ static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_
     }
     uint64_t kept = 0;
     for (uint64_t i = 0; i < n; i++)
-        if (rows[i] != EM_ROW_NONE)
+        if (em_row_stored(rows[i]))
             rows[kept++] = rows[i];
     qsort(rows, kept, sizeof(uint64_t), compare_rows);
     *out = rows;
     *count = kept;
+    return EM_OK;
+}
+
+/* ---- admission ------------------------------------------------------------------------ */
+
+#define SKETCH_HASHES 4
+
+/* Counter admission: counts a sighting of key in the sketch (conservative update: only
+ * the smallest of its counters grow) and says whether it has now been seen threshold
+ * times. */
+static bool count_sighting(em_table *table, uint64_t key)
+{
+    const em_admission_config *config = &table->config.admission;
+    uint64_t seed = em_mix64(table->config.initializer.seed ^ 0x736b65746368ull);
+    uint8_t *counts = table->admission_counts;
+    uint64_t slots[SKETCH_HASHES];
+    uint8_t smallest = UINT8_MAX;
+    for (int h = 0; h < SKETCH_HASHES; h++) {
+        slots[h] = em_mix64(key ^ em_mix64(seed + (uint64_t)h)) % config->counters;
+        smallest = counts[slots[h]] < smallest ? counts[slots[h]] : smallest;
+    }
+    uint8_t seen = smallest == UINT8_MAX ? UINT8_MAX : (uint8_t)(smallest + 1);
+    for (int h = 0; h < SKETCH_HASHES; h++)
+        if (counts[slots[h]] < seen)
+            counts[slots[h]] = seen;
+    return seen >= config->threshold;
+}
+
+/* Probability admission: a pure function of the table's seed and the key. */
+static bool admitted_by_chance(const em_table *table, uint64_t key)
+{
+    double p = table->config.admission.probability;
+    uint64_t draw = em_mix64(key ^ em_mix64(table->config.initializer.seed ^ 0x61646d6974ull));
+    return (double)(draw >> 11) * 0x1.0p-53 < p;
+}
+
+em_status em__admit_missing(request_context *r, em_error *err)
+{
+    em_table *table = r->table;
+    int policy = table->config.admission.policy;
+    if (policy == EM_ADMISSION_ALWAYS || r->missing == 0)
+        return EM_OK;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        if (seg->count == 0)
+            continue;
+        /* the segment's keys and rows on the host (aliased where the device is) */
+        uint64_t *keys = seg->keys, *rows = seg->rows;
+        if (!seg->device->host_addressable) {
+            keys = malloc(seg->count * sizeof(uint64_t));
+            rows = malloc(seg->count * sizeof(uint64_t));
+            em_status status = keys == NULL || rows == NULL
+                                   ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                                  "admission: out of host memory")
+                                   : read_device_value(seg, keys, seg->keys,
+                                                       seg->count * sizeof(uint64_t), err);
+            if (status == EM_OK)
+                status = read_device_value(seg, rows, seg->rows, seg->count * sizeof(uint64_t),
+                                           err);
+            if (status == EM_OK)
+                status = seg->device->ops->synchronize(seg->lane, err);
+            if (status != EM_OK) {
+                free(keys);
+                free(rows);
+                return status;
+            }
+        }
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
+            for (uint64_t i = offset; i < offset + n; i++) {
+                if (rows[i] != EM_ROW_NONE)
+                    continue;
+                bool admit = policy == EM_ADMISSION_COUNTER ? count_sighting(table, keys[i])
+                                                            : admitted_by_chance(table, keys[i]);
+                if (admit)
+                    continue;
+                rows[i] = EM_ROW_REJECTED;
+                r->shard_missing[s]--;
+                r->shard_rejected[s]++;
+                r->missing--;
+                r->rejected++;
+            }
+        }
+        if (!seg->device->host_addressable) {
+            em_status status = seg->device->ops->copy_to_device(
+                seg->lane, seg->rows, rows, seg->count * sizeof(uint64_t), err);
+            if (status == EM_OK)
+                status = seg->device->ops->synchronize(seg->lane, err);
+            free(keys);
+            free(rows);
+            if (status != EM_OK)
+                return status;
+        }
+    }
     return EM_OK;
 }
 
@@ -951,6 +1049,9 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
             if (work == WORK_WRITE) /* what pushes checked before this is stale */
                 table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+            if (status == EM_OK && work == WORK_GATHER && r->shard_rejected[s] > 0)
+                status = ops->shard_fill_initial(table->shards[s], seg->lane, seg->keys + offset,
+                                                 rows, n, targets, payload, err);
             if (status == EM_OK && r->access_stamp != 0)
                 status = touch_rows(r, seg, s, rows, n, work, err);
             if (locking != SHARDS_HELD)

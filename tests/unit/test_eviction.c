@@ -558,6 +558,161 @@ START_TEST(erase_by_age_removes_rows_not_pushed_recently)
 }
 END_TEST
 
+/* ---- admission -------------------------------------------------------------------------- */
+
+static em_table *admitting_table(em_backend *backend, em_admission_policy policy,
+                                 uint32_t threshold, double probability)
+{
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, 100000);
+    config.shards = 3;
+    config.optimizer = em_test_optimizers[0];
+    config.initializer.seed = 99;
+    config.initializer.bound = 0.5;
+    config.admission.policy = policy;
+    config.admission.threshold = threshold;
+    config.admission.probability = probability;
+    return em_test_make_table(backend, &config);
+}
+
+/* The initial weights of key under the tables' initializer (a table that stores all). */
+static void initial_weights(em_backend *backend, uint64_t key, float *out)
+{
+    em_table *plain = admitting_table(backend, EM_ADMISSION_ALWAYS, 1, 1.0);
+    uint32_t offsets[2] = {0, 1};
+    em_csr batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &key};
+    em_error err;
+    ck_assert_int_eq(em_test_pull(plain, &batch, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
+    em_table_destroy(plain);
+}
+
+START_TEST(counter_admission_stores_a_key_on_its_threshold_sighting)
+{
+    em_backend *backend = make_backend(2);
+    em_table *table = admitting_table(backend, EM_ADMISSION_COUNTER, 3, 1.0);
+    em_error err;
+    uint64_t key = 4242;
+    uint32_t offsets[2] = {0, 1};
+    em_csr batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &key};
+    float out[DIM], expected[DIM], gradient[DIM] = {1, 1, 1, 1};
+    initial_weights(backend, key, expected);
+    em_pull_result pulled;
+    /* sightings 1 and 2 (a pull, then a push whose gradient is dropped): not stored */
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, true, out, &pulled, &err),
+                     EM_OK);
+    ck_assert_uint_eq(pulled.missing, 1);
+    ck_assert_uint_eq(pulled.created, 0);
+    ck_assert_int_eq(memcmp(out, expected, sizeof(out)), 0);
+    em_push_result pushed;
+    ck_assert_int_eq(em_test_push(table, &batch, EM_COMBINER_NONE, gradient, &pushed, &err), EM_OK);
+    ck_assert_uint_eq(pushed.created, 0);
+    ck_assert_uint_eq(pushed.updated, 0);
+    /* a pull that creates nothing does not count: still two sightings */
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, false, out, NULL, &err), EM_OK);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 0);
+    ck_assert_uint_eq(stats.pulls_not_admitted, 1);
+    ck_assert_uint_eq(stats.pushes_dropped, 1);
+    /* the third: stored, with its initial value untouched by the dropped push */
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, true, out, &pulled, &err),
+                     EM_OK);
+    ck_assert_uint_eq(pulled.created, 1);
+    ck_assert_int_eq(memcmp(out, expected, sizeof(out)), 0);
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 1);
+    ck_assert_uint_eq(stats.pulls_not_admitted, 1);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(a_refused_key_drops_only_its_own_gradient)
+{
+    em_backend *backend = make_backend(1);
+    em_table *table = admitting_table(backend, EM_ADMISSION_COUNTER, 2, 1.0);
+    em_error err;
+    uint64_t keys[2] = {7, 8};
+    uint32_t offsets[3] = {0, 1, 2};
+    float out[2 * DIM], gradients[2 * DIM];
+    for (int i = 0; i < 2 * DIM; i++)
+        gradients[i] = 0.5f;
+    em_csr one = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = keys};
+    /* key 7 seen twice: stored; then a push of 7 (stored) and 8 (first sighting) */
+    ck_assert_int_eq(em_test_pull(table, &one, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &one, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
+    float before[DIM];
+    memcpy(before, out, sizeof(before));
+    em_csr both = {.rows = 2, .nnz = 2, .offsets = offsets, .keys = keys};
+    em_push_result pushed;
+    ck_assert_int_eq(em_test_push(table, &both, EM_COMBINER_NONE, gradients, &pushed, &err), EM_OK);
+    ck_assert_uint_eq(pushed.updated, 1);
+    ck_assert_uint_eq(pushed.created, 0);
+    ck_assert_int_eq(em_test_pull(table, &both, EM_COMBINER_NONE, false, out, NULL, &err), EM_OK);
+    /* sgd, lr 0.01 (em_test_optimizers[0]): 7 moved by -lr * 0.5; 8 reads zeros */
+    for (int j = 0; j < DIM; j++) {
+        ck_assert_float_eq_tol(out[j], before[j] - em_test_optimizers[0].learning_rate * 0.5f,
+                               1e-6f);
+        ck_assert_float_eq(out[DIM + j], 0.0f);
+    }
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(probability_admission_is_a_fixed_choice_per_key)
+{
+    em_backend *backend = make_backend(1);
+    em_table *table = admitting_table(backend, EM_ADMISSION_PROBABILITY, 2, 0.3);
+    em_error err;
+    enum { N = 2000 };
+    uint64_t *keys = malloc(N * sizeof(uint64_t));
+    uint32_t *offsets = malloc((N + 1) * sizeof(uint32_t));
+    float *out = malloc((size_t)N * DIM * sizeof(float));
+    for (uint32_t i = 0; i <= N; i++)
+        offsets[i] = i;
+    for (uint64_t i = 0; i < N; i++)
+        keys[i] = 1000 + i * 7919;
+    em_csr batch = {.rows = N, .nnz = N, .offsets = offsets, .keys = keys};
+    em_pull_result first, second;
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, true, out, &first, &err), EM_OK);
+    /* about 30% stored (binomial: 600 +- 4.5 standard deviations) */
+    ck_assert_uint_ge(first.created, 510);
+    ck_assert_uint_le(first.created, 690);
+    /* asked again, the refused keys are refused again and nothing new is stored */
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, true, out, &second, &err),
+                     EM_OK);
+    ck_assert_uint_eq(second.missing, N - first.created);
+    ck_assert_uint_eq(second.created, 0);
+    /* a refused key reads as its initial value */
+    em_test_snapshot s = em_test_snapshot_take(table, 256);
+    uint64_t refused = 0;
+    for (uint64_t i = 0; i < N && refused == 0; i++) {
+        bool stored = false;
+        for (uint64_t j = 0; j < s.count && !stored; j++)
+            stored = s.keys[j] == keys[i];
+        if (!stored)
+            refused = i + 1;
+    }
+    ck_assert_uint_gt(refused, 0);
+    float expected[DIM];
+    initial_weights(backend, keys[refused - 1], expected);
+    ck_assert_int_eq(memcmp(out + (refused - 1) * DIM, expected, sizeof(expected)), 0);
+    em_test_snapshot_free(&s);
+    em_table_destroy(table);
+    /* the same table config decides the same keys */
+    table = admitting_table(backend, EM_ADMISSION_PROBABILITY, 2, 0.3);
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, true, out, &second, &err),
+                     EM_OK);
+    ck_assert_uint_eq(second.created, first.created);
+    em_table_destroy(table);
+    free(keys);
+    free(offsets);
+    free(out);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 typedef struct pusher {
     em_table *table;
     uint64_t seed;
@@ -621,6 +776,9 @@ int main(void)
     tcase_add_test(rules, the_ring_keeps_the_last_evicted_keys_in_order);
     tcase_add_test(rules, the_sweep_expires_rows_not_pushed_in_max_age_steps);
     tcase_add_test(rules, erase_by_age_removes_rows_not_pushed_recently);
+    tcase_add_test(rules, counter_admission_stores_a_key_on_its_threshold_sighting);
+    tcase_add_test(rules, a_refused_key_drops_only_its_own_gradient);
+    tcase_add_test(rules, probability_admission_is_a_fixed_choice_per_key);
     suite_add_tcase(suite, rules);
     TCase *concurrency = tcase_create("concurrency");
     tcase_set_timeout(concurrency, 120);
