@@ -101,6 +101,8 @@ static void print_help(FILE *out)
           "                [--optimizer TYPE] [--lr X] [--initializer TYPE] [--seed N]\n"
           "                [--eviction none|lru|lfu|age] [--candidates N] [--ring N]\n"
           "                [--max-age-steps N]\n"
+          "                [--admission always|counter|probability] [--threshold N]\n"
+          "                [--probability P]\n"
           "                             TYPE: sgd, adagrad, rowwise_adagrad, adam;\n"
           "                             initializers: zeros, uniform, normal\n"
           "  tables drop NAME\n"
@@ -455,7 +457,8 @@ static int tables_list(cli *c, int argc)
 /* The flags of tables create, as given. */
 typedef struct create_flags {
     const char *json_config, *name, *dim, *capacity, *shards, *optimizer, *lr, *initializer,
-        *seed, *eviction, *candidates, *ring, *max_age_steps;
+        *seed, *eviction, *candidates, *ring, *max_age_steps, *admission, *threshold,
+        *probability;
 } create_flags;
 
 static const struct create_flag {
@@ -475,6 +478,9 @@ static const struct create_flag {
     {"candidates", offsetof(create_flags, candidates)},
     {"ring", offsetof(create_flags, ring)},
     {"max-age-steps", offsetof(create_flags, max_age_steps)},
+    {"admission", offsetof(create_flags, admission)},
+    {"threshold", offsetof(create_flags, threshold)},
+    {"probability", offsetof(create_flags, probability)},
 };
 
 #define CREATE_FLAG_COUNT (sizeof(create_flag_table) / sizeof(create_flag_table[0]))
@@ -570,6 +576,21 @@ static int add_eviction(cJSON *config, const create_flags *flags)
                : code;
 }
 
+static int add_admission(cJSON *config, const create_flags *flags)
+{
+    if (flags->admission == NULL && flags->threshold == NULL && flags->probability == NULL)
+        return EXIT_OK;
+    cJSON *admission = cJSON_AddObjectToObject(config, "admission");
+    if (flags->admission != NULL)
+        cJSON_AddStringToObject(admission, "policy", flags->admission);
+    double probability;
+    if (flags->probability != NULL && !parse_real(flags->probability, &probability))
+        return usage_error("--probability '%s' is not a number", flags->probability);
+    if (flags->probability != NULL)
+        cJSON_AddNumberToObject(admission, "probability", probability);
+    return add_whole(admission, "threshold", "threshold", flags->threshold);
+}
+
 /* The table config JSON text (malloc'ed) from the flags; NULL after a usage error. */
 static char *config_from_flags(const create_flags *flags, int *code)
 {
@@ -599,6 +620,8 @@ static char *config_from_flags(const create_flags *flags, int *code)
         *code = add_initializer(config, flags);
     if (*code == EXIT_OK)
         *code = add_eviction(config, flags);
+    if (*code == EXIT_OK)
+        *code = add_admission(config, flags);
     char *text = *code == EXIT_OK ? cJSON_PrintUnformatted(config) : NULL;
     cJSON_Delete(config);
     return text;

@@ -6,7 +6,10 @@
  *      no room, in the same run;
  *   2. hit rate of lru and lfu (sampled, `candidates` entries per row removed) against
  *      an exact LRU and an exact LFU on the same Zipf streams (alpha 1.05 and 1.2, key
- *      space 10x the capacity), one key per request.
+ *      space 10x the capacity), one key per request;
+ *   3. counter admission (threshold 2 and 5, two sketch sizes) on a Zipf 1.05 stream of
+ *      one-key pushes: rows and memory stored against admitting every key, the share of
+ *      pushes dropped, and the keys stored against those an exact count would store.
  *
  *   bench_eviction [--rows N] [--batch B] [--rounds R] [--capacity C] [--accesses A]
  *                  [--candidates K]
@@ -368,6 +371,116 @@ static void hit_rates(const options *opt)
     em_backend_destroy(backend);
 }
 
+/* ---- part 3: counter admission ------------------------------------------------------- */
+
+typedef struct admission_run {
+    uint64_t rows, bytes, dropped;
+} admission_run;
+
+static admission_run push_stream(em_backend *backend, em_admission_policy policy,
+                                 uint32_t threshold, uint32_t counters, const uint64_t *stream,
+                                 uint64_t n, uint64_t capacity)
+{
+    const uint32_t dim = 64;
+    em_table_config config;
+    em_table_config_init(&config, "bench", dim, capacity);
+    config.shards = 8;
+    config.optimizer.kind = EM_OPTIMIZER_ADAGRAD;
+    config.optimizer.learning_rate = 0.01;
+    config.admission.policy = policy;
+    config.admission.threshold = threshold;
+    config.admission.counters = counters;
+    em_table *table = NULL;
+    em_error err;
+    if (em_table_create(backend, &config, &table, &err) != EM_OK)
+        die("create", &err);
+    uint32_t offsets[2] = {0, 1};
+    float gradient[64];
+    for (uint32_t j = 0; j < dim; j++)
+        gradient[j] = 0.01f;
+    for (uint64_t i = 0; i < n; i++) {
+        em_push_request request = {
+            .batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &stream[i]},
+            .combiner = EM_COMBINER_NONE,
+            .gradients = gradient,
+            .gradient_count = dim,
+        };
+        em_push_result result;
+        if (em_table_push(table, &request, &result, &err) != EM_OK)
+            die("push", &err);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    em_table_destroy(table);
+    return (admission_run){.rows = stats.rows,
+                           .bytes = stats.rows * stats.row_floats * sizeof(float) + stats.rows * 16,
+                           .dropped = stats.pushes_dropped};
+}
+
+static int compare_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Keys seen at least threshold times in the stream. */
+static uint64_t keys_seen(const uint64_t *stream, uint64_t n, uint64_t threshold)
+{
+    uint64_t *sorted = malloc(n * sizeof(uint64_t));
+    memcpy(sorted, stream, n * sizeof(uint64_t));
+    qsort(sorted, n, sizeof(uint64_t), compare_u64);
+    uint64_t keys = 0;
+    for (uint64_t i = 0, run = 1; i < n; i++, run++) {
+        if (i + 1 < n && sorted[i + 1] == sorted[i])
+            continue;
+        keys += run >= threshold;
+        run = 0;
+    }
+    free(sorted);
+    return keys;
+}
+
+static void admission(const options *opt)
+{
+    em_backend *backend = cpu_backend();
+    uint64_t space = opt->capacity * 10;
+    printf("\n3. counter admission: %" PRIu64 " one-key pushes (adagrad, dim 64), Zipf 1.05 "
+           "over %" PRIu64 " keys, no capacity limit reached\n\n",
+           opt->accesses, space);
+    printf("%-22s %9s %9s %12s %9s %9s %10s\n", "admission", "rows", "of all", "row memory",
+           "dropped", "exact", "early");
+    zipf z = zipf_make(space, 1.05);
+    em_test_rng rng;
+    em_test_rng_init(&rng, 5);
+    uint64_t *stream = malloc(opt->accesses * sizeof(uint64_t));
+    for (uint64_t i = 0; i < opt->accesses; i++)
+        stream[i] = zipf_draw(&z, &rng);
+    admission_run all = push_stream(backend, EM_ADMISSION_ALWAYS, 1, 1024, stream, opt->accesses,
+                                    space);
+    printf("%-22s %9" PRIu64 " %8.1f%% %9.1f MiB %8.1f%% %9s %10s\n", "always", all.rows, 100.0,
+           all.bytes / 1048576.0, 0.0, "-", "-");
+    const uint32_t thresholds[] = {2, 5}, sketches[] = {1u << 20, 1u << 14};
+    for (int t = 0; t < 2; t++) {
+        uint64_t exact = keys_seen(stream, opt->accesses, thresholds[t]);
+        for (int k = 0; k < 2; k++) {
+            admission_run run = push_stream(backend, EM_ADMISSION_COUNTER, thresholds[t],
+                                            sketches[k], stream, opt->accesses, space);
+            char label[64];
+            snprintf(label, sizeof(label), "counter %u, %u KiB", thresholds[t], sketches[k] / 1024);
+            printf("%-22s %9" PRIu64 " %8.1f%% %9.1f MiB %8.1f%% %9" PRIu64 " %+10" PRId64 "\n",
+                   label, run.rows, 100.0 * (double)run.rows / (double)all.rows,
+                   run.bytes / 1048576.0, 100.0 * (double)run.dropped / (double)opt->accesses,
+                   exact, (int64_t)run.rows - (int64_t)exact);
+        }
+    }
+    printf("\n(row memory: rows x (weights and optimizer state + 16 bytes of map entry); "
+           "exact: keys pushed at least threshold times; early: keys the sketch stored before "
+           "their threshold-th push)\n");
+    free(stream);
+    free(z.cdf);
+    em_backend_destroy(backend);
+}
+
 static uint64_t parse_count(const char *text, const char *flag)
 {
     char *end = NULL;
@@ -413,5 +526,6 @@ int main(int argc, char **argv)
            opt.rows, opt.batch, opt.rounds, opt.capacity, opt.accesses, opt.candidates);
     insert_throughput(&opt);
     hit_rates(&opt);
+    admission(&opt);
     return 0;
 }
