@@ -505,12 +505,22 @@ static int parse_create_flags(int argc, char **argv, create_flags *flags)
     return EXIT_OK;
 }
 
-static bool parse_whole(const char *text, double *out)
+/* A whole number of 0..2^64-1 in decimal, nothing else. */
+static bool parse_key(const char *text, uint64_t *key)
 {
     char *end = NULL;
     errno = 0;
     unsigned long long value = strtoull(text, &end, 10);
     if (text[0] < '0' || text[0] > '9' || *end != '\0' || errno != 0)
+        return false;
+    *key = value;
+    return true;
+}
+
+static bool parse_whole(const char *text, double *out)
+{
+    uint64_t value;
+    if (!parse_key(text, &value))
         return false;
     *out = (double)value;
     return true;
@@ -1021,17 +1031,6 @@ static int command_top(cli *c, int argc, char **argv)
 }
 
 /* ---- erase and evicted keys --------------------------------------------------------- */
-
-static bool parse_key(const char *text, uint64_t *key)
-{
-    char *end = NULL;
-    errno = 0;
-    unsigned long long value = strtoull(text, &end, 10);
-    if (text[0] < '0' || text[0] > '9' || *end != '\0' || errno != 0)
-        return false;
-    *key = value;
-    return true;
-}
 
 /* Keys from a file (or "-": standard input), one decimal key per line; blank lines and
  * lines starting with '#' are skipped. */
