@@ -960,12 +960,39 @@ em_status em_client_erase(em_client *client, const char *table, const uint64_t *
     return status;
 }
 
+/* ERASE by age or by time (body's by_age / by_time) on every server, summed. */
+static em_status erase_everywhere(em_client *client, const Ember__EraseRequest *body,
+                                  uint64_t *erased, em_error *err);
+
 em_status em_client_erase_older(em_client *client, const char *table, uint32_t not_pushed_for,
                                 uint64_t *erased, em_error *err)
 {
     *erased = 0;
     if (table == NULL || table[0] == '\0')
         return em_error_set(err, EM_INVALID_ARGUMENT, "table name is empty");
+    Ember__EraseRequest body = EMBER__ERASE_REQUEST__INIT;
+    body.table = (char *)table;
+    body.by_age = true;
+    body.not_pushed_for = not_pushed_for;
+    return erase_everywhere(client, &body, erased, err);
+}
+
+em_status em_client_erase_before(em_client *client, const char *table, uint64_t since_unix_ms,
+                                 uint64_t *erased, em_error *err)
+{
+    *erased = 0;
+    if (table == NULL || table[0] == '\0')
+        return em_error_set(err, EM_INVALID_ARGUMENT, "table name is empty");
+    Ember__EraseRequest body = EMBER__ERASE_REQUEST__INIT;
+    body.table = (char *)table;
+    body.by_time = true;
+    body.since_unix_ms = since_unix_ms;
+    return erase_everywhere(client, &body, erased, err);
+}
+
+static em_status erase_everywhere(em_client *client, const Ember__EraseRequest *body,
+                                  uint64_t *erased, em_error *err)
+{
     em_client_call *call = call_create(client, CALL_MESSAGE, EMBER__METHOD__ERASE,
                                        client->server_count);
     if (call == NULL)
@@ -978,12 +1005,8 @@ em_status em_client_erase_older(em_client *client, const char *table, uint32_t n
             status = out_of_memory(err, "erase");
             break;
         }
-        Ember__EraseRequest body = EMBER__ERASE_REQUEST__INIT;
-        body.table = (char *)table;
-        body.by_age = true;
-        body.not_pushed_for = not_pushed_for;
         em__client_rpc rpc = call_rpc(client, call, request);
-        status = em__client_frame_message(&rpc, &body.base, &request->frame, err);
+        status = em__client_frame_message(&rpc, &body->base, &request->frame, err);
     }
     if (status != EM_OK) {
         call_destroy(client, call);

@@ -179,6 +179,12 @@ em_status em_client_erase(em_client *client, const char *table, const uint64_t *
 em_status em_client_erase_older(em_client *client, const char *table, uint32_t not_pushed_for,
                                 uint64_t *erased, em_error *err);
 
+/* ERASE by time on every server: removes the rows neither pushed nor created since
+ * since_unix_ms (a row pushed shortly before may stay: the servers know push clocks at
+ * sampled times); *erased gets how many. */
+em_status em_client_erase_before(em_client *client, const char *table, uint64_t since_unix_ms,
+                                 uint64_t *erased, em_error *err);
+
 /* EVICTED on the first server: the keys the table's eviction policy removed after
  * sequence number `after`, oldest first (max 0: all the ring holds): *evicted gets
  * {keys: ["decimal", ...], first, total, missed} (keys[0] has sequence `first`; missed:

@@ -100,7 +100,7 @@ static void print_help(FILE *out)
           "  tables create --name N --dim D --capacity C [--shards S]\n"
           "                [--optimizer TYPE] [--lr X] [--initializer TYPE] [--seed N]\n"
           "                [--eviction none|lru|lfu|age] [--candidates N] [--ring N]\n"
-          "                [--max-age-steps N]\n"
+          "                [--max-age-steps N] [--max-age-seconds S]\n"
           "                [--admission always|counter|probability] [--threshold N]\n"
           "                [--probability P]\n"
           "                             TYPE: sgd, adagrad, rowwise_adagrad, adam;\n"
@@ -115,9 +115,9 @@ static void print_help(FILE *out)
           "                             per view)\n"
           "  erase TABLE KEY... | erase TABLE --file PATH\n"
           "                             remove keys (PATH: one per line, - for stdin)\n"
-          "  erase TABLE --not-pushed-for N\n"
+          "  erase TABLE --not-pushed-for N | --not-pushed-since UNIX_SECONDS\n"
           "                             remove rows not pushed (nor created) in the\n"
-          "                             table's last N pushes\n"
+          "                             table's last N pushes, or since that time\n"
           "  evicted TABLE [--after SEQUENCE] [--max N]\n"
           "                             keys the eviction policy removed, oldest first,\n"
           "                             numbered; --after the last sequence seen\n"
@@ -457,8 +457,8 @@ static int tables_list(cli *c, int argc)
 /* The flags of tables create, as given. */
 typedef struct create_flags {
     const char *json_config, *name, *dim, *capacity, *shards, *optimizer, *lr, *initializer,
-        *seed, *eviction, *candidates, *ring, *max_age_steps, *admission, *threshold,
-        *probability;
+        *seed, *eviction, *candidates, *ring, *max_age_steps, *max_age_seconds, *admission,
+        *threshold, *probability;
 } create_flags;
 
 static const struct create_flag {
@@ -478,6 +478,7 @@ static const struct create_flag {
     {"candidates", offsetof(create_flags, candidates)},
     {"ring", offsetof(create_flags, ring)},
     {"max-age-steps", offsetof(create_flags, max_age_steps)},
+    {"max-age-seconds", offsetof(create_flags, max_age_seconds)},
     {"admission", offsetof(create_flags, admission)},
     {"threshold", offsetof(create_flags, threshold)},
     {"probability", offsetof(create_flags, probability)},
@@ -573,7 +574,7 @@ static int add_initializer(cJSON *config, const create_flags *flags)
 static int add_eviction(cJSON *config, const create_flags *flags)
 {
     if (flags->eviction == NULL && flags->candidates == NULL && flags->ring == NULL &&
-        flags->max_age_steps == NULL)
+        flags->max_age_steps == NULL && flags->max_age_seconds == NULL)
         return EXIT_OK;
     cJSON *eviction = cJSON_AddObjectToObject(config, "eviction");
     if (flags->eviction != NULL)
@@ -581,9 +582,11 @@ static int add_eviction(cJSON *config, const create_flags *flags)
     int code = add_whole(eviction, "candidates", "candidates", flags->candidates);
     if (code == EXIT_OK)
         code = add_whole(eviction, "ring", "ring", flags->ring);
-    return code == EXIT_OK
-               ? add_whole(eviction, "max_age_steps", "max-age-steps", flags->max_age_steps)
-               : code;
+    if (code == EXIT_OK)
+        code = add_whole(eviction, "max_age_steps", "max-age-steps", flags->max_age_steps);
+    return code == EXIT_OK ? add_whole(eviction, "max_age_seconds", "max-age-seconds",
+                                       flags->max_age_seconds)
+                           : code;
 }
 
 static int add_admission(cJSON *config, const create_flags *flags)
@@ -1067,25 +1070,36 @@ static int read_key_file(const char *path, uint64_t **keys, uint64_t *count, uin
     return code;
 }
 
+/* erase TABLE --not-pushed-for N (pushes) | --not-pushed-since UNIX_SECONDS */
 static int erase_by_age(cli *c, const char *table, int argc, char **argv)
 {
-    double pushes = 0;
-    if (argc != 4 || !parse_whole(argv[3], &pushes) || pushes > 2147483647.0)
-        return usage_error("erase TABLE --not-pushed-for N takes one number of pushes in "
-                           "0..2147483647");
+    bool by_time = strcmp(argv[2], "--not-pushed-since") == 0;
+    double value = 0;
+    if (argc != 4 || !parse_whole(argv[3], &value) ||
+        value > (by_time ? 18446744073709551.0 : 2147483647.0))
+        return usage_error(by_time ? "erase TABLE --not-pushed-since T takes one time in "
+                                     "seconds since 1970"
+                                   : "erase TABLE --not-pushed-for N takes one number of "
+                                     "pushes in 0..2147483647");
     int code = connected(c);
     if (code != EXIT_OK)
         return code;
     uint64_t erased = 0;
     em_error err;
-    if (em_client_erase_older(c->client, table, (uint32_t)pushes, &erased, &err) != EM_OK)
+    em_status status =
+        by_time ? em_client_erase_before(c->client, table, (uint64_t)value * 1000u, &erased, &err)
+                : em_client_erase_older(c->client, table, (uint32_t)value, &erased, &err);
+    if (status != EM_OK)
         return call_failed(&err);
     if (c->json)
-        printf("{\"table\": \"%s\", \"not_pushed_for\": %.0f, \"erased\": %" PRIu64 "}\n",
-               table, pushes, erased);
+        printf("{\"table\": \"%s\", \"%s\": %.0f, \"erased\": %" PRIu64 "}\n", table,
+               by_time ? "not_pushed_since" : "not_pushed_for", value, erased);
+    else if (by_time)
+        printf("erased %" PRIu64 " row(s) of table '%s' not pushed since %.0f\n", erased, table,
+               value);
     else
         printf("erased %" PRIu64 " row(s) of table '%s' not pushed in its last %.0f pushes\n",
-               erased, table, pushes);
+               erased, table, value);
     return EXIT_OK;
 }
 
@@ -1094,7 +1108,8 @@ static int command_erase(cli *c, int argc, char **argv)
     if (argc < 2)
         return usage_error("erase needs a table name, then keys or --file PATH");
     const char *table = argv[1];
-    if (argc >= 3 && strcmp(argv[2], "--not-pushed-for") == 0)
+    if (argc >= 3 && (strcmp(argv[2], "--not-pushed-for") == 0 ||
+                      strcmp(argv[2], "--not-pushed-since") == 0))
         return erase_by_age(c, table, argc, argv);
     uint64_t *keys = NULL, count = 0, capacity = 0;
     int code = EXIT_OK;

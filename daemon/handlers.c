@@ -465,18 +465,22 @@ static em_status erase_table(em_request *request, em_table *table, const void *u
                              em_error *err)
 {
     const Ember__EraseRequest *body = untyped_body;
-    if (body->by_age && body->n_keys > 0)
+    if ((body->by_age || body->by_time) && body->n_keys > 0)
         return em_error_set(err, EM_INVALID_ARGUMENT,
-                            "ERASE takes keys or by_age, not both (%zu keys given)",
-                            body->n_keys);
-    if (body->by_age) {
+                            "ERASE takes keys, by_age or by_time, one of them (%zu keys and "
+                            "by_%s given)",
+                            body->n_keys, body->by_age ? "age" : "time");
+    if (body->by_age && body->by_time)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "ERASE takes by_age or by_time, not both");
+    if (body->by_age || body->by_time) {
         uint64_t erased = 0;
-        em_status status = em_table_erase_older(table, body->not_pushed_for, &erased, err);
+        em_status status =
+            body->by_age ? em_table_erase_older(table, body->not_pushed_for, &erased, err)
+                         : em_table_erase_before(table, body->since_unix_ms, &erased, err);
         if (status != EM_OK)
             return status;
-        em_log_info(request->context->log,
-                    "erased %" PRIu64 " rows of table '%s' not pushed in %u pushes", erased,
-                    em_table_name(table), body->not_pushed_for);
+        em_log_info(request->context->log, "erased %" PRIu64 " rows of table '%s' not pushed %s",
+                    erased, em_table_name(table), body->by_age ? "recently" : "since a time");
         Ember__EraseResponse response = EMBER__ERASE_RESPONSE__INIT;
         response.erased = erased;
         return em_request_respond(request, &response.base, NULL, 0, err);

@@ -876,7 +876,7 @@ static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_s
 }
 
 static em_status cpu_shard_expire(em_shard *base, em_lane *lane, uint32_t update_clock,
-                                  uint32_t max_age, uint64_t *cursor, uint64_t scan,
+                                  uint32_t min_age, uint64_t *cursor, uint64_t scan,
                                   uint64_t *keys, uint64_t *rows, uint64_t *count, em_error *err)
 {
     (void)lane;
@@ -889,7 +889,7 @@ static em_status cpu_shard_expire(em_shard *base, em_lane *lane, uint32_t update
     if (got < scan) /* the export reached the end of the map */
         *cursor = 0;
     for (uint64_t i = 0; i < got; i++) {
-        if (update_age(update_clock, row_access(shard, rows[i])) <= max_age)
+        if (update_age(update_clock, row_access(shard, rows[i])) < min_age)
             continue;
         keys[*count] = keys[i];
         rows[*count] = rows[i];

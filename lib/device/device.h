@@ -216,13 +216,13 @@ typedef struct em_device_ops {
      * may count once). */
     em_status (*shard_touch)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                              uint64_t accessed, uint32_t updated, bool pushed, em_error *err);
-    /* Removes the keys whose last update is more than max_age pushes before
-     * update_clock, examining the map's entries from *cursor on, at most scan of them
+    /* Removes the keys whose last update is at least min_age pushes before update_clock
+     * (min_age 0: every key), examining the map's entries from *cursor on, at most scan of them
      * (0 to start); writes the removed keys and rows to host memory (scan entries of
      * room each) and their number to *count, and advances *cursor, which comes back as
      * 0 once the whole map has been examined. Under the shard's write lock. */
     em_status (*shard_expire)(em_shard *shard, em_lane *lane, uint32_t update_clock,
-                              uint32_t max_age, uint64_t *cursor, uint64_t scan, uint64_t *keys,
+                              uint32_t min_age, uint64_t *cursor, uint64_t scan, uint64_t *keys,
                               uint64_t *rows, uint64_t *count, em_error *err);
     /* Removes spec->count keys chosen by spec's policy, none of whose rows is in
      * spec->kept, and writes their keys and rows to host memory (count each); the rows'

@@ -348,10 +348,18 @@ em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint
 em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_error *err)
 {
     *expired = 0;
-    if (table->config.eviction.max_age_steps == 0 || scan == 0)
+    const em_eviction_config *config = &table->config.eviction;
+    if ((config->max_age_steps == 0 && config->max_age_seconds == 0) || scan == 0)
+        return EM_OK;
+    uint64_t now_ms = em__unix_ms();
+    /* time passes without pushes too */
+    em__clock_sample(table, now_ms,
+                     (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed));
+    uint32_t min_age;
+    if (!em__expiry_age(table, now_ms, &min_age))
         return EM_OK;
     em_age_slice slice = {.sweep = true,
-                          .max_age = table->config.eviction.max_age_steps,
+                          .min_age = min_age,
                           .scan = scan,
                           .keys = malloc(scan * sizeof(uint64_t)),
                           .rows = malloc(scan * sizeof(uint64_t))};
@@ -366,24 +374,26 @@ em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_
     return EM_OK;
 }
 
-em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
-                               em_error *err)
+/* Erases every row at least min_age pushes old, shard by shard, a slice at a time
+ * (requests run between the slices); counted in rows_erased. */
+static em_status erase_by_min_age(em_table *table, uint32_t min_age, uint64_t *erased,
+                                  em_error *err)
 {
     *erased = 0;
     if (!em_eviction_tracks_access(&table->config.eviction))
         return em_error_set(err, EM_FAILED_PRECONDITION,
                             "erase from table '%s' by age: the table keeps no access "
-                            "metadata (it needs an eviction policy or max_age_steps)",
+                            "metadata (it needs an eviction policy, max_age_steps or "
+                            "max_age_seconds)",
                             table->config.name);
     enum { SCAN = 65536 };
-    em_age_slice slice = {.max_age = not_pushed_for,
+    em_age_slice slice = {.min_age = min_age,
                           .scan = SCAN,
                           .keys = malloc(SCAN * sizeof(uint64_t)),
                           .rows = malloc(SCAN * sizeof(uint64_t))};
     em_status status = slice.keys == NULL || slice.rows == NULL
                            ? em_error_set(err, EM_RESOURCE_EXHAUSTED, "erase: out of memory")
                            : EM_OK;
-    /* shard by shard, a slice at a time: requests run between the slices */
     for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++) {
         slice.shard = s;
         slice.cursor = 0;
@@ -397,6 +407,31 @@ em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_
     if (status != EM_OK)
         return em_error_prefix(err, "erase from table '%s' by age: ", table->config.name);
     return EM_OK;
+}
+
+em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
+                               em_error *err)
+{
+    return erase_by_min_age(table, not_pushed_for == UINT32_MAX ? UINT32_MAX : not_pushed_for + 1,
+                            erased, err);
+}
+
+em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *erased,
+                                em_error *err)
+{
+    *erased = 0;
+    uint32_t now = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
+    if (em_eviction_tracks_access(&table->config.eviction))
+        em__clock_sample(table, em__unix_ms(), now);
+    uint32_t then;
+    if (em_eviction_tracks_access(&table->config.eviction) &&
+        !em__clock_at(table, unix_ms, &then))
+        return EM_OK; /* no push of the table is known to be that old */
+    /* rows updated at or before push `then` were updated at or before unix_ms */
+    return erase_by_min_age(table, em_eviction_tracks_access(&table->config.eviction)
+                                       ? now - then
+                                       : 0,
+                            erased, err);
 }
 
 em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64_t *keys,
@@ -499,6 +534,8 @@ em_status em_table_create(em_backend *backend, const em_table_config *config, em
     pthread_rwlockattr_destroy(&attributes);
     pthread_mutex_init(&table->snapshot_mutex, NULL);
     pthread_mutex_init(&table->evicted_lock, NULL);
+    pthread_mutex_init(&table->clock_lock, NULL);
+    table->clock_spacing_ms = 1000;
     if (config->admission.policy == EM_ADMISSION_COUNTER) {
         table->admission_counts = calloc(config->admission.counters, 1);
         if (table->admission_counts == NULL) {
@@ -543,6 +580,7 @@ void em_table_destroy(em_table *table)
     pthread_rwlock_destroy(&table->lock);
     pthread_mutex_destroy(&table->snapshot_mutex);
     pthread_mutex_destroy(&table->evicted_lock);
+    pthread_mutex_destroy(&table->clock_lock);
     free(table->evicted_keys);
     free(table->admission_counts);
     pthread_cond_destroy(&table->snapshot_room);

@@ -146,6 +146,14 @@ em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_
 em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
                                em_error *err);
 
+/* Removes every row neither pushed nor created since unix_ms (wall clock). Rows carry
+ * push clocks: the table's (time, clock) samples turn the time into the clock of the
+ * last sample at or before it, so a row updated shortly before unix_ms may stay (by at
+ * most the samples' spacing), and none updated after it goes. Errors: as
+ * em_table_erase_older. Thread-safe. */
+em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *erased,
+                                em_error *err);
+
 /* What em_table_evicted read. Every key the table evicts gets a sequence number, 1,
  * 2, ...; the table keeps the last eviction.ring of them. */
 typedef struct em_evicted_view {

@@ -134,7 +134,8 @@ static const em_config_choice eviction_choices[] = {
 
 bool em_eviction_tracks_access(const em_eviction_config *config)
 {
-    return config->policy != EM_EVICTION_NONE || config->max_age_steps > 0;
+    return config->policy != EM_EVICTION_NONE || config->max_age_steps > 0 ||
+           config->max_age_seconds > 0;
 }
 
 const char *em_eviction_policy_name(em_eviction_policy policy)
@@ -158,6 +159,9 @@ static const em_config_field eviction_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "max_age_steps", em_eviction_config, max_age_steps),
      .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 2147483647.0, .default_json = "0",
      .help = "expire rows not pushed nor created in this many pushes of the table (0: never)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "max_age_seconds", em_eviction_config, max_age_seconds),
+     .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 3153600000.0, .default_json = "0",
+     .help = "expire rows not pushed nor created in this many seconds (0: never)"},
 };
 
 static const em_config_schema eviction_schema = {

@@ -22,7 +22,11 @@
  * (tests/bench/bench_eviction measures how close this comes to exact LRU and LFU).
  * Expiry runs with or without a policy: with max_age_steps > 0, rows neither pushed nor
  * created in the table's last max_age_steps pushes are removed by a background sweep
- * (em_table_expire, in bounded slices).
+ * (em_table_expire, in bounded slices); with max_age_seconds > 0, so are rows neither
+ * pushed nor created in that many seconds. Rows carry push clocks, not times: the table
+ * keeps a bounded history of (time, push clock) samples (one a second at most, thinned
+ * to every other one when full) and a time becomes the clock of the last sample at or
+ * before it, so a row may outlive its age by the samples' spacing, never expire early.
  * Nothing leaves silently: rows_evicted and rows_expired count every key removed, and
  * the last `ring` of them are kept, numbered, for em_table_evicted (the EVICTED admin
  * call).
@@ -54,6 +58,7 @@ typedef struct em_eviction_config {
     uint32_t ring;       /* the most recently evicted keys kept for EVICTED (0: none) */
     uint32_t max_age_steps; /* expiry: rows not pushed (nor created) in this many of the
                              * table's pushes are removed by the sweep (0: never) */
+    uint64_t max_age_seconds; /* expiry: ... nor in this many seconds (0: never) */
 } em_eviction_config;
 
 /* Whether a table keeps per-row access metadata (an eviction policy or expiry). */

@@ -27,6 +27,9 @@
 
 /* A request addresses keys with 32-bit positions (inverse, position arrays). */
 #define MAX_KEYS_PER_REQUEST UINT32_MAX
+/* (time, push clock) samples a table keeps for ages in seconds. */
+#define EM_CLOCK_SAMPLES 1024
+
 /* Scratch buffers per request: a few at home plus a few per device segment. */
 #define SCRATCH_FIXED 16u
 #define SCRATCH_PER_DEVICE 4u
@@ -65,6 +68,13 @@ struct em_table {
     /* admission: the counter policy's sketch (exclusive lock), and what was refused */
     uint8_t *admission_counts;
     _Atomic uint64_t pulls_not_admitted, pushes_dropped;
+    /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
+     * em__clock_at); under clock_lock */
+    pthread_mutex_t clock_lock;
+    uint64_t clock_ms[EM_CLOCK_SAMPLES];
+    uint32_t clock_value[EM_CLOCK_SAMPLES];
+    uint32_t clock_samples;
+    uint64_t clock_spacing_ms;
     /* the expiry sweep's position: a shard and a cursor in its map (exclusive lock) */
     uint32_t expire_shard;
     uint64_t expire_cursor;
@@ -143,7 +153,7 @@ em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint6
                             bool want_targets, em_error *err);
 
 /* One slice of removing rows by age: up to scan map entries of one shard examined
- * from a cursor, those older than max_age pushes removed (their keys and rows land in
+ * from a cursor, those at least min_age pushes old removed (their keys and rows land in
  * keys/rows, scan entries of room each). The sweep (expiry) keeps its shard and cursor
  * in the table and counts in rows_expired and the ring; otherwise (ERASE by age) the
  * caller's shard and cursor are used and the rows count in rows_erased. Takes the
@@ -152,7 +162,7 @@ typedef struct em_age_slice {
     bool sweep;
     uint32_t shard;        /* not sweep */
     uint64_t cursor;       /* not sweep: 0 to start */
-    uint32_t max_age;
+    uint32_t min_age;
     uint64_t scan;
     uint64_t *keys, *rows; /* host, scan entries each */
     uint64_t removed;      /* out */
@@ -160,6 +170,23 @@ typedef struct em_age_slice {
 } em_age_slice;
 
 em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err);
+
+/* Wall-clock time in milliseconds since 1970. */
+uint64_t em__unix_ms(void);
+
+/* Records that the table's push clock reads clock at unix_ms (kept when the last sample
+ * is at least the spacing older). */
+void em__clock_sample(em_table *table, uint64_t unix_ms, uint32_t clock);
+
+/* The push clock of the last sample at or before unix_ms: every row whose last update
+ * is older than that clock was last updated before unix_ms. False when no sample is
+ * that old. */
+bool em__clock_at(em_table *table, uint64_t unix_ms, uint32_t *clock);
+
+/* The age in pushes at which a row expires now (max_age_steps + 1, and through the
+ * samples the age of rows last updated before max_age_seconds ago, the smaller), or
+ * false when no row can be old enough yet. */
+bool em__expiry_age(em_table *table, uint64_t now_ms, uint32_t *min_age);
 
 /* Admission (lib/table/table_config.h), under the exclusive lock before any key is
  * created: the missing keys the policy refuses get EM_ROW_REJECTED and leave the

@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/keyhash.h"
 #include "common/row_check.h"
@@ -489,6 +490,72 @@ static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_
     return EM_OK;
 }
 
+/* ---- the push clock over time ------------------------------------------------------------ */
+
+uint64_t em__unix_ms(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    return (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u;
+}
+
+void em__clock_sample(em_table *table, uint64_t unix_ms, uint32_t clock)
+{
+    pthread_mutex_lock(&table->clock_lock);
+    uint32_t n = table->clock_samples;
+    /* samples stay in time order: a wall clock set back adds none until it catches up */
+    if (n == 0 || unix_ms >= table->clock_ms[n - 1] + table->clock_spacing_ms) {
+        if (n == EM_CLOCK_SAMPLES) { /* full: keep every other sample, twice as far apart */
+            for (uint32_t i = 0; i < n / 2; i++) {
+                table->clock_ms[i] = table->clock_ms[2 * i + 1];
+                table->clock_value[i] = table->clock_value[2 * i + 1];
+            }
+            n /= 2;
+            table->clock_spacing_ms *= 2;
+        }
+        table->clock_ms[n] = unix_ms;
+        table->clock_value[n] = clock;
+        table->clock_samples = n + 1;
+    }
+    pthread_mutex_unlock(&table->clock_lock);
+}
+
+bool em__clock_at(em_table *table, uint64_t unix_ms, uint32_t *clock)
+{
+    pthread_mutex_lock(&table->clock_lock);
+    uint32_t low = 0, high = table->clock_samples; /* first sample after unix_ms */
+    while (low < high) {
+        uint32_t middle = low + (high - low) / 2;
+        if (table->clock_ms[middle] <= unix_ms)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    bool found = low > 0;
+    if (found)
+        *clock = table->clock_value[low - 1];
+    pthread_mutex_unlock(&table->clock_lock);
+    return found;
+}
+
+bool em__expiry_age(em_table *table, uint64_t now_ms, uint32_t *min_age)
+{
+    const em_eviction_config *config = &table->config.eviction;
+    uint32_t now = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
+    bool any = config->max_age_steps > 0;
+    *min_age = config->max_age_steps + 1;
+    uint32_t then;
+    if (config->max_age_seconds > 0 && now_ms >= config->max_age_seconds * 1000u &&
+        em__clock_at(table, now_ms - config->max_age_seconds * 1000u, &then)) {
+        /* the push stamped `then` came at or before that time, and so did every row
+         * updated at or before it: age >= now - then */
+        uint32_t by_time = now - then;
+        *min_age = any && *min_age < by_time ? *min_age : by_time;
+        any = true;
+    }
+    return any;
+}
+
 /* ---- admission ------------------------------------------------------------------------ */
 
 #define SKETCH_HASHES 4
@@ -621,7 +688,7 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
         uint32_t clock = (uint32_t)atomic_load_explicit(&table->update_clock,
                                                         memory_order_relaxed);
         pthread_rwlock_wrlock(&table->shard_locks[s]);
-        status = device->ops->shard_expire(table->shards[s], lane, clock, slice->max_age, cursor,
+        status = device->ops->shard_expire(table->shards[s], lane, clock, slice->min_age, cursor,
                                            slice->scan, slice->keys, slice->rows,
                                            &slice->removed, err);
         if (status == EM_OK)
@@ -1003,6 +1070,7 @@ static em_status touch_rows(request_context *r, segment *seg, uint32_t s, const 
         r->update_stamp = (uint32_t)(atomic_fetch_add_explicit(&table->update_clock, 1,
                                                                memory_order_relaxed) + 1);
         r->has_update_stamp = true;
+        em__clock_sample(table, em__unix_ms(), r->update_stamp);
     }
     uint32_t updated = work == WORK_GATHER
                            ? (uint32_t)atomic_load_explicit(&table->update_clock,

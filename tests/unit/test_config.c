@@ -70,7 +70,7 @@ START_TEST(errors_name_path_and_value)
 {
     assert_rejected("{\"name\": \"t\", \"dim\": 8, \"capacity\": 100, \"shard\": 2}",
                     "table.shard: unknown key (known keys: name, dim, capacity, shards, optimizer, "
-                    "initializer, eviction)");
+                    "initializer, eviction, admission)");
     assert_rejected("{\"name\": \"t\", \"capacity\": 100}", "table.dim: required key is missing");
     assert_rejected("{\"name\": \"t\", \"dim\": 5000, \"capacity\": 100}",
                     "table.dim: must be between 1 and 4096, got 5000");

@@ -68,7 +68,7 @@ START_TEST(errors_name_the_key_and_the_value)
     assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"tables\": ["
                     "{\"name\": \"t\", \"dim\": 4, \"capacity\": 9, \"optimzer\": {}}]}",
                     "test.json: tables[0].optimzer: unknown key (known keys: name, dim, capacity, "
-                    "shards, optimizer, initializer, eviction)");
+                    "shards, optimizer, initializer, eviction, admission)");
 }
 END_TEST
 

@@ -11,6 +11,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
@@ -527,6 +529,71 @@ START_TEST(the_sweep_expires_rows_not_pushed_in_max_age_steps)
 }
 END_TEST
 
+START_TEST(the_sweep_expires_rows_by_seconds_never_early)
+{
+    em_backend *backend = make_backend(1);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, 100);
+    config.shards = 2;
+    config.eviction.max_age_seconds = 1;
+    em_table *table = em_test_make_table(backend, &config);
+    em_error err;
+    for (uint64_t key = 1; key <= 5; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    ck_assert_uint_eq(sweep(table, 100, 4), 0); /* nothing is a second old */
+    usleep(1200 * 1000);
+    uint64_t six = 6;
+    ck_assert_int_eq(run_request(table, &six, 1, true, &err), EM_OK);
+    /* the clock's only sample over a second old says push 1: key 1 goes; keys 2..5,
+     * pushed after that sample, stay until a later sample proves their age */
+    ck_assert_uint_eq(sweep(table, 100, 4), 1);
+    const uint64_t left[] = {2, 3, 4, 5, 6};
+    assert_keys(table, left, 5);
+    usleep(1200 * 1000);
+    /* a sample taken after push 6 is now over a second old: every row goes */
+    ck_assert_uint_eq(sweep(table, 100, 4), 5);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 0);
+    ck_assert_uint_eq(stats.rows_expired, 6);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+START_TEST(erase_by_time_never_takes_a_row_pushed_after_it)
+{
+    em_backend *backend = make_backend(1);
+    em_table *table = expiring_table(backend, EM_EVICTION_LRU, 0);
+    em_error err;
+    for (uint64_t key = 1; key <= 3; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    usleep(1100 * 1000);
+    uint64_t four = 4;
+    ck_assert_int_eq(run_request(table, &four, 1, true, &err), EM_OK);
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    uint64_t now_ms = (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u;
+    /* before key 4's push: the only older sample is push 1's, so key 1 goes and keys 2
+     * and 3 (pushed after that sample) stay; key 4 is never taken */
+    uint64_t erased = 0;
+    ck_assert_int_eq(em_table_erase_before(table, now_ms - 50, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 1);
+    const uint64_t left[] = {2, 3, 4};
+    assert_keys(table, left, 3);
+    /* a time before any push erases nothing */
+    ck_assert_int_eq(em_table_erase_before(table, now_ms - 60000, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 0);
+    usleep(1100 * 1000);
+    clock_gettime(CLOCK_REALTIME, &now);
+    now_ms = (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u;
+    ck_assert_int_eq(em_table_erase_before(table, now_ms, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 3);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 START_TEST(erase_by_age_removes_rows_not_pushed_recently)
 {
     em_backend *backend = make_backend(1);
@@ -776,6 +843,8 @@ int main(void)
     tcase_add_test(rules, the_ring_keeps_the_last_evicted_keys_in_order);
     tcase_add_test(rules, the_sweep_expires_rows_not_pushed_in_max_age_steps);
     tcase_add_test(rules, erase_by_age_removes_rows_not_pushed_recently);
+    tcase_add_test(rules, the_sweep_expires_rows_by_seconds_never_early);
+    tcase_add_test(rules, erase_by_time_never_takes_a_row_pushed_after_it);
     tcase_add_test(rules, counter_admission_stores_a_key_on_its_threshold_sighting);
     tcase_add_test(rules, a_refused_key_drops_only_its_own_gradient);
     tcase_add_test(rules, probability_admission_is_a_fixed_choice_per_key);
