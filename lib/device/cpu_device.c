@@ -812,7 +812,8 @@ static uint64_t pick_victim(const cpu_shard *shard, const em_evict_spec *spec,
     for (uint64_t i = 0; i < n; i++) {
         if (row_kept(spec, rows[i]) || chosen_has(chosen, rows[i]))
             continue;
-        if (best == n || goes_first(spec, row_access(shard, rows[i]), row_access(shard, rows[best])))
+        if (best == n ||
+            goes_first(spec, row_access(shard, rows[i]), row_access(shard, rows[best])))
             best = i;
     }
     return best;

@@ -9,6 +9,8 @@
  */
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -803,12 +805,71 @@ static void *push_random_keys(void *argument)
     return NULL;
 }
 
+/* Pulls (creating nothing) and erases of the pushers' keys while they push: a pulled
+ * key reads as zeros (missing) or as its stored row, never anything else (a row being
+ * reused for another key would show as a vector that is neither). */
+typedef struct bystander {
+    em_table *table;
+    atomic_bool stop;
+    uint64_t erased, pulls, failures;
+} bystander;
+
+static void *pull_and_erase(void *argument)
+{
+    bystander *b = argument;
+    em_test_rng rng;
+    em_test_rng_init(&rng, 777);
+    em_error err;
+    while (!atomic_load(&b->stop)) {
+        uint64_t key = (1 + em_test_rng_below(&rng, 4)) * 100000 +
+                       em_test_rng_below(&rng, 2000) * 16 + em_test_rng_below(&rng, 16);
+        uint32_t offsets[2] = {0, 1};
+        float out[DIM];
+        em_csr batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &key};
+        em_pull_result result;
+        if (em_test_pull(b->table, &batch, EM_COMBINER_NONE, false, out, &result, &err) != EM_OK)
+            b->failures++;
+        bool zeros = true;
+        for (int j = 0; j < DIM; j++)
+            zeros &= out[j] == 0.0f;
+        if (result.missing == 1 && !zeros)
+            b->failures++; /* a missing key must read as zeros */
+        b->pulls++;
+        if (b->pulls % 8 == 0) {
+            uint64_t erased = 0;
+            if (em_table_erase(b->table, &key, 1, &erased, &err) != EM_OK)
+                b->failures++;
+            b->erased += erased;
+        }
+        uint64_t expired = 0;
+        if (em_table_expire(b->table, 64, &expired, &err) != EM_OK)
+            b->failures++;
+    }
+    return NULL;
+}
+
 START_TEST(concurrent_pushes_at_capacity_fail_nothing_and_counters_add_up)
 {
     em_backend *backend = make_backend(2);
-    em_table *table = make_table(backend, 300, 4, EM_EVICTION_LRU, 16);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, 300);
+    config.shards = 4;
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.max_age_steps = 10;
+    em_table *table = em_test_make_table(backend, &config);
     pusher pushers[4];
     pthread_t threads[4];
+    /* full before the threads start: 25 pushes of 16 new keys evict 100 rows */
+    em_error err;
+    for (uint64_t push = 0; push < 25; push++) {
+        uint64_t keys[16];
+        for (uint64_t i = 0; i < 16; i++)
+            keys[i] = 900000000 + push * 16 + i;
+        ck_assert_int_eq(run_request(table, keys, 16, true, &err), EM_OK);
+    }
+    bystander watcher = {.table = table};
+    pthread_t watcher_thread;
+    ck_assert_int_eq(pthread_create(&watcher_thread, NULL, pull_and_erase, &watcher), 0);
     for (int t = 0; t < 4; t++) {
         pushers[t] = (pusher){.table = table, .seed = (uint64_t)t + 1};
         ck_assert_int_eq(pthread_create(&threads[t], NULL, push_random_keys, &pushers[t]), 0);
@@ -817,11 +878,21 @@ START_TEST(concurrent_pushes_at_capacity_fail_nothing_and_counters_add_up)
         pthread_join(threads[t], NULL);
         ck_assert_int_eq(pushers[t].failures, 0);
     }
+    atomic_store(&watcher.stop, true);
+    pthread_join(watcher_thread, NULL);
+    ck_assert_uint_eq(watcher.failures, 0);
+    ck_assert_uint_gt(watcher.pulls, 0);
+    /* a last sweep of every shard: rows of all but the last 10 pushes are gone */
+    sweep(table, 1000, 8);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_le(stats.rows, 300);
     ck_assert_uint_gt(stats.rows_evicted, 0);
-    ck_assert_uint_eq(stats.rows_created, stats.rows + stats.rows_evicted);
+    ck_assert_uint_gt(stats.rows_expired, 0);
+    ck_assert_uint_eq(stats.rows_erased, watcher.erased);
+    /* every row created is stored, or left by one of the three ways */
+    ck_assert_uint_eq(stats.rows_created,
+                      stats.rows + stats.rows_evicted + stats.rows_expired + stats.rows_erased);
     em_test_snapshot s = em_test_snapshot_take(table, 64);
     ck_assert_uint_eq(s.count, stats.rows);
     em_test_snapshot_free(&s);
