@@ -647,6 +647,39 @@ START_TEST(bad_options_are_named)
 }
 END_TEST
 
+/* Eviction, expiry and admission have no GPU implementation yet: a table asking for
+ * them is refused at creation, naming what it asked for, rather than created without. */
+START_TEST(capacity_policies_are_refused_at_create)
+{
+    em_backend *backend = gpu_backend(1, 64 * MEBIBYTE, false);
+    em_table_config config = table_config(8, 1000, 1, 0, EM_INIT_ZEROS);
+    config.eviction.policy = EM_EVICTION_LRU;
+    em_table *table = NULL;
+    em_error err;
+    ck_assert_int_eq(em_table_create(backend, &config, &table, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "eviction (policy 'lru', max_age_steps 0) is not "
+                                      "available on the cuda backend") != NULL,
+                  "%s", err.message);
+    config = table_config(8, 1000, 1, 0, EM_INIT_ZEROS);
+    config.eviction.max_age_steps = 5;
+    ck_assert_int_eq(em_table_create(backend, &config, &table, &err), EM_INVALID_ARGUMENT);
+    config = table_config(8, 1000, 1, 0, EM_INIT_ZEROS);
+    config.admission.policy = EM_ADMISSION_PROBABILITY;
+    ck_assert_int_eq(em_table_create(backend, &config, &table, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "admission other than 'always' is not available on the "
+                                      "cuda backend") != NULL,
+                  "%s", err.message);
+    /* erase has no GPU implementation either: refused, the table untouched */
+    config = table_config(8, 1000, 1, 0, EM_INIT_ZEROS);
+    ck_assert_int_eq(em_table_create(backend, &config, &table, &err), EM_OK);
+    uint64_t key = 5, erased = 9;
+    ck_assert_int_eq(em_table_erase(table, &key, 1, &erased, &err), EM_FAILED_PRECONDITION);
+    ck_assert_uint_eq(erased, 0);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 /* ---- runner ---------------------------------------------------------------------------- */
 
 static Suite *gpu_backend_suite(void)
@@ -664,6 +697,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, concurrent_pushes_lose_no_update);
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);
+    tcase_add_test(tc, capacity_policies_are_refused_at_create);
     suite_add_tcase(suite, tc);
     return suite;
 }
