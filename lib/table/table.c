@@ -615,6 +615,10 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     }
     out->rows = table->rows;
     pthread_rwlock_unlock(&table->lock);
+    if (out->rows > 0) {
+        out->index_bytes_per_row = (double)out->index_bytes / (double)out->rows;
+        out->access_bytes_per_row = (double)out->access_bytes / (double)out->rows;
+    }
     out->capacity = table->config.capacity;
     out->dim = table->config.dim;
     out->shards = table->shard_count;

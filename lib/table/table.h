@@ -72,6 +72,10 @@ typedef struct em_push_result {
     X(uint64_t, index_bytes, GAUGE, BYTES, "hash maps over all shards")                       \
     X(uint64_t, access_bytes, GAUGE, BYTES,                                                   \
       "per-row access metadata for eviction over all shards (16 bytes a row)")                \
+    X(double, index_bytes_per_row, GAUGE, BYTES,                                              \
+      "hash map bytes per row stored (index_bytes / rows; 0 when empty)")                     \
+    X(double, access_bytes_per_row, GAUGE, BYTES,                                             \
+      "access metadata bytes per row stored (access_bytes / rows; 0 when empty)")             \
     X(uint64_t, pulls, COUNTER, NONE, "pull requests served")                                 \
     X(uint64_t, pushes, COUNTER, NONE, "push requests applied")                               \
     X(uint64_t, imports, COUNTER, NONE, "import batches applied")                             \

@@ -207,6 +207,11 @@ START_TEST(each_policy_follows_its_rule_exactly)
     ck_assert_uint_eq(stats.rows_created, stats.rows + stats.rows_evicted);
     ck_assert_uint_eq(stats.access_bytes % 16, 0);
     ck_assert_uint_ge(stats.access_bytes, capacity * 16);
+    ck_assert_double_eq_tol(stats.access_bytes_per_row,
+                            (double)stats.access_bytes / (double)stats.rows, 1e-9);
+    ck_assert_double_eq_tol(stats.index_bytes_per_row,
+                            (double)stats.index_bytes / (double)stats.rows, 1e-9);
+    ck_assert_double_ge(stats.access_bytes_per_row, 16.0);
     free(m.rows);
     em_table_destroy(table);
     em_backend_destroy(backend);
