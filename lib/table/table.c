@@ -420,18 +420,15 @@ em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *era
                                 em_error *err)
 {
     *erased = 0;
+    if (!em_eviction_tracks_access(&table->config.eviction))
+        return erase_by_min_age(table, 0, erased, err); /* its precondition error */
     uint32_t now = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
-    if (em_eviction_tracks_access(&table->config.eviction))
-        em__clock_sample(table, em__unix_ms(), now);
+    em__clock_sample(table, em__unix_ms(), now);
     uint32_t then;
-    if (em_eviction_tracks_access(&table->config.eviction) &&
-        !em__clock_at(table, unix_ms, &then))
+    if (!em__clock_at(table, unix_ms, &then))
         return EM_OK; /* no push of the table is known to be that old */
     /* rows updated at or before push `then` were updated at or before unix_ms */
-    return erase_by_min_age(table, em_eviction_tracks_access(&table->config.eviction)
-                                       ? now - then
-                                       : 0,
-                            erased, err);
+    return erase_by_min_age(table, now - then, erased, err);
 }
 
 em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64_t *keys,

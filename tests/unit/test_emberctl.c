@@ -444,7 +444,10 @@ START_TEST(eviction_evicted_keys_and_erase_through_emberctl)
     r = RUN(NULL, "--server", at, "erase", "t", "3", "99");
     ck_assert_msg(r->code == 0, "%s", r->err);
     ck_assert_str_eq(r->out, "erased 1 of 2 listed key(s) from table 't'\n");
-    char path[] = "/tmp/ember-keys-XXXXXX";
+    char path[4096];
+    const char *tmpdir = getenv("TMPDIR");
+    snprintf(path, sizeof(path), "%s/ember-keys-XXXXXX",
+             tmpdir != NULL && tmpdir[0] != '\0' ? tmpdir : "/tmp");
     int fd = mkstemp(path);
     ck_assert(fd >= 0);
     const char *lines = "# keys to forget\n4\n\n5\n";
