@@ -11,6 +11,7 @@ packages=(
   libxxhash-dev libhttp-parser-dev
   check openssl clang libclang-rt-14-dev
   prometheus systemd
+  python3-dev python3-numpy python3-pytest python3-torch python3-tqdm
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(redis-server)

@@ -25,7 +25,7 @@ echo "== tests"
 meson test -C build --print-errorlogs --num-processes 2
 
 echo "== build with ASan + UBSan (build-asan/)"
-setup build-asan -Dcuda=disabled -Db_sanitize=address,undefined -Db_lundef=false \
+setup build-asan -Dcuda=disabled -Dpython=disabled -Db_sanitize=address,undefined -Db_lundef=false \
   -Dc_args=-fno-sanitize-recover=all
 meson compile -C build-asan
 echo "== unit and integration tests under ASan + UBSan"
@@ -34,7 +34,7 @@ EMBER_CRASH_ITERATIONS=${EMBER_CRASH_ITERATIONS:-40} ASAN_OPTIONS=abort_on_error
   meson test -C build-asan --print-errorlogs --num-processes 2 --timeout-multiplier 4 \
   --suite unit --suite integration
 echo "== fuzzers (build-fuzz/, clang + libFuzzer, ${EMBER_FUZZ_SECONDS:-30} s each)"
-CC=clang setup build-fuzz -Dcuda=disabled -Dfuzz=enabled -Db_sanitize=address,undefined \
+CC=clang setup build-fuzz -Dcuda=disabled -Dpython=disabled -Dfuzz=enabled -Db_sanitize=address,undefined \
   -Db_lundef=false -Dc_args=-fsanitize=fuzzer-no-link
 meson compile -C build-fuzz fuzz_config fuzz_frames fuzz_requests
 meson test -C build-fuzz --no-rebuild --print-errorlogs --num-processes 2 --suite fuzz
