@@ -1,0 +1,499 @@
+"""ember.torch: embedding tables that live in emberd, as PyTorch modules.
+
+The input is a KeyedJaggedTensor (TorchRec's layout and field names: per feature, the
+values of every sample plus lengths or offsets, feature-major, optional per-value
+weights). EmbeddingBagCollection pulls pooled rows in forward (pooled by the server with
+SUM / MEAN / SQRTN) and in backward pushes the pooled gradient, which the server applies
+with the table's optimizer: the module has no local parameters and the trainer ships
+only gradients. EmbeddingCollection is the sequence variant (one vector per key).
+
+Keys are deduplicated per table before the wire when that moves fewer bytes: then the
+distinct keys' rows are pulled once and pooled here, and backward pushes one summed
+gradient per distinct key; the server's result is the same (it sums a key's gradients
+before applying them either way).
+
+Prefetch (PrefetchPipeline): the pull of batch i+1 is issued while batch i computes.
+With staleness=0 (the default) it is issued right after the push of batch i, on the same
+connection; a connection's requests take effect in order, so batch i+1 reads rows that
+include step i's update, exactly as the loop without prefetch. With staleness=1 it is
+issued before batch i's forward: more of the wait is hidden, and rows that batch i also
+updated are read without step i's update (one step stale).
+"""
+import numpy as np
+import torch
+
+from . import Client, Error, invalid_argument  # noqa: F401 (re-exported for users)
+
+__all__ = ["KeyedJaggedTensor", "KeyedTensor", "JaggedTensor", "EmbeddingBagConfig",
+           "EmbeddingConfig", "EmbeddingBagCollection", "EmbeddingCollection",
+           "PrefetchPipeline"]
+
+POOLINGS = ("sum", "mean", "sqrtn")
+
+
+def _as_int64(tensor, name):
+    if not isinstance(tensor, torch.Tensor):
+        tensor = torch.as_tensor(tensor)
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise invalid_argument(f"{name}: expected an integer tensor, got {tensor.dtype}")
+    if tensor.dim() != 1:
+        raise invalid_argument(f"{name}: expected 1-D, got shape {tuple(tensor.shape)}")
+    return tensor.to(torch.int64)
+
+
+class JaggedTensor:
+    """One feature's jagged values: values [nnz(, dim)] with lengths per sample."""
+
+    def __init__(self, values, lengths, weights=None):
+        self._values, self._lengths, self._weights = values, lengths, weights
+
+    def values(self):
+        return self._values
+
+    def lengths(self):
+        return self._lengths
+
+    def offsets(self):
+        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(self._lengths, 0)])
+
+    def weights_or_none(self):
+        return self._weights
+
+    def to_dense(self):
+        """A list with each sample's values."""
+        return list(torch.split(self._values, self._lengths.tolist()))
+
+
+class KeyedJaggedTensor:
+    """Sparse features of a batch, TorchRec's layout: keys (feature names); values
+    (int64, feature-major: feature 0's keys for samples 0..B-1, then feature 1's ...);
+    lengths [len(keys) * B] or offsets [len(keys) * B + 1]; optional weights (float, one
+    per value) for weighted pooling."""
+
+    def __init__(self, keys, values, weights=None, lengths=None, offsets=None, stride=None):
+        self._keys = list(keys)
+        self._values = _as_int64(values, "values")
+        if (lengths is None) == (offsets is None):
+            raise invalid_argument("KeyedJaggedTensor: give lengths or offsets (one of them)")
+        if lengths is not None:
+            self._lengths = _as_int64(lengths, "lengths")
+        else:
+            offsets = _as_int64(offsets, "offsets")
+            if offsets.numel() == 0 or offsets[0] != 0:
+                raise invalid_argument("offsets: must start at 0")
+            self._lengths = offsets[1:] - offsets[:-1]
+        if (self._lengths < 0).any():
+            raise invalid_argument("lengths: negative length")
+        if int(self._lengths.sum()) != self._values.numel():
+            raise invalid_argument(
+                f"lengths: sum to {int(self._lengths.sum())} but values has "
+                f"{self._values.numel()} entries")
+        if self._keys and self._lengths.numel() % len(self._keys):
+            raise invalid_argument(
+                f"lengths: {self._lengths.numel()} entries are not {len(self._keys)} features "
+                f"x a batch size")
+        self._stride = stride if stride is not None else (
+            self._lengths.numel() // len(self._keys) if self._keys else 0)
+        if (self._values < 0).any():
+            raise invalid_argument("values: keys are ids >= 0")
+        if weights is not None:
+            weights = torch.as_tensor(weights, dtype=torch.float32)
+            if weights.shape != self._values.shape:
+                raise invalid_argument(
+                    f"weights: expected one per value ({self._values.numel()}), got shape "
+                    f"{tuple(weights.shape)}")
+        self._weights = weights
+
+    @staticmethod
+    def from_lengths_sync(keys, values, lengths, weights=None, stride=None):
+        return KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride)
+
+    @staticmethod
+    def from_offsets_sync(keys, values, offsets, weights=None, stride=None):
+        return KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride)
+
+    def keys(self):
+        return self._keys
+
+    def values(self):
+        return self._values
+
+    def weights(self):
+        if self._weights is None:
+            raise invalid_argument("this KeyedJaggedTensor has no weights")
+        return self._weights
+
+    def weights_or_none(self):
+        return self._weights
+
+    def lengths(self):
+        return self._lengths
+
+    def offsets(self):
+        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(self._lengths, 0)])
+
+    def stride(self):
+        """The batch size."""
+        return self._stride
+
+    def length_per_key(self):
+        return self._lengths.view(len(self._keys), self._stride).sum(1).tolist()
+
+    def offset_per_key(self):
+        return [0] + np.cumsum(self.length_per_key()).tolist()
+
+    def __getitem__(self, key):
+        index = self._keys.index(key)
+        begin, end = self.offset_per_key()[index], self.offset_per_key()[index + 1]
+        lengths = self._lengths[index * self._stride:(index + 1) * self._stride]
+        weights = None if self._weights is None else self._weights[begin:end]
+        return JaggedTensor(self._values[begin:end], lengths, weights)
+
+    def to_dict(self):
+        return {key: self[key] for key in self._keys}
+
+
+class KeyedTensor:
+    """Pooled embeddings: values [B, sum of dims], one block of columns per key."""
+
+    def __init__(self, keys, length_per_key, values):
+        self._keys, self._length_per_key, self._values = list(keys), list(length_per_key), values
+
+    def keys(self):
+        return self._keys
+
+    def values(self):
+        return self._values
+
+    def length_per_key(self):
+        return self._length_per_key
+
+    def to_dict(self):
+        return dict(zip(self._keys, torch.split(self._values, self._length_per_key, dim=1)))
+
+
+class EmbeddingBagConfig:
+    """One ember table and the features that look it up (TorchRec's field names).
+    pooling: "sum", "mean" or "sqrtn", done by the server. optimizer and initializer:
+    ember table config objects, used when the collection creates the table."""
+
+    def __init__(self, name, embedding_dim, num_embeddings, feature_names, pooling="sum",
+                 optimizer=None, initializer=None, shards=0, extra=None):
+        if pooling not in POOLINGS:
+            raise invalid_argument(
+                f"pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
+        if not feature_names:
+            raise invalid_argument(f"table {name!r}: feature_names is empty")
+        self.name, self.embedding_dim, self.num_embeddings = name, embedding_dim, num_embeddings
+        self.feature_names, self.pooling = list(feature_names), pooling
+        self.optimizer, self.initializer, self.shards = optimizer, initializer, shards
+        self.extra = dict(extra or {})
+
+    def table_config(self):
+        config = {"name": self.name, "dim": self.embedding_dim,
+                  "capacity": self.num_embeddings, "shards": self.shards}
+        if self.optimizer is not None:
+            config["optimizer"] = self.optimizer
+        if self.initializer is not None:
+            config["initializer"] = self.initializer
+        config.update(self.extra)
+        return config
+
+
+class EmbeddingConfig(EmbeddingBagConfig):
+    """A table for EmbeddingCollection (one vector per key, no pooling)."""
+
+    def __init__(self, name, embedding_dim, num_embeddings, feature_names, **options):
+        super().__init__(name, embedding_dim, num_embeddings, feature_names, "sum", **options)
+        self.pooling = "none"
+
+
+# ---- the per-table plan of one batch -------------------------------------------------
+
+
+class _TableBatch:
+    """One table's part of a batch: its features' rows (feature-major), as CSR, and how
+    it goes on the wire: pooled by the server, or distinct keys pooled here."""
+
+    def __init__(self, config, kjt, dedup):
+        features = kjt.keys()
+        stride = kjt.stride()
+        key_offsets = kjt.offset_per_key()
+        lengths, values, weights = [], [], []
+        for feature in config.feature_names:
+            if feature not in features:
+                raise invalid_argument(
+                    f"table {config.name!r}: feature {feature!r} is not in the batch "
+                    f"(features: {', '.join(features)})")
+            index = features.index(feature)
+            lengths.append(kjt.lengths()[index * stride:(index + 1) * stride])
+            values.append(kjt.values()[key_offsets[index]:key_offsets[index + 1]])
+            if kjt.weights_or_none() is not None:
+                weights.append(kjt.weights()[key_offsets[index]:key_offsets[index + 1]])
+        self.config = config
+        self.rows = len(config.feature_names) * stride
+        self.lengths = torch.cat(lengths)
+        self.offsets = np.zeros(self.rows + 1, dtype=np.uint32)
+        np.cumsum(self.lengths.numpy(), out=self.offsets[1:])
+        self.keys = torch.cat(values).numpy().astype(np.uint64)
+        self.weights = torch.cat(weights) if weights else None
+        pooled = config.pooling != "none"
+        self.local = not pooled or self.weights is not None
+        self.unique = None
+        if self.local or dedup is True or (dedup == "auto" and self._dedup_saves_bytes()):
+            self.unique, inverse = np.unique(self.keys, return_inverse=True)
+            self.inverse = torch.from_numpy(inverse.astype(np.int64))
+            self.unique_offsets = np.array([0, self.unique.size], dtype=np.uint32)
+            self.local = True
+
+    @property
+    def vectors(self):
+        """Output vectors: one per row pooled, one per key otherwise."""
+        return self.keys.size if self.config.pooling == "none" else self.rows
+
+    def _dedup_saves_bytes(self):
+        dim, nnz, rows = self.config.embedding_dim, self.keys.size, self.rows
+        if nnz == 0:
+            return False
+        # an estimate of the distinct keys from a sample keeps this cheap
+        sample = self.keys[:: max(1, nnz // 4096)]
+        distinct = nnz * np.unique(sample).size / sample.size
+        pooled_bytes = 8 * nnz + 4 * (rows + 1) + 4 * dim * rows * 2  # keys, offsets, rows, grads
+        dedup_bytes = 8 * distinct * 2 + 4 * dim * distinct * 2 + 8 * nnz  # + the local index
+        return dedup_bytes < pooled_bytes
+
+    # -- forward
+
+    def start_pull(self, client):
+        if self.local:
+            return client.pull_async(self.config.name, self.unique_offsets, self.unique,
+                                     combiner="none")
+        return client.pull_async(self.config.name, self.offsets, self.keys,
+                                 combiner=self.config.pooling)
+
+    def _scale(self):
+        """Each value's factor in its row's pool (weights, 1/len, 1/sqrt(len))."""
+        counts = self.lengths.to(torch.float32)
+        per_value = torch.repeat_interleave(counts, self.lengths)
+        scale = self.weights.clone() if self.weights is not None else torch.ones(self.keys.size)
+        if self.config.pooling == "mean":
+            scale = scale / per_value
+        elif self.config.pooling == "sqrtn":
+            scale = scale / torch.sqrt(per_value)
+        return scale
+
+    def finish_pull(self, future):
+        rows = torch.from_numpy(future.result())
+        if not self.local:
+            return rows
+        vectors = rows[self.inverse]
+        if self.config.pooling == "none":
+            return vectors
+        row_of_value = torch.repeat_interleave(torch.arange(self.rows), self.lengths)
+        pooled = torch.zeros(self.rows, self.config.embedding_dim)
+        return pooled.index_add_(0, row_of_value, vectors * self._scale()[:, None])
+
+    # -- backward
+
+    def start_push(self, client, grads):
+        grads = grads.detach().to(torch.float32).contiguous()
+        if not self.local:
+            return client.push_async(self.config.name, self.offsets, self.keys,
+                                     grads.numpy(), combiner=self.config.pooling)
+        if self.config.pooling == "none":
+            per_value = grads
+        else:
+            row_of_value = torch.repeat_interleave(torch.arange(self.rows), self.lengths)
+            per_value = grads[row_of_value] * self._scale()[:, None]
+        summed = torch.zeros(self.unique.size, self.config.embedding_dim)
+        summed.index_add_(0, self.inverse, per_value)
+        return client.push_async(self.config.name, self.unique_offsets, self.unique,
+                                 summed.numpy(), combiner="none")
+
+
+class _Batch:
+    """A batch's per-table plans and, once issued, their pulls in flight."""
+
+    def __init__(self, kjt, plans):
+        self.kjt, self.plans, self.futures = kjt, plans, None
+
+
+class _Collection(torch.nn.Module):
+    def __init__(self, tables, client, create_tables, dedup):
+        super().__init__()
+        if not isinstance(client, Client):
+            raise invalid_argument(f"client: expected an ember.Client, got {type(client).__name__}")
+        names = [table.name for table in tables]
+        if len(set(names)) != len(names):
+            raise invalid_argument(f"tables: names repeat: {names}")
+        self.tables, self.client, self.dedup = list(tables), client, dedup
+        self._anchor = torch.empty(0, requires_grad=True)
+        self._pushes = []
+        self._prefetched = {}
+        self._next = None
+        if create_tables:
+            existing = {table["name"] for table in client.tables()}
+            for table in self.tables:
+                if table.name not in existing:
+                    client.create_table(config=table.table_config())
+        for table in self.tables:
+            dim = client.dim(table.name)
+            if dim != table.embedding_dim:
+                raise invalid_argument(
+                    f"table {table.name!r}: embedding_dim {table.embedding_dim} but the server's "
+                    f"table has dim {dim}")
+
+    def _plan(self, kjt):
+        return _Batch(kjt, [_TableBatch(table, kjt, self.dedup) for table in self.tables])
+
+    def _issue(self, batch):
+        if batch.futures is None:
+            batch.futures = [plan.start_pull(self.client) for plan in batch.plans]
+
+    def prefetch(self, kjt):
+        """Issues the pulls of the batch kjt now; forward(kjt) then uses them."""
+        batch = self._plan(kjt)
+        self._issue(batch)
+        self._prefetched[id(kjt)] = batch
+
+    def prefetch_after_push(self, kjt):
+        """Issues the pulls of kjt right after the next backward's push (exact
+        prefetch: they see that push)."""
+        self._next = kjt
+
+    def _pull(self, batch):
+        self._issue(batch)
+        return [plan.finish_pull(future) for plan, future in zip(batch.plans, batch.futures)]
+
+    def _push(self, batch, grads):
+        for plan, grad in zip(batch.plans, grads):
+            self._pushes.append(plan.start_push(self.client, grad))
+        if self._next is not None:
+            self.prefetch(self._next)
+            self._next = None
+
+    def flush(self):
+        """Waits for the pushes sent so far (raising their errors)."""
+        pushes, self._pushes = self._pushes, []
+        for future in pushes:
+            future.result()
+
+    def _lookup(self, kjt):
+        # pushes finished so far raise their errors here; waiting is not needed for
+        # ordering (the connection applies requests in order)
+        while self._pushes and self._pushes[0].done():
+            self._pushes.pop(0)
+        if len(self._pushes) > 8 * len(self.tables):
+            self.flush()
+        batch = self._prefetched.pop(id(kjt), None)
+        if batch is None or batch.kjt is not kjt:
+            batch = self._plan(kjt)
+        return batch, _LookupMany.apply(self._anchor, self, batch)
+
+
+class _LookupMany(torch.autograd.Function):
+    """The lookup of every table of a collection, one output per table: forward pulls,
+    backward pushes. The anchor is an empty tensor that requires grad, so that autograd
+    calls backward although the module has no parameters."""
+
+    @staticmethod
+    def forward(ctx, anchor, collection, batch):
+        ctx.collection, ctx.batch = collection, batch
+        return tuple(collection._pull(batch))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plans = ctx.batch.plans
+        grads = [grad if grad is not None else torch.zeros(plan.vectors, plan.config.embedding_dim)
+                 for grad, plan in zip(grads, plans)]
+        ctx.collection._push(ctx.batch, grads)
+        return None, None, None
+
+
+class EmbeddingBagCollection(_Collection):
+    """Pooled embeddings of ember tables: forward(kjt) -> KeyedTensor [B, sum of dims],
+    one block per feature in the tables' order; backward pushes the gradients. tables:
+    EmbeddingBagConfig list; create_tables: create the tables that do not exist (needs
+    the client's admin listener); dedup: "auto" (when it moves fewer bytes), True, False."""
+
+    def __init__(self, tables, client, create_tables=False, dedup="auto"):
+        super().__init__(tables, client, create_tables, dedup)
+
+    def forward(self, kjt):
+        _, outputs = self._lookup(kjt)
+        stride = kjt.stride()
+        keys, dims, blocks = [], [], []
+        for table, rows in zip(self.tables, outputs):
+            for index, feature in enumerate(table.feature_names):
+                keys.append(feature)
+                dims.append(table.embedding_dim)
+                blocks.append(rows[index * stride:(index + 1) * stride])
+        return KeyedTensor(keys, dims, torch.cat(blocks, dim=1))
+
+
+class EmbeddingCollection(_Collection):
+    """The sequence variant: forward(kjt) -> {feature: JaggedTensor} with one vector per
+    key (values [nnz, dim]); backward pushes per-key gradients."""
+
+    def __init__(self, tables, client, create_tables=False, dedup="auto"):
+        for table in tables:
+            table.pooling = "none"
+        super().__init__(tables, client, create_tables, dedup)
+
+    def forward(self, kjt):
+        batch, outputs = self._lookup(kjt)
+        stride = kjt.stride()
+        result = {}
+        for table, plan, vectors in zip(self.tables, batch.plans, outputs):
+            begin = 0
+            for index, feature in enumerate(table.feature_names):
+                lengths = plan.lengths[index * stride:(index + 1) * stride]
+                count = int(lengths.sum())
+                result[feature] = JaggedTensor(vectors[begin:begin + count], lengths)
+                begin += count
+        return result
+
+
+class PrefetchPipeline:
+    """Iterates over batches while the ember pulls of the next one are in flight.
+
+        pipeline = PrefetchPipeline(loader, [ebc], sparse=lambda batch: batch.sparse)
+        for batch in pipeline:
+            loss = model(batch); loss.backward(); optimizer.step()
+
+    The pipeline reads one batch ahead. staleness=0 (exact): the next batch's pulls are
+    issued by the backward of this one, right after its push, so they see it; the wait
+    overlaps the rest of the step (the dense backward, the optimizer, loading, the next
+    forward up to the embeddings). staleness=1: they are issued before this batch's
+    forward, overlapping the whole step, and miss this step's update."""
+
+    def __init__(self, batches, collections, sparse=lambda batch: batch[0], staleness=0):
+        if staleness not in (0, 1):
+            raise invalid_argument(f"staleness: expected 0 or 1, got {staleness!r}")
+        self.batches, self.collections = batches, list(collections)
+        self.sparse, self.staleness = sparse, staleness
+
+    def __iter__(self):
+        iterator = iter(self.batches)
+        try:
+            current = next(iterator)
+        except StopIteration:
+            return
+        for collection in self.collections:
+            collection.prefetch(self.sparse(current))
+        for upcoming in iterator:
+            for collection in self.collections:
+                if self.staleness == 1:
+                    collection.prefetch(self.sparse(upcoming))
+                else:
+                    collection.prefetch_after_push(self.sparse(upcoming))
+            yield current
+            for collection in self.collections:
+                kjt = self.sparse(upcoming)
+                if id(kjt) not in collection._prefetched:  # no backward ran: issue it now
+                    collection._next = None
+                    collection.prefetch(kjt)
+            current = upcoming
+        yield current
+        for collection in self.collections:
+            collection.flush()
