@@ -606,8 +606,15 @@ static PyMethodDef raw_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *raw_get_next(raw_file *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->next_sample);
+}
+
 static PyGetSetDef raw_getset[] = {
     {"records", (getter)raw_get_records, NULL, "samples in the file", NULL},
+    {"next_sample", (getter)raw_get_next, NULL, "index of the next sample read", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
