@@ -264,12 +264,12 @@ class _TableBatch:
 
     # -- forward
 
-    def start_pull(self, client):
+    def start_pull(self, client, create_missing):
         if self.local:
             return client.pull_async(self.config.name, self.unique_offsets, self.unique,
-                                     combiner="none")
+                                     combiner="none", create_missing=create_missing)
         return client.pull_async(self.config.name, self.offsets, self.keys,
-                                 combiner=self.config.pooling)
+                                 combiner=self.config.pooling, create_missing=create_missing)
 
     def _scale(self):
         """Each value's factor in its row's pool (weights, 1/len, 1/sqrt(len))."""
@@ -348,7 +348,10 @@ class _Collection(torch.nn.Module):
 
     def _issue(self, batch):
         if batch.futures is None:
-            batch.futures = [plan.start_pull(self.client) for plan in batch.plans]
+            # training creates the keys it meets; evaluation (module.eval()) reads
+            # unseen keys as zeros and stores nothing
+            batch.futures = [plan.start_pull(self.client, self.training)
+                             for plan in batch.plans]
 
     def prefetch(self, kjt):
         """Issues the pulls of the batch kjt now; forward(kjt) then uses them."""
