@@ -88,9 +88,9 @@ def check_csr(offsets, keys):
     if offsets[0] != 0:
         raise invalid_argument(f"offsets: must start at 0, starts at {int(offsets[0])}")
     if offsets.size > 1:
-        steps = np.diff(offsets.astype(np.int64))
-        if (steps < 0).any():
-            row = int(np.argmax(steps < 0))
+        decreasing = offsets[1:] < offsets[:-1]
+        if decreasing.any():
+            row = int(np.argmax(decreasing))
             raise invalid_argument(
                 f"offsets: decrease at row {row} ({int(offsets[row])} then "
                 f"{int(offsets[row + 1])})")

@@ -103,6 +103,7 @@ class KeyedJaggedTensor:
                     f"weights: expected one per value ({self._values.numel()}), got shape "
                     f"{tuple(weights.shape)}")
         self._weights = weights
+        self._length_per_key = self._offset_per_key = None
 
     @staticmethod
     def from_lengths_sync(keys, values, lengths, weights=None, stride=None):
@@ -137,10 +138,15 @@ class KeyedJaggedTensor:
         return self._stride
 
     def length_per_key(self):
-        return self._lengths.view(len(self._keys), self._stride).sum(1).tolist()
+        if self._length_per_key is None:
+            self._length_per_key = (self._lengths.view(len(self._keys), self._stride).sum(1)
+                                    .tolist())
+        return self._length_per_key
 
     def offset_per_key(self):
-        return [0] + np.cumsum(self.length_per_key()).tolist()
+        if self._offset_per_key is None:
+            self._offset_per_key = [0] + np.cumsum(self.length_per_key()).tolist()
+        return self._offset_per_key
 
     def __getitem__(self, key):
         index = self._keys.index(key)

@@ -1,7 +1,7 @@
 /*
  * HugeCTR dataset files (Norm and Raw formats) for the ember Python package: readers
  * that turn a file into CSR batches per slot, and writers, in C for speed. The format is
- * described in clients/python/src/hugectr.c and docs/hugectr-datasets.md.
+ * described in clients/python/src/hugectr.c and clients/python/ember/hugectr.py.
  */
 #ifndef EMBER_CLIENTS_PYTHON_HUGECTR_MODULE_H
 #define EMBER_CLIENTS_PYTHON_HUGECTR_MODULE_H
