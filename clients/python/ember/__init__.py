@@ -260,6 +260,20 @@ class Client:
         call = self._data.pull_start(table, offsets, keys, out, code, bool(create_missing))
         return Future(call, lambda result: out, (offsets, keys, out))
 
+    def _pull_async_prepared(self, table, offsets, keys, combiner, create_missing, vectors):
+        """pull_async for arrays built by ember itself (right types and shapes): the
+        C client still checks the CSR before sending."""
+        out = np.empty((vectors, self.dim(table)), dtype=np.float32)
+        call = self._data.pull_start(table, offsets, keys, out, COMBINERS[combiner],
+                                     create_missing)
+        return Future(call, lambda result: out, (offsets, keys, out))
+
+    def _push_async_prepared(self, table, offsets, keys, grads, combiner):
+        """push_async for arrays built by ember itself; the C client checks the CSR and
+        that every gradient is finite before sending."""
+        call = self._data.push_start(table, offsets, keys, grads, COMBINERS[combiner])
+        return Future(call, PushResult, (offsets, keys, grads))
+
     def _prepare_push(self, table, offsets, keys, grads, combiner):
         rows = check_csr(offsets, keys)
         code = _combiner(combiner)

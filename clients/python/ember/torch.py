@@ -225,6 +225,7 @@ class _TableBatch:
         features = kjt.keys()
         stride = kjt.stride()
         key_offsets = kjt.offset_per_key()
+        all_lengths, all_values = kjt.lengths().numpy(), kjt.values().numpy()
         lengths, values, weights = [], [], []
         for feature in config.feature_names:
             if feature not in features:
@@ -232,16 +233,19 @@ class _TableBatch:
                     f"table {config.name!r}: feature {feature!r} is not in the batch "
                     f"(features: {', '.join(features)})")
             index = features.index(feature)
-            lengths.append(kjt.lengths()[index * stride:(index + 1) * stride])
-            values.append(kjt.values()[key_offsets[index]:key_offsets[index + 1]])
+            lengths.append(all_lengths[index * stride:(index + 1) * stride])
+            values.append(all_values[key_offsets[index]:key_offsets[index + 1]])
             if kjt.weights_or_none() is not None:
                 weights.append(kjt.weights()[key_offsets[index]:key_offsets[index + 1]])
         self.config = config
         self.rows = len(config.feature_names) * stride
-        self.lengths = torch.cat(lengths)
+        lengths = lengths[0] if len(lengths) == 1 else np.concatenate(lengths)
+        self.lengths = torch.from_numpy(lengths)
         self.offsets = np.zeros(self.rows + 1, dtype=np.uint32)
-        np.cumsum(self.lengths.numpy(), out=self.offsets[1:])
-        self.keys = torch.cat(values).numpy().astype(np.uint64)
+        np.cumsum(lengths, out=self.offsets[1:])
+        # keys are ids >= 0 (KeyedJaggedTensor checks): int64 read as uint64 in place
+        values = values[0] if len(values) == 1 else np.concatenate(values)
+        self.keys = np.ascontiguousarray(values).view(np.uint64)
         self.weights = torch.cat(weights) if weights else None
         pooled = config.pooling != "none"
         self.local = not pooled or self.weights is not None
@@ -271,11 +275,13 @@ class _TableBatch:
     # -- forward
 
     def start_pull(self, client, create_missing):
+        # the arrays are built here, well-formed: the client's own checks (in C) suffice
         if self.local:
-            return client.pull_async(self.config.name, self.unique_offsets, self.unique,
-                                     combiner="none", create_missing=create_missing)
-        return client.pull_async(self.config.name, self.offsets, self.keys,
-                                 combiner=self.config.pooling, create_missing=create_missing)
+            return client._pull_async_prepared(self.config.name, self.unique_offsets,
+                                               self.unique, "none", create_missing,
+                                               self.unique.size)
+        return client._pull_async_prepared(self.config.name, self.offsets, self.keys,
+                                           self.config.pooling, create_missing, self.rows)
 
     def _scale(self):
         """Each value's factor in its row's pool (weights, 1/len, 1/sqrt(len))."""
@@ -304,8 +310,8 @@ class _TableBatch:
     def start_push(self, client, grads):
         grads = grads.detach().to(torch.float32).contiguous()
         if not self.local:
-            return client.push_async(self.config.name, self.offsets, self.keys,
-                                     grads.numpy(), combiner=self.config.pooling)
+            return client._push_async_prepared(self.config.name, self.offsets, self.keys,
+                                               grads.numpy(), self.config.pooling)
         if self.config.pooling == "none":
             per_value = grads
         else:
@@ -313,8 +319,8 @@ class _TableBatch:
             per_value = grads[row_of_value] * self._scale()[:, None]
         summed = torch.zeros(self.unique.size, self.config.embedding_dim)
         summed.index_add_(0, self.inverse, per_value)
-        return client.push_async(self.config.name, self.unique_offsets, self.unique,
-                                 summed.numpy(), combiner="none")
+        return client._push_async_prepared(self.config.name, self.unique_offsets, self.unique,
+                                           summed.numpy(), "none")
 
 
 class _Batch:
