@@ -175,9 +175,10 @@ def timed_steps(model, data, collection, mode):
     optimizer = torch.optim.SGD([p for n, p in model.named_parameters()
                                  if not n.startswith("embeddings")], lr=1e-4)
     loop = data
-    if mode in ("exact", "stale"):
+    if mode in ("exact", "stale", "thread", "thread_stale"):
         loop = PrefetchPipeline(data, [collection], sparse=lambda b: b[0],
-                                staleness=0 if mode == "exact" else 1)
+                                staleness=1 if mode.endswith("stale") else 0,
+                                background=mode.startswith("thread"))
     loss_function = torch.nn.BCEWithLogitsLoss()
     started, cpu_started = time.perf_counter(), time.process_time()
     for kjt, dense, label in loop:
@@ -206,14 +207,16 @@ def prefetch_section(options, server, admin):
           f"batch {batch}, {per_row} keys per row, {options.prefetch_steps} steps, "
           f"torch threads {torch.get_num_threads()})\n")
     print("| bottom MLP width | compute ms/step | no prefetch | RPC ms | of which trainer CPU | "
-          "staleness 0 | hidden | staleness 1 | hidden |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "staleness 0 | hidden | staleness 1 | hidden | background, staleness 0 | hidden | "
+          "background, staleness 1 | hidden |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for width in options.widths:
         torch.manual_seed(0)
         model = Model(collection, width, dim, features)
         local = Model(Answered(answered), width, dim, features)
         local.load_state_dict({k: v for k, v in model.state_dict().items()}, strict=False)
-        runs = {"compute": [], "plain": [], "exact": [], "stale": []}
+        runs = {"compute": [], "plain": [], "exact": [], "stale": [], "thread": [],
+                "thread_stale": []}
         cpu = {"compute": [], "plain": []}
         timed_steps(model, data[:4], collection, "plain")  # warm
         for _ in range(options.rounds):  # the modes interleaved, round after round
@@ -227,10 +230,11 @@ def prefetch_section(options, server, admin):
         lookup_cpu = (statistics.median(cpu["plain"]) - statistics.median(cpu["compute"])) * 1000
         rpc = t["plain"] - t["compute"]
         hidden = {mode: (t["plain"] - t[mode]) / rpc if rpc > 0 else float("nan")
-                  for mode in ("exact", "stale")}
+                  for mode in ("exact", "stale", "thread", "thread_stale")}
         print(f"| {width} | {t['compute']:.2f} | {t['plain']:.2f} | {rpc:.2f} | "
               f"{lookup_cpu:.2f} | {t['exact']:.2f} | {hidden['exact']:.0%} | {t['stale']:.2f} | "
-              f"{hidden['stale']:.0%} |")
+              f"{hidden['stale']:.0%} | {t['thread']:.2f} | {hidden['thread']:.0%} | "
+              f"{t['thread_stale']:.2f} | {hidden['thread_stale']:.0%} |")
 
 
 def dlrm_section(options, directory):

@@ -225,13 +225,14 @@ def test_sequence_variant_matches_torch_embedding(daemon):
     assert_close(rows(client, "seq"), embedding.weight.detach().numpy())
 
 
-def run_loop(daemon, name, data, prefetch, staleness=0):
+def run_loop(daemon, name, data, prefetch, staleness=0, background=False):
     client = daemon.client()
     config = EmbeddingBagConfig(name, DIM, 1000, ["f0", "f1"], optimizer={"type": "adagrad",
                                                                          "lr": 0.1},
                                 initializer=INITIALIZER)
     collection = EmbeddingBagCollection([config], client, create_tables=True)
-    loop = (PrefetchPipeline(data, [collection], staleness=staleness) if prefetch else data)
+    loop = (PrefetchPipeline(data, [collection], staleness=staleness, background=background)
+            if prefetch else data)
     outputs = []
     for kjt, target in loop:
         pooled = collection(kjt).values()
@@ -248,9 +249,31 @@ def test_prefetch_gives_the_results_of_the_plain_loop(daemon):
     for step, (a, b) in enumerate(zip(plain, piped)):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"step {step}")
     np.testing.assert_array_equal(plain_rows, piped_rows)
-    stale, _ = run_loop(daemon, "stale", data, prefetch=True, staleness=1)
-    np.testing.assert_array_equal(stale[0].numpy(), plain[0].numpy())
-    assert any(not np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain, stale))
+    background, background_rows = run_loop(daemon, "background", data, prefetch=True,
+                                           background=True)
+    for step, (a, b) in enumerate(zip(plain, background)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"background step {step}")
+    np.testing.assert_array_equal(plain_rows, background_rows)
+    for use_thread in (False, True):
+        stale, _ = run_loop(daemon, f"stale{int(use_thread)}", data, prefetch=True, staleness=1,
+                            background=use_thread)
+        np.testing.assert_array_equal(stale[0].numpy(), plain[0].numpy())
+        assert any(not np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain, stale))
+
+
+def test_background_prefetch_raises_the_servers_errors(daemon):
+    client = daemon.client()
+    config = EmbeddingBagConfig("gone", DIM, 1000, ["f0", "f1"], initializer=INITIALIZER,
+                                optimizer={"type": "sgd", "lr": 0.1})
+    collection = EmbeddingBagCollection([config], client, create_tables=True)
+    data = batches(3, ["f0", "f1"])
+    with pytest.raises(ember.Error) as error:
+        for step, (kjt, target) in enumerate(PrefetchPipeline(data, [collection],
+                                                              background=True)):
+            ((collection(kjt).values() - target) ** 2).sum().backward()
+            if step == 1:
+                client.drop_table("gone")
+    assert error.value.status == "NOT_FOUND" and "gone" in error.value.message
 
 
 def test_several_servers_train_as_one(start_daemon):

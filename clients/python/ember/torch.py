@@ -19,6 +19,9 @@ include step i's update, exactly as the loop without prefetch. With staleness=1 
 issued before batch i's forward: more of the wait is hidden, and rows that batch i also
 updated are read without step i's update (one step stale).
 """
+import queue
+import threading
+
 import numpy as np
 import torch
 
@@ -324,10 +327,60 @@ class _TableBatch:
 
 
 class _Batch:
-    """A batch's per-table plans and, once issued, their pulls in flight."""
+    """A batch's per-table plans and, once issued, their pulls in flight. Prefetched by
+    the background worker: ready is set when its outputs (or its error) are there."""
 
     def __init__(self, kjt, plans):
         self.kjt, self.plans, self.futures = kjt, plans, None
+        self.ready, self.outputs, self.error = None, None, None
+
+
+class _Worker:
+    """One thread that runs a collection's network work in order: pushes, then the
+    prefetch of the next batch (planning, sending, waiting, converting), so that this
+    Python work overlaps the trainer's compute (torch releases the GIL while it
+    computes, the client while it waits). Requests keep the order they were queued in,
+    on the same connection, so the staleness rule is unchanged."""
+
+    def __init__(self):
+        self.tasks = queue.Queue()
+        self.pushes = []  # futures of pushes sent, touched by the thread only
+        self.error = None
+        self.thread = threading.Thread(target=self._run, name="ember-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            task = self.tasks.get()
+            try:
+                task()
+            except BaseException as error:  # noqa: B902 (raised in the trainer's thread)
+                if self.error is None:
+                    self.error = error
+
+    def submit(self, task):
+        self.raise_error()
+        self.tasks.put(task)
+
+    def raise_error(self):
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def wait(self):
+        """Waits for the tasks queued so far and the pushes they sent."""
+        done = threading.Event()
+
+        def finish_pushes():
+            pushes, self.pushes = self.pushes, []
+            try:
+                for future in pushes:
+                    future.result()
+            finally:
+                done.set()
+        self.tasks.put(finish_pushes)
+        done.wait()
+        self.raise_error()
 
 
 class _Collection(torch.nn.Module):
@@ -343,6 +396,7 @@ class _Collection(torch.nn.Module):
         self._pushes = []
         self._prefetched = {}
         self._next = None
+        self._worker = None
         if create_tables:
             existing = {table["name"] for table in client.tables()}
             for table in self.tables:
@@ -366,10 +420,36 @@ class _Collection(torch.nn.Module):
                              for plan in batch.plans]
 
     def prefetch(self, kjt):
-        """Issues the pulls of the batch kjt now; forward(kjt) then uses them."""
-        batch = self._plan(kjt)
-        self._issue(batch)
+        """Issues the pulls of the batch kjt now (in background mode: queues them);
+        forward(kjt) then uses them."""
+        if self._worker is None:
+            batch = self._plan(kjt)
+            self._issue(batch)
+            self._prefetched[id(kjt)] = batch
+            return
+        batch = _Batch(kjt, None)
+        batch.ready = threading.Event()
         self._prefetched[id(kjt)] = batch
+
+        def pull():
+            try:
+                batch.plans = [_TableBatch(table, kjt, self.dedup) for table in self.tables]
+                self._issue(batch)
+                batch.outputs = [plan.finish_pull(future)
+                                 for plan, future in zip(batch.plans, batch.futures)]
+            except BaseException as error:  # noqa: B902 (raised by forward)
+                batch.error = error
+            finally:
+                batch.ready.set()
+        self._worker.submit(pull)
+
+    def background(self, enabled=True):
+        """Background mode: pushes and prefetches run on a thread of their own."""
+        if enabled and self._worker is None:
+            self._worker = _Worker()
+        elif not enabled and self._worker is not None:
+            self.flush()
+            self._worker = None
 
     def prefetch_after_push(self, kjt):
         """Issues the pulls of kjt right after the next backward's push (exact
@@ -377,18 +457,38 @@ class _Collection(torch.nn.Module):
         self._next = kjt
 
     def _pull(self, batch):
+        if batch.ready is not None:
+            batch.ready.wait()
+            if batch.error is not None:
+                raise batch.error
+            outputs, batch.outputs = batch.outputs, None
+            return outputs
         self._issue(batch)
         return [plan.finish_pull(future) for plan, future in zip(batch.plans, batch.futures)]
 
     def _push(self, batch, grads):
-        for plan, grad in zip(batch.plans, grads):
-            self._pushes.append(plan.start_push(self.client, grad))
+        if self._worker is None:
+            for plan, grad in zip(batch.plans, grads):
+                self._pushes.append(plan.start_push(self.client, grad))
+        else:
+            worker = self._worker
+
+            def push():
+                for plan, grad in zip(batch.plans, grads):
+                    worker.pushes.append(plan.start_push(self.client, grad))
+                if len(worker.pushes) > 8 * len(self.tables):
+                    pushes, worker.pushes = worker.pushes, []
+                    for future in pushes:
+                        future.result()
+            worker.submit(push)
         if self._next is not None:
             self.prefetch(self._next)
             self._next = None
 
     def flush(self):
         """Waits for the pushes sent so far (raising their errors)."""
+        if self._worker is not None:
+            self._worker.wait()
         pushes, self._pushes = self._pushes, []
         for future in pushes:
             future.result()
@@ -480,13 +580,18 @@ class PrefetchPipeline:
     issued by the backward of this one, right after its push, so they see it; the wait
     overlaps the rest of the step (the dense backward, the optimizer, loading, the next
     forward up to the embeddings). staleness=1: they are issued before this batch's
-    forward, overlapping the whole step, and miss this step's update."""
+    forward, overlapping the whole step, and miss this step's update. background=True
+    moves the pushes and the prefetches (planning, sending, waiting, converting) to a
+    thread of the collection's own, so that their Python work overlaps the trainer's
+    compute too; the order of requests, and so the staleness rule, is the same."""
 
-    def __init__(self, batches, collections, sparse=lambda batch: batch[0], staleness=0):
+    def __init__(self, batches, collections, sparse=lambda batch: batch[0], staleness=0,
+                 background=False):
         if staleness not in (0, 1):
             raise invalid_argument(f"staleness: expected 0 or 1, got {staleness!r}")
         self.batches, self.collections = batches, list(collections)
         self.sparse, self.staleness = sparse, staleness
+        self.background = background
 
     def __iter__(self):
         iterator = iter(self.batches)
@@ -494,6 +599,8 @@ class PrefetchPipeline:
             current = next(iterator)
         except StopIteration:
             return
+        for collection in self.collections:
+            collection.background(self.background)
         for collection in self.collections:
             collection.prefetch(self.sparse(current))
         for upcoming in iterator:
@@ -512,3 +619,5 @@ class PrefetchPipeline:
         yield current
         for collection in self.collections:
             collection.flush()
+            if self.background:
+                collection.background(False)

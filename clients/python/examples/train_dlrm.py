@@ -186,6 +186,8 @@ def parse_arguments():
     parser.add_argument("--embeddings", choices=["ember", "local"], default="ember")
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument("--staleness", type=int, choices=[0, 1], default=0)
+    parser.add_argument("--background", action="store_true",
+                        help="pushes and prefetches on a thread of their own")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="the final figures as JSON")
@@ -239,7 +241,8 @@ def main():
         for epoch in range(options.epochs):
             batches = batches_of(train_list, options.batch_size)
             if options.embeddings == "ember" and not options.no_prefetch:
-                batches = PrefetchPipeline(batches, [embeddings], staleness=options.staleness)
+                batches = PrefetchPipeline(batches, [embeddings], staleness=options.staleness,
+                                           background=options.background)
             started = time.perf_counter()
             losses = []
             for kjt, dense, label in progress(batches, batches_per_epoch, f"epoch {epoch + 1}",
