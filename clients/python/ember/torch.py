@@ -435,8 +435,8 @@ class _Collection(torch.nn.Module):
             try:
                 batch.plans = [_TableBatch(table, kjt, self.dedup) for table in self.tables]
                 self._issue(batch)
-                batch.outputs = [plan.finish_pull(future)
-                                 for plan, future in zip(batch.plans, batch.futures)]
+                batch.outputs = self._assemble(kjt, [
+                    plan.finish_pull(future) for plan, future in zip(batch.plans, batch.futures)])
             except BaseException as error:  # noqa: B902 (raised by forward)
                 batch.error = error
             finally:
@@ -464,17 +464,27 @@ class _Collection(torch.nn.Module):
             outputs, batch.outputs = batch.outputs, None
             return outputs
         self._issue(batch)
-        return [plan.finish_pull(future) for plan, future in zip(batch.plans, batch.futures)]
+        return self._assemble(batch.kjt, [plan.finish_pull(future)
+                                          for plan, future in zip(batch.plans, batch.futures)])
+
+    def _assemble(self, kjt, outputs):
+        """The module's output from the tables' outputs (in the worker thread, when
+        there is one); the subclasses say how."""
+        return tuple(outputs)
+
+    def _split(self, kjt, grads):
+        """The tables' gradients from the output's gradient: the inverse of _assemble."""
+        return grads
 
     def _push(self, batch, grads):
         if self._worker is None:
-            for plan, grad in zip(batch.plans, grads):
+            for plan, grad in zip(batch.plans, self._split(batch.kjt, grads)):
                 self._pushes.append(plan.start_push(self.client, grad))
         else:
             worker = self._worker
 
             def push():
-                for plan, grad in zip(batch.plans, grads):
+                for plan, grad in zip(batch.plans, self._split(batch.kjt, grads)):
                     worker.pushes.append(plan.start_push(self.client, grad))
                 if len(worker.pushes) > 8 * len(self.tables):
                     pushes, worker.pushes = worker.pushes, []
@@ -507,20 +517,23 @@ class _Collection(torch.nn.Module):
 
 
 class _LookupMany(torch.autograd.Function):
-    """The lookup of every table of a collection, one output per table: forward pulls,
-    backward pushes. The anchor is an empty tensor that requires grad, so that autograd
-    calls backward although the module has no parameters."""
+    """The lookup of every table of a collection: forward pulls (the collection's
+    output: one tensor, or one per table), backward pushes. The anchor is an empty
+    tensor that requires grad, so that autograd calls backward although the module has
+    no parameters."""
 
     @staticmethod
     def forward(ctx, anchor, collection, batch):
         ctx.collection, ctx.batch = collection, batch
-        return tuple(collection._pull(batch))
+        outputs = collection._pull(batch)
+        ctx.shapes = [output.shape for output in
+                      (outputs if isinstance(outputs, tuple) else (outputs,))]
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        plans = ctx.batch.plans
-        grads = [grad if grad is not None else torch.zeros(plan.vectors, plan.config.embedding_dim)
-                 for grad, plan in zip(grads, plans)]
+        grads = [grad if grad is not None else torch.zeros(shape)
+                 for grad, shape in zip(grads, ctx.shapes)]
         ctx.collection._push(ctx.batch, grads)
         return None, None, None
 
@@ -533,17 +546,32 @@ class EmbeddingBagCollection(_Collection):
 
     def __init__(self, tables, client, create_tables=False, dedup="auto"):
         super().__init__(tables, client, create_tables, dedup)
+        self._keys = [feature for table in self.tables for feature in table.feature_names]
+        self._dims = [table.embedding_dim for table in self.tables
+                      for _ in table.feature_names]
+
+    def _assemble(self, kjt, outputs):
+        """[B, sum of dims]: each feature's rows of its table's output, side by side."""
+        stride = kjt.stride()
+        return torch.cat([rows[index * stride:(index + 1) * stride]
+                          for table, rows in zip(self.tables, outputs)
+                          for index in range(len(table.feature_names))], dim=1)
+
+    def _split(self, kjt, grads):
+        """Per table [features x B, dim]: its features' columns of the gradient, stacked."""
+        (grad,) = grads
+        result, column = [], 0
+        for table in self.tables:
+            blocks = []
+            for _ in table.feature_names:
+                blocks.append(grad[:, column:column + table.embedding_dim])
+                column += table.embedding_dim
+            result.append(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0))
+        return result
 
     def forward(self, kjt):
-        _, outputs = self._lookup(kjt)
-        stride = kjt.stride()
-        keys, dims, blocks = [], [], []
-        for table, rows in zip(self.tables, outputs):
-            for index, feature in enumerate(table.feature_names):
-                keys.append(feature)
-                dims.append(table.embedding_dim)
-                blocks.append(rows[index * stride:(index + 1) * stride])
-        return KeyedTensor(keys, dims, torch.cat(blocks, dim=1))
+        _, values = self._lookup(kjt)
+        return KeyedTensor(self._keys, self._dims, values)
 
 
 class EmbeddingCollection(_Collection):
