@@ -192,6 +192,7 @@ class Client:
         self._admin_token = admin_token
         self._admin = None
         self._dims = {}
+        self.last_pull = None  # the PullResult of the last blocking pull
 
     # ---- lifetime -------------------------------------------------------------------
 

@@ -32,6 +32,8 @@ __all__ = ["KeyedJaggedTensor", "KeyedTensor", "JaggedTensor", "EmbeddingBagConf
            "PrefetchPipeline"]
 
 POOLINGS = ("sum", "mean", "sqrtn")
+# pushes sent and not yet finished, per table, before their answers are collected
+PUSHES_KEPT_PER_TABLE = 8
 
 
 def _as_int64(tensor, name):
@@ -486,7 +488,7 @@ class _Collection(torch.nn.Module):
             def push():
                 for plan, grad in zip(batch.plans, self._split(batch.kjt, grads)):
                     worker.pushes.append(plan.start_push(self.client, grad))
-                if len(worker.pushes) > 8 * len(self.tables):
+                if len(worker.pushes) > PUSHES_KEPT_PER_TABLE * len(self.tables):
                     pushes, worker.pushes = worker.pushes, []
                     for future in pushes:
                         future.result()
@@ -504,11 +506,9 @@ class _Collection(torch.nn.Module):
             future.result()
 
     def _lookup(self, kjt):
-        # pushes finished so far raise their errors here; waiting is not needed for
-        # ordering (the connection applies requests in order)
-        while self._pushes and self._pushes[0].done():
-            self._pushes.pop(0)
-        if len(self._pushes) > 8 * len(self.tables):
+        # pushes are not waited for (the connection applies requests in order); their
+        # answers are collected, and their errors raised, every few batches
+        if len(self._pushes) > PUSHES_KEPT_PER_TABLE * len(self.tables):
             self.flush()
         batch = self._prefetched.pop(id(kjt), None)
         if batch is None or batch.kjt is not kjt:
