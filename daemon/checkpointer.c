@@ -184,7 +184,7 @@ em_status em_checkpointer_restore(em_checkpointer *c,
         em_table *table = NULL;
         status = em_checkpoint_latest(c->config->dir, names[i], path, sizeof(path), err);
         if (status == EM_OK)
-            status = em_checkpoint_load(path, em_catalog_backend(c->catalog), NULL, &table, &info,
+            status = em_checkpoint_load(path, em_catalog_backend(c->catalog), NULL, false, &table, &info,
                                         err);
         if (status == EM_OK)
             status = em_catalog_add(c->catalog, table, err);
@@ -227,7 +227,7 @@ em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char 
                                                 &loaded, info, err);
         }
     } else if (status == EM_OK) {
-        status = em_checkpoint_load(path, em_catalog_backend(catalog), table, &loaded, info, err);
+        status = em_checkpoint_load(path, em_catalog_backend(catalog), table, false, &loaded, info, err);
     }
     if (status == EM_OK)
         status = em_catalog_replace(catalog, loaded, err);

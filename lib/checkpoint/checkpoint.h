@@ -6,6 +6,7 @@
  *   rows.emb       chunks: each a header and the keys and rows (weights and optimizer
  *                  state) of one virtual bucket of the key hash, checksummed (XXH3-64)
  *   index.emb      where each chunk is, its bucket, rows and checksum; checksummed
+ *   tombstones.emb the keys a delta removes, by bucket; checksummed (empty in a full one)
  *   manifest.json  the table's config, rows, the key hash and buckets, each file's size
  *                  and checksum, the parent (none for a full checkpoint), the time and
  *                  the ember version; ends with the checksum of its own text
@@ -17,6 +18,17 @@
  * beyond `keep` are removed after LATEST moved. A failed fsync fails the save; nothing
  * retries it.
  *
+ * A delta holds only what changed since its parent, the table's previous checkpoint:
+ * the rows whose content differs from the parent's (new keys too) and, in
+ * tombstones.emb, the keys the parent has and the table no longer does. To know what
+ * changed, a table that tracks changes keeps the XXH3-64 digest of every row as of its
+ * last checkpoint (em_table_set_attachment; about 21-43 bytes per row of host memory):
+ * a delta reads the whole snapshot, as a full save does, and writes the rows whose
+ * digest moved. The digests change only when a save succeeds, so a failed save leaves
+ * the next delta complete. Each delta names its parent's id and manifest checksum; a
+ * load follows the parents back to a full checkpoint and refuses a missing, repeated or
+ * reordered link, or a parent whose checksum differs, naming the file.
+ *
  * The rows come from a table snapshot (lib/table/table.h): one instant, while the table
  * goes on serving. Loading reads every byte once, checks every checksum and the counts
  * against the manifest, and fills a new table that the caller publishes only when the
@@ -26,6 +38,7 @@
 #ifndef EMBER_LIB_CHECKPOINT_H
 #define EMBER_LIB_CHECKPOINT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -33,7 +46,8 @@
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
 
-#define EM_CHECKPOINT_FORMAT_VERSION 1u
+/* Version 2 added deltas and tombstones.emb; version 1 (full only) still loads. */
+#define EM_CHECKPOINT_FORMAT_VERSION 2u
 /* Virtual buckets of the key hash: bucket = em_key_hash(key) >> (64 - 12). */
 #define EM_CHECKPOINT_BUCKET_BITS 12u
 #define EM_CHECKPOINT_BUCKETS (1u << EM_CHECKPOINT_BUCKET_BITS)
@@ -44,16 +58,25 @@ typedef struct em_checkpoint_options {
     uint32_t keep;             /* complete checkpoints kept per table (0 means 1) */
     uint64_t copy_limit_bytes; /* rows changed during a save kept aside, at most */
     uint64_t buffer_bytes;     /* rows grouped by bucket before writing (two buffers) */
+    bool delta;                /* save only what changed since the table's last checkpoint;
+                                * a full save when there is no such parent (info->kind) */
+    bool track_changes;        /* keep the row digests a later delta needs (delta implies it);
+                                * without, a table's digests are dropped */
 } em_checkpoint_options;
 
-/* Defaults: keep 3, copy limit 256 MiB, buffer 32 MiB. */
+/* Defaults: keep 3, copy limit 256 MiB, buffer 32 MiB, full saves, no tracking. */
 void em_checkpoint_options_init(em_checkpoint_options *options, const char *dir);
 
 typedef struct em_checkpoint_info {
     char table[160];
     char id[EM_CHECKPOINT_ID_DIGITS + 1];
     char path[4096];  /* the checkpoint's directory */
-    uint64_t rows;
+    char kind[8];     /* "full" or "delta" */
+    char parent[EM_CHECKPOINT_ID_DIGITS + 1]; /* a delta's parent ("" for a full one) */
+    uint32_t depth;   /* deltas between it and its full checkpoint */
+    uint64_t rows;    /* rows written (a delta's: changed rows) */
+    uint64_t tombstones; /* keys a delta removes */
+    uint64_t table_rows; /* rows of the table it restores */
     uint64_t bytes;   /* of every file */
     uint64_t chunks;
     uint64_t created_unix_ms;
@@ -61,22 +84,28 @@ typedef struct em_checkpoint_info {
 } em_checkpoint_info;
 
 /* Saves the table as a new checkpoint under options->dir and makes it the table's
- * latest. Errors: FAILED_PRECONDITION (a save of the table is running), INTERNAL naming
+ * latest: a delta when options->delta asks for one and the table's last checkpoint
+ * (saved or loaded with tracking) is still the latest under dir, else a full one.
+ * Errors: FAILED_PRECONDITION (a save of the table is running), INTERNAL naming
  * the step and the file for an I/O failure (the previous checkpoint stays current),
  * RESOURCE_EXHAUSTED. */
 em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,
                              em_checkpoint_info *info, em_error *err);
 
-/* Reads every file of the checkpoint at path (a checkpoint's directory) and checks
- * every checksum and count, without a table. Errors: DATA_LOSS naming the file (and the
+/* Reads every file of the checkpoint at path (a checkpoint's directory), and of every
+ * checkpoint of its chain for a delta, and checks every checksum and count, without a
+ * table. Errors: DATA_LOSS naming the file (and the
  * chunk), NOT_FOUND, INVALID_ARGUMENT for a manifest of another format or version. */
 em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err);
 
 /* Creates a table on backend from the checkpoint at path (named as saved, or name when
- * not NULL) and fills it; *out is the caller's, to publish or destroy. Errors: those of
+ * not NULL) and fills it, a delta with its whole chain (each key from the newest link
+ * that has it); *out is the caller's, to publish or destroy. With track_changes the
+ * table keeps the row digests for a delta after this checkpoint. Errors: those of
  * verify, and em_table_create's and em_table_import's. */
 em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
-                             em_table **out, em_checkpoint_info *info, em_error *err);
+                             bool track_changes, em_table **out, em_checkpoint_info *info,
+                             em_error *err);
 
 /* Warm start: creates a table with config (its own optimizer) holding the checkpoint's
  * keys with their weights only; each row's optimizer state starts as a new row's.
@@ -95,7 +124,8 @@ em_status em_checkpoint_latest(const char *dir, const char *table, char *path, s
 em_status em_checkpoint_tables(const char *dir, char ***names, size_t *count, em_error *err);
 void em_checkpoint_free_names(char **names, size_t count);
 
-/* The complete checkpoints of a table under dir, oldest first (ids), in a malloc'ed
+/* The complete checkpoints of a table under dir, oldest first (ids, kinds and parents
+ * from their manifests: kind "?" for one whose manifest does not read), in a malloc'ed
  * array. */
 em_status em_checkpoint_list(const char *dir, const char *table, em_checkpoint_info **infos,
                              size_t *count, em_error *err);

@@ -7,6 +7,9 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "lib/base/status.h"
+#include "lib/checkpoint/checkpoint.h"
+
 /* The virtual bucket of a key (checkpoint.h). */
 uint32_t em__checkpoint_bucket(uint64_t key);
 
@@ -15,5 +18,54 @@ bool em__checkpoint_is_id(const char *name);
 
 /* Removes a directory of plain files, best effort. */
 void em__checkpoint_remove_dir(const char *path);
+
+/* ---- deltas ---------------------------------------------------------------------------- */
+
+/* A u64 -> u64 map (checkpoint_digests.c). */
+typedef struct em__key_map {
+    uint64_t *keys, *values;
+    uint64_t slots, used;
+    bool has_empty_key; /* the key UINT64_MAX, the slots' marker, is kept aside */
+    uint64_t empty_key_value;
+} em__key_map;
+
+/* False when out of memory (get: when key is absent). */
+bool em__key_map_init(em__key_map *map, uint64_t expected);
+void em__key_map_free(em__key_map *map);
+bool em__key_map_get(const em__key_map *map, uint64_t key, uint64_t *value);
+bool em__key_map_put(em__key_map *map, uint64_t key, uint64_t value);
+
+/* The digest a delta compares rows by: XXH3-64 of the row's floats. */
+uint64_t em__row_digest(const float *row, uint32_t floats);
+
+/* What a table keeps (em_table_set_attachment) after a save or a load, so that its next
+ * save can be a delta: which checkpoint its rows were last written as, and each key's
+ * row digest as of that checkpoint's instant. */
+typedef struct em__delta_base {
+    char path[4096];                        /* the checkpoint's directory */
+    char id[EM_CHECKPOINT_ID_DIGITS + 1];
+    char base_id[EM_CHECKPOINT_ID_DIGITS + 1]; /* the full checkpoint its chain starts at */
+    uint32_t depth;                         /* 0 for a full checkpoint */
+    uint64_t manifest_xxh3;                 /* the checksum line of its manifest */
+    uint32_t row_floats;
+    em__key_map digests;
+} em__delta_base;
+
+void em__delta_base_free(void *base);
+
+/* What a manifest says about a checkpoint's place in its chain. */
+typedef struct em__chain_link {
+    char id[EM_CHECKPOINT_ID_DIGITS + 1];
+    bool delta;
+    char parent_id[EM_CHECKPOINT_ID_DIGITS + 1];
+    uint64_t parent_manifest_xxh3;
+    char base_id[EM_CHECKPOINT_ID_DIGITS + 1];
+    uint32_t depth;
+    uint64_t manifest_xxh3;                 /* its own checksum line */
+} em__chain_link;
+
+/* Reads (and checks the checksum of) the manifest of the checkpoint at path. Errors:
+ * those of em_checkpoint_verify for the manifest. */
+em_status em__checkpoint_read_link(const char *path, em__chain_link *link, em_error *err);
 
 #endif

@@ -16,15 +16,20 @@
     X(ROWS_FSYNC, 2, "fsync rows.emb")                                                        \
     X(INDEX_WRITE, 3, "write index.emb")                                                      \
     X(INDEX_FSYNC, 4, "fsync index.emb")                                                      \
-    X(MANIFEST_WRITE, 5, "write manifest.json")                                               \
-    X(MANIFEST_FSYNC, 6, "fsync manifest.json")                                               \
-    X(DIR_FSYNC, 7, "fsync the checkpoint's directory")                                       \
-    X(RENAME, 8, "rename the checkpoint's directory to its id")                               \
-    X(TABLE_DIR_FSYNC, 9, "fsync the table's directory")                                      \
-    X(LATEST_WRITE, 10, "write LATEST.tmp")                                                   \
-    X(LATEST_FSYNC, 11, "fsync LATEST.tmp")                                                   \
-    X(LATEST_RENAME, 12, "rename LATEST.tmp to LATEST")                                       \
-    X(LATEST_DIR_FSYNC, 13, "fsync the table's directory after LATEST")
+    X(TOMBSTONES_WRITE, 5, "write tombstones.emb")                                            \
+    X(TOMBSTONES_FSYNC, 6, "fsync tombstones.emb")                                            \
+    X(MANIFEST_WRITE, 7, "write manifest.json")                                               \
+    X(MANIFEST_FSYNC, 8, "fsync manifest.json")                                               \
+    X(DIR_FSYNC, 9, "fsync the checkpoint's directory")                                       \
+    X(RENAME, 10, "rename the checkpoint's directory to its id")                              \
+    X(TABLE_DIR_FSYNC, 11, "fsync the table's directory")                                     \
+    X(LATEST_WRITE, 12, "write LATEST.tmp")                                                   \
+    X(LATEST_FSYNC, 13, "fsync LATEST.tmp")                                                   \
+    X(LATEST_RENAME, 14, "rename LATEST.tmp to LATEST")                                       \
+    X(LATEST_DIR_FSYNC, 15, "fsync the table's directory after LATEST")
+
+/* The number of steps (the last one's). */
+#define EM_SAVE_STEP_COUNT 15
 
 typedef enum em_save_step {
 #define EM_SAVE_STEP_ENUM(ID, number, name) EM_SAVE_##ID = number,

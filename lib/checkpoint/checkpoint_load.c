@@ -3,6 +3,14 @@
  * table config), then index.emb whole, then rows.emb once from start to end, each chunk
  * checked against its header, the index and the manifest before its rows are used.
  * Verify and load are the same pass; load also imports each chunk into a new table.
+ *
+ * A delta is read with its chain: the manifests are followed from it through each
+ * parent (a sibling directory named by the parent's id) back to a full checkpoint, each
+ * link checked against what its child recorded (id, manifest checksum, depth, base),
+ * and then the links are read newest first. A key is taken from the newest link that
+ * has it, as a row or as a tombstone; older links' copies of it are skipped, so every
+ * key is imported once and nothing needs erasing. Which link decided each key is kept
+ * in a map while the chain loads (a key twice in one link is corruption).
  */
 #include <cJSON.h>
 #include <dirent.h>
@@ -33,8 +41,10 @@ typedef struct manifest {
     em_table_config config;
     uint64_t rows, chunks, created_unix_ms;
     uint32_t row_floats;
-    char id[EM_CHECKPOINT_ID_DIGITS + 1];
-    file_entry rows_file, index_file;
+    uint32_t version;
+    file_entry rows_file, index_file, tombstones_file;
+    uint64_t tombstones, table_rows;
+    em__chain_link link;
 } manifest;
 
 bool em__checkpoint_is_id(const char *name)
@@ -58,6 +68,15 @@ static em_status data_loss(em_error *err, const char *dir, const char *file, con
     vsnprintf(what, sizeof(what), format, args);
     va_end(args);
     return em_error_set(err, EM_DATA_LOSS, "checkpoint %s: %s: %s", dir, file, what);
+}
+
+/* Tombstones are ordered by bucket, then key. */
+static int compare_by_bucket(uint64_t x, uint64_t y)
+{
+    uint32_t bx = em__checkpoint_bucket(x), by = em__checkpoint_bucket(y);
+    if (bx != by)
+        return bx < by ? -1 : 1;
+    return x < y ? -1 : x > y;
 }
 
 /* ---- the manifest ---------------------------------------------------------------------- */
@@ -135,6 +154,59 @@ static em_status number_field(const cJSON *json, const char *dir, const char *na
     return EM_OK;
 }
 
+static em_status id_field(const cJSON *json, const char *dir, const char *name,
+                          const char *label, char *out, em_error *err)
+{
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(json, name);
+    if (!cJSON_IsString(item) || !em__checkpoint_is_id(item->valuestring))
+        return data_loss(err, dir, "manifest.json", "field %s is missing or not an id", label);
+    snprintf(out, EM_CHECKPOINT_ID_DIGITS + 1, "%s", item->valuestring);
+    return EM_OK;
+}
+
+/* kind, parent, base and depth (version 1 has full checkpoints only). */
+static em_status parse_chain(const cJSON *json, const char *dir, manifest *m, em_error *err)
+{
+    em__chain_link *link = &m->link;
+    const cJSON *kind = cJSON_GetObjectItemCaseSensitive(json, "kind");
+    bool full = cJSON_IsString(kind) && strcmp(kind->valuestring, "full") == 0;
+    link->delta = m->version >= 2 && cJSON_IsString(kind) &&
+                  strcmp(kind->valuestring, "delta") == 0;
+    if (!full && !link->delta)
+        return data_loss(err, dir, "manifest.json", "kind is not \"full\"%s",
+                         m->version >= 2 ? " or \"delta\"" : "");
+    if (m->version < 2) {
+        snprintf(link->base_id, sizeof(link->base_id), "%s", link->id);
+        return EM_OK;
+    }
+    uint64_t depth = 0;
+    em_status status = id_field(json, dir, "base", "base", link->base_id, err);
+    if (status == EM_OK)
+        status = number_field(json, dir, "depth", &depth, err);
+    if (status != EM_OK)
+        return status;
+    const cJSON *parent = cJSON_GetObjectItemCaseSensitive(json, "parent");
+    if (!link->delta) {
+        if (!cJSON_IsNull(parent) || depth != 0 || strcmp(link->base_id, link->id) != 0)
+            return data_loss(err, dir, "manifest.json",
+                             "a full checkpoint with a parent, a depth or another base");
+        return EM_OK;
+    }
+    if (depth == 0 || depth > UINT32_MAX)
+        return data_loss(err, dir, "manifest.json", "a delta of depth %" PRIu64, depth);
+    link->depth = (uint32_t)depth;
+    const cJSON *hash = cJSON_GetObjectItemCaseSensitive(parent, "manifest_xxh3");
+    status = id_field(parent, dir, "id", "parent.id", link->parent_id, err);
+    if (status == EM_OK && (!cJSON_IsString(hash) ||
+                            !parse_hex64(hash->valuestring, &link->parent_manifest_xxh3)))
+        status = data_loss(err, dir, "manifest.json", "parent.manifest_xxh3 is malformed");
+    if (status == EM_OK && strcmp(link->parent_id, link->id) >= 0)
+        status = data_loss(err, dir, "manifest.json",
+                           "its parent %s is not older than it (%s): out of order",
+                           link->parent_id, link->id);
+    return status;
+}
+
 static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m, em_error *err)
 {
     const cJSON *format = cJSON_GetObjectItemCaseSensitive(json, "format");
@@ -142,20 +214,23 @@ static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m,
     if (!cJSON_IsString(format) || strcmp(format->valuestring, "ember-checkpoint") != 0)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "checkpoint %s: manifest.json is not an ember checkpoint's", dir);
-    if (!cJSON_IsNumber(version) || version->valuedouble != EM_CHECKPOINT_FORMAT_VERSION)
+    if (!cJSON_IsNumber(version) ||
+        (version->valuedouble != 1 && version->valuedouble != EM_CHECKPOINT_FORMAT_VERSION))
         return em_error_set(err, EM_INVALID_ARGUMENT,
-                            "checkpoint %s: format version %g, this ember reads version %u",
-                            dir, cJSON_IsNumber(version) ? version->valuedouble : -1.0,
+                            "checkpoint %s: format version %g, this ember reads versions 1 to "
+                            "%u", dir, cJSON_IsNumber(version) ? version->valuedouble : -1.0,
                             EM_CHECKPOINT_FORMAT_VERSION);
-    const cJSON *kind = cJSON_GetObjectItemCaseSensitive(json, "kind");
-    if (!cJSON_IsString(kind) || strcmp(kind->valuestring, "full") != 0)
-        return data_loss(err, dir, "manifest.json", "kind is not \"full\"");
+    m->version = (uint32_t)version->valuedouble;
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(json, "id");
     if (!cJSON_IsString(id) || !em__checkpoint_is_id(id->valuestring))
         return data_loss(err, dir, "manifest.json", "id is missing or malformed");
-    snprintf(m->id, sizeof(m->id), "%s", id->valuestring);
-    em_status status = em_table_config_parse(cJSON_GetObjectItemCaseSensitive(json, "table"),
-                                             "table", &m->config, err);
+    em__chain_link *link = &m->link;
+    snprintf(link->id, sizeof(link->id), "%s", id->valuestring);
+    em_status status = parse_chain(json, dir, m, err);
+    if (status != EM_OK)
+        return status;
+    status = em_table_config_parse(cJSON_GetObjectItemCaseSensitive(json, "table"), "table",
+                                   &m->config, err);
     if (status != EM_OK)
         return em_error_prefix(err, "checkpoint %s: manifest.json: ", dir);
     uint64_t row_floats = 0, buckets = 0;
@@ -184,6 +259,19 @@ static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m,
     status = read_file_entry(files, dir, "rows.emb", &m->rows_file, err);
     if (status == EM_OK)
         status = read_file_entry(files, dir, "index.emb", &m->index_file, err);
+    if (status == EM_OK && m->version >= 2)
+        status = read_file_entry(files, dir, "tombstones.emb", &m->tombstones_file, err);
+    if (status == EM_OK && m->version >= 2) {
+        status = number_field(json, dir, "tombstones", &m->tombstones, err);
+        if (status == EM_OK)
+            status = number_field(json, dir, "table_rows", &m->table_rows, err);
+    } else {
+        m->table_rows = m->rows;
+    }
+    if (status == EM_OK && !link->delta && m->table_rows != m->rows)
+        status = data_loss(err, dir, "manifest.json",
+                           "a full checkpoint of %" PRIu64 " rows says the table has %" PRIu64,
+                           m->rows, m->table_rows);
     return status;
 }
 
@@ -218,6 +306,7 @@ static em_status read_manifest(const char *dir, manifest *m, em_error *err)
                          seen);
     }
     line[0] = '\0';
+    m->link.manifest_xxh3 = expected;
     cJSON *json = cJSON_Parse(text);
     free(text);
     if (json == NULL)
@@ -290,7 +379,61 @@ typedef struct reader {
     uint64_t *batch_keys;   /* rows waiting for the table */
     float *batch_values;
     uint64_t batched, batch_capacity, batch_first_chunk;
+    em__key_map *decided;   /* a chain: key -> the link that decided it; else NULL */
+    uint64_t level;         /* this link's (0 is the newest) */
+    em__key_map *digests;   /* tracking: key -> digest of its row as loaded; else NULL */
+    uint32_t *kept;         /* scratch: kept rows' positions in the chunk */
+    uint64_t kept_capacity;
+    uint64_t taken;         /* rows used, of every link read */
 } reader;
+
+/* Drops the rows of the chunk in r->payload that a newer link decided, records the
+ * rest as decided by this link (and their digests when tracking), and compacts the
+ * payload to the kept rows: *rows becomes their count. */
+static em_status keep_rows(reader *r, uint64_t chunk, uint32_t *rows, em_error *err)
+{
+    uint32_t n = *rows, floats = r->m->row_floats, out = 0;
+    if (r->decided == NULL && r->digests == NULL) {
+        r->taken += n;
+        return EM_OK;
+    }
+    if (n > r->kept_capacity) {
+        uint32_t *kept = realloc(r->kept, n * sizeof(uint32_t));
+        if (kept == NULL)
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        r->kept = kept;
+        r->kept_capacity = n;
+    }
+    uint64_t *keys = (uint64_t *)r->payload;
+    const float *values = (const float *)(r->payload + (size_t)n * sizeof(uint64_t));
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t by = 0;
+        if (r->decided != NULL && em__key_map_get(r->decided, keys[i], &by)) {
+            if (by == r->level)
+                return data_loss(err, r->dir, "rows.emb",
+                                 "chunk %" PRIu64 ": key %" PRIu64 " appears twice in this "
+                                 "checkpoint", chunk, keys[i]);
+            continue; /* a newer link has it */
+        }
+        if ((r->decided != NULL && !em__key_map_put(r->decided, keys[i], r->level)) ||
+            (r->digests != NULL &&
+             !em__key_map_put(r->digests, keys[i],
+                              em__row_digest(values + (size_t)i * floats, floats))))
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                "out of host memory for the keys of a checkpoint");
+        keys[out] = keys[i];
+        r->kept[out++] = i;
+    }
+    size_t row_bytes = floats * sizeof(float);
+    unsigned char *to = r->payload + (size_t)out * sizeof(uint64_t);
+    if (out < n) /* every row moves down: never over a row still to move */
+        for (uint32_t j = 0; j < out; j++)
+            memmove(to + j * row_bytes, (const unsigned char *)values + r->kept[j] * row_bytes,
+                    row_bytes);
+    *rows = out;
+    r->taken += out;
+    return EM_OK;
+}
 
 /* Imports rows of chunks first..last. A refusal means rows that passed their checksums
  * but that no table takes (a repeated key, a non-finite value): the checkpoint is bad. */
@@ -426,63 +569,213 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
     return EM_OK;
 }
 
-/* One pass over rows.emb; each chunk's rows go into table when it is not NULL. */
-static em_status read_rows(const char *dir, const manifest *m, const em_index_entry *index,
-                           em_table *table, bool weights_only, em_error *err)
+/* One pass over rows.emb; each chunk's rows go into r->table when it is not NULL. r has
+ * the table, the chain's maps and the level set; the rest is set up here. */
+static em_status read_rows(reader *r, const char *dir, const manifest *m,
+                           const em_index_entry *index, em_error *err)
 {
     char path[4400];
     snprintf(path, sizeof(path), "%s/rows.emb", dir);
-    reader r = {.dir = dir, .m = m, .file = fopen(path, "rbe"), .hash = XXH3_createState(),
-                .table = table, .weights_only = weights_only, .table_floats = m->row_floats};
-    if (table != NULL) {
+    r->dir = dir;
+    r->m = m;
+    r->file = fopen(path, "rbe");
+    r->hash = XXH3_createState();
+    r->position = 0;
+    r->table_floats = m->row_floats;
+    if (r->table != NULL) {
         em_table_stats stats;
-        em_table_get_stats(table, &stats);
-        r.table_floats = stats.row_floats;
-        const em_optimizer_config *optimizer = &em_table_get_config(table)->optimizer;
-        r.initial_state = em_optimizer_has_accumulator(optimizer->kind)
-                              ? optimizer->initial_accumulator
-                              : 0.0f;
+        em_table_get_stats(r->table, &stats);
+        r->table_floats = stats.row_floats;
+        const em_optimizer_config *optimizer = &em_table_get_config(r->table)->optimizer;
+        r->initial_state = em_optimizer_has_accumulator(optimizer->kind)
+                               ? optimizer->initial_accumulator
+                               : 0.0f;
     }
-    if (r.file == NULL) {
-        XXH3_freeState(r.hash);
+    if (r->file == NULL) {
+        XXH3_freeState(r->hash);
         return data_loss(err, dir, "rows.emb", "cannot open: %s", strerror(errno));
     }
     em_status status = EM_OK;
     struct stat st;
-    if (r.hash == NULL)
+    if (r->hash == NULL)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
-    else if (fstat(fileno(r.file), &st) != 0 || (uint64_t)st.st_size != m->rows_file.bytes)
+    else if (fstat(fileno(r->file), &st) != 0 || (uint64_t)st.st_size != m->rows_file.bytes)
         status = data_loss(err, dir, "rows.emb",
                            "%lld bytes, the manifest says %" PRIu64 " (truncated or extended)",
                            (long long)st.st_size, m->rows_file.bytes);
     else
-        XXH3_64bits_reset(r.hash);
-    setvbuf(r.file, NULL, _IOFBF, 4u << 20);
+        XXH3_64bits_reset(r->hash);
+    setvbuf(r->file, NULL, _IOFBF, 4u << 20);
     uint64_t rows = 0;
     for (uint64_t i = 0; status == EM_OK && i < m->chunks; i++) {
-        status = read_chunk(&r, i, &index[i], err);
-        if (status == EM_OK && table != NULL)
-            status = batch_chunk(&r, i, index[i].rows, err);
+        status = read_chunk(r, i, &index[i], err);
+        uint32_t kept = index[i].rows;
+        if (status == EM_OK)
+            status = keep_rows(r, i, &kept, err);
+        if (status == EM_OK && r->table != NULL)
+            status = batch_chunk(r, i, kept, err);
         rows += index[i].rows;
     }
-    if (status == EM_OK && table != NULL)
-        status = flush_batch(&r, m->chunks - 1, err);
-    if (status == EM_OK && r.position != m->rows_file.bytes)
+    if (status == EM_OK && r->table != NULL)
+        status = flush_batch(r, m->chunks - 1, err);
+    if (status == EM_OK && r->position != m->rows_file.bytes)
         status = data_loss(err, dir, "rows.emb",
                            "%" PRIu64 " bytes after the last chunk the index names",
-                           m->rows_file.bytes - r.position);
-    if (status == EM_OK && XXH3_64bits_digest(r.hash) != m->rows_file.xxh3)
+                           m->rows_file.bytes - r->position);
+    if (status == EM_OK && XXH3_64bits_digest(r->hash) != m->rows_file.xxh3)
         status = data_loss(err, dir, "rows.emb",
                            "checksum mismatch: expected %016" PRIx64 ", seen %016" PRIx64,
-                           m->rows_file.xxh3, XXH3_64bits_digest(r.hash));
+                           m->rows_file.xxh3, XXH3_64bits_digest(r->hash));
     if (status == EM_OK && rows != m->rows)
         status = data_loss(err, dir, "rows.emb",
                            "%" PRIu64 " rows, the manifest says %" PRIu64, rows, m->rows);
-    fclose(r.file);
-    XXH3_freeState(r.hash);
-    free(r.payload);
-    free(r.batch_keys);
-    free(r.batch_values);
+    fclose(r->file);
+    XXH3_freeState(r->hash);
+    r->file = NULL;
+    r->hash = NULL;
+    return status;
+}
+
+/* ---- tombstones.emb -------------------------------------------------------------------- */
+
+/* Reads a link's tombstones and records each as decided by it (a key a newer link
+ * decided is left to that link). */
+static em_status read_tombstones(reader *r, const char *dir, const manifest *m, em_error *err)
+{
+    if (m->version < 2)
+        return EM_OK; /* full checkpoints only: no tombstones */
+    char *data = NULL;
+    size_t size = 0;
+    size_t expected = sizeof(em_tombstones_header) + m->tombstones * sizeof(uint64_t) +
+                      sizeof(uint64_t);
+    em_status status = read_small_file(dir, "tombstones.emb", expected, &data, &size, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t seen = XXH3_64bits(data, size);
+    em_tombstones_header header;
+    if (size != m->tombstones_file.bytes || size != expected)
+        status = data_loss(err, dir, "tombstones.emb",
+                           "%zu bytes, the manifest says %" PRIu64 " (truncated?)", size,
+                           m->tombstones_file.bytes);
+    else if (seen != m->tombstones_file.xxh3)
+        status = data_loss(err, dir, "tombstones.emb",
+                           "checksum mismatch: expected %016" PRIx64 ", seen %016" PRIx64,
+                           m->tombstones_file.xxh3, seen);
+    if (status == EM_OK) {
+        memcpy(&header, data, sizeof(header));
+        if (memcmp(header.magic, EM_TOMBSTONES_MAGIC, 8) != 0 || header.count != m->tombstones ||
+            header.version != m->version || header.buckets != EM_CHECKPOINT_BUCKETS)
+            status = data_loss(err, dir, "tombstones.emb",
+                               "its header does not match the manifest (%" PRIu64 " keys)",
+                               m->tombstones);
+    }
+    if (status == EM_OK && m->tombstones > 0 && !m->link.delta)
+        status = data_loss(err, dir, "tombstones.emb", "a full checkpoint with tombstones");
+    const uint64_t *keys = (const uint64_t *)(data + sizeof(header));
+    for (uint64_t i = 0; status == EM_OK && i < m->tombstones; i++) {
+        uint64_t key = keys[i], by = 0;
+        if (i > 0 && compare_by_bucket(keys[i - 1], key) >= 0)
+            status = data_loss(err, dir, "tombstones.emb",
+                               "key %" PRIu64 " (number %" PRIu64 ") is out of order or repeated",
+                               key, i);
+        else if (r->decided != NULL && em__key_map_get(r->decided, key, &by))
+            continue;
+        else if (r->decided != NULL && !em__key_map_put(r->decided, key, r->level))
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    }
+    free(data);
+    return status;
+}
+
+/* ---- the chain ------------------------------------------------------------------------- */
+
+/* A chain longer than this is refused (a delta's depth says how long it is). */
+#define CHAIN_MAX 100000u
+
+typedef struct link_state {
+    char dir[4096];
+    manifest m;
+} link_state;
+
+/* The directory of a checkpoint's parent: a sibling named by the parent's id. */
+static void parent_dir(const char *dir, const char *parent_id, char *out, size_t capacity)
+{
+    size_t length = strlen(dir);
+    while (length > 1 && dir[length - 1] == '/')
+        length--;
+    size_t slash = length;
+    while (slash > 0 && dir[slash - 1] != '/')
+        slash--;
+    if (slash == 0)
+        snprintf(out, capacity, "%s", parent_id);
+    else
+        snprintf(out, capacity, "%.*s%s", (int)slash, dir, parent_id);
+}
+
+/* Checks that parent is the link child was made from. */
+static em_status check_parent(const link_state *child, const link_state *parent, em_error *err)
+{
+    const em__chain_link *c = &child->m.link, *p = &parent->m.link;
+    if (strcmp(p->id, c->parent_id) != 0)
+        return data_loss(err, parent->dir, "manifest.json",
+                         "holds checkpoint %s, but its child %s names parent %s here", p->id,
+                         c->id, c->parent_id);
+    if (p->manifest_xxh3 != c->parent_manifest_xxh3)
+        return data_loss(err, child->dir, "manifest.json",
+                         "its parent %s does not match: the parent's manifest checksum is "
+                         "%016" PRIx64 ", this delta was made from %016" PRIx64, p->id,
+                         p->manifest_xxh3, c->parent_manifest_xxh3);
+    if (p->depth + 1 != c->depth || strcmp(p->base_id, c->base_id) != 0)
+        return data_loss(err, child->dir, "manifest.json",
+                         "depth %u on base %s, but its parent %s has depth %u on base %s",
+                         c->depth, c->base_id, p->id, p->depth, p->base_id);
+    if (parent->m.row_floats != child->m.row_floats || parent->m.config.dim != child->m.config.dim)
+        return data_loss(err, child->dir, "manifest.json",
+                         "its parent %s is of another table shape (dim %u, %u floats per row)",
+                         p->id, parent->m.config.dim, parent->m.row_floats);
+    return EM_OK;
+}
+
+/* Reads the manifests from path back to its full checkpoint: (*links)[0] is path's. */
+static em_status resolve_chain(const char *path, link_state **links, size_t *count,
+                               em_error *err)
+{
+    *count = 0;
+    size_t capacity = 1;
+    *links = calloc(capacity, sizeof(link_state));
+    if (*links == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    snprintf((*links)[0].dir, sizeof((*links)[0].dir), "%s", path);
+    em_status status = read_manifest(path, &(*links)[0].m, err);
+    if (status == EM_OK)
+        *count = 1;
+    while (status == EM_OK && (*links)[*count - 1].m.link.delta) {
+        if (*count == capacity) {
+            capacity = capacity * 2 > CHAIN_MAX ? CHAIN_MAX : capacity * 2;
+            link_state *grown = *count == CHAIN_MAX
+                                    ? NULL
+                                    : realloc(*links, capacity * sizeof(link_state));
+            if (grown == NULL) {
+                status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                      "checkpoint %s: a chain longer than %zu links", path,
+                                      *count);
+                break;
+            }
+            *links = grown;
+        }
+        link_state *child = &(*links)[*count - 1], *parent = &(*links)[*count];
+        memset(parent, 0, sizeof(*parent));
+        parent_dir(child->dir, child->m.link.parent_id, parent->dir, sizeof(parent->dir));
+        status = read_manifest(parent->dir, &parent->m, err);
+        if (status == EM_NOT_FOUND)
+            status = data_loss(err, child->dir, "manifest.json",
+                               "its parent %s is missing (%s): the chain has a gap",
+                               child->m.link.parent_id, parent->dir);
+        if (status == EM_OK)
+            status = check_parent(child, parent, err);
+        if (status == EM_OK)
+            (*count)++;
+    }
     return status;
 }
 
@@ -495,66 +788,135 @@ static double monotonic_seconds(void)
     return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
 }
 
-/* Verifies (backend NULL) or loads the checkpoint at path; weights_into, when not NULL,
- * is the config of the table to create with the weights only. */
+/* Reads every link of the chain, newest first, into table (NULL: verify only). */
+static em_status read_links(reader *r, const link_state *links, size_t count, em_error *err)
+{
+    em_status status = EM_OK;
+    for (size_t i = 0; status == EM_OK && i < count; i++) {
+        em_index_entry *index = NULL;
+        r->level = i;
+        status = read_index(links[i].dir, &links[i].m, &index, err);
+        if (status == EM_OK)
+            status = read_tombstones(r, links[i].dir, &links[i].m, err);
+        if (status == EM_OK)
+            status = read_rows(r, links[i].dir, &links[i].m, index, err);
+        free(index);
+    }
+    return status;
+}
+
+static void free_reader(reader *r)
+{
+    free(r->payload);
+    free(r->batch_keys);
+    free(r->batch_values);
+    free(r->kept);
+}
+
+/* The digests of a loaded table: its next save can be a delta of this checkpoint. */
+static em_status attach_base(em_table *table, const link_state *target, em__key_map *digests,
+                             em_error *err)
+{
+    em__delta_base *base = calloc(1, sizeof(*base));
+    if (base == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    const em__chain_link *link = &target->m.link;
+    memcpy(base->path, target->dir, sizeof(base->path)); /* both 4096 */
+    snprintf(base->id, sizeof(base->id), "%s", link->id);
+    snprintf(base->base_id, sizeof(base->base_id), "%s", link->base_id);
+    base->depth = link->depth;
+    base->manifest_xxh3 = link->manifest_xxh3;
+    base->row_floats = target->m.row_floats;
+    base->digests = *digests;
+    memset(digests, 0, sizeof(*digests));
+    em_table_set_attachment(table, base, em__delta_base_free);
+    return EM_OK;
+}
+
+/* Verifies (backend NULL) or loads the checkpoint at path with its chain; weights_into,
+ * when not NULL, is the config of the table to create with the weights only. */
 static em_status read_checkpoint(const char *path, em_backend *backend, const char *name,
-                                 const em_table_config *weights_into, em_table **out,
-                                 em_checkpoint_info *info, em_error *err)
+                                 const em_table_config *weights_into, bool track_changes,
+                                 em_table **out, em_checkpoint_info *info, em_error *err)
 {
     double start = monotonic_seconds();
-    manifest m;
-    memset(&m, 0, sizeof(m));
-    em_index_entry *index = NULL;
+    link_state *links = NULL;
+    size_t count = 0;
     em_table *table = NULL;
-    em_status status = read_manifest(path, &m, err);
-    if (status == EM_OK)
-        status = read_index(path, &m, &index, err);
+    em_status status = resolve_chain(path, &links, &count, err);
+    const manifest *m = status == EM_OK ? &links[0].m : NULL;
+    em_table_config config;
     if (status == EM_OK && backend != NULL) {
+        config = m->config;
         if (name != NULL && em_table_name_check(name, err) != EM_OK)
             status = EM_INVALID_ARGUMENT;
         else if (name != NULL)
-            snprintf(m.config.name, sizeof(m.config.name), "%s", name);
-        em_table_config config = m.config;
+            snprintf(config.name, sizeof(config.name), "%s", name);
         if (status == EM_OK && weights_into != NULL) {
-            if (weights_into->dim != m.config.dim)
+            if (weights_into->dim != m->config.dim)
                 status = em_error_set(err, EM_INVALID_ARGUMENT,
                                       "checkpoint %s: its table has dim %u, table '%s' has dim "
-                                      "%u", path, m.config.dim, weights_into->name,
+                                      "%u", path, m->config.dim, weights_into->name,
                                       weights_into->dim);
             config = *weights_into;
         }
-        if (status == EM_OK && config.capacity < m.rows)
-            config.capacity = m.rows;
+        if (status == EM_OK && config.capacity < m->table_rows)
+            config.capacity = m->table_rows;
         if (status == EM_OK)
             status = em_table_create(backend, &config, &table, err);
     }
+    reader r = {.table = table, .weights_only = weights_into != NULL};
+    em__key_map decided = {0}, digests = {0};
+    bool tracking = table != NULL && track_changes && weights_into == NULL;
+    if (status == EM_OK && ((count > 1 && !em__key_map_init(&decided, m->table_rows)) ||
+                            (tracking && !em__key_map_init(&digests, m->table_rows))))
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                              "out of host memory for the keys of %" PRIu64 " rows",
+                              m->table_rows);
+    r.decided = count > 1 ? &decided : NULL;
+    r.digests = tracking ? &digests : NULL;
     if (status == EM_OK)
-        status = read_rows(path, &m, index, table, weights_into != NULL, err);
+        status = read_links(&r, links, count, err);
+    free_reader(&r);
+    /* the rows restored: each key once, from the newest link that has it */
+    uint64_t restored = r.taken;
     if (status == EM_OK && table != NULL) {
         em_table_stats stats;
         em_table_get_stats(table, &stats);
-        if (stats.rows != m.rows)
-            status = data_loss(err, path, "rows.emb",
-                               "%" PRIu64 " distinct keys, the manifest says %" PRIu64 " rows",
-                               stats.rows, m.rows);
+        restored = stats.rows;
     }
-    free(index);
+    if (status == EM_OK && restored != m->table_rows)
+        status = data_loss(err, path, "manifest.json",
+                           "the table it restores has %" PRIu64 " rows, the checkpoint%s "
+                           "holds %" PRIu64 " distinct keys",
+                           m->table_rows, count > 1 ? "'s chain" : "", restored);
+    if (status == EM_OK && tracking)
+        status = attach_base(table, &links[0], &digests, err);
+    em__key_map_free(&decided);
+    em__key_map_free(&digests);
     if (status != EM_OK) {
         em_table_destroy(table);
+        free(links);
         return status;
     }
     if (info != NULL) {
         memset(info, 0, sizeof(*info));
         snprintf(info->table, sizeof(info->table), "%s",
-                 table != NULL ? em_table_name(table) : m.config.name);
-        snprintf(info->id, sizeof(info->id), "%s", m.id);
+                 table != NULL ? em_table_name(table) : m->config.name);
+        snprintf(info->id, sizeof(info->id), "%s", m->link.id);
         snprintf(info->path, sizeof(info->path), "%s", path);
-        info->rows = m.rows;
-        info->chunks = m.chunks;
-        info->bytes = m.rows_file.bytes + m.index_file.bytes;
-        info->created_unix_ms = m.created_unix_ms;
+        snprintf(info->kind, sizeof(info->kind), "%s", m->link.delta ? "delta" : "full");
+        snprintf(info->parent, sizeof(info->parent), "%s", m->link.parent_id);
+        info->depth = m->link.depth;
+        info->rows = m->rows;
+        info->tombstones = m->tombstones;
+        info->table_rows = m->table_rows;
+        info->chunks = m->chunks;
+        info->bytes = m->rows_file.bytes + m->index_file.bytes + m->tombstones_file.bytes;
+        info->created_unix_ms = m->created_unix_ms;
         info->seconds = monotonic_seconds() - start;
     }
+    free(links);
     if (out != NULL)
         *out = table;
     return EM_OK;
@@ -562,20 +924,31 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
 
 em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err)
 {
-    return read_checkpoint(path, NULL, NULL, NULL, NULL, info, err);
+    return read_checkpoint(path, NULL, NULL, NULL, false, NULL, info, err);
 }
 
 em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
-                             em_table **out, em_checkpoint_info *info, em_error *err)
+                             bool track_changes, em_table **out, em_checkpoint_info *info,
+                             em_error *err)
 {
-    return read_checkpoint(path, backend, name, NULL, out, info, err);
+    return read_checkpoint(path, backend, name, NULL, track_changes, out, info, err);
 }
 
 em_status em_checkpoint_load_weights(const char *path, em_backend *backend,
                                      const em_table_config *config, em_table **out,
                                      em_checkpoint_info *info, em_error *err)
 {
-    return read_checkpoint(path, backend, NULL, config, out, info, err);
+    return read_checkpoint(path, backend, NULL, config, false, out, info, err);
+}
+
+em_status em__checkpoint_read_link(const char *path, em__chain_link *link, em_error *err)
+{
+    manifest m;
+    memset(&m, 0, sizeof(m));
+    em_status status = read_manifest(path, &m, err);
+    if (status == EM_OK)
+        *link = m.link;
+    return status;
 }
 
 /* ---- the checkpoint directory --------------------------------------------------------- */
@@ -712,5 +1085,17 @@ em_status em_checkpoint_list(const char *dir, const char *table, em_checkpoint_i
     closedir(d);
     if (*count > 1)
         qsort(*infos, *count, sizeof(**infos), compare_infos);
+    for (size_t i = 0; i < *count; i++) {
+        em_checkpoint_info *info = &(*infos)[i];
+        em__chain_link link;
+        em_error ignored;
+        if (em__checkpoint_read_link(info->path, &link, &ignored) != EM_OK) {
+            snprintf(info->kind, sizeof(info->kind), "?");
+            continue;
+        }
+        snprintf(info->kind, sizeof(info->kind), "%s", link.delta ? "delta" : "full");
+        snprintf(info->parent, sizeof(info->parent), "%s", link.parent_id);
+        info->depth = link.depth;
+    }
     return EM_OK;
 }

@@ -6,6 +6,12 @@
  * keys, rows) and written with one write. So the extra memory of a save is the
  * snapshot's (table.h) plus two buffers of options->buffer_bytes, and every row is read
  * once and written once.
+ *
+ * A save that tracks changes digests every row as it stages it, into a new key ->
+ * digest map; a delta then keeps only the rows whose digest differs from the parent's
+ * (or that the parent lacks), and after the pass the parent's keys missing from the new
+ * map are the tombstones. The new map replaces the table's only once the checkpoint is
+ * published, so the extra memory of a delta is a second map while it runs.
  */
 #include <cJSON.h>
 #include <dirent.h>
@@ -63,7 +69,13 @@ typedef struct save {
     XXH3_state_t *file_hash;
     em_index_entry *index;
     uint64_t chunks, index_capacity;
-    uint64_t rows;
+    uint64_t rows;            /* written */
+    uint64_t table_rows;      /* in the snapshot */
+    bool delta;               /* only what changed since parent */
+    const em__delta_base *parent;
+    em__delta_base *next;     /* the digests as of this save, when tracking */
+    uint64_t *tombstones;     /* a delta's: the parent's keys no longer in the table */
+    uint64_t tombstone_count;
 } save;
 
 /* Groups the staged rows by bucket into chunks and writes them. */
@@ -143,22 +155,92 @@ static em_status flush_run(save *s, em_error *err)
     return status;
 }
 
+/* Digests the count rows just staged after s->staged (when tracking) and keeps, for a
+ * delta, only those that changed since the parent; *kept of them stay, in order. */
+static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error *err)
+{
+    *kept = count;
+    if (s->next == NULL)
+        return EM_OK;
+    uint32_t floats = s->row_floats;
+    uint64_t *keys = s->keys + s->staged;
+    float *values = s->values + s->staged * floats;
+    uint64_t out = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        uint64_t digest = em__row_digest(values + i * floats, floats), before = 0;
+        if (!em__key_map_put(&s->next->digests, keys[i], digest))
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                "out of host memory for the row digests of %" PRIu64 " rows",
+                                s->next->digests.used);
+        if (s->delta && em__key_map_get(&s->parent->digests, keys[i], &before) &&
+            before == digest)
+            continue; /* unchanged since the parent */
+        if (out != i) {
+            keys[out] = keys[i];
+            memcpy(values + out * floats, values + i * floats, floats * sizeof(float));
+        }
+        out++;
+    }
+    *kept = out;
+    return EM_OK;
+}
+
+static int compare_tombstones(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    uint32_t bx = em__checkpoint_bucket(x), by = em__checkpoint_bucket(y);
+    if (bx != by)
+        return bx < by ? -1 : 1;
+    return x < y ? -1 : x > y;
+}
+
+/* A delta's tombstones: the parent's keys that the snapshot no longer has, ordered by
+ * bucket then key. */
+static em_status collect_tombstones(save *s, em_error *err)
+{
+    const em__key_map *before = &s->parent->digests, *now = &s->next->digests;
+    uint64_t capacity = before->used, digest;
+    s->tombstones = malloc((capacity + 1) * sizeof(uint64_t));
+    if (s->tombstones == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for tombstones");
+    for (uint64_t slot = 0; slot < before->slots; slot++) {
+        uint64_t key = before->keys[slot];
+        if (key != UINT64_MAX && !em__key_map_get(now, key, &digest))
+            s->tombstones[s->tombstone_count++] = key;
+    }
+    if (before->has_empty_key && !em__key_map_get(now, UINT64_MAX, &digest))
+        s->tombstones[s->tombstone_count++] = UINT64_MAX;
+    qsort(s->tombstones, s->tombstone_count, sizeof(uint64_t), compare_tombstones);
+    return EM_OK;
+}
+
 /* Reads the whole snapshot through the staging buffer into rows.emb. */
 static em_status write_rows(save *s, em_error *err)
 {
     em_table_snapshot *snapshot = NULL;
     em_status status =
         em_table_snapshot_begin(s->table, s->options->copy_limit_bytes, &snapshot, err);
+    if (status == EM_OK && s->next != NULL &&
+        !em__key_map_init(&s->next->digests, em_table_snapshot_rows(snapshot)))
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                              "out of host memory for the row digests of %" PRIu64 " rows",
+                              em_table_snapshot_rows(snapshot));
     uint64_t count = 1;
     while (status == EM_OK && count > 0) {
         status = em_table_snapshot_read(snapshot, s->buffer_rows - s->staged,
                                         s->keys + s->staged,
                                         s->values + s->staged * s->row_floats, &count, err);
-        s->staged += count;
+        s->table_rows += count;
+        uint64_t kept = count;
+        if (status == EM_OK)
+            status = digest_staged(s, count, &kept, err);
+        s->staged += kept;
         if (status == EM_OK && (s->staged == s->buffer_rows || count == 0))
             status = flush_run(s, err);
     }
     em_table_snapshot_end(snapshot);
+    if (status == EM_OK && s->delta)
+        status = collect_tombstones(s, err);
     return status;
 }
 
@@ -203,6 +285,31 @@ static em_status write_index(save *s, uint64_t *bytes, uint64_t *checksum, em_er
     return status;
 }
 
+static em_status write_tombstones(save *s, uint64_t *bytes, uint64_t *checksum, em_error *err)
+{
+    size_t size = sizeof(em_tombstones_header) + s->tombstone_count * sizeof(uint64_t) +
+                  sizeof(uint64_t);
+    unsigned char *data = malloc(size);
+    if (data == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
+    em_tombstones_header header = {.version = EM_CHECKPOINT_FORMAT_VERSION,
+                                   .buckets = EM_CHECKPOINT_BUCKETS,
+                                   .count = s->tombstone_count};
+    memcpy(header.magic, EM_TOMBSTONES_MAGIC, 8);
+    memcpy(data, &header, sizeof(header));
+    if (s->tombstone_count > 0)
+        memcpy(data + sizeof(header), s->tombstones, s->tombstone_count * sizeof(uint64_t));
+    uint64_t trailer = XXH3_64bits(data, size - sizeof(uint64_t));
+    memcpy(data + size - sizeof(uint64_t), &trailer, sizeof(trailer));
+    *bytes = size;
+    *checksum = XXH3_64bits(data, size);
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/tombstones.emb", s->tmp_dir);
+    em_status status = write_file(path, data, size, EM_SAVE_TOMBSTONES_WRITE, err);
+    free(data);
+    return status;
+}
+
 static void add_file(cJSON *files, const char *name, uint64_t bytes, uint64_t checksum)
 {
     char hex[17];
@@ -214,27 +321,51 @@ static void add_file(cJSON *files, const char *name, uint64_t bytes, uint64_t ch
     cJSON_AddItemToArray(files, file);
 }
 
-static em_status write_manifest(save *s, const em_checkpoint_info *info, uint64_t index_bytes,
-                                uint64_t index_checksum, em_error *err)
+typedef struct file_sums {
+    uint64_t index_bytes, index_xxh3, tombstones_bytes, tombstones_xxh3;
+    uint64_t manifest_xxh3; /* out: its checksum line */
+} file_sums;
+
+static void add_hex(cJSON *object, const char *name, uint64_t value)
+{
+    char hex[17];
+    snprintf(hex, sizeof(hex), "%016" PRIx64, value);
+    cJSON_AddStringToObject(object, name, hex);
+}
+
+static em_status write_manifest(save *s, const em_checkpoint_info *info, file_sums *sums,
+                                em_error *err)
 {
     cJSON *manifest = cJSON_CreateObject();
     cJSON_AddStringToObject(manifest, "format", "ember-checkpoint");
     cJSON_AddNumberToObject(manifest, "version", EM_CHECKPOINT_FORMAT_VERSION);
     cJSON_AddStringToObject(manifest, "ember_version", EM_VERSION);
     cJSON_AddStringToObject(manifest, "id", info->id);
-    cJSON_AddStringToObject(manifest, "kind", "full");
-    cJSON_AddNullToObject(manifest, "parent");
+    cJSON_AddStringToObject(manifest, "kind", s->delta ? "delta" : "full");
+    if (s->delta) {
+        cJSON *parent = cJSON_AddObjectToObject(manifest, "parent");
+        cJSON_AddStringToObject(parent, "id", s->parent->id);
+        add_hex(parent, "manifest_xxh3", s->parent->manifest_xxh3);
+        cJSON_AddStringToObject(manifest, "base", s->parent->base_id);
+    } else {
+        cJSON_AddNullToObject(manifest, "parent");
+        cJSON_AddStringToObject(manifest, "base", info->id);
+    }
+    cJSON_AddNumberToObject(manifest, "depth", info->depth);
     cJSON_AddNumberToObject(manifest, "created_unix_ms", (double)info->created_unix_ms);
     cJSON_AddItemToObject(manifest, "table", em_table_config_to_json(em_table_get_config(s->table)));
     cJSON_AddNumberToObject(manifest, "row_floats", s->row_floats);
     cJSON_AddNumberToObject(manifest, "rows", (double)s->rows);
+    cJSON_AddNumberToObject(manifest, "tombstones", (double)s->tombstone_count);
+    cJSON_AddNumberToObject(manifest, "table_rows", (double)s->table_rows);
     cJSON_AddStringToObject(manifest, "key_hash", "splitmix64 finalizer (Mix13)");
     cJSON_AddNumberToObject(manifest, "buckets", EM_CHECKPOINT_BUCKETS);
     cJSON_AddStringToObject(manifest, "bucket_of_key", "key_hash(key) >> 52");
     cJSON_AddNumberToObject(manifest, "chunks", (double)s->chunks);
     cJSON *files = cJSON_AddArrayToObject(manifest, "files");
     add_file(files, "rows.emb", s->file_bytes, XXH3_64bits_digest(s->file_hash));
-    add_file(files, "index.emb", index_bytes, index_checksum);
+    add_file(files, "index.emb", sums->index_bytes, sums->index_xxh3);
+    add_file(files, "tombstones.emb", sums->tombstones_bytes, sums->tombstones_xxh3);
     char *text = cJSON_Print(manifest);
     cJSON_Delete(manifest);
     if (text == NULL)
@@ -247,8 +378,9 @@ static em_status write_manifest(save *s, const em_checkpoint_info *info, uint64_
     else {
         memcpy(full, text, length);
         full[length++] = '\n';
+        sums->manifest_xxh3 = XXH3_64bits(full, length);
         length += (size_t)snprintf(full + length, 32, "xxh3 %016" PRIx64 "\n",
-                                   XXH3_64bits(full, length));
+                                   sums->manifest_xxh3);
         char path[4200];
         snprintf(path, sizeof(path), "%s/manifest.json", s->tmp_dir);
         status = write_file(path, full, length, EM_SAVE_MANIFEST_WRITE, err);
@@ -286,9 +418,28 @@ void em__checkpoint_remove_dir(const char *path)
     rmdir(path);
 }
 
-/* Removes the published checkpoints beyond keep (the oldest), and what saves that
- * never finished left: temporaries, and directories newer than LATEST. The table's save
- * lock is held, so no save is writing them. */
+/* The oldest id that the newest keep checkpoints need: the full checkpoint each of
+ * their chains starts at (a chain's links are consecutive published ids). "" when a
+ * manifest does not read: then nothing is removed. */
+static void oldest_needed(const em_checkpoint_info *infos, size_t count, uint32_t keep,
+                          char *oldest)
+{
+    strcpy(oldest, infos[count - 1].id);
+    for (size_t i = count > keep ? count - keep : 0; i < count; i++) {
+        em__chain_link link;
+        em_error err;
+        if (em__checkpoint_read_link(infos[i].path, &link, &err) != EM_OK) {
+            oldest[0] = '\0';
+            return;
+        }
+        if (strcmp(link.base_id, oldest) < 0)
+            strcpy(oldest, link.base_id);
+    }
+}
+
+/* Removes the published checkpoints beyond keep (the oldest) that no kept delta builds
+ * on, and what saves that never finished left: temporaries, and directories newer than
+ * LATEST. The table's save lock is held, so no save is writing them. */
 static void prune(const char *table_dir, const char *dir, const char *table, uint32_t keep)
 {
     em_checkpoint_info *infos = NULL;
@@ -296,8 +447,12 @@ static void prune(const char *table_dir, const char *dir, const char *table, uin
     em_error err;
     if (em_checkpoint_list(dir, table, &infos, &count, &err) != EM_OK)
         return;
+    char oldest[EM_CHECKPOINT_ID_DIGITS + 1] = "";
+    if (count > keep)
+        oldest_needed(infos, count, keep, oldest);
     for (size_t i = 0; i + keep < count; i++)
-        em__checkpoint_remove_dir(infos[i].path);
+        if (strcmp(infos[i].id, oldest) < 0)
+            em__checkpoint_remove_dir(infos[i].path);
     char latest_id[EM_CHECKPOINT_ID_DIGITS + 1];
     snprintf(latest_id, sizeof(latest_id), "%s", count > 0 ? infos[count - 1].id : "");
     free(infos);
@@ -355,6 +510,33 @@ static em_status publish_latest(const char *table_dir, const char *id, em_error 
 
 /* ---- save --------------------------------------------------------------------------------- */
 
+void em__delta_base_free(void *data)
+{
+    em__delta_base *base = data;
+    if (base == NULL)
+        return;
+    em__key_map_free(&base->digests);
+    free(base);
+}
+
+/* The table's digests when they describe the latest checkpoint under dir, unchanged
+ * since: then this save can be a delta of it. */
+static const em__delta_base *delta_parent(em_table *table, const char *dir, uint32_t row_floats)
+{
+    const em__delta_base *base = em_table_attachment(table);
+    char latest[4200];
+    em__chain_link link;
+    em_error ignored;
+    if (base == NULL || base->row_floats != row_floats ||
+        em_checkpoint_latest(dir, em_table_name(table), latest, sizeof(latest), &ignored) !=
+            EM_OK ||
+        strcmp(latest, base->path) != 0 ||
+        em__checkpoint_read_link(latest, &link, &ignored) != EM_OK ||
+        link.manifest_xxh3 != base->manifest_xxh3)
+        return NULL;
+    return base;
+}
+
 static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *info,
                             em_error *err)
 {
@@ -369,11 +551,13 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
     if (status == EM_OK)
         status = em_save_fsync(s->fd, EM_SAVE_ROWS_FSYNC, s->rows_path, err);
     close(s->fd);
-    uint64_t index_bytes = 0, index_checksum = 0;
+    file_sums sums = {0};
     if (status == EM_OK)
-        status = write_index(s, &index_bytes, &index_checksum, err);
+        status = write_index(s, &sums.index_bytes, &sums.index_xxh3, err);
     if (status == EM_OK)
-        status = write_manifest(s, info, index_bytes, index_checksum, err);
+        status = write_tombstones(s, &sums.tombstones_bytes, &sums.tombstones_xxh3, err);
+    if (status == EM_OK)
+        status = write_manifest(s, info, &sums, err);
     if (status == EM_OK)
         status = em_save_fsync_dir(s->tmp_dir, EM_SAVE_DIR_FSYNC, err);
     if (status == EM_OK)
@@ -382,9 +566,20 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
         status = em_save_fsync_dir(table_dir, EM_SAVE_TABLE_DIR_FSYNC, err);
     if (status == EM_OK)
         status = publish_latest(table_dir, info->id, err);
-    info->bytes = s->file_bytes + index_bytes;
+    info->bytes = s->file_bytes + sums.index_bytes + sums.tombstones_bytes;
     info->rows = s->rows;
+    info->tombstones = s->tombstone_count;
+    info->table_rows = s->table_rows;
     info->chunks = s->chunks;
+    if (s->next != NULL) {
+        snprintf(s->next->path, sizeof(s->next->path), "%s", info->path);
+        snprintf(s->next->id, sizeof(s->next->id), "%s", info->id);
+        snprintf(s->next->base_id, sizeof(s->next->base_id), "%s",
+                 s->delta ? s->parent->base_id : info->id);
+        s->next->depth = info->depth;
+        s->next->manifest_xxh3 = sums.manifest_xxh3;
+        s->next->row_floats = s->row_floats;
+    }
     return status;
 }
 
@@ -446,7 +641,18 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     s.values = malloc(s.buffer_rows * s.row_floats * sizeof(float));
     s.out = malloc(s.out_capacity);
     s.file_hash = XXH3_createState();
-    if (s.keys == NULL || s.values == NULL || s.out == NULL || s.file_hash == NULL)
+    if (options->delta)
+        s.parent = delta_parent(table, options->dir, s.row_floats);
+    s.delta = s.parent != NULL;
+    snprintf(info->kind, sizeof(info->kind), "%s", s.delta ? "delta" : "full");
+    if (s.delta) {
+        snprintf(info->parent, sizeof(info->parent), "%s", s.parent->id);
+        info->depth = s.parent->depth + 1;
+    }
+    if (options->delta || options->track_changes)
+        s.next = calloc(1, sizeof(*s.next));
+    if (s.keys == NULL || s.values == NULL || s.out == NULL || s.file_hash == NULL ||
+        ((options->delta || options->track_changes) && s.next == NULL))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for buffers");
     else
         XXH3_64bits_reset(s.file_hash);
@@ -473,9 +679,13 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
                 EM_OK ||
             strcmp(current, info->path) != 0)
             em__checkpoint_remove_dir(info->path);
+        em__delta_base_free(s.next);
     } else {
+        /* the table's rows are now written as this checkpoint: the next delta's parent */
+        em_table_set_attachment(table, s.next, s.next != NULL ? em__delta_base_free : NULL);
         prune(table_dir, options->dir, name, options->keep == 0 ? 1 : options->keep);
     }
+    free(s.tombstones);
     free(s.keys);
     free(s.values);
     free(s.out);

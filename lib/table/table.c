@@ -581,7 +581,21 @@ void em_table_destroy(em_table *table)
     free(table->evicted_keys);
     free(table->admission_counts);
     pthread_cond_destroy(&table->snapshot_room);
+    em_table_set_attachment(table, NULL, NULL);
     free(table);
+}
+
+void em_table_set_attachment(em_table *table, void *data, void (*free_data)(void *))
+{
+    if (table->attachment != NULL && table->free_attachment != NULL)
+        table->free_attachment(table->attachment);
+    table->attachment = data;
+    table->free_attachment = free_data;
+}
+
+void *em_table_attachment(const em_table *table)
+{
+    return table->attachment;
 }
 
 const em_table_config *em_table_get_config(const em_table *table)

@@ -115,6 +115,14 @@ void em_table_destroy(em_table *table);
 /* The config as resolved at create (shards filled in). */
 const em_table_config *em_table_get_config(const em_table *table);
 const char *em_table_name(const em_table *table);
+
+/* One slot of state that a caller keeps with the table and that lives as long as it
+ * (the checkpoint writer keeps the digests of the last checkpoint's rows there, for
+ * deltas: lib/checkpoint/checkpoint.h). Setting it frees what it held with that data's
+ * free function; em_table_destroy frees it too. The caller orders its own calls (one
+ * save of a table at a time). */
+void em_table_set_attachment(em_table *table, void *data, void (*free_data)(void *));
+void *em_table_attachment(const em_table *table);
 uint32_t em_table_dim(const em_table *table);
 
 /* Gathers the batch's vectors into request->out (pooled per row unless NONE).

@@ -78,6 +78,9 @@ struct em_table {
     /* the expiry sweep's position: a shard and a cursor in its map (exclusive lock) */
     uint32_t expire_shard;
     uint64_t expire_cursor;
+    /* em_table_set_attachment */
+    void *attachment;
+    void (*free_attachment)(void *);
 };
 
 typedef struct scratch_item {

@@ -97,7 +97,7 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
     ck_assert_int_eq(em_checkpoint_latest(dir, "t", latest, sizeof(latest), &err), EM_OK);
     ck_assert_str_eq(latest, saved.path);
     em_table *restored = NULL;
-    ck_assert_msg(em_checkpoint_load(latest, backend, NULL, &restored, &loaded, &err) == EM_OK,
+    ck_assert_msg(em_checkpoint_load(latest, backend, NULL, false, &restored, &loaded, &err) == EM_OK,
                   "%s", err.message);
     ck_assert_uint_eq(loaded.rows, saved.rows);
     ck_assert_uint_eq(loaded.bytes, saved.bytes);
@@ -122,7 +122,7 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
 
     /* and under another name */
     em_table *renamed = NULL;
-    ck_assert_int_eq(em_checkpoint_load(latest, backend, "u", &renamed, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_load(latest, backend, "u", false, &renamed, NULL, &err), EM_OK);
     ck_assert_str_eq(em_table_name(renamed), "u");
     em_table_destroy(renamed);
     em_table_destroy(restored);
@@ -198,7 +198,7 @@ START_TEST(empty_tables_round_trip)
     ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
     ck_assert_uint_eq(info.rows, 0);
     em_table *restored = NULL;
-    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, &restored, NULL, &err) == EM_OK,
+    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, false, &restored, NULL, &err) == EM_OK,
                   "%s", err.message);
     em_table_stats stats;
     em_table_get_stats(restored, &stats);
@@ -346,7 +346,7 @@ START_TEST(damaged_checkpoints_are_refused_naming_the_file)
                           strstr(err.message, ", seen ") != NULL,
                       "%s", err.message);
     em_table *restored = NULL;
-    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, &restored, NULL, &err),
+    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, false, &restored, NULL, &err),
                      EM_DATA_LOSS);
     ck_assert_ptr_null(restored);
     em_table_destroy(table);
@@ -409,7 +409,7 @@ START_TEST(a_failed_step_leaves_the_previous_checkpoint_current)
         /* LATEST, .lock and the first checkpoint only */
         ck_assert_int_eq(count_entries(table_dir), 3);
         em_table *restored = NULL;
-        ck_assert_int_eq(em_checkpoint_load(latest, backend, NULL, &restored, NULL, &err), EM_OK);
+        ck_assert_int_eq(em_checkpoint_load(latest, backend, NULL, false, &restored, NULL, &err), EM_OK);
         em_test_assert_table_unchanged(restored, &before);
         em_table_destroy(restored);
     }
