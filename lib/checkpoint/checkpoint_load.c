@@ -747,6 +747,17 @@ static em_status resolve_chain(const char *path, link_state **links, size_t *cou
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
     snprintf((*links)[0].dir, sizeof((*links)[0].dir), "%s", path);
     em_status status = read_manifest(path, &(*links)[0].m, err);
+    /* a checkpoint in a directory named by an id is the checkpoint of that id */
+    char name[4096];
+    parent_dir(path, "", name, sizeof(name));
+    const char *base = path + strlen(name);
+    size_t length = strcspn(base, "/");
+    if (status == EM_OK && length == EM_CHECKPOINT_ID_DIGITS &&
+        strspn(base, "0123456789") == length &&
+        strncmp(base, (*links)[0].m.link.id, length) != 0)
+        status = data_loss(err, path, "manifest.json",
+                           "holds checkpoint %s, but its directory is named %.*s",
+                           (*links)[0].m.link.id, (int)length, base);
     if (status == EM_OK)
         *count = 1;
     while (status == EM_OK && (*links)[*count - 1].m.link.delta) {

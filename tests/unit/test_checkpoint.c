@@ -423,6 +423,281 @@ START_TEST(a_failed_step_leaves_the_previous_checkpoint_current)
 }
 END_TEST
 
+/* ---- deltas ------------------------------------------------------------------------- */
+
+/* Moves the table on the way training does between saves: pushes to a few of its keys
+ * (and a few new ones), and erases some. */
+static void change_a_little(em_table *table, uint32_t dim, em_test_rng *rng, uint64_t new_keys)
+{
+    em_test_batch b = em_test_random_batch(rng, 20, 2, 4000);
+    float *g = em_test_random_floats(rng, b.csr.nnz * dim);
+    em_error err;
+    ck_assert_int_eq(em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    free(g);
+    em_test_batch_free(&b);
+    uint64_t fresh[8], gone[5], erased = 0;
+    for (int i = 0; i < 8; i++)
+        fresh[i] = new_keys + (uint64_t)i;
+    uint32_t offsets[2] = {0, 8};
+    em_csr csr = {.rows = 1, .nnz = 8, .offsets = offsets, .keys = fresh};
+    g = em_test_random_floats(rng, 8 * dim);
+    ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    free(g);
+    for (int i = 0; i < 5; i++)
+        gone[i] = em_test_rng_below(rng, 4000);
+    ck_assert_int_eq(em_table_erase(table, gone, 5, &erased, &err), EM_OK);
+}
+
+/* A delta holds only what changed; the chain loads back to exactly the table at the
+ * last delta's instant, every optimizer's state bit for bit, and a table loaded from a
+ * delta saves its next delta on top of it. */
+START_TEST(deltas_restore_the_table_of_their_instant)
+{
+    int optimizer = _i;
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, optimizer, 8, 4000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.delta = true;
+    options.buffer_bytes = 1;
+    em_checkpoint_info full, delta;
+    em_error err;
+    /* no parent yet: a full save */
+    ck_assert_msg(em_checkpoint_save(table, &options, &full, &err) == EM_OK, "%s", err.message);
+    ck_assert_str_eq(full.kind, "full");
+    ck_assert_uint_eq(full.rows, full.table_rows);
+    for (uint32_t depth = 1; depth <= 3; depth++) {
+        change_a_little(table, 8, &rng, 1000000 + depth * 100);
+        char parent[EM_CHECKPOINT_ID_DIGITS + 1];
+        snprintf(parent, sizeof(parent), "%s", depth == 1 ? full.id : delta.id);
+        ck_assert_msg(em_checkpoint_save(table, &options, &delta, &err) == EM_OK, "%s",
+                      err.message);
+        ck_assert_str_eq(delta.kind, "delta");
+        ck_assert_str_eq(delta.parent, parent);
+        ck_assert_uint_eq(delta.depth, depth);
+        ck_assert_uint_le(delta.tombstones, 5);
+        ck_assert_uint_ge(delta.rows, 8); /* the new keys at least */
+        ck_assert_uint_lt(delta.rows * 10, full.rows);
+        ck_assert_uint_lt(delta.bytes * 5, full.bytes);
+        ck_assert_msg(em_checkpoint_verify(delta.path, NULL, &err) == EM_OK, "%s", err.message);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(delta.table_rows, stats.rows);
+    em_test_snapshot expected = em_test_snapshot_take(table, 1000);
+
+    em_table *restored = NULL;
+    em_checkpoint_info loaded;
+    ck_assert_msg(em_checkpoint_load(delta.path, backend, NULL, true, &restored, &loaded, &err) ==
+                      EM_OK, "%s", err.message);
+    ck_assert_str_eq(loaded.kind, "delta");
+    ck_assert_uint_eq(loaded.depth, 3);
+    em_test_snapshot got = em_test_snapshot_take(restored, 1000);
+    em_test_assert_snapshots_identical(&got, &expected);
+    em_test_snapshot_free(&got);
+
+    /* the restored table's next save is a delta of the one it came from; unchanged, it
+     * holds nothing */
+    ck_assert_msg(em_checkpoint_save(restored, &options, &full, &err) == EM_OK, "%s",
+                  err.message);
+    ck_assert_str_eq(full.kind, "delta");
+    ck_assert_str_eq(full.parent, delta.id);
+    ck_assert_uint_eq(full.rows, 0);
+    ck_assert_uint_eq(full.tombstones, 0);
+    /* the original table is no longer the latest's source: its delta becomes full */
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &delta, &err), EM_OK);
+    ck_assert_str_eq(delta.kind, "full");
+    em_test_snapshot_free(&expected);
+    em_table_destroy(restored);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
+/* Saves 1 (full) and deltas 2, 3, 4 of a table; paths[i] is checkpoint i + 1. */
+static void save_chain(em_backend *backend, const char *dir, char paths[4][4200])
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 2, 4, 4000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.delta = true;
+    options.keep = 10;
+    em_error err;
+    for (int i = 0; i < 4; i++) {
+        if (i > 0)
+            change_a_little(table, 4, &rng, 2000000 + (uint64_t)i * 100);
+        em_checkpoint_info info;
+        ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s",
+                      err.message);
+        ck_assert_str_eq(info.kind, i == 0 ? "full" : "delta");
+        snprintf(paths[i], 4200, "%s", info.path);
+    }
+    em_table_destroy(table);
+}
+
+static void copy_dir(const char *from, const char *to)
+{
+    char command[8500];
+    snprintf(command, sizeof(command), "cp -r '%s' '%s'", from, to);
+    ck_assert_int_eq(system(command), 0);
+}
+
+/* What can go wrong with a chain; each is refused with DATA_LOSS naming the file. */
+enum chain_damage { CHAIN_GAP, CHAIN_DUPLICATE, CHAIN_REORDER, CHAIN_TRUNCATED,
+                    CHAIN_WRONG_PARENT, CHAIN_TOMBSTONES, CHAIN_DAMAGE_COUNT };
+
+START_TEST(broken_chains_are_refused_naming_the_file)
+{
+    enum chain_damage how = (enum chain_damage)_i;
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    char paths[4][4200], path[4400], other[4400];
+    save_chain(backend, dir, paths);
+    em_error err;
+    ck_assert_msg(em_checkpoint_verify(paths[3], NULL, &err) == EM_OK, "%s", err.message);
+    const char *named = NULL;
+    switch (how) {
+    case CHAIN_GAP: /* delta 2 is gone */
+        em_test_remove_tree(paths[1]);
+        named = "the chain has a gap";
+        break;
+    case CHAIN_DUPLICATE: /* delta 3's directory holds delta 2 again */
+        em_test_remove_tree(paths[2]);
+        copy_dir(paths[1], paths[2]);
+        named = "manifest.json";
+        break;
+    case CHAIN_REORDER: /* deltas 2 and 3 swap places */
+        snprintf(path, sizeof(path), "%s.swap", paths[1]);
+        ck_assert_int_eq(rename(paths[1], path), 0);
+        ck_assert_int_eq(rename(paths[2], paths[1]), 0);
+        ck_assert_int_eq(rename(path, paths[2]), 0);
+        named = "manifest.json";
+        break;
+    case CHAIN_TRUNCATED:
+        snprintf(path, sizeof(path), "%s/rows.emb", paths[2]);
+        ck_assert_int_eq(truncate(path, file_size(path) - 10), 0);
+        named = "rows.emb";
+        break;
+    case CHAIN_WRONG_PARENT: { /* the full checkpoint is another save's */
+        snprintf(other, sizeof(other), "%s/other", dir);
+        char other_paths[4][4200];
+        save_chain(backend, other, other_paths);
+        em_test_remove_tree(paths[0]);
+        copy_dir(other_paths[0], paths[0]);
+        named = "does not match";
+        break;
+    }
+    case CHAIN_TOMBSTONES:
+        snprintf(path, sizeof(path), "%s/tombstones.emb", paths[1]);
+        flip_byte(path, 30);
+        named = "tombstones.emb";
+        break;
+    case CHAIN_DAMAGE_COUNT:
+        break;
+    }
+    ck_assert_int_eq(em_checkpoint_verify(paths[3], NULL, &err), EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, named) != NULL, "%s", err.message);
+    em_table *restored = NULL;
+    ck_assert_int_eq(em_checkpoint_load(paths[3], backend, NULL, true, &restored, NULL, &err),
+                     EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, named) != NULL, "%s", err.message);
+    ck_assert_ptr_null(restored);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
+/* A delta save that fails at any step leaves the table's digests as they were: the
+ * next delta still holds everything since the last complete checkpoint. */
+START_TEST(a_failed_delta_leaves_the_next_one_complete)
+{
+    int step = _i;
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 1, 4, 4000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.delta = true;
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    change_a_little(table, 4, &rng, 3000000);
+    char spec[64];
+    snprintf(spec, sizeof(spec), "checkpoint_fail=%d", step);
+    ck_assert_int_eq(em_failpoints_arm(spec, &err), EM_OK);
+    em_status status = em_checkpoint_save(table, &options, &info, &err);
+    em_failpoints_disarm_all();
+    ck_assert_int_eq(status, EM_INTERNAL);
+    change_a_little(table, 4, &rng, 4000000);
+    ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s", err.message);
+    /* after a failure past the rename of LATEST the failed one is the latest, which the
+     * table's digests do not describe: a full save then */
+    ck_assert_str_eq(info.kind, step == EM_SAVE_LATEST_DIR_FSYNC ? "full" : "delta");
+    em_test_snapshot expected = em_test_snapshot_take(table, 1000);
+    em_table *restored = NULL;
+    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, false, &restored, NULL, &err) ==
+                      EM_OK, "%s", err.message);
+    em_test_assert_table_unchanged(restored, &expected);
+    em_test_snapshot_free(&expected);
+    em_table_destroy(restored);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
+/* keep counts checkpoints, but one that a kept delta builds on stays until no kept
+ * checkpoint needs it. */
+START_TEST(pruning_keeps_the_chains_of_kept_deltas)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 0, 4, 500, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.keep = 2;
+    em_checkpoint_info info;
+    em_error err;
+    /* full 1, deltas 2 and 3, full 4, delta 5 */
+    const bool deltas[5] = {false, true, true, false, true};
+    const size_t kept_after[5] = {1, 2, 3, 4, 2};
+    for (int i = 0; i < 5; i++) {
+        options.delta = deltas[i];
+        options.track_changes = true;
+        ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+        ck_assert_str_eq(info.kind, deltas[i] ? "delta" : "full");
+        em_checkpoint_info *infos = NULL;
+        size_t count = 0;
+        ck_assert_int_eq(em_checkpoint_list(dir, "t", &infos, &count, &err), EM_OK);
+        ck_assert_uint_eq(count, kept_after[i]);
+        ck_assert_str_eq(infos[count - 1].kind, info.kind);
+        if (i == 4) {
+            ck_assert_str_eq(infos[0].id, "00000000000000000004");
+            ck_assert_str_eq(infos[1].parent, "00000000000000000004");
+        }
+        free(infos);
+    }
+    ck_assert_int_eq(em_checkpoint_verify(info.path, NULL, &err), EM_OK);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("checkpoint");
@@ -438,7 +713,16 @@ int main(void)
     suite_add_tcase(suite, damaged);
     TCase *failures = tcase_create("failures");
     tcase_add_loop_test(failures, a_failed_step_leaves_the_previous_checkpoint_current,
-                        EM_SAVE_ROWS_WRITE, EM_SAVE_LATEST_DIR_FSYNC + 1);
+                        EM_SAVE_ROWS_WRITE, EM_SAVE_STEP_COUNT + 1);
     suite_add_tcase(suite, failures);
+    TCase *deltas = tcase_create("deltas");
+    tcase_set_timeout(deltas, 120);
+    tcase_add_loop_test(deltas, deltas_restore_the_table_of_their_instant, 0, 4);
+    tcase_add_loop_test(deltas, broken_chains_are_refused_naming_the_file, 0,
+                        CHAIN_DAMAGE_COUNT);
+    tcase_add_loop_test(deltas, a_failed_delta_leaves_the_next_one_complete, EM_SAVE_ROWS_WRITE,
+                        EM_SAVE_STEP_COUNT + 1);
+    tcase_add_test(deltas, pruning_keeps_the_chains_of_kept_deltas);
+    suite_add_tcase(suite, deltas);
     return em_test_run(suite);
 }
