@@ -757,7 +757,12 @@ static cJSON *checkpoint_info(const Ember__CheckpointInfo *info)
         cJSON_AddStringToObject(item, "path", info->path) == NULL ||
         cJSON_AddNumberToObject(item, "rows", (double)info->rows) == NULL ||
         cJSON_AddNumberToObject(item, "bytes", (double)info->bytes) == NULL ||
-        cJSON_AddNumberToObject(item, "seconds", info->seconds) == NULL) {
+        cJSON_AddNumberToObject(item, "seconds", info->seconds) == NULL ||
+        cJSON_AddStringToObject(item, "kind", info->kind) == NULL ||
+        cJSON_AddStringToObject(item, "parent", info->parent) == NULL ||
+        cJSON_AddNumberToObject(item, "depth", info->depth) == NULL ||
+        cJSON_AddNumberToObject(item, "tombstones", (double)info->tombstones) == NULL ||
+        cJSON_AddNumberToObject(item, "table_rows", (double)info->table_rows) == NULL) {
         cJSON_Delete(item);
         return NULL;
     }
@@ -778,11 +783,13 @@ static cJSON *checkpoint_list(const Ember__SaveResponse *response)
     return list;
 }
 
-em_status em_client_save(em_client *client, const char *table, cJSON **saved, em_error *err)
+em_status em_client_save(em_client *client, const char *table, bool delta, cJSON **saved,
+                         em_error *err)
 {
     *saved = NULL;
     Ember__SaveRequest body = EMBER__SAVE_REQUEST__INIT;
     body.table = (char *)(table != NULL ? table : "");
+    body.delta = delta;
     em_client_call *call;
     em_status status = message_call(client, EMBER__METHOD__SAVE, &body.base, &call, err);
     if (status != EM_OK)

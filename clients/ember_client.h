@@ -136,9 +136,12 @@ em_status em_client_list_tables(em_client *client, cJSON **tables, em_error *err
  * StatsResponse in proto/ember.proto; table NULL or "" for every table. */
 em_status em_client_stats(em_client *client, const char *table, cJSON **stats, em_error *err);
 
-/* Saves the table (NULL or "": every table) as a checkpoint on the first server; *saved
- * gets a JSON array of {table, id, path, rows, bytes, seconds}. */
-em_status em_client_save(em_client *client, const char *table, cJSON **saved, em_error *err);
+/* Saves the table (NULL or "": every table) as a checkpoint on the first server, with
+ * delta only what changed since its last checkpoint; *saved gets a JSON array of
+ * {table, id, path, rows, bytes, seconds, kind, parent, depth, tombstones,
+ * table_rows}. */
+em_status em_client_save(em_client *client, const char *table, bool delta, cJSON **saved,
+                         em_error *err);
 
 /* Loads a checkpoint on the first server into the table (new, or replacing it in one
  * step): path is the checkpoint's directory on the server, or NULL for the table's

@@ -121,7 +121,8 @@ static void print_help(FILE *out)
           "  evicted TABLE [--after SEQUENCE] [--max N]\n"
           "                             keys the eviction policy removed, oldest first,\n"
           "                             numbered; --after the last sequence seen\n"
-          "  save [TABLE]               save every table (or one) as a checkpoint now\n"
+          "  save [TABLE] [--delta]     save every table (or one) as a checkpoint now;\n"
+          "                             --delta only what changed since its last one\n"
           "  load TABLE [--from PATH] [--weights-only]\n"
           "                             load a checkpoint (the table's latest, or the\n"
           "                             directory PATH on the server) as TABLE, replacing\n"
@@ -137,7 +138,8 @@ static void print_help(FILE *out)
           "                             say what changed and what needs a restart\n"
           "  checkpoints list DIR [TABLE]\n"
           "                             the complete checkpoints under a checkpoint dir\n"
-          "  checkpoints verify PATH    check every checksum of a checkpoint (no server)\n"
+          "  checkpoints verify PATH    check every checksum of a checkpoint, and of its\n"
+          "                             chain for a delta (no server)\n"
           "\n"
           "Options:\n"
           "  --server HOST:PORT   admin listener (default " DEFAULT_ADMIN_SERVER ")\n"
@@ -1355,14 +1357,23 @@ static int command_slowlog(cli *c, int argc, char **argv)
 
 static int command_save(cli *c, int argc, char **argv)
 {
-    if (argc > 2)
-        return usage_error("save takes at most one table name");
+    const char *table = NULL;
+    bool delta = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--delta") == 0)
+            delta = true;
+        else if (argv[i][0] != '-' && table == NULL)
+            table = argv[i];
+        else
+            return usage_error("save: unexpected argument '%s' (save [TABLE] [--delta])",
+                               argv[i]);
+    }
     int code = connected(c);
     if (code != EXIT_OK)
         return code;
     cJSON *saved;
     em_error err;
-    if (em_client_save(c->client, argc == 2 ? argv[1] : NULL, &saved, &err) != EM_OK)
+    if (em_client_save(c->client, table, delta, &saved, &err) != EM_OK)
         return call_failed(&err);
     if (c->json) {
         print_json(saved);
@@ -1370,10 +1381,12 @@ static int command_save(cli *c, int argc, char **argv)
         const cJSON *item = NULL;
         cJSON_ArrayForEach(item, saved)
         {
-            printf("%s: checkpoint %s, %.0f rows, %.0f bytes, %.3f s, %s\n",
+            printf("%s: %s checkpoint %s, %.0f rows, %.0f tombstones, %.0f bytes, %.3f s, %s\n",
                    cJSON_GetObjectItem(item, "table")->valuestring,
+                   cJSON_GetObjectItem(item, "kind")->valuestring,
                    cJSON_GetObjectItem(item, "id")->valuestring,
                    cJSON_GetObjectItem(item, "rows")->valuedouble,
+                   cJSON_GetObjectItem(item, "tombstones")->valuedouble,
                    cJSON_GetObjectItem(item, "bytes")->valuedouble,
                    cJSON_GetObjectItem(item, "seconds")->valuedouble,
                    cJSON_GetObjectItem(item, "path")->valuestring);
@@ -1430,13 +1443,25 @@ static int checkpoint_failed(const em_error *err)
 static void print_checkpoint(const cli *c, const em_checkpoint_info *info, const char *verdict)
 {
     if (c->json) {
-        printf("{\"table\": \"%s\", \"id\": \"%s\", \"path\": \"%s\", \"rows\": %" PRIu64
-               ", \"bytes\": %" PRIu64 ", \"created_unix_ms\": %" PRIu64 "}\n",
-               info->table, info->id, info->path, info->rows, info->bytes, info->created_unix_ms);
+        printf("{\"table\": \"%s\", \"id\": \"%s\", \"path\": \"%s\", \"kind\": \"%s\", "
+               "\"parent\": \"%s\", \"depth\": %u, \"rows\": %" PRIu64 ", \"tombstones\": %"
+               PRIu64 ", \"table_rows\": %" PRIu64 ", \"bytes\": %" PRIu64
+               ", \"created_unix_ms\": %" PRIu64 "}\n",
+               info->table, info->id, info->path, info->kind, info->parent, info->depth,
+               info->rows, info->tombstones, info->table_rows, info->bytes,
+               info->created_unix_ms);
         return;
     }
-    printf("%s %s: table %s, %" PRIu64 " rows, %" PRIu64 " bytes, %" PRIu64 " chunks%s\n",
-           info->id, info->path, info->table, info->rows, info->bytes, info->chunks, verdict);
+    if (strcmp(info->kind, "delta") == 0)
+        printf("%s %s: table %s, delta on %s (depth %u), %" PRIu64 " rows changed, %" PRIu64
+               " tombstones, %" PRIu64 " rows restored, %" PRIu64 " bytes, %" PRIu64
+               " chunks%s\n", info->id, info->path, info->table, info->parent, info->depth,
+               info->rows, info->tombstones, info->table_rows, info->bytes, info->chunks,
+               verdict);
+    else
+        printf("%s %s: table %s, full, %" PRIu64 " rows, %" PRIu64 " bytes, %" PRIu64
+               " chunks%s\n", info->id, info->path, info->table, info->rows, info->bytes,
+               info->chunks, verdict);
 }
 
 static int checkpoints_list(cli *c, int argc, char **argv)

@@ -31,11 +31,14 @@ static uint64_t now_unix_ms(void)
 
 /* ---- saving -------------------------------------------------------------------------- */
 
-static em_status save_one(em_checkpointer *c, em_table *table, em_checkpoint_info *info,
-                          em_error *err)
+static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode,
+                          em_checkpoint_info *info, em_error *err)
 {
+    em_checkpoint_options options = c->options;
+    options.delta = mode == EM_SAVE_DELTA || (mode == EM_SAVE_SCHEDULED && c->config->full_every > 1);
+    options.max_depth = mode == EM_SAVE_SCHEDULED ? c->config->full_every - 1 : 0;
     atomic_fetch_add(&c->stats->checkpoint_saves_running, 1);
-    em_status status = em_checkpoint_save(table, &c->options, info, err);
+    em_status status = em_checkpoint_save(table, &options, info, err);
     atomic_fetch_sub(&c->stats->checkpoint_saves_running, 1);
     if (status != EM_OK) {
         atomic_fetch_add(&c->stats->checkpoint_save_failures, 1);
@@ -46,14 +49,14 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_checkpoint_inf
     atomic_store(&c->stats->checkpoint_last_success_unix_ms, now_unix_ms());
     atomic_store(&c->stats->checkpoint_last_save_ms, (uint64_t)(info->seconds * 1000.0));
     atomic_store(&c->stats->checkpoint_last_save_bytes, info->bytes);
-    em_log_notice(c->log, "saved table '%s' as checkpoint %s: %" PRIu64 " rows, %" PRIu64
-                  " bytes in %.3f s", info->table, info->id, info->rows, info->bytes,
-                  info->seconds);
+    em_log_notice(c->log, "saved table '%s' as %s checkpoint %s: %" PRIu64 " rows, %" PRIu64
+                  " tombstones, %" PRIu64 " bytes in %.3f s", info->table, info->kind, info->id,
+                  info->rows, info->tombstones, info->bytes, info->seconds);
     return EM_OK;
 }
 
-em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_checkpoint_info **infos,
-                               size_t *count, em_error *err)
+em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_save_mode mode,
+                               em_checkpoint_info **infos, size_t *count, em_error *err)
 {
     *infos = NULL;
     *count = 0;
@@ -78,7 +81,7 @@ em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_checkpoi
     for (size_t i = 0; i < n; i++) {
         em_error one;
         if (first == EM_OK || *infos != NULL) {
-            em_status saved = save_one(c, tables[i], &(*infos)[*count], &one);
+            em_status saved = save_one(c, tables[i], mode, &(*infos)[*count], &one);
             if (saved == EM_OK)
                 (*count)++;
             else if (first == EM_OK) {
@@ -110,7 +113,8 @@ static void *periodic(void *argument)
         em_checkpoint_info *infos = NULL;
         size_t count = 0;
         em_error err;
-        em_checkpointer_save(c, NULL, &infos, &count, &err); /* failures are logged */
+        em_checkpointer_save(c, NULL, EM_SAVE_SCHEDULED, &infos, &count,
+                             &err); /* failures are logged */
         free(infos);
         pthread_mutex_lock(&c->mutex);
     }
@@ -132,6 +136,7 @@ em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog 
     em_checkpoint_options_init(&c->options, config->dir);
     c->options.keep = config->keep;
     c->options.copy_limit_bytes = config->copy_limit_bytes;
+    c->options.track_changes = config->full_every > 1;
     pthread_mutex_init(&c->mutex, NULL);
     pthread_condattr_t attributes;
     pthread_condattr_init(&attributes);
@@ -184,8 +189,8 @@ em_status em_checkpointer_restore(em_checkpointer *c,
         em_table *table = NULL;
         status = em_checkpoint_latest(c->config->dir, names[i], path, sizeof(path), err);
         if (status == EM_OK)
-            status = em_checkpoint_load(path, em_catalog_backend(c->catalog), NULL, false, &table, &info,
-                                        err);
+            status = em_checkpoint_load(path, em_catalog_backend(c->catalog), NULL,
+                                        c->options.track_changes, &table, &info, err);
         if (status == EM_OK)
             status = em_catalog_add(c->catalog, table, err);
         if (status != EM_OK) {
@@ -193,10 +198,10 @@ em_status em_checkpointer_restore(em_checkpointer *c,
             break;
         }
         atomic_fetch_add(&c->stats->checkpoint_tables_restored, 1);
-        atomic_fetch_add(&c->stats->checkpoint_rows_restored, info.rows);
-        em_log_notice(c->log, "restored table '%s' from checkpoint %s: %" PRIu64 " rows, %" PRIu64
-                      " bytes in %.3f s (%.2f GB/s)", names[i], info.id, info.rows, info.bytes,
-                      info.seconds, info.seconds > 0 ? (double)info.bytes / info.seconds / 1e9 : 0.0);
+        atomic_fetch_add(&c->stats->checkpoint_rows_restored, info.table_rows);
+        em_log_notice(c->log, "restored table '%s' from %s checkpoint %s (depth %u): %" PRIu64
+                      " rows in %.3f s", names[i], info.kind, info.id, info.depth,
+                      info.table_rows, info.seconds);
     }
     em_checkpoint_free_names(names, count);
     return status;
@@ -227,7 +232,8 @@ em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char 
                                                 &loaded, info, err);
         }
     } else if (status == EM_OK) {
-        status = em_checkpoint_load(path, em_catalog_backend(catalog), table, false, &loaded, info, err);
+        status = em_checkpoint_load(path, em_catalog_backend(catalog), table, false, &loaded,
+                                    info, err);
     }
     if (status == EM_OK)
         status = em_catalog_replace(catalog, loaded, err);

@@ -39,11 +39,17 @@ em_status em_checkpointer_restore(em_checkpointer *checkpointer,
                                   void (*progress)(void *context, const char *line),
                                   void *context, em_error *err);
 
+/* What a save writes: a full checkpoint, a delta (full without a parent: see
+ * em_checkpoint_save), or as the schedule says (checkpoint.full_every: a delta unless
+ * the table's chain already has full_every - 1 deltas). */
+typedef enum em_save_mode { EM_SAVE_FULL, EM_SAVE_DELTA, EM_SAVE_SCHEDULED } em_save_mode;
+
 /* Saves the table called name, or every table when name is NULL or empty; *infos (a
  * malloc'ed array the caller frees) gets what was saved. Every table is tried; the
  * error is the first failure. Errors: NOT_FOUND, those of em_checkpoint_save. */
 em_status em_checkpointer_save(em_checkpointer *checkpointer, const char *name,
-                               em_checkpoint_info **infos, size_t *count, em_error *err);
+                               em_save_mode mode, em_checkpoint_info **infos, size_t *count,
+                               em_error *err);
 
 /* Loads the checkpoint at path (NULL or empty: the latest of table under the checkpoint
  * dir) as the table called table, replacing the one of that name in one step; with

@@ -428,6 +428,10 @@ static const em_config_field checkpoint_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "interval_s", em_checkpoint_config, interval_s),
      .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 31536000, .default_json = "0",
      .help = "save every table this often (0: only on request and at shutdown)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "full_every", em_checkpoint_config, full_every),
+     .flags = EM_CONFIG_UNSIGNED, .min = 1, .max = 100000, .default_json = "1",
+     .help = "of the periodic and shutdown saves, every this many is full and the others "
+             "deltas (1: all full; above 1 a table keeps a digest per row in host memory)"},
     {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "on_shutdown", em_checkpoint_config, on_shutdown),
      .default_json = "true", .help = "save every table when SIGTERM has drained the server"},
     {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "restore", em_checkpoint_config, restore),

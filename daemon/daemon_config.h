@@ -122,6 +122,7 @@ typedef struct em_checkpoint_config {
     char dir[EM_CHECKPOINT_DIR_MAX];
     uint32_t keep;
     uint32_t interval_s; /* 0: no periodic saves */
+    uint32_t full_every; /* periodic and shutdown saves: a full one every this many */
     bool on_shutdown;
     int restore;         /* em_restore_mode */
     uint64_t copy_limit_bytes;

@@ -576,6 +576,16 @@ em_status em_handle_list_tables(em_request *request, em_error *err)
 
 /* ---- checkpoints ----------------------------------------------------------------------- */
 
+/* What a CheckpointInfo says of a checkpoint's place in its chain. */
+static void checkpoint_chain_fields(Ember__CheckpointInfo *item, em_checkpoint_info *info)
+{
+    item->kind = info->kind;
+    item->parent = info->parent;
+    item->depth = info->depth;
+    item->tombstones = info->tombstones;
+    item->table_rows = info->table_rows;
+}
+
 em_status em_handle_save(em_request *request, em_error *err)
 {
     const Ember__SaveRequest *body = (const Ember__SaveRequest *)request->body;
@@ -585,7 +595,9 @@ em_status em_handle_save(em_request *request, em_error *err)
                             "save: this server has no checkpoint section in its configuration");
     em_checkpoint_info *infos = NULL;
     size_t count = 0;
-    em_status status = em_checkpointer_save(checkpointer, body->table, &infos, &count, err);
+    em_status status = em_checkpointer_save(checkpointer, body->table,
+                                            body->delta ? EM_SAVE_DELTA : EM_SAVE_FULL, &infos,
+                                            &count, err);
     Ember__CheckpointInfo *items = calloc(count + 1, sizeof(*items));
     Ember__CheckpointInfo **pointers = calloc(count + 1, sizeof(*pointers));
     if (status == EM_OK && (items == NULL || pointers == NULL))
@@ -599,6 +611,7 @@ em_status em_handle_save(em_request *request, em_error *err)
             items[i].rows = infos[i].rows;
             items[i].bytes = infos[i].bytes;
             items[i].seconds = infos[i].seconds;
+            checkpoint_chain_fields(&items[i], &infos[i]);
             pointers[i] = &items[i];
         }
         Ember__SaveResponse response = EMBER__SAVE_RESPONSE__INIT;
@@ -635,6 +648,7 @@ em_status em_handle_load(em_request *request, em_error *err)
     item.rows = info.rows;
     item.bytes = info.bytes;
     item.seconds = info.seconds;
+    checkpoint_chain_fields(&item, &info);
     Ember__LoadResponse response = EMBER__LOAD_RESPONSE__INIT;
     response.loaded = &item;
     return em_request_respond(request, &response.base, NULL, 0, err);

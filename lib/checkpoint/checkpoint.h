@@ -60,6 +60,8 @@ typedef struct em_checkpoint_options {
     uint64_t buffer_bytes;     /* rows grouped by bucket before writing (two buffers) */
     bool delta;                /* save only what changed since the table's last checkpoint;
                                 * a full save when there is no such parent (info->kind) */
+    uint32_t max_depth;        /* with delta: a full save instead once the chain would have
+                                * more deltas than this (0: no limit) */
     bool track_changes;        /* keep the row digests a later delta needs (delta implies it);
                                 * without, a table's digests are dropped */
 } em_checkpoint_options;

@@ -521,13 +521,16 @@ void em__delta_base_free(void *data)
 
 /* The table's digests when they describe the latest checkpoint under dir, unchanged
  * since: then this save can be a delta of it. */
-static const em__delta_base *delta_parent(em_table *table, const char *dir, uint32_t row_floats)
+static const em__delta_base *delta_parent(em_table *table, const em_checkpoint_options *options,
+                                          uint32_t row_floats)
 {
     const em__delta_base *base = em_table_attachment(table);
+    const char *dir = options->dir;
     char latest[4200];
     em__chain_link link;
     em_error ignored;
     if (base == NULL || base->row_floats != row_floats ||
+        (options->max_depth > 0 && base->depth >= options->max_depth) ||
         em_checkpoint_latest(dir, em_table_name(table), latest, sizeof(latest), &ignored) !=
             EM_OK ||
         strcmp(latest, base->path) != 0 ||
@@ -642,7 +645,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     s.out = malloc(s.out_capacity);
     s.file_hash = XXH3_createState();
     if (options->delta)
-        s.parent = delta_parent(table, options->dir, s.row_floats);
+        s.parent = delta_parent(table, options, s.row_floats);
     s.delta = s.parent != NULL;
     snprintf(info->kind, sizeof(info->kind), "%s", s.delta ? "delta" : "full");
     if (s.delta) {

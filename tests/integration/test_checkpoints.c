@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "clients/ember_client.h"
+#include "lib/checkpoint/checkpoint_io.h"
 #include "tests/integration/harness.h"
 #include "tests/support/test_support.h"
 
@@ -38,7 +39,8 @@ static char *overrides(const char *dir, bool on_shutdown)
 {
     static char json[2048];
     snprintf(json, sizeof(json),
-             "{\"checkpoint\": {\"dir\": \"%s\", \"keep\": 2, \"on_shutdown\": %s},"
+             "{\"checkpoint\": {\"dir\": \"%s\", \"keep\": 2, \"on_shutdown\": %s,"
+             " \"full_every\": 3},"
              " \"tables\": [{\"name\": \"t\", \"dim\": %u, \"capacity\": 100000, \"shards\": 4,"
              " \"optimizer\": {\"type\": \"adam\", \"lr\": 0.01},"
              " \"initializer\": {\"type\": \"uniform\", \"bound\": 0.1, \"seed\": 7}}]}",
@@ -83,8 +85,9 @@ static float *read_state(em_client *client, const batch *b, uint64_t *missing)
     return out;
 }
 
-/* One push to every key (adam: weights and both moments move). */
-static void train(em_client *client, const batch *b, uint64_t seed)
+/* One push to n keys from first on (adam: weights and both moments move). */
+static void train_part(em_client *client, const batch *b, uint64_t seed, uint32_t first,
+                       uint32_t n)
 {
     em_test_rng rng;
     em_test_rng_init(&rng, seed);
@@ -92,14 +95,20 @@ static void train(em_client *client, const batch *b, uint64_t seed)
     for (uint64_t i = 0; i < (uint64_t)KEYS * DIM; i++)
         g[i] = (float)(em_test_rng_unit(&rng) - 0.5);
     em_client_push_args args = {.table = "t",
-                                .batch = {.rows = KEYS, .nnz = KEYS, .offsets = b->offsets,
-                                          .keys = b->keys},
+                                .batch = {.rows = n, .nnz = n, .offsets = b->offsets,
+                                          .keys = b->keys + first},
                                 .combiner = EM_COMBINER_NONE,
                                 .gradients = g,
-                                .gradient_count = (uint64_t)KEYS * DIM};
+                                .gradient_count = (uint64_t)n * DIM};
     em_error err;
     ck_assert_msg(em_client_push(client, &args, NULL, &err) == EM_OK, "%s", err.message);
     free(g);
+}
+
+/* One push to every key. */
+static void train(em_client *client, const batch *b, uint64_t seed)
+{
+    train_part(client, b, seed, 0, KEYS);
 }
 
 static bool same(const float *a, const float *b)
@@ -123,7 +132,7 @@ START_TEST(saved_tables_survive_kill_9)
     ck_assert_uint_eq(missing, 0);
     cJSON *saved = NULL;
     em_error err;
-    ck_assert_msg(em_client_save(client, NULL, &saved, &err) == EM_OK, "%s", err.message);
+    ck_assert_msg(em_client_save(client, NULL, false, &saved, &err) == EM_OK, "%s", err.message);
     ck_assert_int_eq(cJSON_GetArraySize(saved), 1);
     const cJSON *item = cJSON_GetArrayItem(saved, 0);
     ck_assert_str_eq(cJSON_GetObjectItem(item, "table")->valuestring, "t");
@@ -155,7 +164,8 @@ START_TEST(saved_tables_survive_kill_9)
 
     daemon = test_daemon_start(overrides(dir, false));
     char *log = test_daemon_log(daemon);
-    ck_assert_msg(strstr(log, "restored table 't' from checkpoint 00000000000000000001") != NULL,
+    ck_assert_msg(strstr(log, "restored table 't' from full checkpoint 00000000000000000001") !=
+                      NULL,
                   "%s", log);
     free(log);
     client = client_for(daemon);
@@ -168,11 +178,11 @@ START_TEST(saved_tables_survive_kill_9)
     ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_rows_restored")->valuedouble, KEYS);
     cJSON_Delete(stats);
     /* and a save there goes on numbering */
-    ck_assert_int_eq(em_client_save(client, "t", &saved, &err), EM_OK);
+    ck_assert_int_eq(em_client_save(client, "t", false, &saved, &err), EM_OK);
     ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(saved, 0), "id")->valuestring,
                      "00000000000000000002");
     cJSON_Delete(saved);
-    ck_assert_int_eq(em_client_save(client, "nope", &saved, &err), EM_NOT_FOUND);
+    ck_assert_int_eq(em_client_save(client, "nope", false, &saved, &err), EM_NOT_FOUND);
 
     /* LOAD: trained on, then back to the latest checkpoint; and the first one under
      * another name */
@@ -224,6 +234,81 @@ START_TEST(sigterm_saves_every_table)
 }
 END_TEST
 
+/* The fields of the one checkpoint a SAVE answered. */
+static const cJSON *saved_one(cJSON *saved)
+{
+    ck_assert_int_eq(cJSON_GetArraySize(saved), 1);
+    return cJSON_GetArrayItem(saved, 0);
+}
+
+/* save --delta writes what changed; kill -9 and the restart restores base and delta;
+ * the shutdown saves follow checkpoint.full_every (3: a full one, then two deltas). */
+START_TEST(deltas_survive_kill_9_and_follow_full_every)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
+    batch *b = every_key();
+    test_daemon *daemon = test_daemon_start(overrides(dir, true));
+    em_client *client = client_for(daemon);
+    train(client, b, 21);
+    cJSON *saved = NULL;
+    em_error err;
+    /* nothing to build on yet: a full one */
+    ck_assert_int_eq(em_client_save(client, "t", true, &saved, &err), EM_OK);
+    ck_assert_str_eq(cJSON_GetObjectItem(saved_one(saved), "kind")->valuestring, "full");
+    cJSON_Delete(saved);
+    train_part(client, b, 22, 500, 100);
+    char *ctl = getenv("EMBERCTL"), *out = NULL;
+    char *save[] = {ctl, "--server", daemon->admin, "save", "t", "--delta", NULL};
+    ck_assert_int_eq(test_run_program(save, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "t: delta checkpoint 00000000000000000002, 100 rows, "
+                              "0 tombstones") != NULL, "%s", out);
+    free(out);
+    uint64_t missing = 0;
+    float *state = read_state(client, b, &missing);
+    em_client_destroy(client);
+    test_daemon_stop(daemon, SIGKILL, 5000);
+
+    daemon = test_daemon_start(overrides(dir, true));
+    char *log = test_daemon_log(daemon);
+    ck_assert_msg(strstr(log, "from delta checkpoint 00000000000000000002 (depth 1): 20000 "
+                              "rows") != NULL, "%s", log);
+    free(log);
+    client = client_for(daemon);
+    float *restored = read_state(client, b, &missing);
+    ck_assert(missing == 0 && same(restored, state));
+    free(restored);
+    free(state);
+    /* the restored table's digests carry on: SIGTERM writes delta 3 on top of 2 */
+    train_part(client, b, 23, 7000, 50);
+    state = read_state(client, b, &missing);
+    em_client_destroy(client);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
+    char *list[] = {ctl, "checkpoints", "list", dir, "t", NULL};
+    ck_assert_int_eq(test_run_program(list, NULL, &out), 0);
+    ck_assert_msg(strstr(out, "table t, delta on 00000000000000000002 (depth 2), 50 rows "
+                              "changed, 0 tombstones, 20000 rows restored") != NULL, "%s", out);
+    free(out);
+
+    /* the chain has full_every - 1 deltas: the next scheduled save is full */
+    daemon = test_daemon_start(overrides(dir, true));
+    client = client_for(daemon);
+    restored = read_state(client, b, &missing);
+    ck_assert(missing == 0 && same(restored, state));
+    free(restored);
+    free(state);
+    em_client_destroy(client);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
+    ck_assert_int_eq(test_run_program(list, NULL, &out), 0);
+    ck_assert_msg(strstr(out, "00000000000000000004") != NULL &&
+                      strstr(strstr(out, "00000000000000000004"), "full, 20000 rows") != NULL,
+                  "%s", out);
+    free(out);
+    free(b);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* A server without a checkpoint section says so. */
 START_TEST(save_without_a_checkpoint_dir_is_refused)
 {
@@ -231,7 +316,7 @@ START_TEST(save_without_a_checkpoint_dir_is_refused)
     em_client *client = client_for(daemon);
     cJSON *saved = NULL;
     em_error err;
-    ck_assert_int_eq(em_client_save(client, NULL, &saved, &err), EM_FAILED_PRECONDITION);
+    ck_assert_int_eq(em_client_save(client, NULL, false, &saved, &err), EM_FAILED_PRECONDITION);
     ck_assert_msg(strstr(err.message, "no checkpoint section") != NULL, "%s", err.message);
     em_client_destroy(client);
     test_daemon_stop(daemon, SIGTERM, 10000);
@@ -242,6 +327,7 @@ END_TEST
 
 typedef struct save_call {
     em_client *client;
+    bool delta;
     em_status status;
     double seconds; /* how long the call took */
 } save_call;
@@ -252,17 +338,17 @@ static void *save_in_background(void *argument)
     cJSON *saved = NULL;
     em_error err;
     double start = em_test_now();
-    call->status = em_client_save(call->client, NULL, &saved, &err);
+    call->status = em_client_save(call->client, NULL, call->delta, &saved, &err);
     call->seconds = em_test_now() - start;
     cJSON_Delete(saved);
     return NULL;
 }
 
 /* Each iteration: the restarted daemon holds exactly the last completed checkpoint (or
- * nothing before the first); it trains, a save starts, and the daemon dies by kill -9
- * after a random delay of up to three times the last completed save's duration (so most
- * saves complete, however fast the machine), or by a failpoint at a random step of
- * the save. */
+ * nothing before the first); it trains, a save starts (half of them deltas, after
+ * training a few keys), and the daemon dies by kill -9 after a random delay of up to
+ * three times the last completed save's duration (so most saves complete, however fast
+ * the machine), or by a failpoint at a random step of the save. */
 START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
 {
     const char *configured = getenv("EMBER_CRASH_ITERATIONS");
@@ -274,11 +360,13 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
     em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
     batch *b = every_key();
     float *completed = NULL; /* the last state a completed save holds */
-    int saves_completed = 0, by_failpoint = 0;
+    int saves_completed = 0, deltas_completed = 0, by_failpoint = 0;
     double save_seconds = 0.2; /* until a save has been timed */
     for (int i = 0; i < iterations; i++) {
         bool failpoint = em_test_rng_below(&rng, 3) == 0;
-        int step = 1 + (int)em_test_rng_below(&rng, 13);
+        bool delta = em_test_rng_below(&rng, 2) == 0;
+        delta = delta && completed != NULL; /* a delta trains a few keys: all exist by then */
+        int step = 1 + (int)em_test_rng_below(&rng, EM_SAVE_STEP_COUNT);
         char crash[64];
         snprintf(crash, sizeof(crash), "checkpoint_crash=%d", step);
         if (failpoint)
@@ -296,9 +384,13 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
                           "iteration %d (seed %llu): the restored table is not the last "
                           "completed checkpoint", i, (unsigned long long)seed);
         free(state);
-        train(client, b, seed + (uint64_t)i);
+        if (delta)
+            train_part(client, b, seed + (uint64_t)i, (uint32_t)em_test_rng_below(&rng, KEYS - 1000),
+                       1000);
+        else
+            train(client, b, seed + (uint64_t)i);
         float *trained = read_state(client, b, &missing);
-        save_call call = {.client = client, .status = EM_UNKNOWN};
+        save_call call = {.client = client, .delta = delta, .status = EM_UNKNOWN};
         pthread_t thread;
         pthread_create(&thread, NULL, save_in_background, &call);
         if (!failpoint) {
@@ -320,6 +412,7 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
             free(completed);
             completed = trained;
             saves_completed++;
+            deltas_completed += delta;
             continue;
         }
         /* unanswered: complete or not, the next start tells; remember both */
@@ -332,6 +425,7 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
             free(completed);
             completed = trained;
             saves_completed++;
+            deltas_completed += delta;
         } else {
             ck_assert_msg(completed == NULL ? missing == KEYS
                                             : missing == 0 && same(now, completed),
@@ -341,9 +435,9 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
         }
         free(now);
     }
-    printf("crash loop: %d iterations (seed %llu), %d saves completed, %d crashed by "
-           "failpoint inside a save\n", iterations, (unsigned long long)seed, saves_completed,
-           by_failpoint);
+    printf("crash loop: %d iterations (seed %llu), %d saves completed (%d asked as deltas), %d "
+           "crashed by failpoint inside a save\n", iterations, (unsigned long long)seed,
+           saves_completed, deltas_completed, by_failpoint);
     free(completed);
     free(b);
     em_test_remove_tree(dir);
@@ -359,6 +453,7 @@ int main(void)
     tcase_add_test(restart, saved_tables_survive_kill_9);
     tcase_add_test(restart, sigterm_saves_every_table);
     tcase_add_test(restart, save_without_a_checkpoint_dir_is_refused);
+    tcase_add_test(restart, deltas_survive_kill_9_and_follow_full_every);
     suite_add_tcase(suite, restart);
     TCase *crash = tcase_create("crash");
     tcase_set_timeout(crash, 1800);

@@ -347,9 +347,10 @@ class Client:
         """{server, tables, pools} as STATS answers (proto/ember.proto's fields)."""
         return json.loads(self._admin_client().stats(table))
 
-    def save(self, table=None):
-        """Checkpoints the table (None: every table); a list of {table, id, path, ...}."""
-        return json.loads(self._admin_client().save(table))
+    def save(self, table=None, delta=False):
+        """Checkpoints the table (None: every table), with delta=True only what changed
+        since its last checkpoint; a list of {table, id, path, kind, rows, ...}."""
+        return json.loads(self._admin_client().save(table, bool(delta)))
 
     def load(self, table, path=None, weights_only=False):
         """Loads the table's latest checkpoint, or the one at path (on the server)."""

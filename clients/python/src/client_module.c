@@ -556,12 +556,13 @@ static PyObject *client_stats(client_object *self, PyObject *args)
 static PyObject *client_save(client_object *self, PyObject *args)
 {
     const char *table = NULL;
-    if (!client_open(self) || !PyArg_ParseTuple(args, "|z", &table))
+    int delta = 0;
+    if (!client_open(self) || !PyArg_ParseTuple(args, "|zp", &table, &delta))
         return NULL;
     cJSON *saved = NULL;
     em_error err = {0};
     em_status status;
-    WITH_CLIENT(self, status = em_client_save(self->client, table, &saved, &err));
+    WITH_CLIENT(self, status = em_client_save(self->client, table, delta != 0, &saved, &err));
     if (status != EM_OK)
         return raise_error(&err);
     return json_text(saved);
