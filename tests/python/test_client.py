@@ -276,12 +276,17 @@ def test_admin_calls(start_daemon, tmp_path):
     assert error.value.status == "INVALID_ARGUMENT" and "dim" in error.value.message
     offsets, keys = csr([[1, 2, 3]])
     rows = client.pull("clicks", offsets, keys, combiner="none")
-    saved = client.save("clicks")
+    saved = client.save("clicks", delta=True)  # nothing to build on: a full one
     assert saved[0]["table"] == "clicks" and saved[0]["rows"] == 3
+    assert saved[0]["kind"] == "full"
     assert client.erase("clicks", np.array([1, 2, 9], np.uint64)) == 2
     assert client.stats("clicks")["tables"][0]["rows"] == 1
-    client.load("clicks")
+    delta = client.save("clicks", delta=True)[0]
+    assert (delta["kind"], delta["parent"], delta["rows"], delta["tombstones"],
+            delta["table_rows"]) == ("delta", saved[0]["id"], 0, 2, 1)
+    client.load("clicks", saved[0]["path"])
     np.testing.assert_array_equal(client.pull("clicks", offsets, keys, combiner="none"), rows)
+    assert client.load("clicks")["table_rows"] == 1
     with pytest.raises(ember.Error) as error:
         client.erase_older("clicks", 1)
     assert error.value.status == "FAILED_PRECONDITION" and "clicks" in error.value.message
