@@ -343,7 +343,7 @@ static em_status read_index(const char *dir, const manifest *m, em_index_entry *
         memcpy(&header, data, sizeof(header));
         if (size != sizeof(header) + m->chunks * sizeof(em_index_entry) + sizeof(uint64_t) ||
             memcmp(header.magic, EM_INDEX_MAGIC, 8) != 0 || header.chunks != m->chunks ||
-            header.version != EM_CHECKPOINT_FORMAT_VERSION)
+            header.version != m->version)
             status = data_loss(err, dir, "index.emb",
                                "its header does not match the manifest (%" PRIu64 " chunks)",
                                m->chunks);
@@ -542,7 +542,8 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
                          ", seen %016" PRIx64, i, header.header_xxh3, header_seen);
     if (header.bucket != entry->bucket || header.rows != entry->rows ||
         header.row_floats != m->row_floats || header.payload_bytes != header.rows * row_bytes ||
-        header.payload_xxh3 != entry->payload_xxh3 || header.bucket >= EM_CHECKPOINT_BUCKETS)
+        header.payload_xxh3 != entry->payload_xxh3 || header.bucket >= EM_CHECKPOINT_BUCKETS ||
+        header.version != m->version)
         return data_loss(err, r->dir, "rows.emb",
                          "chunk %" PRIu64 ": its header does not match index.emb", i);
     if (header.payload_bytes > r->payload_capacity) {
