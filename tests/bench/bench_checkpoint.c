@@ -4,7 +4,10 @@
  *   1. save and load GB/s of a table (Adam state) against dd writing the same bytes with
  *      conv=fdatasync and reading them back, on the same disk in the same run (the page
  *      cache is dropped before each read when /proc/sys/vm/drop_caches is writable);
- *   2. latency of 26-key pulls from `clients` threads while idle and while a save runs
+ *   2. a delta after pushes to 1% of the rows: its bytes against the full checkpoint's
+ *      (target at most 1.5%), and the time of a full save that keeps the row digests
+ *      deltas need against one that does not;
+ *   3. latency of 26-key pulls from `clients` threads while idle and while a save runs
  *      (in-process threads, no network), p50 / p99 / max.
  *
  *   bench_checkpoint [--rows N] [--dim D] [--dir PATH] [--clients C] [--seconds S]
@@ -163,6 +166,7 @@ typedef struct latency {
 typedef struct saver {
     em_table *table;
     const options *opt;
+    bool delta, track;
     em_checkpoint_info info;
     int status;
 } saver;
@@ -173,11 +177,41 @@ static void *run_save(void *argument)
     em_checkpoint_options save_options;
     em_checkpoint_options_init(&save_options, s->opt->dir);
     save_options.keep = 1;
+    save_options.delta = s->delta;
+    save_options.track_changes = s->track;
     em_error err;
     s->status = em_checkpoint_save(s->table, &save_options, &s->info, &err);
     if (s->status != EM_OK)
         fprintf(stderr, "save: %s\n", err.message);
     return NULL;
+}
+
+/* One push to n keys spread evenly over the table's rows; returns n. */
+static uint64_t touch_rows(em_table *table, const options *opt, uint64_t n)
+{
+    uint64_t *keys = malloc(n * sizeof(uint64_t));
+    uint32_t *offsets = malloc((n + 1) * sizeof(uint32_t));
+    float *g = malloc((size_t)n * opt->dim * sizeof(float));
+    uint64_t stride = opt->rows / n;
+    for (uint64_t i = 0; i < n; i++) {
+        keys[i] = key_of(i * stride);
+        offsets[i] = (uint32_t)i;
+    }
+    offsets[n] = (uint32_t)n;
+    for (size_t i = 0; i < (size_t)n * opt->dim; i++)
+        g[i] = 1e-3f * (float)(i % 13) - 0.006f;
+    em_push_request request = {{(uint32_t)n, n, offsets, keys}, EM_COMBINER_NONE, g,
+                               n * opt->dim};
+    em_push_result result;
+    em_error err;
+    if (em_table_push(table, &request, &result, &err) != EM_OK) {
+        fprintf(stderr, "push: %s\n", err.message);
+        exit(1);
+    }
+    free(keys);
+    free(offsets);
+    free(g);
+    return n;
 }
 
 /* Pull latencies for `seconds`, or while a save runs when with_save. */
@@ -298,7 +332,29 @@ int main(int argc, char **argv)
     printf("%-34s %10.3f %10.3f %12.2f\n\n", "verify (read, check)", verify_s, gb / verify_s,
            dd_read_s / verify_s);
 
-    /* 2. pull latency, idle and during a save */
+    /* 2. a delta after pushes to 1% of the rows */
+    saver tracked = {.table = table, .opt = &opt, .track = true};
+    start = em_test_now();
+    run_save(&tracked);
+    double tracked_s = em_test_now() - start;
+    uint64_t touched = touch_rows(table, &opt, opt.rows / 100);
+    saver delta = {.table = table, .opt = &opt, .delta = true};
+    start = em_test_now();
+    run_save(&delta);
+    double delta_s = em_test_now() - start;
+    if (tracked.status != EM_OK || delta.status != EM_OK || strcmp(delta.info.kind, "delta") != 0)
+        return 1;
+    printf("a delta after pushes to %" PRIu64 " keys (1%% of the rows):\n", touched);
+    printf("%-34s %10s %14s %10s %12s\n", "save", "seconds", "bytes", "rows", "of full");
+    printf("%-34s %10.3f %14" PRIu64 " %10" PRIu64 " %12s\n", "full", save_s, s.info.bytes,
+           s.info.rows, "1.0000");
+    printf("%-34s %10.3f %14" PRIu64 " %10" PRIu64 " %12.4f\n", "full, keeping row digests",
+           tracked_s, tracked.info.bytes, tracked.info.rows,
+           (double)tracked.info.bytes / (double)s.info.bytes);
+    printf("%-34s %10.3f %14" PRIu64 " %10" PRIu64 " %12.4f\n\n", "delta", delta_s,
+           delta.info.bytes, delta.info.rows, (double)delta.info.bytes / (double)s.info.bytes);
+
+    /* 3. pull latency, idle and during a save */
     latency idle = measure_pulls(table, &opt, false, NULL);
     double during_s = 0;
     latency busy = measure_pulls(table, &opt, true, &during_s);
