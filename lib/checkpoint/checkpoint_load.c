@@ -26,6 +26,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "common/keyhash.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/checkpoint/checkpoint_format.h"
 #include "lib/checkpoint/checkpoint_internal.h"
@@ -874,6 +875,9 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
         }
         if (status == EM_OK && config.capacity < m->table_rows)
             config.capacity = m->table_rows;
+        /* the rows come in the saved table's map order: hash them with another seed,
+         * one that the same checkpoint always gets */
+        config.hash_seed = em_mix64(m->link.manifest_xxh3) | 1u;
         if (status == EM_OK)
             status = em_table_create(backend, &config, &table, err);
     }

@@ -396,6 +396,7 @@ static em_status cpu_shard_create(em_device *device, const em_shard_spec *spec, 
                                                                  : MAX_INITIAL_SLOTS,
         .max_load_factor = EM_HASHMAP_DEFAULT_MAX_LOAD,
         .allocator = em_pool_host_allocator(device->pool),
+        .seed = spec->hash_seed,
     };
     em_status status = em_hashmap_create(&map_options, &shard->map, err);
     if (status != EM_OK) {
@@ -453,7 +454,8 @@ static uint64_t collect_missing(const uint64_t *keys, const uint64_t *rows, uint
 }
 
 static em_status cpu_shard_insert_missing(em_shard *base, em_lane *lane, const uint64_t *keys,
-                                          uint64_t n, uint64_t *rows, em_error *err)
+                                          uint64_t n, uint64_t *rows, bool initialize,
+                                          em_error *err)
 {
     (void)lane;
     cpu_shard *shard = cpu_shard_of(base);
@@ -472,10 +474,12 @@ static em_status cpu_shard_insert_missing(em_shard *base, em_lane *lane, const u
         status = em_hashmap_find_or_insert(shard->map, missing_keys, count, new_rows, inserted,
                                            NULL, err);
         /* Rows the map handed out are initialised even if a later key failed, so no
-         * reader ever sees uninitialised memory. */
+         * reader ever sees uninitialised memory (unless the caller writes them all). */
         for (uint64_t i = 0; i < count; i++)
-            if (inserted[i])
+            if (inserted[i] && initialize)
                 initialize_row(shard, missing_keys[i], new_rows[i]);
+            else if (inserted[i] && shard->track_access)
+                *row_access(shard, new_rows[i]) = (em_row_access){0};
         for (uint64_t i = 0, next = 0; status == EM_OK && i < n; i++)
             if (rows[i] == EM_ROW_NONE)
                 rows[i] = new_rows[next++];
@@ -549,25 +553,33 @@ static void widen_bounds(cpu_shard *shard, float largest)
     }
 }
 
+/* The largest |v[j]| (NaN ignored, as fmax does), without a libm call per element. */
+static float largest_magnitude(const float *v, uint32_t n)
+{
+    float largest = 0.0f;
+    for (uint32_t j = 0; j < n; j++) {
+        float a = fabsf(v[j]);
+        largest = a > largest ? a : largest;
+    }
+    return largest;
+}
+
 /* After a row was written as given: the bounds take in its values. */
 static void widen_bounds_to_row(cpu_shard *shard, const float *row)
 {
     uint32_t dim = shard->dim;
-    for (uint32_t j = 0; j < dim; j++)
-        shard->weight_bound = fmax(shard->weight_bound, fabs((double)row[j]));
+    shard->weight_bound = fmax(shard->weight_bound, largest_magnitude(row, dim));
     switch (shard->optimizer.kind) {
     case EM_OPTIMIZER_ADAM:
-        for (uint32_t j = 0; j < dim; j++) {
-            shard->moment_bound = fmax(shard->moment_bound, fabs((double)row[dim + j]));
-            shard->state_bound = fmax(shard->state_bound, fabs((double)row[2 * dim + j]));
-        }
+        shard->moment_bound = fmax(shard->moment_bound, largest_magnitude(row + dim, dim));
+        shard->state_bound = fmax(shard->state_bound, largest_magnitude(row + 2 * dim, dim));
         if (!(row[3 * dim] >= 0.0f && row[3 * dim] <= EM_ADAM_MAX_STEP))
             shard->weight_bound = INFINITY; /* a step count no step makes: check every row */
         break;
     case EM_OPTIMIZER_ADAGRAD:
     case EM_OPTIMIZER_ROWWISE_ADAGRAD:
-        for (uint32_t j = dim; j < shard->row_floats; j++)
-            shard->state_bound = fmax(shard->state_bound, fabs((double)row[j]));
+        shard->state_bound =
+            fmax(shard->state_bound, largest_magnitude(row + dim, shard->row_floats - dim));
         break;
     case EM_OPTIMIZER_SGD:
     case EM_OPTIMIZER_COUNT:

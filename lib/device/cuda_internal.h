@@ -213,7 +213,7 @@ em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64
 
 em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
                                         const uint64_t *keys, uint64_t n, uint64_t *rows,
-                                        em_error *err);
+                                        bool initialize, em_error *err);
 
 em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
                                  em_error *err);

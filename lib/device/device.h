@@ -80,6 +80,7 @@ typedef struct em_shard_spec {
     em_optimizer_config optimizer;
     em_initializer_config initializer;
     bool track_access; /* keep per-row access metadata (tables with an eviction policy) */
+    uint64_t hash_seed; /* the shard's hash map seed (em_table_config.hash_seed) */
 } em_shard_spec;
 
 
@@ -165,9 +166,13 @@ typedef struct em_device_ops {
      * that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the pool state. */
     em_status (*shard_reserve)(em_shard *shard, em_lane *lane, uint64_t new_keys, em_error *err);
     /* Inserts the keys whose rows[i] is EM_ROW_NONE with their initial values and
-     * optimizer state, storing their new rows in rows[i]. Keys are distinct. */
+     * optimizer state, storing their new rows in rows[i]. Keys are distinct. Without
+     * initialize the caller writes every new row before anyone can read it (an import
+     * under the table's exclusive lock, with nothing left that can fail), and a device
+     * may leave the values as they are. */
     em_status (*shard_insert_missing)(em_shard *shard, em_lane *lane, const uint64_t *keys,
-                                      uint64_t n, uint64_t *rows, em_error *err);
+                                      uint64_t n, uint64_t *rows, bool initialize,
+                                      em_error *err);
     /* vectors[t] = weights of rows[i] (zeros for EM_ROW_NONE and EM_ROW_REJECTED), dim
      * floats each, where
      * t = targets[i], or t = i when targets is NULL. */

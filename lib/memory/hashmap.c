@@ -2,11 +2,18 @@
  * DESIGN: the CPU concurrent hash map (contract in hashmap.h).
  *
  * Layout. One flat array of 16-byte slots {key, value}, probed linearly from the home
- * slot em_hash_scale(em_hashmap_hash(key), slot_count). A lookup of a present key
+ * slot em_hash_scale(em_mix64(key ^ seed), slot_count). A lookup of a present key
  * touches one or two cache lines, and the batch loops prefetch the home slot of a key
  * a few positions ahead so that the misses of neighbouring keys overlap. The
  * multiply-shift scaling works for any slot count, which lets a map be sized for an
  * exact load factor.
+ *
+ * Seeds. The home hash takes a seed (em_hashmap_options.seed). A map's slot order is
+ * its keys sorted by home slot; keys inserted in the slot order of another map with the
+ * same seed (a table restored from its checkpoint, whose rows come in snapshot order)
+ * arrive concentrated in a part of the home range at many times the map's load, and
+ * linear probing makes clusters as long as the batch. A map filled from another's order
+ * needs a seed of its own; its creator picks it (tables: em_table_config.hash_seed).
  *
  * Slot life cycle. While an array lives, a slot only ever goes EMPTY -> key ->
  * TOMBSTONE, and its value only PENDING -> row:
@@ -118,6 +125,7 @@ struct em_hashmap {
     /* Changed only under the exclusive hold of lock. */
     slot *slots;
     size_t slot_count;
+    uint64_t seed;     /* the home hash's (em_hashmap_options.seed) */
     uint64_t max_used; /* budget for used_slots: floor(max_load_factor * slot_count) */
     uint64_t grow_count;
     double max_load_factor;
@@ -182,10 +190,12 @@ static uint64_t max_used_for(size_t slot_count, double max_load_factor)
     return limit < slot_count ? limit : slot_count - 1;
 }
 
-static size_t home_slot(uint64_t key, size_t slot_count)
+static size_t home_slot(const em_hashmap *map, uint64_t key, size_t slot_count)
 {
-    return (size_t)em_hash_scale(em_hashmap_hash(key), slot_count);
+    return (size_t)em_hash_scale(em_mix64(key ^ map->seed), slot_count);
 }
+
+
 
 static size_t next_slot(size_t position, size_t slot_count)
 {
@@ -224,7 +234,7 @@ static uint64_t rehash_into(em_hashmap *map, slot *fresh, size_t slot_count)
         uint64_t key = atomic_load_explicit(&map->slots[i].key, memory_order_relaxed);
         if (is_sentinel(key))
             continue;
-        size_t position = home_slot(key, slot_count);
+        size_t position = home_slot(map, key, slot_count);
         while (atomic_load_explicit(&fresh[position].key, memory_order_relaxed) !=
                EM_HASHMAP_EMPTY_KEY)
             position = next_slot(position, slot_count);
@@ -395,7 +405,7 @@ static bool side_present(em_hashmap *map, enum side_entry entry)
 
 static uint64_t slots_find(em_hashmap *map, uint64_t key)
 {
-    size_t position = home_slot(key, map->slot_count);
+    size_t position = home_slot(map, key, map->slot_count);
     for (;;) {
         slot *current = &map->slots[position];
         uint64_t seen = atomic_load_explicit(&current->key, memory_order_relaxed);
@@ -473,7 +483,7 @@ static claim_outcome claim_slot(em_hashmap *map, slot *current, uint64_t key, ui
 static insert_outcome slots_find_or_insert(em_hashmap *map, uint64_t key, uint64_t *value,
                                            slot_grant *grant, size_t keys_left)
 {
-    size_t position = home_slot(key, map->slot_count);
+    size_t position = home_slot(map, key, map->slot_count);
     bool reserved = false;
     for (;; position = next_slot(position, map->slot_count)) {
         slot *current = &map->slots[position];
@@ -501,7 +511,7 @@ static insert_outcome slots_find_or_insert(em_hashmap *map, uint64_t key, uint64
 
 static uint64_t slots_erase(em_hashmap *map, uint64_t key)
 {
-    size_t position = home_slot(key, map->slot_count);
+    size_t position = home_slot(map, key, map->slot_count);
     for (;;) {
         slot *current = &map->slots[position];
         uint64_t seen = atomic_load_explicit(&current->key, memory_order_relaxed);
@@ -530,7 +540,8 @@ static void prefetch_home(const em_hashmap *map, const uint64_t *keys, size_t i,
 {
     if (i + PREFETCH_DISTANCE >= n)
         return;
-    const slot *home = &map->slots[home_slot(keys[i + PREFETCH_DISTANCE], map->slot_count)];
+    size_t position = home_slot(map, keys[i + PREFETCH_DISTANCE], map->slot_count);
+    const slot *home = &map->slots[position];
     if (for_write)
         __builtin_prefetch(home, 1);
     else
@@ -635,6 +646,7 @@ em_status em_hashmap_create(const em_hashmap_options *options, em_hashmap **out,
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "hash map header (%zu bytes)",
                             sizeof(em_hashmap));
     init_fields(map, options);
+    map->seed = options->seed != 0 ? options->seed : EM_HASHMAP_SEED;
     status = slot_array_create(map, map->slot_count, &map->slots, err);
     if (status != EM_OK) {
         em_error_prefix(err, "creating hash map with %zu slots: ", map->slot_count);

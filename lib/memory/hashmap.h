@@ -2,8 +2,10 @@
  * DESIGN: the CPU concurrent hash map, u64 key -> row index.
  *
  * Open addressing with linear probing over 16-byte slots {key, value}; the home slot
- * of a key is em_hash_scale(em_hashmap_hash(key), slot_count), so the slot count need
- * not be a power of two and a map can be sized for an exact load factor.
+ * of a key is em_hash_scale(em_mix64(key ^ seed), slot_count), so the slot count need
+ * not be a power of two and a map can be sized for an exact load factor. A map filled
+ * in the slot order of a map with the same seed meets long clusters (hashmap.c): give
+ * it another seed.
  *
  * Every u64 is a valid key. Two key values are reserved in slots as markers
  * (EM_HASHMAP_EMPTY_KEY, EM_HASHMAP_TOMBSTONE_KEY); the keys equal to them are kept in
@@ -53,6 +55,7 @@ typedef struct em_hashmap_options {
     size_t initial_slots;   /* slot count at create (>= 1; rounded up to a multiple of 16) */
     double max_load_factor; /* in (0, 0.95]; 0 means EM_HASHMAP_DEFAULT_MAX_LOAD */
     em_allocator allocator; /* slot arrays come from here; zeroed: malloc */
+    uint64_t seed;          /* of the home hash; 0: EM_HASHMAP_SEED (em_hashmap_hash) */
 } em_hashmap_options;
 
 typedef struct em_hashmap_stats {

@@ -479,6 +479,7 @@ static em_status create_shards(em_table *table, em_error *err)
             .optimizer = table->config.optimizer,
             .initializer = table->config.initializer,
             .track_access = em_eviction_tracks_access(&table->config.eviction),
+            .hash_seed = table->config.hash_seed,
         };
         if (table->config.admission.policy != EM_ADMISSION_ALWAYS &&
             device->ops->shard_fill_initial == NULL)

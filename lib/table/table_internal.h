@@ -123,6 +123,9 @@ typedef struct request_context {
     uint64_t access_stamp;     /* the table's request clock for this request (eviction) */
     uint32_t update_stamp;     /* its push clock, once the request steps rows */
     bool has_update_stamp;
+    bool rows_written_next;    /* an import: every created row is written next, nothing
+                                * in between can fail, no one else reads (insert_missing's
+                                * initialize) */
 } request_context;
 
 /* What em__run_on_shards does on each shard. */

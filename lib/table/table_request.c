@@ -391,7 +391,7 @@ static em_status insert_missing(request_context *r, em_error *err)
             uint64_t offset = shard_offset(r, seg, s);
             em_status status = seg->device->ops->shard_insert_missing(
                 table->shards[s], seg->lane, seg->keys + offset, shard_key_count(r, s),
-                seg->rows + offset, err);
+                seg->rows + offset, !r->rows_written_next, err);
             if (status != EM_OK)
                 return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
             table->rows += r->shard_missing[s];

@@ -18,6 +18,9 @@ static em_status check_import_row(const em_table *table, uint64_t key, uint64_t 
     uint32_t dim = table->config.dim;
     em_optimizer_kind kind = table->config.optimizer.kind;
     for (uint32_t j = 0; j < table->row_floats; j++) {
+        /* the usual row passes on these two tests alone; names only for a refusal */
+        if (isfinite(row[j]) && (j < dim || row[j] >= 0))
+            continue;
         bool weight = j < dim;
         uint32_t state_index = j - dim;
         const char *what = weight ? "weight" : em_optimizer_state_name(kind, dim, state_index);
@@ -25,7 +28,7 @@ static em_status check_import_row(const em_table *table, uint64_t key, uint64_t 
             return em_error_set(err, EM_INVALID_ARGUMENT,
                                 "row %" PRIu64 " (key %" PRIu64 "): %s element %u is not finite",
                                 index, key, what, weight ? j : state_index);
-        if (!weight && row[j] < 0 && em_optimizer_state_nonnegative(kind, dim, state_index))
+        if (em_optimizer_state_nonnegative(kind, dim, state_index))
             return em_error_set(err, EM_INVALID_ARGUMENT,
                                 "row %" PRIu64 " (key %" PRIu64 "): %s element %u is %g, must "
                                 "be >= 0", index, key, what, state_index, (double)row[j]);
@@ -140,12 +143,17 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
         status = check_distinct(&r, keys, n, err);
     if (status == EM_OK)
         status = send_import_rows(&r, values, n, err);
-    if (status == EM_OK)
-        status = em__create_missing(&r, false, err);
+    /* the present rows a snapshot has not read yet go aside before anything is created
+     * (created rows are not the snapshot's), so that between creating the missing rows
+     * and writing them nothing can fail: they need no initial values, the exclusive
+     * table lock keeps every reader out, and the write below fills them all */
     if (status == EM_OK) {
         em__snapshot_wait_room(table);
         status = em__preserve_for_snapshot(&r, true, err);
     }
+    r.rows_written_next = r.home->host_addressable;
+    if (status == EM_OK)
+        status = em__create_missing(&r, false, err);
     if (status == EM_OK)
         status = em__run_on_shards(&r, WORK_WRITE, table->row_floats, err);
     if (status == EM_OK)

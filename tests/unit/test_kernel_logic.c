@@ -676,7 +676,8 @@ START_TEST(insert_without_reserve_is_reported)
     uint64_t *device_keys = upload(d.gpu, d.gpu_lane, keys, sizeof(keys));
     uint64_t *device_rows = upload(d.gpu, d.gpu_lane, none, sizeof(none));
     ck_assert_int_eq(d.gpu->ops->shard_insert_missing(shard, d.gpu_lane, device_keys, 3,
-                                                      device_rows, &err), EM_INTERNAL);
+                                                      device_rows, true, &err),
+                     EM_INTERNAL);
     ck_assert_msg(strstr(err.message, "insert without reserve") != NULL, "%s", err.message);
     em_device_free(d.gpu, device_keys);
     em_device_free(d.gpu, device_rows);
