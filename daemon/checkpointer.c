@@ -173,8 +173,39 @@ void em_checkpointer_destroy(em_checkpointer *c)
 
 /* ---- restore ---------------------------------------------------------------------------- */
 
+/* What the progress of one table's load goes to. */
+typedef struct load_progress {
+    void (*progress)(void *context, const char *line, bool detail);
+    void *context;
+    const char *table;
+    size_t index, count;
+    double last;
+} load_progress;
+
+static double monotonic_seconds(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
+}
+
+static void report_load(void *context, uint64_t rows, uint64_t bytes, uint64_t total_bytes)
+{
+    load_progress *p = context;
+    double now = monotonic_seconds();
+    if (p->progress == NULL || now - p->last < 1.0)
+        return;
+    p->last = now;
+    char line[512];
+    snprintf(line, sizeof(line),
+             "restoring table '%s' (%zu of %zu): %" PRIu64 " rows, %.2f of %.2f GB read",
+             p->table, p->index, p->count, rows, (double)bytes / 1e9, (double)total_bytes / 1e9);
+    p->progress(p->context, line, true);
+}
+
 em_status em_checkpointer_restore(em_checkpointer *c,
-                                  void (*progress)(void *context, const char *line),
+                                  void (*progress)(void *context, const char *line,
+                                                   bool detail),
                                   void *context, em_error *err)
 {
     char **names = NULL;
@@ -184,13 +215,18 @@ em_status em_checkpointer_restore(em_checkpointer *c,
         char line[512], path[4200];
         snprintf(line, sizeof(line), "restoring table '%s' (%zu of %zu)", names[i], i + 1, count);
         if (progress != NULL)
-            progress(context, line);
+            progress(context, line, false);
+        load_progress reporter = {.progress = progress, .context = context, .table = names[i],
+                                  .index = i + 1, .count = count, .last = monotonic_seconds()};
+        em_checkpoint_load_options options = {.track_changes = c->options.track_changes,
+                                              .progress = report_load,
+                                              .progress_context = &reporter};
         em_checkpoint_info info;
         em_table *table = NULL;
         status = em_checkpoint_latest(c->config->dir, names[i], path, sizeof(path), err);
         if (status == EM_OK)
-            status = em_checkpoint_load(path, em_catalog_backend(c->catalog), NULL,
-                                        c->options.track_changes, &table, &info, err);
+            status = em_checkpoint_load(path, em_catalog_backend(c->catalog), NULL, &options,
+                                        &table, &info, err);
         if (status == EM_OK)
             status = em_catalog_add(c->catalog, table, err);
         if (status != EM_OK) {
@@ -232,7 +268,7 @@ em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char 
                                                 &loaded, info, err);
         }
     } else if (status == EM_OK) {
-        status = em_checkpoint_load(path, em_catalog_backend(catalog), table, false, &loaded,
+        status = em_checkpoint_load(path, em_catalog_backend(catalog), table, NULL, &loaded,
                                     info, err);
     }
     if (status == EM_OK)

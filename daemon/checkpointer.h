@@ -33,10 +33,13 @@ em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog 
 void em_checkpointer_destroy(em_checkpointer *checkpointer);
 
 /* Loads the latest checkpoint of every table under the checkpoint dir into the catalog
- * (before it serves). progress (nullable) hears "restoring table 't' (i of n)". Errors:
+ * (before it serves). progress (nullable) hears "restoring table 't' (i of n)" as each
+ * table starts, and then, as details, about every second of a long load, the rows
+ * imported and the bytes read of the table's files. Errors:
  * those of em_checkpoint_load, naming the table; the first one stops the restore. */
 em_status em_checkpointer_restore(em_checkpointer *checkpointer,
-                                  void (*progress)(void *context, const char *line),
+                                  void (*progress)(void *context, const char *line,
+                                                   bool detail),
                                   void *context, em_error *err);
 
 /* What a save writes: a full checkpoint, a delta (full without a parent: see

@@ -179,11 +179,16 @@ static em_status create_backend(em_daemon *d, em_error *err)
     return create_cpu_backend(d, err);
 }
 
-static void restore_progress(void *context, const char *line)
+/* Each line goes to STATUS=, and asks the service manager for another minute of start
+ * time: a restore that goes on making progress never meets TimeoutStartSec. */
+static void restore_progress(void *context, const char *line, bool detail)
 {
     em_daemon *d = context;
-    em_log_notice(&d->log, "%s", line);
-    notify(d, "STATUS=%s", line);
+    if (detail)
+        em_log_info(&d->log, "%s", line);
+    else
+        em_log_notice(&d->log, "%s", line);
+    notify(d, "STATUS=%s\nEXTEND_TIMEOUT_USEC=60000000", line);
 }
 
 /* A configured table that a checkpoint restored stays as restored, if its dim agrees. */

@@ -100,14 +100,22 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
  * chunk), NOT_FOUND, INVALID_ARGUMENT for a manifest of another format or version. */
 em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err);
 
+typedef struct em_checkpoint_load_options {
+    bool track_changes; /* the table keeps the row digests for a delta after this one */
+    /* Heard after every batch of rows imported (about 16 MiB): rows imported and bytes
+     * of rows.emb read so far, of the whole chain, and those files' total bytes. */
+    void (*progress)(void *context, uint64_t rows, uint64_t bytes, uint64_t total_bytes);
+    void *progress_context;
+} em_checkpoint_load_options;
+
 /* Creates a table on backend from the checkpoint at path (named as saved, or name when
  * not NULL) and fills it, a delta with its whole chain (each key from the newest link
- * that has it); *out is the caller's, to publish or destroy. With track_changes the
- * table keeps the row digests for a delta after this checkpoint. Errors: those of
- * verify, and em_table_create's and em_table_import's. */
+ * that has it); *out is the caller's, to publish or destroy. options may be NULL (no
+ * tracking, no progress). Errors: those of verify, and em_table_create's and
+ * em_table_import's. */
 em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
-                             bool track_changes, em_table **out, em_checkpoint_info *info,
-                             em_error *err);
+                             const em_checkpoint_load_options *options, em_table **out,
+                             em_checkpoint_info *info, em_error *err);
 
 /* Warm start: creates a table with config (its own optimizer) holding the checkpoint's
  * keys with their weights only; each row's optimizer state starts as a new row's.

@@ -386,6 +386,10 @@ typedef struct reader {
     uint32_t *kept;         /* scratch: kept rows' positions in the chunk */
     uint64_t kept_capacity;
     uint64_t taken;         /* rows used, of every link read */
+    const em_checkpoint_load_options *options; /* progress; NULL when none */
+    uint64_t bytes_before;  /* rows.emb bytes of the links read before this one */
+    uint64_t total_bytes;   /* of every link's rows.emb */
+    uint64_t imported;      /* rows imported so far */
 } reader;
 
 /* Drops the rows of the chunk in r->payload that a newer link decided, records the
@@ -451,13 +455,24 @@ static em_status import_rows(reader *r, const uint64_t *keys, const float *value
     return status;
 }
 
+static void report_progress(reader *r)
+{
+    if (r->options != NULL && r->options->progress != NULL)
+        r->options->progress(r->options->progress_context, r->imported,
+                             r->bytes_before + r->position, r->total_bytes);
+}
+
 static em_status flush_batch(reader *r, uint64_t last_chunk, em_error *err)
 {
     uint64_t n = r->batched;
     r->batched = 0;
-    return n == 0 ? EM_OK
-                  : import_rows(r, r->batch_keys, r->batch_values, n, r->batch_first_chunk,
-                                last_chunk, err);
+    em_status status = n == 0 ? EM_OK
+                              : import_rows(r, r->batch_keys, r->batch_values, n,
+                                            r->batch_first_chunk, last_chunk, err);
+    r->imported += n;
+    if (n > 0 && status == EM_OK)
+        report_progress(r);
+    return status;
 }
 
 /* Adds chunk i's rows (in r->payload) to the batch, importing it first when full. */
@@ -476,9 +491,15 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
         status = flush_batch(r, i - 1, err);
     if (status != EM_OK)
         return status;
-    if (rows > r->batch_capacity && !r->weights_only) /* a large chunk goes alone */
-        return import_rows(r, (const uint64_t *)r->payload,
-                           (const float *)(r->payload + rows * sizeof(uint64_t)), rows, i, i, err);
+    if (rows > r->batch_capacity && !r->weights_only) { /* a large chunk goes alone */
+        status = import_rows(r, (const uint64_t *)r->payload,
+                             (const float *)(r->payload + rows * sizeof(uint64_t)), rows, i, i,
+                             err);
+        r->imported += rows;
+        if (status == EM_OK)
+            report_progress(r);
+        return status;
+    }
     for (uint32_t done = 0; done < rows;) {
         if (r->batched == r->batch_capacity) {
             status = flush_batch(r, i, err);
@@ -813,6 +834,7 @@ static em_status read_links(reader *r, const link_state *links, size_t count, em
             status = read_tombstones(r, links[i].dir, &links[i].m, err);
         if (status == EM_OK)
             status = read_rows(r, links[i].dir, &links[i].m, index, err);
+        r->bytes_before += links[i].m.rows_file.bytes;
         free(index);
     }
     return status;
@@ -849,8 +871,9 @@ static em_status attach_base(em_table *table, const link_state *target, em__key_
 /* Verifies (backend NULL) or loads the checkpoint at path with its chain; weights_into,
  * when not NULL, is the config of the table to create with the weights only. */
 static em_status read_checkpoint(const char *path, em_backend *backend, const char *name,
-                                 const em_table_config *weights_into, bool track_changes,
-                                 em_table **out, em_checkpoint_info *info, em_error *err)
+                                 const em_table_config *weights_into,
+                                 const em_checkpoint_load_options *options, em_table **out,
+                                 em_checkpoint_info *info, em_error *err)
 {
     double start = monotonic_seconds();
     link_state *links = NULL;
@@ -881,9 +904,12 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
         if (status == EM_OK)
             status = em_table_create(backend, &config, &table, err);
     }
-    reader r = {.table = table, .weights_only = weights_into != NULL};
+    reader r = {.table = table, .weights_only = weights_into != NULL, .options = options};
+    for (size_t i = 0; status == EM_OK && i < count; i++)
+        r.total_bytes += links[i].m.rows_file.bytes;
     em__key_map decided = {0}, digests = {0};
-    bool tracking = table != NULL && track_changes && weights_into == NULL;
+    bool tracking = table != NULL && options != NULL && options->track_changes &&
+                    weights_into == NULL;
     if (status == EM_OK && ((count > 1 && !em__key_map_init(&decided, m->table_rows)) ||
                             (tracking && !em__key_map_init(&digests, m->table_rows))))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
@@ -940,21 +966,21 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
 
 em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err)
 {
-    return read_checkpoint(path, NULL, NULL, NULL, false, NULL, info, err);
+    return read_checkpoint(path, NULL, NULL, NULL, NULL, NULL, info, err);
 }
 
 em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
-                             bool track_changes, em_table **out, em_checkpoint_info *info,
-                             em_error *err)
+                             const em_checkpoint_load_options *options, em_table **out,
+                             em_checkpoint_info *info, em_error *err)
 {
-    return read_checkpoint(path, backend, name, NULL, track_changes, out, info, err);
+    return read_checkpoint(path, backend, name, NULL, options, out, info, err);
 }
 
 em_status em_checkpoint_load_weights(const char *path, em_backend *backend,
                                      const em_table_config *config, em_table **out,
                                      em_checkpoint_info *info, em_error *err)
 {
-    return read_checkpoint(path, backend, NULL, config, false, out, info, err);
+    return read_checkpoint(path, backend, NULL, config, NULL, out, info, err);
 }
 
 em_status em__checkpoint_read_link(const char *path, em__chain_link *link, em_error *err)

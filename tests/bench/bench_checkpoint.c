@@ -303,7 +303,7 @@ int main(int argc, char **argv)
     em_table *loaded = NULL;
     em_checkpoint_info info;
     start = em_test_now();
-    if (em_checkpoint_load(s.info.path, backend, "loaded", false, &loaded, &info, &err) != EM_OK) {
+    if (em_checkpoint_load(s.info.path, backend, "loaded", NULL, &loaded, &info, &err) != EM_OK) {
         fprintf(stderr, "load: %s\n", err.message);
         return 1;
     }

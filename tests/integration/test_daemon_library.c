@@ -191,6 +191,57 @@ START_TEST(a_daemon_stopped_before_it_runs_drains_at_once)
 }
 END_TEST
 
+/* A daemon configured from json with a table t and checkpoints under dir (a daemon of
+ * the library, with notifications going to sent). */
+static em_daemon *checkpointing_daemon(const char *dir, notifications *sent)
+{
+    char json[1024];
+    snprintf(json, sizeof(json),
+             "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", "
+             "\"metrics\": \"\"}, \"backend\": {\"type\": \"cpu\", \"memory_limit_bytes\": "
+             "67108864}, \"admin_token\": {\"value\": \"t\"}, \"log_level\": \"error\", "
+             "\"checkpoint\": {\"dir\": \"%s\"}, \"tables\": [{\"name\": \"t\", \"dim\": 4, "
+             "\"capacity\": 100}]}", dir);
+    em_daemon_config config;
+    em_error err;
+    ck_assert_msg(em_daemon_config_parse_text(json, "test", &config, &err) == EM_OK, "%s",
+                  err.message);
+    em_daemon_options options;
+    em_daemon_options_init(&options);
+    options.notify = record_notification;
+    options.notify_context = sent;
+    em_daemon *daemon = NULL;
+    ck_assert_msg(em_daemon_create(&config, &options, &daemon, &err) == EM_OK, "%s",
+                  err.message);
+    em_daemon_config_deinit(&config);
+    return daemon;
+}
+
+/* A restore says in STATUS= what it restores, and asks systemd for more start time with
+ * each line (EXTEND_TIMEOUT_USEC), so a long load that progresses never times out. */
+START_TEST(a_restore_tells_the_service_manager_and_extends_the_start)
+{
+    static notifications sent = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    char dir[256];
+    em_test_make_dir("ember-restore", dir, sizeof(dir));
+    em_daemon *first = checkpointing_daemon(dir, &sent);
+    em_daemon_stop(first, "test finished");
+    em_daemon_run(first);
+    em_daemon_save_at_shutdown(first);
+    em_daemon_destroy(first);
+    em_daemon *second = checkpointing_daemon(dir, &sent);
+    pthread_mutex_lock(&sent.lock);
+    ck_assert_msg(strstr(sent.text, "STATUS=restoring table 't' (1 of 1)\n"
+                                    "EXTEND_TIMEOUT_USEC=60000000") != NULL,
+                  "%s", sent.text);
+    pthread_mutex_unlock(&sent.lock);
+    em_daemon_stop(second, "test finished");
+    em_daemon_run(second);
+    em_daemon_destroy(second);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 START_TEST(a_bad_listen_address_fails_create_naming_it)
 {
     const char *json = "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"256.1.1.1:7\", \"metrics\": \"\"},"
@@ -340,6 +391,7 @@ int main(void)
     tcase_add_test(lifecycle, reload_applies_the_reloadable_keys_and_keeps_the_rest);
     tcase_add_test(lifecycle, a_daemon_stopped_before_it_runs_drains_at_once);
     tcase_add_test(lifecycle, a_bad_listen_address_fails_create_naming_it);
+    tcase_add_test(lifecycle, a_restore_tells_the_service_manager_and_extends_the_start);
     suite_add_tcase(suite, lifecycle);
     TCase *faults = tcase_create("faults");
     tcase_set_timeout(faults, 60);

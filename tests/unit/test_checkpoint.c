@@ -17,6 +17,9 @@
 
 #define MEBIBYTE (UINT64_C(1) << 20)
 
+/* Loads that keep the digests a delta needs. */
+static const em_checkpoint_load_options tracking = {.track_changes = true};
+
 /* ---- fixtures ---------------------------------------------------------------------- */
 
 static em_backend *make_backend(void)
@@ -97,7 +100,7 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
     ck_assert_int_eq(em_checkpoint_latest(dir, "t", latest, sizeof(latest), &err), EM_OK);
     ck_assert_str_eq(latest, saved.path);
     em_table *restored = NULL;
-    ck_assert_msg(em_checkpoint_load(latest, backend, NULL, false, &restored, &loaded, &err) == EM_OK,
+    ck_assert_msg(em_checkpoint_load(latest, backend, NULL, NULL, &restored, &loaded, &err) == EM_OK,
                   "%s", err.message);
     ck_assert_uint_eq(loaded.rows, saved.rows);
     ck_assert_uint_eq(loaded.bytes, saved.bytes);
@@ -122,7 +125,7 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
 
     /* and under another name */
     em_table *renamed = NULL;
-    ck_assert_int_eq(em_checkpoint_load(latest, backend, "u", false, &renamed, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_load(latest, backend, "u", NULL, &renamed, NULL, &err), EM_OK);
     ck_assert_str_eq(em_table_name(renamed), "u");
     em_table_destroy(renamed);
     em_table_destroy(restored);
@@ -198,7 +201,7 @@ START_TEST(empty_tables_round_trip)
     ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
     ck_assert_uint_eq(info.rows, 0);
     em_table *restored = NULL;
-    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, false, &restored, NULL, &err) == EM_OK,
+    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err) == EM_OK,
                   "%s", err.message);
     em_table_stats stats;
     em_table_get_stats(restored, &stats);
@@ -346,7 +349,7 @@ START_TEST(damaged_checkpoints_are_refused_naming_the_file)
                           strstr(err.message, ", seen ") != NULL,
                       "%s", err.message);
     em_table *restored = NULL;
-    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, false, &restored, NULL, &err),
+    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
                      EM_DATA_LOSS);
     ck_assert_ptr_null(restored);
     em_table_destroy(table);
@@ -409,7 +412,7 @@ START_TEST(a_failed_step_leaves_the_previous_checkpoint_current)
         /* LATEST, .lock and the first checkpoint only */
         ck_assert_int_eq(count_entries(table_dir), 3);
         em_table *restored = NULL;
-        ck_assert_int_eq(em_checkpoint_load(latest, backend, NULL, false, &restored, NULL, &err), EM_OK);
+        ck_assert_int_eq(em_checkpoint_load(latest, backend, NULL, NULL, &restored, NULL, &err), EM_OK);
         em_test_assert_table_unchanged(restored, &before);
         em_table_destroy(restored);
     }
@@ -435,7 +438,7 @@ START_TEST(version_1_checkpoints_still_load)
     em_table *table = NULL;
     em_checkpoint_info info;
     em_error err;
-    ck_assert_msg(em_checkpoint_load(path, backend, NULL, true, &table, &info, &err) == EM_OK,
+    ck_assert_msg(em_checkpoint_load(path, backend, NULL, &tracking, &table, &info, &err) == EM_OK,
                   "%s", err.message);
     ck_assert_str_eq(info.kind, "full");
     ck_assert_uint_eq(info.table_rows, 64);
@@ -477,6 +480,17 @@ static void change_a_little(em_table *table, uint32_t dim, em_test_rng *rng, uin
     for (int i = 0; i < 5; i++)
         gone[i] = em_test_rng_below(rng, 4000);
     ck_assert_int_eq(em_table_erase(table, gone, 5, &erased, &err), EM_OK);
+}
+
+/* Keeps the last progress of a load: rows, bytes, total bytes. */
+static void record_progress(void *context, uint64_t rows, uint64_t bytes, uint64_t total_bytes)
+{
+    uint64_t *heard = context;
+    ck_assert_uint_ge(rows, heard[0]);
+    ck_assert_uint_ge(bytes, heard[1]);
+    heard[0] = rows;
+    heard[1] = bytes;
+    heard[2] = total_bytes;
 }
 
 /* A delta holds only what changed; the chain loads back to exactly the table at the
@@ -523,8 +537,17 @@ START_TEST(deltas_restore_the_table_of_their_instant)
 
     em_table *restored = NULL;
     em_checkpoint_info loaded;
-    ck_assert_msg(em_checkpoint_load(delta.path, backend, NULL, true, &restored, &loaded, &err) ==
-                      EM_OK, "%s", err.message);
+    uint64_t heard[3] = {0};
+    em_checkpoint_load_options with_progress = {.track_changes = true,
+                                                .progress = record_progress,
+                                                .progress_context = heard};
+    ck_assert_msg(em_checkpoint_load(delta.path, backend, NULL, &with_progress, &restored,
+                                     &loaded, &err) == EM_OK,
+                  "%s", err.message);
+    /* the last progress heard is the whole chain */
+    ck_assert_uint_eq(heard[0], stats.rows);
+    ck_assert_uint_eq(heard[1], heard[2]);
+    ck_assert_uint_gt(heard[2], full.bytes / 2);
     ck_assert_str_eq(loaded.kind, "delta");
     ck_assert_uint_eq(loaded.depth, 3);
     em_test_snapshot got = em_test_snapshot_take(restored, 1000);
@@ -637,7 +660,7 @@ START_TEST(broken_chains_are_refused_naming_the_file)
     ck_assert_int_eq(em_checkpoint_verify(paths[3], NULL, &err), EM_DATA_LOSS);
     ck_assert_msg(strstr(err.message, named) != NULL, "%s", err.message);
     em_table *restored = NULL;
-    ck_assert_int_eq(em_checkpoint_load(paths[3], backend, NULL, true, &restored, NULL, &err),
+    ck_assert_int_eq(em_checkpoint_load(paths[3], backend, NULL, &tracking, &restored, NULL, &err),
                      EM_DATA_LOSS);
     ck_assert_msg(strstr(err.message, named) != NULL, "%s", err.message);
     ck_assert_ptr_null(restored);
@@ -677,7 +700,7 @@ START_TEST(a_failed_delta_leaves_the_next_one_complete)
     ck_assert_str_eq(info.kind, step == EM_SAVE_LATEST_DIR_FSYNC ? "full" : "delta");
     em_test_snapshot expected = em_test_snapshot_take(table, 1000);
     em_table *restored = NULL;
-    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, false, &restored, NULL, &err) ==
+    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err) ==
                       EM_OK, "%s", err.message);
     em_test_assert_table_unchanged(restored, &expected);
     em_test_snapshot_free(&expected);
