@@ -13,6 +13,9 @@
 /* The virtual bucket of a key (checkpoint.h). */
 uint32_t em__checkpoint_bucket(uint64_t key);
 
+/* The order of tombstones.emb: by bucket, then key (<0, 0, >0 as strcmp). */
+int em__checkpoint_key_order(uint64_t x, uint64_t y);
+
 /* Whether name is a checkpoint id: exactly EM_CHECKPOINT_ID_DIGITS decimal digits. */
 bool em__checkpoint_is_id(const char *name);
 

@@ -71,15 +71,6 @@ static em_status data_loss(em_error *err, const char *dir, const char *file, con
     return em_error_set(err, EM_DATA_LOSS, "checkpoint %s: %s: %s", dir, file, what);
 }
 
-/* Tombstones are ordered by bucket, then key. */
-static int compare_by_bucket(uint64_t x, uint64_t y)
-{
-    uint32_t bx = em__checkpoint_bucket(x), by = em__checkpoint_bucket(y);
-    if (bx != by)
-        return bx < by ? -1 : 1;
-    return x < y ? -1 : x > y;
-}
-
 /* ---- the manifest ---------------------------------------------------------------------- */
 
 static em_status read_small_file(const char *dir, const char *name, size_t limit, char **out,
@@ -697,7 +688,7 @@ static em_status read_tombstones(reader *r, const char *dir, const manifest *m, 
     const uint64_t *keys = (const uint64_t *)(data + sizeof(header));
     for (uint64_t i = 0; status == EM_OK && i < m->tombstones; i++) {
         uint64_t key = keys[i], by = 0;
-        if (i > 0 && compare_by_bucket(keys[i - 1], key) >= 0)
+        if (i > 0 && em__checkpoint_key_order(keys[i - 1], key) >= 0)
             status = data_loss(err, dir, "tombstones.emb",
                                "key %" PRIu64 " (number %" PRIu64 ") is out of order or repeated",
                                key, i);

@@ -185,13 +185,17 @@ static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error
     return EM_OK;
 }
 
-static int compare_tombstones(const void *a, const void *b)
+int em__checkpoint_key_order(uint64_t x, uint64_t y)
 {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     uint32_t bx = em__checkpoint_bucket(x), by = em__checkpoint_bucket(y);
     if (bx != by)
         return bx < by ? -1 : 1;
     return x < y ? -1 : x > y;
+}
+
+static int compare_tombstones(const void *a, const void *b)
+{
+    return em__checkpoint_key_order(*(const uint64_t *)a, *(const uint64_t *)b);
 }
 
 /* A delta's tombstones: the parent's keys that the snapshot no longer has, ordered by
