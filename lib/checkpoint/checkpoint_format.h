@@ -9,17 +9,6 @@
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "checkpoints are written in the host's byte order, which must be little-endian"
-/* tombstones.emb (format version 2): this header, count keys (u64, ordered by bucket
- * then key), then the XXH3-64 of all bytes before it. */
-typedef struct em_tombstones_header {
-    char magic[8];
-    uint32_t version;
-    uint32_t buckets;
-    uint64_t count;
-} em_tombstones_header;
-
-_Static_assert(sizeof(em_tombstones_header) == 24, "tombstones header layout");
-
 #endif
 
 #define EM_CHUNK_MAGIC "EMBCHUNK"

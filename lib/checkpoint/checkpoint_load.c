@@ -310,6 +310,30 @@ static em_status read_manifest(const char *dir, manifest *m, em_error *err)
 
 /* ---- index.emb ------------------------------------------------------------------------- */
 
+/* Reads a whole small file and checks its size and checksum against the manifest's
+ * entry; *data is the caller's to free (NULL on an error). */
+static em_status read_listing(const char *dir, const char *name, size_t limit,
+                              const file_entry *entry, char **data, size_t *size, em_error *err)
+{
+    *data = NULL;
+    em_status status = read_small_file(dir, name, limit, data, size, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t seen = XXH3_64bits(*data, *size);
+    if (*size != entry->bytes)
+        status = data_loss(err, dir, name, "%zu bytes, the manifest says %" PRIu64
+                           " (truncated?)", *size, entry->bytes);
+    else if (seen != entry->xxh3)
+        status = data_loss(err, dir, name,
+                           "checksum mismatch: expected %016" PRIx64 ", seen %016" PRIx64,
+                           entry->xxh3, seen);
+    if (status != EM_OK) {
+        free(*data);
+        *data = NULL;
+    }
+    return status;
+}
+
 static em_status read_index(const char *dir, const manifest *m, em_index_entry **out,
                             em_error *err)
 {
@@ -318,18 +342,9 @@ static em_status read_index(const char *dir, const manifest *m, em_index_entry *
     size_t limit = sizeof(em_index_header) + EM_CHECKPOINT_BUCKETS * sizeof(em_index_entry) *
                                                  (m->chunks / EM_CHECKPOINT_BUCKETS + 1) +
                    sizeof(uint64_t);
-    em_status status = read_small_file(dir, "index.emb", limit, &data, &size, err);
+    em_status status = read_listing(dir, "index.emb", limit, &m->index_file, &data, &size, err);
     if (status != EM_OK)
         return status;
-    uint64_t seen = XXH3_64bits(data, size);
-    if (size != m->index_file.bytes)
-        status = data_loss(err, dir, "index.emb",
-                           "%zu bytes, the manifest says %" PRIu64 " (truncated?)", size,
-                           m->index_file.bytes);
-    else if (seen != m->index_file.xxh3)
-        status = data_loss(err, dir, "index.emb",
-                           "checksum mismatch: expected %016" PRIx64 ", seen %016" PRIx64,
-                           m->index_file.xxh3, seen);
     em_index_header header;
     if (status == EM_OK) {
         memcpy(&header, data, sizeof(header));
@@ -662,19 +677,13 @@ static em_status read_tombstones(reader *r, const char *dir, const manifest *m, 
     size_t size = 0;
     size_t expected = sizeof(em_tombstones_header) + m->tombstones * sizeof(uint64_t) +
                       sizeof(uint64_t);
-    em_status status = read_small_file(dir, "tombstones.emb", expected, &data, &size, err);
-    if (status != EM_OK)
-        return status;
-    uint64_t seen = XXH3_64bits(data, size);
+    em_status status = read_listing(dir, "tombstones.emb", expected, &m->tombstones_file, &data,
+                                    &size, err);
     em_tombstones_header header;
-    if (size != m->tombstones_file.bytes || size != expected)
+    if (status == EM_OK && size != expected)
         status = data_loss(err, dir, "tombstones.emb",
-                           "%zu bytes, the manifest says %" PRIu64 " (truncated?)", size,
-                           m->tombstones_file.bytes);
-    else if (seen != m->tombstones_file.xxh3)
-        status = data_loss(err, dir, "tombstones.emb",
-                           "checksum mismatch: expected %016" PRIx64 ", seen %016" PRIx64,
-                           m->tombstones_file.xxh3, seen);
+                           "%zu bytes for the %" PRIu64 " keys the manifest says (truncated?)",
+                           size, m->tombstones);
     if (status == EM_OK) {
         memcpy(&header, data, sizeof(header));
         if (memcmp(header.magic, EM_TOMBSTONES_MAGIC, 8) != 0 || header.count != m->tombstones ||
@@ -685,7 +694,7 @@ static em_status read_tombstones(reader *r, const char *dir, const manifest *m, 
     }
     if (status == EM_OK && m->tombstones > 0 && !m->link.delta)
         status = data_loss(err, dir, "tombstones.emb", "a full checkpoint with tombstones");
-    const uint64_t *keys = (const uint64_t *)(data + sizeof(header));
+    const uint64_t *keys = status == EM_OK ? (const uint64_t *)(data + sizeof(header)) : NULL;
     for (uint64_t i = 0; status == EM_OK && i < m->tombstones; i++) {
         uint64_t key = keys[i], by = 0;
         if (i > 0 && em__checkpoint_key_order(keys[i - 1], key) >= 0)

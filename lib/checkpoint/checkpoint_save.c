@@ -265,53 +265,51 @@ static em_status write_file(const char *path, const void *data, size_t bytes,
     return status;
 }
 
-static em_status write_index(save *s, uint64_t *bytes, uint64_t *checksum, em_error *err)
+/* A file of header, items, and the XXH3-64 of every byte before it (index.emb,
+ * tombstones.emb), written and fsynced: write_step and the step after it. */
+static em_status write_listing(save *s, const char *name, const void *header,
+                               size_t header_bytes, const void *items, size_t items_bytes,
+                               em_save_step write_step, uint64_t *bytes, uint64_t *checksum,
+                               em_error *err)
 {
-    size_t size = sizeof(em_index_header) + s->chunks * sizeof(em_index_entry) + sizeof(uint64_t);
+    size_t size = header_bytes + items_bytes + sizeof(uint64_t);
     unsigned char *data = malloc(size);
     if (data == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
-    em_index_header header = {.version = EM_CHECKPOINT_FORMAT_VERSION,
-                              .buckets = EM_CHECKPOINT_BUCKETS,
-                              .chunks = s->chunks};
-    memcpy(header.magic, EM_INDEX_MAGIC, 8);
-    memcpy(data, &header, sizeof(header));
-    if (s->chunks > 0) /* an empty table has no chunks (and no index array) */
-        memcpy(data + sizeof(header), s->index, s->chunks * sizeof(em_index_entry));
+    memcpy(data, header, header_bytes);
+    if (items_bytes > 0) /* an empty list has no array */
+        memcpy(data + header_bytes, items, items_bytes);
     uint64_t trailer = XXH3_64bits(data, size - sizeof(uint64_t));
     memcpy(data + size - sizeof(uint64_t), &trailer, sizeof(trailer));
     *bytes = size;
     *checksum = XXH3_64bits(data, size);
     char path[4200];
-    snprintf(path, sizeof(path), "%s/index.emb", s->tmp_dir);
-    em_status status = write_file(path, data, size, EM_SAVE_INDEX_WRITE, err);
+    snprintf(path, sizeof(path), "%s/%s", s->tmp_dir, name);
+    em_status status = write_file(path, data, size, write_step, err);
     free(data);
     return status;
 }
 
+static em_status write_index(save *s, uint64_t *bytes, uint64_t *checksum, em_error *err)
+{
+    em_index_header header = {.version = EM_CHECKPOINT_FORMAT_VERSION,
+                              .buckets = EM_CHECKPOINT_BUCKETS,
+                              .chunks = s->chunks};
+    memcpy(header.magic, EM_INDEX_MAGIC, 8);
+    return write_listing(s, "index.emb", &header, sizeof(header), s->index,
+                         s->chunks * sizeof(em_index_entry), EM_SAVE_INDEX_WRITE, bytes,
+                         checksum, err);
+}
+
 static em_status write_tombstones(save *s, uint64_t *bytes, uint64_t *checksum, em_error *err)
 {
-    size_t size = sizeof(em_tombstones_header) + s->tombstone_count * sizeof(uint64_t) +
-                  sizeof(uint64_t);
-    unsigned char *data = malloc(size);
-    if (data == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
     em_tombstones_header header = {.version = EM_CHECKPOINT_FORMAT_VERSION,
                                    .buckets = EM_CHECKPOINT_BUCKETS,
                                    .count = s->tombstone_count};
     memcpy(header.magic, EM_TOMBSTONES_MAGIC, 8);
-    memcpy(data, &header, sizeof(header));
-    if (s->tombstone_count > 0)
-        memcpy(data + sizeof(header), s->tombstones, s->tombstone_count * sizeof(uint64_t));
-    uint64_t trailer = XXH3_64bits(data, size - sizeof(uint64_t));
-    memcpy(data + size - sizeof(uint64_t), &trailer, sizeof(trailer));
-    *bytes = size;
-    *checksum = XXH3_64bits(data, size);
-    char path[4200];
-    snprintf(path, sizeof(path), "%s/tombstones.emb", s->tmp_dir);
-    em_status status = write_file(path, data, size, EM_SAVE_TOMBSTONES_WRITE, err);
-    free(data);
-    return status;
+    return write_listing(s, "tombstones.emb", &header, sizeof(header), s->tombstones,
+                         s->tombstone_count * sizeof(uint64_t), EM_SAVE_TOMBSTONES_WRITE, bytes,
+                         checksum, err);
 }
 
 static void add_file(cJSON *files, const char *name, uint64_t bytes, uint64_t checksum)
