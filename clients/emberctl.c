@@ -730,14 +730,17 @@ static void print_server_stats(const cJSON *server)
     double saves = json_number(server, "checkpoint_saves");
     double failures = json_number(server, "checkpoint_save_failures");
     double restored = json_number(server, "checkpoint_tables_restored");
-    if (saves + failures + restored == 0)
+    double running = json_number(server, "checkpoint_saves_running");
+    if (saves + failures + restored + running == 0)
         return;
     char last_bytes[32];
     format_bytes(json_number(server, "checkpoint_last_save_bytes"), last_bytes,
                  sizeof(last_bytes));
-    printf("  checkpoints  %.0f saved, %.0f failed, %.0f running; last save %s in %.0f ms;"
-           " %.0f tables (%.0f rows) restored at start\n",
-           saves, failures, json_number(server, "checkpoint_saves_running"), last_bytes,
+    printf("  checkpoints  %.0f saved (%.0f deltas), %.0f failed, %.0f running (%.0f of %.0f "
+           "rows read); last save %s in %.0f ms; %.0f tables (%.0f rows) restored at start\n",
+           saves, json_number(server, "checkpoint_deltas"), failures, running,
+           json_number(server, "checkpoint_save_rows_read"),
+           json_number(server, "checkpoint_save_rows"), last_bytes,
            json_number(server, "checkpoint_last_save_ms"), restored,
            json_number(server, "checkpoint_rows_restored"));
 }

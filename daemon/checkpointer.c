@@ -31,14 +31,34 @@ static uint64_t now_unix_ms(void)
 
 /* ---- saving -------------------------------------------------------------------------- */
 
+/* What one running save has added to the progress gauges of STATS. */
+typedef struct save_progress {
+    em_server_stats *stats;
+    uint64_t read, total;
+} save_progress;
+
+static void report_save(void *context, uint64_t rows_read, uint64_t rows_total)
+{
+    save_progress *p = context;
+    atomic_fetch_add(&p->stats->checkpoint_save_rows_read, rows_read - p->read);
+    atomic_fetch_add(&p->stats->checkpoint_save_rows, rows_total - p->total);
+    p->read = rows_read;
+    p->total = rows_total;
+}
+
 static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode,
                           em_checkpoint_info *info, em_error *err)
 {
     em_checkpoint_options options = c->options;
+    save_progress progress = {.stats = c->stats};
+    options.progress = report_save;
+    options.progress_context = &progress;
     options.delta = mode == EM_SAVE_DELTA || (mode == EM_SAVE_SCHEDULED && c->config->full_every > 1);
     options.max_depth = mode == EM_SAVE_SCHEDULED ? c->config->full_every - 1 : 0;
     atomic_fetch_add(&c->stats->checkpoint_saves_running, 1);
     em_status status = em_checkpoint_save(table, &options, info, err);
+    atomic_fetch_sub(&c->stats->checkpoint_save_rows_read, progress.read);
+    atomic_fetch_sub(&c->stats->checkpoint_save_rows, progress.total);
     atomic_fetch_sub(&c->stats->checkpoint_saves_running, 1);
     if (status != EM_OK) {
         atomic_fetch_add(&c->stats->checkpoint_save_failures, 1);
@@ -46,6 +66,8 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
         return status;
     }
     atomic_fetch_add(&c->stats->checkpoint_saves, 1);
+    if (strcmp(info->kind, "delta") == 0)
+        atomic_fetch_add(&c->stats->checkpoint_deltas, 1);
     atomic_store(&c->stats->checkpoint_last_success_unix_ms, now_unix_ms());
     atomic_store(&c->stats->checkpoint_last_save_ms, (uint64_t)(info->seconds * 1000.0));
     atomic_store(&c->stats->checkpoint_last_save_bytes, info->bytes);

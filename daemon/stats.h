@@ -68,6 +68,9 @@
     X(checkpoint_last_save_bytes, GAUGE, BYTES, "bytes the last completed save wrote")        \
     X(checkpoint_tables_restored, COUNTER, NONE, "tables loaded from checkpoints at start")   \
     X(checkpoint_rows_restored, COUNTER, NONE, "rows loaded from checkpoints at start")      \
+    X(checkpoint_deltas, COUNTER, NONE, "table checkpoints completed as deltas")             \
+    X(checkpoint_save_rows_read, GAUGE, NONE, "rows the saves running now have read")        \
+    X(checkpoint_save_rows, GAUGE, NONE, "rows the snapshots of the saves running hold") \
     X(work_queued, GAUGE, NONE, "requests queued for or running on the workers now")       \
     X(metrics_scrapes, COUNTER, NONE, "answers to GET /metrics")                              \
     X(http_requests_refused, COUNTER, NONE,                                                   \

@@ -64,6 +64,10 @@ typedef struct em_checkpoint_options {
                                 * more deltas than this (0: no limit) */
     bool track_changes;        /* keep the row digests a later delta needs (delta implies it);
                                 * without, a table's digests are dropped */
+    /* Heard once the snapshot is taken (rows_read 0) and after each staging buffer
+     * written: rows of the snapshot read so far, and its rows. NULL: not heard. */
+    void (*progress)(void *context, uint64_t rows_read, uint64_t rows_total);
+    void *progress_context;
 } em_checkpoint_options;
 
 /* Defaults: keep 3, copy limit 256 MiB, buffer 32 MiB, full saves, no tracking. */

@@ -229,6 +229,10 @@ static em_status write_rows(save *s, em_error *err)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
                               "out of host memory for the row digests of %" PRIu64 " rows",
                               em_table_snapshot_rows(snapshot));
+    const em_checkpoint_options *o = s->options;
+    uint64_t total = status == EM_OK ? em_table_snapshot_rows(snapshot) : 0;
+    if (status == EM_OK && o->progress != NULL)
+        o->progress(o->progress_context, 0, total);
     uint64_t count = 1;
     while (status == EM_OK && count > 0) {
         status = em_table_snapshot_read(snapshot, s->buffer_rows - s->staged,
@@ -239,8 +243,11 @@ static em_status write_rows(save *s, em_error *err)
         if (status == EM_OK)
             status = digest_staged(s, count, &kept, err);
         s->staged += kept;
-        if (status == EM_OK && (s->staged == s->buffer_rows || count == 0))
+        if (status == EM_OK && (s->staged == s->buffer_rows || count == 0)) {
             status = flush_run(s, err);
+            if (status == EM_OK && o->progress != NULL)
+                o->progress(o->progress_context, s->table_rows, total);
+        }
     }
     em_table_snapshot_end(snapshot);
     if (status == EM_OK && s->delta)

@@ -264,6 +264,16 @@ START_TEST(deltas_survive_kill_9_and_follow_full_every)
     ck_assert_msg(strstr(out, "t: delta checkpoint 00000000000000000002, 100 rows, "
                               "0 tombstones") != NULL, "%s", out);
     free(out);
+    /* STATS counts the delta; with no save running the progress gauges are back at 0 */
+    cJSON *stats = NULL;
+    ck_assert_int_eq(em_client_stats(client, NULL, &stats, &err), EM_OK);
+    const cJSON *server = cJSON_GetObjectItem(stats, "server");
+    ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_saves")->valuedouble, 2);
+    ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_deltas")->valuedouble, 1);
+    ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_save_rows_read")->valuedouble, 0);
+    ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_save_rows")->valuedouble,
+                        0);
+    cJSON_Delete(stats);
     uint64_t missing = 0;
     float *state = read_state(client, b, &missing);
     em_client_destroy(client);

@@ -482,6 +482,15 @@ static void change_a_little(em_table *table, uint32_t dim, em_test_rng *rng, uin
     ck_assert_int_eq(em_table_erase(table, gone, 5, &erased, &err), EM_OK);
 }
 
+/* Keeps the last progress of a save: rows read, rows in the snapshot. */
+static void record_save_progress(void *context, uint64_t rows_read, uint64_t rows_total)
+{
+    uint64_t *heard = context;
+    ck_assert_uint_le(rows_read, rows_total);
+    heard[0] = rows_read;
+    heard[1] = rows_total;
+}
+
 /* Keeps the last progress of a load: rows, bytes, total bytes. */
 static void record_progress(void *context, uint64_t rows, uint64_t bytes, uint64_t total_bytes)
 {
@@ -509,12 +518,17 @@ START_TEST(deltas_restore_the_table_of_their_instant)
     em_checkpoint_options_init(&options, dir);
     options.delta = true;
     options.buffer_bytes = 1;
+    uint64_t saving[2] = {0};
+    options.progress = record_save_progress;
+    options.progress_context = saving;
     em_checkpoint_info full, delta;
     em_error err;
     /* no parent yet: a full save */
     ck_assert_msg(em_checkpoint_save(table, &options, &full, &err) == EM_OK, "%s", err.message);
     ck_assert_str_eq(full.kind, "full");
     ck_assert_uint_eq(full.rows, full.table_rows);
+    ck_assert_uint_eq(saving[0], full.table_rows); /* the last progress: every row read */
+    ck_assert_uint_eq(saving[1], full.table_rows);
     for (uint32_t depth = 1; depth <= 3; depth++) {
         change_a_little(table, 8, &rng, 1000000 + depth * 100);
         char parent[EM_CHECKPOINT_ID_DIGITS + 1];
