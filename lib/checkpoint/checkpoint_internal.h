@@ -4,6 +4,7 @@
 #ifndef EMBER_LIB_CHECKPOINT_INTERNAL_H
 #define EMBER_LIB_CHECKPOINT_INTERNAL_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -21,6 +22,35 @@ bool em__checkpoint_is_id(const char *name);
 
 /* Removes a directory of plain files, best effort. */
 void em__checkpoint_remove_dir(const char *path);
+
+/* ---- the worker thread of saves and loads (checkpoint_pipe.c) --------------------------- */
+
+/* One item at a time goes to work(context, item) on a thread of its own; the caller
+ * fills the next meanwhile. Every call returns the first failure of any item (items
+ * after it are skipped). */
+typedef struct em__pipe {
+    pthread_t thread;
+    bool running;
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    void *item; /* handed over and not done yet; NULL: the worker is idle */
+    bool stop;
+    em_status status;
+    em_error err;
+    em_status (*work)(void *context, void *item, em_error *err);
+    void *context;
+} em__pipe;
+
+em_status em__pipe_start(em__pipe *pipe, em_status (*work)(void *context, void *item,
+                                                          em_error *err),
+                         void *context, em_error *err);
+/* Waits until the item before is done, then hands item over (it stays the caller's
+ * memory, untouched by the caller until the next put, wait or finish returns). */
+em_status em__pipe_put(em__pipe *pipe, void *item, em_error *err);
+/* Waits until the item handed over is done. */
+em_status em__pipe_wait(em__pipe *pipe, em_error *err);
+/* Waits, then stops the thread (nothing when it never started). */
+em_status em__pipe_finish(em__pipe *pipe, em_error *err);
 
 /* ---- deltas ---------------------------------------------------------------------------- */
 

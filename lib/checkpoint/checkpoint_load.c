@@ -371,6 +371,15 @@ static em_status read_index(const char *dir, const manifest *m, em_index_entry *
 /* Rows go into the table in batches of about this many bytes (chunks are small). */
 #define IMPORT_BATCH_BYTES (16u << 20)
 
+/* Rows of chunks first..last of a link, for the table. */
+typedef struct import_batch {
+    uint64_t *keys;
+    float *values;
+    uint64_t count, first_chunk, last_chunk;
+    const char *dir;         /* the link's */
+    uint64_t bytes_read;     /* of the chain's rows.emb files when it was handed over */
+} import_batch;
+
 typedef struct reader {
     const char *dir;
     const manifest *m;
@@ -383,9 +392,10 @@ typedef struct reader {
     bool weights_only;      /* rows get the weights, and a new row's optimizer state */
     uint32_t table_floats;  /* floats per row of the table */
     float initial_state;    /* weights only: every state float of a new row */
-    uint64_t *batch_keys;   /* rows waiting for the table */
-    float *batch_values;
-    uint64_t batched, batch_capacity, batch_first_chunk;
+    import_batch batches[2]; /* rows for the table: one filled here, one with the importer */
+    int filling;
+    uint64_t batch_capacity; /* rows per batch */
+    em__pipe importer;       /* imports the batches on a thread of its own */
     em__key_map *decided;   /* a chain: key -> the link that decided it; else NULL */
     uint64_t level;         /* this link's (0 is the newest) */
     em__key_map *digests;   /* tracking: key -> digest of its row as loaded; else NULL */
@@ -446,39 +456,44 @@ static em_status keep_rows(reader *r, uint64_t chunk, uint32_t *rows, em_error *
     return EM_OK;
 }
 
-/* Imports rows of chunks first..last. A refusal means rows that passed their checksums
- * but that no table takes (a repeated key, a non-finite value): the checkpoint is bad. */
-static em_status import_rows(reader *r, const uint64_t *keys, const float *values, uint64_t n,
-                             uint64_t first, uint64_t last, em_error *err)
+/* The importer's work (em__pipe): one batch into the table. A refusal means rows that
+ * passed their checksums but that no table takes (a repeated key, a non-finite value):
+ * the checkpoint is bad. Progress is heard from this thread. */
+static em_status import_batch_rows(void *context, void *item, em_error *err)
 {
-    em_status status = em_table_import(r->table, keys, values, n, err);
+    reader *r = context;
+    const import_batch *b = item;
+    em_status status = em_table_import(r->table, b->keys, b->values, b->count, err);
     if (status == EM_INVALID_ARGUMENT) {
-        em_error_prefix(err, "checkpoint %s: rows.emb: chunks %" PRIu64 "..%" PRIu64 ": ", r->dir,
-                        first, last);
+        em_error_prefix(err, "checkpoint %s: rows.emb: chunks %" PRIu64 "..%" PRIu64 ": ", b->dir,
+                        b->first_chunk, b->last_chunk);
         err->status = EM_DATA_LOSS;
         status = EM_DATA_LOSS;
     }
-    return status;
-}
-
-static void report_progress(reader *r)
-{
+    if (status != EM_OK)
+        return status;
+    r->imported += b->count; /* the importer's alone until it finishes */
     if (r->options != NULL && r->options->progress != NULL)
-        r->options->progress(r->options->progress_context, r->imported,
-                             r->bytes_before + r->position, r->total_bytes);
+        r->options->progress(r->options->progress_context, r->imported, b->bytes_read,
+                             r->total_bytes);
+    return EM_OK;
 }
 
+/* Hands the batch being filled to the importer and goes on with the other one. */
 static em_status flush_batch(reader *r, uint64_t last_chunk, em_error *err)
 {
-    uint64_t n = r->batched;
-    r->batched = 0;
-    em_status status = n == 0 ? EM_OK
-                              : import_rows(r, r->batch_keys, r->batch_values, n,
-                                            r->batch_first_chunk, last_chunk, err);
-    r->imported += n;
-    if (n > 0 && status == EM_OK)
-        report_progress(r);
-    return status;
+    import_batch *b = &r->batches[r->filling];
+    if (b->count == 0)
+        return EM_OK;
+    b->last_chunk = last_chunk;
+    b->dir = r->dir;
+    b->bytes_read = r->bytes_before + r->position;
+    em_status status = em__pipe_put(&r->importer, b, err);
+    if (status != EM_OK)
+        return status;
+    r->filling = 1 - r->filling;
+    r->batches[r->filling].count = 0; /* done: em__pipe_put waited for it */
+    return EM_OK;
 }
 
 /* Adds chunk i's rows (in r->payload) to the batch, importing it first when full. */
@@ -487,51 +502,45 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
     uint32_t floats = r->table_floats, dim = r->m->config.dim;
     if (r->batch_capacity == 0) {
         r->batch_capacity = IMPORT_BATCH_BYTES / (sizeof(uint64_t) + floats * sizeof(float)) + 1;
-        r->batch_keys = malloc(r->batch_capacity * sizeof(uint64_t));
-        r->batch_values = malloc(r->batch_capacity * floats * sizeof(float));
-        if (r->batch_keys == NULL || r->batch_values == NULL)
-            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        for (int k = 0; k < 2; k++) {
+            r->batches[k].keys = malloc(r->batch_capacity * sizeof(uint64_t));
+            r->batches[k].values = malloc(r->batch_capacity * floats * sizeof(float));
+            if (r->batches[k].keys == NULL || r->batches[k].values == NULL)
+                return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        }
     }
     em_status status = EM_OK;
-    if (r->batched + rows > r->batch_capacity)
+    if (r->batches[r->filling].count + rows > r->batch_capacity)
         status = flush_batch(r, i - 1, err);
     if (status != EM_OK)
         return status;
-    if (rows > r->batch_capacity && !r->weights_only) { /* a large chunk goes alone */
-        status = import_rows(r, (const uint64_t *)r->payload,
-                             (const float *)(r->payload + rows * sizeof(uint64_t)), rows, i, i,
-                             err);
-        r->imported += rows;
-        if (status == EM_OK)
-            report_progress(r);
-        return status;
-    }
     for (uint32_t done = 0; done < rows;) {
-        if (r->batched == r->batch_capacity) {
+        import_batch *b = &r->batches[r->filling];
+        if (b->count == r->batch_capacity) {
             status = flush_batch(r, i, err);
             if (status != EM_OK)
                 return status;
+            b = &r->batches[r->filling];
         }
-        if (r->batched == 0)
-            r->batch_first_chunk = i;
+        if (b->count == 0)
+            b->first_chunk = i;
         uint32_t take = rows - done;
-        uint64_t room = r->batch_capacity - r->batched;
+        uint64_t room = r->batch_capacity - b->count;
         take = take < room ? take : (uint32_t)room;
         const float *values = (const float *)(r->payload + rows * sizeof(uint64_t));
-        memcpy(r->batch_keys + r->batched, (const uint64_t *)r->payload + done,
-               take * sizeof(uint64_t));
+        memcpy(b->keys + b->count, (const uint64_t *)r->payload + done, take * sizeof(uint64_t));
         if (!r->weights_only) {
-            memcpy(r->batch_values + r->batched * floats, values + (size_t)done * floats,
+            memcpy(b->values + b->count * floats, values + (size_t)done * floats,
                    (size_t)take * floats * sizeof(float));
         } else { /* weights only: a new row's state after them */
             for (uint32_t k = 0; k < take; k++) {
-                float *row = r->batch_values + (r->batched + k) * floats;
+                float *row = b->values + (b->count + k) * floats;
                 memcpy(row, values + (size_t)(done + k) * r->m->row_floats, dim * sizeof(float));
                 for (uint32_t j = dim; j < floats; j++)
                     row[j] = r->initial_state;
             }
         }
-        r->batched += take;
+        b->count += take;
         done += take;
     }
     return EM_OK;
@@ -843,8 +852,10 @@ static em_status read_links(reader *r, const link_state *links, size_t count, em
 static void free_reader(reader *r)
 {
     free(r->payload);
-    free(r->batch_keys);
-    free(r->batch_values);
+    for (int k = 0; k < 2; k++) {
+        free(r->batches[k].keys);
+        free(r->batches[k].values);
+    }
     free(r->kept);
 }
 
@@ -917,8 +928,16 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
                               m->table_rows);
     r.decided = count > 1 ? &decided : NULL;
     r.digests = tracking ? &digests : NULL;
+    if (status == EM_OK && table != NULL)
+        status = em__pipe_start(&r.importer, import_batch_rows, &r, err);
     if (status == EM_OK)
         status = read_links(&r, links, count, err);
+    em_error imported;
+    em_status importing = em__pipe_finish(&r.importer, &imported);
+    if (status == EM_OK && importing != EM_OK) {
+        status = importing;
+        em_error_copy(err, &imported);
+    }
     free_reader(&r);
     /* the rows restored: each key once, from the newest link that has it */
     uint64_t restored = r.taken;

@@ -20,7 +20,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,112 +54,25 @@ uint32_t em__checkpoint_bucket(uint64_t key)
 
 /* ---- the state of one save ----------------------------------------------------------- */
 
-/* The thread that hashes and writes rows.emb, one output buffer at a time, in order. */
-typedef struct writer {
-    pthread_t thread;
-    bool running;
-    pthread_mutex_t lock;
-    pthread_cond_t changed;
-    const unsigned char *buffer; /* handed over, not written yet; NULL: the writer is idle */
+/* An output buffer handed to the writer thread (em__pipe), which hashes it into the
+ * file's checksum and writes it; buffers go out in order. */
+typedef struct run_out {
+    unsigned char *data;
     size_t bytes;
-    bool stop;
-    em_status status;            /* the first failure; then nothing more is written */
-    em_error err;
+} run_out;
+
+typedef struct rows_file {
     int fd;
     const char *path;
-    XXH3_state_t *file_hash;
-} writer;
+    XXH3_state_t *hash;
+} rows_file;
 
-static void *write_buffers(void *argument)
+static em_status write_run(void *context, void *item, em_error *err)
 {
-    writer *w = argument;
-    pthread_mutex_lock(&w->lock);
-    for (;;) {
-        while (w->buffer == NULL && !w->stop)
-            pthread_cond_wait(&w->changed, &w->lock);
-        if (w->buffer == NULL)
-            break;
-        const unsigned char *buffer = w->buffer;
-        size_t bytes = w->bytes;
-        em_status status = w->status;
-        pthread_mutex_unlock(&w->lock);
-        em_error err;
-        if (status == EM_OK) {
-            XXH3_64bits_update(w->file_hash, buffer, bytes);
-            status = em_save_write(w->fd, buffer, bytes, EM_SAVE_ROWS_WRITE, w->path, &err);
-        }
-        pthread_mutex_lock(&w->lock);
-        if (w->status == EM_OK && status != EM_OK) {
-            w->status = status;
-            em_error_copy(&w->err, &err);
-        }
-        w->buffer = NULL;
-        pthread_cond_broadcast(&w->changed);
-    }
-    pthread_mutex_unlock(&w->lock);
-    return NULL;
-}
-
-/* Waits until the writer has written what it was handed; its status. */
-static em_status writer_wait(writer *w, em_error *err)
-{
-    pthread_mutex_lock(&w->lock);
-    while (w->buffer != NULL)
-        pthread_cond_wait(&w->changed, &w->lock);
-    em_status status = w->status;
-    if (status != EM_OK)
-        em_error_copy(err, &w->err);
-    pthread_mutex_unlock(&w->lock);
-    return status;
-}
-
-/* Hands a buffer over once the previous one is written (the caller then fills another). */
-static em_status writer_hand_over(writer *w, const unsigned char *buffer, size_t bytes,
-                                  em_error *err)
-{
-    em_status status = writer_wait(w, err);
-    if (status != EM_OK)
-        return status;
-    pthread_mutex_lock(&w->lock);
-    w->buffer = buffer;
-    w->bytes = bytes;
-    pthread_cond_broadcast(&w->changed);
-    pthread_mutex_unlock(&w->lock);
-    return EM_OK;
-}
-
-static em_status writer_start(writer *w, int fd, const char *path, XXH3_state_t *file_hash,
-                              em_error *err)
-{
-    *w = (writer){.fd = fd, .path = path, .file_hash = file_hash, .status = EM_OK};
-    pthread_mutex_init(&w->lock, NULL);
-    pthread_cond_init(&w->changed, NULL);
-    int rc = pthread_create(&w->thread, NULL, write_buffers, w);
-    if (rc != 0) {
-        pthread_cond_destroy(&w->changed);
-        pthread_mutex_destroy(&w->lock);
-        return em_error_set(err, EM_INTERNAL, "save: cannot start the writer thread: %s",
-                            strerror(rc));
-    }
-    w->running = true;
-    return EM_OK;
-}
-
-/* Writes what is left, stops the thread; its status. */
-static em_status writer_finish(writer *w, em_error *err)
-{
-    if (!w->running)
-        return EM_OK;
-    em_status status = writer_wait(w, err);
-    pthread_mutex_lock(&w->lock);
-    w->stop = true;
-    pthread_cond_broadcast(&w->changed);
-    pthread_mutex_unlock(&w->lock);
-    pthread_join(w->thread, NULL);
-    pthread_cond_destroy(&w->changed);
-    pthread_mutex_destroy(&w->lock);
-    w->running = false;
-    return status;
+    const rows_file *file = context;
+    const run_out *run = item;
+    XXH3_64bits_update(file->hash, run->data, run->bytes);
+    return em_save_write(file->fd, run->data, run->bytes, EM_SAVE_ROWS_WRITE, file->path, err);
 }
 
 typedef struct save {
@@ -171,10 +83,12 @@ typedef struct save {
     uint64_t buffer_rows;
     uint64_t *keys;          /* staging, buffer_rows each */
     float *values;
-    unsigned char *out;      /* chunks of one run, being filled */
-    unsigned char *spare;    /* the other output buffer: with the writer, or free */
+    run_out runs[2];         /* output buffers: chunks of one run each */
+    unsigned char *out;      /* the one being filled (runs[filling].data) */
+    int filling;
     size_t out_capacity;
-    writer writer;
+    rows_file file;
+    em__pipe writer;
     uint64_t staged;
     int fd;
     char tmp_dir[4096], rows_path[4200];
@@ -253,12 +167,13 @@ static em_status flush_run(save *s, em_error *err)
                                                  .offset = s->file_bytes + chunk_at[b],
                                                  .payload_xxh3 = header.payload_xxh3};
     }
-    if (status == EM_OK)
-        status = writer_hand_over(&s->writer, s->out, used, err);
     if (status == EM_OK) {
-        unsigned char *handed = s->out;
-        s->out = s->spare;
-        s->spare = handed;
+        s->runs[s->filling].bytes = used;
+        status = em__pipe_put(&s->writer, &s->runs[s->filling], err);
+    }
+    if (status == EM_OK) {
+        s->filling = 1 - s->filling;
+        s->out = s->runs[s->filling].data;
         s->file_bytes += used;
         s->rows += s->staged;
         s->staged = 0;
@@ -343,8 +258,9 @@ static em_status write_rows(save *s, em_error *err)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
                               "out of host memory for the row digests of %" PRIu64 " rows",
                               em_table_snapshot_rows(snapshot));
+    s->file = (rows_file){.fd = s->fd, .path = s->rows_path, .hash = s->file_hash};
     if (status == EM_OK)
-        status = writer_start(&s->writer, s->fd, s->rows_path, s->file_hash, err);
+        status = em__pipe_start(&s->writer, write_run, &s->file, err);
     const em_checkpoint_options *o = s->options;
     uint64_t total = status == EM_OK ? em_table_snapshot_rows(snapshot) : 0;
     if (status == EM_OK && o->progress != NULL)
@@ -366,7 +282,7 @@ static em_status write_rows(save *s, em_error *err)
         }
     }
     em_error written;
-    em_status writing = writer_finish(&s->writer, &written);
+    em_status writing = em__pipe_finish(&s->writer, &written);
     if (status == EM_OK && writing != EM_OK) {
         status = writing;
         em_error_copy(err, &written);
@@ -773,8 +689,9 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     s.out_capacity = s.buffer_rows * s.row_bytes + EM_CHECKPOINT_BUCKETS * sizeof(em_chunk_header);
     s.keys = malloc(s.buffer_rows * sizeof(uint64_t));
     s.values = malloc(s.buffer_rows * s.row_floats * sizeof(float));
-    s.out = malloc(s.out_capacity);
-    s.spare = malloc(s.out_capacity);
+    s.runs[0].data = malloc(s.out_capacity);
+    s.runs[1].data = malloc(s.out_capacity);
+    s.out = s.runs[0].data;
     s.file_hash = XXH3_createState();
     if (options->delta)
         s.parent = delta_parent(table, options, s.row_floats);
@@ -786,7 +703,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     }
     if (options->delta || options->track_changes)
         s.next = calloc(1, sizeof(*s.next));
-    if (s.keys == NULL || s.values == NULL || s.out == NULL || s.spare == NULL ||
+    if (s.keys == NULL || s.values == NULL || s.runs[0].data == NULL || s.runs[1].data == NULL ||
         s.file_hash == NULL ||
         ((options->delta || options->track_changes) && s.next == NULL))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for buffers");
@@ -824,8 +741,8 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     free(s.tombstones);
     free(s.keys);
     free(s.values);
-    free(s.out);
-    free(s.spare);
+    free(s.runs[0].data);
+    free(s.runs[1].data);
     free(s.index);
     XXH3_freeState(s.file_hash);
     close(lock_fd); /* and the lock with it */
