@@ -57,7 +57,8 @@ typedef struct em_checkpoint_options {
     const char *dir;           /* the root: one folder per table below it */
     uint32_t keep;             /* complete checkpoints kept per table (0 means 1) */
     uint64_t copy_limit_bytes; /* rows changed during a save kept aside, at most */
-    uint64_t buffer_bytes;     /* rows grouped by bucket before writing (two buffers) */
+    uint64_t buffer_bytes;     /* rows grouped by bucket before writing (three buffers: one
+                                * staging, two for the writer thread) */
     bool delta;                /* save only what changed since the table's last checkpoint;
                                 * a full save when there is no such parent (info->kind) */
     uint32_t max_depth;        /* with delta: a full save instead once the chain would have
