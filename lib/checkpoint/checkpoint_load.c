@@ -911,9 +911,9 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
             config.capacity = m->table_rows;
         /* the rows come in the saved table's map order: hash them with another seed,
          * one that the same checkpoint always gets */
-        config.hash_seed = em_mix64(m->link.manifest_xxh3) | 1u;
         if (status == EM_OK)
-            status = em_table_create(backend, &config, &table, err);
+            status = em_table_create_seeded(backend, &config,
+                                            em_mix64(m->link.manifest_xxh3) | 1u, &table, err);
     }
     reader r = {.table = table, .weights_only = weights_into != NULL, .options = options};
     for (size_t i = 0; status == EM_OK && i < count; i++)

@@ -80,7 +80,7 @@ typedef struct em_shard_spec {
     em_optimizer_config optimizer;
     em_initializer_config initializer;
     bool track_access; /* keep per-row access metadata (tables with an eviction policy) */
-    uint64_t hash_seed; /* the shard's hash map seed (em_table_config.hash_seed) */
+    uint64_t hash_seed; /* the shard's hash map seed (em_table_create_seeded) */
 } em_shard_spec;
 
 

@@ -13,7 +13,7 @@
  * same seed (a table restored from its checkpoint, whose rows come in snapshot order)
  * arrive concentrated in a part of the home range at many times the map's load, and
  * linear probing makes clusters as long as the batch. A map filled from another's order
- * needs a seed of its own; its creator picks it (tables: em_table_config.hash_seed).
+ * needs a seed of its own; its creator picks it (tables: em_table_create_seeded).
  *
  * Slot life cycle. While an array lives, a slot only ever goes EMPTY -> key ->
  * TOMBSTONE, and its value only PENDING -> row:

@@ -479,7 +479,7 @@ static em_status create_shards(em_table *table, em_error *err)
             .optimizer = table->config.optimizer,
             .initializer = table->config.initializer,
             .track_access = em_eviction_tracks_access(&table->config.eviction),
-            .hash_seed = table->config.hash_seed,
+            .hash_seed = table->hash_seed,
         };
         if (table->config.admission.policy != EM_ADMISSION_ALWAYS &&
             device->ops->shard_fill_initial == NULL)
@@ -509,6 +509,12 @@ static em_status create_shards(em_table *table, em_error *err)
 em_status em_table_create(em_backend *backend, const em_table_config *config, em_table **out,
                           em_error *err)
 {
+    return em_table_create_seeded(backend, config, 0, out, err);
+}
+
+em_status em_table_create_seeded(em_backend *backend, const em_table_config *config,
+                                 uint64_t hash_seed, em_table **out, em_error *err)
+{
     em_status status = em_table_config_validate(config, err);
     if (status != EM_OK)
         return status;
@@ -517,6 +523,7 @@ em_status em_table_create(em_backend *backend, const em_table_config *config, em
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
                             config->name);
     table->config = *config;
+    table->hash_seed = hash_seed;
     table->backend = backend;
     if (table->config.shards == 0)
         table->config.shards = backend->device_count;
@@ -592,6 +599,11 @@ void em_table_set_attachment(em_table *table, void *data, void (*free_data)(void
         table->free_attachment(table->attachment);
     table->attachment = data;
     table->free_attachment = free_data;
+}
+
+uint64_t em_table_hash_seed(const em_table *table)
+{
+    return table->hash_seed;
 }
 
 void *em_table_attachment(const em_table *table)

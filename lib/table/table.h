@@ -109,6 +109,15 @@ typedef struct em_table_cursor {
 em_status em_table_create(em_backend *backend, const em_table_config *config, em_table **out,
                           em_error *err);
 
+/* em_table_create, with hash_seed for the shards' hash maps (0: the default). A table
+ * filled from another table's rows in that table's order (a checkpoint load) takes a
+ * seed of its own, or its maps cluster (lib/memory/hashmap.h). */
+em_status em_table_create_seeded(em_backend *backend, const em_table_config *config,
+                                 uint64_t hash_seed, em_table **out, em_error *err);
+
+/* The seed the table was created with. */
+uint64_t em_table_hash_seed(const em_table *table);
+
 /* Destroys the table and releases its device memory. No request may be running. */
 void em_table_destroy(em_table *table);
 

@@ -97,10 +97,6 @@ typedef struct em_table_config {
     em_initializer_config initializer;
     em_eviction_config eviction;
     em_admission_config admission;
-    /* The seed of the shards' hash maps (CPU backend; 0: the default). Not a setting of
-     * the configuration files: a table filled from another table's rows in that table's
-     * order (a checkpoint load) takes another seed, or its maps cluster (hashmap.h). */
-    uint64_t hash_seed;
 } em_table_config;
 
 extern const em_config_schema em_table_config_schema;

@@ -36,6 +36,7 @@
 
 struct em_table {
     em_table_config config;
+    uint64_t hash_seed; /* of the shards' maps (em_table_create_seeded) */
     em_backend *backend;
     uint32_t shard_count;
     uint32_t row_floats;

@@ -127,6 +127,12 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
     em_table *renamed = NULL;
     ck_assert_int_eq(em_checkpoint_load(latest, backend, "u", NULL, &renamed, NULL, &err), EM_OK);
     ck_assert_str_eq(em_table_name(renamed), "u");
+    /* rows come in the saved table's map order: the loaded maps hash with a seed of
+     * their own, the same for every load of this checkpoint */
+    ck_assert_uint_eq(em_table_hash_seed(table), 0);
+    ck_assert_uint_ne(em_table_hash_seed(restored), 0);
+    ck_assert_uint_eq(em_table_hash_seed(renamed),
+                      em_table_hash_seed(restored));
     em_table_destroy(renamed);
     em_table_destroy(restored);
     em_table_destroy(table);

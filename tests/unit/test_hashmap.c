@@ -495,6 +495,66 @@ START_TEST(export_visits_each_entry_once_in_chunks)
 }
 END_TEST
 
+/* A key alone in a map sits at its home slot, em_hash_scale(em_mix64(key ^ seed)), with
+ * EM_HASHMAP_SEED (em_hashmap_hash) for seed 0; and a map with another seed, filled in a
+ * first map's slot order, holds every key in an order of its own. */
+START_TEST(the_seed_sets_the_home_slot)
+{
+    const uint64_t seeds[2] = {0, UINT64_C(0x5eed)};
+    for (int k = 0; k < 2; k++) {
+        em_hashmap_options options = {.initial_slots = 4096, .seed = seeds[k]};
+        em_hashmap *map = NULL;
+        em_error err = {0};
+        require(em_hashmap_create(&options, &map, &err) == EM_OK, "create: %s", err.message);
+        require_u64(insert_range(map, 7, 1, 1), ==, 1);
+        uint64_t cursor = 0, key = 0, row = 0;
+        require_u64(em_hashmap_export(map, &cursor, &key, &row, 1), ==, 1);
+        uint64_t hash = seeds[k] == 0 ? em_hashmap_hash(key) : em_mix64(key ^ seeds[k]);
+        /* the cursor counts the two side entries first, and stops after the entry */
+        require_u64(cursor - 3, ==, em_hash_scale(hash, stats_of(map).slots));
+        em_hashmap_destroy(map);
+    }
+
+    size_t n = 20000;
+    em_hashmap *first = create_map(64, 0);
+    require_u64(insert_range(first, 0, n, 1000), ==, n);
+    uint64_t *order = malloc(n * sizeof(uint64_t)), *rows = malloc(n * sizeof(uint64_t));
+    uint64_t cursor = 0;
+    size_t exported = 0, got;
+    while ((got = em_hashmap_export(first, &cursor, order + exported, rows + exported,
+                                    n - exported)) > 0)
+        exported += got;
+    require_u64(exported, ==, n);
+    em_hashmap_options options = {.initial_slots = 64, .seed = UINT64_C(0x5eed)};
+    em_hashmap *second = NULL;
+    em_error err = {0};
+    require(em_hashmap_create(&options, &second, &err) == EM_OK, "create: %s", err.message);
+    uint8_t *inserted = malloc(n);
+    size_t count = 0;
+    require(em_hashmap_find_or_insert(second, order, n, rows, inserted, &count, &err) == EM_OK,
+            "insert: %s", err.message);
+    require_u64(count, ==, n);
+    require_u64(em_hashmap_find(second, order, n, rows), ==, 0);
+    uint64_t *reordered = malloc(n * sizeof(uint64_t));
+    cursor = 0;
+    exported = 0;
+    while ((got = em_hashmap_export(second, &cursor, reordered + exported, rows + exported,
+                                    n - exported)) > 0)
+        exported += got;
+    require_u64(exported, ==, n);
+    size_t same_place = 0;
+    for (size_t i = 0; i < n; i++)
+        same_place += order[i] == reordered[i];
+    require_u64(same_place, <, n / 100);
+    free(order);
+    free(rows);
+    free(inserted);
+    free(reordered);
+    em_hashmap_destroy(first);
+    em_hashmap_destroy(second);
+}
+END_TEST
+
 START_TEST(options_are_validated)
 {
     static const double bad_loads[] = {-0.5, 0.96, 1.0, 2.0};
@@ -1190,6 +1250,7 @@ int main(void)
     tcase_add_test(basics, sentinel_keys_are_ordinary_keys);
     tcase_add_test(basics, repeated_key_in_batch_is_inserted_once);
     tcase_add_test(basics, export_visits_each_entry_once_in_chunks);
+    tcase_add_test(basics, the_seed_sets_the_home_slot);
     tcase_add_test(basics, options_are_validated);
     tcase_add_test(basics, default_load_limit_is_point_nine);
     tcase_add_test(basics, create_fails_cleanly_over_budget);
