@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "daemon/checkpointer.h"
+#include "daemon/context.h"
 
 struct em_checkpointer {
     const em_checkpoint_config *config;
@@ -53,7 +54,8 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
     save_progress progress = {.stats = c->stats};
     options.progress = report_save;
     options.progress_context = &progress;
-    options.delta = mode == EM_SAVE_DELTA || (mode == EM_SAVE_SCHEDULED && c->config->full_every > 1);
+    bool scheduled_delta = mode == EM_SAVE_SCHEDULED && c->config->full_every > 1;
+    options.delta = mode == EM_SAVE_DELTA || scheduled_delta;
     options.max_depth = mode == EM_SAVE_SCHEDULED ? c->config->full_every - 1 : 0;
     atomic_fetch_add(&c->stats->checkpoint_saves_running, 1);
     em_status status = em_checkpoint_save(table, &options, info, err);
@@ -135,8 +137,8 @@ static void *periodic(void *argument)
         em_checkpoint_info *infos = NULL;
         size_t count = 0;
         em_error err;
-        em_checkpointer_save(c, NULL, EM_SAVE_SCHEDULED, &infos, &count,
-                             &err); /* failures are logged */
+        /* failures are logged */
+        em_checkpointer_save(c, NULL, EM_SAVE_SCHEDULED, &infos, &count, &err);
         free(infos);
         pthread_mutex_lock(&c->mutex);
     }
@@ -201,23 +203,16 @@ typedef struct load_progress {
     void *context;
     const char *table;
     size_t index, count;
-    double last;
+    uint64_t last_ms; /* em_monotonic_ms of the last line */
 } load_progress;
-
-static double monotonic_seconds(void)
-{
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
-}
 
 static void report_load(void *context, uint64_t rows, uint64_t bytes, uint64_t total_bytes)
 {
     load_progress *p = context;
-    double now = monotonic_seconds();
-    if (p->progress == NULL || now - p->last < 1.0)
+    uint64_t now = em_monotonic_ms();
+    if (p->progress == NULL || now - p->last_ms < 1000)
         return;
-    p->last = now;
+    p->last_ms = now;
     char line[512];
     snprintf(line, sizeof(line),
              "restoring table '%s' (%zu of %zu): %" PRIu64 " rows, %.2f of %.2f GB read",
@@ -239,7 +234,8 @@ em_status em_checkpointer_restore(em_checkpointer *c,
         if (progress != NULL)
             progress(context, line, false);
         load_progress reporter = {.progress = progress, .context = context, .table = names[i],
-                                  .index = i + 1, .count = count, .last = monotonic_seconds()};
+                                  .index = i + 1, .count = count,
+                                  .last_ms = em_monotonic_ms()};
         em_checkpoint_load_options options = {.track_changes = c->options.track_changes,
                                               .progress = report_load,
                                               .progress_context = &reporter};

@@ -181,7 +181,9 @@ static em_status parse_chain(const cJSON *json, const char *dir, manifest *m, em
     if (!link->delta) {
         if (!cJSON_IsNull(parent) || depth != 0 || strcmp(link->base_id, link->id) != 0)
             return data_loss(err, dir, "manifest.json",
-                             "a full checkpoint with a parent, a depth or another base");
+                             "a full checkpoint must have no parent, depth 0 and itself as "
+                             "base; it has %s parent, depth %" PRIu64 ", base %s",
+                             cJSON_IsNull(parent) ? "no" : "a", depth, link->base_id);
         return EM_OK;
     }
     if (depth == 0 || depth > UINT32_MAX)

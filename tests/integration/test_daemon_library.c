@@ -168,21 +168,33 @@ START_TEST(reload_applies_the_reloadable_keys_and_keeps_the_rest)
 }
 END_TEST
 
-START_TEST(a_daemon_stopped_before_it_runs_drains_at_once)
+/* A daemon of the library created from json; notifications go to sent when not NULL. */
+static em_daemon *daemon_from_json(const char *json, notifications *sent)
 {
-    const char *json = "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"},"
-                       " \"backend\": {\"type\": \"cpu\", \"threads\": 1,"
-                       " \"memory_limit_bytes\": 67108864},"
-                       " \"admin_token\": {\"value\": \"t\"}, \"log_level\": \"error\"}";
     em_daemon_config config;
     em_error err;
     ck_assert_msg(em_daemon_config_parse_text(json, "test", &config, &err) == EM_OK, "%s",
                   err.message);
     em_daemon_options options;
     em_daemon_options_init(&options);
+    if (sent != NULL) {
+        options.notify = record_notification;
+        options.notify_context = sent;
+    }
     em_daemon *daemon = NULL;
-    ck_assert_int_eq(em_daemon_create(&config, &options, &daemon, &err), EM_OK);
+    ck_assert_msg(em_daemon_create(&config, &options, &daemon, &err) == EM_OK, "%s",
+                  err.message);
     em_daemon_config_deinit(&config);
+    return daemon;
+}
+
+START_TEST(a_daemon_stopped_before_it_runs_drains_at_once)
+{
+    const char *json = "{\"listen\": {\"data\": \"127.0.0.1:0\", \"admin\": \"127.0.0.1:0\", \"metrics\": \"\"},"
+                       " \"backend\": {\"type\": \"cpu\", \"threads\": 1,"
+                       " \"memory_limit_bytes\": 67108864},"
+                       " \"admin_token\": {\"value\": \"t\"}, \"log_level\": \"error\"}";
+    em_daemon *daemon = daemon_from_json(json, NULL);
     em_daemon_stop(daemon, "test finished");
     double start = em_test_now();
     ck_assert(em_daemon_run(daemon)); /* drained, not forced */
@@ -202,19 +214,7 @@ static em_daemon *checkpointing_daemon(const char *dir, notifications *sent)
              "67108864}, \"admin_token\": {\"value\": \"t\"}, \"log_level\": \"error\", "
              "\"checkpoint\": {\"dir\": \"%s\"}, \"tables\": [{\"name\": \"t\", \"dim\": 4, "
              "\"capacity\": 100}]}", dir);
-    em_daemon_config config;
-    em_error err;
-    ck_assert_msg(em_daemon_config_parse_text(json, "test", &config, &err) == EM_OK, "%s",
-                  err.message);
-    em_daemon_options options;
-    em_daemon_options_init(&options);
-    options.notify = record_notification;
-    options.notify_context = sent;
-    em_daemon *daemon = NULL;
-    ck_assert_msg(em_daemon_create(&config, &options, &daemon, &err) == EM_OK, "%s",
-                  err.message);
-    em_daemon_config_deinit(&config);
-    return daemon;
+    return daemon_from_json(json, sent);
 }
 
 /* A restore says in STATUS= what it restores, and asks systemd for more start time with
