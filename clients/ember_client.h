@@ -6,8 +6,8 @@
  * loop. Requests are pipelined: up to `window` requests per connection are in flight,
  * and responses are matched by correlation id in whatever order they come.
  *
- * With several servers, keys are spread by jump consistent hash of the key
- * mixer (em_key_server): a pull or push is split into one sub-request per server
+ * With several servers, keys are spread by jump consistent hash of their virtual
+ * bucket (em_key_server, common/keyhash.h): a pull or push is split into one sub-request per server
  * holding only that server's keys, sent together, and reassembled so the caller sees
  * one result. The split keeps results bit-identical to a single server holding every
  * key: pooled pulls fetch each server's distinct keys unpooled and pool them here in

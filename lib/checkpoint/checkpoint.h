@@ -42,15 +42,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/keyhash.h"
 #include "lib/base/status.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
 
 /* Version 2 added deltas and tombstones.emb; version 1 (full only) still loads. */
 #define EM_CHECKPOINT_FORMAT_VERSION 2u
-/* Virtual buckets of the key hash: bucket = em_key_hash(key) >> (64 - 12). */
-#define EM_CHECKPOINT_BUCKET_BITS 12u
-#define EM_CHECKPOINT_BUCKETS (1u << EM_CHECKPOINT_BUCKET_BITS)
+/* Virtual buckets of the key hash (em_key_bucket): the buckets servers own. */
+#define EM_CHECKPOINT_BUCKET_BITS EM_KEY_BUCKET_BITS
+#define EM_CHECKPOINT_BUCKETS EM_KEY_BUCKETS
 #define EM_CHECKPOINT_ID_DIGITS 20
 
 typedef struct em_checkpoint_options {

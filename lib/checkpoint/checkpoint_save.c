@@ -49,7 +49,7 @@ void em_checkpoint_options_init(em_checkpoint_options *options, const char *dir)
 
 uint32_t em__checkpoint_bucket(uint64_t key)
 {
-    return (uint32_t)(em_key_hash(key) >> (64 - EM_CHECKPOINT_BUCKET_BITS));
+    return em_key_bucket(key);
 }
 
 /* ---- the state of one save ----------------------------------------------------------- */

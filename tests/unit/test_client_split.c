@@ -4,6 +4,7 @@
  * results must be bit-identical to one em_table holding every key - pull outputs,
  * push counts, and finally every row's weights and optimizer state.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -257,6 +258,45 @@ static void assert_pulls_identical(cluster *c, const em_csr *csr, em_combiner co
 }
 
 /* Loop index: (servers - 1) * 4 + combiner. The optimizer changes with the loop too. */
+/* ---- routing ------------------------------------------------------------------------ */
+
+/* Servers own whole buckets: a key goes where its bucket goes. The buckets spread
+ * evenly enough, and growing the list by one moves only buckets onto the new server,
+ * about 1/(n+1) of them. */
+START_TEST(keys_route_by_bucket_evenly_and_growth_moves_few)
+{
+    for (uint64_t key = 0; key < 100000; key += 7)
+        for (int32_t n = 1; n <= 9; n += 4)
+            ck_assert_int_eq(em_key_server(key * 0x9e3779b97f4a7c15ull, n),
+                             em_bucket_server(em_key_bucket(key * 0x9e3779b97f4a7c15ull), n));
+    for (int32_t n = 1; n <= 32; n++) {
+        uint32_t owned[33] = {0}, moved = 0;
+        for (uint32_t b = 0; b < EM_KEY_BUCKETS; b++) {
+            int32_t s = em_bucket_server(b, n), grown = em_bucket_server(b, n + 1);
+            ck_assert(s >= 0 && s < n);
+            owned[s]++;
+            if (grown != s) {
+                ck_assert_int_eq(grown, n); /* only ever onto the new server */
+                moved++;
+            }
+        }
+        uint32_t most = 0;
+        for (int32_t s = 0; s < n; s++)
+            most = owned[s] > most ? owned[s] : most;
+        double mean = (double)EM_KEY_BUCKETS / n, excess = most / mean - 1.0;
+        double moved_share = (double)moved / EM_KEY_BUCKETS, expected = 1.0 / (n + 1);
+        if (n == 2 || n == 3 || n == 8 || n == 16 || n == 32)
+            printf("%2d servers: the fullest holds %.1f%% more buckets than the mean; growing "
+                   "to %d moves %.1f%% (1/(n+1) = %.1f%%)\n",
+                   n, 100.0 * excess, n + 1, 100.0 * moved_share, 100.0 * expected);
+        ck_assert_msg(excess < (n <= 16 ? 0.08 : 0.25), "%d servers: %.3f over the mean", n,
+                      excess);
+        ck_assert_msg(moved_share > 0.65 * expected && moved_share < 1.35 * expected,
+                      "%d servers: %.3f moved", n, moved_share);
+    }
+}
+END_TEST
+
 START_TEST(split_over_servers_matches_one_table_bit_for_bit)
 {
     em_combiner combiner = (em_combiner)(_i % 4);
@@ -396,6 +436,7 @@ int main(void)
     tcase_add_test(shape, pull_split_keeps_rows_and_sends_each_key_once);
     tcase_add_test(shape, push_split_spreads_row_gradients_over_the_full_row);
     tcase_add_test(shape, empty_batches_split_to_empty_sub_batches);
+    tcase_add_test(shape, keys_route_by_bucket_evenly_and_growth_moves_few);
     suite_add_tcase(suite, shape);
     return em_test_run(suite);
 }
