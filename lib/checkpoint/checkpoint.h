@@ -66,6 +66,9 @@ typedef struct em_checkpoint_options {
                                 * more deltas than this (0: no limit) */
     bool track_changes;        /* keep the row digests a later delta needs (delta implies it);
                                 * without, a table's digests are dropped */
+    bool detached;             /* a copy outside the table's chain (a cluster checkpoint's
+                                * part): always full, and the table's digests stay as they
+                                * are, for the next delta under its own dir */
     /* Heard once the snapshot is taken (rows_read 0) and after each staging buffer
      * written: rows of the snapshot read so far, and its rows. NULL: not heard. */
     void (*progress)(void *context, uint64_t rows_read, uint64_t rows_total);
@@ -88,6 +91,8 @@ typedef struct em_checkpoint_info {
     uint64_t bytes;   /* of every file */
     uint64_t chunks;
     uint64_t created_unix_ms;
+    uint64_t manifest_xxh3; /* the checksum of its manifest (what a child or a cluster
+                             * checkpoint records of it) */
     double seconds;   /* the save or the load */
 } em_checkpoint_info;
 
@@ -107,7 +112,16 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
 em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err);
 
 typedef struct em_checkpoint_load_options {
-    bool track_changes; /* the table keeps the row digests for a delta after this one */
+    bool track_changes; /* the table keeps the row digests for a delta after this one (a
+                         * load of one whole checkpoint only) */
+    uint32_t shards;    /* the new table's shards; 0: as saved */
+    /* owner_count > 0: only the rows of the buckets that em_bucket_server gives to server
+     * owner_index of owner_count, reading only their chunks (each checked against its
+     * header and the index; the index is checked to lay the chunks over the whole file) */
+    uint32_t owner_index, owner_count;
+    /* per checkpoint loaded, the checksum its manifest must have (as a cluster checkpoint
+     * recorded it): another is refused with DATA_LOSS. NULL: any. */
+    const uint64_t *manifest_xxh3;
     /* Heard after every batch of rows imported (about 16 MiB): rows imported and bytes
      * of rows.emb read so far, of the whole chain, and those files' total bytes. */
     void (*progress)(void *context, uint64_t rows, uint64_t bytes, uint64_t total_bytes);
@@ -122,6 +136,17 @@ typedef struct em_checkpoint_load_options {
 em_status em_checkpoint_load(const char *path, em_backend *backend, const char *name,
                              const em_checkpoint_load_options *options, em_table **out,
                              em_checkpoint_info *info, em_error *err);
+
+/* Fills one table (named name, or as the first checkpoint's table) from several
+ * checkpoints of one table shape, each with its chain: the parts of a cluster checkpoint,
+ * with options->owner_* choosing the buckets of one server of the new cluster. A key in
+ * two of them is refused (DATA_LOSS), as are checkpoints of different table configs
+ * (INVALID_ARGUMENT naming both; name, capacity and shards may differ). The table's
+ * capacity is the first's, raised to the rows loaded. Errors: those of em_checkpoint_load. */
+em_status em_checkpoint_load_sources(const char *const *paths, size_t count,
+                                     em_backend *backend, const char *name,
+                                     const em_checkpoint_load_options *options, em_table **out,
+                                     em_checkpoint_info *info, em_error *err);
 
 /* Warm start: creates a table with config (its own optimizer) holding the checkpoint's
  * keys with their weights only; each row's optimizer state starts as a new row's.

@@ -405,10 +405,21 @@ typedef struct reader {
     uint64_t kept_capacity;
     uint64_t taken;         /* rows used, of every link read */
     const em_checkpoint_load_options *options; /* progress; NULL when none */
-    uint64_t bytes_before;  /* rows.emb bytes of the links read before this one */
-    uint64_t total_bytes;   /* of every link's rows.emb */
+    uint32_t owner_index, owner_count; /* owner_count > 0: only the buckets owned */
+    const char *const *sources; /* several checkpoints: their paths, and for each bucket */
+    uint32_t *bucket_source;    /* 1 + the source whose chunks hold it (0: none yet) */
+    uint32_t source;            /* the source being read */
+    uint64_t bytes_read;    /* of the rows.emb files, every link's so far */
+    uint64_t total_bytes;   /* of the rows.emb files: what the load reads of them */
     uint64_t imported;      /* rows imported so far */
 } reader;
+
+/* Whether the load takes the rows of bucket (all of them without an owner). */
+static bool owns(const reader *r, uint32_t bucket)
+{
+    return r->owner_count == 0 ||
+           (uint32_t)em_bucket_server(bucket, (int32_t)r->owner_count) == r->owner_index;
+}
 
 /* Drops the rows of the chunk in r->payload that a newer link decided, records the
  * rest as decided by this link (and their digests when tracking), and compacts the
@@ -489,7 +500,7 @@ static em_status flush_batch(reader *r, uint64_t last_chunk, em_error *err)
         return EM_OK;
     b->last_chunk = last_chunk;
     b->dir = r->dir;
-    b->bytes_read = r->bytes_before + r->position;
+    b->bytes_read = r->bytes_read;
     em_status status = em__pipe_put(&r->importer, b, err);
     if (status != EM_OK)
         return status;
@@ -548,14 +559,31 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
     return EM_OK;
 }
 
+/* Reads on from r->position: the next bytes of the file, or with an owner (chunks
+ * skipped) at that offset, so a skipped chunk costs no read. */
 static em_status read_exactly(reader *r, void *data, size_t bytes, uint64_t chunk, em_error *err)
 {
-    if (fread(data, 1, bytes, r->file) != bytes)
+    size_t got = 0;
+    if (r->owner_count == 0) {
+        got = fread(data, 1, bytes, r->file);
+        XXH3_64bits_update(r->hash, data, got);
+    } else {
+        while (got < bytes) {
+            ssize_t n = pread(fileno(r->file), (char *)data + got, bytes - got,
+                              (off_t)(r->position + got));
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n <= 0)
+                break;
+            got += (size_t)n;
+        }
+    }
+    if (got != bytes)
         return data_loss(err, r->dir, "rows.emb",
                          "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early (truncated)",
                          chunk, r->position);
-    XXH3_64bits_update(r->hash, data, bytes);
     r->position += bytes;
+    r->bytes_read += bytes;
     return EM_OK;
 }
 
@@ -645,9 +673,27 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
                            (long long)st.st_size, m->rows_file.bytes);
     else
         XXH3_64bits_reset(r->hash);
-    setvbuf(r->file, NULL, _IOFBF, 4u << 20);
+    if (r->owner_count == 0)
+        setvbuf(r->file, NULL, _IOFBF, 4u << 20);
     uint64_t rows = 0;
     for (uint64_t i = 0; status == EM_OK && i < m->chunks; i++) {
+        if (!owns(r, index[i].bucket))
+            continue; /* another server's: index_layout checked where it is */
+        if (r->owner_count > 0)
+            r->position = index[i].offset;
+        uint32_t *held_by = r->bucket_source == NULL
+                                ? NULL
+                                : &r->bucket_source[index[i].bucket % EM_CHECKPOINT_BUCKETS];
+        if (held_by != NULL && *held_by != 0 && *held_by != r->source + 1) {
+            status = data_loss(err, dir, "index.emb",
+                               "chunk %" PRIu64 ": bucket %u is in checkpoint %s too; the "
+                               "checkpoints of one load must be the parts of one cluster, "
+                               "each holding buckets no other holds",
+                               i, index[i].bucket, r->sources[*held_by - 1]);
+            break;
+        }
+        if (held_by != NULL)
+            *held_by = r->source + 1;
         status = read_chunk(r, i, &index[i], err);
         uint32_t kept = index[i].rows;
         if (status == EM_OK)
@@ -658,6 +704,13 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     }
     if (status == EM_OK && r->table != NULL)
         status = flush_batch(r, m->chunks - 1, err);
+    if (r->owner_count > 0) { /* each chunk read was checked; the others are not read */
+        fclose(r->file);
+        XXH3_freeState(r->hash);
+        r->file = NULL;
+        r->hash = NULL;
+        return status;
+    }
     if (status == EM_OK && r->position != m->rows_file.bytes)
         status = data_loss(err, dir, "rows.emb",
                            "%" PRIu64 " bytes after the last chunk the index names",
@@ -729,6 +782,7 @@ static em_status read_tombstones(reader *r, const char *dir, const manifest *m, 
 typedef struct link_state {
     char dir[4096];
     manifest m;
+    em_index_entry *index; /* read before the rows: a load sizes its table by it */
 } link_state;
 
 /* The directory of a checkpoint's parent: a sibling named by the parent's id. */
@@ -833,27 +887,71 @@ static double monotonic_seconds(void)
     return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
 }
 
+/* A load that reads only some chunks checks instead that the index lays the chunks
+ * end to end over the whole of rows.emb, each where the one before it ends. */
+static em_status check_index_layout(const link_state *link, em_error *err)
+{
+    const manifest *m = &link->m;
+    uint64_t at = 0, row_bytes = sizeof(uint64_t) + m->row_floats * sizeof(float);
+    for (uint64_t i = 0; i < m->chunks; i++) {
+        const em_index_entry *entry = &link->index[i];
+        if (entry->offset != at || entry->bucket >= EM_CHECKPOINT_BUCKETS)
+            return data_loss(err, link->dir, "index.emb",
+                             "chunk %" PRIu64 " (bucket %u) is at byte %" PRIu64
+                             ", expected %" PRIu64, i, entry->bucket, entry->offset, at);
+        at += sizeof(em_chunk_header) + entry->rows * row_bytes;
+    }
+    if (at != m->rows_file.bytes)
+        return data_loss(err, link->dir, "index.emb",
+                         "its chunks end at byte %" PRIu64 ", rows.emb has %" PRIu64, at,
+                         m->rows_file.bytes);
+    return EM_OK;
+}
+
+/* Reads every link's index (checked against its manifest), and sums what the load
+ * reads of the rows files and the rows of the owned chunks. */
+static em_status read_indexes(const reader *r, link_state *links, size_t count,
+                              uint64_t *bytes, uint64_t *rows, em_error *err)
+{
+    em_status status = EM_OK;
+    uint64_t row_bytes = sizeof(uint64_t) + links[0].m.row_floats * sizeof(float);
+    for (size_t i = 0; status == EM_OK && i < count; i++) {
+        status = read_index(links[i].dir, &links[i].m, &links[i].index, err);
+        if (status == EM_OK && r->owner_count > 0)
+            status = check_index_layout(&links[i], err);
+        for (uint64_t c = 0; status == EM_OK && c < links[i].m.chunks; c++)
+            if (owns(r, links[i].index[c].bucket)) {
+                *rows += links[i].index[c].rows;
+                *bytes += sizeof(em_chunk_header) + links[i].index[c].rows * row_bytes;
+            }
+    }
+    return status;
+}
+
 /* Reads every link of the chain, newest first, into table (NULL: verify only). */
 static em_status read_links(reader *r, const link_state *links, size_t count, em_error *err)
 {
     em_status status = EM_OK;
     for (size_t i = 0; status == EM_OK && i < count; i++) {
-        em_index_entry *index = NULL;
         r->level = i;
-        status = read_index(links[i].dir, &links[i].m, &index, err);
+        status = read_tombstones(r, links[i].dir, &links[i].m, err);
         if (status == EM_OK)
-            status = read_tombstones(r, links[i].dir, &links[i].m, err);
-        if (status == EM_OK)
-            status = read_rows(r, links[i].dir, &links[i].m, index, err);
-        r->bytes_before += links[i].m.rows_file.bytes;
-        free(index);
+            status = read_rows(r, links[i].dir, &links[i].m, links[i].index, err);
     }
     return status;
+}
+
+static void free_links(link_state *links, size_t count)
+{
+    for (size_t i = 0; links != NULL && i < count; i++)
+        free(links[i].index);
+    free(links);
 }
 
 static void free_reader(reader *r)
 {
     free(r->payload);
+    free(r->bucket_source);
     for (int k = 0; k < 2; k++) {
         free(r->batches[k].keys);
         free(r->batches[k].values);
@@ -881,19 +979,101 @@ static em_status attach_base(em_table *table, const link_state *target, em__key_
     return EM_OK;
 }
 
-/* Verifies (backend NULL) or loads the checkpoint at path with its chain; weights_into,
- * when not NULL, is the config of the table to create with the weights only. */
-static em_status read_checkpoint(const char *path, em_backend *backend, const char *name,
-                                 const em_table_config *weights_into,
-                                 const em_checkpoint_load_options *options, em_table **out,
-                                 em_checkpoint_info *info, em_error *err)
+/* The sources of one load: each a checkpoint's chain, newest link first. */
+typedef struct source {
+    link_state *links;
+    size_t count;
+} source;
+
+/* The shape two checkpoints must share to fill one table: the table config but for
+ * its name, capacity and shards, which a load may change. */
+static char *config_shape(const em_table_config *config)
+{
+    em_table_config copy = *config;
+    memset(copy.name, 0, sizeof(copy.name));
+    copy.capacity = 0;
+    copy.shards = 0;
+    cJSON *json = em_table_config_to_json(&copy);
+    char *text = json != NULL ? cJSON_PrintUnformatted(json) : NULL;
+    cJSON_Delete(json);
+    return text;
+}
+
+/* Resolves every source's chain and checks that they are of one table, and each of
+ * the manifest the caller expects. */
+static em_status resolve_sources(const char *const *paths, size_t count,
+                                 const em_checkpoint_load_options *options, source *sources,
+                                 em_error *err)
+{
+    em_status status = EM_OK;
+    char *shape = NULL;
+    for (size_t s = 0; status == EM_OK && s < count; s++) {
+        status = resolve_chain(paths[s], &sources[s].links, &sources[s].count, err);
+        const manifest *m = status == EM_OK ? &sources[s].links[0].m : NULL;
+        if (status == EM_OK && options != NULL && options->manifest_xxh3 != NULL &&
+            m->link.manifest_xxh3 != options->manifest_xxh3[s])
+            status = data_loss(err, paths[s], "manifest.json",
+                               "its checksum is %016" PRIx64 ", the load expects %016" PRIx64
+                               " (another checkpoint than the one recorded)",
+                               m->link.manifest_xxh3, options->manifest_xxh3[s]);
+        if (status != EM_OK || count == 1)
+            continue;
+        char *own = config_shape(&m->config);
+        if (own == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        else if (shape == NULL)
+            shape = own, own = NULL;
+        else if (strcmp(own, shape) != 0)
+            status = em_error_set(err, EM_INVALID_ARGUMENT,
+                                  "checkpoint %s is of another table than %s: its config is "
+                                  "%s, the first's %s", paths[s], paths[0], own, shape);
+        free(own);
+    }
+    free(shape);
+    return status;
+}
+
+/* Verifies (backend NULL) or loads the checkpoints at paths, each with its chain, into
+ * one table; weights_into, when not NULL, is the config of the table to create with the
+ * weights only. */
+static em_status read_checkpoints(const char *const *paths, size_t count, em_backend *backend,
+                                  const char *name, const em_table_config *weights_into,
+                                  const em_checkpoint_load_options *options, em_table **out,
+                                  em_checkpoint_info *info, em_error *err)
 {
     double start = monotonic_seconds();
-    link_state *links = NULL;
-    size_t count = 0;
     em_table *table = NULL;
-    em_status status = resolve_chain(path, &links, &count, err);
-    const manifest *m = status == EM_OK ? &links[0].m : NULL;
+    if (count == 0)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "a load needs at least one checkpoint");
+    source *sources = calloc(count, sizeof(*sources));
+    if (sources == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    reader r = {.weights_only = weights_into != NULL, .options = options};
+    if (options != NULL && options->owner_count > 0) {
+        r.owner_index = options->owner_index;
+        r.owner_count = options->owner_count;
+    }
+    em_status status = EM_OK;
+    if (r.owner_count > 0 && r.owner_index >= r.owner_count)
+        status = em_error_set(err, EM_INVALID_ARGUMENT,
+                              "load: server %u of a cluster of %u does not exist (0..%u)",
+                              r.owner_index, r.owner_count, r.owner_count - 1);
+    if (status == EM_OK)
+        status = resolve_sources(paths, count, options, sources, err);
+    /* what the table holds at most: the owned chunks' rows (the newest links of a chain
+     * may repeat keys of older ones), and never more than the tables saved */
+    uint64_t bound = 0, table_rows = 0;
+    bool chains = false;
+    for (size_t s = 0; status == EM_OK && s < count; s++) {
+        uint64_t rows = 0;
+        status = read_indexes(&r, sources[s].links, sources[s].count, &r.total_bytes, &rows,
+                              err);
+        const manifest *newest = &sources[s].links[0].m;
+        bound += rows < newest->table_rows ? rows : newest->table_rows;
+        table_rows += newest->table_rows;
+        chains = chains || sources[s].count > 1;
+    }
+    const manifest *m = status == EM_OK ? &sources[0].links[0].m : NULL;
     em_table_config config;
     if (status == EM_OK && backend != NULL) {
         config = m->config;
@@ -905,35 +1085,54 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
             if (weights_into->dim != m->config.dim)
                 status = em_error_set(err, EM_INVALID_ARGUMENT,
                                       "checkpoint %s: its table has dim %u, table '%s' has dim "
-                                      "%u", path, m->config.dim, weights_into->name,
+                                      "%u", paths[0], m->config.dim, weights_into->name,
                                       weights_into->dim);
             config = *weights_into;
         }
-        if (status == EM_OK && config.capacity < m->table_rows)
-            config.capacity = m->table_rows;
+        if (options != NULL && options->shards > 0)
+            config.shards = options->shards;
+        if (status == EM_OK && config.capacity < bound)
+            config.capacity = bound;
         /* the rows come in the saved table's map order: hash them with another seed,
          * one that the same checkpoint always gets */
         if (status == EM_OK)
             status = em_table_create_seeded(backend, &config,
                                             em_mix64(m->link.manifest_xxh3) | 1u, &table, err);
     }
-    reader r = {.table = table, .weights_only = weights_into != NULL, .options = options};
-    for (size_t i = 0; status == EM_OK && i < count; i++)
-        r.total_bytes += links[i].m.rows_file.bytes;
-    em__key_map decided = {0}, digests = {0};
+    r.table = table;
+    /* a table loaded whole from one checkpoint can be the parent of a delta */
     bool tracking = table != NULL && options != NULL && options->track_changes &&
-                    weights_into == NULL;
-    if (status == EM_OK && ((count > 1 && !em__key_map_init(&decided, m->table_rows)) ||
-                            (tracking && !em__key_map_init(&digests, m->table_rows))))
+                    weights_into == NULL && count == 1 && r.owner_count == 0;
+    em__key_map decided = {0}, digests = {0};
+    if (status == EM_OK && tracking && !em__key_map_init(&digests, m->table_rows))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
                               "out of host memory for the keys of %" PRIu64 " rows",
                               m->table_rows);
-    r.decided = count > 1 ? &decided : NULL;
     r.digests = tracking ? &digests : NULL;
     if (status == EM_OK && table != NULL)
         status = em__pipe_start(&r.importer, import_batch_rows, &r, err);
-    if (status == EM_OK)
-        status = read_links(&r, links, count, err);
+    if (status == EM_OK && count > 1) {
+        r.sources = paths;
+        r.bucket_source = calloc(EM_CHECKPOINT_BUCKETS, sizeof(uint32_t));
+        if (r.bucket_source == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    }
+    for (size_t s = 0; status == EM_OK && s < count; s++) {
+        /* a key is taken once per chain, and a bucket from one source only */
+        r.source = (uint32_t)s;
+        em__key_map_free(&decided);
+        r.decided = NULL;
+        if (sources[s].count > 1) {
+            if (!em__key_map_init(&decided, sources[s].links[0].m.table_rows)) {
+                status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                      "out of host memory for the keys of %" PRIu64 " rows",
+                                      sources[s].links[0].m.table_rows);
+                break;
+            }
+            r.decided = &decided;
+        }
+        status = read_links(&r, sources[s].links, sources[s].count, err);
+    }
     em_error imported;
     em_status importing = em__pipe_finish(&r.importer, &imported);
     if (status == EM_OK && importing != EM_OK) {
@@ -948,41 +1147,58 @@ static em_status read_checkpoint(const char *path, em_backend *backend, const ch
         em_table_get_stats(table, &stats);
         restored = stats.rows;
     }
-    if (status == EM_OK && restored != m->table_rows)
-        status = data_loss(err, path, "manifest.json",
+    /* every key of the tables saved, or of the buckets owned when no chain could have
+     * replaced a row of an older link */
+    uint64_t expected = r.owner_count == 0 ? table_rows : chains ? restored : bound;
+    if (status == EM_OK && restored != expected && count == 1)
+        status = data_loss(err, paths[0], "manifest.json",
                            "the table it restores has %" PRIu64 " rows, the checkpoint%s "
                            "holds %" PRIu64 " distinct keys",
-                           m->table_rows, count > 1 ? "'s chain" : "", restored);
+                           expected, chains ? "'s chain" : "", restored);
+    else if (status == EM_OK && restored != expected)
+        status = data_loss(err, paths[0], "manifest.json",
+                           "the tables its %zu checkpoints restore have %" PRIu64 " rows, "
+                           "they hold %" PRIu64 " distinct keys", count, expected, restored);
     if (status == EM_OK && tracking)
-        status = attach_base(table, &links[0], &digests, err);
+        status = attach_base(table, &sources[0].links[0], &digests, err);
     em__key_map_free(&decided);
     em__key_map_free(&digests);
-    if (status != EM_OK) {
-        em_table_destroy(table);
-        free(links);
-        return status;
-    }
-    if (info != NULL) {
+    if (status == EM_OK && info != NULL) {
         memset(info, 0, sizeof(*info));
         snprintf(info->table, sizeof(info->table), "%s",
                  table != NULL ? em_table_name(table) : m->config.name);
         snprintf(info->id, sizeof(info->id), "%s", m->link.id);
-        snprintf(info->path, sizeof(info->path), "%s", path);
+        snprintf(info->path, sizeof(info->path), "%s", paths[0]);
         snprintf(info->kind, sizeof(info->kind), "%s", m->link.delta ? "delta" : "full");
         snprintf(info->parent, sizeof(info->parent), "%s", m->link.parent_id);
         info->depth = m->link.depth;
-        info->rows = m->rows;
+        info->manifest_xxh3 = m->link.manifest_xxh3;
         info->tombstones = m->tombstones;
-        info->table_rows = m->table_rows;
+        info->rows = count > 1 || r.owner_count > 0 ? r.taken : m->rows;
+        info->table_rows = count > 1 || r.owner_count > 0 ? restored : m->table_rows;
         info->chunks = m->chunks;
         info->bytes = m->rows_file.bytes + m->index_file.bytes + m->tombstones_file.bytes;
         info->created_unix_ms = m->created_unix_ms;
         info->seconds = monotonic_seconds() - start;
     }
-    free(links);
+    for (size_t s = 0; s < count; s++)
+        free_links(sources[s].links, sources[s].count);
+    free(sources);
+    if (status != EM_OK) {
+        em_table_destroy(table);
+        return status;
+    }
     if (out != NULL)
         *out = table;
     return EM_OK;
+}
+
+static em_status read_checkpoint(const char *path, em_backend *backend, const char *name,
+                                 const em_table_config *weights_into,
+                                 const em_checkpoint_load_options *options, em_table **out,
+                                 em_checkpoint_info *info, em_error *err)
+{
+    return read_checkpoints(&path, 1, backend, name, weights_into, options, out, info, err);
 }
 
 em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err)
@@ -995,6 +1211,14 @@ em_status em_checkpoint_load(const char *path, em_backend *backend, const char *
                              em_checkpoint_info *info, em_error *err)
 {
     return read_checkpoint(path, backend, name, NULL, options, out, info, err);
+}
+
+em_status em_checkpoint_load_sources(const char *const *paths, size_t count,
+                                     em_backend *backend, const char *name,
+                                     const em_checkpoint_load_options *options, em_table **out,
+                                     em_checkpoint_info *info, em_error *err)
+{
+    return read_checkpoints(paths, count, backend, name, NULL, options, out, info, err);
 }
 
 em_status em_checkpoint_load_weights(const char *path, em_backend *backend,

@@ -617,6 +617,7 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
     if (status == EM_OK)
         status = publish_latest(table_dir, info->id, err);
     info->bytes = s->file_bytes + sums.index_bytes + sums.tombstones_bytes;
+    info->manifest_xxh3 = sums.manifest_xxh3;
     info->rows = s->rows;
     info->tombstones = s->tombstone_count;
     info->table_rows = s->table_rows;
@@ -693,7 +694,8 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     s.runs[1].data = malloc(s.out_capacity);
     s.out = s.runs[0].data;
     s.file_hash = XXH3_createState();
-    if (options->delta)
+    bool tracking = !options->detached && (options->delta || options->track_changes);
+    if (options->delta && !options->detached)
         s.parent = delta_parent(table, options, s.row_floats);
     s.delta = s.parent != NULL;
     snprintf(info->kind, sizeof(info->kind), "%s", s.delta ? "delta" : "full");
@@ -701,11 +703,10 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
         snprintf(info->parent, sizeof(info->parent), "%s", s.parent->id);
         info->depth = s.parent->depth + 1;
     }
-    if (options->delta || options->track_changes)
+    if (tracking)
         s.next = calloc(1, sizeof(*s.next));
     if (s.keys == NULL || s.values == NULL || s.runs[0].data == NULL || s.runs[1].data == NULL ||
-        s.file_hash == NULL ||
-        ((options->delta || options->track_changes) && s.next == NULL))
+        s.file_hash == NULL || (tracking && s.next == NULL))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for buffers");
     else
         XXH3_64bits_reset(s.file_hash);
@@ -735,7 +736,8 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
         em__delta_base_free(s.next);
     } else {
         /* the table's rows are now written as this checkpoint: the next delta's parent */
-        em_table_set_attachment(table, s.next, s.next != NULL ? em__delta_base_free : NULL);
+        if (!options->detached)
+            em_table_set_attachment(table, s.next, s.next != NULL ? em__delta_base_free : NULL);
         prune(table_dir, options->dir, name, options->keep == 0 ? 1 : options->keep);
     }
     free(s.tombstones);

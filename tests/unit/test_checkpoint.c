@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/keyhash.h"
 #include "lib/base/failpoint.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/checkpoint/checkpoint_io.h"
@@ -772,6 +773,211 @@ START_TEST(pruning_keeps_the_chains_of_kept_deltas)
 }
 END_TEST
 
+/* ---- cluster checkpoints ----------------------------------------------------------- */
+
+/* The rows of several tables (each a server's part), as one snapshot sorted by key. */
+static em_test_snapshot union_of(em_table *const *parts, size_t count)
+{
+    em_test_snapshot all = {0};
+    em_test_snapshot *taken = calloc(count, sizeof(*taken));
+    for (size_t p = 0; p < count; p++) {
+        taken[p] = em_test_snapshot_take(parts[p], 700);
+        all.count += taken[p].count;
+        all.width = taken[p].width;
+    }
+    all.keys = malloc((all.count + 1) * sizeof(uint64_t));
+    all.values = malloc((all.count + 1) * all.width * sizeof(float));
+    size_t *next = calloc(count, sizeof(size_t));
+    for (uint64_t i = 0; i < all.count; i++) { /* merge the sorted parts */
+        size_t from = count;
+        for (size_t p = 0; p < count; p++)
+            if (next[p] < taken[p].count &&
+                (from == count || taken[p].keys[next[p]] < taken[from].keys[next[from]]))
+                from = p;
+        all.keys[i] = taken[from].keys[next[from]];
+        memcpy(all.values + i * all.width, taken[from].values + next[from] * all.width,
+               all.width * sizeof(float));
+        next[from]++;
+    }
+    for (size_t p = 0; p < count; p++)
+        em_test_snapshot_free(&taken[p]);
+    free(taken);
+    free(next);
+    return all;
+}
+
+/* Loads server `owner` of `servers` from the checkpoints at paths, with `shards` shards,
+ * and checks that it holds only keys the client routes to it. */
+static em_table *load_part(em_backend *backend, const char *const *paths, size_t count,
+                           uint32_t owner, uint32_t servers, uint32_t shards,
+                           const uint64_t *manifests)
+{
+    em_checkpoint_load_options options = {.shards = shards, .owner_index = owner,
+                                          .owner_count = servers, .manifest_xxh3 = manifests};
+    em_table *part = NULL;
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_msg(em_checkpoint_load_sources(paths, count, backend, NULL, &options, &part, &info,
+                                             &err) == EM_OK, "%s", err.message);
+    ck_assert_uint_eq(em_table_get_config(part)->shards, shards);
+    em_test_snapshot rows = em_test_snapshot_take(part, 1000);
+    ck_assert_uint_eq(info.table_rows, rows.count);
+    for (uint64_t r = 0; r < rows.count; r++)
+        ck_assert_int_eq(em_key_server(rows.keys[r], (int32_t)servers), (int32_t)owner);
+    em_test_snapshot_free(&rows);
+    return part;
+}
+
+/* A table (with a delta chain) split over 3 servers of 5 shards, each loading only the
+ * buckets it owns; the 3 parts saved and merged back onto 2 servers of 8 shards: every
+ * key's row and state equal the original's at each step. Sources of another table
+ * shape, another manifest than recorded, a key in two sources and a server outside the
+ * cluster are refused. A detached save leaves the table's delta chain alone. */
+START_TEST(cluster_parts_load_the_buckets_each_server_owns)
+{
+    char dir[256], path[4200];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 3, 8, 3000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.track_changes = true;
+    em_checkpoint_info full, copy, delta;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &full, &err), EM_OK);
+    change_a_little(table, 8, &rng, 1u << 20);
+    snprintf(path, sizeof(path), "%s/detached", dir);
+    em_checkpoint_options detached;
+    em_checkpoint_options_init(&detached, path);
+    detached.detached = true;
+    detached.delta = true;
+    ck_assert_msg(em_checkpoint_save(table, &detached, &copy, &err) == EM_OK, "%s", err.message);
+    ck_assert_str_eq(copy.kind, "full");
+    options.delta = true;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &delta, &err), EM_OK);
+    ck_assert_str_eq(delta.kind, "delta"); /* the detached copy left the chain alone */
+    em_test_snapshot original = em_test_snapshot_take(table, 1000);
+
+    /* one server's chain onto 3 servers of 5 shards */
+    const char *one[1] = {delta.path};
+    em_table *parts[3];
+    for (uint32_t j = 0; j < 3; j++)
+        parts[j] = load_part(backend, one, 1, j, 3, 5, &delta.manifest_xxh3);
+    em_test_snapshot merged = union_of(parts, 3);
+    em_test_assert_snapshots_identical(&merged, &original);
+    em_test_snapshot_free(&merged);
+
+    /* the 3 parts saved, and loaded onto 2 servers of 8 shards */
+    char part_dirs[3][300];
+    em_checkpoint_info part_infos[3];
+    const char *part_paths[3];
+    uint64_t manifests[3];
+    for (uint32_t j = 0; j < 3; j++) {
+        snprintf(part_dirs[j], sizeof(part_dirs[j]), "%s/server-%u", dir, j);
+        em_checkpoint_options_init(&detached, part_dirs[j]);
+        detached.detached = true;
+        ck_assert_int_eq(em_checkpoint_save(parts[j], &detached, &part_infos[j], &err), EM_OK);
+        part_paths[j] = part_infos[j].path;
+        manifests[j] = part_infos[j].manifest_xxh3;
+    }
+    em_table *two[2];
+    for (uint32_t j = 0; j < 2; j++)
+        two[j] = load_part(backend, part_paths, 3, j, 2, 8, manifests);
+    merged = union_of(two, 2);
+    em_test_assert_snapshots_identical(&merged, &original);
+    em_test_snapshot_free(&merged);
+    /* and whole onto one server, without an owner */
+    em_table *whole = NULL;
+    em_checkpoint_load_options all = {.manifest_xxh3 = manifests};
+    ck_assert_msg(em_checkpoint_load_sources(part_paths, 3, backend, "w", &all, &whole, NULL,
+                                             &err) == EM_OK, "%s", err.message);
+    merged = em_test_snapshot_take(whole, 1000);
+    em_test_assert_snapshots_identical(&merged, &original);
+    em_test_snapshot_free(&merged);
+    em_table_destroy(whole);
+
+    /* refusals */
+    uint64_t wrong[3] = {manifests[0], manifests[1] ^ 1, manifests[2]};
+    em_checkpoint_load_options checked = {.manifest_xxh3 = wrong};
+    ck_assert_int_eq(em_checkpoint_load_sources(part_paths, 3, backend, NULL, &checked, &whole,
+                                                NULL, &err), EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, part_paths[1]) != NULL &&
+                      strstr(err.message, "manifest.json") != NULL, "%s", err.message);
+    const char *twice[2] = {part_paths[0], part_paths[0]};
+    ck_assert_int_eq(em_checkpoint_load_sources(twice, 2, backend, NULL, NULL, &whole, NULL,
+                                                &err), EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, "is in checkpoint") != NULL &&
+                      strstr(err.message, part_paths[0]) != NULL, "%s", err.message);
+    em_checkpoint_load_options outside = {.owner_index = 2, .owner_count = 2};
+    ck_assert_int_eq(em_checkpoint_load_sources(part_paths, 3, backend, NULL, &outside, &whole,
+                                                NULL, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "server 2 of a cluster of 2") != NULL, "%s", err.message);
+    em_table *narrow = trained_table(backend, 3, 4, 100, &rng);
+    em_checkpoint_info narrow_info;
+    snprintf(path, sizeof(path), "%s/narrow", dir);
+    em_checkpoint_options_init(&detached, path);
+    ck_assert_int_eq(em_checkpoint_save(narrow, &detached, &narrow_info, &err), EM_OK);
+    const char *mixed[2] = {part_paths[0], narrow_info.path};
+    ck_assert_int_eq(em_checkpoint_load_sources(mixed, 2, backend, NULL, NULL, &whole, NULL,
+                                                &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, narrow_info.path) != NULL &&
+                      strstr(err.message, "another table") != NULL, "%s", err.message);
+
+    em_table_destroy(narrow);
+    for (uint32_t j = 0; j < 3; j++)
+        em_table_destroy(parts[j]);
+    for (uint32_t j = 0; j < 2; j++)
+        em_table_destroy(two[j]);
+    em_test_snapshot_free(&original);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
+/* A damaged chunk of an owned bucket is refused naming the chunk; an index that no
+ * longer lays the chunks end to end is refused by every server, owner or not. */
+START_TEST(cluster_parts_refuse_damaged_chunks)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 1, 8, 3000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    char rows_path[4400];
+    snprintf(rows_path, sizeof(rows_path), "%s/rows.emb", info.path);
+    flip_byte(rows_path, file_size(rows_path) - 3); /* in the last chunk's payload */
+    const char *one[1] = {info.path};
+    int refused = 0;
+    for (uint32_t j = 0; j < 3; j++) {
+        em_checkpoint_load_options owner = {.owner_index = j, .owner_count = 3};
+        em_table *part = NULL;
+        em_status status = em_checkpoint_load_sources(one, 1, backend, NULL, &owner, &part, NULL,
+                                                      &err);
+        if (status == EM_OK) {
+            em_table_destroy(part);
+            continue;
+        }
+        refused++;
+        ck_assert_int_eq(status, EM_DATA_LOSS);
+        ck_assert_msg(strstr(err.message, "rows.emb") != NULL &&
+                          strstr(err.message, "checksum mismatch") != NULL, "%s", err.message);
+    }
+    ck_assert_int_eq(refused, 1); /* the owner of the damaged chunk's bucket */
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("checkpoint");
@@ -798,6 +1004,11 @@ int main(void)
     tcase_add_loop_test(deltas, a_failed_delta_leaves_the_next_one_complete, EM_SAVE_ROWS_WRITE,
                         EM_SAVE_STEP_COUNT + 1);
     tcase_add_test(deltas, pruning_keeps_the_chains_of_kept_deltas);
+    TCase *cluster = tcase_create("cluster");
+    tcase_set_timeout(cluster, 120);
+    tcase_add_test(cluster, cluster_parts_load_the_buckets_each_server_owns);
+    tcase_add_test(cluster, cluster_parts_refuse_damaged_chunks);
+    suite_add_tcase(suite, cluster);
     suite_add_tcase(suite, deltas);
     return em_test_run(suite);
 }
