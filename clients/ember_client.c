@@ -21,6 +21,7 @@
 #include "clients/ember_client.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <poll.h>
 #include <stdio.h>
@@ -28,6 +29,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clients/client_cluster.h"
 #include "clients/client_connection.h"
 #include "clients/client_frame.h"
 #include "clients/client_json.h"
@@ -751,6 +753,8 @@ em_status em_client_stats(em_client *client, const char *table, cJSON **stats, e
 
 static cJSON *checkpoint_info(const Ember__CheckpointInfo *info)
 {
+    char hash[17];
+    snprintf(hash, sizeof(hash), "%016" PRIx64, info->manifest_xxh3);
     cJSON *item = cJSON_CreateObject();
     if (item == NULL || cJSON_AddStringToObject(item, "table", info->table) == NULL ||
         cJSON_AddStringToObject(item, "id", info->id) == NULL ||
@@ -762,7 +766,8 @@ static cJSON *checkpoint_info(const Ember__CheckpointInfo *info)
         cJSON_AddStringToObject(item, "parent", info->parent) == NULL ||
         cJSON_AddNumberToObject(item, "depth", info->depth) == NULL ||
         cJSON_AddNumberToObject(item, "tombstones", (double)info->tombstones) == NULL ||
-        cJSON_AddNumberToObject(item, "table_rows", (double)info->table_rows) == NULL) {
+        cJSON_AddNumberToObject(item, "table_rows", (double)info->table_rows) == NULL ||
+        cJSON_AddStringToObject(item, "manifest_xxh3", hash) == NULL) {
         cJSON_Delete(item);
         return NULL;
     }
@@ -1087,6 +1092,255 @@ em_status em_client_load(em_client *client, const char *table, const char *path,
             status = out_of_memory(err, "load");
     }
     call_destroy(client, call);
+    return status;
+}
+
+/* ---- cluster checkpoints ----------------------------------------------------------- */
+
+/* Sends bodies[s] to server s, every server at once, and waits for all the answers:
+ * call->requests[s] is server s's. */
+static em_status message_call_each(em_client *client, int method,
+                                   const ProtobufCMessage *const *bodies, em_client_call **call,
+                                   em_error *err)
+{
+    em_client_call *created = call_create(client, CALL_MESSAGE, method, client->server_count);
+    if (created == NULL)
+        return out_of_memory(err, em_method_name(method));
+    em_status status = EM_OK;
+    for (uint32_t s = 0; status == EM_OK && s < client->server_count; s++) {
+        em__client_request *request = call_add_request(client, created, s);
+        if (request == NULL) {
+            status = out_of_memory(err, em_method_name(method));
+            break;
+        }
+        em__client_rpc rpc = call_rpc(client, created, request);
+        status = em__client_frame_message(&rpc, bodies[s], &request->frame, err);
+    }
+    if (status != EM_OK) {
+        call_destroy(client, created);
+        return status;
+    }
+    status = call_send(client, created, err);
+    if (status != EM_OK)
+        return status;
+    status = call_wait(client, created, err);
+    if (status != EM_OK) {
+        call_destroy(client, created);
+        return status;
+    }
+    *call = created;
+    return EM_OK;
+}
+
+/* The record's entry for table, added when it has none yet. */
+static cJSON *record_table(cJSON *tables, const char *name)
+{
+    cJSON *table = NULL;
+    cJSON_ArrayForEach(table, tables)
+    {
+        if (strcmp(cJSON_GetObjectItemCaseSensitive(table, "name")->valuestring, name) == 0)
+            return table;
+    }
+    table = cJSON_CreateObject();
+    if (table == NULL || cJSON_AddStringToObject(table, "name", name) == NULL ||
+        cJSON_AddArrayToObject(table, "parts") == NULL || !cJSON_AddItemToArray(tables, table)) {
+        cJSON_Delete(table);
+        return NULL;
+    }
+    return table;
+}
+
+/* Adds server s's saved checkpoints (under part_dir, which is below dir) to the record. */
+static em_status record_parts(cJSON *tables, const char *dir, const char *part_dir, uint32_t s,
+                              const em__client_server *server,
+                              const Ember__SaveResponse *response, em_error *err)
+{
+    size_t prefix = strlen(dir) + 1;
+    for (size_t i = 0; i < response->n_saved; i++) {
+        const Ember__CheckpointInfo *info = response->saved[i];
+        if (strncmp(info->path, part_dir, strlen(part_dir)) != 0 ||
+            info->path[strlen(part_dir)] != '/')
+            return em_error_set(err, EM_INTERNAL,
+                                "cluster save: server %s saved table '%s' at %s, not under %s",
+                                server->name, info->table, info->path, part_dir);
+        cJSON *table = record_table(tables, info->table);
+        cJSON *part = cJSON_CreateObject();
+        char hash[17];
+        snprintf(hash, sizeof(hash), "%016" PRIx64, info->manifest_xxh3);
+        if (table == NULL || part == NULL ||
+            cJSON_AddNumberToObject(part, "server", s) == NULL ||
+            cJSON_AddStringToObject(part, "address", server->name) == NULL ||
+            cJSON_AddStringToObject(part, "path", info->path + prefix) == NULL ||
+            cJSON_AddStringToObject(part, "id", info->id) == NULL ||
+            cJSON_AddStringToObject(part, "manifest_xxh3", hash) == NULL ||
+            cJSON_AddNumberToObject(part, "rows", (double)info->table_rows) == NULL ||
+            cJSON_AddNumberToObject(part, "bytes", (double)info->bytes) == NULL ||
+            !cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(table, "parts"), part)) {
+            cJSON_Delete(part);
+            return out_of_memory(err, "cluster save");
+        }
+    }
+    return EM_OK;
+}
+
+static cJSON *new_record(const em_client *client)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    cJSON *record = cJSON_CreateObject();
+    cJSON *servers = NULL;
+    if (record == NULL ||
+        cJSON_AddStringToObject(record, "format", "ember-cluster-checkpoint") == NULL ||
+        cJSON_AddNumberToObject(record, "version", EM_CLUSTER_FORMAT_VERSION) == NULL ||
+        cJSON_AddNumberToObject(record, "buckets", EM_KEY_BUCKETS) == NULL ||
+        cJSON_AddNumberToObject(record, "created_unix_ms",
+                                (double)now.tv_sec * 1000.0 + (double)(now.tv_nsec / 1000000)) ==
+            NULL ||
+        (servers = cJSON_AddArrayToObject(record, "servers")) == NULL ||
+        cJSON_AddArrayToObject(record, "tables") == NULL) {
+        cJSON_Delete(record);
+        return NULL;
+    }
+    for (uint32_t s = 0; s < client->server_count; s++) {
+        cJSON *name = cJSON_CreateString(client->servers[s].name);
+        if (name == NULL || !cJSON_AddItemToArray(servers, name)) {
+            cJSON_Delete(name);
+            cJSON_Delete(record);
+            return NULL;
+        }
+    }
+    return record;
+}
+
+em_status em_client_cluster_save(em_client *client, const char *table, const char *dir,
+                                 cJSON **record, em_error *err)
+{
+    if (record != NULL)
+        *record = NULL;
+    em_status status = em__cluster_prepare(dir, err);
+    if (status != EM_OK)
+        return status;
+    uint32_t n = client->server_count;
+    char (*part_dirs)[3100] = calloc(n, sizeof(*part_dirs));
+    Ember__SaveRequest *bodies = calloc(n, sizeof(*bodies));
+    const ProtobufCMessage **pointers = calloc(n, sizeof(*pointers));
+    cJSON *made = new_record(client);
+    if (part_dirs == NULL || bodies == NULL || pointers == NULL || made == NULL)
+        status = out_of_memory(err, "cluster save");
+    for (uint32_t s = 0; status == EM_OK && s < n; s++) {
+        snprintf(part_dirs[s], sizeof(part_dirs[s]), "%s/server-%u", dir, s);
+        ember__save_request__init(&bodies[s]);
+        bodies[s].table = (char *)(table != NULL ? table : "");
+        bodies[s].dir = part_dirs[s];
+        pointers[s] = &bodies[s].base;
+    }
+    em_client_call *call = NULL;
+    if (status == EM_OK)
+        status = message_call_each(client, EMBER__METHOD__SAVE, pointers, &call, err);
+    cJSON *tables = made != NULL ? cJSON_GetObjectItemCaseSensitive(made, "tables") : NULL;
+    for (uint32_t s = 0; status == EM_OK && s < n; s++)
+        status = record_parts(tables, dir, part_dirs[s], s, &client->servers[s],
+                              (const Ember__SaveResponse *)call->requests[s]->response, err);
+    if (call != NULL)
+        call_destroy(client, call);
+    if (status == EM_OK)
+        status = em__cluster_write(dir, made, err);
+    free(part_dirs);
+    free(bodies);
+    free(pointers);
+    if (status == EM_OK && record != NULL)
+        *record = made;
+    else
+        cJSON_Delete(made);
+    return status;
+}
+
+/* Loads one table of the record onto every server of the client's list. */
+static em_status cluster_load_table(em_client *client, const cJSON *record, const char *dir,
+                                    const char *table, uint32_t shards, cJSON *results,
+                                    em_error *err)
+{
+    char **paths = NULL;
+    uint64_t *manifests = NULL;
+    size_t count = 0;
+    em_status status = em__cluster_sources(record, dir, table, &paths, &manifests, &count, err);
+    if (status != EM_OK)
+        return status;
+    uint32_t n = client->server_count;
+    Ember__LoadRequest *bodies = calloc(n, sizeof(*bodies));
+    const ProtobufCMessage **pointers = calloc(n, sizeof(*pointers));
+    if (bodies == NULL || pointers == NULL)
+        status = out_of_memory(err, "cluster load");
+    for (uint32_t s = 0; status == EM_OK && s < n; s++) {
+        ember__load_request__init(&bodies[s]);
+        bodies[s].table = (char *)table;
+        bodies[s].path = (char *)"";
+        bodies[s].n_sources = count;
+        bodies[s].sources = paths;
+        bodies[s].n_source_manifests = count;
+        bodies[s].source_manifests = manifests;
+        bodies[s].server_index = s;
+        bodies[s].server_count = n;
+        bodies[s].shards = shards;
+        pointers[s] = &bodies[s].base;
+    }
+    em_client_call *call = NULL;
+    if (status == EM_OK)
+        status = message_call_each(client, EMBER__METHOD__LOAD, pointers, &call, err);
+    for (uint32_t s = 0; status == EM_OK && s < n; s++) {
+        const Ember__LoadResponse *response =
+            (const Ember__LoadResponse *)call->requests[s]->response;
+        cJSON *item = response->loaded != NULL ? checkpoint_info(response->loaded) : NULL;
+        if (item == NULL || cJSON_AddNumberToObject(item, "server", s) == NULL ||
+            cJSON_AddStringToObject(item, "address", client->servers[s].name) == NULL ||
+            cJSON_AddNumberToObject(item, "sources", (double)count) == NULL ||
+            !cJSON_AddItemToArray(results, item)) {
+            cJSON_Delete(item);
+            status = out_of_memory(err, "cluster load");
+        }
+    }
+    if (call != NULL)
+        call_destroy(client, call);
+    free(bodies);
+    free(pointers);
+    em__cluster_free_sources(paths, manifests, count);
+    return status;
+}
+
+em_status em_client_cluster_load(em_client *client, const char *dir, const char *table,
+                                 uint32_t shards, cJSON **loaded, em_error *err)
+{
+    if (loaded != NULL)
+        *loaded = NULL;
+    if (dir == NULL || dir[0] != '/')
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "cluster checkpoint dir '%s' is not absolute: the client and every "
+                            "server must see it under the same path", dir == NULL ? "" : dir);
+    cJSON *record = NULL;
+    em_status status = em__cluster_read(dir, &record, err);
+    if (status != EM_OK)
+        return status;
+    cJSON *results = cJSON_CreateArray();
+    if (results == NULL)
+        status = out_of_memory(err, "cluster load");
+    if (status == EM_OK && table != NULL && table[0] != '\0') {
+        status = cluster_load_table(client, record, dir, table, shards, results, err);
+    } else {
+        const cJSON *entry = NULL;
+        cJSON_ArrayForEach(entry, cJSON_GetObjectItemCaseSensitive(record, "tables"))
+        {
+            if (status != EM_OK)
+                break;
+            status = cluster_load_table(client, record, dir,
+                                        cJSON_GetObjectItemCaseSensitive(entry, "name")->valuestring,
+                                        shards, results, err);
+        }
+    }
+    cJSON_Delete(record);
+    if (status == EM_OK && loaded != NULL)
+        *loaded = results;
+    else
+        cJSON_Delete(results);
     return status;
 }
 

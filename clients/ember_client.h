@@ -139,7 +139,7 @@ em_status em_client_stats(em_client *client, const char *table, cJSON **stats, e
 /* Saves the table (NULL or "": every table) as a checkpoint on the first server, with
  * delta only what changed since its last checkpoint; *saved gets a JSON array of
  * {table, id, path, rows, bytes, seconds, kind, parent, depth, tombstones,
- * table_rows}. */
+ * table_rows, manifest_xxh3}. */
 em_status em_client_save(em_client *client, const char *table, bool delta, cJSON **saved,
                          em_error *err);
 
@@ -149,6 +149,29 @@ em_status em_client_save(em_client *client, const char *table, bool delta, cJSON
  * *loaded (nullable) gets {table, id, path, rows, bytes, seconds}. */
 em_status em_client_load(em_client *client, const char *table, const char *path,
                          bool weights_only, cJSON **loaded, em_error *err);
+
+/* ---- cluster checkpoints (every server of the list; clients/client_cluster.h) ------- */
+
+/* Saves the table (NULL or "": every table) of every server into one cluster checkpoint
+ * at dir: an absolute path that this client and every server see alike (shared
+ * storage), new or empty. Server i writes full copies under <dir>/server-<i> (its own
+ * checkpoints and deltas are left alone), all servers at once; then the record,
+ * <dir>/cluster.json, is written last, so a failed save leaves no cluster checkpoint.
+ * *record (nullable) gets the record. Errors: INVALID_ARGUMENT (a relative dir),
+ * ALREADY_EXISTS (dir holds a cluster checkpoint), a server's error naming it. */
+em_status em_client_cluster_save(em_client *client, const char *table, const char *dir,
+                                 cJSON **record, em_error *err);
+
+/* Restores the table (NULL or "": every table of the record) from the cluster checkpoint
+ * at dir onto the servers of this client's list, whatever their number: server j loads
+ * from every part the buckets it owns among them (jump hash over this list), reading
+ * only those chunks, and replaces its table in one step; shards > 0 sets the tables'
+ * shard count (0: as saved). Servers load at once; a failure on one leaves the others
+ * loaded (run it again). *loaded (nullable) gets one {table, server, address, rows,
+ * table_rows, sources, ...} per server and table. Errors: NOT_FOUND (no record, or no
+ * such table in it), DATA_LOSS (a damaged record or part), a server's error naming it. */
+em_status em_client_cluster_load(em_client *client, const char *dir, const char *table,
+                                 uint32_t shards, cJSON **loaded, em_error *err);
 
 /* Maintenance on the first server: DRAIN takes it out of service (its data listener
  * refuses connections and data requests; HEALTH says "drained"), requests already

@@ -123,10 +123,17 @@ static void print_help(FILE *out)
           "                             numbered; --after the last sequence seen\n"
           "  save [TABLE] [--delta]     save every table (or one) as a checkpoint now;\n"
           "                             --delta only what changed since its last one\n"
+          "  save [TABLE] --cluster DIR save every server of --server's list into one\n"
+          "                             cluster checkpoint at DIR (an absolute path the\n"
+          "                             servers and emberctl share)\n"
           "  load TABLE [--from PATH] [--weights-only]\n"
           "                             load a checkpoint (the table's latest, or the\n"
           "                             directory PATH on the server) as TABLE, replacing\n"
           "                             it; --weights-only keeps TABLE's optimizer\n"
+          "  load [TABLE] --cluster DIR [--shards N]\n"
+          "                             restore a cluster checkpoint onto the servers of\n"
+          "                             --server's list, however many: each loads only\n"
+          "                             the buckets it now owns\n"
           "  drain [--wait SECONDS]     take the server out of service (data requests and\n"
           "                             connections refused, HEALTH not ready); --wait\n"
           "                             until its running requests finish (exit 1 if not)\n"
@@ -1358,22 +1365,61 @@ static int command_slowlog(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+static int cluster_save(cli *c, const char *table, const char *dir)
+{
+    cJSON *record = NULL;
+    em_error err;
+    if (em_client_cluster_save(c->client, table, dir, &record, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        print_json(record);
+    } else {
+        const cJSON *tables = cJSON_GetObjectItem(record, "tables"), *entry = NULL;
+        cJSON_ArrayForEach(entry, tables)
+        {
+            const cJSON *part = NULL;
+            cJSON_ArrayForEach(part, cJSON_GetObjectItem(entry, "parts"))
+            {
+                printf("%s: server %.0f (%s): checkpoint %s, %.0f rows, %.0f bytes, %s/%s\n",
+                       cJSON_GetObjectItem(entry, "name")->valuestring,
+                       cJSON_GetObjectItem(part, "server")->valuedouble,
+                       cJSON_GetObjectItem(part, "address")->valuestring,
+                       cJSON_GetObjectItem(part, "id")->valuestring,
+                       cJSON_GetObjectItem(part, "rows")->valuedouble,
+                       cJSON_GetObjectItem(part, "bytes")->valuedouble, dir,
+                       cJSON_GetObjectItem(part, "path")->valuestring);
+            }
+        }
+        printf("cluster checkpoint %s: %d tables from %d servers\n", dir,
+               cJSON_GetArraySize(tables),
+               cJSON_GetArraySize(cJSON_GetObjectItem(record, "servers")));
+    }
+    cJSON_Delete(record);
+    return EXIT_OK;
+}
+
 static int command_save(cli *c, int argc, char **argv)
 {
-    const char *table = NULL;
+    const char *table = NULL, *cluster = NULL;
     bool delta = false;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--delta") == 0)
             delta = true;
+        else if (strcmp(argv[i], "--cluster") == 0 && i + 1 < argc)
+            cluster = argv[++i];
         else if (argv[i][0] != '-' && table == NULL)
             table = argv[i];
         else
-            return usage_error("save: unexpected argument '%s' (save [TABLE] [--delta])",
-                               argv[i]);
+            return usage_error("save: unexpected argument '%s' (save [TABLE] [--delta] or "
+                               "save [TABLE] --cluster DIR)", argv[i]);
     }
+    if (cluster != NULL && delta)
+        return usage_error("save: a cluster checkpoint is full: --delta is not for it");
     int code = connected(c);
     if (code != EXIT_OK)
         return code;
+    if (cluster != NULL)
+        return cluster_save(c, table, cluster);
     cJSON *saved;
     em_error err;
     if (em_client_save(c->client, table, delta, &saved, &err) != EM_OK)
@@ -1399,25 +1445,64 @@ static int command_save(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+static int cluster_load(cli *c, const char *table, const char *dir, uint32_t shards)
+{
+    cJSON *loaded = NULL;
+    em_error err;
+    if (em_client_cluster_load(c->client, dir, table, shards, &loaded, &err) != EM_OK)
+        return call_failed(&err);
+    if (c->json) {
+        print_json(loaded);
+    } else {
+        const cJSON *item = NULL;
+        cJSON_ArrayForEach(item, loaded)
+        {
+            printf("%s: server %.0f (%s) loaded %.0f rows from %.0f parts, %.3f s\n",
+                   cJSON_GetObjectItem(item, "table")->valuestring,
+                   cJSON_GetObjectItem(item, "server")->valuedouble,
+                   cJSON_GetObjectItem(item, "address")->valuestring,
+                   cJSON_GetObjectItem(item, "table_rows")->valuedouble,
+                   cJSON_GetObjectItem(item, "sources")->valuedouble,
+                   cJSON_GetObjectItem(item, "seconds")->valuedouble);
+        }
+    }
+    cJSON_Delete(loaded);
+    return EXIT_OK;
+}
+
 static int command_load(cli *c, int argc, char **argv)
 {
-    const char *table = NULL, *path = NULL;
+    const char *table = NULL, *path = NULL, *cluster = NULL;
     bool weights_only = false;
+    uint64_t shards = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--from") == 0 && i + 1 < argc)
             path = argv[++i];
-        else if (strcmp(argv[i], "--weights-only") == 0)
+        else if (strcmp(argv[i], "--cluster") == 0 && i + 1 < argc)
+            cluster = argv[++i];
+        else if (strcmp(argv[i], "--shards") == 0 && i + 1 < argc) {
+            if (!parse_key(argv[++i], &shards) || shards == 0 || shards > 1024)
+                return usage_error("load: --shards takes a count from 1 to 1024, not '%s'",
+                                   argv[i]);
+        } else if (strcmp(argv[i], "--weights-only") == 0)
             weights_only = true;
         else if (argv[i][0] != '-' && table == NULL)
             table = argv[i];
         else
             return usage_error("load: unexpected argument '%s'", argv[i]);
     }
-    if (table == NULL)
+    if (cluster != NULL && (path != NULL || weights_only))
+        return usage_error("load: --cluster restores whole tables; not with --from or "
+                           "--weights-only");
+    if (cluster == NULL && shards > 0)
+        return usage_error("load: --shards is for --cluster");
+    if (table == NULL && cluster == NULL)
         return usage_error("load needs a table name");
     int code = connected(c);
     if (code != EXIT_OK)
         return code;
+    if (cluster != NULL)
+        return cluster_load(c, table, cluster, (uint32_t)shards);
     cJSON *loaded = NULL;
     em_error err;
     if (em_client_load(c->client, table, path, weights_only, &loaded, &err) != EM_OK)

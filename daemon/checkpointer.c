@@ -2,6 +2,7 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,8 +80,14 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
     return EM_OK;
 }
 
-em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_save_mode mode,
-                               em_checkpoint_info **infos, size_t *count, em_error *err)
+/* Saves one table somewhere: the checkpointer's own saves, or copies into a dir. */
+typedef em_status (*save_fn)(void *context, em_table *table, em_checkpoint_info *info,
+                             em_error *err);
+
+/* Saves the table called name, or every table, with save; *infos gets what was saved.
+ * Every table is tried; the error is the first failure. */
+static em_status save_tables(em_catalog *catalog, const char *name, save_fn save, void *context,
+                             em_checkpoint_info **infos, size_t *count, em_error *err)
 {
     *infos = NULL;
     *count = 0;
@@ -91,10 +98,10 @@ em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_save_mod
         tables = malloc(sizeof(*tables));
         if (tables == NULL)
             return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of memory");
-        status = em_catalog_acquire(c->catalog, name, &tables[0], err);
+        status = em_catalog_acquire(catalog, name, &tables[0], err);
         n = status == EM_OK ? 1 : 0;
     } else {
-        status = em_catalog_list(c->catalog, &tables, &n, err);
+        status = em_catalog_list(catalog, &tables, &n, err);
     }
     if (status == EM_OK && n > 0) {
         *infos = calloc(n, sizeof(**infos));
@@ -105,7 +112,7 @@ em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_save_mod
     for (size_t i = 0; i < n; i++) {
         em_error one;
         if (first == EM_OK || *infos != NULL) {
-            em_status saved = save_one(c, tables[i], mode, &(*infos)[*count], &one);
+            em_status saved = save(context, tables[i], &(*infos)[*count], &one);
             if (saved == EM_OK)
                 (*count)++;
             else if (first == EM_OK) {
@@ -113,10 +120,76 @@ em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_save_mod
                 em_error_copy(err, &one);
             }
         }
-        em_catalog_release(c->catalog, tables[i]);
+        em_catalog_release(catalog, tables[i]);
     }
     free(tables);
     return first;
+}
+
+typedef struct own_save {
+    em_checkpointer *checkpointer;
+    em_save_mode mode;
+} own_save;
+
+static em_status save_own(void *context, em_table *table, em_checkpoint_info *info,
+                          em_error *err)
+{
+    own_save *own = context;
+    return save_one(own->checkpointer, table, own->mode, info, err);
+}
+
+em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_save_mode mode,
+                               em_checkpoint_info **infos, size_t *count, em_error *err)
+{
+    own_save own = {.checkpointer = c, .mode = mode};
+    return save_tables(c->catalog, name, save_own, &own, infos, count, err);
+}
+
+typedef struct copy_save {
+    const em_log *log;
+    em_server_stats *stats;
+    const char *dir;
+} copy_save;
+
+static em_status save_copy(void *context, em_table *table, em_checkpoint_info *info,
+                           em_error *err)
+{
+    copy_save *copy = context;
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, copy->dir);
+    options.detached = true;
+    options.keep = UINT32_MAX; /* copies are never pruned here */
+    save_progress progress = {.stats = copy->stats};
+    options.progress = report_save;
+    options.progress_context = &progress;
+    atomic_fetch_add(&copy->stats->checkpoint_saves_running, 1);
+    em_status status = em_checkpoint_save(table, &options, info, err);
+    atomic_fetch_sub(&copy->stats->checkpoint_save_rows_read, progress.read);
+    atomic_fetch_sub(&copy->stats->checkpoint_save_rows, progress.total);
+    atomic_fetch_sub(&copy->stats->checkpoint_saves_running, 1);
+    if (status != EM_OK) {
+        atomic_fetch_add(&copy->stats->checkpoint_save_failures, 1);
+        em_log_error(copy->log, "%s", err->message);
+        return status;
+    }
+    em_log_notice(copy->log, "saved table '%s' into %s (a copy outside its chain): %" PRIu64
+                  " rows, %" PRIu64 " bytes in %.3f s", info->table, info->path, info->rows,
+                  info->bytes, info->seconds);
+    return EM_OK;
+}
+
+em_status em_checkpointer_save_into(em_catalog *catalog, const em_log *log,
+                                    em_server_stats *stats, const char *dir, const char *name,
+                                    em_checkpoint_info **infos, size_t *count, em_error *err)
+{
+    *infos = NULL;
+    *count = 0;
+    if (dir == NULL || dir[0] != '/')
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "save: dir '%s' is not an absolute path on the server",
+                            dir == NULL ? "" : dir);
+    copy_save copy = {.log = log, .stats = stats, .dir = dir};
+    return save_tables(catalog, name, save_copy, &copy, infos, count, err);
 }
 
 /* ---- the periodic saves ------------------------------------------------------------- */
@@ -261,13 +334,23 @@ em_status em_checkpointer_restore(em_checkpointer *c,
     return status;
 }
 
-em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char *table,
-                               const char *path, bool weights_only, em_checkpoint_info *info,
-                               em_error *err)
+em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const em_load_spec *spec,
+                               em_checkpoint_info *info, em_error *err)
 {
-    char latest[4200];
+    const char *table = spec->table, *path = spec->path;
+    bool has_path = path != NULL && path[0] != '\0', owned = spec->server_count > 0;
     em_status status = EM_OK;
-    if (path == NULL || path[0] == '\0') {
+    if (has_path && spec->source_count > 0)
+        status = em_error_set(err, EM_INVALID_ARGUMENT,
+                              "give a path or the sources of a cluster checkpoint, not both");
+    else if (spec->weights_only && (spec->source_count > 0 || owned || spec->shards > 0))
+        status = em_error_set(err, EM_INVALID_ARGUMENT,
+                              "weights_only loads one whole checkpoint into the existing "
+                              "table's shape: not with sources, server_count or shards");
+    if (status != EM_OK)
+        return em_error_prefix(err, "load of table '%s': ", table);
+    char latest[4200];
+    if (!has_path && spec->source_count == 0) {
         if (dir == NULL)
             return em_error_set(err, EM_FAILED_PRECONDITION,
                                 "load of table '%s': no path given, and this server has no "
@@ -276,7 +359,7 @@ em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char 
         path = latest;
     }
     em_table *loaded = NULL;
-    if (status == EM_OK && weights_only) {
+    if (status == EM_OK && spec->weights_only) {
         em_table *existing = NULL;
         status = em_catalog_acquire(catalog, table, &existing, err);
         if (status == EM_OK) {
@@ -286,8 +369,15 @@ em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char 
                                                 &loaded, info, err);
         }
     } else if (status == EM_OK) {
-        status = em_checkpoint_load(path, em_catalog_backend(catalog), table, NULL, &loaded,
-                                    info, err);
+        em_checkpoint_load_options options = {.shards = spec->shards,
+                                              .owner_index = spec->server_index,
+                                              .owner_count = spec->server_count,
+                                              .manifest_xxh3 = spec->manifests};
+        const char *one[1] = {path};
+        status = em_checkpoint_load_sources(spec->source_count > 0 ? spec->sources : one,
+                                            spec->source_count > 0 ? spec->source_count : 1,
+                                            em_catalog_backend(catalog), table, &options,
+                                            &loaded, info, err);
     }
     if (status == EM_OK)
         status = em_catalog_replace(catalog, loaded, err);

@@ -54,14 +54,34 @@ em_status em_checkpointer_save(em_checkpointer *checkpointer, const char *name,
                                em_save_mode mode, em_checkpoint_info **infos, size_t *count,
                                em_error *err);
 
-/* Loads the checkpoint at path (NULL or empty: the latest of table under the checkpoint
- * dir) as the table called table, replacing the one of that name in one step; with
- * weights_only the existing table's config is kept and only the weights are loaded.
- * Nothing changes on an error. Errors: those of em_checkpoint_load and _load_weights,
+/* Saves the table called name, or every table when name is NULL or empty, into dir as
+ * full copies outside the tables' chains (em_checkpoint_options.detached): the parts of a
+ * cluster checkpoint. Needs no checkpointer; the server's own checkpoints are left
+ * alone. Errors: INVALID_ARGUMENT for a dir that is not absolute, those of
+ * em_checkpointer_save. */
+em_status em_checkpointer_save_into(em_catalog *catalog, const em_log *log,
+                                    em_server_stats *stats, const char *dir, const char *name,
+                                    em_checkpoint_info **infos, size_t *count, em_error *err);
+
+/* What one load reads and how. */
+typedef struct em_load_spec {
+    const char *table;          /* the table it becomes (replacing one of that name) */
+    const char *path;           /* a checkpoint; NULL or empty: sources, or else the latest
+                                 * of table under the checkpoint dir */
+    const char *const *sources; /* a cluster checkpoint's parts (em_checkpoint_load_sources) */
+    size_t source_count;
+    const uint64_t *manifests;  /* per source, its manifest checksum; NULL: not checked */
+    bool weights_only;          /* keep the existing table's config, load only weights */
+    uint32_t server_index, server_count; /* server_count > 0: only the buckets owned */
+    uint32_t shards;            /* the loaded table's shards; 0: as saved */
+} em_load_spec;
+
+/* Loads as spec says, replacing the table of that name in one step. Nothing changes on
+ * an error. Errors: those of em_checkpoint_load, _load_sources and _load_weights,
  * NOT_FOUND (weights_only without the table, or no checkpoint), FAILED_PRECONDITION
- * without a checkpoint dir and no path. */
-em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const char *table,
-                               const char *path, bool weights_only, em_checkpoint_info *info,
-                               em_error *err);
+ * without a checkpoint dir and no path, INVALID_ARGUMENT for both a path and sources,
+ * weights_only with sources or an owner, or manifests that do not match the sources. */
+em_status em_checkpointer_load(em_catalog *catalog, const char *dir, const em_load_spec *spec,
+                               em_checkpoint_info *info, em_error *err);
 
 #endif

@@ -584,20 +584,30 @@ static void checkpoint_chain_fields(Ember__CheckpointInfo *item, em_checkpoint_i
     item->depth = info->depth;
     item->tombstones = info->tombstones;
     item->table_rows = info->table_rows;
+    item->manifest_xxh3 = info->manifest_xxh3;
 }
 
 em_status em_handle_save(em_request *request, em_error *err)
 {
     const Ember__SaveRequest *body = (const Ember__SaveRequest *)request->body;
-    em_checkpointer *checkpointer = request->context->checkpointer;
-    if (checkpointer == NULL)
+    em_server_context *context = request->context;
+    em_checkpointer *checkpointer = context->checkpointer;
+    bool into = body->dir != NULL && body->dir[0] != '\0';
+    if (into && body->delta)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "save: a save into dir '%s' is a full copy; delta is not for it",
+                            body->dir);
+    if (checkpointer == NULL && !into)
         return em_error_set(err, EM_FAILED_PRECONDITION,
                             "save: this server has no checkpoint section in its configuration");
     em_checkpoint_info *infos = NULL;
     size_t count = 0;
-    em_status status = em_checkpointer_save(checkpointer, body->table,
-                                            body->delta ? EM_SAVE_DELTA : EM_SAVE_FULL, &infos,
-                                            &count, err);
+    em_status status =
+        into ? em_checkpointer_save_into(context->catalog, context->log, &context->stats,
+                                         body->dir, body->table, &infos, &count, err)
+             : em_checkpointer_save(checkpointer, body->table,
+                                    body->delta ? EM_SAVE_DELTA : EM_SAVE_FULL, &infos, &count,
+                                    err);
     Ember__CheckpointInfo *items = calloc(count + 1, sizeof(*items));
     Ember__CheckpointInfo **pointers = calloc(count + 1, sizeof(*pointers));
     if (status == EM_OK && (items == NULL || pointers == NULL))
@@ -633,14 +643,42 @@ em_status em_handle_load(em_request *request, em_error *err)
     if (status != EM_OK)
         return em_error_prefix(err, "load: ");
     const char *dir = context->checkpointer != NULL ? context->checkpoint_dir : NULL;
+    if (body->n_source_manifests > 0 && body->n_source_manifests != body->n_sources)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "load of table '%s': %zu source_manifests for %zu sources",
+                            body->table, body->n_source_manifests, body->n_sources);
+    if (body->server_count > 0 && body->server_index >= body->server_count)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "load of table '%s': server_index %u is not below server_count %u",
+                            body->table, body->server_index, body->server_count);
+    if (body->shards > EM_TABLE_SHARDS_MAX)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "load of table '%s': shards %u is above the limit of %u",
+                            body->table, body->shards, EM_TABLE_SHARDS_MAX);
+    em_load_spec spec = {
+        .table = body->table,
+        .path = body->path,
+        .sources = (const char *const *)body->sources,
+        .source_count = body->n_sources,
+        .manifests = body->n_source_manifests > 0 ? body->source_manifests : NULL,
+        .weights_only = body->weights_only,
+        .server_index = body->server_index,
+        .server_count = body->server_count,
+        .shards = body->shards,
+    };
     em_checkpoint_info info;
-    status = em_checkpointer_load(context->catalog, dir, body->table, body->path,
-                                  body->weights_only, &info, err);
+    status = em_checkpointer_load(context->catalog, dir, &spec, &info, err);
     if (status != EM_OK)
         return status;
-    em_log_notice(context->log, "loaded table '%s' from %s%s: %" PRIu64 " rows in %.3f s",
-                  body->table, info.path, body->weights_only ? " (weights only)" : "", info.rows,
-                  info.seconds);
+    if (body->n_sources > 0)
+        em_log_notice(context->log,
+                      "loaded table '%s' from %zu checkpoints as server %u of %u: %" PRIu64
+                      " rows in %.3f s", body->table, body->n_sources, body->server_index,
+                      body->server_count, info.table_rows, info.seconds);
+    else
+        em_log_notice(context->log, "loaded table '%s' from %s%s: %" PRIu64 " rows in %.3f s",
+                      body->table, info.path, body->weights_only ? " (weights only)" : "",
+                      info.rows, info.seconds);
     Ember__CheckpointInfo item = EMBER__CHECKPOINT_INFO__INIT;
     item.table = info.table;
     item.id = info.id;
