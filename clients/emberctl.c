@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <time.h>
 
+#include "clients/client_cluster.h"
 #include "clients/client_top.h"
 #include "clients/ember_client.h"
 #include "lib/checkpoint/checkpoint.h"
@@ -146,10 +147,13 @@ static void print_help(FILE *out)
           "  checkpoints list DIR [TABLE]\n"
           "                             the complete checkpoints under a checkpoint dir\n"
           "  checkpoints verify PATH    check every checksum of a checkpoint, and of its\n"
-          "                             chain for a delta (no server)\n"
+          "                             chain for a delta, or of every part of a cluster\n"
+          "                             checkpoint (no server)\n"
           "\n"
           "Options:\n"
-          "  --server HOST:PORT   admin listener (default " DEFAULT_ADMIN_SERVER ")\n"
+          "  --server HOST:PORT   admin listener (default " DEFAULT_ADMIN_SERVER "); a list\n"
+          "                       (HOST:PORT,...) for --cluster, in the order the\n"
+          "                       trainers list the servers' data listeners\n"
           "  --token TOKEN        admin token\n"
           "  --token-file FILE    read the admin token from FILE\n"
           "  --json               print JSON instead of tables\n"
@@ -1589,10 +1593,52 @@ static int checkpoints_list(cli *c, int argc, char **argv)
     return code;
 }
 
+/* A cluster checkpoint: the record, and every table's parts together (checksums, the
+ * manifests the record names, each bucket in one part only). */
+static int verify_cluster(cli *c, const char *dir)
+{
+    cJSON *record = NULL;
+    em_error err;
+    if (em__cluster_read(dir, &record, &err) != EM_OK)
+        return checkpoint_failed(&err);
+    int code = EXIT_OK;
+    const cJSON *table = NULL;
+    cJSON_ArrayForEach(table, cJSON_GetObjectItem(record, "tables"))
+    {
+        const char *name = cJSON_GetObjectItem(table, "name")->valuestring;
+        char **paths = NULL;
+        uint64_t *manifests = NULL;
+        size_t count = 0;
+        em_checkpoint_info info;
+        em_status status = em__cluster_sources(record, dir, name, &paths, &manifests, &count,
+                                               &err);
+        if (status == EM_OK)
+            status = em_checkpoint_verify_sources((const char *const *)paths, count, manifests,
+                                                  &info, &err);
+        em__cluster_free_sources(paths, manifests, count);
+        if (status != EM_OK) {
+            code = checkpoint_failed(&err);
+            break;
+        }
+        if (c->json)
+            printf("{\"table\": \"%s\", \"parts\": %zu, \"table_rows\": %" PRIu64 "}\n",
+                   name, count, info.table_rows);
+        else
+            printf("%s: table %s, %zu parts, %" PRIu64 " rows: every checksum matches\n", dir,
+                   name, count, info.table_rows);
+    }
+    cJSON_Delete(record);
+    return code;
+}
+
 static int checkpoints_verify(cli *c, int argc, char **argv)
 {
     if (argc != 3)
         return usage_error("checkpoints verify needs exactly one checkpoint path");
+    char record[4200];
+    snprintf(record, sizeof(record), "%s/%s", argv[2], EM_CLUSTER_FILE);
+    if (access(record, F_OK) == 0)
+        return verify_cluster(c, argv[2]);
     em_checkpoint_info info;
     em_error err;
     if (em_checkpoint_verify(argv[2], &info, &err) != EM_OK)

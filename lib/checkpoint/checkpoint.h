@@ -148,6 +148,13 @@ em_status em_checkpoint_load_sources(const char *const *paths, size_t count,
                                      const em_checkpoint_load_options *options, em_table **out,
                                      em_checkpoint_info *info, em_error *err);
 
+/* Verifies several checkpoints as em_checkpoint_load_sources would load them (every
+ * checksum, each bucket in one of them only, each manifest's checksum as given when
+ * manifest_xxh3 is not NULL), without a table. */
+em_status em_checkpoint_verify_sources(const char *const *paths, size_t count,
+                                       const uint64_t *manifest_xxh3, em_checkpoint_info *info,
+                                       em_error *err);
+
 /* Warm start: creates a table with config (its own optimizer) holding the checkpoint's
  * keys with their weights only; each row's optimizer state starts as a new row's.
  * Errors: those of load, and INVALID_ARGUMENT naming both dims when they differ. */

@@ -1221,6 +1221,14 @@ em_status em_checkpoint_load_sources(const char *const *paths, size_t count,
     return read_checkpoints(paths, count, backend, name, NULL, options, out, info, err);
 }
 
+em_status em_checkpoint_verify_sources(const char *const *paths, size_t count,
+                                       const uint64_t *manifest_xxh3, em_checkpoint_info *info,
+                                       em_error *err)
+{
+    em_checkpoint_load_options options = {.manifest_xxh3 = manifest_xxh3};
+    return read_checkpoints(paths, count, NULL, NULL, NULL, &options, NULL, info, err);
+}
+
 em_status em_checkpoint_load_weights(const char *path, em_backend *backend,
                                      const em_table_config *config, em_table **out,
                                      em_checkpoint_info *info, em_error *err)

@@ -454,6 +454,109 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
 }
 END_TEST
 
+/* ---- cluster checkpoints ------------------------------------------------------------ */
+
+/* A client over several daemons (their admin listeners, which take data calls too). */
+static em_client *cluster_client(test_daemon *const *daemons, uint32_t count, char *list,
+                                 size_t capacity)
+{
+    list[0] = '\0';
+    for (uint32_t s = 0; s < count; s++)
+        snprintf(list + strlen(list), capacity - strlen(list), "%s%s", s > 0 ? "," : "",
+                 daemons[s]->admin);
+    em_client_options options;
+    em_client_options_init(&options);
+    options.servers = list;
+    options.token = TEST_ADMIN_TOKEN;
+    options.timeout_ms = 30000;
+    em_client *client = NULL;
+    em_error err;
+    ck_assert_msg(em_client_create(&options, &client, &err) == EM_OK, "%s", err.message);
+    return client;
+}
+
+/* emberctl saves 2 servers into a cluster checkpoint, verifies it offline, and restores
+ * it onto 3 new servers with 3 shards each: every key reads back as trained, and the
+ * restored servers save on into their own checkpoint dirs. */
+START_TEST(emberctl_moves_a_table_between_clusters)
+{
+    char root[256], dirs[5][300], cluster_dir[300], list[512];
+    em_test_make_dir("ember-checkpoints", root, sizeof(root));
+    snprintf(cluster_dir, sizeof(cluster_dir), "%s/cluster", root);
+    test_daemon *two[2], *three[3];
+    for (int s = 0; s < 5; s++)
+        snprintf(dirs[s], sizeof(dirs[s]), "%s/server-dir-%d", root, s);
+    for (int s = 0; s < 2; s++)
+        two[s] = test_daemon_start(overrides(dirs[s], false));
+    batch *b = every_key();
+    em_client *client = cluster_client(two, 2, list, sizeof(list));
+    train(client, b, 1);
+    train(client, b, 2);
+    uint64_t missing = 0;
+    float *trained = read_state(client, b, &missing);
+    ck_assert_uint_eq(missing, 0);
+    em_client_destroy(client);
+
+    char *save[] = {getenv("EMBERCTL"), "--server", list, "save", "t", "--cluster", cluster_dir,
+                    NULL};
+    char *output = NULL;
+    ck_assert_int_eq(test_run_program(save, TEST_ADMIN_TOKEN, &output), 0);
+    ck_assert_msg(strstr(output, "t: server 1 (") != NULL &&
+                      strstr(output, "tables from 2 servers") != NULL, "%s", output);
+    free(output);
+    for (int s = 0; s < 2; s++)
+        test_daemon_stop(two[s], SIGTERM, 10000);
+    char *verify[] = {getenv("EMBERCTL"), "checkpoints", "verify", cluster_dir, NULL};
+    ck_assert_int_eq(test_run_program(verify, NULL, &output), 0);
+    ck_assert_msg(strstr(output, "table t, 2 parts, 20000 rows: every checksum matches") != NULL,
+                  "%s", output);
+    free(output);
+
+    for (int s = 0; s < 3; s++)
+        three[s] = test_daemon_start(overrides(dirs[2 + s], false));
+    client = cluster_client(three, 3, list, sizeof(list));
+    char *load[] = {getenv("EMBERCTL"), "--server", list, "load", "--cluster", cluster_dir,
+                    "--shards", "3", NULL};
+    ck_assert_int_eq(test_run_program(load, TEST_ADMIN_TOKEN, &output), 0);
+    ck_assert_msg(strstr(output, "t: server 2 (") != NULL &&
+                      strstr(output, "from 2 parts") != NULL, "%s", output);
+    free(output);
+    float *restored = read_state(client, b, &missing);
+    ck_assert_uint_eq(missing, 0);
+    ck_assert(same(restored, trained));
+    cJSON *tables = NULL;
+    em_error err;
+    ck_assert_int_eq(em_client_list_tables(client, &tables, &err), EM_OK);
+    ck_assert_double_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(tables, 0), "shards")->valuedouble,
+                        3);
+    cJSON_Delete(tables);
+    /* a damaged record is refused, and the tables stay as loaded */
+    char record_path[400];
+    snprintf(record_path, sizeof(record_path), "%s/cluster.json", cluster_dir);
+    FILE *f = fopen(record_path, "r+");
+    ck_assert(f != NULL);
+    fseek(f, 10, SEEK_SET);
+    fputc('X', f);
+    fclose(f);
+    ck_assert_int_eq(test_run_program(load, TEST_ADMIN_TOKEN, &output), 1);
+    ck_assert_msg(strstr(output, "DATA_LOSS") != NULL && strstr(output, "cluster.json") != NULL,
+                  "%s", output);
+    free(output);
+    ck_assert_int_eq(test_run_program(verify, NULL, &output), 1);
+    free(output);
+    free(restored);
+    restored = read_state(client, b, &missing);
+    ck_assert(missing == 0 && same(restored, trained));
+    em_client_destroy(client);
+    for (int s = 0; s < 3; s++)
+        test_daemon_stop(three[s], SIGTERM, 10000);
+    free(restored);
+    free(trained);
+    free(b);
+    em_test_remove_tree(root);
+}
+END_TEST
+
 int main(void)
 {
     test_skip_without_backend();
@@ -464,6 +567,7 @@ int main(void)
     tcase_add_test(restart, sigterm_saves_every_table);
     tcase_add_test(restart, save_without_a_checkpoint_dir_is_refused);
     tcase_add_test(restart, deltas_survive_kill_9_and_follow_full_every);
+    tcase_add_test(restart, emberctl_moves_a_table_between_clusters);
     suite_add_tcase(suite, restart);
     TCase *crash = tcase_create("crash");
     tcase_set_timeout(crash, 1800);
