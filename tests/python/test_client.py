@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ember
-from conftest import table
+from conftest import ADMIN_TOKEN, table
 
 
 def csr(rows):
@@ -293,6 +293,37 @@ def test_admin_calls(start_daemon, tmp_path):
     client.drop_table("clicks")
     assert client.tables() == []
     assert client.health()["tables"] == 0
+
+
+def test_cluster_checkpoints_restore_onto_another_cluster_size(start_daemon, tmp_path):
+    config = table("t", dim=4, optimizer={"type": "adam", "lr": 0.01})
+    two = [start_daemon(tables=[config]) for _ in range(2)]
+    trainer = ember.Client([d.data for d in two], admin=[d.admin for d in two],
+                           admin_token=ADMIN_TOKEN)
+    rng = np.random.default_rng(5)
+    keys = rng.integers(1, 2**63, 2000, dtype=np.uint64)
+    offsets = np.arange(len(keys) + 1, dtype=np.uint32)
+    trainer.pull("t", offsets, keys, combiner="none")
+    for _ in range(3):
+        trainer.push("t", offsets, keys, rng.standard_normal((len(keys), 4)).astype(np.float32),
+                     combiner="none")
+    before = trainer.pull("t", offsets, keys, combiner="none", create_missing=False)
+    record = trainer.save_cluster(tmp_path / "cluster", "t")
+    assert [p["server"] for p in record["tables"][0]["parts"]] == [0, 1]
+    with pytest.raises(ember.Error) as error:
+        trainer.save_cluster(tmp_path / "cluster")
+    assert error.value.status == "ALREADY_EXISTS"
+    three = [start_daemon() for _ in range(3)]
+    restored = ember.Client([d.data for d in three], admin=[d.admin for d in three],
+                            admin_token=ADMIN_TOKEN)
+    loaded = restored.load_cluster(tmp_path / "cluster", shards=2)
+    assert sorted(item["server"] for item in loaded) == [0, 1, 2]
+    assert sum(item["table_rows"] for item in loaded) == len(keys)
+    np.testing.assert_array_equal(
+        restored.pull("t", offsets, keys, combiner="none", create_missing=False), before)
+    with pytest.raises(ember.Error) as error:
+        restored.load_cluster("relative/path")
+    assert error.value.status == "INVALID_ARGUMENT" and "not absolute" in error.value.message
 
 
 def test_evicted_keys_are_readable(start_daemon):

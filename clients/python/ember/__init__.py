@@ -358,6 +358,20 @@ class Client:
         self._dims.pop(table, None)
         return json.loads(loaded) if loaded is not None else None
 
+    def save_cluster(self, dir, table=None):
+        """Saves the table (None: every table) of every server of the admin list into one
+        cluster checkpoint at dir, an absolute path the servers and this process share;
+        returns the record written as dir/cluster.json."""
+        return json.loads(self._admin_client().cluster_save(str(dir), table))
+
+    def load_cluster(self, dir, table=None, shards=0):
+        """Restores the cluster checkpoint at dir onto the servers of the admin list,
+        however many (each loads the buckets it now owns); shards > 0 sets the tables'
+        shard count. Returns one {table, server, table_rows, ...} per server and table."""
+        loaded = self._admin_client().cluster_load(str(dir), table, int(shards))
+        self._dims.clear()
+        return json.loads(loaded)
+
     def erase(self, table, keys):
         """Removes the keys (uint64 array) from the table; returns how many were there."""
         keys = _array(keys, "keys", np.uint64, (1,))

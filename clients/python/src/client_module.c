@@ -584,6 +584,36 @@ static PyObject *client_load(client_object *self, PyObject *args)
     return json_text(loaded);
 }
 
+static PyObject *client_cluster_save(client_object *self, PyObject *args)
+{
+    const char *dir, *table = NULL;
+    if (!client_open(self) || !PyArg_ParseTuple(args, "s|z", &dir, &table))
+        return NULL;
+    cJSON *record = NULL;
+    em_error err = {0};
+    em_status status;
+    WITH_CLIENT(self, status = em_client_cluster_save(self->client, table, dir, &record, &err));
+    if (status != EM_OK)
+        return raise_error(&err);
+    return json_text(record);
+}
+
+static PyObject *client_cluster_load(client_object *self, PyObject *args)
+{
+    const char *dir, *table = NULL;
+    unsigned int shards = 0;
+    if (!client_open(self) || !PyArg_ParseTuple(args, "s|zI", &dir, &table, &shards))
+        return NULL;
+    cJSON *loaded = NULL;
+    em_error err = {0};
+    em_status status;
+    WITH_CLIENT(self, status = em_client_cluster_load(self->client, dir, table, shards, &loaded,
+                                                      &err));
+    if (status != EM_OK)
+        return raise_error(&err);
+    return json_text(loaded);
+}
+
 static PyObject *client_erase(client_object *self, PyObject *args)
 {
     const char *table;
@@ -730,6 +760,10 @@ static PyMethodDef client_methods[] = {
     {"save", (PyCFunction)client_save, METH_VARARGS, "save([table]) -> JSON text"},
     {"load", (PyCFunction)client_load, METH_VARARGS,
      "load(table[, path[, weights_only]]) -> JSON text"},
+    {"cluster_save", (PyCFunction)client_cluster_save, METH_VARARGS,
+     "cluster_save(dir[, table]) -> JSON text"},
+    {"cluster_load", (PyCFunction)client_cluster_load, METH_VARARGS,
+     "cluster_load(dir[, table[, shards]]) -> JSON text"},
     {"erase", (PyCFunction)client_erase, METH_VARARGS, "erase(table, keys) -> erased"},
     {"erase_older", (PyCFunction)client_erase_older, METH_VARARGS,
      "erase_older(table, steps) -> erased"},
