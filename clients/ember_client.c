@@ -29,7 +29,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "clients/client_cluster.h"
+#include "lib/checkpoint/checkpoint_cluster.h"
 #include "clients/client_connection.h"
 #include "clients/client_frame.h"
 #include "clients/client_json.h"
@@ -1217,7 +1217,7 @@ em_status em_client_cluster_save(em_client *client, const char *table, const cha
 {
     if (record != NULL)
         *record = NULL;
-    em_status status = em__cluster_prepare(dir, err);
+    em_status status = em_cluster_prepare(dir, err);
     if (status != EM_OK)
         return status;
     uint32_t n = client->server_count;
@@ -1244,7 +1244,7 @@ em_status em_client_cluster_save(em_client *client, const char *table, const cha
     if (call != NULL)
         call_destroy(client, call);
     if (status == EM_OK)
-        status = em__cluster_write(dir, made, err);
+        status = em_cluster_write(dir, made, err);
     free(part_dirs);
     free(bodies);
     free(pointers);
@@ -1263,7 +1263,7 @@ static em_status cluster_load_table(em_client *client, const cJSON *record, cons
     char **paths = NULL;
     uint64_t *manifests = NULL;
     size_t count = 0;
-    em_status status = em__cluster_sources(record, dir, table, &paths, &manifests, &count, err);
+    em_status status = em_cluster_sources(record, dir, table, &paths, &manifests, &count, err);
     if (status != EM_OK)
         return status;
     uint32_t n = client->server_count;
@@ -1303,7 +1303,7 @@ static em_status cluster_load_table(em_client *client, const cJSON *record, cons
         call_destroy(client, call);
     free(bodies);
     free(pointers);
-    em__cluster_free_sources(paths, manifests, count);
+    em_cluster_free_sources(paths, manifests, count);
     return status;
 }
 
@@ -1317,7 +1317,7 @@ em_status em_client_cluster_load(em_client *client, const char *dir, const char 
                             "cluster checkpoint dir '%s' is not absolute: the client and every "
                             "server must see it under the same path", dir == NULL ? "" : dir);
     cJSON *record = NULL;
-    em_status status = em__cluster_read(dir, &record, err);
+    em_status status = em_cluster_read(dir, &record, err);
     if (status != EM_OK)
         return status;
     cJSON *results = cJSON_CreateArray();

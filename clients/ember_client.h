@@ -150,7 +150,7 @@ em_status em_client_save(em_client *client, const char *table, bool delta, cJSON
 em_status em_client_load(em_client *client, const char *table, const char *path,
                          bool weights_only, cJSON **loaded, em_error *err);
 
-/* ---- cluster checkpoints (every server of the list; clients/client_cluster.h) ------- */
+/* ---- cluster checkpoints (every server of the list; lib/checkpoint/checkpoint_cluster.h) */
 
 /* Saves the table (NULL or "": every table) of every server into one cluster checkpoint
  * at dir: an absolute path that this client and every server see alike (shared

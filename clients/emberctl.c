@@ -24,7 +24,7 @@
 #include <unistd.h>
 #include <time.h>
 
-#include "clients/client_cluster.h"
+#include "lib/checkpoint/checkpoint_cluster.h"
 #include "clients/client_top.h"
 #include "clients/ember_client.h"
 #include "lib/checkpoint/checkpoint.h"
@@ -1599,7 +1599,7 @@ static int verify_cluster(cli *c, const char *dir)
 {
     cJSON *record = NULL;
     em_error err;
-    if (em__cluster_read(dir, &record, &err) != EM_OK)
+    if (em_cluster_read(dir, &record, &err) != EM_OK)
         return checkpoint_failed(&err);
     int code = EXIT_OK;
     const cJSON *table = NULL;
@@ -1610,12 +1610,12 @@ static int verify_cluster(cli *c, const char *dir)
         uint64_t *manifests = NULL;
         size_t count = 0;
         em_checkpoint_info info;
-        em_status status = em__cluster_sources(record, dir, name, &paths, &manifests, &count,
+        em_status status = em_cluster_sources(record, dir, name, &paths, &manifests, &count,
                                                &err);
         if (status == EM_OK)
             status = em_checkpoint_verify_sources((const char *const *)paths, count, manifests,
                                                   &info, &err);
-        em__cluster_free_sources(paths, manifests, count);
+        em_cluster_free_sources(paths, manifests, count);
         if (status != EM_OK) {
             code = checkpoint_failed(&err);
             break;

@@ -7,9 +7,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "daemon/checkpointer.h"
 #include "daemon/context.h"
+#include "lib/checkpoint/checkpoint_cluster.h"
 
 struct em_checkpointer {
     const em_checkpoint_config *config;
@@ -329,6 +331,118 @@ em_status em_checkpointer_restore(em_checkpointer *c,
         em_log_notice(c->log, "restored table '%s' from %s checkpoint %s (depth %u): %" PRIu64
                       " rows in %.3f s", names[i], info.kind, info.id, info.depth,
                       info.table_rows, info.seconds);
+    }
+    em_checkpoint_free_names(names, count);
+    return status;
+}
+
+/* Loads one table of the seed (paths: one checkpoint, or a cluster checkpoint's parts)
+ * unless the catalog has it. */
+static em_status seed_table(em_checkpointer *c, const char *name, const char *const *paths,
+                            size_t count, const uint64_t *manifests,
+                            void (*progress)(void *context, const char *line, bool detail),
+                            void *context, size_t index, size_t total, em_error *err)
+{
+    em_table *existing = NULL;
+    em_error ignored;
+    if (em_catalog_acquire(c->catalog, name, &existing, &ignored) == EM_OK) {
+        em_catalog_release(c->catalog, existing);
+        em_log_notice(c->log, "table '%s' restored from its own checkpoint, not from %s", name,
+                      c->config->restore_text);
+        return EM_OK;
+    }
+    char line[1600];
+    snprintf(line, sizeof(line), "seeding table '%s' (%zu of %zu) from %s", name, index, total,
+             c->config->restore_text);
+    if (progress != NULL)
+        progress(context, line, false);
+    load_progress reporter = {.progress = progress, .context = context, .table = name,
+                              .index = index, .count = total, .last_ms = em_monotonic_ms()};
+    bool cluster = manifests != NULL;
+    em_checkpoint_load_options options = {.progress = report_load,
+                                          .progress_context = &reporter,
+                                          .manifest_xxh3 = manifests,
+                                          .owner_index = cluster ? c->config->cluster_index : 0,
+                                          .owner_count = cluster ? c->config->cluster_size : 0};
+    em_checkpoint_info info;
+    em_table *table = NULL;
+    em_status status = em_checkpoint_load_sources(paths, count, em_catalog_backend(c->catalog),
+                                                  name, &options, &table, &info, err);
+    if (status == EM_OK)
+        status = em_catalog_add(c->catalog, table, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "seed of table '%s' from %s: ", name,
+                               c->config->restore_text);
+    atomic_fetch_add(&c->stats->checkpoint_tables_restored, 1);
+    atomic_fetch_add(&c->stats->checkpoint_rows_restored, info.table_rows);
+    if (cluster)
+        em_log_notice(c->log, "seeded table '%s' from cluster checkpoint %s as server %u of %u: "
+                      "%" PRIu64 " rows from %zu parts in %.3f s", name, c->config->restore_text,
+                      c->config->cluster_index, c->config->cluster_size, info.table_rows, count,
+                      info.seconds);
+    else
+        em_log_notice(c->log, "seeded table '%s' from %s checkpoint %s: %" PRIu64
+                      " rows in %.3f s", name, info.kind, paths[0], info.table_rows,
+                      info.seconds);
+    return EM_OK;
+}
+
+static em_status seed_cluster(em_checkpointer *c,
+                              void (*progress)(void *context, const char *line, bool detail),
+                              void *context, em_error *err)
+{
+    const char *dir = c->config->restore_text;
+    if (c->config->cluster_size == 0)
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "checkpoint.restore: %s is a cluster checkpoint: set "
+                            "checkpoint.cluster_index and checkpoint.cluster_size, this "
+                            "server's place in its cluster's server list", dir);
+    cJSON *record = NULL;
+    em_status status = em_cluster_read(dir, &record, err);
+    const cJSON *tables = status == EM_OK ? cJSON_GetObjectItemCaseSensitive(record, "tables")
+                                          : NULL;
+    size_t total = tables != NULL ? (size_t)cJSON_GetArraySize(tables) : 0, index = 0;
+    const cJSON *entry = NULL;
+    cJSON_ArrayForEach(entry, tables)
+    {
+        const char *name = cJSON_GetObjectItemCaseSensitive(entry, "name")->valuestring;
+        char **paths = NULL;
+        uint64_t *manifests = NULL;
+        size_t count = 0;
+        status = em_cluster_sources(record, dir, name, &paths, &manifests, &count, err);
+        if (status == EM_OK)
+            status = seed_table(c, name, (const char *const *)paths, count, manifests, progress,
+                                context, ++index, total, err);
+        em_cluster_free_sources(paths, manifests, count);
+        if (status != EM_OK)
+            break;
+    }
+    cJSON_Delete(record);
+    return status;
+}
+
+em_status em_checkpointer_seed(em_checkpointer *c,
+                               void (*progress)(void *context, const char *line, bool detail),
+                               void *context, em_error *err)
+{
+    const char *dir = c->config->restore_text;
+    char record[EM_CHECKPOINT_DIR_MAX + 32];
+    snprintf(record, sizeof(record), "%s/%s", dir, EM_CLUSTER_FILE);
+    if (access(record, F_OK) == 0)
+        return seed_cluster(c, progress, context, err);
+    char **names = NULL;
+    size_t count = 0;
+    em_status status = em_checkpoint_tables(dir, &names, &count, err);
+    if (status == EM_OK && count == 0)
+        status = em_error_set(err, EM_NOT_FOUND,
+                              "checkpoint.restore: %s holds no table's checkpoint (nor a "
+                              "cluster checkpoint)", dir);
+    for (size_t i = 0; status == EM_OK && i < count; i++) {
+        char path[4200];
+        status = em_checkpoint_latest(dir, names[i], path, sizeof(path), err);
+        const char *one[1] = {path};
+        if (status == EM_OK)
+            status = seed_table(c, names[i], one, 1, NULL, progress, context, i + 1, count, err);
     }
     em_checkpoint_free_names(names, count);
     return status;

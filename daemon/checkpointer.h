@@ -42,6 +42,18 @@ em_status em_checkpointer_restore(em_checkpointer *checkpointer,
                                                    bool detail),
                                   void *context, em_error *err);
 
+/* After em_checkpointer_restore, with checkpoint.restore a path: loads the tables that
+ * the catalog does not hold yet (none of their own checkpoints) from there. The path is
+ * a checkpoint root (each table's latest below it, as under dir) or a cluster
+ * checkpoint (cluster.json: each table from every part, only the buckets this server
+ * owns as server cluster_index of cluster_size). A seeded table's next save under dir
+ * is a full one. progress as for em_checkpointer_restore. Errors: NOT_FOUND (nothing to
+ * load there), FAILED_PRECONDITION (a cluster checkpoint without cluster_size), those of
+ * the loads, naming the table. */
+em_status em_checkpointer_seed(em_checkpointer *checkpointer,
+                               void (*progress)(void *context, const char *line, bool detail),
+                               void *context, em_error *err);
+
 /* What a save writes: a full checkpoint, a delta (full without a parent: see
  * em_checkpoint_save), or as the schedule says (checkpoint.full_every: a delta unless
  * the table's chain already has full_every - 1 deltas). */

@@ -216,8 +216,11 @@ static em_status create_tables(em_daemon *d, em_error *err)
         status = em_checkpointer_create(&d->config.checkpoint, d->catalog, &d->log,
                                         &d->context.stats, &d->checkpointer, err);
     if (status == EM_OK && d->checkpointer != NULL &&
-        d->config.checkpoint.restore == EM_RESTORE_LATEST)
+        d->config.checkpoint.restore != EM_RESTORE_NONE)
         status = em_checkpointer_restore(d->checkpointer, restore_progress, d, err);
+    if (status == EM_OK && d->checkpointer != NULL &&
+        d->config.checkpoint.restore == EM_RESTORE_SEED)
+        status = em_checkpointer_seed(d->checkpointer, restore_progress, d, err);
     for (uint32_t i = 0; status == EM_OK && i < d->config.tables.count; i++) {
         const em_table_config *table = &d->config.tables.items[i];
         bool restored = false;

@@ -414,10 +414,6 @@ static const em_config_schema tls_schema = {
     .field_count = sizeof(tls_fields) / sizeof(tls_fields[0]),
 };
 
-static const em_config_choice restore_choices[] = {
-    {"latest", EM_RESTORE_LATEST}, {"none", EM_RESTORE_NONE}, {NULL, 0},
-};
-
 static const em_config_field checkpoint_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_STRING, "dir", em_checkpoint_config, dir),
      .flags = EM_CONFIG_REQUIRED,
@@ -434,9 +430,18 @@ static const em_config_field checkpoint_fields[] = {
              "deltas (1: all full; above 1 a table keeps a digest per row in host memory)"},
     {EM_CONFIG_FIELD(EM_CONFIG_BOOL, "on_shutdown", em_checkpoint_config, on_shutdown),
      .default_json = "true", .help = "save every table when SIGTERM has drained the server"},
-    {EM_CONFIG_FIELD(EM_CONFIG_ENUM, "restore", em_checkpoint_config, restore),
-     .choices = restore_choices, .default_json = "\"latest\"",
-     .help = "at start: load every table's latest checkpoint (latest) or nothing (none)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_STRING, "restore", em_checkpoint_config, restore_text),
+     .default_json = "\"latest\"",
+     .help = "at start: load every table's latest checkpoint (latest), nothing (none), or "
+             "an absolute path: the latest ones, then the tables that have none from the "
+             "checkpoint root or cluster checkpoint there"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "cluster_index", em_checkpoint_config, cluster_index),
+     .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 1023, .default_json = "0",
+     .help = "this server's place in its cluster's server list (from 0): the buckets it "
+             "loads of a cluster checkpoint named by restore"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "cluster_size", em_checkpoint_config, cluster_size),
+     .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 1024, .default_json = "0",
+     .help = "the servers in its cluster's list (0: not given)"},
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "copy_limit_bytes", em_checkpoint_config, copy_limit_bytes),
      .flags = EM_CONFIG_UNSIGNED, .min = 1048576, .max = 1e15, .default_json = "268435456",
      .help = "rows pushed during a save are copied aside up to this; then pushes wait"},
@@ -451,6 +456,25 @@ static em_status check_checkpoint(void *target, const cJSON *json, const char *p
     if (config->dir[0] != '/')
         return em_error_set(err, EM_INVALID_ARGUMENT, "%s.dir: must be an absolute path, not '%s'",
                             path, config->dir);
+    if (strcmp(config->restore_text, "latest") == 0) {
+        config->restore = EM_RESTORE_LATEST;
+    } else if (strcmp(config->restore_text, "none") == 0) {
+        config->restore = EM_RESTORE_NONE;
+    } else if (config->restore_text[0] == '/') {
+        config->restore = EM_RESTORE_SEED;
+    } else {
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s.restore: '%s' is not \"latest\", \"none\" or an absolute path",
+                            path, config->restore_text);
+    }
+    if (config->cluster_size > 0 && config->cluster_index >= config->cluster_size)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s.cluster_index: %u is not below cluster_size %u", path,
+                            config->cluster_index, config->cluster_size);
+    if (config->cluster_size == 0 && config->cluster_index > 0)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "%s.cluster_index: %u without cluster_size", path,
+                            config->cluster_index);
     return EM_OK;
 }
 

@@ -115,6 +115,7 @@ typedef struct em_tables_config {
 typedef enum em_restore_mode {
     EM_RESTORE_LATEST = 0, /* every table's latest checkpoint under dir */
     EM_RESTORE_NONE = 1,
+    EM_RESTORE_SEED = 2,   /* as latest, then the tables that have none from restore_path */
 } em_restore_mode;
 
 typedef struct em_checkpoint_config {
@@ -124,7 +125,13 @@ typedef struct em_checkpoint_config {
     uint32_t interval_s; /* 0: no periodic saves */
     uint32_t full_every; /* periodic and shutdown saves: a full one every this many */
     bool on_shutdown;
-    int restore;         /* em_restore_mode */
+    /* "latest", "none" or an absolute path (EM_RESTORE_SEED): a checkpoint root (tables
+     * below it, as under dir) or a cluster checkpoint */
+    char restore_text[EM_CHECKPOINT_DIR_MAX];
+    int restore;         /* em_restore_mode, from restore_text */
+    uint32_t cluster_index, cluster_size; /* this server's place in its cluster (size 0:
+                                           * not given): the buckets a seed from a
+                                           * cluster checkpoint loads */
     uint64_t copy_limit_bytes;
 } em_checkpoint_config;
 

@@ -50,6 +50,18 @@ static char *overrides(const char *dir, bool on_shutdown)
 
 
 
+/* A server whose tables start from seed (checkpoint.restore) when it has no checkpoint
+ * of its own, as server index of size in its cluster. */
+static char *seeded(const char *dir, const char *seed, uint32_t index, uint32_t size)
+{
+    static char json[4096];
+    snprintf(json, sizeof(json),
+             "{\"checkpoint\": {\"dir\": \"%s\", \"on_shutdown\": false, \"restore\": \"%s\","
+             " \"cluster_index\": %u, \"cluster_size\": %u}}",
+             dir, seed, index, size);
+    return json;
+}
+
 /* ---- the table's state through the wire -------------------------------------------- */
 
 typedef struct batch {
@@ -512,6 +524,47 @@ START_TEST(emberctl_moves_a_table_between_clusters)
                   "%s", output);
     free(output);
 
+    /* two new servers seeded from it at start, each with its own buckets; after a
+     * kill -9 they come back at their own latest save, not at the seed */
+    test_daemon *again[2];
+    for (uint32_t s = 0; s < 2; s++)
+        again[s] = test_daemon_start(seeded(dirs[2 + s], cluster_dir, s, 2));
+    client = cluster_client(again, 2, list, sizeof(list));
+    float *seeded_state = read_state(client, b, &missing);
+    ck_assert_uint_eq(missing, 0);
+    ck_assert(same(seeded_state, trained));
+    free(seeded_state);
+    char *log = test_daemon_log(again[1]);
+    ck_assert_msg(strstr(log, "as server 1 of 2") != NULL, "%s", log);
+    free(log);
+    train(client, b, 3);
+    float *trained_on = read_state(client, b, &missing);
+    cJSON *saved = NULL;
+    em_error err;
+    for (uint32_t s = 0; s < 2; s++) { /* each server's own checkpoint */
+        em_client *one = client_for(again[s]);
+        ck_assert_int_eq(em_client_save(one, "t", false, &saved, &err), EM_OK);
+        cJSON_Delete(saved);
+        em_client_destroy(one);
+        ck_assert_int_eq(test_daemon_stop(again[s], SIGKILL, 5000), 128 + SIGKILL);
+    }
+    em_client_destroy(client);
+    for (uint32_t s = 0; s < 2; s++)
+        again[s] = test_daemon_start(seeded(dirs[2 + s], cluster_dir, s, 2));
+    client = cluster_client(again, 2, list, sizeof(list));
+    seeded_state = read_state(client, b, &missing);
+    ck_assert(missing == 0 && same(seeded_state, trained_on));
+    free(seeded_state);
+    free(trained_on);
+    log = test_daemon_log(again[0]);
+    ck_assert_msg(strstr(log, "restored from its own checkpoint, not from") != NULL, "%s", log);
+    free(log);
+    em_client_destroy(client);
+    for (uint32_t s = 0; s < 2; s++)
+        test_daemon_stop(again[s], SIGTERM, 10000);
+    for (int s = 2; s < 4; s++)
+        em_test_remove_tree(dirs[s]);
+
     for (int s = 0; s < 3; s++)
         three[s] = test_daemon_start(overrides(dirs[2 + s], false));
     client = cluster_client(three, 3, list, sizeof(list));
@@ -525,7 +578,6 @@ START_TEST(emberctl_moves_a_table_between_clusters)
     ck_assert_uint_eq(missing, 0);
     ck_assert(same(restored, trained));
     cJSON *tables = NULL;
-    em_error err;
     ck_assert_int_eq(em_client_list_tables(client, &tables, &err), EM_OK);
     ck_assert_double_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(tables, 0), "shards")->valuedouble,
                         3);

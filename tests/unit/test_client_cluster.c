@@ -1,5 +1,5 @@
 /*
- * Cluster checkpoints end to end (clients/client_cluster.h): real in-process daemons
+ * Cluster checkpoints end to end (lib/checkpoint/checkpoint_cluster.h): real in-process daemons
  * saved by the client into one cluster checkpoint and restored onto clusters of other
  * sizes and shard counts, each server loading the buckets it owns. Every key's row and
  * optimizer state is compared bit for bit through the checkpoints the servers write,
@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "clients/client_cluster.h"
+#include "lib/checkpoint/checkpoint_cluster.h"
 #include "clients/ember_client.h"
 #include "common/keyhash.h"
 #include "lib/checkpoint/checkpoint.h"
@@ -155,8 +155,8 @@ static em_test_snapshot read_cluster_checkpoint(em_backend *backend, const char 
     uint64_t *manifests = NULL;
     size_t count = 0;
     em_error err;
-    ck_assert_msg(em__cluster_read(dir, &record, &err) == EM_OK, "%s", err.message);
-    ck_assert_int_eq(em__cluster_sources(record, dir, "t", &paths, &manifests, &count, &err),
+    ck_assert_msg(em_cluster_read(dir, &record, &err) == EM_OK, "%s", err.message);
+    ck_assert_int_eq(em_cluster_sources(record, dir, "t", &paths, &manifests, &count, &err),
                      EM_OK);
     ck_assert_uint_eq(count, parts);
     em_checkpoint_load_options options = {.manifest_xxh3 = manifests};
@@ -173,7 +173,7 @@ static em_test_snapshot read_cluster_checkpoint(em_backend *backend, const char 
     }
     em_test_snapshot rows = em_test_snapshot_take(table, 1000);
     em_table_destroy(table);
-    em__cluster_free_sources(paths, manifests, count);
+    em_cluster_free_sources(paths, manifests, count);
     cJSON_Delete(record);
     return rows;
 }
@@ -241,11 +241,11 @@ START_TEST(cluster_checkpoints_reshard_1x8_to_3x5_and_back)
     em_test_assert_snapshots_identical(&resharded, &original);
     em_test_snapshot_free(&resharded);
     cJSON *parts = NULL;
-    ck_assert_int_eq(em__cluster_read(saved3, &parts, &err), EM_OK);
+    ck_assert_int_eq(em_cluster_read(saved3, &parts, &err), EM_OK);
     char **paths = NULL;
     uint64_t *manifests = NULL;
     size_t count = 0;
-    ck_assert_int_eq(em__cluster_sources(parts, saved3, "t", &paths, &manifests, &count, &err),
+    ck_assert_int_eq(em_cluster_sources(parts, saved3, "t", &paths, &manifests, &count, &err),
                      EM_OK);
     for (size_t p = 0; p < count; p++) {
         em_table *part = NULL;
@@ -257,7 +257,7 @@ START_TEST(cluster_checkpoints_reshard_1x8_to_3x5_and_back)
         em_test_snapshot_free(&own);
         em_table_destroy(part);
     }
-    em__cluster_free_sources(paths, manifests, count);
+    em_cluster_free_sources(paths, manifests, count);
     cJSON_Delete(parts);
 
     /* and back onto 1 server of 8 shards */
@@ -343,19 +343,19 @@ START_TEST(damaged_cluster_checkpoints_are_refused)
 
     /* a record (checksummed anew) whose part points outside its dir */
     cJSON *record = NULL;
-    ck_assert_int_eq(em__cluster_read(dir, &record, &err), EM_OK);
+    ck_assert_int_eq(em_cluster_read(dir, &record, &err), EM_OK);
     cJSON *part = cJSON_GetArrayItem(
         cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(record, "tables"), 0),
                             "parts"), 0);
     cJSON_ReplaceItemInObject(part, "path", cJSON_CreateString("../elsewhere"));
     unlink(record_path);
-    ck_assert_int_eq(em__cluster_write(dir, record, &err), EM_OK);
+    ck_assert_int_eq(em_cluster_write(dir, record, &err), EM_OK);
     ck_assert_int_eq(em_client_cluster_load(two.admin, dir, "t", 0, NULL, &err), EM_DATA_LOSS);
     ck_assert_msg(strstr(err.message, "malformed part of table t") != NULL, "%s", err.message);
     cJSON_Delete(record);
 
     /* a part whose manifest is not the one recorded: refused by the server */
-    ck_assert_int_eq(em__cluster_read(dir, &record, &err), EM_DATA_LOSS); /* still bad */
+    ck_assert_int_eq(em_cluster_read(dir, &record, &err), EM_DATA_LOSS); /* still bad */
     char good[300];
     snprintf(good, sizeof(good), "%s/good", root);
     ck_assert_int_eq(em_client_cluster_save(two.admin, "t", good, &record, &err), EM_OK);
@@ -365,7 +365,7 @@ START_TEST(damaged_cluster_checkpoints_are_refused)
     cJSON_ReplaceItemInObject(part, "manifest_xxh3", cJSON_CreateString("0123456789abcdef"));
     snprintf(record_path, sizeof(record_path), "%s/cluster.json", good);
     unlink(record_path);
-    ck_assert_int_eq(em__cluster_write(good, record, &err), EM_OK);
+    ck_assert_int_eq(em_cluster_write(good, record, &err), EM_OK);
     cJSON_Delete(record);
     ck_assert_int_eq(em_client_cluster_load(two.admin, good, "t", 0, NULL, &err), EM_DATA_LOSS);
     ck_assert_msg(strstr(err.message, "the load expects 0123456789abcdef") != NULL, "%s",

@@ -69,6 +69,42 @@ START_TEST(errors_name_the_key_and_the_value)
                     "{\"name\": \"t\", \"dim\": 4, \"capacity\": 9, \"optimzer\": {}}]}",
                     "test.json: tables[0].optimzer: unknown key (known keys: name, dim, capacity, "
                     "shards, optimizer, initializer, eviction, admission)");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"},"
+                    " \"checkpoint\": {\"dir\": \"/c\", \"restore\": \"newest\"}}",
+                    "test.json: checkpoint.restore: 'newest' is not \"latest\", \"none\" or an "
+                    "absolute path");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"}, \"checkpoint\": {\"dir\": \"/c\","
+                    " \"restore\": \"/seed\", \"cluster_index\": 3, \"cluster_size\": 3}}",
+                    "test.json: checkpoint.cluster_index: 3 is not below cluster_size 3");
+    assert_rejected("{\"admin_token\": {\"value\": \"a\"},"
+                    " \"checkpoint\": {\"dir\": \"/c\", \"cluster_index\": 1}}",
+                    "test.json: checkpoint.cluster_index: 1 without cluster_size");
+}
+END_TEST
+
+/* checkpoint.restore: latest (the default), none, or a path to seed tables from. */
+START_TEST(restore_is_latest_none_or_a_seed_path)
+{
+    const char *cases[3] = {"", ", \"restore\": \"none\"",
+                            ", \"restore\": \"/seed\", \"cluster_index\": 1, \"cluster_size\": 2"};
+    int modes[3] = {EM_RESTORE_LATEST, EM_RESTORE_NONE, EM_RESTORE_SEED};
+    for (int i = 0; i < 3; i++) {
+        char text[512];
+        snprintf(text, sizeof(text),
+                 "{\"admin_token\": {\"value\": \"a\"}, \"checkpoint\": {\"dir\": \"/c\"%s}}",
+                 cases[i]);
+        em_daemon_config config;
+        em_error err;
+        ck_assert_msg(em_daemon_config_parse_text(text, "test.json", &config, &err) == EM_OK, "%s",
+                      err.message);
+        ck_assert_int_eq(config.checkpoint.restore, modes[i]);
+        if (i == 2) {
+            ck_assert_str_eq(config.checkpoint.restore_text, "/seed");
+            ck_assert_uint_eq(config.checkpoint.cluster_index, 1);
+            ck_assert_uint_eq(config.checkpoint.cluster_size, 2);
+        }
+        em_daemon_config_deinit(&config);
+    }
 }
 END_TEST
 
@@ -215,6 +251,7 @@ int main(void)
 {
     Suite *suite = suite_create("daemon_config");
     TCase *tc = tcase_create("daemon_config");
+    tcase_add_test(tc, restore_is_latest_none_or_a_seed_path);
     tcase_add_test(tc, minimal_config_takes_the_defaults);
     tcase_add_test(tc, errors_name_the_key_and_the_value);
     tcase_add_test(tc, tokens_come_inline_from_a_file_or_the_environment);

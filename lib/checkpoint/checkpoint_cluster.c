@@ -1,4 +1,4 @@
-#include "clients/client_cluster.h"
+#include "lib/checkpoint/checkpoint_cluster.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -29,7 +29,7 @@ static em_status bad_record(em_error *err, const char *dir, const char *what, co
                         name != NULL ? name : "");
 }
 
-em_status em__cluster_prepare(const char *dir, em_error *err)
+em_status em_cluster_prepare(const char *dir, em_error *err)
 {
     if (dir == NULL || dir[0] != '/')
         return em_error_set(err, EM_INVALID_ARGUMENT,
@@ -64,7 +64,7 @@ static em_status write_all(int fd, const char *data, size_t size, const char *pa
     return EM_OK;
 }
 
-em_status em__cluster_write(const char *dir, const cJSON *record, em_error *err)
+em_status em_cluster_write(const char *dir, const cJSON *record, em_error *err)
 {
     char *text = cJSON_Print(record);
     if (text == NULL)
@@ -192,7 +192,7 @@ static em_status check_record(const cJSON *record, const char *dir, em_error *er
     return EM_OK;
 }
 
-em_status em__cluster_read(const char *dir, cJSON **record, em_error *err)
+em_status em_cluster_read(const char *dir, cJSON **record, em_error *err)
 {
     *record = NULL;
     char path[3200];
@@ -251,7 +251,7 @@ em_status em__cluster_read(const char *dir, cJSON **record, em_error *err)
     return EM_OK;
 }
 
-void em__cluster_free_sources(char **paths, uint64_t *manifests, size_t count)
+void em_cluster_free_sources(char **paths, uint64_t *manifests, size_t count)
 {
     for (size_t i = 0; paths != NULL && i < count; i++)
         free(paths[i]);
@@ -259,7 +259,7 @@ void em__cluster_free_sources(char **paths, uint64_t *manifests, size_t count)
     free(manifests);
 }
 
-em_status em__cluster_sources(const cJSON *record, const char *dir, const char *table,
+em_status em_cluster_sources(const cJSON *record, const char *dir, const char *table,
                               char ***paths, uint64_t **manifests, size_t *count,
                               em_error *err)
 {
@@ -286,7 +286,7 @@ em_status em__cluster_sources(const cJSON *record, const char *dir, const char *
     *paths = calloc(n, sizeof(char *));
     *manifests = calloc(n, sizeof(uint64_t));
     if (*paths == NULL || *manifests == NULL) {
-        em__cluster_free_sources(*paths, *manifests, 0);
+        em_cluster_free_sources(*paths, *manifests, 0);
         *paths = NULL;
         *manifests = NULL;
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "cluster checkpoint: out of memory");
@@ -298,7 +298,7 @@ em_status em__cluster_sources(const cJSON *record, const char *dir, const char *
         size_t length = strlen(dir) + strlen(path) + 2;
         char *joined = malloc(length);
         if (joined == NULL) {
-            em__cluster_free_sources(*paths, *manifests, *count);
+            em_cluster_free_sources(*paths, *manifests, *count);
             *paths = NULL;
             *manifests = NULL;
             *count = 0;
