@@ -635,6 +635,11 @@ em_status em_handle_save(em_request *request, em_error *err)
     return status;
 }
 
+/* What a LOAD may name: sources (a cluster checkpoint's parts, one per server of the
+ * cluster saved) and the length of each path (checkpoint paths stay below 4096). */
+#define EM_LOAD_SOURCES_MAX 1024u
+#define EM_LOAD_PATH_MAX 4000u
+
 em_status em_handle_load(em_request *request, em_error *err)
 {
     const Ember__LoadRequest *body = (const Ember__LoadRequest *)request->body;
@@ -651,6 +656,24 @@ em_status em_handle_load(em_request *request, em_error *err)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "load of table '%s': server_index %u is not below server_count %u",
                             body->table, body->server_index, body->server_count);
+    if (body->n_sources > EM_LOAD_SOURCES_MAX)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "load of table '%s': %zu sources, at most %u", body->table,
+                            body->n_sources, EM_LOAD_SOURCES_MAX);
+    for (size_t i = 0; i <= body->n_sources; i++) {
+        const char *path = i < body->n_sources ? body->sources[i] : body->path;
+        bool given = path != NULL && path[0] != '\0';
+        if ((i < body->n_sources && !given) ||
+            (given && (path[0] != '/' || strlen(path) > EM_LOAD_PATH_MAX))) {
+            char what[32] = "path";
+            if (i < body->n_sources)
+                snprintf(what, sizeof(what), "sources[%zu]", i);
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "load of table '%s': %s '%.200s' is not an absolute path of at "
+                                "most %u characters on the server", body->table, what,
+                                path != NULL ? path : "", EM_LOAD_PATH_MAX);
+        }
+    }
     if (body->shards > EM_TABLE_SHARDS_MAX)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "load of table '%s': shards %u is above the limit of %u",

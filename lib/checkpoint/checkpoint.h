@@ -47,8 +47,10 @@
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
 
-/* Version 2 added deltas and tombstones.emb; version 1 (full only) still loads. */
-#define EM_CHECKPOINT_FORMAT_VERSION 2u
+/* Version 2 added deltas and tombstones.emb; version 3 the access metadata of tables
+ * whose eviction tracks it (each row's em_row_access after the chunk's floats, and the
+ * table's clocks in the manifest). Versions 1 and 2 still load. */
+#define EM_CHECKPOINT_FORMAT_VERSION 3u
 /* Virtual buckets of the key hash (em_key_bucket): the buckets servers own. */
 #define EM_CHECKPOINT_BUCKET_BITS EM_KEY_BUCKET_BITS
 #define EM_CHECKPOINT_BUCKETS EM_KEY_BUCKETS

@@ -42,6 +42,9 @@ typedef struct manifest {
     em_table_config config;
     uint64_t rows, chunks, created_unix_ms;
     uint32_t row_floats;
+    uint64_t row_bytes;     /* of a row in a chunk: key, floats and access metadata */
+    bool access;            /* rows carry their em_row_access (version 3) */
+    em_table_clocks clocks; /* with access: the table's clocks at its snapshot */
     uint32_t version;
     file_entry rows_file, index_file, tombstones_file;
     uint64_t tombstones, table_rows;
@@ -201,6 +204,55 @@ static em_status parse_chain(const cJSON *json, const char *dir, manifest *m, em
     return status;
 }
 
+/* Version 3: whether rows carry access metadata, and the table's clocks when they do. */
+static em_status parse_access(const cJSON *json, const char *dir, manifest *m, em_error *err)
+{
+    m->access = false;
+    if (m->version < 3)
+        return EM_OK;
+    const cJSON *access = cJSON_GetObjectItemCaseSensitive(json, "access");
+    if (!cJSON_IsBool(access))
+        return data_loss(err, dir, "manifest.json", "field access is missing or not a boolean");
+    m->access = cJSON_IsTrue(access);
+    if (m->access != em_eviction_tracks_access(&m->config.eviction))
+        return data_loss(err, dir, "manifest.json",
+                         "access is %s, but the table's eviction %s access", 
+                         m->access ? "true" : "false",
+                         m->access ? "does not track" : "tracks");
+    if (!m->access)
+        return EM_OK;
+    const cJSON *clocks = cJSON_GetObjectItemCaseSensitive(json, "clocks");
+    em_table_clocks *c = &m->clocks;
+    em_status status = number_field(clocks, dir, "access", &c->access_clock, err);
+    if (status == EM_OK)
+        status = number_field(clocks, dir, "update", &c->update_clock, err);
+    if (status == EM_OK)
+        status = number_field(clocks, dir, "sample_spacing_ms", &c->sample_spacing_ms, err);
+    if (status != EM_OK)
+        return status;
+    const cJSON *samples = cJSON_GetObjectItemCaseSensitive(clocks, "samples");
+    if (!cJSON_IsArray(samples) || cJSON_GetArraySize(samples) > (int)EM_TABLE_CLOCK_SAMPLES)
+        return data_loss(err, dir, "manifest.json",
+                         "clocks.samples is missing or has more than %u entries",
+                         EM_TABLE_CLOCK_SAMPLES);
+    c->samples = 0;
+    const cJSON *pair = NULL;
+    cJSON_ArrayForEach(pair, samples)
+    {
+        const cJSON *ms = cJSON_GetArrayItem(pair, 0), *clock = cJSON_GetArrayItem(pair, 1);
+        if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 || !cJSON_IsNumber(ms) ||
+            !cJSON_IsNumber(clock) || ms->valuedouble < 0 || clock->valuedouble < 0 ||
+            clock->valuedouble > UINT32_MAX ||
+            (c->samples > 0 && ms->valuedouble < (double)c->sample_ms[c->samples - 1]))
+            return data_loss(err, dir, "manifest.json",
+                             "clocks.samples[%u] is not a [unix_ms, clock] pair in time order",
+                             c->samples);
+        c->sample_ms[c->samples] = (uint64_t)ms->valuedouble;
+        c->sample_clock[c->samples++] = (uint32_t)clock->valuedouble;
+    }
+    return EM_OK;
+}
+
 static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m, em_error *err)
 {
     const cJSON *format = cJSON_GetObjectItemCaseSensitive(json, "format");
@@ -209,7 +261,8 @@ static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m,
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "checkpoint %s: manifest.json is not an ember checkpoint's", dir);
     if (!cJSON_IsNumber(version) ||
-        (version->valuedouble != 1 && version->valuedouble != EM_CHECKPOINT_FORMAT_VERSION))
+        (version->valuedouble != 1 && version->valuedouble != 2 &&
+         version->valuedouble != EM_CHECKPOINT_FORMAT_VERSION))
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "checkpoint %s: format version %g, this ember reads versions 1 to "
                             "%u", dir, cJSON_IsNumber(version) ? version->valuedouble : -1.0,
@@ -249,6 +302,11 @@ static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m,
         return data_loss(err, dir, "manifest.json", "%" PRIu64 " buckets, expected %u", buckets,
                          EM_CHECKPOINT_BUCKETS);
     m->row_floats = (uint32_t)row_floats;
+    status = parse_access(json, dir, m, err);
+    if (status != EM_OK)
+        return status;
+    m->row_bytes = sizeof(uint64_t) + m->row_floats * sizeof(float) +
+                   (m->access ? sizeof(em_row_access) : 0);
     const cJSON *files = cJSON_GetObjectItemCaseSensitive(json, "files");
     status = read_file_entry(files, dir, "rows.emb", &m->rows_file, err);
     if (status == EM_OK)
@@ -377,6 +435,8 @@ static em_status read_index(const char *dir, const manifest *m, em_index_entry *
 typedef struct import_batch {
     uint64_t *keys;
     float *values;
+    em_row_access *access;   /* when the table and the checkpoint keep access metadata */
+    bool has_access;
     uint64_t count, first_chunk, last_chunk;
     const char *dir;         /* the link's */
     uint64_t bytes_read;     /* of the chain's rows.emb files when it was handed over */
@@ -391,6 +451,7 @@ typedef struct reader {
     unsigned char *payload;
     size_t payload_capacity;
     em_table *table;        /* NULL: verify only */
+    bool access;            /* the table tracks access: rows' metadata goes with them */
     bool weights_only;      /* rows get the weights, and a new row's optimizer state */
     uint32_t table_floats;  /* floats per row of the table */
     float initial_state;    /* weights only: every state float of a new row */
@@ -464,6 +525,13 @@ static em_status keep_rows(reader *r, uint64_t chunk, uint32_t *rows, em_error *
         for (uint32_t j = 0; j < out; j++)
             memmove(to + j * row_bytes, (const unsigned char *)values + r->kept[j] * row_bytes,
                     row_bytes);
+    if (out < n && r->m->access) { /* and the access metadata after the floats, likewise */
+        const unsigned char *from = (const unsigned char *)values + (size_t)n * row_bytes;
+        unsigned char *access = to + (size_t)out * row_bytes;
+        for (uint32_t j = 0; j < out; j++)
+            memmove(access + j * sizeof(em_row_access), from + r->kept[j] * sizeof(em_row_access),
+                    sizeof(em_row_access));
+    }
     *rows = out;
     r->taken += out;
     return EM_OK;
@@ -477,6 +545,8 @@ static em_status import_batch_rows(void *context, void *item, em_error *err)
     reader *r = context;
     const import_batch *b = item;
     em_status status = em_table_import(r->table, b->keys, b->values, b->count, err);
+    if (status == EM_OK && b->has_access)
+        status = em_table_set_access(r->table, b->keys, b->access, b->count, err);
     if (status == EM_INVALID_ARGUMENT) {
         em_error_prefix(err, "checkpoint %s: rows.emb: chunks %" PRIu64 "..%" PRIu64 ": ", b->dir,
                         b->first_chunk, b->last_chunk);
@@ -518,7 +588,10 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
         for (int k = 0; k < 2; k++) {
             r->batches[k].keys = malloc(r->batch_capacity * sizeof(uint64_t));
             r->batches[k].values = malloc(r->batch_capacity * floats * sizeof(float));
-            if (r->batches[k].keys == NULL || r->batches[k].values == NULL)
+            if (r->access)
+                r->batches[k].access = malloc(r->batch_capacity * sizeof(em_row_access));
+            if (r->batches[k].keys == NULL || r->batches[k].values == NULL ||
+                (r->access && r->batches[k].access == NULL))
                 return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
         }
     }
@@ -542,6 +615,16 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
         take = take < room ? take : (uint32_t)room;
         const float *values = (const float *)(r->payload + rows * sizeof(uint64_t));
         memcpy(b->keys + b->count, (const uint64_t *)r->payload + done, take * sizeof(uint64_t));
+        if (b->count == 0)
+            b->has_access = r->access && r->m->access;
+        if (b->has_access != (r->access && r->m->access)) /* never: one table's chain */
+            return data_loss(err, r->dir, "manifest.json", "access differs within the load");
+        if (b->has_access) /* after the floats; unaligned in the payload: copied */
+            memcpy(b->access + b->count,
+                   r->payload + rows * sizeof(uint64_t) + (size_t)rows * r->m->row_floats *
+                                                              sizeof(float) +
+                       (size_t)done * sizeof(em_row_access),
+                   take * sizeof(em_row_access));
         if (!r->weights_only) {
             memcpy(b->values + b->count * floats, values + (size_t)done * floats,
                    (size_t)take * floats * sizeof(float));
@@ -600,7 +683,7 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
     if (status != EM_OK)
         return status;
     uint64_t header_seen = XXH3_64bits(&header, offsetof(em_chunk_header, header_xxh3));
-    size_t row_bytes = sizeof(uint64_t) + m->row_floats * sizeof(float);
+    size_t row_bytes = m->row_bytes;
     if (memcmp(header.magic, EM_CHUNK_MAGIC, 8) != 0)
         return data_loss(err, r->dir, "rows.emb", "chunk %" PRIu64 ": not a chunk header", i);
     if (header_seen != header.header_xxh3)
@@ -817,7 +900,8 @@ static em_status check_parent(const link_state *child, const link_state *parent,
         return data_loss(err, child->dir, "manifest.json",
                          "depth %u on base %s, but its parent %s has depth %u on base %s",
                          c->depth, c->base_id, p->id, p->depth, p->base_id);
-    if (parent->m.row_floats != child->m.row_floats || parent->m.config.dim != child->m.config.dim)
+    if (parent->m.row_floats != child->m.row_floats || parent->m.config.dim != child->m.config.dim ||
+        parent->m.access != child->m.access)
         return data_loss(err, child->dir, "manifest.json",
                          "its parent %s is of another table shape (dim %u, %u floats per row)",
                          p->id, parent->m.config.dim, parent->m.row_floats);
@@ -892,7 +976,7 @@ static double monotonic_seconds(void)
 static em_status check_index_layout(const link_state *link, em_error *err)
 {
     const manifest *m = &link->m;
-    uint64_t at = 0, row_bytes = sizeof(uint64_t) + m->row_floats * sizeof(float);
+    uint64_t at = 0, row_bytes = m->row_bytes;
     for (uint64_t i = 0; i < m->chunks; i++) {
         const em_index_entry *entry = &link->index[i];
         if (entry->offset != at || entry->bucket >= EM_CHECKPOINT_BUCKETS)
@@ -914,8 +998,8 @@ static em_status read_indexes(const reader *r, link_state *links, size_t count,
                               uint64_t *bytes, uint64_t *rows, em_error *err)
 {
     em_status status = EM_OK;
-    uint64_t row_bytes = sizeof(uint64_t) + links[0].m.row_floats * sizeof(float);
     for (size_t i = 0; status == EM_OK && i < count; i++) {
+        uint64_t row_bytes = links[i].m.row_bytes;
         status = read_index(links[i].dir, &links[i].m, &links[i].index, err);
         if (status == EM_OK && r->owner_count > 0)
             status = check_index_layout(&links[i], err);
@@ -955,6 +1039,7 @@ static void free_reader(reader *r)
     for (int k = 0; k < 2; k++) {
         free(r->batches[k].keys);
         free(r->batches[k].values);
+        free(r->batches[k].access);
     }
     free(r->kept);
 }
@@ -1100,6 +1185,8 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
                                             em_mix64(m->link.manifest_xxh3) | 1u, &table, err);
     }
     r.table = table;
+    r.access = table != NULL &&
+               em_eviction_tracks_access(&em_table_get_config(table)->eviction);
     /* a table loaded whole from one checkpoint can be the parent of a delta */
     bool tracking = table != NULL && options != NULL && options->track_changes &&
                     weights_into == NULL && count == 1 && r.owner_count == 0;
@@ -1161,6 +1248,10 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
                            "they hold %" PRIu64 " distinct keys", count, expected, restored);
     if (status == EM_OK && tracking)
         status = attach_base(table, &sources[0].links[0], &digests, err);
+    /* the clocks the rows' metadata counts in: the largest of the sources' */
+    for (size_t s = 0; status == EM_OK && r.access && s < count; s++)
+        if (sources[s].links[0].m.access)
+            em_table_set_clocks(table, &sources[s].links[0].m.clocks);
     em__key_map_free(&decided);
     em__key_map_free(&digests);
     if (status == EM_OK && info != NULL) {

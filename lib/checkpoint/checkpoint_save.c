@@ -79,10 +79,13 @@ typedef struct save {
     em_table *table;
     const em_checkpoint_options *options;
     uint32_t row_floats;
-    size_t row_bytes;        /* key and floats */
+    size_t row_bytes;        /* key and floats (and access metadata) */
+    bool access;             /* the table tracks access: rows carry their metadata */
+    em_table_clocks clocks;  /* with access: the table's clocks at the snapshot */
     uint64_t buffer_rows;
     uint64_t *keys;          /* staging, buffer_rows each */
     float *values;
+    em_row_access *row_access; /* with access */
     run_out runs[2];         /* output buffers: chunks of one run each */
     unsigned char *out;      /* the one being filled (runs[filling].data) */
     int filling;
@@ -138,7 +141,8 @@ static em_status flush_run(save *s, em_error *err)
             s->index_capacity = capacity;
         }
     }
-    /* rows into place: keys after the header, values after the keys */
+    /* rows into place: keys after the header, values after the keys, then the access
+     * metadata */
     for (uint64_t i = 0; status == EM_OK && i < s->staged; i++) {
         uint32_t b = em__checkpoint_bucket(s->keys[i]);
         unsigned char *chunk = s->out + chunk_at[b];
@@ -147,6 +151,10 @@ static em_status flush_run(save *s, em_error *err)
         memcpy(keys + (size_t)placed[b] * sizeof(uint64_t), &s->keys[i], sizeof(uint64_t));
         memcpy(values + (size_t)placed[b] * s->row_floats * sizeof(float),
                s->values + i * s->row_floats, s->row_floats * sizeof(float));
+        if (s->access)
+            memcpy(values + (size_t)count[b] * s->row_floats * sizeof(float) +
+                       (size_t)placed[b] * sizeof(em_row_access),
+                   &s->row_access[i], sizeof(em_row_access));
         placed[b]++;
     }
     for (uint32_t b = 0; status == EM_OK && b < EM_CHECKPOINT_BUCKETS; b++) {
@@ -207,6 +215,8 @@ static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error
         if (out != i) {
             keys[out] = keys[i];
             memcpy(values + out * floats, values + i * floats, floats * sizeof(float));
+            if (s->access)
+                s->row_access[s->staged + out] = s->row_access[s->staged + i];
         }
         out++;
     }
@@ -253,6 +263,8 @@ static em_status write_rows(save *s, em_error *err)
     em_table_snapshot *snapshot = NULL;
     em_status status =
         em_table_snapshot_begin(s->table, s->options->copy_limit_bytes, &snapshot, err);
+    if (status == EM_OK && s->access)
+        em_table_get_clocks(s->table, &s->clocks);
     if (status == EM_OK && s->next != NULL &&
         !em__key_map_init(&s->next->digests, em_table_snapshot_rows(snapshot)))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
@@ -269,7 +281,9 @@ static em_status write_rows(save *s, em_error *err)
     while (status == EM_OK && count > 0) {
         status = em_table_snapshot_read(snapshot, s->buffer_rows - s->staged,
                                         s->keys + s->staged,
-                                        s->values + s->staged * s->row_floats, &count, err);
+                                        s->values + s->staged * s->row_floats,
+                                        s->access ? s->row_access + s->staged : NULL, &count,
+                                        err);
         s->table_rows += count;
         uint64_t kept = count;
         if (status == EM_OK)
@@ -380,6 +394,23 @@ static void add_hex(cJSON *object, const char *name, uint64_t value)
     cJSON_AddStringToObject(object, name, hex);
 }
 
+/* The table's clocks as of the snapshot: "clocks": {access, update, sample_spacing_ms,
+ * samples: [[unix_ms, push clock], ...]}. */
+static void add_clocks(cJSON *manifest, const em_table_clocks *clocks)
+{
+    cJSON *object = cJSON_AddObjectToObject(manifest, "clocks");
+    cJSON_AddNumberToObject(object, "access", (double)clocks->access_clock);
+    cJSON_AddNumberToObject(object, "update", (double)clocks->update_clock);
+    cJSON_AddNumberToObject(object, "sample_spacing_ms", (double)clocks->sample_spacing_ms);
+    cJSON *samples = cJSON_AddArrayToObject(object, "samples");
+    for (uint32_t i = 0; samples != NULL && i < clocks->samples; i++) {
+        cJSON *pair = cJSON_CreateArray();
+        cJSON_AddItemToArray(pair, cJSON_CreateNumber((double)clocks->sample_ms[i]));
+        cJSON_AddItemToArray(pair, cJSON_CreateNumber((double)clocks->sample_clock[i]));
+        cJSON_AddItemToArray(samples, pair);
+    }
+}
+
 static em_status write_manifest(save *s, const em_checkpoint_info *info, file_sums *sums,
                                 em_error *err)
 {
@@ -409,6 +440,9 @@ static em_status write_manifest(save *s, const em_checkpoint_info *info, file_su
     cJSON_AddNumberToObject(manifest, "buckets", EM_CHECKPOINT_BUCKETS);
     cJSON_AddStringToObject(manifest, "bucket_of_key", "key_hash(key) >> 52");
     cJSON_AddNumberToObject(manifest, "chunks", (double)s->chunks);
+    cJSON_AddBoolToObject(manifest, "access", s->access);
+    if (s->access)
+        add_clocks(manifest, &s->clocks);
     cJSON *files = cJSON_AddArrayToObject(manifest, "files");
     add_file(files, "rows.emb", s->file_bytes, XXH3_64bits_digest(s->file_hash));
     add_file(files, "index.emb", sums->index_bytes, sums->index_xxh3);
@@ -683,13 +717,17 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     save s = {.table = table, .options = options, .row_floats = stats.row_floats, .fd = -1};
-    s.row_bytes = sizeof(uint64_t) + s.row_floats * sizeof(float);
+    s.access = em_eviction_tracks_access(&em_table_get_config(table)->eviction);
+    s.row_bytes = sizeof(uint64_t) + s.row_floats * sizeof(float) +
+                  (s.access ? sizeof(em_row_access) : 0);
     uint64_t buffer = options->buffer_bytes < (UINT64_C(1) << 20) ? UINT64_C(1) << 20
                                                                    : options->buffer_bytes;
     s.buffer_rows = buffer / s.row_bytes + 1;
     s.out_capacity = s.buffer_rows * s.row_bytes + EM_CHECKPOINT_BUCKETS * sizeof(em_chunk_header);
     s.keys = malloc(s.buffer_rows * sizeof(uint64_t));
     s.values = malloc(s.buffer_rows * s.row_floats * sizeof(float));
+    if (s.access)
+        s.row_access = malloc(s.buffer_rows * sizeof(em_row_access));
     s.runs[0].data = malloc(s.out_capacity);
     s.runs[1].data = malloc(s.out_capacity);
     s.out = s.runs[0].data;
@@ -706,7 +744,8 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     if (tracking)
         s.next = calloc(1, sizeof(*s.next));
     if (s.keys == NULL || s.values == NULL || s.runs[0].data == NULL || s.runs[1].data == NULL ||
-        s.file_hash == NULL || (tracking && s.next == NULL))
+        s.file_hash == NULL || (tracking && s.next == NULL) ||
+        (s.access && s.row_access == NULL))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for buffers");
     else
         XXH3_64bits_reset(s.file_hash);
@@ -743,6 +782,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     free(s.tombstones);
     free(s.keys);
     free(s.values);
+    free(s.row_access);
     free(s.runs[0].data);
     free(s.runs[1].data);
     free(s.index);

@@ -747,6 +747,34 @@ static em_status cpu_shard_touch(em_shard *base, em_lane *lane, const uint64_t *
     return EM_OK;
 }
 
+static em_status cpu_shard_read_access(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                       uint64_t n, em_row_access *out, em_error *err)
+{
+    (void)lane;
+    cpu_shard *shard = cpu_shard_of(base);
+    if (!shard->track_access)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    for (uint64_t i = 0; i < n; i++) { /* touches may run: relaxed atomic loads */
+        const em_row_access *access = row_access(shard, rows[i]);
+        out[i].accessed = __atomic_load_n(&access->accessed, __ATOMIC_RELAXED);
+        out[i].updated = __atomic_load_n(&access->updated, __ATOMIC_RELAXED);
+        out[i].frequency = __atomic_load_n(&access->frequency, __ATOMIC_RELAXED);
+    }
+    return EM_OK;
+}
+
+static em_status cpu_shard_write_access(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                        uint64_t n, const em_row_access *in, em_error *err)
+{
+    (void)lane;
+    cpu_shard *shard = cpu_shard_of(base);
+    if (!shard->track_access)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    for (uint64_t i = 0; i < n; i++)
+        *row_access(shard, rows[i]) = in[i];
+    return EM_OK;
+}
+
 static bool row_kept(const em_evict_spec *spec, uint64_t row)
 {
     uint64_t low = 0, high = spec->kept_count;
@@ -979,6 +1007,8 @@ static const em_device_ops cpu_device_ops = {
     .shard_write_rows = cpu_shard_write_rows,
     .shard_stats = cpu_shard_stats,
     .shard_touch = cpu_shard_touch,
+    .shard_read_access = cpu_shard_read_access,
+    .shard_write_access = cpu_shard_write_access,
     .shard_evict = cpu_shard_evict,
     .shard_erase = cpu_shard_erase,
     .shard_expire = cpu_shard_expire,

@@ -221,6 +221,15 @@ typedef struct em_device_ops {
      * may count once). */
     em_status (*shard_touch)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                              uint64_t accessed, uint32_t updated, bool pushed, em_error *err);
+    /* out[i] = the access metadata of rows[i] (existing rows; host memory): what a
+     * checkpoint saves. Safe under the shard's read lock (a touch at the same time may
+     * or may not be seen). */
+    em_status (*shard_read_access)(em_shard *shard, em_lane *lane, const uint64_t *rows,
+                                   uint64_t n, em_row_access *out, em_error *err);
+    /* Sets the access metadata of rows[i] (existing rows) to in[i] (host memory): what a
+     * load restores. Under the shard's write lock. */
+    em_status (*shard_write_access)(em_shard *shard, em_lane *lane, const uint64_t *rows,
+                                    uint64_t n, const em_row_access *in, em_error *err);
     /* Removes the keys whose last update is at least min_age pushes before update_clock
      * (min_age 0: every key), examining the map's entries from *cursor on, at most scan of them
      * (0 to start); writes the removed keys and rows to host memory (scan entries of

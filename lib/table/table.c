@@ -661,3 +661,111 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->pushes_dropped = atomic_load_explicit(&table->pushes_dropped, memory_order_relaxed);
 }
 
+
+/* ---- access metadata and clocks (checkpoints) ------------------------------------------ */
+
+void em_table_get_clocks(em_table *table, em_table_clocks *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->access_clock = atomic_load_explicit(&table->access_clock, memory_order_relaxed);
+    out->update_clock = atomic_load_explicit(&table->update_clock, memory_order_relaxed);
+    pthread_mutex_lock(&table->clock_lock);
+    out->samples = table->clock_samples;
+    out->sample_spacing_ms = table->clock_spacing_ms;
+    memcpy(out->sample_ms, table->clock_ms, table->clock_samples * sizeof(uint64_t));
+    memcpy(out->sample_clock, table->clock_value, table->clock_samples * sizeof(uint32_t));
+    pthread_mutex_unlock(&table->clock_lock);
+}
+
+void em_table_set_clocks(em_table *table, const em_table_clocks *clocks)
+{
+    uint64_t access = atomic_load_explicit(&table->access_clock, memory_order_relaxed);
+    uint64_t update = atomic_load_explicit(&table->update_clock, memory_order_relaxed);
+    atomic_store_explicit(&table->access_clock,
+                          access > clocks->access_clock ? access : clocks->access_clock,
+                          memory_order_relaxed);
+    atomic_store_explicit(&table->update_clock,
+                          update > clocks->update_clock ? update : clocks->update_clock,
+                          memory_order_relaxed);
+    uint32_t n = clocks->samples < EM_CLOCK_SAMPLES ? clocks->samples : EM_CLOCK_SAMPLES;
+    if (n == 0)
+        return;
+    pthread_mutex_lock(&table->clock_lock);
+    memcpy(table->clock_ms, clocks->sample_ms, n * sizeof(uint64_t));
+    memcpy(table->clock_value, clocks->sample_clock, n * sizeof(uint32_t));
+    table->clock_samples = n;
+    if (clocks->sample_spacing_ms > 0)
+        table->clock_spacing_ms = clocks->sample_spacing_ms;
+    pthread_mutex_unlock(&table->clock_lock);
+}
+
+/* One shard's part of em_table_set_access: keys (host) that route to shard s. */
+static em_status set_shard_access(em_table *table, uint32_t s, const uint64_t *keys,
+                                  const em_row_access *access, uint64_t n, uint64_t *rows,
+                                  em_error *err)
+{
+    em_shard *shard = table->shards[s];
+    const em_device_ops *ops = shard->device->ops;
+    if (!shard->device->host_addressable || ops->shard_write_access == NULL)
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "the %s backend keeps no access metadata", table->backend->kind);
+    em_lane *lane = NULL;
+    em_status status = ops->lane_acquire(shard->device, &lane, err);
+    if (status != EM_OK)
+        return status;
+    pthread_rwlock_wrlock(&table->shard_locks[s]);
+    uint64_t missing = 0;
+    status = ops->shard_find(shard, lane, keys, n, rows, &missing, err);
+    for (uint64_t i = 0; status == EM_OK && missing > 0 && i < n; i++)
+        if (!em_row_stored(rows[i]))
+            status = em_error_set(err, EM_NOT_FOUND, "key %" PRIu64 " is not in the table",
+                                  keys[i]);
+    if (status == EM_OK)
+        status = ops->shard_write_access(shard, lane, rows, n, access, err);
+    pthread_rwlock_unlock(&table->shard_locks[s]);
+    ops->lane_release(lane);
+    return status;
+}
+
+em_status em_table_set_access(em_table *table, const uint64_t *keys, const em_row_access *access,
+                              uint64_t n, em_error *err)
+{
+    if (!em_eviction_tracks_access(&table->config.eviction) || n == 0)
+        return EM_OK;
+    uint32_t shards = table->shard_count;
+    uint64_t *start = calloc((size_t)shards + 1, sizeof(uint64_t));
+    uint64_t *cursor = calloc(shards, sizeof(uint64_t));
+    uint64_t *grouped = malloc(n * sizeof(uint64_t)), *rows = malloc(n * sizeof(uint64_t));
+    em_row_access *grouped_access = malloc(n * sizeof(em_row_access));
+    em_status status = EM_OK;
+    if (start == NULL || cursor == NULL || grouped == NULL || rows == NULL ||
+        grouped_access == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    for (uint64_t i = 0; status == EM_OK && i < n; i++)
+        start[em_key_shard(keys[i], shards) + 1]++;
+    for (uint32_t s = 0; status == EM_OK && s < shards; s++)
+        start[s + 1] += start[s];
+    for (uint64_t i = 0; status == EM_OK && i < n; i++) {
+        uint32_t s = em_key_shard(keys[i], shards);
+        uint64_t at = start[s] + cursor[s]++;
+        grouped[at] = keys[i];
+        grouped_access[at] = access[i];
+    }
+    bool locked = status == EM_OK;
+    if (locked)
+        pthread_rwlock_rdlock(&table->lock);
+    for (uint32_t s = 0; status == EM_OK && s < shards; s++)
+        if (start[s + 1] > start[s])
+            status = set_shard_access(table, s, grouped + start[s], grouped_access + start[s],
+                                      start[s + 1] - start[s], rows, err);
+    if (locked)
+        pthread_rwlock_unlock(&table->lock);
+    free(start);
+    free(cursor);
+    free(grouped);
+    free(rows);
+    free(grouped_access);
+    if (status != EM_OK)
+        return em_error_prefix(err, "access metadata of table '%s': ", table->config.name);
+    return EM_OK;
+}

@@ -206,6 +206,31 @@ em_status em_table_import(em_table *table, const uint64_t *keys, const float *va
 
 void em_table_get_stats(em_table *table, em_table_stats *out);
 
+/* The clocks that a table's access metadata is stamped with (tables whose eviction
+ * tracks access): what a checkpoint keeps with the metadata. */
+#define EM_TABLE_CLOCK_SAMPLES 1024u
+typedef struct em_table_clocks {
+    uint64_t access_clock; /* requests so far (em_row_access.accessed) */
+    uint64_t update_clock; /* pushes so far (em_row_access.updated, mod 2^32) */
+    uint64_t sample_spacing_ms;
+    uint32_t samples;      /* (time, push clock) samples for ages in seconds, oldest first */
+    uint64_t sample_ms[EM_TABLE_CLOCK_SAMPLES];
+    uint32_t sample_clock[EM_TABLE_CLOCK_SAMPLES];
+} em_table_clocks;
+
+void em_table_get_clocks(em_table *table, em_table_clocks *out);
+
+/* Restores clocks into a table that serves nothing yet (a load): each counter becomes
+ * the larger of the table's and clocks', and the samples are clocks' (when it has any). */
+void em_table_set_clocks(em_table *table, const em_table_clocks *clocks);
+
+/* Sets the access metadata of the rows of keys (present keys; repeats allowed, the last
+ * wins) to access[i]: what a load restores. Nothing for a table that does not track
+ * access. Errors: NOT_FOUND naming a key the table lacks (the rows before it are set),
+ * FAILED_PRECONDITION on a backend that keeps no access metadata. */
+em_status em_table_set_access(em_table *table, const uint64_t *keys, const em_row_access *access,
+                              uint64_t n, em_error *err);
+
 /* A point-in-time view of a table, read while the table keeps serving (checkpoints;
  * lib/table/table_snapshot.c). */
 typedef struct em_table_snapshot em_table_snapshot;
@@ -223,9 +248,13 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
 uint64_t em_table_snapshot_rows(const em_table_snapshot *snapshot);
 
 /* The next up to max rows of the snapshot (keys, and row_floats floats each as export
- * gives them); *count 0 when every row has been read. One reader at a time. */
+ * gives them); *count 0 when every row has been read. access (nullable; for a table that
+ * tracks access) gets each row's access metadata as the read finds it: metadata is not
+ * held at the snapshot's instant (pulls change it and copy nothing aside). One reader
+ * at a time. */
 em_status em_table_snapshot_read(em_table_snapshot *snapshot, uint64_t max, uint64_t *keys,
-                                 float *values, uint64_t *count, em_error *err);
+                                 float *values, em_row_access *access, uint64_t *count,
+                                 em_error *err);
 
 /* Closes the snapshot (read completely or not). NULL is ignored. */
 void em_table_snapshot_end(em_table_snapshot *snapshot);

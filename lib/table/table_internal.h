@@ -28,7 +28,7 @@
 /* A request addresses keys with 32-bit positions (inverse, position arrays). */
 #define MAX_KEYS_PER_REQUEST UINT32_MAX
 /* (time, push clock) samples a table keeps for ages in seconds. */
-#define EM_CLOCK_SAMPLES 1024
+#define EM_CLOCK_SAMPLES EM_TABLE_CLOCK_SAMPLES
 
 /* Scratch buffers per request: a few at home plus a few per device segment. */
 #define SCRATCH_FIXED 16u

@@ -377,7 +377,8 @@ static void finish_shard(em_table_snapshot *snapshot, uint32_t s)
 }
 
 em_status em_table_snapshot_read(em_table_snapshot *snapshot, uint64_t max, uint64_t *keys,
-                                 float *values, uint64_t *count, em_error *err)
+                                 float *values, em_row_access *access, uint64_t *count,
+                                 em_error *err)
 {
     em_table *table = snapshot->table;
     uint32_t floats = table->row_floats;
@@ -407,6 +408,15 @@ em_status em_table_snapshot_read(em_table_snapshot *snapshot, uint64_t max, uint
                 memcpy(out + i * floats,
                        shard->copies + copy_find(&shard->index, rows[i]) * floats,
                        floats * sizeof(float));
+        if (status == EM_OK && access != NULL) {
+            if (device->ops->shard_read_access == NULL)
+                status = em_error_set(err, EM_FAILED_PRECONDITION,
+                                      "the %s backend keeps no access metadata",
+                                      table->backend->kind);
+            else
+                status = device->ops->shard_read_access(table->shards[s], lane, rows, take,
+                                                        access + *count, err);
+        }
         pthread_rwlock_unlock(&table->shard_locks[s]);
         device->ops->lane_release(lane);
         if (status != EM_OK)

@@ -2,8 +2,8 @@
  * The CUDA backend against the CPU backend: the same workloads on tables of both, with
  * initial values bit for bit equal (zeros, uniform), pulls and final rows within 1e-5
  * relative, the hash map grown far past its first size, pool exhaustion failing whole,
- * import/export, concurrent requests, and (with several GPUs) every layout identical
- * to one GPU.
+ * import/export, checkpoints moving between the backends, concurrent requests, and
+ * (with several GPUs) every layout identical to one GPU.
  *
  * Built twice from this file: against the real kernels (suite 'gpu'; exits 77, i.e.
  * skipped, when no GPU is visible) and against tests/support/kernels_emulated.c (suite
@@ -21,6 +21,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/keyhash.h"
+#include "lib/checkpoint/checkpoint.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
 #include "tests/support/reference_table.h"
@@ -455,6 +457,93 @@ START_TEST(import_export_round_trip_bit_for_bit)
 }
 END_TEST
 
+/* ---- checkpoints ------------------------------------------------------------------------ */
+
+/* A checkpoint written from a GPU table (full, then a delta) loads on the CPU backend bit
+ * for bit, one written from the CPU table loads back onto the GPU, and a GPU server of
+ * a cluster of 2 loads only its buckets with another shard count. */
+START_TEST(checkpoints_move_between_gpu_and_cpu_bit_for_bit)
+{
+    char dir[256], cpu_dir[300];
+    em_test_make_dir("ember-gpu-checkpoint", dir, sizeof(dir));
+    snprintf(cpu_dir, sizeof(cpu_dir), "%s/from-cpu", dir);
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(16, 100000, 3, 3 /* adam */, EM_INIT_UNIFORM);
+    em_table *trained = em_test_make_table(gpu, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 21);
+    em_error err;
+    for (int round = 0; round < 4; round++) {
+        em_test_batch b = em_test_random_batch(&rng, 200, 4, 3000);
+        float *g = em_test_random_floats(&rng, b.csr.nnz * 16);
+        ck_assert_int_eq(em_test_push(trained, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+        free(g);
+        em_test_batch_free(&b);
+        if (round == 1) { /* the full checkpoint; the delta after two more rounds */
+            em_checkpoint_options options;
+            em_checkpoint_options_init(&options, dir);
+            options.track_changes = true;
+            em_checkpoint_info full;
+            ck_assert_msg(em_checkpoint_save(trained, &options, &full, &err) == EM_OK, "%s",
+                          err.message);
+        }
+    }
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.delta = true;
+    options.buffer_bytes = 1; /* several runs: the snapshot is read in pieces */
+    em_checkpoint_info delta;
+    ck_assert_msg(em_checkpoint_save(trained, &options, &delta, &err) == EM_OK, "%s",
+                  err.message);
+    ck_assert_str_eq(delta.kind, "delta");
+    em_test_snapshot on_gpu = em_test_snapshot_take(trained, 1000);
+
+    em_table *on_cpu = NULL;
+    ck_assert_msg(em_checkpoint_load(delta.path, cpu, NULL, NULL, &on_cpu, NULL, &err) == EM_OK,
+                  "%s", err.message);
+    em_test_assert_table_unchanged(on_cpu, &on_gpu);
+    em_checkpoint_options cpu_options;
+    em_checkpoint_options_init(&cpu_options, cpu_dir);
+    em_checkpoint_info from_cpu;
+    ck_assert_int_eq(em_checkpoint_save(on_cpu, &cpu_options, &from_cpu, &err), EM_OK);
+    em_table *back = NULL;
+    ck_assert_msg(em_checkpoint_load(from_cpu.path, gpu, NULL, NULL, &back, NULL, &err) == EM_OK,
+                  "%s", err.message);
+    em_test_assert_table_unchanged(back, &on_gpu);
+
+    /* server 1 of 2, 4 shards, on the GPU */
+    em_checkpoint_load_options owner = {.owner_index = 1, .owner_count = 2, .shards = 4};
+    const char *one[1] = {from_cpu.path};
+    em_table *part = NULL;
+    ck_assert_msg(em_checkpoint_load_sources(one, 1, gpu, NULL, &owner, &part, NULL, &err) ==
+                      EM_OK, "%s", err.message);
+    ck_assert_uint_eq(em_table_get_config(part)->shards, 4);
+    em_test_snapshot own = em_test_snapshot_take(part, 1000);
+    uint64_t expected = 0;
+    for (uint64_t r = 0, o = 0; r < on_gpu.count; r++) {
+        if (em_key_server(on_gpu.keys[r], 2) != 1)
+            continue;
+        expected++;
+        ck_assert_uint_lt(o, own.count);
+        ck_assert_uint_eq(own.keys[o], on_gpu.keys[r]);
+        ck_assert_mem_eq(own.values + o * own.width, on_gpu.values + r * on_gpu.width,
+                         own.width * sizeof(float));
+        o++;
+    }
+    ck_assert_uint_eq(own.count, expected);
+    em_test_snapshot_free(&own);
+    em_table_destroy(part);
+    em_table_destroy(back);
+    em_table_destroy(on_cpu);
+    em_test_snapshot_free(&on_gpu);
+    em_table_destroy(trained);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* ---- concurrency ------------------------------------------------------------------------ */
 
 #define RACE_KEYS 64
@@ -694,6 +783,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, hash_map_grows_at_load_0_9);
     tcase_add_test(tc, pool_exhaustion_fails_whole_and_table_keeps_working);
     tcase_add_test(tc, import_export_round_trip_bit_for_bit);
+    tcase_add_test(tc, checkpoints_move_between_gpu_and_cpu_bit_for_bit);
     tcase_add_test(tc, concurrent_pushes_lose_no_update);
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);

@@ -210,6 +210,10 @@ START_TEST(saved_tables_survive_kill_9)
     ck_assert_int_eq(em_client_load(client, "copy", path, false, NULL, &err), EM_OK);
     ck_assert_int_eq(em_client_load(client, "other", "/nonexistent", false, NULL, &err),
                      EM_NOT_FOUND);
+    ck_assert_int_eq(em_client_load(client, "other", "relative/dir", false, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "path 'relative/dir' is not an absolute path") != NULL,
+                  "%s", err.message);
     em_client_destroy(client);
     test_daemon_stop(daemon, SIGTERM, 10000);
     free(restored);

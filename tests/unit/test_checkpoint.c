@@ -978,6 +978,195 @@ START_TEST(cluster_parts_refuse_damaged_chunks)
 }
 END_TEST
 
+/* ---- access metadata ---------------------------------------------------------------- */
+
+/* Every row's key and access metadata, sorted by key (through a snapshot). */
+typedef struct keyed_access {
+    uint64_t key;
+    em_row_access access;
+} keyed_access;
+
+static int compare_keyed(const void *a, const void *b)
+{
+    uint64_t x = ((const keyed_access *)a)->key, y = ((const keyed_access *)b)->key;
+    return x < y ? -1 : x > y;
+}
+
+static uint64_t read_access(em_table *table, uint64_t **keys, em_row_access **access)
+{
+    em_table_snapshot *snapshot = NULL;
+    em_error err;
+    ck_assert_int_eq(em_table_snapshot_begin(table, 1 << 20, &snapshot, &err), EM_OK);
+    uint64_t total = em_table_snapshot_rows(snapshot), count = 1, got = 0;
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    uint64_t *k = malloc((total + 1) * sizeof(uint64_t));
+    em_row_access *a = malloc((total + 1) * sizeof(em_row_access));
+    float *values = malloc((total + 1) * stats.row_floats * sizeof(float));
+    while (count > 0) {
+        ck_assert_int_eq(em_table_snapshot_read(snapshot, 100, k + got,
+                                                values + got * stats.row_floats, a + got, &count,
+                                                &err), EM_OK);
+        got += count;
+    }
+    em_table_snapshot_end(snapshot);
+    ck_assert_uint_eq(got, total);
+    keyed_access *pairs = malloc((got + 1) * sizeof(*pairs));
+    for (uint64_t i = 0; i < got; i++)
+        pairs[i] = (keyed_access){.key = k[i], .access = a[i]};
+    qsort(pairs, got, sizeof(*pairs), compare_keyed);
+    for (uint64_t i = 0; i < got; i++) {
+        k[i] = pairs[i].key;
+        a[i] = pairs[i].access;
+    }
+    free(pairs);
+    free(values);
+    *keys = k;
+    *access = a;
+    return got;
+}
+
+/* A table whose eviction tracks access keeps each row's metadata (last access, last
+ * update, frequency) and the table's clocks across a save and a load, whole or as one
+ * server's buckets; through a delta chain, each row's metadata is that of the link
+ * holding the row. */
+START_TEST(access_metadata_and_clocks_survive_a_load)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_table_config config;
+    em_table_config_init(&config, "lru", 4, 100000);
+    config.shards = 3;
+    config.optimizer = em_test_optimizers[1];
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 8;
+    config.eviction.max_age_seconds = 3600;
+    em_table *table = em_test_make_table(backend, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_error err;
+    for (int round = 0; round < 6; round++) {
+        em_test_batch b = em_test_random_batch(&rng, 2000, 3, 60000);
+        float *g = em_test_random_floats(&rng, b.csr.nnz * 4);
+        ck_assert_int_eq(em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+        free(g);
+        em_test_batch_free(&b);
+        b = em_test_random_batch(&rng, 800, 3, 60000); /* pulls move access and frequency */
+        float *out = malloc(b.csr.nnz * 4 * sizeof(float) + 4);
+        ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err),
+                         EM_OK);
+        free(out);
+        em_test_batch_free(&b);
+    }
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    uint64_t *keys = NULL, *loaded_keys = NULL;
+    em_row_access *access = NULL, *loaded_access = NULL;
+    uint64_t rows = read_access(table, &keys, &access);
+    uint32_t frequent = 0;
+    for (uint64_t i = 0; i < rows; i++)
+        frequent += access[i].frequency > 1;
+    ck_assert_uint_gt(frequent, 0); /* the metadata is not trivially zero */
+    em_table_clocks before, after;
+    em_table_get_clocks(table, &before);
+    ck_assert_uint_gt(before.update_clock, 0);
+    ck_assert_uint_gt(before.samples, 0);
+
+    em_table *restored = NULL;
+    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err) ==
+                      EM_OK, "%s", err.message);
+    ck_assert_uint_eq(read_access(restored, &loaded_keys, &loaded_access), rows);
+    ck_assert_mem_eq(loaded_keys, keys, rows * sizeof(uint64_t));
+    ck_assert_mem_eq(loaded_access, access, rows * sizeof(em_row_access));
+    em_table_get_clocks(restored, &after);
+    ck_assert_uint_eq(after.access_clock, before.access_clock);
+    ck_assert_uint_eq(after.update_clock, before.update_clock);
+    ck_assert_uint_eq(after.samples, before.samples);
+    ck_assert_mem_eq(after.sample_ms, before.sample_ms, before.samples * sizeof(uint64_t));
+    ck_assert_mem_eq(after.sample_clock, before.sample_clock, before.samples * sizeof(uint32_t));
+    free(loaded_keys);
+    free(loaded_access);
+    em_table_destroy(restored);
+
+    /* one server's buckets: its rows' metadata */
+    const char *one[1] = {info.path};
+    em_checkpoint_load_options owner = {.owner_index = 1, .owner_count = 2};
+    ck_assert_int_eq(em_checkpoint_load_sources(one, 1, backend, NULL, &owner, &restored, NULL,
+                                                &err), EM_OK);
+    uint64_t part = read_access(restored, &loaded_keys, &loaded_access);
+    ck_assert_uint_gt(part, 0);
+    for (uint64_t i = 0, j = 0; i < part; i++) {
+        while (keys[j] != loaded_keys[i])
+            j++;
+        ck_assert_mem_eq(&loaded_access[i], &access[j], sizeof(em_row_access));
+    }
+    free(loaded_keys);
+    free(loaded_access);
+    em_table_destroy(restored);
+
+    /* a delta carries the metadata of the rows it holds (those whose values changed);
+     * the others keep their metadata as of the link that holds them */
+    em_test_snapshot at_full = em_test_snapshot_take(table, 1000);
+    options.track_changes = true;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    for (int round = 0; round < 2; round++) {
+        em_test_batch b = em_test_random_batch(&rng, 500, 2, 60000);
+        float *g = em_test_random_floats(&rng, b.csr.nnz * 4);
+        ck_assert_int_eq(em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+        free(g);
+        em_test_batch_free(&b);
+        b = em_test_random_batch(&rng, 2000, 3, 60000);
+        float *out = malloc(b.csr.nnz * 4 * sizeof(float) + 4);
+        ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err),
+                         EM_OK);
+        free(out);
+        em_test_batch_free(&b);
+    }
+    options.delta = true;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    ck_assert_str_eq(info.kind, "delta");
+    em_test_snapshot at_delta = em_test_snapshot_take(table, 1000);
+    uint64_t *now_keys = NULL;
+    em_row_access *now_access = NULL;
+    uint64_t now_rows = read_access(table, &now_keys, &now_access);
+    ck_assert_uint_eq(at_delta.count, now_rows);
+    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
+                     EM_OK);
+    ck_assert_uint_eq(read_access(restored, &loaded_keys, &loaded_access), now_rows);
+    uint32_t from_delta = 0, pulled_only = 0;
+    for (uint64_t i = 0, j = 0; i < now_rows; i++) { /* both sorted by key */
+        ck_assert_uint_eq(at_delta.keys[i], now_keys[i]);
+        while (j < rows && keys[j] < now_keys[i])
+            j++;
+        bool old = j < rows && keys[j] == now_keys[i]; /* in the full checkpoint */
+        bool changed = !old || memcmp(at_full.values + j * at_full.width,
+                                      at_delta.values + i * at_delta.width,
+                                      at_full.width * sizeof(float)) != 0;
+        const em_row_access *expected = changed ? &now_access[i] : &access[j];
+        from_delta += changed;
+        pulled_only += !changed && memcmp(&now_access[i], &access[j], sizeof(em_row_access)) != 0;
+        ck_assert_mem_eq(&loaded_access[i], expected, sizeof(em_row_access));
+    }
+    ck_assert_uint_gt(from_delta, 0);
+    ck_assert_uint_gt(pulled_only, 0); /* rows whose metadata only a full save would carry */
+    free(now_keys);
+    free(now_access);
+    free(loaded_keys);
+    free(loaded_access);
+    em_test_snapshot_free(&at_full);
+    em_test_snapshot_free(&at_delta);
+    em_table_destroy(restored);
+    free(keys);
+    free(access);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("checkpoint");
@@ -1008,6 +1197,7 @@ int main(void)
     tcase_set_timeout(cluster, 120);
     tcase_add_test(cluster, cluster_parts_load_the_buckets_each_server_owns);
     tcase_add_test(cluster, cluster_parts_refuse_damaged_chunks);
+    tcase_add_test(cluster, access_metadata_and_clocks_survive_a_load);
     suite_add_tcase(suite, cluster);
     suite_add_tcase(suite, deltas);
     return em_test_run(suite);

@@ -340,7 +340,7 @@ START_TEST(a_snapshot_sees_evicted_rows_as_they_were)
     float values[32 * 8];
     do {
         ck_assert_int_eq(em_table_snapshot_read(snapshot, 32 - total, keys + total,
-                                                values + total * before.width, &count, &err),
+                                                values + total * before.width, NULL, &count, &err),
                          EM_OK);
         total += count;
     } while (count > 0 && total < 32);
@@ -385,7 +385,7 @@ START_TEST(erase_removes_listed_keys_and_a_snapshot_still_sees_them)
     float values[16 * 16];
     do {
         ck_assert_int_eq(em_table_snapshot_read(snapshot, 16 - total, snap_keys + total,
-                                                values + total * before.width, &count, &err),
+                                                values + total * before.width, NULL, &count, &err),
                          EM_OK);
         total += count;
     } while (count > 0 && total < 16);

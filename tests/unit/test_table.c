@@ -915,7 +915,7 @@ START_TEST(snapshots_are_one_instant_while_pushes_run)
         float level = NAN;
         do {
             ck_assert_int_eq(em_table_snapshot_read(snapshot, 37, keys + total,
-                                                    values + total * SNAPSHOT_DIM, &count, &err),
+                                                    values + total * SNAPSHOT_DIM, NULL, &count, &err),
                              EM_OK);
             total += count;
             ck_assert_uint_le(total, SNAPSHOT_ROOM);
