@@ -14,6 +14,7 @@
 #define EM_CHUNK_MAGIC "EMBCHUNK"
 #define EM_INDEX_MAGIC "EMBINDEX"
 #define EM_TOMBSTONES_MAGIC "EMBTOMBS"
+#define EM_ADMISSION_MAGIC "EMBADMIT"
 
 /* A chunk of rows.emb: this header, then rows keys (u64), then rows x row_floats
  * floats (f32). */
@@ -58,5 +59,16 @@ typedef struct em_tombstones_header {
 } em_tombstones_header;
 
 _Static_assert(sizeof(em_tombstones_header) == 24, "tombstones header layout");
+
+/* admission.emb (format version 3, tables with counter admission only): this header, the
+ * sketch's counters (one byte each), then the XXH3-64 of all bytes before it. */
+typedef struct em_admission_header {
+    char magic[8];
+    uint32_t version;
+    uint32_t threshold;
+    uint64_t counters;
+} em_admission_header;
+
+_Static_assert(sizeof(em_admission_header) == 24, "admission header layout");
 
 #endif

@@ -47,6 +47,8 @@ typedef struct manifest {
     em_table_clocks clocks; /* with access: the table's clocks at its snapshot */
     uint32_t version;
     file_entry rows_file, index_file, tombstones_file;
+    file_entry admission_file; /* with has_admission */
+    bool has_admission;        /* counter admission's sketch in admission.emb (version 3) */
     uint64_t tombstones, table_rows;
     em__chain_link link;
 } manifest;
@@ -313,6 +315,9 @@ static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m,
         status = read_file_entry(files, dir, "index.emb", &m->index_file, err);
     if (status == EM_OK && m->version >= 2)
         status = read_file_entry(files, dir, "tombstones.emb", &m->tombstones_file, err);
+    m->has_admission = m->version >= 3 && m->config.admission.policy == EM_ADMISSION_COUNTER;
+    if (status == EM_OK && m->has_admission)
+        status = read_file_entry(files, dir, "admission.emb", &m->admission_file, err);
     if (status == EM_OK && m->version >= 2) {
         status = number_field(json, dir, "tombstones", &m->tombstones, err);
         if (status == EM_OK)
@@ -857,6 +862,41 @@ static em_status read_tombstones(reader *r, const char *dir, const manifest *m, 
     return status;
 }
 
+/* ---- admission.emb --------------------------------------------------------------------- */
+
+/* Reads a link's admission sketch, checks it, and merges it into table (NULL: verify). */
+static em_status read_admission(const char *dir, const manifest *m, em_table *table,
+                                em_error *err)
+{
+    if (!m->has_admission)
+        return EM_OK;
+    uint64_t counters = m->config.admission.counters;
+    size_t expected = sizeof(em_admission_header) + counters + sizeof(uint64_t);
+    char *data = NULL;
+    size_t size = 0;
+    em_status status = read_listing(dir, "admission.emb", expected, &m->admission_file, &data,
+                                    &size, err);
+    em_admission_header header;
+    if (status == EM_OK && size != expected)
+        status = data_loss(err, dir, "admission.emb",
+                           "%zu bytes for the %" PRIu64 " counters of the table's sketch", size,
+                           counters);
+    if (status == EM_OK) {
+        memcpy(&header, data, sizeof(header));
+        if (memcmp(header.magic, EM_ADMISSION_MAGIC, 8) != 0 || header.version != m->version ||
+            header.counters != counters)
+            status = data_loss(err, dir, "admission.emb",
+                               "its header does not match the manifest (%" PRIu64 " counters)",
+                               counters);
+    }
+    /* a table of another sketch size (a warm start into another config) starts afresh */
+    if (status == EM_OK && table != NULL && em_table_admission_bytes(table) == counters)
+        status = em_table_merge_admission(table, (const uint8_t *)data + sizeof(header),
+                                          counters, err);
+    free(data);
+    return status;
+}
+
 /* ---- the chain ------------------------------------------------------------------------- */
 
 /* A chain longer than this is refused (a delta's depth says how long it is). */
@@ -1248,6 +1288,12 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
                            "they hold %" PRIu64 " distinct keys", count, expected, restored);
     if (status == EM_OK && tracking)
         status = attach_base(table, &sources[0].links[0], &digests, err);
+    /* the admission sketches of the newest links, merged (each counter the largest); an
+     * older link's is checked only */
+    for (size_t s = 0; s < count; s++)
+        for (size_t i = 0; status == EM_OK && i < sources[s].count; i++)
+            status = read_admission(sources[s].links[i].dir, &sources[s].links[i].m,
+                                    i == 0 ? table : NULL, err);
     /* the clocks the rows' metadata counts in: the largest of the sources' */
     for (size_t s = 0; status == EM_OK && r.access && s < count; s++)
         if (sources[s].links[0].m.access)
@@ -1268,7 +1314,8 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
         info->rows = count > 1 || r.owner_count > 0 ? r.taken : m->rows;
         info->table_rows = count > 1 || r.owner_count > 0 ? restored : m->table_rows;
         info->chunks = m->chunks;
-        info->bytes = m->rows_file.bytes + m->index_file.bytes + m->tombstones_file.bytes;
+        info->bytes = m->rows_file.bytes + m->index_file.bytes + m->tombstones_file.bytes +
+                      (m->has_admission ? m->admission_file.bytes : 0);
         info->created_unix_ms = m->created_unix_ms;
         info->seconds = monotonic_seconds() - start;
     }

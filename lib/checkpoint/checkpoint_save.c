@@ -86,6 +86,8 @@ typedef struct save {
     uint64_t *keys;          /* staging, buffer_rows each */
     float *values;
     em_row_access *row_access; /* with access */
+    uint8_t *admission;      /* counter admission: the sketch at the snapshot */
+    uint64_t admission_bytes;
     run_out runs[2];         /* output buffers: chunks of one run each */
     unsigned char *out;      /* the one being filled (runs[filling].data) */
     int filling;
@@ -261,6 +263,10 @@ static em_status collect_tombstones(save *s, em_error *err)
 static em_status write_rows(save *s, em_error *err)
 {
     em_table_snapshot *snapshot = NULL;
+    /* the admission sketch just before the snapshot: copying it takes the table's
+     * exclusive lock, which must not wait on a push that waits for the snapshot reader */
+    if (s->admission_bytes > 0)
+        em_table_get_admission(s->table, s->admission);
     em_status status =
         em_table_snapshot_begin(s->table, s->options->copy_limit_bytes, &snapshot, err);
     if (status == EM_OK && s->access)
@@ -371,6 +377,19 @@ static em_status write_tombstones(save *s, uint64_t *bytes, uint64_t *checksum, 
                          checksum, err);
 }
 
+/* Counter admission's sketch, as of the snapshot: admission.emb. */
+static em_status write_admission(save *s, uint64_t *bytes, uint64_t *checksum, em_error *err)
+{
+    em_admission_header header = {
+        .version = EM_CHECKPOINT_FORMAT_VERSION,
+        .threshold = em_table_get_config(s->table)->admission.threshold,
+        .counters = s->admission_bytes,
+    };
+    memcpy(header.magic, EM_ADMISSION_MAGIC, 8);
+    return write_listing(s, "admission.emb", &header, sizeof(header), s->admission,
+                         s->admission_bytes, EM_SAVE_TOMBSTONES_WRITE, bytes, checksum, err);
+}
+
 static void add_file(cJSON *files, const char *name, uint64_t bytes, uint64_t checksum)
 {
     char hex[17];
@@ -384,6 +403,7 @@ static void add_file(cJSON *files, const char *name, uint64_t bytes, uint64_t ch
 
 typedef struct file_sums {
     uint64_t index_bytes, index_xxh3, tombstones_bytes, tombstones_xxh3;
+    uint64_t admission_bytes, admission_xxh3;
     uint64_t manifest_xxh3; /* out: its checksum line */
 } file_sums;
 
@@ -447,6 +467,8 @@ static em_status write_manifest(save *s, const em_checkpoint_info *info, file_su
     add_file(files, "rows.emb", s->file_bytes, XXH3_64bits_digest(s->file_hash));
     add_file(files, "index.emb", sums->index_bytes, sums->index_xxh3);
     add_file(files, "tombstones.emb", sums->tombstones_bytes, sums->tombstones_xxh3);
+    if (s->admission_bytes > 0)
+        add_file(files, "admission.emb", sums->admission_bytes, sums->admission_xxh3);
     char *text = cJSON_Print(manifest);
     cJSON_Delete(manifest);
     if (text == NULL)
@@ -640,6 +662,8 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
         status = write_index(s, &sums.index_bytes, &sums.index_xxh3, err);
     if (status == EM_OK)
         status = write_tombstones(s, &sums.tombstones_bytes, &sums.tombstones_xxh3, err);
+    if (status == EM_OK && s->admission_bytes > 0)
+        status = write_admission(s, &sums.admission_bytes, &sums.admission_xxh3, err);
     if (status == EM_OK)
         status = write_manifest(s, info, &sums, err);
     if (status == EM_OK)
@@ -650,7 +674,7 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
         status = em_save_fsync_dir(table_dir, EM_SAVE_TABLE_DIR_FSYNC, err);
     if (status == EM_OK)
         status = publish_latest(table_dir, info->id, err);
-    info->bytes = s->file_bytes + sums.index_bytes + sums.tombstones_bytes;
+    info->bytes = s->file_bytes + sums.index_bytes + sums.tombstones_bytes + sums.admission_bytes;
     info->manifest_xxh3 = sums.manifest_xxh3;
     info->rows = s->rows;
     info->tombstones = s->tombstone_count;
@@ -728,6 +752,9 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     s.values = malloc(s.buffer_rows * s.row_floats * sizeof(float));
     if (s.access)
         s.row_access = malloc(s.buffer_rows * sizeof(em_row_access));
+    s.admission_bytes = em_table_admission_bytes(table);
+    if (s.admission_bytes > 0)
+        s.admission = malloc(s.admission_bytes);
     s.runs[0].data = malloc(s.out_capacity);
     s.runs[1].data = malloc(s.out_capacity);
     s.out = s.runs[0].data;
@@ -745,7 +772,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
         s.next = calloc(1, sizeof(*s.next));
     if (s.keys == NULL || s.values == NULL || s.runs[0].data == NULL || s.runs[1].data == NULL ||
         s.file_hash == NULL || (tracking && s.next == NULL) ||
-        (s.access && s.row_access == NULL))
+        (s.access && s.row_access == NULL) || (s.admission_bytes > 0 && s.admission == NULL))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for buffers");
     else
         XXH3_64bits_reset(s.file_hash);
@@ -783,6 +810,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     free(s.keys);
     free(s.values);
     free(s.row_access);
+    free(s.admission);
     free(s.runs[0].data);
     free(s.runs[1].data);
     free(s.index);

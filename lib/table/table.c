@@ -769,3 +769,35 @@ em_status em_table_set_access(em_table *table, const uint64_t *keys, const em_ro
         return em_error_prefix(err, "access metadata of table '%s': ", table->config.name);
     return EM_OK;
 }
+
+/* ---- the admission sketch (checkpoints) ---------------------------------------------- */
+
+uint64_t em_table_admission_bytes(const em_table *table)
+{
+    return table->admission_counts != NULL ? table->config.admission.counters : 0;
+}
+
+void em_table_get_admission(em_table *table, uint8_t *out)
+{
+    if (table->admission_counts == NULL)
+        return;
+    pthread_rwlock_wrlock(&table->lock); /* sightings are counted under the exclusive lock */
+    memcpy(out, table->admission_counts, table->config.admission.counters);
+    pthread_rwlock_unlock(&table->lock);
+}
+
+em_status em_table_merge_admission(em_table *table, const uint8_t *counts, uint64_t bytes,
+                                   em_error *err)
+{
+    if (bytes != em_table_admission_bytes(table))
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "admission sketch of table '%s': %" PRIu64 " counters given, it has "
+                            "%" PRIu64, table->config.name, bytes,
+                            em_table_admission_bytes(table));
+    pthread_rwlock_wrlock(&table->lock);
+    for (uint64_t i = 0; i < bytes; i++)
+        if (counts[i] > table->admission_counts[i])
+            table->admission_counts[i] = counts[i];
+    pthread_rwlock_unlock(&table->lock);
+    return EM_OK;
+}

@@ -231,6 +231,20 @@ void em_table_set_clocks(em_table *table, const em_table_clocks *clocks);
 em_status em_table_set_access(em_table *table, const uint64_t *keys, const em_row_access *access,
                               uint64_t n, em_error *err);
 
+/* The counter admission's sketch (lib/table/table_config.h: admission): its bytes, 0 for a
+ * table with another admission policy. */
+uint64_t em_table_admission_bytes(const em_table *table);
+
+/* Copies the sketch as of now into out (em_table_admission_bytes bytes), holding the
+ * table for the copy. */
+void em_table_get_admission(em_table *table, uint8_t *out);
+
+/* Merges counts into the sketch, each counter the larger of the two (a load: the parts of
+ * a cluster checkpoint merge, each key seen at least as often as in its own part).
+ * Errors: INVALID_ARGUMENT when bytes is not the sketch's size. */
+em_status em_table_merge_admission(em_table *table, const uint8_t *counts, uint64_t bytes,
+                                   em_error *err);
+
 /* A point-in-time view of a table, read while the table keeps serving (checkpoints;
  * lib/table/table_snapshot.c). */
 typedef struct em_table_snapshot em_table_snapshot;

@@ -1167,6 +1167,70 @@ START_TEST(access_metadata_and_clocks_survive_a_load)
 }
 END_TEST
 
+/* Counter admission's sketch is saved with the rows and restored: a key seen twice
+ * before the save is stored on its third sighting after the load; a damaged sketch is
+ * refused naming admission.emb. */
+START_TEST(admission_sketches_survive_a_load)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_table_config config;
+    em_table_config_init(&config, "admit", 4, 10000);
+    config.optimizer = em_test_optimizers[0];
+    config.admission.policy = EM_ADMISSION_COUNTER;
+    config.admission.threshold = 3;
+    config.admission.counters = 4096;
+    em_table *table = em_test_make_table(backend, &config);
+    uint64_t keys[50];
+    uint32_t offsets[51];
+    for (uint32_t i = 0; i <= 50; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < 50; i++)
+        keys[i] = 1000 + i * 7;
+    em_csr csr = {.rows = 50, .nnz = 50, .offsets = offsets, .keys = keys};
+    float g[50 * 4];
+    for (int i = 0; i < 50 * 4; i++)
+        g[i] = 0.5f;
+    em_error err;
+    for (int sighting = 0; sighting < 2; sighting++) /* seen twice: not stored yet */
+        ck_assert_int_eq(em_test_push(table, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, 0);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    uint8_t *sketch = malloc(4096), *loaded_sketch = malloc(4096);
+    ck_assert_uint_eq(em_table_admission_bytes(table), 4096);
+    em_table_get_admission(table, sketch);
+
+    em_table *restored = NULL;
+    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err) ==
+                      EM_OK, "%s", err.message);
+    em_table_get_admission(restored, loaded_sketch);
+    ck_assert_mem_eq(loaded_sketch, sketch, 4096);
+    ck_assert_int_eq(em_test_push(restored, &csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    em_table_get_stats(restored, &stats);
+    ck_assert_uint_eq(stats.rows, 50); /* the third sighting */
+    em_table_destroy(restored);
+
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/admission.emb", info.path);
+    flip_byte(path, 100);
+    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
+                     EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, "admission.emb") != NULL &&
+                      strstr(err.message, "checksum mismatch") != NULL, "%s", err.message);
+    free(sketch);
+    free(loaded_sketch);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("checkpoint");
@@ -1198,6 +1262,7 @@ int main(void)
     tcase_add_test(cluster, cluster_parts_load_the_buckets_each_server_owns);
     tcase_add_test(cluster, cluster_parts_refuse_damaged_chunks);
     tcase_add_test(cluster, access_metadata_and_clocks_survive_a_load);
+    tcase_add_test(cluster, admission_sketches_survive_a_load);
     suite_add_tcase(suite, cluster);
     suite_add_tcase(suite, deltas);
     return em_test_run(suite);
