@@ -597,6 +597,22 @@ em_status em_client_finish(em_client *client, em_client_call *call, void *result
 
 /* Sends one request without attachment to the first server and waits for its answer;
  * on success *call holds the response (call_destroy when done). */
+/* Sends a framed call and waits for its answers: *call is it, or it is freed on an error. */
+static em_status send_and_wait(em_client *client, em_client_call *created, em_client_call **call,
+                               em_error *err)
+{
+    em_status status = call_send(client, created, err);
+    if (status != EM_OK)
+        return status;
+    status = call_wait(client, created, err);
+    if (status != EM_OK) {
+        call_destroy(client, created);
+        return status;
+    }
+    *call = created;
+    return EM_OK;
+}
+
 static em_status message_call(em_client *client, int method, const ProtobufCMessage *body,
                               em_client_call **call, em_error *err)
 {
@@ -614,16 +630,7 @@ static em_status message_call(em_client *client, int method, const ProtobufCMess
         call_destroy(client, created);
         return status;
     }
-    status = call_send(client, created, err);
-    if (status != EM_OK)
-        return status;
-    status = call_wait(client, created, err);
-    if (status != EM_OK) {
-        call_destroy(client, created);
-        return status;
-    }
-    *call = created;
-    return EM_OK;
+    return send_and_wait(client, created, call, err);
 }
 
 static const void *call_response(const em_client_call *call)
@@ -1120,16 +1127,7 @@ static em_status message_call_each(em_client *client, int method,
         call_destroy(client, created);
         return status;
     }
-    status = call_send(client, created, err);
-    if (status != EM_OK)
-        return status;
-    status = call_wait(client, created, err);
-    if (status != EM_OK) {
-        call_destroy(client, created);
-        return status;
-    }
-    *call = created;
-    return EM_OK;
+    return send_and_wait(client, created, call, err);
 }
 
 /* The record's entry for table, added when it has none yet. */

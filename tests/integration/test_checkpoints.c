@@ -22,17 +22,23 @@
 #define KEYS 20000u
 #define DIM 16u
 
-static em_client *client_for(const test_daemon *daemon)
+/* A client over one admin listener or a list of them (which take data calls too). */
+static em_client *client_over(const char *servers)
 {
     em_client_options options;
     em_client_options_init(&options);
-    options.servers = daemon->admin;
+    options.servers = servers;
     options.token = TEST_ADMIN_TOKEN;
     options.timeout_ms = 30000;
     em_client *client = NULL;
     em_error err;
     ck_assert_msg(em_client_create(&options, &client, &err) == EM_OK, "%s", err.message);
     return client;
+}
+
+static em_client *client_for(const test_daemon *daemon)
+{
+    return client_over(daemon->admin);
 }
 
 static char *overrides(const char *dir, bool on_shutdown)
@@ -480,15 +486,7 @@ static em_client *cluster_client(test_daemon *const *daemons, uint32_t count, ch
     for (uint32_t s = 0; s < count; s++)
         snprintf(list + strlen(list), capacity - strlen(list), "%s%s", s > 0 ? "," : "",
                  daemons[s]->admin);
-    em_client_options options;
-    em_client_options_init(&options);
-    options.servers = list;
-    options.token = TEST_ADMIN_TOKEN;
-    options.timeout_ms = 30000;
-    em_client *client = NULL;
-    em_error err;
-    ck_assert_msg(em_client_create(&options, &client, &err) == EM_OK, "%s", err.message);
-    return client;
+    return client_over(list);
 }
 
 /* emberctl saves 2 servers into a cluster checkpoint, verifies it offline, and restores

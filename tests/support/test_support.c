@@ -1,6 +1,7 @@
 #include "tests/support/test_support.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -122,4 +123,15 @@ void em_test_remove_tree(const char *path)
     }
     closedir(dir);
     rmdir(path);
+}
+
+void em_test_flip_byte(const char *path, long offset)
+{
+    int fd = open(path, O_RDWR);
+    ck_assert_int_ge(fd, 0);
+    unsigned char byte = 0;
+    ck_assert_int_eq(pread(fd, &byte, 1, offset), 1);
+    byte ^= 0x10;
+    ck_assert_int_eq(pwrite(fd, &byte, 1, offset), 1);
+    close(fd);
 }

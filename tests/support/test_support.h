@@ -41,4 +41,7 @@ void em_test_make_dir(const char *prefix, char *path, size_t capacity);
 /* Removes a directory tree (or a file), best effort. */
 void em_test_remove_tree(const char *path);
 
+/* Flips one bit (mask 0x10) of the byte at offset of the file at path: damage. */
+void em_test_flip_byte(const char *path, long offset);
+
 #endif

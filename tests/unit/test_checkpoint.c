@@ -268,17 +268,6 @@ static long file_size(const char *path)
     return stat(path, &st) == 0 ? (long)st.st_size : -1;
 }
 
-static void flip_byte(const char *path, long offset)
-{
-    int fd = open(path, O_RDWR);
-    ck_assert_int_ge(fd, 0);
-    unsigned char byte = 0;
-    ck_assert_int_eq(pread(fd, &byte, 1, offset), 1);
-    byte ^= 0x10;
-    ck_assert_int_eq(pwrite(fd, &byte, 1, offset), 1);
-    close(fd);
-}
-
 /* Damages one file of a copy of the checkpoint, in one of the ways below. */
 enum damage { FLIP_ROWS, FLIP_ROWS_HEADER, FLIP_INDEX, FLIP_MANIFEST, TRUNCATE_ROWS,
               EXTEND_ROWS, MISSING_INDEX, FOREIGN_ROWS, DAMAGE_COUNT };
@@ -295,16 +284,16 @@ static void damage(const char *checkpoint, enum damage how)
     long size = file_size(path);
     switch (how) {
     case FLIP_ROWS:
-        flip_byte(path, size / 2);
+        em_test_flip_byte(path, size / 2);
         break;
     case FLIP_ROWS_HEADER:
-        flip_byte(path, 20);
+        em_test_flip_byte(path, 20);
         break;
     case FLIP_INDEX:
-        flip_byte(path, 30);
+        em_test_flip_byte(path, 30);
         break;
     case FLIP_MANIFEST:
-        flip_byte(path, 40);
+        em_test_flip_byte(path, 40);
         break;
     case TRUNCATE_ROWS:
         ck_assert_int_eq(truncate(path, size - 100), 0);
@@ -672,7 +661,7 @@ START_TEST(broken_chains_are_refused_naming_the_file)
     }
     case CHAIN_TOMBSTONES:
         snprintf(path, sizeof(path), "%s/tombstones.emb", paths[1]);
-        flip_byte(path, 30);
+        em_test_flip_byte(path, 30);
         named = "tombstones.emb";
         break;
     case CHAIN_DAMAGE_COUNT:
@@ -954,7 +943,7 @@ START_TEST(cluster_parts_refuse_damaged_chunks)
     ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
     char rows_path[4400];
     snprintf(rows_path, sizeof(rows_path), "%s/rows.emb", info.path);
-    flip_byte(rows_path, file_size(rows_path) - 3); /* in the last chunk's payload */
+    em_test_flip_byte(rows_path, file_size(rows_path) - 3); /* in the last chunk's payload */
     const char *one[1] = {info.path};
     int refused = 0;
     for (uint32_t j = 0; j < 3; j++) {
@@ -1218,7 +1207,7 @@ START_TEST(admission_sketches_survive_a_load)
 
     char path[4400];
     snprintf(path, sizeof(path), "%s/admission.emb", info.path);
-    flip_byte(path, 100);
+    em_test_flip_byte(path, 100);
     ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
                      EM_DATA_LOSS);
     ck_assert_msg(strstr(err.message, "admission.emb") != NULL &&

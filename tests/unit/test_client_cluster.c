@@ -291,17 +291,6 @@ END_TEST
 
 /* ---- refusals ---------------------------------------------------------------------- */
 
-static void flip_byte(const char *path, long offset)
-{
-    int fd = open(path, O_RDWR);
-    ck_assert_int_ge(fd, 0);
-    unsigned char byte = 0;
-    ck_assert_int_eq(pread(fd, &byte, 1, offset), 1);
-    byte ^= 0x01;
-    ck_assert_int_eq(pwrite(fd, &byte, 1, offset), 1);
-    close(fd);
-}
-
 /* A relative dir, a damaged record, a record naming a part outside its dir, a table the
  * record lacks and a damaged part are refused, naming what is wrong; the servers' tables
  * stay as they were. */
@@ -335,11 +324,11 @@ START_TEST(damaged_cluster_checkpoints_are_refused)
     /* a flipped byte in the record */
     struct stat st;
     ck_assert_int_eq(stat(record_path, &st), 0);
-    flip_byte(record_path, 40);
+    em_test_flip_byte(record_path, 40);
     ck_assert_int_eq(em_client_cluster_load(two.admin, dir, "t", 0, NULL, &err), EM_DATA_LOSS);
     ck_assert_msg(strstr(err.message, "cluster.json") != NULL &&
                       strstr(err.message, "checksum mismatch") != NULL, "%s", err.message);
-    flip_byte(record_path, 40);
+    em_test_flip_byte(record_path, 40);
 
     /* a record (checksummed anew) whose part points outside its dir */
     cJSON *record = NULL;
