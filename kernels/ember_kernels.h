@@ -241,6 +241,8 @@ typedef struct em_gpu_map {
     em_gpu_slot *slots;
     uint64_t slot_count;
     em_gpu_map_header *header;
+    uint64_t seed; /* xor-ed into keys before hashing them for slots (EM_HASHMAP_SEED, or a
+                    * loaded table's own: em_table_create_seeded) */
 } em_gpu_map;
 
 /* Every slot to (EMPTY, ROW_NONE). */

@@ -318,9 +318,9 @@ EM_HOST_DEVICE void em_gpu_copy_repeats_element(const uint32_t *inverse,
 
 /* ---- hash map ------------------------------------------------------------------------- */
 
-EM_HOST_DEVICE uint64_t em_gpu_map_home(uint64_t key, uint64_t slot_count)
+EM_HOST_DEVICE uint64_t em_gpu_map_home(uint64_t key, uint64_t seed, uint64_t slot_count)
 {
-    return em_hash_scale(em_hashmap_hash(key), slot_count);
+    return em_hash_scale(em_mix64(key ^ seed), slot_count);
 }
 
 EM_HOST_DEVICE uint64_t em_gpu_map_next(uint64_t slot, uint64_t slot_count)
@@ -353,7 +353,7 @@ EM_HOST_DEVICE uint64_t em_gpu_map_lookup(em_gpu_map map, uint64_t key)
         uint64_t row = map.header->side_rows[side];
         return row == EM_GPU_ROW_PENDING ? EM_GPU_ROW_NONE : row;
     }
-    uint64_t slot = em_gpu_map_home(key, map.slot_count);
+    uint64_t slot = em_gpu_map_home(key, map.seed, map.slot_count);
     for (uint64_t probe = 0; probe < map.slot_count; probe++) {
         uint64_t held = map.slots[slot].key;
         if (held == key)
@@ -398,7 +398,7 @@ EM_HOST_DEVICE uint64_t em_gpu_map_insert_key(em_gpu_map map, uint64_t key, int 
     int side = em_gpu_side_index(key);
     if (side >= 0)
         return em_gpu_claim_side(map.header, side, inserted);
-    uint64_t slot = em_gpu_map_home(key, map.slot_count);
+    uint64_t slot = em_gpu_map_home(key, map.seed, map.slot_count);
     for (uint64_t probe = 0; probe < map.slot_count; probe++) {
         uint64_t held = em_gpu_load_u64(&map.slots[slot].key);
         if (held == EM_GPU_EMPTY_KEY) {
@@ -441,7 +441,7 @@ EM_HOST_DEVICE void em_gpu_map_rehash_item(const em_gpu_slot *old_slots, uint64_
     uint64_t key = old_slots[i].key;
     if (!em_gpu_slot_occupied(key))
         return;
-    uint64_t slot = em_gpu_map_home(key, map.slot_count);
+    uint64_t slot = em_gpu_map_home(key, map.seed, map.slot_count);
     for (uint64_t probe = 0; probe < map.slot_count; probe++) {
         if (em_gpu_atomic_cas_u64(&map.slots[slot].key, EM_GPU_EMPTY_KEY, key) ==
             EM_GPU_EMPTY_KEY) {

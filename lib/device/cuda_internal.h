@@ -75,6 +75,7 @@ typedef struct cuda_shard {
     /* hash map */
     em_gpu_slot *slots;
     uint64_t slot_count;
+    uint64_t hash_seed;    /* the map's seed (EM_HASHMAP_SEED unless the table has one) */
     em_gpu_map_header *header;
     uint64_t size;         /* keys stored (= rows handed out) */
     uint64_t side_rows[2]; /* rows of the keys EMPTY and TOMBSTONE, host copy */

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/keyhash.h"
+
 /* ---- shards: ordering between lanes ------------------------------------------------- */
 
 /* Before a write on lane: wait for the shard's last write and every read since. */
@@ -68,8 +70,10 @@ static em_status record_read(cuda_shard *shard, cuda_lane *lane, em_error *err)
 
 static em_gpu_map map_view(const cuda_shard *shard)
 {
-    return (em_gpu_map){
-        .slots = shard->slots, .slot_count = shard->slot_count, .header = shard->header};
+    return (em_gpu_map){.slots = shard->slots,
+                        .slot_count = shard->slot_count,
+                        .header = shard->header,
+                        .seed = shard->hash_seed};
 }
 
 static em_gpu_storage storage_view(const cuda_shard *shard)
@@ -114,7 +118,8 @@ static em_status rehash_map(cuda_shard *shard, cuda_lane *lane, uint64_t slot_co
                                        (void **)&slots, err);
     if (status != EM_OK)
         return status;
-    em_gpu_map grown = {.slots = slots, .slot_count = slot_count, .header = shard->header};
+    em_gpu_map grown = {
+        .slots = slots, .slot_count = slot_count, .header = shard->header, .seed = shard->hash_seed};
     status = lane_check(lane, em_gpu_map_clear(lane->stream, slots, slot_count), err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_map_rehash(lane->stream, shard->slots, shard->slot_count,
@@ -302,6 +307,9 @@ em_status em__cuda_shard_create(em_device *device, const em_shard_spec *spec, em
     shard->index = spec->index;
     shard->optimizer = spec->optimizer;
     shard->initializer = spec->initializer;
+    /* a loaded table's map hashes with a seed of its own: its rows arrive in the saved
+     * map's order, which would crowd the home slots of a map with the same seed */
+    shard->hash_seed = spec->hash_seed != 0 ? spec->hash_seed : EM_HASHMAP_SEED;
     set_row_geometry(shard, spec);
     pthread_mutex_init(&shard->order_lock, NULL);
     em_status status = create_shard_events(shard, err);

@@ -585,6 +585,48 @@ START_TEST(map_full_sets_overflow_instead_of_looping)
 }
 END_TEST
 
+/* A map's seed sets its home slots: keys inserted in the slot order of one seed's map
+ * (as a loaded checkpoint's rows arrive) into a map with another seed go to other
+ * homes, are all found, and probe runs stay short at load 0.5. */
+START_TEST(map_seed_sets_the_home_slots)
+{
+    enum { SLOTS = 4096, KEYS = 2048 };
+    em_gpu_slot *saved = malloc(SLOTS * sizeof(em_gpu_slot));
+    em_gpu_slot *loaded = malloc(SLOTS * sizeof(em_gpu_slot));
+    memset(saved, 0xff, SLOTS * sizeof(em_gpu_slot));
+    memset(loaded, 0xff, SLOTS * sizeof(em_gpu_slot));
+    em_gpu_map_header a = {.side_rows = {EM_GPU_ROW_NONE, EM_GPU_ROW_NONE}};
+    em_gpu_map_header b = a;
+    em_gpu_map first = {.slots = saved, .slot_count = SLOTS, .header = &a,
+                        .seed = EM_HASHMAP_SEED};
+    em_gpu_map second = {.slots = loaded, .slot_count = SLOTS, .header = &b,
+                         .seed = em_mix64(42) | 1u};
+    int fresh = 0;
+    for (uint64_t key = 1; key <= KEYS; key++)
+        em_gpu_map_insert_key(first, key * 0x9e3779b97f4a7c15ull, &fresh);
+    /* the keys again, in the first map's slot order, into the second */
+    for (uint64_t slot = 0; slot < SLOTS; slot++)
+        if (saved[slot].key != EM_GPU_EMPTY_KEY)
+            em_gpu_map_insert_key(second, saved[slot].key, &fresh);
+    ck_assert_uint_eq(b.rows, KEYS);
+    uint64_t moved = 0, longest = 0;
+    for (uint64_t key = 1; key <= KEYS; key++) {
+        uint64_t k = key * 0x9e3779b97f4a7c15ull;
+        ck_assert_uint_ne(em_gpu_map_lookup(second, k), EM_GPU_ROW_NONE);
+        uint64_t home = em_gpu_map_home(k, second.seed, SLOTS);
+        moved += home != em_gpu_map_home(k, first.seed, SLOTS);
+        uint64_t probe = 0;
+        for (uint64_t slot = home; loaded[slot].key != k; slot = em_gpu_map_next(slot, SLOTS))
+            probe++;
+        longest = probe > longest ? probe : longest;
+    }
+    ck_assert_uint_gt(moved, KEYS * 9 / 10);
+    ck_assert_uint_lt(longest, 64); /* load 0.5: short runs */
+    free(saved);
+    free(loaded);
+}
+END_TEST
+
 /* ---- unique claims under concurrency ------------------------------------------------------ */
 
 #define CLAIM_THREADS 6
@@ -703,6 +745,7 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, gather_by_quads_equals_gather_by_elements);
     tcase_add_test(tc, map_claims_give_every_key_one_row_under_threads);
     tcase_add_test(tc, map_full_sets_overflow_instead_of_looping);
+    tcase_add_test(tc, map_seed_sets_the_home_slots);
     tcase_add_test(tc, unique_claims_keep_first_positions_under_threads);
     tcase_add_test(tc, insert_without_reserve_is_reported);
     suite_add_tcase(suite, tc);
