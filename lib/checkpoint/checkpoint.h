@@ -174,8 +174,9 @@ em_status em_checkpoint_latest(const char *dir, const char *table, char *path, s
 em_status em_checkpoint_tables(const char *dir, char ***names, size_t *count, em_error *err);
 void em_checkpoint_free_names(char **names, size_t count);
 
-/* The complete checkpoints of a table under dir, oldest first (ids, kinds and parents
- * from their manifests: kind "?" for one whose manifest does not read), in a malloc'ed
+/* The complete checkpoints of a table under dir, oldest first, with the figures of their
+ * manifests (each manifest read and checked by its checksum line; kind "?" for one that
+ * does not read; the data files are not read: em_checkpoint_verify), in a malloc'ed
  * array. */
 em_status em_checkpoint_list(const char *dir, const char *table, em_checkpoint_info **infos,
                              size_t *count, em_error *err);

@@ -1518,17 +1518,33 @@ em_status em_checkpoint_list(const char *dir, const char *table, em_checkpoint_i
     closedir(d);
     if (*count > 1)
         qsort(*infos, *count, sizeof(**infos), compare_infos);
-    for (size_t i = 0; i < *count; i++) {
+    manifest *m = malloc(sizeof(*m));
+    if (m == NULL) {
+        free(*infos);
+        *infos = NULL;
+        *count = 0;
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    }
+    for (size_t i = 0; i < *count; i++) { /* each manifest's figures, checked by its checksum */
         em_checkpoint_info *info = &(*infos)[i];
-        em__chain_link link;
         em_error ignored;
-        if (em__checkpoint_read_link(info->path, &link, &ignored) != EM_OK) {
+        memset(m, 0, sizeof(*m));
+        if (read_manifest(info->path, m, &ignored) != EM_OK) {
             snprintf(info->kind, sizeof(info->kind), "?");
             continue;
         }
-        snprintf(info->kind, sizeof(info->kind), "%s", link.delta ? "delta" : "full");
-        snprintf(info->parent, sizeof(info->parent), "%s", link.parent_id);
-        info->depth = link.depth;
+        snprintf(info->kind, sizeof(info->kind), "%s", m->link.delta ? "delta" : "full");
+        snprintf(info->parent, sizeof(info->parent), "%s", m->link.parent_id);
+        info->depth = m->link.depth;
+        info->rows = m->rows;
+        info->tombstones = m->tombstones;
+        info->table_rows = m->table_rows;
+        info->chunks = m->chunks;
+        info->created_unix_ms = m->created_unix_ms;
+        info->manifest_xxh3 = m->link.manifest_xxh3;
+        info->bytes = m->rows_file.bytes + m->index_file.bytes + m->tombstones_file.bytes +
+                      (m->has_admission ? m->admission_file.bytes : 0);
     }
+    free(m);
     return EM_OK;
 }

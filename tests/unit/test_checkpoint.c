@@ -1220,6 +1220,47 @@ START_TEST(admission_sketches_survive_a_load)
 }
 END_TEST
 
+/* A list gives each checkpoint's figures from its manifest without reading the data:
+ * a damaged rows.emb still lists (verify refuses it), a damaged manifest lists as "?". */
+START_TEST(lists_read_manifests_only)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 3, 8, 500, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info first, second, verified;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &second, &err), EM_OK);
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/rows.emb", second.path);
+    em_test_flip_byte(path, 100);
+    snprintf(path, sizeof(path), "%s/manifest.json", first.path);
+    em_test_flip_byte(path, 30);
+    em_checkpoint_info *list = NULL;
+    size_t count = 0;
+    ck_assert_int_eq(em_checkpoint_list(dir, "t", &list, &count, &err), EM_OK);
+    ck_assert_uint_eq(count, 2);
+    ck_assert_str_eq(list[0].kind, "?");
+    ck_assert_str_eq(list[1].kind, "full");
+    ck_assert_uint_eq(list[1].rows, second.rows);
+    ck_assert_uint_eq(list[1].table_rows, second.table_rows);
+    ck_assert_uint_eq(list[1].bytes, second.bytes);
+    ck_assert_uint_eq(list[1].chunks, second.chunks);
+    ck_assert_uint_eq(list[1].manifest_xxh3, second.manifest_xxh3);
+    free(list);
+    ck_assert_int_eq(em_checkpoint_verify(second.path, &verified, &err), EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, "rows.emb") != NULL, "%s", err.message);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("checkpoint");
@@ -1229,6 +1270,7 @@ int main(void)
     tcase_add_test(round_trip, empty_tables_round_trip);
     tcase_add_test(round_trip, weights_load_into_another_optimizer);
     tcase_add_test(round_trip, saves_keep_the_newest);
+    tcase_add_test(round_trip, lists_read_manifests_only);
     tcase_add_test(round_trip, version_1_checkpoints_still_load);
     suite_add_tcase(suite, round_trip);
     TCase *damaged = tcase_create("damaged");
