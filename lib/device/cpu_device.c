@@ -775,93 +775,128 @@ static em_status cpu_shard_write_access(em_shard *base, em_lane *lane, const uin
     return EM_OK;
 }
 
-static bool row_kept(const em_evict_spec *spec, uint64_t row)
-{
-    uint64_t low = 0, high = spec->kept_count;
-    while (low < high) {
-        uint64_t middle = low + (high - low) / 2;
-        if (spec->kept[middle] < row)
-            low = middle + 1;
-        else
-            high = middle;
-    }
-    return low < spec->kept_count && spec->kept[low] == row;
-}
-
 /* Pushes of the table since the row's last push or its creation. */
 static uint32_t update_age(uint32_t update_clock, const em_row_access *access)
 {
     return update_clock - access->updated;
 }
 
-/* Whether row a should go before row b under the policy. */
-static bool goes_first(const em_evict_spec *spec, const em_row_access *a, const em_row_access *b)
-{
-    switch ((em_eviction_policy)spec->policy) {
-    case EM_EVICTION_LFU:
-        if (a->frequency != b->frequency)
-            return a->frequency < b->frequency;
-        break;
-    case EM_EVICTION_AGE: {
-        uint32_t age_a = update_age(spec->update_clock, a);
-        uint32_t age_b = update_age(spec->update_clock, b);
-        if (age_a != age_b)
-            return age_a > age_b;
-        break;
-    }
-    case EM_EVICTION_LRU:
-    case EM_EVICTION_NONE:
-        break;
-    }
-    return a->accessed < b->accessed;
-}
-
-/* Rows chosen by one eviction call so far: an open-addressing set (rows are never
- * EM_ROW_NONE), so later samples pass over them until they are erased together. */
-typedef struct chosen_rows {
+/* A set of rows (the request's own, which eviction must keep): open addressing over a
+ * power-of-two array at most half full; rows are never EM_ROW_NONE. */
+typedef struct row_set {
     uint64_t *slots;
     uint64_t mask;
-} chosen_rows;
+} row_set;
 
-static bool chosen_has(const chosen_rows *chosen, uint64_t row)
+static em_status row_set_make(row_set *set, const uint64_t *rows, uint64_t n, em_error *err)
 {
-    for (uint64_t slot = em_mix64(row) & chosen->mask;; slot = (slot + 1) & chosen->mask) {
-        if (chosen->slots[slot] == row)
+    uint64_t slots = power_of_two_at_least(2 * n + 2);
+    set->slots = malloc(slots * sizeof(uint64_t));
+    set->mask = slots - 1;
+    if (set->slots == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    memset(set->slots, 0xff, slots * sizeof(uint64_t));
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t slot = em_mix64(rows[i]) & set->mask;
+        while (set->slots[slot] != EM_ROW_NONE && set->slots[slot] != rows[i])
+            slot = (slot + 1) & set->mask;
+        set->slots[slot] = rows[i];
+    }
+    return EM_OK;
+}
+
+static bool row_set_has(const row_set *set, uint64_t row)
+{
+    for (uint64_t slot = em_mix64(row) & set->mask;; slot = (slot + 1) & set->mask) {
+        if (set->slots[slot] == row)
             return true;
-        if (chosen->slots[slot] == EM_ROW_NONE)
+        if (set->slots[slot] == EM_ROW_NONE)
             return false;
     }
 }
 
-static void chosen_add(chosen_rows *chosen, uint64_t row)
+/* A row that may leave, with what the policy orders it by: the smaller rank goes
+ * first. */
+typedef struct candidate {
+    unsigned __int128 rank;
+    uint64_t row;
+    uint64_t key;
+} candidate;
+
+/* lru: the oldest last access; lfu: the fewest accesses, then the oldest last access;
+ * age: the most pushes since the last push or creation, then the oldest last access. */
+static candidate candidate_of(const em_evict_spec *spec, const em_row_access *access,
+                              uint64_t key, uint64_t row)
 {
-    uint64_t slot = em_mix64(row) & chosen->mask;
-    while (chosen->slots[slot] != EM_ROW_NONE)
-        slot = (slot + 1) & chosen->mask;
-    chosen->slots[slot] = row;
+    uint64_t first = 0;
+    if (spec->policy == EM_EVICTION_LFU)
+        first = access->frequency;
+    else if (spec->policy == EM_EVICTION_AGE)
+        first = UINT32_MAX - update_age(spec->update_clock, access);
+    return (candidate){
+        .rank = (unsigned __int128)first << 64 | access->accessed,
+        .row = row,
+        .key = key,
+    };
 }
 
-/* The policy's first victim among the n map entries whose rows are neither kept nor
- * chosen already; its index, or n when there is none. */
-static uint64_t pick_victim(const cpu_shard *shard, const em_evict_spec *spec,
-                            const chosen_rows *chosen, const uint64_t *rows, uint64_t n)
+static bool goes_first(const candidate *a, const candidate *b)
 {
-    for (uint64_t i = 0; i < n; i++)
-        __builtin_prefetch(row_access(shard, rows[i]), 0);
-    uint64_t best = n;
-    for (uint64_t i = 0; i < n; i++) {
-        if (row_kept(spec, rows[i]) || chosen_has(chosen, rows[i]))
-            continue;
-        if (best == n ||
-            goes_first(spec, row_access(shard, rows[i]), row_access(shard, rows[best])))
-            best = i;
+    return a->rank < b->rank;
+}
+
+static void swap_candidates(candidate *a, candidate *b)
+{
+    candidate t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Reorders c[0..n) so that its k first by the policy come first: quickselect with a
+ * median-of-three pivot and a three-way partition, since many rows share a rank (every
+ * row of one request has the same last access). Which of equal ranks make the k
+ * depends on the input order only, which the map's walk fixes. */
+static void keep_first(candidate *c, uint64_t n, uint64_t k)
+{
+    uint64_t low = 0, high = n; /* the k-th lies in [low, high) */
+    while (k > low && k < high && high - low > 1) {
+        uint64_t middle = low + (high - low) / 2, last = high - 1;
+        if (goes_first(&c[middle], &c[low]))
+            swap_candidates(&c[middle], &c[low]);
+        if (goes_first(&c[last], &c[low]))
+            swap_candidates(&c[last], &c[low]);
+        if (goes_first(&c[last], &c[middle]))
+            swap_candidates(&c[last], &c[middle]);
+        candidate pivot = c[middle];
+        /* [low, before) go first, [before, i) equal the pivot, [after, high) go after */
+        uint64_t before = low, i = low, after = high;
+        while (i < after) {
+            if (goes_first(&c[i], &pivot))
+                swap_candidates(&c[i++], &c[before++]);
+            else if (goes_first(&pivot, &c[i]))
+                swap_candidates(&c[i], &c[--after]);
+            else
+                i++;
+        }
+        if (k <= before)
+            high = before;
+        else if (k >= after)
+            low = after;
+        else
+            return; /* the k-th is among the equal ones */
     }
-    return best;
 }
 
-/* Tries of a sample before a full scan finds a row that is neither kept nor chosen. */
-#define EVICT_SAMPLE_TRIES 8
+/* Map entries read from the walk at a time. */
+#define EVICT_WALK_BLOCK ((uint64_t)4096)
 
+/* How far ahead the walk prefetches a candidate's access metadata. */
+#define EVICT_PREFETCH ((uint64_t)16)
+
+/* The policy's first spec->count rows among count x candidates consecutive map entries
+ * (lib/table/table_config.h), leaving out the request's own rows; the walk goes on past
+ * those entries while fewer than count of them may leave, and around the whole map at
+ * most. */
 static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_spec *spec,
                                  uint64_t *keys, uint64_t *rows, em_error *err)
 {
@@ -869,50 +904,71 @@ static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_s
     cpu_shard *shard = cpu_shard_of(base);
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
-    uint64_t width = spec->candidates > 0 ? spec->candidates : 1;
-    uint64_t set_slots = power_of_two_at_least(2 * spec->count + 2);
-    uint64_t *sample_keys = malloc(width * sizeof(uint64_t));
-    uint64_t *sample_rows = malloc(width * sizeof(uint64_t));
-    chosen_rows chosen = {.slots = malloc(set_slots * sizeof(uint64_t)), .mask = set_slots - 1};
-    if (sample_keys == NULL || sample_rows == NULL || chosen.slots == NULL) {
-        free(sample_keys);
-        free(sample_rows);
-        free(chosen.slots);
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    uint64_t per_row = spec->candidates > 0 ? spec->candidates : 1;
+    uint64_t window = spec->count > UINT64_MAX / per_row ? UINT64_MAX : spec->count * per_row;
+    /* the pool holds the best count so far and up to three times as many more before it
+     * is cut back to count: cuts cost about their size, so they stay a small multiple of
+     * the entries walked */
+    uint64_t room = spec->count + (spec->count > EVICT_WALK_BLOCK / 3 ? 3 * spec->count
+                                                                      : EVICT_WALK_BLOCK);
+    row_set kept = {0};
+    em_status status = row_set_make(&kept, spec->kept, spec->kept_count, err);
+    candidate *pool = malloc(room * sizeof(candidate));
+    uint64_t *walk_keys = malloc(EVICT_WALK_BLOCK * sizeof(uint64_t));
+    uint64_t *walk_rows = malloc(EVICT_WALK_BLOCK * sizeof(uint64_t));
+    if (status == EM_OK && (pool == NULL || walk_keys == NULL || walk_rows == NULL))
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    uint64_t seen = 0, have = 0;
+    /* once the pool was cut to the best count, a candidate that does not go before the
+     * last of them (bar) cannot be among the final count */
+    candidate bar = {0};
+    bool barred = false;
+    em_hashmap_walk walk;
+    em_hashmap_walk_begin(shard->map, spec->random, &walk);
+    while (status == EM_OK && (seen < window || have < spec->count)) {
+        uint64_t want = seen < window && window - seen < EVICT_WALK_BLOCK ? window - seen
+                                                                           : EVICT_WALK_BLOCK;
+        uint64_t got = em_hashmap_walk_next(shard->map, &walk, walk_keys, walk_rows, want);
+        if (got == 0)
+            break; /* every entry seen */
+        seen += got;
+        if (have + got > room) { /* keep the best count so far, make room for the block */
+            keep_first(pool, have, spec->count);
+            have = spec->count;
+            bar = pool[0];
+            for (uint64_t i = 1; i < have; i++)
+                if (goes_first(&bar, &pool[i]))
+                    bar = pool[i];
+            barred = true;
+        }
+        for (uint64_t i = 0; i < got; i++) {
+            if (i + EVICT_PREFETCH < got)
+                __builtin_prefetch(row_access(shard, walk_rows[i + EVICT_PREFETCH]), 0);
+            if (row_set_has(&kept, walk_rows[i]))
+                continue;
+            candidate c = candidate_of(spec, row_access(shard, walk_rows[i]), walk_keys[i],
+                                       walk_rows[i]);
+            if (!barred || goes_first(&c, &bar))
+                pool[have++] = c;
+        }
     }
-    memset(chosen.slots, 0xff, set_slots * sizeof(uint64_t));
-    em_status status = EM_OK;
-    uint64_t random = spec->random;
-    for (uint64_t v = 0; v < spec->count; v++) {
-        uint64_t chosen_index = width, got = 0;
-        for (int attempt = 0; attempt < EVICT_SAMPLE_TRIES && chosen_index >= got; attempt++) {
-            random = em_mix64(random + 0x9e3779b97f4a7c15ull);
-            got = em_hashmap_sample(shard->map, random, sample_keys, sample_rows, width);
-            chosen_index = pick_victim(shard, spec, &chosen, sample_rows, got);
+    if (status == EM_OK && have < spec->count)
+        status = em_error_set(err, EM_INTERNAL,
+                              "eviction found only %" PRIu64 " of %" PRIu64
+                              " rows outside the request",
+                              have, spec->count);
+    if (status == EM_OK) {
+        keep_first(pool, have, spec->count);
+        for (uint64_t v = 0; v < spec->count; v++) {
+            keys[v] = pool[v].key;
+            rows[v] = pool[v].row;
         }
-        /* every sample was kept or chosen rows: walk the whole map for one that is not */
-        for (uint64_t cursor = 0; chosen_index >= got;) {
-            got = em_hashmap_export(shard->map, &cursor, sample_keys, sample_rows, width);
-            if (got == 0)
-                break;
-            chosen_index = pick_victim(shard, spec, &chosen, sample_rows, got);
-        }
-        if (chosen_index >= got) {
-            status = em_error_set(err, EM_INTERNAL,
-                                  "eviction found only %" PRIu64 " of %" PRIu64
-                                  " rows outside the request",
-                                  v, spec->count);
-            break;
-        }
-        keys[v] = sample_keys[chosen_index];
-        rows[v] = sample_rows[chosen_index];
-        chosen_add(&chosen, rows[v]);
+        em_hashmap_erase_exclusive(shard->map, keys, spec->count, NULL);
     }
-    if (status == EM_OK)
-        em_hashmap_erase(shard->map, keys, spec->count, NULL);
-    free(sample_keys);
-    free(sample_rows);
-    free(chosen.slots);
+    free(kept.slots);
+    free(pool);
+    free(walk_keys);
+    free(walk_rows);
     return status;
 }
 

@@ -241,7 +241,9 @@ typedef struct em_device_ops {
     /* Removes spec->count keys chosen by spec's policy, none of whose rows is in
      * spec->kept, and writes their keys and rows to host memory (count each); the rows'
      * values stay as they were until a later insert reuses them. The caller has checked
-     * that the shard holds that many rows outside kept. Under the shard's write lock. */
+     * that the shard holds that many rows outside kept. Under the shard's write lock
+     * and the table's exclusive lock: nothing else uses the shard, so its index may
+     * move entries (em_hashmap_erase_exclusive). */
     em_status (*shard_evict)(em_shard *shard, em_lane *lane, const em_evict_spec *spec,
                              uint64_t *keys, uint64_t *rows, em_error *err);
     /* Removes the keys whose rows[i] is not EM_ROW_NONE (distinct keys with their rows

@@ -25,11 +25,11 @@ typedef struct em_row_access {
 /* What shard_evict removes and how it chooses (lib/table/table_config.h: eviction). */
 typedef struct em_evict_spec {
     int policy;            /* em_eviction_policy: LRU, LFU or AGE */
-    uint32_t candidates;   /* map entries compared per row removed */
+    uint32_t candidates;   /* map entries compared per row removed (table_config.h) */
     uint64_t count;        /* rows to remove */
     uint32_t update_clock; /* the table's push clock now, modulo 2^32 (AGE) */
     uint64_t random;       /* a pseudo-random number: where sampling starts */
-    const uint64_t *kept;  /* rows that must stay (the request's own): sorted, host memory */
+    const uint64_t *kept;  /* rows that must stay (the request's own): host memory */
     uint64_t kept_count;
 } em_evict_spec;
 

@@ -30,6 +30,13 @@
  * second insert of the same key that passed that slot a moment before and claims an
  * EMPTY slot further on, leaving the key twice. Tombstones go at the next rehash.
  *
+ * Exclusive erase. A caller that holds the map alone may erase by backward shift
+ * instead: the erased slot becomes a hole, and each key further along the run (up to
+ * the next EMPTY slot) whose probe sequence passes the hole moves back into it, its old
+ * slot becoming the hole; the last hole goes EMPTY. Every key then still meets no EMPTY
+ * slot between its home and itself. Tombstones met in the run stay where they are (they
+ * are not keys, and probes pass over them as before).
+ *
  * Memory orders. Keys are loaded and CASed relaxed: a key only says which slot belongs
  * to it, and a slot's value is the one thing published through it (release store,
  * acquire loads). The array and every plain field of the map are published by the
@@ -48,9 +55,10 @@
  * Growth. A batch holds the rwlock shared for the whole call. An insert that finds no
  * room drops its hold, takes the lock exclusively, checks the room again (another
  * thread may have grown meanwhile), and rehashes into a new array without tombstones:
- * twice the slots, or the same count when tombstones are at least half the used slots
- * (an insert/erase churn would otherwise double the map for nothing), doubled further
- * until the request fits. The new array is allocated before anything changes, so a
+ * the same count when the live keys fill at most three quarters of the budget (an
+ * insert/erase churn at a steady size must not double the map, and a quarter of the
+ * budget left over spreads the rehash over that many inserts), else twice the slots,
+ * doubled further until the request fits. The new array is allocated before anything changes, so a
  * failed growth leaves the map as it was. The batch then takes the shared hold again
  * and goes on with the key it was on. The lock prefers writers where the C library
  * allows it, so a stream of find batches cannot starve a growth.
@@ -60,10 +68,15 @@
  * erase protocol as a slot. They use no slot, so they do not count in the load.
  *
  * Rows. A new key takes a row released by an erase (a mutex-protected stack; an atomic
- * count lets inserts skip the mutex while it is empty), else next_row++. The stack
- * grows on erase, which has no way to report an error: if that growth fails the row is
- * simply not recycled. It stays below row_limit, so row storage still covers it; the
- * cost is one unused row.
+ * count lets inserts skip the mutex while it is empty), else next_row++. Batch calls
+ * move released rows in batches of ROW_BATCH, one lock each: an insert batch pops up to
+ * that many at its first new key and gives back what it did not use when it ends, an
+ * erase batch pushes its rows as they gather. One call at a time takes the rows in
+ * exactly the stack's order; while a batch holds popped rows, a concurrent insert may
+ * find the stack empty and take a new row, so row_limit can exceed the keys by up to
+ * ROW_BATCH rows per inserting thread. The stack grows on erase, which has no way to
+ * report an error: if that growth fails the rows are simply not recycled. They stay
+ * below row_limit, so row storage still covers them; the cost is unused rows.
  */
 #include "lib/memory/hashmap.h"
 
@@ -73,6 +86,7 @@
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/keyhash.h"
 
@@ -105,6 +119,9 @@
 
 /* Capacity of the released-row stack when it first grows. */
 #define FREE_ROWS_INITIAL 64
+
+/* Released rows a batch call takes from, or gives back to, the free stack at once. */
+#define ROW_BATCH 64
 
 #define CACHE_LINE 64
 
@@ -247,15 +264,15 @@ static uint64_t rehash_into(em_hashmap *map, slot *fresh, size_t slot_count)
 }
 
 /* Slot count for a rehash that makes room for needed more keys: the same count when
- * tombstones are at least half the used slots and dropping them is enough, else twice
- * the count, doubled on until the keys fit. 0 when no size_t can say it. */
-static size_t grown_slot_count(const em_hashmap *map, uint64_t live, uint64_t tombstones,
-                               uint64_t needed)
+ * the live keys and the needed ones fill at most three quarters of the budget, so that
+ * dropping the tombstones leaves a quarter of it for the next ones, else twice the
+ * count, doubled on until the keys fit. 0 when no size_t can say it. */
+static size_t grown_slot_count(const em_hashmap *map, uint64_t live, uint64_t needed)
 {
     if (needed > UINT64_MAX - live)
         return 0;
     size_t count = map->slot_count;
-    if (tombstones >= live && live + needed <= max_used_for(count, map->max_load_factor))
+    if (live + needed <= max_used_for(count, map->max_load_factor) / 4 * 3)
         return count;
     do {
         if (count > SIZE_MAX / 2 / sizeof(slot))
@@ -273,7 +290,7 @@ static em_status grow_locked(em_hashmap *map, uint64_t needed, em_error *err)
         return EM_OK;
     uint64_t tombstones = atomic_load_explicit(&map->tombstones, memory_order_relaxed);
     uint64_t live = used - tombstones;
-    size_t count = grown_slot_count(map, live, tombstones, needed);
+    size_t count = grown_slot_count(map, live, needed);
     if (count == 0)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                             "growing hash map from %zu slots for %" PRIu64
@@ -306,28 +323,37 @@ static em_status grow(em_hashmap *map, uint64_t needed, em_error *err)
 
 /* ---- rows ---- */
 
-static uint64_t take_row(em_hashmap *map)
+/* Released rows one batch call holds: popped from the free stack ROW_BATCH at a time
+ * for inserts, or gathered from erases before they are pushed, so that a call takes
+ * free_lock once per ROW_BATCH rows rather than once per row. rows[count - 1] is the
+ * next one an insert takes, as it was the stack's top. */
+typedef struct row_batch {
+    uint64_t rows[ROW_BATCH];
+    uint32_t count;
+} row_batch;
+
+/* Moves up to want rows from the top of the free stack into batch (empty), in order. */
+static void free_rows_pop(em_hashmap *map, row_batch *batch, size_t want)
 {
-    if (atomic_load_explicit(&map->free_count, memory_order_relaxed) > 0) {
-        pthread_mutex_lock(&map->free_lock);
-        uint64_t count = atomic_load_explicit(&map->free_count, memory_order_relaxed);
-        if (count > 0) {
-            uint64_t row = map->free_rows[count - 1];
-            atomic_store_explicit(&map->free_count, count - 1, memory_order_relaxed);
-            pthread_mutex_unlock(&map->free_lock);
-            return row;
-        }
-        pthread_mutex_unlock(&map->free_lock);
-    }
-    return atomic_fetch_add_explicit(&map->next_row, 1, memory_order_relaxed);
+    if (atomic_load_explicit(&map->free_count, memory_order_relaxed) == 0)
+        return;
+    pthread_mutex_lock(&map->free_lock);
+    uint64_t count = atomic_load_explicit(&map->free_count, memory_order_relaxed);
+    uint64_t taken = count < want ? count : want;
+    memcpy(batch->rows, &map->free_rows[count - taken], taken * sizeof(uint64_t));
+    batch->count = (uint32_t)taken;
+    atomic_store_explicit(&map->free_count, count - taken, memory_order_relaxed);
+    pthread_mutex_unlock(&map->free_lock);
 }
 
 /* Under free_lock. */
 static bool free_rows_make_room(em_hashmap *map, size_t count)
 {
-    if (count < map->free_capacity)
+    if (count <= map->free_capacity)
         return true;
-    size_t capacity = map->free_capacity == 0 ? FREE_ROWS_INITIAL : map->free_capacity * 2;
+    size_t capacity = map->free_capacity == 0 ? FREE_ROWS_INITIAL : map->free_capacity;
+    while (capacity < count)
+        capacity *= 2;
     uint64_t *grown = realloc(map->free_rows, capacity * sizeof(*grown));
     if (grown == NULL)
         return false;
@@ -336,15 +362,40 @@ static bool free_rows_make_room(em_hashmap *map, size_t count)
     return true;
 }
 
-static void release_row(em_hashmap *map, uint64_t row)
+/* Pushes the batch's rows onto the free stack in order (the last on top) and empties
+ * it. Rows that find no room are not recycled: they stay below row_limit, so row
+ * storage still covers them, at the cost of unused rows. */
+static void free_rows_push(em_hashmap *map, row_batch *batch)
 {
+    if (batch->count == 0)
+        return;
     pthread_mutex_lock(&map->free_lock);
     uint64_t count = atomic_load_explicit(&map->free_count, memory_order_relaxed);
-    if (free_rows_make_room(map, count)) {
-        map->free_rows[count] = row;
-        atomic_store_explicit(&map->free_count, count + 1, memory_order_relaxed);
+    if (free_rows_make_room(map, count + batch->count)) {
+        memcpy(&map->free_rows[count], batch->rows, batch->count * sizeof(uint64_t));
+        atomic_store_explicit(&map->free_count, count + batch->count, memory_order_relaxed);
     }
     pthread_mutex_unlock(&map->free_lock);
+    batch->count = 0;
+}
+
+/* A row for a new key: a released one if there is any, else the next never used;
+ * keys_left bounds the released rows worth taking at once. */
+static uint64_t take_row(em_hashmap *map, row_batch *batch, size_t keys_left)
+{
+    if (batch->count == 0)
+        free_rows_pop(map, batch, keys_left < ROW_BATCH ? keys_left : ROW_BATCH);
+    if (batch->count > 0)
+        return batch->rows[--batch->count];
+    return atomic_fetch_add_explicit(&map->next_row, 1, memory_order_relaxed);
+}
+
+/* Gives a row back through the batch. */
+static void release_row(em_hashmap *map, row_batch *batch, uint64_t row)
+{
+    if (batch->count == ROW_BATCH)
+        free_rows_push(map, batch);
+    batch->rows[batch->count++] = row;
 }
 
 /* ---- side entries: the keys equal to the slot markers ---- */
@@ -360,7 +411,8 @@ static uint64_t side_find(em_hashmap *map, uint64_t key)
     return value == SIDE_ABSENT ? EM_HASHMAP_NOT_FOUND : value;
 }
 
-static uint64_t side_find_or_insert(em_hashmap *map, uint64_t key, bool *inserted)
+static uint64_t side_find_or_insert(em_hashmap *map, uint64_t key, row_batch *rows,
+                                    bool *inserted)
 {
     _Atomic uint64_t *entry = side_value(map, key);
     for (;;) {
@@ -372,7 +424,7 @@ static uint64_t side_find_or_insert(em_hashmap *map, uint64_t key, bool *inserte
         if (atomic_compare_exchange_strong_explicit(entry, &value, VALUE_PENDING,
                                                     memory_order_relaxed,
                                                     memory_order_relaxed)) {
-            uint64_t row = take_row(map);
+            uint64_t row = take_row(map, rows, 1);
             atomic_store_explicit(entry, row, memory_order_release);
             *inserted = true;
             return row;
@@ -389,10 +441,8 @@ static uint64_t side_erase(em_hashmap *map, uint64_t key)
             return EM_HASHMAP_NOT_FOUND;
         if (atomic_compare_exchange_strong_explicit(entry, &value, SIDE_ABSENT,
                                                     memory_order_relaxed,
-                                                    memory_order_relaxed)) {
-            release_row(map, value);
+                                                    memory_order_relaxed))
             return value;
-        }
     }
 }
 
@@ -423,6 +473,7 @@ static uint64_t slots_find(em_hashmap *map, uint64_t key)
  * before it drops its shared hold. */
 typedef struct slot_grant {
     uint64_t held;
+    row_batch rows; /* released rows taken for the call's new keys */
 } slot_grant;
 
 /* Takes one reservation, refilling the grant with up to keys_left. False: no room. */
@@ -450,11 +501,13 @@ static void grant_put_back(slot_grant *grant)
     grant->held++;
 }
 
+/* Gives back the reservations and the released rows the call did not use. */
 static void grant_release(em_hashmap *map, slot_grant *grant)
 {
     if (grant->held > 0)
         atomic_fetch_sub_explicit(&map->used_slots, grant->held, memory_order_relaxed);
     grant->held = 0;
+    free_rows_push(map, &grant->rows);
 }
 
 typedef enum insert_outcome { INSERT_FOUND, INSERT_DONE, INSERT_NO_ROOM } insert_outcome;
@@ -463,12 +516,13 @@ typedef enum claim_outcome { CLAIM_WON, CLAIM_SAME_KEY, CLAIM_OTHER_KEY } claim_
 
 /* Claims current for key if it is still EMPTY and stores a fresh row in *value; when
  * another thread claimed it first for the same key, *value gets that thread's row. */
-static claim_outcome claim_slot(em_hashmap *map, slot *current, uint64_t key, uint64_t *value)
+static claim_outcome claim_slot(em_hashmap *map, slot *current, uint64_t key, uint64_t *value,
+                                slot_grant *grant, size_t keys_left)
 {
     uint64_t expected = EM_HASHMAP_EMPTY_KEY;
     if (atomic_compare_exchange_strong_explicit(&current->key, &expected, key,
                                                 memory_order_relaxed, memory_order_relaxed)) {
-        *value = take_row(map);
+        *value = take_row(map, &grant->rows, keys_left);
         atomic_store_explicit(&current->value, *value, memory_order_release);
         return CLAIM_WON;
     }
@@ -499,7 +553,7 @@ static insert_outcome slots_find_or_insert(em_hashmap *map, uint64_t key, uint64
         if (!reserved && !grant_take(map, grant, keys_left))
             return INSERT_NO_ROOM;
         reserved = true;
-        claim_outcome claim = claim_slot(map, current, key, value);
+        claim_outcome claim = claim_slot(map, current, key, value, grant, keys_left);
         if (claim == CLAIM_WON)
             return INSERT_DONE;
         if (claim == CLAIM_SAME_KEY) {
@@ -524,13 +578,52 @@ static uint64_t slots_erase(em_hashmap *map, uint64_t key)
                                                         memory_order_relaxed,
                                                         memory_order_relaxed)) {
                 atomic_fetch_add_explicit(&map->tombstones, 1, memory_order_relaxed);
-                release_row(map, row);
                 return row;
             }
             continue; /* another erase won: the slot is a tombstone now */
         }
         position = next_slot(position, map->slot_count);
     }
+}
+
+/* Whether the key at position at, whose home slot is home, may move back to hole: the
+ * hole lies on its probe sequence between its home and itself. */
+static bool may_move_back(size_t home, size_t hole, size_t at, size_t slot_count)
+{
+    size_t home_to_hole = (hole + slot_count - home) % slot_count;
+    size_t home_to_at = (at + slot_count - home) % slot_count;
+    return home_to_hole < home_to_at;
+}
+
+/* Backward-shift erase; the caller holds the map alone, so no value is pending. */
+static uint64_t slots_erase_exclusive(em_hashmap *map, uint64_t key)
+{
+    size_t count = map->slot_count;
+    size_t hole = home_slot(map, key, count);
+    for (;; hole = next_slot(hole, count)) {
+        uint64_t seen = atomic_load_explicit(&map->slots[hole].key, memory_order_relaxed);
+        if (seen == EM_HASHMAP_EMPTY_KEY)
+            return EM_HASHMAP_NOT_FOUND;
+        if (seen == key)
+            break;
+    }
+    uint64_t row = atomic_load_explicit(&map->slots[hole].value, memory_order_relaxed);
+    for (size_t at = next_slot(hole, count);; at = next_slot(at, count)) {
+        uint64_t moving = atomic_load_explicit(&map->slots[at].key, memory_order_relaxed);
+        if (moving == EM_HASHMAP_EMPTY_KEY)
+            break;
+        if (moving == EM_HASHMAP_TOMBSTONE_KEY ||
+            !may_move_back(home_slot(map, moving, count), hole, at, count))
+            continue;
+        uint64_t value = atomic_load_explicit(&map->slots[at].value, memory_order_relaxed);
+        atomic_store_explicit(&map->slots[hole].key, moving, memory_order_relaxed);
+        atomic_store_explicit(&map->slots[hole].value, value, memory_order_relaxed);
+        hole = at;
+    }
+    atomic_store_explicit(&map->slots[hole].key, EM_HASHMAP_EMPTY_KEY, memory_order_relaxed);
+    atomic_store_explicit(&map->slots[hole].value, VALUE_PENDING, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&map->used_slots, 1, memory_order_relaxed);
+    return row;
 }
 
 /* ---- one key ---- */
@@ -559,7 +652,7 @@ static insert_outcome find_or_insert_one(em_hashmap *map, uint64_t key, uint64_t
     if (!is_sentinel(key))
         return slots_find_or_insert(map, key, value, grant, keys_left);
     bool inserted = false;
-    *value = side_find_or_insert(map, key, &inserted);
+    *value = side_find_or_insert(map, key, &grant->rows, &inserted);
     return inserted ? INSERT_DONE : INSERT_FOUND;
 }
 
@@ -705,7 +798,7 @@ em_status em_hashmap_find_or_insert(em_hashmap *map, const uint64_t *keys, size_
 {
     em_status status = EM_OK;
     size_t count = 0;
-    slot_grant grant = {0};
+    slot_grant grant = {.held = 0, .rows.count = 0};
     pthread_rwlock_rdlock(&map->lock);
     for (size_t i = 0; i < n;) {
         prefetch_home(map, keys, i, n, 1);
@@ -740,19 +833,37 @@ em_status em_hashmap_reserve(em_hashmap *map, size_t additional_keys, em_error *
     return grow(map, additional_keys, err);
 }
 
-size_t em_hashmap_erase(em_hashmap *map, const uint64_t *keys, size_t n, uint64_t *values)
+static size_t erase_batch(em_hashmap *map, const uint64_t *keys, size_t n, uint64_t *values,
+                          bool exclusive)
 {
     size_t removed = 0;
+    row_batch released = {.count = 0};
     pthread_rwlock_rdlock(&map->lock);
     for (size_t i = 0; i < n; i++) {
         prefetch_home(map, keys, i, n, 1);
-        uint64_t row = erase_one(map, keys[i]);
-        removed += row != EM_HASHMAP_NOT_FOUND;
+        uint64_t row = exclusive && !is_sentinel(keys[i]) ? slots_erase_exclusive(map, keys[i])
+                                                          : erase_one(map, keys[i]);
+        if (row != EM_HASHMAP_NOT_FOUND) {
+            release_row(map, &released, row);
+            removed++;
+        }
         if (values != NULL)
             values[i] = row;
     }
+    free_rows_push(map, &released);
     pthread_rwlock_unlock(&map->lock);
     return removed;
+}
+
+size_t em_hashmap_erase(em_hashmap *map, const uint64_t *keys, size_t n, uint64_t *values)
+{
+    return erase_batch(map, keys, n, values, false);
+}
+
+size_t em_hashmap_erase_exclusive(em_hashmap *map, const uint64_t *keys, size_t n,
+                                  uint64_t *values)
+{
+    return erase_batch(map, keys, n, values, true);
 }
 
 /* ---- export: cursor positions are the side entries, then the slots ---- */
@@ -773,16 +884,49 @@ static bool export_position(em_hashmap *map, uint64_t position, uint64_t *key,
     return true;
 }
 
-size_t em_hashmap_sample(em_hashmap *map, uint64_t random, uint64_t *keys, uint64_t *values,
-                         size_t max)
+void em_hashmap_walk_begin(em_hashmap *map, uint64_t random, em_hashmap_walk *walk)
+{
+    pthread_rwlock_rdlock(&map->lock);
+    uint64_t positions = SIDE_COUNT + (uint64_t)map->slot_count;
+    walk->position = random % positions;
+    walk->left = positions;
+    pthread_rwlock_unlock(&map->lock);
+}
+
+size_t em_hashmap_walk_next(em_hashmap *map, em_hashmap_walk *walk, uint64_t *keys,
+                            uint64_t *values, size_t max)
 {
     size_t copied = 0;
     pthread_rwlock_rdlock(&map->lock);
     uint64_t positions = SIDE_COUNT + (uint64_t)map->slot_count;
-    uint64_t position = random % positions;
-    for (uint64_t seen = 0; seen < positions && copied < max; seen++) {
-        copied += export_position(map, position, &keys[copied], &values[copied]);
-        position = position + 1 == positions ? 0 : position + 1;
+    while (walk->left > 0 && copied < max) {
+        if (walk->position == positions)
+            walk->position = 0;
+        if (walk->position < SIDE_COUNT) {
+            copied += export_position(map, walk->position, &keys[copied], &values[copied]);
+            walk->position++;
+            walk->left--;
+            continue;
+        }
+        /* a stretch of slots: each is copied, and counted only when it holds a key,
+         * without a branch on the key (about half the slots of a map are empty) */
+        uint64_t stretch = positions - walk->position;
+        if (stretch > walk->left)
+            stretch = walk->left;
+        slot *current = &map->slots[walk->position - SIDE_COUNT];
+        uint64_t i = 0;
+        for (; i < stretch && copied < max; i++, current++) {
+            uint64_t key = atomic_load_explicit(&current->key, memory_order_relaxed);
+            uint64_t value = atomic_load_explicit(&current->value, memory_order_acquire);
+            bool live = !is_sentinel(key);
+            if (live && value == VALUE_PENDING)
+                value = wait_published(&current->value);
+            keys[copied] = key;
+            values[copied] = value;
+            copied += live;
+        }
+        walk->position += i;
+        walk->left -= i;
     }
     pthread_rwlock_unlock(&map->lock);
     return copied;

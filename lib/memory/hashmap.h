@@ -108,12 +108,29 @@ size_t em_hashmap_erase(em_hashmap *map, const uint64_t *keys, size_t n, uint64_
 size_t em_hashmap_export(em_hashmap *map, uint64_t *cursor, uint64_t *keys, uint64_t *values,
                          size_t max);
 
-/* Up to max entries (keys, values) in export order from a position chosen by random
- * (random modulo the positions), wrapping at the end, never an entry twice: a sample of
- * neighbouring entries, which linear probing places by their keys' hashes. Returns how
- * many were copied (fewer than max only when the map holds fewer). */
-size_t em_hashmap_sample(em_hashmap *map, uint64_t random, uint64_t *keys, uint64_t *values,
-                         size_t max);
+/* A walk over every entry once, in export order from a position chosen by random
+ * (random modulo the positions), wrapping at the end: neighbouring entries, which linear
+ * probing places by their keys' hashes, so any stretch of a walk is a sample of the
+ * keys. The map must not grow or rehash during a walk (callers hold it alone). */
+typedef struct em_hashmap_walk {
+    uint64_t position; /* the next position to visit */
+    uint64_t left;     /* positions not visited yet */
+} em_hashmap_walk;
+
+void em_hashmap_walk_begin(em_hashmap *map, uint64_t random, em_hashmap_walk *walk);
+
+/* Copies up to max entries of the walk into keys/values and advances it; returns how
+ * many were copied, 0 once every entry was visited. */
+size_t em_hashmap_walk_next(em_hashmap *map, em_hashmap_walk *walk, uint64_t *keys,
+                            uint64_t *values, size_t max);
+
+/* Removes keys as em_hashmap_erase does, but moves the keys that follow an erased one on
+ * its probe sequence back instead of leaving a tombstone, so erasing never lengthens a
+ * probe nor brings on a rehash. No other call on the map may run meanwhile (tables
+ * call it for evictions, which hold the shard alone), and entries move: a cursor or
+ * walk taken before it may miss or repeat entries. */
+size_t em_hashmap_erase_exclusive(em_hashmap *map, const uint64_t *keys, size_t n,
+                                  uint64_t *values);
 
 size_t em_hashmap_size(em_hashmap *map);
 

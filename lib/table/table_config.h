@@ -16,10 +16,13 @@
  *   lru   rows whose last pull or push is the oldest make room
  *   lfu   rows pulled and pushed the fewest times make room (ties: the least recent)
  *   age   rows whose last push (or creation) is the oldest make room
- * The choice is approximate: for each row to remove, `candidates` consecutive entries
- * of the shard's hash map from a pseudo-random position (a function of the table's
- * initializer seed and its evictions so far) are compared and the policy's worst goes
- * (tests/bench/bench_eviction measures how close this comes to exact LRU and LFU).
+ * The choice is approximate: a request that needs n rows of a shard compares the
+ * n x `candidates` consecutive entries of the shard's hash map from a pseudo-random
+ * position (a function of the table's initializer seed and its evictions so far), or
+ * every entry when the shard holds fewer, and the n first by the policy among those the
+ * request does not use go (ties in no documented order, but the same for the same
+ * requests); when fewer than n of those entries may go, the walk goes on until n may.
+ * tests/bench/bench_eviction measures how close this comes to exact LRU and LFU.
  * Expiry runs with or without a policy: with max_age_steps > 0, rows neither pushed nor
  * created in the table's last max_age_steps pushes are removed by a background sweep
  * (em_table_expire, in bounded slices); with max_age_seconds > 0, so are rows neither

@@ -457,14 +457,8 @@ static em_status plan_evictions(request_context *r, uint64_t need, uint64_t *evi
                         evictable_total, remaining);
 }
 
-static int compare_rows(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* The request's rows of shard s (sorted, on the host: rows it reads or writes, which
- * eviction must keep); *count of them. */
+/* The request's rows of shard s (on the host: rows it reads or writes, which eviction
+ * must keep); *count of them. */
 static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_t **out,
                            uint64_t *count, em_error *err)
 {
@@ -484,7 +478,6 @@ static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_
     for (uint64_t i = 0; i < n; i++)
         if (em_row_stored(rows[i]))
             rows[kept++] = rows[i];
-    qsort(rows, kept, sizeof(uint64_t), compare_rows);
     *out = rows;
     *count = kept;
     return EM_OK;

@@ -239,6 +239,53 @@ START_TEST(a_request_never_evicts_its_own_rows)
 }
 END_TEST
 
+/* Loop index: the policy. One request that creates ten keys evicts, in one call, the
+ * ten rows first by the policy among those it does not use (the window of 10 x 64 map
+ * entries covers the shard). Keys 1..48 are pushed one by one, then 5..14 again: keys
+ * 1..4 and 15..48 are older, less frequent and less recently pushed than 5..14. */
+START_TEST(a_request_evicts_the_rows_first_by_the_policy_at_once)
+{
+    em_eviction_policy policy = policies[_i];
+    em_backend *backend = make_backend(1);
+    em_table *table = make_table(backend, 48, 1, policy, 64);
+    em_error err;
+    for (uint64_t key = 1; key <= 48; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    for (uint64_t key = 5; key <= 14; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    uint64_t keys[12] = {1, 2};
+    for (int i = 0; i < 10; i++)
+        keys[2 + i] = 100 + (uint64_t)i;
+    ck_assert_msg(run_request(table, keys, 12, true, &err) == EM_OK, "%s", err.message);
+    /* gone: 3, 4 and 15..22 */
+    uint64_t expected[48], count = 0;
+    expected[count++] = 1;
+    expected[count++] = 2;
+    for (uint64_t key = 5; key <= 14; key++)
+        expected[count++] = key;
+    for (uint64_t key = 23; key <= 48; key++)
+        expected[count++] = key;
+    for (uint64_t key = 100; key < 110; key++)
+        expected[count++] = key;
+    em_test_snapshot s = em_test_snapshot_take(table, 7);
+    ck_assert_uint_eq(s.count, count);
+    for (uint64_t i = 0; i < count; i++)
+        ck_assert_msg(s.keys[i] == expected[i], "row %" PRIu64 ": key %" PRIu64 ", want %" PRIu64,
+                      i, s.keys[i], expected[i]);
+    uint64_t evicted[16];
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, 16, evicted, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.count, 10);
+    qsort(evicted, view.count, sizeof(uint64_t), compare_keys);
+    const uint64_t gone[10] = {3, 4, 15, 16, 17, 18, 19, 20, 21, 22};
+    for (int i = 0; i < 10; i++)
+        ck_assert_uint_eq(evicted[i], gone[i]);
+    em_test_snapshot_free(&s);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 START_TEST(no_room_to_make_fails_whole)
 {
     em_backend *backend = make_backend(1);
@@ -912,6 +959,7 @@ int main(void)
     TCase *rules = tcase_create("rules");
     tcase_add_loop_test(rules, each_policy_follows_its_rule_exactly, 0, 3);
     tcase_add_test(rules, a_request_never_evicts_its_own_rows);
+    tcase_add_loop_test(rules, a_request_evicts_the_rows_first_by_the_policy_at_once, 0, 3);
     tcase_add_test(rules, no_room_to_make_fails_whole);
     tcase_add_test(rules, the_same_requests_evict_the_same_keys);
     tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);

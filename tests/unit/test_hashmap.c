@@ -301,11 +301,17 @@ static void random_find_or_insert(em_hashmap *map, ref_map *ref, const uint64_t 
     require_u64(inserted_count, ==, expected_count);
 }
 
-static void random_erase(em_hashmap *map, ref_map *ref, const uint64_t *keys, size_t n)
+/* exclusive: by backward shift, which must leave no tombstone */
+static void random_erase(em_hashmap *map, ref_map *ref, const uint64_t *keys, size_t n,
+                         bool exclusive)
 {
     uint64_t values[MAX_BATCH];
     size_t expected_removed = 0;
-    size_t removed = em_hashmap_erase(map, keys, n, values);
+    uint64_t tombstones = stats_of(map).tombstones;
+    size_t removed = exclusive ? em_hashmap_erase_exclusive(map, keys, n, values)
+                               : em_hashmap_erase(map, keys, n, values);
+    if (exclusive)
+        require_u64(stats_of(map).tombstones, ==, tombstones);
     for (size_t i = 0; i < n; i++) {
         uint64_t expected = ref_erase(ref, keys[i]);
         expected_removed += expected != EM_HASHMAP_NOT_FOUND;
@@ -336,6 +342,32 @@ static void check_export(em_hashmap *map, ref_map *ref, size_t chunk)
     }
     require_u64(total, ==, ref->live);
     require_u64(em_hashmap_export(map, &cursor, keys, values, chunk), ==, 0);
+    free(seen);
+}
+
+/* Walks from a position chosen by random, chunk entries at a time: every reference key
+ * exactly once, nothing else. */
+static void check_walk(em_hashmap *map, ref_map *ref, uint64_t random, size_t chunk)
+{
+    uint64_t keys[MAX_BATCH], values[MAX_BATCH];
+    uint8_t *seen = calloc(ref->capacity, 1);
+    em_hashmap_walk walk;
+    em_hashmap_walk_begin(map, random, &walk);
+    size_t total = 0, copied;
+    while ((copied = em_hashmap_walk_next(map, &walk, keys, values, chunk)) > 0) {
+        require_u64(copied, <=, chunk);
+        for (size_t i = 0; i < copied; i++) {
+            size_t position = ref_position(ref, keys[i]);
+            require(ref->states[position] == REF_LIVE,
+                    "walk gave key %" PRIu64 " that is not in the map", keys[i]);
+            require_u64(values[i], ==, ref->rows[position]);
+            require(!seen[position], "walk gave key %" PRIu64 " twice", keys[i]);
+            seen[position] = 1;
+        }
+        total += copied;
+    }
+    require_u64(total, ==, ref->live);
+    require_u64(em_hashmap_walk_next(map, &walk, keys, values, chunk), ==, 0);
     free(seen);
 }
 
@@ -371,14 +403,19 @@ static void run_random_sequence(uint64_t seed, double max_load_factor, size_t op
             random_find(map, &ref, keys, n);
         else if (kind < 68)
             random_find_or_insert(map, &ref, keys, n);
+        else if (kind < 84)
+            random_erase(map, &ref, keys, n, false);
         else if (kind < 99)
-            random_erase(map, &ref, keys, n);
-        else
+            random_erase(map, &ref, keys, n, true);
+        else if (op % 2 == 0)
             check_export(map, &ref, n);
+        else
+            check_walk(map, &ref, em_test_rng_next(&source.rng), n);
         check_counts(map, &ref, max_load_factor == 0 ? EM_HASHMAP_DEFAULT_MAX_LOAD
                                                      : max_load_factor);
     }
     check_export(map, &ref, MAX_BATCH);
+    check_walk(map, &ref, em_test_rng_next(&source.rng), MAX_BATCH);
     require_u64(ref.reused, >, 0);
     require_u64(stats_of(map).grow_count, >, 0);
     ref_free(&ref);
@@ -675,6 +712,81 @@ START_TEST(erase_churn_does_not_grow_without_bound)
     require_u64(stats.slots, ==, 1024);
     require_u64(stats.grow_count, >, 0);
     require_u64(stats.row_limit, <=, 256);
+    em_hashmap_destroy(map);
+}
+END_TEST
+
+/* A map holding 60% of its budget while keys come and go (erased with tombstones) is
+ * rehashed in place to drop them, never doubled. */
+START_TEST(churn_at_a_steady_size_keeps_the_slot_count)
+{
+    em_hashmap *map = create_map(4096, 0);
+    uint64_t budget = (uint64_t)(4096 * EM_HASHMAP_DEFAULT_MAX_LOAD);
+    uint64_t live = budget * 6 / 10;
+    require_u64(insert_range(map, 0, live, 256), ==, live);
+    uint64_t key, value;
+    for (uint64_t i = 0; i < 20 * budget; i++) {
+        key = key_at(i);
+        require_u64(em_hashmap_erase(map, &key, 1, NULL), ==, 1);
+        key = key_at(live + i);
+        em_error err = {0};
+        ck_assert_int_eq(em_hashmap_find_or_insert(map, &key, 1, &value, NULL, NULL, &err),
+                         EM_OK);
+    }
+    em_hashmap_stats stats = stats_of(map);
+    require_u64(stats.size, ==, live);
+    require_u64(stats.slots, ==, 4096);
+    require_u64(stats.grow_count, >=, 20 * budget / (budget - live) - 1);
+    require_u64(stats.row_limit, ==, live);
+    for (uint64_t i = 0; i < live; i++) {
+        key = key_at(20 * budget + i);
+        require_u64(em_hashmap_find(map, &key, 1, &value), ==, 0);
+    }
+    em_hashmap_destroy(map);
+}
+END_TEST
+
+/* Erasing by backward shift in a full map (long runs, wrapping at the end) keeps every
+ * other key where a probe finds it, leaves no tombstone and never rehashes. */
+START_TEST(exclusive_erase_keeps_a_full_map_whole)
+{
+    em_hashmap *map = create_map(1024, 0.95);
+    uint64_t budget = (uint64_t)(1024 * 0.95);
+    enum { ROUNDS = 300, MOST = 32 };
+    uint8_t *present = calloc(budget + ROUNDS * MOST, 1);
+    require_u64(insert_range(map, 0, budget, 64), ==, budget);
+    memset(present, 1, budget);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    uint64_t next = budget, live = budget;
+    for (int round = 1; round <= ROUNDS; round++) {
+        uint64_t keys[MOST], values[MOST];
+        uint64_t n = 1 + em_test_rng_below(&rng, MOST), expected = 0;
+        for (uint64_t i = 0; i < n; i++) {
+            uint64_t index = em_test_rng_below(&rng, next);
+            keys[i] = key_at(index);
+            expected += present[index]; /* a key twice in the batch goes once */
+            present[index] = 0;
+        }
+        require_u64(em_hashmap_erase_exclusive(map, keys, n, values), ==, expected);
+        live -= expected;
+        require_u64(insert_range(map, next, budget - live, 64), ==, budget - live);
+        memset(present + next, 1, budget - live);
+        next += budget - live;
+        live = budget;
+        if (round % 25 == 0)
+            for (uint64_t index = 0; index < next; index++) {
+                uint64_t key = key_at(index), row;
+                require_u64(em_hashmap_find(map, &key, 1, &row) == 0, ==, present[index]);
+            }
+    }
+    em_hashmap_stats stats = stats_of(map);
+    require_u64(stats.size, ==, budget);
+    require_u64(stats.tombstones, ==, 0);
+    require_u64(stats.grow_count, ==, 0);
+    require_u64(stats.slots, ==, 1024);
+    require_u64(stats.row_limit, ==, budget);
+    free(present);
     em_hashmap_destroy(map);
 }
 END_TEST
@@ -1263,6 +1375,8 @@ int main(void)
     tcase_add_test(large, growth_from_sixteen_slots_to_a_million_keys);
     tcase_add_test(large, reserve_prevents_growth);
     tcase_add_test(large, erase_churn_does_not_grow_without_bound);
+    tcase_add_test(large, churn_at_a_steady_size_keeps_the_slot_count);
+    tcase_add_test(large, exclusive_erase_keeps_a_full_map_whole);
     tcase_add_test(large, holds_keys_at_the_maximum_load);
     suite_add_tcase(suite, large);
 
