@@ -286,6 +286,45 @@ START_TEST(a_request_evicts_the_rows_first_by_the_policy_at_once)
 }
 END_TEST
 
+/* A full table takes its new keys' rows from the ones it evicts: its storage stays that
+ * of its capacity (one block of 32,768 rows here) however many keys come through. */
+START_TEST(a_full_table_keeps_the_storage_of_its_capacity)
+{
+    enum { CAPACITY = 32768, BATCH = 4096 };
+    em_backend *backend = make_backend(1);
+    em_table *table = make_table(backend, CAPACITY, 1, EM_EVICTION_LRU, 16);
+    uint64_t *keys = malloc(BATCH * sizeof(uint64_t));
+    uint32_t *offsets = malloc((BATCH + 1) * sizeof(uint32_t));
+    float *values = malloc((size_t)BATCH * DIM * sizeof(float));
+    for (uint32_t i = 0; i <= BATCH; i++)
+        offsets[i] = i;
+    for (size_t i = 0; i < (size_t)BATCH * DIM; i++)
+        values[i] = 0.01f;
+    em_table_stats full = {0}, stats;
+    em_error err;
+    for (uint64_t batch = 0; batch < 2 * CAPACITY / BATCH; batch++) {
+        for (uint64_t i = 0; i < BATCH; i++)
+            keys[i] = batch * BATCH + i;
+        em_csr csr = {.rows = BATCH, .nnz = BATCH, .offsets = offsets, .keys = keys};
+        ck_assert_msg(em_test_push(table, &csr, EM_COMBINER_NONE, values, NULL, &err) == EM_OK,
+                      "%s", err.message);
+        if (batch + 1 == CAPACITY / BATCH)
+            em_table_get_stats(table, &full);
+    }
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, CAPACITY);
+    ck_assert_uint_eq(stats.rows_evicted, CAPACITY);
+    ck_assert_uint_eq(stats.row_bytes, full.row_bytes);
+    ck_assert_uint_eq(stats.access_bytes, full.access_bytes);
+    ck_assert_uint_eq(stats.access_bytes, CAPACITY * 16);
+    free(keys);
+    free(offsets);
+    free(values);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 START_TEST(no_room_to_make_fails_whole)
 {
     em_backend *backend = make_backend(1);
@@ -961,6 +1000,7 @@ int main(void)
     tcase_add_test(rules, a_request_never_evicts_its_own_rows);
     tcase_add_loop_test(rules, a_request_evicts_the_rows_first_by_the_policy_at_once, 0, 3);
     tcase_add_test(rules, no_room_to_make_fails_whole);
+    tcase_add_test(rules, a_full_table_keeps_the_storage_of_its_capacity);
     tcase_add_test(rules, the_same_requests_evict_the_same_keys);
     tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);
     tcase_add_test(rules, erase_removes_listed_keys_and_a_snapshot_still_sees_them);
