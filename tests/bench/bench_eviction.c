@@ -151,8 +151,10 @@ static void insert_throughput(const options *opt)
         }
     em_table_stats stats;
     em_table_get_stats(full, &stats);
-    printf("median %37.3fx   (full table: %" PRIu64 " rows, %" PRIu64 " evicted)\n\n",
-           ratios[rounds / 2], stats.rows, stats.rows_evicted);
+    printf("median %37.3fx   (full table: %" PRIu64 " rows, %" PRIu64 " evicted; per row: "
+           "index %.1f bytes, access metadata %.1f bytes, storage %.1f bytes)\n\n",
+           ratios[rounds / 2], stats.rows, stats.rows_evicted, stats.index_bytes_per_row,
+           stats.access_bytes_per_row, (double)stats.row_bytes / (double)stats.rows);
     em_table_destroy(half);
     em_table_destroy(full);
     free(p.keys);
