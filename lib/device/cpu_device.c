@@ -781,122 +781,10 @@ static uint32_t update_age(uint32_t update_clock, const em_row_access *access)
     return update_clock - access->updated;
 }
 
-/* A set of rows (the request's own, which eviction must keep): open addressing over a
- * power-of-two array at most half full; rows are never EM_ROW_NONE. */
-typedef struct row_set {
-    uint64_t *slots;
-    uint64_t mask;
-} row_set;
-
-static em_status row_set_make(row_set *set, const uint64_t *rows, uint64_t n, em_error *err)
-{
-    uint64_t slots = power_of_two_at_least(2 * n + 2);
-    set->slots = malloc(slots * sizeof(uint64_t));
-    set->mask = slots - 1;
-    if (set->slots == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    memset(set->slots, 0xff, slots * sizeof(uint64_t));
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t slot = em_mix64(rows[i]) & set->mask;
-        while (set->slots[slot] != EM_ROW_NONE && set->slots[slot] != rows[i])
-            slot = (slot + 1) & set->mask;
-        set->slots[slot] = rows[i];
-    }
-    return EM_OK;
-}
-
-static bool row_set_has(const row_set *set, uint64_t row)
-{
-    for (uint64_t slot = em_mix64(row) & set->mask;; slot = (slot + 1) & set->mask) {
-        if (set->slots[slot] == row)
-            return true;
-        if (set->slots[slot] == EM_ROW_NONE)
-            return false;
-    }
-}
-
-/* A row that may leave, with what the policy orders it by: the smaller rank goes
- * first. */
-typedef struct candidate {
-    unsigned __int128 rank;
-    uint64_t row;
-    uint64_t key;
-} candidate;
-
-/* lru: the oldest last access; lfu: the fewest accesses, then the oldest last access;
- * age: the most pushes since the last push or creation, then the oldest last access. */
-static candidate candidate_of(const em_evict_spec *spec, const em_row_access *access,
-                              uint64_t key, uint64_t row)
-{
-    uint64_t first = 0;
-    if (spec->policy == EM_EVICTION_LFU)
-        first = access->frequency;
-    else if (spec->policy == EM_EVICTION_AGE)
-        first = UINT32_MAX - update_age(spec->update_clock, access);
-    return (candidate){
-        .rank = (unsigned __int128)first << 64 | access->accessed,
-        .row = row,
-        .key = key,
-    };
-}
-
-static bool goes_first(const candidate *a, const candidate *b)
-{
-    return a->rank < b->rank;
-}
-
-static void swap_candidates(candidate *a, candidate *b)
-{
-    candidate t = *a;
-    *a = *b;
-    *b = t;
-}
-
-/* Reorders c[0..n) so that its k first by the policy come first: quickselect with a
- * median-of-three pivot and a three-way partition, since many rows share a rank (every
- * row of one request has the same last access). Which of equal ranks make the k
- * depends on the input order only, which the map's walk fixes. */
-static void keep_first(candidate *c, uint64_t n, uint64_t k)
-{
-    uint64_t low = 0, high = n; /* the k-th lies in [low, high) */
-    while (k > low && k < high && high - low > 1) {
-        uint64_t middle = low + (high - low) / 2, last = high - 1;
-        if (goes_first(&c[middle], &c[low]))
-            swap_candidates(&c[middle], &c[low]);
-        if (goes_first(&c[last], &c[low]))
-            swap_candidates(&c[last], &c[low]);
-        if (goes_first(&c[last], &c[middle]))
-            swap_candidates(&c[last], &c[middle]);
-        candidate pivot = c[middle];
-        /* [low, before) go first, [before, i) equal the pivot, [after, high) go after */
-        uint64_t before = low, i = low, after = high;
-        while (i < after) {
-            if (goes_first(&c[i], &pivot))
-                swap_candidates(&c[i++], &c[before++]);
-            else if (goes_first(&pivot, &c[i]))
-                swap_candidates(&c[i], &c[--after]);
-            else
-                i++;
-        }
-        if (k <= before)
-            high = before;
-        else if (k >= after)
-            low = after;
-        else
-            return; /* the k-th is among the equal ones */
-    }
-}
-
-/* Map entries read from the walk at a time. */
-#define EVICT_WALK_BLOCK ((uint64_t)4096)
-
-/* How far ahead the walk prefetches a candidate's access metadata. */
+/* How far ahead the walk prefetches an entry's access metadata. */
 #define EVICT_PREFETCH ((uint64_t)16)
 
-/* The policy's first spec->count rows among count x candidates consecutive map entries
- * (lib/table/table_config.h), leaving out the request's own rows; the walk goes on past
- * those entries while fewer than count of them may leave, and around the whole map at
- * most. */
+/* The walk of lib/device/eviction.h over the shard's map, from spec->random. */
 static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_spec *spec,
                                  uint64_t *keys, uint64_t *rows, em_error *err)
 {
@@ -904,71 +792,36 @@ static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_s
     cpu_shard *shard = cpu_shard_of(base);
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
-    uint64_t per_row = spec->candidates > 0 ? spec->candidates : 1;
-    uint64_t window = spec->count > UINT64_MAX / per_row ? UINT64_MAX : spec->count * per_row;
-    /* the pool holds the best count so far and up to three times as many more before it
-     * is cut back to count: cuts cost about their size, so they stay a small multiple of
-     * the entries walked */
-    uint64_t room = spec->count + (spec->count > EVICT_WALK_BLOCK / 3 ? 3 * spec->count
-                                                                      : EVICT_WALK_BLOCK);
-    row_set kept = {0};
-    em_status status = row_set_make(&kept, spec->kept, spec->kept_count, err);
-    candidate *pool = malloc(room * sizeof(candidate));
-    uint64_t *walk_keys = malloc(EVICT_WALK_BLOCK * sizeof(uint64_t));
-    uint64_t *walk_rows = malloc(EVICT_WALK_BLOCK * sizeof(uint64_t));
-    if (status == EM_OK && (pool == NULL || walk_keys == NULL || walk_rows == NULL))
+    em_evict_chooser chooser;
+    em_status status = em_evict_chooser_begin(&chooser, spec, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t *walk_keys = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
+    uint64_t *walk_rows = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
+    em_row_access *walk_access = malloc(EM_EVICT_BLOCK * sizeof(em_row_access));
+    if (walk_keys == NULL || walk_rows == NULL || walk_access == NULL)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    uint64_t seen = 0, have = 0;
-    /* once the pool was cut to the best count, a candidate that does not go before the
-     * last of them (bar) cannot be among the final count */
-    candidate bar = {0};
-    bool barred = false;
     em_hashmap_walk walk;
     em_hashmap_walk_begin(shard->map, spec->random, &walk);
-    while (status == EM_OK && (seen < window || have < spec->count)) {
-        uint64_t want = seen < window && window - seen < EVICT_WALK_BLOCK ? window - seen
-                                                                           : EVICT_WALK_BLOCK;
+    for (uint64_t want; status == EM_OK && (want = em_evict_chooser_want(&chooser)) > 0;) {
         uint64_t got = em_hashmap_walk_next(shard->map, &walk, walk_keys, walk_rows, want);
         if (got == 0)
             break; /* every entry seen */
-        seen += got;
-        if (have + got > room) { /* keep the best count so far, make room for the block */
-            keep_first(pool, have, spec->count);
-            have = spec->count;
-            bar = pool[0];
-            for (uint64_t i = 1; i < have; i++)
-                if (goes_first(&bar, &pool[i]))
-                    bar = pool[i];
-            barred = true;
-        }
         for (uint64_t i = 0; i < got; i++) {
             if (i + EVICT_PREFETCH < got)
                 __builtin_prefetch(row_access(shard, walk_rows[i + EVICT_PREFETCH]), 0);
-            if (row_set_has(&kept, walk_rows[i]))
-                continue;
-            candidate c = candidate_of(spec, row_access(shard, walk_rows[i]), walk_keys[i],
-                                       walk_rows[i]);
-            if (!barred || goes_first(&c, &bar))
-                pool[have++] = c;
+            walk_access[i] = *row_access(shard, walk_rows[i]);
         }
+        em_evict_chooser_offer(&chooser, walk_keys, walk_rows, walk_access, got);
     }
-    if (status == EM_OK && have < spec->count)
-        status = em_error_set(err, EM_INTERNAL,
-                              "eviction found only %" PRIu64 " of %" PRIu64
-                              " rows outside the request",
-                              have, spec->count);
-    if (status == EM_OK) {
-        keep_first(pool, have, spec->count);
-        for (uint64_t v = 0; v < spec->count; v++) {
-            keys[v] = pool[v].key;
-            rows[v] = pool[v].row;
-        }
+    if (status == EM_OK)
+        status = em_evict_chooser_finish(&chooser, keys, rows, err);
+    if (status == EM_OK)
         em_hashmap_erase_exclusive(shard->map, keys, spec->count, NULL);
-    }
-    free(kept.slots);
-    free(pool);
+    em_evict_chooser_end(&chooser);
     free(walk_keys);
     free(walk_rows);
+    free(walk_access);
     return status;
 }
 

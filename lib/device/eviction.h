@@ -6,7 +6,10 @@
 #ifndef EMBER_LIB_DEVICE_EVICTION_H
 #define EMBER_LIB_DEVICE_EVICTION_H
 
+#include <stdbool.h>
 #include <stdint.h>
+
+#include "lib/base/status.h"
 
 typedef enum em_eviction_policy {
     EM_EVICTION_NONE,
@@ -32,6 +35,47 @@ typedef struct em_evict_spec {
     const uint64_t *kept;  /* rows that must stay (the request's own): host memory */
     uint64_t kept_count;
 } em_evict_spec;
+
+/* ---- choosing the rows to evict (eviction.c) ---- */
+
+/* Map entries a backend reads and offers at a time, at most. */
+#define EM_EVICT_BLOCK ((uint64_t)4096)
+
+/* A row that may leave, with what the policy orders it by: the smaller rank goes
+ * first. */
+typedef struct em_evict_candidate {
+    unsigned __int128 rank;
+    uint64_t row;
+    uint64_t key;
+} em_evict_candidate;
+
+/* Chooses spec->count rows by spec's policy among the entries of a map walk (the rule in
+ * lib/table/table_config.h). A backend starts a walk of its map at spec->random (modulo
+ * its positions), and while em_evict_chooser_want says a number above 0, reads at most
+ * that many more entries and offers them in walk order with their access metadata; it
+ * stops early only when the walk has gone round the whole map. Then finish writes the
+ * chosen keys and rows. */
+typedef struct em_evict_chooser {
+    em_evict_spec spec;
+    uint64_t window; /* entries to read at least: count x candidates */
+    uint64_t seen, have, room;
+    uint64_t *kept_slots; /* the spec's kept rows, as a set */
+    uint64_t kept_mask;
+    em_evict_candidate *pool;
+    em_evict_candidate bar;
+    bool barred;
+} em_evict_chooser;
+
+/* Errors: RESOURCE_EXHAUSTED (nothing to end then). */
+em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec *spec, em_error *err);
+uint64_t em_evict_chooser_want(const em_evict_chooser *c);
+void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, const uint64_t *rows,
+                            const em_row_access *access, uint64_t n);
+/* keys and rows: spec.count each. INTERNAL when the walk found fewer rows outside the
+ * kept ones. */
+em_status em_evict_chooser_finish(em_evict_chooser *c, uint64_t *keys, uint64_t *rows,
+                                  em_error *err);
+void em_evict_chooser_end(em_evict_chooser *c);
 
 /* Most evicted keys a table remembers (table_config: eviction.ring). */
 #define EM_EVICTION_RING_MAX (UINT32_C(1) << 20)

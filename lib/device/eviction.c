@@ -1,0 +1,194 @@
+/*
+ * DESIGN: choosing the rows a shard evicts (the rule in lib/table/table_config.h), the
+ * same for every backend: a backend walks its hash map from the spec's pseudo-random
+ * position and offers the entries it reads, with their access metadata, block by
+ * block; the chooser keeps the best of them by the policy and says when the walk has
+ * gone far enough.
+ *
+ * The pool holds the best count rows offered so far and up to three times as many more
+ * (a block at least) before it is cut back to count by a quickselect: cuts cost about
+ * their size, so their total stays a small multiple of the entries walked. After a
+ * cut, an entry that does not go before the worst of the count kept (the bar) cannot
+ * be among the final count and is not pooled at all.
+ */
+#include "lib/device/eviction.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/keyhash.h"
+#include "lib/device/device.h"
+
+/* ---- the request's own rows ------------------------------------------------------------ */
+
+/* Open addressing over a power-of-two array at most half full; rows are never
+ * EM_ROW_NONE. */
+static em_status row_set_make(em_evict_chooser *c, const uint64_t *rows, uint64_t n,
+                              em_error *err)
+{
+    uint64_t slots = 16;
+    while (slots < 2 * n + 2)
+        slots <<= 1;
+    c->kept_slots = malloc(slots * sizeof(uint64_t));
+    c->kept_mask = slots - 1;
+    if (c->kept_slots == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    memset(c->kept_slots, 0xff, slots * sizeof(uint64_t));
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t slot = em_mix64(rows[i]) & c->kept_mask;
+        while (c->kept_slots[slot] != EM_ROW_NONE && c->kept_slots[slot] != rows[i])
+            slot = (slot + 1) & c->kept_mask;
+        c->kept_slots[slot] = rows[i];
+    }
+    return EM_OK;
+}
+
+static bool row_kept(const em_evict_chooser *c, uint64_t row)
+{
+    for (uint64_t slot = em_mix64(row) & c->kept_mask;; slot = (slot + 1) & c->kept_mask) {
+        if (c->kept_slots[slot] == row)
+            return true;
+        if (c->kept_slots[slot] == EM_ROW_NONE)
+            return false;
+    }
+}
+
+/* ---- ranks ------------------------------------------------------------------------------- */
+
+/* lru: the oldest last access; lfu: the fewest accesses, then the oldest last access;
+ * age: the most pushes since the last push or creation, then the oldest last access. */
+static em_evict_candidate candidate_of(const em_evict_spec *spec, const em_row_access *access,
+                                       uint64_t key, uint64_t row)
+{
+    uint64_t first = 0;
+    if (spec->policy == EM_EVICTION_LFU)
+        first = access->frequency;
+    else if (spec->policy == EM_EVICTION_AGE)
+        first = UINT32_MAX - (uint32_t)(spec->update_clock - access->updated);
+    return (em_evict_candidate){
+        .rank = (unsigned __int128)first << 64 | access->accessed,
+        .row = row,
+        .key = key,
+    };
+}
+
+static bool goes_first(const em_evict_candidate *a, const em_evict_candidate *b)
+{
+    return a->rank < b->rank;
+}
+
+static void swap_candidates(em_evict_candidate *a, em_evict_candidate *b)
+{
+    em_evict_candidate t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Reorders c[0..n) so that its k first by the policy come first: quickselect with a
+ * median-of-three pivot and a three-way partition, since many rows share a rank (every
+ * row of one request has the same last access). Which of equal ranks make the k
+ * depends on the input order only, which the map's walk fixes. */
+static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k)
+{
+    uint64_t low = 0, high = n; /* the k-th lies in [low, high) */
+    while (k > low && k < high && high - low > 1) {
+        uint64_t middle = low + (high - low) / 2, last = high - 1;
+        if (goes_first(&c[middle], &c[low]))
+            swap_candidates(&c[middle], &c[low]);
+        if (goes_first(&c[last], &c[low]))
+            swap_candidates(&c[last], &c[low]);
+        if (goes_first(&c[last], &c[middle]))
+            swap_candidates(&c[last], &c[middle]);
+        em_evict_candidate pivot = c[middle];
+        /* [low, before) go first, [before, i) equal the pivot, [after, high) go after */
+        uint64_t before = low, i = low, after = high;
+        while (i < after) {
+            if (goes_first(&c[i], &pivot))
+                swap_candidates(&c[i++], &c[before++]);
+            else if (goes_first(&pivot, &c[i]))
+                swap_candidates(&c[i], &c[--after]);
+            else
+                i++;
+        }
+        if (k <= before)
+            high = before;
+        else if (k >= after)
+            low = after;
+        else
+            return; /* the k-th is among the equal ones */
+    }
+}
+
+/* ---- the chooser ------------------------------------------------------------------------- */
+
+em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec *spec, em_error *err)
+{
+    memset(c, 0, sizeof(*c));
+    c->spec = *spec;
+    uint64_t per_row = spec->candidates > 0 ? spec->candidates : 1;
+    c->window = spec->count > UINT64_MAX / per_row ? UINT64_MAX : spec->count * per_row;
+    c->room = spec->count + (spec->count > EM_EVICT_BLOCK / 3 ? 3 * spec->count : EM_EVICT_BLOCK);
+    em_status status = row_set_make(c, spec->kept, spec->kept_count, err);
+    if (status != EM_OK)
+        return status;
+    c->pool = malloc(c->room * sizeof(em_evict_candidate));
+    if (c->pool == NULL) {
+        em_evict_chooser_end(c);
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    }
+    return EM_OK;
+}
+
+uint64_t em_evict_chooser_want(const em_evict_chooser *c)
+{
+    if (c->seen < c->window)
+        return c->window - c->seen < EM_EVICT_BLOCK ? c->window - c->seen : EM_EVICT_BLOCK;
+    return c->have < c->spec.count ? EM_EVICT_BLOCK : 0;
+}
+
+void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, const uint64_t *rows,
+                            const em_row_access *access, uint64_t n)
+{
+    c->seen += n;
+    if (c->have + n > c->room) { /* keep the best count so far, make room for the block */
+        keep_first(c->pool, c->have, c->spec.count);
+        c->have = c->spec.count;
+        c->bar = c->pool[0];
+        for (uint64_t i = 1; i < c->have; i++)
+            if (goes_first(&c->bar, &c->pool[i]))
+                c->bar = c->pool[i];
+        c->barred = true;
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        if (row_kept(c, rows[i]))
+            continue;
+        em_evict_candidate candidate = candidate_of(&c->spec, &access[i], keys[i], rows[i]);
+        if (!c->barred || goes_first(&candidate, &c->bar))
+            c->pool[c->have++] = candidate;
+    }
+}
+
+em_status em_evict_chooser_finish(em_evict_chooser *c, uint64_t *keys, uint64_t *rows,
+                                  em_error *err)
+{
+    if (c->have < c->spec.count)
+        return em_error_set(err, EM_INTERNAL,
+                            "eviction found only %" PRIu64 " of %" PRIu64
+                            " rows outside the request",
+                            c->have, c->spec.count);
+    keep_first(c->pool, c->have, c->spec.count);
+    for (uint64_t v = 0; v < c->spec.count; v++) {
+        keys[v] = c->pool[v].key;
+        rows[v] = c->pool[v].row;
+    }
+    return EM_OK;
+}
+
+void em_evict_chooser_end(em_evict_chooser *c)
+{
+    free(c->kept_slots);
+    free(c->pool);
+    c->kept_slots = NULL;
+    c->pool = NULL;
+}
