@@ -230,11 +230,14 @@ typedef struct em_gpu_slot {
     uint64_t row;
 } em_gpu_slot;
 
-/* Device-resident counters of a map. */
+/* Device-resident counters of a map. Keys stored = rows - free_count. */
 typedef struct em_gpu_map_header {
-    uint64_t rows;          /* rows handed out (dense from 0) = keys stored */
+    uint64_t rows;          /* rows handed out from the counter (dense from 0): the row limit */
     uint64_t side_rows[2];  /* rows of the keys EMPTY and TOMBSTONE, or ROW_NONE */
     uint64_t overflow;      /* set when an insert found no free slot */
+    uint64_t free_count;    /* released rows in the map's free list */
+    uint64_t free_taken;    /* of them, taken by inserts since the last settle */
+    uint64_t tombstones;    /* erased slots not yet dropped by a rehash */
 } em_gpu_map_header;
 
 typedef struct em_gpu_map {
@@ -243,6 +246,8 @@ typedef struct em_gpu_map {
     em_gpu_map_header *header;
     uint64_t seed; /* xor-ed into keys before hashing them for slots (EM_HASHMAP_SEED, or a
                     * loaded table's own: em_table_create_seeded) */
+    uint64_t *free_rows; /* released rows, free_count of them (room for every erase
+                          * launched); NULL for a map nothing was erased from */
 } em_gpu_map;
 
 /* Every slot to (EMPTY, ROW_NONE). */
@@ -251,9 +256,18 @@ em_gpu_status em_gpu_map_clear(em_gpu_stream *stream, em_gpu_slot *slots, uint64
 em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                               uint64_t n, uint64_t *rows, uint64_t *missing);
 /* For each i with rows[i] == ROW_NONE: rows[i] = the row of keys[i], inserting the key
- * with the next row of header->rows when absent (inserted[i] = 1 then, else 0). */
+ * when absent (inserted[i] = 1 then, else 0) with a released row from the top of the
+ * free list while there is one, else the next row of header->rows. Settle the map
+ * before its next erase. */
 em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                 uint64_t n, uint64_t *rows, uint8_t *inserted);
+/* Removes keys[i] where rows is NULL or rows[i] is a stored row: the key's slot becomes
+ * a tombstone (header->tombstones grows), or its side row ROW_NONE, and its row goes
+ * on the free list. Keys distinct; the free list has room. */
+em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
+                               const uint64_t *rows, uint64_t n);
+/* After inserts: drops the released rows they took from the free list (one thread). */
+em_gpu_status em_gpu_map_settle(em_gpu_stream *stream, em_gpu_map map);
 /* Places every key of old_slots (with its row) into the empty map. */
 em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
                                 uint64_t old_slot_count, em_gpu_map map);

@@ -376,13 +376,28 @@ EM_HOST_DEVICE uint64_t em_gpu_wait_row(const uint64_t *address, uint64_t unpubl
     }
 }
 
-EM_HOST_DEVICE uint64_t em_gpu_claim_side(em_gpu_map_header *header, int side, int *inserted)
+/* A row for a new key: a released one from the top of the free list while there is
+ * one (free_count does not change during an insert launch; the settle that follows
+ * drops the ones taken), else the next never used. */
+EM_HOST_DEVICE uint64_t em_gpu_take_row(em_gpu_map map)
 {
+    uint64_t free_count = map.header->free_count;
+    if (free_count > 0) {
+        uint64_t taken = em_gpu_atomic_add_u64(&map.header->free_taken, 1);
+        if (taken < free_count)
+            return map.free_rows[free_count - 1 - taken];
+    }
+    return em_gpu_atomic_add_u64(&map.header->rows, 1);
+}
+
+EM_HOST_DEVICE uint64_t em_gpu_claim_side(em_gpu_map map, int side, int *inserted)
+{
+    em_gpu_map_header *header = map.header;
     uint64_t held =
         em_gpu_atomic_cas_u64(&header->side_rows[side], EM_GPU_ROW_NONE, EM_GPU_ROW_PENDING);
     if (held != EM_GPU_ROW_NONE)
         return em_gpu_wait_row(&header->side_rows[side], EM_GPU_ROW_PENDING);
-    uint64_t row = em_gpu_atomic_add_u64(&header->rows, 1);
+    uint64_t row = em_gpu_take_row(map);
     em_gpu_store_u64(&header->side_rows[side], row);
     *inserted = 1;
     return row;
@@ -397,14 +412,14 @@ EM_HOST_DEVICE uint64_t em_gpu_map_insert_key(em_gpu_map map, uint64_t key, int 
     *inserted = 0;
     int side = em_gpu_side_index(key);
     if (side >= 0)
-        return em_gpu_claim_side(map.header, side, inserted);
+        return em_gpu_claim_side(map, side, inserted);
     uint64_t slot = em_gpu_map_home(key, map.seed, map.slot_count);
     for (uint64_t probe = 0; probe < map.slot_count; probe++) {
         uint64_t held = em_gpu_load_u64(&map.slots[slot].key);
         if (held == EM_GPU_EMPTY_KEY) {
             held = em_gpu_atomic_cas_u64(&map.slots[slot].key, EM_GPU_EMPTY_KEY, key);
             if (held == EM_GPU_EMPTY_KEY) {
-                uint64_t row = em_gpu_atomic_add_u64(&map.header->rows, 1);
+                uint64_t row = em_gpu_take_row(map);
                 em_gpu_store_u64(&map.slots[slot].row, row);
                 *inserted = 1;
                 return row;
@@ -432,6 +447,58 @@ EM_HOST_DEVICE void em_gpu_map_insert_item(em_gpu_map map, const uint64_t *keys,
     if (rows[i] == EM_GPU_ROW_NONE)
         rows[i] = em_gpu_map_insert_key(map, keys[i], &fresh);
     inserted[i] = (uint8_t)fresh;
+}
+
+/* Puts a released row on the free list (erases run alone: no insert takes rows). */
+EM_HOST_DEVICE void em_gpu_release_row(em_gpu_map map, uint64_t row)
+{
+    uint64_t at = em_gpu_atomic_add_u64(&map.header->free_count, 1);
+    map.free_rows[at] = row;
+}
+
+/* Removes key (its slot becomes a tombstone, its row goes on the free list); returns
+ * its row, or ROW_NONE when it was absent. Erases run with nothing else on the map. */
+EM_HOST_DEVICE uint64_t em_gpu_map_erase_key(em_gpu_map map, uint64_t key)
+{
+    int side = em_gpu_side_index(key);
+    if (side >= 0) {
+        uint64_t row = map.header->side_rows[side];
+        if (row == EM_GPU_ROW_NONE)
+            return row;
+        map.header->side_rows[side] = EM_GPU_ROW_NONE;
+        em_gpu_release_row(map, row);
+        return row;
+    }
+    uint64_t slot = em_gpu_map_home(key, map.seed, map.slot_count);
+    for (uint64_t probe = 0; probe < map.slot_count; probe++) {
+        uint64_t held = map.slots[slot].key;
+        if (held == key) {
+            uint64_t row = map.slots[slot].row;
+            map.slots[slot].key = EM_GPU_TOMBSTONE_KEY;
+            em_gpu_atomic_add_u64(&map.header->tombstones, 1);
+            em_gpu_release_row(map, row);
+            return row;
+        }
+        if (held == EM_GPU_EMPTY_KEY)
+            return EM_GPU_ROW_NONE;
+        slot = em_gpu_map_next(slot, map.slot_count);
+    }
+    return EM_GPU_ROW_NONE;
+}
+
+EM_HOST_DEVICE void em_gpu_map_erase_item(em_gpu_map map, const uint64_t *keys,
+                                          const uint64_t *rows, uint64_t i)
+{
+    if (rows == NULL || rows[i] < EM_GPU_ROW_PENDING)
+        em_gpu_map_erase_key(map, keys[i]);
+}
+
+EM_HOST_DEVICE void em_gpu_map_settle_item(em_gpu_map map)
+{
+    uint64_t taken = map.header->free_taken;
+    uint64_t free_count = map.header->free_count;
+    map.header->free_count = taken < free_count ? free_count - taken : 0;
+    map.header->free_taken = 0;
 }
 
 /* Rehash: puts old slot i's key (with its row) into the new, empty map. */

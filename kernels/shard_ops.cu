@@ -4,7 +4,9 @@
  *
  * The map is open addressing with linear probing over 16-byte slots {key, row}; a
  * slot is claimed by 64-bit compare-and-swap of its key (kernels/kernel_logic.h has
- * the protocol). Lookups are one thread per key. Optimizer steps are one thread per
+ * the protocol). Erasing tombstones a slot and puts its row on the map's free list,
+ * which later inserts take rows from (a counter of rows taken during the launch, then
+ * a one-thread settle); rehashes drop the tombstones. Lookups are one thread per key. Optimizer steps are one thread per
  * element for sgd and adagrad, and one warp per row for rowwise adagrad (whose mean
  * of g*g is a warp reduction) and adam (whose step count is read by every lane before
  * lane 0 advances it).
@@ -33,6 +35,19 @@ __global__ void map_insert_kernel(em_gpu_map map, const uint64_t *keys, uint64_t
 {
     EM_GPU_FOR_EACH(i, n)
     em_gpu_map_insert_item(map, keys, i, rows, inserted);
+}
+
+__global__ void map_erase_kernel(em_gpu_map map, const uint64_t *keys, const uint64_t *rows,
+                                 uint64_t n)
+{
+    EM_GPU_FOR_EACH(i, n)
+    em_gpu_map_erase_item(map, keys, rows, i);
+}
+
+__global__ void map_settle_kernel(em_gpu_map map)
+{
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        em_gpu_map_settle_item(map);
 }
 
 __global__ void map_rehash_kernel(const em_gpu_slot *old_slots, uint64_t old_slot_count,
@@ -67,6 +82,21 @@ extern "C" em_gpu_status em_gpu_map_clear(em_gpu_stream *stream, em_gpu_slot *sl
     EM_GPU_CALL(cudaMemsetAsync,
                 (slots, 0xff, slot_count * sizeof(em_gpu_slot), stream->stream));
     return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map,
+                                          const uint64_t *keys, const uint64_t *rows, uint64_t n)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_erase_kernel, n, stream, map, keys, rows, n);
+}
+
+extern "C" em_gpu_status em_gpu_map_settle(em_gpu_stream *stream, em_gpu_map map)
+{
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_settle_kernel, 1, stream, map);
 }
 
 extern "C" em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map,

@@ -322,6 +322,7 @@ static const em_device_ops cuda_device_ops = {
     .shard_read_rows = em__cuda_shard_read_rows,
     .shard_write_rows = em__cuda_shard_write_rows,
     .shard_stats = em__cuda_shard_stats,
+    .shard_erase = em__cuda_shard_erase,
     .destroy = cuda_device_destroy,
 };
 

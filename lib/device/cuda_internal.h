@@ -77,8 +77,13 @@ typedef struct cuda_shard {
     uint64_t slot_count;
     uint64_t hash_seed;    /* the map's seed (EM_HASHMAP_SEED unless the table has one) */
     em_gpu_map_header *header;
-    uint64_t size;         /* keys stored (= rows handed out) */
+    uint64_t size;         /* keys stored (host copy of header rows - free_count) */
     uint64_t side_rows[2]; /* rows of the keys EMPTY and TOMBSTONE, host copy */
+    uint64_t row_limit;    /* rows handed out from the counter (host copy) */
+    uint64_t free_count;   /* released rows waiting for reuse (host copy) */
+    uint64_t tombstones;   /* erased slots (host copy) */
+    uint64_t *free_rows;   /* the map's free list (device), free_capacity entries */
+    uint64_t free_capacity;
     /* row storage */
     float **blocks;        /* host table of device block pointers */
     float **device_blocks; /* the same table on the device */
@@ -216,6 +221,8 @@ em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
                                         const uint64_t *keys, uint64_t n, uint64_t *rows,
                                         bool initialize, em_error *err);
 
+em_status em__cuda_shard_erase(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                               const uint64_t *rows, uint64_t n, em_error *err);
 em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
                                  em_error *err);
 

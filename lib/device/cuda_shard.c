@@ -73,7 +73,8 @@ static em_gpu_map map_view(const cuda_shard *shard)
     return (em_gpu_map){.slots = shard->slots,
                         .slot_count = shard->slot_count,
                         .header = shard->header,
-                        .seed = shard->hash_seed};
+                        .seed = shard->hash_seed,
+                        .free_rows = shard->free_rows};
 }
 
 static em_gpu_storage storage_view(const cuda_shard *shard)
@@ -118,12 +119,16 @@ static em_status rehash_map(cuda_shard *shard, cuda_lane *lane, uint64_t slot_co
                                        (void **)&slots, err);
     if (status != EM_OK)
         return status;
-    em_gpu_map grown = {
-        .slots = slots, .slot_count = slot_count, .header = shard->header, .seed = shard->hash_seed};
+    em_gpu_map grown = map_view(shard);
+    grown.slots = slots;
+    grown.slot_count = slot_count;
     status = lane_check(lane, em_gpu_map_clear(lane->stream, slots, slot_count), err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_map_rehash(lane->stream, shard->slots, shard->slot_count,
                                                      grown), err);
+    if (status == EM_OK) /* the rehash left the tombstones behind */
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, &shard->header->tombstones, 0,
+                                                      sizeof(uint64_t)), err);
     em_status synced = em__cuda_lane_sync(lane, status == EM_OK ? err : NULL);
     if (status == EM_OK)
         status = synced;
@@ -134,18 +139,22 @@ static em_status rehash_map(cuda_shard *shard, cuda_lane *lane, uint64_t slot_co
     em_device_free(device, shard->slots);
     shard->slots = slots;
     shard->slot_count = slot_count;
+    shard->tombstones = 0;
     return EM_OK;
 }
 
-/* Grows the map (doubling) so that new_keys more keys stay within the maximum load. */
+/* Makes room for new_keys more keys within the maximum load, counting tombstones as
+ * used: a rehash in place drops them while the live keys fill at most three quarters
+ * of the budget (as the CPU map does), else the map doubles until they fit. */
 static em_status reserve_map(cuda_shard *shard, cuda_lane *lane, uint64_t new_keys, em_error *err)
 {
-    uint64_t needed = shard->size - side_keys(shard) + new_keys;
-    if (needed <= max_slot_keys(shard->slot_count))
+    uint64_t live = shard->size - side_keys(shard) + new_keys;
+    if (live + shard->tombstones <= max_slot_keys(shard->slot_count))
         return EM_OK;
     uint64_t slot_count = shard->slot_count;
-    while (max_slot_keys(slot_count) < needed)
-        slot_count *= 2;
+    if (live > max_slot_keys(slot_count) / 4 * 3)
+        while (max_slot_keys(slot_count) < live)
+            slot_count *= 2;
     return rehash_map(shard, lane, slot_count, err);
 }
 
@@ -231,6 +240,7 @@ void em__cuda_shard_destroy(em_shard *base)
         em_device_free(device, shard->blocks[b]);
     free(shard->blocks);
     em_device_free(device, shard->device_blocks);
+    em_device_free(device, shard->free_rows);
     em_device_free(device, shard->slots);
     em_device_free(device, shard->header);
     destroy_shard_events(shard, state_of(device)->lane_count);
@@ -346,8 +356,10 @@ em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_key
 {
     cuda_shard *shard = shard_of(base);
     em_status status = reserve_map(shard, lane_of(lane), new_keys, err);
+    /* released rows take new keys first */
+    uint64_t fresh = new_keys > shard->free_count ? new_keys - shard->free_count : 0;
     if (status == EM_OK)
-        status = reserve_storage(shard, lane_of(lane), shard->size + new_keys, err);
+        status = reserve_storage(shard, lane_of(lane), shard->row_limit + fresh, err);
     return status;
 }
 
@@ -360,7 +372,10 @@ static em_status read_back_header(cuda_shard *shard, cuda_lane *lane, em_error *
         em__cuda_copy_to_host(&lane->base, &header, shard->header, sizeof(header), err);
     if (status != EM_OK)
         return status;
-    shard->size = header.rows;
+    shard->size = header.rows - header.free_count;
+    shard->row_limit = header.rows;
+    shard->free_count = header.free_count;
+    shard->tombstones = header.tombstones;
     shard->side_rows[0] = header.side_rows[0];
     shard->side_rows[1] = header.side_rows[1];
     if (header.overflow != 0 || header.rows > storage_rows(shard))
@@ -391,6 +406,8 @@ em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
         status = lane_check(lane, em_gpu_map_insert(lane->stream, map_view(shard), keys, n, rows,
                                                     inserted), err);
     if (status == EM_OK)
+        status = lane_check(lane, em_gpu_map_settle(lane->stream, map_view(shard)), err);
+    if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_init(lane->stream, storage_view(shard), keys, rows,
                                                    inserted, n, shard->initializer,
                                                    shard->optimizer), err);
@@ -402,6 +419,57 @@ em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
         return em__cuda_finish_async(&s, lane, status, err);
     scratch_free_now(&s);
     return EM_OK;
+}
+
+/* Makes the free list hold count rows, keeping the ones on it. */
+static em_status reserve_free_rows(cuda_shard *shard, cuda_lane *lane, uint64_t count,
+                                   em_error *err)
+{
+    if (count <= shard->free_capacity)
+        return EM_OK;
+    uint64_t capacity = shard->free_capacity < 1024 ? 1024 : 2 * shard->free_capacity;
+    if (capacity < count)
+        capacity = count;
+    uint64_t *grown = NULL;
+    em_status status = em_device_alloc(shard->base.device, capacity * sizeof(uint64_t),
+                                       "free row list", (void **)&grown, err);
+    if (status != EM_OK)
+        return status;
+    if (shard->free_count > 0)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, grown, shard->free_rows,
+                                                      shard->free_count * sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = em__cuda_lane_sync(lane, err);
+    if (status != EM_OK) {
+        em_device_free(shard->base.device, grown);
+        return status;
+    }
+    em_device_free(shard->base.device, shard->free_rows);
+    shard->free_rows = grown;
+    shard->free_capacity = capacity;
+    return EM_OK;
+}
+
+/* Tombstones the keys' slots and puts their rows on the free list (keys and rows on
+ * the device). */
+em_status em__cuda_shard_erase(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                               const uint64_t *rows, uint64_t n, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    if (n == 0)
+        return EM_OK;
+    em_status status = reserve_free_rows(shard, lane, shard->free_count + n, err);
+    if (status == EM_OK)
+        status = order_write(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_map_erase(lane->stream, map_view(shard), keys, rows, n),
+                            err);
+    if (status == EM_OK)
+        status = record_write(shard, lane, err);
+    if (status == EM_OK)
+        status = read_back_header(shard, lane, err);
+    return status;
 }
 
 em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,

@@ -586,6 +586,26 @@ em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uin
     return ok();
 }
 
+em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
+                               const uint64_t *rows, uint64_t n)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        em_gpu_map_erase_item(map, keys, rows, i);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_map_settle(em_gpu_stream *stream, em_gpu_map map)
+{
+    (void)stream;
+    enter_device();
+    em_gpu_map_settle_item(map);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
                                 uint64_t old_slot_count, em_gpu_map map)
 {
