@@ -285,10 +285,20 @@ em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu_map map, u
 
 /* ---- shards: row storage -------------------------------------------------------------- */
 
+/* Per-row access metadata (the layout of lib/device/eviction.h em_row_access). */
+typedef struct em_gpu_row_access {
+    uint64_t accessed;  /* the table's request clock at the row's last pull or push */
+    uint32_t updated;   /* the table's push clock at its last push or creation */
+    uint32_t frequency; /* pulls and pushes of the row (saturating) */
+} em_gpu_row_access;
+
 /* Rows live in fixed-size blocks: row r at blocks[r >> block_shift] + (r & block_mask) *
- * stride floats, as dim weights then the optimizer state (row_floats in all). */
+ * stride floats, as dim weights then the optimizer state (row_floats in all). Tables
+ * whose eviction tracks access keep each row's metadata at access[r >> block_shift] +
+ * (r & block_mask). */
 typedef struct em_gpu_storage {
     float *const *blocks; /* device array of device pointers */
+    em_gpu_row_access *const *access; /* device array of device pointers, or NULL */
     uint32_t block_shift;
     uint64_t block_mask;
     uint32_t stride;      /* floats between rows, a multiple of 4 */
@@ -297,17 +307,20 @@ typedef struct em_gpu_storage {
     uint64_t row_limit;   /* rows the blocks hold; initialisation never writes past it */
 } em_gpu_storage;
 
-/* Initial weights and optimizer state of the rows with inserted[i] != 0. */
+/* Initial weights and optimizer state of the rows with inserted[i] != 0 (and zeroed
+ * access metadata where the storage keeps it). */
 em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *keys, const uint64_t *rows,
                                const uint8_t *inserted, uint64_t n,
                                em_initializer_config initializer, em_optimizer_config optimizer);
-/* vectors[t] = weights of rows[i], zeros for ROW_NONE (dim floats each), where t =
+/* vectors[t] = weights of rows[i], zeros for ROW_NONE and a refused key's row
+ * (ROW_PENDING, lib/device/device.h EM_ROW_REJECTED) (dim floats each), where t =
  * targets[i], or i when targets is NULL. */
 em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
                                  const uint64_t *rows, uint64_t n, const uint32_t *targets,
                                  float *vectors);
-/* One optimizer step per row with gradients[i]; rows distinct. */
+/* One optimizer step per row with gradients[i]; rows distinct; refused keys' rows
+ * (ROW_PENDING) are skipped. */
 em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, const uint64_t *rows, uint64_t n,
                                 const float *gradients);
@@ -319,6 +332,24 @@ em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, em_initializer_config initializer,
                                 const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                 const float *gradients, uint64_t *first);
+/* vectors[t] = the initial weights of keys[i] for every i whose rows[i] is a refused
+ * key's (ROW_PENDING); t as in em_gpu_rows_gather. */
+em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage storage,
+                                       em_initializer_config initializer, const uint64_t *keys,
+                                       const uint64_t *rows, uint64_t n, const uint32_t *targets,
+                                       float *vectors);
+/* Records an access of each stored rows[i] (distinct): last access = accessed, frequency
+ * + 1 (saturating), last update = updated when pushed or when the row is new (frequency
+ * 0). */
+em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
+                                const uint64_t *rows, uint64_t n, uint64_t accessed,
+                                uint32_t updated, int pushed);
+/* out[i] = the access metadata of rows[i]. */
+em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
+                                 const uint64_t *rows, uint64_t n, em_gpu_row_access *out);
+/* The access metadata of rows[i] = in[i]. */
+em_gpu_status em_gpu_access_write(em_gpu_stream *stream, em_gpu_storage storage,
+                                  const uint64_t *rows, uint64_t n, const em_gpu_row_access *in);
 /* values[i] = whole row (row_floats floats) of rows[i]. */
 em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *rows, uint64_t n, float *values);

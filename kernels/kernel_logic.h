@@ -547,6 +547,11 @@ EM_HOST_DEVICE float *em_gpu_row_address(em_gpu_storage storage, uint64_t row)
     return storage.blocks[row >> storage.block_shift] + (row & storage.block_mask) * storage.stride;
 }
 
+EM_HOST_DEVICE em_gpu_row_access *em_gpu_row_access_of(em_gpu_storage storage, uint64_t row)
+{
+    return storage.access[row >> storage.block_shift] + (row & storage.block_mask);
+}
+
 /* Element j (< dim + state floats) of a new row: the initializer's value for weights,
  * initial_accumulator for (rowwise) adagrad accumulators, 0 for adam's moments and
  * step. */
@@ -573,6 +578,45 @@ EM_HOST_DEVICE void em_gpu_rows_init_element(em_gpu_storage storage, const uint6
         return;
     em_gpu_row_address(storage, rows[i])[j] =
         em_gpu_initial_value(initializer, optimizer, storage.dim, keys[i], j);
+    if (j == 0 && storage.access != NULL) {
+        em_gpu_row_access *access = em_gpu_row_access_of(storage, rows[i]);
+        access->accessed = 0;
+        access->updated = 0;
+        access->frequency = 0;
+    }
+}
+
+/* Whether row names a stored row (not ROW_NONE, nor a refused key's ROW_PENDING). */
+EM_HOST_DEVICE int em_gpu_row_stored(uint64_t row)
+{
+    return row < EM_GPU_ROW_PENDING;
+}
+
+EM_HOST_DEVICE void em_gpu_rows_touch_item(em_gpu_storage storage, const uint64_t *rows,
+                                           uint64_t i, uint64_t accessed, uint32_t updated,
+                                           int pushed)
+{
+    if (!em_gpu_row_stored(rows[i]))
+        return;
+    em_gpu_row_access *access = em_gpu_row_access_of(storage, rows[i]);
+    uint32_t frequency = access->frequency;
+    access->accessed = accessed;
+    if (frequency != UINT32_MAX)
+        access->frequency = frequency + 1;
+    if (pushed || frequency == 0) /* pushed, or created by this request */
+        access->updated = updated;
+}
+
+EM_HOST_DEVICE void em_gpu_access_read_item(em_gpu_storage storage, const uint64_t *rows,
+                                            uint64_t i, em_gpu_row_access *out)
+{
+    out[i] = *em_gpu_row_access_of(storage, rows[i]);
+}
+
+EM_HOST_DEVICE void em_gpu_access_write_item(em_gpu_storage storage, const uint64_t *rows,
+                                             uint64_t i, const em_gpu_row_access *in)
+{
+    *em_gpu_row_access_of(storage, rows[i]) = in[i];
 }
 
 /* Where gathered vector i goes: targets[i] when the gather scatters into a per-key
@@ -588,7 +632,18 @@ EM_HOST_DEVICE void em_gpu_rows_gather_element(em_gpu_storage storage, const uin
 {
     uint64_t row = rows[i];
     vectors[em_gpu_gather_target(targets, i) * storage.dim + j] =
-        row == EM_GPU_ROW_NONE ? 0.0f : em_gpu_row_address(storage, row)[j];
+        row >= EM_GPU_ROW_PENDING ? 0.0f : em_gpu_row_address(storage, row)[j];
+}
+
+EM_HOST_DEVICE void em_gpu_rows_fill_initial_element(em_gpu_storage storage,
+                                                     const em_initializer_config *initializer,
+                                                     const uint64_t *keys, const uint64_t *rows,
+                                                     const uint32_t *targets, float *vectors,
+                                                     uint64_t i, uint32_t j)
+{
+    if (rows[i] == EM_GPU_ROW_PENDING)
+        vectors[em_gpu_gather_target(targets, i) * storage.dim + j] =
+            em_initializer_value(initializer, keys[i], j);
 }
 
 /* Four floats at 16-byte aligned addresses, as one vector access on the GPU. */
@@ -619,7 +674,7 @@ EM_HOST_DEVICE void em_gpu_rows_gather_quad(em_gpu_storage storage, const uint64
 {
     uint64_t row = rows[i];
     float *destination = vectors + em_gpu_gather_target(targets, i) * storage.dim + 4 * (uint64_t)q;
-    if (row == EM_GPU_ROW_NONE)
+    if (row >= EM_GPU_ROW_PENDING)
         em_gpu_zero4(destination);
     else
         em_gpu_copy4(destination, em_gpu_row_address(storage, row) + 4 * (uint64_t)q);
@@ -640,13 +695,16 @@ EM_HOST_DEVICE void em_gpu_rows_write_element(em_gpu_storage storage, const uint
 /* ---- optimizer steps -------------------------------------------------------------------- */
 
 /* The check of row i's step (common/row_check.h), before anything is applied: rows[i]
- * ROW_NONE is the row the push will create for keys[i]. */
+ * ROW_NONE is the row the push will create for keys[i]; a refused key's (ROW_PENDING)
+ * takes no step. */
 EM_HOST_DEVICE uint32_t em_gpu_rows_check_item(em_gpu_storage storage,
                                                const em_optimizer_config *optimizer,
                                                const em_initializer_config *initializer,
                                                const uint64_t *keys, const uint64_t *rows,
                                                const float *gradients, uint64_t i)
 {
+    if (rows[i] == EM_GPU_ROW_PENDING)
+        return EM_ROW_CHECK_OK;
     const float *row = rows[i] == EM_GPU_ROW_NONE ? 0 : em_gpu_row_address(storage, rows[i]);
     return em_row_check(optimizer, initializer, storage.dim, row, keys[i],
                         gradients + i * storage.dim);
@@ -662,6 +720,8 @@ EM_HOST_DEVICE void em_gpu_sgd_element(em_gpu_storage storage, const em_optimize
                                        const uint64_t *rows, const float *gradients, uint64_t i,
                                        uint32_t j)
 {
+    if (rows[i] == EM_GPU_ROW_PENDING)
+        return;
     float *weights = em_gpu_row_address(storage, rows[i]);
     em_sgd_element(&weights[j], gradients[i * storage.dim + j], optimizer->learning_rate);
 }
@@ -671,6 +731,8 @@ EM_HOST_DEVICE void em_gpu_adagrad_element(em_gpu_storage storage,
                                            const uint64_t *rows, const float *gradients,
                                            uint64_t i, uint32_t j)
 {
+    if (rows[i] == EM_GPU_ROW_PENDING)
+        return;
     float *weights = em_gpu_row_address(storage, rows[i]);
     em_adagrad_element(&weights[j], &weights[storage.dim + j], gradients[i * storage.dim + j],
                        optimizer->learning_rate, optimizer->eps);

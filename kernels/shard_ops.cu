@@ -231,6 +231,8 @@ __global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_conf
     uint32_t dim = storage.dim;
     FOR_EACH_ROW_OF_WARP(i, n)
     {
+        if (rows[i] == EM_GPU_ROW_PENDING)
+            continue; /* a refused key: the whole warp skips it */
         float *weights = em_gpu_row_address(storage, rows[i]);
         const float *gradient = gradients + i * dim;
         float squares = em_gpu_rowwise_partial(gradient, dim, lane, EM_GPU_ROW_LANES);
@@ -255,6 +257,8 @@ __global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimize
     uint32_t dim = storage.dim;
     FOR_EACH_ROW_OF_WARP(i, n)
     {
+        if (rows[i] == EM_GPU_ROW_PENDING)
+            continue; /* a refused key: the whole warp skips it */
         float *weights = em_gpu_row_address(storage, rows[i]);
         float *first_moment = weights + dim;
         float *second_moment = first_moment + dim;
@@ -270,6 +274,81 @@ __global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimize
         if (lane == 0)
             *step = next;
     }
+}
+
+__global__ void rows_fill_initial_kernel(em_gpu_storage storage,
+                                         em_initializer_config initializer, const uint64_t *keys,
+                                         const uint64_t *rows, uint64_t n,
+                                         const uint32_t *targets, float *vectors, uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.dim, shift)
+    em_gpu_rows_fill_initial_element(storage, &initializer, keys, rows, targets, vectors, i, j);
+}
+
+__global__ void rows_touch_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
+                                  uint64_t accessed, uint32_t updated, int pushed)
+{
+    EM_GPU_FOR_EACH(i, n)
+    em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
+}
+
+__global__ void access_read_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
+                                   em_gpu_row_access *out)
+{
+    EM_GPU_FOR_EACH(i, n)
+    em_gpu_access_read_item(storage, rows, i, out);
+}
+
+__global__ void access_write_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
+                                    const em_gpu_row_access *in)
+{
+    EM_GPU_FOR_EACH(i, n)
+    em_gpu_access_write_item(storage, rows, i, in);
+}
+
+extern "C" em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage storage,
+                                                  em_initializer_config initializer,
+                                                  const uint64_t *keys, const uint64_t *rows,
+                                                  uint64_t n, const uint32_t *targets,
+                                                  float *vectors)
+{
+    if (n == 0 || storage.dim == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(storage.dim);
+    return EM_GPU_LAUNCH(rows_fill_initial_kernel, em_gpu_element_threads(n, shift), stream,
+                         storage, initializer, keys, rows, n, targets, vectors, shift);
+}
+
+extern "C" em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
+                                           const uint64_t *rows, uint64_t n, uint64_t accessed,
+                                           uint32_t updated, int pushed)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(rows_touch_kernel, n, stream, storage, rows, n, accessed, updated,
+                         pushed);
+}
+
+extern "C" em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
+                                            const uint64_t *rows, uint64_t n,
+                                            em_gpu_row_access *out)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(access_read_kernel, n, stream, storage, rows, n, out);
+}
+
+extern "C" em_gpu_status em_gpu_access_write(em_gpu_stream *stream, em_gpu_storage storage,
+                                             const uint64_t *rows, uint64_t n,
+                                             const em_gpu_row_access *in)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(access_write_kernel, n, stream, storage, rows, n, in);
 }
 
 extern "C" em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,

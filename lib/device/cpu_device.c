@@ -431,15 +431,18 @@ static em_status cpu_shard_find(em_shard *base, em_lane *lane, const uint64_t *k
     return EM_OK;
 }
 
+/* An evicted key's slot and row take a new key: evictions erase by backward shift, which
+ * frees the slot, and the row goes on the free stack that inserts take from first. */
 static em_status cpu_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
-                                   em_error *err)
+                                   uint64_t evicted, em_error *err)
 {
     (void)lane;
     cpu_shard *shard = cpu_shard_of(base);
-    em_status status = em_hashmap_reserve(shard->map, new_keys, err);
+    uint64_t fresh = new_keys - evicted;
+    em_status status = em_hashmap_reserve(shard->map, fresh, err);
     if (status != EM_OK)
         return status;
-    return ensure_storage(shard, em_hashmap_row_limit(shard->map) + new_keys, err);
+    return ensure_storage(shard, em_hashmap_row_limit(shard->map) + fresh, err);
 }
 
 /* Copies the keys whose row is missing into `missing` (n entries); returns the count. */

@@ -323,6 +323,12 @@ static const em_device_ops cuda_device_ops = {
     .shard_write_rows = em__cuda_shard_write_rows,
     .shard_stats = em__cuda_shard_stats,
     .shard_erase = em__cuda_shard_erase,
+    .shard_fill_initial = em__cuda_shard_fill_initial,
+    .shard_touch = em__cuda_shard_touch,
+    .shard_read_access = em__cuda_shard_read_access,
+    .shard_write_access = em__cuda_shard_write_access,
+    .shard_evict = em__cuda_shard_evict,
+    .shard_expire = em__cuda_shard_expire,
     .destroy = cuda_device_destroy,
 };
 

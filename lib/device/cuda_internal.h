@@ -91,6 +91,10 @@ typedef struct cuda_shard {
     uint32_t block_shift;
     uint64_t block_mask;
     size_t block_bytes;
+    /* access metadata (tables whose eviction tracks access): one block per row block */
+    bool track_access;
+    em_gpu_row_access **access;        /* host table of device block pointers */
+    em_gpu_row_access **device_access; /* the same table on the device */
     /* ordering between lanes */
     pthread_mutex_t order_lock;
     em_gpu_event *write_event;
@@ -223,7 +227,22 @@ em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
 
 em_status em__cuda_shard_erase(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                const uint64_t *rows, uint64_t n, em_error *err);
-em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
+em_status em__cuda_shard_fill_initial(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                                      const uint64_t *rows, uint64_t n, const uint32_t *targets,
+                                      float *vectors, em_error *err);
+em_status em__cuda_shard_touch(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                               uint64_t n, uint64_t accessed, uint32_t updated, bool pushed,
+                               em_error *err);
+em_status em__cuda_shard_read_access(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                     uint64_t n, em_row_access *out, em_error *err);
+em_status em__cuda_shard_write_access(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                      uint64_t n, const em_row_access *in, em_error *err);
+em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evict_spec *spec,
+                               uint64_t *keys, uint64_t *rows, em_error *err);
+em_status em__cuda_shard_expire(em_shard *base, em_lane *lane_base, uint32_t update_clock,
+                                uint32_t min_age, uint64_t *cursor, uint64_t scan,
+                                uint64_t *keys, uint64_t *rows, uint64_t *count, em_error *err);
+em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys, uint64_t evicted,
                                  em_error *err);
 
 void em__cuda_shard_stats(em_shard *base, em_shard_stats *out);

@@ -81,6 +81,7 @@ static em_gpu_storage storage_view(const cuda_shard *shard)
 {
     return (em_gpu_storage){
         .blocks = shard->device_blocks,
+        .access = shard->track_access ? shard->device_access : NULL,
         .block_shift = shard->block_shift,
         .block_mask = shard->block_mask,
         .stride = shard->stride,
@@ -158,31 +159,76 @@ static em_status reserve_map(cuda_shard *shard, cuda_lane *lane, uint64_t new_ke
     return rehash_map(shard, lane, slot_count, err);
 }
 
-/* Makes the block tables hold `blocks` entries (a new device table; the old one is freed
- * by the caller after a synchronize, returned in *retired). */
-static em_status grow_block_tables(cuda_shard *shard, uint64_t blocks, float ***retired,
+/* A device table of capacity pointers whose first count entries are host_table's,
+ * and host_table grown to capacity (*host_table keeps its entries). */
+static em_status grow_table(cuda_shard *shard, void ***host_table, uint64_t capacity,
+                            void ***device_table, const char *what, em_error *err)
+{
+    em_status status = em_device_alloc(shard->base.device, capacity * sizeof(void *), what,
+                                       (void **)device_table, err);
+    if (status != EM_OK)
+        return status;
+    void **grown = realloc(*host_table, capacity * sizeof(void *));
+    if (grown == NULL) {
+        em_device_free(shard->base.device, *device_table);
+        *device_table = NULL;
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "%s: out of host memory", what);
+    }
+    *host_table = grown;
+    return EM_OK;
+}
+
+/* Makes the block tables (rows, and access metadata where kept) hold `blocks` entries:
+ * new device tables, the old ones returned in retired[0..1] for the caller to free
+ * after a synchronize. */
+static em_status grow_block_tables(cuda_shard *shard, uint64_t blocks, void *retired[2],
                                    em_error *err)
 {
-    *retired = NULL;
+    retired[0] = retired[1] = NULL;
     if (blocks <= shard->block_capacity)
         return EM_OK;
     uint64_t capacity = shard->block_capacity < 16 ? 16 : 2 * shard->block_capacity;
     if (capacity < blocks)
         capacity = blocks;
-    float **device_table = NULL;
-    em_status status = em_device_alloc(shard->base.device, capacity * sizeof(float *),
-                                       "row block table", (void **)&device_table, err);
-    if (status != EM_OK)
+    void **device_rows = NULL, **device_access = NULL;
+    em_status status = grow_table(shard, (void ***)&shard->blocks, capacity, &device_rows,
+                                  "row block table", err);
+    if (status == EM_OK && shard->track_access)
+        status = grow_table(shard, (void ***)&shard->access, capacity, &device_access,
+                            "access block table", err);
+    if (status != EM_OK) {
+        em_device_free(shard->base.device, device_rows);
         return status;
-    float **host_table = realloc(shard->blocks, capacity * sizeof(float *));
-    if (host_table == NULL) {
-        em_device_free(shard->base.device, device_table);
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "row block table: out of host memory");
     }
-    shard->blocks = host_table;
-    *retired = shard->device_blocks;
-    shard->device_blocks = device_table;
+    retired[0] = shard->device_blocks;
+    shard->device_blocks = (float **)device_rows;
+    retired[1] = shard->device_access;
+    shard->device_access = (em_gpu_row_access **)device_access;
     shard->block_capacity = capacity;
+    return EM_OK;
+}
+
+static size_t access_block_bytes(const cuda_shard *shard)
+{
+    return (size_t)(shard->block_mask + 1) * sizeof(em_gpu_row_access);
+}
+
+/* One more block of rows (and of access metadata). */
+static em_status add_block(cuda_shard *shard, em_error *err)
+{
+    void *block = NULL, *access = NULL;
+    em_status status = em_device_alloc(shard->base.device, shard->block_bytes, "row storage",
+                                       &block, err);
+    if (status == EM_OK && shard->track_access)
+        status = em_device_alloc(shard->base.device, access_block_bytes(shard),
+                                 "row access metadata", &access, err);
+    if (status != EM_OK) {
+        em_device_free(shard->base.device, block);
+        return status;
+    }
+    if (shard->track_access)
+        shard->access[shard->block_count] = access;
+    shard->blocks[shard->block_count++] = block;
     return EM_OK;
 }
 
@@ -194,26 +240,26 @@ static em_status reserve_storage(cuda_shard *shard, cuda_lane *lane, uint64_t ro
         return EM_OK;
     uint64_t rows_per = shard->block_mask + 1;
     uint64_t blocks = (rows + rows_per - 1) / rows_per;
-    float **retired = NULL;
-    em_status status = grow_block_tables(shard, blocks, &retired, err);
+    void *retired[2];
+    em_status status = grow_block_tables(shard, blocks, retired, err);
     if (status != EM_OK)
         return status;
     uint64_t before = shard->block_count;
-    while (status == EM_OK && shard->block_count < blocks) {
-        void *block = NULL;
-        status = em_device_alloc(shard->base.device, shard->block_bytes, "row storage", &block,
-                                 err);
-        if (status == EM_OK)
-            shard->blocks[shard->block_count++] = block;
-    }
+    while (status == EM_OK && shard->block_count < blocks)
+        status = add_block(shard, err);
     em_error upload_error;
     em_status published = EM_OK;
-    if (shard->block_count != before || retired != NULL)
+    if (shard->block_count != before || retired[0] != NULL)
         published = em__cuda_copy_to_device(&lane->base, shard->device_blocks, shard->blocks,
                                             shard->block_count * sizeof(float *), &upload_error);
+    if (published == EM_OK && shard->track_access &&
+        (shard->block_count != before || retired[1] != NULL))
+        published = em__cuda_copy_to_device(&lane->base, shard->device_access, shard->access,
+                                            shard->block_count * sizeof(void *), &upload_error);
     if (published == EM_OK)
         published = em__cuda_lane_sync(lane, &upload_error);
-    em_device_free(shard->base.device, retired);
+    em_device_free(shard->base.device, retired[0]);
+    em_device_free(shard->base.device, retired[1]);
     if (status == EM_OK && published != EM_OK)
         return em_error_copy(err, &upload_error);
     return status;
@@ -236,10 +282,15 @@ void em__cuda_shard_destroy(em_shard *base)
         return;
     cuda_shard *shard = shard_of(base);
     em_device *device = base->device;
-    for (uint64_t b = 0; b < shard->block_count; b++)
+    for (uint64_t b = 0; b < shard->block_count; b++) {
         em_device_free(device, shard->blocks[b]);
+        if (shard->track_access)
+            em_device_free(device, shard->access[b]);
+    }
     free(shard->blocks);
+    free(shard->access);
     em_device_free(device, shard->device_blocks);
+    em_device_free(device, shard->device_access);
     em_device_free(device, shard->free_rows);
     em_device_free(device, shard->slots);
     em_device_free(device, shard->header);
@@ -317,6 +368,7 @@ em_status em__cuda_shard_create(em_device *device, const em_shard_spec *spec, em
     shard->index = spec->index;
     shard->optimizer = spec->optimizer;
     shard->initializer = spec->initializer;
+    shard->track_access = spec->track_access;
     /* a loaded table's map hashes with a seed of its own: its rows arrive in the saved
      * map's order, which would crowd the home slots of a map with the same seed */
     shard->hash_seed = spec->hash_seed != 0 ? spec->hash_seed : EM_HASHMAP_SEED;
@@ -351,15 +403,24 @@ em_status em__cuda_shard_find(em_shard *base, em_lane *lane_base, const uint64_t
     return status;
 }
 
-em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys,
+static em_status reserve_free_rows(cuda_shard *shard, cuda_lane *lane, uint64_t count,
+                                   em_error *err);
+
+/* An evicted key's slot stays a tombstone until a rehash, so the map makes room for
+ * every new key; its row goes on the free list (which has room for it from here on),
+ * and inserts take rows from there first. */
+em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_keys, uint64_t evicted,
                                     em_error *err)
 {
     cuda_shard *shard = shard_of(base);
     em_status status = reserve_map(shard, lane_of(lane), new_keys, err);
     /* released rows take new keys first */
-    uint64_t fresh = new_keys > shard->free_count ? new_keys - shard->free_count : 0;
+    uint64_t released = shard->free_count + evicted;
+    uint64_t fresh = new_keys > released ? new_keys - released : 0;
     if (status == EM_OK)
         status = reserve_storage(shard, lane_of(lane), shard->row_limit + fresh, err);
+    if (status == EM_OK && evicted > 0)
+        status = reserve_free_rows(shard, lane_of(lane), shard->free_count + evicted, err);
     return status;
 }
 
@@ -587,14 +648,14 @@ static em_status take_export_buffers(scratch *s, cuda_shard *shard, cuda_lane *l
     return status;
 }
 
-/* Side entries at positions *cursor < 2, into the first device entries. */
+/* Side entries at positions *cursor < 2 (and < end), into the first device entries. */
 static em_status export_side_rows(cuda_shard *shard, cuda_lane *lane, uint64_t *cursor,
-                                  uint64_t limit, const export_buffers *b, uint64_t *taken,
-                                  em_error *err)
+                                  uint64_t end, uint64_t limit, const export_buffers *b,
+                                  uint64_t *taken, em_error *err)
 {
     static const uint64_t side_keys_by_position[2] = {EM_GPU_EMPTY_KEY, EM_GPU_TOMBSTONE_KEY};
     uint64_t keys[2], rows[2], count = 0;
-    for (; *cursor < 2 && count < limit; (*cursor)++) {
+    for (; *cursor < 2 && *cursor < end && count < limit; (*cursor)++) {
         if (shard->side_rows[*cursor] == EM_ROW_NONE)
             continue;
         keys[count] = side_keys_by_position[*cursor];
@@ -610,14 +671,15 @@ static em_status export_side_rows(cuda_shard *shard, cuda_lane *lane, uint64_t *
     return status;
 }
 
-/* One window of slots from *cursor: appends up to limit - *taken entries. */
+/* One window of slots from *cursor (up to position end): appends up to limit - *taken
+ * entries. */
 static em_status export_window(cuda_shard *shard, cuda_lane *lane, uint64_t *cursor,
-                               uint64_t limit, const export_buffers *b, uint64_t *taken,
-                               em_error *err)
+                               uint64_t end, uint64_t limit, const export_buffers *b,
+                               uint64_t *taken, em_error *err)
 {
     em_gpu_map map = map_view(shard);
     uint64_t begin = *cursor - 2;
-    uint64_t count = shard->slot_count - begin < b->window ? shard->slot_count - begin : b->window;
+    uint64_t count = end - *cursor < b->window ? end - *cursor : b->window;
     uint32_t occupied = 0;
     em_status status =
         lane_check(lane, em_gpu_map_export_flags(lane->stream, map, begin, count, b->flags), err);
@@ -675,14 +737,13 @@ static em_status export_rows(cuda_shard *shard, cuda_lane *lane, uint64_t taken,
     return status;
 }
 
-em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cursor,
-                                   uint64_t *keys, float *values, uint64_t *rows, uint64_t max,
-                                   uint64_t *count, em_error *err)
+/* The export of positions [*cursor, end) (end at most 2 + slot_count). */
+static em_status export_range(cuda_shard *shard, cuda_lane *lane, uint64_t *cursor, uint64_t end,
+                              uint64_t *keys, float *values, uint64_t *rows, uint64_t max,
+                              uint64_t *count, em_error *err)
 {
-    cuda_shard *shard = shard_of(base);
-    cuda_lane *lane = lane_of(lane_base);
+    em_shard *base = &shard->base;
     *count = 0;
-    uint64_t end = 2 + shard->slot_count;
     uint64_t entry_bytes = shard->row_floats * sizeof(float) + 2 * sizeof(uint64_t);
     uint64_t limit = EXPORT_MAX_BYTES / entry_bytes;
     limit = limit < 1 ? 1 : limit;
@@ -701,9 +762,9 @@ em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cu
         status = take_export_buffers(&s, shard, lane, limit, &b, err);
     }
     if (status == EM_OK)
-        status = export_side_rows(shard, lane, cursor, limit, &b, &taken, err);
+        status = export_side_rows(shard, lane, cursor, end, limit, &b, &taken, err);
     while (status == EM_OK && taken < limit && *cursor < end)
-        status = export_window(shard, lane, cursor, limit, &b, &taken, err);
+        status = export_window(shard, lane, cursor, end, limit, &b, &taken, err);
     if (status == EM_OK && taken > 0)
         status = export_rows(shard, lane, taken, &b, keys, values, rows, err);
     if (status != EM_OK)
@@ -713,6 +774,15 @@ em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cu
     return EM_OK;
 }
 
+em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cursor,
+                                   uint64_t *keys, float *values, uint64_t *rows, uint64_t max,
+                                   uint64_t *count, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    return export_range(shard, lane_of(lane_base), cursor, 2 + shard->slot_count, keys, values,
+                        rows, max, count, err);
+}
+
 void em__cuda_shard_stats(em_shard *base, em_shard_stats *out)
 {
     cuda_shard *shard = shard_of(base);
@@ -720,5 +790,226 @@ void em__cuda_shard_stats(em_shard *base, em_shard_stats *out)
     out->row_bytes = shard->block_count * shard->block_bytes;
     out->index_bytes = shard->slot_count * sizeof(em_gpu_slot);
     out->row_limit = storage_rows(shard);
+    out->access_bytes = shard->track_access ? shard->block_count * access_block_bytes(shard) : 0;
 }
 
+
+/* ---- shards: capacity policies ------------------------------------------------------- */
+
+_Static_assert(sizeof(em_gpu_row_access) == sizeof(em_row_access) &&
+                   offsetof(em_gpu_row_access, updated) == offsetof(em_row_access, updated) &&
+                   offsetof(em_gpu_row_access, frequency) == offsetof(em_row_access, frequency),
+               "the GPU keeps access metadata as em_row_access");
+
+em_status em__cuda_shard_fill_initial(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                                      const uint64_t *rows, uint64_t n, const uint32_t *targets,
+                                      float *vectors, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    return lane_check(lane_of(lane_base),
+                      em_gpu_rows_fill_initial(lane_of(lane_base)->stream, storage_view(shard),
+                                               shard->initializer, keys, rows, n, targets,
+                                               vectors),
+                      err);
+}
+
+/* Touches write access metadata only, which no gather reads: they are ordered as reads,
+ * so that an eviction (a write) waits for them. */
+em_status em__cuda_shard_touch(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                               uint64_t n, uint64_t accessed, uint32_t updated, bool pushed,
+                               em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    if (!shard->track_access || n == 0)
+        return EM_OK;
+    em_status status = order_read(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_touch(lane->stream, storage_view(shard), rows, n,
+                                                    accessed, updated, pushed ? 1 : 0), err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    return status;
+}
+
+/* out[i] = the access metadata of rows[i], all in host memory. */
+static em_status read_access_host(cuda_shard *shard, cuda_lane *lane, const uint64_t *rows,
+                                  uint64_t n, em_row_access *out, em_error *err)
+{
+    if (n == 0)
+        return EM_OK;
+    scratch s = {.device = shard->base.device};
+    uint64_t *device_rows = NULL;
+    em_gpu_row_access *device_out = NULL;
+    em_status status = scratch_take(&s, n * sizeof(uint64_t), "access rows",
+                                    (void **)&device_rows, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, n * sizeof(em_gpu_row_access), "access metadata",
+                              (void **)&device_out, err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(&lane->base, device_rows, rows, n * sizeof(uint64_t), err);
+    if (status == EM_OK)
+        status = order_read(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_access_read(lane->stream, storage_view(shard),
+                                                     device_rows, n, device_out), err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    if (status == EM_OK) /* synchronizes */
+        status = em__cuda_copy_to_host(&lane->base, out, device_out,
+                                       n * sizeof(em_gpu_row_access), err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, lane, status, err);
+    scratch_free_now(&s);
+    return EM_OK;
+}
+
+em_status em__cuda_shard_read_access(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                     uint64_t n, em_row_access *out, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    if (!shard->track_access)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    return read_access_host(shard, lane_of(lane_base), rows, n, out, err);
+}
+
+em_status em__cuda_shard_write_access(em_shard *base, em_lane *lane_base, const uint64_t *rows,
+                                      uint64_t n, const em_row_access *in, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    if (!shard->track_access)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    if (n == 0)
+        return EM_OK;
+    scratch s = {.device = base->device};
+    uint64_t *device_rows = NULL;
+    em_gpu_row_access *device_in = NULL;
+    em_status status = scratch_take(&s, n * sizeof(uint64_t), "access rows",
+                                    (void **)&device_rows, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, n * sizeof(em_gpu_row_access), "access metadata",
+                              (void **)&device_in, err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(lane_base, device_rows, rows, n * sizeof(uint64_t), err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(lane_base, device_in, in, n * sizeof(em_row_access), err);
+    if (status == EM_OK)
+        status = order_write(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_access_write(lane->stream, storage_view(shard),
+                                                      device_rows, n, device_in), err);
+    if (status == EM_OK)
+        status = record_write(shard, lane, err);
+    if (status == EM_OK)
+        status = em__cuda_lane_sync(lane, err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, lane, status, err);
+    scratch_free_now(&s);
+    return EM_OK;
+}
+
+/* Erases keys[0..n) (host memory, present keys). */
+static em_status erase_host_keys(cuda_shard *shard, cuda_lane *lane, const uint64_t *keys,
+                                 uint64_t n, em_error *err)
+{
+    if (n == 0)
+        return EM_OK;
+    scratch s = {.device = shard->base.device};
+    uint64_t *device_keys = NULL;
+    em_status status = scratch_take(&s, n * sizeof(uint64_t), "erased keys",
+                                    (void **)&device_keys, err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(&lane->base, device_keys, keys, n * sizeof(uint64_t),
+                                         err);
+    if (status == EM_OK) /* reads the header back: synchronizes */
+        status = em__cuda_shard_erase(&shard->base, &lane->base, device_keys, NULL, n, err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, lane, status, err);
+    scratch_free_now(&s);
+    return EM_OK;
+}
+
+/* The walk of lib/device/eviction.h over the map's export positions, from spec->random:
+ * [start, end) then [0, start). */
+em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evict_spec *spec,
+                               uint64_t *keys, uint64_t *rows, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    if (!shard->track_access)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    em_evict_chooser chooser;
+    em_status status = em_evict_chooser_begin(&chooser, spec, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t *walk_keys = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
+    uint64_t *walk_rows = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
+    em_row_access *walk_access = malloc(EM_EVICT_BLOCK * sizeof(em_row_access));
+    if (walk_keys == NULL || walk_rows == NULL || walk_access == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    uint64_t positions = 2 + shard->slot_count, start = spec->random % positions;
+    uint64_t cursor = start, end = positions;
+    bool wrapped = false;
+    for (uint64_t want; status == EM_OK && (want = em_evict_chooser_want(&chooser)) > 0;) {
+        if (cursor >= end) {
+            if (wrapped)
+                break; /* every entry seen */
+            wrapped = true;
+            cursor = 0;
+            end = start;
+            continue;
+        }
+        uint64_t got = 0;
+        status = export_range(shard, lane, &cursor, end, walk_keys, NULL, walk_rows, want, &got,
+                              err);
+        if (status == EM_OK)
+            status = read_access_host(shard, lane, walk_rows, got, walk_access, err);
+        if (status == EM_OK)
+            em_evict_chooser_offer(&chooser, walk_keys, walk_rows, walk_access, got);
+    }
+    if (status == EM_OK)
+        status = em_evict_chooser_finish(&chooser, keys, rows, err);
+    if (status == EM_OK)
+        status = erase_host_keys(shard, lane, keys, spec->count, err);
+    em_evict_chooser_end(&chooser);
+    free(walk_keys);
+    free(walk_rows);
+    free(walk_access);
+    return status;
+}
+
+em_status em__cuda_shard_expire(em_shard *base, em_lane *lane_base, uint32_t update_clock,
+                                uint32_t min_age, uint64_t *cursor, uint64_t scan,
+                                uint64_t *keys, uint64_t *rows, uint64_t *count, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    *count = 0;
+    if (!shard->track_access)
+        return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    /* the examined entries land in keys/rows, the expired ones are packed in front */
+    uint64_t end = 2 + shard->slot_count, got = 0;
+    em_status status = export_range(shard, lane, cursor, end, keys, NULL, rows, scan, &got, err);
+    em_row_access *access = got > 0 ? malloc(got * sizeof(em_row_access)) : NULL;
+    if (status == EM_OK && got > 0 && access == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "expiry: out of host memory");
+    if (status == EM_OK)
+        status = read_access_host(shard, lane, rows, got, access, err);
+    if (status == EM_OK) {
+        if (*cursor >= end) /* the export reached the end of the map */
+            *cursor = 0;
+        for (uint64_t i = 0; i < got; i++) {
+            if ((uint32_t)(update_clock - access[i].updated) < min_age)
+                continue;
+            keys[*count] = keys[i];
+            rows[*count] = rows[i];
+            (*count)++;
+        }
+        status = erase_host_keys(shard, lane, keys, *count, err);
+    }
+    if (status != EM_OK)
+        *count = 0;
+    free(access);
+    return status;
+}

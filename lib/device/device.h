@@ -162,9 +162,12 @@ typedef struct em_device_ops {
      * Safe concurrently with other finds and gathers on the shard. */
     em_status (*shard_find)(em_shard *shard, em_lane *lane, const uint64_t *keys, uint64_t n,
                             uint64_t *rows, uint64_t *missing, em_error *err);
-    /* Makes room (index and storage) for new_keys more keys, so that insert_missing of
-     * that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the pool state. */
-    em_status (*shard_reserve)(em_shard *shard, em_lane *lane, uint64_t new_keys, em_error *err);
+    /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
+     * the shard's rows have been evicted (shard_evict; evicted <= new_keys), so that
+     * insert_missing of that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the
+     * pool state. */
+    em_status (*shard_reserve)(em_shard *shard, em_lane *lane, uint64_t new_keys,
+                               uint64_t evicted, em_error *err);
     /* Inserts the keys whose rows[i] is EM_ROW_NONE with their initial values and
      * optimizer state, storing their new rows in rows[i]. Keys are distinct. Without
      * initialize the caller writes every new row before anyone can read it (an import

@@ -705,17 +705,35 @@ static em_status set_shard_access(em_table *table, uint32_t s, const uint64_t *k
                                   em_error *err)
 {
     em_shard *shard = table->shards[s];
-    const em_device_ops *ops = shard->device->ops;
-    if (!shard->device->host_addressable || ops->shard_write_access == NULL)
+    em_device *device = shard->device;
+    const em_device_ops *ops = device->ops;
+    if (ops->shard_write_access == NULL)
         return em_error_set(err, EM_FAILED_PRECONDITION,
                             "the %s backend keeps no access metadata", table->backend->kind);
     em_lane *lane = NULL;
-    em_status status = ops->lane_acquire(shard->device, &lane, err);
+    em_status status = ops->lane_acquire(device, &lane, err);
     if (status != EM_OK)
         return status;
+    /* find takes keys and gives rows in device memory; write_access takes host memory */
+    uint64_t *device_keys = (uint64_t *)keys, *device_rows = rows;
+    if (!device->host_addressable) {
+        status = em_device_alloc(device, n * sizeof(uint64_t), "access keys",
+                                 (void **)&device_keys, err);
+        if (status == EM_OK)
+            status = em_device_alloc(device, n * sizeof(uint64_t), "access rows",
+                                     (void **)&device_rows, err);
+        if (status == EM_OK)
+            status = ops->copy_to_device(lane, device_keys, keys, n * sizeof(uint64_t), err);
+    }
     pthread_rwlock_wrlock(&table->shard_locks[s]);
     uint64_t missing = 0;
-    status = ops->shard_find(shard, lane, keys, n, rows, &missing, err);
+    if (status == EM_OK)
+        status = ops->shard_find(shard, lane, device_keys, n, device_rows, &missing, err);
+    if (status == EM_OK && !device->host_addressable) {
+        status = ops->copy_to_host(lane, rows, device_rows, n * sizeof(uint64_t), err);
+        if (status == EM_OK)
+            status = ops->synchronize(lane, err);
+    }
     for (uint64_t i = 0; status == EM_OK && missing > 0 && i < n; i++)
         if (!em_row_stored(rows[i]))
             status = em_error_set(err, EM_NOT_FOUND, "key %" PRIu64 " is not in the table",
@@ -723,6 +741,10 @@ static em_status set_shard_access(em_table *table, uint32_t s, const uint64_t *k
     if (status == EM_OK)
         status = ops->shard_write_access(shard, lane, rows, n, access, err);
     pthread_rwlock_unlock(&table->shard_locks[s]);
+    if (!device->host_addressable) {
+        em_device_free(device, device_rows == rows ? NULL : device_rows);
+        em_device_free(device, device_keys == keys ? NULL : device_keys);
+    }
     ops->lane_release(lane);
     return status;
 }

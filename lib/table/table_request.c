@@ -362,18 +362,18 @@ static em_status check_capacity(const request_context *r, em_error *err)
                         pools);
 }
 
-/* Reserves index and storage for the keys each shard creates, less the rows it evicts
- * first (evict: per shard, or NULL): an evicted row's slot and storage take a new key. */
+/* Reserves index and storage for the keys each shard creates, after the rows it evicts
+ * first (evict: per shard, or NULL). */
 static em_status reserve_missing(request_context *r, const uint64_t *evict, em_error *err)
 {
     em_table *table = r->table;
     for (uint32_t s = 0; s < table->shard_count; s++) {
-        uint64_t fresh = r->shard_missing[s] - (evict != NULL ? evict[s] : 0);
-        if (fresh == 0)
+        if (r->shard_missing[s] == 0)
             continue;
         em_device *device = table->shards[s]->device;
         em_lane *lane = r->lanes[table->shard_device[s]];
-        em_status status = device->ops->shard_reserve(table->shards[s], lane, fresh, err);
+        em_status status = device->ops->shard_reserve(table->shards[s], lane, r->shard_missing[s],
+                                                      evict != NULL ? evict[s] : 0, err);
         if (status != EM_OK)
             return em_error_prefix(err, "table '%s' shard %u: cannot make room for %" PRIu64
                                    " new keys, nothing was applied: ",

@@ -680,6 +680,55 @@ em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
+em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage storage,
+                                       em_initializer_config initializer, const uint64_t *keys,
+                                       const uint64_t *rows, uint64_t n, const uint32_t *targets,
+                                       float *vectors)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        for (uint32_t j = 0; j < storage.dim; j++)
+            em_gpu_rows_fill_initial_element(storage, &initializer, keys, rows, targets, vectors,
+                                             i, j);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
+                                const uint64_t *rows, uint64_t n, uint64_t accessed,
+                                uint32_t updated, int pushed)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
+                                 const uint64_t *rows, uint64_t n, em_gpu_row_access *out)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        em_gpu_access_read_item(storage, rows, i, out);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_access_write(em_gpu_stream *stream, em_gpu_storage storage,
+                                  const uint64_t *rows, uint64_t n, const em_gpu_row_access *in)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t i = 0; i < n; i++)
+        em_gpu_access_write_item(storage, rows, i, in);
+    leave_device();
+    return ok();
+}
+
 /* The warp butterfly of kernels/shard_ops.cu: lane l adds lane l ^ offset's value for
  * offset 16, 8, 4, 2, 1; every lane ends with the same sum. */
 static float butterfly_sum(float partial[EM_GPU_ROW_LANES])
@@ -729,6 +778,8 @@ em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
     (void)stream;
     enter_device();
     for (uint64_t i = 0; i < n; i++) {
+        if (rows[i] == EM_GPU_ROW_PENDING)
+            continue; /* a refused key */
         float *weights = em_gpu_row_address(storage, rows[i]);
         const float *gradient = gradients + i * storage.dim;
         switch (optimizer.kind) {
