@@ -544,6 +544,125 @@ START_TEST(checkpoints_move_between_gpu_and_cpu_bit_for_bit)
 }
 END_TEST
 
+/* Every row's access metadata, in key order (the snapshot gives rows in map order). */
+static uint64_t access_by_key(em_table *table, uint64_t *keys, em_row_access *access,
+                              uint64_t max)
+{
+    em_table_snapshot *snapshot = NULL;
+    em_error err;
+    ck_assert_msg(em_table_snapshot_begin(table, 1 << 20, &snapshot, &err) == EM_OK, "%s",
+                  err.message);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    float *values = malloc(64 * stats.row_floats * sizeof(float));
+    uint64_t got = 0, count = 1;
+    while (count > 0) {
+        ck_assert_uint_le(got + 64, max);
+        ck_assert_msg(em_table_snapshot_read(snapshot, 64, keys + got, values, access + got,
+                                             &count, &err) == EM_OK,
+                      "%s", err.message);
+        got += count;
+    }
+    em_table_snapshot_end(snapshot);
+    free(values);
+    for (uint64_t i = 1; i < got; i++) /* insertion sort: a few hundred rows */
+        for (uint64_t j = i; j > 0 && keys[j] < keys[j - 1]; j--) {
+            uint64_t k = keys[j];
+            keys[j] = keys[j - 1];
+            keys[j - 1] = k;
+            em_row_access a = access[j];
+            access[j] = access[j - 1];
+            access[j - 1] = a;
+        }
+    return got;
+}
+
+/* One-key pulls and pushes (one in three) drawn from rng over keys below 1600. */
+static void run_single_keys(em_table *table, em_test_rng *rng, int steps)
+{
+    float values[8], gradient[8];
+    em_error err;
+    for (int step = 0; step < steps; step++) {
+        uint64_t key = em_test_rng_below(rng, 1600);
+        bool push = em_test_rng_below(rng, 3) == 0;
+        for (uint32_t j = 0; j < 8; j++)
+            gradient[j] = 0.01f * (float)(step % 11) - 0.04f;
+        em_test_batch b = em_test_key_batch(&key, 1);
+        em_status status =
+            push ? em_test_push(table, &b.csr, EM_COMBINER_NONE, gradient, NULL, &err)
+                 : em_test_pull(table, &b.csr, EM_COMBINER_NONE, true, values, NULL, &err);
+        ck_assert_msg(status == EM_OK, "step %d: %s", step, err.message);
+        em_test_batch_free(&b);
+    }
+}
+
+/* An LRU table trained on the GPU is saved and loaded on the CPU: every row's access
+ * metadata comes across, and the same requests then evict the same keys on both. */
+START_TEST(access_metadata_moves_between_gpu_and_cpu)
+{
+    char dir[256];
+    em_test_make_dir("ember-gpu-access", dir, sizeof(dir));
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
+    em_table_config config = table_config(8, 400, 2, 1, EM_INIT_UNIFORM);
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 1024;
+    em_table *on_gpu = em_test_make_table(gpu, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 5);
+    run_single_keys(on_gpu, &rng, 900);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info saved;
+    em_error err;
+    ck_assert_msg(em_checkpoint_save(on_gpu, &options, &saved, &err) == EM_OK, "%s", err.message);
+    em_table *on_cpu = NULL;
+    ck_assert_msg(em_checkpoint_load(saved.path, cpu, NULL, NULL, &on_cpu, NULL, &err) == EM_OK,
+                  "%s", err.message);
+    uint64_t keys[2][600];
+    em_row_access access[2][600];
+    uint64_t count = access_by_key(on_gpu, keys[0], access[0], 600);
+    ck_assert_uint_eq(count, 400);
+    ck_assert_uint_eq(access_by_key(on_cpu, keys[1], access[1], 600), count);
+    uint64_t touched = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        ck_assert_uint_eq(keys[1][i], keys[0][i]);
+        ck_assert_uint_eq(access[1][i].accessed, access[0][i].accessed);
+        ck_assert_uint_eq(access[1][i].updated, access[0][i].updated);
+        ck_assert_uint_eq(access[1][i].frequency, access[0][i].frequency);
+        touched += access[0][i].frequency > 1;
+    }
+    ck_assert_uint_gt(touched, 10);
+    /* and back onto the GPU from the CPU's own save */
+    char cpu_dir[300];
+    snprintf(cpu_dir, sizeof(cpu_dir), "%s/from-cpu", dir);
+    em_checkpoint_options_init(&options, cpu_dir);
+    ck_assert_int_eq(em_checkpoint_save(on_cpu, &options, &saved, &err), EM_OK);
+    em_table *back = NULL;
+    ck_assert_msg(em_checkpoint_load(saved.path, gpu, "back", NULL, &back, NULL, &err) == EM_OK,
+                  "%s", err.message);
+    ck_assert_uint_eq(access_by_key(back, keys[1], access[1], 600), count);
+    for (uint64_t i = 0; i < count; i++) {
+        ck_assert_uint_eq(keys[1][i], keys[0][i]);
+        ck_assert_mem_eq(&access[1][i], &access[0][i], sizeof(em_row_access));
+    }
+    em_table_destroy(back);
+    em_test_rng twin = rng;
+    run_single_keys(on_gpu, &rng, 600);
+    run_single_keys(on_cpu, &twin, 600);
+    em_test_snapshot a = em_test_snapshot_take(on_gpu, 37);
+    em_test_snapshot b = em_test_snapshot_take(on_cpu, 37);
+    em_test_assert_snapshots_identical(&a, &b);
+    em_test_snapshot_free(&a);
+    em_test_snapshot_free(&b);
+    em_table_destroy(on_cpu);
+    em_table_destroy(on_gpu);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* ---- concurrency ------------------------------------------------------------------------ */
 
 #define RACE_KEYS 64
@@ -914,6 +1033,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);
     tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
+    tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
     tcase_add_test(tc, erase_matches_cpu_and_reuses_rows);
     suite_add_tcase(suite, tc);
     return suite;
