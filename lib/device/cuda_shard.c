@@ -159,8 +159,8 @@ static em_status reserve_map(cuda_shard *shard, cuda_lane *lane, uint64_t new_ke
     return rehash_map(shard, lane, slot_count, err);
 }
 
-/* A device table of capacity pointers whose first count entries are host_table's,
- * and host_table grown to capacity (*host_table keeps its entries). */
+/* A new device table of capacity pointers (the caller uploads it), and *host_table
+ * grown to capacity, keeping its entries. */
 static em_status grow_table(cuda_shard *shard, void ***host_table, uint64_t capacity,
                             void ***device_table, const char *what, em_error *err)
 {

@@ -5,6 +5,11 @@
  * against the same table.
  *
  *   bench_table [--keys N] [--seconds S] [--shards N] [--operations all|push]
+ *               [--optimizer NAME] [--dim D] [--threads T] [--batches B]
+ *
+ * --optimizer and --dim keep one optimizer or dim, --threads the runs with at most T
+ * threads, and --batches B makes each thread issue exactly B requests instead of
+ * running for S seconds (fixed work, for instruction counts: tests/bench/row_check_cost.sh).
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -23,7 +28,11 @@ typedef struct options {
     uint64_t keys;
     double seconds;
     uint32_t shards;
-    bool pushes_only; /* --operations push: only the push rows */
+    bool pushes_only;   /* --operations push: only the push rows */
+    int optimizer;      /* --optimizer: only this one (-1: all) */
+    uint32_t dim;       /* --dim: only this one (0: all) */
+    int threads;        /* --threads: at most this many */
+    uint64_t batches;   /* --batches: requests per thread (0: run for seconds) */
 } options;
 
 typedef enum operation { PULL_NONE, PULL_SUM, PUSH } operation;
@@ -35,6 +44,7 @@ typedef struct worker {
     uint64_t universe;
     uint64_t seed;
     double seconds;
+    uint64_t batches;
     uint64_t keys_done;
     int failed;
     pthread_barrier_t *start;
@@ -64,8 +74,10 @@ static void *run_worker(void *argument)
     em_error err;
     pthread_barrier_wait(w->start);
     double end = em_test_now() + w->seconds;
-    while (em_test_now() < end) {
-        for (int repeat = 0; repeat < 8; repeat++) {
+    uint64_t issued = 0;
+    while (w->batches > 0 ? issued < w->batches : em_test_now() < end) {
+        for (int repeat = 0; repeat < 8 && (w->batches == 0 || issued < w->batches);
+             repeat++, issued++) {
             fill_batch(&rng, w->universe, keys, offsets);
             em_status status;
             if (w->op == PUSH) {
@@ -144,8 +156,8 @@ static double measure(em_table *table, operation op, uint32_t dim, int threads,
     pthread_barrier_t start;
     pthread_barrier_init(&start, NULL, (unsigned)threads);
     for (int t = 0; t < threads; t++) {
-        workers[t] = (worker){table, op, dim, opt->keys, 1000 + (uint64_t)t, opt->seconds, 0, 0,
-                              &start};
+        workers[t] = (worker){table,        op,          dim, opt->keys, 1000 + (uint64_t)t,
+                              opt->seconds, opt->batches, 0,  0,         &start};
         pthread_create(&handles[t], NULL, run_worker, &workers[t]);
     }
     double begin = em_test_now();
@@ -164,7 +176,8 @@ static double measure(em_table *table, operation op, uint32_t dim, int threads,
 
 int main(int argc, char **argv)
 {
-    options opt = {.keys = 1000000, .seconds = 2.0, .shards = 8};
+    options opt = {.keys = 1000000, .seconds = 2.0, .shards = 8, .optimizer = -1, .threads = 2};
+    static const char *const optimizer_names[] = {"sgd", "adagrad", "rowwise_adagrad", "adam"};
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--keys") == 0)
             opt.keys = strtoull(argv[i + 1], NULL, 10);
@@ -174,21 +187,42 @@ int main(int argc, char **argv)
             opt.shards = (uint32_t)strtoul(argv[i + 1], NULL, 10);
         else if (strcmp(argv[i], "--operations") == 0)
             opt.pushes_only = strcmp(argv[i + 1], "push") == 0;
+        else if (strcmp(argv[i], "--dim") == 0)
+            opt.dim = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--threads") == 0)
+            opt.threads = atoi(argv[i + 1]) == 1 ? 1 : 2;
+        else if (strcmp(argv[i], "--batches") == 0)
+            opt.batches = strtoull(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--optimizer") == 0) {
+            for (int o = 0; o < 4; o++)
+                if (strcmp(argv[i + 1], optimizer_names[o]) == 0)
+                    opt.optimizer = o;
+            if (opt.optimizer < 0) {
+                fprintf(stderr, "bench_table: unknown optimizer '%s'\n", argv[i + 1]);
+                return 2;
+            }
+        }
     }
     em_test_print_machine(NULL);
-    printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u --operations %s\n",
-           opt.keys, opt.seconds, opt.shards, opt.pushes_only ? "push" : "all");
+    printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u --operations %s "
+           "--optimizer %s --dim %u --threads %d --batches %" PRIu64 "\n",
+           opt.keys, opt.seconds, opt.shards, opt.pushes_only ? "push" : "all",
+           opt.optimizer < 0 ? "all" : optimizer_names[opt.optimizer], opt.dim, opt.threads,
+           opt.batches);
     printf("CPU backend, 1 device; batches of %d keys drawn uniformly from %" PRIu64
            " existing keys; each thread issues its own requests on one table\n\n",
            BATCH_KEYS, opt.keys);
     printf("%-10s %-16s %5s %8s %14s %10s\n", "operation", "optimizer", "dim", "threads",
            "keys/s", "GB/s");
     static const uint32_t dims[] = {16, 64, 128};
-    static const char *const optimizer_names[] = {"sgd", "adagrad", "rowwise_adagrad", "adam"};
     em_cpu_backend_options backend_options;
     em_cpu_backend_options_init(&backend_options);
     for (size_t d = 0; d < 3; d++) {
+        if (opt.dim != 0 && dims[d] != opt.dim)
+            continue;
         for (int optimizer = 0; optimizer < 4; optimizer++) {
+            if (opt.optimizer >= 0 && optimizer != opt.optimizer)
+                continue;
             em_backend *backend = NULL;
             em_error err;
             if (em_backend_create_cpu(&backend_options, &backend, &err) != EM_OK) {
@@ -198,7 +232,7 @@ int main(int argc, char **argv)
             em_table *table = populated_table(backend, dims[d], optimizer, &opt);
             for (int op = optimizer == 0 && !opt.pushes_only ? PULL_NONE : PUSH; op <= PUSH;
                  op++) {
-                for (int threads = 1; threads <= 2; threads++) {
+                for (int threads = 1; threads <= opt.threads; threads++) {
                     double rate = measure(table, (operation)op, dims[d], threads, &opt);
                     const char *name = op == PULL_NONE ? "pull" : op == PULL_SUM ? "pull-sum"
                                                                                  : "push";

@@ -610,7 +610,7 @@ START_TEST(access_metadata_moves_between_gpu_and_cpu)
     em_table *on_gpu = em_test_make_table(gpu, &config);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + 5);
-    run_single_keys(on_gpu, &rng, 900);
+    run_single_keys(on_gpu, &rng, 700);
     em_checkpoint_options options;
     em_checkpoint_options_init(&options, dir);
     em_checkpoint_info saved;
@@ -648,8 +648,8 @@ START_TEST(access_metadata_moves_between_gpu_and_cpu)
     }
     em_table_destroy(back);
     em_test_rng twin = rng;
-    run_single_keys(on_gpu, &rng, 600);
-    run_single_keys(on_cpu, &twin, 600);
+    run_single_keys(on_gpu, &rng, 400);
+    run_single_keys(on_cpu, &twin, 400);
     em_test_snapshot a = em_test_snapshot_take(on_gpu, 37);
     em_test_snapshot b = em_test_snapshot_take(on_cpu, 37);
     em_test_assert_snapshots_identical(&a, &b);
@@ -889,7 +889,7 @@ START_TEST(capacity_policies_match_cpu)
     em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
     float values[8], gradient[8];
     em_error err;
-    for (int step = 0; step < 1500; step++) {
+    for (int step = 0; step < 700; step++) {
         /* half the requests go to the first 20 keys */
         uint64_t key = em_test_rng_below(&rng, 2) == 0 ? em_test_rng_below(&rng, 20)
                                                        : em_test_rng_below(&rng, 4 * capacity);
@@ -922,11 +922,11 @@ START_TEST(capacity_policies_match_cpu)
     ck_assert_uint_eq(stats[1].pulls_not_admitted, stats[0].pulls_not_admitted);
     ck_assert_uint_eq(stats[1].pushes_dropped, stats[0].pushes_dropped);
     if (_i < 3)
-        ck_assert_uint_gt(stats[1].rows_evicted, 300);
+        ck_assert_uint_gt(stats[1].rows_evicted, 100);
     if (_i == 3)
-        ck_assert_uint_gt(stats[1].rows_expired, 100);
+        ck_assert_uint_gt(stats[1].rows_expired, 50);
     if (_i >= 4)
-        ck_assert_uint_gt(stats[1].pushes_dropped + stats[1].pulls_not_admitted, 100);
+        ck_assert_uint_gt(stats[1].pushes_dropped + stats[1].pulls_not_admitted, 50);
     ck_assert_uint_ge(stats[1].access_bytes, _i < 4 ? stats[1].rows * 16 : 0);
     em_test_snapshot_free(&a);
     em_test_snapshot_free(&b);
@@ -955,12 +955,12 @@ static void push_keys(em_table *table, const uint64_t *keys, uint32_t n, uint32_
 
 /* Rounds of erasing listed keys (the two sentinel keys among them) and pushing new ones
  * on both backends: the rows left match bit for bit, erased rows are reused (the
- * storage, one block of 2,048 rows of dim 256, does not grow while 17,500 keys come and
+ * storage, one block of 8,192 rows of dim 64, does not grow while 8,500 keys come and
  * go) and the tombstones are dropped by rehashes in place (the map does not grow
  * either). */
 START_TEST(erase_matches_cpu_and_reuses_rows)
 {
-    const uint32_t dim = 256, live = 600, churn = 250;
+    const uint32_t dim = 64, live = 600, churn = 250;
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(dim, 1000, 1, 1, EM_INIT_UNIFORM);
@@ -975,7 +975,7 @@ START_TEST(erase_matches_cpu_and_reuses_rows)
     em_table_get_stats(gpu_table, &first);
     uint64_t next = live;
     em_error err;
-    const int rounds = 70;
+    const int rounds = 34;
     for (int round = 0; round < rounds; round++) {
         /* erase churn keys from a rotating place (the sentinel keys in round 0), plus
          * an absent one */

@@ -37,7 +37,8 @@ static test_daemon *start_with(const char *failpoints)
     fclose(file);
     ck_assert_int_eq(kill(daemon->pid, SIGHUP), 0);
     bool armed = false;
-    for (int waited = 0; waited < 5000 && !armed; waited += 20) {
+    /* generous: under sanitizers on a loaded machine the reload can take seconds */
+    for (int waited = 0; waited < 30000 && !armed; waited += 20) {
         char *log = test_daemon_log(daemon);
         armed = strstr(log, "failpoints armed (for tests only)") != NULL;
         free(log);

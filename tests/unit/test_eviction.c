@@ -35,7 +35,7 @@ static em_backend *make_backend(uint32_t devices)
     for (uint32_t d = 0; d < devices; d++)
         options.devices[d] = d;
     /* small: the emulation protects the whole pool around every kernel */
-    options.pool_bytes = 48 * MEBIBYTE;
+    options.pool_bytes = 16 * MEBIBYTE;
     options.staging_bytes = 1 * MEBIBYTE;
     em_backend *backend = NULL;
     em_error err;
