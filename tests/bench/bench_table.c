@@ -5,11 +5,12 @@
  * against the same table.
  *
  *   bench_table [--keys N] [--seconds S] [--shards N] [--operations all|push]
- *               [--optimizer NAME] [--dim D] [--threads T] [--batches B]
+ *               [--optimizer NAME] [--dim D] [--threads T] [--batches B] [--gradient G]
  *
  * --optimizer and --dim keep one optimizer or dim, --threads the runs with at most T
  * threads, and --batches B makes each thread issue exactly B requests instead of
- * running for S seconds (fixed work, for instruction counts: tests/bench/row_check_cost.sh).
+ * running for S seconds (fixed work, for instruction counts: tests/bench/row_check_cost.py).
+ * Pushed gradient elements are G x 0, 1, ..., 12 (G 0.001 by default).
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -33,6 +34,7 @@ typedef struct options {
     uint32_t dim;       /* --dim: only this one (0: all) */
     int threads;        /* --threads: at most this many */
     uint64_t batches;   /* --batches: requests per thread (0: run for seconds) */
+    float gradient;     /* --gradient: the pushed gradients' scale */
 } options;
 
 typedef enum operation { PULL_NONE, PULL_SUM, PUSH } operation;
@@ -45,6 +47,7 @@ typedef struct worker {
     uint64_t seed;
     double seconds;
     uint64_t batches;
+    float gradient;
     uint64_t keys_done;
     int failed;
     pthread_barrier_t *start;
@@ -70,7 +73,7 @@ static void *run_worker(void *argument)
         identity[i] = i;
     float *buffer = malloc((size_t)BATCH_KEYS * w->dim * sizeof(float));
     for (size_t i = 0; i < (size_t)BATCH_KEYS * w->dim; i++)
-        buffer[i] = 1e-3f * (float)(i % 13);
+        buffer[i] = w->gradient * (float)(i % 13);
     em_error err;
     pthread_barrier_wait(w->start);
     double end = em_test_now() + w->seconds;
@@ -156,8 +159,15 @@ static double measure(em_table *table, operation op, uint32_t dim, int threads,
     pthread_barrier_t start;
     pthread_barrier_init(&start, NULL, (unsigned)threads);
     for (int t = 0; t < threads; t++) {
-        workers[t] = (worker){table,        op,          dim, opt->keys, 1000 + (uint64_t)t,
-                              opt->seconds, opt->batches, 0,  0,         &start};
+        workers[t] = (worker){.table = table,
+                              .op = op,
+                              .dim = dim,
+                              .universe = opt->keys,
+                              .seed = 1000 + (uint64_t)t,
+                              .seconds = opt->seconds,
+                              .batches = opt->batches,
+                              .gradient = opt->gradient,
+                              .start = &start};
         pthread_create(&handles[t], NULL, run_worker, &workers[t]);
     }
     double begin = em_test_now();
@@ -176,7 +186,12 @@ static double measure(em_table *table, operation op, uint32_t dim, int threads,
 
 int main(int argc, char **argv)
 {
-    options opt = {.keys = 1000000, .seconds = 2.0, .shards = 8, .optimizer = -1, .threads = 2};
+    options opt = {.keys = 1000000,
+                   .seconds = 2.0,
+                   .shards = 8,
+                   .optimizer = -1,
+                   .threads = 2,
+                   .gradient = 1e-3f};
     static const char *const optimizer_names[] = {"sgd", "adagrad", "rowwise_adagrad", "adam"};
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--keys") == 0)
@@ -193,6 +208,8 @@ int main(int argc, char **argv)
             opt.threads = atoi(argv[i + 1]) == 1 ? 1 : 2;
         else if (strcmp(argv[i], "--batches") == 0)
             opt.batches = strtoull(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--gradient") == 0)
+            opt.gradient = strtof(argv[i + 1], NULL);
         else if (strcmp(argv[i], "--optimizer") == 0) {
             for (int o = 0; o < 4; o++)
                 if (strcmp(argv[i + 1], optimizer_names[o]) == 0)
@@ -205,10 +222,10 @@ int main(int argc, char **argv)
     }
     em_test_print_machine(NULL);
     printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u --operations %s "
-           "--optimizer %s --dim %u --threads %d --batches %" PRIu64 "\n",
+           "--optimizer %s --dim %u --threads %d --batches %" PRIu64 " --gradient %g\n",
            opt.keys, opt.seconds, opt.shards, opt.pushes_only ? "push" : "all",
            opt.optimizer < 0 ? "all" : optimizer_names[opt.optimizer], opt.dim, opt.threads,
-           opt.batches);
+           opt.batches, (double)opt.gradient);
     printf("CPU backend, 1 device; batches of %d keys drawn uniformly from %" PRIu64
            " existing keys; each thread issues its own requests on one table\n\n",
            BATCH_KEYS, opt.keys);
