@@ -3,6 +3,7 @@
 # Only missing packages are installed; run as root or with sudo available.
 #   deploy/install-deps.sh            build, run and test
 #   deploy/install-deps.sh --bench    also what the benchmarks compare against (redis-server)
+#                                     and count with (valgrind: tests/bench/row_check_cost.py)
 set -euo pipefail
 
 packages=(
@@ -14,7 +15,7 @@ packages=(
   python3-dev python3-numpy python3-pytest python3-torch python3-tqdm
 )
 if [[ "${1:-}" == "--bench" ]]; then
-  packages+=(redis-server)
+  packages+=(redis-server valgrind)
 fi
 
 missing=()
