@@ -65,20 +65,12 @@ static em_status run_shared_then_exclusive(em_table *table, locked_attempt attem
 
 /* ---- pull ------------------------------------------------------------------------ */
 
-/* Gathers the vectors of every unique key into home memory, in partitioned order. */
-static em_status gather_vectors(request_context *r, float **vectors, em_error *err)
-{
-    uint32_t dim = r->table->config.dim;
-    em_status status = em__request_alloc(r, r->home, r->batch.unique_count * dim * sizeof(float),
-                                         "gathered vectors", (void **)vectors, err);
-    if (status == EM_OK)
-        status = em__prepare_payloads(r, *vectors, dim, "segment vectors", err);
-    if (status == EM_OK)
-        status = em__run_on_shards(r, WORK_GATHER, dim, err);
-    if (status == EM_OK)
-        status = em__gather_from_segments(r, *vectors, dim * sizeof(float), err);
-    return status;
-}
+/* A pull's buffers, all taken before the pull creates any key, so that running out of
+ * memory for them leaves the table as it was. */
+typedef struct pull_buffers {
+    float *out;     /* the output on the home device (request->out when host-addressable) */
+    float *vectors; /* the gathered vectors, in partitioned order (not for direct pulls) */
+} pull_buffers;
 
 /* A per-key pull whose shards all live on the home device gathers every vector straight
  * into its place in the output (no intermediate buffer, no combine pass). */
@@ -93,42 +85,68 @@ static bool pull_is_direct(const em_table *table, const request_context *r,
     return true;
 }
 
-static em_status gather_direct(request_context *r, const em_pull_request *request, em_error *err)
+static em_status take_pull_buffers(request_context *r, const em_pull_request *request,
+                                   bool direct, pull_buffers *b, em_error *err)
 {
     em_device *home = r->home;
     uint32_t dim = r->table->config.dim;
-    size_t out_bytes = request->batch.nnz * dim * sizeof(float);
-    float *out = request->out;
+    uint64_t out_floats = direct ? request->batch.nnz * dim
+                                 : vector_floats(r->table, &request->batch, request->combiner);
+    b->out = request->out;
+    b->vectors = NULL;
     em_status status = EM_OK;
     if (!home->host_addressable)
-        status = em__request_alloc(r, home, out_bytes, "pull output", (void **)&out, err);
-    for (uint32_t d = 0; status == EM_OK && d < r->table->backend->device_count; d++)
-        r->segments[d].payload = out;
-    if (status == EM_OK)
-        status = em__run_on_shards(r, WORK_GATHER, dim, err);
-    if (status == EM_OK && r->batch.unique_count < request->batch.nnz)
-        status = home->ops->copy_repeats(r->home_lane, &r->batch, r->first, dim, out, err);
-    if (status == EM_OK && !home->host_addressable)
-        status = home->ops->copy_to_host(r->home_lane, request->out, out, out_bytes, err);
+        status = em__request_alloc(r, home, out_floats * sizeof(float), "pull output",
+                                   (void **)&b->out, err);
+    if (status == EM_OK && direct)
+        for (uint32_t d = 0; d < r->table->backend->device_count; d++)
+            r->segments[d].payload = b->out;
+    if (status == EM_OK && !direct)
+        status = em__request_alloc(r, home, r->batch.unique_count * dim * sizeof(float),
+                                   "gathered vectors", (void **)&b->vectors, err);
+    if (status == EM_OK && !direct)
+        status = em__prepare_payloads(r, b->vectors, dim, "segment vectors", err);
     return status;
 }
 
-static em_status combine_output(request_context *r, const em_pull_request *request,
-                                const float *vectors, em_error *err)
+/* Gathers every vector straight into the output, repeats included. */
+static em_status gather_direct(request_context *r, const em_pull_request *request,
+                               const pull_buffers *b, em_error *err)
 {
     em_device *home = r->home;
     uint32_t dim = r->table->config.dim;
-    size_t out_bytes = vector_floats(r->table, &request->batch, request->combiner) * sizeof(float);
-    float *out = request->out;
-    em_status status = EM_OK;
-    if (!home->host_addressable)
-        status = em__request_alloc(r, home, out_bytes, "pull output", (void **)&out, err);
-    if (status == EM_OK)
-        status = home->ops->combine(r->home_lane, &r->batch, request->combiner, dim, vectors, out,
-                                    err);
-    if (status == EM_OK && !home->host_addressable)
-        status = home->ops->copy_to_host(r->home_lane, request->out, out, out_bytes, err);
+    em_status status = em__run_on_shards(r, WORK_GATHER, dim, err);
+    if (status == EM_OK && r->batch.unique_count < request->batch.nnz)
+        status = home->ops->copy_repeats(r->home_lane, &r->batch, r->first, dim, b->out, err);
     return status;
+}
+
+/* Gathers the vectors of every unique key into home memory, in partitioned order, and
+ * combines them into the output. */
+static em_status gather_and_combine(request_context *r, const em_pull_request *request,
+                                    const pull_buffers *b, em_error *err)
+{
+    uint32_t dim = r->table->config.dim;
+    em_status status = em__run_on_shards(r, WORK_GATHER, dim, err);
+    if (status == EM_OK)
+        status = em__gather_from_segments(r, b->vectors, dim * sizeof(float), err);
+    if (status == EM_OK)
+        status = r->home->ops->combine(r->home_lane, &r->batch, request->combiner, dim,
+                                       b->vectors, b->out, err);
+    return status;
+}
+
+static em_status copy_output(request_context *r, const em_pull_request *request, bool direct,
+                             const pull_buffers *b, em_error *err)
+{
+    em_device *home = r->home;
+    if (home->host_addressable)
+        return EM_OK;
+    uint32_t dim = r->table->config.dim;
+    uint64_t out_floats = direct ? request->batch.nnz * dim
+                                 : vector_floats(r->table, &request->batch, request->combiner);
+    return home->ops->copy_to_host(r->home_lane, request->out, b->out,
+                                   out_floats * sizeof(float), err);
 }
 
 /* A pull attempt (locked_attempt). */
@@ -138,7 +156,6 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     const em_pull_request *request = untyped_request;
     em_pull_result *result = untyped_result;
     request_context r;
-    float *vectors = NULL;
     em_status status = em__request_begin(table, &r, err);
     bool direct = status == EM_OK && pull_is_direct(table, &r, request);
     if (status == EM_OK)
@@ -151,16 +168,18 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
         return EM_OK;
     }
     uint64_t missing = r.missing;
+    pull_buffers buffers;
+    if (status == EM_OK)
+        status = take_pull_buffers(&r, request, direct, &buffers, err);
     if (status == EM_OK && request->create_missing)
         status = em__admit_missing(&r, err);
     if (status == EM_OK && request->create_missing)
         status = em__create_missing(&r, false, err);
-    if (status == EM_OK && direct)
-        status = gather_direct(&r, request, err);
-    if (status == EM_OK && !direct)
-        status = gather_vectors(&r, &vectors, err);
-    if (status == EM_OK && !direct)
-        status = combine_output(&r, request, vectors, err);
+    if (status == EM_OK)
+        status = direct ? gather_direct(&r, request, &buffers, err)
+                        : gather_and_combine(&r, request, &buffers, err);
+    if (status == EM_OK)
+        status = copy_output(&r, request, direct, &buffers, err);
     if (status == EM_OK)
         status = em__synchronize_devices(&r, err);
     if (status == EM_OK) {

@@ -410,6 +410,43 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
 }
 END_TEST
 
+/* Loop index: per-key or pooled (sum) output. Pulls that create keys until the pool runs
+ * out: the pull that fails has created nothing (its output and vector buffers are taken
+ * before any key is created). */
+START_TEST(pulls_that_run_out_of_pool_create_nothing)
+{
+    enum { DIM = 1024, PER_PULL = 400 }; /* 1.6 MiB of vectors and of output a pull */
+    em_backend *gpu = gpu_backend(1, 24 * MEBIBYTE, false);
+    em_table_config config = table_config(DIM, 1000000, 1, 0, EM_INIT_UNIFORM);
+    em_table *table = em_test_make_table(gpu, &config);
+    uint64_t keys[PER_PULL];
+    float *out = malloc((size_t)PER_PULL * DIM * sizeof(float));
+    em_error err;
+    em_status status = EM_OK;
+    uint64_t next_key = 1, pulls = 0;
+    em_test_snapshot before = {0};
+    for (int round = 0; round < 200 && status == EM_OK; round++) {
+        em_test_snapshot_free(&before);
+        before = em_test_snapshot_take(table, 1000);
+        for (int i = 0; i < PER_PULL; i++)
+            keys[i] = next_key++;
+        em_test_batch b = em_test_key_batch(keys, PER_PULL);
+        status = em_test_pull(table, &b.csr, _i == 0 ? EM_COMBINER_NONE : EM_COMBINER_SUM, true,
+                              out, NULL, &err);
+        em_test_batch_free(&b);
+        pulls += status == EM_OK;
+    }
+    ck_assert_int_eq(status, EM_RESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(err.message, "pool 'cuda:0'") != NULL, "%s", err.message);
+    ck_assert_uint_gt(pulls, 3);
+    em_test_assert_table_unchanged(table, &before);
+    em_test_snapshot_free(&before);
+    free(out);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* ---- import / export ------------------------------------------------------------------- */
 
 START_TEST(import_export_round_trip_bit_for_bit)
@@ -1027,6 +1064,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, empty_rows_and_batches);
     tcase_add_test(tc, hash_map_grows_at_load_0_9);
     tcase_add_test(tc, pool_exhaustion_fails_whole_and_table_keeps_working);
+    tcase_add_loop_test(tc, pulls_that_run_out_of_pool_create_nothing, 0, 2);
     tcase_add_test(tc, import_export_round_trip_bit_for_bit);
     tcase_add_test(tc, checkpoints_move_between_gpu_and_cpu_bit_for_bit);
     tcase_add_test(tc, concurrent_pushes_lose_no_update);

@@ -515,6 +515,46 @@ START_TEST(pool_exhaustion_fails_whole_and_table_keeps_working)
 }
 END_TEST
 
+/* Loop index: 0 per-key output, 1 pooled (sum) output, 2 pooled rows of 7 keys. Pulls
+ * that create keys until the pool runs out: the pull that fails has created nothing
+ * (its buffers are taken before any key is created), whatever ran out. */
+START_TEST(pulls_that_run_out_of_pool_create_nothing)
+{
+    const uint32_t dim = 1024, per_pull = 400; /* 1.6 MiB of vectors, 1.6 blocks of rows */
+    em_backend *backend = make_backend(1, 24 * MEBIBYTE);
+    em_table_config config = table_config(dim, 1000000, 1, 0);
+    em_table *table = em_test_make_table(backend, &config);
+    uint32_t offsets[401];
+    uint64_t keys[400];
+    uint32_t per_row = _i == 2 ? 7 : 1, rows = _i == 0 ? per_pull : (per_pull + per_row - 1) / per_row;
+    for (uint32_t r = 0; r <= rows; r++)
+        offsets[r] = r * per_row < per_pull ? r * per_row : per_pull;
+    float *out = malloc((size_t)per_pull * dim * sizeof(float));
+    em_error err;
+    em_status status = EM_OK;
+    uint64_t next_key = 1, pulls = 0;
+    em_test_snapshot before = {0};
+    for (int round = 0; round < 200 && status == EM_OK; round++) {
+        em_test_snapshot_free(&before);
+        before = em_test_snapshot_take(table, 7);
+        for (uint32_t i = 0; i < per_pull; i++)
+            keys[i] = next_key++;
+        em_csr csr = {.rows = rows, .nnz = per_pull, .offsets = offsets, .keys = keys};
+        status = em_test_pull(table, &csr, _i == 0 ? EM_COMBINER_NONE : EM_COMBINER_SUM, true,
+                              out, NULL, &err);
+        pulls += status == EM_OK;
+    }
+    ck_assert_int_eq(status, EM_RESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(err.message, "pool 'cpu0'") != NULL, "%s", err.message);
+    ck_assert_uint_gt(pulls, 3);
+    em_test_assert_table_unchanged(table, &before);
+    em_test_snapshot_free(&before);
+    free(out);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 /* ---- import / export --------------------------------------------------------------- */
 
 START_TEST(export_import_round_trip_across_layouts)
@@ -1116,6 +1156,7 @@ int main(void)
     tcase_add_test(atomic, repeated_keys_sum_past_the_gradient_bound);
     tcase_add_test(atomic, capacity_exhaustion_fails_whole);
     tcase_add_test(atomic, pool_exhaustion_fails_whole_and_table_keeps_working);
+    tcase_add_loop_test(atomic, pulls_that_run_out_of_pool_create_nothing, 0, 3);
     tcase_add_test(atomic, export_import_round_trip_across_layouts);
     tcase_add_test(atomic, create_rejects_bad_config);
     suite_add_tcase(suite, atomic);
