@@ -787,7 +787,26 @@ static uint32_t update_age(uint32_t update_clock, const em_row_access *access)
 /* How far ahead the walk prefetches an entry's access metadata. */
 #define EVICT_PREFETCH ((uint64_t)16)
 
-/* The walk of lib/device/eviction.h over the shard's map, from spec->random. */
+/* A walk of the shard's map for em_evict_choose. */
+typedef struct cpu_evict_walk {
+    cpu_shard *shard;
+    em_hashmap_walk walk;
+} cpu_evict_walk;
+
+static em_status cpu_evict_walk_next(void *context, uint64_t max, uint64_t *keys, uint64_t *rows,
+                                     em_row_access *access, uint64_t *got, em_error *err)
+{
+    (void)err;
+    cpu_evict_walk *w = context;
+    *got = em_hashmap_walk_next(w->shard->map, &w->walk, keys, rows, max);
+    for (uint64_t i = 0; i < *got; i++) {
+        if (i + EVICT_PREFETCH < *got)
+            __builtin_prefetch(row_access(w->shard, rows[i + EVICT_PREFETCH]), 0);
+        access[i] = *row_access(w->shard, rows[i]);
+    }
+    return EM_OK;
+}
+
 static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_spec *spec,
                                  uint64_t *keys, uint64_t *rows, em_error *err)
 {
@@ -795,36 +814,11 @@ static em_status cpu_shard_evict(em_shard *base, em_lane *lane, const em_evict_s
     cpu_shard *shard = cpu_shard_of(base);
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
-    em_evict_chooser chooser;
-    em_status status = em_evict_chooser_begin(&chooser, spec, err);
-    if (status != EM_OK)
-        return status;
-    uint64_t *walk_keys = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
-    uint64_t *walk_rows = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
-    em_row_access *walk_access = malloc(EM_EVICT_BLOCK * sizeof(em_row_access));
-    if (walk_keys == NULL || walk_rows == NULL || walk_access == NULL)
-        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    em_hashmap_walk walk;
-    em_hashmap_walk_begin(shard->map, spec->random, &walk);
-    for (uint64_t want; status == EM_OK && (want = em_evict_chooser_want(&chooser)) > 0;) {
-        uint64_t got = em_hashmap_walk_next(shard->map, &walk, walk_keys, walk_rows, want);
-        if (got == 0)
-            break; /* every entry seen */
-        for (uint64_t i = 0; i < got; i++) {
-            if (i + EVICT_PREFETCH < got)
-                __builtin_prefetch(row_access(shard, walk_rows[i + EVICT_PREFETCH]), 0);
-            walk_access[i] = *row_access(shard, walk_rows[i]);
-        }
-        em_evict_chooser_offer(&chooser, walk_keys, walk_rows, walk_access, got);
-    }
-    if (status == EM_OK)
-        status = em_evict_chooser_finish(&chooser, keys, rows, err);
+    cpu_evict_walk walk = {.shard = shard};
+    em_hashmap_walk_begin(shard->map, spec->random, &walk.walk);
+    em_status status = em_evict_choose(spec, cpu_evict_walk_next, &walk, keys, rows, err);
     if (status == EM_OK)
         em_hashmap_erase_exclusive(shard->map, keys, spec->count, NULL);
-    em_evict_chooser_end(&chooser);
-    free(walk_keys);
-    free(walk_rows);
-    free(walk_access);
     return status;
 }
 

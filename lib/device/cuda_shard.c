@@ -930,8 +930,37 @@ static em_status erase_host_keys(cuda_shard *shard, cuda_lane *lane, const uint6
     return EM_OK;
 }
 
-/* The walk of lib/device/eviction.h over the map's export positions, from spec->random:
- * [start, end) then [0, start). */
+/* A walk for em_evict_choose over the map's export positions from a start: [start, end)
+ * then [0, start). */
+typedef struct cuda_evict_walk {
+    cuda_shard *shard;
+    cuda_lane *lane;
+    uint64_t start, cursor, end;
+    bool wrapped;
+} cuda_evict_walk;
+
+static em_status cuda_evict_walk_next(void *context, uint64_t max, uint64_t *keys,
+                                      uint64_t *rows, em_row_access *access, uint64_t *got,
+                                      em_error *err)
+{
+    cuda_evict_walk *w = context;
+    *got = 0;
+    while (w->cursor >= w->end) {
+        if (w->wrapped)
+            return EM_OK; /* every entry seen */
+        w->wrapped = true;
+        w->cursor = 0;
+        w->end = w->start;
+    }
+    em_status status = export_range(w->shard, w->lane, &w->cursor, w->end, keys, NULL, rows, max,
+                                    got, err);
+    if (status == EM_OK)
+        status = read_access_host(w->shard, w->lane, rows, *got, access, err);
+    if (status == EM_OK && *got == 0) /* the range ended: the next call goes on */
+        return cuda_evict_walk_next(context, max, keys, rows, access, got, err);
+    return status;
+}
+
 em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evict_spec *spec,
                                uint64_t *keys, uint64_t *rows, em_error *err)
 {
@@ -939,43 +968,15 @@ em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evic
     cuda_lane *lane = lane_of(lane_base);
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
-    em_evict_chooser chooser;
-    em_status status = em_evict_chooser_begin(&chooser, spec, err);
-    if (status != EM_OK)
-        return status;
-    uint64_t *walk_keys = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
-    uint64_t *walk_rows = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
-    em_row_access *walk_access = malloc(EM_EVICT_BLOCK * sizeof(em_row_access));
-    if (walk_keys == NULL || walk_rows == NULL || walk_access == NULL)
-        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    uint64_t positions = 2 + shard->slot_count, start = spec->random % positions;
-    uint64_t cursor = start, end = positions;
-    bool wrapped = false;
-    for (uint64_t want; status == EM_OK && (want = em_evict_chooser_want(&chooser)) > 0;) {
-        if (cursor >= end) {
-            if (wrapped)
-                break; /* every entry seen */
-            wrapped = true;
-            cursor = 0;
-            end = start;
-            continue;
-        }
-        uint64_t got = 0;
-        status = export_range(shard, lane, &cursor, end, walk_keys, NULL, walk_rows, want, &got,
-                              err);
-        if (status == EM_OK)
-            status = read_access_host(shard, lane, walk_rows, got, walk_access, err);
-        if (status == EM_OK)
-            em_evict_chooser_offer(&chooser, walk_keys, walk_rows, walk_access, got);
-    }
-    if (status == EM_OK)
-        status = em_evict_chooser_finish(&chooser, keys, rows, err);
+    uint64_t positions = 2 + shard->slot_count;
+    cuda_evict_walk walk = {.shard = shard,
+                            .lane = lane,
+                            .start = spec->random % positions,
+                            .cursor = spec->random % positions,
+                            .end = positions};
+    em_status status = em_evict_choose(spec, cuda_evict_walk_next, &walk, keys, rows, err);
     if (status == EM_OK)
         status = erase_host_keys(shard, lane, keys, spec->count, err);
-    em_evict_chooser_end(&chooser);
-    free(walk_keys);
-    free(walk_rows);
-    free(walk_access);
     return status;
 }
 

@@ -1,9 +1,8 @@
 /*
  * DESIGN: choosing the rows a shard evicts (the rule in lib/table/table_config.h), the
- * same for every backend: a backend walks its hash map from the spec's pseudo-random
- * position and offers the entries it reads, with their access metadata, block by
- * block; the chooser keeps the best of them by the policy and says when the walk has
- * gone far enough.
+ * same for every backend: em_evict_choose reads the backend's walk of its hash map (from
+ * the spec's pseudo-random position) block by block, with each entry's access metadata,
+ * keeps the best entries by the policy, and stops the walk once it has gone far enough.
  *
  * The pool holds the best count rows offered so far and up to three times as many more
  * (a block at least) before it is cut back to count by a quickselect: cuts cost about
@@ -19,6 +18,26 @@
 
 #include "common/keyhash.h"
 #include "lib/device/device.h"
+
+/* A row that may leave, with what the policy orders it by: the smaller rank goes
+ * first. */
+typedef struct em_evict_candidate {
+    unsigned __int128 rank;
+    uint64_t row;
+    uint64_t key;
+} em_evict_candidate;
+
+/* The choice in progress: the best rows of the walk so far. */
+typedef struct em_evict_chooser {
+    em_evict_spec spec;
+    uint64_t window; /* entries to read at least: count x candidates */
+    uint64_t seen, have, room;
+    uint64_t *kept_slots; /* the spec's kept rows, as a set */
+    uint64_t kept_mask;
+    em_evict_candidate *pool;
+    em_evict_candidate bar;
+    bool barred;
+} em_evict_chooser;
 
 /* ---- the request's own rows ------------------------------------------------------------ */
 
@@ -122,7 +141,9 @@ static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k)
 
 /* ---- the chooser ------------------------------------------------------------------------- */
 
-em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec *spec, em_error *err)
+static void em_evict_chooser_end(em_evict_chooser *c);
+
+static em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec *spec, em_error *err)
 {
     memset(c, 0, sizeof(*c));
     c->spec = *spec;
@@ -140,14 +161,14 @@ em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec *spec,
     return EM_OK;
 }
 
-uint64_t em_evict_chooser_want(const em_evict_chooser *c)
+static uint64_t em_evict_chooser_want(const em_evict_chooser *c)
 {
     if (c->seen < c->window)
         return c->window - c->seen < EM_EVICT_BLOCK ? c->window - c->seen : EM_EVICT_BLOCK;
     return c->have < c->spec.count ? EM_EVICT_BLOCK : 0;
 }
 
-void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, const uint64_t *rows,
+static void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, const uint64_t *rows,
                             const em_row_access *access, uint64_t n)
 {
     c->seen += n;
@@ -169,7 +190,7 @@ void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, const uin
     }
 }
 
-em_status em_evict_chooser_finish(em_evict_chooser *c, uint64_t *keys, uint64_t *rows,
+static em_status em_evict_chooser_finish(em_evict_chooser *c, uint64_t *keys, uint64_t *rows,
                                   em_error *err)
 {
     if (c->have < c->spec.count)
@@ -185,10 +206,38 @@ em_status em_evict_chooser_finish(em_evict_chooser *c, uint64_t *keys, uint64_t 
     return EM_OK;
 }
 
-void em_evict_chooser_end(em_evict_chooser *c)
+static void em_evict_chooser_end(em_evict_chooser *c)
 {
     free(c->kept_slots);
     free(c->pool);
     c->kept_slots = NULL;
     c->pool = NULL;
+}
+
+em_status em_evict_choose(const em_evict_spec *spec, em_evict_walk walk, void *context,
+                          uint64_t *keys, uint64_t *rows, em_error *err)
+{
+    em_evict_chooser chooser;
+    em_status status = em_evict_chooser_begin(&chooser, spec, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t *walk_keys = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
+    uint64_t *walk_rows = malloc(EM_EVICT_BLOCK * sizeof(uint64_t));
+    em_row_access *walk_access = malloc(EM_EVICT_BLOCK * sizeof(em_row_access));
+    if (walk_keys == NULL || walk_rows == NULL || walk_access == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    for (uint64_t want; status == EM_OK && (want = em_evict_chooser_want(&chooser)) > 0;) {
+        uint64_t got = 0;
+        status = walk(context, want, walk_keys, walk_rows, walk_access, &got, err);
+        if (status != EM_OK || got == 0)
+            break; /* an error, or every entry seen */
+        em_evict_chooser_offer(&chooser, walk_keys, walk_rows, walk_access, got);
+    }
+    if (status == EM_OK)
+        status = em_evict_chooser_finish(&chooser, keys, rows, err);
+    em_evict_chooser_end(&chooser);
+    free(walk_keys);
+    free(walk_rows);
+    free(walk_access);
+    return status;
 }

@@ -41,41 +41,19 @@ typedef struct em_evict_spec {
 /* Map entries a backend reads and offers at a time, at most. */
 #define EM_EVICT_BLOCK ((uint64_t)4096)
 
-/* A row that may leave, with what the policy orders it by: the smaller rank goes
- * first. */
-typedef struct em_evict_candidate {
-    unsigned __int128 rank;
-    uint64_t row;
-    uint64_t key;
-} em_evict_candidate;
+/* Reads the next entries of a backend's map walk: up to max of them, with their access
+ * metadata, into keys, rows and access; *got 0 once the walk has gone round the map. */
+typedef em_status (*em_evict_walk)(void *context, uint64_t max, uint64_t *keys, uint64_t *rows,
+                                   em_row_access *access, uint64_t *got, em_error *err);
 
 /* Chooses spec->count rows by spec's policy among the entries of a map walk (the rule in
- * lib/table/table_config.h). A backend starts a walk of its map at spec->random (modulo
- * its positions), and while em_evict_chooser_want says a number above 0, reads at most
- * that many more entries and offers them in walk order with their access metadata; it
- * stops early only when the walk has gone round the whole map. Then finish writes the
- * chosen keys and rows. */
-typedef struct em_evict_chooser {
-    em_evict_spec spec;
-    uint64_t window; /* entries to read at least: count x candidates */
-    uint64_t seen, have, room;
-    uint64_t *kept_slots; /* the spec's kept rows, as a set */
-    uint64_t kept_mask;
-    em_evict_candidate *pool;
-    em_evict_candidate bar;
-    bool barred;
-} em_evict_chooser;
-
-/* Errors: RESOURCE_EXHAUSTED (nothing to end then). */
-em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec *spec, em_error *err);
-uint64_t em_evict_chooser_want(const em_evict_chooser *c);
-void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, const uint64_t *rows,
-                            const em_row_access *access, uint64_t n);
-/* keys and rows: spec.count each. INTERNAL when the walk found fewer rows outside the
- * kept ones. */
-em_status em_evict_chooser_finish(em_evict_chooser *c, uint64_t *keys, uint64_t *rows,
-                                  em_error *err);
-void em_evict_chooser_end(em_evict_chooser *c);
+ * lib/table/table_config.h): the backend's walk starts at spec->random (modulo its map's
+ * positions) and is read block by block (EM_EVICT_BLOCK entries at most) until enough
+ * entries were seen. Writes the chosen keys and rows (spec->count each); the backend
+ * then erases them. Errors: the walk's, RESOURCE_EXHAUSTED, and INTERNAL when the whole
+ * walk found fewer rows outside spec->kept. */
+em_status em_evict_choose(const em_evict_spec *spec, em_evict_walk walk, void *context,
+                          uint64_t *keys, uint64_t *rows, em_error *err);
 
 /* Most evicted keys a table remembers (table_config: eviction.ring). */
 #define EM_EVICTION_RING_MAX (UINT32_C(1) << 20)
