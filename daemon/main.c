@@ -37,6 +37,7 @@ enum exit_code {
     EXIT_OK = 0,
     EXIT_RUNTIME = 1, /* the daemon could not start or run */
     EXIT_USAGE = 2,   /* bad arguments or configuration */
+    EXIT_NO_GPU = 3,  /* --list-devices: no GPU is visible */
     EXIT_INTERRUPTED = 130,
 };
 
@@ -65,13 +66,15 @@ static void print_usage(FILE *out)
             "      --print-config      print the configuration in force (defaults filled in,\n"
             "                          inline tokens redacted) as JSON and exit\n"
             "      --listen-file FILE  once serving, write the bound addresses there as JSON\n"
-            "      --list-devices      say which GPUs the cuda backend can use (exit 1: none)\n"
+            "      --list-devices      say which GPUs the cuda backend can use (exit 3: no GPU\n"
+            "                          visible; 1: GPUs there but unusable, with the reason)\n"
             "  -h, --help              show this help\n"
             "  -V, --version           show the version\n"
             "\n"
             "Signals: SIGTERM/SIGINT drain and exit 0 (a second SIGINT exits at once),\n"
             "SIGHUP reloads log_level, limits, tokens and drain_timeout_ms.\n"
-            "Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error.\n");
+            "Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 3 no GPU\n"
+            "visible (--list-devices).\n");
 }
 
 static int parse_arguments(int argc, char **argv, daemon_options *out)
@@ -130,8 +133,13 @@ static int list_devices(void)
 #if CUDA_BACKEND
     uint32_t gpus = 0;
     em_error err;
-    if (em_cuda_available(&gpus, &err) != EM_OK || gpus == 0) {
-        printf("cuda: no usable GPU: %s\n", gpus == 0 && err.message[0] ? err.message : "none");
+    em_status status = em_cuda_available(&gpus, &err);
+    if (status == EM_NOT_FOUND) {
+        printf("cuda: %s\n", err.message);
+        return EXIT_NO_GPU;
+    }
+    if (status != EM_OK) {
+        printf("cuda: no usable GPU: %s\n", err.message);
         return EXIT_RUNTIME;
     }
     printf("cuda: %u usable GPU(s)\n", gpus);

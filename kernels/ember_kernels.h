@@ -65,6 +65,15 @@ typedef struct em_gpu_device_info {
 
 /* Visible GPUs. Fails (never crashes) without a driver or a device. */
 em_gpu_status em_gpu_device_count(int *count);
+/* The CUDA runtime's codes for the ways em_gpu_device_count finds no GPU: none is
+ * visible, the driver is older than the runtime (or absent: the two read alike), and
+ * the stub libcuda of a toolkit was loaded instead of a driver. */
+#define EM_GPU_ERROR_NO_DEVICE 100
+#define EM_GPU_ERROR_INSUFFICIENT_DRIVER 35
+#define EM_GPU_ERROR_STUB_LIBRARY 34
+/* The CUDA version the installed driver supports (0 without a driver) and the one this
+ * build's runtime needs, as 1000 * major + 10 * minor. */
+em_gpu_status em_gpu_versions(int *driver, int *runtime);
 em_gpu_status em_gpu_device_info_get(int ordinal, em_gpu_device_info *out);
 /* Whether this build's kernels run on GPU ordinal (they are compiled for the
  * gpu_architectures option only): fails with "no kernel image is available" if not. */

@@ -83,17 +83,29 @@ static inline unsigned int em_gpu_blocks(uint64_t threads)
     return blocks == 0 ? 1u : (unsigned int)blocks;
 }
 
-/* Launch errors of the kernel just enqueued (configuration, missing image, ...). */
-static inline em_gpu_status em_gpu_launched(const char *kernel)
+/* Enqueues kernel(arguments) on the stream with enough threads for `threads` items and
+ * returns this launch's own status (configuration, missing image, a sticky error from
+ * earlier work). cudaLaunchKernelEx reports the launch it was asked for; reading
+ * cudaGetLastError after a <<<>>> launch would also return an earlier, unrelated
+ * failure of any runtime call on this thread. */
+template <typename... Parameters, typename... Arguments>
+static inline em_gpu_status em_gpu_launch(void (*kernel)(Parameters...), const char *name,
+                                          uint64_t threads, const em_gpu_stream *stream,
+                                          Arguments &&...arguments)
 {
-    return em_gpu_cuda_status(cudaGetLastError(), kernel);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(em_gpu_blocks(threads));
+    config.blockDim = dim3(EM_GPU_BLOCK_THREADS);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream->stream;
+    return em_gpu_cuda_status(
+        cudaLaunchKernelEx(&config, kernel, static_cast<Arguments &&>(arguments)...), name);
 }
 
-/* kernel<<<...>>>(arguments) on the stream with enough threads for `threads` items,
- * evaluating to the launch status. */
-#define EM_GPU_LAUNCH(kernel, threads, stream, ...)                                        \
-    (kernel<<<em_gpu_blocks(threads), EM_GPU_BLOCK_THREADS, 0, (stream)->stream>>>(__VA_ARGS__), \
-     em_gpu_launched(#kernel))
+/* kernel(arguments) on the stream with enough threads for `threads` items, evaluating
+ * to the launch status. */
+#define EM_GPU_LAUNCH(kernel, threads, stream, ...) \
+    em_gpu_launch(kernel, #kernel, (threads), (stream), __VA_ARGS__)
 
 #define EM_GPU_THREAD_INDEX ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x)
 #define EM_GPU_THREAD_COUNT ((uint64_t)gridDim.x * blockDim.x)

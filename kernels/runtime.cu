@@ -43,6 +43,14 @@ extern "C" em_gpu_status em_gpu_device_count(int *count)
     return em_gpu_ok();
 }
 
+extern "C" em_gpu_status em_gpu_versions(int *driver, int *runtime)
+{
+    *driver = *runtime = 0;
+    EM_GPU_CALL(cudaRuntimeGetVersion, (runtime));
+    EM_GPU_CALL(cudaDriverGetVersion, (driver));
+    return em_gpu_ok();
+}
+
 extern "C" em_gpu_status em_gpu_device_info_get(int ordinal, em_gpu_device_info *out)
 {
     cudaDeviceProp properties;

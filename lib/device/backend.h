@@ -81,9 +81,12 @@ typedef struct em_cuda_backend_options {
 void em_cuda_backend_options_init(em_cuda_backend_options *options);
 
 /* Whether a usable GPU is visible (one this build's kernels run on; they are compiled
- * for the gpu_architectures build option): *device_count gets how many. Errors:
- * UNAVAILABLE naming the CUDA error (no driver, no device, no kernels for the GPUs
- * there are); never crashes on a machine without a GPU. */
+ * for the gpu_architectures build option, with PTX for later GPUs): *device_count gets
+ * how many. Errors: NOT_FOUND when no GPU is visible (no NVIDIA driver and no device
+ * node, or none left visible by CUDA_VISIBLE_DEVICES); UNAVAILABLE naming the cause
+ * when GPUs or a driver are there but cannot be used (a driver older than this build's
+ * runtime with both versions, no kernel image for the GPU). Never crashes on a machine
+ * without a GPU. */
 em_status em_cuda_available(uint32_t *device_count, em_error *err);
 
 /* A backend with one device per GPU (each with its own pool and lanes) and the NCCL

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "lib/device/backend.h"
 #include "lib/device/cuda_device.h"
@@ -32,6 +33,49 @@ void em_cuda_backend_options_init(em_cuda_backend_options *options)
     options->staging_bytes = DEFAULT_STAGING_BYTES;
 }
 
+/* Whether this machine has an NVIDIA kernel driver or an NVIDIA device node: with
+ * neither, a missing driver means no GPU is there; with one, it means a broken or too
+ * old installation. */
+static bool nvidia_driver_installed(void)
+{
+    return access("/proc/driver/nvidia/version", F_OK) == 0 || access("/dev/nvidiactl", F_OK) == 0 ||
+           access("/dev/nvidia0", F_OK) == 0;
+}
+
+/* Why em_gpu_device_count failed: NOT_FOUND when no GPU is visible (none there, or
+ * hidden by CUDA_VISIBLE_DEVICES), UNAVAILABLE naming what is wrong when one is there
+ * but cannot be used (driver older than the runtime, stub library). */
+static em_status device_count_failed(em_gpu_status status, em_error *err)
+{
+    bool driver_missing = status.code == EM_GPU_ERROR_INSUFFICIENT_DRIVER ||
+                          status.code == EM_GPU_ERROR_STUB_LIBRARY;
+    if (status.code == EM_GPU_ERROR_NO_DEVICE)
+        return em_error_set(err, EM_NOT_FOUND, "no GPU is visible: %s: %s (error %d)",
+                            status.call, status.message, status.code);
+    if (driver_missing && !nvidia_driver_installed())
+        return em_error_set(err, EM_NOT_FOUND,
+                            "no GPU is visible: no NVIDIA driver is installed (%s: %s, error %d)",
+                            status.call, status.message, status.code);
+    if (driver_missing) {
+        int driver = 0, runtime = 0;
+        (void)em_gpu_versions(&driver, &runtime);
+        if (driver == 0)
+            return em_error_set(err, EM_UNAVAILABLE,
+                                "an NVIDIA driver is installed but unusable: %s: %s (error %d); "
+                                "its libcuda.so.1 could not be loaded (this build needs CUDA "
+                                "%d.%d)",
+                                status.call, status.message, status.code, runtime / 1000,
+                                runtime % 1000 / 10);
+        return em_error_set(err, EM_UNAVAILABLE,
+                            "an NVIDIA driver is installed but unusable: %s: %s (error %d); "
+                            "the driver supports CUDA %d.%d, this build needs CUDA %d.%d",
+                            status.call, status.message, status.code, driver / 1000,
+                            driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+    }
+    return em_error_set(err, EM_UNAVAILABLE, "no usable CUDA device: %s failed: %s (error %d)",
+                        status.call, status.message, status.code);
+}
+
 /* The visible GPUs this build's kernels run on, in ordinal order (at most
  * EM_BACKEND_MAX_DEVICES); *visible gets every visible GPU. */
 static em_status usable_gpus(uint32_t *ordinals, uint32_t *count, uint32_t *visible,
@@ -41,10 +85,9 @@ static em_status usable_gpus(uint32_t *ordinals, uint32_t *count, uint32_t *visi
     *count = *visible = 0;
     em_gpu_status status = em_gpu_device_count(&found);
     if (status.code != 0)
-        return em_error_set(err, EM_UNAVAILABLE, "no usable CUDA device: %s failed: %s (error %d)",
-                            status.call, status.message, status.code);
+        return device_count_failed(status, err);
     if (found <= 0)
-        return em_error_set(err, EM_UNAVAILABLE, "no usable CUDA device: none is visible");
+        return em_error_set(err, EM_NOT_FOUND, "no GPU is visible");
     *visible = (uint32_t)found;
     em_gpu_status refused = {0, 0, NULL, NULL};
     for (int ordinal = 0; ordinal < found && *count < EM_BACKEND_MAX_DEVICES; ordinal++) {
@@ -54,11 +97,17 @@ static em_status usable_gpus(uint32_t *ordinals, uint32_t *count, uint32_t *visi
         else if (refused.code == 0)
             refused = status;
     }
-    if (*count == 0)
+    if (*count == 0) {
+        em_gpu_device_info info;
+        memset(&info, 0, sizeof(info));
+        (void)em_gpu_device_info_get(0, &info);
         return em_error_set(err, EM_UNAVAILABLE,
-                            "no usable CUDA device: %d visible, but this build's kernels run on "
-                            "none of them (%s: %s)",
-                            found, refused.call, refused.message);
+                            "no usable CUDA device: %d visible (GPU 0: %s, sm_%u%u), but this "
+                            "build's kernels run on none of them (%s: %s); rebuild with "
+                            "-Dgpu_architectures naming it",
+                            found, info.name, info.compute_major, info.compute_minor,
+                            refused.call, refused.message);
+    }
     return EM_OK;
 }
 

@@ -589,9 +589,10 @@ int main(int argc, char **argv)
     options o = parse_options(argc, argv);
     uint32_t gpus = 0;
     em_error err;
-    if (em_cuda_available(&gpus, &err) != EM_OK) {
+    em_status available = em_cuda_available(&gpus, &err);
+    if (available != EM_OK) {
         printf("bench_gpu: %s\n", err.message);
-        return 77;
+        return available == EM_NOT_FOUND ? 77 : EXIT_FAILURE;
     }
     if ((uint32_t)o.device >= gpus) {
         fprintf(stderr, "--device %d: %u GPU(s) visible\n", o.device, gpus);

@@ -6,7 +6,8 @@
  * (with several GPUs) every layout identical to one GPU.
  *
  * Built twice from this file: against the real kernels (suite 'gpu'; exits 77, i.e.
- * skipped, when no GPU is visible) and against tests/support/kernels_emulated.c (suite
+ * skipped, only when no GPU is visible, and fails naming the cause when a GPU or a
+ * driver is there but unusable) and against tests/support/kernels_emulated.c (suite
  * 'unit'), where the CUDA backend's C code runs with the kernels emulated on the host.
  *
  * CUDA must not be initialised in a process that forks afterwards, and every Check
@@ -1077,31 +1078,42 @@ static Suite *gpu_backend_suite(void)
     return suite;
 }
 
-/* Asks in a child process, so this one never initialises CUDA before forking tests. */
-static bool gpu_visible(void)
+/* Asks in a child process, so this one never initialises CUDA before forking tests:
+ * 0 when a usable GPU is there, SKIP when none is visible, 1 when one is there but
+ * cannot be used (an old driver, no kernel image for it): a failure, never a skip. */
+static int gpu_probe(void)
 {
+    fflush(stdout);
     pid_t child = fork();
     if (child == 0) {
         uint32_t count = 0;
         em_error err;
-        if (em_cuda_available(&count, &err) != EM_OK) {
-            printf("no GPU, the suite is skipped: %s\n", err.message);
-            fflush(stdout);
-            _exit(SKIP);
-        }
-        printf("%u GPU(s) visible\n", count);
+        em_status status = em_cuda_available(&count, &err);
+        if (status == EM_NOT_FOUND)
+            printf("the suite is skipped: %s\n", err.message);
+        else if (status != EM_OK)
+            printf("FAILED: a GPU or a driver is there but cannot be used: %s\n", err.message);
+        else
+            printf("%u GPU(s) visible\n", count);
         fflush(stdout);
-        _exit(0);
+        _exit(status == EM_NOT_FOUND ? SKIP : status == EM_OK ? 0 : 1);
     }
     int status = 0;
-    if (child < 0 || waitpid(child, &status, 0) != child)
-        return false;
-    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (child < 0 || waitpid(child, &status, 0) != child) {
+        printf("FAILED: the GPU probe did not run\n");
+        return 1;
+    }
+    if (!WIFEXITED(status)) {
+        printf("FAILED: the GPU probe was killed by signal %d\n", WTERMSIG(status));
+        return 1;
+    }
+    return WEXITSTATUS(status);
 }
 
 int main(void)
 {
-    if (!gpu_visible())
-        return SKIP;
+    int probe = gpu_probe();
+    if (probe != 0)
+        return probe;
     return em_test_run(gpu_backend_suite());
 }

@@ -78,9 +78,20 @@ void test_skip_without_backend(void)
     char command[1024];
     snprintf(command, sizeof(command), "%s --list-devices", binary != NULL ? binary : "emberd");
     int status = system(command);
-    if (status != 0) {
-        printf("skipped: the cuda backend needs a usable GPU\n");
+    if (status == -1 || !WIFEXITED(status)) {
+        printf("%s did not run\n", command);
+        exit(1);
+    }
+    if (WEXITSTATUS(status) == 3) {
+        printf("skipped: the cuda backend needs a GPU, and none is visible\n");
         exit(77);
+    }
+    if (WEXITSTATUS(status) != 0) {
+        /* A GPU or a driver is there but unusable: a failure, never a skip (the reason
+         * is printed above by emberd). */
+        printf("the cuda backend cannot run here (%s exited %d)\n", command,
+               WEXITSTATUS(status));
+        exit(1);
     }
 }
 

@@ -35,8 +35,9 @@ bool test_backend_is_cuda(void);
 /* "cuda" or "cpu", as health and stats name the backend. */
 const char *test_backend_name(void);
 
-/* Call first in main(): exits 77 (skipped) when EMBER_TEST_BACKEND asks for the cuda
- * backend and `emberd --list-devices` finds no usable GPU. */
+/* Call first in main(): when EMBER_TEST_BACKEND asks for the cuda backend, exits 77
+ * (skipped) if `emberd --list-devices` sees no GPU, and 1 (failed, with emberd's reason)
+ * if GPUs or a driver are there but unusable. */
 void test_skip_without_backend(void);
 
 /* Results of the daemon against the in-process CPU engine: identical bits on the cpu

@@ -123,6 +123,12 @@ em_gpu_status em_gpu_device_count(int *count)
     return ok();
 }
 
+em_gpu_status em_gpu_versions(int *driver, int *runtime)
+{
+    *driver = *runtime = 13000;
+    return ok();
+}
+
 em_gpu_status em_gpu_device_info_get(int ordinal, em_gpu_device_info *out)
 {
     em_gpu_status status = check_ordinal(ordinal, "cudaGetDeviceProperties");
