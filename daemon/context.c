@@ -13,6 +13,8 @@ const char *em_server_state_name(int state)
         return "serving";
     case EM_SERVER_DRAINING:
         return "draining";
+    case EM_SERVER_FAILED:
+        return "failed";
     }
     return "unknown";
 }

@@ -21,6 +21,7 @@ typedef enum em_server_state {
     EM_SERVER_STARTING = 0,
     EM_SERVER_SERVING = 1,
     EM_SERVER_DRAINING = 2,
+    EM_SERVER_FAILED = 3, /* a GPU failed: draining, then exiting non-zero */
 } em_server_state;
 
 /* Fault injection, for tests of clients against a real daemon (em_daemon_faults):
@@ -64,7 +65,7 @@ typedef struct em_server_context {
     void *owner;
 } em_server_context;
 
-/* "starting", "serving", "draining". */
+/* "starting", "serving", "draining", "failed". */
 const char *em_server_state_name(int state);
 
 /* The state as HEALTH, STATS and /healthz say it: "drained" while serving under DRAIN. */

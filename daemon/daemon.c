@@ -47,6 +47,7 @@ enum {
     WANT_STOP = 1u << 0,
     WANT_RELOAD = 1u << 1,
     WANT_DROP = 1u << 2,
+    WANT_FAIL = 1u << 3, /* a GPU failed: drain and exit non-zero */
 };
 
 struct em_daemon {
@@ -70,6 +71,8 @@ struct em_daemon {
     bool watchdog_running;
     uint64_t watchdog_completed;
     bool stopping;
+    bool drain_started;
+    _Atomic bool gpu_failed; /* the CUDA backend lost a GPU (em_cuda_set_failure_handler) */
     bool forced; /* the drain deadline passed */
     char data_address[EM_ADDRESS_MAX];
     char admin_address[EM_ADDRESS_MAX];
@@ -288,14 +291,43 @@ static void on_drained(em_server *server, bool forced, void *context)
 
 static void begin_drain(em_daemon *d)
 {
-    if (d->server == NULL || atomic_load(&d->context.state) == EM_SERVER_DRAINING)
+    if (d->server == NULL || d->drain_started)
         return;
-    atomic_store(&d->context.state, EM_SERVER_DRAINING);
+    d->drain_started = true;
+    if (atomic_load(&d->context.state) != EM_SERVER_FAILED)
+        atomic_store(&d->context.state, EM_SERVER_DRAINING);
     const char *reason = atomic_load(&d->stop_reason);
     em_log_notice(&d->log, "%s: draining (deadline %u ms)", reason != NULL ? reason : "stop",
                   d->config.drain_timeout_ms);
     notify(d, "STOPPING=1\nSTATUS=draining");
     em_server_drain(d->server, d->config.drain_timeout_ms, on_drained, d);
+}
+
+static void want(em_daemon *d, unsigned what);
+
+/* A GPU's context is lost (any thread): from now on every CUDA call of the process
+ * fails, so readiness goes at once and the loop drains and stops; main exits non-zero
+ * and the service manager restarts emberd (checkpoints bring the tables back). */
+static void on_gpu_failure(void *context, const char *cause)
+{
+    em_daemon *d = context;
+    (void)cause; /* logged by the loop, from em_cuda_failed */
+    atomic_store(&d->gpu_failed, true);
+    atomic_store(&d->context.state, EM_SERVER_FAILED);
+    want(d, WANT_FAIL);
+}
+
+static void fail(em_daemon *d)
+{
+    char cause[EM_ERROR_MESSAGE_MAX] = "";
+#if CUDA_BACKEND
+    (void)em_cuda_failed(cause, sizeof(cause));
+#endif
+    em_log_error(&d->log, "GPU failed: %s; draining and exiting with status 1, so that the "
+                 "service manager restarts emberd", cause);
+    notify(d, "STATUS=failed: GPU failed: %s", cause);
+    atomic_store(&d->stop_reason, "a GPU failure");
+    begin_drain(d);
 }
 
 /* ---- reload -------------------------------------------------------------------------- */
@@ -391,6 +423,8 @@ static void on_wake(uv_async_t *handle)
         em_server_close_connections(d->server);
     if (wanted & WANT_RELOAD)
         reload(d);
+    if (wanted & WANT_FAIL)
+        fail(d);
     if (wanted & WANT_STOP)
         begin_drain(d);
 }
@@ -487,6 +521,11 @@ static em_status start(em_daemon *d, em_error *err)
         return em_error_set(err, EM_INTERNAL, "uv_async_init: %s", uv_strerror(rc));
     d->wake.data = d;
     d->wake_open = true;
+#if CUDA_BACKEND
+    /* Once the loop can be woken; a failure before it is handed over now. */
+    if (strcmp(d->backend->kind, "cuda") == 0)
+        em_cuda_set_failure_handler(on_gpu_failure, d);
+#endif
     d->context.catalog = d->catalog;
     d->context.checkpointer = d->checkpointer;
     d->context.checkpoint_dir = d->config.checkpoint.dir;
@@ -574,7 +613,8 @@ em_status em_daemon_create(const em_daemon_config *config, const em_daemon_optio
 
 bool em_daemon_run(em_daemon *d)
 {
-    atomic_store(&d->context.state, EM_SERVER_SERVING);
+    int starting = EM_SERVER_STARTING; /* a GPU may have failed already */
+    atomic_compare_exchange_strong(&d->context.state, &starting, EM_SERVER_SERVING);
     start_watchdog(d);
     em_log_notice(&d->log, "serving: data %s, admin %s, metrics %s, %u worker thread(s), %zu "
                   "table(s)", d->data_address, d->admin_address,
@@ -585,10 +625,20 @@ bool em_daemon_run(em_daemon *d)
     return !d->forced;
 }
 
+bool em_daemon_gpu_failed(const em_daemon *d)
+{
+    return atomic_load(&d->gpu_failed);
+}
+
 void em_daemon_save_at_shutdown(em_daemon *d)
 {
     if (d->checkpointer == NULL || !d->config.checkpoint.on_shutdown)
         return;
+    if (atomic_load(&d->gpu_failed)) {
+        em_log_error(&d->log, "shutdown save skipped: a GPU failed, its rows cannot be read; "
+                     "the last completed checkpoint stays current");
+        return;
+    }
     notify(d, "STATUS=saving every table");
     em_checkpoint_info *infos = NULL;
     size_t count = 0;
@@ -603,6 +653,10 @@ void em_daemon_destroy(em_daemon *d)
 {
     if (d == NULL)
         return;
+#if CUDA_BACKEND
+    if (d->backend != NULL && strcmp(d->backend->kind, "cuda") == 0)
+        em_cuda_set_failure_handler(NULL, NULL);
+#endif
     stop(d);
     if (d->loop_ready) {
         uv_run(&d->loop, UV_RUN_DEFAULT); /* let closing handles finish */

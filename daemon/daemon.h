@@ -61,6 +61,12 @@ void em_daemon_stop(em_daemon *daemon, const char *reason);
  * async-signal-safe. */
 void em_daemon_reload(em_daemon *daemon);
 
+/* Whether a GPU of the CUDA backend failed (its context lost: a kernel fault, an NCCL
+ * asynchronous error). The daemon then stops being ready at once, logs the cause,
+ * drains and em_daemon_run returns; the process must exit non-zero (emberd exits 1) so
+ * that the service manager restarts it. */
+bool em_daemon_gpu_failed(const em_daemon *daemon);
+
 /* After em_daemon_run returned: saves every table when checkpoint.on_shutdown says so
  * (failures are logged). The caller makes sure no signal calls into the daemon any more
  * (em_daemon_stop and em_daemon_reload need the loop, which is gone). */

@@ -288,9 +288,10 @@ static int serve(const daemon_options *options, const em_daemon_config *config)
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_DFL);
     signal(SIGHUP, SIG_IGN);
+    bool gpu_failed = em_daemon_gpu_failed(daemon);
     em_daemon_save_at_shutdown(daemon);
     em_daemon_destroy(daemon);
-    return EXIT_OK;
+    return gpu_failed ? EXIT_RUNTIME : EXIT_OK;
 }
 
 int main(int argc, char **argv)

@@ -48,6 +48,10 @@ typedef struct em_gpu_status {
     int out_of_memory;   /* nonzero when the failure was an allocation */
     const char *call;    /* the failing call, e.g. "cudaMalloc" (static), NULL on success */
     const char *message; /* the library's description (static), NULL on success */
+    int fatal;           /* nonzero when the GPU's context is lost: a sticky CUDA error (a
+                          * kernel fault, an uncorrectable ECC error: every later call
+                          * returns it) or an NCCL asynchronous error; only a new process
+                          * can use the GPU again */
 } em_gpu_status;
 
 /* ---- runtime ------------------------------------------------------------------------ */

@@ -32,8 +32,33 @@ struct em_gpu_event {
 
 static inline em_gpu_status em_gpu_ok(void)
 {
-    em_gpu_status status = {0, 0, NULL, NULL};
+    em_gpu_status status = {0, 0, NULL, NULL, 0};
     return status;
+}
+
+/* The errors after which "the process must be terminated and relaunched" (the CUDA
+ * runtime's documentation of each): the context is lost for good. */
+static inline bool em_gpu_error_sticky(cudaError_t error)
+{
+    switch ((int)error) {
+    case 214: /* cudaErrorECCUncorrectable */
+    case 226: /* cudaErrorContained */
+    case 700: /* cudaErrorIllegalAddress */
+    case 702: /* cudaErrorLaunchTimeout */
+    case 710: /* cudaErrorAssert */
+    case 714: /* cudaErrorHardwareStackError */
+    case 715: /* cudaErrorIllegalInstruction */
+    case 716: /* cudaErrorMisalignedAddress */
+    case 717: /* cudaErrorInvalidAddressSpace */
+    case 718: /* cudaErrorInvalidPc */
+    case 719: /* cudaErrorLaunchFailure */
+    case 721: /* cudaErrorTensorMemoryLeak */
+    case 810: /* cudaErrorMpsClientTerminated */
+    case 911: /* cudaErrorExternalDevice */
+        return true;
+    default:
+        return false;
+    }
 }
 
 /* A kind outside EM_OPTIMIZERS reached a launcher (a corrupted config): refused, never
@@ -41,7 +66,7 @@ static inline em_gpu_status em_gpu_ok(void)
 static inline em_gpu_status em_gpu_invalid_optimizer(void)
 {
     em_gpu_status status = {(int)cudaErrorInvalidValue, 0, "em_gpu_rows_apply",
-                            "optimizer kind outside EM_OPTIMIZERS"};
+                            "optimizer kind outside EM_OPTIMIZERS", 0};
     return status;
 }
 
@@ -52,6 +77,7 @@ static inline em_gpu_status em_gpu_cuda_status(cudaError_t error, const char *ca
         return status;
     status.code = (int)error;
     status.out_of_memory = error == cudaErrorMemoryAllocation;
+    status.fatal = em_gpu_error_sticky(error);
     status.call = call;
     status.message = cudaGetErrorString(error);
     return status;

@@ -6,15 +6,24 @@
  * asynchronous copies, stream and event operations and the NCCL group.
  */
 #include <nccl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/launch.cuh"
 
 struct em_gpu_comm {
-    ncclComm_t comm;
+    ncclComm_t comm; /* NULL once aborted */
 };
+
+/* The live communicators, so that every wait can read their asynchronous errors. */
+#define MAX_LIVE_COMMS 64
+static pthread_mutex_t live_comms_lock = PTHREAD_MUTEX_INITIALIZER;
+static em_gpu_comm *live_comms[MAX_LIVE_COMMS];
+static int live_comm_count;
 
 static em_gpu_status nccl_status(ncclResult_t result, const char *call)
 {
@@ -134,10 +143,76 @@ extern "C" void em_gpu_stream_destroy(em_gpu_stream *stream)
     free(stream);
 }
 
+/* ---- waits ---------------------------------------------------------------------------- */
+
+/* The first asynchronous error of a live communicator (a peer failed, a network or CUDA
+ * error inside NCCL): every communicator is then aborted, which ends the operations they
+ * left unfinished, and the error is returned as fatal. */
+static em_gpu_status comms_async_error(void)
+{
+    em_gpu_status status = em_gpu_ok();
+    pthread_mutex_lock(&live_comms_lock);
+    for (int i = 0; i < live_comm_count && status.code == 0; i++) {
+        if (live_comms[i]->comm == NULL)
+            continue;
+        ncclResult_t async = ncclSuccess;
+        ncclResult_t asked = ncclCommGetAsyncError(live_comms[i]->comm, &async);
+        if (asked != ncclSuccess)
+            status = nccl_status(asked, "ncclCommGetAsyncError");
+        else if (async != ncclSuccess && async != ncclInProgress)
+            status = nccl_status(async, "ncclCommGetAsyncError");
+    }
+    if (status.code != 0) {
+        status.fatal = 1;
+        for (int i = 0; i < live_comm_count; i++) {
+            if (live_comms[i]->comm != NULL)
+                (void)ncclCommAbort(live_comms[i]->comm);
+            live_comms[i]->comm = NULL;
+        }
+    }
+    pthread_mutex_unlock(&live_comms_lock);
+    return status;
+}
+
+static uint64_t monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+}
+
+/* Waits until query() stops answering cudaErrorNotReady, polling instead of blocking in
+ * cudaStreamSynchronize or cudaEventSynchronize, which never return when a collective
+ * hangs on a failed peer: between polls the communicators' asynchronous errors are read
+ * (every 64 polls). The wait yields the CPU for its first millisecond and then sleeps
+ * 20 us between polls. */
+template <typename Query>
+static em_gpu_status wait_until_done(Query query, const char *call)
+{
+    uint64_t started = 0;
+    for (uint64_t polls = 0;; polls++) {
+        cudaError_t error = query();
+        if (error != cudaErrorNotReady)
+            return em_gpu_cuda_status(error, call);
+        if (polls % 64 == 63) {
+            EM_GPU_TRY(comms_async_error());
+        }
+        uint64_t now = monotonic_ns();
+        if (started == 0)
+            started = now;
+        if (now - started < 1000000u) {
+            sched_yield();
+        } else {
+            struct timespec pause = {0, 20000};
+            nanosleep(&pause, NULL);
+        }
+    }
+}
+
 extern "C" em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
 {
-    EM_GPU_CALL(cudaStreamSynchronize, (stream->stream));
-    return em_gpu_ok();
+    cudaStream_t raw = stream->stream;
+    return wait_until_done([raw] { return cudaStreamQuery(raw); }, "cudaStreamQuery");
 }
 
 extern "C" em_gpu_status em_gpu_event_create(int ordinal, int timing, em_gpu_event **out)
@@ -186,8 +261,8 @@ extern "C" em_gpu_status em_gpu_stream_wait(em_gpu_stream *stream, em_gpu_event 
 
 extern "C" em_gpu_status em_gpu_event_synchronize(em_gpu_event *event)
 {
-    EM_GPU_CALL(cudaEventSynchronize, (event->event));
-    return em_gpu_ok();
+    cudaEvent_t raw = event->event;
+    return wait_until_done([raw] { return cudaEventQuery(raw); }, "cudaEventQuery");
 }
 
 extern "C" em_gpu_status em_gpu_event_elapsed_ms(em_gpu_event *start, em_gpu_event *end,
@@ -237,6 +312,12 @@ extern "C" em_gpu_status em_gpu_comm_init_all(const int *ordinals, int count, em
         else
             comms[i]->comm = raw[i];
     }
+    pthread_mutex_lock(&live_comms_lock);
+    if (status.code == 0 && live_comm_count + count > MAX_LIVE_COMMS)
+        status = nccl_status(ncclInvalidUsage, "ncclCommInitAll (more than 64 communicators)");
+    for (int i = 0; status.code == 0 && i < count; i++)
+        live_comms[live_comm_count++] = comms[i];
+    pthread_mutex_unlock(&live_comms_lock);
     if (status.code != 0) {
         for (int i = 0; i < count; i++) {
             free(comms[i]);
@@ -253,7 +334,16 @@ extern "C" void em_gpu_comm_destroy(em_gpu_comm *comm)
 {
     if (comm == NULL)
         return;
-    ncclCommDestroy(comm->comm);
+    pthread_mutex_lock(&live_comms_lock);
+    for (int i = 0; i < live_comm_count; i++) {
+        if (live_comms[i] == comm) {
+            live_comms[i] = live_comms[--live_comm_count];
+            break;
+        }
+    }
+    if (comm->comm != NULL)
+        ncclCommDestroy(comm->comm);
+    pthread_mutex_unlock(&live_comms_lock);
     free(comm);
 }
 

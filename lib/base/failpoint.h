@@ -34,7 +34,9 @@
     X(ACCEPT_FAIL, accept_fail, "an accepted connection is dropped as if accept failed")      \
     X(CHECKPOINT_FAIL, checkpoint_fail,                                                       \
       "step value of a save fails with EIO (a write writes half, then ENOSPC)")              \
-    X(CHECKPOINT_CRASH, checkpoint_crash, "the process exits at once before step value of a save")
+    X(CHECKPOINT_CRASH, checkpoint_crash, "the process exits at once before step value of a save") \
+    X(GPU_FAULT, gpu_fault,                                                                   \
+      "the emulated GPUs fail with a sticky kernel fault (tests/support/kernels_emulated.c)")
 
 typedef enum em_failpoint {
 #define EM_FAILPOINT_ENUM(ID, name, help) EM_FAILPOINT_##ID,

@@ -89,6 +89,22 @@ void em_cuda_backend_options_init(em_cuda_backend_options *options);
  * without a GPU. */
 em_status em_cuda_available(uint32_t *device_count, em_error *err);
 
+/* Called once per process, on the thread that saw it, when a GPU's context is lost:
+ * a sticky CUDA error (a kernel fault, an uncorrectable ECC error) or an NCCL
+ * asynchronous error (the communicators are then aborted). From then on every CUDA
+ * call of the process fails, so the CUDA backend serves nothing until the process is
+ * restarted; the request that met the failure fails with UNAVAILABLE naming it.
+ * cause: "<device>: <call> failed: <message> (error <n>)". */
+typedef void (*em_gpu_failure_handler)(void *context, const char *cause);
+
+/* One handler per process; NULL removes it. A failure before any handler was set is
+ * still recorded (em_cuda_failed) and handed to the next handler set. */
+void em_cuda_set_failure_handler(em_gpu_failure_handler handler, void *context);
+
+/* Whether a GPU failed in this process; cause (nullable, size bytes) gets the first
+ * failure. */
+bool em_cuda_failed(char *cause, size_t size);
+
 /* A backend with one device per GPU (each with its own pool and lanes) and the NCCL
  * exchange when it has several GPUs and NCCL initialises, else the host-staged one
  * (backend->exchange->name says which). Errors: UNAVAILABLE without a GPU,

@@ -89,7 +89,7 @@ static em_status usable_gpus(uint32_t *ordinals, uint32_t *count, uint32_t *visi
     if (found <= 0)
         return em_error_set(err, EM_NOT_FOUND, "no GPU is visible");
     *visible = (uint32_t)found;
-    em_gpu_status refused = {0, 0, NULL, NULL};
+    em_gpu_status refused = {0, 0, NULL, NULL, 0};
     for (int ordinal = 0; ordinal < found && *count < EM_BACKEND_MAX_DEVICES; ordinal++) {
         status = em_gpu_kernels_supported(ordinal);
         if (status.code == 0)

@@ -46,6 +46,8 @@
  */
 #include "lib/device/cuda_internal.h"
 
+#include "lib/device/backend.h"
+
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,10 +55,73 @@
 
 /* ---- status ------------------------------------------------------------------------ */
 
+/* The process's first GPU failure (a lost context) and who is told about it. */
+static pthread_mutex_t failure_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool failure_seen;
+static bool failure_told;
+static char failure_cause[EM_ERROR_MESSAGE_MAX];
+static em_gpu_failure_handler failure_handler;
+static void *failure_context;
+
+/* Tells the handler about the failure once (outside the lock: it may call back). */
+static void tell_failure(void)
+{
+    pthread_mutex_lock(&failure_lock);
+    em_gpu_failure_handler handler = NULL;
+    void *context = NULL;
+    char cause[EM_ERROR_MESSAGE_MAX];
+    if (failure_seen && !failure_told && failure_handler != NULL) {
+        failure_told = true;
+        handler = failure_handler;
+        context = failure_context;
+        snprintf(cause, sizeof(cause), "%s", failure_cause);
+    }
+    pthread_mutex_unlock(&failure_lock);
+    if (handler != NULL)
+        handler(context, cause);
+}
+
+void em_cuda_set_failure_handler(em_gpu_failure_handler handler, void *context)
+{
+    pthread_mutex_lock(&failure_lock);
+    failure_handler = handler;
+    failure_context = context;
+    pthread_mutex_unlock(&failure_lock);
+    tell_failure();
+}
+
+bool em_cuda_failed(char *cause, size_t size)
+{
+    pthread_mutex_lock(&failure_lock);
+    bool failed = failure_seen;
+    if (cause != NULL && size > 0)
+        snprintf(cause, size, "%s", failed ? failure_cause : "");
+    pthread_mutex_unlock(&failure_lock);
+    return failed;
+}
+
+static void record_failure(const char *cause)
+{
+    pthread_mutex_lock(&failure_lock);
+    if (!failure_seen) {
+        failure_seen = true;
+        snprintf(failure_cause, sizeof(failure_cause), "%s", cause);
+    }
+    pthread_mutex_unlock(&failure_lock);
+    tell_failure();
+}
+
 em_status em__cuda_check(em_gpu_status status, const char *where, em_error *err)
 {
     if (status.code == 0)
         return EM_OK;
+    if (status.fatal) {
+        em_error_set(err, EM_UNAVAILABLE, "%s: %s failed: %s (error %d)", where, status.call,
+                     status.message, status.code);
+        record_failure(err->message);
+        em_error_prefix(err, "GPU context lost (only a new process can use it): ");
+        return EM_UNAVAILABLE;
+    }
     return em_error_set(err, status.out_of_memory ? EM_RESOURCE_EXHAUSTED : EM_INTERNAL,
                         "%s: %s failed: %s (error %d)", where, status.call, status.message,
                         status.code);

@@ -36,7 +36,9 @@ em_status em__cuda_lane_copy(em_lane *from, em_lane *to, void *destination, cons
                              size_t bytes, em_error *err);
 
 /* EM_OK, or the failed call with CUDA's message: RESOURCE_EXHAUSTED for allocation
- * failures, INTERNAL otherwise; `where` (a device name) starts the message. */
+ * failures, UNAVAILABLE for a lost context (status.fatal: recorded as the process's GPU
+ * failure, see em_cuda_set_failure_handler), INTERNAL otherwise; `where` (a device
+ * name) names the device in the message. */
 em_status em__cuda_check(em_gpu_status status, const char *where, em_error *err);
 
 #endif

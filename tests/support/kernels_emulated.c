@@ -19,8 +19,14 @@
  *
  * Configuration (environment): EMBER_EMULATED_GPUS (default 2) devices of
  * EMBER_EMULATED_GPU_MEBIBYTES (default 512) each.
+ *
+ * Faults: when the failpoint gpu_fault triggers at the start of device work (a kernel,
+ * a copy), the emulated GPUs fail as a kernel fault leaves a real one: that call and
+ * every later call of the process return the sticky cudaErrorIllegalAddress (700,
+ * fatal). The work itself still runs, as a faulting kernel's writes are undefined.
  */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +34,7 @@
 #include <sys/mman.h>
 
 #include "kernels/kernel_logic.h"
+#include "lib/base/failpoint.h"
 
 #define MAX_DEVICES 16
 #define MAX_REGIONS 4096
@@ -73,14 +80,27 @@ static uint64_t emulated_bytes(void)
     return mebibytes << 20;
 }
 
+/* Set once gpu_fault triggered: every call fails from then on. */
+static _Atomic bool faulted;
+
+static em_gpu_status sticky_fault(void)
+{
+    return (em_gpu_status){700, 0, "cudaStreamSynchronize",
+                           "an illegal memory access was encountered (emulated)", 1};
+}
+
 static em_gpu_status ok(void)
 {
-    return (em_gpu_status){0, 0, NULL, NULL};
+    if (atomic_load(&faulted))
+        return sticky_fault();
+    return (em_gpu_status){0, 0, NULL, NULL, 0};
 }
 
 static em_gpu_status failure(int code, int out_of_memory, const char *call, const char *message)
 {
-    return (em_gpu_status){code, out_of_memory, call, message};
+    if (atomic_load(&faulted))
+        return sticky_fault();
+    return (em_gpu_status){code, out_of_memory, call, message, 0};
 }
 
 static em_gpu_status check_ordinal(int ordinal, const char *call)
@@ -102,6 +122,8 @@ static void protect_all(int protection)
 /* Device work runs between these two: regions readable and writable, one at a time. */
 static void enter_device(void)
 {
+    if (em_failpoint_hit(EM_FAILPOINT_GPU_FAULT, NULL))
+        atomic_store(&faulted, true);
     pthread_mutex_lock(&device_lock);
     protect_all(PROT_READ | PROT_WRITE);
 }

@@ -1,0 +1,175 @@
+/*
+ * A GPU that fails while emberd serves: the request that meets the failure gets
+ * UNAVAILABLE naming it, readiness goes, the daemon logs the cause, skips the shutdown
+ * save (the last completed checkpoint stays current) and exits 1 by itself, so that
+ * systemd (Restart=on-failure) restarts it; the restarted daemon restores that
+ * checkpoint.
+ *
+ * The failure is the emulated kernels' sticky fault (failpoint gpu_fault,
+ * tests/support/kernels_emulated.c), so this suite runs against emberd-emulated only.
+ */
+#include <check.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "proto/ember.pb-c.h"
+#include "tests/integration/harness.h"
+#include "tests/support/test_support.h"
+
+#define DIM 4
+
+static const uint32_t offsets[] = {0, 2, 3};
+static const uint64_t keys[] = {10, 11, 12};
+
+static char *config_json(const char *dir)
+{
+    static char json[1024];
+    snprintf(json, sizeof(json),
+             "{\"checkpoint\": {\"dir\": \"%s\", \"on_shutdown\": true},"
+             " \"tables\": [{\"name\": \"t\", \"dim\": %d, \"capacity\": 1000, \"shards\": 2,"
+             " \"optimizer\": {\"type\": \"sgd\", \"lr\": 0.5},"
+             " \"initializer\": {\"type\": \"zeros\"}}]}",
+             dir, DIM);
+    return json;
+}
+
+static test_frame push(const test_daemon *daemon, uint64_t id)
+{
+    float gradients[3 * DIM];
+    for (int i = 0; i < 3 * DIM; i++)
+        gradients[i] = 1.0f;
+    Ember__PushRequest body = EMBER__PUSH_REQUEST__INIT;
+    body.table = "t";
+    body.rows = 2;
+    body.nnz = 3;
+    size_t length = 0;
+    uint8_t *attachment = test_csr_attachment(2, offsets, 3, keys, gradients, 3 * DIM, &length);
+    int fd = test_connect(daemon->data);
+    test_frame frame = test_call(fd, id, EMBER__METHOD__PUSH, NULL, &body.base, attachment, length);
+    free(attachment);
+    close(fd);
+    return frame;
+}
+
+static void save(const test_daemon *daemon)
+{
+    char *ctl = getenv("EMBERCTL"), *out = NULL;
+    char *argv[] = {ctl, "--server", (char *)daemon->admin, "save", "t", NULL};
+    ck_assert_int_eq(test_run_program(argv, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "full checkpoint 00000000000000000001") != NULL, "%s", out);
+    free(out);
+}
+
+/* Arms failpoints in a running daemon (its EMBER_FAILPOINTS_FILE, then SIGHUP). */
+static void arm(test_daemon *daemon, const char *path, const char *failpoints)
+{
+    FILE *file = fopen(path, "w");
+    ck_assert_ptr_nonnull(file);
+    fprintf(file, "%s\n", failpoints);
+    fclose(file);
+    ck_assert_int_eq(kill(daemon->pid, SIGHUP), 0);
+    bool armed = false;
+    for (int waited = 0; waited < 30000 && !armed; waited += 20) {
+        char *log = test_daemon_log(daemon);
+        armed = strstr(log, "failpoints armed (for tests only): gpu_fault") != NULL;
+        free(log);
+        if (!armed)
+            usleep(20000);
+    }
+    ck_assert_msg(armed, "the daemon did not arm %s", failpoints);
+}
+
+START_TEST(a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart)
+{
+    char dir[256];
+    em_test_make_dir("ember-gpu-fault", dir, sizeof(dir));
+    char failpoints[] = "/tmp/ember-failpoints-XXXXXX";
+    int fd = mkstemp(failpoints);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    setenv("EMBER_FAILPOINTS_FILE", failpoints, 1);
+    test_daemon *daemon = test_daemon_start(config_json(dir));
+    unsetenv("EMBER_FAILPOINTS_FILE");
+
+    test_frame first = push(daemon, 1);
+    ck_assert_msg(first.meta->status == EMBER__STATUS__OK, "%s", first.meta->error);
+    test_frame_free(&first);
+    save(daemon); /* the checkpoint a restart comes back to: one push applied */
+
+    arm(daemon, failpoints, "gpu_fault");
+    test_frame failed = push(daemon, 2);
+    ck_assert_int_eq(failed.meta->status, EMBER__STATUS__UNAVAILABLE);
+    ck_assert_msg(strstr(failed.meta->error, "GPU context lost") != NULL &&
+                      strstr(failed.meta->error, "illegal memory access") != NULL,
+                  "%s", failed.meta->error);
+    test_frame_free(&failed);
+
+    /* no signal: the daemon drains and exits 1 on its own */
+    char *log = NULL;
+    for (int waited = 0; waited < 30000; waited += 20) {
+        free(log);
+        log = test_daemon_log(daemon);
+        if (strstr(log, "drained") != NULL)
+            break;
+        usleep(20000);
+    }
+    ck_assert_msg(strstr(log, "GPU failed: ") != NULL &&
+                      strstr(log, "illegal memory access was encountered (emulated)") != NULL,
+                  "%s", log);
+    ck_assert_msg(strstr(log, "shutdown save skipped: a GPU failed") != NULL, "%s", log);
+    free(log);
+    ck_assert_int_eq(test_daemon_stop(daemon, 0, 30000), 1);
+    unlink(failpoints);
+
+    /* restarted, it comes back at the checkpoint: each key took the first push only */
+    test_daemon *again = test_daemon_start(config_json(dir));
+    char *restarted = test_daemon_log(again);
+    ck_assert_msg(strstr(restarted, "restored table 't' from full checkpoint "
+                                    "00000000000000000001") != NULL,
+                  "%s", restarted);
+    free(restarted);
+    Ember__PullRequest body = EMBER__PULL_REQUEST__INIT;
+    body.table = "t";
+    body.rows = 2;
+    body.nnz = 3;
+    size_t length = 0;
+    uint8_t *attachment = test_csr_attachment(2, offsets, 3, keys, NULL, 0, &length);
+    int data = test_connect(again->data);
+    test_frame pulled = test_call(data, 3, EMBER__METHOD__PULL, NULL, &body.base, attachment,
+                                  length);
+    free(attachment);
+    close(data);
+    ck_assert_msg(pulled.meta->status == EMBER__STATUS__OK, "%s", pulled.meta->error);
+    ck_assert_uint_eq(pulled.attachment_length, 3 * DIM * sizeof(float));
+    const float *values = (const float *)pulled.attachment;
+    for (int i = 0; i < 3 * DIM; i++)
+        ck_assert_float_eq(values[i], -0.5f); /* zeros - lr 0.5 x gradient 1, once */
+    test_frame_free(&pulled);
+    ck_assert_int_eq(test_daemon_stop(again, SIGTERM, 30000), 0);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
+static Suite *gpu_faults_suite(void)
+{
+    Suite *suite = suite_create("gpu_faults");
+    TCase *tc = tcase_create("gpu_faults");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart);
+    suite_add_tcase(suite, tc);
+    return suite;
+}
+
+int main(void)
+{
+    test_skip_without_backend();
+    SRunner *runner = srunner_create(gpu_faults_suite());
+    srunner_run_all(runner, CK_NORMAL);
+    int failed = srunner_ntests_failed(runner);
+    srunner_free(runner);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
