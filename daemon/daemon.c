@@ -122,6 +122,10 @@ static em_status create_cuda_backend(em_daemon *d, em_error *err)
                   " MiB each, %u lanes each, %s exchange", d->backend->device_count,
                   d->backend->devices[0]->name, pool.bytes_limit >> 20, config->lanes,
                   d->backend->exchange->name);
+    if (d->backend->exchange_fallback[0] != '\0')
+        em_log_warning(&d->log, "NCCL could not initialise, so the %u GPUs exchange keys "
+                       "through host memory (slower; STATS exchange_fallback 1): %s",
+                       d->backend->device_count, d->backend->exchange_fallback);
     return EM_OK;
 }
 #endif

@@ -15,8 +15,11 @@ const uint64_t em_duration_bounds_ns[EM_DURATION_BUCKETS] = {
  * em_stats_collect. */
 #define SERVER_INFO(X)                                                                        \
     X(version, INFO, NONE, "ember version")                                                   \
-    X(state, INFO, NONE, "starting, serving or draining")                                     \
+    X(state, INFO, NONE, "starting, serving, draining or failed (a GPU failed)")              \
     X(backend, INFO, NONE, "cpu or cuda")                                                     \
+    X(exchange, INFO, NONE, "how devices exchange keys: host-staged or nccl")                 \
+    X(exchange_fallback, GAUGE, NONE,                                                         \
+      "1 when NCCL could not initialise and several GPUs exchange through host memory")       \
     X(uptime_ms, GAUGE, MILLISECONDS, "time since start")
 
 #define SCHEMA_ROW(scope_, name_, kind_, unit_, help_)                                         \
@@ -248,6 +251,8 @@ em_status em_stats_collect(const em_server_stats *counters, em_catalog *catalog,
     memset(snapshot, 0, sizeof(*snapshot));
     em_backend *backend = em_catalog_backend(catalog);
     snapshot->backend = backend->kind;
+    snapshot->exchange = backend->exchange->name;
+    snapshot->exchange_fallback = backend->exchange_fallback[0] != '\0';
     collect_counters(counters, snapshot);
     em_status status = collect_tables(catalog, table_filter, snapshot, err);
     if (status == EM_OK)

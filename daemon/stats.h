@@ -163,6 +163,8 @@ typedef struct em_stats_snapshot {
     const char *version;
     const char *state;
     const char *backend;
+    const char *exchange;
+    uint64_t exchange_fallback;
     uint64_t uptime_ms;
 #define EM_SERVER_SNAPSHOT_FIELD(name, kind, unit, help) uint64_t name;
     EM_SERVER_COUNTERS(EM_SERVER_SNAPSHOT_FIELD)

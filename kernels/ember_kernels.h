@@ -115,6 +115,10 @@ em_gpu_status em_gpu_memset_async(em_gpu_stream *stream, void *destination, int 
 
 /* One NCCL communicator per listed GPU, rank i on ordinals[i] (ncclCommInitAll). */
 em_gpu_status em_gpu_comm_init_all(const int *ordinals, int count, em_gpu_comm **comms);
+/* Opens every connection the communicators will use (NCCL connects lazily, at a pair's
+ * first transfer): one byte from every rank to every other, in one group, waited for.
+ * Takes NCCL's buffers now, before the pools are carved from the free memory. */
+em_gpu_status em_gpu_comm_warm(em_gpu_comm *const *comms, const int *ordinals, int count);
 void em_gpu_comm_destroy(em_gpu_comm *comm);
 
 /* One point-to-point transfer of an exchange: ranks index the comms array. */

@@ -330,6 +330,69 @@ extern "C" em_gpu_status em_gpu_comm_init_all(const int *ordinals, int count, em
     return status;
 }
 
+/* The warm-up's group: every ordered pair of ranks sends one byte. */
+static em_gpu_status warm_transfers(em_gpu_comm *const *comms, int count, uint8_t *const *buffers,
+                                    const cudaStream_t *streams)
+{
+    for (int i = 0; i < count; i++) {
+        for (int j = 0; j < count; j++) {
+            if (i == j)
+                continue;
+            EM_GPU_NCCL(ncclSend, (buffers[i] + j, 1, ncclUint8, j, comms[i]->comm, streams[i]));
+            EM_GPU_NCCL(ncclRecv, (buffers[i] + count + j, 1, ncclUint8, j, comms[i]->comm,
+                                   streams[i]));
+        }
+    }
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_comm_warm(em_gpu_comm *const *comms, const int *ordinals,
+                                          int count)
+{
+    uint8_t **buffers = (uint8_t **)calloc((size_t)count, sizeof(*buffers));
+    cudaStream_t *streams = (cudaStream_t *)calloc((size_t)count, sizeof(*streams));
+    em_gpu_status status = em_gpu_ok();
+    if (buffers == NULL || streams == NULL)
+        status = em_gpu_cuda_status(cudaErrorMemoryAllocation, "calloc (warm-up)");
+    for (int i = 0; status.code == 0 && i < count; i++) {
+        status = use_device(ordinals[i]);
+        if (status.code == 0)
+            status = em_gpu_cuda_status(
+                cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking),
+                "cudaStreamCreateWithFlags");
+        if (status.code == 0)
+            status = em_gpu_cuda_status(cudaMalloc((void **)&buffers[i], 2 * (size_t)count),
+                                        "cudaMalloc");
+        if (status.code == 0)
+            status = em_gpu_cuda_status(cudaMemset(buffers[i], 0, 2 * (size_t)count),
+                                        "cudaMemset");
+    }
+    if (status.code == 0) {
+        status = nccl_status(ncclGroupStart(), "ncclGroupStart");
+        if (status.code == 0) {
+            status = warm_transfers(comms, count, buffers, streams);
+            em_gpu_status ended = nccl_status(ncclGroupEnd(), "ncclGroupEnd");
+            if (status.code == 0)
+                status = ended;
+        }
+    }
+    for (int i = 0; status.code == 0 && i < count; i++) {
+        cudaStream_t raw = streams[i];
+        status = wait_until_done([raw] { return cudaStreamQuery(raw); }, "cudaStreamQuery");
+    }
+    for (int i = 0; i < count && buffers != NULL && streams != NULL; i++) {
+        if (cudaSetDevice(ordinals[i]) != cudaSuccess)
+            continue;
+        if (buffers[i] != NULL)
+            cudaFree(buffers[i]);
+        if (streams[i] != NULL)
+            cudaStreamDestroy(streams[i]);
+    }
+    free(buffers);
+    free(streams);
+    return status;
+}
+
 extern "C" void em_gpu_comm_destroy(em_gpu_comm *comm)
 {
     if (comm == NULL)

@@ -36,7 +36,8 @@
       "step value of a save fails with EIO (a write writes half, then ENOSPC)")              \
     X(CHECKPOINT_CRASH, checkpoint_crash, "the process exits at once before step value of a save") \
     X(GPU_FAULT, gpu_fault,                                                                   \
-      "the emulated GPUs fail with a sticky kernel fault (tests/support/kernels_emulated.c)")
+      "the emulated GPUs fail with a sticky kernel fault (tests/support/kernels_emulated.c)") \
+    X(NCCL_INIT_FAIL, nccl_init_fail, "the emulated ncclCommInitAll fails")
 
 typedef enum em_failpoint {
 #define EM_FAILPOINT_ENUM(ID, name, help) EM_FAILPOINT_##ID,

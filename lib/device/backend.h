@@ -28,6 +28,9 @@ typedef struct em_backend {
     uint32_t device_count;
     em_exchange *exchange;
     _Atomic uint32_t next_home; /* round-robin choice of home devices */
+    /* Why the host-staged exchange serves several GPUs instead of NCCL, which could not
+     * initialise ("" when it does not: one device, NCCL, or host staging asked for). */
+    char exchange_fallback[EM_ERROR_MESSAGE_MAX];
 } em_backend;
 
 typedef struct em_cpu_backend_options {

@@ -1,10 +1,12 @@
 /*
- * DESIGN: assembling the CUDA backend: one device per GPU, then the exchange.
+ * DESIGN: assembling the CUDA backend: the exchange, then one device per GPU.
  *
- * Options are checked and resolved first (GPU list, pool size from the free memory
- * when not given), so a bad option fails before any GPU memory is taken. Each device
- * takes its whole pool at once; with several GPUs the NCCL exchange is tried and the
- * host-staged one used when NCCL cannot initialise (or when the options ask for it).
+ * Options are checked and resolved first (GPU list), so a bad option fails before any
+ * GPU memory is taken. With several GPUs NCCL initialises first and opens its
+ * connections, so its buffers come out of the free memory before the pools do; each
+ * device then takes its whole pool at once (pool size from the free memory left when
+ * not given). When NCCL cannot initialise (or the options ask for it) the host-staged
+ * exchange serves, and the backend says why (exchange_fallback).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -214,16 +216,20 @@ static void destroy_devices(em_device **devices, uint32_t count)
     free(devices);
 }
 
-/* NCCL with several GPUs when it initialises; otherwise host-staged. */
-static em_status create_exchange(const em_cuda_backend_options *options, em_device **devices,
-                                 uint32_t count, em_exchange **out, em_error *err)
+/* NCCL with several GPUs, created before the pools so that its buffers and
+ * connections come out of the free memory first; *fallback gets why it could not be
+ * had (then the host-staged exchange serves). */
+static em_exchange *try_nccl(const em_cuda_backend_options *options, const uint32_t *ordinals,
+                             uint32_t count, em_error *fallback)
 {
-    if (count > 1 && !options->host_staged_exchange) {
-        em_error ignored;
-        if (em_exchange_create_nccl(devices, count, out, &ignored) == EM_OK)
-            return EM_OK;
-    }
-    return em_exchange_create_host_staged(out, err);
+    fallback->status = EM_OK;
+    fallback->message[0] = '\0';
+    if (count < 2 || options->host_staged_exchange)
+        return NULL;
+    em_exchange *exchange = NULL;
+    if (em_exchange_create_nccl(ordinals, count, &exchange, fallback) != EM_OK)
+        return NULL;
+    return exchange;
 }
 
 em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_backend **out,
@@ -239,19 +245,29 @@ em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_back
      * when its device is created, with its name and architecture. */
     uint32_t count = options->device_count == 0 ? usable_count : options->device_count;
     const uint32_t *ordinals = options->device_count == 0 ? usable : options->devices;
+    em_error fallback;
+    em_exchange *exchange = try_nccl(options, ordinals, count, &fallback);
+    if (exchange == NULL && fallback.status == EM_UNAVAILABLE) {
+        /* the GPU itself failed (a lost context), not NCCL: nothing can serve */
+        *err = fallback;
+        return EM_UNAVAILABLE;
+    }
     em_device **devices = calloc(count, sizeof(*devices));
     if (devices == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "cuda backend: out of host memory");
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "cuda backend: out of host memory");
     for (uint32_t i = 0; i < count && status == EM_OK; i++)
         status = create_device(options, i, (int)ordinals[i], &devices[i], err);
-    em_exchange *exchange = NULL;
-    if (status == EM_OK)
-        status = create_exchange(options, devices, count, &exchange, err);
+    if (status == EM_OK && exchange == NULL)
+        status = em_exchange_create_host_staged(&exchange, err);
     if (status == EM_OK)
         status = em_backend_assemble("cuda", devices, count, exchange, out, err);
     if (status != EM_OK) {
         em_exchange_destroy(exchange);
         destroy_devices(devices, count);
+        return status;
     }
-    return status;
+    if (fallback.status != EM_OK)
+        snprintf((*out)->exchange_fallback, sizeof((*out)->exchange_fallback), "%s",
+                 fallback.message);
+    return EM_OK;
 }

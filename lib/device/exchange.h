@@ -47,9 +47,11 @@ struct em_exchange {
 em_status em_exchange_create_host_staged(em_exchange **out, em_error *err);
 
 /* NCCL exchange between CUDA devices (lib/device/exchange_nccl.c; exists only in builds with
- * the CUDA backend): one communicator per device, rank i on devices[i], which must be
- * the backend's devices in order. Errors: whatever NCCL reports at initialisation. */
-em_status em_exchange_create_nccl(em_device *const *devices, uint32_t count, em_exchange **out,
+ * the CUDA backend): one communicator per GPU, rank i on GPU ordinals[i], which must be
+ * the backend's devices in order, with every connection opened (so NCCL has taken its
+ * memory: create it before the device pools). Errors: whatever NCCL reports at
+ * initialisation or while connecting. */
+em_status em_exchange_create_nccl(const uint32_t *ordinals, uint32_t count, em_exchange **out,
                                   em_error *err);
 
 void em_exchange_destroy(em_exchange *exchange);

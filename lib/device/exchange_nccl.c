@@ -99,22 +99,29 @@ static const em_exchange_ops nccl_ops = {
     .destroy = nccl_destroy,
 };
 
-em_status em_exchange_create_nccl(em_device *const *devices, uint32_t count, em_exchange **out,
+em_status em_exchange_create_nccl(const uint32_t *ordinals, uint32_t count, em_exchange **out,
                                   em_error *err)
 {
     em_exchange *exchange = calloc(1, sizeof(*exchange));
     nccl_exchange *state = calloc(1, sizeof(*state));
-    int *ordinals = calloc(count, sizeof(*ordinals));
+    int *ranks = calloc(count, sizeof(*ranks));
     em_gpu_comm **comms = calloc(count, sizeof(*comms));
     em_status status = EM_OK;
-    if (exchange == NULL || state == NULL || ordinals == NULL || comms == NULL)
+    if (exchange == NULL || state == NULL || ranks == NULL || comms == NULL)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "nccl exchange: out of host memory");
     for (uint32_t i = 0; status == EM_OK && i < count; i++)
-        ordinals[i] = em__cuda_device_ordinal(devices[i]);
+        ranks[i] = (int)ordinals[i];
     if (status == EM_OK)
-        status = em__cuda_check(em_gpu_comm_init_all(ordinals, (int)count, comms),
+        status = em__cuda_check(em_gpu_comm_init_all(ranks, (int)count, comms),
                                 "nccl exchange", err);
-    free(ordinals);
+    if (status == EM_OK) {
+        status = em__cuda_check(em_gpu_comm_warm(comms, ranks, (int)count),
+                                "nccl exchange (opening connections)", err);
+        if (status != EM_OK)
+            for (uint32_t i = 0; i < count; i++)
+                em_gpu_comm_destroy(comms[i]);
+    }
+    free(ranks);
     if (status != EM_OK) {
         free(comms);
         free(state);

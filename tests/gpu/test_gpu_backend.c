@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "common/keyhash.h"
+#include "lib/base/failpoint.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
@@ -893,6 +894,34 @@ START_TEST(bad_options_are_named)
 }
 END_TEST
 
+/* With several GPUs NCCL comes up before the pools; when it cannot, the host-staged
+ * exchange serves and the backend says why. Only the emulation can make NCCL fail on
+ * cue (failpoint nccl_init_fail); on GPUs the first half runs. */
+START_TEST(nccl_first_and_a_fallback_that_says_why)
+{
+    if (visible_gpus() < 2)
+        return;
+    em_backend *backend = gpu_backend(2, GPU_POOL_BYTES, false);
+    ck_assert_str_eq(backend->exchange->name, "nccl");
+    ck_assert_str_eq(backend->exchange_fallback, "");
+    em_backend_destroy(backend);
+    backend = gpu_backend(2, GPU_POOL_BYTES, true); /* host staging asked for: no fallback */
+    ck_assert_str_eq(backend->exchange->name, "host-staged");
+    ck_assert_str_eq(backend->exchange_fallback, "");
+    em_backend_destroy(backend);
+#ifdef EM_CUDA_EMULATED
+    em_error err;
+    ck_assert_int_eq(em_failpoints_arm("nccl_init_fail*1", &err), EM_OK);
+    backend = gpu_backend(2, GPU_POOL_BYTES, false);
+    ck_assert_str_eq(backend->exchange->name, "host-staged");
+    ck_assert_msg(strstr(backend->exchange_fallback, "ncclCommInitAll failed: unhandled system "
+                                                     "error (emulated)") != NULL,
+                  "%s", backend->exchange_fallback);
+    em_backend_destroy(backend);
+#endif
+}
+END_TEST
+
 /* Loop index: the capacity policy (lru, lfu, age, expiry, counter admission,
  * probability admission). The same stream of one-key pulls and pushes over a key space
  * of four times the capacity on both backends, every row compared at each eviction
@@ -1071,6 +1100,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, concurrent_pushes_lose_no_update);
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);
+    tcase_add_test(tc, nccl_first_and_a_fallback_that_says_why);
     tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
     tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
     tcase_add_test(tc, erase_matches_cpu_and_reuses_rows);

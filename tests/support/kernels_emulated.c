@@ -24,6 +24,7 @@
  * a copy), the emulated GPUs fail as a kernel fault leaves a real one: that call and
  * every later call of the process return the sticky cudaErrorIllegalAddress (700,
  * fatal). The work itself still runs, as a faulting kernel's writes are undefined.
+ * The failpoint nccl_init_fail makes ncclCommInitAll fail.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -326,6 +327,8 @@ em_gpu_status em_gpu_memset_async(em_gpu_stream *stream, void *destination, int 
 
 em_gpu_status em_gpu_comm_init_all(const int *ordinals, int count, em_gpu_comm **comms)
 {
+    if (em_failpoint_hit(EM_FAILPOINT_NCCL_INIT_FAIL, NULL))
+        return failure(2, 0, "ncclCommInitAll", "unhandled system error (emulated)");
     for (int i = 0; i < count; i++) {
         em_gpu_status status = check_ordinal(ordinals[i], "ncclCommInitAll");
         if (status.code != 0)
@@ -336,6 +339,17 @@ em_gpu_status em_gpu_comm_init_all(const int *ordinals, int count, em_gpu_comm *
         if (comms[i] == NULL)
             return failure(2, 1, "calloc (communicator)", "out of memory");
         comms[i]->rank = i;
+    }
+    return ok();
+}
+
+em_gpu_status em_gpu_comm_warm(em_gpu_comm *const *comms, const int *ordinals, int count)
+{
+    (void)comms;
+    for (int i = 0; i < count; i++) {
+        em_gpu_status status = check_ordinal(ordinals[i], "ncclSend");
+        if (status.code != 0)
+            return status;
     }
     return ok();
 }
