@@ -115,10 +115,12 @@ static void write_config(test_daemon *daemon, const char *overrides_json)
 {
     cJSON *config = cJSON_Parse(base_config);
     ck_assert_ptr_nonnull(config);
+    /* one GPU on any machine: the suites' expectations (devices, pools) are for one */
     if (test_backend_is_cuda())
         cJSON_ReplaceItemInObjectCaseSensitive(
             config, "backend",
-            cJSON_Parse("{\"type\": \"cuda\", \"lanes\": 2, \"memory_fraction\": 0.2}"));
+            cJSON_Parse("{\"type\": \"cuda\", \"gpus\": [0], \"lanes\": 2, "
+                        "\"memory_fraction\": 0.2}"));
     if (overrides_json != NULL) {
         cJSON *overrides = cJSON_Parse(overrides_json);
         ck_assert_msg(overrides != NULL, "overrides are not JSON: %s", overrides_json);
