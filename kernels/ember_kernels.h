@@ -213,10 +213,25 @@ typedef struct em_gpu_batch {
 
 /* Gradient sums: for each unique u, the positions k with inverse[k] = u in increasing
  * order are sorted_positions[starts[u] .. starts[u+1]); key_row is needed unless the
- * combiner is NONE. out[position[u]] = -0.0 + contributions in that order. */
+ * combiner is NONE. out[position[u]] = the contributions in that order added by the tree
+ * of common/gradient_sum.h. partials: scratch of em_gpu_sum_partials_floats(nnz, dim)
+ * floats (NULL when that is 0) for the chunk sums of keys present more than 32 times. */
 em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
                                    const uint32_t *sorted_positions, const uint32_t *starts,
-                                   const uint32_t *key_row, const float *gradients, float *out);
+                                   const uint32_t *key_row, const float *gradients,
+                                   float *partials, float *out);
+/* Slots of the partials buffer: a hot key whose positions start at s owns slots from
+ * s / EM_GPU_SUM_SLOT_SPACING on (kernels/kernel_logic.h). 0 floats when no key can occur
+ * more than 32 times (nnz <= 32). */
+#define EM_GPU_SUM_SLOT_SPACING 16u
+static inline uint64_t em_gpu_sum_slots(uint64_t nnz)
+{
+    return nnz / EM_GPU_SUM_SLOT_SPACING + 1;
+}
+static inline uint64_t em_gpu_sum_partials_floats(uint64_t nnz, uint32_t dim)
+{
+    return nnz <= 32 ? 0 : em_gpu_sum_slots(nnz) * dim;
+}
 /* Pull output: NONE copies vectors[position[inverse[k]]] to out[k]; pooled sums each
  * row's vectors in key order from 0.0 and divides by the combiner's divisor. */
 em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,

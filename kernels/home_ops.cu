@@ -66,6 +66,24 @@ __global__ void sum_gradients_kernel(em_gpu_batch batch, const uint32_t *sorted_
     em_gpu_sum_gradient_element(&batch, sorted_positions, starts, key_row, gradients, out, u, j);
 }
 
+/* One thread per (partials slot, element): the first level of hot keys' trees. */
+__global__ void sum_chunks_kernel(em_gpu_batch batch, const uint32_t *sorted_positions,
+                                  const uint32_t *starts, const uint32_t *key_row,
+                                  const float *gradients, float *partials, uint64_t slots,
+                                  uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(slot, j, slots, batch.dim, shift)
+    em_gpu_sum_chunk_element(&batch, sorted_positions, starts, key_row, gradients, partials, slot,
+                             j);
+}
+
+__global__ void sum_hot_kernel(em_gpu_batch batch, const uint32_t *starts, float *partials,
+                               float *out, uint32_t shift)
+{
+    EM_GPU_FOR_EACH_ELEMENT(u, j, batch.unique_count, batch.dim, shift)
+    em_gpu_sum_hot_element(&batch, starts, partials, out, u, j);
+}
+
 __global__ void combine_copy_kernel(em_gpu_batch batch, const float *vectors, float *out,
                                     uint32_t shift)
 {
@@ -155,15 +173,23 @@ extern "C" em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *
 extern "C" em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
                                               const uint32_t *sorted_positions,
                                               const uint32_t *starts, const uint32_t *key_row,
-                                              const float *gradients, float *out)
+                                              const float *gradients, float *partials,
+                                              float *out)
 {
     if (batch->unique_count == 0 || batch->dim == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     uint32_t shift = em_gpu_group_shift(batch->dim);
-    return EM_GPU_LAUNCH(sum_gradients_kernel, em_gpu_element_threads(batch->unique_count, shift),
-                         stream, *batch, sorted_positions, starts, key_row, gradients, out,
-                         shift);
+    uint64_t key_threads = em_gpu_element_threads(batch->unique_count, shift);
+    EM_GPU_TRY(EM_GPU_LAUNCH(sum_gradients_kernel, key_threads, stream, *batch, sorted_positions,
+                             starts, key_row, gradients, out, shift));
+    if (em_gpu_sum_partials_floats(batch->nnz, batch->dim) == 0)
+        return em_gpu_ok(); /* no key can be hot */
+    uint64_t slots = em_gpu_sum_slots(batch->nnz);
+    EM_GPU_TRY(EM_GPU_LAUNCH(sum_chunks_kernel, em_gpu_element_threads(slots, shift), stream,
+                             *batch, sorted_positions, starts, key_row, gradients, partials, slots,
+                             shift));
+    return EM_GPU_LAUNCH(sum_hot_kernel, key_threads, stream, *batch, starts, partials, out, shift);
 }
 
 extern "C" em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,

@@ -11,8 +11,9 @@
  * Atomics are wrappers: CUDA atomics on the device, GCC __atomic builtins on the host,
  * so the hash-map protocol can also be exercised by several host threads at once.
  *
- * Arithmetic follows the CPU device exactly: gradient sums start from -0.0 and add a
- * key's contributions in increasing key position; pooled pulls start from +0.0 and add
+ * Arithmetic follows the CPU device exactly: gradient sums add a key's contributions in
+ * the fixed tree of common/gradient_sum.h (serially from -0.0 in increasing key position
+ * for a key with at most 32 occurrences); pooled pulls start from +0.0 and add
  * in key order, then divide by em_combiner_divisor; divisors, initial values and
  * optimizer steps call the shared functions of common/ (combiner.h, initializer.h,
  * optimizer.h) that the CPU device calls too. The kernels are
@@ -33,6 +34,7 @@
 #endif
 
 #include "common/combiner.h"
+#include "common/gradient_sum.h"
 #include "common/initializer.h"
 #include "common/keyhash.h"
 #include "common/optimizer.h"
@@ -254,31 +256,94 @@ EM_HOST_DEVICE uint32_t em_gpu_row_of_key(const uint32_t *offsets, uint32_t rows
 
 /* ---- gradient sums and pooling ------------------------------------------------------- */
 
-/* Element j of unique key u's summed gradient, written at its partitioned position. */
+/* Gradient sums follow common/gradient_sum.h's tree. A key with at most EM_SUM_CHUNK
+ * occurrences is summed whole by em_gpu_sum_gradient_element. A hot key (more) is summed
+ * in two steps: em_gpu_sum_chunk_element writes each of its first-level chunk sums into
+ * a slot of a partials buffer (one thread per chunk and element), then
+ * em_gpu_sum_hot_element adds the chunk sums by the remaining levels. A hot key whose
+ * positions start at s in the sorted order owns em_sum_chunks(count) consecutive slots
+ * from s / EM_GPU_SUM_SLOT_SPACING: as count > 32 gives em_sum_chunks(count) <= count /
+ * 16, they end below (s + count) / 16, where the next key's slots begin, so no two hot
+ * keys share a slot and every slot is below em_gpu_sum_slots(nnz). */
+/* Element j of key position k's contribution to its key's summed gradient. */
+EM_HOST_DEVICE float em_gpu_gradient_contribution(const em_gpu_batch *batch,
+                                                  const uint32_t *key_row, const float *gradients,
+                                                  uint32_t k, uint32_t j)
+{
+    uint64_t dim = batch->dim;
+    if (batch->combiner == EM_COMBINER_NONE)
+        return gradients[k * dim + j];
+    uint32_t row = key_row[k];
+    float divisor =
+        em_combiner_divisor(batch->combiner, batch->offsets[row + 1] - batch->offsets[row]);
+    float gradient = gradients[row * dim + j];
+    return divisor == 1.0f ? gradient : gradient / divisor;
+}
+
+/* Element j of the contributions of sorted positions [begin, end), serially from -0.0. */
+EM_HOST_DEVICE float em_gpu_sum_positions(const em_gpu_batch *batch,
+                                          const uint32_t *sorted_positions,
+                                          const uint32_t *key_row, const float *gradients,
+                                          uint32_t begin, uint32_t end, uint32_t j)
+{
+    float sum = -0.0f;
+    for (uint32_t s = begin; s < end; s++)
+        sum += em_gpu_gradient_contribution(batch, key_row, gradients, sorted_positions[s], j);
+    return sum;
+}
+
+/* Element j of unique key u's summed gradient, written at its partitioned position,
+ * when u has at most EM_SUM_CHUNK occurrences (hot keys: the two functions below). */
 EM_HOST_DEVICE void em_gpu_sum_gradient_element(const em_gpu_batch *batch,
                                                 const uint32_t *sorted_positions,
                                                 const uint32_t *starts, const uint32_t *key_row,
                                                 const float *gradients, float *out, uint64_t u,
                                                 uint32_t j)
 {
-    uint64_t dim = batch->dim;
-    float sum = -0.0f;
-    for (uint32_t s = starts[u]; s < starts[u + 1]; s++) {
-        uint32_t k = sorted_positions[s];
-        if (batch->combiner == EM_COMBINER_NONE) {
-            sum += gradients[k * dim + j];
-            continue;
-        }
-        uint32_t row = key_row[k];
-        float divisor =
-            em_combiner_divisor(batch->combiner, batch->offsets[row + 1] - batch->offsets[row]);
-        float gradient = gradients[row * dim + j];
-        if (divisor == 1.0f)
-            sum += gradient;
+    if (starts[u + 1] - starts[u] > EM_SUM_CHUNK)
+        return;
+    out[batch->position[u] * batch->dim + j] = em_gpu_sum_positions(
+        batch, sorted_positions, key_row, gradients, starts[u], starts[u + 1], j);
+}
+
+/* Element j of the first-level chunk sum that partials slot `slot` holds, if a hot key
+ * owns the slot (the last key whose first slot is at or below it, when its chunks reach
+ * that far); nothing otherwise. */
+EM_HOST_DEVICE void em_gpu_sum_chunk_element(const em_gpu_batch *batch,
+                                             const uint32_t *sorted_positions,
+                                             const uint32_t *starts, const uint32_t *key_row,
+                                             const float *gradients, float *partials,
+                                             uint64_t slot, uint32_t j)
+{
+    uint64_t low = 0, high = batch->unique_count;
+    while (high - low > 1) {
+        uint64_t middle = low + (high - low) / 2;
+        if (starts[middle] / EM_GPU_SUM_SLOT_SPACING <= slot)
+            low = middle;
         else
-            sum += gradient / divisor;
+            high = middle;
     }
-    out[batch->position[u] * dim + j] = sum;
+    uint32_t begin = starts[low], count = starts[low + 1] - begin;
+    uint64_t first = begin / EM_GPU_SUM_SLOT_SPACING;
+    if (count <= EM_SUM_CHUNK || slot < first || slot - first >= em_sum_chunks(count))
+        return;
+    uint32_t chunk_begin = begin + (uint32_t)(slot - first) * EM_SUM_CHUNK;
+    uint32_t chunk_end = chunk_begin + EM_SUM_CHUNK < begin + count ? chunk_begin + EM_SUM_CHUNK
+                                                                    : begin + count;
+    partials[slot * batch->dim + j] = em_gpu_sum_positions(batch, sorted_positions, key_row,
+                                                           gradients, chunk_begin, chunk_end, j);
+}
+
+/* Element j of hot key u's summed gradient from its chunk sums (the rest of the tree),
+ * written at its partitioned position; nothing for a key that is not hot. */
+EM_HOST_DEVICE void em_gpu_sum_hot_element(const em_gpu_batch *batch, const uint32_t *starts,
+                                           float *partials, float *out, uint64_t u, uint32_t j)
+{
+    uint32_t count = starts[u + 1] - starts[u];
+    if (count <= EM_SUM_CHUNK)
+        return;
+    out[batch->position[u] * batch->dim + j] = em_sum_chunk_levels(
+        partials, starts[u] / EM_GPU_SUM_SLOT_SPACING, em_sum_chunks(count), batch->dim, j);
 }
 
 /* NONE: element j of key k's vector. */

@@ -21,6 +21,7 @@
 
 #include "lib/device/backend.h"
 #include "lib/memory/hashmap.h"
+#include "common/gradient_sum.h"
 #include "common/keyhash.h"
 #include "common/row_check.h"
 
@@ -206,20 +207,40 @@ static const float *const_vector_at(const float *base, uint64_t index, uint32_t 
     return base + index * dim;
 }
 
-static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
-                                   em_combiner combiner, uint32_t dim, const float *gradients,
-                                   float *partitioned_gradients, em_error *err)
+#define NOT_HOT UINT32_MAX
+
+/* Hot keys: those present more than EM_SUM_CHUNK times, whose sums follow the chunk tree
+ * of common/gradient_sum.h. first_chunk[u] gets the first of key u's chunk slots
+ * (NOT_HOT for the others, and for all of them when *slots is 0); seen[u] is zeroed. */
+static void plan_hot_keys(const em_device_batch *batch, uint32_t *first_chunk, uint32_t *seen,
+                          uint32_t *slots)
 {
-    (void)lane;
-    (void)err;
-    uint64_t total = batch->unique_count * dim;
-    for (uint64_t i = 0; i < total; i++)
-        partitioned_gradients[i] = -0.0f;
+    memset(seen, 0, batch->unique_count * sizeof(*seen));
+    for (uint64_t k = 0; k < batch->nnz; k++)
+        seen[batch->inverse[k]]++;
+    *slots = 0;
+    for (uint64_t u = 0; u < batch->unique_count; u++) {
+        first_chunk[u] = seen[u] > EM_SUM_CHUNK ? *slots : NOT_HOT;
+        if (seen[u] > EM_SUM_CHUNK)
+            *slots += em_sum_chunks(seen[u]);
+        seen[u] = 0;
+    }
+}
+
+/* Adds the contributions in key order, each into its key's sum or, for a hot key, into
+ * the chunk sum its occurrence falls in; hot keys' chunk sums then go up the tree. */
+static void sum_in_tree_order(const em_device_batch *batch, em_combiner combiner, uint32_t dim,
+                              const float *gradients, float *partitioned_gradients,
+                              const uint32_t *first_chunk, uint32_t *seen, float *chunk_sums)
+{
     for (uint32_t r = 0; r < batch->rows; r++) {
         uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
         float divisor = em_combiner_divisor(combiner, end - begin);
         for (uint32_t k = begin; k < end; k++) {
-            float *sum = vector_at(partitioned_gradients, batch->position[batch->inverse[k]], dim);
+            uint32_t u = batch->inverse[k];
+            float *sum = vector_at(partitioned_gradients, batch->position[u], dim);
+            if (first_chunk != NULL && first_chunk[u] != NOT_HOT)
+                sum = vector_at(chunk_sums, first_chunk[u] + seen[u]++ / EM_SUM_CHUNK, dim);
             if (combiner == EM_COMBINER_NONE)
                 add_vector(sum, const_vector_at(gradients, k, dim), dim);
             else if (divisor == 1.0f)
@@ -228,7 +249,53 @@ static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
                 add_divided_vector(sum, const_vector_at(gradients, r, dim), divisor, dim);
         }
     }
-    return EM_OK;
+    if (first_chunk == NULL)
+        return;
+    for (uint64_t u = 0; u < batch->unique_count; u++) {
+        if (first_chunk[u] == NOT_HOT)
+            continue;
+        float *sum = vector_at(partitioned_gradients, batch->position[u], dim);
+        for (uint32_t j = 0; j < dim; j++)
+            sum[j] = em_sum_chunk_levels(chunk_sums, first_chunk[u], em_sum_chunks(seen[u]), dim,
+                                         j);
+    }
+}
+
+static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
+                                   em_combiner combiner, uint32_t dim, const float *gradients,
+                                   float *partitioned_gradients, em_error *err)
+{
+    uint64_t total = batch->unique_count * dim;
+    for (uint64_t i = 0; i < total; i++)
+        partitioned_gradients[i] = -0.0f;
+    if (batch->nnz <= EM_SUM_CHUNK) { /* no key can be hot */
+        sum_in_tree_order(batch, combiner, dim, gradients, partitioned_gradients, NULL, NULL,
+                          NULL);
+        return EM_OK;
+    }
+    em_device *device = lane->device;
+    uint32_t *first_chunk = NULL, *seen = NULL, slots = 0;
+    float *chunk_sums = NULL;
+    em_status status = em_device_alloc(device, batch->unique_count * sizeof(*first_chunk),
+                                       "hot key plan", (void **)&first_chunk, err);
+    if (status == EM_OK)
+        status = em_device_alloc(device, batch->unique_count * sizeof(*seen), "hot key counts",
+                                 (void **)&seen, err);
+    if (status == EM_OK)
+        plan_hot_keys(batch, first_chunk, seen, &slots);
+    if (status == EM_OK && slots > 0)
+        status = em_device_alloc(device, (uint64_t)slots * dim * sizeof(float),
+                                 "hot key chunk sums", (void **)&chunk_sums, err);
+    if (status == EM_OK) {
+        for (uint64_t i = 0; i < (uint64_t)slots * dim; i++)
+            chunk_sums[i] = -0.0f;
+        sum_in_tree_order(batch, combiner, dim, gradients, partitioned_gradients,
+                          slots > 0 ? first_chunk : NULL, seen, chunk_sums);
+    }
+    em_device_free(device, chunk_sums);
+    em_device_free(device, seen);
+    em_device_free(device, first_chunk);
+    return status;
 }
 
 static void combine_row(const em_device_batch *batch, uint32_t row, em_combiner combiner,

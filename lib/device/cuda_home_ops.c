@@ -243,7 +243,14 @@ em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
         return EM_OK;
     scratch s = {.device = base->device};
     uint32_t *sorted_positions = NULL, *starts = NULL, *key_row = NULL;
-    em_status status = group_positions(&s, lane, batch, &sorted_positions, &starts, err);
+    float *partials = NULL;
+    uint64_t partial_floats = em_gpu_sum_partials_floats(batch->nnz, dim);
+    em_status status = EM_OK;
+    if (partial_floats != 0)
+        status = scratch_take(&s, partial_floats * sizeof(float), "hot key chunk sums",
+                              (void **)&partials, err);
+    if (status == EM_OK)
+        status = group_positions(&s, lane, batch, &sorted_positions, &starts, err);
     if (status == EM_OK && combiner != EM_COMBINER_NONE) {
         status = scratch_take(&s, batch->nnz * sizeof(uint32_t), "key rows", (void **)&key_row,
                               err);
@@ -254,7 +261,7 @@ em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
     em_gpu_batch view = gpu_batch(batch, combiner, dim);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_sum_gradients(lane->stream, &view, sorted_positions,
-                                                       starts, key_row, gradients,
+                                                       starts, key_row, gradients, partials,
                                                        partitioned_gradients), err);
     return em__cuda_finish_async(&s, lane, status, err);
 }

@@ -557,7 +557,8 @@ em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, ui
 
 em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
                                    const uint32_t *sorted_positions, const uint32_t *starts,
-                                   const uint32_t *key_row, const float *gradients, float *out)
+                                   const uint32_t *key_row, const float *gradients,
+                                   float *partials, float *out)
 {
     (void)stream;
     enter_device();
@@ -565,6 +566,16 @@ em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *ba
         for (uint32_t j = 0; j < batch->dim; j++)
             em_gpu_sum_gradient_element(batch, sorted_positions, starts, key_row, gradients, out,
                                         u, j);
+    if (em_gpu_sum_partials_floats(batch->nnz, batch->dim) != 0) {
+        uint64_t slots = em_gpu_sum_slots(batch->nnz);
+        for (uint64_t slot = 0; slot < slots; slot++)
+            for (uint32_t j = 0; j < batch->dim; j++)
+                em_gpu_sum_chunk_element(batch, sorted_positions, starts, key_row, gradients,
+                                         partials, slot, j);
+        for (uint64_t u = 0; u < batch->unique_count; u++)
+            for (uint32_t j = 0; j < batch->dim; j++)
+                em_gpu_sum_hot_element(batch, starts, partials, out, u, j);
+    }
     leave_device();
     return ok();
 }

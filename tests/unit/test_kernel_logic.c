@@ -13,6 +13,7 @@
  * What this cannot cover: the GPU memory model, warp-level primitives, launch geometry
  * and CUB (see kernels/kernel_logic.h and tests/support/kernels_emulated.c).
  */
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -239,6 +240,9 @@ typedef struct scenario {
     uint32_t *offsets, *inverse, *position, *first; /* host */
 } scenario;
 
+/* Fills the scenario's dedupe and partition from its keys (freed). */
+static void dedupe_scenario(scenario *s_out, uint64_t *keys, devices *d);
+
 static scenario random_scenario(em_test_rng *rng, devices *d)
 {
     scenario s;
@@ -256,6 +260,48 @@ static scenario random_scenario(em_test_rng *rng, devices *d)
     keys[s.offsets[s.rows - 1]] = 0x5eed5eedull;
     s.offsets[s.rows] = s.offsets[s.rows - 1] + 1;
     s.nnz = s.offsets[s.rows];
+    dedupe_scenario(&s, keys, d);
+    return s;
+}
+
+/* A batch whose hot keys occur 33, 64, 100 and 2,000 times (more than the 32 a chunk of
+ * the gradient-sum tree holds), among ~1,000 ordinary occurrences of 150 keys, shuffled
+ * and cut into rows of 0 to 20 keys. */
+static scenario hot_scenario(em_test_rng *rng, devices *d)
+{
+    static const uint32_t hot_counts[] = {33, 64, 100, 2000};
+    uint64_t nnz = 1000;
+    for (size_t h = 0; h < 4; h++)
+        nnz += hot_counts[h];
+    uint64_t *keys = malloc(nnz * sizeof(uint64_t));
+    uint64_t n = 0;
+    for (; n < 1000; n++)
+        keys[n] = random_key(rng, 150);
+    for (size_t h = 0; h < 4; h++)
+        for (uint32_t c = 0; c < hot_counts[h]; c++)
+            keys[n++] = 0x407000ull + h;
+    for (uint64_t i = nnz - 1; i > 0; i--) {
+        uint64_t j = em_test_rng_below(rng, i + 1), swap = keys[i];
+        keys[i] = keys[j];
+        keys[j] = swap;
+    }
+    scenario s;
+    s.offsets = malloc((nnz + 1) * sizeof(uint32_t));
+    s.offsets[0] = 0;
+    s.rows = 0;
+    while (s.offsets[s.rows] < nnz) {
+        uint64_t length = em_test_rng_below(rng, 21);
+        uint64_t end = s.offsets[s.rows] + length < nnz ? s.offsets[s.rows] + length : nnz;
+        s.offsets[++s.rows] = (uint32_t)end;
+    }
+    s.nnz = nnz;
+    dedupe_scenario(&s, keys, d);
+    return s;
+}
+
+static void dedupe_scenario(scenario *s_out, uint64_t *keys, devices *d)
+{
+    scenario s = *s_out;
     deduped u = run_unique(d->cpu, d->cpu_lane, keys, s.nnz);
     partitioned p = run_partition(d->cpu, d->cpu_lane, u.unique, u.first, u.count, 5);
     s.unique_count = u.count;
@@ -267,7 +313,7 @@ static scenario random_scenario(em_test_rng *rng, devices *d)
     free(p.targets);
     free(p.counts);
     free(keys);
-    return s;
+    *s_out = s;
 }
 
 static void free_scenario(scenario *s)
@@ -379,6 +425,88 @@ START_TEST(sums_and_pooling_bit_for_bit_like_cpu)
     free(unique_vectors);
     free(cpu_out);
     free(gpu_out);
+    free_scenario(&s);
+    close_devices(&d);
+}
+END_TEST
+
+/* Element j of unique key u's sum as common/gradient_sum.h defines it, written out here
+ * level by level (new arrays, no sharing with the devices' code): the contributions in
+ * key order, groups of 32 summed serially from -0.0, repeated on the group sums. */
+static float tree_sum(const scenario *s, em_combiner combiner, uint32_t dim,
+                      const float *gradients, uint64_t u, uint32_t j, float *serial)
+{
+    float *values = malloc(s->nnz * sizeof(float));
+    uint64_t count = 0;
+    for (uint32_t r = 0; r < s->rows; r++) {
+        uint32_t length = s->offsets[r + 1] - s->offsets[r];
+        for (uint32_t k = s->offsets[r]; k < s->offsets[r + 1]; k++) {
+            if (s->inverse[k] != u)
+                continue;
+            if (combiner == EM_COMBINER_NONE) {
+                values[count++] = gradients[(uint64_t)k * dim + j];
+            } else {
+                float divisor = em_combiner_divisor(combiner, length);
+                float g = gradients[(uint64_t)r * dim + j];
+                values[count++] = divisor == 1.0f ? g : g / divisor;
+            }
+        }
+    }
+    *serial = -0.0f;
+    for (uint64_t i = 0; i < count; i++)
+        *serial += values[i];
+    while (count > 1) {
+        uint64_t groups = (count + 31) / 32;
+        float *next = malloc(groups * sizeof(float));
+        for (uint64_t g = 0; g < groups; g++) {
+            next[g] = -0.0f;
+            for (uint64_t i = g * 32; i < count && i < g * 32 + 32; i++)
+                next[g] += values[i];
+        }
+        free(values);
+        values = next;
+        count = groups;
+    }
+    float sum = values[0];
+    free(values);
+    return sum;
+}
+
+/* Loop index: combiner x dim (1, 33). Keys present up to 2,000 times are summed by the
+ * chunk tree of common/gradient_sum.h on both devices, bit for bit; a plain serial sum
+ * gives other bits for some of them (so the test tells the two apart). */
+START_TEST(hot_keys_sum_by_the_chunk_tree_like_cpu)
+{
+    static const uint32_t dims[] = {1, 33};
+    em_combiner combiner = (em_combiner)(_i / 2);
+    uint32_t dim = dims[_i % 2];
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 300 + (uint64_t)_i);
+    devices d = open_devices();
+    scenario s = hot_scenario(&rng, &d);
+    uint64_t vectors = combiner == EM_COMBINER_NONE ? s.nnz : s.rows;
+    float *gradients = random_floats(&rng, vectors * dim);
+    float *cpu_sums = run_operation(d.cpu, d.cpu_lane, &s, SUM_GRADIENTS, combiner, dim, gradients,
+                                    vectors * dim, s.unique_count * dim);
+    float *gpu_sums = run_operation(d.gpu, d.gpu_lane, &s, SUM_GRADIENTS, combiner, dim, gradients,
+                                    vectors * dim, s.unique_count * dim);
+    ck_assert(memcmp(gpu_sums, cpu_sums, s.unique_count * dim * sizeof(float)) == 0);
+    uint64_t serial_differs = 0;
+    for (uint64_t u = 0; u < s.unique_count; u++) {
+        for (uint32_t j = 0; j < dim; j++) {
+            float serial = 0.0f;
+            float expected = tree_sum(&s, combiner, dim, gradients, u, j, &serial);
+            float got = cpu_sums[(uint64_t)s.position[u] * dim + j];
+            ck_assert_msg(memcmp(&got, &expected, sizeof(float)) == 0,
+                          "unique key %" PRIu64 " element %u: %a, the tree gives %a", u, j, got,
+                          expected);
+            serial_differs += memcmp(&serial, &expected, sizeof(float)) != 0;
+        }
+    }
+    ck_assert_uint_gt(serial_differs, 0);
+    free(gradients);
+    free(cpu_sums);
+    free(gpu_sums);
     free_scenario(&s);
     close_devices(&d);
 }
@@ -738,6 +866,7 @@ static Suite *kernel_logic_suite(void)
     tcase_add_loop_test(tc, unique_keys_in_order_of_first_appearance_like_cpu, 0, 12);
     tcase_add_loop_test(tc, partition_is_stable_like_cpu, 0, 6);
     tcase_add_loop_test(tc, sums_and_pooling_bit_for_bit_like_cpu, 0, 16);
+    tcase_add_loop_test(tc, hot_keys_sum_by_the_chunk_tree_like_cpu, 0, 8);
     tcase_add_test(tc, combiner_divisor_is_the_csr_formula);
     tcase_add_test(tc, segment_starts_cover_empty_segments);
     tcase_add_test(tc, row_of_key_skips_empty_rows);
