@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "common/keyhash.h"
+#include "kernels/ember_kernels.h"
 #include "lib/base/failpoint.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/device/backend.h"
@@ -795,6 +796,227 @@ START_TEST(concurrent_pushes_lose_no_update)
 }
 END_TEST
 
+#define SAME_KEYS 200
+#define SAME_THREADS 6
+#define SAME_PUSHES 10
+
+/* Pushes (creating) the same SAME_KEYS keys, each twice per push, the three sentinel
+ * keys of the hash maps among them (0 is a plain key). */
+static void *same_keys_pusher(void *argument)
+{
+    race *context = argument;
+    uint64_t keys[2 * SAME_KEYS];
+    for (int i = 0; i < SAME_KEYS; i++) {
+        uint64_t key = i < 3 ? UINT64_MAX - (uint64_t)i : (uint64_t)(i - 3) * 0x9e3779b97f4a7c15ull;
+        keys[i] = keys[2 * SAME_KEYS - 1 - i] = key;
+    }
+    em_test_batch b = em_test_key_batch(keys, 2 * SAME_KEYS);
+    float *g = malloc(2 * SAME_KEYS * RACE_DIM * sizeof(float));
+    for (int i = 0; i < 2 * SAME_KEYS * RACE_DIM; i++)
+        g[i] = 1.0f;
+    em_error err;
+    for (int p = 0; p < SAME_PUSHES; p++)
+        if (em_test_push(context->table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
+            __atomic_fetch_add(&context->failures, 1, __ATOMIC_RELAXED);
+    free(g);
+    em_test_batch_free(&b);
+    return NULL;
+}
+
+/* Threads that create the same keys at once (the sentinels too, each twice per push)
+ * create each key once and lose no update: every row ends at -0.5 * 2 * pushes. */
+START_TEST(threads_creating_the_same_keys_create_each_once)
+{
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(RACE_DIM, 10000, 3, 0, EM_INIT_ZEROS);
+    config.optimizer.learning_rate = 0.5f;
+    em_table *table = em_test_make_table(gpu, &config);
+    race context = {.table = table};
+    pthread_t threads[SAME_THREADS];
+    for (int t = 0; t < SAME_THREADS; t++)
+        pthread_create(&threads[t], NULL, same_keys_pusher, &context);
+    for (int t = 0; t < SAME_THREADS; t++)
+        pthread_join(threads[t], NULL);
+    ck_assert_int_eq(context.failures, 0);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, SAME_KEYS);
+    em_test_snapshot rows = em_test_snapshot_take(table, 64);
+    ck_assert_uint_eq(rows.count, SAME_KEYS);
+    for (uint64_t i = 0; i < rows.count * rows.width; i++)
+        ck_assert_msg(rows.values[i] == -1.0f * SAME_THREADS * SAME_PUSHES, "value %llu: %g",
+                      (unsigned long long)i, (double)rows.values[i]);
+    em_test_snapshot_free(&rows);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* ---- wide rows and alignment -------------------------------------------------------------- */
+
+/* Loop index: optimizer x dim (129, 200). Rows wider than a warp: every pulled value
+ * and every final row value checked one by one, bit for bit for sgd and adagrad (one
+ * rounding per element on both devices), within 1e-5 relative for the optimizers with a
+ * per-row reduction (rowwise adagrad, adam). */
+START_TEST(wide_rows_match_cpu_value_by_value)
+{
+    static const uint32_t dims[] = {129, 200};
+    int optimizer = _i / 2;
+    uint32_t dim = dims[_i % 2];
+    bool exact = optimizer == EM_OPTIMIZER_SGD || optimizer == EM_OPTIMIZER_ADAGRAD;
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(dim, 10000, 2, optimizer, EM_INIT_UNIFORM);
+    em_table *cpu_table = em_test_make_table(cpu, &config);
+    em_table *gpu_table = em_test_make_table(gpu, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 500 + (uint64_t)_i);
+    em_error err;
+    for (int round = 0; round < 4; round++) {
+        em_test_batch b = em_test_random_batch(&rng, 40, 6, 300);
+        uint64_t floats = b.csr.nnz * dim;
+        float *expected = malloc((floats + 1) * sizeof(float));
+        float *got = malloc((floats + 1) * sizeof(float));
+        ck_assert_int_eq(em_test_pull(cpu_table, &b.csr, EM_COMBINER_NONE, true, expected, NULL,
+                                      &err), EM_OK);
+        ck_assert_msg(em_test_pull(gpu_table, &b.csr, EM_COMBINER_NONE, true, got, NULL, &err) ==
+                          EM_OK, "%s", err.message);
+        for (uint64_t i = 0; i < floats; i++)
+            ck_assert_msg(exact ? memcmp(&got[i], &expected[i], sizeof(float)) == 0
+                                : reference_close(got[i], expected[i], 0.1),
+                          "round %d value %llu (element %llu): gpu %a, cpu %a", round,
+                          (unsigned long long)i, (unsigned long long)(i % dim), (double)got[i],
+                          (double)expected[i]);
+        float *g = em_test_random_floats(&rng, floats);
+        ck_assert_int_eq(em_test_push(cpu_table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+        ck_assert_msg(em_test_push(gpu_table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) == EM_OK,
+                      "%s", err.message);
+        free(g);
+        free(expected);
+        free(got);
+        em_test_batch_free(&b);
+    }
+    em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, 50);
+    em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, 50);
+    if (exact)
+        em_test_assert_snapshots_identical(&gpu_rows, &cpu_rows);
+    else
+        em_test_assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-2);
+    em_test_snapshot_free(&cpu_rows);
+    em_test_snapshot_free(&gpu_rows);
+    em_table_destroy(cpu_table);
+    em_table_destroy(gpu_table);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* Loop index: dim (1, 3, 13, 33). Pulls into output buffers 4, 8 and 12 bytes past a
+ * 16-byte boundary, per key and pooled, give the same values as into an aligned one
+ * (the GPU gathers rows with 16-byte accesses where it can). */
+START_TEST(outputs_at_any_alignment)
+{
+    static const uint32_t dims[] = {1, 3, 13, 33};
+    uint32_t dim = dims[_i];
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(dim, 10000, 2, 0, EM_INIT_UNIFORM);
+    em_table *table = em_test_make_table(gpu, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 600 + (uint64_t)_i);
+    em_test_batch b = em_test_random_batch(&rng, 30, 5, 200);
+    em_error err;
+    for (int pooled = 0; pooled < 2; pooled++) {
+        em_combiner combiner = pooled ? EM_COMBINER_MEAN : EM_COMBINER_NONE;
+        uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * dim;
+        float *aligned = aligned_alloc(16, (floats + 4) * sizeof(float));
+        ck_assert_msg(em_test_pull(table, &b.csr, combiner, true, aligned, NULL, &err) == EM_OK,
+                      "%s", err.message);
+        for (uint32_t shift = 1; shift < 4; shift++) {
+            float *buffer = aligned_alloc(16, (floats + 4) * sizeof(float));
+            ck_assert_msg(em_test_pull(table, &b.csr, combiner, false, buffer + shift, NULL,
+                                       &err) == EM_OK, "%s", err.message);
+            ck_assert_msg(memcmp(buffer + shift, aligned, floats * sizeof(float)) == 0,
+                          "dim %u, %s, output %u bytes past 16", dim, pooled ? "mean" : "none",
+                          shift * 4);
+            free(buffer);
+        }
+        free(aligned);
+    }
+    em_test_batch_free(&b);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+/* A table of more than 2^31 floats (34.6 million rows of dim 64, 8.9 GB), when the GPU
+ * has the room: row indexes and element offsets past 32 bits. The last keys created
+ * read their initial values (bit-identical to the CPU's for uniform), and a push to
+ * them lands on them alone. Skipped, saying so, on a GPU with less than 12 GiB free. */
+START_TEST(a_table_beyond_2_31_floats)
+{
+    uint64_t free_bytes = 0, total_bytes = 0;
+    ck_assert_int_eq(em_gpu_memory_info(0, &free_bytes, &total_bytes).code, 0); /* GPU 0 */
+    if (free_bytes < (UINT64_C(12) << 30)) {
+        printf("a_table_beyond_2_31_floats: %.1f GiB free on the GPU, 12 needed: not run\n",
+               (double)free_bytes / (double)(1u << 30));
+        return;
+    }
+    /* 34.6 million rows: 8.9 GB of rows and about 1 GB of hash map in an 11 GiB pool */
+    enum { DIM = 64, PER_ROW = 1024, ROWS_PER_PULL = 1024 };
+    uint64_t keys_needed = (UINT64_C(1) << 31) / DIM + PER_ROW * ROWS_PER_PULL;
+    em_backend *gpu = gpu_backend(1, UINT64_C(11) << 30, false);
+    em_table_config config = table_config(DIM, keys_needed, 1, 0, EM_INIT_UNIFORM);
+    em_table *table = em_test_make_table(gpu, &config);
+    uint64_t per_pull = (uint64_t)PER_ROW * ROWS_PER_PULL;
+    uint64_t *keys = malloc(per_pull * sizeof(uint64_t));
+    uint32_t *offsets = malloc((ROWS_PER_PULL + 1) * sizeof(uint32_t));
+    for (uint32_t r = 0; r <= ROWS_PER_PULL; r++)
+        offsets[r] = r * PER_ROW;
+    float *sums = malloc((uint64_t)ROWS_PER_PULL * DIM * sizeof(float));
+    em_error err;
+    uint64_t next = 0;
+    while (next < keys_needed) {
+        for (uint64_t i = 0; i < per_pull; i++)
+            keys[i] = (next + i) * 0x9e3779b97f4a7c15ull + 7;
+        em_csr csr = {.rows = ROWS_PER_PULL, .nnz = per_pull, .offsets = offsets, .keys = keys};
+        ck_assert_msg(em_test_pull(table, &csr, EM_COMBINER_SUM, true, sums, NULL, &err) == EM_OK,
+                      "after %llu keys: %s", (unsigned long long)next, err.message);
+        next += per_pull;
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_ge(stats.rows * DIM, UINT64_C(1) << 31);
+    /* The last 16 keys: initial values as on the CPU, then one push on them alone. */
+    uint64_t last[16];
+    for (int i = 0; i < 16; i++)
+        last[i] = (next - 16 + (uint64_t)i) * 0x9e3779b97f4a7c15ull + 7;
+    em_test_batch b = em_test_key_batch(last, 16);
+    em_backend *cpu = cpu_backend();
+    em_table *cpu_table = em_test_make_table(cpu, &config);
+    float got[16 * DIM], expected[16 * DIM], g[16 * DIM];
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, got, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(cpu_table, &b.csr, EM_COMBINER_NONE, true, expected, NULL, &err),
+                     EM_OK);
+    ck_assert(memcmp(got, expected, sizeof(got)) == 0);
+    for (int i = 0; i < 16 * DIM; i++)
+        g[i] = 1.0f;
+    ck_assert_int_eq(em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_push(cpu_table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, got, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_test_pull(cpu_table, &b.csr, EM_COMBINER_NONE, false, expected, NULL, &err),
+                     EM_OK);
+    ck_assert(memcmp(got, expected, sizeof(got)) == 0);
+    em_test_batch_free(&b);
+    em_table_destroy(cpu_table);
+    em_backend_destroy(cpu);
+    free(sums);
+    free(offsets);
+    free(keys);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* ---- several GPUs ------------------------------------------------------------------------ */
 
 typedef struct record {
@@ -1098,6 +1320,10 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, import_export_round_trip_bit_for_bit);
     tcase_add_test(tc, checkpoints_move_between_gpu_and_cpu_bit_for_bit);
     tcase_add_test(tc, concurrent_pushes_lose_no_update);
+    tcase_add_test(tc, threads_creating_the_same_keys_create_each_once);
+    tcase_add_loop_test(tc, wide_rows_match_cpu_value_by_value, 0, 8);
+    tcase_add_loop_test(tc, outputs_at_any_alignment, 0, 4);
+    tcase_add_test(tc, a_table_beyond_2_31_floats);
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);
     tcase_add_test(tc, nccl_first_and_a_fallback_that_says_why);
