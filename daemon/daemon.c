@@ -307,6 +307,7 @@ static void begin_drain(em_daemon *d)
     em_server_drain(d->server, d->config.drain_timeout_ms, on_drained, d);
 }
 
+#if CUDA_BACKEND
 static void want(em_daemon *d, unsigned what);
 
 /* A GPU's context is lost (any thread): from now on every CUDA call of the process
@@ -320,6 +321,7 @@ static void on_gpu_failure(void *context, const char *cause)
     atomic_store(&d->context.state, EM_SERVER_FAILED);
     want(d, WANT_FAIL);
 }
+#endif
 
 static void fail(em_daemon *d)
 {
