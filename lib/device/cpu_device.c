@@ -265,6 +265,13 @@ static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
                                    em_combiner combiner, uint32_t dim, const float *gradients,
                                    float *partitioned_gradients, em_error *err)
 {
+    if (combiner == EM_COMBINER_NONE && batch->nnz == batch->unique_count) {
+        /* every key once (imports): its sum is -0.0 + its gradient, the gradient itself */
+        for (uint64_t k = 0; k < batch->nnz; k++)
+            memcpy(vector_at(partitioned_gradients, batch->position[batch->inverse[k]], dim),
+                   const_vector_at(gradients, k, dim), dim * sizeof(float));
+        return EM_OK;
+    }
     uint64_t total = batch->unique_count * dim;
     for (uint64_t i = 0; i < total; i++)
         partitioned_gradients[i] = -0.0f;
