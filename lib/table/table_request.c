@@ -42,13 +42,27 @@ em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
     return EM_OK;
 }
 
-/* Takes a lane on every device, in device order (so two requests never wait on each
- * other's lanes crosswise). */
+/* Whether a shard of the table lives on device d (a table's shards are contiguous
+ * blocks per device, in device order). */
+static bool hosts_a_shard(const em_table *table, uint32_t d)
+{
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (table->shard_device[s] == d)
+            return true;
+    return false;
+}
+
+/* Takes a lane on the home device and on every device the table has a shard on, in
+ * device order (so two requests never wait on each other's lanes crosswise); the
+ * backend's other devices stay free for other tables' requests (their segments are
+ * empty and their lanes NULL). */
 static em_status acquire_lanes(request_context *r, em_error *err)
 {
     em_backend *backend = r->table->backend;
     for (uint32_t d = 0; d < backend->device_count; d++) {
         em_device *device = backend->devices[d];
+        if (device != r->home && !hosts_a_shard(r->table, d))
+            continue;
         em_status status = device->ops->lane_acquire(device, &r->lanes[d], err);
         if (status != EM_OK)
             return em_error_prefix(err, "table '%s': lane on %s: ", r->table->config.name,
