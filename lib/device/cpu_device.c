@@ -209,48 +209,55 @@ static const float *const_vector_at(const float *base, uint64_t index, uint32_t 
 
 #define NOT_HOT UINT32_MAX
 
-/* Hot keys: those present more than EM_SUM_CHUNK times, whose sums follow the chunk tree
- * of common/gradient_sum.h. first_chunk[u] gets the first of key u's chunk slots
- * (NOT_HOT for the others, and for all of them when *slots is 0); seen[u] is zeroed. */
-static void plan_hot_keys(const em_device_batch *batch, uint32_t *first_chunk, uint32_t *seen,
-                          uint32_t *slots)
+/* Adds row r's (or key position k's) gradient into sum. */
+static void add_contribution(float *sum, const float *gradients, em_combiner combiner,
+                             float divisor, uint32_t r, uint32_t k, uint32_t dim)
 {
-    memset(seen, 0, batch->unique_count * sizeof(*seen));
-    for (uint64_t k = 0; k < batch->nnz; k++)
-        seen[batch->inverse[k]]++;
-    *slots = 0;
-    for (uint64_t u = 0; u < batch->unique_count; u++) {
-        first_chunk[u] = seen[u] > EM_SUM_CHUNK ? *slots : NOT_HOT;
-        if (seen[u] > EM_SUM_CHUNK)
-            *slots += em_sum_chunks(seen[u]);
-        seen[u] = 0;
-    }
+    if (combiner == EM_COMBINER_NONE)
+        add_vector(sum, const_vector_at(gradients, k, dim), dim);
+    else if (divisor == 1.0f)
+        add_vector(sum, const_vector_at(gradients, r, dim), dim);
+    else
+        add_divided_vector(sum, const_vector_at(gradients, r, dim), divisor, dim);
 }
 
-/* Adds the contributions in key order, each into its key's sum or, for a hot key, into
- * the chunk sum its occurrence falls in; hot keys' chunk sums then go up the tree. */
-static void sum_in_tree_order(const em_device_batch *batch, em_combiner combiner, uint32_t dim,
-                              const float *gradients, float *partitioned_gradients,
-                              const uint32_t *first_chunk, uint32_t *seen, float *chunk_sums)
+/* Every key's contributions added serially from -0.0 in key order, which is the tree of
+ * common/gradient_sum.h for a key present at most EM_SUM_CHUNK times; counts[u] (when
+ * not NULL) gets how often key u occurs. */
+static void sum_serially(const em_device_batch *batch, em_combiner combiner, uint32_t dim,
+                         const float *gradients, float *partitioned_gradients, uint32_t *counts)
 {
     for (uint32_t r = 0; r < batch->rows; r++) {
         uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
         float divisor = em_combiner_divisor(combiner, end - begin);
         for (uint32_t k = begin; k < end; k++) {
             uint32_t u = batch->inverse[k];
-            float *sum = vector_at(partitioned_gradients, batch->position[u], dim);
-            if (first_chunk != NULL && first_chunk[u] != NOT_HOT)
-                sum = vector_at(chunk_sums, first_chunk[u] + seen[u]++ / EM_SUM_CHUNK, dim);
-            if (combiner == EM_COMBINER_NONE)
-                add_vector(sum, const_vector_at(gradients, k, dim), dim);
-            else if (divisor == 1.0f)
-                add_vector(sum, const_vector_at(gradients, r, dim), dim);
-            else
-                add_divided_vector(sum, const_vector_at(gradients, r, dim), divisor, dim);
+            if (counts != NULL)
+                counts[u]++;
+            add_contribution(vector_at(partitioned_gradients, batch->position[u], dim), gradients,
+                             combiner, divisor, r, k, dim);
         }
     }
-    if (first_chunk == NULL)
-        return;
+}
+
+/* The keys present more than EM_SUM_CHUNK times again, by the tree: their first-level
+ * chunk sums (key u's from slot first_chunk[u]; seen[u] counts its occurrences so far)
+ * and then the rest of the tree. */
+static void sum_hot_keys(const em_device_batch *batch, em_combiner combiner, uint32_t dim,
+                         const float *gradients, float *partitioned_gradients,
+                         const uint32_t *first_chunk, uint32_t *seen, float *chunk_sums)
+{
+    for (uint32_t r = 0; r < batch->rows; r++) {
+        uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
+        float divisor = em_combiner_divisor(combiner, end - begin);
+        for (uint32_t k = begin; k < end; k++) {
+            uint32_t u = batch->inverse[k];
+            if (first_chunk[u] == NOT_HOT)
+                continue;
+            add_contribution(vector_at(chunk_sums, first_chunk[u] + seen[u]++ / EM_SUM_CHUNK, dim),
+                             gradients, combiner, divisor, r, k, dim);
+        }
+    }
     for (uint64_t u = 0; u < batch->unique_count; u++) {
         if (first_chunk[u] == NOT_HOT)
             continue;
@@ -261,6 +268,9 @@ static void sum_in_tree_order(const em_device_batch *batch, em_combiner combiner
     }
 }
 
+/* Sums in the order of common/gradient_sum.h: serially (counting each key's
+ * occurrences on the way), then again by the tree for the keys present more than
+ * EM_SUM_CHUNK times, when a push has any. */
 static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
                                    em_combiner combiner, uint32_t dim, const float *gradients,
                                    float *partitioned_gradients, em_error *err)
@@ -276,32 +286,42 @@ static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
     for (uint64_t i = 0; i < total; i++)
         partitioned_gradients[i] = -0.0f;
     if (batch->nnz <= EM_SUM_CHUNK) { /* no key can be hot */
-        sum_in_tree_order(batch, combiner, dim, gradients, partitioned_gradients, NULL, NULL,
-                          NULL);
+        sum_serially(batch, combiner, dim, gradients, partitioned_gradients, NULL);
         return EM_OK;
     }
     em_device *device = lane->device;
-    uint32_t *first_chunk = NULL, *seen = NULL, slots = 0;
+    uint32_t *counts = NULL, *first_chunk = NULL, slots = 0;
     float *chunk_sums = NULL;
-    em_status status = em_device_alloc(device, batch->unique_count * sizeof(*first_chunk),
-                                       "hot key plan", (void **)&first_chunk, err);
-    if (status == EM_OK)
-        status = em_device_alloc(device, batch->unique_count * sizeof(*seen), "hot key counts",
-                                 (void **)&seen, err);
-    if (status == EM_OK)
-        plan_hot_keys(batch, first_chunk, seen, &slots);
+    em_status status = em_device_alloc(device, batch->unique_count * sizeof(*counts),
+                                       "key occurrence counts", (void **)&counts, err);
+    if (status != EM_OK)
+        return status;
+    memset(counts, 0, batch->unique_count * sizeof(*counts));
+    sum_serially(batch, combiner, dim, gradients, partitioned_gradients, counts);
+    for (uint64_t u = 0; u < batch->unique_count; u++)
+        if (counts[u] > EM_SUM_CHUNK)
+            slots += em_sum_chunks(counts[u]);
+    if (slots > 0) /* a hot key: counts becomes the occurrences seen in the second pass */
+        status = em_device_alloc(device, batch->unique_count * sizeof(*first_chunk),
+                                 "hot key chunks", (void **)&first_chunk, err);
     if (status == EM_OK && slots > 0)
         status = em_device_alloc(device, (uint64_t)slots * dim * sizeof(float),
                                  "hot key chunk sums", (void **)&chunk_sums, err);
-    if (status == EM_OK) {
+    if (status == EM_OK && slots > 0) {
+        for (uint64_t u = 0, next = 0; u < batch->unique_count; u++) {
+            first_chunk[u] = counts[u] > EM_SUM_CHUNK ? (uint32_t)next : NOT_HOT;
+            if (counts[u] > EM_SUM_CHUNK)
+                next += em_sum_chunks(counts[u]);
+            counts[u] = 0;
+        }
         for (uint64_t i = 0; i < (uint64_t)slots * dim; i++)
             chunk_sums[i] = -0.0f;
-        sum_in_tree_order(batch, combiner, dim, gradients, partitioned_gradients,
-                          slots > 0 ? first_chunk : NULL, seen, chunk_sums);
+        sum_hot_keys(batch, combiner, dim, gradients, partitioned_gradients, first_chunk, counts,
+                     chunk_sums);
     }
     em_device_free(device, chunk_sums);
-    em_device_free(device, seen);
     em_device_free(device, first_chunk);
+    em_device_free(device, counts);
     return status;
 }
 
