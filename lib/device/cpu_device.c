@@ -210,8 +210,8 @@ static const float *const_vector_at(const float *base, uint64_t index, uint32_t 
 #define NOT_HOT UINT32_MAX
 
 /* Adds row r's (or key position k's) gradient into sum. */
-static void add_contribution(float *sum, const float *gradients, em_combiner combiner,
-                             float divisor, uint32_t r, uint32_t k, uint32_t dim)
+static inline void add_contribution(float *sum, const float *gradients, em_combiner combiner,
+                                    float divisor, uint32_t r, uint32_t k, uint32_t dim)
 {
     if (combiner == EM_COMBINER_NONE)
         add_vector(sum, const_vector_at(gradients, k, dim), dim);
