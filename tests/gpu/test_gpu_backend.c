@@ -712,24 +712,25 @@ END_TEST
 
 typedef struct race {
     em_table *table;
+    const uint64_t *keys; /* what each pusher pushes */
+    uint32_t key_count;
+    int pushes;
     int torn;
     int failures;
 } race;
 
-/* Every push subtracts 0.5 from every element of every row (sgd, lr 0.5, g = 1; exact
- * in binary32), so rows stay uniform and end at -0.5 * pushes. */
+/* Pushes the context's keys `pushes` times with gradient 1 (RACE_DIM floats a key):
+ * with sgd and lr 0.5 each push subtracts 0.5 per occurrence of a key from every
+ * element of its row (exact in binary32), so rows stay uniform. */
 static void *race_pusher(void *argument)
 {
     race *context = argument;
-    uint64_t keys[RACE_KEYS];
-    for (int i = 0; i < RACE_KEYS; i++)
-        keys[i] = 1000 + (uint64_t)i;
-    em_test_batch b = em_test_key_batch(keys, RACE_KEYS);
-    float *g = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
-    for (int i = 0; i < RACE_KEYS * RACE_DIM; i++)
+    em_test_batch b = em_test_key_batch(context->keys, context->key_count);
+    float *g = malloc((size_t)context->key_count * RACE_DIM * sizeof(float));
+    for (uint64_t i = 0; i < (uint64_t)context->key_count * RACE_DIM; i++)
         g[i] = 1.0f;
     em_error err;
-    for (int p = 0; p < RACE_PUSHES; p++)
+    for (int p = 0; p < context->pushes; p++)
         if (em_test_push(context->table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
             __atomic_fetch_add(&context->failures, 1, __ATOMIC_RELAXED);
     free(g);
@@ -767,11 +768,11 @@ START_TEST(concurrent_pushes_lose_no_update)
     em_table_config config = table_config(RACE_DIM, 10000, 2, 0, EM_INIT_ZEROS);
     config.optimizer.learning_rate = 0.5f;
     em_table *table = em_test_make_table(gpu, &config);
-    race context = {.table = table};
     /* Create the keys first so every later push shares the table lock. */
     uint64_t keys[RACE_KEYS];
     for (int i = 0; i < RACE_KEYS; i++)
         keys[i] = 1000 + (uint64_t)i;
+    race context = {.table = table, .keys = keys, .key_count = RACE_KEYS, .pushes = RACE_PUSHES};
     em_test_batch b = em_test_key_batch(keys, RACE_KEYS);
     float *out = malloc(RACE_KEYS * RACE_DIM * sizeof(float));
     em_error err;
@@ -800,29 +801,6 @@ END_TEST
 #define SAME_THREADS 6
 #define SAME_PUSHES 10
 
-/* Pushes (creating) the same SAME_KEYS keys, each twice per push, the three sentinel
- * keys of the hash maps among them (0 is a plain key). */
-static void *same_keys_pusher(void *argument)
-{
-    race *context = argument;
-    uint64_t keys[2 * SAME_KEYS];
-    for (int i = 0; i < SAME_KEYS; i++) {
-        uint64_t key = i < 3 ? UINT64_MAX - (uint64_t)i : (uint64_t)(i - 3) * 0x9e3779b97f4a7c15ull;
-        keys[i] = keys[2 * SAME_KEYS - 1 - i] = key;
-    }
-    em_test_batch b = em_test_key_batch(keys, 2 * SAME_KEYS);
-    float *g = malloc(2 * SAME_KEYS * RACE_DIM * sizeof(float));
-    for (int i = 0; i < 2 * SAME_KEYS * RACE_DIM; i++)
-        g[i] = 1.0f;
-    em_error err;
-    for (int p = 0; p < SAME_PUSHES; p++)
-        if (em_test_push(context->table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) != EM_OK)
-            __atomic_fetch_add(&context->failures, 1, __ATOMIC_RELAXED);
-    free(g);
-    em_test_batch_free(&b);
-    return NULL;
-}
-
 /* Threads that create the same keys at once (the sentinels too, each twice per push)
  * create each key once and lose no update: every row ends at -0.5 * 2 * pushes. */
 START_TEST(threads_creating_the_same_keys_create_each_once)
@@ -831,10 +809,17 @@ START_TEST(threads_creating_the_same_keys_create_each_once)
     em_table_config config = table_config(RACE_DIM, 10000, 3, 0, EM_INIT_ZEROS);
     config.optimizer.learning_rate = 0.5f;
     em_table *table = em_test_make_table(gpu, &config);
-    race context = {.table = table};
+    /* the same keys twice per push, the hash maps' three sentinel keys among them */
+    uint64_t keys[2 * SAME_KEYS];
+    for (int i = 0; i < SAME_KEYS; i++) {
+        uint64_t key = i < 3 ? UINT64_MAX - (uint64_t)i : (uint64_t)(i - 3) * 0x9e3779b97f4a7c15ull;
+        keys[i] = keys[2 * SAME_KEYS - 1 - i] = key;
+    }
+    race context = {.table = table, .keys = keys, .key_count = 2 * SAME_KEYS,
+                    .pushes = SAME_PUSHES};
     pthread_t threads[SAME_THREADS];
     for (int t = 0; t < SAME_THREADS; t++)
-        pthread_create(&threads[t], NULL, same_keys_pusher, &context);
+        pthread_create(&threads[t], NULL, race_pusher, &context);
     for (int t = 0; t < SAME_THREADS; t++)
         pthread_join(threads[t], NULL);
     ck_assert_int_eq(context.failures, 0);

@@ -59,6 +59,18 @@ char *test_daemon_log(const test_daemon *daemon)
     return text != NULL ? text : strdup("(no log)");
 }
 
+bool test_daemon_wait_log(const test_daemon *daemon, const char *text, int timeout_ms)
+{
+    for (int waited = 0;; waited += 20) {
+        char *log = test_daemon_log(daemon);
+        bool found = strstr(log, text) != NULL;
+        free(log);
+        if (found || waited >= timeout_ms)
+            return found;
+        usleep(20000);
+    }
+}
+
 bool test_backend_is_cuda(void)
 {
     const char *backend = getenv("EMBER_TEST_BACKEND");

@@ -55,6 +55,10 @@ test_daemon *test_daemon_start(const char *overrides_json);
  * signal when killed, -1 on timeout, after which the daemon is killed). Frees daemon. */
 int test_daemon_stop(test_daemon *daemon, int signal_number, int timeout_ms);
 
+/* Waits up to timeout_ms (polling every 20 ms) for text to appear in the daemon's log;
+ * whether it did. */
+bool test_daemon_wait_log(const test_daemon *daemon, const char *text, int timeout_ms);
+
 /* Rewrites the daemon's config file (the full base config overridden as above). */
 void test_daemon_rewrite_config(test_daemon *daemon, const char *overrides_json);
 

@@ -36,16 +36,9 @@ static test_daemon *start_with(const char *failpoints)
     fprintf(file, "%s\n", failpoints);
     fclose(file);
     ck_assert_int_eq(kill(daemon->pid, SIGHUP), 0);
-    bool armed = false;
     /* generous: under sanitizers on a loaded machine the reload can take seconds */
-    for (int waited = 0; waited < 30000 && !armed; waited += 20) {
-        char *log = test_daemon_log(daemon);
-        armed = strstr(log, "failpoints armed (for tests only)") != NULL;
-        free(log);
-        if (!armed)
-            usleep(20000);
-    }
-    ck_assert_msg(armed, "the daemon did not arm %s", failpoints);
+    ck_assert_msg(test_daemon_wait_log(daemon, "failpoints armed (for tests only)", 30000),
+                  "the daemon did not arm %s", failpoints);
     unlink(path);
     return daemon;
 }

@@ -72,15 +72,9 @@ static void arm(test_daemon *daemon, const char *path, const char *failpoints)
     fprintf(file, "%s\n", failpoints);
     fclose(file);
     ck_assert_int_eq(kill(daemon->pid, SIGHUP), 0);
-    bool armed = false;
-    for (int waited = 0; waited < 30000 && !armed; waited += 20) {
-        char *log = test_daemon_log(daemon);
-        armed = strstr(log, "failpoints armed (for tests only): gpu_fault") != NULL;
-        free(log);
-        if (!armed)
-            usleep(20000);
-    }
-    ck_assert_msg(armed, "the daemon did not arm %s", failpoints);
+    ck_assert_msg(test_daemon_wait_log(daemon, "failpoints armed (for tests only): gpu_fault",
+                                       30000),
+                  "the daemon did not arm %s", failpoints);
 }
 
 START_TEST(a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart)
@@ -108,15 +102,10 @@ START_TEST(a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart)
                   "%s", failed.meta->error);
     test_frame_free(&failed);
 
-    /* no signal: the daemon drains and exits 1 on its own */
-    char *log = NULL;
-    for (int waited = 0; waited < 30000; waited += 20) {
-        free(log);
-        log = test_daemon_log(daemon);
-        if (strstr(log, "shutdown save skipped") != NULL) /* the last line before exit */
-            break;
-        usleep(20000);
-    }
+    /* no signal: the daemon drains and exits 1 on its own; the skipped shutdown save is
+     * its last line before it exits */
+    (void)test_daemon_wait_log(daemon, "shutdown save skipped", 30000);
+    char *log = test_daemon_log(daemon);
     ck_assert_msg(strstr(log, "GPU failed: ") != NULL &&
                       strstr(log, "illegal memory access was encountered (emulated)") != NULL,
                   "%s", log);
