@@ -40,8 +40,8 @@ void em_cuda_backend_options_init(em_cuda_backend_options *options)
  * old installation. */
 static bool nvidia_driver_installed(void)
 {
-    return access("/proc/driver/nvidia/version", F_OK) == 0 || access("/dev/nvidiactl", F_OK) == 0 ||
-           access("/dev/nvidia0", F_OK) == 0;
+    return access("/proc/driver/nvidia/version", F_OK) == 0 ||
+           access("/dev/nvidiactl", F_OK) == 0 || access("/dev/nvidia0", F_OK) == 0;
 }
 
 /* Why em_gpu_device_count failed: NOT_FOUND when no GPU is visible (none there, or
