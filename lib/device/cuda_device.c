@@ -115,12 +115,14 @@ em_status em__cuda_check(em_gpu_status status, const char *where, em_error *err)
 {
     if (status.code == 0)
         return EM_OK;
-    if (status.fatal) {
-        em_error_set(err, EM_UNAVAILABLE, "%s: %s failed: %s (error %d)", where, status.call,
+    if (status.fatal) { /* recorded even when the caller wants no message (err NULL) */
+        em_error lost;
+        em_error_set(&lost, EM_UNAVAILABLE, "%s: %s failed: %s (error %d)", where, status.call,
                      status.message, status.code);
-        record_failure(err->message);
-        em_error_prefix(err, "GPU context lost (only a new process can use it): ");
-        return EM_UNAVAILABLE;
+        record_failure(lost.message);
+        return em_error_set(err, EM_UNAVAILABLE,
+                            "GPU context lost (only a new process can use it): %s",
+                            lost.message);
     }
     return em_error_set(err, status.out_of_memory ? EM_RESOURCE_EXHAUSTED : EM_INTERNAL,
                         "%s: %s failed: %s (error %d)", where, status.call, status.message,

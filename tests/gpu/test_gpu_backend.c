@@ -801,18 +801,21 @@ END_TEST
 #define SAME_THREADS 6
 #define SAME_PUSHES 10
 
-/* Threads that create the same keys at once (the sentinels too, each twice per push)
- * create each key once and lose no update: every row ends at -0.5 * 2 * pushes. */
+/* Threads that create the same keys at once (the marker values too, each twice per
+ * push) create each key once and lose no update: every row ends at -0.5 * 2 * (threads
+ * * pushes). */
 START_TEST(threads_creating_the_same_keys_create_each_once)
 {
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
     em_table_config config = table_config(RACE_DIM, 10000, 3, 0, EM_INIT_ZEROS);
     config.optimizer.learning_rate = 0.5f;
     em_table *table = em_test_make_table(gpu, &config);
-    /* the same keys twice per push, the hash maps' three sentinel keys among them */
+    /* the same keys twice per push, among them the four values the hash maps reserve as
+     * markers: UINT64_MAX, UINT64_MAX - 1, UINT64_MAX - 2 and (i = 3) 0 */
     uint64_t keys[2 * SAME_KEYS];
     for (int i = 0; i < SAME_KEYS; i++) {
-        uint64_t key = i < 3 ? UINT64_MAX - (uint64_t)i : (uint64_t)(i - 3) * 0x9e3779b97f4a7c15ull;
+        uint64_t key =
+            i < 3 ? UINT64_MAX - (uint64_t)i : (uint64_t)(i - 3) * 0x9e3779b97f4a7c15ull;
         keys[i] = keys[2 * SAME_KEYS - 1 - i] = key;
     }
     race context = {.table = table, .keys = keys, .key_count = 2 * SAME_KEYS,
@@ -913,11 +916,12 @@ START_TEST(outputs_at_any_alignment)
     for (int pooled = 0; pooled < 2; pooled++) {
         em_combiner combiner = pooled ? EM_COMBINER_MEAN : EM_COMBINER_NONE;
         uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * dim;
-        float *aligned = aligned_alloc(16, (floats + 4) * sizeof(float));
+        size_t bytes = (floats + 8) / 4 * 16; /* room for a shift of 3 floats; a multiple of 16 */
+        float *aligned = aligned_alloc(16, bytes);
         ck_assert_msg(em_test_pull(table, &b.csr, combiner, true, aligned, NULL, &err) == EM_OK,
                       "%s", err.message);
         for (uint32_t shift = 1; shift < 4; shift++) {
-            float *buffer = aligned_alloc(16, (floats + 4) * sizeof(float));
+            float *buffer = aligned_alloc(16, bytes);
             ck_assert_msg(em_test_pull(table, &b.csr, combiner, false, buffer + shift, NULL,
                                        &err) == EM_OK, "%s", err.message);
             ck_assert_msg(memcmp(buffer + shift, aligned, floats * sizeof(float)) == 0,
