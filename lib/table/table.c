@@ -39,11 +39,18 @@ static uint64_t vector_floats(const em_table *table, const em_csr *batch, em_com
 
 /* ---- locking ---------------------------------------------------------------------- */
 
+/* What the shared attempt tells the exclusive one. */
+typedef struct attempt_state {
+    bool needs_create; /* it stopped: keys must be created */
+    bool admission_run; /* its admission counted the missing keys' sightings */
+} attempt_state;
+
 /* One attempt at a request under the table lock the caller holds. Without may_create, an
- * attempt that would create keys stops before changing anything and sets
- * *needs_create. */
+ * attempt that would create keys stops before changing anything else and sets
+ * needs_create; one whose missing keys admission refuses, all of them, goes on under
+ * the shared lock (nothing is created). */
 typedef em_status (*locked_attempt)(em_table *table, const void *request, void *result,
-                                    bool may_create, bool *needs_create, em_error *err);
+                                    bool may_create, attempt_state *state, em_error *err);
 
 /* Requests whose keys all exist share the table (each shard's rows are read or updated
  * under that shard's lock); one that must create keys runs again alone, because the
@@ -51,15 +58,30 @@ typedef em_status (*locked_attempt)(em_table *table, const void *request, void *
 static em_status run_shared_then_exclusive(em_table *table, locked_attempt attempt,
                                            const void *request, void *result, em_error *err)
 {
-    bool needs_create = false;
+    attempt_state state = {false, false};
     pthread_rwlock_rdlock(&table->lock);
-    em_status status = attempt(table, request, result, false, &needs_create, err);
+    em_status status = attempt(table, request, result, false, &state, err);
     pthread_rwlock_unlock(&table->lock);
-    if (status == EM_OK && needs_create) {
+    if (status == EM_OK && state.needs_create) {
+        atomic_fetch_add_explicit(&table->exclusive_retries, 1, memory_order_relaxed);
         pthread_rwlock_wrlock(&table->lock);
-        status = attempt(table, request, result, true, &needs_create, err);
+        status = attempt(table, request, result, true, &state, err);
         pthread_rwlock_unlock(&table->lock);
     }
+    return status;
+}
+
+/* Admission of the missing keys, once per request: in the shared attempt, which counts
+ * their sightings, or in the exclusive one when the shared attempt did not get that far
+ * (it then only reads the counts, which already hold this request's sightings). Then,
+ * in the shared attempt, whether keys are left to create: the attempt stops there. */
+static em_status admit(request_context *r, bool may_create, attempt_state *state,
+                       em_error *err)
+{
+    em_status status = em__admit_missing(r, !state->admission_run, err);
+    state->admission_run = true;
+    if (status == EM_OK && r->missing > 0 && !may_create)
+        state->needs_create = true;
     return status;
 }
 
@@ -151,7 +173,7 @@ static em_status copy_output(request_context *r, const em_pull_request *request,
 
 /* A pull attempt (locked_attempt). */
 static em_status pull_locked(em_table *table, const void *untyped_request, void *untyped_result,
-                             bool may_create, bool *needs_create, em_error *err)
+                             bool may_create, attempt_state *state, em_error *err)
 {
     const em_pull_request *request = untyped_request;
     em_pull_result *result = untyped_result;
@@ -162,17 +184,16 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
-    if (status == EM_OK && r.missing > 0 && request->create_missing && !may_create) {
-        *needs_create = true;
+    uint64_t missing = r.missing;
+    if (status == EM_OK && r.missing > 0 && request->create_missing)
+        status = admit(&r, may_create, state, err);
+    if (status == EM_OK && state->needs_create && !may_create) {
         em__request_end(&r);
         return EM_OK;
     }
-    uint64_t missing = r.missing;
     pull_buffers buffers;
     if (status == EM_OK)
         status = take_pull_buffers(&r, request, direct, &buffers, err);
-    if (status == EM_OK && request->create_missing)
-        status = em__admit_missing(&r, err);
     if (status == EM_OK && request->create_missing)
         status = em__create_missing(&r, false, err);
     if (status == EM_OK)
@@ -258,7 +279,7 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
 
 /* A push attempt (locked_attempt). */
 static em_status push_locked(em_table *table, const void *untyped_request, void *untyped_result,
-                             bool may_create, bool *needs_create, em_error *err)
+                             bool may_create, attempt_state *state, em_error *err)
 {
     const push_call *call = untyped_request;
     const em_push_request *request = call->request;
@@ -269,13 +290,12 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
-    if (status == EM_OK && r.missing > 0 && !may_create) {
-        *needs_create = true;
+    if (status == EM_OK && r.missing > 0)
+        status = admit(&r, may_create, state, err);
+    if (status == EM_OK && state->needs_create && !may_create) {
         em__request_end(&r);
         return EM_OK;
     }
-    if (status == EM_OK)
-        status = em__admit_missing(&r, err);
     if (status == EM_OK)
         status = sum_and_send_gradients(&r, request, call->largest, err);
     uint64_t missing = r.missing;
@@ -559,6 +579,7 @@ em_status em_table_create_seeded(em_backend *backend, const em_table_config *con
     pthread_mutex_init(&table->snapshot_mutex, NULL);
     pthread_mutex_init(&table->evicted_lock, NULL);
     pthread_mutex_init(&table->clock_lock, NULL);
+    pthread_mutex_init(&table->admission_lock, NULL);
     table->clock_spacing_ms = 1000;
     if (config->admission.policy == EM_ADMISSION_COUNTER) {
         table->admission_counts = calloc(config->admission.counters, 1);
@@ -605,6 +626,7 @@ void em_table_destroy(em_table *table)
     pthread_mutex_destroy(&table->snapshot_mutex);
     pthread_mutex_destroy(&table->evicted_lock);
     pthread_mutex_destroy(&table->clock_lock);
+    pthread_mutex_destroy(&table->admission_lock);
     free(table->evicted_keys);
     free(table->admission_counts);
     pthread_cond_destroy(&table->snapshot_room);
@@ -678,6 +700,8 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->pulls_not_admitted = atomic_load_explicit(&table->pulls_not_admitted,
                                                    memory_order_relaxed);
     out->pushes_dropped = atomic_load_explicit(&table->pushes_dropped, memory_order_relaxed);
+    out->exclusive_retries =
+        atomic_load_explicit(&table->exclusive_retries, memory_order_relaxed);
 }
 
 
@@ -822,9 +846,9 @@ void em_table_get_admission(em_table *table, uint8_t *out)
 {
     if (table->admission_counts == NULL)
         return;
-    pthread_rwlock_wrlock(&table->lock); /* sightings are counted under the exclusive lock */
+    pthread_mutex_lock(&table->admission_lock); /* requests count sightings under it */
     memcpy(out, table->admission_counts, table->config.admission.counters);
-    pthread_rwlock_unlock(&table->lock);
+    pthread_mutex_unlock(&table->admission_lock);
 }
 
 em_status em_table_merge_admission(em_table *table, const uint8_t *counts, uint64_t bytes,
@@ -835,10 +859,10 @@ em_status em_table_merge_admission(em_table *table, const uint8_t *counts, uint6
                             "admission sketch of table '%s': %" PRIu64 " counters given, it has "
                             "%" PRIu64, table->config.name, bytes,
                             em_table_admission_bytes(table));
-    pthread_rwlock_wrlock(&table->lock);
+    pthread_mutex_lock(&table->admission_lock);
     for (uint64_t i = 0; i < bytes; i++)
         if (counts[i] > table->admission_counts[i])
             table->admission_counts[i] = counts[i];
-    pthread_rwlock_unlock(&table->lock);
+    pthread_mutex_unlock(&table->admission_lock);
     return EM_OK;
 }

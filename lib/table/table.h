@@ -89,7 +89,9 @@ typedef struct em_push_result {
     X(uint64_t, pulls_not_admitted, COUNTER, NONE,                                            \
       "keys pulled with create_missing that admission did not store (read as initial)")       \
     X(uint64_t, pushes_dropped, COUNTER, NONE,                                                \
-      "keys whose pushed gradients were dropped: admission did not store them")
+      "keys whose pushed gradients were dropped: admission did not store them")             \
+    X(uint64_t, exclusive_retries, COUNTER, NONE,                                             \
+      "pulls and pushes run again under the exclusive table lock to create keys")
 
 typedef struct em_table_stats {
 #define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;
@@ -235,8 +237,8 @@ em_status em_table_set_access(em_table *table, const uint64_t *keys, const em_ro
  * table with another admission policy. */
 uint64_t em_table_admission_bytes(const em_table *table);
 
-/* Copies the sketch as of now into out (em_table_admission_bytes bytes), holding the
- * table for the copy. */
+/* Copies the sketch as of now into out (em_table_admission_bytes bytes), holding its
+ * lock for the copy (not the table's: requests go on). */
 void em_table_get_admission(em_table *table, uint8_t *out);
 
 /* Merges counts into the sketch, each counter the larger of the two (a load: the parts of

@@ -66,9 +66,12 @@ struct em_table {
     pthread_mutex_t evicted_lock;
     uint64_t *evicted_keys;
     uint64_t removed_total;
-    /* admission: the counter policy's sketch (exclusive lock), and what was refused */
+    /* admission: the counter policy's sketch (under admission_lock: requests admit keys
+     * under the shared table lock), and what was refused */
+    pthread_mutex_t admission_lock;
     uint8_t *admission_counts;
     _Atomic uint64_t pulls_not_admitted, pushes_dropped;
+    _Atomic uint64_t exclusive_retries; /* run_shared_then_exclusive's second attempts */
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
     pthread_mutex_t clock_lock;
@@ -195,10 +198,13 @@ bool em__clock_at(em_table *table, uint64_t unix_ms, uint32_t *clock);
  * false when no row can be old enough yet. */
 bool em__expiry_age(em_table *table, uint64_t now_ms, uint32_t *min_age);
 
-/* Admission (lib/table/table_config.h), under the exclusive lock before any key is
- * created: the missing keys the policy refuses get EM_ROW_REJECTED and leave the
- * missing counts (r->rejected, r->shard_rejected). */
-em_status em__admit_missing(request_context *r, em_error *err);
+/* Admission (lib/table/table_config.h), before any key is created, under the shared or
+ * the exclusive table lock: the missing keys the policy refuses get EM_ROW_REJECTED and
+ * leave the missing counts (r->rejected, r->shard_rejected). With count_sightings,
+ * counter admission counts each missing key's sighting (under admission_lock); without,
+ * it only reads the counts (a request's second attempt, whose sightings its first
+ * attempt counted). */
+em_status em__admit_missing(request_context *r, bool count_sightings, em_error *err);
 
 /* Keeps count keys the policy removed in the table's ring and counts them in counter
  * (rows_evicted or rows_expired). */

@@ -572,7 +572,7 @@ bool em__expiry_age(em_table *table, uint64_t now_ms, uint32_t *min_age)
 /* Counter admission: counts a sighting of key in the sketch (conservative update: only
  * the smallest of its counters grow) and says whether it has now been seen threshold
  * times. */
-static bool count_sighting(em_table *table, uint64_t key)
+static bool count_sighting(em_table *table, uint64_t key, bool count)
 {
     const em_admission_config *config = &table->config.admission;
     uint64_t seed = em_mix64(table->config.initializer.seed ^ 0x736b65746368ull);
@@ -583,6 +583,8 @@ static bool count_sighting(em_table *table, uint64_t key)
         slots[h] = em_mix64(key ^ em_mix64(seed + (uint64_t)h)) % config->counters;
         smallest = counts[slots[h]] < smallest ? counts[slots[h]] : smallest;
     }
+    if (!count) /* the sighting was counted by the request's first attempt */
+        return smallest >= config->threshold;
     uint8_t seen = smallest == UINT8_MAX ? UINT8_MAX : (uint8_t)(smallest + 1);
     for (int h = 0; h < SKETCH_HASHES; h++)
         if (counts[slots[h]] < seen)
@@ -598,7 +600,7 @@ static bool admitted_by_chance(const em_table *table, uint64_t key)
     return (double)(draw >> 11) * 0x1.0p-53 < p;
 }
 
-em_status em__admit_missing(request_context *r, em_error *err)
+em_status em__admit_missing(request_context *r, bool count_sightings, em_error *err)
 {
     em_table *table = r->table;
     int policy = table->config.admission.policy;
@@ -629,13 +631,17 @@ em_status em__admit_missing(request_context *r, em_error *err)
                 return status;
             }
         }
+        /* requests admit under the shared table lock: the sketch is theirs one at a time */
+        if (policy == EM_ADMISSION_COUNTER)
+            pthread_mutex_lock(&table->admission_lock);
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
             uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
             for (uint64_t i = offset; i < offset + n; i++) {
                 if (rows[i] != EM_ROW_NONE)
                     continue;
-                bool admit = policy == EM_ADMISSION_COUNTER ? count_sighting(table, keys[i])
-                                                            : admitted_by_chance(table, keys[i]);
+                bool admit = policy == EM_ADMISSION_COUNTER
+                                 ? count_sighting(table, keys[i], count_sightings)
+                                 : admitted_by_chance(table, keys[i]);
                 if (admit)
                     continue;
                 rows[i] = EM_ROW_REJECTED;
@@ -645,6 +651,8 @@ em_status em__admit_missing(request_context *r, em_error *err)
                 r->rejected++;
             }
         }
+        if (policy == EM_ADMISSION_COUNTER)
+            pthread_mutex_unlock(&table->admission_lock);
         if (!seg->device->host_addressable) {
             em_status status = seg->device->ops->copy_to_device(
                 seg->lane, seg->rows, rows, seg->count * sizeof(uint64_t), err);

@@ -807,6 +807,83 @@ START_TEST(counter_admission_stores_a_key_on_its_threshold_sighting)
 }
 END_TEST
 
+#define SIGHTING_THREADS 4
+#define SIGHTED_KEYS 64
+
+typedef struct sighting_run {
+    em_table *table;
+    int thread;
+    int failures;
+} sighting_run;
+
+/* Thread t pushes (gradient 1) every key of A = [0, 64) once and, when t < 2, every key
+ * of B = [64, 128) once, each key in a request of its own. */
+static void *push_sightings(void *argument)
+{
+    sighting_run *run = argument;
+    uint32_t offsets[2] = {0, 1};
+    float gradient[DIM] = {1, 1, 1, 1};
+    em_error err;
+    for (uint64_t i = 0; i < 2 * SIGHTED_KEYS; i++) {
+        uint64_t key = 7000 + i;
+        if (i >= SIGHTED_KEYS && run->thread >= 2)
+            break;
+        em_csr batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &key};
+        if (em_test_push(run->table, &batch, EM_COMBINER_NONE, gradient, NULL, &err) != EM_OK)
+            __atomic_fetch_add(&run->failures, 1, __ATOMIC_RELAXED);
+    }
+    return NULL;
+}
+
+/* Requests whose new keys admission refuses finish under the shared table lock, so
+ * threads count sightings side by side; none is lost or counted twice: with threshold
+ * 3, the keys of A (4 sightings each) are stored at their third and their fourth push is
+ * applied to them too (sgd, lr 0.5: every element -1.0 from zeros), the keys of B (2
+ * sightings) are never stored, and every refused push is counted. */
+START_TEST(counter_admission_counts_every_sighting_under_concurrent_pushes)
+{
+    em_backend *backend = make_backend(2);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, 100000);
+    config.shards = 3;
+    config.optimizer.kind = EM_OPTIMIZER_SGD;
+    config.optimizer.learning_rate = 0.5f;
+    config.initializer.kind = EM_INIT_ZEROS;
+    config.admission.policy = EM_ADMISSION_COUNTER;
+    config.admission.threshold = 3;
+    em_table *table = em_test_make_table(backend, &config);
+    sighting_run runs[SIGHTING_THREADS];
+    pthread_t threads[SIGHTING_THREADS];
+    for (int t = 0; t < SIGHTING_THREADS; t++) {
+        runs[t] = (sighting_run){table, t, 0};
+        pthread_create(&threads[t], NULL, push_sightings, &runs[t]);
+    }
+    for (int t = 0; t < SIGHTING_THREADS; t++) {
+        pthread_join(threads[t], NULL);
+        ck_assert_int_eq(runs[t].failures, 0);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, SIGHTED_KEYS);
+    ck_assert_uint_eq(stats.pushes_dropped, 2 * SIGHTED_KEYS + 2 * SIGHTED_KEYS);
+    /* only the pushes that find an admitted key still missing run again under the
+     * exclusive lock: at least the 64 that create, at most those and the fourth
+     * sightings that raced them; the 256 refused pushes never do */
+    ck_assert_uint_ge(stats.exclusive_retries, SIGHTED_KEYS);
+    ck_assert_uint_le(stats.exclusive_retries, 2 * SIGHTED_KEYS);
+    em_test_snapshot rows = em_test_snapshot_take(table, 16);
+    ck_assert_uint_eq(rows.count, SIGHTED_KEYS);
+    for (uint64_t r = 0; r < rows.count; r++) {
+        ck_assert_uint_lt(rows.keys[r], 7000 + SIGHTED_KEYS); /* A only */
+        for (uint32_t j = 0; j < DIM; j++)
+            ck_assert_float_eq(rows.values[r * rows.width + j], -1.0f);
+    }
+    em_test_snapshot_free(&rows);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 START_TEST(a_refused_key_drops_only_its_own_gradient)
 {
     em_backend *backend = make_backend(1);
@@ -1030,6 +1107,7 @@ int main(void)
     tcase_add_test(rules, the_sweep_expires_rows_by_seconds_never_early);
     tcase_add_test(rules, erase_by_time_never_takes_a_row_pushed_after_it);
     tcase_add_test(rules, counter_admission_stores_a_key_on_its_threshold_sighting);
+    tcase_add_test(rules, counter_admission_counts_every_sighting_under_concurrent_pushes);
     tcase_add_test(rules, a_refused_key_drops_only_its_own_gradient);
     tcase_add_test(rules, probability_admission_is_a_fixed_choice_per_key);
     /* long streams of requests; the emulated kernels take their time */
