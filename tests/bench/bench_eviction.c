@@ -9,13 +9,16 @@
  *      space 10x the capacity), one key per request;
  *   3. counter admission (threshold 2 and 5, two sketch sizes) on a Zipf 1.05 stream of
  *      one-key pushes: rows and memory stored against admitting every key, the share of
- *      pushes dropped, and the keys stored against those an exact count would store.
+ *      pushes dropped, and the keys stored against those an exact count would store;
+ *   4. the same pushes from 1 and 2 threads at once, with and without counter
+ *      admission: pushes/s, and how many ran again under the exclusive table lock.
  *
  *   bench_eviction [--rows N] [--batch B] [--rounds R] [--capacity C] [--accesses A]
  *                  [--candidates K]
  */
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -483,6 +486,103 @@ static void admission(const options *opt)
     em_backend_destroy(backend);
 }
 
+/* ---- part 4: admission beside other requests ------------------------------------------- */
+
+typedef struct stream_pusher {
+    em_table *table;
+    const uint64_t *stream;
+    uint64_t n, first, step; /* pushes stream[first], stream[first + step], ... */
+} stream_pusher;
+
+static void *push_stream_part(void *argument)
+{
+    const stream_pusher *p = argument;
+    uint32_t offsets[2] = {0, 1};
+    float gradient[64];
+    for (uint32_t j = 0; j < 64; j++)
+        gradient[j] = 0.01f;
+    em_error err;
+    for (uint64_t i = p->first; i < p->n; i += p->step) {
+        em_push_request request = {
+            .batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &p->stream[i]},
+            .combiner = EM_COMBINER_NONE,
+            .gradients = gradient,
+            .gradient_count = 64,
+        };
+        em_push_result result;
+        if (em_table_push(p->table, &request, &result, &err) != EM_OK)
+            die("push", &err);
+    }
+    return NULL;
+}
+
+/* Pushes the stream from `threads` threads (interleaved slices) into a new table;
+ * pushes per second, and the table's stats after. */
+static double push_stream_threads(em_backend *backend, em_admission_policy policy,
+                                  const uint64_t *stream, uint64_t n, uint64_t capacity,
+                                  uint32_t threads, em_table_stats *stats)
+{
+    em_table_config config;
+    em_table_config_init(&config, "bench", 64, capacity);
+    config.shards = 8;
+    config.optimizer.kind = EM_OPTIMIZER_ADAGRAD;
+    config.optimizer.learning_rate = 0.01;
+    config.admission.policy = policy;
+    config.admission.threshold = 5;
+    config.admission.counters = 1u << 20;
+    em_table *table = NULL;
+    em_error err;
+    if (em_table_create(backend, &config, &table, &err) != EM_OK)
+        die("create", &err);
+    pthread_t handles[8];
+    stream_pusher parts[8];
+    double began = em_test_now();
+    for (uint32_t t = 0; t < threads; t++) {
+        parts[t] = (stream_pusher){table, stream, n, t, threads};
+        pthread_create(&handles[t], NULL, push_stream_part, &parts[t]);
+    }
+    for (uint32_t t = 0; t < threads; t++)
+        pthread_join(handles[t], NULL);
+    double seconds = em_test_now() - began;
+    em_table_get_stats(table, stats);
+    em_table_destroy(table);
+    return (double)n / seconds;
+}
+
+static void admission_threads(const options *opt)
+{
+    em_backend *backend = cpu_backend();
+    uint64_t space = opt->capacity * 10;
+    printf("\n4. one-key pushes from 1 and 2 threads at once, same stream as 3 (counter "
+           "threshold 5, 1024 KiB sketch), pushes/s\n\n");
+    printf("%-12s %8s %14s %16s %18s\n", "admission", "threads", "pushes/s", "vs 1 thread",
+           "exclusive/push");
+    zipf z = zipf_make(space, 1.05);
+    em_test_rng rng;
+    em_test_rng_init(&rng, 5);
+    uint64_t *stream = malloc(opt->accesses * sizeof(uint64_t));
+    for (uint64_t i = 0; i < opt->accesses; i++)
+        stream[i] = zipf_draw(&z, &rng);
+    const em_admission_policy policies[] = {EM_ADMISSION_ALWAYS, EM_ADMISSION_COUNTER};
+    for (int p = 0; p < 2; p++) {
+        double one = 0;
+        for (uint32_t threads = 1; threads <= 2; threads++) {
+            em_table_stats stats;
+            double rate = push_stream_threads(backend, policies[p], stream, opt->accesses,
+                                              space, threads, &stats);
+            one = threads == 1 ? rate : one;
+            printf("%-12s %8u %14.0f %15.2fx %18.3f\n", p == 0 ? "always" : "counter 5",
+                   threads, rate, rate / one,
+                   (double)stats.exclusive_retries / (double)opt->accesses);
+        }
+    }
+    printf("\n(exclusive/push: requests run again under the exclusive table lock to create "
+           "keys, per push)\n");
+    free(stream);
+    free(z.cdf);
+    em_backend_destroy(backend);
+}
+
 static uint64_t parse_count(const char *text, const char *flag)
 {
     char *end = NULL;
@@ -529,5 +629,6 @@ int main(int argc, char **argv)
     insert_throughput(&opt);
     hit_rates(&opt);
     admission(&opt);
+    admission_threads(&opt);
     return 0;
 }
