@@ -382,13 +382,43 @@ typedef struct admission_run {
     uint64_t rows, bytes, dropped;
 } admission_run;
 
-static admission_run push_stream(em_backend *backend, em_admission_policy policy,
-                                 uint32_t threshold, uint32_t counters, const uint64_t *stream,
-                                 uint64_t n, uint64_t capacity)
+typedef struct stream_pusher {
+    em_table *table;
+    const uint64_t *stream;
+    uint64_t n, first, step; /* pushes stream[first], stream[first + step], ... */
+} stream_pusher;
+
+static void *push_stream_part(void *argument)
 {
-    const uint32_t dim = 64;
+    const stream_pusher *p = argument;
+    uint32_t offsets[2] = {0, 1};
+    float gradient[64];
+    for (uint32_t j = 0; j < 64; j++)
+        gradient[j] = 0.01f;
+    em_error err;
+    for (uint64_t i = p->first; i < p->n; i += p->step) {
+        em_push_request request = {
+            .batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &p->stream[i]},
+            .combiner = EM_COMBINER_NONE,
+            .gradients = gradient,
+            .gradient_count = 64,
+        };
+        em_push_result result;
+        if (em_table_push(p->table, &request, &result, &err) != EM_OK)
+            die("push", &err);
+    }
+    return NULL;
+}
+
+/* Pushes the stream from `threads` threads (interleaved slices) into a new table;
+ * pushes per second, and the table's stats after. */
+static double push_stream_threads(em_backend *backend, em_admission_policy policy,
+                                  uint32_t threshold, uint32_t counters, const uint64_t *stream,
+                                  uint64_t n, uint64_t capacity, uint32_t threads,
+                                  em_table_stats *stats)
+{
     em_table_config config;
-    em_table_config_init(&config, "bench", dim, capacity);
+    em_table_config_init(&config, "bench", 64, capacity);
     config.shards = 8;
     config.optimizer.kind = EM_OPTIMIZER_ADAGRAD;
     config.optimizer.learning_rate = 0.01;
@@ -399,27 +429,45 @@ static admission_run push_stream(em_backend *backend, em_admission_policy policy
     em_error err;
     if (em_table_create(backend, &config, &table, &err) != EM_OK)
         die("create", &err);
-    uint32_t offsets[2] = {0, 1};
-    float gradient[64];
-    for (uint32_t j = 0; j < dim; j++)
-        gradient[j] = 0.01f;
-    for (uint64_t i = 0; i < n; i++) {
-        em_push_request request = {
-            .batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &stream[i]},
-            .combiner = EM_COMBINER_NONE,
-            .gradients = gradient,
-            .gradient_count = dim,
-        };
-        em_push_result result;
-        if (em_table_push(table, &request, &result, &err) != EM_OK)
-            die("push", &err);
+    pthread_t handles[8];
+    stream_pusher parts[8];
+    double began = em_test_now();
+    for (uint32_t t = 0; t < threads; t++) {
+        parts[t] = (stream_pusher){table, stream, n, t, threads};
+        pthread_create(&handles[t], NULL, push_stream_part, &parts[t]);
     }
-    em_table_stats stats;
-    em_table_get_stats(table, &stats);
+    for (uint32_t t = 0; t < threads; t++)
+        pthread_join(handles[t], NULL);
+    double seconds = em_test_now() - began;
+    em_table_get_stats(table, stats);
     em_table_destroy(table);
+    return (double)n / seconds;
+}
+
+static admission_run push_stream(em_backend *backend, em_admission_policy policy,
+                                 uint32_t threshold, uint32_t counters, const uint64_t *stream,
+                                 uint64_t n, uint64_t capacity)
+{
+    em_table_stats stats;
+    (void)push_stream_threads(backend, policy, threshold, counters, stream, n, capacity, 1,
+                              &stats);
     return (admission_run){.rows = stats.rows,
                            .bytes = stats.rows * stats.row_floats * sizeof(float) + stats.rows * 16,
                            .dropped = stats.pushes_dropped};
+}
+
+/* The admission parts' stream: opt->accesses draws of Zipf 1.05 over 10x the capacity
+ * (seed 5, so parts 3 and 4 push the same keys). */
+static uint64_t *admission_stream(const options *opt)
+{
+    zipf z = zipf_make(opt->capacity * 10, 1.05);
+    em_test_rng rng;
+    em_test_rng_init(&rng, 5);
+    uint64_t *stream = malloc(opt->accesses * sizeof(uint64_t));
+    for (uint64_t i = 0; i < opt->accesses; i++)
+        stream[i] = zipf_draw(&z, &rng);
+    free(z.cdf);
+    return stream;
 }
 
 static int compare_u64(const void *a, const void *b)
@@ -454,12 +502,7 @@ static void admission(const options *opt)
            opt->accesses, space);
     printf("%-22s %9s %9s %12s %9s %9s %10s\n", "admission", "rows", "of all", "row memory",
            "dropped", "exact", "early");
-    zipf z = zipf_make(space, 1.05);
-    em_test_rng rng;
-    em_test_rng_init(&rng, 5);
-    uint64_t *stream = malloc(opt->accesses * sizeof(uint64_t));
-    for (uint64_t i = 0; i < opt->accesses; i++)
-        stream[i] = zipf_draw(&z, &rng);
+    uint64_t *stream = admission_stream(opt);
     admission_run all = push_stream(backend, EM_ADMISSION_ALWAYS, 1, 1024, stream, opt->accesses,
                                     space);
     printf("%-22s %9" PRIu64 " %8.1f%% %9.1f MiB %8.1f%% %9s %10s\n", "always", all.rows, 100.0,
@@ -482,71 +525,7 @@ static void admission(const options *opt)
            "exact: keys pushed at least threshold times; early: keys the sketch stored before "
            "their threshold-th push)\n");
     free(stream);
-    free(z.cdf);
     em_backend_destroy(backend);
-}
-
-/* ---- part 4: admission beside other requests ------------------------------------------- */
-
-typedef struct stream_pusher {
-    em_table *table;
-    const uint64_t *stream;
-    uint64_t n, first, step; /* pushes stream[first], stream[first + step], ... */
-} stream_pusher;
-
-static void *push_stream_part(void *argument)
-{
-    const stream_pusher *p = argument;
-    uint32_t offsets[2] = {0, 1};
-    float gradient[64];
-    for (uint32_t j = 0; j < 64; j++)
-        gradient[j] = 0.01f;
-    em_error err;
-    for (uint64_t i = p->first; i < p->n; i += p->step) {
-        em_push_request request = {
-            .batch = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &p->stream[i]},
-            .combiner = EM_COMBINER_NONE,
-            .gradients = gradient,
-            .gradient_count = 64,
-        };
-        em_push_result result;
-        if (em_table_push(p->table, &request, &result, &err) != EM_OK)
-            die("push", &err);
-    }
-    return NULL;
-}
-
-/* Pushes the stream from `threads` threads (interleaved slices) into a new table;
- * pushes per second, and the table's stats after. */
-static double push_stream_threads(em_backend *backend, em_admission_policy policy,
-                                  const uint64_t *stream, uint64_t n, uint64_t capacity,
-                                  uint32_t threads, em_table_stats *stats)
-{
-    em_table_config config;
-    em_table_config_init(&config, "bench", 64, capacity);
-    config.shards = 8;
-    config.optimizer.kind = EM_OPTIMIZER_ADAGRAD;
-    config.optimizer.learning_rate = 0.01;
-    config.admission.policy = policy;
-    config.admission.threshold = 5;
-    config.admission.counters = 1u << 20;
-    em_table *table = NULL;
-    em_error err;
-    if (em_table_create(backend, &config, &table, &err) != EM_OK)
-        die("create", &err);
-    pthread_t handles[8];
-    stream_pusher parts[8];
-    double began = em_test_now();
-    for (uint32_t t = 0; t < threads; t++) {
-        parts[t] = (stream_pusher){table, stream, n, t, threads};
-        pthread_create(&handles[t], NULL, push_stream_part, &parts[t]);
-    }
-    for (uint32_t t = 0; t < threads; t++)
-        pthread_join(handles[t], NULL);
-    double seconds = em_test_now() - began;
-    em_table_get_stats(table, stats);
-    em_table_destroy(table);
-    return (double)n / seconds;
 }
 
 static void admission_threads(const options *opt)
@@ -557,19 +536,14 @@ static void admission_threads(const options *opt)
            "threshold 5, 1024 KiB sketch), pushes/s\n\n");
     printf("%-12s %8s %14s %16s %18s\n", "admission", "threads", "pushes/s", "vs 1 thread",
            "exclusive/push");
-    zipf z = zipf_make(space, 1.05);
-    em_test_rng rng;
-    em_test_rng_init(&rng, 5);
-    uint64_t *stream = malloc(opt->accesses * sizeof(uint64_t));
-    for (uint64_t i = 0; i < opt->accesses; i++)
-        stream[i] = zipf_draw(&z, &rng);
+    uint64_t *stream = admission_stream(opt);
     const em_admission_policy policies[] = {EM_ADMISSION_ALWAYS, EM_ADMISSION_COUNTER};
     for (int p = 0; p < 2; p++) {
         double one = 0;
         for (uint32_t threads = 1; threads <= 2; threads++) {
             em_table_stats stats;
-            double rate = push_stream_threads(backend, policies[p], stream, opt->accesses,
-                                              space, threads, &stats);
+            double rate = push_stream_threads(backend, policies[p], 5, 1u << 20, stream,
+                                              opt->accesses, space, threads, &stats);
             one = threads == 1 ? rate : one;
             printf("%-12s %8u %14.0f %15.2fx %18.3f\n", p == 0 ? "always" : "counter 5",
                    threads, rate, rate / one,
@@ -579,7 +553,6 @@ static void admission_threads(const options *opt)
     printf("\n(exclusive/push: requests run again under the exclusive table lock to create "
            "keys, per push)\n");
     free(stream);
-    free(z.cdf);
     em_backend_destroy(backend);
 }
 
