@@ -14,7 +14,9 @@
  *      admission: pushes/s, and how many ran again under the exclusive table lock.
  *
  *   bench_eviction [--rows N] [--batch B] [--rounds R] [--capacity C] [--accesses A]
- *                  [--candidates K]
+ *                  [--candidates K] [--parts LIST]
+ *
+ * --parts runs only the listed parts (digits 1 to 4, e.g. 12); all four by default.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -34,6 +36,7 @@ typedef struct options {
     uint64_t accesses;  /* part 2: requests per stream */
     uint32_t candidates;
     int rounds;         /* part 1 */
+    unsigned parts;     /* bit p-1: run part p */
 } options;
 
 static void die(const char *what, const em_error *err)
@@ -567,14 +570,31 @@ static uint64_t parse_count(const char *text, const char *flag)
     return value;
 }
 
+static unsigned parse_parts(const char *text)
+{
+    unsigned parts = 0;
+    for (const char *c = text; *c != '\0'; c++) {
+        if (*c < '1' || *c > '4') {
+            fprintf(stderr, "bench_eviction: --parts '%s': parts are the digits 1 to 4\n", text);
+            exit(2);
+        }
+        parts |= 1u << (*c - '1');
+    }
+    if (parts == 0) {
+        fprintf(stderr, "bench_eviction: --parts is empty\n");
+        exit(2);
+    }
+    return parts;
+}
+
 int main(int argc, char **argv)
 {
     options opt = {.rows = 1u << 19, .batch = 65536, .capacity = 10000, .accesses = 500000,
-                   .candidates = 16, .rounds = 5};
+                   .candidates = 16, .rounds = 5, .parts = 0xf};
     for (int i = 1; i < argc; i++) {
         if (i + 1 >= argc) {
             fprintf(stderr, "usage: bench_eviction [--rows N] [--batch B] [--rounds R] "
-                            "[--capacity C] [--accesses A] [--candidates K]\n");
+                            "[--capacity C] [--accesses A] [--candidates K] [--parts LIST]\n");
             return 2;
         }
         if (strcmp(argv[i], "--rows") == 0)
@@ -590,6 +610,8 @@ int main(int argc, char **argv)
             opt.accesses = parse_count(argv[++i], "--accesses");
         else if (strcmp(argv[i], "--candidates") == 0)
             opt.candidates = (uint32_t)parse_count(argv[++i], "--candidates");
+        else if (strcmp(argv[i], "--parts") == 0)
+            opt.parts = parse_parts(argv[++i]);
         else {
             fprintf(stderr, "bench_eviction: unknown option '%s'\n", argv[i]);
             return 2;
@@ -597,11 +619,22 @@ int main(int argc, char **argv)
     }
     em_test_print_machine(NULL);
     printf("command: bench_eviction --rows %" PRIu64 " --batch %u --rounds %d --capacity %" PRIu64
-           " --accesses %" PRIu64 " --candidates %u\n\n",
+           " --accesses %" PRIu64 " --candidates %u",
            opt.rows, opt.batch, opt.rounds, opt.capacity, opt.accesses, opt.candidates);
-    insert_throughput(&opt);
-    hit_rates(&opt);
-    admission(&opt);
-    admission_threads(&opt);
+    if (opt.parts != 0xfu) {
+        printf(" --parts ");
+        for (unsigned p = 0; p < 4; p++)
+            if (opt.parts & (1u << p))
+                printf("%u", p + 1);
+    }
+    printf("\n\n");
+    if (opt.parts & 1u)
+        insert_throughput(&opt);
+    if (opt.parts & 2u)
+        hit_rates(&opt);
+    if (opt.parts & 4u)
+        admission(&opt);
+    if (opt.parts & 8u)
+        admission_threads(&opt);
     return 0;
 }
