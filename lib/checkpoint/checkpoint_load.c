@@ -450,11 +450,13 @@ typedef struct import_batch {
 typedef struct reader {
     const char *dir;
     const manifest *m;
-    FILE *file;
-    XXH3_state_t *hash;
-    uint64_t position;
-    unsigned char *payload;
-    size_t payload_capacity;
+    int fd;                 /* rows.emb */
+    XXH3_state_t *hash;     /* of the whole file, as its bytes are taken (no owner) */
+    uint64_t position;      /* in the file: the next byte to take */
+    unsigned char *block;   /* bytes of the file from block_start, block_bytes of them */
+    size_t block_capacity, block_bytes;
+    uint64_t block_start;
+    unsigned char *payload; /* the chunk being read: in block (u64 keys unaligned) */
     em_table *table;        /* NULL: verify only */
     bool access;            /* the table tracks access: rows' metadata goes with them */
     bool weights_only;      /* rows get the weights, and a new row's optimizer state */
@@ -487,6 +489,15 @@ static bool owns(const reader *r, uint32_t bucket)
            (uint32_t)em_bucket_server(bucket, (int32_t)r->owner_count) == r->owner_index;
 }
 
+/* The payload's keys are read and written with memcpy: a chunk starts wherever the one
+ * before it ended, so they are 4-byte aligned only (the floats always are). */
+static uint64_t payload_key(const unsigned char *payload, uint32_t i)
+{
+    uint64_t key;
+    memcpy(&key, payload + (size_t)i * sizeof(uint64_t), sizeof(key));
+    return key;
+}
+
 /* Drops the rows of the chunk in r->payload that a newer link decided, records the
  * rest as decided by this link (and their digests when tracking), and compacts the
  * payload to the kept rows: *rows becomes their count. */
@@ -504,24 +515,24 @@ static em_status keep_rows(reader *r, uint64_t chunk, uint32_t *rows, em_error *
         r->kept = kept;
         r->kept_capacity = n;
     }
-    uint64_t *keys = (uint64_t *)r->payload;
+    unsigned char *keys = r->payload;
     const float *values = (const float *)(r->payload + (size_t)n * sizeof(uint64_t));
     for (uint32_t i = 0; i < n; i++) {
-        uint64_t by = 0;
-        if (r->decided != NULL && em__key_map_get(r->decided, keys[i], &by)) {
+        uint64_t key = payload_key(keys, i), by = 0;
+        if (r->decided != NULL && em__key_map_get(r->decided, key, &by)) {
             if (by == r->level)
                 return data_loss(err, r->dir, "rows.emb",
                                  "chunk %" PRIu64 ": key %" PRIu64 " appears twice in this "
-                                 "checkpoint", chunk, keys[i]);
+                                 "checkpoint", chunk, key);
             continue; /* a newer link has it */
         }
-        if ((r->decided != NULL && !em__key_map_put(r->decided, keys[i], r->level)) ||
+        if ((r->decided != NULL && !em__key_map_put(r->decided, key, r->level)) ||
             (r->digests != NULL &&
-             !em__key_map_put(r->digests, keys[i],
+             !em__key_map_put(r->digests, key,
                               em__row_digest(values + (size_t)i * floats, floats))))
             return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                                 "out of host memory for the keys of a checkpoint");
-        keys[out] = keys[i];
+        memcpy(keys + (size_t)out * sizeof(uint64_t), &key, sizeof(key));
         r->kept[out++] = i;
     }
     size_t row_bytes = floats * sizeof(float);
@@ -619,7 +630,8 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
         uint64_t room = r->batch_capacity - b->count;
         take = take < room ? take : (uint32_t)room;
         const float *values = (const float *)(r->payload + rows * sizeof(uint64_t));
-        memcpy(b->keys + b->count, (const uint64_t *)r->payload + done, take * sizeof(uint64_t));
+        memcpy(b->keys + b->count, r->payload + (size_t)done * sizeof(uint64_t),
+               take * sizeof(uint64_t));
         if (b->count == 0)
             b->has_access = r->access && r->m->access;
         if (b->has_access != (r->access && r->m->access)) /* never: one table's chain */
@@ -647,30 +659,57 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
     return EM_OK;
 }
 
-/* Reads on from r->position: the next bytes of the file, or with an owner (chunks
- * skipped) at that offset, so a skipped chunk costs no read. */
-static em_status read_exactly(reader *r, void *data, size_t bytes, uint64_t chunk, em_error *err)
+/* Bytes read ahead in one read(): a chunk is a few KiB, so reading them one by one
+ * would cost two system calls each. */
+#define READ_BLOCK_BYTES (8u << 20)
+
+/* Makes the bytes at r->position .. + bytes available at *out (in r->block, valid until
+ * the next call) and moves past them. Reading on from the file start, blocks of
+ * READ_BLOCK_BYTES are read and their bytes go into the file's checksum as they are
+ * taken; with an owner (chunks skipped) exactly the bytes asked for are read, at their
+ * offset, so a skipped chunk costs no read. */
+static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64_t chunk,
+                            em_error *err)
 {
-    size_t got = 0;
-    if (r->owner_count == 0) {
-        got = fread(data, 1, bytes, r->file);
-        XXH3_64bits_update(r->hash, data, got);
-    } else {
-        while (got < bytes) {
-            ssize_t n = pread(fileno(r->file), (char *)data + got, bytes - got,
-                              (off_t)(r->position + got));
+    uint64_t end = r->position + bytes;
+    if (r->position < r->block_start || end > r->block_start + r->block_bytes) {
+        size_t kept = 0; /* bytes of the block at or after position, moved to its start */
+        if (r->position >= r->block_start && r->position < r->block_start + r->block_bytes) {
+            kept = (size_t)(r->block_start + r->block_bytes - r->position);
+            memmove(r->block, r->block + (r->position - r->block_start), kept);
+        }
+        size_t want = r->owner_count == 0 && bytes < READ_BLOCK_BYTES ? READ_BLOCK_BYTES : bytes;
+        if (want > r->block_capacity) {
+            unsigned char *block = realloc(r->block, want);
+            if (block == NULL)
+                return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+            r->block = block;
+            r->block_capacity = want;
+        }
+        r->block_start = r->position;
+        r->block_bytes = kept;
+        while (r->block_bytes < want) {
+            ssize_t n = pread(r->fd, r->block + r->block_bytes, want - r->block_bytes,
+                              (off_t)(r->block_start + r->block_bytes));
             if (n < 0 && errno == EINTR)
                 continue;
-            if (n <= 0)
+            if (n < 0)
+                return data_loss(err, r->dir, "rows.emb",
+                                 "chunk %" PRIu64 " at byte %" PRIu64 ": read failed: %s", chunk,
+                                 r->block_start + r->block_bytes, strerror(errno));
+            if (n == 0)
                 break;
-            got += (size_t)n;
+            r->block_bytes += (size_t)n;
         }
+        if (r->block_bytes < bytes)
+            return data_loss(err, r->dir, "rows.emb",
+                             "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early "
+                             "(truncated)", chunk, r->position);
     }
-    if (got != bytes)
-        return data_loss(err, r->dir, "rows.emb",
-                         "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early (truncated)",
-                         chunk, r->position);
-    r->position += bytes;
+    *out = r->block + (r->position - r->block_start);
+    if (r->owner_count == 0)
+        XXH3_64bits_update(r->hash, *out, bytes);
+    r->position = end;
     r->bytes_read += bytes;
     return EM_OK;
 }
@@ -684,9 +723,11 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
                          "chunk %" PRIu64 " is at byte %" PRIu64 ", expected %" PRIu64, i,
                          entry->offset, r->position);
     em_chunk_header header;
-    em_status status = read_exactly(r, &header, sizeof(header), i, err);
+    unsigned char *bytes = NULL;
+    em_status status = take_bytes(r, sizeof(header), &bytes, i, err);
     if (status != EM_OK)
         return status;
+    memcpy(&header, bytes, sizeof(header));
     uint64_t header_seen = XXH3_64bits(&header, offsetof(em_chunk_header, header_xxh3));
     size_t row_bytes = m->row_bytes;
     if (memcmp(header.magic, EM_CHUNK_MAGIC, 8) != 0)
@@ -701,14 +742,7 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
         header.version != m->version)
         return data_loss(err, r->dir, "rows.emb",
                          "chunk %" PRIu64 ": its header does not match index.emb", i);
-    if (header.payload_bytes > r->payload_capacity) {
-        unsigned char *payload = realloc(r->payload, header.payload_bytes);
-        if (payload == NULL)
-            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
-        r->payload = payload;
-        r->payload_capacity = header.payload_bytes;
-    }
-    status = read_exactly(r, r->payload, header.payload_bytes, i, err);
+    status = take_bytes(r, header.payload_bytes, &r->payload, i, err);
     if (status != EM_OK)
         return status;
     uint64_t seen = XXH3_64bits(r->payload, header.payload_bytes);
@@ -716,12 +750,13 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
         return data_loss(err, r->dir, "rows.emb",
                          "chunk %" PRIu64 ": checksum mismatch: expected %016" PRIx64
                          ", seen %016" PRIx64, i, header.payload_xxh3, seen);
-    const uint64_t *keys = (const uint64_t *)r->payload;
-    for (uint32_t k = 0; k < header.rows; k++)
-        if (em__checkpoint_bucket(keys[k]) != header.bucket)
+    for (uint32_t k = 0; k < header.rows; k++) {
+        uint64_t key = payload_key(r->payload, k);
+        if (em__checkpoint_bucket(key) != header.bucket)
             return data_loss(err, r->dir, "rows.emb",
-                             "chunk %" PRIu64 ": key %" PRIu64 " is not of bucket %u", i, keys[k],
+                             "chunk %" PRIu64 ": key %" PRIu64 " is not of bucket %u", i, key,
                              header.bucket);
+    }
     return EM_OK;
 }
 
@@ -734,9 +769,11 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     snprintf(path, sizeof(path), "%s/rows.emb", dir);
     r->dir = dir;
     r->m = m;
-    r->file = fopen(path, "rbe");
+    r->fd = open(path, O_RDONLY | O_CLOEXEC);
     r->hash = XXH3_createState();
     r->position = 0;
+    r->block_start = 0;
+    r->block_bytes = 0;
     r->table_floats = m->row_floats;
     if (r->table != NULL) {
         em_table_stats stats;
@@ -747,7 +784,7 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
                                ? optimizer->initial_accumulator
                                : 0.0f;
     }
-    if (r->file == NULL) {
+    if (r->fd < 0) {
         XXH3_freeState(r->hash);
         return data_loss(err, dir, "rows.emb", "cannot open: %s", strerror(errno));
     }
@@ -755,14 +792,14 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     struct stat st;
     if (r->hash == NULL)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
-    else if (fstat(fileno(r->file), &st) != 0 || (uint64_t)st.st_size != m->rows_file.bytes)
+    else if (fstat(r->fd, &st) != 0 || (uint64_t)st.st_size != m->rows_file.bytes)
         status = data_loss(err, dir, "rows.emb",
                            "%lld bytes, the manifest says %" PRIu64 " (truncated or extended)",
                            (long long)st.st_size, m->rows_file.bytes);
     else
         XXH3_64bits_reset(r->hash);
-    if (r->owner_count == 0)
-        setvbuf(r->file, NULL, _IOFBF, 4u << 20);
+    if (r->owner_count == 0) /* read from start to end: the kernel may read further ahead */
+        (void)posix_fadvise(r->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
     uint64_t rows = 0;
     for (uint64_t i = 0; status == EM_OK && i < m->chunks; i++) {
         if (!owns(r, index[i].bucket))
@@ -793,9 +830,9 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     if (status == EM_OK && r->table != NULL)
         status = flush_batch(r, m->chunks - 1, err);
     if (r->owner_count > 0) { /* each chunk read was checked; the others are not read */
-        fclose(r->file);
+        close(r->fd);
         XXH3_freeState(r->hash);
-        r->file = NULL;
+        r->fd = -1;
         r->hash = NULL;
         return status;
     }
@@ -810,9 +847,9 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     if (status == EM_OK && rows != m->rows)
         status = data_loss(err, dir, "rows.emb",
                            "%" PRIu64 " rows, the manifest says %" PRIu64, rows, m->rows);
-    fclose(r->file);
+    close(r->fd);
     XXH3_freeState(r->hash);
-    r->file = NULL;
+    r->fd = -1;
     r->hash = NULL;
     return status;
 }
@@ -1074,7 +1111,7 @@ static void free_links(link_state *links, size_t count)
 
 static void free_reader(reader *r)
 {
-    free(r->payload);
+    free(r->block);
     free(r->bucket_source);
     for (int k = 0; k < 2; k++) {
         free(r->batches[k].keys);
