@@ -385,9 +385,10 @@ em_gpu_status em_gpu_access_write(em_gpu_stream *stream, em_gpu_storage storage,
 /* values[i] = whole row (row_floats floats) of rows[i]. */
 em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *rows, uint64_t n, float *values);
-/* Whole rows[i] = values[i]. */
+/* Whole rows[i] = values[sources[i]] (values[i] when sources is NULL). */
 em_gpu_status em_gpu_rows_write(em_gpu_stream *stream, em_gpu_storage storage,
-                                const uint64_t *rows, uint64_t n, const float *values);
+                                const uint64_t *rows, uint64_t n, const uint32_t *sources,
+                                const float *values);
 
 #ifdef __cplusplus
 }

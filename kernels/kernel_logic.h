@@ -752,9 +752,11 @@ EM_HOST_DEVICE void em_gpu_rows_read_element(em_gpu_storage storage, const uint6
 }
 
 EM_HOST_DEVICE void em_gpu_rows_write_element(em_gpu_storage storage, const uint64_t *rows,
-                                              const float *values, uint64_t i, uint32_t j)
+                                              const uint32_t *sources, const float *values,
+                                              uint64_t i, uint32_t j)
 {
-    em_gpu_row_address(storage, rows[i])[j] = values[i * storage.row_floats + j];
+    uint64_t from = sources != NULL ? sources[i] : i;
+    em_gpu_row_address(storage, rows[i])[j] = values[from * storage.row_floats + j];
 }
 
 /* ---- optimizer steps -------------------------------------------------------------------- */

@@ -197,10 +197,10 @@ __global__ void rows_read_kernel(em_gpu_storage storage, const uint64_t *rows, u
 }
 
 __global__ void rows_write_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
-                                  const float *values, uint32_t shift)
+                                  const uint32_t *sources, const float *values, uint32_t shift)
 {
     EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.row_floats, shift)
-    em_gpu_rows_write_element(storage, rows, values, i, j);
+    em_gpu_rows_write_element(storage, rows, sources, values, i, j);
 }
 
 __global__ void sgd_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
@@ -438,12 +438,13 @@ extern "C" em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage 
 }
 
 extern "C" em_gpu_status em_gpu_rows_write(em_gpu_stream *stream, em_gpu_storage storage,
-                                           const uint64_t *rows, uint64_t n, const float *values)
+                                           const uint64_t *rows, uint64_t n,
+                                           const uint32_t *sources, const float *values)
 {
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     uint32_t shift = em_gpu_group_shift(storage.row_floats);
     return EM_GPU_LAUNCH(rows_write_kernel, em_gpu_element_threads(n, shift), stream, storage,
-                         rows, n, values, shift);
+                         rows, n, sources, values, shift);
 }

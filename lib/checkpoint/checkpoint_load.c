@@ -705,6 +705,9 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
             return data_loss(err, r->dir, "rows.emb",
                              "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early "
                              "(truncated)", chunk, r->position);
+        if (r->owner_count == 0) /* the disk reads the next block while this one is used */
+            (void)posix_fadvise(r->fd, (off_t)(r->block_start + r->block_bytes),
+                                READ_BLOCK_BYTES, POSIX_FADV_WILLNEED);
     }
     *out = r->block + (r->position - r->block_start);
     if (r->owner_count == 0)

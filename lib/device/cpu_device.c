@@ -792,14 +792,15 @@ static em_status cpu_shard_read_rows(em_shard *base, em_lane *lane, const uint64
 }
 
 static em_status cpu_shard_write_rows(em_shard *base, em_lane *lane, const uint64_t *rows,
-                                      uint64_t n, const float *values, em_error *err)
+                                      uint64_t n, const uint32_t *sources, const float *values,
+                                      em_error *err)
 {
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
     for (uint64_t i = 0; i < n; i++) {
         float *row = row_address(shard, rows[i]);
-        memcpy(row, const_vector_at(values, i, shard->row_floats),
+        memcpy(row, const_vector_at(values, sources != NULL ? sources[i] : i, shard->row_floats),
                shard->row_floats * sizeof(float));
         widen_bounds_to_row(shard, row);
     }

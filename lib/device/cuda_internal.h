@@ -248,6 +248,7 @@ em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_key
 void em__cuda_shard_stats(em_shard *base, em_shard_stats *out);
 
 em_status em__cuda_shard_write_rows(em_shard *base, em_lane *lane_base, const uint64_t *rows,
-                                    uint64_t n, const float *values, em_error *err);
+                                    uint64_t n, const uint32_t *sources, const float *values,
+                                    em_error *err);
 
 #endif

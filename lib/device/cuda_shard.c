@@ -594,14 +594,15 @@ em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_
 }
 
 em_status em__cuda_shard_write_rows(em_shard *base, em_lane *lane_base, const uint64_t *rows,
-                                       uint64_t n, const float *values, em_error *err)
+                                    uint64_t n, const uint32_t *sources, const float *values,
+                                    em_error *err)
 {
     cuda_shard *shard = shard_of(base);
     cuda_lane *lane = lane_of(lane_base);
     em_status status = order_write(shard, lane, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_write(lane->stream, storage_view(shard), rows, n,
-                                                    values), err);
+                                                    sources, values), err);
     if (status == EM_OK)
         status = record_write(shard, lane, err);
     return status;

@@ -210,10 +210,11 @@ typedef struct em_device_ops {
     /* values[i] = rows[i] (existing rows; dim + state floats each); both device memory. */
     em_status (*shard_read_rows)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                                  float *values, em_error *err);
-    /* Overwrites rows[i] (existing rows) with values[i] (device memory, dim + state floats
-     * each). */
+    /* Overwrites rows[i] (existing rows) with values[s] (device memory, dim + state floats
+     * each), where s = sources[i], or s = i when sources is NULL. */
     em_status (*shard_write_rows)(em_shard *shard, em_lane *lane, const uint64_t *rows,
-                                  uint64_t n, const float *values, em_error *err);
+                                  uint64_t n, const uint32_t *sources, const float *values,
+                                  em_error *err);
     void (*shard_stats)(em_shard *shard, em_shard_stats *out);
 
     /* -- capacity: shards that track access (NULL where a backend has no eviction) -- */

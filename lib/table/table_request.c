@@ -1131,7 +1131,8 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload,
                                           checks != NULL ? checks[s].largest : -1.0f, err);
             else
-                status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, payload, err);
+                status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, targets,
+                                               payload, err);
             if (work == WORK_WRITE) /* what pushes checked before this is stale */
                 table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
             if (status == EM_OK && work == WORK_GATHER && r->shard_rejected[s] > 0)

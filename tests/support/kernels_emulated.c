@@ -891,13 +891,14 @@ em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
 }
 
 em_gpu_status em_gpu_rows_write(em_gpu_stream *stream, em_gpu_storage storage,
-                                const uint64_t *rows, uint64_t n, const float *values)
+                                const uint64_t *rows, uint64_t n, const uint32_t *sources,
+                                const float *values)
 {
     (void)stream;
     enter_device();
     for (uint64_t i = 0; i < n; i++)
         for (uint32_t j = 0; j < storage.row_floats; j++)
-            em_gpu_rows_write_element(storage, rows, values, i, j);
+            em_gpu_rows_write_element(storage, rows, sources, values, i, j);
     leave_device();
     return ok();
 }
