@@ -553,14 +553,15 @@ static em_status keep_rows(reader *r, uint64_t chunk, uint32_t *rows, em_error *
     return EM_OK;
 }
 
-/* The importer's work (em__pipe): one batch into the table. A refusal means rows that
- * passed their checksums but that no table takes (a repeated key, a non-finite value):
- * the checkpoint is bad. Progress is heard from this thread. */
+/* The importer's work (em__pipe): one batch into the table, its values checked already
+ * (batch_chunk). A refusal means rows that passed their checksums but that no table
+ * takes (a key repeated across chunks): the checkpoint is bad. Progress is heard from
+ * this thread. */
 static em_status import_batch_rows(void *context, void *item, em_error *err)
 {
     reader *r = context;
     const import_batch *b = item;
-    em_status status = em_table_import(r->table, b->keys, b->values, b->count, err);
+    em_status status = em_table_import_checked(r->table, b->keys, b->values, b->count, err);
     if (status == EM_OK && b->has_access)
         status = em_table_set_access(r->table, b->keys, b->access, b->count, err);
     if (status == EM_INVALID_ARGUMENT) {
@@ -652,6 +653,14 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
                 for (uint32_t j = dim; j < floats; j++)
                     row[j] = r->initial_state;
             }
+        }
+        /* checked here, in the cache, while the importer puts the batch before in */
+        em_status checked = em_table_check_rows(r->table, b->keys + b->count,
+                                                b->values + b->count * floats, take, err);
+        if (checked != EM_OK) {
+            em_error_prefix(err, "checkpoint %s: rows.emb: chunk %" PRIu64 ": ", r->dir, i);
+            err->status = EM_DATA_LOSS;
+            return EM_DATA_LOSS;
         }
         b->count += take;
         done += take;

@@ -206,6 +206,16 @@ em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max
 em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
                           em_error *err);
 
+/* The value checks of em_table_import alone, changing nothing: INVALID_ARGUMENT naming
+ * the first bad row (its index among the n, its key, the element and what is wrong). */
+em_status em_table_check_rows(const em_table *table, const uint64_t *keys, const float *values,
+                              uint64_t n, em_error *err);
+
+/* em_table_import of rows that em_table_check_rows passed (a loader checks each chunk
+ * on its own thread while the rows before it are imported); the same otherwise. */
+em_status em_table_import_checked(em_table *table, const uint64_t *keys, const float *values,
+                                  uint64_t n, em_error *err);
+
 void em_table_get_stats(em_table *table, em_table_stats *out);
 
 /* The clocks that a table's access metadata is stamped with (tables whose eviction

@@ -69,12 +69,17 @@ static bool row_passes(const float *row, uint32_t floats, uint32_t nonnegative_f
     return bad == 0;
 }
 
-static em_status check_import(const em_table *table, const uint64_t *keys, const float *values,
-                              uint64_t n, em_error *err)
+static em_status check_import_size(uint64_t n, em_error *err)
 {
     if (n > MAX_KEYS_PER_REQUEST)
         return em_error_set(err, EM_INVALID_ARGUMENT, "import of %" PRIu64 " rows exceeds %"
                             PRIu32 " rows per call", n, MAX_KEYS_PER_REQUEST);
+    return EM_OK;
+}
+
+em_status em_table_check_rows(const em_table *table, const uint64_t *keys, const float *values,
+                              uint64_t n, em_error *err)
+{
     uint32_t floats = table->row_floats, nonnegative_from = nonnegative_run(table);
     for (uint64_t i = 0; i < n; i++) {
         const float *row = values + i * floats;
@@ -217,10 +222,12 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     return status;
 }
 
-em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
-                          em_error *err)
+static em_status import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
+                        bool checked, em_error *err)
 {
-    em_status status = check_import(table, keys, values, n, err);
+    em_status status = check_import_size(n, err);
+    if (status == EM_OK && !checked)
+        status = em_table_check_rows(table, keys, values, n, err);
     if (status == EM_OK) {
         pthread_rwlock_wrlock(&table->lock);
         status = import_locked(table, keys, values, n, err);
@@ -230,6 +237,18 @@ em_status em_table_import(em_table *table, const uint64_t *keys, const float *va
         return em_error_prefix(err, "import into table '%s': ", table->config.name);
     atomic_fetch_add_explicit(&table->imports, 1, memory_order_relaxed);
     return EM_OK;
+}
+
+em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
+                          em_error *err)
+{
+    return import(table, keys, values, n, false, err);
+}
+
+em_status em_table_import_checked(em_table *table, const uint64_t *keys, const float *values,
+                                  uint64_t n, em_error *err)
+{
+    return import(table, keys, values, n, true, err);
 }
 
 em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max, uint64_t *keys,

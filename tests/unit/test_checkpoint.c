@@ -1,11 +1,13 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "common/keyhash.h"
 #include "lib/base/failpoint.h"
@@ -348,6 +350,138 @@ START_TEST(damaged_checkpoints_are_refused_naming_the_file)
     ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
                      EM_DATA_LOSS);
     ck_assert_ptr_null(restored);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
+/* ---- values that pass every checksum and no table takes ------------------------------ */
+
+static unsigned char *read_whole(const char *path, size_t *size)
+{
+    FILE *f = fopen(path, "rb");
+    ck_assert_ptr_nonnull(f);
+    fseek(f, 0, SEEK_END);
+    *size = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *data = malloc(*size + 1);
+    ck_assert_uint_eq(fread(data, 1, *size, f), *size);
+    data[*size] = 0;
+    fclose(f);
+    return data;
+}
+
+static void write_whole(const char *path, const void *data, size_t size)
+{
+    FILE *f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_uint_eq(fwrite(data, 1, size, f), size);
+    fclose(f);
+}
+
+/* Replaces the 16 hex digits of old by those of new in text (once, where they are). */
+static void replace_hex(char *text, uint64_t old, uint64_t new)
+{
+    char from[17], to[17];
+    snprintf(from, sizeof(from), "%016" PRIx64, old);
+    snprintf(to, sizeof(to), "%016" PRIx64, new);
+    char *at = strstr(text, from);
+    ck_assert_ptr_nonnull(at);
+    memcpy(at, to, 16);
+}
+
+/* Writes value into float `element` of the first row of the checkpoint's first chunk and
+ * seals it all again as a save would (docs/checkpoints.md): the chunk's payload and
+ * header checksums, its index entry and index.emb's checksum, both files' checksums in
+ * the manifest and the manifest's own line. Only the value is wrong; every checksum
+ * holds. Returns the row's key. */
+static uint64_t reseal_with_value(const char *checkpoint, uint32_t element, float value)
+{
+    char rows_path[4400], index_path[4400], manifest_path[4400];
+    snprintf(rows_path, sizeof(rows_path), "%s/rows.emb", checkpoint);
+    snprintf(index_path, sizeof(index_path), "%s/index.emb", checkpoint);
+    snprintf(manifest_path, sizeof(manifest_path), "%s/manifest.json", checkpoint);
+    size_t rows_size, index_size, manifest_size;
+    unsigned char *rows = read_whole(rows_path, &rows_size);
+    unsigned char *index = read_whole(index_path, &index_size);
+    char *manifest = (char *)read_whole(manifest_path, &manifest_size);
+    uint64_t rows_before = XXH3_64bits(rows, rows_size);
+    uint64_t index_before = XXH3_64bits(index, index_size);
+
+    uint64_t offset, payload_bytes, key;
+    uint32_t n;
+    memcpy(&offset, index + 24 + 8, 8); /* entry 0: bucket, rows, offset, payload xxh3 */
+    unsigned char *header = rows + offset;
+    ck_assert_int_eq(memcmp(header, "EMBCHUNK", 8), 0);
+    memcpy(&n, header + 16, 4);
+    memcpy(&payload_bytes, header + 24, 8);
+    unsigned char *payload = header + 48;
+    memcpy(&key, payload, 8);
+    memcpy(payload + (size_t)n * 8 + (size_t)element * 4, &value, 4);
+    uint64_t payload_xxh3 = XXH3_64bits(payload, payload_bytes);
+    memcpy(header + 32, &payload_xxh3, 8);
+    uint64_t header_xxh3 = XXH3_64bits(header, 40);
+    memcpy(header + 40, &header_xxh3, 8);
+    memcpy(index + 24 + 16, &payload_xxh3, 8);
+    uint64_t index_xxh3 = XXH3_64bits(index, index_size - 8);
+    memcpy(index + index_size - 8, &index_xxh3, 8);
+
+    replace_hex(manifest, rows_before, XXH3_64bits(rows, rows_size));
+    replace_hex(manifest, index_before, XXH3_64bits(index, index_size));
+    char *last = strstr(manifest, "\nxxh3 ");
+    ck_assert_ptr_nonnull(last);
+    size_t body = (size_t)(last - manifest) + 1;
+    snprintf(manifest + body, manifest_size + 1 - body, "xxh3 %016" PRIx64 "\n",
+             XXH3_64bits(manifest, body));
+    write_whole(rows_path, rows, rows_size);
+    write_whole(index_path, index, index_size);
+    write_whole(manifest_path, manifest, strlen(manifest));
+    free(rows);
+    free(index);
+    free(manifest);
+    return key;
+}
+
+/* A row that every checksum vouches for but that holds a non-finite weight or a negative
+ * accumulator (a writer with a bug): verify, which reads checksums only, passes it; a
+ * load refuses it with DATA_LOSS naming the chunk, the key and the element. */
+START_TEST(checksummed_rows_no_table_takes_are_refused)
+{
+    static const struct {
+        int optimizer;
+        uint32_t element;
+        float value;
+        const char *what;
+    } cases[] = {
+        {3, 2, NAN, "weight element 2 is not finite"},
+        {3, 9, INFINITY, "is not finite"},
+        {1, 8 + 3, -1.0f, "must be >= 0"},
+    };
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, cases[_i].optimizer, 8, 2000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    uint64_t key = reseal_with_value(info.path, cases[_i].element, cases[_i].value);
+    ck_assert_msg(em_checkpoint_verify(info.path, NULL, &err) == EM_OK, "%s", err.message);
+    em_table *restored = NULL;
+    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
+                     EM_DATA_LOSS);
+    ck_assert_ptr_null(restored);
+    char named[64];
+    snprintf(named, sizeof(named), "(key %" PRIu64 ")", key);
+    ck_assert_msg(strstr(err.message, info.path) != NULL &&
+                      strstr(err.message, "rows.emb: chunk 0: ") != NULL &&
+                      strstr(err.message, named) != NULL &&
+                      strstr(err.message, cases[_i].what) != NULL,
+                  "%s", err.message);
     em_table_destroy(table);
     em_backend_destroy(backend);
     em_test_remove_tree(dir);
@@ -1275,6 +1409,7 @@ int main(void)
     suite_add_tcase(suite, round_trip);
     TCase *damaged = tcase_create("damaged");
     tcase_add_loop_test(damaged, damaged_checkpoints_are_refused_naming_the_file, 0, DAMAGE_COUNT);
+    tcase_add_loop_test(damaged, checksummed_rows_no_table_takes_are_refused, 0, 3);
     suite_add_tcase(suite, damaged);
     TCase *failures = tcase_create("failures");
     tcase_add_loop_test(failures, a_failed_step_leaves_the_previous_checkpoint_current,
