@@ -569,6 +569,7 @@ em_status em_table_create_seeded(em_backend *backend, const em_table_config *con
     table->shard_count = table->config.shards;
     table->row_floats =
         config->dim + em_optimizer_state_floats(config->optimizer.kind, config->dim);
+    table->nonnegative_from = em__nonnegative_run(table);
     table->evict_random = em_mix64(config->initializer.seed ^ 0x65766963746564ull);
     pthread_rwlockattr_t attributes;
     pthread_rwlockattr_init(&attributes);

@@ -40,6 +40,7 @@ struct em_table {
     em_backend *backend;
     uint32_t shard_count;
     uint32_t row_floats;
+    uint32_t nonnegative_from; /* em__nonnegative_run: imports' fast value check */
     em_shard **shards;
     uint32_t *shard_device; /* device index of each shard */
     pthread_rwlock_t lock;
@@ -134,6 +135,11 @@ typedef struct request_context {
 
 /* What em__run_on_shards does on each shard. */
 typedef enum shard_work { WORK_GATHER, WORK_APPLY, WORK_WRITE } shard_work;
+
+/* Where a row's floats that must be >= 0 begin, when they are one run to the end of
+ * the row (true of every optimizer's state: em_optimizer_state_nonnegative); else
+ * UINT32_MAX, and imports check every row float by float (table_transfer.c). */
+uint32_t em__nonnegative_run(const em_table *table);
 
 /* ---- the request engine (lib/table/table_request.c) --------------------------------- */
 

@@ -36,10 +36,7 @@ static em_status check_import_row(const em_table *table, uint64_t key, uint64_t 
     return EM_OK;
 }
 
-/* Where the row's floats that must be >= 0 begin, when they are one run to the end of
- * the row (true of every optimizer's state: em_optimizer_state_nonnegative); else
- * UINT32_MAX, and every row takes check_import_row. */
-static uint32_t nonnegative_run(const em_table *table)
+uint32_t em__nonnegative_run(const em_table *table)
 {
     uint32_t dim = table->config.dim, floats = table->row_floats;
     em_optimizer_kind kind = table->config.optimizer.kind;
@@ -80,7 +77,7 @@ static em_status check_import_size(uint64_t n, em_error *err)
 em_status em_table_check_rows(const em_table *table, const uint64_t *keys, const float *values,
                               uint64_t n, em_error *err)
 {
-    uint32_t floats = table->row_floats, nonnegative_from = nonnegative_run(table);
+    uint32_t floats = table->row_floats, nonnegative_from = table->nonnegative_from;
     for (uint64_t i = 0; i < n; i++) {
         const float *row = values + i * floats;
         if (nonnegative_from != UINT32_MAX && row_passes(row, floats, nonnegative_from))
