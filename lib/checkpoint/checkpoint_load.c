@@ -671,6 +671,8 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
 /* Bytes read ahead in one read(): a chunk is a few KiB, so reading them one by one
  * would cost two system calls each. */
 #define READ_BLOCK_BYTES (8u << 20)
+/* How far past the block read the kernel is asked to read on meanwhile. */
+#define READ_AHEAD_BYTES (32u << 20)
 
 /* Makes the bytes at r->position .. + bytes available at *out (in r->block, valid until
  * the next call) and moves past them. Reading on from the file start, blocks of
@@ -714,9 +716,9 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
             return data_loss(err, r->dir, "rows.emb",
                              "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early "
                              "(truncated)", chunk, r->position);
-        if (r->owner_count == 0) /* the disk reads the next block while this one is used */
+        if (r->owner_count == 0) /* the disk reads on while this block is used */
             (void)posix_fadvise(r->fd, (off_t)(r->block_start + r->block_bytes),
-                                READ_BLOCK_BYTES, POSIX_FADV_WILLNEED);
+                                READ_AHEAD_BYTES, POSIX_FADV_WILLNEED);
     }
     *out = r->block + (r->position - r->block_start);
     if (r->owner_count == 0)
