@@ -45,16 +45,18 @@ typedef struct attempt_state {
     bool admission_run; /* its admission counted the missing keys' sightings */
 } attempt_state;
 
-/* One attempt at a request under the table lock the caller holds. Without may_create, an
- * attempt that would create keys stops before changing anything else and sets
- * needs_create; one whose missing keys admission refuses, all of them, goes on under
- * the shared lock (nothing is created). */
+/* One attempt at a request under the table lock the caller holds. Without may_create
+ * (the shared lock), an attempt creates its missing keys only within the capacity it
+ * could claim (em__claim_rows); one that could not claim it stops before changing
+ * anything else and sets needs_create. Keys that admission refuses are never created. */
 typedef em_status (*locked_attempt)(em_table *table, const void *request, void *result,
                                     bool may_create, attempt_state *state, em_error *err);
 
-/* Requests whose keys all exist share the table (each shard's rows are read or updated
- * under that shard's lock); one that must create keys runs again alone, because the
- * capacity check has to see the whole table. */
+/* Requests share the table (each shard's rows are read, created or updated under that
+ * shard's lock), those that create keys too while the table has room for them; one that
+ * needs room made (eviction) or refused whole at capacity runs again alone, because
+ * choosing what to evict, or answering that the table is full, has to see the whole
+ * table. */
 static em_status run_shared_then_exclusive(em_table *table, locked_attempt attempt,
                                            const void *request, void *result, em_error *err)
 {
@@ -74,13 +76,15 @@ static em_status run_shared_then_exclusive(em_table *table, locked_attempt attem
 /* Admission of the missing keys, once per request: in the shared attempt, which counts
  * their sightings, or in the exclusive one when the shared attempt did not get that far
  * (it then only reads the counts, which already hold this request's sightings). Then,
- * in the shared attempt, whether keys are left to create: the attempt stops there. */
+ * in the shared attempt, keys left to create are created there when the table has room
+ * for them (em__claim_rows); else the attempt stops, to run again alone (eviction, or
+ * the capacity refusal, needs the whole table). */
 static em_status admit(request_context *r, bool may_create, attempt_state *state,
                        em_error *err)
 {
     em_status status = em__admit_missing(r, !state->admission_run, err);
     state->admission_run = true;
-    if (status == EM_OK && r->missing > 0 && !may_create)
+    if (status == EM_OK && r->missing > 0 && !may_create && !em__claim_rows(r))
         state->needs_create = true;
     return status;
 }
@@ -501,8 +505,9 @@ static em_status create_shards(em_table *table, em_error *err)
     table->shard_device = calloc(table->shard_count, sizeof(*table->shard_device));
     table->shard_locks = calloc(table->shard_count, sizeof(*table->shard_locks));
     table->shard_versions = calloc(table->shard_count, sizeof(*table->shard_versions));
+    table->shard_creations = calloc(table->shard_count, sizeof(*table->shard_creations));
     if (table->shards == NULL || table->shard_device == NULL || table->shard_locks == NULL ||
-        table->shard_versions == NULL)
+        table->shard_versions == NULL || table->shard_creations == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
                             table->config.name);
     for (uint32_t s = 0; s < table->shard_count; s++)
@@ -621,6 +626,7 @@ void em_table_destroy(em_table *table)
         pthread_rwlock_destroy(&table->shard_locks[s]);
     free(table->shard_locks);
     free(table->shard_versions);
+    free((void *)table->shard_creations);
     free(table->shards);
     free(table->shard_device);
     pthread_rwlock_destroy(&table->lock);
@@ -679,7 +685,7 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
         out->index_bytes += shard.index_bytes;
         out->access_bytes += shard.access_bytes;
     }
-    out->rows = table->rows;
+    out->rows = atomic_load_explicit(&table->rows, memory_order_relaxed);
     pthread_rwlock_unlock(&table->lock);
     if (out->rows > 0) {
         out->index_bytes_per_row = (double)out->index_bytes / (double)out->rows;

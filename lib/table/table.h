@@ -12,13 +12,17 @@
  * Every failure happens before the first row is created or updated, so a request that
  * cannot be applied whole applies nothing.
  *
- * Concurrency: a table-wide read-write lock and one read-write lock per shard. Requests
- * that find every key they touch (or that do not create) hold the table lock shared
- * and run concurrently: gathers read a shard under its read lock, optimizer steps
- * update it under its write lock, so a pull never sees a row half-updated and a shard
- * applies pushes one at a time. A pull or push that must create keys retries under the
- * exclusive table lock (creation needs the capacity check to see the whole table), as
- * do imports. Requests from one caller apply in the order they are made.
+ * Concurrency: a table-wide read-write lock and one read-write lock per shard. Pulls and
+ * pushes hold the table lock shared and run concurrently: finds and gathers read a
+ * shard under its read lock, key creation and optimizer steps change it under its write
+ * lock, so a pull never sees a row half-updated and a shard applies pushes one at a
+ * time. A request that creates keys first claims capacity for them from a table-wide
+ * count (never above capacity); under the shards' write locks it looks up again the keys
+ * other requests created since it found them (they take those rows), then creates the
+ * rest. Only a request that cannot claim its capacity (the table needs room made by
+ * eviction, or the request is refused whole at capacity) runs again under the exclusive
+ * table lock, as do imports, erases and expiry. Requests from one caller apply in the
+ * order they are made.
  */
 #ifndef EMBER_LIB_TABLE_H
 #define EMBER_LIB_TABLE_H
@@ -91,7 +95,7 @@ typedef struct em_push_result {
     X(uint64_t, pushes_dropped, COUNTER, NONE,                                                \
       "keys whose pushed gradients were dropped: admission did not store them")             \
     X(uint64_t, exclusive_retries, COUNTER, NONE,                                             \
-      "pulls and pushes run again under the exclusive table lock to create keys")
+      "pulls and pushes run again under the exclusive table lock to make room for keys")
 
 typedef struct em_table_stats {
 #define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;

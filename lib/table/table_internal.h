@@ -50,7 +50,14 @@ struct em_table {
                                     * anything else; a push that checked a shard under
                                     * its read lock checks it again when its check no
                                     * longer holds (row_check.h) */
-    uint64_t rows; /* written under the exclusive lock */
+    /* Rows in the table, and rows + the rows that requests creating keys under the shared
+     * lock have claimed (em__claim_rows; never above capacity). Both change together
+     * through em__rows_added and em__rows_removed. */
+    _Atomic uint64_t rows, rows_claimed;
+    /* moved (under the shard's write lock) each time keys are created in a shard: a
+     * request that found keys missing looks them up again before creating them when
+     * their shard's count moved since (em__refind_created) */
+    _Atomic uint64_t *shard_creations;
     /* The snapshot being read (table_snapshot.c), set and cleared holding every shard's
      * write lock and snapshot_mutex; snapshot_room signals freed copies. */
     struct em_table_snapshot *snapshot;
@@ -121,6 +128,8 @@ typedef struct request_context {
     uint64_t *shard_start;     /* host, shard_count + 1 */
     uint64_t *shard_missing;   /* host, shard_count */
     uint64_t *shard_rejected;  /* host, shard_count: keys not admitted (EM_ROW_REJECTED) */
+    uint64_t *shard_seen;      /* host, shard_count: shard_creations when the keys were found */
+    uint64_t rows_claimed;     /* em__claim_rows: capacity held for the keys to create */
     uint64_t rejected;
     segment *segments;         /* one per device */
     uint64_t missing;          /* distinct keys not in the table */
@@ -135,6 +144,22 @@ typedef struct request_context {
 
 /* What em__run_on_shards does on each shard. */
 typedef enum shard_work { WORK_GATHER, WORK_APPLY, WORK_WRITE } shard_work;
+
+/* Claims capacity for the request's missing keys, to create them under the shared table
+ * lock: false (nothing claimed) when the table cannot take them without evicting. The
+ * claim is given back once the keys are created (em__create_missing) or the request
+ * ends. */
+bool em__claim_rows(request_context *r);
+
+/* The table gained or lost n rows (the caller holds the shards' write locks). */
+void em__rows_added(em_table *table, uint64_t n);
+void em__rows_removed(em_table *table, uint64_t n);
+
+/* For every shard where the request creates keys (its write lock held by the caller):
+ * when keys were created in the shard since the request found its keys, looks up again
+ * those it found missing, and those now present take their rows (no longer missing).
+ * stale (nullable, shard_count) gets true for each shard where that happened. */
+em_status em__refind_created(request_context *r, bool *stale, em_error *err);
 
 /* Where a row's floats that must be >= 0 begin, when they are one run to the end of
  * the row (true of every optimizer's state: em_optimizer_state_nonnegative); else

@@ -88,10 +88,11 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
     r->shard_start = calloc(table->shard_count + 1, sizeof(*r->shard_start));
     r->shard_missing = calloc(table->shard_count, sizeof(*r->shard_missing));
     r->shard_rejected = calloc(table->shard_count, sizeof(*r->shard_rejected));
+    r->shard_seen = calloc(table->shard_count, sizeof(*r->shard_seen));
     r->segments = calloc(devices, sizeof(*r->segments));
     r->lanes = calloc(devices, sizeof(*r->lanes));
     if (r->scratch == NULL || r->shard_start == NULL || r->shard_missing == NULL ||
-        r->shard_rejected == NULL ||
+        r->shard_rejected == NULL || r->shard_seen == NULL ||
         r->segments == NULL || r->lanes == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': request bookkeeping: "
                             "out of host memory", table->config.name);
@@ -111,8 +112,19 @@ static void release_lanes(request_context *r)
     free(r->lanes);
 }
 
+/* Gives back what em__claim_rows claimed and was not used. */
+static void release_claim(request_context *r)
+{
+    if (r->rows_claimed > 0)
+        atomic_fetch_sub_explicit(&r->table->rows_claimed, r->rows_claimed,
+                                  memory_order_relaxed);
+    r->rows_claimed = 0;
+}
+
 void em__request_end(request_context *r)
 {
+    if (r->table != NULL)
+        release_claim(r);
     release_lanes(r);
     for (uint32_t i = r->scratch_count; i > 0; i--)
         em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
@@ -120,6 +132,7 @@ void em__request_end(request_context *r)
     free(r->shard_start);
     free(r->shard_missing);
     free(r->shard_rejected);
+    free(r->shard_seen);
     free(r->segments);
 }
 
@@ -311,9 +324,14 @@ static em_status find_keys(request_context *r, em_error *err)
                                              "key rows", (void **)&seg->rows, err);
         for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
             uint64_t offset = shard_offset(r, seg, s);
+            /* keys are created (and maps grow) under the shard's write lock */
+            pthread_rwlock_rdlock(&table->shard_locks[s]);
+            r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s],
+                                                    memory_order_relaxed);
             status = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
                                                   shard_key_count(r, s), seg->rows + offset,
                                                   &r->shard_missing[s], err);
+            pthread_rwlock_unlock(&table->shard_locks[s]);
             r->missing += r->shard_missing[s];
         }
         if (status != EM_OK)
@@ -361,10 +379,42 @@ static void describe_pools(const em_backend *backend, char *buffer, size_t capac
     }
 }
 
+bool em__claim_rows(request_context *r)
+{
+    em_table *table = r->table;
+    uint64_t claimed = atomic_load_explicit(&table->rows_claimed, memory_order_relaxed);
+    do {
+        if (claimed > table->config.capacity || r->missing > table->config.capacity - claimed)
+            return false;
+    } while (!atomic_compare_exchange_weak_explicit(&table->rows_claimed, &claimed,
+                                                    claimed + r->missing, memory_order_relaxed,
+                                                    memory_order_relaxed));
+    r->rows_claimed = r->missing;
+    return true;
+}
+
+void em__rows_added(em_table *table, uint64_t n)
+{
+    atomic_fetch_add_explicit(&table->rows, n, memory_order_relaxed);
+    atomic_fetch_add_explicit(&table->rows_claimed, n, memory_order_relaxed);
+}
+
+void em__rows_removed(em_table *table, uint64_t n)
+{
+    atomic_fetch_sub_explicit(&table->rows, n, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&table->rows_claimed, n, memory_order_relaxed);
+}
+
+/* Rows in the table (exact under the exclusive lock). */
+static uint64_t table_rows(const em_table *table)
+{
+    return atomic_load_explicit(&((em_table *)table)->rows, memory_order_relaxed);
+}
+
 static em_status check_capacity(const request_context *r, em_error *err)
 {
     const em_table *table = r->table;
-    if (r->missing <= table->config.capacity - table->rows)
+    if (r->missing <= table->config.capacity - table_rows(table))
         return EM_OK;
     char pools[256];
     describe_pools(table->backend, pools, sizeof(pools));
@@ -372,8 +422,8 @@ static em_status check_capacity(const request_context *r, em_error *err)
                         "table '%s': capacity %" PRIu64 " rows would be exceeded: it holds %"
                         PRIu64 " rows and this request would create %" PRIu64
                         " new keys; nothing was applied (%s)",
-                        table->config.name, table->config.capacity, table->rows, r->missing,
-                        pools);
+                        table->config.name, table->config.capacity, table_rows(table),
+                        r->missing, pools);
 }
 
 /* Reserves index and storage for the keys each shard creates, after the rows it evicts
@@ -410,22 +460,20 @@ static em_status insert_missing(request_context *r, em_error *err)
                 seg->rows + offset, !r->rows_written_next, err);
             if (status != EM_OK)
                 return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
-            table->rows += r->shard_missing[s];
+            em__rows_added(table, r->shard_missing[s]);
+            atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
         }
     }
     atomic_fetch_add_explicit(&table->rows_created, r->missing, memory_order_relaxed);
     return EM_OK;
 }
 
-/* Takes or releases, in shard order, the write locks of the shards the request touches
- * (or only of those that get new keys). */
-static void lock_shards(request_context *r, bool creating_only, bool lock)
+/* Takes or releases, in shard order, the write locks of the shards the request touches. */
+static void lock_shards(request_context *r, bool lock)
 {
     em_table *table = r->table;
     for (uint32_t s = 0; s < table->shard_count; s++) {
-        bool touched = creating_only ? r->shard_missing[s] != 0
-                                     : r->shard_start[s + 1] != r->shard_start[s];
-        if (!touched)
+        if (r->shard_start[s + 1] == r->shard_start[s])
             continue;
         if (lock)
             pthread_rwlock_wrlock(&table->shard_locks[s]);
@@ -469,8 +517,8 @@ static em_status plan_evictions(request_context *r, uint64_t need, uint64_t *evi
                         "creates %" PRIu64 " keys and the shards they go to hold only %" PRIu64
                         " rows it does not use, %" PRIu64 " short of making room; nothing was "
                         "applied",
-                        table->config.name, table->config.capacity, table->rows, r->missing,
-                        evictable_total, remaining);
+                        table->config.name, table->config.capacity, table_rows(table),
+                        r->missing, evictable_total, remaining);
 }
 
 /* The request's rows of shard s (on the host: rows it reads or writes, which eviction
@@ -711,7 +759,7 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
         if (status == EM_OK)
             status = preserve_host_rows(&r, s, lane, slice->rows, slice->removed, err);
         if (status == EM_OK && slice->removed > 0) {
-            table->rows -= slice->removed;
+            em__rows_removed(table, slice->removed);
             table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
             if (slice->sweep)
                 em__record_evicted(table, slice->keys, slice->removed, &table->rows_expired);
@@ -774,7 +822,7 @@ static em_status evict_from_shard(request_context *r, segment *seg, uint32_t s, 
                                                err);
     }
     if (status == EM_OK) {
-        table->rows -= count;
+        em__rows_removed(table, count);
         em__record_evicted(table, keys, count, &table->rows_evicted);
         status = preserve_host_rows(r, s, seg->lane, rows, count, err);
     }
@@ -823,7 +871,7 @@ em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err)
                                                        err);
             if (status == EM_OK) {
                 table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
-                table->rows -= found;
+                em__rows_removed(table, found);
                 *erased += found;
             }
             pthread_rwlock_unlock(&table->shard_locks[s]);
@@ -834,15 +882,87 @@ em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err)
     return EM_OK;
 }
 
+em_status em__refind_created(request_context *r, bool *stale, em_error *err)
+{
+    em_table *table = r->table;
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            uint64_t now = atomic_load_explicit(&table->shard_creations[s], memory_order_relaxed);
+            if (r->shard_missing[s] == 0 || now == r->shard_seen[s])
+                continue;
+            r->shard_seen[s] = now;
+            uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s), missing = 0;
+            uint64_t *found = NULL, *rows = seg->rows + offset, *host_found = NULL;
+            uint64_t *host_rows = NULL;
+            em_status status = em__request_alloc(r, seg->device, n * sizeof(uint64_t),
+                                                 "rows found again", (void **)&found, err);
+            if (status == EM_OK)
+                status = seg->device->ops->shard_find(table->shards[s], seg->lane,
+                                                      seg->keys + offset, n, found, &missing,
+                                                      err);
+            if (status != EM_OK)
+                return status;
+            if (missing == r->shard_missing[s] + r->shard_rejected[s])
+                continue; /* none of them was created */
+            /* the rows on the host (aliased where the device is): a key the request
+             * found missing and admitted (EM_ROW_NONE) takes the row it has now */
+            host_found = found;
+            host_rows = rows;
+            if (!seg->device->host_addressable) {
+                host_found = malloc(n * sizeof(uint64_t));
+                host_rows = malloc(n * sizeof(uint64_t));
+                status = host_found == NULL || host_rows == NULL
+                             ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                            "creating keys: out of host memory")
+                             : read_device_value(seg, host_found, found, n * sizeof(uint64_t),
+                                                 err);
+                if (status == EM_OK)
+                    status = read_device_value(seg, host_rows, rows, n * sizeof(uint64_t), err);
+                if (status == EM_OK)
+                    status = seg->device->ops->synchronize(seg->lane, err);
+            }
+            for (uint64_t i = 0; status == EM_OK && i < n; i++) {
+                if (host_rows[i] != EM_ROW_NONE || host_found[i] == EM_ROW_NONE)
+                    continue;
+                host_rows[i] = host_found[i];
+                r->shard_missing[s]--;
+                r->missing--;
+                if (stale != NULL)
+                    stale[s] = true;
+            }
+            if (status == EM_OK && !seg->device->host_addressable) {
+                status = seg->device->ops->copy_to_device(seg->lane, rows, host_rows,
+                                                          n * sizeof(uint64_t), err);
+                if (status == EM_OK)
+                    status = seg->device->ops->synchronize(seg->lane, err);
+            }
+            if (host_found != found) {
+                free(host_found);
+                free(host_rows);
+            }
+            if (status != EM_OK)
+                return status;
+        }
+    }
+    return EM_OK;
+}
+
 /* Creates every missing key, or nothing: capacity and memory are settled first, and a
- * full table with an eviction policy makes room (plan_evictions). */
+ * full table with an eviction policy makes room (plan_evictions). Under the shared
+ * table lock (r->rows_claimed: the capacity is the request's), keys other requests
+ * created since this one found them are looked up again first, under the shards' write
+ * locks (locks_held: the caller has done that, holding them). */
 em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
 {
-    if (r->missing == 0)
+    if (r->missing == 0) {
+        release_claim(r);
         return EM_OK;
+    }
     em_table *table = r->table;
-    uint64_t room = table->config.capacity - table->rows;
-    uint64_t need = r->missing > room ? r->missing - room : 0;
+    bool shared = r->rows_claimed > 0;
+    uint64_t room = table->config.capacity - table_rows(table);
+    uint64_t need = !shared && r->missing > room ? r->missing - room : 0;
     if (need > 0 && table->config.eviction.policy == EM_EVICTION_NONE)
         return check_capacity(r, err);
     uint64_t *evict = NULL;
@@ -857,17 +977,32 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
         }
     }
     /* Growing a shard's storage or index moves them: the shards' write locks keep out a
-     * snapshot reader, which holds only shard locks (table_snapshot.c). */
-    if (!locks_held)
-        lock_shards(r, true, true);
-    em_status status = reserve_missing(r, evict, err);
+     * snapshot reader, which holds only shard locks (table_snapshot.c), and the finds
+     * of requests sharing the table. Which shards: those the request creates keys in. */
+    bool *creating = NULL;
+    em_status status = EM_OK;
+    if (!locks_held) {
+        creating = calloc(table->shard_count, sizeof(*creating));
+        if (creating == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "creating keys: out of host memory");
+        for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++)
+            if ((creating[s] = r->shard_missing[s] != 0))
+                pthread_rwlock_wrlock(&table->shard_locks[s]);
+        if (status == EM_OK && shared)
+            status = em__refind_created(r, NULL, err);
+    }
+    if (status == EM_OK)
+        status = reserve_missing(r, evict, err);
     if (status == EM_OK && evict != NULL)
         status = evict_rows(r, evict, err);
     if (status == EM_OK)
         status = insert_missing(r, err);
-    if (!locks_held)
-        lock_shards(r, true, false);
+    for (uint32_t s = 0; creating != NULL && s < table->shard_count; s++)
+        if (creating[s])
+            pthread_rwlock_unlock(&table->shard_locks[s]);
+    free(creating);
     free(evict);
+    release_claim(r);
     return status;
 }
 
@@ -1050,11 +1185,25 @@ em_status em__check_create_apply(request_context *r, em_error *err)
                             table->config.name);
     /* the heavy part, side by side with other pushes; then, holding every lock, only
      * the shards whose check no longer holds are checked again */
-    em_status status = check_shards(r, checks, err);
+    bool *refound = calloc(table->shard_count, sizeof(*refound));
+    em_status status = refound == NULL ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                                      "table '%s': push: out of memory",
+                                                      table->config.name)
+                                       : check_shards(r, checks, err);
     if (status == EM_OK) {
         em__snapshot_wait_room(table);
-        lock_shards(r, false, true);
-        status = recheck_stale_shards(r, checks, err);
+        lock_shards(r, true);
+        /* keys created by others since they were found take their rows now, and a shard
+         * where that happened is checked again with them */
+        if (r->rows_claimed > 0)
+            status = em__refind_created(r, refound, err);
+        for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++)
+            if (refound[s]) {
+                checks[s].bounded = 0;
+                checks[s].version = table->shard_versions[s] - 1;
+            }
+        if (status == EM_OK)
+            status = recheck_stale_shards(r, checks, err);
         if (status == EM_OK)
             status = em__preserve_for_snapshot(r, false, err);
         if (status == EM_OK)
@@ -1062,13 +1211,14 @@ em_status em__check_create_apply(request_context *r, em_error *err)
         if (status == EM_OK)
             advance_versions(r, checks);
         else
-            lock_shards(r, false, false);
+            lock_shards(r, false);
     }
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
      * once, so pushes behind this one follow it shard by shard. */
     if (status == EM_OK)
         status = run_on_shards(r, WORK_APPLY, table->config.dim, SHARDS_RELEASE_EACH, checks,
                                err);
+    free(refound);
     free(checks);
     return status;
 }
