@@ -6,11 +6,14 @@
  *
  *   bench_table [--keys N] [--seconds S] [--shards N] [--operations all|push]
  *               [--optimizer NAME] [--dim D] [--threads T] [--batches B] [--gradient G]
+ *               [--new-keys F]
  *
  * --optimizer and --dim keep one optimizer or dim, --threads the runs with at most T
  * threads, and --batches B makes each thread issue exactly B requests instead of
  * running for S seconds (fixed work, for instruction counts: tests/bench/row_check_cost.py).
- * Pushed gradient elements are G x 0, 1, ..., 12 (G 0.001 by default).
+ * Pushed gradient elements are G x 0, 1, ..., 12 (G 0.001 by default). --new-keys F makes
+ * that fraction of every batch's keys new ones, never requested before (the requests
+ * create them; the table's capacity is then unbounded in practice).
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -35,6 +38,7 @@ typedef struct options {
     int threads;        /* --threads: at most this many */
     uint64_t batches;   /* --batches: requests per thread (0: run for seconds) */
     float gradient;     /* --gradient: the pushed gradients' scale */
+    double new_keys;    /* --new-keys: fraction of each batch's keys never seen before */
 } options;
 
 typedef enum operation { PULL_NONE, PULL_SUM, PUSH } operation;
@@ -48,15 +52,22 @@ typedef struct worker {
     double seconds;
     uint64_t batches;
     float gradient;
+    uint32_t new_keys;  /* of each batch: keys never requested before */
+    uint64_t fresh;     /* the next of this worker's own new keys */
     uint64_t keys_done;
     int failed;
     pthread_barrier_t *start;
 } worker;
 
-static void fill_batch(em_test_rng *rng, uint64_t universe, uint64_t *keys, uint32_t *offsets)
+/* Key i of the populated set is i x an odd constant, so distinct i give distinct keys;
+ * worker w's new keys are those of i = 2^40 (w + 1), 2^40 (w + 1) + 1, ... */
+static void fill_batch(em_test_rng *rng, worker *w, uint64_t *keys, uint32_t *offsets)
 {
-    for (int i = 0; i < BATCH_KEYS; i++)
-        keys[i] = em_test_rng_below(rng, universe) * 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < BATCH_KEYS; i++) {
+        uint64_t index = (uint32_t)i < w->new_keys ? w->fresh++
+                                                   : em_test_rng_below(rng, w->universe);
+        keys[i] = index * 0x9e3779b97f4a7c15ull;
+    }
     for (int r = 0; r <= BATCH_ROWS; r++)
         offsets[r] = (uint32_t)(r * (BATCH_KEYS / BATCH_ROWS));
 }
@@ -81,7 +92,7 @@ static void *run_worker(void *argument)
     while (w->batches > 0 ? issued < w->batches : em_test_now() < end) {
         for (int repeat = 0; repeat < 8 && (w->batches == 0 || issued < w->batches);
              repeat++, issued++) {
-            fill_batch(&rng, w->universe, keys, offsets);
+            fill_batch(&rng, w, keys, offsets);
             em_status status;
             if (w->op == PUSH) {
                 em_csr csr = {BATCH_KEYS, BATCH_KEYS, identity, keys};
@@ -114,7 +125,8 @@ static em_table *populated_table(em_backend *backend, uint32_t dim, int optimize
                                  const options *opt)
 {
     em_table_config config;
-    em_table_config_init(&config, "bench", dim, opt->keys * 2);
+    em_table_config_init(&config, "bench", dim,
+                         opt->new_keys > 0 ? EM_TABLE_CAPACITY_MAX : opt->keys * 2);
     config.shards = opt->shards;
     config.optimizer.kind = optimizer;
     config.optimizer.learning_rate = 0.01f;
@@ -154,6 +166,7 @@ static em_table *populated_table(em_backend *backend, uint32_t dim, int optimize
 static double measure(em_table *table, operation op, uint32_t dim, int threads,
                       const options *opt)
 {
+    static uint64_t next_run; /* each run's new keys are new to the table too */
     pthread_t handles[2];
     worker workers[2];
     pthread_barrier_t start;
@@ -167,6 +180,9 @@ static double measure(em_table *table, operation op, uint32_t dim, int threads,
                               .seconds = opt->seconds,
                               .batches = opt->batches,
                               .gradient = opt->gradient,
+                              .new_keys = (uint32_t)(opt->new_keys * BATCH_KEYS + 0.5),
+                              .fresh = (UINT64_C(1) << 40) * (uint64_t)(t + 1) +
+                                       (UINT64_C(1) << 32) * next_run++,
                               .start = &start};
         pthread_create(&handles[t], NULL, run_worker, &workers[t]);
     }
@@ -210,6 +226,14 @@ int main(int argc, char **argv)
             opt.batches = strtoull(argv[i + 1], NULL, 10);
         else if (strcmp(argv[i], "--gradient") == 0)
             opt.gradient = strtof(argv[i + 1], NULL);
+        else if (strcmp(argv[i], "--new-keys") == 0) {
+            opt.new_keys = strtod(argv[i + 1], NULL);
+            if (!(opt.new_keys >= 0 && opt.new_keys <= 1)) {
+                fprintf(stderr, "bench_table: --new-keys '%s' is not a fraction in [0, 1]\n",
+                        argv[i + 1]);
+                return 2;
+            }
+        }
         else if (strcmp(argv[i], "--optimizer") == 0) {
             for (int o = 0; o < 4; o++)
                 if (strcmp(argv[i + 1], optimizer_names[o]) == 0)
@@ -222,13 +246,17 @@ int main(int argc, char **argv)
     }
     em_test_print_machine(NULL);
     printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u --operations %s "
-           "--optimizer %s --dim %u --threads %d --batches %" PRIu64 " --gradient %g\n",
+           "--optimizer %s --dim %u --threads %d --batches %" PRIu64 " --gradient %g "
+           "--new-keys %g\n",
            opt.keys, opt.seconds, opt.shards, opt.pushes_only ? "push" : "all",
            opt.optimizer < 0 ? "all" : optimizer_names[opt.optimizer], opt.dim, opt.threads,
-           opt.batches, (double)opt.gradient);
+           opt.batches, (double)opt.gradient, opt.new_keys);
     printf("CPU backend, 1 device; batches of %d keys drawn uniformly from %" PRIu64
-           " existing keys; each thread issues its own requests on one table\n\n",
-           BATCH_KEYS, opt.keys);
+           " existing keys", BATCH_KEYS, opt.keys);
+    if (opt.new_keys > 0)
+        printf(", %u of them new keys instead",
+               (uint32_t)(opt.new_keys * BATCH_KEYS + 0.5));
+    printf("; each thread issues its own requests on one table\n\n");
     printf("%-10s %-16s %5s %8s %14s %10s\n", "operation", "optimizer", "dim", "threads",
            "keys/s", "GB/s");
     static const uint32_t dims[] = {16, 64, 128};
