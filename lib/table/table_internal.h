@@ -120,6 +120,12 @@ typedef struct request_context {
     em_lane **lanes;           /* the request's lane on every device, by device index */
     scratch_item *scratch;
     uint32_t scratch_count, scratch_capacity;
+    /* small scratch is carved from one block per device (em__request_alloc), so a
+     * request of a few keys takes the device pool's lock once, not a dozen times */
+    struct scratch_block {
+        char *base;
+        size_t used, size;
+    } *blocks; /* by device index */
     em_device_batch batch;     /* offsets, inverse, position, counts at home */
     const uint64_t *keys;      /* the batch keys at home */
     uint64_t *partitioned;     /* unique keys grouped by shard, at home */

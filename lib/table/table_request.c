@@ -29,7 +29,14 @@
 
 /* ---- scratch and staging ----------------------------------------------------------- */
 
-em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
+/* Scratch of at most SCRATCH_SMALL bytes comes from a block of SCRATCH_BLOCK bytes per
+ * device, aligned as the pool aligns (EM_POOL_ALIGNMENT); larger scratch straight from
+ * the pool. A pool that cannot give a block fails the request as it would have failed
+ * for the buffer (before anything is created: callers take scratch first). */
+#define SCRATCH_SMALL ((size_t)8 << 10)
+#define SCRATCH_BLOCK ((size_t)64 << 10)
+
+static em_status track_scratch(request_context *r, em_device *device, size_t bytes,
                                const char *what, void **out, em_error *err)
 {
     if (r->scratch_count == r->scratch_capacity)
@@ -39,6 +46,27 @@ em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
     if (status != EM_OK)
         return status;
     r->scratch[r->scratch_count++] = (scratch_item){device, *out};
+    return EM_OK;
+}
+
+em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
+                               const char *what, void **out, em_error *err)
+{
+    size_t rounded = (bytes + EM_POOL_ALIGNMENT - 1) / EM_POOL_ALIGNMENT * EM_POOL_ALIGNMENT;
+    if (rounded == 0)
+        rounded = EM_POOL_ALIGNMENT;
+    if (rounded > SCRATCH_SMALL)
+        return track_scratch(r, device, bytes, what, out, err);
+    struct scratch_block *block = &r->blocks[device->index];
+    if (block->size - block->used < rounded) {
+        void *base = NULL;
+        em_status status = track_scratch(r, device, SCRATCH_BLOCK, what, &base, err);
+        if (status != EM_OK)
+            return status;
+        *block = (struct scratch_block){base, 0, SCRATCH_BLOCK};
+    }
+    *out = block->base + block->used;
+    block->used += rounded;
     return EM_OK;
 }
 
@@ -91,8 +119,9 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
     r->shard_seen = calloc(table->shard_count, sizeof(*r->shard_seen));
     r->segments = calloc(devices, sizeof(*r->segments));
     r->lanes = calloc(devices, sizeof(*r->lanes));
+    r->blocks = calloc(devices, sizeof(*r->blocks));
     if (r->scratch == NULL || r->shard_start == NULL || r->shard_missing == NULL ||
-        r->shard_rejected == NULL || r->shard_seen == NULL ||
+        r->shard_rejected == NULL || r->shard_seen == NULL || r->blocks == NULL ||
         r->segments == NULL || r->lanes == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': request bookkeeping: "
                             "out of host memory", table->config.name);
@@ -133,6 +162,7 @@ void em__request_end(request_context *r)
     free(r->shard_missing);
     free(r->shard_rejected);
     free(r->shard_seen);
+    free(r->blocks);
     free(r->segments);
 }
 
