@@ -113,6 +113,27 @@ static uint64_t power_of_two_at_least(uint64_t n)
     return power;
 }
 
+/* Temporaries of a home-side operation: those that fit in the caller's local buffer
+ * (LOCAL_TEMP_BYTES, enough for requests of a few hundred keys) take no pool lock; larger
+ * ones come from the pool, where they count in the device's memory. */
+#define LOCAL_TEMP_BYTES 4096
+
+static em_status temp_alloc(em_device *device, size_t bytes, uint64_t *local, const char *what,
+                            void **out, em_error *err)
+{
+    if (bytes <= LOCAL_TEMP_BYTES) {
+        *out = local;
+        return EM_OK;
+    }
+    return em_device_alloc(device, bytes, what, out, err);
+}
+
+static void temp_free(em_device *device, void *pointer, const uint64_t *local)
+{
+    if (pointer != local)
+        em_device_free(device, pointer);
+}
+
 static em_status cpu_unique_keys(em_lane *lane, const uint64_t *keys, uint64_t n,
                                  uint64_t *unique, uint32_t *inverse, uint32_t *first,
                                  uint64_t *unique_count, em_error *err)
@@ -120,8 +141,9 @@ static em_status cpu_unique_keys(em_lane *lane, const uint64_t *keys, uint64_t n
     em_device *device = lane->device;
     uint64_t slots = power_of_two_at_least(2 * n);
     uint32_t *index = NULL; /* slot -> unique position + 1, 0 when empty */
-    em_status status = em_device_alloc(device, slots * sizeof(*index), "unique index",
-                                       (void **)&index, err);
+    uint64_t local[LOCAL_TEMP_BYTES / sizeof(uint64_t)];
+    em_status status = temp_alloc(device, slots * sizeof(*index), local, "unique index",
+                                  (void **)&index, err);
     if (status != EM_OK)
         return status;
     memset(index, 0, slots * sizeof(*index));
@@ -139,7 +161,7 @@ static em_status cpu_unique_keys(em_lane *lane, const uint64_t *keys, uint64_t n
         }
         inverse[i] = index[slot] - 1;
     }
-    em_device_free(device, index);
+    temp_free(device, index, local);
     *unique_count = count;
     return EM_OK;
 }
@@ -151,8 +173,11 @@ static em_status cpu_partition_keys(em_lane *lane, const uint64_t *unique, uint6
 {
     em_device *device = lane->device;
     uint32_t *owner = NULL;
-    em_status status = em_device_alloc(device, n * sizeof(*owner), "partition owners",
-                                       (void **)&owner, err);
+    uint64_t *cursor = NULL;
+    uint64_t local_owner[LOCAL_TEMP_BYTES / sizeof(uint64_t)];
+    uint64_t local_cursor[LOCAL_TEMP_BYTES / sizeof(uint64_t)];
+    em_status status = temp_alloc(device, n * sizeof(*owner), local_owner, "partition owners",
+                                  (void **)&owner, err);
     if (status != EM_OK)
         return status;
     memset(shard_counts, 0, shard_count * sizeof(*shard_counts));
@@ -160,11 +185,10 @@ static em_status cpu_partition_keys(em_lane *lane, const uint64_t *unique, uint6
         owner[u] = em_key_shard(unique[u], shard_count);
         shard_counts[owner[u]]++;
     }
-    uint64_t *cursor = NULL;
-    status = em_device_alloc(device, shard_count * sizeof(*cursor), "partition cursors",
-                             (void **)&cursor, err);
+    status = temp_alloc(device, shard_count * sizeof(*cursor), local_cursor,
+                        "partition cursors", (void **)&cursor, err);
     if (status != EM_OK) {
-        em_device_free(device, owner);
+        temp_free(device, owner, local_owner);
         return status;
     }
     uint64_t start = 0;
@@ -179,8 +203,8 @@ static em_status cpu_partition_keys(em_lane *lane, const uint64_t *unique, uint6
         if (targets != NULL)
             targets[slot] = first[u];
     }
-    em_device_free(device, cursor);
-    em_device_free(device, owner);
+    temp_free(device, cursor, local_cursor);
+    temp_free(device, owner, local_owner);
     return EM_OK;
 }
 
@@ -292,8 +316,9 @@ static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
     em_device *device = lane->device;
     uint32_t *counts = NULL, *first_chunk = NULL, slots = 0;
     float *chunk_sums = NULL;
-    em_status status = em_device_alloc(device, batch->unique_count * sizeof(*counts),
-                                       "key occurrence counts", (void **)&counts, err);
+    uint64_t local[LOCAL_TEMP_BYTES / sizeof(uint64_t)];
+    em_status status = temp_alloc(device, batch->unique_count * sizeof(*counts), local,
+                                  "key occurrence counts", (void **)&counts, err);
     if (status != EM_OK)
         return status;
     memset(counts, 0, batch->unique_count * sizeof(*counts));
@@ -321,7 +346,7 @@ static em_status cpu_sum_gradients(em_lane *lane, const em_device_batch *batch,
     }
     em_device_free(device, chunk_sums);
     em_device_free(device, first_chunk);
-    em_device_free(device, counts);
+    temp_free(device, counts, local);
     return status;
 }
 
@@ -558,13 +583,17 @@ static em_status cpu_shard_insert_missing(em_shard *base, em_lane *lane, const u
     cpu_shard *shard = cpu_shard_of(base);
     uint64_t *missing_keys = NULL, *new_rows = NULL;
     uint8_t *inserted = NULL;
-    em_status status = em_device_alloc(base->device, n * sizeof(uint64_t), "insert keys",
-                                       (void **)&missing_keys, err);
+    uint64_t local_keys[LOCAL_TEMP_BYTES / sizeof(uint64_t)];
+    uint64_t local_rows[LOCAL_TEMP_BYTES / sizeof(uint64_t)];
+    uint64_t local_flags[LOCAL_TEMP_BYTES / sizeof(uint64_t)];
+    em_status status = temp_alloc(base->device, n * sizeof(uint64_t), local_keys, "insert keys",
+                                  (void **)&missing_keys, err);
     if (status == EM_OK)
-        status = em_device_alloc(base->device, n * sizeof(uint64_t), "insert rows",
-                                 (void **)&new_rows, err);
+        status = temp_alloc(base->device, n * sizeof(uint64_t), local_rows, "insert rows",
+                            (void **)&new_rows, err);
     if (status == EM_OK)
-        status = em_device_alloc(base->device, n, "insert flags", (void **)&inserted, err);
+        status = temp_alloc(base->device, n, local_flags, "insert flags", (void **)&inserted,
+                            err);
     if (status == EM_OK) {
         uint64_t count = collect_missing(keys, rows, n, missing_keys);
         memset(inserted, 0, count);
@@ -581,9 +610,9 @@ static em_status cpu_shard_insert_missing(em_shard *base, em_lane *lane, const u
             if (rows[i] == EM_ROW_NONE)
                 rows[i] = new_rows[next++];
     }
-    em_device_free(base->device, inserted);
-    em_device_free(base->device, new_rows);
-    em_device_free(base->device, missing_keys);
+    temp_free(base->device, inserted, local_flags);
+    temp_free(base->device, new_rows, local_rows);
+    temp_free(base->device, missing_keys, local_keys);
     return status;
 }
 

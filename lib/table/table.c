@@ -775,7 +775,7 @@ static em_status set_shard_access(em_table *table, uint32_t s, const uint64_t *k
         if (status == EM_OK)
             status = ops->copy_to_device(lane, device_keys, keys, n * sizeof(uint64_t), err);
     }
-    pthread_rwlock_wrlock(&table->shard_locks[s]);
+    em__shard_write_lock(table, s);
     uint64_t missing = 0;
     if (status == EM_OK)
         status = ops->shard_find(shard, lane, device_keys, n, device_rows, &missing, err);

@@ -23,6 +23,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "lib/base/rwlock.h"
 #include "lib/table/table.h"
 
 /* A request addresses keys with 32-bit positions (inverse, position arrays). */
@@ -61,6 +62,7 @@ struct em_table {
     /* The snapshot being read (table_snapshot.c), set and cleared holding every shard's
      * write lock and snapshot_mutex; snapshot_room signals freed copies. */
     struct em_table_snapshot *snapshot;
+    _Atomic bool saving; /* snapshot != NULL, for em__snapshot_wait_room's quick look */
     pthread_mutex_t snapshot_mutex;
     pthread_cond_t snapshot_room;
     _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
@@ -150,6 +152,19 @@ typedef struct request_context {
 
 /* What em__run_on_shards does on each shard. */
 typedef enum shard_work { WORK_GATHER, WORK_APPLY, WORK_WRITE } shard_work;
+
+/* A shard's lock is held for a few microseconds at a time: a thread that finds it taken
+ * retries for about as long before it sleeps, since waking a sleeper costs more than
+ * the wait (em_rwlock_*: lib/base/rwlock.h). */
+static inline void em__shard_read_lock(em_table *table, uint32_t s)
+{
+    em_rwlock_read_lock(&table->shard_locks[s]);
+}
+
+static inline void em__shard_write_lock(em_table *table, uint32_t s)
+{
+    em_rwlock_write_lock(&table->shard_locks[s]);
+}
 
 /* Claims capacity for the request's missing keys, to create them under the shared table
  * lock: false (nothing claimed) when the table cannot take them without evicting. The

@@ -355,7 +355,7 @@ static em_status find_keys(request_context *r, em_error *err)
         for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
             uint64_t offset = shard_offset(r, seg, s);
             /* keys are created (and maps grow) under the shard's write lock */
-            pthread_rwlock_rdlock(&table->shard_locks[s]);
+            em__shard_read_lock(table, s);
             r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s],
                                                     memory_order_relaxed);
             status = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
@@ -506,7 +506,7 @@ static void lock_shards(request_context *r, bool lock)
         if (r->shard_start[s + 1] == r->shard_start[s])
             continue;
         if (lock)
-            pthread_rwlock_wrlock(&table->shard_locks[s]);
+            em__shard_write_lock(table, s);
         else
             pthread_rwlock_unlock(&table->shard_locks[s]);
     }
@@ -782,7 +782,7 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
         em_device *device = table->shards[s]->device;
         uint32_t clock = (uint32_t)atomic_load_explicit(&table->update_clock,
                                                         memory_order_relaxed);
-        pthread_rwlock_wrlock(&table->shard_locks[s]);
+        em__shard_write_lock(table, s);
         status = device->ops->shard_expire(table->shards[s], lane, clock, slice->min_age, cursor,
                                            slice->scan, slice->keys, slice->rows,
                                            &slice->removed, err);
@@ -891,7 +891,7 @@ em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err)
             if (found == 0)
                 continue;
             uint64_t offset = shard_offset(r, seg, s);
-            pthread_rwlock_wrlock(&table->shard_locks[s]);
+            em__shard_write_lock(table, s);
             /* a snapshot being read keeps the rows' values: later inserts reuse them */
             em_status status = em__snapshot_preserve(table, s, seg->lane, seg->rows + offset, n,
                                                      err);
@@ -1017,7 +1017,7 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
             status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "creating keys: out of host memory");
         for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++)
             if ((creating[s] = r->shard_missing[s] != 0))
-                pthread_rwlock_wrlock(&table->shard_locks[s]);
+                em__shard_write_lock(table, s);
         if (status == EM_OK && shared)
             status = em__refind_created(r, NULL, err);
     }
@@ -1134,7 +1134,7 @@ static em_status check_shards(request_context *r, shard_check *checks, em_error 
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
             if (shard_key_count(r, s) == 0)
                 continue;
-            pthread_rwlock_rdlock(&table->shard_locks[s]);
+            em__shard_read_lock(table, s);
             em_status status = check_shard(r, seg, s, &checks[s], err);
             pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK)
@@ -1194,7 +1194,7 @@ em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_erro
             if (n == 0)
                 continue;
             if (take_locks)
-                pthread_rwlock_wrlock(&table->shard_locks[s]);
+                em__shard_write_lock(table, s);
             em_status status = em__snapshot_preserve(table, s, seg->lane,
                                                      seg->rows + shard_offset(r, seg, s), n, err);
             if (take_locks)
@@ -1301,9 +1301,9 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 continue;
             }
             if (lock && work == WORK_GATHER)
-                pthread_rwlock_rdlock(&table->shard_locks[s]);
+                em__shard_read_lock(table, s);
             else if (lock)
-                pthread_rwlock_wrlock(&table->shard_locks[s]);
+                em__shard_write_lock(table, s);
             if (work == WORK_GATHER)
                 status = ops->shard_gather(table->shards[s], seg->lane, rows, n, targets, payload,
                                            err);

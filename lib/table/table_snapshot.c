@@ -161,7 +161,7 @@ static void lock_all_shards(em_table *table, bool lock)
 {
     for (uint32_t s = 0; s < table->shard_count; s++) {
         if (lock)
-            pthread_rwlock_wrlock(&table->shard_locks[s]);
+            em__shard_write_lock(table, s);
         else
             pthread_rwlock_unlock(&table->shard_locks[s]);
     }
@@ -248,6 +248,7 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
     if (status == EM_OK) {
         pthread_mutex_lock(&table->snapshot_mutex);
         table->snapshot = snapshot;
+        atomic_store_explicit(&table->saving, true, memory_order_release);
         pthread_mutex_unlock(&table->snapshot_mutex);
     }
     lock_all_shards(table, false);
@@ -270,6 +271,7 @@ void em_table_snapshot_end(em_table_snapshot *snapshot)
     lock_all_shards(table, true);
     pthread_mutex_lock(&table->snapshot_mutex);
     table->snapshot = NULL;
+    atomic_store_explicit(&table->saving, false, memory_order_release);
     pthread_cond_broadcast(&table->snapshot_room);
     pthread_mutex_unlock(&table->snapshot_mutex);
     lock_all_shards(table, false);
@@ -288,6 +290,10 @@ uint64_t em_table_snapshot_rows(const em_table_snapshot *snapshot)
 
 void em__snapshot_wait_room(em_table *table)
 {
+    /* no save running: nothing to wait for (one that begins meanwhile counts this
+     * request's copies among those in flight as it began) */
+    if (!atomic_load_explicit(&table->saving, memory_order_acquire))
+        return;
     pthread_mutex_lock(&table->snapshot_mutex);
     while (table->snapshot != NULL && table->snapshot->copy_bytes > table->snapshot->copy_limit)
         pthread_cond_wait(&table->snapshot_room, &table->snapshot_mutex);
@@ -367,7 +373,7 @@ static void finish_shard(em_table_snapshot *snapshot, uint32_t s)
     em_table *table = snapshot->table;
     snapshot_shard *shard = &snapshot->shards[s];
     uint64_t bytes = shard->copy_count * table->row_floats * sizeof(float);
-    pthread_rwlock_wrlock(&table->shard_locks[s]);
+    em__shard_write_lock(table, s);
     free_shard(shard);
     pthread_rwlock_unlock(&table->shard_locks[s]);
     pthread_mutex_lock(&table->snapshot_mutex);
@@ -401,7 +407,7 @@ em_status em_table_snapshot_read(em_table_snapshot *snapshot, uint64_t max, uint
         em_status status = device->ops->lane_acquire(device, &lane, err);
         if (status != EM_OK)
             return status;
-        pthread_rwlock_rdlock(&table->shard_locks[s]);
+        em__shard_read_lock(table, s);
         status = read_rows(table, s, lane, rows, take, out, err);
         for (uint64_t i = 0; status == EM_OK && i < take; i++)
             if (bit_get(shard->preserved, rows[i]))

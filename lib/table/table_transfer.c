@@ -261,7 +261,7 @@ em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max
         status = ops->lane_acquire(shard->device, &lane, err);
         if (status != EM_OK)
             break;
-        pthread_rwlock_rdlock(&table->shard_locks[cursor->shard]);
+        em__shard_read_lock(table, cursor->shard);
         status = ops->shard_export(shard, lane, &cursor->position, keys, values, NULL, max, count,
                                    err);
         pthread_rwlock_unlock(&table->shard_locks[cursor->shard]);
