@@ -180,7 +180,7 @@ static void free_deferred(cuda_lane *lane)
 em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
 {
     em_status status = lane_check(lane, em_gpu_stream_synchronize(lane->stream), err);
-    lane->staging_in_flight = false;
+    lane->staging_in_flight[0] = lane->staging_in_flight[1] = false;
     free_deferred(lane);
     return status;
 }
@@ -235,57 +235,96 @@ void em__cuda_lane_release(em_lane *base)
     pthread_mutex_unlock(&state->lock);
 }
 
-static em_status wait_for_staging(cuda_lane *lane, em_error *err)
+/* Waits until the copy of staging half h has completed. */
+static em_status wait_for_staging(cuda_lane *lane, uint32_t h, em_error *err)
 {
-    if (!lane->staging_in_flight)
+    if (!lane->staging_in_flight[h])
         return EM_OK;
-    em_status status = lane_check(lane, em_gpu_event_synchronize(lane->staging_done), err);
-    lane->staging_in_flight = false;
+    em_status status = lane_check(lane, em_gpu_event_synchronize(lane->staging_done[h]), err);
+    lane->staging_in_flight[h] = false;
     return status;
 }
 
+static uint8_t *staging_half(cuda_lane *lane, uint32_t h)
+{
+    return lane->staging + h * (lane->staging_bytes / 2);
+}
+
+/* Chunk by chunk through the two staging halves in turn: the host copies a chunk into one
+ * half while the previous chunk goes from the other half to the GPU. Returns once the
+ * source may be reused (the last chunks may still be on their way: stream order puts
+ * them before later work on the lane). */
 em_status em__cuda_copy_to_device(em_lane *base, void *destination, const void *host_source,
                                      size_t bytes, em_error *err)
 {
     cuda_lane *lane = lane_of(base);
+    size_t half = lane->staging_bytes / 2;
     for (size_t done = 0; done < bytes;) {
-        size_t chunk = bytes - done < lane->staging_bytes ? bytes - done : lane->staging_bytes;
-        em_status status = wait_for_staging(lane, err);
+        size_t chunk = bytes - done < half ? bytes - done : half;
+        uint32_t h = lane->staging_next;
+        em_status status = wait_for_staging(lane, h, err);
         if (status != EM_OK)
             return status;
-        memcpy(lane->staging, (const uint8_t *)host_source + done, chunk);
+        memcpy(staging_half(lane, h), (const uint8_t *)host_source + done, chunk);
         status = lane_check(lane, em_gpu_memcpy_async(lane->stream, (uint8_t *)destination + done,
-                                                      lane->staging, chunk),
+                                                      staging_half(lane, h), chunk),
                             err);
         if (status == EM_OK)
-            status = lane_check(lane, em_gpu_event_record(lane->staging_done, lane->stream), err);
+            status = lane_check(lane, em_gpu_event_record(lane->staging_done[h], lane->stream),
+                                err);
         if (status != EM_OK)
             return status;
-        lane->staging_in_flight = true;
+        lane->staging_in_flight[h] = true;
+        lane->staging_next = 1 - h;
         done += chunk;
     }
     return EM_OK;
 }
 
+/* Starts the copy of the chunk at done (of bytes) into staging half h. */
+static em_status stage_from_device(cuda_lane *lane, uint32_t h, const void *source, size_t done,
+                                   size_t bytes, em_error *err)
+{
+    size_t half = lane->staging_bytes / 2;
+    size_t chunk = bytes - done < half ? bytes - done : half;
+    em_status status = wait_for_staging(lane, h, err); /* a copy to the device reading it */
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, staging_half(lane, h),
+                                                      (const uint8_t *)source + done, chunk),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_event_record(lane->staging_done[h], lane->stream), err);
+    if (status == EM_OK)
+        lane->staging_in_flight[h] = true;
+    return status;
+}
+
+/* The reverse: while the host copies one chunk out of a staging half, the next chunk is
+ * already coming from the GPU into the other. Returns with every byte in host memory. */
 em_status em__cuda_copy_to_host(em_lane *base, void *host_destination, const void *source,
                                    size_t bytes, em_error *err)
 {
     cuda_lane *lane = lane_of(base);
-    for (size_t done = 0; done < bytes;) {
-        size_t chunk = bytes - done < lane->staging_bytes ? bytes - done : lane->staging_bytes;
-        /* Stream order puts this after any earlier copy out of staging. */
-        em_status status = lane_check(
-            lane,
-            em_gpu_memcpy_async(lane->stream, lane->staging, (const uint8_t *)source + done, chunk),
-            err);
+    size_t half = lane->staging_bytes / 2;
+    uint32_t h = lane->staging_next;
+    em_status status = bytes > 0 ? stage_from_device(lane, h, source, 0, bytes, err) : EM_OK;
+    for (size_t done = 0; status == EM_OK && done < bytes;) {
+        size_t chunk = bytes - done < half ? bytes - done : half;
+        if (done + chunk < bytes)
+            status = stage_from_device(lane, 1 - h, source, done + chunk, bytes, err);
         if (status == EM_OK)
-            status = em__cuda_lane_sync(lane, err);
+            status = wait_for_staging(lane, h, err);
         if (status != EM_OK)
-            return status;
-        memcpy((uint8_t *)host_destination + done, lane->staging, chunk);
+            break;
+        memcpy((uint8_t *)host_destination + done, staging_half(lane, h), chunk);
         done += chunk;
+        h = 1 - h;
     }
-    return EM_OK;
+    lane->staging_next = h;
+    /* the last chunk's copy followed all the lane's earlier work: its scratch is free */
+    if (status == EM_OK && bytes > 0)
+        free_deferred(lane);
+    return status;
 }
 
 static em_status cuda_synchronize(em_lane *base, em_error *err)
@@ -322,7 +361,8 @@ static void destroy_lane(em_device *device, cuda_lane *lane)
     if (lane->stream != NULL)
         em__cuda_lane_sync(lane, NULL);
     em_device_free(device, lane->counter);
-    em_gpu_event_destroy(lane->staging_done);
+    em_gpu_event_destroy(lane->staging_done[0]);
+    em_gpu_event_destroy(lane->staging_done[1]);
     em_gpu_event_destroy(lane->handoff);
     em_gpu_stream_destroy(lane->stream);
     em_gpu_host_free(lane->staging);
@@ -350,8 +390,8 @@ static em_status create_lane(em_device *device, uint32_t index, size_t staging_b
     lane->staging_bytes = staging_bytes;
     em_status status = em__cuda_check(em_gpu_stream_create(ordinal, &lane->stream), device->name,
                                       err);
-    if (status == EM_OK)
-        status = em__cuda_check(em_gpu_event_create(ordinal, 0, &lane->staging_done),
+    for (int h = 0; h < 2 && status == EM_OK; h++)
+        status = em__cuda_check(em_gpu_event_create(ordinal, 0, &lane->staging_done[h]),
                                 device->name, err);
     if (status == EM_OK)
         status = em__cuda_check(em_gpu_event_create(ordinal, 0, &lane->handoff), device->name,

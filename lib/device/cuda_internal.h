@@ -44,10 +44,12 @@ typedef struct cuda_lane {
     uint32_t index;
     bool held;
     em_gpu_stream *stream;
-    uint8_t *staging; /* pinned */
+    uint8_t *staging; /* pinned, used as two halves: the host fills or empties one while
+                       * the other's copy runs, so a large copy keeps two chunks in flight */
     size_t staging_bytes;
-    em_gpu_event *staging_done; /* recorded after the last copy out of staging */
-    bool staging_in_flight;
+    em_gpu_event *staging_done[2]; /* recorded after the last copy of each half */
+    bool staging_in_flight[2];
+    uint32_t staging_next; /* the half the next chunk to the device takes */
     em_gpu_event *handoff;      /* same-device copies between lanes */
     uint64_t *counter;          /* device word for counts (find) */
     void *deferred[DEFERRED_MAX];
