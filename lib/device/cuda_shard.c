@@ -413,7 +413,13 @@ em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_key
                                     em_error *err)
 {
     cuda_shard *shard = shard_of(base);
-    em_status status = reserve_map(shard, lane_of(lane), new_keys, err);
+    /* Growth frees the old slots and block tables once this lane has synchronized. Keys
+     * are created while other requests share the table: their lanes may still be
+     * running gathers or steps of this shard, launched with the old tables, so this lane
+     * first waits for every read and write of the shard on the other lanes. */
+    em_status status = order_write(shard, lane_of(lane), err);
+    if (status == EM_OK)
+        status = reserve_map(shard, lane_of(lane), new_keys, err);
     /* released rows take new keys first */
     uint64_t released = shard->free_count + evicted;
     uint64_t fresh = new_keys > released ? new_keys - released : 0;
