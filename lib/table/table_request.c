@@ -110,21 +110,28 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
     if (em_eviction_tracks_access(&table->config.eviction))
         r->access_stamp = atomic_fetch_add_explicit(&table->access_clock, 1,
                                                     memory_order_relaxed) + 1;
-    uint32_t devices = table->backend->device_count;
-    r->scratch_capacity = SCRATCH_FIXED + SCRATCH_PER_DEVICE * devices;
-    r->scratch = calloc(r->scratch_capacity, sizeof(*r->scratch));
-    r->shard_start = calloc(table->shard_count + 1, sizeof(*r->shard_start));
-    r->shard_missing = calloc(table->shard_count, sizeof(*r->shard_missing));
-    r->shard_rejected = calloc(table->shard_count, sizeof(*r->shard_rejected));
-    r->shard_seen = calloc(table->shard_count, sizeof(*r->shard_seen));
-    r->segments = calloc(devices, sizeof(*r->segments));
-    r->lanes = calloc(devices, sizeof(*r->lanes));
-    r->blocks = calloc(devices, sizeof(*r->blocks));
-    if (r->scratch == NULL || r->shard_start == NULL || r->shard_missing == NULL ||
-        r->shard_rejected == NULL || r->shard_seen == NULL || r->blocks == NULL ||
-        r->segments == NULL || r->lanes == NULL)
+    /* the bookkeeping arrays, per shard and per device, in one allocation */
+    _Static_assert(_Alignof(scratch_item) <= 8 && _Alignof(segment) <= 8 &&
+                       _Alignof(struct scratch_block) <= 8 && sizeof(scratch_item) % 8 == 0 &&
+                       sizeof(segment) % 8 == 0,
+                   "request bookkeeping arrays follow each other 8-byte aligned");
+    size_t devices = table->backend->device_count, shards = table->shard_count;
+    r->scratch_capacity = SCRATCH_FIXED + SCRATCH_PER_DEVICE * (uint32_t)devices;
+    size_t bytes = r->scratch_capacity * sizeof(*r->scratch) +
+                   (4 * shards + 1) * sizeof(uint64_t) +
+                   devices * (sizeof(*r->segments) + sizeof(*r->lanes) + sizeof(*r->blocks));
+    char *books = calloc(1, bytes);
+    if (books == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': request bookkeeping: "
                             "out of host memory", table->config.name);
+    r->scratch = (scratch_item *)books;
+    r->shard_start = (uint64_t *)(r->scratch + r->scratch_capacity);
+    r->shard_missing = r->shard_start + shards + 1;
+    r->shard_rejected = r->shard_missing + shards;
+    r->shard_seen = r->shard_rejected + shards;
+    r->segments = (segment *)(r->shard_seen + shards);
+    r->lanes = (em_lane **)(r->segments + devices);
+    r->blocks = (struct scratch_block *)(r->lanes + devices);
     return acquire_lanes(r, err);
 }
 
@@ -138,7 +145,6 @@ static void release_lanes(request_context *r)
         r->lanes[d]->device->ops->synchronize(r->lanes[d], NULL);
         r->lanes[d]->device->ops->lane_release(r->lanes[d]);
     }
-    free(r->lanes);
 }
 
 /* Gives back what em__claim_rows claimed and was not used. */
@@ -155,15 +161,9 @@ void em__request_end(request_context *r)
     if (r->table != NULL)
         release_claim(r);
     release_lanes(r);
-    for (uint32_t i = r->scratch_count; i > 0; i--)
+    for (uint32_t i = r->scratch_count; r->scratch != NULL && i > 0; i--)
         em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
-    free(r->scratch);
-    free(r->shard_start);
-    free(r->shard_missing);
-    free(r->shard_rejected);
-    free(r->shard_seen);
-    free(r->blocks);
-    free(r->segments);
+    free(r->scratch); /* every bookkeeping array (em__request_begin) */
 }
 
 /* Makes host data visible at home: aliased when the home device addresses host memory,
