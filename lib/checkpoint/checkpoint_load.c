@@ -683,6 +683,10 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
                             em_error *err)
 {
     uint64_t end = r->position + bytes;
+    if (bytes > r->m->rows_file.bytes || end > r->m->rows_file.bytes) /* its size was checked */
+        return data_loss(err, r->dir, "rows.emb",
+                         "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early "
+                         "(truncated)", chunk, r->position);
     if (r->position < r->block_start || end > r->block_start + r->block_bytes) {
         size_t kept = 0; /* bytes of the block at or after position, moved to its start */
         if (r->position >= r->block_start && r->position < r->block_start + r->block_bytes) {
