@@ -100,15 +100,9 @@ typedef struct pull_buffers {
 
 /* A per-key pull whose shards all live on the home device gathers every vector straight
  * into its place in the output (no intermediate buffer, no combine pass). */
-static bool pull_is_direct(const em_table *table, const request_context *r,
-                           const em_pull_request *request)
+static bool pull_is_direct(const em_table *table, const em_pull_request *request)
 {
-    if (request->combiner != EM_COMBINER_NONE)
-        return false;
-    for (uint32_t s = 0; s < table->shard_count; s++)
-        if (table->backend->devices[table->shard_device[s]] != r->home)
-            return false;
-    return true;
+    return request->combiner == EM_COMBINER_NONE && table->shards_at_home;
 }
 
 static em_status take_pull_buffers(request_context *r, const em_pull_request *request,
@@ -183,7 +177,7 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     em_pull_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
-    bool direct = status == EM_OK && pull_is_direct(table, &r, request);
+    bool direct = status == EM_OK && pull_is_direct(table, request);
     if (status == EM_OK)
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
@@ -547,6 +541,10 @@ static em_status create_shards(em_table *table, em_error *err)
             return em_error_prefix(err, "table '%s' shard %u on %s: ", table->config.name, s,
                                    device->name);
     }
+    em_device *home = em_backend_home_device(table->backend);
+    table->shards_at_home = true;
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        table->shards_at_home &= table->backend->devices[table->shard_device[s]] == home;
     return EM_OK;
 }
 

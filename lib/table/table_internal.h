@@ -44,6 +44,9 @@ struct em_table {
     uint32_t nonnegative_from; /* em__nonnegative_run: imports' fast value check */
     em_shard **shards;
     uint32_t *shard_device; /* device index of each shard */
+    bool shards_at_home;    /* every shard is on the backend's home device: per-key pulls
+                             * gather into the output and imports write rows from where
+                             * they arrived (targets), with no intermediate copy */
     pthread_rwlock_t lock;
     pthread_rwlock_t *shard_locks; /* readers gather or export, writers apply or write */
     uint64_t *shard_versions;      /* moved by every step and write of a shard (under

@@ -517,6 +517,43 @@ static void lock_shards(request_context *r, bool lock)
 static em_status read_device_value(const segment *seg, void *host, const void *device_value,
                                    size_t bytes, em_error *err);
 
+/* n words of a segment's device memory on the host, for the caller to read and change:
+ * the memory itself where the device is host memory, else a copy, which host_words_end
+ * writes back (when asked) and frees. */
+static em_status host_words(const segment *seg, uint64_t *words, uint64_t n, uint64_t **host,
+                            em_error *err)
+{
+    *host = words;
+    if (seg->device->host_addressable)
+        return EM_OK;
+    *host = malloc(n * sizeof(uint64_t));
+    em_status status = *host == NULL
+                           ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                          "out of host memory for %" PRIu64 " keys' rows", n)
+                           : read_device_value(seg, *host, words, n * sizeof(uint64_t), err);
+    if (status != EM_OK) {
+        free(*host);
+        *host = NULL;
+    }
+    return status;
+}
+
+static em_status host_words_end(const segment *seg, uint64_t *words, uint64_t *host, uint64_t n,
+                                bool write_back, em_error *err)
+{
+    if (host == NULL || host == words)
+        return EM_OK;
+    em_status status = EM_OK;
+    if (write_back) {
+        status = seg->device->ops->copy_to_device(seg->lane, words, host, n * sizeof(uint64_t),
+                                                  err);
+        if (status == EM_OK)
+            status = seg->device->ops->synchronize(seg->lane, err);
+    }
+    free(host);
+    return status;
+}
+
 /* How many rows each shard that gets new keys gives up so that the request's new keys
  * fit (evict[s]): a new key's room is made in its own shard, as many rows as it gets
  * new keys, in shard order until need is met, never a row the request reads or writes.
@@ -688,26 +725,14 @@ em_status em__admit_missing(request_context *r, bool count_sightings, em_error *
         segment *seg = &r->segments[d];
         if (seg->count == 0)
             continue;
-        /* the segment's keys and rows on the host (aliased where the device is) */
-        uint64_t *keys = seg->keys, *rows = seg->rows;
-        if (!seg->device->host_addressable) {
-            keys = malloc(seg->count * sizeof(uint64_t));
-            rows = malloc(seg->count * sizeof(uint64_t));
-            em_status status = keys == NULL || rows == NULL
-                                   ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                                                  "admission: out of host memory")
-                                   : read_device_value(seg, keys, seg->keys,
-                                                       seg->count * sizeof(uint64_t), err);
-            if (status == EM_OK)
-                status = read_device_value(seg, rows, seg->rows, seg->count * sizeof(uint64_t),
-                                           err);
-            if (status == EM_OK)
-                status = seg->device->ops->synchronize(seg->lane, err);
-            if (status != EM_OK) {
-                free(keys);
-                free(rows);
-                return status;
-            }
+        /* the segment's keys and rows on the host */
+        uint64_t *keys = NULL, *rows = NULL;
+        em_status status = host_words(seg, seg->keys, seg->count, &keys, err);
+        if (status == EM_OK)
+            status = host_words(seg, seg->rows, seg->count, &rows, err);
+        if (status != EM_OK) {
+            host_words_end(seg, seg->keys, keys, seg->count, false, NULL);
+            return em_error_prefix(err, "admission: ");
         }
         /* requests admit under the shared table lock: the sketch is theirs one at a time */
         if (policy == EM_ADMISSION_COUNTER)
@@ -731,16 +756,10 @@ em_status em__admit_missing(request_context *r, bool count_sightings, em_error *
         }
         if (policy == EM_ADMISSION_COUNTER)
             pthread_mutex_unlock(&table->admission_lock);
-        if (!seg->device->host_addressable) {
-            em_status status = seg->device->ops->copy_to_device(
-                seg->lane, seg->rows, rows, seg->count * sizeof(uint64_t), err);
-            if (status == EM_OK)
-                status = seg->device->ops->synchronize(seg->lane, err);
-            free(keys);
-            free(rows);
-            if (status != EM_OK)
-                return status;
-        }
+        host_words_end(seg, seg->keys, keys, seg->count, false, NULL);
+        status = host_words_end(seg, seg->rows, rows, seg->count, true, err);
+        if (status != EM_OK)
+            return status;
     }
     return EM_OK;
 }
@@ -935,23 +954,11 @@ em_status em__refind_created(request_context *r, bool *stale, em_error *err)
                 return status;
             if (missing == r->shard_missing[s] + r->shard_rejected[s])
                 continue; /* none of them was created */
-            /* the rows on the host (aliased where the device is): a key the request
-             * found missing and admitted (EM_ROW_NONE) takes the row it has now */
-            host_found = found;
-            host_rows = rows;
-            if (!seg->device->host_addressable) {
-                host_found = malloc(n * sizeof(uint64_t));
-                host_rows = malloc(n * sizeof(uint64_t));
-                status = host_found == NULL || host_rows == NULL
-                             ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                                            "creating keys: out of host memory")
-                             : read_device_value(seg, host_found, found, n * sizeof(uint64_t),
-                                                 err);
-                if (status == EM_OK)
-                    status = read_device_value(seg, host_rows, rows, n * sizeof(uint64_t), err);
-                if (status == EM_OK)
-                    status = seg->device->ops->synchronize(seg->lane, err);
-            }
+            /* on the host, a key the request found missing and admitted (EM_ROW_NONE)
+             * takes the row it has now */
+            status = host_words(seg, found, n, &host_found, err);
+            if (status == EM_OK)
+                status = host_words(seg, rows, n, &host_rows, err);
             for (uint64_t i = 0; status == EM_OK && i < n; i++) {
                 if (host_rows[i] != EM_ROW_NONE || host_found[i] == EM_ROW_NONE)
                     continue;
@@ -961,18 +968,12 @@ em_status em__refind_created(request_context *r, bool *stale, em_error *err)
                 if (stale != NULL)
                     stale[s] = true;
             }
-            if (status == EM_OK && !seg->device->host_addressable) {
-                status = seg->device->ops->copy_to_device(seg->lane, rows, host_rows,
-                                                          n * sizeof(uint64_t), err);
-                if (status == EM_OK)
-                    status = seg->device->ops->synchronize(seg->lane, err);
-            }
-            if (host_found != found) {
-                free(host_found);
-                free(host_rows);
-            }
+            host_words_end(seg, found, host_found, n, false, NULL);
+            em_status ended = host_words_end(seg, rows, host_rows, n, status == EM_OK, err);
+            if (status == EM_OK)
+                status = ended;
             if (status != EM_OK)
-                return status;
+                return em_error_prefix(err, "creating keys: ");
         }
     }
     return EM_OK;
@@ -1215,19 +1216,20 @@ em_status em__check_create_apply(request_context *r, em_error *err)
                             table->config.name);
     /* the heavy part, side by side with other pushes; then, holding every lock, only
      * the shards whose check no longer holds are checked again */
-    bool *refound = calloc(table->shard_count, sizeof(*refound));
-    em_status status = refound == NULL ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                                                      "table '%s': push: out of memory",
-                                                      table->config.name)
-                                       : check_shards(r, checks, err);
+    /* only a push that creates keys beside other requests may find some created since */
+    bool *refound = r->rows_claimed > 0 ? calloc(table->shard_count, sizeof(*refound)) : NULL;
+    em_status status = r->rows_claimed > 0 && refound == NULL
+                           ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                          "table '%s': push: out of memory", table->config.name)
+                           : check_shards(r, checks, err);
     if (status == EM_OK) {
         em__snapshot_wait_room(table);
         lock_shards(r, true);
         /* keys created by others since they were found take their rows now, and a shard
          * where that happened is checked again with them */
-        if (r->rows_claimed > 0)
+        if (refound != NULL)
             status = em__refind_created(r, refound, err);
-        for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++)
+        for (uint32_t s = 0; status == EM_OK && refound != NULL && s < table->shard_count; s++)
             if (refound[s]) {
                 checks[s].bounded = 0;
                 checks[s].version = table->shard_versions[s] - 1;

@@ -148,17 +148,6 @@ static em_status stage_identity_offsets(request_context *r, uint64_t n, em_error
     return status;
 }
 
-/* Whether every shard of the table is on the home device: an import then writes each
- * row from where it arrived (the partition's targets name it), with no ordered copy. */
-static bool shards_at_home(const em_table *table)
-{
-    uint32_t home = em_backend_home_device(table->backend)->index;
-    for (uint32_t s = 0; s < table->shard_count; s++)
-        if (table->shard_device[s] != home)
-            return false;
-    return true;
-}
-
 static em_status send_import_rows(request_context *r, const float *values, uint64_t n,
                                   em_error *err)
 {
@@ -195,7 +184,7 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     request_context r;
     em_status status = em__request_begin(table, &r, err);
     if (status == EM_OK)
-        status = em__plan_and_find(&r, keys, n, shards_at_home(table), err);
+        status = em__plan_and_find(&r, keys, n, table->shards_at_home, err);
     if (status == EM_OK)
         status = check_distinct(&r, keys, n, err);
     if (status == EM_OK)

@@ -270,6 +270,22 @@ static latency measure_pulls(em_table *table, const options *opt, bool with_save
     return l;
 }
 
+/* Seconds to load the checkpoint at path into a new table (then destroyed); exits on a
+ * failure. */
+static double timed_load(const char *path, em_backend *backend, em_checkpoint_info *info)
+{
+    em_table *loaded = NULL;
+    em_error err;
+    double start = em_test_now();
+    if (em_checkpoint_load(path, backend, "loaded", NULL, &loaded, info, &err) != EM_OK) {
+        fprintf(stderr, "load: %s\n", err.message);
+        exit(1);
+    }
+    double seconds = em_test_now() - start;
+    em_table_destroy(loaded);
+    return seconds;
+}
+
 int main(int argc, char **argv)
 {
     options opt = {.rows = 2000000, .dim = 64, .dir = "/tmp/ember-bench-checkpoint",
@@ -312,23 +328,11 @@ int main(int argc, char **argv)
     bool dropped = drop_caches();
     em_table *loaded = NULL;
     em_checkpoint_info info;
-    start = em_test_now();
-    if (em_checkpoint_load(s.info.path, backend, "loaded", NULL, &loaded, &info, &err) != EM_OK) {
-        fprintf(stderr, "load: %s\n", err.message);
-        return 1;
-    }
-    double load_s = em_test_now() - start;
-    em_table_destroy(loaded);
+    double load_s = timed_load(s.info.path, backend, &info);
     /* again, into the pool memory the first load touched and gave back: what the load
      * itself costs, without the kernel providing and clearing fresh pages */
     drop_caches();
-    start = em_test_now();
-    if (em_checkpoint_load(s.info.path, backend, "loaded", NULL, &loaded, &info, &err) != EM_OK) {
-        fprintf(stderr, "load: %s\n", err.message);
-        return 1;
-    }
-    double reload_s = em_test_now() - start;
-    em_table_destroy(loaded);
+    double reload_s = timed_load(s.info.path, backend, &info);
     drop_caches();
     start = em_test_now();
     if (em_checkpoint_verify(s.info.path, &info, &err) != EM_OK) {

@@ -96,6 +96,21 @@ static em_table_config table_config(uint32_t dim, uint64_t capacity, uint32_t sh
 /* Loop index: initializer (zeros, uniform, normal) x dim (13: scalar gather; 16: vector
  * gather). Freshly created rows, pulled and exported, equal the CPU's bit for bit;
  * normal (log and cos may round differently on a GPU) within 1e-6 relative. */
+/* Every row of the GPU table equals the CPU table's: bit for bit when tolerance is 0,
+ * else within it (relative); snapshots read batch rows at a time. */
+static void assert_tables_alike(em_table *cpu_table, em_table *gpu_table, uint64_t batch,
+                                double tolerance)
+{
+    em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, batch);
+    em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, batch);
+    if (tolerance == 0)
+        em_test_assert_snapshots_identical(&gpu_rows, &cpu_rows);
+    else
+        em_test_assert_snapshots_close(&gpu_rows, &cpu_rows, tolerance);
+    em_test_snapshot_free(&cpu_rows);
+    em_test_snapshot_free(&gpu_rows);
+}
+
 START_TEST(initial_values_match_cpu_bit_for_bit)
 {
     int initializer = _i / 2;
@@ -137,14 +152,7 @@ START_TEST(initial_values_match_cpu_bit_for_bit)
         free(got);
         em_test_batch_free(&b);
     }
-    em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, 7);
-    em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, 7);
-    if (initializer == EM_INIT_NORMAL)
-        em_test_assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-3);
-    else
-        em_test_assert_snapshots_identical(&gpu_rows, &cpu_rows);
-    em_test_snapshot_free(&cpu_rows);
-    em_test_snapshot_free(&gpu_rows);
+    assert_tables_alike(cpu_table, gpu_table, 7, initializer == EM_INIT_NORMAL ? 1e-3 : 0);
     em_table_destroy(cpu_table);
     em_table_destroy(gpu_table);
     em_backend_destroy(cpu);
@@ -219,11 +227,7 @@ START_TEST(workloads_match_cpu)
     em_table *cpu_table = em_test_make_table(cpu, &config);
     em_table *gpu_table = em_test_make_table(gpu, &config);
     run_both(cpu_table, gpu_table, &w);
-    em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, 7);
-    em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, 7);
-    em_test_assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-2);
-    em_test_snapshot_free(&cpu_rows);
-    em_test_snapshot_free(&gpu_rows);
+    assert_tables_alike(cpu_table, gpu_table, 7, 1e-2);
     em_table_destroy(cpu_table);
     em_table_destroy(gpu_table);
     em_backend_destroy(cpu);
@@ -884,14 +888,7 @@ START_TEST(wide_rows_match_cpu_value_by_value)
         free(got);
         em_test_batch_free(&b);
     }
-    em_test_snapshot cpu_rows = em_test_snapshot_take(cpu_table, 50);
-    em_test_snapshot gpu_rows = em_test_snapshot_take(gpu_table, 50);
-    if (exact)
-        em_test_assert_snapshots_identical(&gpu_rows, &cpu_rows);
-    else
-        em_test_assert_snapshots_close(&gpu_rows, &cpu_rows, 1e-2);
-    em_test_snapshot_free(&cpu_rows);
-    em_test_snapshot_free(&gpu_rows);
+    assert_tables_alike(cpu_table, gpu_table, 50, exact ? 0 : 1e-2);
     em_table_destroy(cpu_table);
     em_table_destroy(gpu_table);
     em_backend_destroy(cpu);
