@@ -739,6 +739,16 @@ static void print_server_stats(const cJSON *server)
            json_string(server, "backend"), uptime, json_number(server, "connections_current"),
            json_number(server, "connections_total"), json_number(server, "connections_rejected"),
            bytes_in, bytes_out, json_number(server, "frames_rejected"));
+    if (json_number(server, "pinned_buffer_bytes_limit") > 0) {
+        char in_use[32], limit[32], direct[32], staged[32];
+        format_bytes(json_number(server, "pinned_buffer_bytes_in_use"), in_use, sizeof(in_use));
+        format_bytes(json_number(server, "pinned_buffer_bytes_limit"), limit, sizeof(limit));
+        format_bytes(json_number(server, "bytes_copied_directly"), direct, sizeof(direct));
+        format_bytes(json_number(server, "bytes_copied_staged"), staged, sizeof(staged));
+        printf("  pinned       %s of %s in use, %.0f buffers found it full; GPU copies %s "
+               "direct, %s staged\n",
+               in_use, limit, json_number(server, "pinned_buffers_full"), direct, staged);
+    }
     double saves = json_number(server, "checkpoint_saves");
     double failures = json_number(server, "checkpoint_save_failures");
     double restored = json_number(server, "checkpoint_tables_restored");

@@ -9,8 +9,9 @@
 #include "lib/base/failpoint.h"
 #include "lib/base/log.h"
 
-/* Attachment buffers are aligned for any array the protocol carries (and SIMD). */
-#define ATTACHMENT_ALIGNMENT 64u
+/* Attachment buffers (em_host_buffer_alloc) are aligned for any array the protocol
+ * carries, and for SIMD. */
+_Static_assert(EM_HOST_BUFFER_ALIGNMENT >= 64, "attachments are 64-byte aligned");
 
 /* Reads larger than this go straight into the frame's buffer. */
 #define DIRECT_READ_MAX ((size_t)1 << 30)
@@ -274,7 +275,7 @@ static void remove_waiting(em_connection *connection)
 /* Gives up the frame being read: its buffers, its request and its charge. */
 static void discard_partial_frame(em_connection *connection)
 {
-    free(connection->part);
+    em_host_buffer_free(connection->settings->buffers, connection->part);
     connection->part = NULL;
     if (connection->request != NULL) {
         connection->hooks->abandon(connection->hooks->context, connection->request);
@@ -384,7 +385,7 @@ static void on_write(uv_write_t *request, int status)
     status = write->status;
     em_connection *connection = write->connection;
     free(write->frame);
-    free(write->attachment);
+    em_host_buffer_free(connection->settings->buffers, write->attachment);
     free(write->parts);
     release(connection, write->bytes);
     connection->writes_pending--;
@@ -442,7 +443,7 @@ static void queue_write(em_connection *connection, uint8_t *first, void *second,
     pending_write *write = calloc(1, sizeof(*write));
     if (write == NULL) {
         free(first);
-        free(second);
+        em_host_buffer_free(connection->settings->buffers, second);
         em_connection_close(connection);
         return;
     }
@@ -494,7 +495,7 @@ void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_
 {
     if (connection->handle_closed) {
         free(frame);
-        free(attachment);
+        em_host_buffer_free(connection->settings->buffers, attachment);
         release(connection, charged);
         return;
     }
@@ -505,7 +506,7 @@ void em_connection_send(em_connection *connection, uint8_t *frame, size_t frame_
         if (status == EM_OK && attachment_length > 0)
             status = em_tls_session_write(connection->tls, attachment, attachment_length, &err);
         free(frame);
-        free(attachment);
+        em_host_buffer_free(connection->settings->buffers, attachment);
         release(connection, charged);
         if (status != EM_OK) {
             em_log_info(connection->log, "closing connection from %s: %s", connection->peer,
@@ -785,9 +786,7 @@ static void enter(em_connection *connection, connection_state next)
                                               : frame->attach_len;
     uint8_t *part = NULL;
     if (next == CONNECTION_ATTACHMENT && size > 0) {
-        size_t rounded = ((size_t)size + ATTACHMENT_ALIGNMENT - 1) / ATTACHMENT_ALIGNMENT *
-                         ATTACHMENT_ALIGNMENT;
-        part = aligned_alloc(ATTACHMENT_ALIGNMENT, rounded);
+        part = em_host_buffer_alloc(connection->settings->buffers, (size_t)size);
     } else if (next != CONNECTION_ATTACHMENT) {
         part = malloc(size > 0 ? (size_t)size : 1);
     }

@@ -48,6 +48,7 @@
 
 #include "daemon/budget.h"
 #include "daemon/tls.h"
+#include "lib/device/host_buffers.h"
 #include "lib/base/log.h"
 #include "lib/base/status.h"
 #include "proto/frame.h"
@@ -67,6 +68,9 @@ typedef struct em_connection_settings {
     uint32_t write_timeout_ms;  /* 0: never */
     uint32_t drain_linger_ms;   /* quiet time before a draining connection closes */
     em_memory_budget *memory;   /* the server's budget */
+    em_host_buffers *buffers;   /* attachments are read into these (pinned memory where
+                                 * the backend has it: its GPUs copy them directly); the
+                                 * answers' attachments are freed there too */
 } em_connection_settings;
 
 /* Why a timer closed a connection. */

@@ -113,6 +113,7 @@ static em_status create_cuda_backend(em_daemon *d, em_error *err)
     options.memory_fraction = config->memory_fraction;
     options.lanes = config->lanes;
     options.staging_bytes = config->staging_bytes;
+    options.pinned_buffer_bytes = config->pinned_buffer_bytes;
     em_status status = em_backend_create_cuda(&options, &d->backend, err);
     if (status != EM_OK)
         return em_error_prefix(err, "backend \"cuda\": ");

@@ -330,12 +330,14 @@ static cJSON *print_gpus(const void *field)
     return array;
 }
 
-static const char *const cuda_only[] = {"gpus", "memory_fraction", "lanes", "staging_bytes"};
+static const char *const cuda_only[] = {"gpus", "memory_fraction", "lanes", "staging_bytes",
+                                        "pinned_buffer_bytes"};
+#define CUDA_ONLY_COUNT (sizeof(cuda_only) / sizeof(cuda_only[0]))
 
 static bool backend_applies(const void *target, const em_config_field *field)
 {
     const em_backend_config *config = target;
-    for (size_t i = 0; config->type == EM_BACKEND_CPU && i < 4; i++)
+    for (size_t i = 0; config->type == EM_BACKEND_CPU && i < CUDA_ONLY_COUNT; i++)
         if (strcmp(field->name, cuda_only[i]) == 0)
             return false;
     return true;
@@ -344,7 +346,7 @@ static bool backend_applies(const void *target, const em_config_field *field)
 static em_status check_backend(void *target, const cJSON *json, const char *path, em_error *err)
 {
     const em_backend_config *config = target;
-    for (size_t i = 0; config->type == EM_BACKEND_CPU && i < 4; i++) {
+    for (size_t i = 0; config->type == EM_BACKEND_CPU && i < CUDA_ONLY_COUNT; i++) {
         if (cJSON_GetObjectItemCaseSensitive(json, cuda_only[i]) != NULL) {
             char key_path[128];
             em_config_join_path(key_path, sizeof(key_path), path, cuda_only[i]);
@@ -384,6 +386,11 @@ static const em_config_field backend_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "staging_bytes", em_backend_config, staging_bytes),
      .flags = EM_CONFIG_UNSIGNED, .min = 65536, .max = 4294967296.0, .default_json = "16777216",
      .help = "cuda: pinned host staging per lane (larger copies go through it in pieces)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "pinned_buffer_bytes", em_backend_config,
+                     pinned_buffer_bytes),
+     .flags = EM_CONFIG_UNSIGNED, .default_json = "1073741824",
+     .help = "cuda: pinned host memory that requests are received into and answered from, "
+             "so the GPUs copy them directly (0: none, every copy staged)"},
 };
 
 static const em_config_schema backend_schema = {

@@ -103,6 +103,7 @@ typedef struct em_backend_config {
     double memory_fraction; /* cuda, when memory_limit_bytes is 0 */
     uint32_t lanes;         /* cuda: streams per GPU */
     uint64_t staging_bytes; /* cuda: pinned staging per lane */
+    uint64_t pinned_buffer_bytes; /* cuda: pinned request and answer buffers */
 } em_backend_config;
 
 typedef struct em_tables_config {

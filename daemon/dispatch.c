@@ -29,17 +29,25 @@ static em_status pack_response(em_request *request, em_status status, const char
                          &request->response_frame, &request->response_frame_length, err);
 }
 
+/* Where request and answer attachments come from: the backend's host buffers. */
+static em_host_buffers *buffers_of(const em_request *request)
+{
+    return request->context != NULL && request->context->backend != NULL
+               ? request->context->backend->host_buffers
+               : NULL;
+}
+
 em_status em_request_respond(em_request *request, const ProtobufCMessage *body, void *attachment,
                              size_t attachment_length, em_error *err)
 {
     if (request->info == NULL || body->descriptor != request->info->response) {
-        free(attachment);
+        em_host_buffer_free(buffers_of(request), attachment);
         return em_error_set(err, EM_INTERNAL, "%s answered with a %s message",
                             em_method_name(request->method), body->descriptor->name);
     }
     em_status status = pack_response(request, EM_OK, NULL, body, attachment_length, err);
     if (status != EM_OK) {
-        free(attachment);
+        em_host_buffer_free(buffers_of(request), attachment);
         return status;
     }
     request->response_attachment = attachment;
@@ -51,7 +59,7 @@ em_status em_request_respond(em_request *request, const ProtobufCMessage *body, 
 static void pack_error(em_request *request)
 {
     free(request->response_frame);
-    free(request->response_attachment);
+    em_host_buffer_free(buffers_of(request), request->response_attachment);
     request->response_frame = NULL;
     request->response_attachment = NULL;
     request->response_attachment_length = 0;
@@ -65,9 +73,9 @@ static void free_request(em_request *request)
 {
     if (request->body != NULL)
         protobuf_c_message_free_unpacked(request->body, NULL);
-    free(request->attachment);
+    em_host_buffer_free(buffers_of(request), request->attachment);
     free(request->response_frame);
-    free(request->response_attachment);
+    em_host_buffer_free(buffers_of(request), request->response_attachment);
     free(request);
 }
 

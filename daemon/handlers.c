@@ -182,7 +182,9 @@ static em_status pull_table(em_request *request, em_table *table, const void *un
                             " bytes, more than max_response_bytes %" PRIu64,
                             em_table_name(table), floats * sizeof(float),
                             request->max_response_bytes);
-    float *out = malloc(floats == 0 ? 1 : floats * sizeof(float));
+    /* the backend's host buffers: a GPU copies the answer into pinned memory directly */
+    em_host_buffers *buffers = em_catalog_backend(request->context->catalog)->host_buffers;
+    float *out = em_host_buffer_alloc(buffers, floats * sizeof(float));
     if (out == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "pull response of %" PRIu64
                             " bytes: out of memory", floats * sizeof(float));
@@ -190,7 +192,7 @@ static em_status pull_table(em_request *request, em_table *table, const void *un
     em_pull_result result;
     status = em_table_pull(table, &pull, &result, err);
     if (status != EM_OK) {
-        free(out);
+        em_host_buffer_free(buffers, out);
         return status;
     }
     Ember__PullResponse response = EMBER__PULL_RESPONSE__INIT;

@@ -168,6 +168,8 @@ static void apply_config(em_server *server, const em_daemon_config *config)
         .write_timeout_ms = limits->write_timeout_ms,
         .drain_linger_ms = limits->drain_linger_ms,
         .memory = &server->memory,
+        .buffers = server->context->backend != NULL ? server->context->backend->host_buffers
+                                                    : NULL,
     };
     em_memory_budget_set_limit(&server->memory, limits->memory_bytes);
     server->max_connections = limits->max_connections;

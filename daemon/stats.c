@@ -20,6 +20,16 @@ const uint64_t em_duration_bounds_ns[EM_DURATION_BUCKETS] = {
     X(exchange, INFO, NONE, "how devices exchange keys: host-staged or nccl")                 \
     X(exchange_fallback, GAUGE, NONE,                                                         \
       "1 when NCCL could not initialise and several GPUs exchange through host memory")       \
+    X(pinned_buffer_bytes_in_use, GAUGE, BYTES,                                               \
+      "pinned host memory holding requests and answers now")                                  \
+    X(pinned_buffer_bytes_limit, GAUGE, BYTES,                                                \
+      "most pinned host memory for requests and answers (0: none)")                           \
+    X(pinned_buffers_full, COUNTER, NONE,                                                     \
+      "request or answer buffers that found the pinned memory full (their copies staged)")    \
+    X(bytes_copied_directly, COUNTER, BYTES,                                                  \
+      "host <-> GPU copies of pinned request and answer buffers, by DMA")                     \
+    X(bytes_copied_staged, COUNTER, BYTES,                                                    \
+      "host <-> GPU copies of other host memory, through the lanes' staging")                 \
     X(uptime_ms, GAUGE, MILLISECONDS, "time since start")
 
 #define SCHEMA_ROW(scope_, name_, kind_, unit_, help_)                                         \
@@ -253,6 +263,13 @@ em_status em_stats_collect(const em_server_stats *counters, em_catalog *catalog,
     snapshot->backend = backend->kind;
     snapshot->exchange = backend->exchange->name;
     snapshot->exchange_fallback = backend->exchange_fallback[0] != '\0';
+    em_host_buffers_stats buffers;
+    em_host_buffers_get_stats(backend->host_buffers, &buffers);
+    snapshot->pinned_buffer_bytes_in_use = buffers.pinned_bytes_in_use;
+    snapshot->pinned_buffer_bytes_limit = buffers.pinned_bytes_limit;
+    snapshot->pinned_buffers_full = buffers.unpinned_allocations;
+    snapshot->bytes_copied_directly = buffers.bytes_copied_directly;
+    snapshot->bytes_copied_staged = buffers.bytes_copied_staged;
     collect_counters(counters, snapshot);
     em_status status = collect_tables(catalog, table_filter, snapshot, err);
     if (status == EM_OK)

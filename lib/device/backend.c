@@ -91,6 +91,7 @@ void em_backend_destroy(em_backend *backend)
         return;
     em_exchange_destroy(backend->exchange);
     destroy_devices(backend->devices, backend->device_count);
+    em_host_buffers_destroy(backend->host_buffers);
     free(backend);
 }
 

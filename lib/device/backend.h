@@ -18,6 +18,7 @@
 
 #include "lib/device/device.h"
 #include "lib/device/exchange.h"
+#include "lib/device/host_buffers.h"
 #include "lib/base/status.h"
 
 #define EM_BACKEND_MAX_DEVICES 64
@@ -31,6 +32,9 @@ typedef struct em_backend {
     /* Why the host-staged exchange serves several GPUs instead of NCCL, which could not
      * initialise ("" when it does not: one device, NCCL, or host staging asked for). */
     char exchange_fallback[EM_ERROR_MESSAGE_MAX];
+    /* Pinned host memory for request data the devices copy directly (host_buffers.h);
+     * NULL where host buffers come from malloc (the CPU backend). Owned. */
+    em_host_buffers *host_buffers;
 } em_backend;
 
 typedef struct em_cpu_backend_options {
@@ -77,10 +81,13 @@ typedef struct em_cuda_backend_options {
     double memory_fraction;    /* in (0, 1]; used when pool_bytes is 0 */
     uint32_t lanes;            /* streams per GPU: requests that run at once (1..16) */
     uint64_t staging_bytes;    /* pinned host staging per lane; larger copies are chunked */
+    uint64_t pinned_buffer_bytes; /* pinned host memory for request data, which the GPUs
+                                   * copy directly (host_buffers.h); 0: none, all staged */
     bool host_staged_exchange; /* skip NCCL even with several GPUs (tests, debugging) */
 } em_cuda_backend_options;
 
-/* Defaults: every usable GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging. */
+/* Defaults: every usable GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging, 1 GiB
+ * of pinned buffers for request data. */
 void em_cuda_backend_options_init(em_cuda_backend_options *options);
 
 /* Whether a usable GPU is visible (one this build's kernels run on; they are compiled

@@ -20,6 +20,9 @@
 #define DEFAULT_MEMORY_FRACTION 0.8
 #define DEFAULT_LANES 2u
 #define DEFAULT_STAGING_BYTES (16 * MEBIBYTE)
+#define DEFAULT_PINNED_BUFFER_BYTES (1024 * MEBIBYTE)
+/* Pinned buffers are reserved this much at a time, as requests need them. */
+#define PINNED_REGION_BYTES (64 * MEBIBYTE)
 /* Below this a pool cannot hold a useful table; also the staging floor. */
 #define MIN_POOL_BYTES (16 * MEBIBYTE)
 #define MIN_STAGING_BYTES (UINT64_C(64) << 10)
@@ -33,6 +36,7 @@ void em_cuda_backend_options_init(em_cuda_backend_options *options)
     options->memory_fraction = DEFAULT_MEMORY_FRACTION;
     options->lanes = DEFAULT_LANES;
     options->staging_bytes = DEFAULT_STAGING_BYTES;
+    options->pinned_buffer_bytes = DEFAULT_PINNED_BUFFER_BYTES;
 }
 
 /* Whether this machine has an NVIDIA kernel driver or an NVIDIA device node: with
@@ -194,13 +198,57 @@ static em_status pool_bytes_for(const em_cuda_backend_options *options, int ordi
     return EM_OK;
 }
 
+/* Pinned host memory for the host buffers (cudaHostAlloc, portable: every GPU copies
+ * it directly). The pool wants 256-byte aligned bases: the region starts inside the
+ * allocation, and the word before it remembers where the allocation began. */
+static em_status pinned_reserve(void *context, size_t bytes, uintptr_t *base, em_error *err)
+{
+    (void)context;
+    void *raw = NULL;
+    em_status status = em__cuda_check(em_gpu_host_alloc(bytes + 2 * EM_POOL_ALIGNMENT, &raw),
+                                      "pinned host buffers", err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "%zu bytes: ", bytes);
+    uintptr_t start = ((uintptr_t)raw + sizeof(void *) + EM_POOL_ALIGNMENT - 1) /
+                      EM_POOL_ALIGNMENT * EM_POOL_ALIGNMENT;
+    memcpy((void *)(start - sizeof(void *)), &raw, sizeof(void *));
+    *base = start;
+    return EM_OK;
+}
+
+static void pinned_release(void *context, uintptr_t base, size_t bytes)
+{
+    (void)context;
+    (void)bytes;
+    void *raw = NULL;
+    memcpy(&raw, (const void *)(base - sizeof(void *)), sizeof(void *));
+    em_gpu_host_free(raw);
+}
+
+static em_status create_host_buffers(const em_cuda_backend_options *options,
+                                     em_host_buffers **out, em_error *err)
+{
+    *out = NULL;
+    if (options->pinned_buffer_bytes == 0)
+        return EM_OK;
+    em_host_buffers_options buffers = {
+        .name = "pinned request buffers",
+        .limit_bytes = options->pinned_buffer_bytes,
+        .region_bytes = PINNED_REGION_BYTES,
+        .provider = {.reserve = pinned_reserve, .release = pinned_release},
+    };
+    return em_host_buffers_create(&buffers, out, err);
+}
+
 static em_status create_device(const em_cuda_backend_options *options, uint32_t index,
-                               int ordinal, em_device **out, em_error *err)
+                               int ordinal, em_host_buffers *host_buffers,
+                               em_device **out, em_error *err)
 {
     em__cuda_device_options device_options = {
         .ordinal = ordinal,
         .lanes = options->lanes,
         .staging_bytes = options->staging_bytes,
+        .host_buffers = host_buffers,
     };
     em_status status = pool_bytes_for(options, ordinal, &device_options.pool_bytes, err);
     if (status == EM_OK)
@@ -252,11 +300,14 @@ em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_back
         *err = fallback;
         return EM_UNAVAILABLE;
     }
+    em_host_buffers *host_buffers = NULL;
     em_device **devices = calloc(count, sizeof(*devices));
     if (devices == NULL)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "cuda backend: out of host memory");
+    if (status == EM_OK)
+        status = create_host_buffers(options, &host_buffers, err);
     for (uint32_t i = 0; i < count && status == EM_OK; i++)
-        status = create_device(options, i, (int)ordinals[i], &devices[i], err);
+        status = create_device(options, i, (int)ordinals[i], host_buffers, &devices[i], err);
     if (status == EM_OK && exchange == NULL)
         status = em_exchange_create_host_staged(&exchange, err);
     if (status == EM_OK)
@@ -264,8 +315,10 @@ em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_back
     if (status != EM_OK) {
         em_exchange_destroy(exchange);
         destroy_devices(devices, count);
+        em_host_buffers_destroy(host_buffers);
         return status;
     }
+    (*out)->host_buffers = host_buffers;
     if (fallback.status != EM_OK)
         snprintf((*out)->exchange_fallback, sizeof((*out)->exchange_fallback), "%s",
                  fallback.message);

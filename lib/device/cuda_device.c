@@ -250,14 +250,30 @@ static uint8_t *staging_half(cuda_lane *lane, uint32_t h)
     return lane->staging + h * (lane->staging_bytes / 2);
 }
 
-/* Chunk by chunk through the two staging halves in turn: the host copies a chunk into one
- * half while the previous chunk goes from the other half to the GPU. Returns once the
- * source may be reused (the last chunks may still be on their way: stream order puts
- * them before later work on the lane). */
+/* Whether a host buffer is pinned memory of the backend's host buffers, which the GPU
+ * copies by DMA at the bus's speed with no host copy through staging. */
+static bool copies_directly(cuda_lane *lane, const void *host, size_t bytes)
+{
+    cuda_state *state = state_of(lane->base.device);
+    bool direct = bytes > 0 && em_host_buffer_pinned(state->host_buffers, host, bytes);
+    em_host_buffers_count_copy(state->host_buffers, direct, bytes);
+    return direct;
+}
+
+/* A pinned source (copies_directly) is copied by one DMA, which reads it after the
+ * call returns (the contract in device.h). Any other goes chunk by chunk through the
+ * two staging halves in turn: the host copies a chunk into one half while the previous
+ * chunk goes from the other half to the GPU, and the call returns once the source may
+ * be reused (the last chunks may still be on their way: stream order puts them before
+ * later work on the lane). */
 em_status em__cuda_copy_to_device(em_lane *base, void *destination, const void *host_source,
                                      size_t bytes, em_error *err)
 {
     cuda_lane *lane = lane_of(base);
+    if (copies_directly(lane, host_source, bytes))
+        return lane_check(lane, em_gpu_memcpy_async(lane->stream, destination, host_source,
+                                                    bytes),
+                          err);
     size_t half = lane->staging_bytes / 2;
     for (size_t done = 0; done < bytes;) {
         size_t chunk = bytes - done < half ? bytes - done : half;
@@ -299,12 +315,19 @@ static em_status stage_from_device(cuda_lane *lane, uint32_t h, const void *sour
     return status;
 }
 
-/* The reverse: while the host copies one chunk out of a staging half, the next chunk is
- * already coming from the GPU into the other. Returns with every byte in host memory. */
+/* The reverse: a pinned destination takes one DMA; any other, chunk by chunk, is
+ * copied out of one staging half while the next chunk is already coming from the GPU
+ * into the other. Returns with every byte in host memory. */
 em_status em__cuda_copy_to_host(em_lane *base, void *host_destination, const void *source,
                                    size_t bytes, em_error *err)
 {
     cuda_lane *lane = lane_of(base);
+    if (copies_directly(lane, host_destination, bytes)) {
+        em_status status = lane_check(lane, em_gpu_memcpy_async(lane->stream, host_destination,
+                                                                source, bytes),
+                                      err);
+        return status == EM_OK ? em__cuda_lane_sync(lane, err) : status;
+    }
     size_t half = lane->staging_bytes / 2;
     uint32_t h = lane->staging_next;
     em_status status = bytes > 0 ? stage_from_device(lane, h, source, 0, bytes, err) : EM_OK;
@@ -493,6 +516,7 @@ em_status em__cuda_device_create(uint32_t index, const em__cuda_device_options *
                             options->ordinal);
     }
     state->ordinal = options->ordinal;
+    state->host_buffers = options->host_buffers;
     pthread_mutex_init(&state->lock, NULL);
     pthread_cond_init(&state->lane_freed, NULL);
     device->impl = state;

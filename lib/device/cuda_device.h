@@ -11,6 +11,7 @@
 
 #include "kernels/ember_kernels.h"
 #include "lib/device/device.h"
+#include "lib/device/host_buffers.h"
 #include "lib/base/status.h"
 
 typedef struct em__cuda_device_options {
@@ -18,6 +19,7 @@ typedef struct em__cuda_device_options {
     uint64_t pool_bytes;    /* reserved at start as one region; the pool never grows */
     uint32_t lanes;         /* streams (with their staging buffers) */
     uint64_t staging_bytes; /* pinned host memory per lane */
+    em_host_buffers *host_buffers; /* buffers copied directly (NULL: none) */
 } em__cuda_device_options;
 
 /* Creates the device for GPU options->ordinal as device `index` of its backend: its

@@ -58,6 +58,7 @@ typedef struct cuda_lane {
 
 typedef struct cuda_state {
     int ordinal;
+    em_host_buffers *host_buffers; /* copied directly, without staging; counts copies */
     em_gpu_device_info info;
     cuda_lane *lanes;
     uint32_t lane_count;

@@ -110,8 +110,12 @@ typedef struct em_device_ops {
     em_status (*lane_acquire)(em_device *device, em_lane **out, em_error *err);
     void (*lane_release)(em_lane *lane);
     /* Host <-> device copies of bytes (device pointers from the pool). The host buffer
-     * of copy_to_device may be reused as soon as the call returns; copy_to_host has
-     * filled its host buffer when it returns. */
+     * of copy_to_device may be reused as soon as the call returns, except a buffer from
+     * the backend's pinned host buffers (em_backend.host_buffers), which the device
+     * reads by DMA after the call returns: it must stay unchanged until the lane
+     * synchronizes (a request holds its input until it ends, and ending a request
+     * synchronizes its lanes). copy_to_host has filled its host buffer when it
+     * returns. */
     em_status (*copy_to_device)(em_lane *lane, void *destination, const void *host_source,
                                 size_t bytes, em_error *err);
     em_status (*copy_to_host)(em_lane *lane, void *host_destination, const void *source,

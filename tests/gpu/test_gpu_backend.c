@@ -934,6 +934,98 @@ START_TEST(outputs_at_any_alignment)
 }
 END_TEST
 
+/* A copy of n bytes in a buffer of em_host_buffer_alloc (pinned when the pool has room),
+ * starting `shift` bytes in. */
+static void *host_buffer_copy(em_host_buffers *buffers, const void *source, size_t n,
+                             size_t shift)
+{
+    uint8_t *buffer = em_host_buffer_alloc(buffers, n + shift);
+    ck_assert_ptr_nonnull(buffer);
+    memcpy(buffer + shift, source, n);
+    return buffer;
+}
+
+/* Loop index: pinned buffer limit (1 GiB, 64 KiB: big buffers find the pool full, 0: no
+ * pool). Pulls and pushes whose keys, offsets, gradients and output lie in the
+ * backend's host buffers (the daemon's attachments and answers) give the same rows and
+ * outputs, bit for bit, as the same requests from malloc'ed memory, into a second table;
+ * buffers in pinned memory are copied by DMA (bytes_copied_directly), the others
+ * through staging, and with no room or no pool every buffer still works. */
+START_TEST(requests_in_pinned_buffers_match_pageable_ones)
+{
+    static const uint64_t limits[] = {1024 * MEBIBYTE, 64 << 10, 0};
+    em_cuda_backend_options options;
+    em_cuda_backend_options_init(&options);
+    options.device_count = 1;
+    options.pool_bytes = GPU_POOL_BYTES;
+    options.staging_bytes = 1 * MEBIBYTE;
+    options.pinned_buffer_bytes = limits[_i];
+    em_backend *gpu = NULL;
+    em_error err;
+    ck_assert_msg(em_backend_create_cuda(&options, &gpu, &err) == EM_OK, "%s", err.message);
+    ck_assert(_i == 2 ? gpu->host_buffers == NULL : gpu->host_buffers != NULL);
+    em_host_buffers *buffers = gpu->host_buffers;
+    const uint32_t dim = 24;
+    em_table_config config = table_config(dim, 200000, 3, EM_OPTIMIZER_ADAGRAD, EM_INIT_UNIFORM);
+    em_table *pageable = em_test_make_table(gpu, &config);
+    em_table *pinned = em_test_make_table(gpu, &config);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 700 + (uint64_t)_i);
+    for (int round = 0; round < 6; round++) {
+        /* up to 40,000 keys: 320 KB of keys, 3.8 MB of gradients, several staging chunks */
+        em_test_batch b = em_test_random_batch(&rng, round % 2 ? 8000 : 50, 5, 60000);
+        em_combiner combiner = round % 3 == 2 ? EM_COMBINER_SUM : EM_COMBINER_NONE;
+        uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * dim;
+        size_t shift = (size_t)round * 4; /* the keys at any 4-byte offset, as in a frame */
+        uint64_t *keys = host_buffer_copy(buffers, b.keys, b.csr.nnz * sizeof(uint64_t), 0);
+        uint32_t *offsets = host_buffer_copy(buffers, b.offsets,
+                                             (b.csr.rows + 1) * sizeof(uint32_t), shift);
+        em_csr in_buffers = b.csr;
+        in_buffers.keys = keys;
+        in_buffers.offsets = (const uint32_t *)((const uint8_t *)offsets + shift);
+        float *expected = malloc((floats + 1) * sizeof(float));
+        float *got = em_host_buffer_alloc(buffers, (floats + 1) * sizeof(float));
+        ck_assert_msg(em_test_pull(pageable, &b.csr, combiner, true, expected, NULL, &err) ==
+                          EM_OK, "%s", err.message);
+        ck_assert_msg(em_test_pull(pinned, &in_buffers, combiner, true, got, NULL, &err) == EM_OK,
+                      "%s", err.message);
+        ck_assert_msg(memcmp(got, expected, floats * sizeof(float)) == 0, "round %d: outputs differ",
+                      round);
+        float *g = em_test_random_floats(&rng, floats);
+        float *g_pinned = host_buffer_copy(buffers, g, floats * sizeof(float), 0);
+        ck_assert_int_eq(em_test_push(pageable, &b.csr, combiner, g, NULL, &err), EM_OK);
+        ck_assert_msg(em_test_push(pinned, &in_buffers, combiner, g_pinned, NULL, &err) == EM_OK,
+                      "%s", err.message);
+        free(g);
+        free(expected);
+        em_host_buffer_free(buffers, g_pinned);
+        em_host_buffer_free(buffers, got);
+        em_host_buffer_free(buffers, keys);
+        em_host_buffer_free(buffers, offsets);
+        em_test_batch_free(&b);
+    }
+    assert_tables_alike(pageable, pinned, 500, 0);
+    em_host_buffers_stats stats;
+    em_host_buffers_get_stats(buffers, &stats);
+    ck_assert_uint_eq(stats.pinned_bytes_in_use, 0);
+    if (_i == 0) { /* every buffer pinned: the second table's inputs and outputs by DMA */
+        ck_assert_uint_eq(stats.unpinned_allocations, 0);
+        ck_assert_uint_gt(stats.bytes_copied_directly, 3 * MEBIBYTE);
+        ck_assert_uint_gt(stats.bytes_copied_staged, 3 * MEBIBYTE);
+    } else if (_i == 1) { /* the big buffers did not fit: staged, and counted */
+        ck_assert_uint_gt(stats.unpinned_allocations, 0);
+        ck_assert_uint_gt(stats.pinned_allocations, 0);
+        ck_assert_uint_gt(stats.bytes_copied_directly, 0);
+        ck_assert_uint_le(stats.pinned_bytes_reserved, 64 << 10);
+    } else {
+        ck_assert_uint_eq(stats.pinned_allocations + stats.bytes_copied_directly, 0);
+    }
+    em_table_destroy(pageable);
+    em_table_destroy(pinned);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* A table of more than 2^31 floats (34.6 million rows of dim 64, 8.9 GB), when the GPU
  * has the room: row indexes and element offsets past 32 bits. The last keys created
  * read their initial values (bit-identical to the CPU's for uniform), and a push to
@@ -1310,6 +1402,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, wide_rows_match_cpu_value_by_value, 0, 8);
     tcase_add_loop_test(tc, outputs_at_any_alignment, 0, 4);
     tcase_add_test(tc, a_table_beyond_2_31_floats);
+    tcase_add_loop_test(tc, requests_in_pinned_buffers_match_pageable_ones, 0, 3);
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);
     tcase_add_test(tc, nccl_first_and_a_fallback_that_says_why);
