@@ -13,6 +13,13 @@
  *   push       requests through a CUDA-backend table (one GPU, the host side
  *              included): 65,536 keys per push from a universe of 1M present keys,
  *              dim 64, per optimizer, in million keys/s.
+ *   requests   pulls and pushes of 4,096, 65,536 and 1,048,576 present keys (sgd, dim
+ *              64) with the batch in host memory, as a server has it: in malloc'ed
+ *              (pageable) buffers, which the GPU copies through its lanes' staging, and
+ *              in the backend's pinned host buffers (where the server receives
+ *              requests), which it copies by DMA; in million keys/s and as a fraction
+ *              of the bus: the time the request's bytes (keys and gradients in, vectors
+ *              out) take at the pinned copy rates measured in the same run.
  *   pool       em_pool over one cudaMalloc'ed region against cudaMalloc/cudaFree, on
  *              the same random sequence of sizes (256 B .. 16 MiB, 64 live blocks).
  *
@@ -443,6 +450,165 @@ static void bench_push(const options *o)
     em_backend_destroy(backend);
 }
 
+/* ---- requests with the batch in host memory ----------------------------------------------- */
+
+#define REQUEST_UNIVERSE (1u << 22)
+#define REQUEST_DIM 64u
+#define BUS_BYTES ((size_t)256 << 20)
+
+/* Pinned host <-> device copy rates, bytes/s (median of the runs). */
+static void bus_rates(const options *o, double *to_device, double *to_host)
+{
+    em_gpu_stream *stream = NULL;
+    check(em_gpu_stream_create(o->device, &stream), "stream");
+    void *pinned = NULL;
+    check(em_gpu_host_alloc(BUS_BYTES, &pinned), "pinned host buffer");
+    memset(pinned, 1, BUS_BYTES);
+    void *device = device_alloc(o, BUS_BYTES);
+    timer t = timer_create(o, stream);
+    double *in = host_alloc(o->repeat * sizeof(double)), *out = host_alloc(o->repeat * sizeof(double));
+    for (uint32_t r = 0; r < o->repeat; r++) {
+        timer_begin(&t);
+        check(em_gpu_memcpy_async(stream, device, pinned, BUS_BYTES), "copy to device");
+        in[r] = timer_end(&t);
+        timer_begin(&t);
+        check(em_gpu_memcpy_async(stream, pinned, device, BUS_BYTES), "copy to host");
+        out[r] = timer_end(&t);
+    }
+    *to_device = (double)BUS_BYTES / median(in, o->repeat);
+    *to_host = (double)BUS_BYTES / median(out, o->repeat);
+    free(in);
+    free(out);
+    timer_destroy(&t);
+    em_gpu_free(o->device, device);
+    em_gpu_host_free(pinned);
+    em_gpu_stream_destroy(stream);
+}
+
+/* One request's buffers: keys, offsets, gradients (push) or the output (pull). */
+typedef struct request_buffers {
+    em_host_buffers *from; /* NULL: malloc */
+    uint64_t *keys;
+    uint32_t *offsets;
+    float *vectors;
+    bool pinned;
+} request_buffers;
+
+static request_buffers request_buffers_make(em_host_buffers *from, uint32_t keys)
+{
+    request_buffers b = {.from = from};
+    size_t vector_bytes = (size_t)keys * REQUEST_DIM * sizeof(float);
+    b.keys = em_host_buffer_alloc(from, keys * sizeof(uint64_t));
+    b.offsets = em_host_buffer_alloc(from, (keys + 1) * sizeof(uint32_t));
+    b.vectors = em_host_buffer_alloc(from, vector_bytes);
+    if (b.keys == NULL || b.offsets == NULL || b.vectors == NULL) {
+        fprintf(stderr, "out of host memory for a request of %u keys\n", keys);
+        exit(EXIT_FAILURE);
+    }
+    b.pinned = em_host_buffer_pinned(from, b.keys, keys * sizeof(uint64_t)) &&
+               em_host_buffer_pinned(from, b.vectors, vector_bytes);
+    for (uint32_t i = 0; i <= keys; i++)
+        b.offsets[i] = i;
+    for (size_t i = 0; i < (size_t)keys * REQUEST_DIM; i++)
+        b.vectors[i] = 0.001f * (float)(i % 13) - 0.006f;
+    return b;
+}
+
+static void request_buffers_free(request_buffers *b)
+{
+    em_host_buffer_free(b->from, b->keys);
+    em_host_buffer_free(b->from, b->offsets);
+    em_host_buffer_free(b->from, b->vectors);
+}
+
+/* Keys per second of pulls (push false) or pushes of `keys` random present keys. */
+static double request_rate(const options *o, em_table *table, request_buffers *b, uint32_t keys,
+                           bool push, em_test_rng *rng)
+{
+    em_csr batch = {.rows = keys, .nnz = keys, .offsets = b->offsets, .keys = b->keys};
+    em_pull_request pull = {batch, EM_COMBINER_NONE, false, b->vectors,
+                            (uint64_t)keys * REQUEST_DIM};
+    em_push_request pushed = {batch, EM_COMBINER_NONE, b->vectors, (uint64_t)keys * REQUEST_DIM};
+    em_pull_result pull_result;
+    em_push_result push_result;
+    em_error err;
+    uint64_t done = 0;
+    double began = em_test_now(), now = began;
+    while (now - began < o->seconds || done == 0) {
+        for (uint32_t i = 0; i < keys; i++)
+            b->keys[i] = em_test_rng_below(rng, REQUEST_UNIVERSE);
+        if (push)
+            check_em(em_table_push(table, &pushed, &push_result, &err), &err, "push");
+        else
+            check_em(em_table_pull(table, &pull, &pull_result, &err), &err, "pull");
+        done += keys;
+        now = em_test_now();
+    }
+    return (double)done / (now - began);
+}
+
+static void bench_requests(const options *o)
+{
+    static const uint32_t sizes[] = {4096, 65536, 1048576};
+    double to_device = 0.0, to_host = 0.0;
+    bus_rates(o, &to_device, &to_host);
+    printf("\nrequests: a table on one GPU (sgd, dim %u, %u present keys), the batch in host "
+           "memory; bus: the time its bytes take at the pinned copy rates measured here "
+           "(to the GPU %.1f GB/s, to the host %.1f GB/s), over the request's time\n",
+           REQUEST_DIM, REQUEST_UNIVERSE, to_device / 1e9, to_host / 1e9);
+    printf("%-4s %8s %-9s %9s %7s\n", "op", "keys", "buffers", "Mkeys/s", "of bus");
+    em_backend *backend = one_gpu_backend(o);
+    em_table_config config;
+    em_table_config_init(&config, "requests", REQUEST_DIM, REQUEST_UNIVERSE);
+    config.shards = 1;
+    config.optimizer.kind = EM_OPTIMIZER_SGD;
+    config.optimizer.learning_rate = 0.01f;
+    em_table *table = NULL;
+    em_error err;
+    check_em(em_table_create(backend, &config, &table, &err), &err, "table");
+    { /* every key of the universe present */
+        request_buffers fill = request_buffers_make(backend->host_buffers, sizes[2]);
+        em_push_request request = {
+            .batch = {.rows = sizes[2], .nnz = sizes[2], .offsets = fill.offsets,
+                      .keys = fill.keys},
+            .combiner = EM_COMBINER_NONE,
+            .gradients = fill.vectors,
+            .gradient_count = (uint64_t)sizes[2] * REQUEST_DIM,
+        };
+        em_push_result result;
+        for (uint64_t start = 0; start < REQUEST_UNIVERSE; start += sizes[2]) {
+            for (uint32_t i = 0; i < sizes[2]; i++)
+                fill.keys[i] = start + i;
+            check_em(em_table_push(table, &request, &result, &err), &err, "push (create)");
+        }
+        request_buffers_free(&fill);
+    }
+    em_test_rng rng;
+    em_test_rng_init(&rng, o->seed + 3);
+    /* pull: 8 key bytes in, dim floats out per key; push: both in */
+    double pull_bus = 8.0 / to_device + REQUEST_DIM * 4.0 / to_host;
+    double push_bus = (8.0 + REQUEST_DIM * 4.0) / to_device;
+    for (int push = 0; push < 2; push++) {
+        for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+            for (int pinned = 0; pinned < 2; pinned++) {
+                request_buffers b = request_buffers_make(pinned ? backend->host_buffers : NULL,
+                                                         sizes[s]);
+                double rate = request_rate(o, table, &b, sizes[s], push, &rng);
+                printf("%-4s %8u %-9s %9.2f %7.2f\n", push ? "push" : "pull", sizes[s],
+                       !pinned ? "pageable" : b.pinned ? "pinned" : "(full)", rate / 1e6,
+                       rate * (push ? push_bus : pull_bus));
+                request_buffers_free(&b);
+            }
+        }
+    }
+    em_host_buffers_stats stats;
+    em_host_buffers_get_stats(backend->host_buffers, &stats);
+    printf("copied directly %.1f GB, staged %.1f GB\n", (double)stats.bytes_copied_directly / 1e9,
+           (double)stats.bytes_copied_staged / 1e9);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+
 /* ---- pool against cudaMalloc -------------------------------------------------------------- */
 
 static em_status pool_reserve(void *context, size_t bytes, uintptr_t *base, em_error *err)
@@ -613,6 +779,7 @@ int main(int argc, char **argv)
     bench_gather(&o, stream);
     em_gpu_stream_destroy(stream);
     bench_push(&o);
+    bench_requests(&o);
     bench_pool(&o);
     return EXIT_SUCCESS;
 }
