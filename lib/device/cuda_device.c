@@ -6,12 +6,15 @@
  * cudaMalloc or cudaFree. Every buffer below, per-request scratch and CUB's temporary
  * storage included, comes from that pool.
  *
- * Lanes. A lane is a CUDA stream, a pinned host staging buffer, a one-word device
- * counter and two events. Every operation of a lane is issued on its stream. Host to
- * device copies go through the staging buffer (so the caller may reuse its buffer at
- * once): a copy waits for the previous copy out of staging, fills it, enqueues the
- * transfer and records an event; larger copies go in staging-sized chunks. Device to
- * host copies are staged and synchronise the stream. Operations that return a count
+ * Lanes. A lane is a CUDA stream, a pinned host staging buffer (two halves, and a few
+ * words for small reads back), a one-word device counter and events. Every operation
+ * of a lane is issued on its stream. Host to device copies go through a staging half
+ * (so the caller may reuse its buffer at once): a copy waits for the previous copy out
+ * of that half, fills it, enqueues the transfer and records an event; larger copies go
+ * in half-sized chunks, two in flight. Host buffers in the backend's pinned host
+ * buffers are copied directly both ways (host_buffers.h). Device to host copies are
+ * staged and synchronise the stream; one of a few words (a count) goes through the
+ * words kept for it, so it waits once, for itself. Operations that return a count
  * (unique, partition, find, insert, export) synchronise too; the others (sums,
  * pooling, gather, apply, writes) return as soon as their kernels are enqueued.
  * Scratch an asynchronous operation still uses is freed once its lane synchronizes
@@ -328,6 +331,17 @@ em_status em__cuda_copy_to_host(em_lane *base, void *host_destination, const voi
                                       err);
         return status == EM_OK ? em__cuda_lane_sync(lane, err) : status;
     }
+    if (bytes <= READBACK_BYTES) { /* a count: not behind a staging half's copy */
+        uint8_t *words = lane->staging + lane->staging_bytes;
+        em_status status = lane_check(lane, em_gpu_memcpy_async(lane->stream, words, source,
+                                                                bytes),
+                                      err);
+        if (status == EM_OK)
+            status = em__cuda_lane_sync(lane, err);
+        if (status == EM_OK)
+            memcpy(host_destination, words, bytes);
+        return status;
+    }
     size_t half = lane->staging_bytes / 2;
     uint32_t h = lane->staging_next;
     em_status status = bytes > 0 ? stage_from_device(lane, h, source, 0, bytes, err) : EM_OK;
@@ -420,7 +434,8 @@ static em_status create_lane(em_device *device, uint32_t index, size_t staging_b
         status = em__cuda_check(em_gpu_event_create(ordinal, 0, &lane->handoff), device->name,
                                 err);
     if (status == EM_OK)
-        status = em__cuda_check(em_gpu_host_alloc(staging_bytes, (void **)&lane->staging),
+        status = em__cuda_check(em_gpu_host_alloc(staging_bytes + READBACK_BYTES,
+                                                  (void **)&lane->staging),
                                 device->name, err);
     if (status == EM_OK)
         status = em_device_alloc(device, sizeof(uint64_t), "lane counter",

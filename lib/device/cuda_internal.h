@@ -34,6 +34,8 @@
 #define EXPORT_MAX_BYTES ((uint64_t)64 << 20)
 /* Pool buffers freed when their lane next synchronizes, at most (more forces a sync). */
 #define DEFERRED_MAX 64u
+/* Pinned bytes after a lane's staging halves for small reads back (counts). */
+#define READBACK_BYTES ((size_t)256)
 /* Scratch buffers one operation takes at most. */
 #define SCRATCH_MAX 8u
 

@@ -108,6 +108,8 @@ typedef struct em_device_ops {
     em_pool_region_provider (*region_provider)(em_device *device);
     /* Takes a lane, waiting while all are held. Thread-safe. */
     em_status (*lane_acquire)(em_device *device, em_lane **out, em_error *err);
+    /* Gives the lane back once everything issued on it has completed (so memory its
+     * work used may be freed after the call). */
     void (*lane_release)(em_lane *lane);
     /* Host <-> device copies of bytes (device pointers from the pool). The host buffer
      * of copy_to_device may be reused as soon as the call returns, except a buffer from

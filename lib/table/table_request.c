@@ -141,8 +141,7 @@ static void release_lanes(request_context *r)
     for (uint32_t d = 0; r->lanes != NULL && d < backend->device_count; d++) {
         if (r->lanes[d] == NULL)
             continue;
-        /* Scratch is freed next: nothing may still be reading or writing it. */
-        r->lanes[d]->device->ops->synchronize(r->lanes[d], NULL);
+        /* Scratch is freed next: releasing waits until nothing reads or writes it. */
         r->lanes[d]->device->ops->lane_release(r->lanes[d]);
     }
 }

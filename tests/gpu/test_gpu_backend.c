@@ -14,6 +14,7 @@
  * test runs in a forked child: the parent asks whether a GPU is there from a child of
  * its own.
  */
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -29,6 +30,9 @@
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
 #include "tests/support/reference_table.h"
+#ifdef EM_CUDA_EMULATED
+#include "tests/support/kernels_emulated.h"
+#endif
 #include "tests/support/test_batches.h"
 #include "tests/support/test_support.h"
 
@@ -1222,6 +1226,79 @@ START_TEST(nccl_first_and_a_fallback_that_says_why)
 }
 END_TEST
 
+#ifdef EM_CUDA_EMULATED
+/* What one request asks of the GPU, counted by the emulation: operations enqueued
+ * (copies, fills, kernels) and host waits (stream and event synchronisations, each a
+ * round trip to the driver even when the GPU is already done). Printed, and held at or
+ * below the ceilings measured when this test was written, so a change that adds work
+ * to a request fails here and one that removes some lowers the ceilings. 1,000 keys,
+ * dim 16, adagrad, batches in malloc'ed memory, one GPU. */
+typedef struct request_shape {
+    const char *what;
+    uint32_t shards;
+    bool push, fresh; /* fresh: keys not in the table yet (created) */
+    uint64_t operations, waits; /* ceilings */
+} request_shape;
+
+START_TEST(host_waits_and_operations_per_request)
+{
+    static const request_shape shapes[] = {
+        {"pull, present keys", 1, false, false, 16, 5},
+        {"pull, creating", 1, false, true, 21, 7},
+        {"push, present keys", 1, true, false, 22, 5},
+        {"push, creating", 1, true, true, 27, 7},
+        {"pull, present keys", 8, false, false, 46, 13},
+        {"pull, creating", 8, false, true, 86, 29},
+        {"push, present keys", 8, true, false, 74, 20},
+        {"push, creating", 8, true, true, 114, 36},
+    };
+    enum { KEYS = 1000, DIM = 16 };
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
+    uint32_t *offsets = malloc((KEYS + 1) * sizeof(uint32_t));
+    float *vectors = malloc(KEYS * DIM * sizeof(float));
+    for (uint32_t i = 0; i <= KEYS; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < KEYS * DIM; i++)
+        vectors[i] = 0.01f;
+    em_csr batch = {.rows = KEYS, .nnz = KEYS, .offsets = offsets, .keys = keys};
+    em_error err;
+    for (size_t k = 0; k < sizeof(shapes) / sizeof(shapes[0]); k++) {
+        const request_shape *shape = &shapes[k];
+        em_table_config config = table_config(DIM, 100000, shape->shards, EM_OPTIMIZER_ADAGRAD,
+                                              EM_INIT_UNIFORM);
+        em_table *table = em_test_make_table(gpu, &config);
+        for (uint32_t i = 0; i < KEYS; i++)
+            keys[i] = 7 * (uint64_t)i + 1;
+        if (!shape->fresh) /* the keys present first */
+            ck_assert_int_eq(em_test_push(table, &batch, EM_COMBINER_NONE, vectors, NULL, &err),
+                             EM_OK);
+        uint64_t operations = 0, waits = 0, operations_after = 0, waits_after = 0;
+        em_gpu_emulated_counts(&operations, &waits);
+        em_status status =
+            shape->push ? em_test_push(table, &batch, EM_COMBINER_NONE, vectors, NULL, &err)
+                        : em_test_pull(table, &batch, EM_COMBINER_NONE, true, vectors, NULL, &err);
+        ck_assert_msg(status == EM_OK, "%s", err.message);
+        em_gpu_emulated_counts(&operations_after, &waits_after);
+        operations = operations_after - operations;
+        waits = waits_after - waits;
+        printf("%-20s %u shard(s): %3" PRIu64 " operations, %2" PRIu64 " host waits\n",
+               shape->what, shape->shards, operations, waits);
+        ck_assert_msg(operations <= shape->operations && waits <= shape->waits,
+                      "%s, %u shard(s): %" PRIu64 " operations and %" PRIu64 " waits, more than "
+                      "the %" PRIu64 " and %" PRIu64 " measured before",
+                      shape->what, shape->shards, operations, waits, shape->operations,
+                      shape->waits);
+        em_table_destroy(table);
+    }
+    free(keys);
+    free(offsets);
+    free(vectors);
+    em_backend_destroy(gpu);
+}
+END_TEST
+#endif
+
 /* Loop index: the capacity policy (lru, lfu, age, expiry, counter admission,
  * probability admission). The same stream of one-key pulls and pushes over a key space
  * of four times the capacity on both backends, every row compared at each eviction
@@ -1403,6 +1480,9 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, outputs_at_any_alignment, 0, 4);
     tcase_add_test(tc, a_table_beyond_2_31_floats);
     tcase_add_loop_test(tc, requests_in_pinned_buffers_match_pageable_ones, 0, 3);
+#ifdef EM_CUDA_EMULATED
+    tcase_add_test(tc, host_waits_and_operations_per_request);
+#endif
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);
     tcase_add_test(tc, nccl_first_and_a_fallback_that_says_why);

@@ -36,6 +36,7 @@
 
 #include "kernels/kernel_logic.h"
 #include "lib/base/failpoint.h"
+#include "tests/support/kernels_emulated.h"
 
 #define MAX_DEVICES 16
 #define MAX_REGIONS 4096
@@ -120,9 +121,19 @@ static void protect_all(int protection)
             abort();
 }
 
+/* What the host asked of the emulated GPUs (em_gpu_emulated_counts). */
+static _Atomic uint64_t operations_issued, host_waits;
+
+void em_gpu_emulated_counts(uint64_t *operations, uint64_t *waits)
+{
+    *operations = atomic_load(&operations_issued);
+    *waits = atomic_load(&host_waits);
+}
+
 /* Device work runs between these two: regions readable and writable, one at a time. */
 static void enter_device(void)
 {
+    atomic_fetch_add(&operations_issued, 1);
     if (em_failpoint_hit(EM_FAILPOINT_GPU_FAULT, NULL))
         atomic_store(&faulted, true);
     pthread_mutex_lock(&device_lock);
@@ -254,6 +265,7 @@ void em_gpu_stream_destroy(em_gpu_stream *stream)
 em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
 {
     (void)stream;
+    atomic_fetch_add(&host_waits, 1);
     return ok();
 }
 
@@ -294,6 +306,7 @@ em_gpu_status em_gpu_stream_wait(em_gpu_stream *stream, em_gpu_event *event)
 em_gpu_status em_gpu_event_synchronize(em_gpu_event *event)
 {
     (void)event;
+    atomic_fetch_add(&host_waits, 1);
     return ok();
 }
 

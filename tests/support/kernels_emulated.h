@@ -1,0 +1,15 @@
+/*
+ * What tests can ask of the emulated kernels (tests/support/kernels_emulated.c) beyond
+ * kernels/ember_kernels.h.
+ */
+#ifndef EMBER_TESTS_SUPPORT_KERNELS_EMULATED_H
+#define EMBER_TESTS_SUPPORT_KERNELS_EMULATED_H
+
+#include <stdint.h>
+
+/* Since the process started: *operations, the copies, fills and kernels the host
+ * enqueued on the emulated GPUs; *waits, the times it waited for them (stream or event
+ * synchronisations). */
+void em_gpu_emulated_counts(uint64_t *operations, uint64_t *waits);
+
+#endif
