@@ -200,6 +200,11 @@ em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void 
 
 /* ---- shards (lib/device/cuda_shard.c) ---- */
 
+em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,
+                                           const uint64_t *keys, const uint64_t *rows, uint64_t n,
+                                           const float *gradients, float gradient_bound,
+                                           uint64_t *first_problem, int *bounded, float *largest,
+                                           em_error *err);
 em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                      const uint64_t *rows, uint64_t n, const float *gradients,
                                      float gradient_bound, uint64_t *first_problem, int *bounded,
@@ -221,6 +226,8 @@ em_status em__cuda_shard_read_rows(em_shard *base, em_lane *lane_base, const uin
 
 em_status em__cuda_shard_find(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                               uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
+em_status em__cuda_shard_find_async(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                                    uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
 
 em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,
                                 uint64_t n, const uint32_t *targets, float *vectors,

@@ -403,6 +403,23 @@ em_status em__cuda_shard_find(em_shard *base, em_lane *lane_base, const uint64_t
     return status;
 }
 
+/* The map may grow (and its old slots go back to the pool) once this find is done: the
+ * read it records makes the growing lane wait for it (order_write). */
+em_status em__cuda_shard_find_async(em_shard *base, em_lane *lane_base, const uint64_t *keys,
+                                    uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    em_status status =
+        lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)), err);
+    if (status == EM_OK && n > 0)
+        status = lane_check(lane, em_gpu_map_find(lane->stream, map_view(shard), keys, n, rows,
+                                                  missing), err);
+    if (status == EM_OK && n > 0)
+        status = record_read(shard, lane, err);
+    return status;
+}
+
 static em_status reserve_free_rows(cuda_shard *shard, cuda_lane *lane, uint64_t count,
                                    em_error *err);
 
@@ -554,29 +571,45 @@ em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64
     return status;
 }
 
+em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,
+                                           const uint64_t *keys, const uint64_t *rows, uint64_t n,
+                                           const float *gradients, float gradient_bound,
+                                           uint64_t *first_problem, int *bounded, float *largest,
+                                           em_error *err)
+{
+    (void)gradient_bound; /* the check kernel reads every gradient anyway */
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    *bounded = 0; /* not computed here: a moved shard is always checked again */
+    *largest = -1.0f;
+    em_status status = lane_check(lane, em_gpu_memset_async(lane->stream, first_problem, 0xff,
+                                                            sizeof(uint64_t)), err);
+    if (status != EM_OK || n == 0)
+        return status;
+    status = order_read(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_check(lane->stream, storage_view(shard),
+                                                    shard->optimizer, shard->initializer, keys,
+                                                    rows, n, gradients, first_problem), err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    return status;
+}
+
 em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                      const uint64_t *rows, uint64_t n, const float *gradients,
                                      float gradient_bound, uint64_t *first_problem, int *bounded,
                                      float *largest, em_error *err)
 {
-    (void)gradient_bound; /* the check kernel reads every gradient anyway */
-    cuda_shard *shard = shard_of(base);
     cuda_lane *lane = lane_of(lane_base);
     *first_problem = UINT64_MAX;
-    *bounded = 0; /* not computed here: a moved shard is always checked again */
+    *bounded = 0;
     *largest = -1.0f;
     if (n == 0)
         return EM_OK;
-    em_status status = order_read(shard, lane, err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_memset_async(lane->stream, lane->counter, 0xff,
-                                                      sizeof(uint64_t)), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_check(lane->stream, storage_view(shard),
-                                                    shard->optimizer, shard->initializer, keys,
-                                                    rows, n, gradients, lane->counter), err);
-    if (status == EM_OK)
-        status = record_read(shard, lane, err);
+    em_status status = em__cuda_shard_check_apply_async(base, lane_base, keys, rows, n, gradients,
+                                                        gradient_bound, lane->counter, bounded,
+                                                        largest, err);
     if (status == EM_OK)
         status = em__cuda_copy_to_host(lane_base, first_problem, lane->counter, sizeof(uint64_t),
                                        err);

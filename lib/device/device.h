@@ -168,6 +168,12 @@ typedef struct em_device_ops {
      * Safe concurrently with other finds and gathers on the shard. */
     em_status (*shard_find)(em_shard *shard, em_lane *lane, const uint64_t *keys, uint64_t n,
                             uint64_t *rows, uint64_t *missing, em_error *err);
+    /* shard_find without waiting: *missing is a device word, written when the lane's
+     * work gets there, so that the finds of several shards are read back at once. The
+     * shard's later writes (growth included) wait for this find. NULL where the
+     * device finds synchronously anyway (the CPU). */
+    em_status (*shard_find_async)(em_shard *shard, em_lane *lane, const uint64_t *keys,
+                                  uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
     /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
      * the shard's rows have been evicted (shard_evict; evicted <= new_keys), so that
      * insert_missing of that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the
@@ -201,6 +207,15 @@ typedef struct em_device_ops {
                                    const uint64_t *rows, uint64_t n, const float *gradients,
                                    float gradient_bound, uint64_t *first_problem, int *bounded,
                                    float *largest, em_error *err);
+    /* shard_check_apply without waiting: *first_problem is a device word, written when
+     * the lane's work gets there, so that the checks of several shards are read back at
+     * once; *bounded and *largest (host) are set at once. NULL where the device checks
+     * synchronously anyway (the CPU). */
+    em_status (*shard_check_apply_async)(em_shard *shard, em_lane *lane, const uint64_t *keys,
+                                         const uint64_t *rows, uint64_t n,
+                                         const float *gradients, float gradient_bound,
+                                         uint64_t *first_problem, int *bounded, float *largest,
+                                         em_error *err);
     /* One optimizer step per row with gradients[i] (dim floats each); EM_ROW_REJECTED
      * rows are skipped. Rows distinct.
      * largest: a bound on the gradients' element sizes from shard_check_apply, or -1 when

@@ -341,28 +341,49 @@ static uint64_t shard_key_count(const request_context *r, uint32_t s)
     return r->shard_start[s + 1] - r->shard_start[s];
 }
 
-static em_status find_keys(request_context *r, em_error *err)
+/* Finds the keys of every shard of a device. Where the device can (shard_find_async),
+ * the shards' missing counts land in device words and come back together, one wait for
+ * the device instead of one per shard. */
+static em_status find_on_device(request_context *r, segment *seg, em_error *err)
 {
     em_table *table = r->table;
+    const em_device_ops *ops = seg->device->ops;
+    uint32_t shards = seg->end_shard - seg->first_shard;
+    uint64_t *counts = NULL; /* device words, one per shard */
+    em_status status = em__request_alloc(r, seg->device, seg->count * sizeof(uint64_t),
+                                         "key rows", (void **)&seg->rows, err);
+    if (status == EM_OK && ops->shard_find_async != NULL)
+        status = em__request_alloc(r, seg->device, shards * sizeof(uint64_t), "missing counts",
+                                   (void **)&counts, err);
+    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
+        uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
+        /* keys are created (and maps grow) under the shard's write lock */
+        em__shard_read_lock(table, s);
+        r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s],
+                                                memory_order_relaxed);
+        status = counts != NULL
+                     ? ops->shard_find_async(table->shards[s], seg->lane, seg->keys + offset, n,
+                                             seg->rows + offset, &counts[s - seg->first_shard],
+                                             err)
+                     : ops->shard_find(table->shards[s], seg->lane, seg->keys + offset, n,
+                                       seg->rows + offset, &r->shard_missing[s], err);
+        pthread_rwlock_unlock(&table->shard_locks[s]);
+    }
+    if (status == EM_OK && counts != NULL)
+        status = ops->copy_to_host(seg->lane, &r->shard_missing[seg->first_shard], counts,
+                                   shards * sizeof(uint64_t), err);
+    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++)
+        r->missing += r->shard_missing[s];
+    return status;
+}
+
+static em_status find_keys(request_context *r, em_error *err)
+{
     r->missing = 0;
-    for (uint32_t d = 0; d < table->backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        if (seg->count == 0)
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
+        if (r->segments[d].count == 0)
             continue;
-        em_status status = em__request_alloc(r, seg->device, seg->count * sizeof(uint64_t),
-                                             "key rows", (void **)&seg->rows, err);
-        for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
-            uint64_t offset = shard_offset(r, seg, s);
-            /* keys are created (and maps grow) under the shard's write lock */
-            em__shard_read_lock(table, s);
-            r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s],
-                                                    memory_order_relaxed);
-            status = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
-                                                  shard_key_count(r, s), seg->rows + offset,
-                                                  &r->shard_missing[s], err);
-            pthread_rwlock_unlock(&table->shard_locks[s]);
-            r->missing += r->shard_missing[s];
-        }
+        em_status status = find_on_device(r, &r->segments[d], err);
         if (status != EM_OK)
             return status;
     }
@@ -1104,42 +1125,80 @@ static em_status describe_problem(request_context *r, const segment *seg, uint64
                         element - dim);
 }
 
-/* Asks shard s (of segment seg) whether its rows' steps keep them finite; a problem
- * becomes the error. */
-static em_status check_shard(request_context *r, segment *seg, uint32_t s, shard_check *check,
-                             em_error *err)
+/* Asks shard s (of segment seg) whether its rows' steps keep them finite: *problem
+ * (host, or a device word where `async`) as shard_check_apply says. */
+static em_status check_shard(request_context *r, segment *seg, uint32_t s, bool async,
+                             uint64_t *problem, shard_check *check, em_error *err)
 {
     em_table *table = r->table;
+    const em_device_ops *ops = seg->device->ops;
     uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
-    uint64_t problem = UINT64_MAX;
+    const float *gradients = (const float *)seg->payload + offset * table->config.dim;
     check->version = table->shard_versions[s];
-    em_status status = seg->device->ops->shard_check_apply(
-        table->shards[s], seg->lane, seg->keys + offset, seg->rows + offset, n,
-        (const float *)seg->payload + offset * table->config.dim, r->gradient_bound, &problem,
-        &check->bounded, &check->largest, err);
-    if (status == EM_OK && problem != UINT64_MAX) {
-        status = describe_problem(r, seg, offset, problem, err);
-        if (status == EM_INVALID_ARGUMENT)
-            em_error_prefix(err, "push to table '%s': ", table->config.name);
-    }
+    if (async)
+        return ops->shard_check_apply_async(table->shards[s], seg->lane, seg->keys + offset,
+                                            seg->rows + offset, n, gradients, r->gradient_bound,
+                                            problem, &check->bounded, &check->largest, err);
+    return ops->shard_check_apply(table->shards[s], seg->lane, seg->keys + offset,
+                                  seg->rows + offset, n, gradients, r->gradient_bound, problem,
+                                  &check->bounded, &check->largest, err);
+}
+
+/* The push's error when a shard's check found a problem (UINT64_MAX: none). */
+static em_status problem_error(request_context *r, const segment *seg, uint32_t s,
+                               uint64_t problem, em_error *err)
+{
+    if (problem == UINT64_MAX)
+        return EM_OK;
+    em_status status = describe_problem(r, seg, shard_offset(r, seg, s), problem, err);
+    if (status == EM_INVALID_ARGUMENT)
+        em_error_prefix(err, "push to table '%s': ", r->table->config.name);
     return status;
 }
 
-/* Checks every shard under its read lock, so pushes check side by side. */
-static em_status check_shards(request_context *r, shard_check *checks, em_error *err)
+/* Checks every shard of a device under its read lock, so pushes check side by side;
+ * where the device can (shard_check_apply_async), the shards' answers come back
+ * together, one wait for the device. The first problem becomes the error. */
+static em_status check_on_device(request_context *r, segment *seg, shard_check *checks,
+                                 em_error *err)
 {
     em_table *table = r->table;
-    for (uint32_t d = 0; d < table->backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            if (shard_key_count(r, s) == 0)
-                continue;
-            em__shard_read_lock(table, s);
-            em_status status = check_shard(r, seg, s, &checks[s], err);
-            pthread_rwlock_unlock(&table->shard_locks[s]);
-            if (status != EM_OK)
-                return status;
-        }
+    uint32_t shards = seg->end_shard - seg->first_shard;
+    bool async = seg->device->ops->shard_check_apply_async != NULL;
+    uint64_t *problems = malloc((shards + 1) * sizeof(uint64_t)), *device_problems = NULL;
+    em_status status = problems == NULL ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                                       "push: out of host memory")
+                       : async ? em__request_alloc(r, seg->device, shards * sizeof(uint64_t),
+                                                   "check answers", (void **)&device_problems,
+                                                   err)
+                               : EM_OK;
+    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
+        uint64_t *problem = async ? &device_problems[s - seg->first_shard]
+                                  : &problems[s - seg->first_shard];
+        if (shard_key_count(r, s) == 0)
+            continue; /* its answer is not read */
+        em__shard_read_lock(table, s);
+        status = check_shard(r, seg, s, async, problem, &checks[s], err);
+        pthread_rwlock_unlock(&table->shard_locks[s]);
+    }
+    if (status == EM_OK && async)
+        status = seg->device->ops->copy_to_host(seg->lane, problems, device_problems,
+                                                shards * sizeof(uint64_t), err);
+    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++)
+        if (shard_key_count(r, s) != 0)
+            status = problem_error(r, seg, s, problems[s - seg->first_shard], err);
+    free(problems);
+    return status;
+}
+
+static em_status check_shards(request_context *r, shard_check *checks, em_error *err)
+{
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
+        if (r->segments[d].count == 0)
+            continue;
+        em_status status = check_on_device(r, &r->segments[d], checks, err);
+        if (status != EM_OK)
+            return status;
     }
     return EM_OK;
 }
@@ -1162,7 +1221,10 @@ static em_status recheck_stale_shards(request_context *r, shard_check *checks, e
             if (shard_key_count(r, s) == 0)
                 continue;
             if (check_stale(&checks[s], table->shard_versions[s])) {
-                em_status status = check_shard(r, seg, s, &checks[s], err);
+                uint64_t problem = UINT64_MAX;
+                em_status status = check_shard(r, seg, s, false, &problem, &checks[s], err);
+                if (status == EM_OK)
+                    status = problem_error(r, seg, s, problem, err);
                 if (status != EM_OK)
                     return status;
             }

@@ -1226,6 +1226,50 @@ START_TEST(nccl_first_and_a_fallback_that_says_why)
 }
 END_TEST
 
+/* A push over 8 shards whose step would overflow a row of one of them is refused whole
+ * with the CPU's message (the GPU checks every shard, then reads the answers back
+ * together); nothing changes on either backend. */
+START_TEST(a_push_refused_in_one_shard_of_eight_says_what_the_cpu_says)
+{
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(6, 10000, 8, EM_OPTIMIZER_SGD, EM_INIT_UNIFORM);
+    config.optimizer.learning_rate = 1e6f;
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    enum { KEYS = 400 };
+    uint64_t keys[KEYS];
+    uint32_t offsets[KEYS + 1];
+    float g[KEYS * 6];
+    for (uint32_t i = 0; i < KEYS; i++)
+        keys[i] = 1000 + 31 * (uint64_t)i;
+    for (uint32_t i = 0; i <= KEYS; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < KEYS * 6; i++)
+        g[i] = 0.125f;
+    em_csr batch = {.rows = KEYS, .nnz = KEYS, .offsets = offsets, .keys = keys};
+    em_error err, errors[2];
+    for (int b = 0; b < 2; b++)
+        ck_assert_int_eq(em_test_push(tables[b], &batch, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    g[(KEYS - 3) * 6 + 4] = 1e35f; /* key KEYS - 3: its weight element 4 overflows */
+    for (int b = 0; b < 2; b++) {
+        em_test_snapshot before = em_test_snapshot_take(tables[b], 64);
+        ck_assert_int_eq(em_test_push(tables[b], &batch, EM_COMBINER_NONE, g, NULL, &errors[b]),
+                         EM_INVALID_ARGUMENT);
+        em_test_assert_table_unchanged(tables[b], &before);
+        em_test_snapshot_free(&before);
+    }
+    char expected[128];
+    snprintf(expected, sizeof(expected), "key %" PRIu64 ": this sgd step would make weight "
+             "element 4 non-finite", keys[KEYS - 3]);
+    ck_assert_msg(strstr(errors[1].message, expected) != NULL, "%s", errors[1].message);
+    ck_assert_str_eq(errors[1].message, errors[0].message);
+    for (int b = 0; b < 2; b++)
+        em_table_destroy(tables[b]);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 #ifdef EM_CUDA_EMULATED
 /* What one request asks of the GPU, counted by the emulation: operations enqueued
  * (copies, fills, kernels) and host waits (stream and event synchronisations, each a
@@ -1247,10 +1291,10 @@ START_TEST(host_waits_and_operations_per_request)
         {"pull, creating", 1, false, true, 21, 7},
         {"push, present keys", 1, true, false, 22, 5},
         {"push, creating", 1, true, true, 27, 7},
-        {"pull, present keys", 8, false, false, 46, 13},
-        {"pull, creating", 8, false, true, 86, 29},
-        {"push, present keys", 8, true, false, 74, 20},
-        {"push, creating", 8, true, true, 114, 36},
+        {"pull, present keys", 8, false, false, 39, 6},
+        {"pull, creating", 8, false, true, 79, 22},
+        {"push, present keys", 8, true, false, 60, 6},
+        {"push, creating", 8, true, true, 100, 22},
     };
     enum { KEYS = 1000, DIM = 16 };
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
@@ -1480,6 +1524,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, outputs_at_any_alignment, 0, 4);
     tcase_add_test(tc, a_table_beyond_2_31_floats);
     tcase_add_loop_test(tc, requests_in_pinned_buffers_match_pageable_ones, 0, 3);
+    tcase_add_test(tc, a_push_refused_in_one_shard_of_eight_says_what_the_cpu_says);
 #ifdef EM_CUDA_EMULATED
     tcase_add_test(tc, host_waits_and_operations_per_request);
 #endif
