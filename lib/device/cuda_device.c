@@ -14,7 +14,10 @@
  * in half-sized chunks, two in flight. Host buffers in the backend's pinned host
  * buffers are copied directly both ways (host_buffers.h). Device to host copies are
  * staged and synchronise the stream; one of a few words (a count) goes through the
- * words kept for it, so it waits once, for itself. Operations that return a count
+ * words kept for it, so it waits once, for itself. A lane counts what it issues, so
+ * synchronising a lane with nothing issued since its last synchronisation (the end of
+ * a request right after its answer came back) costs no round trip. Operations that
+ * return a count
  * (unique, partition, find, insert, export) synchronise too; the others (sums,
  * pooling, gather, apply, writes) return as soon as their kernels are enqueued.
  * Scratch an asynchronous operation still uses is freed once its lane synchronizes
@@ -139,6 +142,7 @@ int em__cuda_device_ordinal(const em_device *device)
 
 em_gpu_stream *em__cuda_lane_stream(em_lane *lane)
 {
+    lane_of(lane)->issued++; /* the caller enqueues on it */
     return lane_of(lane)->stream;
 }
 
@@ -182,7 +186,11 @@ static void free_deferred(cuda_lane *lane)
 /* Waits for everything issued on the lane, then frees what was waiting for that. */
 em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
 {
-    em_status status = lane_check(lane, em_gpu_stream_synchronize(lane->stream), err);
+    em_status status = EM_OK;
+    if (lane->issued != lane->synced) /* else nothing can be running: no round trip */
+        status = lane_check(lane, em_gpu_stream_synchronize(lane->stream), err);
+    if (status == EM_OK)
+        lane->synced = lane->issued;
     lane->staging_in_flight[0] = lane->staging_in_flight[1] = false;
     free_deferred(lane);
     return status;
@@ -349,8 +357,11 @@ em_status em__cuda_copy_to_host(em_lane *base, void *host_destination, const voi
         size_t chunk = bytes - done < half ? bytes - done : half;
         if (done + chunk < bytes)
             status = stage_from_device(lane, 1 - h, source, done + chunk, bytes, err);
+        /* the last chunk is the lane's last work: waiting for the lane waits for it, and
+         * leaves the lane known idle (a synchronisation right after costs nothing) */
         if (status == EM_OK)
-            status = wait_for_staging(lane, h, err);
+            status = done + chunk < bytes ? wait_for_staging(lane, h, err)
+                                          : em__cuda_lane_sync(lane, err);
         if (status != EM_OK)
             break;
         memcpy((uint8_t *)host_destination + done, staging_half(lane, h), chunk);
@@ -358,9 +369,6 @@ em_status em__cuda_copy_to_host(em_lane *base, void *host_destination, const voi
         h = 1 - h;
     }
     lane->staging_next = h;
-    /* the last chunk's copy followed all the lane's earlier work: its scratch is free */
-    if (status == EM_OK && bytes > 0)
-        free_deferred(lane);
     return status;
 }
 

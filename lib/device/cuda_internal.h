@@ -56,6 +56,10 @@ typedef struct cuda_lane {
     uint64_t *counter;          /* device word for counts (find) */
     void *deferred[DEFERRED_MAX];
     uint32_t deferred_count;
+    /* Calls that went to the GPU for this lane (lane_check counts every one, and handing
+     * out its stream counts as one), and their number at the last synchronisation: a
+     * lane with nothing issued since is idle, and synchronising it waits for nothing. */
+    uint64_t issued, synced;
 } cuda_lane;
 
 typedef struct cuda_state {
@@ -131,8 +135,10 @@ typedef struct scratch {
     uint32_t count;
 } scratch;
 
-static inline em_status lane_check(const cuda_lane *lane, em_gpu_status status, em_error *err)
+/* The status of a call that went to the GPU for lane (counted: cuda_lane.issued). */
+static inline em_status lane_check(cuda_lane *lane, em_gpu_status status, em_error *err)
 {
+    lane->issued++;
     return em__cuda_check(status, lane->base.device->name, err);
 }
 
