@@ -207,8 +207,10 @@ static em_status pinned_reserve(void *context, size_t bytes, uintptr_t *base, em
     void *raw = NULL;
     em_status status = em__cuda_check(em_gpu_host_alloc(bytes + 2 * EM_POOL_ALIGNMENT, &raw),
                                       "pinned host buffers", err);
-    if (status != EM_OK)
-        return em_error_prefix(err, "%zu bytes: ", bytes);
+    if (status != EM_OK) {
+        em_error_prefix(err, "%zu bytes: ", bytes);
+        return status;
+    }
     uintptr_t start = ((uintptr_t)raw + sizeof(void *) + EM_POOL_ALIGNMENT - 1) /
                       EM_POOL_ALIGNMENT * EM_POOL_ALIGNMENT;
     memcpy((void *)(start - sizeof(void *)), &raw, sizeof(void *));

@@ -76,7 +76,8 @@ em_status em_host_buffers_create(const em_host_buffers_options *options, em_host
     em_status status = em_pool_create(&pool, &buffers->pool, err);
     if (status != EM_OK) {
         free(buffers);
-        return em_error_prefix(err, "pinned host buffers: ");
+        em_error_prefix(err, "pinned host buffers: ");
+        return status;
     }
     *out = buffers;
     return EM_OK;
