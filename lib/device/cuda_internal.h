@@ -86,6 +86,7 @@ typedef struct cuda_shard {
     uint64_t slot_count;
     uint64_t hash_seed;    /* the map's seed (EM_HASHMAP_SEED unless the table has one) */
     em_gpu_map_header *header;
+    em_gpu_map_header *header_host; /* pinned: where an asynchronous insert's copy lands */
     uint64_t size;         /* keys stored (host copy of header rows - free_count) */
     uint64_t side_rows[2]; /* rows of the keys EMPTY and TOMBSTONE, host copy */
     uint64_t row_limit;    /* rows handed out from the counter (host copy) */
@@ -239,6 +240,10 @@ em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64
                                 uint64_t n, const uint32_t *targets, float *vectors,
                                 em_error *err);
 
+em_status em__cuda_shard_insert_missing_async(em_shard *base, em_lane *lane_base,
+                                             const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                             bool initialize, em_error *err);
+em_status em__cuda_shard_insert_settle(em_shard *base, em_error *err);
 em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
                                         const uint64_t *keys, uint64_t n, uint64_t *rows,
                                         bool initialize, em_error *err);

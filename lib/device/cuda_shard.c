@@ -294,6 +294,7 @@ void em__cuda_shard_destroy(em_shard *base)
     em_device_free(device, shard->free_rows);
     em_device_free(device, shard->slots);
     em_device_free(device, shard->header);
+    em_gpu_host_free(shard->header_host);
     destroy_shard_events(shard, state_of(device)->lane_count);
     pthread_mutex_destroy(&shard->order_lock);
     free(shard);
@@ -376,6 +377,10 @@ em_status em__cuda_shard_create(em_device *device, const em_shard_spec *spec, em
     pthread_mutex_init(&shard->order_lock, NULL);
     em_status status = create_shard_events(shard, err);
     if (status == EM_OK)
+        status = em__cuda_check(em_gpu_host_alloc(sizeof(em_gpu_map_header),
+                                                  (void **)&shard->header_host),
+                                device->name, err);
+    if (status == EM_OK)
         status = create_map(shard, spec->expected_rows, err);
     if (status != EM_OK) {
         em__cuda_shard_destroy(&shard->base);
@@ -447,15 +452,10 @@ em_status em__cuda_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_key
     return status;
 }
 
-/* Reads the map's header back into the host copies; INTERNAL if an insert overflowed
- * the slots or the storage (reserve was not called first). */
-static em_status read_back_header(cuda_shard *shard, cuda_lane *lane, em_error *err)
+/* Takes the map's header (read back) into the host copies; INTERNAL if an insert
+ * overflowed the slots or the storage (reserve was not called first). */
+static em_status take_header(cuda_shard *shard, em_gpu_map_header header, em_error *err)
 {
-    em_gpu_map_header header;
-    em_status status =
-        em__cuda_copy_to_host(&lane->base, &header, shard->header, sizeof(header), err);
-    if (status != EM_OK)
-        return status;
     shard->size = header.rows - header.free_count;
     shard->row_limit = header.rows;
     shard->free_count = header.free_count;
@@ -471,17 +471,21 @@ static em_status read_back_header(cuda_shard *shard, cuda_lane *lane, em_error *
     return EM_OK;
 }
 
-/* Rows are always initialised here: the insert kernel writes them as it claims them. */
-em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
-                                           const uint64_t *keys, uint64_t n, uint64_t *rows,
-                                           bool initialize, em_error *err)
+static em_status read_back_header(cuda_shard *shard, cuda_lane *lane, em_error *err)
 {
-    (void)initialize;
-    cuda_shard *shard = shard_of(base);
-    cuda_lane *lane = lane_of(lane_base);
-    if (n == 0)
-        return EM_OK;
-    scratch s = {.device = base->device};
+    em_gpu_map_header header;
+    em_status status =
+        em__cuda_copy_to_host(&lane->base, &header, shard->header, sizeof(header), err);
+    return status == EM_OK ? take_header(shard, header, err) : status;
+}
+
+/* Enqueues the insert of the keys whose rows are EM_ROW_NONE, their rows' initial
+ * values, and (with header_copy) the copy of the map's header into header_host. Rows
+ * are always initialised here: the insert kernel writes them as it claims them. */
+static em_status enqueue_insert(cuda_shard *shard, cuda_lane *lane, const uint64_t *keys,
+                                uint64_t n, uint64_t *rows, bool header_copy, em_error *err)
+{
+    scratch s = {.device = shard->base.device};
     uint8_t *inserted = NULL;
     em_status status = scratch_take(&s, n, "insert flags", (void **)&inserted, err);
     if (status == EM_OK)
@@ -497,12 +501,45 @@ em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
                                                    shard->optimizer), err);
     if (status == EM_OK)
         status = record_write(shard, lane, err);
-    if (status == EM_OK)
-        status = read_back_header(shard, lane, err);
-    if (status != EM_OK)
-        return em__cuda_finish_async(&s, lane, status, err);
-    scratch_free_now(&s);
-    return EM_OK;
+    if (status == EM_OK && header_copy)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, shard->header_host,
+                                                      shard->header, sizeof(em_gpu_map_header)),
+                            err);
+    /* the flags go back to the pool once the lane has synchronized */
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
+em_status em__cuda_shard_insert_missing(em_shard *base, em_lane *lane_base,
+                                           const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                           bool initialize, em_error *err)
+{
+    (void)initialize;
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    if (n == 0)
+        return EM_OK;
+    em_status status = enqueue_insert(shard, lane, keys, n, rows, false, err);
+    return status == EM_OK ? read_back_header(shard, lane, err) : status;
+}
+
+em_status em__cuda_shard_insert_missing_async(em_shard *base, em_lane *lane_base,
+                                             const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                             bool initialize, em_error *err)
+{
+    (void)initialize;
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    if (n == 0) /* nothing to insert: the header still comes back for the settle */
+        return lane_check(lane, em_gpu_memcpy_async(lane->stream, shard->header_host,
+                                                    shard->header, sizeof(em_gpu_map_header)),
+                          err);
+    return enqueue_insert(shard, lane, keys, n, rows, true, err);
+}
+
+em_status em__cuda_shard_insert_settle(em_shard *base, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    return take_header(shard, *shard->header_host, err);
 }
 
 /* Makes the free list hold count rows, keeping the ones on it. */

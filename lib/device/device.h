@@ -188,6 +188,16 @@ typedef struct em_device_ops {
     em_status (*shard_insert_missing)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                       uint64_t n, uint64_t *rows, bool initialize,
                                       em_error *err);
+    /* shard_insert_missing without waiting: the shard's counters come back with the
+     * lane's next synchronisation, after which shard_insert_settle takes them in, so
+     * that the inserts of several shards wait once. The caller holds the shard's write
+     * lock from one to the other. NULL where inserts are synchronous (the CPU). */
+    em_status (*shard_insert_missing_async)(em_shard *shard, em_lane *lane,
+                                            const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                            bool initialize, em_error *err);
+    /* After shard_insert_missing_async and a synchronisation of its lane. Errors:
+     * INTERNAL when the insert overflowed what shard_reserve made room for. */
+    em_status (*shard_insert_settle)(em_shard *shard, em_error *err);
     /* vectors[t] = weights of rows[i] (zeros for EM_ROW_NONE and EM_ROW_REJECTED), dim
      * floats each, where
      * t = targets[i], or t = i when targets is NULL. */

@@ -496,25 +496,60 @@ static em_status reserve_missing(request_context *r, const uint64_t *evict, em_e
     return EM_OK;
 }
 
-static em_status insert_missing(request_context *r, em_error *err)
+/* Inserts the missing keys of a device's shards (their write locks held). Where the
+ * device can (shard_insert_missing_async), the inserts of all its shards wait once. */
+static em_status insert_on_device(request_context *r, segment *seg, em_error *err)
 {
     em_table *table = r->table;
-    for (uint32_t d = 0; d < table->backend->device_count; d++) {
-        segment *seg = &r->segments[d];
-        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            if (r->shard_missing[s] == 0)
-                continue;
-            uint64_t offset = shard_offset(r, seg, s);
-            em_status status = seg->device->ops->shard_insert_missing(
-                table->shards[s], seg->lane, seg->keys + offset, shard_key_count(r, s),
-                seg->rows + offset, !r->rows_written_next, err);
-            if (status != EM_OK)
-                return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
-            em__rows_added(table, r->shard_missing[s]);
-            atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
+    const em_device_ops *ops = seg->device->ops;
+    bool any = false;
+    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++)
+        any = any || r->shard_missing[s] != 0;
+    if (!any)
+        return EM_OK;
+    bool async = ops->shard_insert_missing_async != NULL;
+    em_status status = EM_OK;
+    uint32_t failed = seg->end_shard; /* the shard whose insert failed */
+    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
+        if (r->shard_missing[s] == 0)
+            continue;
+        uint64_t offset = shard_offset(r, seg, s);
+        status = (async ? ops->shard_insert_missing_async : ops->shard_insert_missing)(
+            table->shards[s], seg->lane, seg->keys + offset, shard_key_count(r, s),
+            seg->rows + offset, !r->rows_written_next, err);
+        if (status != EM_OK) {
+            em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+            failed = s;
         }
     }
-    atomic_fetch_add_explicit(&table->rows_created, r->missing, memory_order_relaxed);
+    /* the shards before a failed one have their keys: they are taken in and counted */
+    em_error later;
+    em_status settled = async ? ops->synchronize(seg->lane, status == EM_OK ? err : &later)
+                              : EM_OK;
+    for (uint32_t s = seg->first_shard; settled == EM_OK && s < failed; s++) {
+        if (r->shard_missing[s] == 0)
+            continue;
+        if (async && (settled = ops->shard_insert_settle(table->shards[s],
+                                                         status == EM_OK ? err : &later)) !=
+                         EM_OK) {
+            if (status == EM_OK)
+                em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+            break;
+        }
+        em__rows_added(table, r->shard_missing[s]);
+        atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
+    }
+    return status != EM_OK ? status : settled;
+}
+
+static em_status insert_missing(request_context *r, em_error *err)
+{
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
+        em_status status = insert_on_device(r, &r->segments[d], err);
+        if (status != EM_OK)
+            return status;
+    }
+    atomic_fetch_add_explicit(&r->table->rows_created, r->missing, memory_order_relaxed);
     return EM_OK;
 }
 

@@ -1292,9 +1292,9 @@ START_TEST(host_waits_and_operations_per_request)
         {"push, present keys", 1, true, false, 22, 4},
         {"push, creating", 1, true, true, 27, 6},
         {"pull, present keys", 8, false, false, 39, 4},
-        {"pull, creating", 8, false, true, 79, 20},
+        {"pull, creating", 8, false, true, 79, 13},
         {"push, present keys", 8, true, false, 60, 5},
-        {"push, creating", 8, true, true, 100, 21},
+        {"push, creating", 8, true, true, 100, 14},
     };
     enum { KEYS = 1000, DIM = 16 };
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
