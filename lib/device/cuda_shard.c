@@ -479,6 +479,14 @@ static em_status read_back_header(cuda_shard *shard, cuda_lane *lane, em_error *
     return status == EM_OK ? take_header(shard, header, err) : status;
 }
 
+/* Enqueues the copy of the map's header into header_host (shard_insert_settle). */
+static em_status copy_header_back(cuda_shard *shard, cuda_lane *lane, em_error *err)
+{
+    return lane_check(lane, em_gpu_memcpy_async(lane->stream, shard->header_host, shard->header,
+                                                sizeof(em_gpu_map_header)),
+                      err);
+}
+
 /* Enqueues the insert of the keys whose rows are EM_ROW_NONE, their rows' initial
  * values, and (with header_copy) the copy of the map's header into header_host. Rows
  * are always initialised here: the insert kernel writes them as it claims them. */
@@ -502,9 +510,7 @@ static em_status enqueue_insert(cuda_shard *shard, cuda_lane *lane, const uint64
     if (status == EM_OK)
         status = record_write(shard, lane, err);
     if (status == EM_OK && header_copy)
-        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, shard->header_host,
-                                                      shard->header, sizeof(em_gpu_map_header)),
-                            err);
+        status = copy_header_back(shard, lane, err);
     /* the flags go back to the pool once the lane has synchronized */
     return em__cuda_finish_async(&s, lane, status, err);
 }
@@ -530,9 +536,7 @@ em_status em__cuda_shard_insert_missing_async(em_shard *base, em_lane *lane_base
     cuda_shard *shard = shard_of(base);
     cuda_lane *lane = lane_of(lane_base);
     if (n == 0) /* nothing to insert: the header still comes back for the settle */
-        return lane_check(lane, em_gpu_memcpy_async(lane->stream, shard->header_host,
-                                                    shard->header, sizeof(em_gpu_map_header)),
-                          err);
+        return copy_header_back(shard, lane, err);
     return enqueue_insert(shard, lane, keys, n, rows, true, err);
 }
 
