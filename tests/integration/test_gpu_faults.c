@@ -7,6 +7,8 @@
  *
  * The failure is the emulated kernels' sticky fault (failpoint gpu_fault,
  * tests/support/kernels_emulated.c), so this suite runs against emberd-emulated only.
+ * The restarted daemon's pull also shows the cuda backend's data path: the request's
+ * attachment and the answer are pinned host buffers, copied by DMA (STATS).
  */
 #include <check.h>
 #include <signal.h>
@@ -77,6 +79,21 @@ static void arm(test_daemon *daemon, const char *path, const char *failpoints)
                   "the daemon did not arm %s", failpoints);
 }
 
+/* A number of the server's STATS, through emberctl --json. */
+static double server_stat(const test_daemon *daemon, const char *name)
+{
+    char *ctl = getenv("EMBERCTL"), *out = NULL;
+    char *argv[] = {ctl, "--server", (char *)daemon->admin, "--json", "stats", NULL};
+    ck_assert_int_eq(test_run_program(argv, TEST_ADMIN_TOKEN, &out), 0);
+    char quoted[96];
+    snprintf(quoted, sizeof(quoted), "\"%s\":", name);
+    const char *at = strstr(out, quoted);
+    ck_assert_msg(at != NULL, "no %s in %s", name, out);
+    double value = strtod(at + strlen(quoted), NULL);
+    free(out);
+    return value;
+}
+
 START_TEST(a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart)
 {
     char dir[256];
@@ -138,6 +155,11 @@ START_TEST(a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart)
     for (int i = 0; i < 3 * DIM; i++)
         ck_assert_float_eq(values[i], -0.5f); /* zeros - lr 0.5 x gradient 1, once */
     test_frame_free(&pulled);
+    /* the pull's keys and answer went by DMA: the attachment and the answer buffer were
+     * pinned memory of the backend (backend.pinned_buffer_bytes, 1 GiB by default) */
+    ck_assert_double_eq(server_stat(again, "pinned_buffer_bytes_limit"), 1073741824.0);
+    ck_assert_double_ge(server_stat(again, "bytes_copied_directly"),
+                        3 * sizeof(uint64_t) + 3 * DIM * sizeof(float));
     ck_assert_int_eq(test_daemon_stop(again, SIGTERM, 30000), 0);
     em_test_remove_tree(dir);
 }
