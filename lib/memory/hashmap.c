@@ -89,6 +89,7 @@
 #include <string.h>
 
 #include "common/keyhash.h"
+#include "lib/base/rwlock.h"
 
 /* Value of a claimed slot whose row is not stored yet; fresh slots start with it. */
 #define VALUE_PENDING UINT64_MAX
@@ -164,19 +165,10 @@ struct em_hashmap {
 
 /* ---- waiting for a publication ---- */
 
-static void pause_hint(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 static void back_off(unsigned *spins)
 {
     if (++*spins < SPINS_BEFORE_YIELD) {
-        pause_hint();
+        em_cpu_relax();
         return;
     }
     *spins = 0;
