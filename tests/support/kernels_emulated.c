@@ -12,10 +12,19 @@
  * directly (which would fault on a GPU) faults here too. One mutex serialises all
  * emulated device work for that reason.
  *
- * What this cannot show: anything about real concurrency on a GPU (all kernels run
- * serially and complete at once, so missing synchronisation goes unnoticed), launch
- * geometry, warp primitives (the butterfly reduction of rowwise adagrad is emulated
- * below in the same order), the CUDA memory model, and CUB itself.
+ * Copies between the GPU and pinned host memory (em_gpu_host_alloc) complete, as far as
+ * the host can see, as late as CUDA allows: a copy into pinned memory writes it only
+ * when the host waits for the copy's stream (em_gpu_stream_synchronize, or
+ * em_gpu_event_synchronize of an event recorded after the copy), so host code that
+ * reads such memory before waiting reads stale bytes, as it could on a GPU; and a copy
+ * out of pinned memory must find its source unchanged when it is waited for (the DMA
+ * reads it meanwhile): a change, or freeing it first, aborts the process naming the
+ * copy. Copies to or from pageable memory are synchronous, as CUDA makes them.
+ *
+ * What this cannot show: real concurrency on a GPU (kernels run serially at once, so a
+ * kernel on one stream that should wait for another stream's work still finds it
+ * done), launch geometry, warp primitives (the butterfly reduction of rowwise adagrad is
+ * emulated below in the same order), the CUDA memory model, and CUB itself.
  *
  * Configuration (environment): EMBER_EMULATED_GPUS (default 2) devices of
  * EMBER_EMULATED_GPU_MEBIBYTES (default 512) each.
@@ -45,10 +54,13 @@
 
 struct em_gpu_stream {
     int ordinal;
+    uint64_t issued; /* copies involving pinned memory enqueued so far */
 };
 
 struct em_gpu_event {
     int ordinal;
+    em_gpu_stream *stream; /* where it was last recorded (NULL: never) */
+    uint64_t issued;       /* the stream's copies enqueued by then */
 };
 
 struct em_gpu_comm {
@@ -146,6 +158,128 @@ static void leave_device(void)
     pthread_mutex_unlock(&device_lock);
 }
 
+/* ---- copies involving pinned host memory ----------------------------------------------- */
+
+#define MAX_PINNED 4096
+
+/* Pinned host blocks (em_gpu_host_alloc) and the copies the host has not yet waited
+ * for, oldest first. */
+typedef struct pinned_block {
+    const uint8_t *base;
+    size_t bytes;
+} pinned_block;
+
+typedef struct pending_copy {
+    em_gpu_stream *stream;
+    uint64_t number;   /* the stream's issued count with this copy */
+    bool to_host;      /* into pinned memory (written when waited for); else out of it */
+    uint8_t *host;     /* the pinned bytes */
+    uint8_t *bytes;    /* to_host: what the GPU had; else the source as it was enqueued */
+    size_t size;
+    struct pending_copy *next;
+} pending_copy;
+
+static pthread_mutex_t pinned_lock = PTHREAD_MUTEX_INITIALIZER;
+static pinned_block pinned[MAX_PINNED];
+static size_t pinned_count;
+static pending_copy *pending_head, **pending_tail = &pending_head;
+
+static bool in_pinned_locked(const void *pointer, size_t bytes)
+{
+    const uint8_t *p = pointer;
+    for (size_t i = 0; i < pinned_count; i++)
+        if (p >= pinned[i].base && p < pinned[i].base + pinned[i].bytes)
+            return bytes <= (size_t)(pinned[i].base + pinned[i].bytes - p);
+    return false;
+}
+
+static bool in_device_region(const void *pointer)
+{
+    const uint8_t *p = pointer;
+    pthread_mutex_lock(&device_lock);
+    bool found = false;
+    for (size_t r = 0; r < region_count && !found; r++)
+        found = p >= (const uint8_t *)regions[r].base &&
+                p < (const uint8_t *)regions[r].base + regions[r].bytes;
+    pthread_mutex_unlock(&device_lock);
+    return found;
+}
+
+static void pinned_misuse(const pending_copy *copy, const char *what)
+{
+    fprintf(stderr,
+            "emulated GPU: a copy of %zu bytes %s pinned host memory at %p (stream of device "
+            "%d): %s before the host waited for the copy\n",
+            copy->size, copy->to_host ? "from the GPU into" : "to the GPU out of",
+            (void *)copy->host, copy->stream->ordinal, what);
+    abort();
+}
+
+/* Completes the pending copies of stream (every one, or those numbered up to `upto`):
+ * what the host sees once it has waited for them. */
+static void complete_copies(const em_gpu_stream *stream, uint64_t upto)
+{
+    pthread_mutex_lock(&pinned_lock);
+    pending_copy **link = &pending_head;
+    while (*link != NULL) {
+        pending_copy *copy = *link;
+        if (copy->stream != stream || copy->number > upto) {
+            link = &copy->next;
+            continue;
+        }
+        if (copy->to_host)
+            memcpy(copy->host, copy->bytes, copy->size);
+        else if (memcmp(copy->host, copy->bytes, copy->size) != 0)
+            pinned_misuse(copy, "the source changed (the DMA reads it until then)");
+        *link = copy->next;
+        free(copy->bytes);
+        free(copy);
+    }
+    pending_tail = &pending_head; /* the list's end may have gone */
+    while (*pending_tail != NULL)
+        pending_tail = &(*pending_tail)->next;
+    pthread_mutex_unlock(&pinned_lock);
+}
+
+/* An asynchronous copy: device work like any other, but a copy into pinned memory
+ * lands there only when waited for, and one out of it is checked then. */
+static em_gpu_status async_copy(em_gpu_stream *stream, void *destination, const void *source,
+                                size_t bytes)
+{
+    pthread_mutex_lock(&pinned_lock);
+    bool into_pinned = bytes > 0 && in_pinned_locked(destination, bytes);
+    bool out_of_pinned = bytes > 0 && in_pinned_locked(source, bytes);
+    pthread_mutex_unlock(&pinned_lock);
+    into_pinned = into_pinned && in_device_region(source);
+    out_of_pinned = out_of_pinned && in_device_region(destination);
+    pending_copy *copy = NULL;
+    if (into_pinned || out_of_pinned) {
+        copy = calloc(1, sizeof(*copy));
+        if (copy == NULL || (copy->bytes = malloc(bytes)) == NULL)
+            abort();
+        copy->stream = stream;
+        copy->to_host = into_pinned;
+        copy->host = into_pinned ? destination : (uint8_t *)source;
+        copy->size = bytes;
+    }
+    enter_device();
+    if (into_pinned)
+        memcpy(copy->bytes, source, bytes);
+    else
+        memcpy(destination, source, bytes);
+    leave_device();
+    if (out_of_pinned)
+        memcpy(copy->bytes, source, bytes);
+    if (copy != NULL) {
+        pthread_mutex_lock(&pinned_lock);
+        copy->number = ++stream->issued;
+        *pending_tail = copy;
+        pending_tail = &copy->next;
+        pthread_mutex_unlock(&pinned_lock);
+    }
+    return ok();
+}
+
 /* ---- runtime ----------------------------------------------------------------------------- */
 
 em_gpu_status em_gpu_device_count(int *count)
@@ -237,11 +371,36 @@ void em_gpu_free(int ordinal, void *pointer)
 em_gpu_status em_gpu_host_alloc(size_t bytes, void **out)
 {
     *out = malloc(bytes);
-    return *out != NULL ? ok() : failure(2, 1, "cudaHostAlloc", "out of memory (emulated)");
+    if (*out == NULL)
+        return failure(2, 1, "cudaHostAlloc", "out of memory (emulated)");
+    pthread_mutex_lock(&pinned_lock);
+    bool room = pinned_count < MAX_PINNED;
+    if (room)
+        pinned[pinned_count++] = (pinned_block){*out, bytes};
+    pthread_mutex_unlock(&pinned_lock);
+    if (!room) {
+        free(*out);
+        *out = NULL;
+        return failure(2, 1, "cudaHostAlloc", "too many pinned blocks (emulated)");
+    }
+    return ok();
 }
 
 void em_gpu_host_free(void *pointer)
 {
+    if (pointer == NULL)
+        return;
+    pthread_mutex_lock(&pinned_lock);
+    for (size_t i = 0; i < pinned_count; i++) {
+        if (pinned[i].base != pointer)
+            continue;
+        for (const pending_copy *c = pending_head; c != NULL; c = c->next)
+            if (c->host >= pinned[i].base && c->host < pinned[i].base + pinned[i].bytes)
+                pinned_misuse(c, "the memory was freed");
+        pinned[i] = pinned[--pinned_count];
+        break;
+    }
+    pthread_mutex_unlock(&pinned_lock);
     free(pointer);
 }
 
@@ -259,13 +418,14 @@ em_gpu_status em_gpu_stream_create(int ordinal, em_gpu_stream **out)
 
 void em_gpu_stream_destroy(em_gpu_stream *stream)
 {
+    complete_copies(stream, UINT64_MAX); /* a destroyed stream's work still completes */
     free(stream);
 }
 
 em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
 {
-    (void)stream;
     atomic_fetch_add(&host_waits, 1);
+    complete_copies(stream, UINT64_MAX);
     return ok();
 }
 
@@ -293,6 +453,10 @@ em_gpu_status em_gpu_event_record(em_gpu_event *event, em_gpu_stream *stream)
     if (event->ordinal != stream->ordinal)
         return failure(400, 0, "cudaEventRecord",
                        "event and stream on different devices (emulated)");
+    pthread_mutex_lock(&pinned_lock);
+    event->stream = stream;
+    event->issued = stream->issued;
+    pthread_mutex_unlock(&pinned_lock);
     return ok();
 }
 
@@ -305,8 +469,13 @@ em_gpu_status em_gpu_stream_wait(em_gpu_stream *stream, em_gpu_event *event)
 
 em_gpu_status em_gpu_event_synchronize(em_gpu_event *event)
 {
-    (void)event;
     atomic_fetch_add(&host_waits, 1);
+    pthread_mutex_lock(&pinned_lock);
+    em_gpu_stream *stream = event->stream;
+    uint64_t upto = event->issued;
+    pthread_mutex_unlock(&pinned_lock);
+    if (stream != NULL)
+        complete_copies(stream, upto);
     return ok();
 }
 
@@ -321,11 +490,7 @@ em_gpu_status em_gpu_event_elapsed_ms(em_gpu_event *start, em_gpu_event *end, fl
 em_gpu_status em_gpu_memcpy_async(em_gpu_stream *stream, void *destination, const void *source,
                                   size_t bytes)
 {
-    (void)stream;
-    enter_device();
-    memcpy(destination, source, bytes);
-    leave_device();
-    return ok();
+    return async_copy(stream, destination, source, bytes);
 }
 
 em_gpu_status em_gpu_memset_async(em_gpu_stream *stream, void *destination, int value,

@@ -10,17 +10,23 @@
  * once on one map, with real atomics (GCC builtins stand in for CUDA's), so claims
  * race as they do on a GPU: every key must end with exactly one row, rows dense.
  *
+ * The emulation's own timing of copies (tests/support/kernels_emulated.c): a copy into
+ * pinned host memory lands only when the host waits for it, and a copy out of it that
+ * finds its source changed when waited for stops the process.
+ *
  * What this cannot cover: the GPU memory model, warp-level primitives, launch geometry
  * and CUB (see kernels/kernel_logic.h and tests/support/kernels_emulated.c).
  */
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/kernel_logic.h"
 #include "lib/device/backend.h"
 #include "lib/device/cuda_device.h"
+#include "kernels/ember_kernels.h"
 #include "tests/support/test_support.h"
 
 #define MEBIBYTE (UINT64_C(1) << 20)
@@ -856,6 +862,89 @@ START_TEST(insert_without_reserve_is_reported)
 }
 END_TEST
 
+/* ---- the emulation's copies ---------------------------------------------------------- */
+
+/* A device buffer of 64 bytes and two pinned ones, on emulated device 0. */
+typedef struct copy_setup {
+    em_gpu_stream *stream;
+    em_gpu_event *event;
+    uint8_t *device, *pinned, *other;
+} copy_setup;
+
+static copy_setup copy_setup_make(void)
+{
+    copy_setup c;
+    ck_assert_int_eq(em_gpu_stream_create(0, &c.stream).code, 0);
+    ck_assert_int_eq(em_gpu_event_create(0, 0, &c.event).code, 0);
+    ck_assert_int_eq(em_gpu_malloc(0, 64, (void **)&c.device).code, 0);
+    ck_assert_int_eq(em_gpu_host_alloc(64, (void **)&c.pinned).code, 0);
+    ck_assert_int_eq(em_gpu_host_alloc(64, (void **)&c.other).code, 0);
+    return c;
+}
+
+static void copy_setup_free(copy_setup *c)
+{
+    em_gpu_host_free(c->pinned);
+    em_gpu_host_free(c->other);
+    em_gpu_free(0, c->device);
+    em_gpu_event_destroy(c->event);
+    em_gpu_stream_destroy(c->stream);
+}
+
+START_TEST(copies_into_pinned_memory_land_when_waited_for)
+{
+    copy_setup c = copy_setup_make();
+    uint8_t pageable[64];
+    memset(pageable, 7, sizeof(pageable));
+    /* from pageable memory: synchronous, as CUDA makes it */
+    ck_assert_int_eq(em_gpu_memcpy_async(c.stream, c.device, pageable, 64).code, 0);
+    memset(c.pinned, 0, 64);
+    memset(c.other, 0, 64);
+    ck_assert_int_eq(em_gpu_memcpy_async(c.stream, c.pinned, c.device, 64).code, 0);
+    ck_assert_int_eq(em_gpu_event_record(c.event, c.stream).code, 0);
+    ck_assert_int_eq(em_gpu_memset_async(c.stream, c.device, 9, 64).code, 0);
+    ck_assert_int_eq(em_gpu_memcpy_async(c.stream, c.other, c.device, 64).code, 0);
+    ck_assert_uint_eq(c.pinned[0], 0); /* not waited for: the old bytes */
+    ck_assert_uint_eq(c.other[63], 0);
+    ck_assert_int_eq(em_gpu_event_synchronize(c.event).code, 0);
+    ck_assert_uint_eq(c.pinned[0], 7); /* the copy before the event, as of its turn */
+    ck_assert_uint_eq(c.pinned[63], 7);
+    ck_assert_uint_eq(c.other[63], 0); /* the one after it: still pending */
+    ck_assert_int_eq(em_gpu_stream_synchronize(c.stream).code, 0);
+    ck_assert_uint_eq(c.other[0], 9);
+    ck_assert_uint_eq(c.other[63], 9);
+    /* into pageable memory: synchronous */
+    ck_assert_int_eq(em_gpu_memcpy_async(c.stream, pageable, c.device, 64).code, 0);
+    ck_assert_uint_eq(pageable[0], 9);
+    /* out of pinned memory left alone until waited for: fine */
+    memset(c.pinned, 3, 64);
+    ck_assert_int_eq(em_gpu_memcpy_async(c.stream, c.device, c.pinned, 64).code, 0);
+    ck_assert_int_eq(em_gpu_stream_synchronize(c.stream).code, 0);
+    memset(c.pinned, 4, 64); /* waited for: the source may change */
+    ck_assert_int_eq(em_gpu_memcpy_async(c.stream, pageable, c.device, 64).code, 0);
+    ck_assert_uint_eq(pageable[10], 3);
+    copy_setup_free(&c);
+}
+END_TEST
+
+/* Each stops the process (SIGABRT): 0, a pinned source changed before the wait; 1, one
+ * freed before it; 2, pinned memory freed with a copy into it pending. */
+START_TEST(pinned_memory_misused_before_the_wait_stops_the_process)
+{
+    copy_setup c = copy_setup_make();
+    memset(c.pinned, 1, 64);
+    if (_i < 2)
+        ck_assert_int_eq(em_gpu_memcpy_async(c.stream, c.device, c.pinned, 64).code, 0);
+    else
+        ck_assert_int_eq(em_gpu_memcpy_async(c.stream, c.pinned, c.device, 64).code, 0);
+    if (_i == 0)
+        c.pinned[5] = 2;
+    if (_i >= 1)
+        em_gpu_host_free(c.pinned);
+    (void)em_gpu_stream_synchronize(c.stream);
+}
+END_TEST
+
 /* ---- runner ------------------------------------------------------------------------------ */
 
 static Suite *kernel_logic_suite(void)
@@ -877,6 +966,9 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, map_seed_sets_the_home_slots);
     tcase_add_test(tc, unique_claims_keep_first_positions_under_threads);
     tcase_add_test(tc, insert_without_reserve_is_reported);
+    tcase_add_test(tc, copies_into_pinned_memory_land_when_waited_for);
+    tcase_add_loop_test_raise_signal(tc, pinned_memory_misused_before_the_wait_stops_the_process,
+                                     SIGABRT, 0, 3);
     suite_add_tcase(suite, tc);
     return suite;
 }
