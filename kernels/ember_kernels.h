@@ -287,6 +287,11 @@ em_gpu_status em_gpu_map_clear(em_gpu_stream *stream, em_gpu_slot *slots, uint64
 /* rows[i] = row of keys[i] or ROW_NONE; *missing (device) += absent keys. */
 em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                               uint64_t n, uint64_t *rows, uint64_t *missing);
+/* em_gpu_map_find of the first *count (device) of at most n keys: a count still on the
+ * GPU (a dedupe's), the grid sized by n. */
+em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
+                                      const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                      uint64_t *rows, uint64_t *missing);
 /* For each i with rows[i] == ROW_NONE: rows[i] = the row of keys[i], inserting the key
  * when absent (inserted[i] = 1 then, else 0) with a released row from the top of the
  * free list while there is one, else the next row of header->rows. Settle the map
@@ -364,6 +369,11 @@ em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, em_initializer_config initializer,
                                 const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                 const float *gradients, uint64_t *first);
+/* A pull's output straight from the rows of a one-shard table, in one pass (no gathered
+ * vectors): em_gpu_rows_pull_element over batch->nnz vectors (NONE) or batch->rows
+ * (pooled); rows[u] is unique key u's row; batch->position is not used. */
+em_gpu_status em_gpu_rows_pull(em_gpu_stream *stream, em_gpu_storage storage,
+                               const em_gpu_batch *batch, const uint64_t *rows, float *out);
 /* vectors[t] = the initial weights of keys[i] for every i whose rows[i] is a refused
  * key's (ROW_PENDING); t as in em_gpu_rows_gather. */
 em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage storage,
@@ -376,6 +386,13 @@ em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage sto
 em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
                                 const uint64_t *rows, uint64_t n, uint64_t accessed,
                                 uint32_t updated, int pushed);
+/* em_gpu_rows_touch of the first *count (device) of at most n rows, and only if *absent
+ * (device) is 0 when the kernel runs: a pull touches its rows only when it found them
+ * all, decided on the GPU. */
+em_gpu_status em_gpu_rows_touch_counted(em_gpu_stream *stream, em_gpu_storage storage,
+                                        const uint64_t *rows, uint64_t n, const uint32_t *count,
+                                        const uint64_t *absent, uint64_t accessed,
+                                        uint32_t updated);
 /* out[i] = the access metadata of rows[i]. */
 em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
                                  const uint64_t *rows, uint64_t n, em_gpu_row_access *out);

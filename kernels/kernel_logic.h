@@ -700,6 +700,35 @@ EM_HOST_DEVICE void em_gpu_rows_gather_element(em_gpu_storage storage, const uin
         row >= EM_GPU_ROW_PENDING ? 0.0f : em_gpu_row_address(storage, row)[j];
 }
 
+/* A pull straight from the rows (one shard: unique order is the shard's order), element
+ * j of output vector k: with NONE, key position k's row (zeros when not stored); pooled,
+ * row k's keys summed in key order from 0.0 and divided by the combiner's divisor, the
+ * arithmetic of em_gpu_combine_pool_element over the gathered vectors. rows has one
+ * entry per unique key (batch->inverse maps positions to them). */
+EM_HOST_DEVICE float em_gpu_stored_value(em_gpu_storage storage, uint64_t row, uint32_t j)
+{
+    return row >= EM_GPU_ROW_PENDING ? 0.0f : em_gpu_row_address(storage, row)[j];
+}
+
+EM_HOST_DEVICE void em_gpu_rows_pull_element(em_gpu_storage storage, const em_gpu_batch *batch,
+                                             const uint64_t *rows, float *out, uint64_t k,
+                                             uint32_t j)
+{
+    uint64_t dim = batch->dim;
+    if (batch->combiner == EM_COMBINER_NONE) {
+        out[k * dim + j] = em_gpu_stored_value(storage, rows[batch->inverse[k]], j);
+        return;
+    }
+    uint32_t begin = batch->offsets[k], end = batch->offsets[k + 1];
+    float sum = 0.0f;
+    for (uint32_t p = begin; p < end; p++)
+        sum += em_gpu_stored_value(storage, rows[batch->inverse[p]], j);
+    float divisor = em_combiner_divisor(batch->combiner, end - begin);
+    if (divisor != 1.0f)
+        sum /= divisor;
+    out[k * dim + j] = sum;
+}
+
 EM_HOST_DEVICE void em_gpu_rows_fill_initial_element(em_gpu_storage storage,
                                                      const em_initializer_config *initializer,
                                                      const uint64_t *keys, const uint64_t *rows,

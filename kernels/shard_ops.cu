@@ -30,6 +30,19 @@ __global__ void map_find_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n
         atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
 }
 
+__global__ void map_find_counted_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n,
+                                        const uint32_t *count, uint64_t *rows, uint64_t *missing)
+{
+    uint64_t end = *count < n ? *count : n;
+    uint32_t absent = 0;
+    /* every thread of the grid's warps reaches the reduction, found key or not */
+    EM_GPU_FOR_EACH(i, end)
+    absent += (uint32_t)em_gpu_map_find_item(map, keys, i, rows);
+    absent = __reduce_add_sync(WARP_MASK, absent);
+    if ((threadIdx.x & 31u) == 0 && absent != 0)
+        atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
+}
+
 __global__ void map_insert_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n,
                                   uint64_t *rows, uint8_t *inserted)
 {
@@ -109,6 +122,17 @@ extern "C" em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map,
     return EM_GPU_LAUNCH(map_find_kernel, n, stream, map, keys, n, rows, missing);
 }
 
+extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
+                                                 const uint64_t *keys, uint64_t n,
+                                                 const uint32_t *count, uint64_t *rows,
+                                                 uint64_t *missing)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_find_counted_kernel, n, stream, map, keys, n, count, rows, missing);
+}
+
 extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map,
                                            const uint64_t *keys, uint64_t n, uint64_t *rows,
                                            uint8_t *inserted)
@@ -172,6 +196,14 @@ __global__ void rows_gather_quad_kernel(em_gpu_storage storage, const uint64_t *
 {
     EM_GPU_FOR_EACH_ELEMENT(i, q, n, storage.dim / 4, shift)
     em_gpu_rows_gather_quad(storage, rows, targets, vectors, i, q);
+}
+
+__global__ void rows_pull_kernel(em_gpu_storage storage, em_gpu_batch batch,
+                                 const uint64_t *rows, float *out, uint32_t shift)
+{
+    uint64_t outputs = batch.combiner == EM_COMBINER_NONE ? batch.nnz : batch.rows;
+    EM_GPU_FOR_EACH_ELEMENT(k, j, outputs, batch.dim, shift)
+    em_gpu_rows_pull_element(storage, &batch, rows, out, k, j);
 }
 
 __global__ void rows_check_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
@@ -292,6 +324,18 @@ __global__ void rows_touch_kernel(em_gpu_storage storage, const uint64_t *rows, 
     em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
 }
 
+__global__ void rows_touch_counted_kernel(em_gpu_storage storage, const uint64_t *rows,
+                                          uint64_t n, const uint32_t *count,
+                                          const uint64_t *absent, uint64_t accessed,
+                                          uint32_t updated)
+{
+    if (*absent != 0)
+        return;
+    uint64_t end = *count < n ? *count : n;
+    EM_GPU_FOR_EACH(i, end)
+    em_gpu_rows_touch_item(storage, rows, i, accessed, updated, 0);
+}
+
 __global__ void access_read_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
                                    em_gpu_row_access *out)
 {
@@ -329,6 +373,32 @@ extern "C" em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(rows_touch_kernel, n, stream, storage, rows, n, accessed, updated,
                          pushed);
+}
+
+extern "C" em_gpu_status em_gpu_rows_touch_counted(em_gpu_stream *stream,
+                                                   em_gpu_storage storage, const uint64_t *rows,
+                                                   uint64_t n, const uint32_t *count,
+                                                   const uint64_t *absent, uint64_t accessed,
+                                                   uint32_t updated)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(rows_touch_counted_kernel, n, stream, storage, rows, n, count, absent,
+                         accessed, updated);
+}
+
+extern "C" em_gpu_status em_gpu_rows_pull(em_gpu_stream *stream, em_gpu_storage storage,
+                                          const em_gpu_batch *batch, const uint64_t *rows,
+                                          float *out)
+{
+    uint64_t outputs = batch->combiner == EM_COMBINER_NONE ? batch->nnz : batch->rows;
+    if (outputs == 0 || batch->dim == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(batch->dim);
+    return EM_GPU_LAUNCH(rows_pull_kernel, em_gpu_element_threads(outputs, shift), stream,
+                         storage, *batch, rows, out, shift);
 }
 
 extern "C" em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,

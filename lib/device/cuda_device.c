@@ -184,6 +184,17 @@ static void free_deferred(cuda_lane *lane)
 }
 
 /* Waits for everything issued on the lane, then frees what was waiting for that. */
+/* The reads back of copy_to_host_later reach their host memory once the lane has
+ * synchronized (or are dropped when the synchronisation failed). */
+static void land_later(cuda_lane *lane, bool synchronized)
+{
+    const uint8_t *words = lane->staging + lane->staging_bytes + READBACK_BYTES;
+    for (uint32_t i = 0; synchronized && i < lane->later_count; i++)
+        memcpy(lane->later[i].host, words + lane->later[i].offset, lane->later[i].bytes);
+    lane->later_count = 0;
+    lane->later_used = 0;
+}
+
 em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
 {
     em_status status = EM_OK;
@@ -193,7 +204,33 @@ em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
         lane->synced = lane->issued;
     lane->staging_in_flight[0] = lane->staging_in_flight[1] = false;
     free_deferred(lane);
+    land_later(lane, status == EM_OK);
     return status;
+}
+
+/* Enqueues a read back of a few bytes into the words after the readback bytes; they
+ * reach host_destination when the lane next synchronizes (em__cuda_lane_sync), so
+ * counts that a request needs only at its end come back with its answer, one wait. */
+em_status em__cuda_copy_to_host_later(em_lane *base, void *host_destination, const void *source,
+                                      size_t bytes, em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    size_t offset = (lane->later_used + 7) & ~(size_t)7;
+    if (lane->later_count == LATER_MAX || offset + bytes > LATER_BYTES)
+        return em_error_set(err, EM_INTERNAL, "%s: more reads back pending than the lane "
+                            "holds (%u, %zu bytes)", base->device->name, LATER_MAX, LATER_BYTES);
+    uint8_t *words = lane->staging + lane->staging_bytes + READBACK_BYTES;
+    em_status status = lane_check(lane, em_gpu_memcpy_async(lane->stream, words + offset, source,
+                                                            bytes),
+                                  err);
+    if (status != EM_OK)
+        return status;
+    lane->later[lane->later_count].host = host_destination;
+    lane->later[lane->later_count].offset = offset;
+    lane->later[lane->later_count].bytes = bytes;
+    lane->later_count++;
+    lane->later_used = offset + bytes;
+    return EM_OK;
 }
 
 /* Frees the scratch once the lane's work so far has completed. */
@@ -314,11 +351,13 @@ static em_status stage_from_device(cuda_lane *lane, uint32_t h, const void *sour
 {
     size_t half = lane->staging_bytes / 2;
     size_t chunk = bytes - done < half ? bytes - done : half;
-    em_status status = wait_for_staging(lane, h, err); /* a copy to the device reading it */
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, staging_half(lane, h),
-                                                      (const uint8_t *)source + done, chunk),
-                            err);
+    /* A copy to the device still reading the half was issued on this stream before: the
+     * stream runs this one after it, so the host need not wait. The half's event then
+     * marks this copy, the later of the two. */
+    em_status status = lane_check(lane, em_gpu_memcpy_async(lane->stream, staging_half(lane, h),
+                                                            (const uint8_t *)source + done,
+                                                            chunk),
+                                  err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_event_record(lane->staging_done[h], lane->stream), err);
     if (status == EM_OK)
@@ -442,7 +481,7 @@ static em_status create_lane(em_device *device, uint32_t index, size_t staging_b
         status = em__cuda_check(em_gpu_event_create(ordinal, 0, &lane->handoff), device->name,
                                 err);
     if (status == EM_OK)
-        status = em__cuda_check(em_gpu_host_alloc(staging_bytes + READBACK_BYTES,
+        status = em__cuda_check(em_gpu_host_alloc(staging_bytes + READBACK_BYTES + LATER_BYTES,
                                                   (void **)&lane->staging),
                                 device->name, err);
     if (status == EM_OK)
@@ -457,8 +496,10 @@ static const em_device_ops cuda_device_ops = {
     .lane_release = em__cuda_lane_release,
     .copy_to_device = em__cuda_copy_to_device,
     .copy_to_host = em__cuda_copy_to_host,
+    .copy_to_host_later = em__cuda_copy_to_host_later,
     .synchronize = cuda_synchronize,
     .unique_keys = em__cuda_unique_keys,
+    .unique_keys_async = em__cuda_unique_keys_async,
     .partition_keys = em__cuda_partition_keys,
     .sum_gradients = em__cuda_sum_gradients,
     .combine = em__cuda_combine,
@@ -472,6 +513,7 @@ static const em_device_ops cuda_device_ops = {
     .shard_insert_missing_async = em__cuda_shard_insert_missing_async,
     .shard_insert_settle = em__cuda_shard_insert_settle,
     .shard_gather = em__cuda_shard_gather,
+    .shard_pull_async = em__cuda_shard_pull_async,
     .shard_check_apply = em__cuda_shard_check_apply,
     .shard_check_apply_async = em__cuda_shard_check_apply_async,
     .shard_apply = em__cuda_shard_apply,

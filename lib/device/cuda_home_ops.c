@@ -50,29 +50,27 @@ static em_status take_sort_temp(scratch *s, cuda_lane *lane, uint64_t n, uint32_
     return status;
 }
 
-em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
-                                  uint64_t *unique, uint32_t *inverse, uint32_t *first_positions,
-                                  uint64_t *unique_count, em_error *err)
+/* Enqueues the dedupe of keys[0..n) (n > 0); *rank_out: the exclusive scan of the
+ * first-occurrence flags, n + 1 entries, so rank[n] is the unique count. The scratch
+ * holds the buffers until the caller is done. */
+static em_status enqueue_unique(cuda_lane *lane, scratch *s, const uint64_t *keys, uint64_t n,
+                                uint64_t *unique, uint32_t *inverse, uint32_t *first_positions,
+                                uint32_t **rank_out, em_error *err)
 {
-    cuda_lane *lane = lane_of(base);
-    *unique_count = 0;
-    if (n == 0)
-        return EM_OK;
-    scratch s = {.device = base->device};
     uint64_t slots = unique_table_slots(n);
     uint32_t *table = NULL, *slot_of = NULL, *first = NULL, *rank = NULL;
     void *temp = NULL;
     size_t temp_bytes = 0;
-    em_status status = scratch_take(&s, slots * sizeof(uint32_t), "unique table",
+    em_status status = scratch_take(s, slots * sizeof(uint32_t), "unique table",
                                     (void **)&table, err);
     if (status == EM_OK)
-        status = scratch_take(&s, n * sizeof(uint32_t), "unique slots", (void **)&slot_of, err);
+        status = scratch_take(s, n * sizeof(uint32_t), "unique slots", (void **)&slot_of, err);
     if (status == EM_OK)
-        status = scratch_take(&s, (n + 1) * sizeof(uint32_t), "unique flags", (void **)&first, err);
+        status = scratch_take(s, (n + 1) * sizeof(uint32_t), "unique flags", (void **)&first, err);
     if (status == EM_OK)
-        status = scratch_take(&s, (n + 1) * sizeof(uint32_t), "unique ranks", (void **)&rank, err);
+        status = scratch_take(s, (n + 1) * sizeof(uint32_t), "unique ranks", (void **)&rank, err);
     if (status == EM_OK)
-        status = em__cuda_take_scan_temp(&s, lane, n + 1, &temp, &temp_bytes, err);
+        status = em__cuda_take_scan_temp(s, lane, n + 1, &temp, &temp_bytes, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_memset_async(lane->stream, table, 0,
                                                       slots * sizeof(uint32_t)), err);
@@ -88,6 +86,22 @@ em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
         status = lane_check(lane, em_gpu_unique_scatter(lane->stream, keys, n, table, slot_of,
                                                         first, rank, unique, inverse,
                                                         first_positions), err);
+    *rank_out = rank;
+    return status;
+}
+
+em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
+                                  uint64_t *unique, uint32_t *inverse, uint32_t *first_positions,
+                                  uint64_t *unique_count, em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    *unique_count = 0;
+    if (n == 0)
+        return EM_OK;
+    scratch s = {.device = base->device};
+    uint32_t *rank = NULL;
+    em_status status = enqueue_unique(lane, &s, keys, n, unique, inverse, first_positions, &rank,
+                                      err);
     uint32_t count = 0;
     if (status == EM_OK)
         status = em__cuda_copy_to_host(base, &count, rank + n, sizeof(count), err);
@@ -96,6 +110,22 @@ em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
     scratch_free_now(&s);
     *unique_count = count;
     return EM_OK;
+}
+
+em_status em__cuda_unique_keys_async(em_lane *base, const uint64_t *keys, uint64_t n,
+                                     uint64_t *unique, uint32_t *inverse,
+                                     uint32_t *first_positions, const uint32_t **count,
+                                     em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    scratch s = {.device = base->device};
+    uint32_t *rank = NULL;
+    em_status status = n == 0 ? em_error_set(err, EM_INTERNAL, "dedupe of no keys")
+                              : enqueue_unique(lane, &s, keys, n, unique, inverse,
+                                               first_positions, &rank, err);
+    *count = rank != NULL ? rank + n : NULL;
+    /* freed once the lane has synchronized: after the kernels that read the count */
+    return em__cuda_finish_async(&s, lane, status, err);
 }
 
 /* Reads the per-shard starts back and turns them into counts. */

@@ -36,6 +36,10 @@
 #define DEFERRED_MAX 64u
 /* Pinned bytes after a lane's staging halves for small reads back (counts). */
 #define READBACK_BYTES ((size_t)256)
+/* And after those, for reads back that land at the lane's next synchronisation
+ * (copy_to_host_later): LATER_MAX of them, LATER_BYTES in all. */
+#define LATER_BYTES ((size_t)128)
+#define LATER_MAX 4u
 /* Scratch buffers one operation takes at most. */
 #define SCRATCH_MAX 8u
 
@@ -56,6 +60,13 @@ typedef struct cuda_lane {
     uint64_t *counter;          /* device word for counts (find) */
     void *deferred[DEFERRED_MAX];
     uint32_t deferred_count;
+    /* copy_to_host_later: where each read back goes, once the lane has synchronized */
+    struct {
+        void *host;
+        size_t offset, bytes; /* in the words after the readback bytes */
+    } later[LATER_MAX];
+    uint32_t later_count;
+    size_t later_used;
     /* Calls that went to the GPU for this lane (lane_check counts every one, and handing
      * out its stream counts as one), and their number at the last synchronisation: a
      * lane with nothing issued since is idle, and synchronising it waits for nothing. */
@@ -170,6 +181,9 @@ em_status em__cuda_copy_to_device(em_lane *base, void *destination, const void *
 em_status em__cuda_copy_to_host(em_lane *base, void *host_destination, const void *source,
                                 size_t bytes, em_error *err);
 
+em_status em__cuda_copy_to_host_later(em_lane *base, void *host_destination, const void *source,
+                                      size_t bytes, em_error *err);
+
 em_status em__cuda_lane_acquire(em_device *device, em_lane **out, em_error *err);
 
 void em__cuda_lane_release(em_lane *base);
@@ -201,6 +215,11 @@ em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
 em_status em__cuda_unique_keys(em_lane *base, const uint64_t *keys, uint64_t n,
                                uint64_t *unique, uint32_t *inverse, uint32_t *first_positions,
                                uint64_t *unique_count, em_error *err);
+
+em_status em__cuda_unique_keys_async(em_lane *base, const uint64_t *keys, uint64_t n,
+                                     uint64_t *unique, uint32_t *inverse,
+                                     uint32_t *first_positions, const uint32_t **count,
+                                     em_error *err);
 
 em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void **temp,
                                   size_t *temp_bytes, em_error *err);
@@ -235,6 +254,12 @@ em_status em__cuda_shard_find(em_shard *base, em_lane *lane_base, const uint64_t
                               uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
 em_status em__cuda_shard_find_async(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                     uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
+
+em_status em__cuda_shard_pull_async(em_shard *base, em_lane *lane_base,
+                                    const em_device_batch *batch, em_combiner combiner,
+                                    const uint64_t *unique, const uint32_t *count,
+                                    uint64_t *rows, uint64_t *missing, float *out,
+                                    uint64_t accessed, uint32_t updated, em_error *err);
 
 em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,
                                 uint64_t n, const uint32_t *targets, float *vectors,

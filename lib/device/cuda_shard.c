@@ -612,6 +612,45 @@ em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64
     return status;
 }
 
+/* The pull of a one-shard table in a single pass of the GPU (device.h: shard_pull_async):
+ * find, the output straight from the rows, and the touch only when every key was found,
+ * decided on the GPU; the caller reads *missing back with the output. */
+em_status em__cuda_shard_pull_async(em_shard *base, em_lane *lane_base,
+                                    const em_device_batch *batch, em_combiner combiner,
+                                    const uint64_t *unique, const uint32_t *count,
+                                    uint64_t *rows, uint64_t *missing, float *out,
+                                    uint64_t accessed, uint32_t updated, em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    em_gpu_batch view = {.rows = batch->rows,
+                         .nnz = batch->nnz,
+                         .offsets = batch->offsets,
+                         .inverse = batch->inverse,
+                         .position = NULL,
+                         .unique_count = batch->nnz, /* at most; the kernels read *count */
+                         .combiner = combiner,
+                         .dim = shard->dim};
+    em_status status =
+        lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)), err);
+    if (status == EM_OK) /* keys created by a request before this one are in */
+        status = order_read(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_map_find_counted(lane->stream, map_view(shard), unique,
+                                                          batch->nnz, count, rows, missing),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_pull(lane->stream, storage_view(shard), &view,
+                                                   rows, out), err);
+    if (status == EM_OK && shard->track_access && accessed != 0)
+        status = lane_check(lane, em_gpu_rows_touch_counted(lane->stream, storage_view(shard),
+                                                            rows, batch->nnz, count, missing,
+                                                            accessed, updated), err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    return status;
+}
+
 em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,
                                            const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                            const float *gradients, float gradient_bound,

@@ -122,6 +122,13 @@ typedef struct em_device_ops {
                                 size_t bytes, em_error *err);
     em_status (*copy_to_host)(em_lane *lane, void *host_destination, const void *source,
                               size_t bytes, em_error *err);
+    /* Enqueues a copy of a few device bytes (a count) that reaches host_destination when
+     * the lane next synchronizes (synchronize, or a copy_to_host, which ends with one), so
+     * counts a request needs only at its end come back with its answer. The host memory
+     * must stay valid until then; dropped if that synchronisation fails. NULL where
+     * copies are synchronous anyway (the CPU). */
+    em_status (*copy_to_host_later)(em_lane *lane, void *host_destination, const void *source,
+                                    size_t bytes, em_error *err);
     /* Waits until every operation issued on the lane so far has completed. */
     em_status (*synchronize)(em_lane *lane, em_error *err);
 
@@ -132,6 +139,12 @@ typedef struct em_device_ops {
     em_status (*unique_keys)(em_lane *lane, const uint64_t *keys, uint64_t n, uint64_t *unique,
                              uint32_t *inverse, uint32_t *first, uint64_t *unique_count,
                              em_error *err);
+    /* unique_keys without waiting (n > 0): *count is a device word holding the unique
+     * count, valid until the lane next synchronizes, for the operations that take a
+     * count on the device (shard_pull_async). NULL on the CPU. */
+    em_status (*unique_keys_async)(em_lane *lane, const uint64_t *keys, uint64_t n,
+                                   uint64_t *unique, uint32_t *inverse, uint32_t *first,
+                                   const uint32_t **count, em_error *err);
     /* Stable partition of unique[0..n) by owner shard (em_key_shard): partitioned keys
      * grouped by shard 0, 1, ...; position[u] = index of unique[u] in partitioned;
      * shard_counts (host memory, shard_count entries) = keys per shard. When targets is
@@ -174,6 +187,20 @@ typedef struct em_device_ops {
      * device finds synchronously anyway (the CPU). */
     em_status (*shard_find_async)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                   uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
+    /* A pull from a table of one shard, for the common case of keys all stored, without
+     * waiting: finds unique[0..*count) (count a device word, at most batch->nnz) into
+     * rows (batch->nnz entries), counts the absent ones in *missing (a device word),
+     * writes the output into out from the rows (batch->nnz vectors with NONE, one per
+     * batch row pooled: shard_gather then combine, in one pass), and, where the shard
+     * tracks access and accessed != 0, touches the rows (pulled: last access accessed,
+     * updated for rows never touched) only if none was absent. batch->position and
+     * unique_count are not used. With *missing > 0 the output is not the pull's. NULL
+     * on the CPU. */
+    em_status (*shard_pull_async)(em_shard *shard, em_lane *lane, const em_device_batch *batch,
+                                  em_combiner combiner, const uint64_t *unique,
+                                  const uint32_t *count, uint64_t *rows, uint64_t *missing,
+                                  float *out, uint64_t accessed, uint32_t updated,
+                                  em_error *err);
     /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
      * the shard's rows have been evicted (shard_evict; evicted <= new_keys), so that
      * insert_missing of that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the

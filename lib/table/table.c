@@ -100,9 +100,9 @@ typedef struct pull_buffers {
 
 /* A per-key pull whose shards all live on the home device gathers every vector straight
  * into its place in the output (no intermediate buffer, no combine pass). */
-static bool pull_is_direct(const em_table *table, const em_pull_request *request)
+static bool pull_is_direct(const request_context *r, const em_pull_request *request)
 {
-    return request->combiner == EM_COMBINER_NONE && table->shards_at_home;
+    return request->combiner == EM_COMBINER_NONE && em__shards_at_home(r);
 }
 
 static em_status take_pull_buffers(request_context *r, const em_pull_request *request,
@@ -169,6 +169,117 @@ static em_status copy_output(request_context *r, const em_pull_request *request,
                                    out_floats * sizeof(float), err);
 }
 
+/* Pulls that go the general way after one pull_at_once found keys missing, before the
+ * next tries again: while a table is being filled most pulls create keys, and each
+ * failed try costs a wait. */
+#define PULL_AT_ONCE_BACKOFF 8u
+
+/* Whether the pull may run at once (pull_at_once): a table of one shard, on a device
+ * that keeps the counts on the GPU, and no recent pull found keys missing. */
+static bool pull_may_run_at_once(em_table *table, const request_context *r,
+                                 const em_pull_request *request)
+{
+    const em_device_ops *ops = r->home->ops;
+    if (table->shard_count != 1 || !em__shards_at_home(r) || request->batch.nnz == 0 ||
+        ops->unique_keys_async == NULL || ops->shard_pull_async == NULL ||
+        ops->copy_to_host_later == NULL)
+        return false;
+    uint32_t wait = atomic_load_explicit(&table->pulls_before_at_once, memory_order_relaxed);
+    while (wait > 0 && !atomic_compare_exchange_weak_explicit(&table->pulls_before_at_once,
+                                                              &wait, wait - 1,
+                                                              memory_order_relaxed,
+                                                              memory_order_relaxed)) {
+    }
+    return wait == 0;
+}
+
+/* A pull of keys that are all stored, the steady state of training, with one wait for
+ * the GPU: dedupe, find, output and touch are enqueued together and the counts come back
+ * with the output (device.h: shard_pull_async). *done stays false when some key is not
+ * stored: nothing was touched, the request's scratch is as before, and the pull goes
+ * the general way (which writes the whole output again). */
+static em_status pull_at_once(request_context *r, const em_pull_request *request,
+                              em_pull_result *result, bool *done, em_error *err)
+{
+    em_table *table = r->table;
+    em_device *home = r->home;
+    const em_device_ops *ops = home->ops;
+    uint64_t nnz = request->batch.nnz;
+    uint64_t out_floats = vector_floats(table, &request->batch, request->combiner);
+    request_mark mark = em__request_mark(r);
+    uint64_t *unique = NULL, *rows = NULL, *missing = NULL;
+    uint32_t *inverse = NULL, *first = NULL;
+    const uint32_t *count = NULL;
+    float *out = NULL;
+    *done = false;
+    em_status status = request->combiner == EM_COMBINER_NONE
+                           ? EM_OK
+                           : em__stage_offsets(r, &request->batch, err);
+    if (status == EM_OK)
+        status = em__stage_input(r, request->batch.keys, nnz * sizeof(uint64_t), "request keys",
+                                 (const void **)&r->keys, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys",
+                                   (void **)&unique, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
+                                   (void **)&inverse, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
+                                   (void **)&first, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "key rows", (void **)&rows,
+                                   err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, sizeof(uint64_t), "missing count",
+                                   (void **)&missing, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, out_floats * sizeof(float), "pull output",
+                                   (void **)&out, err);
+    if (status == EM_OK)
+        status = ops->unique_keys_async(r->home_lane, r->keys, nnz, unique, inverse, first,
+                                        &count, err);
+    if (status == EM_OK) {
+        em_device_batch batch = {.rows = request->batch.rows,
+                                 .nnz = nnz,
+                                 .offsets = r->batch.offsets,
+                                 .inverse = inverse};
+        uint32_t updated =
+            (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
+        em__shard_read_lock(table, 0);
+        status = ops->shard_pull_async(table->shards[0], r->home_lane, &batch, request->combiner,
+                                       unique, count, rows, missing, out, r->access_stamp,
+                                       updated, err);
+        pthread_rwlock_unlock(&table->shard_locks[0]);
+    }
+    uint64_t absent = UINT64_MAX;
+    uint32_t unique_count = 0;
+    if (status == EM_OK)
+        status = ops->copy_to_host_later(r->home_lane, &absent, missing, sizeof(absent), err);
+    if (status == EM_OK)
+        status = ops->copy_to_host_later(r->home_lane, &unique_count, count,
+                                         sizeof(unique_count), err);
+    if (status == EM_OK) /* ends with the lane's synchronisation: the counts are in */
+        status = ops->copy_to_host(r->home_lane, request->out, out, out_floats * sizeof(float),
+                                   err);
+    if (status != EM_OK) { /* the counts' reads back land here, not in a later frame */
+        em_error ignored;
+        (void)ops->synchronize(r->home_lane, &ignored);
+        return em_error_prefix(err, "table '%s': ", table->config.name);
+    }
+    if (absent != 0) {
+        atomic_store_explicit(&table->pulls_before_at_once, PULL_AT_ONCE_BACKOFF,
+                              memory_order_relaxed);
+        em__request_rewind(r, &mark);
+        return EM_OK;
+    }
+    result->unique_keys = unique_count;
+    result->missing = 0;
+    result->created = 0;
+    *done = true;
+    return EM_OK;
+}
+
 /* A pull attempt (locked_attempt). */
 static em_status pull_locked(em_table *table, const void *untyped_request, void *untyped_result,
                              bool may_create, attempt_state *state, em_error *err)
@@ -177,12 +288,21 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     em_pull_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
-    bool direct = status == EM_OK && pull_is_direct(table, request);
+    bool done = false;
+    if (status == EM_OK && pull_may_run_at_once(table, &r, request))
+        status = pull_at_once(&r, request, result, &done, err);
+    if (status != EM_OK || done) {
+        em__request_end(&r);
+        return status;
+    }
+    bool direct = pull_is_direct(&r, request);
     if (status == EM_OK)
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
     uint64_t missing = r.missing;
+    if (status == EM_OK && missing == 0) /* the keys are there: the next pull tries at once */
+        atomic_store_explicit(&table->pulls_before_at_once, 0, memory_order_relaxed);
     if (status == EM_OK && r.missing > 0 && request->create_missing)
         status = admit(&r, may_create, state, err);
     if (status == EM_OK && state->needs_create && !may_create) {
@@ -541,10 +661,10 @@ static em_status create_shards(em_table *table, em_error *err)
             return em_error_prefix(err, "table '%s' shard %u on %s: ", table->config.name, s,
                                    device->name);
     }
-    em_device *home = em_backend_home_device(table->backend);
-    table->shards_at_home = true;
-    for (uint32_t s = 0; s < table->shard_count; s++)
-        table->shards_at_home &= table->backend->devices[table->shard_device[s]] == home;
+    table->shards_device = table->shard_device[0];
+    for (uint32_t s = 1; s < table->shard_count; s++)
+        if (table->shard_device[s] != table->shards_device)
+            table->shards_device = UINT32_MAX;
     return EM_OK;
 }
 
@@ -574,6 +694,10 @@ em_status em_table_create_seeded(em_backend *backend, const em_table_config *con
         config->dim + em_optimizer_state_floats(config->optimizer.kind, config->dim);
     table->nonnegative_from = em__nonnegative_run(table);
     table->evict_random = em_mix64(config->initializer.seed ^ 0x65766963746564ull);
+    /* a new table's first pulls create its keys: they go the general way until one
+     * finds every key */
+    atomic_store_explicit(&table->pulls_before_at_once, PULL_AT_ONCE_BACKOFF,
+                          memory_order_relaxed);
     pthread_rwlockattr_t attributes;
     pthread_rwlockattr_init(&attributes);
     /* Writers (pushes) must not starve behind a steady stream of pulls. */

@@ -44,9 +44,10 @@ struct em_table {
     uint32_t nonnegative_from; /* em__nonnegative_run: imports' fast value check */
     em_shard **shards;
     uint32_t *shard_device; /* device index of each shard */
-    bool shards_at_home;    /* every shard is on the backend's home device: per-key pulls
-                             * gather into the output and imports write rows from where
-                             * they arrived (targets), with no intermediate copy */
+    uint32_t shards_device; /* the device index of every shard when they share one, else
+                             * UINT32_MAX: a request whose home it is (em__shards_at_home)
+                             * gathers per-key pulls into the output and writes imported
+                             * rows from where they arrived (targets), no copy between */
     pthread_rwlock_t lock;
     pthread_rwlock_t *shard_locks; /* readers gather or export, writers apply or write */
     uint64_t *shard_versions;      /* moved by every step and write of a shard (under
@@ -85,6 +86,9 @@ struct em_table {
     uint8_t *admission_counts;
     _Atomic uint64_t pulls_not_admitted, pushes_dropped;
     _Atomic uint64_t exclusive_retries; /* run_shared_then_exclusive's second attempts */
+    /* pulls left to go the general way before one tries pull_at_once again (set when
+     * one found keys missing: a table being filled; 0 once a pull finds all its keys) */
+    _Atomic uint32_t pulls_before_at_once;
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
     pthread_mutex_t clock_lock;
@@ -196,8 +200,26 @@ uint32_t em__nonnegative_run(const em_table *table);
  * em__request_end, even when this fails. */
 em_status em__request_begin(em_table *table, request_context *r, em_error *err);
 
+/* Whether every shard of the request's table is on its home device (the home device
+ * goes round the backend's devices, request by request). */
+static inline bool em__shards_at_home(const request_context *r)
+{
+    return r->table->shards_device == r->home->index;
+}
+
 /* Releases the lanes (after synchronizing them) and every scratch buffer. */
 void em__request_end(request_context *r);
+
+/* The request's scratch at one point, to give back what it took since (on its home
+ * device) once its lanes have synchronized: a first attempt that gives way to another
+ * in the same request. */
+typedef struct request_mark {
+    uint32_t scratch_count;
+    struct scratch_block home_block;
+} request_mark;
+
+request_mark em__request_mark(const request_context *r);
+void em__request_rewind(request_context *r, const request_mark *mark);
 
 /* A scratch buffer on device, freed by em__request_end. */
 em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,

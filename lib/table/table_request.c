@@ -70,6 +70,19 @@ em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
     return EM_OK;
 }
 
+request_mark em__request_mark(const request_context *r)
+{
+    return (request_mark){r->scratch_count, r->blocks[r->home->index]};
+}
+
+void em__request_rewind(request_context *r, const request_mark *mark)
+{
+    for (uint32_t i = r->scratch_count; i > mark->scratch_count; i--)
+        em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
+    r->scratch_count = mark->scratch_count;
+    r->blocks[r->home->index] = mark->home_block;
+}
+
 /* Whether a shard of the table lives on device d (a table's shards are contiguous
  * blocks per device, in device order). */
 static bool hosts_a_shard(const em_table *table, uint32_t d)

@@ -155,7 +155,7 @@ static em_status send_import_rows(request_context *r, const float *values, uint6
     uint32_t width = r->table->row_floats;
     const float *staged = NULL;
     float *ordered = NULL;
-    if (r->targets != NULL) { /* shards_at_home: rows written from staged by target */
+    if (r->targets != NULL) { /* em__shards_at_home: rows written from staged by target */
         em_status status = em__stage_input(r, values, n * width * sizeof(float),
                                            "import values", (const void **)&staged, err);
         for (uint32_t d = 0; status == EM_OK && d < r->table->backend->device_count; d++)
@@ -184,7 +184,7 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     request_context r;
     em_status status = em__request_begin(table, &r, err);
     if (status == EM_OK)
-        status = em__plan_and_find(&r, keys, n, table->shards_at_home, err);
+        status = em__plan_and_find(&r, keys, n, em__shards_at_home(&r), err);
     if (status == EM_OK)
         status = check_distinct(&r, keys, n, err);
     if (status == EM_OK)

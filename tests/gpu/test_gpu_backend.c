@@ -644,6 +644,109 @@ static void run_single_keys(em_table *table, em_test_rng *rng, int steps)
     }
 }
 
+/* The host's waits for the GPU so far, as the emulation counts them (0 on a GPU). */
+#ifdef EM_CUDA_EMULATED
+static const bool emulated = true;
+static uint64_t emulated_waits(void)
+{
+    uint64_t operations = 0, waits = 0;
+    em_gpu_emulated_counts(&operations, &waits);
+    return waits;
+}
+#else
+static const bool emulated = false;
+static uint64_t emulated_waits(void)
+{
+    return 0;
+}
+#endif
+
+/* Loop index: combiner (none, sum, mean, sqrtn) x dim (12, 64) x tracking access (lru or
+ * none), in order. A one-shard table pulls keys that are all stored in one pass and one
+ * wait (device.h: shard_pull_async): outputs equal the CPU's bit for bit, batches with
+ * repeated keys, pooled or not; a pull with absent keys falls back to the general way
+ * and creates them; the rows and their access metadata end equal. On the emulation the
+ * pulls of stored keys are seen to wait once. */
+START_TEST(pulls_at_once_match_cpu)
+{
+    const em_combiner combiner = (em_combiner)(_i % 4);
+    const uint32_t dim = (_i / 4) % 2 == 0 ? 12 : 64;
+    const bool lru = _i >= 8;
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
+    em_table_config config = table_config(dim, 100000, 1, 1, EM_INIT_UNIFORM);
+    if (lru)
+        config.eviction.policy = EM_EVICTION_LRU;
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 40 + (uint64_t)_i);
+    enum { UNIVERSE = 300 };
+    uint64_t all[UNIVERSE];
+    for (uint64_t k = 0; k < UNIVERSE; k++) /* the map's marker keys among them */
+        all[k] = k < 3 ? UINT64_MAX - k : 5 * k + 2;
+    em_test_batch every = em_test_key_batch(all, UNIVERSE);
+    float *out[2];
+    for (int t = 0; t < 2; t++)
+        out[t] = malloc(UNIVERSE * 8 * dim * sizeof(float));
+    em_error err;
+    for (int t = 0; t < 2; t++) /* create, then a pull that finds every key */
+        for (int pass = 0; pass < 2; pass++)
+            ck_assert_msg(em_test_pull(tables[t], &every.csr, EM_COMBINER_NONE, true, out[t],
+                                       NULL, &err) == EM_OK, "%s", err.message);
+    for (int step = 0; step < 40; step++) {
+        em_test_batch b = em_test_random_batch(&rng, 1 + (uint32_t)em_test_rng_below(&rng, 60), 6,
+                                               UNIVERSE);
+        bool fresh = step % 10 == 9; /* some keys the table lacks */
+        for (uint64_t k = 0; k < b.csr.nnz; k++) /* the table's keys, repeated */
+            b.keys[k] = fresh && k % 3 == 0 ? 100000 + 7 * (uint64_t)step + k
+                                            : all[em_test_rng_below(&rng, UNIVERSE)];
+        uint64_t outputs = combiner == EM_COMBINER_NONE ? b.csr.nnz : b.csr.rows;
+        em_pull_result results[2];
+        uint64_t waits[2] = {0, 0};
+        for (int t = 0; t < 2; t++) {
+            waits[t] = emulated_waits();
+            ck_assert_msg(em_test_pull(tables[t], &b.csr, combiner, true, out[t], &results[t],
+                                       &err) == EM_OK, "step %d: %s", step, err.message);
+            waits[t] = emulated_waits() - waits[t];
+        }
+        ck_assert_mem_eq(out[1], out[0], outputs * dim * sizeof(float));
+        ck_assert_uint_eq(results[1].unique_keys, results[0].unique_keys);
+        ck_assert_uint_eq(results[1].missing, results[0].missing);
+        ck_assert_uint_eq(results[1].created, results[0].created);
+        if (emulated && !fresh && step % 10 != 0) /* after a fresh one: the general way */
+            ck_assert_msg(waits[1] == 1, "step %d: %" PRIu64 " waits", step, waits[1]);
+        if (emulated && fresh)
+            ck_assert_uint_gt(waits[1], 1);
+        em_test_batch_free(&b);
+    }
+    em_test_snapshot a = em_test_snapshot_take(tables[0], 64);
+    em_test_snapshot g = em_test_snapshot_take(tables[1], 64);
+    em_test_assert_snapshots_identical(&a, &g);
+    em_test_snapshot_free(&a);
+    em_test_snapshot_free(&g);
+    if (lru) {
+        enum { MAX = 600 };
+        uint64_t *keys = malloc(2 * MAX * sizeof(uint64_t));
+        em_row_access *access = malloc(2 * MAX * sizeof(em_row_access));
+        uint64_t count = access_by_key(tables[0], keys, access, MAX);
+        ck_assert_uint_eq(access_by_key(tables[1], keys + MAX, access + MAX, MAX), count);
+        for (uint64_t i = 0; i < count; i++) {
+            ck_assert_uint_eq(keys[MAX + i], keys[i]);
+            ck_assert_mem_eq(&access[MAX + i], &access[i], sizeof(em_row_access));
+        }
+        free(keys);
+        free(access);
+    }
+    em_test_batch_free(&every);
+    for (int t = 0; t < 2; t++) {
+        free(out[t]);
+        em_table_destroy(tables[t]);
+    }
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* An LRU table trained on the GPU is saved and loaded on the CPU: every row's access
  * metadata comes across, and the same requests then evict the same keys on both. */
 START_TEST(access_metadata_moves_between_gpu_and_cpu)
@@ -1287,7 +1390,7 @@ typedef struct request_shape {
 START_TEST(host_waits_and_operations_per_request)
 {
     static const request_shape shapes[] = {
-        {"pull, present keys", 1, false, false, 16, 3},
+        {"pull, present keys", 1, false, false, 12, 1},
         {"pull, creating", 1, false, true, 21, 5},
         {"push, present keys", 1, true, false, 22, 4},
         {"push, creating", 1, true, true, 27, 6},
@@ -1314,9 +1417,13 @@ START_TEST(host_waits_and_operations_per_request)
         em_table *table = em_test_make_table(gpu, &config);
         for (uint32_t i = 0; i < KEYS; i++)
             keys[i] = 7 * (uint64_t)i + 1;
-        if (!shape->fresh) /* the keys present first */
+        if (!shape->fresh) { /* the keys present first, and a pull that finds them all */
             ck_assert_int_eq(em_test_push(table, &batch, EM_COMBINER_NONE, vectors, NULL, &err),
                              EM_OK);
+            ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, false, vectors, NULL,
+                                          &err),
+                             EM_OK);
+        }
         uint64_t operations = 0, waits = 0, operations_after = 0, waits_after = 0;
         em_gpu_emulated_counts(&operations, &waits);
         em_status status =
@@ -1533,6 +1640,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, nccl_first_and_a_fallback_that_says_why);
     tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
     tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
+    tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 16);
     tcase_add_test(tc, erase_matches_cpu_and_reuses_rows);
     suite_add_tcase(suite, tc);
     return suite;

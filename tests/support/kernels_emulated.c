@@ -806,6 +806,19 @@ em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint6
     return ok();
 }
 
+em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
+                                      const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                      uint64_t *rows, uint64_t *missing)
+{
+    (void)stream;
+    enter_device();
+    uint64_t end = *count < n ? *count : n;
+    for (uint64_t i = 0; i < end; i++)
+        *missing += (uint64_t)em_gpu_map_find_item(map, keys, i, rows);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                 uint64_t n, uint64_t *rows, uint8_t *inserted)
 {
@@ -907,6 +920,33 @@ em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
             for (uint32_t j = 0; j < storage.dim; j++)
                 em_gpu_rows_gather_element(storage, rows, targets, vectors, i, j);
     }
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_rows_pull(em_gpu_stream *stream, em_gpu_storage storage,
+                               const em_gpu_batch *batch, const uint64_t *rows, float *out)
+{
+    (void)stream;
+    uint64_t outputs = batch->combiner == EM_COMBINER_NONE ? batch->nnz : batch->rows;
+    enter_device();
+    for (uint64_t k = 0; k < outputs; k++)
+        for (uint32_t j = 0; j < batch->dim; j++)
+            em_gpu_rows_pull_element(storage, batch, rows, out, k, j);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_rows_touch_counted(em_gpu_stream *stream, em_gpu_storage storage,
+                                        const uint64_t *rows, uint64_t n, const uint32_t *count,
+                                        const uint64_t *absent, uint64_t accessed,
+                                        uint32_t updated)
+{
+    (void)stream;
+    enter_device();
+    uint64_t end = *count < n ? *count : n;
+    for (uint64_t i = 0; *absent == 0 && i < end; i++)
+        em_gpu_rows_touch_item(storage, rows, i, accessed, updated, 0);
     leave_device();
     return ok();
 }
