@@ -205,7 +205,7 @@ typedef struct em_gpu_batch {
     uint64_t nnz;
     const uint32_t *offsets;  /* rows + 1 */
     const uint32_t *inverse;  /* nnz */
-    const uint32_t *position; /* unique_count */
+    const uint32_t *position; /* unique_count; NULL for the sums: u (one shard) */
     uint64_t unique_count;
     em_combiner combiner;
     uint32_t dim;             /* floats per vector */
@@ -361,6 +361,18 @@ em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
 em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, const uint64_t *rows, uint64_t n,
                                 const float *gradients);
+/* What a step decided on the GPU looks at (device words, each NULL for none): it steps
+ * the first *count rows, and none at all when *missing is not 0 (keys the find did not
+ * find) or *problem is not UINT64_MAX (a check found a row the step would break). */
+typedef struct em_gpu_gate {
+    const uint32_t *count;
+    const uint64_t *missing;
+    const uint64_t *problem;
+} em_gpu_gate;
+/* em_gpu_rows_apply of at most n rows, as the gate says when the kernel runs. */
+em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
+                                      em_optimizer_config optimizer, const uint64_t *rows,
+                                      uint64_t n, const float *gradients, em_gpu_gate gate);
 /* Whether one optimizer step per row with gradients[i] keeps every value finite,
  * without writing (common/row_check.h); rows[i] ROW_NONE is the row to be created for
  * keys[i]. *first (device memory, set to UINT64_MAX by the caller) becomes the smallest
@@ -369,6 +381,12 @@ em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, em_initializer_config initializer,
                                 const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                 const float *gradients, uint64_t *first);
+/* em_gpu_rows_check of the first *count (device) of at most n rows. */
+em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage storage,
+                                        em_optimizer_config optimizer,
+                                        em_initializer_config initializer, const uint64_t *keys,
+                                        const uint64_t *rows, uint64_t n, const uint32_t *count,
+                                        const float *gradients, uint64_t *first);
 /* A pull's output straight from the rows of a one-shard table, in one pass (no gathered
  * vectors): em_gpu_rows_pull_element over batch->nnz vectors (NONE) or batch->rows
  * (pooled); rows[u] is unique key u's row; batch->position is not used. */

@@ -294,6 +294,23 @@ EM_HOST_DEVICE float em_gpu_sum_positions(const em_gpu_batch *batch,
 
 /* Element j of unique key u's summed gradient, written at its partitioned position,
  * when u has at most EM_SUM_CHUNK occurrences (hot keys: the two functions below). */
+/* Where unique key u's vector goes: batch->position[u], or u when position is NULL (one
+ * shard: the unique order is the shard's). */
+EM_HOST_DEVICE uint64_t em_gpu_position(const em_gpu_batch *batch, uint64_t u)
+{
+    return batch->position != NULL ? (uint64_t)batch->position[u] : u;
+}
+
+/* The rows a gated kernel steps (em_gpu_gate): n, or the first *count of them, none when
+ * the gate's missing word is not 0 or its problem word was set. */
+EM_HOST_DEVICE uint64_t em_gpu_gate_end(em_gpu_gate gate, uint64_t n)
+{
+    if ((gate.missing != NULL && *gate.missing != 0) ||
+        (gate.problem != NULL && *gate.problem != UINT64_MAX))
+        return 0;
+    return gate.count != NULL && *gate.count < n ? *gate.count : n;
+}
+
 EM_HOST_DEVICE void em_gpu_sum_gradient_element(const em_gpu_batch *batch,
                                                 const uint32_t *sorted_positions,
                                                 const uint32_t *starts, const uint32_t *key_row,
@@ -302,7 +319,7 @@ EM_HOST_DEVICE void em_gpu_sum_gradient_element(const em_gpu_batch *batch,
 {
     if (starts[u + 1] - starts[u] > EM_SUM_CHUNK)
         return;
-    out[batch->position[u] * batch->dim + j] = em_gpu_sum_positions(
+    out[em_gpu_position(batch, u) * batch->dim + j] = em_gpu_sum_positions(
         batch, sorted_positions, key_row, gradients, starts[u], starts[u + 1], j);
 }
 
@@ -342,7 +359,7 @@ EM_HOST_DEVICE void em_gpu_sum_hot_element(const em_gpu_batch *batch, const uint
     uint32_t count = starts[u + 1] - starts[u];
     if (count <= EM_SUM_CHUNK)
         return;
-    out[batch->position[u] * batch->dim + j] = em_sum_chunk_levels(
+    out[em_gpu_position(batch, u) * batch->dim + j] = em_sum_chunk_levels(
         partials, starts[u] / EM_GPU_SUM_SLOT_SPACING, em_sum_chunks(count), batch->dim, j);
 }
 

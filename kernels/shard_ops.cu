@@ -208,10 +208,11 @@ __global__ void rows_pull_kernel(em_gpu_storage storage, em_gpu_batch batch,
 
 __global__ void rows_check_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
                                   em_initializer_config initializer, const uint64_t *keys,
-                                  const uint64_t *rows, uint64_t n, const float *gradients,
-                                  uint64_t *first)
+                                  const uint64_t *rows, uint64_t n, const uint32_t *count,
+                                  const float *gradients, uint64_t *first)
 {
-    EM_GPU_FOR_EACH(i, n)
+    uint64_t end = count != NULL && *count < n ? *count : n;
+    EM_GPU_FOR_EACH(i, end)
     {
         uint32_t code = em_gpu_rows_check_item(storage, &optimizer, &initializer, keys, rows,
                                                gradients, i);
@@ -235,19 +236,23 @@ __global__ void rows_write_kernel(em_gpu_storage storage, const uint64_t *rows, 
     em_gpu_rows_write_element(storage, rows, sources, values, i, j);
 }
 
+/* The optimizer kernels step the rows their gate leaves (em_gpu_gate_end: the same for
+ * every thread, so whole warps skip together). */
 __global__ void sgd_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
                            const uint64_t *rows, uint64_t n, const float *gradients,
-                           uint32_t shift)
+                           uint32_t shift, em_gpu_gate gate)
 {
-    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.dim, shift)
+    uint64_t end = em_gpu_gate_end(gate, n);
+    EM_GPU_FOR_EACH_ELEMENT(i, j, end, storage.dim, shift)
     em_gpu_sgd_element(storage, &optimizer, rows, gradients, i, j);
 }
 
 __global__ void adagrad_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
                                const uint64_t *rows, uint64_t n, const float *gradients,
-                               uint32_t shift)
+                               uint32_t shift, em_gpu_gate gate)
 {
-    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.dim, shift)
+    uint64_t end = em_gpu_gate_end(gate, n);
+    EM_GPU_FOR_EACH_ELEMENT(i, j, end, storage.dim, shift)
     em_gpu_adagrad_element(storage, &optimizer, rows, gradients, i, j);
 }
 
@@ -257,11 +262,13 @@ __global__ void adagrad_kernel(em_gpu_storage storage, em_optimizer_config optim
          i += EM_GPU_THREAD_COUNT / EM_GPU_ROW_LANES)
 
 __global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
-                                       const uint64_t *rows, uint64_t n, const float *gradients)
+                                       const uint64_t *rows, uint64_t n, const float *gradients,
+                                       em_gpu_gate gate)
 {
     uint32_t lane = threadIdx.x % EM_GPU_ROW_LANES;
     uint32_t dim = storage.dim;
-    FOR_EACH_ROW_OF_WARP(i, n)
+    uint64_t end = em_gpu_gate_end(gate, n);
+    FOR_EACH_ROW_OF_WARP(i, end)
     {
         if (rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key: the whole warp skips it */
@@ -283,11 +290,13 @@ __global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_conf
 }
 
 __global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
-                            const uint64_t *rows, uint64_t n, const float *gradients)
+                            const uint64_t *rows, uint64_t n, const float *gradients,
+                            em_gpu_gate gate)
 {
     uint32_t lane = threadIdx.x % EM_GPU_ROW_LANES;
     uint32_t dim = storage.dim;
-    FOR_EACH_ROW_OF_WARP(i, n)
+    uint64_t end = em_gpu_gate_end(gate, n);
+    FOR_EACH_ROW_OF_WARP(i, end)
     {
         if (rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key: the whole warp skips it */
@@ -454,9 +463,10 @@ extern "C" em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storag
                          rows, n, targets, vectors, shift);
 }
 
-extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
-                                           em_optimizer_config optimizer, const uint64_t *rows,
-                                           uint64_t n, const float *gradients)
+extern "C" em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
+                                                 em_optimizer_config optimizer,
+                                                 const uint64_t *rows, uint64_t n,
+                                                 const float *gradients, em_gpu_gate gate)
 {
     if (n == 0)
         return em_gpu_ok();
@@ -467,20 +477,28 @@ extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage
     switch (optimizer.kind) {
     case EM_OPTIMIZER_ADAGRAD:
         return EM_GPU_LAUNCH(adagrad_kernel, element_threads, stream, storage, optimizer, rows, n,
-                             gradients, shift);
+                             gradients, shift, gate);
     case EM_OPTIMIZER_ROWWISE_ADAGRAD:
         return EM_GPU_LAUNCH(rowwise_adagrad_kernel, warp_threads, stream, storage, optimizer,
-                             rows, n, gradients);
+                             rows, n, gradients, gate);
     case EM_OPTIMIZER_ADAM:
         return EM_GPU_LAUNCH(adam_kernel, warp_threads, stream, storage, optimizer, rows, n,
-                             gradients);
+                             gradients, gate);
     case EM_OPTIMIZER_SGD:
         return EM_GPU_LAUNCH(sgd_kernel, element_threads, stream, storage, optimizer, rows, n,
-                             gradients, shift);
+                             gradients, shift, gate);
     case EM_OPTIMIZER_COUNT:
         break;
     }
     return em_gpu_invalid_optimizer();
+}
+
+extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
+                                           em_optimizer_config optimizer, const uint64_t *rows,
+                                           uint64_t n, const float *gradients)
+{
+    em_gpu_gate none = {NULL, NULL, NULL};
+    return em_gpu_rows_apply_gated(stream, storage, optimizer, rows, n, gradients, none);
 }
 
 extern "C" em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
@@ -493,7 +511,21 @@ extern "C" em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(rows_check_kernel, n, stream, storage, optimizer, initializer, keys,
-                         rows, n, gradients, first);
+                         rows, n, (const uint32_t *)NULL, gradients, first);
+}
+
+extern "C" em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage storage,
+                                                   em_optimizer_config optimizer,
+                                                   em_initializer_config initializer,
+                                                   const uint64_t *keys, const uint64_t *rows,
+                                                   uint64_t n, const uint32_t *count,
+                                                   const float *gradients, uint64_t *first)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(rows_check_kernel, n, stream, storage, optimizer, initializer, keys,
+                         rows, n, count, gradients, first);
 }
 
 extern "C" em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,

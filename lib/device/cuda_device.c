@@ -203,6 +203,7 @@ em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
     if (status == EM_OK)
         lane->synced = lane->issued;
     lane->staging_in_flight[0] = lane->staging_in_flight[1] = false;
+    lane->staging_used[0] = lane->staging_used[1] = 0;
     free_deferred(lane);
     land_later(lane, status == EM_OK);
     return status;
@@ -324,14 +325,25 @@ em_status em__cuda_copy_to_device(em_lane *base, void *destination, const void *
                           err);
     size_t half = lane->staging_bytes / 2;
     for (size_t done = 0; done < bytes;) {
-        size_t chunk = bytes - done < half ? bytes - done : half;
+        size_t left = bytes - done;
         uint32_t h = lane->staging_next;
-        em_status status = wait_for_staging(lane, h, err);
+        size_t offset = lane->staging_used[h];
+        em_status status = EM_OK;
+        if (offset > 0 && half - offset < (left < half ? left : half)) {
+            h = 1 - h; /* no room here: the other half, once its copies are done */
+            offset = 0;
+        }
+        if (offset == 0) /* a half taken afresh: its last copies may still read it */
+            status = wait_for_staging(lane, h, err);
         if (status != EM_OK)
             return status;
-        memcpy(staging_half(lane, h), (const uint8_t *)host_source + done, chunk);
+        /* The bytes past offset are no copy's: they are written while the half's earlier
+         * copies may still be reading the bytes before. */
+        size_t chunk = left < half - offset ? left : half - offset;
+        uint8_t *slot = staging_half(lane, h) + offset;
+        memcpy(slot, (const uint8_t *)host_source + done, chunk);
         status = lane_check(lane, em_gpu_memcpy_async(lane->stream, (uint8_t *)destination + done,
-                                                      staging_half(lane, h), chunk),
+                                                      slot, chunk),
                             err);
         if (status == EM_OK)
             status = lane_check(lane, em_gpu_event_record(lane->staging_done[h], lane->stream),
@@ -339,7 +351,13 @@ em_status em__cuda_copy_to_device(em_lane *base, void *destination, const void *
         if (status != EM_OK)
             return status;
         lane->staging_in_flight[h] = true;
-        lane->staging_next = 1 - h;
+        /* the next copy starts 256-byte aligned, in this half while there is room */
+        lane->staging_used[h] = (offset + chunk + 255) & ~(size_t)255;
+        if (lane->staging_used[h] >= half) {
+            lane->staging_used[h] = half;
+            h = 1 - h;
+        }
+        lane->staging_next = h;
         done += chunk;
     }
     return EM_OK;
@@ -362,6 +380,7 @@ static em_status stage_from_device(cuda_lane *lane, uint32_t h, const void *sour
         status = lane_check(lane, em_gpu_event_record(lane->staging_done[h], lane->stream), err);
     if (status == EM_OK)
         lane->staging_in_flight[h] = true;
+    lane->staging_used[h] = half; /* the GPU writes it: no copy to the device shares it */
     return status;
 }
 
@@ -514,6 +533,7 @@ static const em_device_ops cuda_device_ops = {
     .shard_insert_settle = em__cuda_shard_insert_settle,
     .shard_gather = em__cuda_shard_gather,
     .shard_pull_async = em__cuda_shard_pull_async,
+    .shard_push_async = em__cuda_shard_push_async,
     .shard_check_apply = em__cuda_shard_check_apply,
     .shard_check_apply_async = em__cuda_shard_check_apply_async,
     .shard_apply = em__cuda_shard_apply,

@@ -56,6 +56,10 @@ typedef struct cuda_lane {
     em_gpu_event *staging_done[2]; /* recorded after the last copy of each half */
     bool staging_in_flight[2];
     uint32_t staging_next; /* the half the next chunk to the device takes */
+    size_t staging_used[2]; /* bytes of each half that copies since it was last free use:
+                             * small copies to the device share a half (no wait between
+                             * them); a copy from the device fills a half until the lane
+                             * synchronizes */
     em_gpu_event *handoff;      /* same-device copies between lanes */
     uint64_t *counter;          /* device word for counts (find) */
     void *deferred[DEFERRED_MAX];
@@ -260,6 +264,11 @@ em_status em__cuda_shard_pull_async(em_shard *base, em_lane *lane_base,
                                     const uint64_t *unique, const uint32_t *count,
                                     uint64_t *rows, uint64_t *missing, float *out,
                                     uint64_t accessed, uint32_t updated, em_error *err);
+
+em_status em__cuda_shard_push_async(em_shard *base, em_lane *lane_base, const uint64_t *unique,
+                                    const uint32_t *count, uint64_t n, const float *gradients,
+                                    uint64_t *rows, uint64_t *missing, uint64_t *problem,
+                                    em_error *err);
 
 em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,
                                 uint64_t n, const uint32_t *targets, float *vectors,

@@ -651,6 +651,44 @@ em_status em__cuda_shard_pull_async(em_shard *base, em_lane *lane_base,
     return status;
 }
 
+/* The push to a one-shard table in a single pass of the GPU (device.h: shard_push_async):
+ * find, check, and the step only when every key was found and every row checked,
+ * decided on the GPU; the caller reads the words back once. */
+em_status em__cuda_shard_push_async(em_shard *base, em_lane *lane_base, const uint64_t *unique,
+                                    const uint32_t *count, uint64_t n, const float *gradients,
+                                    uint64_t *rows, uint64_t *missing, uint64_t *problem,
+                                    em_error *err)
+{
+    cuda_shard *shard = shard_of(base);
+    cuda_lane *lane = lane_of(lane_base);
+    em_status status =
+        lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, problem, 0xff,
+                                                      sizeof(uint64_t)), err);
+    if (status == EM_OK) /* after every read and write of the shard on other lanes */
+        status = order_write(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_map_find_counted(lane->stream, map_view(shard), unique,
+                                                          n, count, rows, missing),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_check_counted(lane->stream, storage_view(shard),
+                                                            shard->optimizer, shard->initializer,
+                                                            unique, rows, n, count, gradients,
+                                                            problem),
+                            err);
+    em_gpu_gate gate = {.count = count, .missing = missing, .problem = problem};
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, storage_view(shard),
+                                                          shard->optimizer, rows, n, gradients,
+                                                          gate),
+                            err);
+    if (status == EM_OK)
+        status = record_write(shard, lane, err);
+    return status;
+}
+
 em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,
                                            const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                            const float *gradients, float gradient_bound,

@@ -169,28 +169,34 @@ static em_status copy_output(request_context *r, const em_pull_request *request,
                                    out_floats * sizeof(float), err);
 }
 
-/* Pulls that go the general way after one pull_at_once found keys missing, before the
- * next tries again: while a table is being filled most pulls create keys, and each
- * failed try costs a wait. */
-#define PULL_AT_ONCE_BACKOFF 8u
+/* Requests that go the general way after one pull_at_once or push_at_once found keys
+ * missing, before the next of the kind tries again: while a table is being filled most
+ * requests create keys, and each failed try costs a wait. */
+#define AT_ONCE_BACKOFF 8u
 
-/* Whether the pull may run at once (pull_at_once): a table of one shard, on a device
- * that keeps the counts on the GPU, and no recent pull found keys missing. */
-static bool pull_may_run_at_once(em_table *table, const request_context *r,
-                                 const em_pull_request *request)
+/* Whether a request of nnz keys may go at once (pull_at_once, push_at_once): a table of
+ * one shard on the request's home device, a device that keeps counts on the GPU, and
+ * no recent request of the kind found keys missing (*before counts down those that go
+ * the general way meanwhile). */
+static bool may_run_at_once(const request_context *r, uint64_t nnz, _Atomic uint32_t *before)
 {
     const em_device_ops *ops = r->home->ops;
-    if (table->shard_count != 1 || !em__shards_at_home(r) || request->batch.nnz == 0 ||
-        ops->unique_keys_async == NULL || ops->shard_pull_async == NULL ||
-        ops->copy_to_host_later == NULL)
+    if (r->table->shard_count != 1 || !em__shards_at_home(r) || nnz == 0 ||
+        ops->unique_keys_async == NULL || ops->copy_to_host_later == NULL)
         return false;
-    uint32_t wait = atomic_load_explicit(&table->pulls_before_at_once, memory_order_relaxed);
-    while (wait > 0 && !atomic_compare_exchange_weak_explicit(&table->pulls_before_at_once,
-                                                              &wait, wait - 1,
+    uint32_t wait = atomic_load_explicit(before, memory_order_relaxed);
+    while (wait > 0 && !atomic_compare_exchange_weak_explicit(before, &wait, wait - 1,
                                                               memory_order_relaxed,
                                                               memory_order_relaxed)) {
     }
     return wait == 0;
+}
+
+static bool pull_may_run_at_once(em_table *table, const request_context *r,
+                                 const em_pull_request *request)
+{
+    return r->home->ops->shard_pull_async != NULL &&
+           may_run_at_once(r, request->batch.nnz, &table->pulls_before_at_once);
 }
 
 /* A pull of keys that are all stored, the steady state of training, with one wait for
@@ -268,7 +274,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
         return em_error_prefix(err, "table '%s': ", table->config.name);
     }
     if (absent != 0) {
-        atomic_store_explicit(&table->pulls_before_at_once, PULL_AT_ONCE_BACKOFF,
+        atomic_store_explicit(&table->pulls_before_at_once, AT_ONCE_BACKOFF,
                               memory_order_relaxed);
         em__request_rewind(r, &mark);
         return EM_OK;
@@ -395,6 +401,115 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
     return status;
 }
 
+/* Whether the push may run at once (push_at_once): as a pull, on a table that tracks no
+ * access (its rows' touches take the table's push clock, which only a push that steps
+ * its rows may move). */
+static bool push_may_run_at_once(em_table *table, const request_context *r,
+                                 const em_push_request *request)
+{
+    return r->home->ops->shard_push_async != NULL &&
+           !em_eviction_tracks_access(&table->config.eviction) &&
+           may_run_at_once(r, request->batch.nnz, &table->pushes_before_at_once);
+}
+
+/* A push to keys that are all stored, with steps that keep every row finite (the steady
+ * state of training), with one wait for the GPU: dedupe, gradient sums, find, check and
+ * step are enqueued together, the step gated on the GPU by the find and the check
+ * (device.h: shard_push_async), and the counts come back in one synchronisation. *done
+ * stays false when a key is missing, a check failed, or the table is being saved:
+ * nothing was stepped, the request's scratch is as before, and the push goes the
+ * general way (which creates the keys, or names the problem as the CPU does). */
+static em_status push_at_once(request_context *r, const em_push_request *request,
+                              em_push_result *result, bool *done, em_error *err)
+{
+    em_table *table = r->table;
+    em_device *home = r->home;
+    const em_device_ops *ops = home->ops;
+    uint64_t nnz = request->batch.nnz;
+    uint32_t dim = table->config.dim;
+    request_mark mark = em__request_mark(r);
+    const float *gradients = NULL;
+    uint64_t *unique = NULL, *rows = NULL, *words = NULL;
+    uint32_t *inverse = NULL, *first = NULL;
+    const uint32_t *count = NULL;
+    float *sums = NULL;
+    *done = false;
+    em_status status = request->combiner == EM_COMBINER_NONE
+                           ? EM_OK
+                           : em__stage_offsets(r, &request->batch, err);
+    if (status == EM_OK)
+        status = em__stage_input(r, request->batch.keys, nnz * sizeof(uint64_t), "request keys",
+                                 (const void **)&r->keys, err);
+    if (status == EM_OK)
+        status = em__stage_input(r, request->gradients, request->gradient_count * sizeof(float),
+                                 "request gradients", (const void **)&gradients, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys",
+                                   (void **)&unique, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
+                                   (void **)&inverse, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
+                                   (void **)&first, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "key rows", (void **)&rows,
+                                   err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, 2 * sizeof(uint64_t), "push answers",
+                                   (void **)&words, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * dim * sizeof(float), "summed gradients",
+                                   (void **)&sums, err);
+    if (status == EM_OK)
+        status = ops->unique_keys_async(r->home_lane, r->keys, nnz, unique, inverse, first,
+                                        &count, err);
+    if (status == EM_OK) { /* sums for every possible unique key: the count is on the GPU */
+        em_device_batch batch = {.rows = request->batch.rows,
+                                 .nnz = nnz,
+                                 .offsets = r->batch.offsets,
+                                 .inverse = inverse,
+                                 .position = NULL,
+                                 .unique_count = nnz};
+        status = ops->sum_gradients(r->home_lane, &batch, request->combiner, dim, gradients, sums,
+                                    err);
+    }
+    bool saving = false;
+    if (status == EM_OK) {
+        em__shard_write_lock(table, 0);
+        saving = table->snapshot != NULL; /* its rows go aside first: the general way */
+        if (!saving)
+            status = ops->shard_push_async(table->shards[0], r->home_lane, unique, count, nnz,
+                                           sums, rows, &words[0], &words[1], err);
+        if (!saving) /* whether it stepped is known later: checks before it look again */
+            table->shard_versions[0] += EM_ROW_BOUNDED_STEPS + 1;
+        pthread_rwlock_unlock(&table->shard_locks[0]);
+    }
+    uint64_t answers[2] = {UINT64_MAX, 0};
+    uint32_t updated = 0;
+    if (status == EM_OK)
+        status = ops->copy_to_host_later(r->home_lane, answers, words, sizeof(answers), err);
+    if (status == EM_OK)
+        status = ops->copy_to_host_later(r->home_lane, &updated, count, sizeof(updated), err);
+    em_error ignored;
+    em_status synchronized = ops->synchronize(r->home_lane, status == EM_OK ? err : &ignored);
+    if (status == EM_OK)
+        status = synchronized;
+    if (status != EM_OK)
+        return em_error_prefix(err, "table '%s': ", table->config.name);
+    if (saving || answers[0] != 0 || answers[1] != UINT64_MAX) {
+        if (answers[0] != 0)
+            atomic_store_explicit(&table->pushes_before_at_once, AT_ONCE_BACKOFF,
+                                  memory_order_relaxed);
+        em__request_rewind(r, &mark);
+        return EM_OK;
+    }
+    result->updated = updated;
+    result->created = 0;
+    *done = true;
+    return EM_OK;
+}
+
 /* A push attempt (locked_attempt). */
 static em_status push_locked(em_table *table, const void *untyped_request, void *untyped_result,
                              bool may_create, attempt_state *state, em_error *err)
@@ -404,10 +519,18 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     em_push_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
-    if (status == EM_OK)
-        status = em__stage_offsets(&r, &request->batch, err);
+    bool done = false;
+    if (status == EM_OK && push_may_run_at_once(table, &r, request))
+        status = push_at_once(&r, request, result, &done, err);
+    if (status != EM_OK || done) {
+        em__request_end(&r);
+        return status;
+    }
+    status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK)
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
+    if (status == EM_OK && r.missing == 0) /* the keys are there: the next push tries at once */
+        atomic_store_explicit(&table->pushes_before_at_once, 0, memory_order_relaxed);
     if (status == EM_OK && r.missing > 0)
         status = admit(&r, may_create, state, err);
     if (status == EM_OK && state->needs_create && !may_create) {
@@ -696,7 +819,9 @@ em_status em_table_create_seeded(em_backend *backend, const em_table_config *con
     table->evict_random = em_mix64(config->initializer.seed ^ 0x65766963746564ull);
     /* a new table's first pulls create its keys: they go the general way until one
      * finds every key */
-    atomic_store_explicit(&table->pulls_before_at_once, PULL_AT_ONCE_BACKOFF,
+    atomic_store_explicit(&table->pulls_before_at_once, AT_ONCE_BACKOFF,
+                          memory_order_relaxed);
+    atomic_store_explicit(&table->pushes_before_at_once, AT_ONCE_BACKOFF,
                           memory_order_relaxed);
     pthread_rwlockattr_t attributes;
     pthread_rwlockattr_init(&attributes);

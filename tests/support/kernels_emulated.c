@@ -1046,9 +1046,18 @@ em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, const uint64_t *rows, uint64_t n,
                                 const float *gradients)
 {
+    return em_gpu_rows_apply_gated(stream, storage, optimizer, rows, n, gradients,
+                                   (em_gpu_gate){NULL, NULL, NULL});
+}
+
+em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
+                                      em_optimizer_config optimizer, const uint64_t *rows,
+                                      uint64_t n, const float *gradients, em_gpu_gate gate)
+{
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++) {
+    uint64_t end = em_gpu_gate_end(gate, n);
+    for (uint64_t i = 0; i < end; i++) {
         if (rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key */
         float *weights = em_gpu_row_address(storage, rows[i]);
@@ -1083,9 +1092,20 @@ em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
                                 const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                 const float *gradients, uint64_t *first)
 {
+    return em_gpu_rows_check_counted(stream, storage, optimizer, initializer, keys, rows, n, NULL,
+                                     gradients, first);
+}
+
+em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage storage,
+                                        em_optimizer_config optimizer,
+                                        em_initializer_config initializer, const uint64_t *keys,
+                                        const uint64_t *rows, uint64_t n, const uint32_t *count,
+                                        const float *gradients, uint64_t *first)
+{
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++) {
+    uint64_t end = count != NULL && *count < n ? *count : n;
+    for (uint64_t i = 0; i < end; i++) {
         uint32_t code = em_gpu_rows_check_item(storage, &optimizer, &initializer, keys, rows,
                                                gradients, i);
         uint64_t result = em_gpu_rows_check_result(i, code);
