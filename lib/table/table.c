@@ -282,6 +282,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     result->unique_keys = unique_count;
     result->missing = 0;
     result->created = 0;
+    atomic_fetch_add_explicit(&table->pulls_at_once, 1, memory_order_relaxed);
     *done = true;
     return EM_OK;
 }
@@ -506,6 +507,7 @@ static em_status push_at_once(request_context *r, const em_push_request *request
     }
     result->updated = updated;
     result->created = 0;
+    atomic_fetch_add_explicit(&table->pushes_at_once, 1, memory_order_relaxed);
     *done = true;
     return EM_OK;
 }
@@ -956,6 +958,8 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->pushes_dropped = atomic_load_explicit(&table->pushes_dropped, memory_order_relaxed);
     out->exclusive_retries =
         atomic_load_explicit(&table->exclusive_retries, memory_order_relaxed);
+    out->pulls_at_once = atomic_load_explicit(&table->pulls_at_once, memory_order_relaxed);
+    out->pushes_at_once = atomic_load_explicit(&table->pushes_at_once, memory_order_relaxed);
 }
 
 

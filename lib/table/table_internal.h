@@ -90,6 +90,7 @@ struct em_table {
      * one found keys missing: a table being filled; 0 once a pull finds all its keys) */
     _Atomic uint32_t pulls_before_at_once;
     _Atomic uint32_t pushes_before_at_once; /* the same for push_at_once */
+    _Atomic uint64_t pulls_at_once, pushes_at_once; /* served so */
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
     pthread_mutex_t clock_lock;

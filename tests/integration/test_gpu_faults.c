@@ -32,7 +32,7 @@ static char *config_json(const char *dir)
     static char json[1024];
     snprintf(json, sizeof(json),
              "{\"checkpoint\": {\"dir\": \"%s\", \"on_shutdown\": true},"
-             " \"tables\": [{\"name\": \"t\", \"dim\": %d, \"capacity\": 1000, \"shards\": 2,"
+             " \"tables\": [{\"name\": \"t\", \"dim\": %d, \"capacity\": 1000, \"shards\": 1,"
              " \"optimizer\": {\"type\": \"sgd\", \"lr\": 0.5},"
              " \"initializer\": {\"type\": \"zeros\"}}]}",
              dir, DIM);
@@ -55,6 +55,33 @@ static test_frame push(const test_daemon *daemon, uint64_t id)
     free(attachment);
     close(fd);
     return frame;
+}
+
+static test_frame pull(const test_daemon *daemon, uint64_t id)
+{
+    Ember__PullRequest body = EMBER__PULL_REQUEST__INIT;
+    body.table = "t";
+    body.rows = 2;
+    body.nnz = 3;
+    size_t length = 0;
+    uint8_t *attachment = test_csr_attachment(2, offsets, 3, keys, NULL, 0, &length);
+    int fd = test_connect(daemon->data);
+    test_frame frame = test_call(fd, id, EMBER__METHOD__PULL, NULL, &body.base, attachment, length);
+    free(attachment);
+    close(fd);
+    return frame;
+}
+
+/* Every value of a pull's answer is `expected`. */
+static void assert_pulled(const test_daemon *daemon, uint64_t id, float expected)
+{
+    test_frame pulled = pull(daemon, id);
+    ck_assert_msg(pulled.meta->status == EMBER__STATUS__OK, "%s", pulled.meta->error);
+    ck_assert_uint_eq(pulled.attachment_length, 3 * DIM * sizeof(float));
+    const float *values = (const float *)pulled.attachment;
+    for (int i = 0; i < 3 * DIM; i++)
+        ck_assert_float_eq(values[i], expected);
+    test_frame_free(&pulled);
 }
 
 static void save(const test_daemon *daemon)
@@ -138,28 +165,25 @@ START_TEST(a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart)
                                     "00000000000000000001") != NULL,
                   "%s", restarted);
     free(restarted);
-    Ember__PullRequest body = EMBER__PULL_REQUEST__INIT;
-    body.table = "t";
-    body.rows = 2;
-    body.nnz = 3;
-    size_t length = 0;
-    uint8_t *attachment = test_csr_attachment(2, offsets, 3, keys, NULL, 0, &length);
-    int data = test_connect(again->data);
-    test_frame pulled = test_call(data, 3, EMBER__METHOD__PULL, NULL, &body.base, attachment,
-                                  length);
-    free(attachment);
-    close(data);
-    ck_assert_msg(pulled.meta->status == EMBER__STATUS__OK, "%s", pulled.meta->error);
-    ck_assert_uint_eq(pulled.attachment_length, 3 * DIM * sizeof(float));
-    const float *values = (const float *)pulled.attachment;
-    for (int i = 0; i < 3 * DIM; i++)
-        ck_assert_float_eq(values[i], -0.5f); /* zeros - lr 0.5 x gradient 1, once */
-    test_frame_free(&pulled);
+    assert_pulled(again, 3, -0.5f); /* zeros - lr 0.5 x gradient 1, once */
     /* the pull's keys and answer went by DMA: the attachment and the answer buffer were
      * pinned memory of the backend (backend.pinned_buffer_bytes, 1 GiB by default) */
     ck_assert_double_eq(server_stat(again, "pinned_buffer_bytes_limit"), 1073741824.0);
     ck_assert_double_ge(server_stat(again, "bytes_copied_directly"),
                         3 * sizeof(uint64_t) + 3 * DIM * sizeof(float));
+    /* the first pull found every key: later pulls and pushes of the one-shard table go
+     * with one wait for the GPU (STATS pulls_at_once, pushes_at_once) */
+    ck_assert_double_eq(server_stat(again, "pulls_at_once"), 0.0);
+    assert_pulled(again, 4, -0.5f);
+    ck_assert_double_eq(server_stat(again, "pulls_at_once"), 1.0);
+    for (uint64_t id = 5; id < 7; id++) { /* the first finds every key, the second goes at once */
+        test_frame pushed = push(again, id);
+        ck_assert_msg(pushed.meta->status == EMBER__STATUS__OK, "%s", pushed.meta->error);
+        test_frame_free(&pushed);
+    }
+    ck_assert_double_eq(server_stat(again, "pushes_at_once"), 1.0);
+    assert_pulled(again, 7, -1.5f);
+    ck_assert_double_eq(server_stat(again, "pulls_at_once"), 2.0);
     ck_assert_int_eq(test_daemon_stop(again, SIGTERM, 30000), 0);
     em_test_remove_tree(dir);
 }
