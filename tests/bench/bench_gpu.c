@@ -19,7 +19,10 @@
  *              in the backend's pinned host buffers (where the server receives
  *              requests), which it copies by DMA; in million keys/s and as a fraction
  *              of the bus: the time the request's bytes (keys and gradients in, vectors
- *              out) take at the pinned copy rates measured in the same run.
+ *              out) take at the pinned copy rates measured in the same run. Side by
+ *              side, the table in one shard (requests of stored keys wait once for the
+ *              GPU: STATS pulls_at_once) and in two shards on the same GPU (the general
+ *              way, several waits).
  *   pool       em_pool over one cudaMalloc'ed region against cudaMalloc/cudaFree, on
  *              the same random sequence of sizes (256 B .. 16 MiB, 64 live blocks).
  *
@@ -556,17 +559,21 @@ static void bench_requests(const options *o)
            "memory; bus: the time its bytes take at the pinned copy rates measured here "
            "(to the GPU %.1f GB/s, to the host %.1f GB/s), over the request's time\n",
            REQUEST_DIM, REQUEST_UNIVERSE, to_device / 1e9, to_host / 1e9);
-    printf("%-4s %8s %-9s %9s %7s\n", "op", "keys", "buffers", "Mkeys/s", "of bus");
+    printf("%-4s %8s %-9s %17s %7s %17s %7s %9s\n", "op", "keys", "buffers",
+           "1 shard Mkeys/s", "of bus", "2 shards Mkeys/s", "of bus", "1 / 2");
     em_backend *backend = one_gpu_backend(o);
-    em_table_config config;
-    em_table_config_init(&config, "requests", REQUEST_DIM, REQUEST_UNIVERSE);
-    config.shards = 1;
-    config.optimizer.kind = EM_OPTIMIZER_SGD;
-    config.optimizer.learning_rate = 0.01f;
-    em_table *table = NULL;
+    em_table *tables[2] = {NULL, NULL};
     em_error err;
-    check_em(em_table_create(backend, &config, &table, &err), &err, "table");
-    { /* every key of the universe present */
+    for (int t = 0; t < 2; t++) {
+        em_table_config config;
+        em_table_config_init(&config, t == 0 ? "one" : "two", REQUEST_DIM, REQUEST_UNIVERSE);
+        config.shards = (uint32_t)t + 1;
+        config.optimizer.kind = EM_OPTIMIZER_SGD;
+        config.optimizer.learning_rate = 0.01f;
+        check_em(em_table_create(backend, &config, &tables[t], &err), &err, "table");
+    }
+    for (int t = 0; t < 2; t++) { /* every key of the universe present */
+        em_table *table = tables[t];
         request_buffers fill = request_buffers_make(backend->host_buffers, sizes[2]);
         em_push_request request = {
             .batch = {.rows = sizes[2], .nnz = sizes[2], .offsets = fill.offsets,
@@ -593,19 +600,29 @@ static void bench_requests(const options *o)
             for (int pinned = 0; pinned < 2; pinned++) {
                 request_buffers b = request_buffers_make(pinned ? backend->host_buffers : NULL,
                                                          sizes[s]);
-                double rate = request_rate(o, table, &b, sizes[s], push, &rng);
-                printf("%-4s %8u %-9s %9.2f %7.2f\n", push ? "push" : "pull", sizes[s],
-                       !pinned ? "pageable" : b.pinned ? "pinned" : "(full)", rate / 1e6,
-                       rate * (push ? push_bus : pull_bus));
+                double rates[2];
+                for (int t = 0; t < 2; t++)
+                    rates[t] = request_rate(o, tables[t], &b, sizes[s], push, &rng);
+                double bus = push ? push_bus : pull_bus;
+                printf("%-4s %8u %-9s %17.2f %7.2f %17.2f %7.2f %8.2fx\n",
+                       push ? "push" : "pull", sizes[s],
+                       !pinned ? "pageable" : b.pinned ? "pinned" : "(full)", rates[0] / 1e6,
+                       rates[0] * bus, rates[1] / 1e6, rates[1] * bus, rates[0] / rates[1]);
                 request_buffers_free(&b);
             }
         }
     }
+    em_table_stats one;
+    em_table_get_stats(tables[0], &one);
+    printf("1 shard: %" PRIu64 " of %" PRIu64 " pulls and %" PRIu64 " of %" PRIu64
+           " pushes with one wait\n",
+           one.pulls_at_once, one.pulls, one.pushes_at_once, one.pushes);
     em_host_buffers_stats stats;
     em_host_buffers_get_stats(backend->host_buffers, &stats);
     printf("copied directly %.1f GB, staged %.1f GB\n", (double)stats.bytes_copied_directly / 1e9,
            (double)stats.bytes_copied_staged / 1e9);
-    em_table_destroy(table);
+    for (int t = 0; t < 2; t++)
+        em_table_destroy(tables[t]);
     em_backend_destroy(backend);
 }
 
