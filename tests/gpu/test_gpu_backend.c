@@ -965,12 +965,14 @@ static void *race_reader(void *argument)
     return NULL;
 }
 
-/* Pushes on several lanes at once never lose an update (the shard's events order them)
- * and readers never see a half-applied push. */
+/* Loop index: 2 shards, then 1 (whose steady pulls and pushes go with one wait for the
+ * GPU, beside those that go the general way). Pushes on several lanes at once never
+ * lose an update (the shard's events order them) and readers never see a half-applied
+ * push. */
 START_TEST(concurrent_pushes_lose_no_update)
 {
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
-    em_table_config config = table_config(RACE_DIM, 10000, 2, 0, EM_INIT_ZEROS);
+    em_table_config config = table_config(RACE_DIM, 10000, _i == 0 ? 2 : 1, 0, EM_INIT_ZEROS);
     config.optimizer.learning_rate = 0.5f;
     em_table *table = em_test_make_table(gpu, &config);
     /* Create the keys first so every later push shares the table lock. */
@@ -995,6 +997,14 @@ START_TEST(concurrent_pushes_lose_no_update)
     for (int i = 0; i < RACE_KEYS * RACE_DIM; i++)
         ck_assert_msg(out[i] == -0.5f * RACE_PUSHERS * RACE_PUSHES, "value %d: %g", i,
                       (double)out[i]);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    if (_i == 1) { /* most went at once, after the first few found every key */
+        ck_assert_uint_gt(stats.pushes_at_once, RACE_PUSHERS * RACE_PUSHES / 2);
+        ck_assert_uint_gt(stats.pulls_at_once, RACE_PUSHES);
+    } else {
+        ck_assert_uint_eq(stats.pushes_at_once + stats.pulls_at_once, 0);
+    }
     free(out);
     em_test_batch_free(&b);
     em_table_destroy(table);
@@ -1006,13 +1016,13 @@ END_TEST
 #define SAME_THREADS 6
 #define SAME_PUSHES 10
 
-/* Threads that create the same keys at once (the marker values too, each twice per
- * push) create each key once and lose no update: every row ends at -0.5 * 2 * (threads
- * * pushes). */
+/* Loop index: 3 shards, then 1. Threads that create the same keys at once (the marker
+ * values too, each twice per push) create each key once and lose no update: every row
+ * ends at -0.5 * 2 * (threads * pushes). */
 START_TEST(threads_creating_the_same_keys_create_each_once)
 {
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
-    em_table_config config = table_config(RACE_DIM, 10000, 3, 0, EM_INIT_ZEROS);
+    em_table_config config = table_config(RACE_DIM, 10000, _i == 0 ? 3 : 1, 0, EM_INIT_ZEROS);
     config.optimizer.learning_rate = 0.5f;
     em_table *table = em_test_make_table(gpu, &config);
     /* the same keys twice per push, among them the four values the hash maps reserve as
@@ -1034,6 +1044,8 @@ START_TEST(threads_creating_the_same_keys_create_each_once)
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, SAME_KEYS);
+    if (_i == 1) /* once the keys were there, pushes went at once beside the others */
+        ck_assert_uint_gt(stats.pushes_at_once, 0);
     em_test_snapshot rows = em_test_snapshot_take(table, 64);
     ck_assert_uint_eq(rows.count, SAME_KEYS);
     for (uint64_t i = 0; i < rows.count * rows.width; i++)
@@ -1722,8 +1734,8 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, pulls_that_run_out_of_pool_create_nothing, 0, 2);
     tcase_add_test(tc, import_export_round_trip_bit_for_bit);
     tcase_add_test(tc, checkpoints_move_between_gpu_and_cpu_bit_for_bit);
-    tcase_add_test(tc, concurrent_pushes_lose_no_update);
-    tcase_add_test(tc, threads_creating_the_same_keys_create_each_once);
+    tcase_add_loop_test(tc, concurrent_pushes_lose_no_update, 0, 2);
+    tcase_add_loop_test(tc, threads_creating_the_same_keys_create_each_once, 0, 2);
     tcase_add_loop_test(tc, wide_rows_match_cpu_value_by_value, 0, 8);
     tcase_add_loop_test(tc, outputs_at_any_alignment, 0, 4);
     tcase_add_test(tc, a_table_beyond_2_31_floats);
