@@ -373,6 +373,12 @@ typedef struct em_gpu_gate {
 em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
                                       em_optimizer_config optimizer, const uint64_t *rows,
                                       uint64_t n, const float *gradients, em_gpu_gate gate);
+/* em_gpu_rows_touch of at most n rows, as the gate says when the kernel runs: a request
+ * touches its rows only when it found them all (and, a push, stepped them), decided on
+ * the GPU. */
+em_gpu_status em_gpu_rows_touch_gated(em_gpu_stream *stream, em_gpu_storage storage,
+                                      const uint64_t *rows, uint64_t n, em_gpu_gate gate,
+                                      uint64_t accessed, uint32_t updated, int pushed);
 /* Whether one optimizer step per row with gradients[i] keeps every value finite,
  * without writing (common/row_check.h); rows[i] ROW_NONE is the row to be created for
  * keys[i]. *first (device memory, set to UINT64_MAX by the caller) becomes the smallest
@@ -404,13 +410,7 @@ em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage sto
 em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
                                 const uint64_t *rows, uint64_t n, uint64_t accessed,
                                 uint32_t updated, int pushed);
-/* em_gpu_rows_touch of the first *count (device) of at most n rows, and only if *absent
- * (device) is 0 when the kernel runs: a pull touches its rows only when it found them
- * all, decided on the GPU. */
-em_gpu_status em_gpu_rows_touch_counted(em_gpu_stream *stream, em_gpu_storage storage,
-                                        const uint64_t *rows, uint64_t n, const uint32_t *count,
-                                        const uint64_t *absent, uint64_t accessed,
-                                        uint32_t updated);
+
 /* out[i] = the access metadata of rows[i]. */
 em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
                                  const uint64_t *rows, uint64_t n, em_gpu_row_access *out);

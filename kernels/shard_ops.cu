@@ -333,16 +333,13 @@ __global__ void rows_touch_kernel(em_gpu_storage storage, const uint64_t *rows, 
     em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
 }
 
-__global__ void rows_touch_counted_kernel(em_gpu_storage storage, const uint64_t *rows,
-                                          uint64_t n, const uint32_t *count,
-                                          const uint64_t *absent, uint64_t accessed,
-                                          uint32_t updated)
+__global__ void rows_touch_gated_kernel(em_gpu_storage storage, const uint64_t *rows,
+                                        uint64_t n, em_gpu_gate gate, uint64_t accessed,
+                                        uint32_t updated, int pushed)
 {
-    if (*absent != 0)
-        return;
-    uint64_t end = *count < n ? *count : n;
+    uint64_t end = em_gpu_gate_end(gate, n);
     EM_GPU_FOR_EACH(i, end)
-    em_gpu_rows_touch_item(storage, rows, i, accessed, updated, 0);
+    em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
 }
 
 __global__ void access_read_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
@@ -384,17 +381,16 @@ extern "C" em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage
                          pushed);
 }
 
-extern "C" em_gpu_status em_gpu_rows_touch_counted(em_gpu_stream *stream,
-                                                   em_gpu_storage storage, const uint64_t *rows,
-                                                   uint64_t n, const uint32_t *count,
-                                                   const uint64_t *absent, uint64_t accessed,
-                                                   uint32_t updated)
+extern "C" em_gpu_status em_gpu_rows_touch_gated(em_gpu_stream *stream, em_gpu_storage storage,
+                                                 const uint64_t *rows, uint64_t n,
+                                                 em_gpu_gate gate, uint64_t accessed,
+                                                 uint32_t updated, int pushed)
 {
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(rows_touch_counted_kernel, n, stream, storage, rows, n, count, absent,
-                         accessed, updated);
+    return EM_GPU_LAUNCH(rows_touch_gated_kernel, n, stream, storage, rows, n, gate, accessed,
+                         updated, pushed);
 }
 
 extern "C" em_gpu_status em_gpu_rows_pull(em_gpu_stream *stream, em_gpu_storage storage,

@@ -642,22 +642,24 @@ em_status em__cuda_shard_pull_async(em_shard *base, em_lane *lane_base,
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_pull(lane->stream, storage_view(shard), &view,
                                                    rows, out), err);
+    em_gpu_gate found = {.count = count, .missing = missing, .problem = NULL};
     if (status == EM_OK && shard->track_access && accessed != 0)
-        status = lane_check(lane, em_gpu_rows_touch_counted(lane->stream, storage_view(shard),
-                                                            rows, batch->nnz, count, missing,
-                                                            accessed, updated), err);
+        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, storage_view(shard), rows,
+                                                          batch->nnz, found, accessed, updated,
+                                                          0),
+                            err);
     if (status == EM_OK)
         status = record_read(shard, lane, err);
     return status;
 }
 
 /* The push to a one-shard table in a single pass of the GPU (device.h: shard_push_async):
- * find, check, and the step only when every key was found and every row checked,
- * decided on the GPU; the caller reads the words back once. */
+ * find, check, and the step (and the touch) only when every key was found and every
+ * row checked, decided on the GPU; the caller reads the words back once. */
 em_status em__cuda_shard_push_async(em_shard *base, em_lane *lane_base, const uint64_t *unique,
                                     const uint32_t *count, uint64_t n, const float *gradients,
                                     uint64_t *rows, uint64_t *missing, uint64_t *problem,
-                                    em_error *err)
+                                    uint64_t accessed, uint32_t updated, em_error *err)
 {
     cuda_shard *shard = shard_of(base);
     cuda_lane *lane = lane_of(lane_base);
@@ -683,6 +685,10 @@ em_status em__cuda_shard_push_async(em_shard *base, em_lane *lane_base, const ui
         status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, storage_view(shard),
                                                           shard->optimizer, rows, n, gradients,
                                                           gate),
+                            err);
+    if (status == EM_OK && shard->track_access && accessed != 0)
+        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, storage_view(shard), rows,
+                                                          n, gate, accessed, updated, 1),
                             err);
     if (status == EM_OK)
         status = record_write(shard, lane, err);

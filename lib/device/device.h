@@ -201,18 +201,19 @@ typedef struct em_device_ops {
                                   const uint32_t *count, uint64_t *rows, uint64_t *missing,
                                   float *out, uint64_t accessed, uint32_t updated,
                                   em_error *err);
-    /* A push to a table of one shard that tracks no access, for the common case of keys
-     * all stored and steps that keep rows finite, without waiting: finds
-     * unique[0..*count) (count a device word, at most n) into rows (n entries), counts
-     * the absent ones in *missing, checks each row's step with gradients[u] (summed, in
-     * unique order) as shard_check_apply does into *problem (UINT64_MAX: none, else the
-     * first as shard_check_apply says), and steps the rows only if nothing was absent
-     * and nothing failed its check: all or nothing, decided on the GPU. missing and
-     * problem are device words. NULL on the CPU. */
+    /* A push to a table of one shard, for the common case of keys all stored and steps
+     * that keep rows finite, without waiting: finds unique[0..*count) (count a device
+     * word, at most n) into rows (n entries), counts the absent ones in *missing, checks
+     * each row's step with gradients[u] (summed, in unique order) as shard_check_apply
+     * does into *problem (UINT64_MAX: none, else the first as shard_check_apply says),
+     * and steps the rows, and where the shard tracks access and accessed != 0 touches
+     * them as pushed (last update `updated`), only if nothing was absent and nothing
+     * failed its check: all or nothing, decided on the GPU. missing and problem are
+     * device words. NULL on the CPU. */
     em_status (*shard_push_async)(em_shard *shard, em_lane *lane, const uint64_t *unique,
                                   const uint32_t *count, uint64_t n, const float *gradients,
                                   uint64_t *rows, uint64_t *missing, uint64_t *problem,
-                                  em_error *err);
+                                  uint64_t accessed, uint32_t updated, em_error *err);
     /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
      * the shard's rows have been evicted (shard_evict; evicted <= new_keys), so that
      * insert_missing of that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the

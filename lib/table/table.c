@@ -402,14 +402,10 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
     return status;
 }
 
-/* Whether the push may run at once (push_at_once): as a pull, on a table that tracks no
- * access (its rows' touches take the table's push clock, which only a push that steps
- * its rows may move). */
 static bool push_may_run_at_once(em_table *table, const request_context *r,
                                  const em_push_request *request)
 {
     return r->home->ops->shard_push_async != NULL &&
-           !em_eviction_tracks_access(&table->config.eviction) &&
            may_run_at_once(r, request->batch.nnz, &table->pushes_before_at_once);
 }
 
@@ -419,7 +415,12 @@ static bool push_may_run_at_once(em_table *table, const request_context *r,
  * (device.h: shard_push_async), and the counts come back in one synchronisation. *done
  * stays false when a key is missing, a check failed, or the table is being saved:
  * nothing was stepped, the request's scratch is as before, and the push goes the
- * general way (which creates the keys, or names the problem as the CPU does). */
+ * general way (which creates the keys, or names the problem as the CPU does).
+ * A table that tracks access stamps its pushed rows with the table's push clock, which
+ * only a push that steps rows may move (the general way moves it as it steps, under the
+ * shard's write lock): here the rows are stamped with the clock's next value and the
+ * clock moves once the step is known to have happened, the write lock held until then
+ * so that no other step takes that value meanwhile. */
 static em_status push_at_once(request_context *r, const em_push_request *request,
                               em_push_result *result, bool *done, em_error *err)
 {
@@ -475,16 +476,24 @@ static em_status push_at_once(request_context *r, const em_push_request *request
         status = ops->sum_gradients(r->home_lane, &batch, request->combiner, dim, gradients, sums,
                                     err);
     }
-    bool saving = false;
+    bool saving = false, locked = false;
+    bool stamps = r->access_stamp != 0; /* the table tracks access */
+    uint32_t stamp = 0;
     if (status == EM_OK) {
         em__shard_write_lock(table, 0);
+        locked = true;
+        stamp = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed) + 1;
         saving = table->snapshot != NULL; /* its rows go aside first: the general way */
         if (!saving)
             status = ops->shard_push_async(table->shards[0], r->home_lane, unique, count, nnz,
-                                           sums, rows, &words[0], &words[1], err);
+                                           sums, rows, &words[0], &words[1], r->access_stamp,
+                                           stamp, err);
         if (!saving) /* whether it stepped is known later: checks before it look again */
             table->shard_versions[0] += EM_ROW_BOUNDED_STEPS + 1;
-        pthread_rwlock_unlock(&table->shard_locks[0]);
+        if (!stamps || saving || status != EM_OK) {
+            pthread_rwlock_unlock(&table->shard_locks[0]);
+            locked = false;
+        }
     }
     uint64_t answers[2] = {UINT64_MAX, 0};
     uint32_t updated = 0;
@@ -496,9 +505,16 @@ static em_status push_at_once(request_context *r, const em_push_request *request
     em_status synchronized = ops->synchronize(r->home_lane, status == EM_OK ? err : &ignored);
     if (status == EM_OK)
         status = synchronized;
+    bool stepped = status == EM_OK && !saving && answers[0] == 0 && answers[1] == UINT64_MAX;
+    if (locked && stepped) { /* the step happened with the clock's next value */
+        atomic_fetch_add_explicit(&table->update_clock, 1, memory_order_relaxed);
+        em__clock_sample(table, em__unix_ms(), stamp);
+    }
+    if (locked)
+        pthread_rwlock_unlock(&table->shard_locks[0]);
     if (status != EM_OK)
         return em_error_prefix(err, "table '%s': ", table->config.name);
-    if (saving || answers[0] != 0 || answers[1] != UINT64_MAX) {
+    if (!stepped) {
         if (answers[0] != 0)
             atomic_store_explicit(&table->pushes_before_at_once, AT_ONCE_BACKOFF,
                                   memory_order_relaxed);

@@ -748,7 +748,9 @@ START_TEST(pulls_at_once_match_cpu)
 END_TEST
 
 /* Loop index: combiner (none, sum, mean, sqrtn) x optimizer (sgd, adagrad, rowwise
- * adagrad, adam), dim 24. A one-shard table pushes to keys that are all stored in one
+ * adagrad, adam) x tracking access (none, lru), dim 24. With lru the rows' access
+ * metadata and the table's clocks end equal too (a refused push moves no clock). A
+ * one-shard table pushes to keys that are all stored in one
  * pass and one wait (device.h: shard_push_async), the step gated on the GPU: after
  * batches with repeated keys, rows equal the CPU's bit for bit (for the optimizers with a
  * per-row reduction, within 1e-5 relative or 1e-7: wide_rows_match_cpu_value_by_value);
@@ -758,11 +760,14 @@ END_TEST
 START_TEST(pushes_at_once_match_cpu)
 {
     const em_combiner combiner = (em_combiner)(_i % 4);
-    const int optimizer = _i / 4;
+    const int optimizer = (_i / 4) % 4;
+    const bool lru = _i >= 16;
     const uint32_t dim = 24;
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
     em_table_config config = table_config(dim, 100000, 1, optimizer, EM_INIT_UNIFORM);
+    if (lru)
+        config.eviction.policy = EM_EVICTION_LRU;
     em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + 60 + (uint64_t)_i);
@@ -824,6 +829,24 @@ START_TEST(pushes_at_once_match_cpu)
         em_test_batch_free(&b);
     }
     ck_assert_int_gt(refusals, 0);
+    if (lru) {
+        enum { MAX = 600 };
+        uint64_t *keys = malloc(2 * MAX * sizeof(uint64_t));
+        em_row_access *access = malloc(2 * MAX * sizeof(em_row_access));
+        uint64_t count = access_by_key(tables[0], keys, access, MAX);
+        ck_assert_uint_eq(access_by_key(tables[1], keys + MAX, access + MAX, MAX), count);
+        for (uint64_t i = 0; i < count; i++) {
+            ck_assert_uint_eq(keys[MAX + i], keys[i]);
+            ck_assert_mem_eq(&access[MAX + i], &access[i], sizeof(em_row_access));
+        }
+        free(keys);
+        free(access);
+        em_table_clocks clocks[2];
+        for (int t = 0; t < 2; t++)
+            em_table_get_clocks(tables[t], &clocks[t]);
+        ck_assert_uint_eq(clocks[1].access_clock, clocks[0].access_clock);
+        ck_assert_uint_eq(clocks[1].update_clock, clocks[0].update_clock);
+    }
     em_test_snapshot a = em_test_snapshot_take(tables[0], 64);
     em_test_snapshot g = em_test_snapshot_take(tables[1], 64);
     if (optimizer == EM_OPTIMIZER_SGD || optimizer == EM_OPTIMIZER_ADAGRAD)
@@ -1750,7 +1773,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
     tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
     tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 16);
-    tcase_add_loop_test(tc, pushes_at_once_match_cpu, 0, 16);
+    tcase_add_loop_test(tc, pushes_at_once_match_cpu, 0, 32);
     tcase_add_test(tc, erase_matches_cpu_and_reuses_rows);
     suite_add_tcase(suite, tc);
     return suite;

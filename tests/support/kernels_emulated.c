@@ -937,16 +937,15 @@ em_gpu_status em_gpu_rows_pull(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
-em_gpu_status em_gpu_rows_touch_counted(em_gpu_stream *stream, em_gpu_storage storage,
-                                        const uint64_t *rows, uint64_t n, const uint32_t *count,
-                                        const uint64_t *absent, uint64_t accessed,
-                                        uint32_t updated)
+em_gpu_status em_gpu_rows_touch_gated(em_gpu_stream *stream, em_gpu_storage storage,
+                                      const uint64_t *rows, uint64_t n, em_gpu_gate gate,
+                                      uint64_t accessed, uint32_t updated, int pushed)
 {
     (void)stream;
     enter_device();
-    uint64_t end = *count < n ? *count : n;
-    for (uint64_t i = 0; *absent == 0 && i < end; i++)
-        em_gpu_rows_touch_item(storage, rows, i, accessed, updated, 0);
+    uint64_t end = em_gpu_gate_end(gate, n);
+    for (uint64_t i = 0; i < end; i++)
+        em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
     leave_device();
     return ok();
 }
