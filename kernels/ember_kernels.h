@@ -205,7 +205,7 @@ typedef struct em_gpu_batch {
     uint64_t nnz;
     const uint32_t *offsets;  /* rows + 1 */
     const uint32_t *inverse;  /* nnz */
-    const uint32_t *position; /* unique_count; NULL for the sums: u (one shard) */
+    const uint32_t *position; /* unique_count; NULL: u (one shard, planned at once) */
     uint64_t unique_count;
     em_combiner combiner;
     uint32_t dim;             /* floats per vector */

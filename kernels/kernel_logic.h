@@ -368,7 +368,7 @@ EM_HOST_DEVICE void em_gpu_combine_copy_element(const em_gpu_batch *batch, const
                                                 float *out, uint64_t k, uint32_t j)
 {
     uint64_t dim = batch->dim;
-    out[k * dim + j] = vectors[batch->position[batch->inverse[k]] * dim + j];
+    out[k * dim + j] = vectors[em_gpu_position(batch, batch->inverse[k]) * dim + j];
 }
 
 /* Pooled: element j of row r. */
@@ -379,7 +379,7 @@ EM_HOST_DEVICE void em_gpu_combine_pool_element(const em_gpu_batch *batch, const
     uint32_t begin = batch->offsets[r], end = batch->offsets[r + 1];
     float sum = 0.0f;
     for (uint32_t k = begin; k < end; k++)
-        sum += vectors[batch->position[batch->inverse[k]] * dim + j];
+        sum += vectors[em_gpu_position(batch, batch->inverse[k]) * dim + j];
     float divisor = em_combiner_divisor(batch->combiner, end - begin);
     if (divisor != 1.0f)
         sum /= divisor;

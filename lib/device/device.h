@@ -98,7 +98,9 @@ typedef struct em_device_batch {
     uint64_t nnz;
     const uint32_t *offsets;  /* rows + 1, device memory */
     const uint32_t *inverse;  /* nnz: index of each key's unique entry */
-    const uint32_t *position; /* unique_count: where unique entry u sits in partitioned order */
+    const uint32_t *position; /* unique_count: where unique entry u sits in partitioned
+                               * order; NULL for u (one shard, a request planned at once:
+                               * only on devices with unique_keys_async) */
     uint64_t unique_count;
 } em_device_batch;
 

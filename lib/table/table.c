@@ -106,16 +106,17 @@ static bool pull_is_direct(const request_context *r, const em_pull_request *requ
 }
 
 static em_status take_pull_buffers(request_context *r, const em_pull_request *request,
-                                   bool direct, pull_buffers *b, em_error *err)
+                                   bool direct, float *out_ready, pull_buffers *b,
+                                   em_error *err)
 {
     em_device *home = r->home;
     uint32_t dim = r->table->config.dim;
     uint64_t out_floats = direct ? request->batch.nnz * dim
                                  : vector_floats(r->table, &request->batch, request->combiner);
-    b->out = request->out;
+    b->out = out_ready != NULL ? out_ready : request->out;
     b->vectors = NULL;
     em_status status = EM_OK;
-    if (!home->host_addressable)
+    if (!home->host_addressable && out_ready == NULL)
         status = em__request_alloc(r, home, out_floats * sizeof(float), "pull output",
                                    (void **)&b->out, err);
     if (status == EM_OK && direct)
@@ -169,55 +170,43 @@ static em_status copy_output(request_context *r, const em_pull_request *request,
                                    out_floats * sizeof(float), err);
 }
 
-/* Requests that go the general way after one pull_at_once or push_at_once found keys
- * missing, before the next of the kind tries again: while a table is being filled most
- * requests create keys, and each failed try costs a wait. */
-#define AT_ONCE_BACKOFF 8u
-
-/* Whether a request of nnz keys may go at once (pull_at_once, push_at_once): a table of
- * one shard on the request's home device, a device that keeps counts on the GPU, and
- * no recent request of the kind found keys missing (*before counts down those that go
- * the general way meanwhile). */
-static bool may_run_at_once(const request_context *r, uint64_t nnz, _Atomic uint32_t *before)
+/* Whether a request of nnz keys goes at once (pull_at_once, push_at_once): a table of
+ * one shard on the request's home device, a device that keeps counts on the GPU. */
+static bool may_run_at_once(const request_context *r, uint64_t nnz)
 {
     const em_device_ops *ops = r->home->ops;
-    if (r->table->shard_count != 1 || !em__shards_at_home(r) || nnz == 0 ||
-        ops->unique_keys_async == NULL || ops->copy_to_host_later == NULL)
-        return false;
-    uint32_t wait = atomic_load_explicit(before, memory_order_relaxed);
-    while (wait > 0 && !atomic_compare_exchange_weak_explicit(before, &wait, wait - 1,
-                                                              memory_order_relaxed,
-                                                              memory_order_relaxed)) {
-    }
-    return wait == 0;
+    return r->table->shard_count == 1 && em__shards_at_home(r) && nnz > 0 &&
+           ops->unique_keys_async != NULL && ops->copy_to_host_later != NULL;
 }
 
-static bool pull_may_run_at_once(em_table *table, const request_context *r,
-                                 const em_pull_request *request)
+static bool pull_may_run_at_once(const request_context *r, const em_pull_request *request)
 {
-    return r->home->ops->shard_pull_async != NULL &&
-           may_run_at_once(r, request->batch.nnz, &table->pulls_before_at_once);
+    return r->home->ops->shard_pull_async != NULL && may_run_at_once(r, request->batch.nnz);
 }
 
-/* A pull of keys that are all stored, the steady state of training, with one wait for
- * the GPU: dedupe, find, output and touch are enqueued together and the counts come back
- * with the output (device.h: shard_pull_async). *done stays false when some key is not
- * stored: nothing was touched, the request's scratch is as before, and the pull goes
- * the general way (which writes the whole output again). */
+/* A pull of a one-shard table starts at once: dedupe, find, output and touch are
+ * enqueued together and the counts come back with the output (device.h:
+ * shard_pull_async), so a pull of keys that are all stored, the steady state of
+ * training, waits once for the GPU. When some key is not stored (*done stays false)
+ * nothing was touched and the request is planned from what was found (em__plan_found):
+ * it goes on the general way from there, creating the keys and writing the whole
+ * output again into *out (the same buffer). */
 static em_status pull_at_once(request_context *r, const em_pull_request *request,
-                              em_pull_result *result, bool *done, em_error *err)
+                              em_pull_result *result, bool *done, float **out_ready,
+                              em_error *err)
 {
     em_table *table = r->table;
     em_device *home = r->home;
     const em_device_ops *ops = home->ops;
     uint64_t nnz = request->batch.nnz;
     uint64_t out_floats = vector_floats(table, &request->batch, request->combiner);
-    request_mark mark = em__request_mark(r);
     uint64_t *unique = NULL, *rows = NULL, *missing = NULL;
     uint32_t *inverse = NULL, *first = NULL;
     const uint32_t *count = NULL;
     float *out = NULL;
+    uint64_t seen = 0;
     *done = false;
+    r->batch.rows = request->batch.rows; /* the offsets are only read to pool */
     em_status status = request->combiner == EM_COMBINER_NONE
                            ? EM_OK
                            : em__stage_offsets(r, &request->batch, err);
@@ -253,6 +242,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
         uint32_t updated =
             (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
         em__shard_read_lock(table, 0);
+        seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         status = ops->shard_pull_async(table->shards[0], r->home_lane, &batch, request->combiner,
                                        unique, count, rows, missing, out, r->access_stamp,
                                        updated, err);
@@ -274,9 +264,9 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
         return em_error_prefix(err, "table '%s': ", table->config.name);
     }
     if (absent != 0) {
-        atomic_store_explicit(&table->pulls_before_at_once, AT_ONCE_BACKOFF,
-                              memory_order_relaxed);
-        em__request_rewind(r, &mark);
+        em__plan_found(r, nnz, unique, inverse, first, rows, unique_count, absent, seen,
+                       request->combiner == EM_COMBINER_NONE);
+        *out_ready = out;
         return EM_OK;
     }
     result->unique_keys = unique_count;
@@ -295,21 +285,20 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     em_pull_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
-    bool done = false;
-    if (status == EM_OK && pull_may_run_at_once(table, &r, request))
-        status = pull_at_once(&r, request, result, &done, err);
+    bool done = false, at_once = status == EM_OK && pull_may_run_at_once(&r, request);
+    float *out_ready = NULL; /* at once, then the general way: the output's buffer */
+    if (at_once)
+        status = pull_at_once(&r, request, result, &done, &out_ready, err);
     if (status != EM_OK || done) {
         em__request_end(&r);
         return status;
     }
     bool direct = pull_is_direct(&r, request);
-    if (status == EM_OK)
+    if (!at_once) /* else planned from what pull_at_once found */
         status = em__stage_offsets(&r, &request->batch, err);
-    if (status == EM_OK)
+    if (status == EM_OK && !at_once)
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
     uint64_t missing = r.missing;
-    if (status == EM_OK && missing == 0) /* the keys are there: the next pull tries at once */
-        atomic_store_explicit(&table->pulls_before_at_once, 0, memory_order_relaxed);
     if (status == EM_OK && r.missing > 0 && request->create_missing)
         status = admit(&r, may_create, state, err);
     if (status == EM_OK && state->needs_create && !may_create) {
@@ -318,7 +307,7 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     }
     pull_buffers buffers;
     if (status == EM_OK)
-        status = take_pull_buffers(&r, request, direct, &buffers, err);
+        status = take_pull_buffers(&r, request, direct, out_ready, &buffers, err);
     if (status == EM_OK && request->create_missing)
         status = em__create_missing(&r, false, err);
     if (status == EM_OK)
@@ -402,28 +391,30 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
     return status;
 }
 
-static bool push_may_run_at_once(em_table *table, const request_context *r,
-                                 const em_push_request *request)
+static bool push_may_run_at_once(const request_context *r, const em_push_request *request)
 {
-    return r->home->ops->shard_push_async != NULL &&
-           may_run_at_once(r, request->batch.nnz, &table->pushes_before_at_once);
+    return r->home->ops->shard_push_async != NULL && may_run_at_once(r, request->batch.nnz);
 }
 
-/* A push to keys that are all stored, with steps that keep every row finite (the steady
- * state of training), with one wait for the GPU: dedupe, gradient sums, find, check and
+/* A push to a one-shard table starts at once: dedupe, gradient sums, find, check and
  * step are enqueued together, the step gated on the GPU by the find and the check
- * (device.h: shard_push_async), and the counts come back in one synchronisation. *done
- * stays false when a key is missing, a check failed, or the table is being saved:
- * nothing was stepped, the request's scratch is as before, and the push goes the
- * general way (which creates the keys, or names the problem as the CPU does).
+ * (device.h: shard_push_async), and the counts come back in one synchronisation, so a
+ * push to keys that are all stored with steps that keep every row finite (the steady
+ * state of training) waits once for the GPU. *done stays false when a key is missing
+ * or a check failed: nothing was stepped, and the request is planned from what was
+ * found, with the sums as its gradients (em__plan_found), to go on the general way
+ * (which creates the keys, or names the problem as the CPU does). While the table is
+ * being saved nothing is found (*planned stays false): the request's scratch is as
+ * before and the push goes the general way from the start.
  * A table that tracks access stamps its pushed rows with the table's push clock, which
  * only a push that steps rows may move (the general way moves it as it steps, under the
  * shard's write lock): here the rows are stamped with the clock's next value and the
  * clock moves once the step is known to have happened, the write lock held until then
  * so that no other step takes that value meanwhile. */
-static em_status push_at_once(request_context *r, const em_push_request *request,
-                              em_push_result *result, bool *done, em_error *err)
+static em_status push_at_once(request_context *r, const push_call *call,
+                              em_push_result *result, bool *done, bool *planned, em_error *err)
 {
+    const em_push_request *request = call->request;
     em_table *table = r->table;
     em_device *home = r->home;
     const em_device_ops *ops = home->ops;
@@ -435,7 +426,10 @@ static em_status push_at_once(request_context *r, const em_push_request *request
     uint32_t *inverse = NULL, *first = NULL;
     const uint32_t *count = NULL;
     float *sums = NULL;
+    uint64_t seen = 0;
     *done = false;
+    *planned = false;
+    r->batch.rows = request->batch.rows; /* the offsets are only read to pool */
     em_status status = request->combiner == EM_COMBINER_NONE
                            ? EM_OK
                            : em__stage_offsets(r, &request->batch, err);
@@ -483,6 +477,7 @@ static em_status push_at_once(request_context *r, const em_push_request *request
         em__shard_write_lock(table, 0);
         locked = true;
         stamp = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed) + 1;
+        seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         saving = table->snapshot != NULL; /* its rows go aside first: the general way */
         if (!saving)
             status = ops->shard_push_async(table->shards[0], r->home_lane, unique, count, nnz,
@@ -514,11 +509,18 @@ static em_status push_at_once(request_context *r, const em_push_request *request
         pthread_rwlock_unlock(&table->shard_locks[0]);
     if (status != EM_OK)
         return em_error_prefix(err, "table '%s': ", table->config.name);
-    if (!stepped) {
-        if (answers[0] != 0)
-            atomic_store_explicit(&table->pushes_before_at_once, AT_ONCE_BACKOFF,
-                                  memory_order_relaxed);
+    if (saving) {
         em__request_rewind(r, &mark);
+        return EM_OK;
+    }
+    if (!stepped) {
+        em__plan_found(r, nnz, unique, inverse, first, rows, updated, answers[0], seen, false);
+        segment *home_segment = &r->segments[home->index];
+        home_segment->payload = sums; /* the unique order is the shard's */
+        /* a key occurs at most nnz - unique + 1 times, so its sum has at most that many
+         * terms (as sum_and_send_gradients says) */
+        r->gradient_bound = em_row_sum_bound(call->largest, nnz - updated + 1);
+        *planned = true;
         return EM_OK;
     }
     result->updated = updated;
@@ -537,25 +539,24 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     em_push_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
-    bool done = false;
-    if (status == EM_OK && push_may_run_at_once(table, &r, request))
-        status = push_at_once(&r, request, result, &done, err);
+    bool done = false, planned = false;
+    if (status == EM_OK && push_may_run_at_once(&r, request))
+        status = push_at_once(&r, call, result, &done, &planned, err);
     if (status != EM_OK || done) {
         em__request_end(&r);
         return status;
     }
-    status = em__stage_offsets(&r, &request->batch, err);
-    if (status == EM_OK)
+    if (!planned) /* else planned from what push_at_once found, with its sums */
+        status = em__stage_offsets(&r, &request->batch, err);
+    if (status == EM_OK && !planned)
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
-    if (status == EM_OK && r.missing == 0) /* the keys are there: the next push tries at once */
-        atomic_store_explicit(&table->pushes_before_at_once, 0, memory_order_relaxed);
     if (status == EM_OK && r.missing > 0)
         status = admit(&r, may_create, state, err);
     if (status == EM_OK && state->needs_create && !may_create) {
         em__request_end(&r);
         return EM_OK;
     }
-    if (status == EM_OK)
+    if (status == EM_OK && !planned)
         status = sum_and_send_gradients(&r, request, call->largest, err);
     uint64_t missing = r.missing;
     if (status == EM_OK)
@@ -835,12 +836,6 @@ em_status em_table_create_seeded(em_backend *backend, const em_table_config *con
         config->dim + em_optimizer_state_floats(config->optimizer.kind, config->dim);
     table->nonnegative_from = em__nonnegative_run(table);
     table->evict_random = em_mix64(config->initializer.seed ^ 0x65766963746564ull);
-    /* a new table's first pulls create its keys: they go the general way until one
-     * finds every key */
-    atomic_store_explicit(&table->pulls_before_at_once, AT_ONCE_BACKOFF,
-                          memory_order_relaxed);
-    atomic_store_explicit(&table->pushes_before_at_once, AT_ONCE_BACKOFF,
-                          memory_order_relaxed);
     pthread_rwlockattr_t attributes;
     pthread_rwlockattr_init(&attributes);
     /* Writers (pushes) must not starve behind a steady stream of pulls. */

@@ -86,11 +86,7 @@ struct em_table {
     uint8_t *admission_counts;
     _Atomic uint64_t pulls_not_admitted, pushes_dropped;
     _Atomic uint64_t exclusive_retries; /* run_shared_then_exclusive's second attempts */
-    /* pulls left to go the general way before one tries pull_at_once again (set when
-     * one found keys missing: a table being filled; 0 once a pull finds all its keys) */
-    _Atomic uint32_t pulls_before_at_once;
-    _Atomic uint32_t pushes_before_at_once; /* the same for push_at_once */
-    _Atomic uint64_t pulls_at_once, pushes_at_once; /* served so */
+    _Atomic uint64_t pulls_at_once, pushes_at_once; /* served with one wait for the GPU */
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
     pthread_mutex_t clock_lock;
@@ -211,6 +207,15 @@ static inline bool em__shards_at_home(const request_context *r)
 
 /* Releases the lanes (after synchronizing them) and every scratch buffer. */
 void em__request_end(request_context *r);
+
+/* Plans a one-shard request from what it found at once (pull_at_once, push_at_once:
+ * the dedupe and find of its keys on the home device, their counts back on the host),
+ * as em__plan_and_find would have left it, so that it goes on to create the missing
+ * keys without finding them again. seen: the shard's creations when the keys were
+ * found; want_targets as em__plan_and_find's. */
+void em__plan_found(request_context *r, uint64_t nnz, uint64_t *unique, uint32_t *inverse,
+                    uint32_t *first, uint64_t *rows, uint64_t unique_count, uint64_t missing,
+                    uint64_t seen, bool want_targets);
 
 /* The request's scratch at one point, to give back what it took since (on its home
  * device) once its lanes have synchronized: a first attempt that gives way to another

@@ -403,6 +403,30 @@ static em_status find_keys(request_context *r, em_error *err)
     return EM_OK;
 }
 
+void em__plan_found(request_context *r, uint64_t nnz, uint64_t *unique, uint32_t *inverse,
+                    uint32_t *first, uint64_t *rows, uint64_t unique_count, uint64_t missing,
+                    uint64_t seen, bool want_targets)
+{
+    r->batch.nnz = nnz;
+    r->batch.inverse = inverse;
+    r->batch.unique_count = unique_count;
+    r->batch.position = NULL; /* one shard: the partitioned order is the unique order */
+    r->first = first;
+    r->partitioned = unique;
+    r->targets = want_targets ? first : NULL;
+    r->shard_start[0] = 0;
+    r->shard_start[1] = unique_count;
+    plan_segments(r);
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        seg->keys = r->partitioned + seg->begin; /* the one shard is at home */
+        seg->rows = seg->count > 0 ? rows : NULL;
+    }
+    r->shard_seen[0] = seen;
+    r->shard_missing[0] = missing;
+    r->missing = missing;
+}
+
 /* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
  * them. Changes nothing in the table. want_targets asks for the output position of
  * every partitioned key (for gathering straight into a per-key output). */
