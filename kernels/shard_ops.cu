@@ -18,26 +18,15 @@
 
 /* ---- hash map ------------------------------------------------------------------------ */
 
-__global__ void map_find_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n, uint64_t *rows,
-                                uint64_t *missing)
+/* The first *count keys (n when count is NULL). */
+__global__ void map_find_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n,
+                                const uint32_t *count, uint64_t *rows, uint64_t *missing)
 {
+    uint64_t end = count != NULL && *count < n ? *count : n;
     uint32_t absent = 0;
-    EM_GPU_FOR_EACH(i, n)
-    absent += (uint32_t)em_gpu_map_find_item(map, keys, i, rows);
-    /* One atomic per warp: every lane reaches this point (blocks are whole warps). */
-    absent = __reduce_add_sync(WARP_MASK, absent);
-    if ((threadIdx.x & 31u) == 0 && absent != 0)
-        atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
-}
-
-__global__ void map_find_counted_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n,
-                                        const uint32_t *count, uint64_t *rows, uint64_t *missing)
-{
-    uint64_t end = *count < n ? *count : n;
-    uint32_t absent = 0;
-    /* every thread of the grid's warps reaches the reduction, found key or not */
     EM_GPU_FOR_EACH(i, end)
     absent += (uint32_t)em_gpu_map_find_item(map, keys, i, rows);
+    /* One atomic per warp: every lane reaches this point (blocks are whole warps). */
     absent = __reduce_add_sync(WARP_MASK, absent);
     if ((threadIdx.x & 31u) == 0 && absent != 0)
         atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
@@ -119,7 +108,8 @@ extern "C" em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map,
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(map_find_kernel, n, stream, map, keys, n, rows, missing);
+    return EM_GPU_LAUNCH(map_find_kernel, n, stream, map, keys, n, (const uint32_t *)NULL, rows,
+                         missing);
 }
 
 extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
@@ -130,7 +120,7 @@ extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_m
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(map_find_counted_kernel, n, stream, map, keys, n, count, rows, missing);
+    return EM_GPU_LAUNCH(map_find_kernel, n, stream, map, keys, n, count, rows, missing);
 }
 
 extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map,

@@ -184,6 +184,45 @@ static bool pull_may_run_at_once(const request_context *r, const em_pull_request
     return r->home->ops->shard_pull_async != NULL && may_run_at_once(r, request->batch.nnz);
 }
 
+/* What a request that goes at once dedupes its keys into, on the home device. */
+typedef struct at_once_keys {
+    uint64_t *unique;     /* nnz: the distinct keys, in order of first appearance */
+    uint32_t *inverse;    /* nnz */
+    uint32_t *first;      /* nnz: where each distinct key first appears */
+    uint64_t *rows;       /* nnz: the find's rows */
+    const uint32_t *count; /* device word: the distinct keys (unique_keys_async) */
+} at_once_keys;
+
+/* Stages a request's batch (offsets only to pool: r->batch.rows in any case), takes the
+ * buffers of its dedupe and find, and enqueues the dedupe. */
+static em_status dedupe_at_once(request_context *r, const em_csr *batch, em_combiner combiner,
+                                at_once_keys *k, em_error *err)
+{
+    em_device *home = r->home;
+    uint64_t nnz = batch->nnz;
+    r->batch.rows = batch->rows;
+    em_status status = combiner == EM_COMBINER_NONE ? EM_OK : em__stage_offsets(r, batch, err);
+    if (status == EM_OK)
+        status = em__stage_input(r, batch->keys, nnz * sizeof(uint64_t), "request keys",
+                                 (const void **)&r->keys, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys",
+                                   (void **)&k->unique, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
+                                   (void **)&k->inverse, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
+                                   (void **)&k->first, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "key rows",
+                                   (void **)&k->rows, err);
+    if (status == EM_OK)
+        status = home->ops->unique_keys_async(r->home_lane, r->keys, nnz, k->unique, k->inverse,
+                                              k->first, &k->count, err);
+    return status;
+}
+
 /* A pull of a one-shard table starts at once: dedupe, find, output and touch are
  * enqueued together and the counts come back with the output (device.h:
  * shard_pull_async), so a pull of keys that are all stored, the steady state of
@@ -200,51 +239,29 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     const em_device_ops *ops = home->ops;
     uint64_t nnz = request->batch.nnz;
     uint64_t out_floats = vector_floats(table, &request->batch, request->combiner);
-    uint64_t *unique = NULL, *rows = NULL, *missing = NULL;
-    uint32_t *inverse = NULL, *first = NULL;
-    const uint32_t *count = NULL;
+    at_once_keys k = {0};
+    uint64_t *missing = NULL;
     float *out = NULL;
     uint64_t seen = 0;
     *done = false;
-    r->batch.rows = request->batch.rows; /* the offsets are only read to pool */
-    em_status status = request->combiner == EM_COMBINER_NONE
-                           ? EM_OK
-                           : em__stage_offsets(r, &request->batch, err);
-    if (status == EM_OK)
-        status = em__stage_input(r, request->batch.keys, nnz * sizeof(uint64_t), "request keys",
-                                 (const void **)&r->keys, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys",
-                                   (void **)&unique, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
-                                   (void **)&inverse, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
-                                   (void **)&first, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "key rows", (void **)&rows,
-                                   err);
+    em_status status = dedupe_at_once(r, &request->batch, request->combiner, &k, err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, sizeof(uint64_t), "missing count",
                                    (void **)&missing, err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, out_floats * sizeof(float), "pull output",
                                    (void **)&out, err);
-    if (status == EM_OK)
-        status = ops->unique_keys_async(r->home_lane, r->keys, nnz, unique, inverse, first,
-                                        &count, err);
     if (status == EM_OK) {
         em_device_batch batch = {.rows = request->batch.rows,
                                  .nnz = nnz,
                                  .offsets = r->batch.offsets,
-                                 .inverse = inverse};
+                                 .inverse = k.inverse};
         uint32_t updated =
             (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
         em__shard_read_lock(table, 0);
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         status = ops->shard_pull_async(table->shards[0], r->home_lane, &batch, request->combiner,
-                                       unique, count, rows, missing, out, r->access_stamp,
+                                       k.unique, k.count, k.rows, missing, out, r->access_stamp,
                                        updated, err);
         pthread_rwlock_unlock(&table->shard_locks[0]);
     }
@@ -253,7 +270,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     if (status == EM_OK)
         status = ops->copy_to_host_later(r->home_lane, &absent, missing, sizeof(absent), err);
     if (status == EM_OK)
-        status = ops->copy_to_host_later(r->home_lane, &unique_count, count,
+        status = ops->copy_to_host_later(r->home_lane, &unique_count, k.count,
                                          sizeof(unique_count), err);
     if (status == EM_OK) /* ends with the lane's synchronisation: the counts are in */
         status = ops->copy_to_host(r->home_lane, request->out, out, out_floats * sizeof(float),
@@ -264,7 +281,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
         return em_error_prefix(err, "table '%s': ", table->config.name);
     }
     if (absent != 0) {
-        em__plan_found(r, nnz, unique, inverse, first, rows, unique_count, absent, seen,
+        em__plan_found(r, nnz, k.unique, k.inverse, k.first, k.rows, unique_count, absent, seen,
                        request->combiner == EM_COMBINER_NONE);
         *out_ready = out;
         return EM_OK;
@@ -422,49 +439,27 @@ static em_status push_at_once(request_context *r, const push_call *call,
     uint32_t dim = table->config.dim;
     request_mark mark = em__request_mark(r);
     const float *gradients = NULL;
-    uint64_t *unique = NULL, *rows = NULL, *words = NULL;
-    uint32_t *inverse = NULL, *first = NULL;
-    const uint32_t *count = NULL;
+    at_once_keys k = {0};
+    uint64_t *words = NULL;
     float *sums = NULL;
     uint64_t seen = 0;
     *done = false;
     *planned = false;
-    r->batch.rows = request->batch.rows; /* the offsets are only read to pool */
-    em_status status = request->combiner == EM_COMBINER_NONE
-                           ? EM_OK
-                           : em__stage_offsets(r, &request->batch, err);
-    if (status == EM_OK)
-        status = em__stage_input(r, request->batch.keys, nnz * sizeof(uint64_t), "request keys",
-                                 (const void **)&r->keys, err);
+    em_status status = dedupe_at_once(r, &request->batch, request->combiner, &k, err);
     if (status == EM_OK)
         status = em__stage_input(r, request->gradients, request->gradient_count * sizeof(float),
                                  "request gradients", (const void **)&gradients, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys",
-                                   (void **)&unique, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
-                                   (void **)&inverse, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
-                                   (void **)&first, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "key rows", (void **)&rows,
-                                   err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, 2 * sizeof(uint64_t), "push answers",
                                    (void **)&words, err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, nnz * dim * sizeof(float), "summed gradients",
                                    (void **)&sums, err);
-    if (status == EM_OK)
-        status = ops->unique_keys_async(r->home_lane, r->keys, nnz, unique, inverse, first,
-                                        &count, err);
     if (status == EM_OK) { /* sums for every possible unique key: the count is on the GPU */
         em_device_batch batch = {.rows = request->batch.rows,
                                  .nnz = nnz,
                                  .offsets = r->batch.offsets,
-                                 .inverse = inverse,
+                                 .inverse = k.inverse,
                                  .position = NULL,
                                  .unique_count = nnz};
         status = ops->sum_gradients(r->home_lane, &batch, request->combiner, dim, gradients, sums,
@@ -480,8 +475,8 @@ static em_status push_at_once(request_context *r, const push_call *call,
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         saving = table->snapshot != NULL; /* its rows go aside first: the general way */
         if (!saving)
-            status = ops->shard_push_async(table->shards[0], r->home_lane, unique, count, nnz,
-                                           sums, rows, &words[0], &words[1], r->access_stamp,
+            status = ops->shard_push_async(table->shards[0], r->home_lane, k.unique, k.count, nnz,
+                                           sums, k.rows, &words[0], &words[1], r->access_stamp,
                                            stamp, err);
         if (!saving) /* whether it stepped is known later: checks before it look again */
             table->shard_versions[0] += EM_ROW_BOUNDED_STEPS + 1;
@@ -495,7 +490,7 @@ static em_status push_at_once(request_context *r, const push_call *call,
     if (status == EM_OK)
         status = ops->copy_to_host_later(r->home_lane, answers, words, sizeof(answers), err);
     if (status == EM_OK)
-        status = ops->copy_to_host_later(r->home_lane, &updated, count, sizeof(updated), err);
+        status = ops->copy_to_host_later(r->home_lane, &updated, k.count, sizeof(updated), err);
     em_error ignored;
     em_status synchronized = ops->synchronize(r->home_lane, status == EM_OK ? err : &ignored);
     if (status == EM_OK)
@@ -514,7 +509,8 @@ static em_status push_at_once(request_context *r, const push_call *call,
         return EM_OK;
     }
     if (!stepped) {
-        em__plan_found(r, nnz, unique, inverse, first, rows, updated, answers[0], seen, false);
+        em__plan_found(r, nnz, k.unique, k.inverse, k.first, k.rows, updated, answers[0], seen,
+                       false);
         segment *home_segment = &r->segments[home->index];
         home_segment->payload = sums; /* the unique order is the shard's */
         /* a key occurs at most nnz - unique + 1 times, so its sum has at most that many

@@ -644,6 +644,23 @@ static void run_single_keys(em_table *table, em_test_rng *rng, int steps)
     }
 }
 
+/* The two tables (a few hundred rows each) hold the same keys with the same access
+ * metadata. */
+static void assert_access_equal(em_table *expected, em_table *got)
+{
+    enum { MAX = 600 };
+    uint64_t *keys = malloc(2 * MAX * sizeof(uint64_t));
+    em_row_access *access = malloc(2 * MAX * sizeof(em_row_access));
+    uint64_t count = access_by_key(expected, keys, access, MAX);
+    ck_assert_uint_eq(access_by_key(got, keys + MAX, access + MAX, MAX), count);
+    for (uint64_t i = 0; i < count; i++) {
+        ck_assert_uint_eq(keys[MAX + i], keys[i]);
+        ck_assert_mem_eq(&access[MAX + i], &access[i], sizeof(em_row_access));
+    }
+    free(keys);
+    free(access);
+}
+
 /* The host's waits for the GPU so far, as the emulation counts them (0 on a GPU). */
 #ifdef EM_CUDA_EMULATED
 static const bool emulated = true;
@@ -724,19 +741,8 @@ START_TEST(pulls_at_once_match_cpu)
     em_test_assert_snapshots_identical(&a, &g);
     em_test_snapshot_free(&a);
     em_test_snapshot_free(&g);
-    if (lru) {
-        enum { MAX = 600 };
-        uint64_t *keys = malloc(2 * MAX * sizeof(uint64_t));
-        em_row_access *access = malloc(2 * MAX * sizeof(em_row_access));
-        uint64_t count = access_by_key(tables[0], keys, access, MAX);
-        ck_assert_uint_eq(access_by_key(tables[1], keys + MAX, access + MAX, MAX), count);
-        for (uint64_t i = 0; i < count; i++) {
-            ck_assert_uint_eq(keys[MAX + i], keys[i]);
-            ck_assert_mem_eq(&access[MAX + i], &access[i], sizeof(em_row_access));
-        }
-        free(keys);
-        free(access);
-    }
+    if (lru)
+        assert_access_equal(tables[0], tables[1]);
     em_test_batch_free(&every);
     for (int t = 0; t < 2; t++) {
         free(out[t]);
@@ -830,17 +836,7 @@ START_TEST(pushes_at_once_match_cpu)
     }
     ck_assert_int_gt(refusals, 0);
     if (lru) {
-        enum { MAX = 600 };
-        uint64_t *keys = malloc(2 * MAX * sizeof(uint64_t));
-        em_row_access *access = malloc(2 * MAX * sizeof(em_row_access));
-        uint64_t count = access_by_key(tables[0], keys, access, MAX);
-        ck_assert_uint_eq(access_by_key(tables[1], keys + MAX, access + MAX, MAX), count);
-        for (uint64_t i = 0; i < count; i++) {
-            ck_assert_uint_eq(keys[MAX + i], keys[i]);
-            ck_assert_mem_eq(&access[MAX + i], &access[i], sizeof(em_row_access));
-        }
-        free(keys);
-        free(access);
+        assert_access_equal(tables[0], tables[1]);
         em_table_clocks clocks[2];
         for (int t = 0; t < 2; t++)
             em_table_get_clocks(tables[t], &clocks[t]);
