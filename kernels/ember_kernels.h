@@ -292,6 +292,20 @@ em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint6
 em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
                                       const uint64_t *keys, uint64_t n, const uint32_t *count,
                                       uint64_t *rows, uint64_t *missing);
+/* A device's shards of one table seen as one, for requests that go at once over all of
+ * them: shard s (em_key_shard) holds its keys in maps[s], and its rows are rows
+ * row_base[s] + r of one storage whose blocks are every shard's in turn. maps and
+ * row_base are device arrays of count entries. */
+typedef struct em_gpu_shards {
+    const em_gpu_map *maps;
+    const uint64_t *row_base;
+    uint32_t count;
+} em_gpu_shards;
+/* em_gpu_map_find_counted over the shards: rows[i] = row_base[s] + the row of keys[i] in
+ * its shard s, or ROW_NONE; *missing (device) += absent keys. */
+em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
+                                         const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                         uint64_t *rows, uint64_t *missing);
 /* For each i with rows[i] == ROW_NONE: rows[i] = the row of keys[i], inserting the key
  * when absent (inserted[i] = 1 then, else 0) with a released row from the top of the
  * free list while there is one, else the next row of header->rows. Settle the map

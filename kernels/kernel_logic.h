@@ -522,6 +522,16 @@ EM_HOST_DEVICE int em_gpu_map_find_item(em_gpu_map map, const uint64_t *keys, ui
     return rows[i] == EM_GPU_ROW_NONE;
 }
 
+/* em_gpu_map_find_item over a device's shards of one table (em_gpu_shards). */
+EM_HOST_DEVICE int em_gpu_shards_find_item(em_gpu_shards shards, const uint64_t *keys, uint64_t i,
+                                           uint64_t *rows)
+{
+    uint32_t s = em_key_shard(keys[i], shards.count);
+    uint64_t row = em_gpu_map_lookup(shards.maps[s], keys[i]);
+    rows[i] = row == EM_GPU_ROW_NONE ? row : shards.row_base[s] + row;
+    return row == EM_GPU_ROW_NONE;
+}
+
 EM_HOST_DEVICE void em_gpu_map_insert_item(em_gpu_map map, const uint64_t *keys, uint64_t i,
                                            uint64_t *rows, uint8_t *inserted)
 {

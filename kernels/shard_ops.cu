@@ -18,14 +18,27 @@
 
 /* ---- hash map ------------------------------------------------------------------------ */
 
-/* The first *count keys (n when count is NULL). */
-__global__ void map_find_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n,
-                                const uint32_t *count, uint64_t *rows, uint64_t *missing)
+/* A key's row in one map, or in a device's shards of one table. */
+__device__ inline int find_item(em_gpu_map map, const uint64_t *keys, uint64_t i, uint64_t *rows)
+{
+    return em_gpu_map_find_item(map, keys, i, rows);
+}
+
+__device__ inline int find_item(em_gpu_shards shards, const uint64_t *keys, uint64_t i,
+                                uint64_t *rows)
+{
+    return em_gpu_shards_find_item(shards, keys, i, rows);
+}
+
+/* The first *count keys (n when count is NULL), in a map or in shards (find_item). */
+template <typename Seen>
+__global__ void find_kernel(Seen seen, const uint64_t *keys, uint64_t n, const uint32_t *count,
+                            uint64_t *rows, uint64_t *missing)
 {
     uint64_t end = count != NULL && *count < n ? *count : n;
     uint32_t absent = 0;
     EM_GPU_FOR_EACH(i, end)
-    absent += (uint32_t)em_gpu_map_find_item(map, keys, i, rows);
+    absent += (uint32_t)find_item(seen, keys, i, rows);
     /* One atomic per warp: every lane reaches this point (blocks are whole warps). */
     absent = __reduce_add_sync(WARP_MASK, absent);
     if ((threadIdx.x & 31u) == 0 && absent != 0)
@@ -108,8 +121,8 @@ extern "C" em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map,
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(map_find_kernel, n, stream, map, keys, n, (const uint32_t *)NULL, rows,
-                         missing);
+    return EM_GPU_LAUNCH(find_kernel<em_gpu_map>, n, stream, map, keys, n, (const uint32_t *)NULL,
+                         rows, missing);
 }
 
 extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
@@ -120,7 +133,19 @@ extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_m
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(map_find_kernel, n, stream, map, keys, n, count, rows, missing);
+    return EM_GPU_LAUNCH(find_kernel<em_gpu_map>, n, stream, map, keys, n, count, rows, missing);
+}
+
+extern "C" em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
+                                                    const uint64_t *keys, uint64_t n,
+                                                    const uint32_t *count, uint64_t *rows,
+                                                    uint64_t *missing)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(find_kernel<em_gpu_shards>, n, stream, shards, keys, n, count, rows,
+                         missing);
 }
 
 extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map,

@@ -612,17 +612,134 @@ em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64
     return status;
 }
 
-/* The pull of a one-shard table in a single pass of the GPU (device.h: shard_pull_async):
- * find, the output straight from the rows, and the touch only when every key was found,
- * decided on the GPU; the caller reads *missing back with the output. */
-em_status em__cuda_shard_pull_async(em_shard *base, em_lane *lane_base,
-                                    const em_device_batch *batch, em_combiner combiner,
-                                    const uint64_t *unique, const uint32_t *count,
-                                    uint64_t *rows, uint64_t *missing, float *out,
-                                    uint64_t accessed, uint32_t updated, em_error *err)
+/* ---- requests over all of a table's shards at once ------------------------------------- */
+
+/* What the kernels of a request that goes at once see of a device's shards of one table:
+ * one shard as it is; several as one (em_gpu_shards: their maps, and one storage whose
+ * blocks are every shard's in turn), a view copied to scratch on the lane. */
+typedef struct shards_seen {
+    uint32_t count;
+    em_gpu_map map;        /* count 1 */
+    em_gpu_shards shards;  /* count > 1 */
+    em_gpu_storage storage;
+} shards_seen;
+
+/* The view of shards[0..count) (shards_seen), copied through the lane's staging into a
+ * buffer of s (its free waits for the lane's next synchronisation). The shards' block
+ * tables do not change meanwhile: the caller holds every shard's lock. */
+static em_status see_shards(em_shard *const *bases, uint32_t count, cuda_lane *lane, scratch *s,
+                            shards_seen *seen, em_error *err)
 {
-    cuda_shard *shard = shard_of(base);
+    const cuda_shard *first = shard_of(bases[0]);
+    seen->count = count;
+    seen->storage = storage_view(first);
+    if (count == 1) {
+        seen->map = map_view(first);
+        return EM_OK;
+    }
+    uint64_t blocks = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const cuda_shard *shard = shard_of(bases[i]);
+        if (shard->block_shift != first->block_shift || shard->stride != first->stride ||
+            shard->track_access != first->track_access)
+            return em_error_set(err, EM_INTERNAL,
+                                "table '%s': shards %u and %u store rows differently",
+                                first->table, first->index, shard->index);
+        blocks += shard->block_count;
+    }
+    uint32_t tables = first->track_access ? 2 : 1; /* block pointers, access pointers */
+    size_t bytes = count * (sizeof(em_gpu_map) + sizeof(uint64_t)) +
+                   tables * blocks * sizeof(void *);
+    uint8_t *host = malloc(bytes);
+    if (host == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "table '%s': out of host memory for a view of %u shards",
+                            first->table, count);
+    em_gpu_map *maps = (em_gpu_map *)host;
+    uint64_t *row_base = (uint64_t *)(maps + count);
+    float **block_table = (float **)(row_base + count);
+    em_gpu_row_access **access_table = (em_gpu_row_access **)(block_table + blocks);
+    uint64_t at = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const cuda_shard *shard = shard_of(bases[i]);
+        maps[i] = map_view(shard);
+        row_base[i] = at << first->block_shift;
+        memcpy(block_table + at, shard->blocks, shard->block_count * sizeof(float *));
+        if (first->track_access)
+            memcpy(access_table + at, shard->access,
+                   shard->block_count * sizeof(em_gpu_row_access *));
+        at += shard->block_count;
+    }
+    uint8_t *device = NULL;
+    em_status status = scratch_take(s, bytes, "shards view", (void **)&device, err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(&lane->base, device, host, bytes, err);
+    free(host);
+    if (status != EM_OK)
+        return status;
+    size_t maps_bytes = count * sizeof(em_gpu_map);
+    size_t blocks_at = maps_bytes + count * sizeof(uint64_t);
+    seen->shards = (em_gpu_shards){.maps = (const em_gpu_map *)device,
+                                   .row_base = (const uint64_t *)(device + maps_bytes),
+                                   .count = count};
+    seen->storage.blocks = (float *const *)(device + blocks_at);
+    seen->storage.access =
+        first->track_access
+            ? (em_gpu_row_access *const *)(device + blocks_at + blocks * sizeof(void *))
+            : NULL;
+    seen->storage.row_limit = blocks << first->block_shift;
+    return EM_OK;
+}
+
+/* Finds unique[0..*count) in the shards seen (rows as the view numbers them). */
+static em_status find_seen(const shards_seen *seen, cuda_lane *lane, const uint64_t *unique,
+                           uint64_t n, const uint32_t *count, uint64_t *rows, uint64_t *missing,
+                           em_error *err)
+{
+    em_gpu_status found =
+        seen->count == 1
+            ? em_gpu_map_find_counted(lane->stream, seen->map, unique, n, count, rows, missing)
+            : em_gpu_shards_find_counted(lane->stream, seen->shards, unique, n, count, rows,
+                                         missing);
+    return lane_check(lane, found, err);
+}
+
+/* Orders the lane after the shards' writes (and, to write, their reads) on other lanes,
+ * or records the lane's read or write of them. */
+static em_status order_shards(em_shard *const *bases, uint32_t count, cuda_lane *lane,
+                              bool write, em_error *err)
+{
+    em_status status = EM_OK;
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        status = write ? order_write(shard_of(bases[i]), lane, err)
+                       : order_read(shard_of(bases[i]), lane, err);
+    return status;
+}
+
+static em_status record_shards(em_shard *const *bases, uint32_t count, cuda_lane *lane,
+                               bool write, em_error *err)
+{
+    em_status status = EM_OK;
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        status = write ? record_write(shard_of(bases[i]), lane, err)
+                       : record_read(shard_of(bases[i]), lane, err);
+    return status;
+}
+
+/* The pull of a table in a single pass of the GPU (device.h: shards_pull_async): find,
+ * the output straight from the rows, and the touch only when every key was found,
+ * decided on the GPU; the caller reads *missing back with the output. */
+em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_count,
+                                     em_lane *lane_base, const em_device_batch *batch,
+                                     em_combiner combiner, const uint64_t *unique,
+                                     const uint32_t *count, uint64_t *rows, uint64_t *missing,
+                                     float *out, uint64_t accessed, uint32_t updated,
+                                     em_error *err)
+{
+    cuda_shard *first = shard_of(bases[0]);
     cuda_lane *lane = lane_of(lane_base);
+    scratch s = {.device = lane_base->device};
+    shards_seen seen;
     em_gpu_batch view = {.rows = batch->rows,
                          .nnz = batch->nnz,
                          .offsets = batch->offsets,
@@ -630,69 +747,72 @@ em_status em__cuda_shard_pull_async(em_shard *base, em_lane *lane_base,
                          .position = NULL,
                          .unique_count = batch->nnz, /* at most; the kernels read *count */
                          .combiner = combiner,
-                         .dim = shard->dim};
-    em_status status =
-        lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)), err);
-    if (status == EM_OK) /* keys created by a request before this one are in */
-        status = order_read(shard, lane, err);
+                         .dim = first->dim};
+    em_status status = see_shards(bases, shard_count, lane, &s, &seen, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_map_find_counted(lane->stream, map_view(shard), unique,
-                                                          batch->nnz, count, rows, missing),
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)),
                             err);
+    if (status == EM_OK) /* keys created by a request before this one are in */
+        status = order_shards(bases, shard_count, lane, false, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_pull(lane->stream, storage_view(shard), &view,
-                                                   rows, out), err);
+        status = find_seen(&seen, lane, unique, batch->nnz, count, rows, missing, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_pull(lane->stream, seen.storage, &view, rows, out),
+                            err);
     em_gpu_gate found = {.count = count, .missing = missing, .problem = NULL};
-    if (status == EM_OK && shard->track_access && accessed != 0)
-        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, storage_view(shard), rows,
+    if (status == EM_OK && first->track_access && accessed != 0)
+        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows,
                                                           batch->nnz, found, accessed, updated,
                                                           0),
                             err);
     if (status == EM_OK)
-        status = record_read(shard, lane, err);
-    return status;
+        status = record_shards(bases, shard_count, lane, false, err);
+    return em__cuda_finish_async(&s, lane, status, err);
 }
 
-/* The push to a one-shard table in a single pass of the GPU (device.h: shard_push_async):
- * find, check, and the step (and the touch) only when every key was found and every
- * row checked, decided on the GPU; the caller reads the words back once. */
-em_status em__cuda_shard_push_async(em_shard *base, em_lane *lane_base, const uint64_t *unique,
-                                    const uint32_t *count, uint64_t n, const float *gradients,
-                                    uint64_t *rows, uint64_t *missing, uint64_t *problem,
-                                    uint64_t accessed, uint32_t updated, em_error *err)
+/* The push to a table in a single pass of the GPU (device.h: shards_push_async): find,
+ * check, and the step (and the touch) only when every key was found and every row
+ * checked, decided on the GPU; the caller reads the words back once. */
+em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_count,
+                                     em_lane *lane_base, const uint64_t *unique,
+                                     const uint32_t *count, uint64_t n, const float *gradients,
+                                     uint64_t *rows, uint64_t *missing, uint64_t *problem,
+                                     uint64_t accessed, uint32_t updated, em_error *err)
 {
-    cuda_shard *shard = shard_of(base);
+    cuda_shard *first = shard_of(bases[0]);
     cuda_lane *lane = lane_of(lane_base);
-    em_status status =
-        lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)), err);
+    scratch s = {.device = lane_base->device};
+    shards_seen seen;
+    em_status status = see_shards(bases, shard_count, lane, &s, &seen, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)),
+                            err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_memset_async(lane->stream, problem, 0xff,
                                                       sizeof(uint64_t)), err);
-    if (status == EM_OK) /* after every read and write of the shard on other lanes */
-        status = order_write(shard, lane, err);
+    if (status == EM_OK) /* after every read and write of the shards on other lanes */
+        status = order_shards(bases, shard_count, lane, true, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_map_find_counted(lane->stream, map_view(shard), unique,
-                                                          n, count, rows, missing),
-                            err);
+        status = find_seen(&seen, lane, unique, n, count, rows, missing, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_check_counted(lane->stream, storage_view(shard),
-                                                            shard->optimizer, shard->initializer,
+        status = lane_check(lane, em_gpu_rows_check_counted(lane->stream, seen.storage,
+                                                            first->optimizer, first->initializer,
                                                             unique, rows, n, count, gradients,
                                                             problem),
                             err);
     em_gpu_gate gate = {.count = count, .missing = missing, .problem = problem};
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, storage_view(shard),
-                                                          shard->optimizer, rows, n, gradients,
+        status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen.storage,
+                                                          first->optimizer, rows, n, gradients,
                                                           gate),
                             err);
-    if (status == EM_OK && shard->track_access && accessed != 0)
-        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, storage_view(shard), rows,
-                                                          n, gate, accessed, updated, 1),
+    if (status == EM_OK && first->track_access && accessed != 0)
+        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows, n,
+                                                          gate, accessed, updated, 1),
                             err);
     if (status == EM_OK)
-        status = record_write(shard, lane, err);
-    return status;
+        status = record_shards(bases, shard_count, lane, true, err);
+    return em__cuda_finish_async(&s, lane, status, err);
 }
 
 em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,

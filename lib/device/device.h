@@ -143,7 +143,7 @@ typedef struct em_device_ops {
                              em_error *err);
     /* unique_keys without waiting (n > 0): *count is a device word holding the unique
      * count, valid until the lane next synchronizes, for the operations that take a
-     * count on the device (shard_pull_async). NULL on the CPU. */
+     * count on the device (shards_pull_async). NULL on the CPU. */
     em_status (*unique_keys_async)(em_lane *lane, const uint64_t *keys, uint64_t n,
                                    uint64_t *unique, uint32_t *inverse, uint32_t *first,
                                    const uint32_t **count, em_error *err);
@@ -189,33 +189,38 @@ typedef struct em_device_ops {
      * device finds synchronously anyway (the CPU). */
     em_status (*shard_find_async)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                   uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
-    /* A pull from a table of one shard, for the common case of keys all stored, without
-     * waiting: finds unique[0..*count) (count a device word, at most batch->nnz) into
-     * rows (batch->nnz entries), counts the absent ones in *missing (a device word),
-     * writes the output into out from the rows (batch->nnz vectors with NONE, one per
-     * batch row pooled: shard_gather then combine, in one pass), and, where the shard
-     * tracks access and accessed != 0, touches the rows (pulled: last access accessed,
-     * updated for rows never touched) only if none was absent. batch->position and
-     * unique_count are not used. With *missing > 0 the output is not the pull's. NULL
-     * on the CPU. */
-    em_status (*shard_pull_async)(em_shard *shard, em_lane *lane, const em_device_batch *batch,
-                                  em_combiner combiner, const uint64_t *unique,
-                                  const uint32_t *count, uint64_t *rows, uint64_t *missing,
-                                  float *out, uint64_t accessed, uint32_t updated,
-                                  em_error *err);
-    /* A push to a table of one shard, for the common case of keys all stored and steps
-     * that keep rows finite, without waiting: finds unique[0..*count) (count a device
-     * word, at most n) into rows (n entries), counts the absent ones in *missing, checks
-     * each row's step with gradients[u] (summed, in unique order) as shard_check_apply
-     * does into *problem (UINT64_MAX: none, else the first as shard_check_apply says),
-     * and steps the rows, and where the shard tracks access and accessed != 0 touches
-     * them as pushed (last update `updated`), only if nothing was absent and nothing
-     * failed its check: all or nothing, decided on the GPU. missing and problem are
-     * device words. NULL on the CPU. */
-    em_status (*shard_push_async)(em_shard *shard, em_lane *lane, const uint64_t *unique,
-                                  const uint32_t *count, uint64_t n, const float *gradients,
-                                  uint64_t *rows, uint64_t *missing, uint64_t *problem,
-                                  uint64_t accessed, uint32_t updated, em_error *err);
+    /* A pull from a table whose shards[0..shard_count) are all on this device, for the
+     * common case of keys all stored, without waiting: finds unique[0..*count) (count a
+     * device word, at most batch->nnz), each in its shard (em_key_shard), into rows
+     * (batch->nnz entries: with one shard the shard's rows, with several rows that only
+     * this request's kernels understand), counts the absent ones in *missing (a device
+     * word), writes the output into out from the rows (batch->nnz vectors with NONE, one
+     * per batch row pooled: shard_gather then combine, in one pass), and, where the
+     * shards track access and accessed != 0, touches the rows (pulled: last access
+     * accessed, updated for rows never touched) only if none was absent. The caller holds
+     * every shard's read lock until the operations are enqueued. batch->position and
+     * unique_count are not used. With *missing > 0 the output is not the pull's. NULL on
+     * the CPU. */
+    em_status (*shards_pull_async)(em_shard *const *shards, uint32_t shard_count, em_lane *lane,
+                                   const em_device_batch *batch, em_combiner combiner,
+                                   const uint64_t *unique, const uint32_t *count,
+                                   uint64_t *rows, uint64_t *missing, float *out,
+                                   uint64_t accessed, uint32_t updated, em_error *err);
+    /* A push to a table whose shards are all on this device, for the common case of keys
+     * all stored and steps that keep rows finite, without waiting: finds
+     * unique[0..*count) (count a device word, at most n) into rows (n entries, numbered as
+     * shards_pull_async says), counts the absent ones in *missing, checks each row's step
+     * with gradients[u] (summed, in unique order) as shard_check_apply does into *problem
+     * (UINT64_MAX: none, else the first as shard_check_apply says), and steps the rows,
+     * and where the shards track access and accessed != 0 touches them as pushed (last
+     * update `updated`), only if nothing was absent and nothing failed its check: all or
+     * nothing, decided on the GPU. missing and problem are device words. The caller holds
+     * every shard's write lock until the operations are enqueued. NULL on the CPU. */
+    em_status (*shards_push_async)(em_shard *const *shards, uint32_t shard_count, em_lane *lane,
+                                   const uint64_t *unique, const uint32_t *count, uint64_t n,
+                                   const float *gradients, uint64_t *rows, uint64_t *missing,
+                                   uint64_t *problem, uint64_t accessed, uint32_t updated,
+                                   em_error *err);
     /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
      * the shard's rows have been evicted (shard_evict; evicted <= new_keys), so that
      * insert_missing of that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the

@@ -170,18 +170,50 @@ static em_status copy_output(request_context *r, const em_pull_request *request,
                                    out_floats * sizeof(float), err);
 }
 
-/* Whether a request of nnz keys goes at once (pull_at_once, push_at_once): a table of
- * one shard on the request's home device, a device that keeps counts on the GPU. */
+/* Whether a request of nnz keys goes at once (pull_at_once, push_at_once): a table whose
+ * shards are all on the request's home device, a device that keeps counts on the GPU. */
 static bool may_run_at_once(const request_context *r, uint64_t nnz)
 {
     const em_device_ops *ops = r->home->ops;
-    return r->table->shard_count == 1 && em__shards_at_home(r) && nnz > 0 &&
-           ops->unique_keys_async != NULL && ops->copy_to_host_later != NULL;
+    return em__shards_at_home(r) && nnz > 0 && ops->unique_keys_async != NULL &&
+           ops->copy_to_host_later != NULL;
+}
+
+/* Whether requests of a table go at once now (em_table: pulls_go_general). */
+static bool at_once_now(const em_table *table, _Atomic bool *go_general)
+{
+    return table->shard_count == 1 || !atomic_load_explicit(go_general, memory_order_relaxed);
+}
+
+/* A request that went the general way found missing keys or none: the next ones try at
+ * once again when it found none. */
+static void note_general_find(em_table *table, _Atomic bool *go_general, uint64_t missing)
+{
+    if (table->shard_count > 1 && missing == 0 &&
+        atomic_load_explicit(go_general, memory_order_relaxed))
+        atomic_store_explicit(go_general, false, memory_order_relaxed);
 }
 
 static bool pull_may_run_at_once(const request_context *r, const em_pull_request *request)
 {
-    return r->home->ops->shard_pull_async != NULL && may_run_at_once(r, request->batch.nnz);
+    return r->home->ops->shards_pull_async != NULL && may_run_at_once(r, request->batch.nnz) &&
+           at_once_now(r->table, &r->table->pulls_go_general);
+}
+
+/* Takes or releases every shard's lock, in shard order (as the general way takes them). */
+static void lock_every_shard(em_table *table, bool write)
+{
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (write)
+            em__shard_write_lock(table, s);
+        else
+            em__shard_read_lock(table, s);
+}
+
+static void unlock_every_shard(em_table *table)
+{
+    for (uint32_t s = table->shard_count; s > 0; s--)
+        pthread_rwlock_unlock(&table->shard_locks[s - 1]);
 }
 
 /* What a request that goes at once dedupes its keys into, on the home device. */
@@ -223,13 +255,14 @@ static em_status dedupe_at_once(request_context *r, const em_csr *batch, em_comb
     return status;
 }
 
-/* A pull of a one-shard table starts at once: dedupe, find, output and touch are
- * enqueued together and the counts come back with the output (device.h:
- * shard_pull_async), so a pull of keys that are all stored, the steady state of
- * training, waits once for the GPU. When some key is not stored (*done stays false)
- * nothing was touched and the request is planned from what was found (em__plan_found):
- * it goes on the general way from there, creating the keys and writing the whole
- * output again into *out (the same buffer). */
+/* A pull starts at once: dedupe, find, output and touch are enqueued together, one
+ * kernel of each over all of the table's shards, and the counts come back with the
+ * output (device.h: shards_pull_async), so a pull of keys that are all stored, the
+ * steady state of training, waits once for the GPU. When some key is not stored (*done
+ * stays false) nothing was touched, and the request goes on the general way, which
+ * creates the keys and writes the whole output again: for a one-shard table it is
+ * planned from what was found (em__plan_found; *out_ready is the output's buffer), for
+ * several shards it starts again with the scratch given back. */
 static em_status pull_at_once(request_context *r, const em_pull_request *request,
                               em_pull_result *result, bool *done, float **out_ready,
                               em_error *err)
@@ -239,6 +272,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     const em_device_ops *ops = home->ops;
     uint64_t nnz = request->batch.nnz;
     uint64_t out_floats = vector_floats(table, &request->batch, request->combiner);
+    request_mark mark = em__request_mark(r);
     at_once_keys k = {0};
     uint64_t *missing = NULL;
     float *out = NULL;
@@ -258,12 +292,12 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
                                  .inverse = k.inverse};
         uint32_t updated =
             (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
-        em__shard_read_lock(table, 0);
+        lock_every_shard(table, false);
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
-        status = ops->shard_pull_async(table->shards[0], r->home_lane, &batch, request->combiner,
-                                       k.unique, k.count, k.rows, missing, out, r->access_stamp,
-                                       updated, err);
-        pthread_rwlock_unlock(&table->shard_locks[0]);
+        status = ops->shards_pull_async(table->shards, table->shard_count, r->home_lane, &batch,
+                                        request->combiner, k.unique, k.count, k.rows, missing,
+                                        out, r->access_stamp, updated, err);
+        unlock_every_shard(table);
     }
     uint64_t absent = UINT64_MAX;
     uint32_t unique_count = 0;
@@ -279,6 +313,11 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
         em_error ignored;
         (void)ops->synchronize(r->home_lane, &ignored);
         return em_error_prefix(err, "table '%s': ", table->config.name);
+    }
+    if (absent != 0 && table->shard_count > 1) {
+        atomic_store_explicit(&table->pulls_go_general, true, memory_order_relaxed);
+        em__request_rewind(r, &mark);
+        return EM_OK;
     }
     if (absent != 0) {
         em__plan_found(r, nnz, k.unique, k.inverse, k.first, k.rows, unique_count, absent, seen,
@@ -303,7 +342,7 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     request_context r;
     em_status status = em__request_begin(table, &r, err);
     bool done = false, at_once = status == EM_OK && pull_may_run_at_once(&r, request);
-    float *out_ready = NULL; /* at once, then the general way: the output's buffer */
+    float *out_ready = NULL; /* at once, then planned the general way: the output's buffer */
     if (at_once)
         status = pull_at_once(&r, request, result, &done, &out_ready, err);
     if (status != EM_OK || done) {
@@ -311,10 +350,14 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
         return status;
     }
     bool direct = pull_is_direct(&r, request);
-    if (!at_once) /* else planned from what pull_at_once found */
+    bool planned = out_ready != NULL; /* from what pull_at_once found */
+    if (!planned)
         status = em__stage_offsets(&r, &request->batch, err);
-    if (status == EM_OK && !at_once)
+    if (status == EM_OK && !planned) {
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
+        if (status == EM_OK)
+            note_general_find(table, &table->pulls_go_general, r.missing);
+    }
     uint64_t missing = r.missing;
     if (status == EM_OK && r.missing > 0 && request->create_missing)
         status = admit(&r, may_create, state, err);
@@ -410,19 +453,21 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
 
 static bool push_may_run_at_once(const request_context *r, const em_push_request *request)
 {
-    return r->home->ops->shard_push_async != NULL && may_run_at_once(r, request->batch.nnz);
+    return r->home->ops->shards_push_async != NULL && may_run_at_once(r, request->batch.nnz) &&
+           at_once_now(r->table, &r->table->pushes_go_general);
 }
 
-/* A push to a one-shard table starts at once: dedupe, gradient sums, find, check and
- * step are enqueued together, the step gated on the GPU by the find and the check
- * (device.h: shard_push_async), and the counts come back in one synchronisation, so a
- * push to keys that are all stored with steps that keep every row finite (the steady
- * state of training) waits once for the GPU. *done stays false when a key is missing
- * or a check failed: nothing was stepped, and the request is planned from what was
- * found, with the sums as its gradients (em__plan_found), to go on the general way
- * (which creates the keys, or names the problem as the CPU does). While the table is
- * being saved nothing is found (*planned stays false): the request's scratch is as
- * before and the push goes the general way from the start.
+/* A push starts at once: dedupe, gradient sums, find, check and step are enqueued
+ * together, one kernel of each over all of the table's shards, the step gated on the
+ * GPU by the find and the check (device.h: shards_push_async), and the counts come back
+ * in one synchronisation, so a push to keys that are all stored with steps that keep
+ * every row finite (the steady state of training) waits once for the GPU. *done stays
+ * false when a key is missing or a check failed: nothing was stepped, and the request
+ * goes on the general way (which creates the keys, or names the problem as the CPU
+ * does): a one-shard table's is planned from what was found, with the sums as its
+ * gradients (em__plan_found, *planned), a table of several shards starts again with the
+ * scratch given back (*planned stays false), as does every push while the table is
+ * being saved, which finds nothing.
  * A table that tracks access stamps its pushed rows with the table's push clock, which
  * only a push that steps rows may move (the general way moves it as it steps, under the
  * shard's write lock): here the rows are stamped with the clock's next value and the
@@ -469,19 +514,20 @@ static em_status push_at_once(request_context *r, const push_call *call,
     bool stamps = r->access_stamp != 0; /* the table tracks access */
     uint32_t stamp = 0;
     if (status == EM_OK) {
-        em__shard_write_lock(table, 0);
+        lock_every_shard(table, true);
         locked = true;
         stamp = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed) + 1;
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         saving = table->snapshot != NULL; /* its rows go aside first: the general way */
         if (!saving)
-            status = ops->shard_push_async(table->shards[0], r->home_lane, k.unique, k.count, nnz,
-                                           sums, k.rows, &words[0], &words[1], r->access_stamp,
-                                           stamp, err);
-        if (!saving) /* whether it stepped is known later: checks before it look again */
-            table->shard_versions[0] += EM_ROW_BOUNDED_STEPS + 1;
+            status = ops->shards_push_async(table->shards, table->shard_count, r->home_lane,
+                                            k.unique, k.count, nnz, sums, k.rows, &words[0],
+                                            &words[1], r->access_stamp, stamp, err);
+        /* whether it stepped is known later: checks before it look again */
+        for (uint32_t s = 0; !saving && s < table->shard_count; s++)
+            table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
         if (!stamps || saving || status != EM_OK) {
-            pthread_rwlock_unlock(&table->shard_locks[0]);
+            unlock_every_shard(table);
             locked = false;
         }
     }
@@ -501,10 +547,12 @@ static em_status push_at_once(request_context *r, const push_call *call,
         em__clock_sample(table, em__unix_ms(), stamp);
     }
     if (locked)
-        pthread_rwlock_unlock(&table->shard_locks[0]);
+        unlock_every_shard(table);
     if (status != EM_OK)
         return em_error_prefix(err, "table '%s': ", table->config.name);
-    if (saving) {
+    if (!saving && !stepped && table->shard_count > 1 && answers[0] != 0)
+        atomic_store_explicit(&table->pushes_go_general, true, memory_order_relaxed);
+    if (saving || (!stepped && table->shard_count > 1)) {
         em__request_rewind(r, &mark);
         return EM_OK;
     }
@@ -544,8 +592,11 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     }
     if (!planned) /* else planned from what push_at_once found, with its sums */
         status = em__stage_offsets(&r, &request->batch, err);
-    if (status == EM_OK && !planned)
+    if (status == EM_OK && !planned) {
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
+        if (status == EM_OK)
+            note_general_find(table, &table->pushes_go_general, r.missing);
+    }
     if (status == EM_OK && r.missing > 0)
         status = admit(&r, may_create, state, err);
     if (status == EM_OK && state->needs_create && !may_create) {
@@ -803,6 +854,11 @@ static em_status create_shards(em_table *table, em_error *err)
     for (uint32_t s = 1; s < table->shard_count; s++)
         if (table->shard_device[s] != table->shards_device)
             table->shards_device = UINT32_MAX;
+    /* a new table's first requests create its keys: the general way, until one finds all */
+    atomic_store_explicit(&table->pulls_go_general, table->shard_count > 1,
+                          memory_order_relaxed);
+    atomic_store_explicit(&table->pushes_go_general, table->shard_count > 1,
+                          memory_order_relaxed);
     return EM_OK;
 }
 

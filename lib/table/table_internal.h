@@ -87,6 +87,10 @@ struct em_table {
     _Atomic uint64_t pulls_not_admitted, pushes_dropped;
     _Atomic uint64_t exclusive_retries; /* run_shared_then_exclusive's second attempts */
     _Atomic uint64_t pulls_at_once, pushes_at_once; /* served with one wait for the GPU */
+    /* A table of several shards: set when a pull (push) at once found keys missing, whose
+     * work is then done again the general way; the next pulls (pushes) go the general way
+     * from the start until one of them finds every key (table.c: pull_at_once). */
+    _Atomic bool pulls_go_general, pushes_go_general;
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
     pthread_mutex_t clock_lock;

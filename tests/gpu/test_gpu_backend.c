@@ -679,19 +679,21 @@ static uint64_t emulated_waits(void)
 #endif
 
 /* Loop index: combiner (none, sum, mean, sqrtn) x dim (12, 64) x tracking access (lru or
- * none), in order. A one-shard table pulls keys that are all stored in one pass and one
- * wait (device.h: shard_pull_async): outputs equal the CPU's bit for bit, batches with
- * repeated keys, pooled or not; a pull with absent keys goes on the general way from
- * what it found and creates them; the rows and their access metadata end equal. On the emulation the
- * pulls of stored keys are seen to wait once. */
+ * none) x shards (1, 5), in order. A table pulls keys that are all stored in one pass
+ * and one wait, one kernel of each kind over all of its shards (device.h:
+ * shards_pull_async): outputs equal the CPU's bit for bit, batches with repeated keys,
+ * pooled or not; a pull with absent keys goes on the general way and creates them; the
+ * rows and their access metadata end equal. On the emulation the pulls of stored keys
+ * are seen to wait once. */
 START_TEST(pulls_at_once_match_cpu)
 {
     const em_combiner combiner = (em_combiner)(_i % 4);
     const uint32_t dim = (_i / 4) % 2 == 0 ? 12 : 64;
-    const bool lru = _i >= 8;
+    const bool lru = (_i / 8) % 2 == 1;
+    const uint32_t shards = _i >= 16 ? 5 : 1;
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
-    em_table_config config = table_config(dim, 100000, 1, 1, EM_INIT_UNIFORM);
+    em_table_config config = table_config(dim, 100000, shards, 1, EM_INIT_UNIFORM);
     if (lru)
         config.eviction.policy = EM_EVICTION_LRU;
     em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
@@ -730,8 +732,13 @@ START_TEST(pulls_at_once_match_cpu)
         ck_assert_uint_eq(results[1].unique_keys, results[0].unique_keys);
         ck_assert_uint_eq(results[1].missing, results[0].missing);
         ck_assert_uint_eq(results[1].created, results[0].created);
-        if (emulated && !fresh)
+        /* with several shards the pull after one that found keys missing goes the
+         * general way (pulls_go_general) */
+        bool after_fresh = shards > 1 && step % 10 == 0 && step > 0;
+        if (emulated && !fresh && !after_fresh)
             ck_assert_msg(waits[1] == 1, "step %d: %" PRIu64 " waits", step, waits[1]);
+        if (emulated && after_fresh)
+            ck_assert_msg(waits[1] > 1, "step %d: %" PRIu64 " wait", step, waits[1]);
         if (emulated && fresh)
             ck_assert_uint_gt(waits[1], 1);
         em_test_batch_free(&b);
@@ -754,10 +761,11 @@ START_TEST(pulls_at_once_match_cpu)
 END_TEST
 
 /* Loop index: combiner (none, sum, mean, sqrtn) x optimizer (sgd, adagrad, rowwise
- * adagrad, adam) x tracking access (none, lru), dim 24. With lru the rows' access
- * metadata and the table's clocks end equal too (a refused push moves no clock). A
- * one-shard table pushes to keys that are all stored in one
- * pass and one wait (device.h: shard_push_async), the step gated on the GPU: after
+ * adagrad, adam) x tracking access (none, lru) x shards (1, 5), dim 24. With lru the
+ * rows' access metadata and the table's clocks end equal too (a refused push moves no
+ * clock). A table pushes to keys that are all stored in one pass and one wait, one
+ * kernel of each kind over all of its shards (device.h: shards_push_async), the step
+ * gated on the GPU: after
  * batches with repeated keys, rows equal the CPU's bit for bit (for the optimizers with a
  * per-row reduction, within 1e-5 relative or 1e-7: wide_rows_match_cpu_value_by_value);
  * a push with absent keys goes the general way and creates them; a push the CPU refuses
@@ -767,11 +775,12 @@ START_TEST(pushes_at_once_match_cpu)
 {
     const em_combiner combiner = (em_combiner)(_i % 4);
     const int optimizer = (_i / 4) % 4;
-    const bool lru = _i >= 16;
+    const bool lru = (_i / 16) % 2 == 1;
+    const uint32_t shards = _i >= 32 ? 5 : 1;
     const uint32_t dim = 24;
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
-    em_table_config config = table_config(dim, 100000, 1, optimizer, EM_INIT_UNIFORM);
+    em_table_config config = table_config(dim, 100000, shards, optimizer, EM_INIT_UNIFORM);
     if (lru)
         config.eviction.policy = EM_EVICTION_LRU;
     em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
@@ -827,7 +836,10 @@ START_TEST(pushes_at_once_match_cpu)
             ck_assert_uint_eq(results[1].updated, results[0].updated);
             ck_assert_uint_eq(results[1].created, results[0].created);
         }
-        if (emulated && !fresh && !broken)
+        /* with several shards the push after one that found keys missing goes the
+         * general way (pushes_go_general) */
+        bool after_fresh = shards > 1 && step % 10 == 0 && step > 0;
+        if (emulated && !fresh && !broken && !after_fresh)
             ck_assert_msg(waits[1] == 1, "step %d: %" PRIu64 " waits", step, waits[1]);
         if (emulated && fresh && !refused && b.csr.nnz > 0)
             ck_assert_msg(waits[1] > 1, "step %d: %" PRIu64 " wait", step, waits[1]);
@@ -984,14 +996,17 @@ static void *race_reader(void *argument)
     return NULL;
 }
 
-/* Loop index: 2 shards, then 1 (whose pulls and pushes of stored keys go with one wait
- * for the GPU). Pushes on several lanes at once never
- * lose an update (the shard's events order them) and readers never see a half-applied
- * push. */
+/* Loop index: 2 shards on 2 GPUs (where 2 are visible: requests go the general way), 1
+ * shard, 3 shards on one GPU (pulls and pushes of stored keys go at once, with one wait
+ * for the GPU). Pushes on several lanes at once never lose an update (the shards' events
+ * order them) and readers never see a half-applied push. */
 START_TEST(concurrent_pushes_lose_no_update)
 {
-    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
-    em_table_config config = table_config(RACE_DIM, 10000, _i == 0 ? 2 : 1, 0, EM_INIT_ZEROS);
+    const uint32_t gpus = _i == 0 ? 2 : 1, shards = _i == 0 ? 2 : _i == 1 ? 1 : 3;
+    if (visible_gpus() < gpus)
+        return;
+    em_backend *gpu = gpu_backend(gpus, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(RACE_DIM, 10000, shards, 0, EM_INIT_ZEROS);
     config.optimizer.learning_rate = 0.5f;
     em_table *table = em_test_make_table(gpu, &config);
     /* Create the keys first so every later push shares the table lock. */
@@ -1021,6 +1036,10 @@ START_TEST(concurrent_pushes_lose_no_update)
     if (_i == 1) { /* the keys were there: every one went at once */
         ck_assert_uint_eq(stats.pushes_at_once, RACE_PUSHERS * RACE_PUSHES);
         ck_assert_uint_eq(stats.pulls_at_once, 2 * RACE_PUSHES + 1);
+    } else if (_i == 2) { /* after the creating pull, each thread's first request may go
+                           * the general way (pulls_go_general), and none after it */
+        ck_assert_uint_ge(stats.pushes_at_once, RACE_PUSHERS * RACE_PUSHES - RACE_PUSHERS);
+        ck_assert_uint_ge(stats.pulls_at_once, 2 * RACE_PUSHES + 1 - 2);
     } else {
         ck_assert_uint_eq(stats.pushes_at_once + stats.pulls_at_once, 0);
     }
@@ -1519,9 +1538,9 @@ START_TEST(host_waits_and_operations_per_request)
         {"pull, creating", 1, false, true, 19, 4},
         {"push, present keys", 1, true, false, 18, 1},
         {"push, creating", 1, true, true, 27, 5},
-        {"pull, present keys", 8, false, false, 39, 4},
+        {"pull, present keys", 8, false, false, 13, 1},
         {"pull, creating", 8, false, true, 79, 13},
-        {"push, present keys", 8, true, false, 60, 5},
+        {"push, present keys", 8, true, false, 19, 1},
         {"push, creating", 8, true, true, 100, 14},
     };
     enum { KEYS = 1000, DIM = 16 };
@@ -1753,7 +1772,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, pulls_that_run_out_of_pool_create_nothing, 0, 2);
     tcase_add_test(tc, import_export_round_trip_bit_for_bit);
     tcase_add_test(tc, checkpoints_move_between_gpu_and_cpu_bit_for_bit);
-    tcase_add_loop_test(tc, concurrent_pushes_lose_no_update, 0, 2);
+    tcase_add_loop_test(tc, concurrent_pushes_lose_no_update, 0, 3);
     tcase_add_loop_test(tc, threads_creating_the_same_keys_create_each_once, 0, 2);
     tcase_add_loop_test(tc, wide_rows_match_cpu_value_by_value, 0, 8);
     tcase_add_loop_test(tc, outputs_at_any_alignment, 0, 4);
@@ -1768,8 +1787,8 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, nccl_first_and_a_fallback_that_says_why);
     tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
     tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
-    tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 16);
-    tcase_add_loop_test(tc, pushes_at_once_match_cpu, 0, 32);
+    tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 32);
+    tcase_add_loop_test(tc, pushes_at_once_match_cpu, 0, 64);
     tcase_add_test(tc, erase_matches_cpu_and_reuses_rows);
     suite_add_tcase(suite, tc);
     return suite;

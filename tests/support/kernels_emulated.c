@@ -819,6 +819,19 @@ em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
     return ok();
 }
 
+em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
+                                         const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                         uint64_t *rows, uint64_t *missing)
+{
+    (void)stream;
+    enter_device();
+    uint64_t end = *count < n ? *count : n;
+    for (uint64_t i = 0; i < end; i++)
+        *missing += (uint64_t)em_gpu_shards_find_item(shards, keys, i, rows);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                 uint64_t n, uint64_t *rows, uint8_t *inserted)
 {
