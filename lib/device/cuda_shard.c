@@ -664,6 +664,8 @@ static em_status see_shards(em_shard *const *bases, uint32_t count, cuda_lane *l
         const cuda_shard *shard = shard_of(bases[i]);
         maps[i] = map_view(shard);
         row_base[i] = at << first->block_shift;
+        if (shard->block_count == 0) /* a shard with no rows yet has no block tables */
+            continue;
         memcpy(block_table + at, shard->blocks, shard->block_count * sizeof(float *));
         if (first->track_access)
             memcpy(access_table + at, shard->access,
