@@ -256,6 +256,10 @@ em_gpu_status em_gpu_copy_repeats(em_gpu_stream *stream, const uint32_t *inverse
 #define EM_GPU_ALIGN16 _Alignas(16)
 #endif
 
+/* Slots of a hash map bucket: one 128-byte line (kernel_logic.h: em_gpu_probe). Maps made
+ * by shards have a power-of-two slot count of at least 16. */
+#define EM_GPU_BUCKET_SLOTS 8u
+
 /* One open-addressing slot: key and row side by side, so a probe reads one sector. */
 typedef struct em_gpu_slot {
     EM_GPU_ALIGN16 uint64_t key;

@@ -319,9 +319,9 @@ static em_status create_shard_events(cuda_shard *shard, em_error *err)
 static em_status create_map(cuda_shard *shard, uint64_t expected_rows, em_error *err)
 {
     em_device *device = shard->base.device;
-    uint64_t slots = expected_rows + 16;
-    if (slots > MAX_INITIAL_SLOTS)
-        slots = MAX_INITIAL_SLOTS;
+    uint64_t slots = MIN_SLOTS; /* a power of two: kernel_logic.h, em_gpu_probe */
+    while (slots < expected_rows + 16 && slots < MAX_INITIAL_SLOTS)
+        slots *= 2;
     em_status status = em_device_alloc(device, slots * sizeof(em_gpu_slot), "hash map slots",
                                        (void **)&shard->slots, err);
     if (status == EM_OK)

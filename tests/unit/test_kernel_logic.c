@@ -747,10 +747,11 @@ START_TEST(map_seed_sets_the_home_slots)
     for (uint64_t key = 1; key <= KEYS; key++) {
         uint64_t k = key * 0x9e3779b97f4a7c15ull;
         ck_assert_uint_ne(em_gpu_map_lookup(second, k), EM_GPU_ROW_NONE);
-        uint64_t home = em_gpu_map_home(k, second.seed, SLOTS);
-        moved += home != em_gpu_map_home(k, first.seed, SLOTS);
+        em_gpu_probe in_second, in_first;
+        uint64_t slot = em_gpu_probe_start(&in_second, k, second.seed, SLOTS);
+        moved += slot != em_gpu_probe_start(&in_first, k, first.seed, SLOTS);
         uint64_t probe = 0;
-        for (uint64_t slot = home; loaded[slot].key != k; slot = em_gpu_map_next(slot, SLOTS))
+        for (; loaded[slot].key != k; slot = em_gpu_probe_next(&in_second))
             probe++;
         longest = probe > longest ? probe : longest;
     }
@@ -758,6 +759,68 @@ START_TEST(map_seed_sets_the_home_slots)
     ck_assert_uint_lt(longest, 64); /* load 0.5: short runs */
     free(saved);
     free(loaded);
+}
+END_TEST
+
+/* A key's probe sequence visits every slot of the map once, in buckets of
+ * EM_GPU_BUCKET_SLOTS (power-of-two bucket counts, as shards make them), linearly (other
+ * bucket counts) or slot by slot (other sizes). */
+START_TEST(probe_sequences_visit_every_slot_once)
+{
+    static const uint64_t sizes[] = {8, 16, 1024, 24, 13};
+    for (size_t z = 0; z < sizeof(sizes) / sizeof(sizes[0]); z++) {
+        uint64_t slots = sizes[z];
+        uint8_t *visits = malloc(slots);
+        for (uint64_t key = 1; key < 200; key++) {
+            memset(visits, 0, slots);
+            em_gpu_probe probe;
+            uint64_t slot = em_gpu_probe_start(&probe, key * 0x9e3779b97f4a7c15ull,
+                                               EM_HASHMAP_SEED, slots);
+            for (uint64_t seen = 0; seen < slots; seen++) {
+                ck_assert_uint_lt(slot, slots);
+                visits[slot]++;
+                if (slots % EM_GPU_BUCKET_SLOTS == 0 && seen % EM_GPU_BUCKET_SLOTS != 0)
+                    ck_assert_uint_eq(slot % EM_GPU_BUCKET_SLOTS, seen % EM_GPU_BUCKET_SLOTS);
+                slot = em_gpu_probe_next(&probe);
+            }
+            for (uint64_t i = 0; i < slots; i++)
+                ck_assert_msg(visits[i] == 1, "%" PRIu64 " slots, key %" PRIu64 ": slot %" PRIu64
+                              " visited %u times", slots, key, i, visits[i]);
+        }
+        free(visits);
+    }
+}
+END_TEST
+
+/* At the most a shard's map holds (load 0.9), every key is found at its row, no absent
+ * key is, erased keys leave the others found, and their slots (tombstones) do not end
+ * other keys' searches. */
+START_TEST(maps_at_load_0_9_find_every_key)
+{
+    enum { SLOTS = 1 << 14, KEYS = SLOTS / 10 * 9, ABSENT = 20000 };
+    em_gpu_slot *slots = aligned_alloc(16, SLOTS * sizeof(em_gpu_slot));
+    memset(slots, 0xff, SLOTS * sizeof(em_gpu_slot));
+    uint64_t *free_rows = malloc(KEYS * sizeof(uint64_t));
+    em_gpu_map_header header = {.side_rows = {EM_GPU_ROW_NONE, EM_GPU_ROW_NONE}};
+    em_gpu_map map = {.slots = slots, .slot_count = SLOTS, .header = &header,
+                      .seed = EM_HASHMAP_SEED, .free_rows = free_rows};
+    for (uint64_t k = 0; k < KEYS; k++) {
+        int fresh = 0;
+        ck_assert_uint_eq(em_gpu_map_insert_key(map, em_mix64(k + 1), &fresh), k);
+        ck_assert_int_eq(fresh, 1);
+    }
+    ck_assert_uint_eq(header.overflow, 0);
+    for (uint64_t k = 0; k < KEYS; k++)
+        ck_assert_uint_eq(em_gpu_map_lookup(map, em_mix64(k + 1)), k);
+    for (uint64_t a = 0; a < ABSENT; a++)
+        ck_assert_uint_eq(em_gpu_map_lookup(map, em_mix64(KEYS + 1 + a)), EM_GPU_ROW_NONE);
+    for (uint64_t k = 0; k < KEYS; k += 3)
+        ck_assert_uint_eq(em_gpu_map_erase_key(map, em_mix64(k + 1)), k);
+    for (uint64_t k = 0; k < KEYS; k++)
+        ck_assert_uint_eq(em_gpu_map_lookup(map, em_mix64(k + 1)),
+                          k % 3 == 0 ? EM_GPU_ROW_NONE : k);
+    free(slots);
+    free(free_rows);
 }
 END_TEST
 
@@ -964,6 +1027,8 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, map_claims_give_every_key_one_row_under_threads);
     tcase_add_test(tc, map_full_sets_overflow_instead_of_looping);
     tcase_add_test(tc, map_seed_sets_the_home_slots);
+    tcase_add_test(tc, probe_sequences_visit_every_slot_once);
+    tcase_add_test(tc, maps_at_load_0_9_find_every_key);
     tcase_add_test(tc, unique_claims_keep_first_positions_under_threads);
     tcase_add_test(tc, insert_without_reserve_is_reported);
     tcase_add_test(tc, copies_into_pinned_memory_land_when_waited_for);
