@@ -679,7 +679,8 @@ static uint64_t emulated_waits(void)
 #endif
 
 /* Loop index: combiner (none, sum, mean, sqrtn) x dim (12, 64) x tracking access (lru or
- * none) x shards (1, 5), in order. A table pulls keys that are all stored in one pass
+ * none) on one shard, then combiner x tracking access, dim 12, on 5 shards. A table
+ * pulls keys that are all stored in one pass
  * and one wait, one kernel of each kind over all of its shards (device.h:
  * shards_pull_async): outputs equal the CPU's bit for bit, batches with repeated keys,
  * pooled or not; a pull with absent keys goes on the general way and creates them; the
@@ -687,10 +688,10 @@ static uint64_t emulated_waits(void)
  * are seen to wait once. */
 START_TEST(pulls_at_once_match_cpu)
 {
-    const em_combiner combiner = (em_combiner)(_i % 4);
-    const uint32_t dim = (_i / 4) % 2 == 0 ? 12 : 64;
-    const bool lru = (_i / 8) % 2 == 1;
     const uint32_t shards = _i >= 16 ? 5 : 1;
+    const em_combiner combiner = (em_combiner)(_i % 4);
+    const uint32_t dim = shards == 1 && (_i / 4) % 2 == 1 ? 64 : 12;
+    const bool lru = shards == 1 ? (_i / 8) % 2 == 1 : (_i / 4) % 2 == 1;
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
     em_table_config config = table_config(dim, 100000, shards, 1, EM_INIT_UNIFORM);
@@ -761,7 +762,8 @@ START_TEST(pulls_at_once_match_cpu)
 END_TEST
 
 /* Loop index: combiner (none, sum, mean, sqrtn) x optimizer (sgd, adagrad, rowwise
- * adagrad, adam) x tracking access (none, lru) x shards (1, 5), dim 24. With lru the
+ * adagrad, adam) x tracking access (none, lru) on one shard, then combiner x optimizer
+ * on 5 shards, tracking access with rowwise adagrad and adam, dim 24. With lru the
  * rows' access metadata and the table's clocks end equal too (a refused push moves no
  * clock). A table pushes to keys that are all stored in one pass and one wait, one
  * kernel of each kind over all of its shards (device.h: shards_push_async), the step
@@ -775,8 +777,8 @@ START_TEST(pushes_at_once_match_cpu)
 {
     const em_combiner combiner = (em_combiner)(_i % 4);
     const int optimizer = (_i / 4) % 4;
-    const bool lru = (_i / 16) % 2 == 1;
     const uint32_t shards = _i >= 32 ? 5 : 1;
+    const bool lru = shards == 1 ? (_i / 16) % 2 == 1 : optimizer >= 2;
     const uint32_t dim = 24;
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
@@ -1787,8 +1789,8 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, nccl_first_and_a_fallback_that_says_why);
     tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
     tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
-    tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 32);
-    tcase_add_loop_test(tc, pushes_at_once_match_cpu, 0, 64);
+    tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 24);
+    tcase_add_loop_test(tc, pushes_at_once_match_cpu, 0, 48);
     tcase_add_test(tc, erase_matches_cpu_and_reuses_rows);
     suite_add_tcase(suite, tc);
     return suite;
