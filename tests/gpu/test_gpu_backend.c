@@ -761,6 +761,58 @@ START_TEST(pulls_at_once_match_cpu)
 }
 END_TEST
 
+/* A table of 8 shards whose keys are in a few of them (the others hold no rows, and no
+ * row blocks yet) pulls and pushes its keys at once, one wait each on the emulation, and
+ * ends equal to the CPU's. */
+START_TEST(tables_with_empty_shards_go_at_once)
+{
+    enum { KEYS = 2, DIM = 16 };
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
+    em_table_config config = table_config(DIM, 1000, 8, 3, EM_INIT_UNIFORM);
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    uint64_t keys[KEYS] = {5, 6};
+    em_test_batch b = em_test_key_batch(keys, KEYS);
+    float out[2][KEYS * DIM], gradients[KEYS * DIM];
+    for (int i = 0; i < KEYS * DIM; i++)
+        gradients[i] = 0.25f * (float)(i % 7) - 0.5f;
+    em_error err;
+    for (int t = 0; t < 2; t++) {
+        /* the first pull creates the keys, the second finds them all (the general way),
+         * then the table's requests go at once */
+        for (int pass = 0; pass < 3; pass++) {
+            uint64_t waits = emulated_waits();
+            ck_assert_msg(em_test_pull(tables[t], &b.csr, EM_COMBINER_NONE, true, out[t], NULL,
+                                       &err) == EM_OK, "%s", err.message);
+            if (emulated && t == 1 && pass == 2)
+                ck_assert_uint_eq(emulated_waits() - waits, 1);
+        }
+        for (int pass = 0; pass < 3; pass++) {
+            uint64_t waits = emulated_waits();
+            ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL,
+                                       &err) == EM_OK, "%s", err.message);
+            if (emulated && t == 1 && pass > 0)
+                ck_assert_uint_eq(emulated_waits() - waits, 1);
+        }
+    }
+    ck_assert_mem_eq(out[1], out[0], sizeof(out[0]));
+    em_table_stats stats;
+    em_table_get_stats(tables[1], &stats);
+    ck_assert_uint_eq(stats.pulls_at_once, 1);
+    ck_assert_uint_eq(stats.pushes_at_once, 2); /* the first push finds all the general way */
+    em_test_snapshot a = em_test_snapshot_take(tables[0], 64);
+    em_test_snapshot g = em_test_snapshot_take(tables[1], 64);
+    em_test_assert_snapshots_identical(&a, &g);
+    em_test_snapshot_free(&a);
+    em_test_snapshot_free(&g);
+    em_test_batch_free(&b);
+    for (int t = 0; t < 2; t++)
+        em_table_destroy(tables[t]);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* Loop index: combiner (none, sum, mean, sqrtn) x optimizer (sgd, adagrad, rowwise
  * adagrad, adam) x tracking access (none, lru) on one shard, then combiner x optimizer
  * on 5 shards, tracking access with rowwise adagrad and adam, dim 24. With lru the
@@ -1790,6 +1842,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
     tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
     tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 24);
+    tcase_add_test(tc, tables_with_empty_shards_go_at_once);
     tcase_add_loop_test(tc, pushes_at_once_match_cpu, 0, 48);
     tcase_add_test(tc, erase_matches_cpu_and_reuses_rows);
     suite_add_tcase(suite, tc);
