@@ -200,22 +200,6 @@ static bool pull_may_run_at_once(const request_context *r, const em_pull_request
            at_once_now(r->table, &r->table->pulls_go_general);
 }
 
-/* Takes or releases every shard's lock, in shard order (as the general way takes them). */
-static void lock_every_shard(em_table *table, bool write)
-{
-    for (uint32_t s = 0; s < table->shard_count; s++)
-        if (write)
-            em__shard_write_lock(table, s);
-        else
-            em__shard_read_lock(table, s);
-}
-
-static void unlock_every_shard(em_table *table)
-{
-    for (uint32_t s = table->shard_count; s > 0; s--)
-        pthread_rwlock_unlock(&table->shard_locks[s - 1]);
-}
-
 /* What a request that goes at once dedupes its keys into, on the home device. */
 typedef struct at_once_keys {
     uint64_t *unique;     /* nnz: the distinct keys, in order of first appearance */
@@ -292,12 +276,12 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
                                  .inverse = k.inverse};
         uint32_t updated =
             (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
-        lock_every_shard(table, false);
+        em__lock_all_shards(table, false);
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         status = ops->shards_pull_async(table->shards, table->shard_count, r->home_lane, &batch,
                                         request->combiner, k.unique, k.count, k.rows, missing,
                                         out, r->access_stamp, updated, err);
-        unlock_every_shard(table);
+        em__unlock_all_shards(table);
     }
     uint64_t absent = UINT64_MAX;
     uint32_t unique_count = 0;
@@ -514,7 +498,7 @@ static em_status push_at_once(request_context *r, const push_call *call,
     bool stamps = r->access_stamp != 0; /* the table tracks access */
     uint32_t stamp = 0;
     if (status == EM_OK) {
-        lock_every_shard(table, true);
+        em__lock_all_shards(table, true);
         locked = true;
         stamp = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed) + 1;
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
@@ -527,7 +511,7 @@ static em_status push_at_once(request_context *r, const push_call *call,
         for (uint32_t s = 0; !saving && s < table->shard_count; s++)
             table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
         if (!stamps || saving || status != EM_OK) {
-            unlock_every_shard(table);
+            em__unlock_all_shards(table);
             locked = false;
         }
     }
@@ -547,7 +531,7 @@ static em_status push_at_once(request_context *r, const push_call *call,
         em__clock_sample(table, em__unix_ms(), stamp);
     }
     if (locked)
-        unlock_every_shard(table);
+        em__unlock_all_shards(table);
     if (status != EM_OK)
         return em_error_prefix(err, "table '%s': ", table->config.name);
     if (!saving && !stepped && table->shard_count > 1 && answers[0] != 0)

@@ -175,6 +175,23 @@ static inline void em__shard_write_lock(em_table *table, uint32_t s)
     em_rwlock_write_lock(&table->shard_locks[s]);
 }
 
+/* Every shard's lock (write or read), in shard order, as every holder of several takes
+ * them; em__unlock_all_shards releases them. */
+static inline void em__lock_all_shards(em_table *table, bool write)
+{
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (write)
+            em__shard_write_lock(table, s);
+        else
+            em__shard_read_lock(table, s);
+}
+
+static inline void em__unlock_all_shards(em_table *table)
+{
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        pthread_rwlock_unlock(&table->shard_locks[s]);
+}
+
 /* Claims capacity for the request's missing keys, to create them under the shared table
  * lock: false (nothing claimed) when the table cannot take them without evicting. The
  * claim is given back once the keys are created (em__create_missing) or the request

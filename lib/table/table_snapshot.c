@@ -157,16 +157,6 @@ static em_status read_rows(em_table *table, uint32_t s, em_lane *lane, const uin
 
 /* ---- begin and end ----------------------------------------------------------------- */
 
-static void lock_all_shards(em_table *table, bool lock)
-{
-    for (uint32_t s = 0; s < table->shard_count; s++) {
-        if (lock)
-            em__shard_write_lock(table, s);
-        else
-            pthread_rwlock_unlock(&table->shard_locks[s]);
-    }
-}
-
 static void free_shard(snapshot_shard *shard)
 {
     free(shard->keys);
@@ -237,7 +227,7 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
     snapshot->table = table;
     snapshot->copy_limit = copy_limit_bytes;
     em_status status = EM_OK;
-    lock_all_shards(table, true);
+    em__lock_all_shards(table, true);
     if (table->snapshot != NULL)
         status = em_error_set(err, EM_FAILED_PRECONDITION,
                               "table '%s' is being saved already", table->config.name);
@@ -251,7 +241,7 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
         atomic_store_explicit(&table->saving, true, memory_order_release);
         pthread_mutex_unlock(&table->snapshot_mutex);
     }
-    lock_all_shards(table, false);
+    em__unlock_all_shards(table);
     if (status != EM_OK) {
         for (uint32_t s = 0; s < table->shard_count; s++)
             free_shard(&snapshot->shards[s]);
@@ -268,13 +258,13 @@ void em_table_snapshot_end(em_table_snapshot *snapshot)
     if (snapshot == NULL)
         return;
     em_table *table = snapshot->table;
-    lock_all_shards(table, true);
+    em__lock_all_shards(table, true);
     pthread_mutex_lock(&table->snapshot_mutex);
     table->snapshot = NULL;
     atomic_store_explicit(&table->saving, false, memory_order_release);
     pthread_cond_broadcast(&table->snapshot_room);
     pthread_mutex_unlock(&table->snapshot_mutex);
-    lock_all_shards(table, false);
+    em__unlock_all_shards(table);
     for (uint32_t s = 0; s < table->shard_count; s++)
         free_shard(&snapshot->shards[s]);
     free(snapshot->shards);
