@@ -304,6 +304,8 @@ typedef struct em_gpu_shards {
     const em_gpu_map *maps;
     const uint64_t *row_base;
     uint32_t count;
+    uint64_t row_limit; /* rows of the storage: shard s owns rows row_base[s] up to
+                         * row_base[s + 1] (the last one up to row_limit) */
 } em_gpu_shards;
 /* em_gpu_map_find_counted over the shards: rows[i] = row_base[s] + the row of keys[i] in
  * its shard s, or ROW_NONE; *missing (device) += absent keys. */
@@ -316,6 +318,21 @@ em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards sh
  * before its next erase. */
 em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                 uint64_t n, uint64_t *rows, uint8_t *inserted);
+/* em_gpu_map_insert of the first *count (device) of at most n keys; inserted[i] for
+ * i >= *count is left as it was. */
+em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
+                                        const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                        uint64_t *rows, uint8_t *inserted);
+/* em_gpu_map_insert_counted over the shards: keys[i] goes into its shard s's map and
+ * rows[i] = row_base[s] + its row there. A row beyond the shard's part of the storage
+ * (insert without reserve) sets the map's overflow flag and leaves rows[i] ROW_NONE,
+ * inserted[i] 0. Settle the maps (em_gpu_shards_settle) before their next erase. */
+em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
+                                           const uint64_t *keys, uint64_t n,
+                                           const uint32_t *count, uint64_t *rows,
+                                           uint8_t *inserted);
+/* em_gpu_map_settle of every shard's map (one launch). */
+em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards);
 /* Removes keys[i] where rows is NULL or rows[i] is a stored row: the key's slot becomes
  * a tombstone (header->tombstones grows), or its side row ROW_NONE, and its row goes
  * on the free list. Keys distinct; the free list has room. */

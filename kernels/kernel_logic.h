@@ -574,6 +574,27 @@ EM_HOST_DEVICE void em_gpu_map_insert_item(em_gpu_map map, const uint64_t *keys,
     inserted[i] = (uint8_t)fresh;
 }
 
+/* em_gpu_map_insert_item over a device's shards of one table (em_gpu_shards). */
+EM_HOST_DEVICE void em_gpu_shards_insert_item(em_gpu_shards shards, const uint64_t *keys,
+                                              uint64_t i, uint64_t *rows, uint8_t *inserted)
+{
+    inserted[i] = 0;
+    if (rows[i] != EM_GPU_ROW_NONE)
+        return;
+    uint32_t s = em_key_shard(keys[i], shards.count);
+    uint64_t end = s + 1 < shards.count ? shards.row_base[s + 1] : shards.row_limit;
+    int fresh = 0;
+    uint64_t row = em_gpu_map_insert_key(shards.maps[s], keys[i], &fresh);
+    if (row == EM_GPU_ROW_NONE)
+        return;
+    if (row >= end - shards.row_base[s]) { /* no storage for it: the host reports it */
+        em_gpu_store_u64(&shards.maps[s].header->overflow, 1);
+        return;
+    }
+    rows[i] = shards.row_base[s] + row;
+    inserted[i] = (uint8_t)fresh;
+}
+
 /* Puts a released row on the free list (erases run alone: no insert takes rows). */
 EM_HOST_DEVICE void em_gpu_release_row(em_gpu_map map, uint64_t row)
 {

@@ -52,6 +52,34 @@ __global__ void map_insert_kernel(em_gpu_map map, const uint64_t *keys, uint64_t
     em_gpu_map_insert_item(map, keys, i, rows, inserted);
 }
 
+/* The first *count keys, in a map or in shards. */
+__device__ inline void insert_item(em_gpu_map map, const uint64_t *keys, uint64_t i,
+                                   uint64_t *rows, uint8_t *inserted)
+{
+    em_gpu_map_insert_item(map, keys, i, rows, inserted);
+}
+
+__device__ inline void insert_item(em_gpu_shards shards, const uint64_t *keys, uint64_t i,
+                                   uint64_t *rows, uint8_t *inserted)
+{
+    em_gpu_shards_insert_item(shards, keys, i, rows, inserted);
+}
+
+template <typename Seen>
+__global__ void insert_counted_kernel(Seen seen, const uint64_t *keys, uint64_t n,
+                                      const uint32_t *count, uint64_t *rows, uint8_t *inserted)
+{
+    uint64_t end = *count < n ? *count : n;
+    EM_GPU_FOR_EACH(i, end)
+    insert_item(seen, keys, i, rows, inserted);
+}
+
+__global__ void shards_settle_kernel(em_gpu_shards shards)
+{
+    EM_GPU_FOR_EACH(s, shards.count)
+    em_gpu_map_settle_item(shards.maps[s]);
+}
+
 __global__ void map_erase_kernel(em_gpu_map map, const uint64_t *keys, const uint64_t *rows,
                                  uint64_t n)
 {
@@ -156,6 +184,36 @@ extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(map_insert_kernel, n, stream, map, keys, n, rows, inserted);
+}
+
+extern "C" em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
+                                                   const uint64_t *keys, uint64_t n,
+                                                   const uint32_t *count, uint64_t *rows,
+                                                   uint8_t *inserted)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(insert_counted_kernel<em_gpu_map>, n, stream, map, keys, n, count, rows,
+                         inserted);
+}
+
+extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
+                                                      const uint64_t *keys, uint64_t n,
+                                                      const uint32_t *count, uint64_t *rows,
+                                                      uint8_t *inserted)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(insert_counted_kernel<em_gpu_shards>, n, stream, shards, keys, n, count,
+                         rows, inserted);
+}
+
+extern "C" em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards)
+{
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(shards_settle_kernel, shards.count, stream, shards);
 }
 
 extern "C" em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,

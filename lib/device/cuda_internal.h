@@ -262,9 +262,9 @@ em_status em__cuda_shard_find_async(em_shard *base, em_lane *lane_base, const ui
 em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_count,
                                      em_lane *lane_base, const em_device_batch *batch,
                                      em_combiner combiner, const uint64_t *unique,
-                                     const uint32_t *count, uint64_t *rows, uint64_t *missing,
-                                     float *out, uint64_t accessed, uint32_t updated,
-                                     em_error *err);
+                                     const uint32_t *count, bool create, uint64_t *rows,
+                                     uint64_t *missing, float *out, uint64_t accessed,
+                                     uint32_t updated, em_error *err);
 
 em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_count,
                                      em_lane *lane_base, const uint64_t *unique,

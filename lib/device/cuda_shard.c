@@ -683,7 +683,8 @@ static em_status see_shards(em_shard *const *bases, uint32_t count, cuda_lane *l
     size_t blocks_at = maps_bytes + count * sizeof(uint64_t);
     seen->shards = (em_gpu_shards){.maps = (const em_gpu_map *)device,
                                    .row_base = (const uint64_t *)(device + maps_bytes),
-                                   .count = count};
+                                   .count = count,
+                                   .row_limit = blocks << first->block_shift};
     seen->storage.blocks = (float *const *)(device + blocks_at);
     seen->storage.access =
         first->track_access
@@ -704,6 +705,41 @@ static em_status find_seen(const shards_seen *seen, cuda_lane *lane, const uint6
             : em_gpu_shards_find_counted(lane->stream, seen->shards, unique, n, count, rows,
                                          missing);
     return lane_check(lane, found, err);
+}
+
+/* Inserts unique[0..*count) whose rows are ROW_NONE into the shards seen, with their
+ * initial rows, settles the maps and sends their headers back (shard_insert_settle
+ * takes them in once the lane has synchronized). */
+static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cuda_lane *lane,
+                             scratch *s, const uint64_t *unique, uint64_t n,
+                             const uint32_t *count, uint64_t *rows, em_error *err)
+{
+    const cuda_shard *first = shard_of(bases[0]);
+    uint8_t *inserted = NULL;
+    em_status status = scratch_take(s, n, "insert flags", (void **)&inserted, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, inserted, 0, n), err);
+    if (status == EM_OK)
+        status = lane_check(lane,
+                            seen->count == 1
+                                ? em_gpu_map_insert_counted(lane->stream, seen->map, unique, n,
+                                                            count, rows, inserted)
+                                : em_gpu_shards_insert_counted(lane->stream, seen->shards, unique,
+                                                               n, count, rows, inserted),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane,
+                            seen->count == 1 ? em_gpu_map_settle(lane->stream, seen->map)
+                                             : em_gpu_shards_settle(lane->stream, seen->shards),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_init(lane->stream, seen->storage, unique, rows,
+                                                   inserted, n, first->initializer,
+                                                   first->optimizer),
+                            err);
+    for (uint32_t i = 0; status == EM_OK && i < seen->count; i++)
+        status = copy_header_back(shard_of(bases[i]), lane, err);
+    return status;
 }
 
 /* Orders the lane after the shards' writes (and, to write, their reads) on other lanes,
@@ -729,14 +765,15 @@ static em_status record_shards(em_shard *const *bases, uint32_t count, cuda_lane
 }
 
 /* The pull of a table in a single pass of the GPU (device.h: shards_pull_async): find,
- * the output straight from the rows, and the touch only when every key was found,
- * decided on the GPU; the caller reads *missing back with the output. */
+ * the insert of the absent keys when creating, the output straight from the rows, and
+ * the touch (without creating, only when every key was found, decided on the GPU); the
+ * caller reads *missing back with the output. */
 em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_count,
                                      em_lane *lane_base, const em_device_batch *batch,
                                      em_combiner combiner, const uint64_t *unique,
-                                     const uint32_t *count, uint64_t *rows, uint64_t *missing,
-                                     float *out, uint64_t accessed, uint32_t updated,
-                                     em_error *err)
+                                     const uint32_t *count, bool create, uint64_t *rows,
+                                     uint64_t *missing, float *out, uint64_t accessed,
+                                     uint32_t updated, em_error *err)
 {
     cuda_shard *first = shard_of(bases[0]);
     cuda_lane *lane = lane_of(lane_base);
@@ -754,21 +791,24 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)),
                             err);
-    if (status == EM_OK) /* keys created by a request before this one are in */
-        status = order_shards(bases, shard_count, lane, false, err);
+    if (status == EM_OK) /* keys created by a request before this one are in; creating,
+                          * after every read of the shards on other lanes too */
+        status = order_shards(bases, shard_count, lane, create, err);
     if (status == EM_OK)
         status = find_seen(&seen, lane, unique, batch->nnz, count, rows, missing, err);
+    if (status == EM_OK && create)
+        status = insert_seen(bases, &seen, lane, &s, unique, batch->nnz, count, rows, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_pull(lane->stream, seen.storage, &view, rows, out),
                             err);
-    em_gpu_gate found = {.count = count, .missing = missing, .problem = NULL};
+    em_gpu_gate found = {.count = count, .missing = create ? NULL : missing, .problem = NULL};
     if (status == EM_OK && first->track_access && accessed != 0)
         status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows,
                                                           batch->nnz, found, accessed, updated,
                                                           0),
                             err);
     if (status == EM_OK)
-        status = record_shards(bases, shard_count, lane, false, err);
+        status = record_shards(bases, shard_count, lane, create, err);
     return em__cuda_finish_async(&s, lane, status, err);
 }
 

@@ -199,11 +199,16 @@ typedef struct em_device_ops {
      * shards track access and accessed != 0, touches the rows (pulled: last access
      * accessed, updated for rows never touched) only if none was absent. The caller holds
      * every shard's read lock until the operations are enqueued. batch->position and
-     * unique_count are not used. With *missing > 0 the output is not the pull's. NULL on
-     * the CPU. */
+     * unique_count are not used. With *missing > 0 the output is not the pull's.
+     * With create, the absent keys are inserted (shard_insert_missing, initial rows
+     * included) before the output is written, and the rows are touched whatever was
+     * absent: the caller holds every shard's write lock, has made room for every key it
+     * may create in each shard (shard_reserve), and once the lane has synchronized
+     * calls shard_insert_settle on each shard before releasing the locks; *missing then
+     * counts the keys created. NULL on the CPU. */
     em_status (*shards_pull_async)(em_shard *const *shards, uint32_t shard_count, em_lane *lane,
                                    const em_device_batch *batch, em_combiner combiner,
-                                   const uint64_t *unique, const uint32_t *count,
+                                   const uint64_t *unique, const uint32_t *count, bool create,
                                    uint64_t *rows, uint64_t *missing, float *out,
                                    uint64_t accessed, uint32_t updated, em_error *err);
     /* A push to a table whose shards are all on this device, for the common case of keys

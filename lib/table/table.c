@@ -239,14 +239,77 @@ static em_status dedupe_at_once(request_context *r, const em_csr *batch, em_comb
     return status;
 }
 
+/* Whether a pull may create its absent keys at once (pull_at_once): it asks to, every
+ * key it creates is stored (admission `always`) and its device can. */
+static bool pull_creates_at_once(const request_context *r, const em_pull_request *request)
+{
+    const em_device_ops *ops = r->home->ops;
+    return request->create_missing &&
+           r->table->config.admission.policy == EM_ADMISSION_ALWAYS &&
+           ops->shard_reserve != NULL && ops->shard_insert_settle != NULL;
+}
+
+/* Makes a pull at once ready to create the keys it finds absent: capacity for every key
+ * of the batch, claimed from the table without evicting (em__claim_capacity), and room
+ * in each shard for the batch's keys that fall in it (shard_reserve; each shard's write
+ * lock held). False when there is not that much room (the pull then finds only): a
+ * full table evicts, and memory too short for the whole batch may still do for the
+ * keys actually absent, the general way. */
+static bool make_room_at_once(request_context *r, const em_csr *batch)
+{
+    em_table *table = r->table;
+    if (atomic_load_explicit(&table->saving, memory_order_relaxed) ||
+        !em__claim_capacity(r, batch->nnz))
+        return false;
+    uint64_t *per_shard = r->shard_missing; /* host scratch of shard_count words */
+    memset(per_shard, 0, table->shard_count * sizeof(uint64_t));
+    if (table->shard_count == 1)
+        per_shard[0] = batch->nnz;
+    else
+        for (uint64_t i = 0; i < batch->nnz; i++)
+            per_shard[em_key_shard(batch->keys[i], table->shard_count)]++;
+    em_error ignored;
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (per_shard[s] > 0 && r->home->ops->shard_reserve(table->shards[s], r->home_lane,
+                                                             per_shard[s], 0, &ignored) != EM_OK)
+            return false;
+    return true;
+}
+
+/* Takes in what a pull at once that created keys changed: each shard's counters
+ * (shard_insert_settle, after the lane's synchronisation) and the table's rows. */
+static em_status settle_created(request_context *r, uint64_t created, em_error *err)
+{
+    em_table *table = r->table;
+    em_status status = EM_OK;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        if (r->shard_missing[s] == 0) /* make_room_at_once: no key of the batch there */
+            continue;
+        em_error later;
+        em_status settled =
+            r->home->ops->shard_insert_settle(table->shards[s], status == EM_OK ? err : &later);
+        if (status == EM_OK && settled != EM_OK)
+            status = em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+        atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
+    }
+    if (status == EM_OK && created > 0) {
+        em__rows_added(table, created);
+        atomic_fetch_add_explicit(&table->rows_created, created, memory_order_relaxed);
+    }
+    return status;
+}
+
 /* A pull starts at once: dedupe, find, output and touch are enqueued together, one
  * kernel of each over all of the table's shards, and the counts come back with the
  * output (device.h: shards_pull_async), so a pull of keys that are all stored, the
- * steady state of training, waits once for the GPU. When some key is not stored (*done
- * stays false) nothing was touched, and the request goes on the general way, which
- * creates the keys and writes the whole output again: for a one-shard table it is
- * planned from what was found (em__plan_found; *out_ready is the output's buffer), for
- * several shards it starts again with the scratch given back. */
+ * steady state of training, waits once for the GPU. A pull of a table whose pulls
+ * create keys (pulls_create) creates them there too, with room made first for every
+ * key of the batch (make_room_at_once), holding the shards' write locks until the
+ * GPU is done. Otherwise, when some key is not stored (*done stays false), nothing was
+ * touched, and the request goes on the general way, which creates the keys and writes
+ * the whole output again: for a one-shard table it is planned from what was found
+ * (em__plan_found; *out_ready is the output's buffer), for several shards it starts
+ * again with the scratch given back. */
 static em_status pull_at_once(request_context *r, const em_pull_request *request,
                               em_pull_result *result, bool *done, float **out_ready,
                               em_error *err)
@@ -261,6 +324,9 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     uint64_t *missing = NULL;
     float *out = NULL;
     uint64_t seen = 0;
+    bool creatable = pull_creates_at_once(r, request);
+    bool create = creatable && atomic_load_explicit(&table->pulls_create, memory_order_relaxed);
+    bool locked = false;
     *done = false;
     em_status status = dedupe_at_once(r, &request->batch, request->combiner, &k, err);
     if (status == EM_OK)
@@ -276,12 +342,20 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
                                  .inverse = k.inverse};
         uint32_t updated =
             (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
-        em__lock_all_shards(table, false);
+        em__lock_all_shards(table, create);
+        locked = true;
+        if (create && !make_room_at_once(r, &request->batch)) {
+            em__release_claim(r);
+            create = false;
+        }
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         status = ops->shards_pull_async(table->shards, table->shard_count, r->home_lane, &batch,
-                                        request->combiner, k.unique, k.count, k.rows, missing,
-                                        out, r->access_stamp, updated, err);
-        em__unlock_all_shards(table);
+                                        request->combiner, k.unique, k.count, create, k.rows,
+                                        missing, out, r->access_stamp, updated, err);
+        if (!create) { /* creating, they are held until the shards are settled */
+            em__unlock_all_shards(table);
+            locked = false;
+        }
     }
     uint64_t absent = UINT64_MAX;
     uint32_t unique_count = 0;
@@ -293,13 +367,41 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     if (status == EM_OK) /* ends with the lane's synchronisation: the counts are in */
         status = ops->copy_to_host(r->home_lane, request->out, out, out_floats * sizeof(float),
                                    err);
+    if (locked) { /* the keys created are in the shards, whatever else failed */
+        em_error later;
+        em_status settled = status == EM_OK ? EM_OK : ops->synchronize(r->home_lane, &later);
+        if (settled == EM_OK)
+            settled = settle_created(r, absent, status == EM_OK ? err : &later);
+        em__unlock_all_shards(table);
+        em__release_claim(r);
+        if (status == EM_OK)
+            status = settled;
+    }
     if (status != EM_OK) { /* the counts' reads back land here, not in a later frame */
         em_error ignored;
         (void)ops->synchronize(r->home_lane, &ignored);
         return em_error_prefix(err, "table '%s': ", table->config.name);
     }
-    if (absent != 0 && table->shard_count > 1) {
+    if (create) {
+        if (absent == 0)
+            atomic_store_explicit(&table->pulls_create, false, memory_order_relaxed);
+        result->unique_keys = unique_count;
+        result->missing = absent;
+        result->created = absent;
+        atomic_fetch_add_explicit(&table->pulls_at_once, 1, memory_order_relaxed);
+        *done = true;
+        return EM_OK;
+    }
+    if (absent == 0 && atomic_load_explicit(&table->pulls_create, memory_order_relaxed))
+        atomic_store_explicit(&table->pulls_create, false, memory_order_relaxed);
+    if (absent != 0 && request->create_missing && creatable &&
+        !atomic_load_explicit(&table->pulls_create, memory_order_relaxed)) {
+        /* keys are being created again: the next pulls create them at once */
+        atomic_store_explicit(&table->pulls_create, true, memory_order_relaxed);
+    } else if (absent != 0 && table->shard_count > 1) {
         atomic_store_explicit(&table->pulls_go_general, true, memory_order_relaxed);
+    }
+    if (absent != 0 && table->shard_count > 1) {
         em__request_rewind(r, &mark);
         return EM_OK;
     }
@@ -838,9 +940,10 @@ static em_status create_shards(em_table *table, em_error *err)
     for (uint32_t s = 1; s < table->shard_count; s++)
         if (table->shard_device[s] != table->shards_device)
             table->shards_device = UINT32_MAX;
-    /* a new table's first requests create its keys: the general way, until one finds all */
-    atomic_store_explicit(&table->pulls_go_general, table->shard_count > 1,
-                          memory_order_relaxed);
+    /* a new table's first requests create its keys: pulls at once (where they can,
+     * pulls_create), pushes the general way until one finds all */
+    atomic_store_explicit(&table->pulls_create, true, memory_order_relaxed);
+    atomic_store_explicit(&table->pulls_go_general, false, memory_order_relaxed);
     atomic_store_explicit(&table->pushes_go_general, table->shard_count > 1,
                           memory_order_relaxed);
     return EM_OK;

@@ -91,6 +91,10 @@ struct em_table {
      * work is then done again the general way; the next pulls (pushes) go the general way
      * from the start until one of them finds every key (table.c: pull_at_once). */
     _Atomic bool pulls_go_general, pushes_go_general;
+    /* Set while the table's pulls create keys (a pull at once found some absent; a new
+     * table), cleared by a pull at once that found every key: pulls at once then make room for every key of their
+     * batch and create the absent ones there (table.c: pull_at_once). */
+    _Atomic bool pulls_create;
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
     pthread_mutex_t clock_lock;
@@ -197,6 +201,10 @@ static inline void em__unlock_all_shards(em_table *table)
  * claim is given back once the keys are created (em__create_missing) or the request
  * ends. */
 bool em__claim_rows(request_context *r);
+
+/* em__claim_rows of n rows; em__release_claim gives back what the request holds. */
+bool em__claim_capacity(request_context *r, uint64_t n);
+void em__release_claim(request_context *r);
 
 /* The table gained or lost n rows (the caller holds the shards' write locks). */
 void em__rows_added(em_table *table, uint64_t n);

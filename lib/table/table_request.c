@@ -160,7 +160,7 @@ static void release_lanes(request_context *r)
 }
 
 /* Gives back what em__claim_rows claimed and was not used. */
-static void release_claim(request_context *r)
+void em__release_claim(request_context *r)
 {
     if (r->rows_claimed > 0)
         atomic_fetch_sub_explicit(&r->table->rows_claimed, r->rows_claimed,
@@ -171,7 +171,7 @@ static void release_claim(request_context *r)
 void em__request_end(request_context *r)
 {
     if (r->table != NULL)
-        release_claim(r);
+        em__release_claim(r);
     release_lanes(r);
     for (uint32_t i = r->scratch_count; r->scratch != NULL && i > 0; i--)
         em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
@@ -466,18 +466,23 @@ static void describe_pools(const em_backend *backend, char *buffer, size_t capac
     }
 }
 
-bool em__claim_rows(request_context *r)
+bool em__claim_capacity(request_context *r, uint64_t n)
 {
     em_table *table = r->table;
     uint64_t claimed = atomic_load_explicit(&table->rows_claimed, memory_order_relaxed);
     do {
-        if (claimed > table->config.capacity || r->missing > table->config.capacity - claimed)
+        if (claimed > table->config.capacity || n > table->config.capacity - claimed)
             return false;
-    } while (!atomic_compare_exchange_weak_explicit(&table->rows_claimed, &claimed,
-                                                    claimed + r->missing, memory_order_relaxed,
+    } while (!atomic_compare_exchange_weak_explicit(&table->rows_claimed, &claimed, claimed + n,
+                                                    memory_order_relaxed,
                                                     memory_order_relaxed));
-    r->rows_claimed = r->missing;
+    r->rows_claimed += n;
     return true;
+}
+
+bool em__claim_rows(request_context *r)
+{
+    return em__claim_capacity(r, r->missing);
 }
 
 void em__rows_added(em_table *table, uint64_t n)
@@ -1079,7 +1084,7 @@ em_status em__refind_created(request_context *r, bool *stale, em_error *err)
 em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
 {
     if (r->missing == 0) {
-        release_claim(r);
+        em__release_claim(r);
         return EM_OK;
     }
     em_table *table = r->table;
@@ -1125,7 +1130,7 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
             pthread_rwlock_unlock(&table->shard_locks[s]);
     free(creating);
     free(evict);
-    release_claim(r);
+    em__release_claim(r);
     return status;
 }
 

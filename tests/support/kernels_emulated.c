@@ -843,6 +843,43 @@ em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uin
     return ok();
 }
 
+em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
+                                        const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                        uint64_t *rows, uint8_t *inserted)
+{
+    (void)stream;
+    enter_device();
+    uint64_t end = *count < n ? *count : n;
+    for (uint64_t i = 0; i < end; i++)
+        em_gpu_map_insert_item(map, keys, i, rows, inserted);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
+                                           const uint64_t *keys, uint64_t n,
+                                           const uint32_t *count, uint64_t *rows,
+                                           uint8_t *inserted)
+{
+    (void)stream;
+    enter_device();
+    uint64_t end = *count < n ? *count : n;
+    for (uint64_t i = 0; i < end; i++)
+        em_gpu_shards_insert_item(shards, keys, i, rows, inserted);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards)
+{
+    (void)stream;
+    enter_device();
+    for (uint32_t s = 0; s < shards.count; s++)
+        em_gpu_map_settle_item(shards.maps[s]);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                const uint64_t *rows, uint64_t n)
 {
