@@ -1110,6 +1110,107 @@ END_TEST
 #define SAME_THREADS 6
 #define SAME_PUSHES 10
 
+/* What each thread of threads_pulling_new_keys_create_each_once pulls: rounds of 64
+ * keys, half of them shared by every thread (the marker values among them) and half
+ * its own, every round's keys new to the table; each pull's output is checked against
+ * the CPU's table, which created the same keys first. */
+typedef struct new_keys_puller {
+    em_table *table, *reference;
+    int thread, rounds;
+    int failures, wrong;
+} new_keys_puller;
+
+#define NEW_KEYS_BATCH 64
+
+static uint64_t new_key(int thread, int round, int i)
+{
+    if (i % 2 == 0) { /* shared */
+        if (round == 0 && i < 6)
+            return UINT64_MAX - (uint64_t)i / 2;
+        return ((uint64_t)round * NEW_KEYS_BATCH + (uint64_t)i) * 0x9e3779b97f4a7c15ull;
+    }
+    return 1000000 + ((uint64_t)thread * 1000 + (uint64_t)round) * NEW_KEYS_BATCH + (uint64_t)i;
+}
+
+static void *new_keys_pull(void *argument)
+{
+    new_keys_puller *p = argument;
+    uint64_t keys[NEW_KEYS_BATCH];
+    float got[NEW_KEYS_BATCH * RACE_DIM], expected[NEW_KEYS_BATCH * RACE_DIM];
+    em_error err;
+    for (int round = 0; round < p->rounds; round++) {
+        for (int i = 0; i < NEW_KEYS_BATCH; i++)
+            keys[i] = new_key(p->thread, round, i);
+        em_test_batch b = em_test_key_batch(keys, NEW_KEYS_BATCH);
+        if (em_test_pull(p->table, &b.csr, EM_COMBINER_NONE, true, got, NULL, &err) != EM_OK ||
+            em_test_pull(p->reference, &b.csr, EM_COMBINER_NONE, false, expected, NULL, &err) !=
+                EM_OK)
+            p->failures++;
+        else if (memcmp(got, expected, sizeof(got)) != 0)
+            p->wrong++;
+        em_test_batch_free(&b);
+    }
+    return NULL;
+}
+
+/* Loop index: 3 shards, then 1. Threads whose pulls create keys at once, many of them
+ * the same keys at the same time: each key is created once (rows and rows_created count
+ * the distinct keys), every pull answers the key's initial value, the table ends equal
+ * to the CPU's bit for bit, and pulls went at once while creating. */
+START_TEST(threads_pulling_new_keys_create_each_once)
+{
+    enum { THREADS = 4, ROUNDS = 12 };
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(RACE_DIM, 100000, _i == 0 ? 3 : 1, 1,
+                                          EM_INIT_UNIFORM);
+    em_table *table = em_test_make_table(gpu, &config);
+    em_table *reference = em_test_make_table(cpu, &config);
+    uint64_t distinct = 0;
+    em_error err;
+    for (int round = 0; round < ROUNDS; round++) /* the reference first, one thread */
+        for (int t = 0; t < THREADS; t++) {
+            uint64_t keys[NEW_KEYS_BATCH];
+            for (int i = 0; i < NEW_KEYS_BATCH; i++)
+                keys[i] = new_key(t, round, i);
+            em_test_batch b = em_test_key_batch(keys, NEW_KEYS_BATCH);
+            em_pull_result result;
+            float out[NEW_KEYS_BATCH * RACE_DIM];
+            ck_assert_int_eq(em_test_pull(reference, &b.csr, EM_COMBINER_NONE, true, out, &result,
+                                          &err), EM_OK);
+            distinct += result.created;
+            em_test_batch_free(&b);
+        }
+    ck_assert_uint_eq(distinct, ROUNDS * NEW_KEYS_BATCH / 2 * (THREADS + 1));
+    new_keys_puller pullers[THREADS];
+    pthread_t threads[THREADS];
+    for (int t = 0; t < THREADS; t++) {
+        pullers[t] = (new_keys_puller){.table = table, .reference = reference, .thread = t,
+                                       .rounds = ROUNDS};
+        pthread_create(&threads[t], NULL, new_keys_pull, &pullers[t]);
+    }
+    for (int t = 0; t < THREADS; t++) {
+        pthread_join(threads[t], NULL);
+        ck_assert_int_eq(pullers[t].failures, 0);
+        ck_assert_int_eq(pullers[t].wrong, 0);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, distinct);
+    ck_assert_uint_eq(stats.rows_created, distinct);
+    ck_assert_uint_gt(stats.pulls_at_once, 0);
+    em_test_snapshot a = em_test_snapshot_take(reference, 64);
+    em_test_snapshot g = em_test_snapshot_take(table, 64);
+    em_test_assert_snapshots_identical(&a, &g);
+    em_test_snapshot_free(&a);
+    em_test_snapshot_free(&g);
+    em_table_destroy(table);
+    em_table_destroy(reference);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* Loop index: 3 shards, then 1. Threads that create the same keys at once (the marker
  * values too, each twice per push) create each key once and lose no update: every row
  * ends at -0.5 * 2 * (threads * pushes). */
@@ -1842,6 +1943,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, checkpoints_move_between_gpu_and_cpu_bit_for_bit);
     tcase_add_loop_test(tc, concurrent_pushes_lose_no_update, 0, 3);
     tcase_add_loop_test(tc, threads_creating_the_same_keys_create_each_once, 0, 2);
+    tcase_add_loop_test(tc, threads_pulling_new_keys_create_each_once, 0, 2);
     tcase_add_loop_test(tc, wide_rows_match_cpu_value_by_value, 0, 8);
     tcase_add_loop_test(tc, outputs_at_any_alignment, 0, 4);
     tcase_add_test(tc, a_table_beyond_2_31_floats);
