@@ -319,18 +319,20 @@ em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards sh
 em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                 uint64_t n, uint64_t *rows, uint8_t *inserted);
 /* em_gpu_map_insert of the first *count (device) of at most n keys; inserted[i] for
- * i >= *count is left as it was. */
+ * i >= *count is left as it was. Nothing at all is inserted when problem (a device
+ * word, or NULL) is not UINT64_MAX when the kernel runs: a push's check failed. */
 em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
                                         const uint64_t *keys, uint64_t n, const uint32_t *count,
-                                        uint64_t *rows, uint8_t *inserted);
+                                        const uint64_t *problem, uint64_t *rows,
+                                        uint8_t *inserted);
 /* em_gpu_map_insert_counted over the shards: keys[i] goes into its shard s's map and
  * rows[i] = row_base[s] + its row there. A row beyond the shard's part of the storage
  * (insert without reserve) sets the map's overflow flag and leaves rows[i] ROW_NONE,
  * inserted[i] 0. Settle the maps (em_gpu_shards_settle) before their next erase. */
 em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                            const uint64_t *keys, uint64_t n,
-                                           const uint32_t *count, uint64_t *rows,
-                                           uint8_t *inserted);
+                                           const uint32_t *count, const uint64_t *problem,
+                                           uint64_t *rows, uint8_t *inserted);
 /* em_gpu_map_settle of every shard's map (one launch). */
 em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards);
 /* Removes keys[i] where rows is NULL or rows[i] is a stored row: the key's slot becomes

@@ -67,8 +67,11 @@ __device__ inline void insert_item(em_gpu_shards shards, const uint64_t *keys, u
 
 template <typename Seen>
 __global__ void insert_counted_kernel(Seen seen, const uint64_t *keys, uint64_t n,
-                                      const uint32_t *count, uint64_t *rows, uint8_t *inserted)
+                                      const uint32_t *count, const uint64_t *problem,
+                                      uint64_t *rows, uint8_t *inserted)
 {
+    if (problem != NULL && *problem != UINT64_MAX)
+        return;
     uint64_t end = *count < n ? *count : n;
     EM_GPU_FOR_EACH(i, end)
     insert_item(seen, keys, i, rows, inserted);
@@ -188,26 +191,27 @@ extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map
 
 extern "C" em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
                                                    const uint64_t *keys, uint64_t n,
-                                                   const uint32_t *count, uint64_t *rows,
-                                                   uint8_t *inserted)
+                                                   const uint32_t *count, const uint64_t *problem,
+                                                   uint64_t *rows, uint8_t *inserted)
 {
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(insert_counted_kernel<em_gpu_map>, n, stream, map, keys, n, count, rows,
-                         inserted);
+    return EM_GPU_LAUNCH(insert_counted_kernel<em_gpu_map>, n, stream, map, keys, n, count,
+                         problem, rows, inserted);
 }
 
 extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                                       const uint64_t *keys, uint64_t n,
-                                                      const uint32_t *count, uint64_t *rows,
+                                                      const uint32_t *count,
+                                                      const uint64_t *problem, uint64_t *rows,
                                                       uint8_t *inserted)
 {
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(insert_counted_kernel<em_gpu_shards>, n, stream, shards, keys, n, count,
-                         rows, inserted);
+                         problem, rows, inserted);
 }
 
 extern "C" em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards)

@@ -269,8 +269,9 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
 em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_count,
                                      em_lane *lane_base, const uint64_t *unique,
                                      const uint32_t *count, uint64_t n, const float *gradients,
-                                     uint64_t *rows, uint64_t *missing, uint64_t *problem,
-                                     uint64_t accessed, uint32_t updated, em_error *err);
+                                     bool create, uint64_t *rows, uint64_t *missing,
+                                     uint64_t *problem, uint64_t accessed, uint32_t updated,
+                                     em_error *err);
 
 em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,
                                 uint64_t n, const uint32_t *targets, float *vectors,

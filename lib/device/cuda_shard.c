@@ -708,11 +708,13 @@ static em_status find_seen(const shards_seen *seen, cuda_lane *lane, const uint6
 }
 
 /* Inserts unique[0..*count) whose rows are ROW_NONE into the shards seen, with their
- * initial rows, settles the maps and sends their headers back (shard_insert_settle
- * takes them in once the lane has synchronized). */
+ * initial rows (none when *problem, if given, is not UINT64_MAX then), settles the maps
+ * and sends their headers back (shard_insert_settle takes them in once the lane has
+ * synchronized). */
 static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cuda_lane *lane,
                              scratch *s, const uint64_t *unique, uint64_t n,
-                             const uint32_t *count, uint64_t *rows, em_error *err)
+                             const uint32_t *count, const uint64_t *problem, uint64_t *rows,
+                             em_error *err)
 {
     const cuda_shard *first = shard_of(bases[0]);
     uint8_t *inserted = NULL;
@@ -723,9 +725,9 @@ static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cu
         status = lane_check(lane,
                             seen->count == 1
                                 ? em_gpu_map_insert_counted(lane->stream, seen->map, unique, n,
-                                                            count, rows, inserted)
+                                                            count, problem, rows, inserted)
                                 : em_gpu_shards_insert_counted(lane->stream, seen->shards, unique,
-                                                               n, count, rows, inserted),
+                                                               n, count, problem, rows, inserted),
                             err);
     if (status == EM_OK)
         status = lane_check(lane,
@@ -797,7 +799,7 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
     if (status == EM_OK)
         status = find_seen(&seen, lane, unique, batch->nnz, count, rows, missing, err);
     if (status == EM_OK && create)
-        status = insert_seen(bases, &seen, lane, &s, unique, batch->nnz, count, rows, err);
+        status = insert_seen(bases, &seen, lane, &s, unique, batch->nnz, count, NULL, rows, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_pull(lane->stream, seen.storage, &view, rows, out),
                             err);
@@ -813,13 +815,15 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
 }
 
 /* The push to a table in a single pass of the GPU (device.h: shards_push_async): find,
- * check, and the step (and the touch) only when every key was found and every row
- * checked, decided on the GPU; the caller reads the words back once. */
+ * check, when creating the insert of the absent keys, and the step (and the touch) only
+ * when every row checked (and, without creating, every key was found), decided on the
+ * GPU; the caller reads the words back once. */
 em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_count,
                                      em_lane *lane_base, const uint64_t *unique,
                                      const uint32_t *count, uint64_t n, const float *gradients,
-                                     uint64_t *rows, uint64_t *missing, uint64_t *problem,
-                                     uint64_t accessed, uint32_t updated, em_error *err)
+                                     bool create, uint64_t *rows, uint64_t *missing,
+                                     uint64_t *problem, uint64_t accessed, uint32_t updated,
+                                     em_error *err)
 {
     cuda_shard *first = shard_of(bases[0]);
     cuda_lane *lane = lane_of(lane_base);
@@ -842,7 +846,9 @@ em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_coun
                                                             unique, rows, n, count, gradients,
                                                             problem),
                             err);
-    em_gpu_gate gate = {.count = count, .missing = missing, .problem = problem};
+    if (status == EM_OK && create)
+        status = insert_seen(bases, &seen, lane, &s, unique, n, count, problem, rows, err);
+    em_gpu_gate gate = {.count = count, .missing = create ? NULL : missing, .problem = problem};
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen.storage,
                                                           first->optimizer, rows, n, gradients,

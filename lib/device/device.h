@@ -220,12 +220,15 @@ typedef struct em_device_ops {
      * and where the shards track access and accessed != 0 touches them as pushed (last
      * update `updated`), only if nothing was absent and nothing failed its check: all or
      * nothing, decided on the GPU. missing and problem are device words. The caller holds
-     * every shard's write lock until the operations are enqueued. NULL on the CPU. */
+     * every shard's write lock until the operations are enqueued. With create, the absent
+     * keys are inserted with their initial rows when every row checked (and then stepped
+     * like the others), nothing is inserted when one did not, and the caller does as
+     * shards_pull_async says for create. NULL on the CPU. */
     em_status (*shards_push_async)(em_shard *const *shards, uint32_t shard_count, em_lane *lane,
                                    const uint64_t *unique, const uint32_t *count, uint64_t n,
-                                   const float *gradients, uint64_t *rows, uint64_t *missing,
-                                   uint64_t *problem, uint64_t accessed, uint32_t updated,
-                                   em_error *err);
+                                   const float *gradients, bool create, uint64_t *rows,
+                                   uint64_t *missing, uint64_t *problem, uint64_t accessed,
+                                   uint32_t updated, em_error *err);
     /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
      * the shard's rows have been evicted (shard_evict; evicted <= new_keys), so that
      * insert_missing of that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the

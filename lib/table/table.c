@@ -239,28 +239,33 @@ static em_status dedupe_at_once(request_context *r, const em_csr *batch, em_comb
     return status;
 }
 
-/* Whether a pull may create its absent keys at once (pull_at_once): it asks to, every
- * key it creates is stored (admission `always`) and its device can. */
-static bool pull_creates_at_once(const request_context *r, const em_pull_request *request)
+/* Whether a request that goes at once may create the keys it finds absent there
+ * (pull_at_once, push_at_once): every key it creates is stored (admission `always`)
+ * and its device can. */
+static bool creates_at_once(const request_context *r)
 {
     const em_device_ops *ops = r->home->ops;
-    return request->create_missing &&
-           r->table->config.admission.policy == EM_ADMISSION_ALWAYS &&
+    return r->table->config.admission.policy == EM_ADMISSION_ALWAYS &&
            ops->shard_reserve != NULL && ops->shard_insert_settle != NULL;
 }
 
-/* Makes a pull at once ready to create the keys it finds absent: capacity for every key
- * of the batch, claimed from the table without evicting (em__claim_capacity), and room
- * in each shard for the batch's keys that fall in it (shard_reserve; each shard's write
- * lock held). False when there is not that much room (the pull then finds only): a
- * full table evicts, and memory too short for the whole batch may still do for the
- * keys actually absent, the general way. */
-static bool make_room_at_once(request_context *r, const em_csr *batch)
+/* The rows a table's shards hold (their write locks held). */
+static uint64_t shard_rows(em_table *table)
+{
+    uint64_t rows = 0;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        em_shard_stats stats;
+        table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
+        rows += stats.rows;
+    }
+    return rows;
+}
+
+/* Room in each shard for the batch's keys that fall in it (make_room_at_once); the
+ * counts stay in r->shard_missing for settle_created. */
+static bool reserve_at_once(request_context *r, const em_csr *batch)
 {
     em_table *table = r->table;
-    if (atomic_load_explicit(&table->saving, memory_order_relaxed) ||
-        !em__claim_capacity(r, batch->nnz))
-        return false;
     uint64_t *per_shard = r->shard_missing; /* host scratch of shard_count words */
     memset(per_shard, 0, table->shard_count * sizeof(uint64_t));
     if (table->shard_count == 1)
@@ -276,9 +281,35 @@ static bool make_room_at_once(request_context *r, const em_csr *batch)
     return true;
 }
 
-/* Takes in what a pull at once that created keys changed: each shard's counters
- * (shard_insert_settle, after the lane's synchronisation) and the table's rows. */
-static em_status settle_created(request_context *r, uint64_t created, em_error *err)
+/* Makes a request at once ready to create the keys it finds absent, before it enqueues
+ * anything (growing a shard synchronizes the lane, which ends a dedupe's count):
+ * takes every shard's write lock, claims capacity for every key of the batch from the
+ * table without evicting (em__claim_capacity), and makes room in each shard for the
+ * batch's keys that fall in it (shard_reserve). *rows_before gets the rows the shards
+ * hold (settle_created). False, with nothing held, when there is not that much room or
+ * the table is being saved (the request then only finds): a full table evicts, and
+ * memory too short for the whole batch may still do for the keys actually absent, the
+ * general way. */
+static bool make_room_at_once(request_context *r, const em_csr *batch, uint64_t *rows_before)
+{
+    em_table *table = r->table;
+    em__lock_all_shards(table, true);
+    bool room = !atomic_load_explicit(&table->saving, memory_order_relaxed) &&
+                em__claim_capacity(r, batch->nnz) && reserve_at_once(r, batch);
+    if (!room) {
+        em__release_claim(r);
+        em__unlock_all_shards(table);
+        return false;
+    }
+    *rows_before = shard_rows(table);
+    return true;
+}
+
+/* Takes in what a request at once that created keys changed: each shard's counters
+ * (shard_insert_settle, after the lane's synchronisation) and the table's rows, by the
+ * shards' rows before (make_room_at_once) and after, which also holds when the request
+ * failed on the way. Then releases the claim and the locks. */
+static em_status settle_created(request_context *r, uint64_t rows_before, em_error *err)
 {
     em_table *table = r->table;
     em_status status = EM_OK;
@@ -292,10 +323,14 @@ static em_status settle_created(request_context *r, uint64_t created, em_error *
             status = em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
     }
-    if (status == EM_OK && created > 0) {
+    uint64_t rows = shard_rows(table);
+    uint64_t created = rows > rows_before ? rows - rows_before : 0;
+    if (created > 0) {
         em__rows_added(table, created);
         atomic_fetch_add_explicit(&table->rows_created, created, memory_order_relaxed);
     }
+    em__release_claim(r);
+    em__unlock_all_shards(table);
     return status;
 }
 
@@ -324,9 +359,10 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     uint64_t *missing = NULL;
     float *out = NULL;
     uint64_t seen = 0;
-    bool creatable = pull_creates_at_once(r, request);
-    bool create = creatable && atomic_load_explicit(&table->pulls_create, memory_order_relaxed);
-    bool locked = false;
+    bool creatable = request->create_missing && creates_at_once(r);
+    uint64_t rows_before = 0;
+    bool create = creatable && atomic_load_explicit(&table->pulls_create, memory_order_relaxed) &&
+                  make_room_at_once(r, &request->batch, &rows_before);
     *done = false;
     em_status status = dedupe_at_once(r, &request->batch, request->combiner, &k, err);
     if (status == EM_OK)
@@ -342,20 +378,14 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
                                  .inverse = k.inverse};
         uint32_t updated =
             (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
-        em__lock_all_shards(table, create);
-        locked = true;
-        if (create && !make_room_at_once(r, &request->batch)) {
-            em__release_claim(r);
-            create = false;
-        }
+        if (!create) /* creating, every write lock is held until the shards are settled */
+            em__lock_all_shards(table, false);
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         status = ops->shards_pull_async(table->shards, table->shard_count, r->home_lane, &batch,
                                         request->combiner, k.unique, k.count, create, k.rows,
                                         missing, out, r->access_stamp, updated, err);
-        if (!create) { /* creating, they are held until the shards are settled */
+        if (!create)
             em__unlock_all_shards(table);
-            locked = false;
-        }
     }
     uint64_t absent = UINT64_MAX;
     uint32_t unique_count = 0;
@@ -367,13 +397,11 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     if (status == EM_OK) /* ends with the lane's synchronisation: the counts are in */
         status = ops->copy_to_host(r->home_lane, request->out, out, out_floats * sizeof(float),
                                    err);
-    if (locked) { /* the keys created are in the shards, whatever else failed */
+    if (create) { /* the keys created are in the shards, whatever else failed */
         em_error later;
-        em_status settled = status == EM_OK ? EM_OK : ops->synchronize(r->home_lane, &later);
-        if (settled == EM_OK)
-            settled = settle_created(r, absent, status == EM_OK ? err : &later);
-        em__unlock_all_shards(table);
-        em__release_claim(r);
+        if (status != EM_OK)
+            (void)ops->synchronize(r->home_lane, &later);
+        em_status settled = settle_created(r, rows_before, status == EM_OK ? err : &later);
         if (status == EM_OK)
             status = settled;
     }
@@ -394,7 +422,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     }
     if (absent == 0 && atomic_load_explicit(&table->pulls_create, memory_order_relaxed))
         atomic_store_explicit(&table->pulls_create, false, memory_order_relaxed);
-    if (absent != 0 && request->create_missing && creatable &&
+    if (absent != 0 && creatable &&
         !atomic_load_explicit(&table->pulls_create, memory_order_relaxed)) {
         /* keys are being created again: the next pulls create them at once */
         atomic_store_explicit(&table->pulls_create, true, memory_order_relaxed);
@@ -547,7 +575,10 @@ static bool push_may_run_at_once(const request_context *r, const em_push_request
  * together, one kernel of each over all of the table's shards, the step gated on the
  * GPU by the find and the check (device.h: shards_push_async), and the counts come back
  * in one synchronisation, so a push to keys that are all stored with steps that keep
- * every row finite (the steady state of training) waits once for the GPU. *done stays
+ * every row finite (the steady state of training) waits once for the GPU. While the
+ * table's pushes create keys (pushes_create) a push makes room for every key of its
+ * batch first (make_room_at_once) and the absent keys are inserted on the GPU when
+ * every row checked, so that it creates them and waits once too. *done stays
  * false when a key is missing or a check failed: nothing was stepped, and the request
  * goes on the general way (which creates the keys, or names the problem as the CPU
  * does): a one-shard table's is planned from what was found, with the sums as its
@@ -574,6 +605,11 @@ static em_status push_at_once(request_context *r, const push_call *call,
     uint64_t *words = NULL;
     float *sums = NULL;
     uint64_t seen = 0;
+    bool creatable = creates_at_once(r);
+    uint64_t rows_before = 0;
+    bool create = creatable &&
+                  atomic_load_explicit(&table->pushes_create, memory_order_relaxed) &&
+                  make_room_at_once(r, &request->batch, &rows_before);
     *done = false;
     *planned = false;
     em_status status = dedupe_at_once(r, &request->batch, request->combiner, &k, err);
@@ -600,19 +636,21 @@ static em_status push_at_once(request_context *r, const push_call *call,
     bool stamps = r->access_stamp != 0; /* the table tracks access */
     uint32_t stamp = 0;
     if (status == EM_OK) {
-        em__lock_all_shards(table, true);
+        if (!create) /* creating, they are held from make_room_at_once until settled */
+            em__lock_all_shards(table, true);
         locked = true;
         stamp = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed) + 1;
         seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
         saving = table->snapshot != NULL; /* its rows go aside first: the general way */
         if (!saving)
             status = ops->shards_push_async(table->shards, table->shard_count, r->home_lane,
-                                            k.unique, k.count, nnz, sums, k.rows, &words[0],
-                                            &words[1], r->access_stamp, stamp, err);
+                                            k.unique, k.count, nnz, sums, create, k.rows,
+                                            &words[0], &words[1], r->access_stamp, stamp, err);
         /* whether it stepped is known later: checks before it look again */
         for (uint32_t s = 0; !saving && s < table->shard_count; s++)
             table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
-        if (!stamps || saving || status != EM_OK) {
+        /* creating, the locks are held until the shards are settled */
+        if (!create && (!stamps || saving || status != EM_OK)) {
             em__unlock_all_shards(table);
             locked = false;
         }
@@ -627,16 +665,29 @@ static em_status push_at_once(request_context *r, const push_call *call,
     em_status synchronized = ops->synchronize(r->home_lane, status == EM_OK ? err : &ignored);
     if (status == EM_OK)
         status = synchronized;
-    bool stepped = status == EM_OK && !saving && answers[0] == 0 && answers[1] == UINT64_MAX;
-    if (locked && stepped) { /* the step happened with the clock's next value */
+    bool stepped = status == EM_OK && !saving && (create || answers[0] == 0) &&
+                   answers[1] == UINT64_MAX;
+    if (locked && stamps && stepped) { /* the step happened with the clock's next value */
         atomic_fetch_add_explicit(&table->update_clock, 1, memory_order_relaxed);
         em__clock_sample(table, em__unix_ms(), stamp);
     }
-    if (locked)
+    uint64_t created = create && stepped ? answers[0] : 0; /* a failed check inserts none */
+    if (create) { /* the keys created are in the shards, whatever else failed */
+        em_status settled = settle_created(r, rows_before, status == EM_OK ? err : &ignored);
+        if (status == EM_OK)
+            status = settled;
+    } else if (locked) {
         em__unlock_all_shards(table);
+    }
     if (status != EM_OK)
         return em_error_prefix(err, "table '%s': ", table->config.name);
-    if (!saving && !stepped && table->shard_count > 1 && answers[0] != 0)
+    if (!saving && answers[0] == 0 &&
+        atomic_load_explicit(&table->pushes_create, memory_order_relaxed))
+        atomic_store_explicit(&table->pushes_create, false, memory_order_relaxed);
+    if (!saving && !create && answers[0] != 0 && creatable &&
+        !atomic_load_explicit(&table->pushes_create, memory_order_relaxed))
+        atomic_store_explicit(&table->pushes_create, true, memory_order_relaxed);
+    else if (!saving && !create && !stepped && table->shard_count > 1 && answers[0] != 0)
         atomic_store_explicit(&table->pushes_go_general, true, memory_order_relaxed);
     if (saving || (!stepped && table->shard_count > 1)) {
         em__request_rewind(r, &mark);
@@ -654,7 +705,7 @@ static em_status push_at_once(request_context *r, const push_call *call,
         return EM_OK;
     }
     result->updated = updated;
-    result->created = 0;
+    result->created = created;
     atomic_fetch_add_explicit(&table->pushes_at_once, 1, memory_order_relaxed);
     *done = true;
     return EM_OK;
@@ -940,12 +991,12 @@ static em_status create_shards(em_table *table, em_error *err)
     for (uint32_t s = 1; s < table->shard_count; s++)
         if (table->shard_device[s] != table->shards_device)
             table->shards_device = UINT32_MAX;
-    /* a new table's first requests create its keys: pulls at once (where they can,
-     * pulls_create), pushes the general way until one finds all */
+    /* a new table's first requests create its keys: at once where they can
+     * (pulls_create, pushes_create) */
     atomic_store_explicit(&table->pulls_create, true, memory_order_relaxed);
+    atomic_store_explicit(&table->pushes_create, true, memory_order_relaxed);
     atomic_store_explicit(&table->pulls_go_general, false, memory_order_relaxed);
-    atomic_store_explicit(&table->pushes_go_general, table->shard_count > 1,
-                          memory_order_relaxed);
+    atomic_store_explicit(&table->pushes_go_general, false, memory_order_relaxed);
     return EM_OK;
 }
 

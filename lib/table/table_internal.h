@@ -94,7 +94,7 @@ struct em_table {
     /* Set while the table's pulls create keys (a pull at once found some absent; a new
      * table), cleared by a pull at once that found every key: pulls at once then make room for every key of their
      * batch and create the absent ones there (table.c: pull_at_once). */
-    _Atomic bool pulls_create;
+    _Atomic bool pulls_create, pushes_create; /* the same for pushes */
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
     pthread_mutex_t clock_lock;

@@ -845,11 +845,12 @@ em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uin
 
 em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
                                         const uint64_t *keys, uint64_t n, const uint32_t *count,
-                                        uint64_t *rows, uint8_t *inserted)
+                                        const uint64_t *problem, uint64_t *rows,
+                                        uint8_t *inserted)
 {
     (void)stream;
     enter_device();
-    uint64_t end = *count < n ? *count : n;
+    uint64_t end = problem != NULL && *problem != UINT64_MAX ? 0 : *count < n ? *count : n;
     for (uint64_t i = 0; i < end; i++)
         em_gpu_map_insert_item(map, keys, i, rows, inserted);
     leave_device();
@@ -858,12 +859,12 @@ em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
 
 em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                            const uint64_t *keys, uint64_t n,
-                                           const uint32_t *count, uint64_t *rows,
-                                           uint8_t *inserted)
+                                           const uint32_t *count, const uint64_t *problem,
+                                           uint64_t *rows, uint8_t *inserted)
 {
     (void)stream;
     enter_device();
-    uint64_t end = *count < n ? *count : n;
+    uint64_t end = problem != NULL && *problem != UINT64_MAX ? 0 : *count < n ? *count : n;
     for (uint64_t i = 0; i < end; i++)
         em_gpu_shards_insert_item(shards, keys, i, rows, inserted);
     leave_device();
