@@ -22,7 +22,8 @@
  *              out) take at the pinned copy rates measured in the same run. Side by
  *              side, the table in one shard and in eight on the same GPU: both serve
  *              requests of stored keys with one wait for the GPU (STATS pulls_at_once),
- *              eight shards with one kernel of each kind over all of them.
+ *              eight shards with one kernel of each kind over all of them. Then pulls
+ *              whose keys are all new ("new"), which create them with one wait too.
  *   pool       em_pool over one cudaMalloc'ed region against cudaMalloc/cudaFree, on
  *              the same random sequence of sizes (256 B .. 16 MiB, 64 live blocks).
  *
@@ -525,11 +526,17 @@ static void request_buffers_free(request_buffers *b)
 }
 
 /* Keys per second of pulls (push false) or pushes of `keys` random present keys. */
+/* Pulls that create every key they ask for (op "new"): NEW_REQUESTS of each size per
+ * table, keys never asked before, so that the tables' memory stays bounded. */
+#define NEW_REQUESTS 8u
+
 static double request_rate(const options *o, em_table *table, request_buffers *b, uint32_t keys,
-                           bool push, em_test_rng *rng)
+                           int op, em_test_rng *rng)
 {
+    static uint64_t next_new = REQUEST_UNIVERSE; /* the keys "new" pulls create */
+    bool push = op == 1, fresh = op == 2;
     em_csr batch = {.rows = keys, .nnz = keys, .offsets = b->offsets, .keys = b->keys};
-    em_pull_request pull = {batch, EM_COMBINER_NONE, false, b->vectors,
+    em_pull_request pull = {batch, EM_COMBINER_NONE, fresh, b->vectors,
                             (uint64_t)keys * REQUEST_DIM};
     em_push_request pushed = {batch, EM_COMBINER_NONE, b->vectors, (uint64_t)keys * REQUEST_DIM};
     em_pull_result pull_result;
@@ -537,9 +544,10 @@ static double request_rate(const options *o, em_table *table, request_buffers *b
     em_error err;
     uint64_t done = 0;
     double began = em_test_now(), now = began;
-    while (now - began < o->seconds || done == 0) {
+    while (fresh ? done < (uint64_t)NEW_REQUESTS * keys : now - began < o->seconds || done == 0) {
         for (uint32_t i = 0; i < keys; i++)
-            b->keys[i] = em_test_rng_below(rng, REQUEST_UNIVERSE);
+            b->keys[i] = fresh ? (next_new++) * 0x9e3779b97f4a7c15ull
+                               : em_test_rng_below(rng, REQUEST_UNIVERSE);
         if (push)
             check_em(em_table_push(table, &pushed, &push_result, &err), &err, "push");
         else
@@ -556,9 +564,10 @@ static void bench_requests(const options *o)
     double to_device = 0.0, to_host = 0.0;
     bus_rates(o, &to_device, &to_host);
     printf("\nrequests: a table on one GPU (sgd, dim %u, %u present keys), the batch in host "
-           "memory; bus: the time its bytes take at the pinned copy rates measured here "
-           "(to the GPU %.1f GB/s, to the host %.1f GB/s), over the request's time\n",
-           REQUEST_DIM, REQUEST_UNIVERSE, to_device / 1e9, to_host / 1e9);
+           "memory; new: pulls whose keys are all created, %u of each size; bus: the time "
+           "its bytes take at the pinned copy rates measured here (to the GPU %.1f GB/s, to "
+           "the host %.1f GB/s), over the request's time\n",
+           REQUEST_DIM, REQUEST_UNIVERSE, NEW_REQUESTS, to_device / 1e9, to_host / 1e9);
     printf("%-4s %8s %-9s %17s %7s %17s %7s %9s\n", "op", "keys", "buffers",
            "1 shard Mkeys/s", "of bus", "8 shards Mkeys/s", "of bus", "1 / 8");
     em_backend *backend = one_gpu_backend(o);
@@ -566,7 +575,8 @@ static void bench_requests(const options *o)
     em_error err;
     for (int t = 0; t < 2; t++) {
         em_table_config config;
-        em_table_config_init(&config, t == 0 ? "one" : "eight", REQUEST_DIM, REQUEST_UNIVERSE);
+        em_table_config_init(&config, t == 0 ? "one" : "eight", REQUEST_DIM,
+                             REQUEST_UNIVERSE + 2 * NEW_REQUESTS * (4096 + 65536 + 1048576));
         config.shards = t == 0 ? 1 : 8;
         config.optimizer.kind = EM_OPTIMIZER_SGD;
         config.optimizer.learning_rate = 0.01f;
@@ -595,17 +605,17 @@ static void bench_requests(const options *o)
     /* pull: 8 key bytes in, dim floats out per key; push: both in */
     double pull_bus = 8.0 / to_device + REQUEST_DIM * 4.0 / to_host;
     double push_bus = (8.0 + REQUEST_DIM * 4.0) / to_device;
-    for (int push = 0; push < 2; push++) {
+    for (int op = 0; op < 3; op++) { /* pull, push, new (pulls creating their keys) */
         for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
             for (int pinned = 0; pinned < 2; pinned++) {
                 request_buffers b = request_buffers_make(pinned ? backend->host_buffers : NULL,
                                                          sizes[s]);
                 double rates[2];
                 for (int t = 0; t < 2; t++)
-                    rates[t] = request_rate(o, tables[t], &b, sizes[s], push, &rng);
-                double bus = push ? push_bus : pull_bus;
+                    rates[t] = request_rate(o, tables[t], &b, sizes[s], op, &rng);
+                double bus = op == 1 ? push_bus : pull_bus;
                 printf("%-4s %8u %-9s %17.2f %7.2f %17.2f %7.2f %8.2fx\n",
-                       push ? "push" : "pull", sizes[s],
+                       op == 0 ? "pull" : op == 1 ? "push" : "new", sizes[s],
                        !pinned ? "pageable" : b.pinned ? "pinned" : "(full)", rates[0] / 1e6,
                        rates[0] * bus, rates[1] / 1e6, rates[1] * bus, rates[0] / rates[1]);
                 request_buffers_free(&b);
