@@ -333,8 +333,10 @@ em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards 
                                            const uint64_t *keys, uint64_t n,
                                            const uint32_t *count, const uint64_t *problem,
                                            uint64_t *rows, uint8_t *inserted);
-/* em_gpu_map_settle of every shard's map (one launch). */
-em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards);
+/* em_gpu_map_settle of every shard's map, then headers[s] = shard s's map header
+ * (device memory, shards.count entries): one launch. */
+em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards,
+                                   em_gpu_map_header *headers);
 /* Removes keys[i] where rows is NULL or rows[i] is a stored row: the key's slot becomes
  * a tombstone (header->tombstones grows), or its side row ROW_NONE, and its row goes
  * on the free list. Keys distinct; the free list has room. */

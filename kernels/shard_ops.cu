@@ -77,10 +77,13 @@ __global__ void insert_counted_kernel(Seen seen, const uint64_t *keys, uint64_t 
     insert_item(seen, keys, i, rows, inserted);
 }
 
-__global__ void shards_settle_kernel(em_gpu_shards shards)
+__global__ void shards_settle_kernel(em_gpu_shards shards, em_gpu_map_header *headers)
 {
     EM_GPU_FOR_EACH(s, shards.count)
-    em_gpu_map_settle_item(shards.maps[s]);
+    {
+        em_gpu_map_settle_item(shards.maps[s]);
+        headers[s] = *shards.maps[s].header;
+    }
 }
 
 __global__ void map_erase_kernel(em_gpu_map map, const uint64_t *keys, const uint64_t *rows,
@@ -214,10 +217,11 @@ extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_
                          problem, rows, inserted);
 }
 
-extern "C" em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards)
+extern "C" em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards,
+                                              em_gpu_map_header *headers)
 {
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(shards_settle_kernel, shards.count, stream, shards);
+    return EM_GPU_LAUNCH(shards_settle_kernel, shards.count, stream, shards, headers);
 }
 
 extern "C" em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,

@@ -102,6 +102,12 @@ typedef struct cuda_shard {
     uint64_t hash_seed;    /* the map's seed (EM_HASHMAP_SEED unless the table has one) */
     em_gpu_map_header *header;
     em_gpu_map_header *header_host; /* pinned: where an asynchronous insert's copy lands */
+    /* A request at once over several shards sends every shard's header back in one copy,
+     * into the pinned headers of its first shard (headers_capacity of them); each
+     * shard's settle_from then points at its own, for shard_insert_settle. */
+    em_gpu_map_header *headers_host;
+    uint32_t headers_capacity;
+    const em_gpu_map_header *settle_from;
     uint64_t size;         /* keys stored (host copy of header rows - free_count) */
     uint64_t side_rows[2]; /* rows of the keys EMPTY and TOMBSTONE, host copy */
     uint64_t row_limit;    /* rows handed out from the counter (host copy) */

@@ -295,6 +295,7 @@ void em__cuda_shard_destroy(em_shard *base)
     em_device_free(device, shard->slots);
     em_device_free(device, shard->header);
     em_gpu_host_free(shard->header_host);
+    em_gpu_host_free(shard->headers_host);
     destroy_shard_events(shard, state_of(device)->lane_count);
     pthread_mutex_destroy(&shard->order_lock);
     free(shard);
@@ -482,6 +483,7 @@ static em_status read_back_header(cuda_shard *shard, cuda_lane *lane, em_error *
 /* Enqueues the copy of the map's header into header_host (shard_insert_settle). */
 static em_status copy_header_back(cuda_shard *shard, cuda_lane *lane, em_error *err)
 {
+    shard->settle_from = NULL; /* the settle takes this copy */
     return lane_check(lane, em_gpu_memcpy_async(lane->stream, shard->header_host, shard->header,
                                                 sizeof(em_gpu_map_header)),
                       err);
@@ -543,7 +545,10 @@ em_status em__cuda_shard_insert_missing_async(em_shard *base, em_lane *lane_base
 em_status em__cuda_shard_insert_settle(em_shard *base, em_error *err)
 {
     cuda_shard *shard = shard_of(base);
-    return take_header(shard, *shard->header_host, err);
+    const em_gpu_map_header *header =
+        shard->settle_from != NULL ? shard->settle_from : shard->header_host;
+    shard->settle_from = NULL;
+    return take_header(shard, *header, err);
 }
 
 /* Makes the free list hold count rows, keeping the ones on it. */
@@ -707,6 +712,41 @@ static em_status find_seen(const shards_seen *seen, cuda_lane *lane, const uint6
     return lane_check(lane, found, err);
 }
 
+/* Settles the maps of the shards seen (several) and sends their headers back in one
+ * copy, into the first shard's headers_host; shard_insert_settle takes each in through
+ * its settle_from once the lane has synchronized. The caller holds every shard's write
+ * lock until then. */
+static em_status settle_seen(em_shard *const *bases, const shards_seen *seen, cuda_lane *lane,
+                             scratch *s, em_error *err)
+{
+    cuda_shard *first = shard_of(bases[0]);
+    uint32_t count = seen->count;
+    if (first->headers_capacity < count) {
+        em_gpu_map_header *grown = NULL;
+        em_gpu_status allocated = em_gpu_host_alloc(count * sizeof(em_gpu_map_header),
+                                                    (void **)&grown);
+        if (allocated.code != 0)
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                "table '%s': no pinned memory for %u map headers: %s",
+                                first->table, count, allocated.message);
+        em_gpu_host_free(first->headers_host); /* its last copy was settled */
+        first->headers_host = grown;
+        first->headers_capacity = count;
+    }
+    em_gpu_map_header *headers = NULL;
+    em_status status = scratch_take(s, count * sizeof(em_gpu_map_header), "map headers",
+                                    (void **)&headers, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_shards_settle(lane->stream, seen->shards, headers), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, first->headers_host, headers,
+                                                      count * sizeof(em_gpu_map_header)),
+                            err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        shard_of(bases[i])->settle_from = &first->headers_host[i];
+    return status;
+}
+
 /* Inserts unique[0..*count) whose rows are ROW_NONE into the shards seen, with their
  * initial rows (none when *problem, if given, is not UINT64_MAX then), settles the maps
  * and sends their headers back (shard_insert_settle takes them in once the lane has
@@ -730,17 +770,16 @@ static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cu
                                                                n, count, problem, rows, inserted),
                             err);
     if (status == EM_OK)
-        status = lane_check(lane,
-                            seen->count == 1 ? em_gpu_map_settle(lane->stream, seen->map)
-                                             : em_gpu_shards_settle(lane->stream, seen->shards),
-                            err);
-    if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_init(lane->stream, seen->storage, unique, rows,
                                                    inserted, n, first->initializer,
                                                    first->optimizer),
                             err);
-    for (uint32_t i = 0; status == EM_OK && i < seen->count; i++)
-        status = copy_header_back(shard_of(bases[i]), lane, err);
+    if (status == EM_OK && seen->count == 1)
+        status = lane_check(lane, em_gpu_map_settle(lane->stream, seen->map), err);
+    if (status == EM_OK && seen->count == 1)
+        status = copy_header_back(shard_of(bases[0]), lane, err);
+    if (status == EM_OK && seen->count > 1)
+        status = settle_seen(bases, seen, lane, s, err);
     return status;
 }
 

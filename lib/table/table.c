@@ -313,15 +313,14 @@ static em_status settle_created(request_context *r, uint64_t rows_before, em_err
 {
     em_table *table = r->table;
     em_status status = EM_OK;
-    for (uint32_t s = 0; s < table->shard_count; s++) {
-        if (r->shard_missing[s] == 0) /* make_room_at_once: no key of the batch there */
-            continue;
+    for (uint32_t s = 0; s < table->shard_count; s++) { /* every shard's counters came back */
         em_error later;
         em_status settled =
             r->home->ops->shard_insert_settle(table->shards[s], status == EM_OK ? err : &later);
         if (status == EM_OK && settled != EM_OK)
             status = em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
-        atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
+        if (r->shard_missing[s] != 0) /* make_room_at_once: keys of the batch fall there */
+            atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
     }
     uint64_t rows = shard_rows(table);
     uint64_t created = rows > rows_before ? rows - rows_before : 0;

@@ -1708,11 +1708,11 @@ START_TEST(host_waits_and_operations_per_request)
         {"push, creating", 1, true, true, false, 24, 2},
         {"push, creating again", 1, true, true, true, 23, 1},
         {"pull, present keys", 8, false, false, false, 13, 1},
-        {"pull, creating", 8, false, true, false, 33, 9},
-        {"pull, creating again", 8, false, true, true, 25, 1},
+        {"pull, creating", 8, false, true, false, 26, 9},
+        {"pull, creating again", 8, false, true, true, 18, 1},
         {"push, present keys", 8, true, false, false, 19, 1},
-        {"push, creating", 8, true, true, false, 39, 9},
-        {"push, creating again", 8, true, true, true, 31, 1},
+        {"push, creating", 8, true, true, false, 32, 9},
+        {"push, creating again", 8, true, true, true, 24, 1},
     };
     enum { KEYS = 1000, DIM = 16 };
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);

@@ -871,12 +871,15 @@ em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards 
     return ok();
 }
 
-em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards)
+em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards,
+                                   em_gpu_map_header *headers)
 {
     (void)stream;
     enter_device();
-    for (uint32_t s = 0; s < shards.count; s++)
+    for (uint32_t s = 0; s < shards.count; s++) {
         em_gpu_map_settle_item(shards.maps[s]);
+        headers[s] = *shards.maps[s].header;
+    }
     leave_device();
     return ok();
 }
