@@ -97,9 +97,9 @@ typedef struct em_push_result {
     X(uint64_t, exclusive_retries, COUNTER, NONE,                                             \
       "pulls and pushes run again under the exclusive table lock to make room for keys")     \
     X(uint64_t, pulls_at_once, COUNTER, NONE,                                                 \
-      "pulls served with one wait for the GPU (one-shard tables, keys all stored)")          \
+      "pulls served with one wait for the GPU (tables on one GPU; keys stored or created)")  \
     X(uint64_t, pushes_at_once, COUNTER, NONE,                                                \
-      "pushes applied with one wait for the GPU (one-shard tables, keys all stored)")
+      "pushes applied with one wait for the GPU (tables on one GPU; keys stored or created)")
 
 typedef struct em_table_stats {
 #define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;
