@@ -192,16 +192,25 @@ extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map
     return EM_GPU_LAUNCH(map_insert_kernel, n, stream, map, keys, n, rows, inserted);
 }
 
+/* The counted insert into a map or into a device's shards of one table. */
+template <typename Seen>
+static em_gpu_status insert_counted(em_gpu_stream *stream, Seen seen, const uint64_t *keys,
+                                    uint64_t n, const uint32_t *count, const uint64_t *problem,
+                                    uint64_t *rows, uint8_t *inserted)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(insert_counted_kernel<Seen>, n, stream, seen, keys, n, count, problem,
+                         rows, inserted);
+}
+
 extern "C" em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
                                                    const uint64_t *keys, uint64_t n,
                                                    const uint32_t *count, const uint64_t *problem,
                                                    uint64_t *rows, uint8_t *inserted)
 {
-    if (n == 0)
-        return em_gpu_ok();
-    EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(insert_counted_kernel<em_gpu_map>, n, stream, map, keys, n, count,
-                         problem, rows, inserted);
+    return insert_counted(stream, map, keys, n, count, problem, rows, inserted);
 }
 
 extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
@@ -210,11 +219,7 @@ extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_
                                                       const uint64_t *problem, uint64_t *rows,
                                                       uint8_t *inserted)
 {
-    if (n == 0)
-        return em_gpu_ok();
-    EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(insert_counted_kernel<em_gpu_shards>, n, stream, shards, keys, n, count,
-                         problem, rows, inserted);
+    return insert_counted(stream, shards, keys, n, count, problem, rows, inserted);
 }
 
 extern "C" em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards,

@@ -843,6 +843,15 @@ em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uin
     return ok();
 }
 
+/* The items a counted insert covers: the first *count of n, none when a push's check
+ * found a problem. */
+static uint64_t insert_end(uint64_t n, const uint32_t *count, const uint64_t *problem)
+{
+    if (problem != NULL && *problem != UINT64_MAX)
+        return 0;
+    return *count < n ? *count : n;
+}
+
 em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
                                         const uint64_t *keys, uint64_t n, const uint32_t *count,
                                         const uint64_t *problem, uint64_t *rows,
@@ -850,8 +859,7 @@ em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
 {
     (void)stream;
     enter_device();
-    uint64_t end = problem != NULL && *problem != UINT64_MAX ? 0 : *count < n ? *count : n;
-    for (uint64_t i = 0; i < end; i++)
+    for (uint64_t i = 0, end = insert_end(n, count, problem); i < end; i++)
         em_gpu_map_insert_item(map, keys, i, rows, inserted);
     leave_device();
     return ok();
@@ -864,8 +872,7 @@ em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards 
 {
     (void)stream;
     enter_device();
-    uint64_t end = problem != NULL && *problem != UINT64_MAX ? 0 : *count < n ? *count : n;
-    for (uint64_t i = 0; i < end; i++)
+    for (uint64_t i = 0, end = insert_end(n, count, problem); i < end; i++)
         em_gpu_shards_insert_item(shards, keys, i, rows, inserted);
     leave_device();
     return ok();
