@@ -2,8 +2,9 @@
  * Eviction on the CPU backend:
  *
  *   1. insert throughput (pushes of batches of new keys, sgd, dim 64) into a full table
- *      that evicts (lru) against the same inserts into a table at load 0.5 that needs
- *      no room, in the same run;
+ *      that evicts (lru) against the same inserts into tables at load 0.5 that need no
+ *      room, in the same run: one without a policy (no access metadata kept) and one
+ *      with the full table's (lru: the metadata kept, nothing evicted);
  *   2. hit rate of lru and lfu (sampled, `candidates` entries per row removed) against
  *      an exact LRU and an exact LFU on the same Zipf streams (alpha 1.05 and 1.2, key
  *      space 10x the capacity), one key per request;
@@ -128,40 +129,46 @@ static void insert_throughput(const options *opt)
     printf("1. insert throughput: pushes of %u new keys (sgd, dim %u, 8 shards), %" PRIu64
            " keys timed per round\n\n",
            opt->batch, dim, measured);
-    printf("%5s %16s %16s %10s\n", "round", "load 0.5 keys/s", "full+lru keys/s", "full/0.5");
-    em_table *half = make_table(backend, dim, opt->rows, EM_EVICTION_NONE, 16);
+    printf("%5s %16s %16s %16s %10s %10s\n", "round", "load 0.5 keys/s", "0.5+lru keys/s",
+           "full+lru keys/s", "full/0.5", "full/0.5+lru");
     em_table *full = make_table(backend, dim, opt->rows, EM_EVICTION_LRU, opt->candidates);
-    push_new_keys(half, &p, 0, opt->rows / 2);
     push_new_keys(full, &p, 0, opt->rows);
     uint64_t next_half = opt->rows / 2, next_full = opt->rows;
-    double ratios[64];
+    double ratios[2][64];
     int rounds = opt->rounds;
     for (int r = 0; r < rounds; r++) {
-        /* the load-0.5 table stays between 0.5 and 0.75: a fresh one each round */
-        em_table_destroy(half);
-        half = make_table(backend, dim, opt->rows, EM_EVICTION_NONE, 16);
-        push_new_keys(half, &p, 1u << 30, opt->rows / 2);
-        double t_half = push_new_keys(half, &p, next_half, measured);
+        /* the load-0.5 tables stay between 0.5 and 0.75: fresh ones each round */
+        double t_half[2];
+        for (int lru = 0; lru < 2; lru++) {
+            em_table *half = make_table(backend, dim, opt->rows,
+                                        lru ? EM_EVICTION_LRU : EM_EVICTION_NONE,
+                                        opt->candidates);
+            push_new_keys(half, &p, 1u << 30, opt->rows / 2);
+            t_half[lru] = push_new_keys(half, &p, next_half, measured);
+            em_table_destroy(half);
+        }
         double t_full = push_new_keys(full, &p, next_full, measured);
         next_half += measured;
         next_full += measured;
-        ratios[r] = t_half / t_full;
-        printf("%5d %16.0f %16.0f %9.3fx\n", r + 1, measured / t_half, measured / t_full,
-               ratios[r]);
+        for (int lru = 0; lru < 2; lru++)
+            ratios[lru][r] = t_half[lru] / t_full;
+        printf("%5d %16.0f %16.0f %16.0f %9.3fx %9.3fx\n", r + 1, measured / t_half[0],
+               measured / t_half[1], measured / t_full, ratios[0][r], ratios[1][r]);
     }
-    for (int i = 1; i < rounds; i++)
-        for (int j = i; j > 0 && ratios[j] < ratios[j - 1]; j--) {
-            double t = ratios[j];
-            ratios[j] = ratios[j - 1];
-            ratios[j - 1] = t;
-        }
+    for (int lru = 0; lru < 2; lru++)
+        for (int i = 1; i < rounds; i++)
+            for (int j = i; j > 0 && ratios[lru][j] < ratios[lru][j - 1]; j--) {
+                double t = ratios[lru][j];
+                ratios[lru][j] = ratios[lru][j - 1];
+                ratios[lru][j - 1] = t;
+            }
     em_table_stats stats;
     em_table_get_stats(full, &stats);
-    printf("median %37.3fx   (full table: %" PRIu64 " rows, %" PRIu64 " evicted; per row: "
-           "index %.1f bytes, access metadata %.1f bytes, storage %.1f bytes)\n\n",
-           ratios[rounds / 2], stats.rows, stats.rows_evicted, stats.index_bytes_per_row,
-           stats.access_bytes_per_row, (double)stats.row_bytes / (double)stats.rows);
-    em_table_destroy(half);
+    printf("median %54.3fx %9.3fx\n(full table: %" PRIu64 " rows, %" PRIu64 " evicted; per "
+           "row: index %.1f bytes, access metadata %.1f bytes, storage %.1f bytes)\n\n",
+           ratios[0][rounds / 2], ratios[1][rounds / 2], stats.rows, stats.rows_evicted,
+           stats.index_bytes_per_row, stats.access_bytes_per_row,
+           (double)stats.row_bytes / (double)stats.rows);
     em_table_destroy(full);
     free(p.keys);
     free(p.offsets);
