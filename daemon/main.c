@@ -268,16 +268,23 @@ static int serve(const daemon_options *options, const em_daemon_config *config)
     em_daemon *daemon = NULL;
     em_error err;
     em_status status = em_daemon_create(config, &setup, &daemon, &err);
-    if (status == EM_OK)
-        status = write_listen_file(options->listen_file, daemon, &err);
-    if (status != EM_OK) {
-        if (daemon != NULL) /* the listen file; em_daemon_create logs its own errors */
-            fprintf(stderr, "emberd: %s\n", err.message);
+    if (status != EM_OK) { /* em_daemon_create logs its own errors */
         em_notify("STATUS=failed: %s", err.message);
+        return EXIT_RUNTIME;
+    }
+    /* Signals are watched before the listen file says where emberd serves: whoever
+     * waits for that file may signal at once (a SIGHUP then must reload, not kill). */
+    if (watch_signals(daemon) != 0) {
         em_daemon_destroy(daemon);
         return EXIT_RUNTIME;
     }
-    if (watch_signals(daemon) != 0) {
+    status = write_listen_file(options->listen_file, daemon, &err);
+    if (status != EM_OK) {
+        fprintf(stderr, "emberd: %s\n", err.message);
+        em_notify("STATUS=failed: %s", err.message);
+        signal(SIGTERM, SIG_DFL); /* the handlers' daemon goes next */
+        signal(SIGINT, SIG_DFL);
+        signal(SIGHUP, SIG_IGN);
         em_daemon_destroy(daemon);
         return EXIT_RUNTIME;
     }
