@@ -181,21 +181,32 @@ static em_status parse_integer(const em_config_field *field, const cJSON *value,
 
 /* ---- other scalar types -------------------------------------------------------------- */
 
+static bool within_bounds(const em_config_field *field, double number)
+{
+    bool below = field->exclusive_min ? number <= field->min : number < field->min;
+    return !below && number <= field->max;
+}
+
 static em_status parse_double(const em_config_field *field, const cJSON *value, void *slot,
                               const char *path, em_error *err)
 {
     if (!cJSON_IsNumber(value) || !isfinite(value->valuedouble))
         return type_error(value, path, "a finite number", err);
     double number = value->valuedouble;
-    if (has_bounds(field)) {
-        bool below = field->exclusive_min ? number <= field->min : number < field->min;
-        if (below || number > field->max)
-            return em_error_set(err, EM_INVALID_ARGUMENT, "%s: must be %s %g and <= %g, got %g",
-                                path, field->exclusive_min ? ">" : ">=", field->min, field->max,
-                                number);
-    }
+    if (has_bounds(field) && !within_bounds(field, number))
+        return em_error_set(err, EM_INVALID_ARGUMENT, "%s: must be %s %g and <= %g, got %g",
+                            path, field->exclusive_min ? ">" : ">=", field->min, field->max,
+                            number);
     if (field->size == sizeof(float)) {
+        /* the value kept is the float: it must meet the bounds too (1e-50 is > 0, its
+         * float is 0) */
         float narrowed = (float)number;
+        if (!isfinite(narrowed) || (has_bounds(field) && !within_bounds(field, narrowed)))
+            return em_error_set(err, EM_INVALID_ARGUMENT,
+                                "%s: %g becomes %g as a 32-bit float, which is not %s %g and "
+                                "<= %g",
+                                path, number, (double)narrowed,
+                                field->exclusive_min ? ">" : ">=", field->min, field->max);
         memcpy(slot, &narrowed, sizeof(narrowed));
     } else {
         memcpy(slot, &number, sizeof(number));

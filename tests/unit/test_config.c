@@ -82,6 +82,11 @@ START_TEST(errors_name_path_and_value)
     assert_rejected("{\"name\": \"t\", \"dim\": 8, \"capacity\": 100,"
                     " \"optimizer\": {\"type\": \"adagrad\", \"lr\": -1}}",
                     "table.optimizer.lr: must be > 0 and <= 1e+06, got -1");
+    /* above 0 as a double, 0 as the float the table keeps (found by fuzz_config) */
+    assert_rejected("{\"name\": \"t\", \"dim\": 8, \"capacity\": 100,"
+                    " \"optimizer\": {\"type\": \"adagrad\", \"lr\": 1e-50}}",
+                    "table.optimizer.lr: 1e-50 becomes 0 as a 32-bit float, which is not > 0 and "
+                    "<= 1e+06");
     assert_rejected("{\"name\": \"t\", \"dim\": 8, \"capacity\": 100,"
                     " \"optimizer\": {\"type\": \"sgd\", \"beta1\": 0.9}}",
                     "table.optimizer.beta1: does not apply to optimizer 'sgd'");
