@@ -80,6 +80,27 @@ static void answer_free(answer *a)
     memset(a, 0, sizeof(*a));
 }
 
+/* A connection whose input ends with a half-close goes to TIME_WAIT on this side when
+ * the daemon closes after it, holding its port for a minute: at thousands of runs a
+ * second one source address runs out of its 28K ephemeral ports. Loopback connections
+ * therefore come from 127.1.x.y in turn (the port still picked by the kernel, for that
+ * address), 65,536 sources. */
+static void bind_next_source(int fd)
+{
+    static uint32_t next;
+    uint32_t n = next++ & 0xFFFF;
+    struct sockaddr_in from = {.sin_family = AF_INET,
+                               .sin_addr.s_addr = htonl(0x7F010000u | n)};
+    int one = 1;
+    setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+    if (bind(fd, (struct sockaddr *)&from, sizeof(from)) != 0) {
+        char why[160];
+        snprintf(why, sizeof(why), "cannot bind a connection to 127.1.%u.%u: %s", n >> 8,
+                 n & 0xFF, strerror(errno));
+        fail(why);
+    }
+}
+
 static int connect_to(const char *address)
 {
     char host[64];
@@ -91,8 +112,14 @@ static int connect_to(const char *address)
     struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
     inet_pton(AF_INET, host, &to.sin_addr);
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&to, sizeof(to)) != 0)
-        fail("cannot connect to the daemon");
+    if (fd >= 0 && ((ntohl(to.sin_addr.s_addr) >> 24) == 127))
+        bind_next_source(fd);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&to, sizeof(to)) != 0) {
+        char why[160];
+        snprintf(why, sizeof(why), "cannot connect to the daemon at %s: %s", address,
+                 strerror(errno));
+        fail(why);
+    }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     /* closed with a reset: thousands of runs a minute must not use up the ports in
