@@ -276,8 +276,15 @@ typedef struct em_gpu_map_header {
     uint64_t tombstones;    /* erased slots not yet dropped by a rehash */
 } em_gpu_map_header;
 
+/* A map's slots are one array (slots), or, for a large map, segments of equal size (a
+ * power of two of at least a bucket): slot i is slot i mod 2^segment_shift of
+ * segments[i >> segment_shift], a device table of the segments; slots is NULL then.
+ * Segments let a map grow by the slots it adds (kernel_logic.h: em_gpu_map_slot;
+ * lib/device/cuda_shard.c: rehash_map). */
 typedef struct em_gpu_map {
     em_gpu_slot *slots;
+    em_gpu_slot *const *segments;
+    uint32_t segment_shift;
     uint64_t slot_count;
     em_gpu_map_header *header;
     uint64_t seed; /* xor-ed into keys before hashing them for slots (EM_HASHMAP_SEED, or a

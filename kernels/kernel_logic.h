@@ -441,6 +441,15 @@ EM_HOST_DEVICE uint64_t em_gpu_probe_next(em_gpu_probe *probe)
     return probe->bucket * probe->bucket_slots + probe->offset;
 }
 
+/* Slot i of the map, in its one array or in its segment (em_gpu_map). Buckets never
+ * straddle two segments: a segment holds a power of two of slots, at least a bucket. */
+EM_HOST_DEVICE em_gpu_slot *em_gpu_map_slot(em_gpu_map map, uint64_t i)
+{
+    if (map.segments == NULL)
+        return map.slots + i;
+    return map.segments[i >> map.segment_shift] + (i & (((uint64_t)1 << map.segment_shift) - 1));
+}
+
 /* 0 or 1 for the two keys kept in side rows, -1 for every other key. */
 EM_HOST_DEVICE int em_gpu_side_index(uint64_t key)
 {
@@ -469,9 +478,10 @@ EM_HOST_DEVICE uint64_t em_gpu_map_lookup(em_gpu_map map, uint64_t key)
     em_gpu_probe probe;
     uint64_t slot = em_gpu_probe_start(&probe, key, map.seed, map.slot_count);
     for (uint64_t seen = 0; seen < map.slot_count; seen++) {
-        uint64_t held = map.slots[slot].key;
+        const em_gpu_slot *at = em_gpu_map_slot(map, slot);
+        uint64_t held = at->key;
         if (held == key)
-            return map.slots[slot].row;
+            return at->row;
         if (held == EM_GPU_EMPTY_KEY)
             return EM_GPU_ROW_NONE;
         slot = em_gpu_probe_next(&probe);
@@ -530,18 +540,19 @@ EM_HOST_DEVICE uint64_t em_gpu_map_insert_key(em_gpu_map map, uint64_t key, int 
     em_gpu_probe probe;
     uint64_t slot = em_gpu_probe_start(&probe, key, map.seed, map.slot_count);
     for (uint64_t seen = 0; seen < map.slot_count; seen++) {
-        uint64_t held = em_gpu_load_u64(&map.slots[slot].key);
+        em_gpu_slot *at = em_gpu_map_slot(map, slot);
+        uint64_t held = em_gpu_load_u64(&at->key);
         if (held == EM_GPU_EMPTY_KEY) {
-            held = em_gpu_atomic_cas_u64(&map.slots[slot].key, EM_GPU_EMPTY_KEY, key);
+            held = em_gpu_atomic_cas_u64(&at->key, EM_GPU_EMPTY_KEY, key);
             if (held == EM_GPU_EMPTY_KEY) {
                 uint64_t row = em_gpu_take_row(map);
-                em_gpu_store_u64(&map.slots[slot].row, row);
+                em_gpu_store_u64(&at->row, row);
                 *inserted = 1;
                 return row;
             }
         }
         if (held == key)
-            return em_gpu_wait_row(&map.slots[slot].row, EM_GPU_ROW_NONE);
+            return em_gpu_wait_row(&at->row, EM_GPU_ROW_NONE);
         slot = em_gpu_probe_next(&probe);
     }
     em_gpu_store_u64(&map.header->overflow, 1);
@@ -618,10 +629,11 @@ EM_HOST_DEVICE uint64_t em_gpu_map_erase_key(em_gpu_map map, uint64_t key)
     em_gpu_probe probe;
     uint64_t slot = em_gpu_probe_start(&probe, key, map.seed, map.slot_count);
     for (uint64_t seen = 0; seen < map.slot_count; seen++) {
-        uint64_t held = map.slots[slot].key;
+        em_gpu_slot *at = em_gpu_map_slot(map, slot);
+        uint64_t held = at->key;
         if (held == key) {
-            uint64_t row = map.slots[slot].row;
-            map.slots[slot].key = EM_GPU_TOMBSTONE_KEY;
+            uint64_t row = at->row;
+            at->key = EM_GPU_TOMBSTONE_KEY;
             em_gpu_atomic_add_u64(&map.header->tombstones, 1);
             em_gpu_release_row(map, row);
             return row;
@@ -658,9 +670,9 @@ EM_HOST_DEVICE void em_gpu_map_rehash_item(const em_gpu_slot *old_slots, uint64_
     em_gpu_probe probe;
     uint64_t slot = em_gpu_probe_start(&probe, key, map.seed, map.slot_count);
     for (uint64_t seen = 0; seen < map.slot_count; seen++) {
-        if (em_gpu_atomic_cas_u64(&map.slots[slot].key, EM_GPU_EMPTY_KEY, key) ==
-            EM_GPU_EMPTY_KEY) {
-            map.slots[slot].row = old_slots[i].row;
+        em_gpu_slot *at = em_gpu_map_slot(map, slot);
+        if (em_gpu_atomic_cas_u64(&at->key, EM_GPU_EMPTY_KEY, key) == EM_GPU_EMPTY_KEY) {
+            at->row = old_slots[i].row;
             return;
         }
         slot = em_gpu_probe_next(&probe);
@@ -671,7 +683,8 @@ EM_HOST_DEVICE void em_gpu_map_rehash_item(const em_gpu_slot *old_slots, uint64_
 EM_HOST_DEVICE void em_gpu_map_export_flag_item(em_gpu_map map, uint64_t begin, uint64_t count,
                                                 uint64_t i, uint32_t *flags)
 {
-    flags[i] = (uint32_t)(i < count && em_gpu_slot_occupied(map.slots[begin + i].key));
+    flags[i] =
+        (uint32_t)(i < count && em_gpu_slot_occupied(em_gpu_map_slot(map, begin + i)->key));
 }
 
 EM_HOST_DEVICE void em_gpu_map_export_compact_item(em_gpu_map map, uint64_t begin, uint64_t i,
@@ -682,8 +695,9 @@ EM_HOST_DEVICE void em_gpu_map_export_compact_item(em_gpu_map map, uint64_t begi
 {
     if (!flags[i] || rank[i] >= take)
         return;
-    keys[offset + rank[i]] = map.slots[begin + i].key;
-    rows[offset + rank[i]] = map.slots[begin + i].row;
+    const em_gpu_slot *at = em_gpu_map_slot(map, begin + i);
+    keys[offset + rank[i]] = at->key;
+    rows[offset + rank[i]] = at->row;
     if (rank[i] == take - 1)
         *next_slot = begin + i + 1;
 }

@@ -84,10 +84,13 @@ typedef struct em_cuda_backend_options {
     uint64_t pinned_buffer_bytes; /* pinned host memory for request data, which the GPUs
                                    * copy directly (host_buffers.h); 0: none, all staged */
     bool host_staged_exchange; /* skip NCCL even with several GPUs (tests, debugging) */
+    uint64_t map_segment_slots; /* a shard's hash map larger than this many slots is kept
+                                 * in segments of this many, so that it grows by the
+                                 * slots it adds (a power of two, 1024 .. 2^30) */
 } em_cuda_backend_options;
 
 /* Defaults: every usable GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging, 1 GiB
- * of pinned buffers for request data. */
+ * of pinned buffers for request data, map segments of 2^22 slots (64 MiB). */
 void em_cuda_backend_options_init(em_cuda_backend_options *options);
 
 /* Whether a usable GPU is visible (one this build's kernels run on; they are compiled

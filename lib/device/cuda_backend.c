@@ -25,6 +25,9 @@
 #define PINNED_REGION_BYTES (64 * MEBIBYTE)
 /* Below this a pool cannot hold a useful table; also the staging floor. */
 #define MIN_POOL_BYTES (16 * MEBIBYTE)
+#define DEFAULT_MAP_SEGMENT_SLOTS ((uint64_t)1 << 22)
+#define MIN_MAP_SEGMENT_SLOTS ((uint64_t)1 << 10)
+#define MAX_MAP_SEGMENT_SLOTS ((uint64_t)1 << 30)
 #define MIN_STAGING_BYTES (UINT64_C(64) << 10)
 #define MAX_STAGING_BYTES (UINT64_C(4) << 30)
 /* Pools are whole mebibytes. */
@@ -36,6 +39,7 @@ void em_cuda_backend_options_init(em_cuda_backend_options *options)
     options->memory_fraction = DEFAULT_MEMORY_FRACTION;
     options->lanes = DEFAULT_LANES;
     options->staging_bytes = DEFAULT_STAGING_BYTES;
+    options->map_segment_slots = DEFAULT_MAP_SEGMENT_SLOTS;
     options->pinned_buffer_bytes = DEFAULT_PINNED_BUFFER_BYTES;
 }
 
@@ -169,6 +173,15 @@ static em_status check_options(const em_cuda_backend_options *options, uint32_t 
                             (unsigned long long)options->staging_bytes,
                             (unsigned long long)MIN_STAGING_BYTES,
                             (unsigned long long)MAX_STAGING_BYTES);
+    uint64_t segment = options->map_segment_slots;
+    if (segment < MIN_MAP_SEGMENT_SLOTS || segment > MAX_MAP_SEGMENT_SLOTS ||
+        (segment & (segment - 1)) != 0)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "cuda backend: map_segment_slots %llu must be a power of two in "
+                            "%llu .. %llu",
+                            (unsigned long long)segment,
+                            (unsigned long long)MIN_MAP_SEGMENT_SLOTS,
+                            (unsigned long long)MAX_MAP_SEGMENT_SLOTS);
     return EM_OK;
 }
 
@@ -251,6 +264,7 @@ static em_status create_device(const em_cuda_backend_options *options, uint32_t 
         .lanes = options->lanes,
         .staging_bytes = options->staging_bytes,
         .host_buffers = host_buffers,
+        .map_segment_slots = options->map_segment_slots,
     };
     em_status status = pool_bytes_for(options, ordinal, &device_options.pool_bytes, err);
     if (status == EM_OK)

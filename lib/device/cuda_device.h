@@ -20,6 +20,7 @@ typedef struct em__cuda_device_options {
     uint32_t lanes;         /* streams (with their staging buffers) */
     uint64_t staging_bytes; /* pinned host memory per lane */
     em_host_buffers *host_buffers; /* buffers copied directly (NULL: none) */
+    uint64_t map_segment_slots; /* slots per segment of a shard's large hash map */
 } em__cuda_device_options;
 
 /* Creates the device for GPU options->ordinal as device `index` of its backend: its

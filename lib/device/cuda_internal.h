@@ -80,12 +80,22 @@ typedef struct cuda_lane {
 typedef struct cuda_state {
     int ordinal;
     em_host_buffers *host_buffers; /* copied directly, without staging; counts copies */
+    uint64_t map_segment_slots;    /* a power of two (em_cuda_backend_options) */
     em_gpu_device_info info;
     cuda_lane *lanes;
     uint32_t lane_count;
     pthread_mutex_t lock;
     pthread_cond_t lane_freed;
 } cuda_state;
+
+/* The slot arrays of a shard's hash map (em_gpu_map): one array while the map has at
+ * most the device's map_segment_slots slots, else segments of that many. */
+typedef struct cuda_map_arrays {
+    em_gpu_slot **segments;        /* host table of the arrays (device memory) */
+    em_gpu_slot **device_segments; /* the same table on the device; NULL for one array */
+    uint64_t count;
+    uint32_t shift;                /* log2 of the slots of each */
+} cuda_map_arrays;
 
 typedef struct cuda_shard {
     em_shard base;
@@ -97,7 +107,7 @@ typedef struct cuda_shard {
     em_optimizer_config optimizer;
     em_initializer_config initializer;
     /* hash map */
-    em_gpu_slot *slots;
+    cuda_map_arrays arrays;
     uint64_t slot_count;
     uint64_t hash_seed;    /* the map's seed (EM_HASHMAP_SEED unless the table has one) */
     em_gpu_map_header *header;
@@ -113,6 +123,7 @@ typedef struct cuda_shard {
     uint64_t row_limit;    /* rows handed out from the counter (host copy) */
     uint64_t free_count;   /* released rows waiting for reuse (host copy) */
     uint64_t tombstones;   /* erased slots (host copy) */
+    uint64_t rehashes_through_host; /* em_shard_stats */
     uint64_t *free_rows;   /* the map's free list (device), free_capacity entries */
     uint64_t free_capacity;
     /* row storage */

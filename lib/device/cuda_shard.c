@@ -68,13 +68,22 @@ static em_status record_read(cuda_shard *shard, cuda_lane *lane, em_error *err)
 
 /* ---- shards: views and sizes --------------------------------------------------------- */
 
-static em_gpu_map map_view(const cuda_shard *shard)
+/* The shard's map over the slot arrays a, of slot_count slots. */
+static em_gpu_map map_view_of(const cuda_shard *shard, const cuda_map_arrays *a,
+                              uint64_t slot_count)
 {
-    return (em_gpu_map){.slots = shard->slots,
-                        .slot_count = shard->slot_count,
+    return (em_gpu_map){.slots = a->count == 1 ? a->segments[0] : NULL,
+                        .segments = (em_gpu_slot *const *)a->device_segments,
+                        .segment_shift = a->shift,
+                        .slot_count = slot_count,
                         .header = shard->header,
                         .seed = shard->hash_seed,
                         .free_rows = shard->free_rows};
+}
+
+static em_gpu_map map_view(const cuda_shard *shard)
+{
+    return map_view_of(shard, &shard->arrays, shard->slot_count);
 }
 
 static em_gpu_storage storage_view(const cuda_shard *shard)
@@ -108,25 +117,103 @@ static uint64_t max_slot_keys(uint64_t slot_count)
     return slot_count / 10 * MAX_LOAD_TENTHS + slot_count % 10 * MAX_LOAD_TENTHS / 10;
 }
 
-/* ---- shards: growth -------------------------------------------------------------------- */
+/* ---- shards: the map's slot arrays ------------------------------------------------------ */
 
-/* Rehashes into a map of slot_count slots (synchronizes: the old slots go back to the
- * pool). */
-static em_status rehash_map(cuda_shard *shard, cuda_lane *lane, uint64_t slot_count, em_error *err)
+/* Slots of each array of a map of slot_count slots (a power of two). */
+static uint64_t array_slots_for(const cuda_shard *shard, uint64_t slot_count)
+{
+    uint64_t most = state_of(shard->base.device)->map_segment_slots;
+    return most == 0 || slot_count <= most ? slot_count : most;
+}
+
+static uint32_t log2_of(uint64_t power_of_two)
+{
+    uint32_t shift = 0;
+    while (((uint64_t)1 << shift) < power_of_two)
+        shift++;
+    return shift;
+}
+
+/* Frees a's arrays from the keep-th on (the first keep belong to another map), its
+ * device table and its host table. */
+static void arrays_free(em_device *device, cuda_map_arrays *a, uint64_t keep)
+{
+    for (uint64_t s = keep; a->segments != NULL && s < a->count; s++)
+        em_device_free(device, a->segments[s]);
+    em_device_free(device, a->device_segments);
+    free(a->segments);
+    memset(a, 0, sizeof(*a));
+}
+
+/* The arrays of a map of slot_count slots: the first `reuse` are kept's (of the same
+ * size), the others allocated, and with several a device table for them (filled by
+ * arrays_prepare). */
+static em_status arrays_create(cuda_shard *shard, uint64_t slot_count, const cuda_map_arrays *kept,
+                               uint64_t reuse, cuda_map_arrays *out, em_error *err)
 {
     em_device *device = shard->base.device;
-    em_gpu_slot *slots = NULL;
-    em_status status = em_device_alloc(device, slot_count * sizeof(em_gpu_slot), "hash map slots",
-                                       (void **)&slots, err);
+    uint64_t each = array_slots_for(shard, slot_count);
+    memset(out, 0, sizeof(*out));
+    out->segments = calloc(slot_count / each, sizeof(*out->segments));
+    if (out->segments == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "hash map of %" PRIu64 " slots: out of host memory", slot_count);
+    out->count = slot_count / each;
+    out->shift = log2_of(each);
+    em_status status = EM_OK;
+    if (out->count > 1)
+        status = em_device_alloc(device, out->count * sizeof(em_gpu_slot *),
+                                 "hash map segment table", (void **)&out->device_segments, err);
+    for (uint64_t s = 0; s < out->count && s < reuse; s++)
+        out->segments[s] = kept->segments[s];
+    for (uint64_t s = reuse; status == EM_OK && s < out->count; s++)
+        status = em_device_alloc(device, each * sizeof(em_gpu_slot), "hash map slots",
+                                 (void **)&out->segments[s], err);
     if (status != EM_OK)
-        return status;
-    em_gpu_map grown = map_view(shard);
-    grown.slots = slots;
-    grown.slot_count = slot_count;
-    status = lane_check(lane, em_gpu_map_clear(lane->stream, slots, slot_count), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_map_rehash(lane->stream, shard->slots, shard->slot_count,
-                                                     grown), err);
+        arrays_free(device, out, reuse < out->count ? reuse : out->count);
+    return status;
+}
+
+/* Empties every slot of a (a map of slot_count slots) and uploads its device table. */
+static em_status arrays_prepare(cuda_lane *lane, const cuda_map_arrays *a, uint64_t slot_count,
+                                em_error *err)
+{
+    uint64_t each = slot_count / a->count;
+    em_status status = EM_OK;
+    for (uint64_t s = 0; status == EM_OK && s < a->count; s++)
+        status = lane_check(lane, em_gpu_map_clear(lane->stream, a->segments[s], each), err);
+    if (status == EM_OK && a->device_segments != NULL)
+        status = em__cuda_copy_to_device(&lane->base, a->device_segments, a->segments,
+                                         a->count * sizeof(*a->segments), err);
+    return status;
+}
+
+/* ---- shards: growth -------------------------------------------------------------------- */
+
+/* Slots a rehash through host memory brings back to the GPU per copy, at most. */
+#define RELOAD_CHUNK_SLOTS ((uint64_t)1 << 20)
+
+/* The shard's map becomes the arrays a, of slot_count slots; the old ones, from the
+ * keep-th on, go back to the pool. */
+static void adopt_arrays(cuda_shard *shard, cuda_map_arrays *a, uint64_t keep, uint64_t slot_count)
+{
+    arrays_free(shard->base.device, &shard->arrays, keep);
+    shard->arrays = *a;
+    shard->slot_count = slot_count;
+    shard->tombstones = 0;
+}
+
+/* Rehash with the new map beside the old: grown (of slot_count slots) is filled from
+ * the old arrays on the GPU, then the old ones go back to the pool. */
+static em_status rehash_beside(cuda_shard *shard, cuda_lane *lane, cuda_map_arrays *grown,
+                               uint64_t slot_count, em_error *err)
+{
+    em_status status = arrays_prepare(lane, grown, slot_count, err);
+    em_gpu_map view = map_view_of(shard, grown, slot_count);
+    uint64_t each = shard->slot_count / shard->arrays.count;
+    for (uint64_t s = 0; status == EM_OK && s < shard->arrays.count; s++)
+        status = lane_check(lane, em_gpu_map_rehash(lane->stream, shard->arrays.segments[s], each,
+                                                     view), err);
     if (status == EM_OK) /* the rehash left the tombstones behind */
         status = lane_check(lane, em_gpu_memset_async(lane->stream, &shard->header->tombstones, 0,
                                                       sizeof(uint64_t)), err);
@@ -134,14 +221,129 @@ static em_status rehash_map(cuda_shard *shard, cuda_lane *lane, uint64_t slot_co
     if (status == EM_OK)
         status = synced;
     if (status != EM_OK) {
-        em_device_free(device, slots);
+        arrays_free(shard->base.device, grown, 0);
         return status;
     }
-    em_device_free(device, shard->slots);
-    shard->slots = slots;
-    shard->slot_count = slot_count;
-    shard->tombstones = 0;
+    adopt_arrays(shard, grown, 0, slot_count);
     return EM_OK;
+}
+
+/* Puts the old map back after a failed rehash through host memory: its slots from
+ * host, and the header's tombstone count. */
+static em_status restore_arrays(cuda_shard *shard, cuda_lane *lane, const em_gpu_slot *host,
+                                em_error *err)
+{
+    const cuda_map_arrays *a = &shard->arrays;
+    uint64_t each = shard->slot_count / a->count;
+    em_status status = EM_OK;
+    for (uint64_t s = 0; status == EM_OK && s < a->count; s++)
+        status = em__cuda_copy_to_device(&lane->base, a->segments[s], host + s * each,
+                                         each * sizeof(em_gpu_slot), err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(&lane->base, &shard->header->tombstones,
+                                         &shard->tombstones, sizeof(uint64_t), err);
+    if (status == EM_OK)
+        status = em__cuda_lane_sync(lane, err);
+    return status;
+}
+
+/* Rehash of a map that keeps its arrays (they are the first of the new map's, of the
+ * same size): the old slots are copied to host memory, the new map gets only the
+ * arrays it adds and is emptied, and the keys come back from host memory a chunk at a
+ * time. The pool holds the new map and one chunk, never the old map beside the new.
+ * Until the first slot is overwritten nothing has changed; a failure after puts the
+ * old slots back from host memory. */
+static em_status rehash_through_host(cuda_shard *shard, cuda_lane *lane, uint64_t slot_count,
+                                     em_error *err)
+{
+    em_device *device = shard->base.device;
+    const cuda_map_arrays *old = &shard->arrays;
+    uint64_t old_slots = shard->slot_count, each = old_slots / old->count;
+    cuda_map_arrays grown;
+    em_status status = arrays_create(shard, slot_count, old, old->count, &grown, err);
+    if (status != EM_OK)
+        return status;
+    uint64_t chunk = each < RELOAD_CHUNK_SLOTS ? each : RELOAD_CHUNK_SLOTS;
+    em_gpu_slot *staged = NULL;
+    for (;;) { /* as large as the pool has room for, down to one bucket */
+        status = em_device_alloc(device, chunk * sizeof(em_gpu_slot), "hash map reload chunk",
+                                 (void **)&staged, err);
+        if (status == EM_OK || status != EM_RESOURCE_EXHAUSTED || chunk <= EM_GPU_BUCKET_SLOTS)
+            break;
+        chunk /= 2;
+    }
+    em_gpu_slot *host = NULL;
+    if (status == EM_OK) {
+        host = malloc(old_slots * sizeof(em_gpu_slot));
+        if (host == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                  "out of host memory for the %" PRIu64 " bytes of its slots",
+                                  old_slots * (uint64_t)sizeof(em_gpu_slot));
+    }
+    for (uint64_t s = 0; status == EM_OK && s < old->count; s++)
+        status = em__cuda_copy_to_host(&lane->base, host + s * each, old->segments[s],
+                                       each * sizeof(em_gpu_slot), err);
+    bool overwritten = status == EM_OK;
+    if (status == EM_OK)
+        status = arrays_prepare(lane, &grown, slot_count, err);
+    em_gpu_map view = map_view_of(shard, &grown, slot_count);
+    for (uint64_t done = 0; status == EM_OK && done < old_slots; done += chunk) {
+        uint64_t n = old_slots - done < chunk ? old_slots - done : chunk;
+        status = em__cuda_copy_to_device(&lane->base, staged, host + done,
+                                         n * sizeof(em_gpu_slot), err);
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_map_rehash(lane->stream, staged, n, view), err);
+    }
+    if (status == EM_OK) /* the rehash left the tombstones behind */
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, &shard->header->tombstones, 0,
+                                                      sizeof(uint64_t)), err);
+    if (overwritten) {
+        em_status synced = em__cuda_lane_sync(lane, status == EM_OK ? err : NULL);
+        if (status == EM_OK)
+            status = synced;
+    }
+    if (status != EM_OK && overwritten) {
+        em_error lost;
+        if (restore_arrays(shard, lane, host, &lost) != EM_OK) {
+            em_error first;
+            em_error_copy(&first, err);
+            em_error_set(err, first.status, "%s; putting the old slots back failed too: %s",
+                         first.message, lost.message);
+        }
+    }
+    free(host);
+    em_device_free(device, staged);
+    if (status != EM_OK) {
+        arrays_free(device, &grown, old->count);
+        return status;
+    }
+    adopt_arrays(shard, &grown, old->count, slot_count);
+    return EM_OK;
+}
+
+/* Rehashes into a map of slot_count slots (synchronizes). The new map is built beside
+ * the old one when the pool has room for both; when it has not and the map keeps its
+ * arrays (its arrays are segments already, or a rehash in place), through host memory,
+ * so that growth needs room for the slots it adds, not for the whole new map. */
+static em_status rehash_map(cuda_shard *shard, cuda_lane *lane, uint64_t slot_count, em_error *err)
+{
+    cuda_map_arrays grown;
+    em_status status = arrays_create(shard, slot_count, NULL, 0, &grown, err);
+    if (status == EM_OK)
+        return rehash_beside(shard, lane, &grown, slot_count, err);
+    bool keeps_arrays = slot_count >= shard->slot_count &&
+                        array_slots_for(shard, slot_count) ==
+                            shard->slot_count / shard->arrays.count;
+    if (status != EM_RESOURCE_EXHAUSTED || !keeps_arrays)
+        return status;
+    em_error beside;
+    em_error_copy(&beside, err);
+    status = rehash_through_host(shard, lane, slot_count, err);
+    if (status == EM_OK)
+        shard->rehashes_through_host++;
+    else if (status == EM_RESOURCE_EXHAUSTED)
+        em_error_prefix(err, "%s; nor through host memory: ", beside.message);
+    return status;
 }
 
 /* Makes room for new_keys more keys within the maximum load, counting tombstones as
@@ -292,7 +494,7 @@ void em__cuda_shard_destroy(em_shard *base)
     em_device_free(device, shard->device_blocks);
     em_device_free(device, shard->device_access);
     em_device_free(device, shard->free_rows);
-    em_device_free(device, shard->slots);
+    arrays_free(device, &shard->arrays, 0);
     em_device_free(device, shard->header);
     em_gpu_host_free(shard->header_host);
     em_gpu_host_free(shard->headers_host);
@@ -323,8 +525,7 @@ static em_status create_map(cuda_shard *shard, uint64_t expected_rows, em_error 
     uint64_t slots = MIN_SLOTS; /* a power of two: kernel_logic.h, em_gpu_probe */
     while (slots < expected_rows + 16 && slots < MAX_INITIAL_SLOTS)
         slots *= 2;
-    em_status status = em_device_alloc(device, slots * sizeof(em_gpu_slot), "hash map slots",
-                                       (void **)&shard->slots, err);
+    em_status status = arrays_create(shard, slots, NULL, 0, &shard->arrays, err);
     if (status == EM_OK)
         status = em_device_alloc(device, sizeof(em_gpu_map_header), "hash map header",
                                  (void **)&shard->header, err);
@@ -337,8 +538,7 @@ static em_status create_map(cuda_shard *shard, uint64_t expected_rows, em_error 
     status = em__cuda_lane_acquire(device, &lane, err);
     if (status != EM_OK)
         return status;
-    status = lane_check(lane_of(lane), em_gpu_map_clear(lane_of(lane)->stream, shard->slots, slots),
-                        err);
+    status = arrays_prepare(lane_of(lane), &shard->arrays, slots, err);
     if (status == EM_OK)
         status = em__cuda_copy_to_device(lane, shard->header, &header, sizeof(header), err);
     if (status == EM_OK)
@@ -1160,6 +1360,7 @@ void em__cuda_shard_stats(em_shard *base, em_shard_stats *out)
     out->rows = shard->size;
     out->row_bytes = shard->block_count * shard->block_bytes;
     out->index_bytes = shard->slot_count * sizeof(em_gpu_slot);
+    out->index_rehashes_through_host = shard->rehashes_through_host;
     out->row_limit = storage_rows(shard);
     out->access_bytes = shard->track_access ? shard->block_count * access_block_bytes(shard) : 0;
 }

@@ -90,6 +90,9 @@ typedef struct em_shard_stats {
     uint64_t index_bytes; /* bytes of the hash map */
     uint64_t row_limit;   /* rows the storage can hold without growing */
     uint64_t access_bytes; /* bytes of per-row access metadata (em_row_access) */
+    uint64_t index_rehashes_through_host; /* map growths (or rehashes) that went through
+                                           * host memory, the pool having no room for the
+                                           * old map beside the new (CUDA) */
 } em_shard_stats;
 
 /* Home-side view of a batch in device memory (offsets, keys from the request). */

@@ -1133,6 +1133,7 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
         out->row_bytes += shard.row_bytes;
         out->index_bytes += shard.index_bytes;
         out->access_bytes += shard.access_bytes;
+        out->index_rehashes_through_host += shard.index_rehashes_through_host;
     }
     out->rows = atomic_load_explicit(&table->rows, memory_order_relaxed);
     pthread_rwlock_unlock(&table->lock);

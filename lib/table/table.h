@@ -99,7 +99,10 @@ typedef struct em_push_result {
     X(uint64_t, pulls_at_once, COUNTER, NONE,                                                 \
       "pulls served with one wait for the GPU (tables on one GPU; keys stored or created)")  \
     X(uint64_t, pushes_at_once, COUNTER, NONE,                                                \
-      "pushes applied with one wait for the GPU (tables on one GPU; keys stored or created)")
+      "pushes applied with one wait for the GPU (tables on one GPU; keys stored or created)")  \
+    X(uint64_t, index_rehashes_through_host, COUNTER, NONE,                                   \
+      "GPU hash map growths that went through host memory: the pool had no room for the "    \
+      "old map beside the new one (only the slots added)")
 
 typedef struct em_table_stats {
 #define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;

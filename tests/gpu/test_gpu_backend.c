@@ -28,6 +28,8 @@
 #include "lib/base/failpoint.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/device/backend.h"
+#include "lib/device/device.h"
+#include "lib/memory/pool.h"
 #include "lib/table/table.h"
 #include "tests/support/reference_table.h"
 #ifdef EM_CUDA_EMULATED
@@ -55,6 +57,10 @@ static em_backend *cpu_backend(void)
     return backend;
 }
 
+/* Slots per segment of the hash maps of the backends gpu_backend makes (0: the
+ * backend's default, 2^22): small, so that a test's maps are kept in many segments. */
+static uint64_t map_segment_slots;
+
 /* devices 0: every visible GPU; else the first `devices` GPUs. */
 static em_backend *gpu_backend(uint32_t devices, uint64_t pool_bytes, bool host_staged)
 {
@@ -66,6 +72,8 @@ static em_backend *gpu_backend(uint32_t devices, uint64_t pool_bytes, bool host_
     options.pool_bytes = pool_bytes;
     options.staging_bytes = 1 * MEBIBYTE; /* small, so big copies are chunked */
     options.host_staged_exchange = host_staged;
+    if (map_segment_slots != 0)
+        options.map_segment_slots = map_segment_slots;
     em_backend *backend = NULL;
     em_error err;
     ck_assert_msg(em_backend_create_cuda(&options, &backend, &err) == EM_OK, "%s", err.message);
@@ -213,11 +221,13 @@ static void run_both(em_table *cpu_table, em_table *gpu_table, const workload *w
     }
 }
 
-/* Loop index: optimizer * 4 + combiner; dim 13 or 16 alternately. Every pull and every
- * final row (weights and optimizer state) of the GPU table is within 1e-5 relative of
- * the CPU table's. */
+/* Loop index: optimizer * 4 + combiner; dim 13 or 16 alternately; every other pair with
+ * the GPU's hash maps in segments of 1,024 slots. Every pull and every final row
+ * (weights and optimizer state) of the GPU table is within 1e-5 relative of the CPU
+ * table's. */
 START_TEST(workloads_match_cpu)
 {
+    map_segment_slots = _i / 2 % 2 == 1 ? 1024 : 0;
     workload w = {
         .dim = _i % 2 == 0 ? 13 : 16,
         .shards = 3,
@@ -373,6 +383,121 @@ START_TEST(hash_map_grows_at_load_0_9)
     free(keys);
     em_table_destroy(table);
     em_backend_destroy(gpu);
+}
+END_TEST
+
+/* Allocates from the GPU's pool until exactly `leave` bytes of it are free (within a
+ * granule); returns the allocations, a NULL-terminated list for balloon_free. */
+static void **balloon_leaving(em_device *device, uint64_t leave)
+{
+    void **held = calloc(1024, sizeof(void *));
+    int count = 0;
+    for (;;) {
+        em_pool_stats stats;
+        em_pool_get_stats(device->pool, &stats);
+        if (stats.bytes_free <= leave + EM_POOL_ALIGNMENT)
+            break;
+        uint64_t take = stats.bytes_free - leave;
+        if (take > stats.largest_free_block)
+            take = stats.largest_free_block;
+        ck_assert_int_lt(count, 1023);
+        em_error err;
+        ck_assert_msg(em_device_alloc(device, take, "balloon", &held[count++], &err) == EM_OK, "%s",
+                      err.message);
+    }
+    return held;
+}
+
+static void balloon_free(em_device *device, void **held)
+{
+    for (int i = 0; held[i] != NULL; i++)
+        em_device_free(device, held[i]);
+    free(held);
+}
+
+/* Pulls that create keys[from..to), per_pull at a time. */
+static void create_keys(em_table *table, const uint64_t *keys, uint64_t from, uint64_t to,
+                        uint32_t per_pull, uint32_t dim)
+{
+    float *out = malloc((size_t)per_pull * dim * sizeof(float));
+    for (uint64_t start = from; start < to; start += per_pull) {
+        uint32_t n = to - start < per_pull ? (uint32_t)(to - start) : per_pull;
+        em_test_batch b = em_test_key_batch(keys + start, n);
+        em_error err;
+        ck_assert_msg(em_test_pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err) == EM_OK,
+                      "%s", err.message);
+        em_test_batch_free(&b);
+    }
+    free(out);
+}
+
+/* A hash map in segments grows by the slots it adds. The map of 2^18 slots (4 MiB) must
+ * double; the pool is filled until 3 MiB are free: neither the new map of 8 MiB beside
+ * the old nor the 4 MiB it adds fit, and the pull fails whole, the table unchanged. With
+ * 7 MiB free, less than the 8 MiB of the new map, the pull succeeds through host memory
+ * (index_rehashes_through_host), and every key keeps its row. */
+START_TEST(segmented_map_grows_by_the_slots_it_adds)
+{
+    const uint32_t dim = 4, per_pull = 2000;
+    const uint64_t slots = (uint64_t)1 << 18, before_growth = slots / 10 * 9 - per_pull / 2;
+    map_segment_slots = 1024;
+    em_backend *gpu = gpu_backend(1, 48 * MEBIBYTE, false);
+    em_device *device = gpu->devices[0];
+    em_table_config config = table_config(dim, 10000000, 1, 0, EM_INIT_UNIFORM);
+    em_table *table = em_test_make_table(gpu, &config);
+    uint64_t total = before_growth + per_pull;
+    uint64_t *keys = malloc(total * sizeof(uint64_t));
+    for (uint64_t i = 0; i < total; i++)
+        keys[i] = i * 0x9e3779b97f4a7c15ull + 11;
+    create_keys(table, keys, 0, before_growth, per_pull, dim);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, before_growth);
+    ck_assert_uint_eq(stats.index_bytes, slots * sizeof(em_gpu_slot));
+    ck_assert_uint_eq(stats.index_rehashes_through_host, 0);
+
+    em_test_snapshot before = em_test_snapshot_take(table, 65536);
+    void **balloon = balloon_leaving(device, 3 * MEBIBYTE);
+    em_test_batch b = em_test_key_batch(keys + before_growth, per_pull);
+    float *out = malloc((size_t)per_pull * dim * sizeof(float));
+    em_error err;
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err),
+                     EM_RESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(err.message, "nor through host memory") != NULL, "%s", err.message);
+    em_test_assert_table_unchanged(table, &before);
+    em_test_snapshot_free(&before);
+    balloon_free(device, balloon);
+
+    balloon = balloon_leaving(device, 7 * MEBIBYTE);
+    ck_assert_msg(em_test_pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err) == EM_OK,
+                  "%s", err.message);
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, total);
+    ck_assert_uint_eq(stats.index_bytes, 2 * slots * sizeof(em_gpu_slot));
+    ck_assert_uint_eq(stats.index_rehashes_through_host, 1);
+    balloon_free(device, balloon);
+    /* every key is found, with its initial vector */
+    for (uint64_t start = 0; start < total; start += per_pull) {
+        uint32_t n = total - start < per_pull ? (uint32_t)(total - start) : per_pull;
+        em_test_batch all = em_test_key_batch(keys + start, n);
+        em_pull_result result;
+        ck_assert_int_eq(em_test_pull(table, &all.csr, EM_COMBINER_NONE, false, out, &result, &err),
+                         EM_OK);
+        ck_assert_uint_eq(result.missing, 0);
+        for (uint32_t i = 0; i < n; i++)
+            for (uint32_t j = 0; j < dim; j++) {
+                float expected = em_initializer_value(&config.initializer, keys[start + i], j);
+                ck_assert_msg(memcmp(&out[i * dim + j], &expected, sizeof(float)) == 0,
+                              "key %llu element %u", (unsigned long long)keys[start + i], j);
+            }
+        em_test_batch_free(&all);
+    }
+    em_test_batch_free(&b);
+    free(out);
+    free(keys);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+    map_segment_slots = 0;
 }
 END_TEST
 
@@ -1784,9 +1909,11 @@ END_TEST
  * probability admission). The same stream of one-key pulls and pushes over a key space
  * of four times the capacity on both backends, every row compared at each eviction
  * (candidates above the shard's rows): the rows kept match bit for bit, and so do the
- * counters of what left or was refused. */
+ * counters of what left or was refused. The GPU's maps are in segments of 1,024 slots
+ * for lfu, expiry and probability admission (odd loop indexes). */
 START_TEST(capacity_policies_match_cpu)
 {
+    map_segment_slots = _i % 2 == 1 ? 1024 : 0;
     const uint64_t capacity = 120;
     const uint32_t dim = 8;
     em_backend *cpu = cpu_backend();
@@ -1882,9 +2009,10 @@ static void push_keys(em_table *table, const uint64_t *keys, uint32_t n, uint32_
  * on both backends: the rows left match bit for bit, erased rows are reused (the
  * storage, one block of 8,192 rows of dim 64, does not grow while 8,500 keys come and
  * go) and the tombstones are dropped by rehashes in place (the map does not grow
- * either). */
+ * either). The GPU's map is in segments of 1,024 slots. */
 START_TEST(erase_matches_cpu_and_reuses_rows)
 {
+    map_segment_slots = 1024;
     const uint32_t dim = 64, live = 600, churn = 250;
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
@@ -1955,6 +2083,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, duplicate_keys_sum_like_cpu);
     tcase_add_test(tc, empty_rows_and_batches);
     tcase_add_test(tc, hash_map_grows_at_load_0_9);
+    tcase_add_test(tc, segmented_map_grows_by_the_slots_it_adds);
     tcase_add_test(tc, pool_exhaustion_fails_whole_and_table_keeps_working);
     tcase_add_loop_test(tc, pulls_that_run_out_of_pool_create_nothing, 0, 2);
     tcase_add_test(tc, import_export_round_trip_bit_for_bit);
