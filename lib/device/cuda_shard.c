@@ -193,6 +193,17 @@ static em_status arrays_prepare(cuda_lane *lane, const cuda_map_arrays *a, uint6
 /* Slots a rehash through host memory brings back to the GPU per copy, at most. */
 #define RELOAD_CHUNK_SLOTS ((uint64_t)1 << 20)
 
+/* Whether the pool has bytes free, in all. A map in segments is allocated segment by
+ * segment: asking first keeps a growth that cannot fit from taking the pool's last
+ * bytes one segment at a time (and failing other lanes' requests meanwhile). */
+static bool pool_has_free(em_device *device, uint64_t bytes, uint64_t *free_bytes)
+{
+    em_pool_stats stats;
+    em_pool_get_stats(device->pool, &stats);
+    *free_bytes = stats.bytes_free;
+    return stats.bytes_free >= bytes;
+}
+
 /* The shard's map becomes the arrays a, of slot_count slots; the old ones, from the
  * keep-th on, go back to the pool. */
 static void adopt_arrays(cuda_shard *shard, cuda_map_arrays *a, uint64_t keep, uint64_t slot_count)
@@ -258,7 +269,12 @@ static em_status rehash_through_host(cuda_shard *shard, cuda_lane *lane, uint64_
 {
     em_device *device = shard->base.device;
     const cuda_map_arrays *old = &shard->arrays;
-    uint64_t old_slots = shard->slot_count, each = old_slots / old->count;
+    uint64_t old_slots = shard->slot_count, each = old_slots / old->count, free_bytes = 0;
+    uint64_t added = (slot_count - old_slots) * sizeof(em_gpu_slot);
+    if (!pool_has_free(device, added, &free_bytes))
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "the %" PRIu64 " bytes of slots it adds do not fit in pool '%s' "
+                            "(%" PRIu64 " bytes free)", added, device->name, free_bytes);
     cuda_map_arrays grown;
     em_status status = arrays_create(shard, slot_count, old, old->count, &grown, err);
     if (status != EM_OK)
@@ -327,15 +343,24 @@ static em_status rehash_through_host(cuda_shard *shard, cuda_lane *lane, uint64_
  * so that growth needs room for the slots it adds, not for the whole new map. */
 static em_status rehash_map(cuda_shard *shard, cuda_lane *lane, uint64_t slot_count, em_error *err)
 {
-    cuda_map_arrays grown;
-    em_status status = arrays_create(shard, slot_count, NULL, 0, &grown, err);
-    if (status == EM_OK)
-        return rehash_beside(shard, lane, &grown, slot_count, err);
+    em_device *device = shard->base.device;
     bool keeps_arrays = slot_count >= shard->slot_count &&
                         array_slots_for(shard, slot_count) ==
                             shard->slot_count / shard->arrays.count;
-    if (status != EM_RESOURCE_EXHAUSTED || !keeps_arrays)
-        return status;
+    uint64_t bytes = slot_count * sizeof(em_gpu_slot), free_bytes = 0;
+    em_status status = EM_RESOURCE_EXHAUSTED;
+    if (!keeps_arrays || pool_has_free(device, bytes, &free_bytes)) {
+        cuda_map_arrays grown;
+        status = arrays_create(shard, slot_count, NULL, 0, &grown, err);
+        if (status == EM_OK)
+            return rehash_beside(shard, lane, &grown, slot_count, err);
+        if (status != EM_RESOURCE_EXHAUSTED || !keeps_arrays)
+            return status;
+    } else {
+        em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                     "the new map's %" PRIu64 " bytes do not fit beside the old one in pool "
+                     "'%s' (%" PRIu64 " bytes free)", bytes, device->name, free_bytes);
+    }
     em_error beside;
     em_error_copy(&beside, err);
     status = rehash_through_host(shard, lane, slot_count, err);
