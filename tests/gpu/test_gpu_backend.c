@@ -1881,6 +1881,7 @@ START_TEST(host_waits_and_operations_per_request)
         }
         uint64_t operations = 0, waits = 0, operations_after = 0, waits_after = 0;
         em_gpu_emulated_counts(&operations, &waits);
+        uint64_t transfers = em_gpu_emulated_transfers();
         em_status status =
             shape->push ? em_test_push(table, &batch, EM_COMBINER_NONE, vectors, NULL, &err)
                         : em_test_pull(table, &batch, EM_COMBINER_NONE, true, vectors, NULL, &err);
@@ -1888,8 +1889,10 @@ START_TEST(host_waits_and_operations_per_request)
         em_gpu_emulated_counts(&operations_after, &waits_after);
         operations = operations_after - operations;
         waits = waits_after - waits;
-        printf("%-20s %u shard(s): %3" PRIu64 " operations, %2" PRIu64 " host waits\n",
-               shape->what, shape->shards, operations, waits);
+        transfers = em_gpu_emulated_transfers() - transfers;
+        printf("%-20s %u shard(s): %3" PRIu64 " operations (%2" PRIu64 " kernels, %2" PRIu64
+               " copies and fills), %2" PRIu64 " host waits\n",
+               shape->what, shape->shards, operations, operations - transfers, transfers, waits);
         ck_assert_msg(operations <= shape->operations && waits <= shape->waits,
                       "%s, %u shard(s): %" PRIu64 " operations and %" PRIu64 " waits, more than "
                       "the %" PRIu64 " and %" PRIu64 " measured before",

@@ -134,12 +134,17 @@ static void protect_all(int protection)
 }
 
 /* What the host asked of the emulated GPUs (em_gpu_emulated_counts). */
-static _Atomic uint64_t operations_issued, host_waits;
+static _Atomic uint64_t operations_issued, transfers_issued, host_waits;
 
 void em_gpu_emulated_counts(uint64_t *operations, uint64_t *waits)
 {
     *operations = atomic_load(&operations_issued);
     *waits = atomic_load(&host_waits);
+}
+
+uint64_t em_gpu_emulated_transfers(void)
+{
+    return atomic_load(&transfers_issued);
 }
 
 /* Device work runs between these two: regions readable and writable, one at a time. */
@@ -262,6 +267,7 @@ static em_gpu_status async_copy(em_gpu_stream *stream, void *destination, const 
         copy->host = into_pinned ? destination : (uint8_t *)source;
         copy->size = bytes;
     }
+    atomic_fetch_add(&transfers_issued, 1);
     enter_device();
     if (into_pinned)
         memcpy(copy->bytes, source, bytes);
@@ -497,6 +503,7 @@ em_gpu_status em_gpu_memset_async(em_gpu_stream *stream, void *destination, int 
                                   size_t bytes)
 {
     (void)stream;
+    atomic_fetch_add(&transfers_issued, 1);
     enter_device();
     memset(destination, value, bytes);
     leave_device();

@@ -12,4 +12,8 @@
  * synchronisations). */
 void em_gpu_emulated_counts(uint64_t *operations, uint64_t *waits);
 
+/* Of the operations, the copies and fills (cudaMemcpyAsync, cudaMemsetAsync): the rest
+ * are kernel launches. */
+uint64_t em_gpu_emulated_transfers(void);
+
 #endif
