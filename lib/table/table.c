@@ -194,6 +194,24 @@ static void note_general_find(em_table *table, _Atomic bool *go_general, uint64_
         atomic_store_explicit(go_general, false, memory_order_relaxed);
 }
 
+/* A request that went at once found `absent` of its keys missing: none, and the table's
+ * requests of its kind stop creating keys at once (create); some that it could have
+ * created but did not try to, and the next ones create at once; else, when may_go_general,
+ * a table of several shards sends the next ones the general way from the start. */
+static void note_at_once_find(em_table *table, _Atomic bool *create, _Atomic bool *go_general,
+                              uint64_t absent, bool creatable, bool may_go_general)
+{
+    bool creating = atomic_load_explicit(create, memory_order_relaxed);
+    if (absent == 0) {
+        if (creating)
+            atomic_store_explicit(create, false, memory_order_relaxed);
+    } else if (creatable && !creating) {
+        atomic_store_explicit(create, true, memory_order_relaxed);
+    } else if (may_go_general && table->shard_count > 1) {
+        atomic_store_explicit(go_general, true, memory_order_relaxed);
+    }
+}
+
 static bool pull_may_run_at_once(const request_context *r, const em_pull_request *request)
 {
     return r->home->ops->shards_pull_async != NULL && may_run_at_once(r, request->batch.nnz) &&
@@ -409,9 +427,9 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
         (void)ops->synchronize(r->home_lane, &ignored);
         return em_error_prefix(err, "table '%s': ", table->config.name);
     }
-    if (create) {
-        if (absent == 0)
-            atomic_store_explicit(&table->pulls_create, false, memory_order_relaxed);
+    if (create) { /* what it found absent it created */
+        note_at_once_find(table, &table->pulls_create, &table->pulls_go_general, absent, false,
+                          false);
         result->unique_keys = unique_count;
         result->missing = absent;
         result->created = absent;
@@ -419,15 +437,8 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
         *done = true;
         return EM_OK;
     }
-    if (absent == 0 && atomic_load_explicit(&table->pulls_create, memory_order_relaxed))
-        atomic_store_explicit(&table->pulls_create, false, memory_order_relaxed);
-    if (absent != 0 && creatable &&
-        !atomic_load_explicit(&table->pulls_create, memory_order_relaxed)) {
-        /* keys are being created again: the next pulls create them at once */
-        atomic_store_explicit(&table->pulls_create, true, memory_order_relaxed);
-    } else if (absent != 0 && table->shard_count > 1) {
-        atomic_store_explicit(&table->pulls_go_general, true, memory_order_relaxed);
-    }
+    note_at_once_find(table, &table->pulls_create, &table->pulls_go_general, absent, creatable,
+                      true);
     if (absent != 0 && table->shard_count > 1) {
         em__request_rewind(r, &mark);
         return EM_OK;
@@ -680,14 +691,9 @@ static em_status push_at_once(request_context *r, const push_call *call,
     }
     if (status != EM_OK)
         return em_error_prefix(err, "table '%s': ", table->config.name);
-    if (!saving && answers[0] == 0 &&
-        atomic_load_explicit(&table->pushes_create, memory_order_relaxed))
-        atomic_store_explicit(&table->pushes_create, false, memory_order_relaxed);
-    if (!saving && !create && answers[0] != 0 && creatable &&
-        !atomic_load_explicit(&table->pushes_create, memory_order_relaxed))
-        atomic_store_explicit(&table->pushes_create, true, memory_order_relaxed);
-    else if (!saving && !create && !stepped && table->shard_count > 1 && answers[0] != 0)
-        atomic_store_explicit(&table->pushes_go_general, true, memory_order_relaxed);
+    if (!saving)
+        note_at_once_find(table, &table->pushes_create, &table->pushes_go_general, answers[0],
+                          creatable && !create, !create && !stepped);
     if (saving || (!stepped && table->shard_count > 1)) {
         em__request_rewind(r, &mark);
         return EM_OK;
