@@ -439,6 +439,25 @@ em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage st
                                         em_initializer_config initializer, const uint64_t *keys,
                                         const uint64_t *rows, uint64_t n, const uint32_t *count,
                                         const float *gradients, uint64_t *first);
+/* A push's find and check in one kernel: em_gpu_map_find_counted (or
+ * em_gpu_shards_find_counted) of keys[i], then em_gpu_rows_check_counted of the row found,
+ * by the same thread. The rows are the view's (storage numbers them as the map or the
+ * shards do). */
+em_gpu_status em_gpu_map_find_check_counted(em_gpu_stream *stream, em_gpu_map map,
+                                            em_gpu_storage storage,
+                                            em_optimizer_config optimizer,
+                                            em_initializer_config initializer,
+                                            const uint64_t *keys, uint64_t n,
+                                            const uint32_t *count, const float *gradients,
+                                            uint64_t *rows, uint64_t *missing, uint64_t *first);
+em_gpu_status em_gpu_shards_find_check_counted(em_gpu_stream *stream, em_gpu_shards shards,
+                                               em_gpu_storage storage,
+                                               em_optimizer_config optimizer,
+                                               em_initializer_config initializer,
+                                               const uint64_t *keys, uint64_t n,
+                                               const uint32_t *count, const float *gradients,
+                                               uint64_t *rows, uint64_t *missing,
+                                               uint64_t *first);
 /* A pull's output straight from the rows of a one-shard table, in one pass (no gathered
  * vectors): em_gpu_rows_pull_element over batch->nnz vectors (NONE) or batch->rows
  * (pooled); rows[u] is unique key u's row; batch->position is not used. */

@@ -308,6 +308,31 @@ __global__ void rows_check_kernel(em_gpu_storage storage, em_optimizer_config op
     }
 }
 
+/* find_kernel and rows_check_kernel in one pass: each thread checks the row it found. */
+template <typename Seen>
+__global__ void find_check_kernel(Seen seen, em_gpu_storage storage,
+                                  em_optimizer_config optimizer, em_initializer_config initializer,
+                                  const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                  const float *gradients, uint64_t *rows, uint64_t *missing,
+                                  uint64_t *first)
+{
+    uint64_t end = count != NULL && *count < n ? *count : n;
+    uint32_t absent = 0;
+    EM_GPU_FOR_EACH(i, end)
+    {
+        absent += (uint32_t)find_item(seen, keys, i, rows);
+        uint32_t code = em_gpu_rows_check_item(storage, &optimizer, &initializer, keys, rows,
+                                               gradients, i);
+        if (code != EM_ROW_CHECK_OK)
+            atomicMin((unsigned long long *)first,
+                      (unsigned long long)em_gpu_rows_check_result(i, code));
+    }
+    /* One atomic per warp: every lane reaches this point (blocks are whole warps). */
+    absent = __reduce_add_sync(WARP_MASK, absent);
+    if ((threadIdx.x & 31u) == 0 && absent != 0)
+        atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
+}
+
 __global__ void rows_read_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
                                  float *values, uint32_t shift)
 {
@@ -608,6 +633,31 @@ extern "C" em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(rows_check_kernel, n, stream, storage, optimizer, initializer, keys,
                          rows, n, count, gradients, first);
+}
+
+extern "C" em_gpu_status em_gpu_map_find_check_counted(
+    em_gpu_stream *stream, em_gpu_map map, em_gpu_storage storage, em_optimizer_config optimizer,
+    em_initializer_config initializer, const uint64_t *keys, uint64_t n, const uint32_t *count,
+    const float *gradients, uint64_t *rows, uint64_t *missing, uint64_t *first)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(find_check_kernel<em_gpu_map>, n, stream, map, storage, optimizer,
+                         initializer, keys, n, count, gradients, rows, missing, first);
+}
+
+extern "C" em_gpu_status em_gpu_shards_find_check_counted(
+    em_gpu_stream *stream, em_gpu_shards shards, em_gpu_storage storage,
+    em_optimizer_config optimizer, em_initializer_config initializer, const uint64_t *keys,
+    uint64_t n, const uint32_t *count, const float *gradients, uint64_t *rows, uint64_t *missing,
+    uint64_t *first)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(find_check_kernel<em_gpu_shards>, n, stream, shards, storage, optimizer,
+                         initializer, keys, n, count, gradients, rows, missing, first);
 }
 
 extern "C" em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,

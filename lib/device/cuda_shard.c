@@ -937,6 +937,23 @@ static em_status find_seen(const shards_seen *seen, cuda_lane *lane, const uint6
     return lane_check(lane, found, err);
 }
 
+/* A push's find and check of unique[0..*count) in the shards seen, in one kernel. */
+static em_status find_check_seen(const shards_seen *seen, const cuda_shard *first,
+                                 cuda_lane *lane, const uint64_t *unique, uint64_t n,
+                                 const uint32_t *count, const float *gradients, uint64_t *rows,
+                                 uint64_t *missing, uint64_t *problem, em_error *err)
+{
+    em_gpu_status done =
+        seen->count == 1
+            ? em_gpu_map_find_check_counted(lane->stream, seen->map, seen->storage,
+                                            first->optimizer, first->initializer, unique, n,
+                                            count, gradients, rows, missing, problem)
+            : em_gpu_shards_find_check_counted(lane->stream, seen->shards, seen->storage,
+                                               first->optimizer, first->initializer, unique, n,
+                                               count, gradients, rows, missing, problem);
+    return lane_check(lane, done, err);
+}
+
 /* Settles the maps of the shards seen (several) and sends their headers back in one
  * copy, into the first shard's headers_host; shard_insert_settle takes each in through
  * its settle_from once the lane has synchronized. The caller holds every shard's write
@@ -1103,13 +1120,8 @@ em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_coun
     if (status == EM_OK) /* after every read and write of the shards on other lanes */
         status = order_shards(bases, shard_count, lane, true, err);
     if (status == EM_OK)
-        status = find_seen(&seen, lane, unique, n, count, rows, missing, err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_check_counted(lane->stream, seen.storage,
-                                                            first->optimizer, first->initializer,
-                                                            unique, rows, n, count, gradients,
-                                                            problem),
-                            err);
+        status = find_check_seen(&seen, first, lane, unique, n, count, gradients, rows, missing,
+                                 problem, err);
     if (status == EM_OK && create)
         status = insert_seen(bases, &seen, lane, &s, unique, n, count, problem, rows, err);
     em_gpu_gate gate = {.count = count, .missing = create ? NULL : missing, .problem = problem};

@@ -1183,6 +1183,58 @@ em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage st
     return ok();
 }
 
+/* The find of keys[i], then the check of its row, item by item (one kernel). */
+static void find_check_item(int found_absent, em_gpu_storage storage,
+                            const em_optimizer_config *optimizer,
+                            const em_initializer_config *initializer, const uint64_t *keys,
+                            const float *gradients, uint64_t *rows, uint64_t i,
+                            uint64_t *missing, uint64_t *first)
+{
+    *missing += (uint64_t)found_absent;
+    uint32_t code = em_gpu_rows_check_item(storage, optimizer, initializer, keys, rows,
+                                           gradients, i);
+    uint64_t result = em_gpu_rows_check_result(i, code);
+    if (code != EM_ROW_CHECK_OK && result < *first)
+        *first = result;
+}
+
+em_gpu_status em_gpu_map_find_check_counted(em_gpu_stream *stream, em_gpu_map map,
+                                            em_gpu_storage storage,
+                                            em_optimizer_config optimizer,
+                                            em_initializer_config initializer,
+                                            const uint64_t *keys, uint64_t n,
+                                            const uint32_t *count, const float *gradients,
+                                            uint64_t *rows, uint64_t *missing, uint64_t *first)
+{
+    (void)stream;
+    enter_device();
+    uint64_t end = *count < n ? *count : n;
+    for (uint64_t i = 0; i < end; i++)
+        find_check_item(em_gpu_map_find_item(map, keys, i, rows), storage, &optimizer,
+                        &initializer, keys, gradients, rows, i, missing, first);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_shards_find_check_counted(em_gpu_stream *stream, em_gpu_shards shards,
+                                               em_gpu_storage storage,
+                                               em_optimizer_config optimizer,
+                                               em_initializer_config initializer,
+                                               const uint64_t *keys, uint64_t n,
+                                               const uint32_t *count, const float *gradients,
+                                               uint64_t *rows, uint64_t *missing,
+                                               uint64_t *first)
+{
+    (void)stream;
+    enter_device();
+    uint64_t end = *count < n ? *count : n;
+    for (uint64_t i = 0; i < end; i++)
+        find_check_item(em_gpu_shards_find_item(shards, keys, i, rows), storage, &optimizer,
+                        &initializer, keys, gradients, rows, i, missing, first);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *rows, uint64_t n, float *values)
 {
