@@ -39,7 +39,7 @@ static void usage(void)
 static options parse(int argc, char **argv)
 {
     options o = {.slots = UINT64_C(1) << 22, .searches = 1000000, .seed = 20261126};
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* --option value */
         if (i + 1 >= argc)
             usage();
         uint64_t value = strtoull(argv[i + 1], NULL, 10);
@@ -51,7 +51,6 @@ static options parse(int argc, char **argv)
             o.seed = value;
         else
             usage();
-        i++;
     }
     if (o.slots < 16 || (o.slots & (o.slots - 1)) != 0 || o.searches == 0)
         usage();

@@ -936,7 +936,8 @@ START_TEST(snapshots_are_one_instant_while_pushes_run)
          .stop = &stop},
     };
     /* the keys exist before the pushers start */
-    contexts[0].stop = &(_Atomic int){1};
+    _Atomic int stop_at_once = 1;
+    contexts[0].stop = &stop_at_once;
     snapshot_pusher(&contexts[0]);
     contexts[0].stop = &stop;
     pthread_t threads[4];
