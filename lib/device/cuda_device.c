@@ -246,6 +246,12 @@ static em_status scratch_free_later(scratch *s, cuda_lane *lane, em_error *err)
     return status;
 }
 
+em_status em__cuda_free_later(cuda_lane *lane, void *pointer, em_error *err)
+{
+    scratch s = {.device = lane->base.device, .pointers = {pointer}, .count = 1};
+    return scratch_free_later(&s, lane, err);
+}
+
 /* Ends an operation that may have enqueued work using its scratch. */
 em_status em__cuda_finish_async(scratch *s, cuda_lane *lane, em_status status, em_error *err)
 {
@@ -463,6 +469,10 @@ static void destroy_lane(em_device *device, cuda_lane *lane)
 {
     if (lane->stream != NULL)
         em__cuda_lane_sync(lane, NULL);
+    for (uint32_t v = 0; v < VIEW_CACHE; v++) {
+        em_device_free(device, lane->views[v].device);
+        free(lane->views[v].host);
+    }
     em_device_free(device, lane->counter);
     em_gpu_event_destroy(lane->staging_done[0]);
     em_gpu_event_destroy(lane->staging_done[1]);

@@ -42,6 +42,8 @@
 #define LATER_MAX 4u
 /* Scratch buffers one operation takes at most. */
 #define SCRATCH_MAX 8u
+/* Views of a table's shards a lane keeps on its GPU (cuda_shard.c: see_shards). */
+#define VIEW_CACHE 4u
 
 _Static_assert(EM_GPU_ROW_NONE == EM_ROW_NONE, "row marker shared with the kernels");
 
@@ -71,6 +73,15 @@ typedef struct cuda_lane {
     } later[LATER_MAX];
     uint32_t later_count;
     size_t later_used;
+    /* The views of several shards of one table (cuda_shard.c: see_shards) the lane copied
+     * to its GPU last: a request whose view is byte for byte one of them uses that copy
+     * instead of copying its own. Each device copy is the lane's, from the pool. */
+    struct {
+        void *host;   /* the view as built on the host (malloc) */
+        void *device; /* its copy on the GPU */
+        size_t bytes;
+    } views[VIEW_CACHE];
+    uint32_t next_view; /* the entry the next view not found replaces */
     /* Calls that went to the GPU for this lane (lane_check counts every one, and handing
      * out its stream counts as one), and their number at the last synchronisation: a
      * lane with nothing issued since is idle, and synchronising it waits for nothing. */
@@ -214,6 +225,9 @@ em_status em__cuda_finish_async(scratch *s, cuda_lane *lane, em_status status, e
 
 /* Waits for everything issued on the lane, then frees what was waiting for that. */
 em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err);
+
+/* Frees a pool buffer once the lane's work so far has completed. */
+em_status em__cuda_free_later(cuda_lane *lane, void *pointer, em_error *err);
 
 /* ---- home-side operations (lib/device/cuda_home_ops.c) ---- */
 

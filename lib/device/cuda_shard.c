@@ -854,10 +854,46 @@ typedef struct shards_seen {
     em_gpu_storage storage;
 } shards_seen;
 
-/* The view of shards[0..count) (shards_seen), copied through the lane's staging into a
- * buffer of s (its free waits for the lane's next synchronisation). The shards' block
- * tables do not change meanwhile: the caller holds every shard's lock. */
-static em_status see_shards(em_shard *const *bases, uint32_t count, cuda_lane *lane, scratch *s,
+/* The GPU copy of a view built on the host (host, bytes; taken over): a copy the lane
+ * keeps of a view byte for byte the same, or a new one, copied through the lane's
+ * staging, that replaces the lane's oldest (whose buffer is freed once the lane's work
+ * so far is done). A view holds the maps' descriptors and the block pointers, so an
+ * equal view is an equally valid one: whatever changed in a shard since (a growth, new
+ * blocks) changes its bytes. */
+static em_status view_on_gpu(cuda_lane *lane, uint8_t *host, size_t bytes, uint8_t **device,
+                             em_error *err)
+{
+    for (uint32_t v = 0; v < VIEW_CACHE; v++)
+        if (lane->views[v].bytes == bytes && memcmp(lane->views[v].host, host, bytes) == 0) {
+            free(host);
+            *device = lane->views[v].device;
+            return EM_OK;
+        }
+    em_status status = em_device_alloc(lane->base.device, bytes, "shards view", (void **)device,
+                                       err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(&lane->base, *device, host, bytes, err);
+    if (status != EM_OK) {
+        if (*device != NULL)
+            (void)em__cuda_free_later(lane, *device, NULL);
+        free(host);
+        return status;
+    }
+    uint32_t v = lane->next_view;
+    lane->next_view = (v + 1) % VIEW_CACHE;
+    if (lane->views[v].device != NULL)
+        status = em__cuda_free_later(lane, lane->views[v].device, err);
+    free(lane->views[v].host);
+    lane->views[v].host = host;
+    lane->views[v].device = *device;
+    lane->views[v].bytes = bytes;
+    return status;
+}
+
+/* The view of shards[0..count) (shards_seen), on the GPU: one the lane keeps
+ * (view_on_gpu). The shards' block tables do not change meanwhile: the caller holds
+ * every shard's lock. */
+static em_status see_shards(em_shard *const *bases, uint32_t count, cuda_lane *lane,
                             shards_seen *seen, em_error *err)
 {
     const cuda_shard *first = shard_of(bases[0]);
@@ -903,10 +939,7 @@ static em_status see_shards(em_shard *const *bases, uint32_t count, cuda_lane *l
         at += shard->block_count;
     }
     uint8_t *device = NULL;
-    em_status status = scratch_take(s, bytes, "shards view", (void **)&device, err);
-    if (status == EM_OK)
-        status = em__cuda_copy_to_device(&lane->base, device, host, bytes, err);
-    free(host);
+    em_status status = view_on_gpu(lane, host, bytes, &device, err);
     if (status != EM_OK)
         return status;
     size_t maps_bytes = count * sizeof(em_gpu_map);
@@ -1070,7 +1103,7 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
                          .unique_count = batch->nnz, /* at most; the kernels read *count */
                          .combiner = combiner,
                          .dim = first->dim};
-    em_status status = see_shards(bases, shard_count, lane, &s, &seen, err);
+    em_status status = see_shards(bases, shard_count, lane, &seen, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)),
                             err);
@@ -1110,7 +1143,7 @@ em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_coun
     cuda_lane *lane = lane_of(lane_base);
     scratch s = {.device = lane_base->device};
     shards_seen seen;
-    em_status status = see_shards(bases, shard_count, lane, &s, &seen, err);
+    em_status status = see_shards(bases, shard_count, lane, &seen, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)),
                             err);

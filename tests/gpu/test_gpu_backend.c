@@ -1832,12 +1832,12 @@ START_TEST(host_waits_and_operations_per_request)
         {"push, present keys", 1, true, false, false, 17, 1},
         {"push, creating", 1, true, true, false, 23, 2},
         {"push, creating again", 1, true, true, true, 22, 1},
-        {"pull, present keys", 8, false, false, false, 13, 1},
-        {"pull, creating", 8, false, true, false, 26, 9},
-        {"pull, creating again", 8, false, true, true, 18, 1},
-        {"push, present keys", 8, true, false, false, 18, 1},
-        {"push, creating", 8, true, true, false, 31, 9},
-        {"push, creating again", 8, true, true, true, 23, 1},
+        {"pull, present keys", 8, false, false, false, 12, 1},
+        {"pull, creating", 8, false, true, false, 25, 9},
+        {"pull, creating again", 8, false, true, true, 17, 1},
+        {"push, present keys", 8, true, false, false, 17, 1},
+        {"push, creating", 8, true, true, false, 30, 9},
+        {"push, creating again", 8, true, true, true, 22, 1},
     };
     enum { KEYS = 1000, DIM = 16 };
     em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
