@@ -327,6 +327,32 @@ END_TEST
 /* Many keys through one shard: the map grows (rehash) again and again; after every
  * batch the load stays at or below 0.9, and it gets close to 0.9 before growing. Every
  * key keeps its row (value) across the rehashes. */
+/* Every one of keys[0..total) is found (pulls of per_pull, nothing created) with its
+ * initial vector, bit for bit. */
+static void assert_initial_vectors(em_table *table, const em_table_config *config,
+                                   const uint64_t *keys, uint64_t total, uint32_t per_pull)
+{
+    uint32_t dim = config->dim;
+    float *out = malloc((size_t)per_pull * dim * sizeof(float));
+    for (uint64_t start = 0; start < total; start += per_pull) {
+        uint32_t n = total - start < per_pull ? (uint32_t)(total - start) : per_pull;
+        em_test_batch b = em_test_key_batch(keys + start, n);
+        em_pull_result result;
+        em_error err;
+        ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, out, &result, &err),
+                         EM_OK);
+        ck_assert_uint_eq(result.missing, 0);
+        for (uint32_t i = 0; i < n; i++)
+            for (uint32_t j = 0; j < dim; j++) {
+                float expected = em_initializer_value(&config->initializer, keys[start + i], j);
+                ck_assert_msg(memcmp(&out[i * dim + j], &expected, sizeof(float)) == 0,
+                              "key %llu element %u", (unsigned long long)keys[start + i], j);
+            }
+        em_test_batch_free(&b);
+    }
+    free(out);
+}
+
 START_TEST(hash_map_grows_at_load_0_9)
 {
     const uint32_t dim = 4, per_batch = 2000;
@@ -363,19 +389,7 @@ START_TEST(hash_map_grows_at_load_0_9)
     ck_assert_msg(highest_load > 0.85, "highest load %.4f", highest_load);
     ck_assert_int_ge(growths, 2);
     /* Every key is found with its initial vector; none is created again. */
-    for (uint64_t start = 0; start < total; start += per_batch) {
-        em_test_batch b = em_test_key_batch(keys + start, per_batch);
-        em_pull_result result;
-        ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, out, &result, &err), EM_OK);
-        ck_assert_uint_eq(result.missing, 0);
-        for (uint32_t i = 0; i < per_batch; i++)
-            for (uint32_t j = 0; j < dim; j++) {
-                float expected = em_initializer_value(&config.initializer, keys[start + i], j);
-                ck_assert_msg(memcmp(&out[i * dim + j], &expected, sizeof(float)) == 0,
-                              "key %llu element %u", (unsigned long long)keys[start + i], j);
-            }
-        em_test_batch_free(&b);
-    }
+    assert_initial_vectors(table, &config, keys, total, per_batch);
     em_test_snapshot rows = em_test_snapshot_take(table, 65536);
     ck_assert_uint_eq(rows.count, total);
     em_test_snapshot_free(&rows);
@@ -476,22 +490,7 @@ START_TEST(segmented_map_grows_by_the_slots_it_adds)
     ck_assert_uint_eq(stats.index_bytes, 2 * slots * sizeof(em_gpu_slot));
     ck_assert_uint_eq(stats.index_rehashes_through_host, 1);
     balloon_free(device, balloon);
-    /* every key is found, with its initial vector */
-    for (uint64_t start = 0; start < total; start += per_pull) {
-        uint32_t n = total - start < per_pull ? (uint32_t)(total - start) : per_pull;
-        em_test_batch all = em_test_key_batch(keys + start, n);
-        em_pull_result result;
-        ck_assert_int_eq(em_test_pull(table, &all.csr, EM_COMBINER_NONE, false, out, &result, &err),
-                         EM_OK);
-        ck_assert_uint_eq(result.missing, 0);
-        for (uint32_t i = 0; i < n; i++)
-            for (uint32_t j = 0; j < dim; j++) {
-                float expected = em_initializer_value(&config.initializer, keys[start + i], j);
-                ck_assert_msg(memcmp(&out[i * dim + j], &expected, sizeof(float)) == 0,
-                              "key %llu element %u", (unsigned long long)keys[start + i], j);
-            }
-        em_test_batch_free(&all);
-    }
+    assert_initial_vectors(table, &config, keys, total, per_pull);
     em_test_batch_free(&b);
     free(out);
     free(keys);
