@@ -249,6 +249,56 @@ START_TEST(workloads_match_cpu)
 }
 END_TEST
 
+/* Tables of several shards take turns on one GPU, so requests at once on the same lane
+ * meet views of other tables' shards (the lane keeps the last few it copied) and views
+ * of their own table from before it grew: each table's pulls, pushes and final rows
+ * match its CPU twin's, through growths of its maps and storage between turns. */
+START_TEST(tables_taking_turns_on_a_lane_match_cpu)
+{
+    enum { TABLES = 4, TURNS = 4 };
+    const uint32_t shards[TABLES] = {4, 5, 4, 8};
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table *cpu_tables[TABLES], *gpu_tables[TABLES];
+    workload w[TABLES];
+    for (int t = 0; t < TABLES; t++) {
+        w[t] = (workload){.dim = 16, .shards = shards[t], .optimizer = t % 4,
+                          .combiner = (em_combiner)(t % 4), .rounds = 2};
+        em_table_config config = table_config(16, 200000, shards[t], t % 4, EM_INIT_UNIFORM);
+        cpu_tables[t] = em_test_make_table(cpu, &config);
+        gpu_tables[t] = em_test_make_table(gpu, &config);
+    }
+    uint64_t *keys = malloc(2048 * sizeof(uint64_t));
+    float *out = malloc(2048 * 16 * sizeof(float));
+    em_error err;
+    for (int turn = 0; turn < TURNS; turn++) {
+        for (int t = 0; t < TABLES; t++) {
+            run_both(cpu_tables[t], gpu_tables[t], &w[t]);
+            if ((turn + t) % 3 != 0)
+                continue;
+            /* new keys: the table's maps and storage grow before its next turn */
+            for (uint32_t i = 0; i < 2048; i++)
+                keys[i] = ((uint64_t)turn << 40) + (uint64_t)t * 1000003u + i * 7919u + 1;
+            em_test_batch b = em_test_key_batch(keys, 2048);
+            ck_assert_int_eq(em_test_pull(cpu_tables[t], &b.csr, EM_COMBINER_NONE, true, out,
+                                          NULL, &err), EM_OK);
+            ck_assert_msg(em_test_pull(gpu_tables[t], &b.csr, EM_COMBINER_NONE, true, out, NULL,
+                                       &err) == EM_OK, "%s", err.message);
+            em_test_batch_free(&b);
+        }
+    }
+    for (int t = 0; t < TABLES; t++) {
+        assert_tables_alike(cpu_tables[t], gpu_tables[t], 7, 1e-2);
+        em_table_destroy(cpu_tables[t]);
+        em_table_destroy(gpu_tables[t]);
+    }
+    free(keys);
+    free(out);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* Keys that repeat within a push are summed first, in key order: a push whose keys are
  * all the same key gives exactly the CPU's row (sgd; sums of the same floats in the
  * same order). */
@@ -2082,6 +2132,7 @@ static Suite *gpu_backend_suite(void)
     tcase_set_timeout(tc, 600);
     tcase_add_loop_test(tc, initial_values_match_cpu_bit_for_bit, 0, 6);
     tcase_add_loop_test(tc, workloads_match_cpu, 0, 16);
+    tcase_add_test(tc, tables_taking_turns_on_a_lane_match_cpu);
     tcase_add_test(tc, duplicate_keys_sum_like_cpu);
     tcase_add_test(tc, empty_rows_and_batches);
     tcase_add_test(tc, hash_map_grows_at_load_0_9);
