@@ -22,14 +22,6 @@ static uint64_t unique_table_slots(uint64_t n)
     return slots;
 }
 
-/* Bits that hold every value below count: the radix sort's end_bit. */
-static uint32_t bits_for(uint64_t count)
-{
-    uint32_t bits = 0;
-    while (count > 1 && bits < 64 && ((count - 1) >> bits) != 0)
-        bits++;
-    return bits;
-}
 
 em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void **temp,
                                 size_t *temp_bytes, em_error *err)

@@ -172,6 +172,16 @@ static inline cuda_shard *shard_of(em_shard *shard)
     return (cuda_shard *)shard;
 }
 
+/* Bits that hold every value below count (a radix sort's end_bit; log2 of a power of
+ * two). */
+static inline uint32_t bits_for(uint64_t count)
+{
+    uint32_t bits = 0;
+    while (count > 1 && bits < 64 && ((count - 1) >> bits) != 0)
+        bits++;
+    return bits;
+}
+
 /* Pool buffers of one operation, freed together. */
 typedef struct scratch {
     em_device *device;

@@ -126,14 +126,6 @@ static uint64_t array_slots_for(const cuda_shard *shard, uint64_t slot_count)
     return most == 0 || slot_count <= most ? slot_count : most;
 }
 
-static uint32_t log2_of(uint64_t power_of_two)
-{
-    uint32_t shift = 0;
-    while (((uint64_t)1 << shift) < power_of_two)
-        shift++;
-    return shift;
-}
-
 /* Frees a's arrays from the keep-th on (the first keep belong to another map), its
  * device table and its host table. */
 static void arrays_free(em_device *device, cuda_map_arrays *a, uint64_t keep)
@@ -159,7 +151,7 @@ static em_status arrays_create(cuda_shard *shard, uint64_t slot_count, const cud
         return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                             "hash map of %" PRIu64 " slots: out of host memory", slot_count);
     out->count = slot_count / each;
-    out->shift = log2_of(each);
+    out->shift = bits_for(each);
     em_status status = EM_OK;
     if (out->count > 1)
         status = em_device_alloc(device, out->count * sizeof(em_gpu_slot *),
