@@ -1525,9 +1525,15 @@ static int command_load(cli *c, int argc, char **argv)
     if (c->json) {
         print_json(loaded);
     } else {
-        printf("%s: loaded checkpoint %s, %.0f rows, %.3f s, from %s%s\n", table,
-               cJSON_GetObjectItem(loaded, "id")->valuestring,
-               cJSON_GetObjectItem(loaded, "rows")->valuedouble,
+        /* table_rows: the rows of the loaded table; rows: those the checkpoint's own
+         * files hold (a delta's changed rows only) */
+        const char *kind = cJSON_GetObjectItem(loaded, "kind")->valuestring;
+        printf("%s: loaded %s checkpoint %s", table, kind,
+               cJSON_GetObjectItem(loaded, "id")->valuestring);
+        if (strcmp(kind, "delta") == 0)
+            printf(" (depth %.0f)", cJSON_GetObjectItem(loaded, "depth")->valuedouble);
+        printf(", %.0f rows, %.3f s, from %s%s\n",
+               cJSON_GetObjectItem(loaded, "table_rows")->valuedouble,
                cJSON_GetObjectItem(loaded, "seconds")->valuedouble,
                cJSON_GetObjectItem(loaded, "path")->valuestring,
                weights_only ? " (weights only)" : "");

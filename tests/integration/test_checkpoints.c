@@ -311,6 +311,18 @@ START_TEST(deltas_survive_kill_9_and_follow_full_every)
     ck_assert(missing == 0 && same(restored, state));
     free(restored);
     free(state);
+    /* a LOAD of the delta says how many rows the loaded table has, not only the
+     * delta's own */
+    char delta_path[512];
+    snprintf(delta_path, sizeof(delta_path), "%s/t/00000000000000000002", dir);
+    char *load[] = {ctl, "--server", daemon->admin, "load", "t2", "--from", delta_path, NULL};
+    ck_assert_int_eq(test_run_program(load, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "t2: loaded delta checkpoint 00000000000000000002 (depth 1), "
+                              "20000 rows, ") != NULL, "%s", out);
+    free(out);
+    char *drop[] = {ctl, "--server", daemon->admin, "tables", "drop", "t2", NULL};
+    ck_assert_int_eq(test_run_program(drop, TEST_ADMIN_TOKEN, &out), 0);
+    free(out);
     /* the restored table's digests carry on: SIGTERM writes delta 3 on top of 2 */
     train_part(client, b, 23, 7000, 50);
     state = read_state(client, b, &missing);
