@@ -532,6 +532,9 @@ static bool parse_key(const char *text, uint64_t *key)
     return true;
 }
 
+/* Whole numbers from this on may lose digits as doubles (2^53). */
+#define EXACT_DOUBLE_MAX 9007199254740992.0
+
 static bool parse_whole(const char *text, double *out)
 {
     uint64_t value;
@@ -557,7 +560,10 @@ static int add_whole(cJSON *object, const char *key, const char *flag, const cha
         return EXIT_OK;
     if (!parse_whole(text, &value))
         return usage_error("--%s '%s' is not a whole number", flag, text);
-    cJSON_AddNumberToObject(object, key, value);
+    if (value >= EXACT_DOUBLE_MAX) /* a JSON number would round it: digits, as configs allow */
+        cJSON_AddStringToObject(object, key, text);
+    else
+        cJSON_AddNumberToObject(object, key, value);
     return EXIT_OK;
 }
 

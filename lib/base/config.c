@@ -2,7 +2,7 @@
  * DESIGN: the generic schema walker behind every configuration struct.
  *
  * A field's default is JSON text parsed by the same code as user input, so a default
- * can never bypass a bound. Integers arrive as JSON numbers (exact up to 2^53) or, for
+ * can never bypass a bound. Integers arrive as JSON numbers (below 2^53, where they are exact) or, for
  * the 64-bit values JSON numbers cannot carry (seeds), as strings of decimal digits.
  * Messages always carry the full key path and the offending value as the user wrote
  * it, cut to VALUE_TEXT_MAX characters.
@@ -20,6 +20,8 @@
 #define PATH_MAX_LENGTH 256
 #define VALUE_TEXT_MAX 64
 /* Largest integer a double (hence a JSON number in cJSON) holds exactly. */
+/* 2^53: a JSON number at or above it may be a rounded neighbour of the integer written
+ * (9007199254740993 reads as 9007199254740992), so such integers go as strings. */
 #define EXACT_DOUBLE_INTEGER 9007199254740992.0
 
 void em_config_join_path(char *buffer, size_t capacity, const char *path, const char *key)
@@ -123,7 +125,7 @@ static bool integer_from_json(const cJSON *value, integer_value *out)
     if (!cJSON_IsNumber(value))
         return false;
     double number = value->valuedouble;
-    if (!isfinite(number) || floor(number) != number || fabs(number) > EXACT_DOUBLE_INTEGER)
+    if (!isfinite(number) || floor(number) != number || fabs(number) >= EXACT_DOUBLE_INTEGER)
         return false;
     out->negative = number < 0;
     out->magnitude = (uint64_t)fabs(number);
@@ -160,7 +162,7 @@ static em_status parse_integer(const em_config_field *field, const cJSON *value,
 {
     integer_value parsed;
     if (!integer_from_json(value, &parsed))
-        return type_error(value, path, "an integer (exact; a string of digits above 2^53)", err);
+        return type_error(value, path, "an integer (exact; a string of digits from 2^53 on)", err);
     long double low, high;
     integer_type_range(field, &low, &high);
     if (has_bounds(field)) {
@@ -431,7 +433,7 @@ static cJSON *integer_to_json(const em_config_field *field, const void *slot)
     }
     if (!is_unsigned)
         return cJSON_CreateNumber((double)signed_value);
-    if ((double)bits > EXACT_DOUBLE_INTEGER) {
+    if (bits >= (UINT64_C(1) << 53)) {
         char digits[24];
         snprintf(digits, sizeof(digits), "%llu", (unsigned long long)bits);
         return cJSON_CreateString(digits);

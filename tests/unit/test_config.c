@@ -75,7 +75,7 @@ START_TEST(errors_name_path_and_value)
     assert_rejected("{\"name\": \"t\", \"dim\": 5000, \"capacity\": 100}",
                     "table.dim: must be between 1 and 4096, got 5000");
     assert_rejected("{\"name\": \"t\", \"dim\": 8.5, \"capacity\": 100}",
-                    "table.dim: must be an integer (exact; a string of digits above 2^53), got a "
+                    "table.dim: must be an integer (exact; a string of digits from 2^53 on), got a "
                     "number 8.5");
     assert_rejected("{\"name\": \"t\", \"dim\": \"8\", \"capacity\": 0}",
                     "table.capacity: must be between 1 and 1099511627776, got 0");
@@ -126,8 +126,29 @@ START_TEST(big_seeds_travel_as_strings)
     cJSON_Delete(json);
     assert_rejected("{\"name\": \"t\", \"dim\": 8, \"capacity\": 100,"
                     " \"initializer\": {\"seed\": \"18446744073709551616\"}}",
-                    "table.initializer.seed: must be an integer (exact; a string of digits above "
-                    "2^53), got a string \"18446744073709551616\"");
+                    "table.initializer.seed: must be an integer (exact; a string of digits from "
+                    "2^53 on), got a string \"18446744073709551616\"");
+    /* 2^53 + 1 as a JSON number reads as 2^53: from 2^53 on, numbers are refused and
+     * values are written back as strings, so no seed is ever silently another */
+    assert_rejected("{\"name\": \"t\", \"dim\": 8, \"capacity\": 100,"
+                    " \"initializer\": {\"seed\": 9007199254740993}}",
+                    "table.initializer.seed: must be an integer (exact; a string of digits from "
+                    "2^53 on), got a number 9.00719925474099e+15");
+    ck_assert_int_eq(parse("{\"name\": \"t\", \"dim\": 8, \"capacity\": 100,"
+                           " \"initializer\": {\"seed\": \"9007199254740993\"}}",
+                           &config, &err),
+                     EM_OK);
+    ck_assert_uint_eq(config.initializer.seed, UINT64_C(9007199254740993));
+    json = em_table_config_to_json(&config);
+    seed = cJSON_GetObjectItem(cJSON_GetObjectItem(json, "initializer"), "seed");
+    ck_assert(cJSON_IsString(seed));
+    ck_assert_str_eq(seed->valuestring, "9007199254740993");
+    cJSON_Delete(json);
+    ck_assert_int_eq(parse("{\"name\": \"t\", \"dim\": 8, \"capacity\": 100,"
+                           " \"initializer\": {\"seed\": 9007199254740991}}",
+                           &config, &err),
+                     EM_OK);
+    ck_assert_uint_eq(config.initializer.seed, UINT64_C(9007199254740991));
 }
 END_TEST
 

@@ -177,6 +177,26 @@ START_TEST(tables_lifecycle_in_text_and_json)
                          ->valuestring,
                      "zeros");
     cJSON_Delete(json);
+    /* a seed from 2^53 on travels as digits: as a JSON number 2^53 + 1 would become 2^53 */
+    r = RUN(NULL, "--server", at, "tables", "create", "--name", "seeded", "--dim", "4",
+            "--capacity", "10", "--initializer", "uniform", "--seed", "9007199254740993");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    r = RUN(NULL, "--server", at, "--json", "tables", "list");
+    ck_assert_int_eq(r->code, 0);
+    json = cJSON_Parse(r->out);
+    ck_assert_int_eq(cJSON_GetArraySize(json), 3);
+    const cJSON *seed = NULL;
+    for (int t = 0; t < 3; t++) {
+        const cJSON *table = cJSON_GetArrayItem(json, t);
+        if (strcmp(cJSON_GetObjectItem(table, "name")->valuestring, "seeded") == 0)
+            seed = cJSON_GetObjectItem(
+                cJSON_GetObjectItem(cJSON_GetObjectItem(table, "config"), "initializer"), "seed");
+    }
+    ck_assert(seed != NULL && cJSON_IsString(seed));
+    ck_assert_str_eq(seed->valuestring, "9007199254740993");
+    cJSON_Delete(json);
+    r = RUN(NULL, "--server", at, "tables", "drop", "seeded");
+    ck_assert_int_eq(r->code, 0);
     r = RUN(NULL, "--server", at, "tables", "create", "--name", "clicks", "--dim", "16",
             "--capacity", "10");
     ck_assert_int_eq(r->code, 1);
