@@ -101,7 +101,7 @@ static void print_help(FILE *out)
           "  tables create --name N --dim D --capacity C [--shards S]\n"
           "                [--optimizer TYPE] [--lr X] [--initializer TYPE] [--seed N]\n"
           "                [--eviction none|lru|lfu|age] [--candidates N] [--ring N]\n"
-          "                [--max-age-steps N] [--max-age-seconds S]\n"
+          "                [--max-age-steps N] [--max-age-seconds S] [--headroom F]\n"
           "                [--admission always|counter|probability] [--threshold N]\n"
           "                [--probability P]\n"
           "                             TYPE: sgd, adagrad, rowwise_adagrad, adam;\n"
@@ -471,8 +471,8 @@ static int tables_list(cli *c, int argc)
 /* The flags of tables create, as given. */
 typedef struct create_flags {
     const char *json_config, *name, *dim, *capacity, *shards, *optimizer, *lr, *initializer,
-        *seed, *eviction, *candidates, *ring, *max_age_steps, *max_age_seconds, *admission,
-        *threshold, *probability;
+        *seed, *eviction, *candidates, *ring, *max_age_steps, *max_age_seconds, *headroom,
+        *admission, *threshold, *probability;
 } create_flags;
 
 static const struct create_flag {
@@ -493,6 +493,7 @@ static const struct create_flag {
     {"ring", offsetof(create_flags, ring)},
     {"max-age-steps", offsetof(create_flags, max_age_steps)},
     {"max-age-seconds", offsetof(create_flags, max_age_seconds)},
+    {"headroom", offsetof(create_flags, headroom)},
     {"admission", offsetof(create_flags, admission)},
     {"threshold", offsetof(create_flags, threshold)},
     {"probability", offsetof(create_flags, probability)},
@@ -594,11 +595,17 @@ static int add_initializer(cJSON *config, const create_flags *flags)
 static int add_eviction(cJSON *config, const create_flags *flags)
 {
     if (flags->eviction == NULL && flags->candidates == NULL && flags->ring == NULL &&
-        flags->max_age_steps == NULL && flags->max_age_seconds == NULL)
+        flags->max_age_steps == NULL && flags->max_age_seconds == NULL &&
+        flags->headroom == NULL)
         return EXIT_OK;
     cJSON *eviction = cJSON_AddObjectToObject(config, "eviction");
     if (flags->eviction != NULL)
         cJSON_AddStringToObject(eviction, "policy", flags->eviction);
+    double headroom;
+    if (flags->headroom != NULL && !parse_real(flags->headroom, &headroom))
+        return usage_error("--headroom '%s' is not a number", flags->headroom);
+    if (flags->headroom != NULL)
+        cJSON_AddNumberToObject(eviction, "headroom", headroom);
     int code = add_whole(eviction, "candidates", "candidates", flags->candidates);
     if (code == EXIT_OK)
         code = add_whole(eviction, "ring", "ring", flags->ring);

@@ -557,7 +557,7 @@ static em_status cpu_shard_reserve(em_shard *base, em_lane *lane, uint64_t new_k
 {
     (void)lane;
     cpu_shard *shard = cpu_shard_of(base);
-    uint64_t fresh = new_keys - evicted;
+    uint64_t fresh = new_keys > evicted ? new_keys - evicted : 0; /* headroom evicts more */
     em_status status = em_hashmap_reserve(shard->map, fresh, err);
     if (status != EM_OK)
         return status;

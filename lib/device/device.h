@@ -233,9 +233,9 @@ typedef struct em_device_ops {
                                    uint64_t *missing, uint64_t *problem, uint64_t accessed,
                                    uint32_t updated, em_error *err);
     /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
-     * the shard's rows have been evicted (shard_evict; evicted <= new_keys), so that
-     * insert_missing of that many cannot fail. Errors: RESOURCE_EXHAUSTED naming the
-     * pool state. */
+     * the shard's rows have been evicted (shard_evict; evicted may pass new_keys: a
+     * table's headroom, and then new_keys may be 0), so that insert_missing of that many
+     * cannot fail. Errors: RESOURCE_EXHAUSTED naming the pool state. */
     em_status (*shard_reserve)(em_shard *shard, em_lane *lane, uint64_t new_keys,
                                uint64_t evicted, em_error *err);
     /* Inserts the keys whose rows[i] is EM_ROW_NONE with their initial values and

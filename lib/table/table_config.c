@@ -162,6 +162,10 @@ static const em_config_field eviction_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "max_age_seconds", em_eviction_config, max_age_seconds),
      .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 3153600000.0, .default_json = "0",
      .help = "expire rows not pushed nor created in this many seconds (0: never)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_DOUBLE, "headroom", em_eviction_config, headroom),
+     .min = 0, .max = 0.5, .default_json = "0",
+     .help = "share of the capacity an eviction frees beyond what its request needs, so "
+             "the requests after it create keys without the table to themselves"},
 };
 
 static const em_config_schema eviction_schema = {

@@ -23,6 +23,13 @@
  * request does not use go (ties in no documented order, but the same for the same
  * requests); when fewer than n of those entries may go, the walk goes on until n may.
  * tests/bench/bench_eviction measures how close this comes to exact LRU and LFU.
+ * `headroom` (0 to 0.5, default 0) makes an eviction free that share of the capacity
+ * more than its request needs, from every shard in proportion to its rows (each by the
+ * same rule, none from the request's own rows): requests that create keys need the
+ * whole table to evict, so a full table runs each such request alone, twice over; with
+ * headroom, the requests after an eviction create keys beside each other into the room
+ * it left until that is used up. The table then holds between capacity - headroom x
+ * capacity and capacity rows once full. 0 evicts exactly what each request needs.
  * Expiry runs with or without a policy: with max_age_steps > 0, rows neither pushed nor
  * created in the table's last max_age_steps pushes are removed by a background sweep
  * (em_table_expire, in bounded slices); with max_age_seconds > 0, so are rows neither
@@ -62,6 +69,8 @@ typedef struct em_eviction_config {
     uint32_t max_age_steps; /* expiry: rows not pushed (nor created) in this many of the
                              * table's pushes are removed by the sweep (0: never) */
     uint64_t max_age_seconds; /* expiry: ... nor in this many seconds (0: never) */
+    double headroom; /* share of the capacity an eviction frees beyond what its request
+                      * needs, taken from every shard by its rows (0: only the need) */
 } em_eviction_config;
 
 /* Whether a table keeps per-row access metadata (an eviction policy or expiry). */

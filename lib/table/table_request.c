@@ -524,7 +524,7 @@ static em_status reserve_missing(request_context *r, const uint64_t *evict, em_e
 {
     em_table *table = r->table;
     for (uint32_t s = 0; s < table->shard_count; s++) {
-        if (r->shard_missing[s] == 0)
+        if (r->shard_missing[s] == 0 && (evict == NULL || evict[s] == 0))
             continue;
         em_device *device = table->shards[s]->device;
         em_lane *lane = r->lanes[table->shard_device[s]];
@@ -683,6 +683,43 @@ static em_status plan_evictions(request_context *r, uint64_t need, uint64_t *evi
                         "applied",
                         table->config.name, table->config.capacity, table_rows(table),
                         r->missing, evictable_total, remaining);
+}
+
+/* Adds to evict[] the table's headroom (table_config.h): floor(headroom x capacity)
+ * rows more, from every shard in proportion to its rows (the remainder one row each from
+ * the first shards that have one to give), never the request's own rows nor more than a
+ * shard holds beside the rows it gives up already. What the shards cannot give is not
+ * taken: headroom never fails a request. */
+static void plan_headroom(request_context *r, uint64_t *evict)
+{
+    em_table *table = r->table;
+    uint64_t extra = (uint64_t)(table->config.eviction.headroom *
+                                (double)table->config.capacity);
+    uint64_t total = table_rows(table);
+    if (extra == 0 || total == 0)
+        return;
+    uint64_t *spare = calloc(table->shard_count, sizeof(*spare));
+    if (spare == NULL)
+        return; /* only the need, as without headroom */
+    uint64_t given = 0;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        em_shard_stats stats;
+        table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
+        uint64_t own = shard_key_count(r, s) - r->shard_missing[s] - r->shard_rejected[s];
+        uint64_t keep = own + evict[s];
+        spare[s] = stats.rows > keep ? stats.rows - keep : 0;
+        uint64_t share = (uint64_t)((unsigned __int128)extra * stats.rows / total);
+        share = share < spare[s] ? share : spare[s];
+        evict[s] += share;
+        spare[s] -= share;
+        given += share;
+    }
+    for (uint32_t s = 0; given < extra && s < table->shard_count; s++)
+        if (spare[s] > 0) {
+            evict[s]++;
+            given++;
+        }
+    free(spare);
 }
 
 /* The request's rows of shard s (on the host: rows it reads or writes, which eviction
@@ -1103,10 +1140,12 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
             free(evict);
             return status;
         }
+        plan_headroom(r, evict);
     }
     /* Growing a shard's storage or index moves them: the shards' write locks keep out a
      * snapshot reader, which holds only shard locks (table_snapshot.c), and the finds
-     * of requests sharing the table. Which shards: those the request creates keys in. */
+     * of requests sharing the table. Which shards: those the request creates keys in or
+     * evicts from. */
     bool *creating = NULL;
     em_status status = EM_OK;
     if (!locks_held) {
@@ -1114,10 +1153,19 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
         if (creating == NULL)
             status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "creating keys: out of host memory");
         for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++)
-            if ((creating[s] = r->shard_missing[s] != 0))
+            if ((creating[s] = r->shard_missing[s] != 0 || (evict != NULL && evict[s] != 0)))
                 em__shard_write_lock(table, s);
         if (status == EM_OK && shared)
             status = em__refind_created(r, NULL, err);
+    } else if (evict != NULL) {
+        /* the caller holds the locks of the shards with the request's keys; headroom may
+         * evict from others too (table_snapshot.c's reader holds one shard at a time) */
+        creating = calloc(table->shard_count, sizeof(*creating));
+        if (creating == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "creating keys: out of host memory");
+        for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++)
+            if ((creating[s] = evict[s] != 0 && r->shard_start[s + 1] == r->shard_start[s]))
+                em__shard_write_lock(table, s);
     }
     if (status == EM_OK)
         status = reserve_missing(r, evict, err);

@@ -1972,6 +1972,7 @@ START_TEST(capacity_policies_match_cpu)
     em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
     em_table_config config = table_config(dim, capacity, 2, 1, EM_INIT_UNIFORM);
     config.eviction.candidates = 1024;
+    config.eviction.headroom = _i == 0 ? 0.1 : 0.0; /* lru: evictions leave room behind */
     if (_i < 3)
         config.eviction.policy = _i == 0 ? EM_EVICTION_LRU
                                  : _i == 1 ? EM_EVICTION_LFU

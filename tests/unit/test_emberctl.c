@@ -436,6 +436,22 @@ START_TEST(eviction_evicted_keys_and_erase_through_emberctl)
     ck_assert_int_eq(r->code, 1);
     ck_assert_msg(strstr(r->err, "eviction.policy") != NULL && strstr(r->err, "mru") != NULL,
                   "%s", r->err);
+    r = RUN(NULL, "--server", at, "tables", "create", "--name", "u", "--dim", "4",
+            "--capacity", "4", "--eviction", "lru", "--headroom", "0.9");
+    ck_assert_int_eq(r->code, 1);
+    ck_assert_msg(strstr(r->err, "table.eviction.headroom: must be >= 0 and <= 0.5, got 0.9") !=
+                      NULL, "%s", r->err);
+    r = RUN(NULL, "--server", at, "tables", "create", "--name", "u", "--dim", "4",
+            "--capacity", "4", "--eviction", "lru", "--headroom", "0.25");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    r = RUN(NULL, "--server", at, "--json", "tables", "list");
+    cJSON *tables = cJSON_Parse(r->out);
+    const cJSON *eviction = cJSON_GetObjectItem(
+        cJSON_GetObjectItem(cJSON_GetArrayItem(tables, 1), "config"), "eviction");
+    ck_assert_double_eq(cJSON_GetObjectItem(eviction, "headroom")->valuedouble, 0.25);
+    cJSON_Delete(tables);
+    r = RUN(NULL, "--server", at, "tables", "drop", "u");
+    ck_assert_int_eq(r->code, 0);
     em_client_options options;
     em_client_options_init(&options);
     options.servers = em_test_daemon_address(server);

@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/keyhash.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
 #include "tests/support/test_batches.h"
@@ -100,6 +101,8 @@ typedef struct model_row {
 typedef struct model {
     em_eviction_policy policy;
     uint64_t capacity, count, clock, push_clock, evicted;
+    uint64_t headroom;       /* rows an eviction frees beyond the need (one shard) */
+    uint64_t evicting_requests; /* requests that evicted */
     model_row *rows;
 } model;
 
@@ -145,12 +148,19 @@ static void model_request(model *m, const uint64_t *keys, uint32_t n, bool push)
     uint64_t fresh = 0;
     for (uint32_t i = 0; i < n; i++)
         fresh += model_find(m, keys[i]) < 0;
-    while (m->count + fresh > m->capacity) {
+    uint64_t need = m->count + fresh > m->capacity ? m->count + fresh - m->capacity : 0;
+    if (need > 0) {
+        m->evicting_requests++;
+        need += m->headroom; /* as far as rows outside the request go */
+    }
+    for (uint64_t gone = 0; gone < need; gone++) {
         int64_t victim = -1;
         for (uint64_t i = 0; i < m->count; i++)
             if (!in_request(keys, n, m->rows[i].key) &&
                 (victim < 0 || model_goes_first(m, &m->rows[i], &m->rows[victim])))
                 victim = (int64_t)i;
+        if (victim < 0 && gone >= need - m->headroom)
+            break; /* headroom takes only what there is */
         ck_assert_int_ge(victim, 0);
         m->rows[victim] = m->rows[--m->count];
         m->evicted++;
@@ -233,6 +243,128 @@ START_TEST(each_policy_follows_its_rule_exactly)
                             (double)stats.index_bytes / (double)stats.rows, 1e-9);
     ck_assert_double_ge(stats.access_bytes_per_row, 16.0);
     free(m.rows);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* Loop index: the policy. The stream of each_policy_follows_its_rule_exactly into a
+ * table with headroom 0.125: an eviction frees the 6 rows next by the rule too (one
+ * shard), so only the requests that evict run again alone (exclusive_retries), and the
+ * ones between them create their keys in the room left. */
+START_TEST(headroom_frees_the_next_rows_by_the_rule_too)
+{
+    em_eviction_policy policy = policies[_i];
+    const uint64_t capacity = 48;
+    em_backend *backend = make_backend(1);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, capacity);
+    config.shards = 1;
+    config.optimizer = em_test_optimizers[1];
+    config.initializer.seed = 99;
+    config.eviction.policy = policy;
+    config.eviction.candidates = 1024;
+    config.eviction.headroom = 0.125;
+    em_table *table = em_test_make_table(backend, &config);
+    model m = model_make(policy, capacity);
+    m.headroom = 6;
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 10 + (uint64_t)_i);
+    em_error err;
+    for (uint64_t step = 1; step <= 1500; step++) {
+        /* one key a request: every row has a last access of its own, so no ties */
+        uint64_t key = em_test_rng_below(&rng, 2) == 0 ? em_test_rng_below(&rng, 16)
+                                                       : em_test_rng_below(&rng, 3 * capacity);
+        bool push = em_test_rng_below(&rng, 3) == 0;
+        ck_assert_msg(run_request(table, &key, 1, push, &err) == EM_OK, "%s", err.message);
+        model_request(&m, &key, 1, push);
+        if (step % 50 == 0)
+            assert_keys_match_model(table, &m, step);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, m.count);
+    ck_assert_uint_eq(stats.rows_evicted, m.evicted);
+    ck_assert_uint_eq(stats.rows_created, stats.rows + stats.rows_evicted);
+    ck_assert_uint_gt(m.evicting_requests, 10);
+    ck_assert_uint_eq(stats.exclusive_retries, m.evicting_requests);
+    free(m.rows);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* Rows of each of a table's shards, by its keys' shard (common/keyhash.h). */
+static void rows_per_shard(em_table *table, uint32_t shards, uint64_t *rows)
+{
+    em_test_snapshot s = em_test_snapshot_take(table, 5);
+    memset(rows, 0, shards * sizeof(*rows));
+    for (uint64_t i = 0; i < s.count; i++)
+        rows[em_key_shard(s.keys[i], shards)]++;
+    em_test_snapshot_free(&s);
+}
+
+/* Headroom over several shards: each gives its share by its rows, the table holds
+ * capacity - headroom x capacity rows after an eviction, and the next keys fill that
+ * room beside each other, no request running alone until the table is full again. */
+START_TEST(headroom_comes_from_every_shard_by_its_rows)
+{
+    const uint64_t capacity = 400;
+    em_backend *backend = make_backend(2);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, capacity);
+    config.shards = 4;
+    config.optimizer = em_test_optimizers[1];
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 1024;
+    config.eviction.headroom = 0.1;
+    em_table *table = em_test_make_table(backend, &config);
+    em_error err;
+    for (uint64_t key = 1; key <= capacity; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, capacity);
+    ck_assert_uint_eq(stats.exclusive_retries, 0);
+    uint64_t before[4], after[4];
+    rows_per_shard(table, 4, before);
+    uint64_t fresh = 100000;
+    ck_assert_msg(run_request(table, &fresh, 1, true, &err) == EM_OK, "%s", err.message);
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, capacity - 40);
+    ck_assert_uint_eq(stats.rows_evicted, 41);
+    ck_assert_uint_eq(stats.exclusive_retries, 1);
+    /* the new key's shard gave one row for it; every shard its share of the 40 */
+    uint32_t home = em_key_shard(fresh, 4);
+    rows_per_shard(table, 4, after);
+    uint64_t evicted[64], evicted_from[4] = {0};
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, 64, evicted, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.count, 41);
+    for (uint64_t i = 0; i < view.count; i++)
+        evicted_from[em_key_shard(evicted[i], 4)]++;
+    uint64_t given = 0;
+    for (uint32_t s = 0; s < 4; s++) {
+        /* the home shard: one row more (the new key) and one less (made room for it) */
+        uint64_t share = before[s] - after[s];
+        ck_assert_uint_eq(evicted_from[s], share + (s == home));
+        ck_assert_msg(share >= 40 * before[s] / capacity && share <= 40 * before[s] / capacity + 1,
+                      "shard %u (%" PRIu64 " rows) gave %" PRIu64, s, before[s], share);
+        given += share;
+    }
+    ck_assert_uint_eq(given, 40);
+    /* the room is filled beside other requests: no one runs alone */
+    for (uint64_t key = 200000; key < 200040; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, key % 2 == 0, &err), EM_OK);
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, capacity);
+    ck_assert_uint_eq(stats.exclusive_retries, 1);
+    ck_assert_uint_eq(stats.rows_evicted, 41);
+    uint64_t last = 300000;
+    ck_assert_int_eq(run_request(table, &last, 1, true, &err), EM_OK);
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.exclusive_retries, 2);
+    ck_assert_uint_eq(stats.rows, capacity - 40);
     em_table_destroy(table);
     em_backend_destroy(backend);
 }
@@ -1035,6 +1167,8 @@ static void *pull_and_erase(void *argument)
     return NULL;
 }
 
+/* Loop index 1: with headroom, so that keys are also created beside each other into the
+ * room evictions leave, while the bystander reads and erases. */
 START_TEST(concurrent_pushes_at_capacity_fail_nothing_and_counters_add_up)
 {
     em_backend *backend = make_backend(2);
@@ -1043,6 +1177,7 @@ START_TEST(concurrent_pushes_at_capacity_fail_nothing_and_counters_add_up)
     config.shards = 4;
     config.eviction.policy = EM_EVICTION_LRU;
     config.eviction.max_age_steps = 10;
+    config.eviction.headroom = _i == 1 ? 0.05 : 0.0; /* 1: evictions leave room behind */
     em_table *table = em_test_make_table(backend, &config);
     pusher pushers[4];
     pthread_t threads[4];
@@ -1212,6 +1347,8 @@ int main(void)
     Suite *suite = suite_create("eviction");
     TCase *rules = tcase_create("rules");
     tcase_add_loop_test(rules, each_policy_follows_its_rule_exactly, 0, 3);
+    tcase_add_loop_test(rules, headroom_frees_the_next_rows_by_the_rule_too, 0, 3);
+    tcase_add_test(rules, headroom_comes_from_every_shard_by_its_rows);
     tcase_add_test(rules, a_request_never_evicts_its_own_rows);
     tcase_add_loop_test(rules, a_request_evicts_the_rows_first_by_the_policy_at_once, 0, 3);
     tcase_add_test(rules, no_room_to_make_fails_whole);
@@ -1237,7 +1374,8 @@ int main(void)
     suite_add_tcase(suite, rules);
     TCase *concurrency = tcase_create("concurrency");
     tcase_set_timeout(concurrency, 120);
-    tcase_add_test(concurrency, concurrent_pushes_at_capacity_fail_nothing_and_counters_add_up);
+    tcase_add_loop_test(concurrency, concurrent_pushes_at_capacity_fail_nothing_and_counters_add_up,
+                        0, 2);
     tcase_add_loop_test(concurrency, keys_created_side_by_side_get_one_row_each, 0, 2);
     suite_add_tcase(suite, concurrency);
     return em_test_run(suite);
