@@ -166,22 +166,26 @@ em_gpu_status em_gpu_segment_starts(em_gpu_stream *stream, const uint32_t *sorte
 
 /* ---- home-side request operations (lib/device/device.h) ------------------------------------ */
 
-/* unique_keys, in four steps over a scratch table of slot_count (a power of two)
+/* unique_keys, in three steps over a scratch table of slot_count (a power of two)
  * uint32 entries, zeroed, that ends up holding, per distinct key, 1 + its first
  * position:
  *   claim    slot_of[i] = the slot of keys[i]
- *   flags    first[i] = 1 where i is its key's first position; first[n] = 0
- *   (scan)   rank = exclusive scan of first[0..n]; rank[n] is the unique count
+ *   rank     rank = exclusive scan over i in 0..n of "i is its key's first position"
+ *            (em_gpu_unique_first, computed as the scan reads it: no flags array, no
+ *            kernel of its own); rank[n] is the unique count. temp:
+ *            em_gpu_unique_rank_temp_bytes bytes for n
  *   scatter  unique[rank[i]] = keys[i] and first_positions[rank[i]] = i for first
  *            positions; inverse[i] = rank of the key's first position */
 em_gpu_status em_gpu_unique_claim(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
                                   uint32_t *table, uint64_t slot_count, uint32_t *slot_of);
-em_gpu_status em_gpu_unique_flags(em_gpu_stream *stream, const uint32_t *table,
-                                  const uint32_t *slot_of, uint64_t n, uint32_t *first);
+em_gpu_status em_gpu_unique_rank_temp_bytes(em_gpu_stream *stream, uint64_t n, size_t *bytes);
+em_gpu_status em_gpu_unique_rank(em_gpu_stream *stream, void *temp, size_t temp_bytes,
+                                 const uint32_t *table, const uint32_t *slot_of, uint64_t n,
+                                 uint32_t *rank);
 em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
                                     const uint32_t *table, const uint32_t *slot_of,
-                                    const uint32_t *first, const uint32_t *rank, uint64_t *unique,
-                                    uint32_t *inverse, uint32_t *first_positions);
+                                    const uint32_t *rank, uint64_t *unique, uint32_t *inverse,
+                                    uint32_t *first_positions);
 
 /* owner[u] = em_key_shard(unique[u], shard_count); index[u] = u. */
 em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *unique, uint64_t n,

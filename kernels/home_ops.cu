@@ -1,12 +1,18 @@
 /*
  * DESIGN: kernels of the home-side request operations (dedupe, partition, gradient
  * sums, pooling). Each kernel is a loop around one function of kernels/kernel_logic.h;
- * lib/device/cuda_device.c puts them in order with the primitives of primitives.cu.
+ * lib/device/cuda_device.c puts them in order with the primitives of primitives.cu. The
+ * dedupe's rank is a CUB scan (as in primitives.cu) whose input is computed as it is
+ * read, so that the first-occurrence flags cost no launch and no array of their own.
  *
  * Gradient sums and pooling are deterministic without atomics: one thread per output
  * element walks that element's contributions in key order, exactly as the CPU device
  * does, so both backends produce the same bits.
  */
+#include <cub/device/device_scan.cuh>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
+
 #include "kernels/kernel_logic.h"
 #include "kernels/launch.cuh"
 
@@ -17,21 +23,34 @@ __global__ void unique_claim_kernel(const uint64_t *keys, uint64_t n, uint32_t *
     em_gpu_unique_claim_item(keys, i, table, slot_count, slot_of);
 }
 
-__global__ void unique_flags_kernel(const uint32_t *table, const uint32_t *slot_of, uint64_t n,
-                                    uint32_t *first)
-{
-    EM_GPU_FOR_EACH(i, n + 1)
-    em_gpu_unique_flag_item(table, slot_of, n, i, first);
-}
-
 __global__ void unique_scatter_kernel(const uint64_t *keys, uint64_t n, const uint32_t *table,
-                                      const uint32_t *slot_of, const uint32_t *first,
-                                      const uint32_t *rank, uint64_t *unique, uint32_t *inverse,
+                                      const uint32_t *slot_of, const uint32_t *rank,
+                                      uint64_t *unique, uint32_t *inverse,
                                       uint32_t *first_positions)
 {
     EM_GPU_FOR_EACH(i, n)
-    em_gpu_unique_scatter_item(keys, i, table, slot_of, first, rank, unique, inverse,
-                               first_positions);
+    em_gpu_unique_scatter_item(keys, i, table, slot_of, rank, unique, inverse, first_positions);
+}
+
+/* Position i's first-occurrence flag, as CUB's scan reads input i: the flags are never
+ * stored, and the scan is the only launch that computes them. */
+struct unique_first_flag {
+    const uint32_t *table;
+    const uint32_t *slot_of;
+    uint64_t n;
+    __host__ __device__ uint32_t operator()(uint64_t i) const
+    {
+        return em_gpu_unique_first(table, slot_of, n, i);
+    }
+};
+
+typedef thrust::transform_iterator<unique_first_flag, thrust::counting_iterator<uint64_t>>
+    unique_first_flags;
+
+static unique_first_flags first_flags(const uint32_t *table, const uint32_t *slot_of, uint64_t n)
+{
+    return unique_first_flags(thrust::counting_iterator<uint64_t>(0),
+                              unique_first_flag{table, slot_of, n});
 }
 
 __global__ void partition_owners_kernel(const uint64_t *unique, uint64_t n, uint32_t shard_count,
@@ -116,25 +135,41 @@ extern "C" em_gpu_status em_gpu_unique_claim(em_gpu_stream *stream, const uint64
     return EM_GPU_LAUNCH(unique_claim_kernel, n, stream, keys, n, table, slot_count, slot_of);
 }
 
-extern "C" em_gpu_status em_gpu_unique_flags(em_gpu_stream *stream, const uint32_t *table,
-                                             const uint32_t *slot_of, uint64_t n,
-                                             uint32_t *first)
+extern "C" em_gpu_status em_gpu_unique_rank_temp_bytes(em_gpu_stream *stream, uint64_t n,
+                                                       size_t *bytes)
+{
+    *bytes = 0;
+    EM_GPU_TRY(em_gpu_use(stream));
+    size_t needed = 0;
+    EM_GPU_CALL(cub::DeviceScan::ExclusiveSum,
+                (NULL, needed, first_flags(NULL, NULL, n), (uint32_t *)NULL, (int64_t)(n + 1),
+                 stream->stream));
+    *bytes = needed;
+    return em_gpu_ok();
+}
+
+extern "C" em_gpu_status em_gpu_unique_rank(em_gpu_stream *stream, void *temp, size_t temp_bytes,
+                                            const uint32_t *table, const uint32_t *slot_of,
+                                            uint64_t n, uint32_t *rank)
 {
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(unique_flags_kernel, n + 1, stream, table, slot_of, n, first);
+    EM_GPU_CALL(cub::DeviceScan::ExclusiveSum,
+                (temp, temp_bytes, first_flags(table, slot_of, n), rank, (int64_t)(n + 1),
+                 stream->stream));
+    return em_gpu_ok();
 }
 
 extern "C" em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys,
                                                uint64_t n, const uint32_t *table,
-                                               const uint32_t *slot_of, const uint32_t *first,
-                                               const uint32_t *rank, uint64_t *unique,
-                                               uint32_t *inverse, uint32_t *first_positions)
+                                               const uint32_t *slot_of, const uint32_t *rank,
+                                               uint64_t *unique, uint32_t *inverse,
+                                               uint32_t *first_positions)
 {
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(unique_scatter_kernel, n, stream, keys, n, table, slot_of, first, rank,
-                         unique, inverse, first_positions);
+    return EM_GPU_LAUNCH(unique_scatter_kernel, n, stream, keys, n, table, slot_of, rank, unique,
+                         inverse, first_positions);
 }
 
 extern "C" em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *unique,

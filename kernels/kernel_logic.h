@@ -185,25 +185,27 @@ EM_HOST_DEVICE void em_gpu_unique_claim_item(const uint64_t *keys, uint64_t i, u
     }
 }
 
-/* first[i] = 1 where position i is its key's first (i in 0..n; first[n] = 0 so that the
- * exclusive scan's last entry is the unique count). */
-EM_HOST_DEVICE void em_gpu_unique_flag_item(const uint32_t *table, const uint32_t *slot_of,
-                                            uint64_t n, uint64_t i, uint32_t *first)
+/* 1 where position i is its key's first, else 0 (i in 0..n; 0 at n, so that the
+ * exclusive scan of these n + 1 flags ends with the unique count). The dedupe's scan
+ * computes the flags as it reads them (kernels/home_ops.cu: em_gpu_unique_rank). */
+EM_HOST_DEVICE uint32_t em_gpu_unique_first(const uint32_t *table, const uint32_t *slot_of,
+                                             uint64_t n, uint64_t i)
 {
-    first[i] = (uint32_t)(i < n && (uint64_t)table[slot_of[i]] - 1 == i);
+    return (uint32_t)(i < n && (uint64_t)table[slot_of[i]] - 1 == i);
 }
 
+/* rank: the exclusive scan of em_gpu_unique_first over 0..n. */
 EM_HOST_DEVICE void em_gpu_unique_scatter_item(const uint64_t *keys, uint64_t i,
                                                const uint32_t *table, const uint32_t *slot_of,
-                                               const uint32_t *first, const uint32_t *rank,
-                                               uint64_t *unique, uint32_t *inverse,
-                                               uint32_t *first_positions)
+                                               const uint32_t *rank, uint64_t *unique,
+                                               uint32_t *inverse, uint32_t *first_positions)
 {
-    if (first[i]) {
+    uint32_t at = table[slot_of[i]] - 1; /* the key's first position */
+    if (at == i) {
         unique[rank[i]] = keys[i];
         first_positions[rank[i]] = (uint32_t)i;
     }
-    inverse[i] = rank[table[slot_of[i]] - 1];
+    inverse[i] = rank[at];
 }
 
 /* ---- partition and segments ------------------------------------------------------------- */

@@ -4,8 +4,9 @@
  * Scans and stable sorts come from CUB (part of the CUDA toolkit): they are the only
  * cross-thread algorithms in the kernels, and CUB's are tested far beyond what this
  * project could test without a GPU. Each is instantiated once (uint32 values, 64-bit
- * counts) to keep compile time down. Temporary storage is the caller's (a pool
- * allocation), sized by the *_temp_bytes queries.
+ * counts) to keep compile time down; the one other instantiation is the dedupe's rank
+ * (kernels/home_ops.cu), a scan over flags computed as it reads them. Temporary
+ * storage is the caller's (a pool allocation), sized by the *_temp_bytes queries.
  */
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>

@@ -50,7 +50,7 @@ static em_status enqueue_unique(cuda_lane *lane, scratch *s, const uint64_t *key
                                 uint32_t **rank_out, em_error *err)
 {
     uint64_t slots = unique_table_slots(n);
-    uint32_t *table = NULL, *slot_of = NULL, *first = NULL, *rank = NULL;
+    uint32_t *table = NULL, *slot_of = NULL, *rank = NULL;
     void *temp = NULL;
     size_t temp_bytes = 0;
     em_status status = scratch_take(s, slots * sizeof(uint32_t), "unique table",
@@ -58,11 +58,12 @@ static em_status enqueue_unique(cuda_lane *lane, scratch *s, const uint64_t *key
     if (status == EM_OK)
         status = scratch_take(s, n * sizeof(uint32_t), "unique slots", (void **)&slot_of, err);
     if (status == EM_OK)
-        status = scratch_take(s, (n + 1) * sizeof(uint32_t), "unique flags", (void **)&first, err);
-    if (status == EM_OK)
         status = scratch_take(s, (n + 1) * sizeof(uint32_t), "unique ranks", (void **)&rank, err);
     if (status == EM_OK)
-        status = em__cuda_take_scan_temp(s, lane, n + 1, &temp, &temp_bytes, err);
+        status = lane_check(lane, em_gpu_unique_rank_temp_bytes(lane->stream, n, &temp_bytes),
+                            err);
+    if (status == EM_OK)
+        status = scratch_take(s, temp_bytes, "unique rank scratch", &temp, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_memset_async(lane->stream, table, 0,
                                                       slots * sizeof(uint32_t)), err);
@@ -70,14 +71,12 @@ static em_status enqueue_unique(cuda_lane *lane, scratch *s, const uint64_t *key
         status = lane_check(lane, em_gpu_unique_claim(lane->stream, keys, n, table, slots, slot_of),
                             err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_unique_flags(lane->stream, table, slot_of, n, first), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_exclusive_scan_u32(lane->stream, temp, temp_bytes, first,
-                                                            rank, n + 1), err);
+        status = lane_check(lane, em_gpu_unique_rank(lane->stream, temp, temp_bytes, table,
+                                                     slot_of, n, rank), err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_unique_scatter(lane->stream, keys, n, table, slot_of,
-                                                        first, rank, unique, inverse,
-                                                        first_positions), err);
+                                                        rank, unique, inverse, first_positions),
+                            err);
     *rank_out = rank;
     return status;
 }

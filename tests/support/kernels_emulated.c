@@ -678,26 +678,42 @@ em_gpu_status em_gpu_unique_claim(em_gpu_stream *stream, const uint64_t *keys, u
     return ok();
 }
 
-em_gpu_status em_gpu_unique_flags(em_gpu_stream *stream, const uint32_t *table,
-                                  const uint32_t *slot_of, uint64_t n, uint32_t *first)
+em_gpu_status em_gpu_unique_rank_temp_bytes(em_gpu_stream *stream, uint64_t n, size_t *bytes)
 {
     (void)stream;
+    *bytes = emulated_temp_bytes(n + 1);
+    return ok();
+}
+
+/* The scan of CUB with the flags computed as it reads them (kernels/home_ops.cu). */
+em_gpu_status em_gpu_unique_rank(em_gpu_stream *stream, void *temp, size_t temp_bytes,
+                                 const uint32_t *table, const uint32_t *slot_of, uint64_t n,
+                                 uint32_t *rank)
+{
+    (void)stream;
+    (void)temp;
+    if (temp_bytes < emulated_temp_bytes(n + 1))
+        return failure(1, 0, "cub::DeviceScan::ExclusiveSum", "temporary storage too small");
     enter_device();
-    for (uint64_t i = 0; i <= n; i++)
-        em_gpu_unique_flag_item(table, slot_of, n, i, first);
+    uint32_t sum = 0;
+    for (uint64_t i = 0; i <= n; i++) {
+        uint32_t flag = em_gpu_unique_first(table, slot_of, n, i);
+        rank[i] = sum;
+        sum += flag;
+    }
     leave_device();
     return ok();
 }
 
 em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
                                     const uint32_t *table, const uint32_t *slot_of,
-                                    const uint32_t *first, const uint32_t *rank, uint64_t *unique,
-                                    uint32_t *inverse, uint32_t *first_positions)
+                                    const uint32_t *rank, uint64_t *unique, uint32_t *inverse,
+                                    uint32_t *first_positions)
 {
     (void)stream;
     enter_device();
     for (uint64_t i = 0; i < n; i++)
-        em_gpu_unique_scatter_item(keys, i, table, slot_of, first, rank, unique, inverse,
+        em_gpu_unique_scatter_item(keys, i, table, slot_of, rank, unique, inverse,
                                    first_positions);
     leave_device();
     return ok();

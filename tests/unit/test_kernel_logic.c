@@ -863,17 +863,15 @@ START_TEST(unique_claims_keep_first_positions_under_threads)
         pthread_create(&threads[t], NULL, claimer, &race);
     for (int t = 0; t < CLAIM_THREADS; t++)
         pthread_join(threads[t], NULL);
-    uint32_t *first = calloc(CLAIM_KEYS + 1, sizeof(uint32_t));
     uint32_t *rank = calloc(CLAIM_KEYS + 1, sizeof(uint32_t));
-    for (uint64_t i = 0; i <= CLAIM_KEYS; i++)
-        em_gpu_unique_flag_item(race.table, race.slot_of, CLAIM_KEYS, i, first);
+    ck_assert_uint_eq(em_gpu_unique_first(race.table, race.slot_of, CLAIM_KEYS, CLAIM_KEYS), 0);
     for (uint64_t i = 1; i <= CLAIM_KEYS; i++)
-        rank[i] = rank[i - 1] + first[i - 1];
+        rank[i] = rank[i - 1] + em_gpu_unique_first(race.table, race.slot_of, CLAIM_KEYS, i - 1);
     uint64_t *unique = calloc(CLAIM_KEYS, sizeof(uint64_t));
     uint32_t *inverse = calloc(CLAIM_KEYS, sizeof(uint32_t));
     uint32_t *first_positions = calloc(CLAIM_KEYS, sizeof(uint32_t));
     for (uint64_t i = 0; i < CLAIM_KEYS; i++)
-        em_gpu_unique_scatter_item(keys, i, race.table, race.slot_of, first, rank, unique, inverse,
+        em_gpu_unique_scatter_item(keys, i, race.table, race.slot_of, rank, unique, inverse,
                                    first_positions);
     devices d = open_devices();
     deduped cpu = run_unique(d.cpu, d.cpu_lane, keys, CLAIM_KEYS);
@@ -888,7 +886,6 @@ START_TEST(unique_claims_keep_first_positions_under_threads)
     close_devices(&d);
     free(unique);
     free(inverse);
-    free(first);
     free(rank);
     free(race.table);
     free(race.slot_of);
