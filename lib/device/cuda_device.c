@@ -474,6 +474,7 @@ static void destroy_lane(em_device *device, cuda_lane *lane)
         free(lane->views[v].host);
     }
     em_device_free(device, lane->counter);
+    em_device_free(device, lane->iota);
     em_gpu_event_destroy(lane->staging_done[0]);
     em_gpu_event_destroy(lane->staging_done[1]);
     em_gpu_event_destroy(lane->handoff);

@@ -219,6 +219,45 @@ static em_gpu_batch gpu_batch(const em_device_batch *batch, em_combiner combiner
     };
 }
 
+/* positions[k] = k for k < nnz: the lane's kept ones (grown, and written once, when a
+ * push has more keys than they cover, up to IOTA_CACHE_MAX), else the request's own. */
+static em_status key_positions(scratch *s, cuda_lane *lane, uint64_t nnz,
+                               const uint32_t **positions, em_error *err)
+{
+    em_device *device = lane->base.device;
+    if (nnz <= IOTA_CACHE_MAX && lane->iota_count < nnz) {
+        uint64_t count = 1024;
+        while (count < nnz)
+            count <<= 1;
+        uint32_t *grown = NULL;
+        em_error no_room; /* then this push writes its own, as a larger one does */
+        if (em_device_alloc(device, count * sizeof(uint32_t), "lane key positions",
+                            (void **)&grown, &no_room) == EM_OK) {
+            em_status status = lane_check(lane, em_gpu_iota_u32(lane->stream, grown, count), err);
+            /* the old ones may still be read by this lane's work in flight */
+            void *old = status == EM_OK ? (void *)lane->iota : (void *)grown;
+            em_status freed = old != NULL ? em__cuda_free_later(lane, old, err) : EM_OK;
+            if (status != EM_OK)
+                return status;
+            lane->iota = grown;
+            lane->iota_count = count;
+            if (freed != EM_OK)
+                return freed;
+        }
+    }
+    if (nnz <= lane->iota_count) {
+        *positions = lane->iota;
+        return EM_OK;
+    }
+    uint32_t *own = NULL;
+    em_status status = scratch_take(s, nnz * sizeof(uint32_t), "key positions", (void **)&own,
+                                    err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_iota_u32(lane->stream, own, nnz), err);
+    *positions = own;
+    return status;
+}
+
 /* The batch's key positions grouped by unique index, in increasing position within a
  * group: sorted_positions[starts[u] .. starts[u + 1]) are unique u's. */
 static em_status group_positions(scratch *s, cuda_lane *lane, const em_device_batch *batch,
@@ -226,11 +265,11 @@ static em_status group_positions(scratch *s, cuda_lane *lane, const em_device_ba
 {
     uint64_t nnz = batch->nnz;
     uint32_t end_bit = bits_for(batch->unique_count);
-    uint32_t *positions = NULL, *sorted_inverse = NULL;
+    const uint32_t *positions = NULL;
+    uint32_t *sorted_inverse = NULL;
     void *temp = NULL;
     size_t temp_bytes = 0;
-    em_status status = scratch_take(s, nnz * sizeof(uint32_t), "key positions",
-                                    (void **)&positions, err);
+    em_status status = key_positions(s, lane, nnz, &positions, err);
     if (status == EM_OK)
         status = scratch_take(s, nnz * sizeof(uint32_t), "sorted inverse",
                               (void **)&sorted_inverse, err);
@@ -242,8 +281,6 @@ static em_status group_positions(scratch *s, cuda_lane *lane, const em_device_ba
                               (void **)starts, err);
     if (status == EM_OK)
         status = take_sort_temp(s, lane, nnz, end_bit, &temp, &temp_bytes, err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_iota_u32(lane->stream, positions, nnz), err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_sort_pairs_u32(lane->stream, temp, temp_bytes,
                                                         batch->inverse, sorted_inverse, positions,

@@ -44,6 +44,9 @@
 #define SCRATCH_MAX 8u
 /* Views of a table's shards a lane keeps on its GPU (cuda_shard.c: see_shards). */
 #define VIEW_CACHE 4u
+/* Most positions a lane keeps on its GPU for the pushes' sort (4 MiB): larger pushes
+ * write their own, a launch that costs little next to their size. */
+#define IOTA_CACHE_MAX ((uint64_t)1 << 20)
 
 _Static_assert(EM_GPU_ROW_NONE == EM_ROW_NONE, "row marker shared with the kernels");
 
@@ -82,6 +85,11 @@ typedef struct cuda_lane {
         size_t bytes;
     } views[VIEW_CACHE];
     uint32_t next_view; /* the entry the next view not found replaces */
+    /* 0, 1, ..., iota_count - 1 on the GPU (cuda_home_ops.c: the values the gradient sums'
+     * sort reads), written once when it grows, so that a push launches no iota of its own;
+     * at most IOTA_CACHE_MAX entries, from the pool; NULL until a push needs it. */
+    uint32_t *iota;
+    uint64_t iota_count;
     /* Calls that went to the GPU for this lane (lane_check counts every one, and handing
      * out its stream counts as one), and their number at the last synchronisation: a
      * lane with nothing issued since is idle, and synchronising it waits for nothing. */
