@@ -101,6 +101,30 @@ static void bind_next_source(int fd)
     }
 }
 
+/* connect(), through signals: one that interrupts it (libFuzzer's timer, for one) leaves
+ * the connection going on by itself, so its end is waited for, not asked again. */
+static int connect_through_signals(int fd, const struct sockaddr_in *to)
+{
+    if (connect(fd, (const struct sockaddr *)to, sizeof(*to)) == 0)
+        return 0;
+    if (errno != EINTR)
+        return -1;
+    struct pollfd watch = {.fd = fd, .events = POLLOUT};
+    int ready;
+    while ((ready = poll(&watch, 1, CALL_TIMEOUT_MS)) < 0 && errno == EINTR)
+        ;
+    if (ready <= 0) {
+        errno = ready == 0 ? ETIMEDOUT : errno;
+        return -1;
+    }
+    int error = 0;
+    socklen_t length = sizeof(error);
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) != 0)
+        return -1;
+    errno = error;
+    return error == 0 ? 0 : -1;
+}
+
 static int connect_to(const char *address)
 {
     char host[64];
@@ -114,7 +138,7 @@ static int connect_to(const char *address)
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd >= 0 && ((ntohl(to.sin_addr.s_addr) >> 24) == 127))
         bind_next_source(fd);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&to, sizeof(to)) != 0) {
+    if (fd < 0 || connect_through_signals(fd, &to) != 0) {
         char why[160];
         snprintf(why, sizeof(why), "cannot connect to the daemon at %s: %s", address,
                  strerror(errno));
@@ -134,6 +158,8 @@ static bool send_all(int fd, const void *data, size_t length)
     const uint8_t *bytes = data;
     while (length > 0) {
         ssize_t n = send(fd, bytes, length, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR)
+            continue;
         if (n <= 0)
             return false;
         bytes += n;
@@ -150,11 +176,16 @@ static bool receive_all(int fd, void *data, size_t length)
     uint8_t *bytes = data;
     while (length > 0) {
         struct pollfd watch = {.fd = fd, .events = POLLIN};
-        if (poll(&watch, 1, CALL_TIMEOUT_MS) <= 0) {
+        int ready;
+        while ((ready = poll(&watch, 1, CALL_TIMEOUT_MS)) < 0 && errno == EINTR)
+            ;
+        if (ready <= 0) {
             no_answer = "no answer within the timeout";
             return false;
         }
         ssize_t n = recv(fd, bytes, length, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
         if (n <= 0) {
             no_answer = n == 0 ? "the daemon closed the connection" : strerror(errno);
             return false;
