@@ -204,6 +204,25 @@ static void assert_keys_match_model(em_table *table, const model *m, uint64_t st
     em_test_snapshot_free(&s);
 }
 
+/* 1,500 one-key pulls and pushes (a third pushes) over three times the model's capacity,
+ * half of them to the first 16 keys, into the table and the model, the rows compared
+ * every 50. One key a request gives every row a last access of its own: no ties. */
+static void run_skewed_stream(em_table *table, model *m, uint64_t seed)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, seed);
+    em_error err;
+    for (uint64_t step = 1; step <= 1500; step++) {
+        uint64_t key = em_test_rng_below(&rng, 2) == 0 ? em_test_rng_below(&rng, 16)
+                                                       : em_test_rng_below(&rng, 3 * m->capacity);
+        bool push = em_test_rng_below(&rng, 3) == 0;
+        ck_assert_msg(run_request(table, &key, 1, push, &err) == EM_OK, "%s", err.message);
+        model_request(m, &key, 1, push);
+        if (step % 50 == 0)
+            assert_keys_match_model(table, m, step);
+    }
+}
+
 /* ---- tests ------------------------------------------------------------------------------ */
 
 static const em_eviction_policy policies[] = {EM_EVICTION_LRU, EM_EVICTION_LFU, EM_EVICTION_AGE};
@@ -217,19 +236,7 @@ START_TEST(each_policy_follows_its_rule_exactly)
     em_backend *backend = make_backend(1);
     em_table *table = make_table(backend, capacity, 1, policy, 1024);
     model m = model_make(policy, capacity);
-    em_test_rng rng;
-    em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
-    em_error err;
-    for (uint64_t step = 1; step <= 1500; step++) {
-        /* skewed: half the requests go to the first 16 keys */
-        uint64_t key = em_test_rng_below(&rng, 2) == 0 ? em_test_rng_below(&rng, 16)
-                                                       : em_test_rng_below(&rng, 3 * capacity);
-        bool push = em_test_rng_below(&rng, 3) == 0;
-        ck_assert_msg(run_request(table, &key, 1, push, &err) == EM_OK, "%s", err.message);
-        model_request(&m, &key, 1, push);
-        if (step % 100 == 0)
-            assert_keys_match_model(table, &m, step);
-    }
+    run_skewed_stream(table, &m, em_test_seed() + (uint64_t)_i);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, capacity);
@@ -268,19 +275,7 @@ START_TEST(headroom_frees_the_next_rows_by_the_rule_too)
     em_table *table = em_test_make_table(backend, &config);
     model m = model_make(policy, capacity);
     m.headroom = 6;
-    em_test_rng rng;
-    em_test_rng_init(&rng, em_test_seed() + 10 + (uint64_t)_i);
-    em_error err;
-    for (uint64_t step = 1; step <= 1500; step++) {
-        /* one key a request: every row has a last access of its own, so no ties */
-        uint64_t key = em_test_rng_below(&rng, 2) == 0 ? em_test_rng_below(&rng, 16)
-                                                       : em_test_rng_below(&rng, 3 * capacity);
-        bool push = em_test_rng_below(&rng, 3) == 0;
-        ck_assert_msg(run_request(table, &key, 1, push, &err) == EM_OK, "%s", err.message);
-        model_request(&m, &key, 1, push);
-        if (step % 50 == 0)
-            assert_keys_match_model(table, &m, step);
-    }
+    run_skewed_stream(table, &m, em_test_seed() + 10 + (uint64_t)_i);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, m.count);
