@@ -731,8 +731,11 @@ static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_
     uint64_t *rows = malloc((n + 1) * sizeof(uint64_t));
     if (rows == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    em_status status = read_device_value(seg, rows, seg->rows + shard_offset(r, seg, s),
-                                         n * sizeof(uint64_t), err);
+    /* a shard the request has no keys in gives rows to headroom only: none to keep (and
+     * its segment may have no rows array at all) */
+    em_status status = n == 0 ? EM_OK
+                              : read_device_value(seg, rows, seg->rows + shard_offset(r, seg, s),
+                                                  n * sizeof(uint64_t), err);
     if (status == EM_OK && !seg->device->host_addressable)
         status = seg->device->ops->synchronize(seg->lane, err);
     if (status != EM_OK) {
