@@ -339,22 +339,16 @@ em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
 /* em_gpu_map_insert_counted over the shards: keys[i] goes into its shard s's map and
  * rows[i] = row_base[s] + its row there. A row beyond the shard's part of the storage
  * (insert without reserve) sets the map's overflow flag and leaves rows[i] ROW_NONE,
- * inserted[i] 0. Settle the maps (em_gpu_shards_settle) before their next erase. */
+ * inserted[i] 0. Settle the maps (em_gpu_rows_init's em_gpu_settle) before their next erase. */
 em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                            const uint64_t *keys, uint64_t n,
                                            const uint32_t *count, const uint64_t *problem,
                                            uint64_t *rows, uint8_t *inserted);
-/* em_gpu_map_settle of every shard's map, then headers[s] = shard s's map header
- * (device memory, shards.count entries): one launch. */
-em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards,
-                                   em_gpu_map_header *headers);
 /* Removes keys[i] where rows is NULL or rows[i] is a stored row: the key's slot becomes
  * a tombstone (header->tombstones grows), or its side row ROW_NONE, and its row goes
  * on the free list. Keys distinct; the free list has room. */
 em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                const uint64_t *rows, uint64_t n);
-/* After inserts: drops the released rows they took from the free list (one thread). */
-em_gpu_status em_gpu_map_settle(em_gpu_stream *stream, em_gpu_map map);
 /* Places every key of old_slots (with its row) into the empty map. */
 em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
                                 uint64_t old_slot_count, em_gpu_map map);
@@ -394,12 +388,25 @@ typedef struct em_gpu_storage {
     uint64_t row_limit;   /* rows the blocks hold; initialisation never writes past it */
 } em_gpu_storage;
 
+/* The settle of the maps an insert just took rows from (em_gpu_map_settle_item: drops
+ * the released rows the inserts took from the free list), done by the launch that
+ * initialises those rows (em_gpu_rows_init) instead of one of its own: map's when
+ * map.header is not NULL, and every map of shards when shards.count is not 0, each
+ * header then copied to headers[s] (device memory). Zeroed: none. */
+typedef struct em_gpu_settle {
+    em_gpu_map map;
+    em_gpu_shards shards;
+    em_gpu_map_header *headers;
+} em_gpu_settle;
+
 /* Initial weights and optimizer state of the rows with inserted[i] != 0 (and zeroed
- * access metadata where the storage keeps it). */
+ * access metadata where the storage keeps it), and the settle asked for (it needs no
+ * order with the rows: the inserts before it are done). */
 em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *keys, const uint64_t *rows,
                                const uint8_t *inserted, uint64_t n,
-                               em_initializer_config initializer, em_optimizer_config optimizer);
+                               em_initializer_config initializer, em_optimizer_config optimizer,
+                               em_gpu_settle settle);
 /* vectors[t] = weights of rows[i], zeros for ROW_NONE and a refused key's row
  * (ROW_PENDING, lib/device/device.h EM_ROW_REJECTED) (dim floats each), where t =
  * targets[i], or i when targets is NULL. */

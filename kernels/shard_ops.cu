@@ -2,11 +2,13 @@
  * DESIGN: kernels of the shard operations: the GPU hash map (u64 key -> row) and the
  * row storage (gather, optimizer steps, initial values, whole-row reads and writes).
  *
- * The map is open addressing with linear probing over 16-byte slots {key, row}; a
- * slot is claimed by 64-bit compare-and-swap of its key (kernels/kernel_logic.h has
- * the protocol). Erasing tombstones a slot and puts its row on the map's free list,
- * which later inserts take rows from (a counter of rows taken during the launch, then
- * a one-thread settle); rehashes drop the tombstones. Lookups are one thread per key. Optimizer steps are one thread per
+ * The map is open addressing over 16-byte slots {key, row}, probed bucket by bucket
+ * (buckets of one 128-byte line, double hashing between them: em_gpu_probe in
+ * kernels/kernel_logic.h); a slot is claimed by 64-bit compare-and-swap of its key
+ * (kernels/kernel_logic.h has the protocol). Erasing tombstones a slot and puts its row
+ * on the map's free list, which later inserts take rows from (a counter of rows taken
+ * during the launch, then a settle, done by the launch that initialises the new rows);
+ * rehashes drop the tombstones. Lookups are one thread per key. Optimizer steps are one thread per
  * element for sgd and adagrad, and one warp per row for rowwise adagrad (whose mean
  * of g*g is a warp reduction) and adam (whose step count is read by every lane before
  * lane 0 advances it).
@@ -77,26 +79,11 @@ __global__ void insert_counted_kernel(Seen seen, const uint64_t *keys, uint64_t 
     insert_item(seen, keys, i, rows, inserted);
 }
 
-__global__ void shards_settle_kernel(em_gpu_shards shards, em_gpu_map_header *headers)
-{
-    EM_GPU_FOR_EACH(s, shards.count)
-    {
-        em_gpu_map_settle_item(shards.maps[s]);
-        headers[s] = *shards.maps[s].header;
-    }
-}
-
 __global__ void map_erase_kernel(em_gpu_map map, const uint64_t *keys, const uint64_t *rows,
                                  uint64_t n)
 {
     EM_GPU_FOR_EACH(i, n)
     em_gpu_map_erase_item(map, keys, rows, i);
-}
-
-__global__ void map_settle_kernel(em_gpu_map map)
-{
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-        em_gpu_map_settle_item(map);
 }
 
 __global__ void map_rehash_kernel(const em_gpu_slot *old_slots, uint64_t old_slot_count,
@@ -140,12 +127,6 @@ extern "C" em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map,
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(map_erase_kernel, n, stream, map, keys, rows, n);
-}
-
-extern "C" em_gpu_status em_gpu_map_settle(em_gpu_stream *stream, em_gpu_map map)
-{
-    EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(map_settle_kernel, 1, stream, map);
 }
 
 extern "C" em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map,
@@ -222,13 +203,6 @@ extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_
     return insert_counted(stream, shards, keys, n, count, problem, rows, inserted);
 }
 
-extern "C" em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards,
-                                              em_gpu_map_header *headers)
-{
-    EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(shards_settle_kernel, shards.count, stream, shards, headers);
-}
-
 extern "C" em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
                                            uint64_t old_slot_count, em_gpu_map map)
 {
@@ -264,10 +238,17 @@ extern "C" em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu
 __global__ void rows_init_kernel(em_gpu_storage storage, const uint64_t *keys,
                                  const uint64_t *rows, const uint8_t *inserted, uint64_t n,
                                  em_initializer_config initializer, em_optimizer_config optimizer,
-                                 uint32_t shift)
+                                 uint32_t shift, em_gpu_settle settle)
 {
     EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.row_floats, shift)
     em_gpu_rows_init_element(storage, keys, rows, inserted, &initializer, &optimizer, i, j);
+    if (settle.map.header != NULL && EM_GPU_THREAD_INDEX == 0)
+        em_gpu_map_settle_item(settle.map);
+    EM_GPU_FOR_EACH(s, settle.shards.count)
+    {
+        em_gpu_map_settle_item(settle.shards.maps[s]);
+        settle.headers[s] = *settle.shards.maps[s].header;
+    }
 }
 
 __global__ void rows_gather_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
@@ -541,14 +522,16 @@ extern "C" em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage 
                                           const uint64_t *keys, const uint64_t *rows,
                                           const uint8_t *inserted, uint64_t n,
                                           em_initializer_config initializer,
-                                          em_optimizer_config optimizer)
+                                          em_optimizer_config optimizer, em_gpu_settle settle)
 {
-    if (n == 0)
+    uint64_t settles = settle.map.header != NULL ? 1 : settle.shards.count;
+    if (n == 0 && settles == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     uint32_t shift = em_gpu_group_shift(storage.row_floats);
-    return EM_GPU_LAUNCH(rows_init_kernel, em_gpu_element_threads(n, shift), stream, storage, keys,
-                         rows, inserted, n, initializer, optimizer, shift);
+    uint64_t threads = em_gpu_element_threads(n, shift);
+    return EM_GPU_LAUNCH(rows_init_kernel, threads > settles ? threads : settles, stream, storage,
+                         keys, rows, inserted, n, initializer, optimizer, shift, settle);
 }
 
 extern "C" em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,

@@ -720,12 +720,11 @@ static em_status enqueue_insert(cuda_shard *shard, cuda_lane *lane, const uint64
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_map_insert(lane->stream, map_view(shard), keys, n, rows,
                                                     inserted), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_map_settle(lane->stream, map_view(shard)), err);
+    em_gpu_settle settle = {.map = map_view(shard)};
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_init(lane->stream, storage_view(shard), keys, rows,
                                                    inserted, n, shard->initializer,
-                                                   shard->optimizer), err);
+                                                   shard->optimizer, settle), err);
     if (status == EM_OK)
         status = record_write(shard, lane, err);
     if (status == EM_OK && header_copy)
@@ -983,8 +982,11 @@ static em_status find_check_seen(const shards_seen *seen, const cuda_shard *firs
  * copy, into the first shard's headers_host; shard_insert_settle takes each in through
  * its settle_from once the lane has synchronized. The caller holds every shard's write
  * lock until then. */
-static em_status settle_seen(em_shard *const *bases, const shards_seen *seen, cuda_lane *lane,
-                             scratch *s, em_error *err)
+/* Where the settle of several shards' maps leaves their headers: on the GPU (*headers,
+ * from the scratch), then in the first shard's pinned copies, which shard_insert_settle
+ * reads once the lane has synchronized. */
+static em_status settle_headers(em_shard *const *bases, const shards_seen *seen, scratch *s,
+                                em_gpu_map_header **headers, em_error *err)
 {
     cuda_shard *first = shard_of(bases[0]);
     uint32_t count = seen->count;
@@ -1000,16 +1002,22 @@ static em_status settle_seen(em_shard *const *bases, const shards_seen *seen, cu
         first->headers_host = grown;
         first->headers_capacity = count;
     }
-    em_gpu_map_header *headers = NULL;
-    em_status status = scratch_take(s, count * sizeof(em_gpu_map_header), "map headers",
-                                    (void **)&headers, err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_shards_settle(lane->stream, seen->shards, headers), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, first->headers_host, headers,
-                                                      count * sizeof(em_gpu_map_header)),
-                            err);
-    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+    return scratch_take(s, count * sizeof(em_gpu_map_header), "map headers", (void **)headers,
+                        err);
+}
+
+/* Sends the settled headers back (after the launch that settled them). */
+static em_status send_headers_back(em_shard *const *bases, const shards_seen *seen,
+                                   cuda_lane *lane, const em_gpu_map_header *headers,
+                                   em_error *err)
+{
+    cuda_shard *first = shard_of(bases[0]);
+    em_status status = lane_check(lane, em_gpu_memcpy_async(lane->stream, first->headers_host,
+                                                            headers,
+                                                            seen->count *
+                                                                sizeof(em_gpu_map_header)),
+                                  err);
+    for (uint32_t i = 0; status == EM_OK && i < seen->count; i++)
         shard_of(bases[i])->settle_from = &first->headers_host[i];
     return status;
 }
@@ -1036,17 +1044,22 @@ static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cu
                                 : em_gpu_shards_insert_counted(lane->stream, seen->shards, unique,
                                                                n, count, problem, rows, inserted),
                             err);
+    /* the launch that writes the new rows settles the maps too */
+    em_gpu_settle settle = {.map = seen->map};
+    if (seen->count > 1) {
+        settle = (em_gpu_settle){.shards = seen->shards};
+        if (status == EM_OK)
+            status = settle_headers(bases, seen, s, &settle.headers, err);
+    }
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_init(lane->stream, seen->storage, unique, rows,
                                                    inserted, n, first->initializer,
-                                                   first->optimizer),
+                                                   first->optimizer, settle),
                             err);
-    if (status == EM_OK && seen->count == 1)
-        status = lane_check(lane, em_gpu_map_settle(lane->stream, seen->map), err);
     if (status == EM_OK && seen->count == 1)
         status = copy_header_back(shard_of(bases[0]), lane, err);
     if (status == EM_OK && seen->count > 1)
-        status = settle_seen(bases, seen, lane, s, err);
+        status = send_headers_back(bases, seen, lane, settle.headers, err);
     return status;
 }
 

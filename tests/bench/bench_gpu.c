@@ -226,7 +226,8 @@ static void map_insert(map_bench *m, storage *s, uint64_t begin, uint64_t n)
     check(em_gpu_map_insert(m->stream, m->map, m->keys + begin, n, m->rows, m->inserted),
           "map insert");
     check(em_gpu_rows_init(m->stream, s->view, m->keys + begin, m->rows, m->inserted, n,
-                           initializer, optimizer), "rows init");
+                           initializer, optimizer, (em_gpu_settle){.map = m->map}),
+          "rows init");
 }
 
 /* Fills the map to `keys` keys: a partial call first, then full calls; returns the

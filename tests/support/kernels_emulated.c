@@ -901,19 +901,6 @@ em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards 
     return ok();
 }
 
-em_gpu_status em_gpu_shards_settle(em_gpu_stream *stream, em_gpu_shards shards,
-                                   em_gpu_map_header *headers)
-{
-    (void)stream;
-    enter_device();
-    for (uint32_t s = 0; s < shards.count; s++) {
-        em_gpu_map_settle_item(shards.maps[s]);
-        headers[s] = *shards.maps[s].header;
-    }
-    leave_device();
-    return ok();
-}
-
 em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                const uint64_t *rows, uint64_t n)
 {
@@ -921,15 +908,6 @@ em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint
     enter_device();
     for (uint64_t i = 0; i < n; i++)
         em_gpu_map_erase_item(map, keys, rows, i);
-    leave_device();
-    return ok();
-}
-
-em_gpu_status em_gpu_map_settle(em_gpu_stream *stream, em_gpu_map map)
-{
-    (void)stream;
-    enter_device();
-    em_gpu_map_settle_item(map);
     leave_device();
     return ok();
 }
@@ -977,13 +955,22 @@ em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu_map map, u
 em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *keys, const uint64_t *rows,
                                const uint8_t *inserted, uint64_t n,
-                               em_initializer_config initializer, em_optimizer_config optimizer)
+                               em_initializer_config initializer, em_optimizer_config optimizer,
+                               em_gpu_settle settle)
 {
     (void)stream;
+    if (n == 0 && settle.map.header == NULL && settle.shards.count == 0)
+        return ok();
     enter_device();
     for (uint64_t i = 0; i < n; i++)
         for (uint32_t j = 0; j < storage.row_floats; j++)
             em_gpu_rows_init_element(storage, keys, rows, inserted, &initializer, &optimizer, i, j);
+    if (settle.map.header != NULL)
+        em_gpu_map_settle_item(settle.map);
+    for (uint32_t s = 0; s < settle.shards.count; s++) {
+        em_gpu_map_settle_item(settle.shards.maps[s]);
+        settle.headers[s] = *settle.shards.maps[s].header;
+    }
     leave_device();
     return ok();
 }
