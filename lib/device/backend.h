@@ -57,7 +57,8 @@ em_status em_backend_assemble(const char *kind, em_device **devices, uint32_t co
 /* Destroys the devices and the exchange. Tables must be destroyed first. */
 void em_backend_destroy(em_backend *backend);
 
-/* The device a request runs its home-side work on (round robin). Thread-safe. */
+/* The device a request runs its home-side work on (round robin), for a table over
+ * several devices (a table on one is served there). Thread-safe. */
 em_device *em_backend_home_device(em_backend *backend);
 
 /* Device index of shard `shard` of a table with shard_count shards. */

@@ -45,9 +45,10 @@ struct em_table {
     em_shard **shards;
     uint32_t *shard_device; /* device index of each shard */
     uint32_t shards_device; /* the device index of every shard when they share one, else
-                             * UINT32_MAX: a request whose home it is (em__shards_at_home)
-                             * gathers per-key pulls into the output and writes imported
-                             * rows from where they arrived (targets), no copy between */
+                             * UINT32_MAX: the home of every request to the table
+                             * (em__request_begin), which then gathers per-key pulls into
+                             * the output and writes imported rows from where they
+                             * arrived (targets), no copy between (em__shards_at_home) */
     pthread_rwlock_t lock;
     pthread_rwlock_t *shard_locks; /* readers gather or export, writers apply or write */
     uint64_t *shard_versions;      /* moved by every step and write of a shard (under

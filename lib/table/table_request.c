@@ -118,7 +118,10 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
 {
     memset(r, 0, sizeof(*r));
     r->table = table;
-    r->home = em_backend_home_device(table->backend);
+    /* a table on one device is served there: no exchange, and its requests may go at
+     * once; a table over several takes the backend's homes in turn */
+    r->home = table->shards_device != UINT32_MAX ? table->backend->devices[table->shards_device]
+                                                 : em_backend_home_device(table->backend);
     r->gradient_bound = -1.0f;
     if (em_eviction_tracks_access(&table->config.eviction))
         r->access_stamp = atomic_fetch_add_explicit(&table->access_clock, 1,

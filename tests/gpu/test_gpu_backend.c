@@ -1955,6 +1955,62 @@ START_TEST(host_waits_and_operations_per_request)
     em_backend_destroy(gpu);
 }
 END_TEST
+
+/* A table whose shards all live on one GPU of several is served on that GPU: every
+ * request, whichever GPU the backend's turn would make its home, finds and steps its
+ * keys there with one host wait and no exchange (before, every other request was homed
+ * on the other GPU and went the general way: 4 waits for a pull). Its answers match
+ * a CPU table's. */
+START_TEST(a_table_on_one_gpu_of_two_is_served_there)
+{
+    enum { KEYS = 500, DIM = 8 };
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(2, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(DIM, 100000, 1, EM_OPTIMIZER_ADAGRAD, EM_INIT_UNIFORM);
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
+    for (uint32_t i = 0; i < KEYS; i++)
+        keys[i] = 13 * (uint64_t)i + 5;
+    float *gradients = malloc(KEYS * DIM * sizeof(float));
+    for (uint32_t i = 0; i < KEYS * DIM; i++)
+        gradients[i] = 0.001f * (float)(i % 97) - 0.04f;
+    float *out[2] = {malloc(KEYS * DIM * sizeof(float)), malloc(KEYS * DIM * sizeof(float))};
+    em_test_batch b = em_test_key_batch(keys, KEYS);
+    em_error err;
+    for (int t = 0; t < 2; t++) /* the keys created, then the steady state */
+        ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err) ==
+                          EM_OK, "%s", err.message);
+    for (int request = 0; request < 6; request++) {
+        bool push = request % 2 == 1;
+        uint64_t operations = 0, waits = 0, waits_after = 0;
+        for (int t = 0; t < 2; t++) {
+            if (t == 1)
+                em_gpu_emulated_counts(&operations, &waits);
+            em_status status =
+                push ? em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err)
+                     : em_test_pull(tables[t], &b.csr, EM_COMBINER_NONE, false, out[t], NULL, &err);
+            ck_assert_msg(status == EM_OK, "%s", err.message);
+        }
+        em_gpu_emulated_counts(&operations, &waits_after);
+        ck_assert_msg(waits_after - waits == 1, "request %d (%s): %" PRIu64 " host waits", request,
+                      push ? "push" : "pull", waits_after - waits);
+        if (!push)
+            ck_assert(memcmp(out[0], out[1], KEYS * DIM * sizeof(float)) == 0);
+    }
+    em_table_stats stats;
+    em_table_get_stats(tables[1], &stats);
+    ck_assert_uint_eq(stats.rows, KEYS);
+    em_test_batch_free(&b);
+    free(out[0]);
+    free(out[1]);
+    free(gradients);
+    free(keys);
+    em_table_destroy(tables[0]);
+    em_table_destroy(tables[1]);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
 #endif
 
 /* Loop index: the capacity policy (lru, lfu, age, expiry, counter admission,
@@ -2152,6 +2208,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, a_push_refused_in_one_shard_of_eight_says_what_the_cpu_says);
 #ifdef EM_CUDA_EMULATED
     tcase_add_test(tc, host_waits_and_operations_per_request);
+    tcase_add_test(tc, a_table_on_one_gpu_of_two_is_served_there);
 #endif
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);
