@@ -12,7 +12,8 @@
  *              cudaMemcpy of the same size measured in the same run.
  *   push       requests through a CUDA-backend table (one GPU, the host side
  *              included): 65,536 keys per push from a universe of 1M present keys,
- *              dim 64, per optimizer, in million keys/s.
+ *              dim 64, per optimizer, in million keys/s; the keys uniform, and Zipf 1.2
+ *              (a hot key repeats thousands of times in one request) side by side.
  *   requests   pulls and pushes of 4,096, 65,536 and 1,048,576 present keys (sgd, dim
  *              64) with the batch in host memory, as a server has it: in malloc'ed
  *              (pageable) buffers, which the GPU copies through its lanes' staging, and
@@ -33,6 +34,7 @@
  *   bench_gpu [--device N] [--slots N] [--repeat N] [--seconds S]
  */
 #include <inttypes.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -390,7 +392,46 @@ static em_backend *one_gpu_backend(const options *o)
     return backend;
 }
 
-static double push_rate(const options *o, em_backend *backend, int optimizer)
+/* PUSH_BATCHES requests' keys drawn before the clock starts: uniform over the PUSH_UNIVERSE
+ * present keys, or Zipf with exponent `zipf` (> 0) over the same keys, rank r drawn with
+ * probability proportional to 1 / r^zipf and spread over the key space by an odd
+ * multiplier, so that the hot keys are not neighbours. */
+#define PUSH_BATCHES 16u
+
+static uint64_t *push_key_stream(const options *o, double zipf)
+{
+    uint64_t *stream = host_alloc((size_t)PUSH_BATCHES * PUSH_KEYS * sizeof(uint64_t));
+    em_test_rng rng;
+    em_test_rng_init(&rng, o->seed + 2);
+    if (zipf <= 0) {
+        for (size_t i = 0; i < (size_t)PUSH_BATCHES * PUSH_KEYS; i++)
+            stream[i] = em_test_rng_below(&rng, PUSH_UNIVERSE);
+        return stream;
+    }
+    double *cumulative = host_alloc(PUSH_UNIVERSE * sizeof(double));
+    double total = 0;
+    for (uint32_t rank = 0; rank < PUSH_UNIVERSE; rank++) {
+        total += 1.0 / pow((double)rank + 1.0, zipf);
+        cumulative[rank] = total;
+    }
+    for (size_t i = 0; i < (size_t)PUSH_BATCHES * PUSH_KEYS; i++) {
+        double u = em_test_rng_unit(&rng) * total;
+        uint32_t low = 0, high = PUSH_UNIVERSE - 1; /* the first rank whose sum reaches u */
+        while (low < high) {
+            uint32_t middle = low + (high - low) / 2;
+            if (cumulative[middle] < u)
+                low = middle + 1;
+            else
+                high = middle;
+        }
+        stream[i] = ((uint64_t)low * 0x9E3779B1u) & (PUSH_UNIVERSE - 1);
+    }
+    free(cumulative);
+    return stream;
+}
+
+static double push_rate(const options *o, em_backend *backend, int optimizer,
+                        const uint64_t *stream)
 {
     const uint32_t dim = 64;
     em_table_config config;
@@ -425,13 +466,10 @@ static double push_rate(const options *o, em_backend *backend, int optimizer)
             keys[i] = start + i;
         check_em(em_table_push(table, &request, &result, &err), &err, "push (create)");
     }
-    em_test_rng rng;
-    em_test_rng_init(&rng, o->seed + 2);
     uint64_t pushed = 0;
     double began = em_test_now(), now = began;
-    while (now - began < o->seconds) {
-        for (uint32_t i = 0; i < PUSH_KEYS; i++)
-            keys[i] = em_test_rng_below(&rng, PUSH_UNIVERSE);
+    for (uint32_t batch = 0; now - began < o->seconds; batch = (batch + 1) % PUSH_BATCHES) {
+        memcpy(keys, stream + (size_t)batch * PUSH_KEYS, PUSH_KEYS * sizeof(uint64_t));
         check_em(em_table_push(table, &request, &result, &err), &err, "push");
         pushed += PUSH_KEYS;
         now = em_test_now();
@@ -448,11 +486,22 @@ static void bench_push(const options *o)
     static const char *names[] = {"sgd", "adagrad", "rowwise_adagrad", "adam"};
     printf("\npush: table on one GPU (host side included), %u keys per request from %u "
            "present keys, dim 64, %.1f s each\n", PUSH_KEYS, PUSH_UNIVERSE, o->seconds);
-    printf("%-16s %9s\n", "optimizer", "Mkeys/s");
+    printf("keys uniform over the present keys, and Zipf 1.2 over them (hot keys repeat "
+           "within a request: their gradients are summed first)\n");
+    printf("%-16s %15s %15s %12s\n", "optimizer", "uniform Mkeys/s", "zipf1.2 Mkeys/s",
+           "uniform/zipf");
+    uint64_t *uniform = push_key_stream(o, 0);
+    uint64_t *zipf = push_key_stream(o, 1.2);
     em_backend *backend = one_gpu_backend(o);
-    for (int optimizer = 0; optimizer < 4; optimizer++)
-        printf("%-16s %9.2f\n", names[optimizer], push_rate(o, backend, optimizer) / 1e6);
+    for (int optimizer = 0; optimizer < 4; optimizer++) {
+        double flat = push_rate(o, backend, optimizer, uniform);
+        double skewed = push_rate(o, backend, optimizer, zipf);
+        printf("%-16s %15.2f %15.2f %12.2f\n", names[optimizer], flat / 1e6, skewed / 1e6,
+               flat / skewed);
+    }
     em_backend_destroy(backend);
+    free(uniform);
+    free(zipf);
 }
 
 /* ---- requests with the batch in host memory ----------------------------------------------- */
