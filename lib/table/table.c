@@ -543,11 +543,34 @@ em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull
 
 /* ---- push ------------------------------------------------------------------------ */
 
-/* A push and the largest gradient element size its input check found. */
+/* A push, and the largest gradient element size its input check found once it ran
+ * (check_gradients). */
 typedef struct push_call {
     const em_push_request *request;
     float largest;
+    bool checked;
 } push_call;
+
+/* Checks, once per push, that its gradients are finite (em_csr_check_gradients, naming
+ * the first element that is not), and keeps their largest size for the general way's
+ * bounds. A push of one gradient per key going at once is not checked here unless it
+ * goes on the general way: every gradient is then a term of one of the sums the GPU
+ * checks before it steps anything (em_row_check), and a sum with a term that is not
+ * finite is not finite either, so such a push steps nothing and goes the general way,
+ * which runs this check and names the element as the CPU backend does. The host then
+ * never reads the gradients of a push that steps at once. Pushes with a combiner are
+ * checked first: a gradient of an empty row is no term of any sum. */
+static em_status check_gradients(const em_table *table, push_call *call, em_error *err)
+{
+    const em_push_request *request = call->request;
+    em_status status = em_csr_check_gradients(&request->batch, request->combiner,
+                                              table->config.dim, request->gradients,
+                                              &call->largest, err);
+    if (status != EM_OK)
+        return em_error_prefix(err, "push to table '%s': ", table->config.name);
+    call->checked = true;
+    return EM_OK;
+}
 
 /* Sums the batch's gradients per unique key at home (partitioned order) and hands each
  * segment its share. */
@@ -600,7 +623,7 @@ static bool push_may_run_at_once(const request_context *r, const em_push_request
  * shard's write lock): here the rows are stamped with the clock's next value and the
  * clock moves once the step is known to have happened, the write lock held until then
  * so that no other step takes that value meanwhile. */
-static em_status push_at_once(request_context *r, const push_call *call,
+static em_status push_at_once(request_context *r, push_call *call,
                               em_push_result *result, bool *done, bool *planned, em_error *err)
 {
     const em_push_request *request = call->request;
@@ -689,6 +712,13 @@ static em_status push_at_once(request_context *r, const push_call *call,
     } else if (locked) {
         em__unlock_all_shards(table);
     }
+    if ((status != EM_OK || !stepped) && !call->checked) { /* bad input is named first */
+        em_error check_err;
+        if (check_gradients(table, call, &check_err) != EM_OK) {
+            *err = check_err;
+            return EM_INVALID_ARGUMENT;
+        }
+    }
     if (status != EM_OK)
         return em_error_prefix(err, "table '%s': ", table->config.name);
     if (!saving)
@@ -720,13 +750,16 @@ static em_status push_at_once(request_context *r, const push_call *call,
 static em_status push_locked(em_table *table, const void *untyped_request, void *untyped_result,
                              bool may_create, attempt_state *state, em_error *err)
 {
-    const push_call *call = untyped_request;
+    push_call *call = (push_call *)untyped_request; /* em_table_push's own: writable */
     const em_push_request *request = call->request;
     em_push_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
     bool done = false, planned = false;
-    if (status == EM_OK && push_may_run_at_once(&r, request))
+    bool at_once = status == EM_OK && push_may_run_at_once(&r, request);
+    if (status == EM_OK && !call->checked && (!at_once || request->combiner != EM_COMBINER_NONE))
+        status = check_gradients(table, call, err);
+    if (status == EM_OK && at_once)
         status = push_at_once(&r, call, result, &done, &planned, err);
     if (status != EM_OK || done) {
         em__request_end(&r);
@@ -761,8 +794,9 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     return status;
 }
 
+/* The push's shape; its gradients' values are checked later (check_gradients). */
 static em_status check_push(const em_table *table, const em_push_request *request,
-                            float *largest, em_error *err)
+                            em_error *err)
 {
     em_status status = check_batch(&request->batch, request->combiner, err);
     if (status != EM_OK)
@@ -776,15 +810,14 @@ static em_status check_push(const em_table *table, const em_push_request *reques
                             em_csr_output_vectors(&request->batch, request->combiner),
                             request->combiner == EM_COMBINER_NONE ? "keys" : "rows",
                             table->config.dim);
-    return em_csr_check_gradients(&request->batch, request->combiner, table->config.dim,
-                                  request->gradients, largest, err);
+    return EM_OK;
 }
 
 em_status em_table_push(em_table *table, const em_push_request *request, em_push_result *result,
                         em_error *err)
 {
-    push_call call = {request, -1.0f};
-    em_status status = check_push(table, request, &call.largest, err);
+    push_call call = {request, -1.0f, false};
+    em_status status = check_push(table, request, err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s': ", table->config.name);
     status = run_shared_then_exclusive(table, push_locked, &call, result, err);

@@ -2180,6 +2180,90 @@ START_TEST(erase_matches_cpu_and_reuses_rows)
 }
 END_TEST
 
+/* A gradient that is not finite, in a push that goes at once (the host does not read its
+ * gradients) or, with a combiner, is checked first: refused with the CPU backend's words,
+ * nothing stepped or created, in tables of 1 and 8 shards, to stored keys and to keys the
+ * push would create (the table's pushes already creating at once). Variants: NaN, +inf,
+ * and +inf and -inf on two occurrences of one key (their sum is NaN); then a NaN in the
+ * gradient of an empty row of a mean-pooled push, which no sum on the GPU holds. */
+START_TEST(non_finite_gradients_are_refused_like_the_cpu)
+{
+    const uint32_t dim = 5, shards = _i & 1 ? 8 : 1;
+    const bool fresh = (_i & 2) != 0;
+    const int kind = _i / 4; /* 0 NaN, 1 +inf, 2 +inf and -inf on one key, 3 empty row */
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(dim, 100000, shards, EM_OPTIMIZER_ADAGRAD,
+                                          EM_INIT_UNIFORM);
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    enum { KEYS = 300 };
+    uint64_t keys[KEYS];
+    uint32_t offsets[KEYS + 1];
+    float g[KEYS * 5];
+    for (uint32_t i = 0; i <= KEYS; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < KEYS * dim; i++)
+        g[i] = 0.01f * (float)(i % 7) - 0.03f;
+    em_csr batch = {.rows = KEYS, .nnz = KEYS, .offsets = offsets, .keys = keys};
+    em_error err, errors[2];
+    for (int round = 0; round < 2; round++) { /* stored keys; then new keys, created at once */
+        for (uint32_t i = 0; i < KEYS; i++)
+            keys[i] = 7 + 13 * (uint64_t)i + (uint64_t)round * 100000;
+        for (int b = 0; b < 2; b++)
+            ck_assert_msg(em_test_push(tables[b], &batch, EM_COMBINER_NONE, g, NULL, &err) ==
+                          EM_OK, "%s", err.message);
+    }
+    for (uint32_t i = 0; i < KEYS; i++)
+        keys[i] = fresh ? 5000000 + 3 * (uint64_t)i : 7 + 13 * (uint64_t)i;
+    em_combiner combiner = EM_COMBINER_NONE;
+    if (kind == 0) {
+        g[123 * dim + 2] = NAN;
+    } else if (kind == 1) {
+        g[7 * dim + 4] = INFINITY;
+    } else if (kind == 2) {
+        keys[250] = keys[40]; /* one key twice: +inf and -inf, finite apart */
+        g[40 * dim + 1] = INFINITY;
+        g[250 * dim + 1] = -INFINITY;
+    } else {
+        combiner = EM_COMBINER_MEAN; /* rows of one key, and row 200 empty */
+        for (uint32_t r = 0; r <= KEYS; r++)
+            offsets[r] = r <= 200 ? r : r - 1;
+        batch.nnz = KEYS - 1;
+        g[200 * dim + 3] = NAN;
+    }
+    for (int b = 0; b < 2; b++) {
+        em_table_stats stats_before, stats_after;
+        em_table_get_stats(tables[b], &stats_before);
+        em_test_snapshot before = em_test_snapshot_take(tables[b], 64);
+        ck_assert_int_eq(em_test_push(tables[b], &batch, combiner, g, NULL, &errors[b]),
+                         EM_INVALID_ARGUMENT);
+        em_test_assert_table_unchanged(tables[b], &before);
+        em_test_snapshot_free(&before);
+        em_table_get_stats(tables[b], &stats_after);
+        ck_assert_uint_eq(stats_after.rows, stats_before.rows);
+        ck_assert_uint_eq(stats_after.pushes, stats_before.pushes);
+    }
+    ck_assert_msg(strstr(errors[0].message, kind == 3 ? "gradient of row 200" : "gradient of key")
+                  != NULL, "%s", errors[0].message);
+    ck_assert_str_eq(errors[1].message, errors[0].message);
+    for (int b = 0; b < 2; b++) { /* and the tables go on alike */
+        for (uint32_t i = 0; i < KEYS * dim; i++)
+            g[i] = 0.02f;
+        ck_assert_msg(em_test_push(tables[b], &batch, combiner, g, NULL, &err) == EM_OK, "%s",
+                      err.message);
+    }
+    em_test_snapshot a = em_test_snapshot_take(tables[0], 64);
+    em_test_snapshot c = em_test_snapshot_take(tables[1], 64);
+    em_test_assert_snapshots_identical(&a, &c);
+    em_test_snapshot_free(&a);
+    em_test_snapshot_free(&c);
+    for (int b = 0; b < 2; b++)
+        em_table_destroy(tables[b]);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* ---- runner ---------------------------------------------------------------------------- */
 
 static Suite *gpu_backend_suite(void)
@@ -2206,6 +2290,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, a_table_beyond_2_31_floats);
     tcase_add_loop_test(tc, requests_in_pinned_buffers_match_pageable_ones, 0, 3);
     tcase_add_test(tc, a_push_refused_in_one_shard_of_eight_says_what_the_cpu_says);
+    tcase_add_loop_test(tc, non_finite_gradients_are_refused_like_the_cpu, 0, 16);
 #ifdef EM_CUDA_EMULATED
     tcase_add_test(tc, host_waits_and_operations_per_request);
     tcase_add_test(tc, a_table_on_one_gpu_of_two_is_served_there);
