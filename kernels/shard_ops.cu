@@ -8,10 +8,10 @@
  * (kernels/kernel_logic.h has the protocol). Erasing tombstones a slot and puts its row
  * on the map's free list, which later inserts take rows from (a counter of rows taken
  * during the launch, then a settle, done by the launch that initialises the new rows);
- * rehashes drop the tombstones. Lookups are one thread per key. Optimizer steps are one thread per
- * element for sgd and adagrad, and one warp per row for rowwise adagrad (whose mean
- * of g*g is a warp reduction) and adam (whose step count is read by every lane before
- * lane 0 advances it).
+ * rehashes drop the tombstones. Lookups are one thread per key. Optimizer steps are one
+ * thread per element for sgd and adagrad, and one warp per row for rowwise adagrad
+ * (whose mean of g*g is a warp reduction) and adam (whose step count is read by every
+ * lane before lane 0 advances it).
  */
 #include "kernels/kernel_logic.h"
 #include "kernels/launch.cuh"

@@ -234,15 +234,19 @@ static em_status key_positions(scratch *s, cuda_lane *lane, uint64_t nnz,
         if (em_device_alloc(device, count * sizeof(uint32_t), "lane key positions",
                             (void **)&grown, &no_room) == EM_OK) {
             em_status status = lane_check(lane, em_gpu_iota_u32(lane->stream, grown, count), err);
-            /* the old ones may still be read by this lane's work in flight */
-            void *old = status == EM_OK ? (void *)lane->iota : (void *)grown;
-            em_status freed = old != NULL ? em__cuda_free_later(lane, old, err) : EM_OK;
-            if (status != EM_OK)
+            if (status != EM_OK) { /* the lane may have enqueued it: freed after its work */
+                em_error ignored;
+                (void)em__cuda_free_later(lane, grown, &ignored);
                 return status;
+            }
+            uint32_t *old = lane->iota; /* may still be read by this lane's work in flight */
             lane->iota = grown;
             lane->iota_count = count;
-            if (freed != EM_OK)
-                return freed;
+            if (old != NULL) {
+                status = em__cuda_free_later(lane, old, err);
+                if (status != EM_OK)
+                    return status;
+            }
         }
     }
     if (nnz <= lane->iota_count) {

@@ -688,6 +688,19 @@ static em_status plan_evictions(request_context *r, uint64_t need, uint64_t *evi
                         r->missing, evictable_total, remaining);
 }
 
+/* The rows shard s holds beyond the request's own keys and those it evicts already. */
+static uint64_t shard_spare(request_context *r, uint32_t s, const uint64_t *evict,
+                            uint64_t *rows)
+{
+    em_table *table = r->table;
+    em_shard_stats stats;
+    table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
+    uint64_t own = shard_key_count(r, s) - r->shard_missing[s] - r->shard_rejected[s];
+    uint64_t keep = own + evict[s];
+    *rows = stats.rows;
+    return stats.rows > keep ? stats.rows - keep : 0;
+}
+
 /* Adds to evict[] the table's headroom (table_config.h): floor(headroom x capacity)
  * rows more, from every shard in proportion to its rows (the remainder one row each from
  * the first shards that have one to give), never the request's own rows nor more than a
@@ -701,28 +714,19 @@ static void plan_headroom(request_context *r, uint64_t *evict)
     uint64_t total = table_rows(table);
     if (extra == 0 || total == 0)
         return;
-    uint64_t *spare = calloc(table->shard_count, sizeof(*spare));
-    if (spare == NULL)
-        return; /* only the need, as without headroom */
-    uint64_t given = 0;
+    uint64_t given = 0, rows = 0;
     for (uint32_t s = 0; s < table->shard_count; s++) {
-        em_shard_stats stats;
-        table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
-        uint64_t own = shard_key_count(r, s) - r->shard_missing[s] - r->shard_rejected[s];
-        uint64_t keep = own + evict[s];
-        spare[s] = stats.rows > keep ? stats.rows - keep : 0;
-        uint64_t share = (uint64_t)((unsigned __int128)extra * stats.rows / total);
-        share = share < spare[s] ? share : spare[s];
+        uint64_t spare = shard_spare(r, s, evict, &rows);
+        uint64_t share = (uint64_t)((unsigned __int128)extra * rows / total);
+        share = share < spare ? share : spare;
         evict[s] += share;
-        spare[s] -= share;
         given += share;
     }
     for (uint32_t s = 0; given < extra && s < table->shard_count; s++)
-        if (spare[s] > 0) {
+        if (shard_spare(r, s, evict, &rows) > 0) { /* the shares' rounding: one more row */
             evict[s]++;
             given++;
         }
-    free(spare);
 }
 
 /* The request's rows of shard s (on the host: rows it reads or writes, which eviction
