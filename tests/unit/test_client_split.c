@@ -4,6 +4,7 @@
  * results must be bit-identical to one em_table holding every key - pull outputs,
  * push counts, and finally every row's weights and optimizer state.
  */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -297,6 +298,33 @@ START_TEST(keys_route_by_bucket_evenly_and_growth_moves_few)
 }
 END_TEST
 
+/* Inside a daemon a key's shard is h(key) mod the shard count, whatever the count: the
+ * mask taken for powers of two gives the same shard as the remainder, so checkpoints and
+ * every kernel agree on it. */
+START_TEST(a_keys_shard_is_its_hash_mod_the_shard_count)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, 77);
+    for (int i = 0; i < 5000; i++) {
+        uint64_t key = i < 4 ? (uint64_t)i - 2 : em_test_rng_next(&rng); /* -2, -1, 0, 1 first */
+        uint64_t hash = em_key_hash(key);
+        uint32_t wrong = 0; /* the first count whose shard is not the remainder */
+        for (uint32_t count = 1; count <= 70 && wrong == 0; count++)
+            wrong = em_key_shard(key, count) == hash % count ? 0 : count;
+        for (uint32_t bit = 7; bit < 32 && wrong == 0; bit++) {
+            uint32_t count = 1u << bit;
+            wrong = em_key_shard(key, count) == hash % count ? 0 : count;
+            if (wrong == 0 && em_key_shard(key, count - 1) != hash % (count - 1))
+                wrong = count - 1;
+        }
+        if (wrong == 0 && em_key_shard(key, UINT32_MAX) != hash % UINT32_MAX)
+            wrong = UINT32_MAX;
+        ck_assert_msg(wrong == 0, "key %" PRIu64 ", %u shards: shard %u, remainder %" PRIu64, key,
+                      wrong, em_key_shard(key, wrong), hash % (wrong == 0 ? 1 : wrong));
+    }
+}
+END_TEST
+
 START_TEST(split_over_servers_matches_one_table_bit_for_bit)
 {
     em_combiner combiner = (em_combiner)(_i % 4);
@@ -437,6 +465,7 @@ int main(void)
     tcase_add_test(shape, push_split_spreads_row_gradients_over_the_full_row);
     tcase_add_test(shape, empty_batches_split_to_empty_sub_batches);
     tcase_add_test(shape, keys_route_by_bucket_evenly_and_growth_moves_few);
+    tcase_add_test(shape, a_keys_shard_is_its_hash_mod_the_shard_count);
     suite_add_tcase(suite, shape);
     return em_test_run(suite);
 }
