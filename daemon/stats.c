@@ -30,6 +30,9 @@ const uint64_t em_duration_bounds_ns[EM_DURATION_BUCKETS] = {
       "host <-> GPU copies of pinned request and answer buffers, by DMA")                     \
     X(bytes_copied_staged, COUNTER, BYTES,                                                    \
       "host <-> GPU copies of other host memory, through the lanes' staging")                 \
+    X(device_waits, COUNTER, NONE,                                                            \
+      "times requests waited for work enqueued on a GPU to finish (0 on the cpu backend)")    \
+    X(device_wait_ms, COUNTER, MILLISECONDS, "the time those waits took")                     \
     X(uptime_ms, GAUGE, MILLISECONDS, "time since start")
 
 #define SCHEMA_ROW(scope_, name_, kind_, unit_, help_)                                         \
@@ -270,6 +273,13 @@ em_status em_stats_collect(const em_server_stats *counters, em_catalog *catalog,
     snapshot->pinned_buffers_full = buffers.unpinned_allocations;
     snapshot->bytes_copied_directly = buffers.bytes_copied_directly;
     snapshot->bytes_copied_staged = buffers.bytes_copied_staged;
+    uint64_t wait_ns = 0;
+    for (uint32_t d = 0; d < backend->device_count; d++) {
+        em_device *device = backend->devices[d];
+        snapshot->device_waits += atomic_load_explicit(&device->waits, memory_order_relaxed);
+        wait_ns += atomic_load_explicit(&device->wait_ns, memory_order_relaxed);
+    }
+    snapshot->device_wait_ms = wait_ns / 1000000u;
     collect_counters(counters, snapshot);
     em_status status = collect_tables(catalog, table_filter, snapshot, err);
     if (status == EM_OK)

@@ -167,6 +167,7 @@ typedef struct em_stats_snapshot {
     uint64_t exchange_fallback;
     uint64_t pinned_buffer_bytes_in_use, pinned_buffer_bytes_limit, pinned_buffers_full;
     uint64_t bytes_copied_directly, bytes_copied_staged;
+    uint64_t device_waits, device_wait_ms;
     uint64_t uptime_ms;
 #define EM_SERVER_SNAPSHOT_FIELD(name, kind, unit, help) uint64_t name;
     EM_SERVER_COUNTERS(EM_SERVER_SNAPSHOT_FIELD)

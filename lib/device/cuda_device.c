@@ -58,6 +58,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ---- status ------------------------------------------------------------------------ */
 
@@ -183,6 +184,22 @@ static void free_deferred(cuda_lane *lane)
     lane->deferred_count = 0;
 }
 
+static uint64_t monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+}
+
+/* Counts one wait of the host for the lane's device, begun at began_ns (em_device's
+ * waits and wait_ns). */
+static void count_wait(cuda_lane *lane, uint64_t began_ns)
+{
+    em_device *device = lane->base.device;
+    atomic_fetch_add_explicit(&device->waits, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&device->wait_ns, monotonic_ns() - began_ns, memory_order_relaxed);
+}
+
 /* Waits for everything issued on the lane, then frees what was waiting for that. */
 /* The reads back of copy_to_host_later reach their host memory once the lane has
  * synchronized (or are dropped when the synchronisation failed). */
@@ -198,8 +215,11 @@ static void land_later(cuda_lane *lane, bool synchronized)
 em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
 {
     em_status status = EM_OK;
-    if (lane->issued != lane->synced) /* else nothing can be running: no round trip */
+    if (lane->issued != lane->synced) { /* else nothing can be running: no round trip */
+        uint64_t began = monotonic_ns();
         status = lane_check(lane, em_gpu_stream_synchronize(lane->stream), err);
+        count_wait(lane, began);
+    }
     if (status == EM_OK)
         lane->synced = lane->issued;
     lane->staging_in_flight[0] = lane->staging_in_flight[1] = false;
@@ -295,7 +315,9 @@ static em_status wait_for_staging(cuda_lane *lane, uint32_t h, em_error *err)
 {
     if (!lane->staging_in_flight[h])
         return EM_OK;
+    uint64_t began = monotonic_ns();
     em_status status = lane_check(lane, em_gpu_event_synchronize(lane->staging_done[h]), err);
+    count_wait(lane, began);
     lane->staging_in_flight[h] = false;
     return status;
 }

@@ -34,6 +34,7 @@
 #ifndef EMBER_LIB_DEVICE_H
 #define EMBER_LIB_DEVICE_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -363,6 +364,12 @@ struct em_device {
     bool host_addressable; /* device pointers are host pointers: no staging copies */
     em_pool *pool;         /* every allocation of the device comes from here */
     void *impl;            /* backend-private state */
+    /* Times the host waited for work it had enqueued on the device to finish (a lane's
+     * synchronisation, or a staging half's copy), and the nanoseconds those waits took:
+     * with the requests' own time, how much of it the GPU took. 0 where work runs as it
+     * is called (the CPU backend). */
+    _Atomic uint64_t waits;
+    _Atomic uint64_t wait_ns;
 };
 
 /* How a shard stores rows (both backends): each row is its weights then its optimizer

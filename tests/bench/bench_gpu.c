@@ -19,10 +19,12 @@
  *              (pageable) buffers, which the GPU copies through its lanes' staging, and
  *              in the backend's pinned host buffers (where the server receives
  *              requests), which it copies by DMA; in million keys/s (the time in the
- *              table's calls, not the drawing of the keys) and as a fraction
- *              of the bus: the time the request's bytes (keys and gradients in, vectors
- *              out) take at the pinned copy rates measured in the same run. Side by
- *              side, the table in one shard and in eight on the same GPU: both serve
+ *              table's calls, not the drawing of the keys) and as a fraction of the
+ *              bus: the time the request's bytes (keys and gradients in, vectors out)
+ *              take at the pinned copy rates measured in the same run; "wait", the
+ *              share of the requests' time the host spent waiting for the GPU (STATS
+ *              device_wait_ms), the rest being the host's own work. Side by side, the
+ *              table in one shard and in eight on the same GPU: both serve
  *              requests of stored keys with one wait for the GPU (STATS pulls_at_once),
  *              eight shards with one kernel of each kind over all of them. Then pulls
  *              whose keys are all new ("new"), which create them with one wait too.
@@ -583,8 +585,11 @@ static void request_buffers_free(request_buffers *b)
  * table, keys never asked before, so that the tables' memory stays bounded. */
 #define NEW_REQUESTS 8u
 
-static double request_rate(const options *o, em_table *table, request_buffers *b, uint32_t keys,
-                           int op, em_test_rng *rng)
+/* *waiting gets the share of that time the host spent waiting for the GPU (em_device
+ * wait_ns of the table's GPU): the rest is the host's own work on the requests. */
+static double request_rate(const options *o, em_table *table, em_device *device,
+                           request_buffers *b, uint32_t keys, int op, em_test_rng *rng,
+                           double *waiting)
 {
     static uint64_t next_new = REQUEST_UNIVERSE; /* the keys "new" pulls create */
     bool push = op == 1, fresh = op == 2;
@@ -597,6 +602,7 @@ static double request_rate(const options *o, em_table *table, request_buffers *b
     em_error err;
     uint64_t done = 0;
     double busy = 0; /* in the table's calls: drawing the keys is not timed */
+    uint64_t waited_before = atomic_load(&device->wait_ns);
     while (fresh ? done < (uint64_t)NEW_REQUESTS * keys : busy < o->seconds || done == 0) {
         for (uint32_t i = 0; i < keys; i++)
             b->keys[i] = fresh ? (next_new++) * 0x9e3779b97f4a7c15ull
@@ -609,6 +615,7 @@ static double request_rate(const options *o, em_table *table, request_buffers *b
         busy += em_test_now() - began;
         done += keys;
     }
+    *waiting = (double)(atomic_load(&device->wait_ns) - waited_before) / 1e9 / busy;
     return (double)done / busy;
 }
 
@@ -622,8 +629,9 @@ static void bench_requests(const options *o)
            "its bytes take at the pinned copy rates measured here (to the GPU %.1f GB/s, to "
            "the host %.1f GB/s), over the request's time\n",
            REQUEST_DIM, REQUEST_UNIVERSE, NEW_REQUESTS, to_device / 1e9, to_host / 1e9);
-    printf("%-4s %8s %-9s %17s %7s %17s %7s %9s\n", "op", "keys", "buffers",
-           "1 shard Mkeys/s", "of bus", "8 shards Mkeys/s", "of bus", "1 / 8");
+    printf("(wait: the share of the requests' time the host waited for the GPU)\n");
+    printf("%-4s %8s %-9s %17s %7s %6s %17s %7s %6s %9s\n", "op", "keys", "buffers",
+           "1 shard Mkeys/s", "of bus", "wait", "8 shards Mkeys/s", "of bus", "wait", "1 / 8");
     em_backend *backend = one_gpu_backend(o);
     em_table *tables[2] = {NULL, NULL};
     em_error err;
@@ -664,14 +672,16 @@ static void bench_requests(const options *o)
             for (int pinned = 0; pinned < 2; pinned++) {
                 request_buffers b = request_buffers_make(pinned ? backend->host_buffers : NULL,
                                                          sizes[s]);
-                double rates[2];
+                double rates[2], waits[2];
                 for (int t = 0; t < 2; t++)
-                    rates[t] = request_rate(o, tables[t], &b, sizes[s], op, &rng);
+                    rates[t] = request_rate(o, tables[t], backend->devices[0], &b, sizes[s], op,
+                                            &rng, &waits[t]);
                 double bus = op == 1 ? push_bus : pull_bus;
-                printf("%-4s %8u %-9s %17.2f %7.2f %17.2f %7.2f %8.2fx\n",
+                printf("%-4s %8u %-9s %17.2f %7.2f %6.2f %17.2f %7.2f %6.2f %8.2fx\n",
                        op == 0 ? "pull" : op == 1 ? "push" : "new", sizes[s],
                        !pinned ? "pageable" : b.pinned ? "pinned" : "(full)", rates[0] / 1e6,
-                       rates[0] * bus, rates[1] / 1e6, rates[1] * bus, rates[0] / rates[1]);
+                       rates[0] * bus, waits[0], rates[1] / 1e6, rates[1] * bus, waits[1],
+                       rates[0] / rates[1]);
                 request_buffers_free(&b);
             }
         }

@@ -180,8 +180,13 @@ START_TEST(a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart)
         test_frame_free(&pushed);
     }
     ck_assert_double_eq(server_stat(again, "pushes_at_once"), 2.0);
+    double waits = server_stat(again, "device_waits");
     assert_pulled(again, 7, -1.5f);
     ck_assert_double_eq(server_stat(again, "pulls_at_once"), 2.0);
+    /* and the host waited once for the GPU in that pull (STATS device_waits; the time,
+     * device_wait_ms, is there too) */
+    ck_assert_double_eq(server_stat(again, "device_waits"), waits + 1.0);
+    ck_assert_double_ge(server_stat(again, "device_wait_ms"), 0.0);
     ck_assert_int_eq(test_daemon_stop(again, SIGTERM, 30000), 0);
     em_test_remove_tree(dir);
 }

@@ -256,6 +256,9 @@ START_TEST(collected_numbers_are_the_engines)
     Ember__StatsResponse *response = ember__stats_response__unpack(NULL, length, bytes);
     ck_assert_ptr_nonnull(response);
     ck_assert_uint_eq(response->server->bytes_in, 4242);
+    /* the cpu backend does a request's work as it is asked: nothing to wait for */
+    ck_assert_uint_eq(response->server->device_waits, 0);
+    ck_assert_uint_eq(response->server->device_wait_ms, 0);
     ck_assert_uint_eq(response->n_tables, 1);
     const Ember__TableStats *wire = response->tables[0];
     ck_assert_str_eq(wire->name, "clicks");
