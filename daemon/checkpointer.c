@@ -60,6 +60,8 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
     bool scheduled_delta = mode == EM_SAVE_SCHEDULED && c->config->full_every > 1;
     options.delta = mode == EM_SAVE_DELTA || scheduled_delta;
     options.max_depth = mode == EM_SAVE_SCHEDULED ? c->config->full_every - 1 : 0;
+    /* a periodic delta of a table nobody changed would only lengthen the chain */
+    options.skip_unchanged = scheduled_delta;
     atomic_fetch_add(&c->stats->checkpoint_saves_running, 1);
     em_status status = em_checkpoint_save(table, &options, info, err);
     atomic_fetch_sub(&c->stats->checkpoint_save_rows_read, progress.read);
@@ -70,10 +72,16 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
         em_log_error(c->log, "%s", err->message);
         return status;
     }
+    atomic_store(&c->stats->checkpoint_last_success_unix_ms, now_unix_ms());
+    if (info->unchanged) { /* durable as of now, in the latest checkpoint */
+        atomic_fetch_add(&c->stats->checkpoint_saves_unchanged, 1);
+        em_log_info(c->log, "table '%s' is unchanged since checkpoint %s: nothing saved",
+                    info->table, info->id);
+        return EM_OK;
+    }
     atomic_fetch_add(&c->stats->checkpoint_saves, 1);
     if (strcmp(info->kind, "delta") == 0)
         atomic_fetch_add(&c->stats->checkpoint_deltas, 1);
-    atomic_store(&c->stats->checkpoint_last_success_unix_ms, now_unix_ms());
     atomic_store(&c->stats->checkpoint_last_save_ms, (uint64_t)(info->seconds * 1000.0));
     atomic_store(&c->stats->checkpoint_last_save_bytes, info->bytes);
     em_log_notice(c->log, "saved table '%s' as %s checkpoint %s: %" PRIu64 " rows, %" PRIu64

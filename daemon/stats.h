@@ -69,6 +69,8 @@
     X(checkpoint_tables_restored, COUNTER, NONE, "tables loaded from checkpoints at start")   \
     X(checkpoint_rows_restored, COUNTER, NONE, "rows loaded from checkpoints at start")      \
     X(checkpoint_deltas, COUNTER, NONE, "table checkpoints completed as deltas")             \
+    X(checkpoint_saves_unchanged, COUNTER, NONE,                                              \
+      "periodic saves of a table unchanged since its latest checkpoint: nothing written")     \
     X(checkpoint_save_rows_read, GAUGE, NONE, "rows the saves running now have read")        \
     X(checkpoint_save_rows, GAUGE, NONE, "rows the snapshots of the saves running hold") \
     X(work_queued, GAUGE, NONE, "requests queued for or running on the workers now")       \

@@ -71,6 +71,10 @@ typedef struct em_checkpoint_options {
     bool detached;             /* a copy outside the table's chain (a cluster checkpoint's
                                 * part): always full, and the table's digests stay as they
                                 * are, for the next delta under its own dir */
+    bool skip_unchanged;       /* with delta: a delta that would change nothing (no row, no
+                                * tombstone, the same clocks, no admission sketch) is not
+                                * written; info->unchanged says so and names the latest
+                                * checkpoint, which still holds the table */
     /* Heard once the snapshot is taken (rows_read 0) and after each staging buffer
      * written: rows of the snapshot read so far, and its rows. NULL: not heard. */
     void (*progress)(void *context, uint64_t rows_read, uint64_t rows_total);
@@ -95,6 +99,8 @@ typedef struct em_checkpoint_info {
     uint64_t created_unix_ms;
     uint64_t manifest_xxh3; /* the checksum of its manifest (what a child or a cluster
                              * checkpoint records of it) */
+    bool unchanged;   /* a save with skip_unchanged that wrote nothing: id, path, kind and
+                       * depth are the latest checkpoint's, rows and bytes 0 */
     double seconds;   /* the save or the load */
 } em_checkpoint_info;
 

@@ -82,6 +82,9 @@ typedef struct em__delta_base {
     uint64_t manifest_xxh3;                 /* the checksum line of its manifest */
     uint32_t row_floats;
     em__key_map digests;
+    bool clocks_known;    /* clocks hold the table's clocks as the checkpoint has them (a
+                           * save of a table that tracks access; not a load) */
+    em_table_clocks clocks;
 } em__delta_base;
 
 void em__delta_base_free(void *base);

@@ -108,6 +108,7 @@ typedef struct save {
     em__delta_base *next;     /* the digests as of this save, when tracking */
     uint64_t *tombstones;     /* a delta's: the parent's keys no longer in the table */
     uint64_t tombstone_count;
+    bool unchanged;           /* skip_unchanged: nothing written, the parent holds it all */
 } save;
 
 /* Groups the staged rows by bucket into chunks and writes them. */
@@ -643,6 +644,42 @@ static const em__delta_base *delta_parent(em_table *table, const em_checkpoint_o
     return base;
 }
 
+/* Whether the delta just read changes nothing its parent holds (skip_unchanged): no
+ * row and no tombstone, and nothing beside the rows that a manifest carries and may have
+ * moved: the clocks of a table that tracks access are the parent's, and there is no
+ * admission sketch (which sightings change without changing a row). */
+static bool delta_changes_nothing(const save *s)
+{
+    if (!s->delta || !s->options->skip_unchanged || s->rows > 0 || s->tombstone_count > 0 ||
+        s->admission_bytes > 0)
+        return false;
+    if (!s->access)
+        return true;
+    const em_table_clocks *a = &s->clocks, *b = &s->parent->clocks;
+    if (!s->parent->clocks_known || a->access_clock != b->access_clock ||
+        a->update_clock != b->update_clock || a->sample_spacing_ms != b->sample_spacing_ms ||
+        a->samples != b->samples)
+        return false;
+    for (uint32_t i = 0; i < a->samples; i++)
+        if (a->sample_ms[i] != b->sample_ms[i] || a->sample_clock[i] != b->sample_clock[i])
+            return false;
+    return true;
+}
+
+/* What a save that wrote nothing answers: the parent, which still holds the table. */
+static void describe_parent(const save *s, em_checkpoint_info *info)
+{
+    const em__delta_base *parent = s->parent;
+    info->unchanged = true;
+    snprintf(info->id, sizeof(info->id), "%s", parent->id);
+    snprintf(info->path, sizeof(info->path), "%s", parent->path);
+    snprintf(info->kind, sizeof(info->kind), "%s", parent->depth == 0 ? "full" : "delta");
+    info->parent[0] = '\0';
+    info->depth = parent->depth;
+    info->manifest_xxh3 = parent->manifest_xxh3;
+    info->table_rows = s->table_rows;
+}
+
 static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *info,
                             em_error *err)
 {
@@ -654,6 +691,13 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
         return em_error_set(err, EM_INTERNAL, "cannot create %s: %s", s->rows_path,
                             strerror(errno));
     status = write_rows(s, err);
+    s->unchanged = status == EM_OK && delta_changes_nothing(s);
+    if (s->unchanged) {
+        close(s->fd);
+        em__checkpoint_remove_dir(s->tmp_dir);
+        describe_parent(s, info);
+        return EM_OK;
+    }
     if (status == EM_OK)
         status = em_save_fsync(s->fd, EM_SAVE_ROWS_FSYNC, s->rows_path, err);
     close(s->fd);
@@ -688,6 +732,8 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
         s->next->depth = info->depth;
         s->next->manifest_xxh3 = sums.manifest_xxh3;
         s->next->row_floats = s->row_floats;
+        s->next->clocks_known = s->access;
+        s->next->clocks = s->clocks;
     }
     return status;
 }
@@ -799,6 +845,8 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
                 EM_OK ||
             strcmp(current, info->path) != 0)
             em__checkpoint_remove_dir(info->path);
+        em__delta_base_free(s.next);
+    } else if (s.unchanged) { /* the parent stays the table's checkpoint and the base */
         em__delta_base_free(s.next);
     } else {
         /* the table's rows are now written as this checkpoint: the next delta's parent */

@@ -353,6 +353,104 @@ START_TEST(deltas_survive_kill_9_and_follow_full_every)
 }
 END_TEST
 
+/* The server's STATS number called name. */
+static double server_number(em_client *client, const char *name)
+{
+    cJSON *stats = NULL;
+    em_error err;
+    ck_assert_msg(em_client_stats(client, NULL, &stats, &err) == EM_OK, "%s", err.message);
+    const cJSON *value = cJSON_GetObjectItem(cJSON_GetObjectItem(stats, "server"), name);
+    double number = value != NULL ? value->valuedouble : 0.0;
+    cJSON_Delete(stats);
+    return number;
+}
+
+/* Waits up to 15 s for the server's STATS number called name to reach at least target. */
+static double wait_for_number(em_client *client, const char *name, double target)
+{
+    double number = server_number(client, name);
+    for (int i = 0; i < 150 && number < target; i++) {
+        usleep(100000);
+        number = server_number(client, name);
+    }
+    ck_assert_msg(number >= target, "%s stayed at %g, below %g", name, number, target);
+    return number;
+}
+
+/* Periodic saves (checkpoint.interval_s) of a table nobody changed write nothing: the
+ * latest checkpoint still holds it, and a delta would only lengthen the chain (STATS
+ * checkpoint_saves_unchanged; the log says so). A push, or on a table that tracks
+ * access a pull that moves its clocks without changing a row, makes the next one write
+ * a delta again. */
+START_TEST(periodic_saves_write_nothing_for_unchanged_tables)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
+    char json[2048];
+    snprintf(json, sizeof(json),
+             "{\"checkpoint\": {\"dir\": \"%s\", \"keep\": 3, \"on_shutdown\": false,"
+             " \"interval_s\": 1, \"full_every\": 100},"
+             " \"tables\": [{\"name\": \"t\", \"dim\": %u, \"capacity\": 100000, \"shards\": 2,"
+             " \"optimizer\": {\"type\": \"adam\", \"lr\": 0.01}},"
+             " {\"name\": \"l\", \"dim\": 4, \"capacity\": 1000, \"shards\": 2,"
+             " \"eviction\": {\"policy\": \"lru\"}}]}",
+             dir, DIM);
+    batch *b = every_key();
+    test_daemon *daemon = test_daemon_start(json);
+    em_client *client = client_for(daemon);
+    train_part(client, b, 31, 0, 100);
+    float gradient[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    uint32_t one[2] = {0, 1};
+    uint64_t key = 12345, absent = 999;
+    em_client_push_args push_l = {.table = "l",
+                                  .batch = {.rows = 1, .nnz = 1, .offsets = one, .keys = &key},
+                                  .combiner = EM_COMBINER_NONE,
+                                  .gradients = gradient,
+                                  .gradient_count = 4};
+    em_error err;
+    ck_assert_msg(em_client_push(client, &push_l, NULL, &err) == EM_OK, "%s", err.message);
+    /* both tables saved since, then found unchanged twice each */
+    double unchanged = wait_for_number(client, "checkpoint_saves_unchanged", 4);
+    double saves = server_number(client, "checkpoint_saves");
+    ck_assert_double_ge(saves, 2);
+    wait_for_number(client, "checkpoint_saves_unchanged", unchanged + 4);
+    ck_assert_double_eq(server_number(client, "checkpoint_saves"), saves);
+    char *log = test_daemon_log(daemon);
+    ck_assert_msg(strstr(log, "table 't' is unchanged since checkpoint ") != NULL &&
+                      strstr(log, "table 'l' is unchanged since checkpoint ") != NULL,
+                  "%s", log);
+    free(log);
+    /* a pull of an absent key changes no row of l, but moves its access clock, which the
+     * checkpoint holds: a delta of l again, and t still unchanged */
+    float out[4];
+    em_client_pull_args pull_l = {.table = "l",
+                                  .batch = {.rows = 1, .nnz = 1, .offsets = one, .keys = &absent},
+                                  .combiner = EM_COMBINER_NONE,
+                                  .create_missing = false,
+                                  .out = out,
+                                  .out_capacity = 4};
+    em_client_pull_result pulled;
+    ck_assert_msg(em_client_pull(client, &pull_l, &pulled, &err) == EM_OK, "%s", err.message);
+    ck_assert_uint_eq(pulled.missing, 1);
+    double deltas = server_number(client, "checkpoint_deltas");
+    wait_for_number(client, "checkpoint_deltas", deltas + 1);
+    ck_assert_double_eq(server_number(client, "checkpoint_saves"), saves + 1);
+    /* and a push to t: a delta of t's 50 changed rows */
+    train_part(client, b, 32, 10, 50);
+    wait_for_number(client, "checkpoint_deltas", deltas + 2);
+    char *ctl = getenv("EMBERCTL"), *out_text = NULL;
+    char *list[] = {ctl, "checkpoints", "list", dir, "t", NULL};
+    ck_assert_int_eq(test_run_program(list, NULL, &out_text), 0);
+    ck_assert_msg(strstr(out_text, "depth 1), 50 rows changed, 0 tombstones, 100 rows "
+                                   "restored") != NULL, "%s", out_text);
+    free(out_text);
+    em_client_destroy(client);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
+    free(b);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* A server without a checkpoint section says so. */
 START_TEST(save_without_a_checkpoint_dir_is_refused)
 {
@@ -633,6 +731,7 @@ int main(void)
     tcase_add_test(restart, sigterm_saves_every_table);
     tcase_add_test(restart, save_without_a_checkpoint_dir_is_refused);
     tcase_add_test(restart, deltas_survive_kill_9_and_follow_full_every);
+    tcase_add_test(restart, periodic_saves_write_nothing_for_unchanged_tables);
     tcase_add_test(restart, emberctl_moves_a_table_between_clusters);
     suite_add_tcase(suite, restart);
     TCase *crash = tcase_create("crash");

@@ -1354,6 +1354,74 @@ START_TEST(admission_sketches_survive_a_load)
 }
 END_TEST
 
+/* With skip_unchanged, a delta that would change nothing is not written: the answer
+ * names the latest checkpoint (unchanged, its id and depth), no directory appears, and
+ * the next delta still builds on that one. A table with an admission sketch always
+ * writes one (sightings change the sketch, not a row). */
+START_TEST(unchanged_deltas_are_skipped_when_asked)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, 55);
+    em_table *table = trained_table(backend, 1, 8, 300, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.delta = true;
+    options.skip_unchanged = true;
+    em_checkpoint_info first, again, delta;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
+    ck_assert_str_eq(first.kind, "full"); /* nothing to build on: full, whatever changed */
+    ck_assert(!first.unchanged);
+    char table_dir[300];
+    snprintf(table_dir, sizeof(table_dir), "%s/t", dir);
+    int entries = count_entries(table_dir);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(again.unchanged);
+    ck_assert_str_eq(again.id, first.id);
+    ck_assert_str_eq(again.path, first.path);
+    ck_assert_str_eq(again.kind, "full");
+    ck_assert_uint_eq(again.depth, 0);
+    ck_assert_uint_eq(again.rows + again.bytes, 0);
+    ck_assert_uint_eq(again.table_rows, first.table_rows);
+    ck_assert_int_eq(count_entries(table_dir), entries);
+    change_a_little(table, 8, &rng, 5);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &delta, &err), EM_OK);
+    ck_assert(!delta.unchanged);
+    ck_assert_str_eq(delta.kind, "delta");
+    ck_assert_str_eq(delta.parent, first.id);
+    ck_assert_uint_gt(delta.rows, 0);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(again.unchanged);
+    ck_assert_str_eq(again.id, delta.id);
+    ck_assert_uint_eq(again.depth, 1);
+    options.skip_unchanged = false; /* asked for, an empty delta is written */
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    ck_assert_str_eq(again.parent, delta.id);
+    ck_assert_uint_eq(again.rows, 0);
+    em_table_destroy(table);
+
+    em_table_config config;
+    em_table_config_init(&config, "admit", 4, 10000);
+    config.optimizer = em_test_optimizers[0];
+    config.admission.policy = EM_ADMISSION_COUNTER;
+    config.admission.threshold = 3;
+    config.admission.counters = 4096;
+    table = em_test_make_table(backend, &config);
+    options.skip_unchanged = true;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    ck_assert_str_eq(again.kind, "delta");
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* A list gives each checkpoint's figures from its manifest without reading the data:
  * a damaged rows.emb still lists (verify refuses it), a damaged manifest lists as "?". */
 START_TEST(lists_read_manifests_only)
@@ -1404,6 +1472,7 @@ int main(void)
     tcase_add_test(round_trip, empty_tables_round_trip);
     tcase_add_test(round_trip, weights_load_into_another_optimizer);
     tcase_add_test(round_trip, saves_keep_the_newest);
+    tcase_add_test(round_trip, unchanged_deltas_are_skipped_when_asked);
     tcase_add_test(round_trip, lists_read_manifests_only);
     tcase_add_test(round_trip, version_1_checkpoints_still_load);
     suite_add_tcase(suite, round_trip);
