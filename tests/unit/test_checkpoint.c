@@ -1290,6 +1290,19 @@ START_TEST(access_metadata_and_clocks_survive_a_load)
 }
 END_TEST
 
+/* A table "admit" (dim 4, sgd) that stores a key at its third sighting, counted in a
+ * sketch of 4,096 counters. */
+static em_table *admitting_table(em_backend *backend)
+{
+    em_table_config config;
+    em_table_config_init(&config, "admit", 4, 10000);
+    config.optimizer = em_test_optimizers[0];
+    config.admission.policy = EM_ADMISSION_COUNTER;
+    config.admission.threshold = 3;
+    config.admission.counters = 4096;
+    return em_test_make_table(backend, &config);
+}
+
 /* Counter admission's sketch is saved with the rows and restored: a key seen twice
  * before the save is stored on its third sighting after the load; a damaged sketch is
  * refused naming admission.emb. */
@@ -1298,13 +1311,7 @@ START_TEST(admission_sketches_survive_a_load)
     char dir[256];
     em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
-    em_table_config config;
-    em_table_config_init(&config, "admit", 4, 10000);
-    config.optimizer = em_test_optimizers[0];
-    config.admission.policy = EM_ADMISSION_COUNTER;
-    config.admission.threshold = 3;
-    config.admission.counters = 4096;
-    em_table *table = em_test_make_table(backend, &config);
+    em_table *table = admitting_table(backend);
     uint64_t keys[50];
     uint32_t offsets[51];
     for (uint32_t i = 0; i <= 50; i++)
@@ -1404,13 +1411,7 @@ START_TEST(unchanged_deltas_are_skipped_when_asked)
     ck_assert_uint_eq(again.rows, 0);
     em_table_destroy(table);
 
-    em_table_config config;
-    em_table_config_init(&config, "admit", 4, 10000);
-    config.optimizer = em_test_optimizers[0];
-    config.admission.policy = EM_ADMISSION_COUNTER;
-    config.admission.threshold = 3;
-    config.admission.counters = 4096;
-    table = em_test_make_table(backend, &config);
+    table = admitting_table(backend);
     options.skip_unchanged = true;
     ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
     ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
