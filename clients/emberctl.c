@@ -762,18 +762,24 @@ static void print_server_stats(const cJSON *server)
                "direct, %s staged\n",
                in_use, limit, json_number(server, "pinned_buffers_full"), direct, staged);
     }
+    double waits = json_number(server, "device_waits");
+    if (waits > 0)
+        printf("  gpu waits    %.0f, %.3f s in all\n", waits,
+               json_number(server, "device_wait_ms") / 1000.0);
     double saves = json_number(server, "checkpoint_saves");
     double failures = json_number(server, "checkpoint_save_failures");
     double restored = json_number(server, "checkpoint_tables_restored");
     double running = json_number(server, "checkpoint_saves_running");
-    if (saves + failures + restored + running == 0)
+    double unchanged = json_number(server, "checkpoint_saves_unchanged");
+    if (saves + failures + restored + running + unchanged == 0)
         return;
     char last_bytes[32];
     format_bytes(json_number(server, "checkpoint_last_save_bytes"), last_bytes,
                  sizeof(last_bytes));
-    printf("  checkpoints  %.0f saved (%.0f deltas), %.0f failed, %.0f running (%.0f of %.0f "
-           "rows read); last save %s in %.0f ms; %.0f tables (%.0f rows) restored at start\n",
-           saves, json_number(server, "checkpoint_deltas"), failures, running,
+    printf("  checkpoints  %.0f saved (%.0f deltas), %.0f unchanged, %.0f failed, %.0f running "
+           "(%.0f of %.0f rows read); last save %s in %.0f ms; %.0f tables (%.0f rows) "
+           "restored at start\n",
+           saves, json_number(server, "checkpoint_deltas"), unchanged, failures, running,
            json_number(server, "checkpoint_save_rows_read"),
            json_number(server, "checkpoint_save_rows"), last_bytes,
            json_number(server, "checkpoint_last_save_ms"), restored,

@@ -415,6 +415,11 @@ START_TEST(periodic_saves_write_nothing_for_unchanged_tables)
     ck_assert_double_ge(saves, 2);
     wait_for_number(client, "checkpoint_saves_unchanged", unchanged + 4);
     ck_assert_double_eq(server_number(client, "checkpoint_saves"), saves);
+    char *ctl = getenv("EMBERCTL"), *shown = NULL; /* emberctl stats counts them too */
+    char *stats_argv[] = {ctl, "--server", daemon->admin, "stats", NULL};
+    ck_assert_int_eq(test_run_program(stats_argv, TEST_ADMIN_TOKEN, &shown), 0);
+    ck_assert_msg(strstr(shown, " unchanged, ") != NULL, "%s", shown);
+    free(shown);
     char *log = test_daemon_log(daemon);
     ck_assert_msg(strstr(log, "table 't' is unchanged since checkpoint ") != NULL &&
                       strstr(log, "table 'l' is unchanged since checkpoint ") != NULL,
@@ -438,7 +443,7 @@ START_TEST(periodic_saves_write_nothing_for_unchanged_tables)
     /* and a push to t: a delta of t's 50 changed rows */
     train_part(client, b, 32, 10, 50);
     wait_for_number(client, "checkpoint_deltas", deltas + 2);
-    char *ctl = getenv("EMBERCTL"), *out_text = NULL;
+    char *out_text = NULL;
     char *list[] = {ctl, "checkpoints", "list", dir, "t", NULL};
     ck_assert_int_eq(test_run_program(list, NULL, &out_text), 0);
     ck_assert_msg(strstr(out_text, "depth 1), 50 rows changed, 0 tombstones, 100 rows "

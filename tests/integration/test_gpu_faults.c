@@ -187,6 +187,13 @@ START_TEST(a_gpu_fault_fails_the_request_and_the_daemon_exits_for_a_restart)
      * device_wait_ms, is there too) */
     ck_assert_double_eq(server_stat(again, "device_waits"), waits + 1.0);
     ck_assert_double_ge(server_stat(again, "device_wait_ms"), 0.0);
+    char *ctl = getenv("EMBERCTL"), *shown = NULL; /* emberctl stats shows them */
+    char *stats_argv[] = {ctl, "--server", (char *)again->admin, "stats", NULL};
+    ck_assert_int_eq(test_run_program(stats_argv, TEST_ADMIN_TOKEN, &shown), 0);
+    char expected[64];
+    snprintf(expected, sizeof(expected), "  gpu waits    %.0f, ", waits + 1.0);
+    ck_assert_msg(strstr(shown, expected) != NULL, "%s", shown);
+    free(shown);
     ck_assert_int_eq(test_daemon_stop(again, SIGTERM, 30000), 0);
     em_test_remove_tree(dir);
 }
