@@ -12,7 +12,9 @@
 # build made here when meson, ninja and nvcc are installed. NCCL is found on the machine:
 # the linker's cache, /usr/local/cuda, or the nvidia-nccl Python package.
 #
-# Environment: EMBER_GPU_QUICK=1 runs the benchmarks shorter (about 2 minutes less).
+# Environment: EMBER_GPU_QUICK=1 runs the benchmarks shorter (about 2 minutes less);
+# EMBER_GPU_MEMCHECK=1 also runs the gpu suite under compute-sanitizer's memcheck (about
+# 130 s on an H200), when compute-sanitizer is installed.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -132,6 +134,14 @@ fi
 # emulated kernels on a small CPU), so that one that hangs leaves time for the rest;
 # verbose: every case's verdict in the report.
 step "gpu suite" 200 env CK_TIMEOUT_MULTIPLIER=0.1 CK_VERBOSITY=verbose "$gpu_suite"
+if [[ ${EMBER_GPU_MEMCHECK:-0} == 1 ]]; then
+  if command -v compute-sanitizer >/dev/null; then
+    step "gpu suite under memcheck" 240 env CK_TIMEOUT_MULTIPLIER=0.3 compute-sanitizer \
+      --tool memcheck --target-processes all --error-exitcode 9 "$gpu_suite"
+  else
+    say "EMBER_GPU_MEMCHECK=1: compute-sanitizer is not installed here; memcheck not run"
+  fi
+fi
 for suite in client_daemon protocol serving; do
   step "${suite}_cuda" 45 env EMBER_TEST_BACKEND=cuda EMBERD="$emberd" EMBERCTL="$emberctl" \
     TRAIN_LOGREG="$train_logreg" "$integration/test_$suite"
