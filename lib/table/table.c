@@ -558,8 +558,9 @@ typedef struct push_call {
  * checks before it steps anything (em_row_check), and a sum with a term that is not
  * finite is not finite either, so such a push steps nothing and goes the general way,
  * which runs this check and names the element as the CPU backend does. The host then
- * never reads the gradients of a push that steps at once. Pushes with a combiner are
- * checked first: a gradient of an empty row is no term of any sum. */
+ * never reads the gradients of a push that steps at once. Every other push is checked
+ * before it takes any lock (gpu_may_check), a push with a combiner among them: a gradient
+ * of an empty row is no term of any sum. */
 static em_status check_gradients(const em_table *table, push_call *call, em_error *err)
 {
     const em_push_request *request = call->request;
@@ -714,9 +715,10 @@ static em_status push_at_once(request_context *r, push_call *call,
     }
     if ((status != EM_OK || !stepped) && !call->checked) { /* bad input is named first */
         em_error check_err;
-        if (check_gradients(table, call, &check_err) != EM_OK) {
+        em_status refused = check_gradients(table, call, &check_err);
+        if (refused != EM_OK) {
             *err = check_err;
-            return EM_INVALID_ARGUMENT;
+            return refused;
         }
     }
     if (status != EM_OK)
@@ -794,6 +796,15 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     return status;
 }
 
+/* Whether a push may leave its gradients' check to the GPU (check_gradients): one
+ * gradient per key, to a table whose shards share a device that pushes at once. Every
+ * other push is checked before it takes any lock. */
+static bool gpu_may_check(const em_table *table, const em_push_request *request)
+{
+    return request->combiner == EM_COMBINER_NONE && table->shards_device != UINT32_MAX &&
+           table->backend->devices[table->shards_device]->ops->shards_push_async != NULL;
+}
+
 /* The push's shape; its gradients' values are checked later (check_gradients). */
 static em_status check_push(const em_table *table, const em_push_request *request,
                             em_error *err)
@@ -820,6 +831,11 @@ em_status em_table_push(em_table *table, const em_push_request *request, em_push
     em_status status = check_push(table, request, err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s': ", table->config.name);
+    if (!gpu_may_check(table, request)) {
+        status = check_gradients(table, &call, err);
+        if (status != EM_OK)
+            return status;
+    }
     status = run_shared_then_exclusive(table, push_locked, &call, result, err);
     if (status != EM_OK)
         return status;

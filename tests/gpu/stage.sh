@@ -27,8 +27,8 @@ programs=(
   tests/bench/bench_gpu
   tests/bench/bench_server
 )
-packages=(libatomic1 libuv1 libprotobuf-c1 libcjson1 libxxhash0 libhttp-parser2.9 libsubunit0 libssl3
-          openssl redis-tools libjemalloc2 liblzf1 liblua5.1-0)
+packages=(libatomic1 libuv1 libprotobuf-c1 libcjson1 libxxhash0 libhttp-parser2.9 libsubunit0
+          libssl3 openssl redis-tools libjemalloc2 liblzf1 liblua5.1-0)
 
 for program in "${programs[@]}"; do
   if [[ ! -x "$build/$program" ]]; then
