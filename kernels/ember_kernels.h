@@ -215,15 +215,19 @@ typedef struct em_gpu_batch {
     uint32_t dim;             /* floats per vector */
 } em_gpu_batch;
 
-/* Gradient sums: for each unique u, the positions k with inverse[k] = u in increasing
- * order are sorted_positions[starts[u] .. starts[u+1]); key_row is needed unless the
- * combiner is NONE. out[position[u]] = the contributions in that order added by the tree
- * of common/gradient_sum.h. partials: scratch of em_gpu_sum_partials_floats(nnz, dim)
- * floats (NULL when that is 0) for the chunk sums of keys present more than 32 times. */
+/* Gradient sums. sorted_inverse is batch->inverse sorted ascending and sorted_positions
+ * the key positions in that order (increasing within a unique index): unique u's
+ * positions are the run of sorted_inverse equal to u, found by the kernels themselves
+ * (kernels/kernel_logic.h: em_gpu_run_bounds). key_row is needed unless the combiner is
+ * NONE. out[position[u]] = the contributions in that order added by the tree of
+ * common/gradient_sum.h. partials: scratch of em_gpu_sum_partials_floats(nnz, dim) floats
+ * (NULL when that is 0) for the chunk sums of keys present more than 32 times. Two
+ * launches (one when nnz <= 32): the keys that are not hot and the first level of the
+ * hot ones' trees, then the rest of those trees. */
 em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
-                                   const uint32_t *sorted_positions, const uint32_t *starts,
-                                   const uint32_t *key_row, const float *gradients,
-                                   float *partials, float *out);
+                                   const uint32_t *sorted_inverse,
+                                   const uint32_t *sorted_positions, const uint32_t *key_row,
+                                   const float *gradients, float *partials, float *out);
 /* Slots of the partials buffer: a hot key whose positions start at s owns slots from
  * s / EM_GPU_SUM_SLOT_SPACING on (kernels/kernel_logic.h). 0 floats when no key can occur
  * more than 32 times (nnz <= 32). */
@@ -339,7 +343,8 @@ em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
 /* em_gpu_map_insert_counted over the shards: keys[i] goes into its shard s's map and
  * rows[i] = row_base[s] + its row there. A row beyond the shard's part of the storage
  * (insert without reserve) sets the map's overflow flag and leaves rows[i] ROW_NONE,
- * inserted[i] 0. Settle the maps (em_gpu_rows_init's em_gpu_settle) before their next erase. */
+ * inserted[i] 0. Settle the maps (em_gpu_settle, with the launch that writes the new rows)
+ * before their next erase. */
 em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                            const uint64_t *keys, uint64_t n,
                                            const uint32_t *count, const uint64_t *problem,
@@ -390,7 +395,8 @@ typedef struct em_gpu_storage {
 
 /* The settle of the maps an insert just took rows from (em_gpu_map_settle_item: drops
  * the released rows the inserts took from the free list), done by the launch that
- * initialises those rows (em_gpu_rows_init) instead of one of its own: map's when
+ * initialises those rows (em_gpu_rows_init, or a push's step: em_gpu_fresh_rows) instead
+ * of one of its own: map's when
  * map.header is not NULL, and every map of shards when shards.count is not 0, each
  * header then copied to headers[s] (device memory). Zeroed: none. */
 typedef struct em_gpu_settle {
@@ -426,10 +432,22 @@ typedef struct em_gpu_gate {
     const uint64_t *missing;
     const uint64_t *problem;
 } em_gpu_gate;
-/* em_gpu_rows_apply of at most n rows, as the gate says when the kernel runs. */
+/* The rows a push inserted just before its step: the step's launch gives them their
+ * initial values and zeroed access metadata (as em_gpu_rows_init) before stepping them,
+ * and does the settle asked for, so a push that creates keys needs no launch of
+ * em_gpu_rows_init. Zeroed: none. */
+typedef struct em_gpu_fresh_rows {
+    const uint64_t *keys;     /* keys[i]: the key of rows[i] */
+    const uint8_t *inserted;  /* inserted[i] != 0: rows[i] is new; NULL: none is */
+    em_initializer_config initializer;
+    em_gpu_settle settle;
+} em_gpu_fresh_rows;
+/* em_gpu_rows_apply of at most n rows, as the gate says when the kernel runs (the new
+ * rows among them initialised first, fresh). */
 em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
                                       em_optimizer_config optimizer, const uint64_t *rows,
-                                      uint64_t n, const float *gradients, em_gpu_gate gate);
+                                      uint64_t n, const float *gradients, em_gpu_gate gate,
+                                      em_gpu_fresh_rows fresh);
 /* em_gpu_rows_touch of at most n rows, as the gate says when the kernel runs: a request
  * touches its rows only when it found them all (and, a push, stepped them), decided on
  * the GPU. */

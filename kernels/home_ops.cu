@@ -77,30 +77,31 @@ __global__ void key_rows_kernel(const uint32_t *offsets, uint32_t rows, uint64_t
     key_row[k] = em_gpu_row_of_key(offsets, rows, k);
 }
 
-__global__ void sum_gradients_kernel(em_gpu_batch batch, const uint32_t *sorted_positions,
-                                     const uint32_t *starts, const uint32_t *key_row,
-                                     const float *gradients, float *out, uint32_t shift)
+/* One thread per (item, element): items below nnz are sorted positions (the sums of the
+ * keys that are not hot, by the threads at their runs' first positions), the others the
+ * slots of the partials buffer (the first level of hot keys' trees). */
+__global__ void sum_runs_kernel(em_gpu_batch batch, const uint32_t *sorted_inverse,
+                                const uint32_t *sorted_positions, const uint32_t *key_row,
+                                const float *gradients, float *partials, uint64_t slots,
+                                float *out, uint32_t shift)
 {
-    EM_GPU_FOR_EACH_ELEMENT(u, j, batch.unique_count, batch.dim, shift)
-    em_gpu_sum_gradient_element(&batch, sorted_positions, starts, key_row, gradients, out, u, j);
+    EM_GPU_FOR_EACH_ELEMENT(item, j, batch.nnz + slots, batch.dim, shift)
+    {
+        if (item < batch.nnz)
+            em_gpu_sum_run_element(&batch, sorted_inverse, sorted_positions, key_row, gradients,
+                                   out, item, j);
+        else
+            em_gpu_sum_chunk_element(&batch, sorted_inverse, sorted_positions, key_row,
+                                     gradients, partials, item - batch.nnz, j);
+    }
 }
 
-/* One thread per (partials slot, element): the first level of hot keys' trees. */
-__global__ void sum_chunks_kernel(em_gpu_batch batch, const uint32_t *sorted_positions,
-                                  const uint32_t *starts, const uint32_t *key_row,
-                                  const float *gradients, float *partials, uint64_t slots,
-                                  uint32_t shift)
+/* The rest of hot keys' trees, by the threads at their runs' first positions. */
+__global__ void sum_hot_kernel(em_gpu_batch batch, const uint32_t *sorted_inverse,
+                               float *partials, float *out, uint32_t shift)
 {
-    EM_GPU_FOR_EACH_ELEMENT(slot, j, slots, batch.dim, shift)
-    em_gpu_sum_chunk_element(&batch, sorted_positions, starts, key_row, gradients, partials, slot,
-                             j);
-}
-
-__global__ void sum_hot_kernel(em_gpu_batch batch, const uint32_t *starts, float *partials,
-                               float *out, uint32_t shift)
-{
-    EM_GPU_FOR_EACH_ELEMENT(u, j, batch.unique_count, batch.dim, shift)
-    em_gpu_sum_hot_element(&batch, starts, partials, out, u, j);
+    EM_GPU_FOR_EACH_ELEMENT(p, j, batch.nnz, batch.dim, shift)
+    em_gpu_sum_hot_element(&batch, sorted_inverse, partials, out, p, j);
 }
 
 __global__ void combine_copy_kernel(em_gpu_batch batch, const float *vectors, float *out,
@@ -206,25 +207,24 @@ extern "C" em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *
 }
 
 extern "C" em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
+                                              const uint32_t *sorted_inverse,
                                               const uint32_t *sorted_positions,
-                                              const uint32_t *starts, const uint32_t *key_row,
-                                              const float *gradients, float *partials,
-                                              float *out)
+                                              const uint32_t *key_row, const float *gradients,
+                                              float *partials, float *out)
 {
-    if (batch->unique_count == 0 || batch->dim == 0)
+    if (batch->nnz == 0 || batch->unique_count == 0 || batch->dim == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     uint32_t shift = em_gpu_group_shift(batch->dim);
-    uint64_t key_threads = em_gpu_element_threads(batch->unique_count, shift);
-    EM_GPU_TRY(EM_GPU_LAUNCH(sum_gradients_kernel, key_threads, stream, *batch, sorted_positions,
-                             starts, key_row, gradients, out, shift));
-    if (em_gpu_sum_partials_floats(batch->nnz, batch->dim) == 0)
-        return em_gpu_ok(); /* no key can be hot */
-    uint64_t slots = em_gpu_sum_slots(batch->nnz);
-    EM_GPU_TRY(EM_GPU_LAUNCH(sum_chunks_kernel, em_gpu_element_threads(slots, shift), stream,
-                             *batch, sorted_positions, starts, key_row, gradients, partials, slots,
-                             shift));
-    return EM_GPU_LAUNCH(sum_hot_kernel, key_threads, stream, *batch, starts, partials, out, shift);
+    bool hot = em_gpu_sum_partials_floats(batch->nnz, batch->dim) != 0; /* a key may be hot */
+    uint64_t slots = hot ? em_gpu_sum_slots(batch->nnz) : 0;
+    EM_GPU_TRY(EM_GPU_LAUNCH(sum_runs_kernel, em_gpu_element_threads(batch->nnz + slots, shift),
+                             stream, *batch, sorted_inverse, sorted_positions, key_row, gradients,
+                             partials, slots, out, shift));
+    if (!hot)
+        return em_gpu_ok();
+    return EM_GPU_LAUNCH(sum_hot_kernel, em_gpu_element_threads(batch->nnz, shift), stream,
+                         *batch, sorted_inverse, partials, out, shift);
 }
 
 extern "C" em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,

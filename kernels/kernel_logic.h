@@ -259,7 +259,7 @@ EM_HOST_DEVICE uint32_t em_gpu_row_of_key(const uint32_t *offsets, uint32_t rows
 /* ---- gradient sums and pooling ------------------------------------------------------- */
 
 /* Gradient sums follow common/gradient_sum.h's tree. A key with at most EM_SUM_CHUNK
- * occurrences is summed whole by em_gpu_sum_gradient_element. A hot key (more) is summed
+ * occurrences is summed whole by em_gpu_sum_run_element. A hot key (more) is summed
  * in two steps: em_gpu_sum_chunk_element writes each of its first-level chunk sums into
  * a slot of a partials buffer (one thread per chunk and element), then
  * em_gpu_sum_hot_element adds the chunk sums by the remaining levels. A hot key whose
@@ -294,8 +294,6 @@ EM_HOST_DEVICE float em_gpu_sum_positions(const em_gpu_batch *batch,
     return sum;
 }
 
-/* Element j of unique key u's summed gradient, written at its partitioned position,
- * when u has at most EM_SUM_CHUNK occurrences (hot keys: the two functions below). */
 /* Where unique key u's vector goes: batch->position[u], or u when position is NULL (one
  * shard: the unique order is the shard's). */
 EM_HOST_DEVICE uint64_t em_gpu_position(const em_gpu_batch *batch, uint64_t u)
@@ -313,56 +311,119 @@ EM_HOST_DEVICE uint64_t em_gpu_gate_end(em_gpu_gate gate, uint64_t n)
     return gate.count != NULL && *gate.count < n ? *gate.count : n;
 }
 
-EM_HOST_DEVICE void em_gpu_sum_gradient_element(const em_gpu_batch *batch,
-                                                const uint32_t *sorted_positions,
-                                                const uint32_t *starts, const uint32_t *key_row,
-                                                const float *gradients, float *out, uint64_t u,
-                                                uint32_t j)
+/* The sums read a push's key positions sorted by unique index: sorted_inverse ascending,
+ * sorted_positions the positions in that order (increasing within a key), so each
+ * unique key's positions are one run of equal values. A run's first position knows
+ * itself (its value differs from the one before), and a run is found from any of its
+ * positions by two binary searches: no array of run starts is needed, nor a launch to
+ * write one. */
+
+/* Whether sorted position p begins a run. */
+EM_HOST_DEVICE int em_gpu_run_begins(const uint32_t *sorted_inverse, uint64_t p)
 {
-    if (starts[u + 1] - starts[u] > EM_SUM_CHUNK)
-        return;
-    out[em_gpu_position(batch, u) * batch->dim + j] = em_gpu_sum_positions(
-        batch, sorted_positions, key_row, gradients, starts[u], starts[u + 1], j);
+    return p == 0 || sorted_inverse[p - 1] != sorted_inverse[p];
 }
 
-/* Element j of the first-level chunk sum that partials slot `slot` holds, if a hot key
- * owns the slot (the last key whose first slot is at or below it, when its chunks reach
- * that far); nothing otherwise. */
-EM_HOST_DEVICE void em_gpu_sum_chunk_element(const em_gpu_batch *batch,
-                                             const uint32_t *sorted_positions,
-                                             const uint32_t *starts, const uint32_t *key_row,
-                                             const float *gradients, float *partials,
-                                             uint64_t slot, uint32_t j)
+/* Whether the run that begins at p is hot: more than EM_SUM_CHUNK positions. */
+EM_HOST_DEVICE int em_gpu_run_hot(const uint32_t *sorted_inverse, uint64_t nnz, uint64_t p)
 {
-    uint64_t low = 0, high = batch->unique_count;
-    while (high - low > 1) {
+    return p + EM_SUM_CHUNK < nnz && sorted_inverse[p + EM_SUM_CHUNK] == sorted_inverse[p];
+}
+
+/* The run holding sorted position p: [*begin, *end). */
+EM_HOST_DEVICE void em_gpu_run_bounds(const uint32_t *sorted_inverse, uint64_t nnz, uint64_t p,
+                                      uint64_t *begin, uint64_t *end)
+{
+    uint32_t value = sorted_inverse[p];
+    uint64_t low = 0, high = p; /* the run's first position is in [low, high] */
+    while (low < high) {
         uint64_t middle = low + (high - low) / 2;
-        if (starts[middle] / EM_GPU_SUM_SLOT_SPACING <= slot)
-            low = middle;
+        if (sorted_inverse[middle] < value)
+            low = middle + 1;
         else
             high = middle;
     }
-    uint32_t begin = starts[low], count = starts[low + 1] - begin;
+    *begin = low;
+    low = p + 1;
+    high = nnz; /* one past its last is in [low, high] */
+    while (low < high) {
+        uint64_t middle = low + (high - low) / 2;
+        if (sorted_inverse[middle] == value)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    *end = low;
+}
+
+/* Element j of the summed gradient of the key whose run begins at sorted position p,
+ * written at its partitioned position, when the run is not hot; nothing for any other
+ * position (hot keys: the two functions below). */
+EM_HOST_DEVICE void em_gpu_sum_run_element(const em_gpu_batch *batch,
+                                           const uint32_t *sorted_inverse,
+                                           const uint32_t *sorted_positions,
+                                           const uint32_t *key_row, const float *gradients,
+                                           float *out, uint64_t p, uint32_t j)
+{
+    uint64_t nnz = batch->nnz;
+    if (!em_gpu_run_begins(sorted_inverse, p) || em_gpu_run_hot(sorted_inverse, nnz, p))
+        return;
+    uint32_t u = sorted_inverse[p];
+    float sum = -0.0f; /* serially, in increasing position, as em_gpu_sum_positions */
+    for (uint64_t s = p; s < nnz && sorted_inverse[s] == u; s++)
+        sum += em_gpu_gradient_contribution(batch, key_row, gradients, sorted_positions[s], j);
+    out[em_gpu_position(batch, u) * batch->dim + j] = sum;
+}
+
+/* Element j of the first-level chunk sum that partials slot `slot` holds, if a hot key
+ * owns the slot; nothing otherwise. The only key that may own it is the one at sorted
+ * position p = slot * EM_GPU_SUM_SLOT_SPACING + SPACING - 1 (or the last): every key
+ * after it begins past p, so its first slot is past `slot`. A run longer than
+ * EM_SUM_CHUNK holding p also holds p - 16 or p + 16, so the searches are made only
+ * where one of them matches. */
+EM_HOST_DEVICE void em_gpu_sum_chunk_element(const em_gpu_batch *batch,
+                                             const uint32_t *sorted_inverse,
+                                             const uint32_t *sorted_positions,
+                                             const uint32_t *key_row, const float *gradients,
+                                             float *partials, uint64_t slot, uint32_t j)
+{
+    uint64_t nnz = batch->nnz;
+    uint64_t p = (slot + 1) * EM_GPU_SUM_SLOT_SPACING - 1;
+    if (p >= nnz)
+        p = nnz - 1;
+    uint32_t u = sorted_inverse[p];
+    uint64_t reach = EM_SUM_CHUNK / 2;
+    if (!(p >= reach && sorted_inverse[p - reach] == u) &&
+        !(p + reach < nnz && sorted_inverse[p + reach] == u))
+        return;
+    uint64_t begin = 0, end = 0;
+    em_gpu_run_bounds(sorted_inverse, nnz, p, &begin, &end);
+    uint32_t count = (uint32_t)(end - begin);
     uint64_t first = begin / EM_GPU_SUM_SLOT_SPACING;
     if (count <= EM_SUM_CHUNK || slot < first || slot - first >= em_sum_chunks(count))
         return;
-    uint32_t chunk_begin = begin + (uint32_t)(slot - first) * EM_SUM_CHUNK;
-    uint32_t chunk_end = chunk_begin + EM_SUM_CHUNK < begin + count ? chunk_begin + EM_SUM_CHUNK
-                                                                    : begin + count;
-    partials[slot * batch->dim + j] = em_gpu_sum_positions(batch, sorted_positions, key_row,
-                                                           gradients, chunk_begin, chunk_end, j);
+    uint64_t chunk_begin = begin + (slot - first) * EM_SUM_CHUNK;
+    uint64_t chunk_end = chunk_begin + EM_SUM_CHUNK < end ? chunk_begin + EM_SUM_CHUNK : end;
+    partials[slot * batch->dim + j] =
+        em_gpu_sum_positions(batch, sorted_positions, key_row, gradients, (uint32_t)chunk_begin,
+                             (uint32_t)chunk_end, j);
 }
 
-/* Element j of hot key u's summed gradient from its chunk sums (the rest of the tree),
- * written at its partitioned position; nothing for a key that is not hot. */
-EM_HOST_DEVICE void em_gpu_sum_hot_element(const em_gpu_batch *batch, const uint32_t *starts,
-                                           float *partials, float *out, uint64_t u, uint32_t j)
+/* Element j of the summed gradient of the hot key whose run begins at sorted position p,
+ * from its chunk sums (the rest of the tree), written at its partitioned position;
+ * nothing for any other position. */
+EM_HOST_DEVICE void em_gpu_sum_hot_element(const em_gpu_batch *batch,
+                                           const uint32_t *sorted_inverse, float *partials,
+                                           float *out, uint64_t p, uint32_t j)
 {
-    uint32_t count = starts[u + 1] - starts[u];
-    if (count <= EM_SUM_CHUNK)
+    uint64_t nnz = batch->nnz;
+    if (!em_gpu_run_begins(sorted_inverse, p) || !em_gpu_run_hot(sorted_inverse, nnz, p))
         return;
-    out[em_gpu_position(batch, u) * batch->dim + j] = em_sum_chunk_levels(
-        partials, starts[u] / EM_GPU_SUM_SLOT_SPACING, em_sum_chunks(count), batch->dim, j);
+    uint64_t begin = 0, end = 0;
+    em_gpu_run_bounds(sorted_inverse, nnz, p, &begin, &end);
+    out[em_gpu_position(batch, sorted_inverse[p]) * batch->dim + j] =
+        em_sum_chunk_levels(partials, p / EM_GPU_SUM_SLOT_SPACING,
+                            em_sum_chunks((uint32_t)(end - begin)), batch->dim, j);
 }
 
 /* NONE: element j of key k's vector. */
@@ -748,6 +809,21 @@ EM_HOST_DEVICE void em_gpu_rows_init_element(em_gpu_storage storage, const uint6
         access->updated = 0;
         access->frequency = 0;
     }
+}
+
+/* Floats from, from + step, ... of row i when a push has just created it
+ * (fresh->inserted[i]): their initial values, and the zeroed access metadata with float
+ * 0, as em_gpu_rows_init_element; nothing for a row that was there. */
+EM_HOST_DEVICE void em_gpu_fresh_row_floats(em_gpu_storage storage,
+                                            const em_optimizer_config *optimizer,
+                                            const uint64_t *rows, const em_gpu_fresh_rows *fresh,
+                                            uint64_t i, uint32_t from, uint32_t step)
+{
+    if (fresh->inserted == NULL || !fresh->inserted[i])
+        return;
+    for (uint32_t f = from; f < storage.row_floats; f += step)
+        em_gpu_rows_init_element(storage, fresh->keys, rows, fresh->inserted,
+                                 &fresh->initializer, optimizer, i, f);
 }
 
 /* Whether row names a stored row (not ROW_NONE, nor a refused key's ROW_PENDING). */

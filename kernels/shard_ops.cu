@@ -7,7 +7,9 @@
  * kernels/kernel_logic.h); a slot is claimed by 64-bit compare-and-swap of its key
  * (kernels/kernel_logic.h has the protocol). Erasing tombstones a slot and puts its row
  * on the map's free list, which later inserts take rows from (a counter of rows taken
- * during the launch, then a settle, done by the launch that initialises the new rows);
+ * during the launch, then a settle, done by the launch that initialises the new rows:
+ * a pull's em_gpu_rows_init, or a push's step, which writes a new row's initial values
+ * before stepping it);
  * rehashes drop the tombstones. Lookups are one thread per key. Optimizer steps are one
  * thread per element for sgd and adagrad, and one warp per row for rowwise adagrad
  * (whose mean of g*g is a warp reduction) and adam (whose step count is read by every
@@ -235,13 +237,9 @@ extern "C" em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu
 
 /* ---- row storage ------------------------------------------------------------------------ */
 
-__global__ void rows_init_kernel(em_gpu_storage storage, const uint64_t *keys,
-                                 const uint64_t *rows, const uint8_t *inserted, uint64_t n,
-                                 em_initializer_config initializer, em_optimizer_config optimizer,
-                                 uint32_t shift, em_gpu_settle settle)
+/* The settle asked of a launch that writes new rows (em_gpu_settle), by its first threads. */
+__device__ void settle_maps(const em_gpu_settle &settle)
 {
-    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.row_floats, shift)
-    em_gpu_rows_init_element(storage, keys, rows, inserted, &initializer, &optimizer, i, j);
     if (settle.map.header != NULL && EM_GPU_THREAD_INDEX == 0)
         em_gpu_map_settle_item(settle.map);
     EM_GPU_FOR_EACH(s, settle.shards.count)
@@ -249,6 +247,22 @@ __global__ void rows_init_kernel(em_gpu_storage storage, const uint64_t *keys,
         em_gpu_map_settle_item(settle.shards.maps[s]);
         settle.headers[s] = *settle.shards.maps[s].header;
     }
+}
+
+/* Threads a launch that settles needs at least. */
+static uint64_t settle_threads(const em_gpu_settle &settle)
+{
+    return settle.map.header != NULL ? 1 : settle.shards.count;
+}
+
+__global__ void rows_init_kernel(em_gpu_storage storage, const uint64_t *keys,
+                                 const uint64_t *rows, const uint8_t *inserted, uint64_t n,
+                                 em_initializer_config initializer, em_optimizer_config optimizer,
+                                 uint32_t shift, em_gpu_settle settle)
+{
+    EM_GPU_FOR_EACH_ELEMENT(i, j, n, storage.row_floats, shift)
+    em_gpu_rows_init_element(storage, keys, rows, inserted, &initializer, &optimizer, i, j);
+    settle_maps(settle);
 }
 
 __global__ void rows_gather_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
@@ -332,20 +346,30 @@ __global__ void rows_write_kernel(em_gpu_storage storage, const uint64_t *rows, 
  * every thread, so whole warps skip together). */
 __global__ void sgd_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
                            const uint64_t *rows, uint64_t n, const float *gradients,
-                           uint32_t shift, em_gpu_gate gate)
+                           uint32_t shift, em_gpu_gate gate, em_gpu_fresh_rows fresh)
 {
     uint64_t end = em_gpu_gate_end(gate, n);
     EM_GPU_FOR_EACH_ELEMENT(i, j, end, storage.dim, shift)
-    em_gpu_sgd_element(storage, &optimizer, rows, gradients, i, j);
+    {
+        /* this thread's floats of a new row: element j of the weights and of the state */
+        em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, j, storage.dim);
+        em_gpu_sgd_element(storage, &optimizer, rows, gradients, i, j);
+    }
+    settle_maps(fresh.settle);
 }
 
 __global__ void adagrad_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
                                const uint64_t *rows, uint64_t n, const float *gradients,
-                               uint32_t shift, em_gpu_gate gate)
+                               uint32_t shift, em_gpu_gate gate, em_gpu_fresh_rows fresh)
 {
     uint64_t end = em_gpu_gate_end(gate, n);
     EM_GPU_FOR_EACH_ELEMENT(i, j, end, storage.dim, shift)
-    em_gpu_adagrad_element(storage, &optimizer, rows, gradients, i, j);
+    {
+        /* this thread's floats of a new row: element j of the weights and of the state */
+        em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, j, storage.dim);
+        em_gpu_adagrad_element(storage, &optimizer, rows, gradients, i, j);
+    }
+    settle_maps(fresh.settle);
 }
 
 /* Warp-per-row loop: every lane of a warp has the same i (whole warps iterate). */
@@ -355,7 +379,7 @@ __global__ void adagrad_kernel(em_gpu_storage storage, em_optimizer_config optim
 
 __global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
                                        const uint64_t *rows, uint64_t n, const float *gradients,
-                                       em_gpu_gate gate)
+                                       em_gpu_gate gate, em_gpu_fresh_rows fresh)
 {
     uint32_t lane = threadIdx.x % EM_GPU_ROW_LANES;
     uint32_t dim = storage.dim;
@@ -364,6 +388,11 @@ __global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_conf
     {
         if (rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key: the whole warp skips it */
+        if (fresh.inserted != NULL && fresh.inserted[i]) { /* a new row: its values first */
+            em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, lane,
+                                    EM_GPU_ROW_LANES);
+            __syncwarp();
+        }
         float *weights = em_gpu_row_address(storage, rows[i]);
         const float *gradient = gradients + i * dim;
         float squares = em_gpu_rowwise_partial(gradient, dim, lane, EM_GPU_ROW_LANES);
@@ -379,11 +408,12 @@ __global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_conf
         if (lane == 0)
             weights[dim] = updated;
     }
+    settle_maps(fresh.settle);
 }
 
 __global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
                             const uint64_t *rows, uint64_t n, const float *gradients,
-                            em_gpu_gate gate)
+                            em_gpu_gate gate, em_gpu_fresh_rows fresh)
 {
     uint32_t lane = threadIdx.x % EM_GPU_ROW_LANES;
     uint32_t dim = storage.dim;
@@ -392,6 +422,11 @@ __global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimize
     {
         if (rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key: the whole warp skips it */
+        if (fresh.inserted != NULL && fresh.inserted[i]) { /* a new row: its values first */
+            em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, lane,
+                                    EM_GPU_ROW_LANES);
+            __syncwarp();
+        }
         float *weights = em_gpu_row_address(storage, rows[i]);
         float *first_moment = weights + dim;
         float *second_moment = first_moment + dim;
@@ -407,6 +442,7 @@ __global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimize
         if (lane == 0)
             *step = next;
     }
+    settle_maps(fresh.settle);
 }
 
 __global__ void rows_fill_initial_kernel(em_gpu_storage storage,
@@ -524,7 +560,7 @@ extern "C" em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage 
                                           em_initializer_config initializer,
                                           em_optimizer_config optimizer, em_gpu_settle settle)
 {
-    uint64_t settles = settle.map.header != NULL ? 1 : settle.shards.count;
+    uint64_t settles = settle_threads(settle);
     if (n == 0 && settles == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
@@ -556,27 +592,33 @@ extern "C" em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storag
 extern "C" em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
                                                  em_optimizer_config optimizer,
                                                  const uint64_t *rows, uint64_t n,
-                                                 const float *gradients, em_gpu_gate gate)
+                                                 const float *gradients, em_gpu_gate gate,
+                                                 em_gpu_fresh_rows fresh)
 {
-    if (n == 0)
+    uint64_t settles = settle_threads(fresh.settle);
+    if (n == 0 && settles == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     uint32_t shift = em_gpu_group_shift(storage.dim);
     uint64_t element_threads = em_gpu_element_threads(n, shift);
     uint64_t warp_threads = n * EM_GPU_ROW_LANES;
+    if (element_threads < settles)
+        element_threads = settles;
+    if (warp_threads < settles) /* whole warps */
+        warp_threads = (settles + EM_GPU_ROW_LANES - 1) / EM_GPU_ROW_LANES * EM_GPU_ROW_LANES;
     switch (optimizer.kind) {
     case EM_OPTIMIZER_ADAGRAD:
         return EM_GPU_LAUNCH(adagrad_kernel, element_threads, stream, storage, optimizer, rows, n,
-                             gradients, shift, gate);
+                             gradients, shift, gate, fresh);
     case EM_OPTIMIZER_ROWWISE_ADAGRAD:
         return EM_GPU_LAUNCH(rowwise_adagrad_kernel, warp_threads, stream, storage, optimizer,
-                             rows, n, gradients, gate);
+                             rows, n, gradients, gate, fresh);
     case EM_OPTIMIZER_ADAM:
         return EM_GPU_LAUNCH(adam_kernel, warp_threads, stream, storage, optimizer, rows, n,
-                             gradients, gate);
+                             gradients, gate, fresh);
     case EM_OPTIMIZER_SGD:
         return EM_GPU_LAUNCH(sgd_kernel, element_threads, stream, storage, optimizer, rows, n,
-                             gradients, shift, gate);
+                             gradients, shift, gate, fresh);
     case EM_OPTIMIZER_COUNT:
         break;
     }
@@ -588,7 +630,8 @@ extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage
                                            uint64_t n, const float *gradients)
 {
     em_gpu_gate none = {NULL, NULL, NULL};
-    return em_gpu_rows_apply_gated(stream, storage, optimizer, rows, n, gradients, none);
+    em_gpu_fresh_rows no_rows = {};
+    return em_gpu_rows_apply_gated(stream, storage, optimizer, rows, n, gradients, none, no_rows);
 }
 
 extern "C" em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,

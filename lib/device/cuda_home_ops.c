@@ -263,36 +263,31 @@ static em_status key_positions(scratch *s, cuda_lane *lane, uint64_t nnz,
 }
 
 /* The batch's key positions grouped by unique index, in increasing position within a
- * group: sorted_positions[starts[u] .. starts[u + 1]) are unique u's. */
+ * group: sorted_inverse is the batch's inverse sorted, sorted_positions the positions in
+ * that order (the sums find each unique index's run themselves). */
 static em_status group_positions(scratch *s, cuda_lane *lane, const em_device_batch *batch,
-                                 uint32_t **sorted_positions, uint32_t **starts, em_error *err)
+                                 uint32_t **sorted_inverse, uint32_t **sorted_positions,
+                                 em_error *err)
 {
     uint64_t nnz = batch->nnz;
     uint32_t end_bit = bits_for(batch->unique_count);
     const uint32_t *positions = NULL;
-    uint32_t *sorted_inverse = NULL;
     void *temp = NULL;
     size_t temp_bytes = 0;
     em_status status = key_positions(s, lane, nnz, &positions, err);
     if (status == EM_OK)
         status = scratch_take(s, nnz * sizeof(uint32_t), "sorted inverse",
-                              (void **)&sorted_inverse, err);
+                              (void **)sorted_inverse, err);
     if (status == EM_OK)
         status = scratch_take(s, nnz * sizeof(uint32_t), "sorted positions",
                               (void **)sorted_positions, err);
     if (status == EM_OK)
-        status = scratch_take(s, (batch->unique_count + 1) * sizeof(uint32_t), "unique starts",
-                              (void **)starts, err);
-    if (status == EM_OK)
         status = take_sort_temp(s, lane, nnz, end_bit, &temp, &temp_bytes, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_sort_pairs_u32(lane->stream, temp, temp_bytes,
-                                                        batch->inverse, sorted_inverse, positions,
-                                                        *sorted_positions, nnz, end_bit), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_segment_starts(lane->stream, sorted_inverse, nnz,
-                                                        (uint32_t)batch->unique_count, *starts),
-                            err);
+                                                        batch->inverse, *sorted_inverse,
+                                                        positions, *sorted_positions, nnz,
+                                                        end_bit), err);
     return status;
 }
 
@@ -304,7 +299,7 @@ em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
     if (batch->nnz == 0 || batch->unique_count == 0)
         return EM_OK;
     scratch s = {.device = base->device};
-    uint32_t *sorted_positions = NULL, *starts = NULL, *key_row = NULL;
+    uint32_t *sorted_inverse = NULL, *sorted_positions = NULL, *key_row = NULL;
     float *partials = NULL;
     uint64_t partial_floats = em_gpu_sum_partials_floats(batch->nnz, dim);
     em_status status = EM_OK;
@@ -312,7 +307,7 @@ em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
         status = scratch_take(&s, partial_floats * sizeof(float), "hot key chunk sums",
                               (void **)&partials, err);
     if (status == EM_OK)
-        status = group_positions(&s, lane, batch, &sorted_positions, &starts, err);
+        status = group_positions(&s, lane, batch, &sorted_inverse, &sorted_positions, err);
     if (status == EM_OK && combiner != EM_COMBINER_NONE) {
         status = scratch_take(&s, batch->nnz * sizeof(uint32_t), "key rows", (void **)&key_row,
                               err);
@@ -322,9 +317,9 @@ em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
     }
     em_gpu_batch view = gpu_batch(batch, combiner, dim);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_sum_gradients(lane->stream, &view, sorted_positions,
-                                                       starts, key_row, gradients, partials,
-                                                       partitioned_gradients), err);
+        status = lane_check(lane, em_gpu_sum_gradients(lane->stream, &view, sorted_inverse,
+                                                       sorted_positions, key_row, gradients,
+                                                       partials, partitioned_gradients), err);
     return em__cuda_finish_async(&s, lane, status, err);
 }
 

@@ -1022,14 +1022,14 @@ static em_status send_headers_back(em_shard *const *bases, const shards_seen *se
     return status;
 }
 
-/* Inserts unique[0..*count) whose rows are ROW_NONE into the shards seen, with their
- * initial rows (none when *problem, if given, is not UINT64_MAX then), settles the maps
- * and sends their headers back (shard_insert_settle takes them in once the lane has
- * synchronized). */
+/* Inserts unique[0..*count) whose rows are ROW_NONE into the shards seen (none when
+ * *problem, if given, is not UINT64_MAX then). *fresh gets what the launch that writes
+ * the new rows needs (em_gpu_rows_init, or a push's step): their flags and the settle of
+ * the maps, after which settled_back sends the maps' headers back. */
 static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cuda_lane *lane,
                              scratch *s, const uint64_t *unique, uint64_t n,
                              const uint32_t *count, const uint64_t *problem, uint64_t *rows,
-                             em_error *err)
+                             em_gpu_fresh_rows *fresh, em_error *err)
 {
     const cuda_shard *first = shard_of(bases[0]);
     uint8_t *inserted = NULL;
@@ -1044,23 +1044,26 @@ static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cu
                                 : em_gpu_shards_insert_counted(lane->stream, seen->shards, unique,
                                                                n, count, problem, rows, inserted),
                             err);
-    /* the launch that writes the new rows settles the maps too */
-    em_gpu_settle settle = {.map = seen->map};
+    *fresh = (em_gpu_fresh_rows){.keys = unique,
+                                 .inserted = inserted,
+                                 .initializer = first->initializer,
+                                 .settle = {.map = seen->map}};
     if (seen->count > 1) {
-        settle = (em_gpu_settle){.shards = seen->shards};
+        fresh->settle = (em_gpu_settle){.shards = seen->shards};
         if (status == EM_OK)
-            status = settle_headers(bases, seen, s, &settle.headers, err);
+            status = settle_headers(bases, seen, s, &fresh->settle.headers, err);
     }
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_init(lane->stream, seen->storage, unique, rows,
-                                                   inserted, n, first->initializer,
-                                                   first->optimizer, settle),
-                            err);
-    if (status == EM_OK && seen->count == 1)
-        status = copy_header_back(shard_of(bases[0]), lane, err);
-    if (status == EM_OK && seen->count > 1)
-        status = send_headers_back(bases, seen, lane, settle.headers, err);
     return status;
+}
+
+/* After the launch that wrote the new rows and settled the maps: the maps' headers back
+ * (shard_insert_settle takes them in once the lane has synchronized). */
+static em_status settled_back(em_shard *const *bases, const shards_seen *seen, cuda_lane *lane,
+                              const em_gpu_fresh_rows *fresh, em_error *err)
+{
+    if (seen->count == 1)
+        return copy_header_back(shard_of(bases[0]), lane, err);
+    return send_headers_back(bases, seen, lane, fresh->settle.headers, err);
 }
 
 /* Orders the lane after the shards' writes (and, to write, their reads) on other lanes,
@@ -1117,8 +1120,19 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
         status = order_shards(bases, shard_count, lane, create, err);
     if (status == EM_OK)
         status = find_seen(&seen, lane, unique, batch->nnz, count, rows, missing, err);
-    if (status == EM_OK && create)
-        status = insert_seen(bases, &seen, lane, &s, unique, batch->nnz, count, NULL, rows, err);
+    if (status == EM_OK && create) {
+        em_gpu_fresh_rows fresh;
+        status = insert_seen(bases, &seen, lane, &s, unique, batch->nnz, count, NULL, rows,
+                             &fresh, err);
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_rows_init(lane->stream, seen.storage, unique, rows,
+                                                       fresh.inserted, batch->nnz,
+                                                       first->initializer, first->optimizer,
+                                                       fresh.settle),
+                                err);
+        if (status == EM_OK)
+            status = settled_back(bases, &seen, lane, &fresh, err);
+    }
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_pull(lane->stream, seen.storage, &view, rows, out),
                             err);
@@ -1136,7 +1150,8 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
 /* The push to a table in a single pass of the GPU (device.h: shards_push_async): find,
  * check, when creating the insert of the absent keys, and the step (and the touch) only
  * when every row checked (and, without creating, every key was found), decided on the
- * GPU; the caller reads the words back once. */
+ * GPU; the step's launch writes the new rows' initial values before stepping them. The
+ * caller reads the words back once. */
 em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_count,
                                      em_lane *lane_base, const uint64_t *unique,
                                      const uint32_t *count, uint64_t n, const float *gradients,
@@ -1160,14 +1175,18 @@ em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_coun
     if (status == EM_OK)
         status = find_check_seen(&seen, first, lane, unique, n, count, gradients, rows, missing,
                                  problem, err);
+    em_gpu_fresh_rows fresh = {0}; /* creating: the step initialises the new rows */
     if (status == EM_OK && create)
-        status = insert_seen(bases, &seen, lane, &s, unique, n, count, problem, rows, err);
+        status = insert_seen(bases, &seen, lane, &s, unique, n, count, problem, rows, &fresh,
+                             err);
     em_gpu_gate gate = {.count = count, .missing = create ? NULL : missing, .problem = problem};
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen.storage,
                                                           first->optimizer, rows, n, gradients,
-                                                          gate),
+                                                          gate, fresh),
                             err);
+    if (status == EM_OK && create)
+        status = settled_back(bases, &seen, lane, &fresh, err);
     if (status == EM_OK && first->track_access && accessed != 0)
         status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows, n,
                                                           gate, accessed, updated, 1),

@@ -757,26 +757,27 @@ em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, ui
 }
 
 em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *batch,
-                                   const uint32_t *sorted_positions, const uint32_t *starts,
-                                   const uint32_t *key_row, const float *gradients,
-                                   float *partials, float *out)
+                                   const uint32_t *sorted_inverse,
+                                   const uint32_t *sorted_positions, const uint32_t *key_row,
+                                   const float *gradients, float *partials, float *out)
 {
     (void)stream;
+    if (batch->nnz == 0 || batch->unique_count == 0 || batch->dim == 0)
+        return ok();
     enter_device();
-    for (uint64_t u = 0; u < batch->unique_count; u++)
+    uint64_t slots =
+        em_gpu_sum_partials_floats(batch->nnz, batch->dim) != 0 ? em_gpu_sum_slots(batch->nnz) : 0;
+    for (uint64_t p = 0; p < batch->nnz; p++)
         for (uint32_t j = 0; j < batch->dim; j++)
-            em_gpu_sum_gradient_element(batch, sorted_positions, starts, key_row, gradients, out,
-                                        u, j);
-    if (em_gpu_sum_partials_floats(batch->nnz, batch->dim) != 0) {
-        uint64_t slots = em_gpu_sum_slots(batch->nnz);
-        for (uint64_t slot = 0; slot < slots; slot++)
-            for (uint32_t j = 0; j < batch->dim; j++)
-                em_gpu_sum_chunk_element(batch, sorted_positions, starts, key_row, gradients,
-                                         partials, slot, j);
-        for (uint64_t u = 0; u < batch->unique_count; u++)
-            for (uint32_t j = 0; j < batch->dim; j++)
-                em_gpu_sum_hot_element(batch, starts, partials, out, u, j);
-    }
+            em_gpu_sum_run_element(batch, sorted_inverse, sorted_positions, key_row, gradients,
+                                   out, p, j);
+    for (uint64_t slot = 0; slot < slots; slot++)
+        for (uint32_t j = 0; j < batch->dim; j++)
+            em_gpu_sum_chunk_element(batch, sorted_inverse, sorted_positions, key_row, gradients,
+                                     partials, slot, j);
+    for (uint64_t p = 0; slots > 0 && p < batch->nnz; p++)
+        for (uint32_t j = 0; j < batch->dim; j++)
+            em_gpu_sum_hot_element(batch, sorted_inverse, partials, out, p, j);
     leave_device();
     return ok();
 }
@@ -952,6 +953,17 @@ em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu_map map, u
 
 /* ---- row storage ---------------------------------------------------------------------------- */
 
+/* The settle asked of a launch that writes new rows (em_gpu_settle). */
+static void settle_maps(em_gpu_settle settle)
+{
+    if (settle.map.header != NULL)
+        em_gpu_map_settle_item(settle.map);
+    for (uint32_t s = 0; s < settle.shards.count; s++) {
+        em_gpu_map_settle_item(settle.shards.maps[s]);
+        settle.headers[s] = *settle.shards.maps[s].header;
+    }
+}
+
 em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
                                const uint64_t *keys, const uint64_t *rows,
                                const uint8_t *inserted, uint64_t n,
@@ -965,12 +977,7 @@ em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
     for (uint64_t i = 0; i < n; i++)
         for (uint32_t j = 0; j < storage.row_floats; j++)
             em_gpu_rows_init_element(storage, keys, rows, inserted, &initializer, &optimizer, i, j);
-    if (settle.map.header != NULL)
-        em_gpu_map_settle_item(settle.map);
-    for (uint32_t s = 0; s < settle.shards.count; s++) {
-        em_gpu_map_settle_item(settle.shards.maps[s]);
-        settle.headers[s] = *settle.shards.maps[s].header;
-    }
+    settle_maps(settle);
     leave_device();
     return ok();
 }
@@ -1117,19 +1124,23 @@ em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                 const float *gradients)
 {
     return em_gpu_rows_apply_gated(stream, storage, optimizer, rows, n, gradients,
-                                   (em_gpu_gate){NULL, NULL, NULL});
+                                   (em_gpu_gate){NULL, NULL, NULL}, (em_gpu_fresh_rows){0});
 }
 
 em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
                                       em_optimizer_config optimizer, const uint64_t *rows,
-                                      uint64_t n, const float *gradients, em_gpu_gate gate)
+                                      uint64_t n, const float *gradients, em_gpu_gate gate,
+                                      em_gpu_fresh_rows fresh)
 {
     (void)stream;
+    if (n == 0 && fresh.settle.map.header == NULL && fresh.settle.shards.count == 0)
+        return ok();
     enter_device();
     uint64_t end = em_gpu_gate_end(gate, n);
     for (uint64_t i = 0; i < end; i++) {
         if (rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key */
+        em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, 0, 1);
         float *weights = em_gpu_row_address(storage, rows[i]);
         const float *gradient = gradients + i * storage.dim;
         switch (optimizer.kind) {
@@ -1153,6 +1164,7 @@ em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage stor
                                    .message = "optimizer kind outside EM_OPTIMIZERS"};
         }
     }
+    settle_maps(fresh.settle);
     leave_device();
     return ok();
 }

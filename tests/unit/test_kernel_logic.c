@@ -554,6 +554,46 @@ START_TEST(segment_starts_cover_empty_segments)
 }
 END_TEST
 
+/* The sums find each unique index's run of a sorted inverse themselves: from any of its
+ * positions, the run's bounds; at its first position, that it begins and whether it is
+ * longer than a chunk (runs of 1 to 70 positions, so 32 and 33 both occur). */
+START_TEST(runs_of_a_sorted_inverse_are_found_from_any_position)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 77);
+    enum { MAX = 20000 };
+    uint32_t *sorted = malloc(MAX * sizeof(uint32_t));
+    uint64_t *run_begin = malloc(MAX * sizeof(uint64_t)), *run_end = malloc(MAX * sizeof(uint64_t));
+    uint64_t n = 0;
+    for (uint32_t u = 0; n < MAX - 70; u++) {
+        uint64_t length = u % 8 == 0 ? 32 + u % 3 : 1 + em_test_rng_below(&rng, 70);
+        for (uint64_t k = 0; k < length; k++) {
+            sorted[n + k] = u;
+            run_begin[n + k] = n;
+            run_end[n + k] = n + length;
+        }
+        n += length;
+    }
+    uint64_t wrong = 0, hot = 0;
+    for (uint64_t p = 0; p < n; p++) {
+        uint64_t begin = 0, end = 0;
+        em_gpu_run_bounds(sorted, n, p, &begin, &end);
+        wrong += begin != run_begin[p] || end != run_end[p];
+        wrong += em_gpu_run_begins(sorted, p) != (run_begin[p] == p);
+        if (run_begin[p] == p) {
+            int long_run = run_end[p] - p > EM_SUM_CHUNK;
+            wrong += em_gpu_run_hot(sorted, n, p) != long_run;
+            hot += long_run;
+        }
+    }
+    ck_assert_uint_eq(wrong, 0);
+    ck_assert_uint_gt(hot, 0);
+    free(sorted);
+    free(run_begin);
+    free(run_end);
+}
+END_TEST
+
 START_TEST(row_of_key_skips_empty_rows)
 {
     const uint32_t offsets[] = {0, 0, 3, 3, 3, 4, 6, 6};
@@ -1016,6 +1056,7 @@ static Suite *kernel_logic_suite(void)
     tcase_add_loop_test(tc, partition_is_stable_like_cpu, 0, 6);
     tcase_add_loop_test(tc, sums_and_pooling_bit_for_bit_like_cpu, 0, 16);
     tcase_add_loop_test(tc, hot_keys_sum_by_the_chunk_tree_like_cpu, 0, 8);
+    tcase_add_test(tc, runs_of_a_sorted_inverse_are_found_from_any_position);
     tcase_add_test(tc, combiner_divisor_is_the_csr_formula);
     tcase_add_test(tc, segment_starts_cover_empty_segments);
     tcase_add_test(tc, row_of_key_skips_empty_rows);
