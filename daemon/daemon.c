@@ -159,6 +159,7 @@ static em_status create_cpu_backend(em_daemon *d, em_error *err)
     options.pool_limit_bytes = config->memory_limit_bytes;
     options.pool_initial_bytes = config->initial_bytes;
     options.pool_growth_bytes = config->growth_bytes;
+    options.eviction_threads = config->eviction_threads;
     em_status status = em_backend_create_cpu(&options, &d->backend, err);
     if (status != EM_OK)
         return status;

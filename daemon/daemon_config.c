@@ -375,6 +375,10 @@ static const em_config_field backend_fields[] = {
     {EM_CONFIG_FIELD(EM_CONFIG_INT, "growth_bytes", em_backend_config, growth_bytes),
      .flags = EM_CONFIG_UNSIGNED, .default_json = "268435456",
      .help = "size of each further pool region (cpu)"},
+    {EM_CONFIG_FIELD(EM_CONFIG_INT, "eviction_threads", em_backend_config, eviction_threads),
+     .flags = EM_CONFIG_UNSIGNED, .min = 0, .max = 64, .default_json = "0",
+     .help = "cpu: threads one request's evictions use, a shard each, when they walk at least "
+             "65536 map entries (0: the online CPUs, at most 8; 1: one shard after another)"},
     {EM_CONFIG_FIELD(EM_CONFIG_CUSTOM, "gpus", em_backend_config, gpus), .parse = parse_gpus,
      .print = print_gpus, .help = "cuda: GPU ordinals to use ([] or absent: every usable GPU)"},
     {EM_CONFIG_FIELD(EM_CONFIG_DOUBLE, "memory_fraction", em_backend_config, memory_fraction),

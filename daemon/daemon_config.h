@@ -99,6 +99,7 @@ typedef struct em_backend_config {
     uint64_t memory_limit_bytes;
     uint64_t initial_bytes;
     uint64_t growth_bytes;
+    uint32_t eviction_threads; /* cpu: threads for one request's evictions (0: the CPUs) */
     em_gpu_list gpus;       /* cuda */
     double memory_fraction; /* cuda, when memory_limit_bytes is 0 */
     uint32_t lanes;         /* cuda: streams per GPU */

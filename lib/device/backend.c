@@ -3,9 +3,14 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "lib/base/parallel.h"
+
 #define MEBIBYTE (UINT64_C(1) << 20)
 #define DEFAULT_INITIAL_BYTES (64 * MEBIBYTE)
 #define DEFAULT_GROWTH_BYTES (256 * MEBIBYTE)
+/* A request evicts from 8 shards at once at most by default: beyond that, memory
+ * bandwidth, not threads, limits the walks. */
+#define DEFAULT_EVICTION_THREADS_MAX 8u
 
 static uint64_t physical_memory_bytes(void)
 {
@@ -22,6 +27,7 @@ void em_cpu_backend_options_init(em_cpu_backend_options *options)
     options->pool_limit_bytes = 0;
     options->pool_initial_bytes = DEFAULT_INITIAL_BYTES;
     options->pool_growth_bytes = DEFAULT_GROWTH_BYTES;
+    options->eviction_threads = 0;
 }
 
 static em_status resolve_cpu_options(const em_cpu_backend_options *given,
@@ -35,6 +41,12 @@ static em_status resolve_cpu_options(const em_cpu_backend_options *given,
         resolved->pool_limit_bytes = physical_memory_bytes() / 2 / given->devices;
     if (resolved->pool_initial_bytes > resolved->pool_limit_bytes)
         resolved->pool_initial_bytes = resolved->pool_limit_bytes;
+    if (resolved->eviction_threads == 0) {
+        uint32_t cpus = em_parallel_cpus();
+        resolved->eviction_threads = cpus < DEFAULT_EVICTION_THREADS_MAX
+                                         ? cpus
+                                         : DEFAULT_EVICTION_THREADS_MAX;
+    }
     return EM_OK;
 }
 
@@ -81,8 +93,10 @@ em_status em_backend_create_cpu(const em_cpu_backend_options *options, em_backen
     if (status != EM_OK) {
         em_exchange_destroy(exchange);
         destroy_devices(devices, resolved.devices);
+        return status;
     }
-    return status;
+    (*out)->eviction_threads = resolved.eviction_threads;
+    return EM_OK;
 }
 
 void em_backend_destroy(em_backend *backend)

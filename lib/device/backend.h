@@ -35,6 +35,10 @@ typedef struct em_backend {
     /* Pinned host memory for request data the devices copy directly (host_buffers.h);
      * NULL where host buffers come from malloc (the CPU backend). Owned. */
     em_host_buffers *host_buffers;
+    /* Threads that one request's evictions may use, a shard's each (lib/table/
+     * table_request.c: evict_rows); 0 or 1: one shard after another, as on the GPUs,
+     * whose evictions share the request's lane. */
+    uint32_t eviction_threads;
 } em_backend;
 
 typedef struct em_cpu_backend_options {
@@ -42,9 +46,12 @@ typedef struct em_cpu_backend_options {
     uint64_t pool_limit_bytes;   /* per device; 0: half of the physical memory / devices */
     uint64_t pool_initial_bytes; /* per device, reserved at start (<= limit) */
     uint64_t pool_growth_bytes;  /* per device, each later region */
+    uint32_t eviction_threads;   /* for one request's evictions over its shards (1: one
+                                  * at a time); 0: the CPUs online, at most 8 */
 } em_cpu_backend_options;
 
-/* Defaults: 1 device, limit half of physical memory, 64 MiB initial, 256 MiB growth. */
+/* Defaults: 1 device, limit half of physical memory, 64 MiB initial, 256 MiB growth,
+ * eviction threads 0 (the CPUs online, at most 8). */
 void em_cpu_backend_options_init(em_cpu_backend_options *options);
 
 em_status em_backend_create_cpu(const em_cpu_backend_options *options, em_backend **out,

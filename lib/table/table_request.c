@@ -25,6 +25,7 @@
 
 #include "common/keyhash.h"
 #include "common/row_check.h"
+#include "lib/base/parallel.h"
 #include "lib/table/table_internal.h"
 
 /* ---- scratch and staging ----------------------------------------------------------- */
@@ -985,62 +986,139 @@ void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count,
     pthread_mutex_unlock(&table->evicted_lock);
 }
 
-/* Shard s gives up count rows by the table's policy; a snapshot being read keeps their
- * values (the rows are reused by this request's inserts). */
-static em_status evict_from_shard(request_context *r, segment *seg, uint32_t s, uint64_t count,
-                                  em_error *err)
+/* A request's evictions run a shard on each of the backend's eviction threads once they
+ * walk this many map entries in all (each shard n x candidates for n rows): far more
+ * work than starting a thread. */
+#define EVICT_PARALLEL_ENTRIES (UINT64_C(1) << 16)
+
+/* One shard's part of a request's eviction. It is prepared in shard order (the rows the
+ * request keeps, the walk's pseudo-random start, which follows the table's evictions so
+ * far), chosen and erased beside the other shards' parts, then counted and recorded in
+ * shard order: which keys go, and the order the ring keeps them in, do not depend on
+ * the threads. */
+typedef struct shard_eviction {
+    segment *seg;
+    uint32_t shard;
+    em_evict_spec spec;
+    uint64_t *keys, *rows; /* chosen: spec.count each */
+    uint64_t *kept;
+    em_status status;
+    em_error err;
+} shard_eviction;
+
+typedef struct eviction_run {
+    em_table *table;
+    shard_eviction *parts;
+} eviction_run;
+
+static em_status prepare_eviction(request_context *r, shard_eviction *part, uint64_t count,
+                                  uint64_t evicted_before, em_error *err)
 {
     em_table *table = r->table;
-    uint64_t *kept = NULL, kept_count = 0;
-    uint64_t *keys = malloc(count * sizeof(uint64_t)), *rows = malloc(count * sizeof(uint64_t));
-    em_status status = keys == NULL || rows == NULL
+    uint64_t kept_count = 0;
+    part->keys = malloc(count * sizeof(uint64_t));
+    part->rows = malloc(count * sizeof(uint64_t));
+    em_status status = part->keys == NULL || part->rows == NULL
                            ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
                                           "eviction: out of host memory")
-                           : kept_rows(r, seg, s, &kept, &kept_count, err);
-    if (status == EM_OK) {
-        uint64_t evicted_before = atomic_load_explicit(&table->rows_evicted,
-                                                       memory_order_relaxed);
-        table->evict_random = em_mix64(table->evict_random ^ (evicted_before + s));
-        em_evict_spec spec = {
-            .policy = table->config.eviction.policy,
-            .candidates = table->config.eviction.candidates,
-            .count = count,
-            .update_clock = (uint32_t)atomic_load_explicit(&table->update_clock,
-                                                           memory_order_relaxed),
-            .random = table->evict_random,
-            .kept = kept,
-            .kept_count = kept_count,
-        };
-        status = seg->device->ops->shard_evict(table->shards[s], seg->lane, &spec, keys, rows,
-                                               err);
-    }
-    if (status == EM_OK) {
-        em__rows_removed(table, count);
-        em__record_evicted(table, keys, count, &table->rows_evicted);
-        status = preserve_host_rows(r, s, seg->lane, rows, count, err);
-    }
-    free(kept);
-    free(keys);
-    free(rows);
+                           : kept_rows(r, part->seg, part->shard, &part->kept, &kept_count, err);
     if (status != EM_OK)
-        em_error_prefix(err, "table '%s' shard %u: eviction: ", table->config.name, s);
-    return status;
+        return status;
+    table->evict_random = em_mix64(table->evict_random ^ (evicted_before + part->shard));
+    part->spec = (em_evict_spec){
+        .policy = table->config.eviction.policy,
+        .candidates = table->config.eviction.candidates,
+        .count = count,
+        .update_clock = (uint32_t)atomic_load_explicit(&table->update_clock,
+                                                       memory_order_relaxed),
+        .random = table->evict_random,
+        .kept = part->kept,
+        .kept_count = kept_count,
+    };
+    return EM_OK;
 }
 
+/* Shard part->shard gives up its rows by the table's policy (em_parallel_item). */
+static void run_eviction(void *context, uint64_t i)
+{
+    eviction_run *run = context;
+    shard_eviction *part = &run->parts[i];
+    part->status = part->seg->device->ops->shard_evict(run->table->shards[part->shard],
+                                                       part->seg->lane, &part->spec, part->keys,
+                                                       part->rows, &part->err);
+}
+
+/* The rows a shard gave up leave the counts and join the ring; a snapshot being read
+ * keeps their values (the request's inserts reuse the rows). */
+static em_status account_eviction(request_context *r, shard_eviction *part, em_error *err)
+{
+    em_table *table = r->table;
+    uint64_t count = part->spec.count;
+    em__rows_removed(table, count);
+    em__record_evicted(table, part->keys, count, &table->rows_evicted);
+    return preserve_host_rows(r, part->shard, part->seg->lane, part->rows, count, err);
+}
+
+/* Threads for a request's evictions: the backend's, when the walks are long enough. */
+static uint32_t eviction_threads(const em_table *table, const shard_eviction *parts,
+                                 uint32_t count)
+{
+    uint64_t entries = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        uint64_t walk = parts[i].spec.count * (parts[i].spec.candidates > 0
+                                                   ? parts[i].spec.candidates
+                                                   : 1);
+        entries += walk < EVICT_PARALLEL_ENTRIES ? walk : EVICT_PARALLEL_ENTRIES;
+    }
+    return entries >= EVICT_PARALLEL_ENTRIES ? table->backend->eviction_threads : 1;
+}
+
+/* Every shard s with evict[s] > 0 gives up that many rows, nothing at all when a shard's
+ * part cannot be prepared; a shard whose eviction fails makes the request fail, after
+ * the other shards' evictions are counted. */
 static em_status evict_rows(request_context *r, const uint64_t *evict, em_error *err)
 {
     em_table *table = r->table;
-    for (uint32_t d = 0; d < table->backend->device_count; d++) {
+    shard_eviction *parts = calloc(table->shard_count, sizeof(*parts));
+    if (parts == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    uint32_t count = 0;
+    uint64_t evicted = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
+    em_status status = EM_OK;
+    for (uint32_t d = 0; status == EM_OK && d < table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
-        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+        for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
             if (evict[s] == 0)
                 continue;
-            em_status status = evict_from_shard(r, seg, s, evict[s], err);
+            shard_eviction *part = &parts[count++];
+            *part = (shard_eviction){.seg = seg, .shard = s};
+            status = prepare_eviction(r, part, evict[s], evicted, err);
+            evicted += evict[s];
             if (status != EM_OK)
-                return status;
+                em_error_prefix(err, "table '%s' shard %u: eviction: ", table->config.name, s);
         }
     }
-    return EM_OK;
+    bool ran = status == EM_OK; /* else nothing was evicted */
+    if (ran) {
+        eviction_run run = {.table = table, .parts = parts};
+        em_parallel_run(count, eviction_threads(table, parts, count), run_eviction, &run);
+    }
+    for (uint32_t i = 0; i < count; i++) {
+        shard_eviction *part = &parts[i];
+        if (ran && part->status == EM_OK)
+            part->status = account_eviction(r, part, &part->err);
+        if (ran && part->status != EM_OK && status == EM_OK) {
+            status = part->status;
+            *err = part->err;
+            em_error_prefix(err, "table '%s' shard %u: eviction: ", table->config.name,
+                            part->shard);
+        }
+        free(part->kept);
+        free(part->keys);
+        free(part->rows);
+    }
+    free(parts);
+    return status;
 }
 
 em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err)

@@ -4,7 +4,8 @@
  *   1. insert throughput (pushes of batches of new keys, sgd, dim 64) into a full table
  *      that evicts (lru) against the same inserts into tables at load 0.5 that need no
  *      room, in the same run: one without a policy (no access metadata kept) and one
- *      with the full table's (lru: the metadata kept, nothing evicted);
+ *      with the full table's (lru: the metadata kept, nothing evicted); the full table
+ *      twice, evicting on one thread and on the backend's eviction threads;
  *   2. hit rate of lru and lfu (sampled, `candidates` entries per row removed) against
  *      an exact LRU and an exact LFU on the same Zipf streams (alpha 1.05 and 1.2, key
  *      space 10x the capacity), one key per request;
@@ -48,16 +49,23 @@ static void die(const char *what, const em_error *err)
     exit(1);
 }
 
-static em_backend *cpu_backend(void)
+/* eviction_threads: the backend's option (0: the CPUs online, at most 8). */
+static em_backend *cpu_backend_evicting_on(uint32_t eviction_threads)
 {
     em_cpu_backend_options cpu;
     em_cpu_backend_options_init(&cpu);
     cpu.devices = 1;
+    cpu.eviction_threads = eviction_threads;
     em_backend *backend = NULL;
     em_error err;
     if (em_backend_create_cpu(&cpu, &backend, &err) != EM_OK)
         die("backend", &err);
     return backend;
+}
+
+static em_backend *cpu_backend(void)
+{
+    return cpu_backend_evicting_on(0);
 }
 
 static em_table *make_table(em_backend *backend, uint32_t dim, uint64_t capacity,
@@ -122,25 +130,39 @@ static double push_new_keys(em_table *table, pusher *p, uint64_t first, uint64_t
     return em_test_now() - start;
 }
 
+static void sort_doubles(double *values, int n)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && values[j] < values[j - 1]; j--) {
+            double t = values[j];
+            values[j] = values[j - 1];
+            values[j - 1] = t;
+        }
+}
+
 static void insert_throughput(const options *opt)
 {
     const uint32_t dim = 64;
     em_backend *backend = cpu_backend();
+    em_backend *serial = cpu_backend_evicting_on(1);
     pusher p = pusher_make(opt->batch, dim);
     uint64_t measured = opt->rows / 4;
     printf("1. insert throughput: pushes of %u new keys (sgd, dim %u, 8 shards), %" PRIu64
-           " keys timed per round\n\n",
-           opt->batch, dim, measured);
-    printf("%5s %16s %16s %16s %10s %10s\n", "round", "load 0.5 keys/s", "0.5+lru keys/s",
-           "full+lru keys/s", "full/0.5", "full/0.5+lru");
-    em_table *full = make_table(backend, dim, opt->rows, EM_EVICTION_LRU, opt->candidates);
-    push_new_keys(full, &p, 0, opt->rows);
+           " keys timed per round; the full tables evict on 1 thread and on %u (a shard each)\n\n",
+           opt->batch, dim, measured, backend->eviction_threads);
+    printf("%5s %14s %14s %14s %14s %9s %9s %9s\n", "round", "0.5 keys/s", "0.5+lru keys/s",
+           "full 1t keys/s", "full keys/s", "full1t/.5", "full/0.5", "full/.5lru");
+    /* full[0] evicts on one thread, full[1] on the backend's */
+    em_table *full[2] = {make_table(serial, dim, opt->rows, EM_EVICTION_LRU, opt->candidates),
+                         make_table(backend, dim, opt->rows, EM_EVICTION_LRU, opt->candidates)};
+    for (int f = 0; f < 2; f++)
+        push_new_keys(full[f], &p, 0, opt->rows);
     uint64_t next_half = opt->rows / 2, next_full = opt->rows;
-    double ratios[2][64];
+    double ratios[3][64]; /* full 1 thread / 0.5, full / 0.5, full / 0.5+lru */
     int rounds = opt->rounds;
     for (int r = 0; r < rounds; r++) {
         /* the load-0.5 tables stay between 0.5 and 0.75: fresh ones each round */
-        double t_half[2];
+        double t_half[2], t_full[2];
         for (int lru = 0; lru < 2; lru++) {
             em_table *half = make_table(backend, dim, opt->rows,
                                         lru ? EM_EVICTION_LRU : EM_EVICTION_NONE,
@@ -149,32 +171,33 @@ static void insert_throughput(const options *opt)
             t_half[lru] = push_new_keys(half, &p, next_half, measured);
             em_table_destroy(half);
         }
-        double t_full = push_new_keys(full, &p, next_full, measured);
+        for (int f = 0; f < 2; f++)
+            t_full[f] = push_new_keys(full[f], &p, next_full, measured);
         next_half += measured;
         next_full += measured;
-        for (int lru = 0; lru < 2; lru++)
-            ratios[lru][r] = t_half[lru] / t_full;
-        printf("%5d %16.0f %16.0f %16.0f %9.3fx %9.3fx\n", r + 1, measured / t_half[0],
-               measured / t_half[1], measured / t_full, ratios[0][r], ratios[1][r]);
+        ratios[0][r] = t_half[0] / t_full[0];
+        ratios[1][r] = t_half[0] / t_full[1];
+        ratios[2][r] = t_half[1] / t_full[1];
+        printf("%5d %14.0f %14.0f %14.0f %14.0f %8.3fx %8.3fx %8.3fx\n", r + 1,
+               measured / t_half[0], measured / t_half[1], measured / t_full[0],
+               measured / t_full[1], ratios[0][r], ratios[1][r], ratios[2][r]);
     }
-    for (int lru = 0; lru < 2; lru++)
-        for (int i = 1; i < rounds; i++)
-            for (int j = i; j > 0 && ratios[lru][j] < ratios[lru][j - 1]; j--) {
-                double t = ratios[lru][j];
-                ratios[lru][j] = ratios[lru][j - 1];
-                ratios[lru][j - 1] = t;
-            }
+    for (int k = 0; k < 3; k++)
+        sort_doubles(ratios[k], rounds);
     em_table_stats stats;
-    em_table_get_stats(full, &stats);
-    printf("median %54.3fx %9.3fx\n(full table: %" PRIu64 " rows, %" PRIu64 " evicted; per "
-           "row: index %.1f bytes, access metadata %.1f bytes, storage %.1f bytes)\n\n",
-           ratios[0][rounds / 2], ratios[1][rounds / 2], stats.rows, stats.rows_evicted,
-           stats.index_bytes_per_row, stats.access_bytes_per_row,
+    em_table_get_stats(full[1], &stats);
+    printf("median %65.3fx %8.3fx %8.3fx\n(full tables: %" PRIu64 " rows, %" PRIu64
+           " evicted; per row: index %.1f bytes, access metadata %.1f bytes, storage %.1f "
+           "bytes)\n\n",
+           ratios[0][rounds / 2], ratios[1][rounds / 2], ratios[2][rounds / 2], stats.rows,
+           stats.rows_evicted, stats.index_bytes_per_row, stats.access_bytes_per_row,
            (double)stats.row_bytes / (double)stats.rows);
-    em_table_destroy(full);
+    for (int f = 0; f < 2; f++)
+        em_table_destroy(full[f]);
     free(p.keys);
     free(p.offsets);
     free(p.gradients);
+    em_backend_destroy(serial);
     em_backend_destroy(backend);
 }
 

@@ -553,6 +553,99 @@ START_TEST(the_same_requests_evict_the_same_keys)
 }
 END_TEST
 
+#ifndef EMBER_TEST_CUDA_BACKEND
+/* The keys, rows and ring of a full lru table of 8 shards after requests that each evict
+ * 4,096 rows over them (walks of 16 entries a row: long enough for the backend's
+ * eviction threads), on a CPU backend with eviction_threads threads. */
+typedef struct threaded_run {
+    em_test_snapshot rows;
+    uint64_t evicted;
+    uint64_t ring_count;
+    uint64_t *ring;
+} threaded_run;
+
+static threaded_run evict_on_threads(uint32_t eviction_threads)
+{
+    enum { CAPACITY = 16384, BATCH = 4096, RING = 1 << 16 };
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.pool_limit_bytes = 256 * MEBIBYTE;
+    options.pool_initial_bytes = 16 * MEBIBYTE;
+    options.eviction_threads = eviction_threads;
+    em_backend *backend = NULL;
+    em_error err;
+    ck_assert_int_eq(em_backend_create_cpu(&options, &backend, &err), EM_OK);
+    ck_assert_uint_eq(backend->eviction_threads, eviction_threads);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, CAPACITY);
+    config.shards = 8;
+    config.initializer.seed = 5;
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 16;
+    config.eviction.ring = RING;
+    em_table *table = em_test_make_table(backend, &config);
+    uint64_t *keys = malloc(BATCH * sizeof(uint64_t));
+    uint32_t *offsets = malloc((BATCH + 1) * sizeof(uint32_t));
+    float *values = malloc((size_t)BATCH * DIM * sizeof(float));
+    for (uint32_t i = 0; i <= BATCH; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < BATCH * DIM; i++)
+        values[i] = 0.01f;
+    em_csr batch = {.rows = BATCH, .nnz = BATCH, .offsets = offsets, .keys = keys};
+    /* 4 batches fill the table; then every request pulls back a third of an old batch
+     * (so the oldest rows are not all the oldest created) and pushes a new batch */
+    for (uint64_t round = 0; round < 10; round++) {
+        for (uint32_t i = 0; i < BATCH; i++)
+            keys[i] = (round * BATCH + i) * 0x9e3779b97f4a7c15ull + 3;
+        ck_assert_msg(em_test_push(table, &batch, EM_COMBINER_NONE, values, NULL, &err) == EM_OK,
+                      "%s", err.message);
+        if (round < 3)
+            continue;
+        uint32_t n = 0;
+        for (uint32_t i = 0; i < BATCH; i += 3)
+            keys[n++] = ((round - 2) * BATCH + i) * 0x9e3779b97f4a7c15ull + 3;
+        em_csr again = {.rows = n, .nnz = n, .offsets = offsets, .keys = keys};
+        ck_assert_msg(em_test_pull(table, &again, EM_COMBINER_NONE, false, values, NULL, &err) ==
+                          EM_OK,
+                      "%s", err.message);
+    }
+    threaded_run run = {.rows = em_test_snapshot_take(table, 64)};
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    run.evicted = stats.rows_evicted;
+    run.ring = malloc(RING * sizeof(uint64_t));
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, RING, run.ring, &view, &err), EM_OK);
+    run.ring_count = view.count;
+    free(keys);
+    free(offsets);
+    free(values);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    return run;
+}
+
+/* Requests that evict from several shards at once do it on several threads, a shard
+ * each: the same keys go, the ring keeps them in the same order, and every row left is
+ * the same as with one thread. */
+START_TEST(evictions_on_several_threads_match_one_thread)
+{
+    threaded_run one = evict_on_threads(1);
+    threaded_run four = evict_on_threads(4);
+    ck_assert_uint_eq(one.evicted, 6 * 4096);
+    ck_assert_uint_eq(four.evicted, one.evicted);
+    ck_assert_uint_eq(four.ring_count, one.ring_count);
+    ck_assert(memcmp(four.ring, one.ring, one.ring_count * sizeof(uint64_t)) == 0);
+    em_test_assert_snapshots_identical(&four.rows, &one.rows);
+    threaded_run *runs[2] = {&one, &four};
+    for (int r = 0; r < 2; r++) {
+        em_test_snapshot_free(&runs[r]->rows);
+        free(runs[r]->ring);
+    }
+}
+END_TEST
+#endif
+
 START_TEST(a_snapshot_sees_evicted_rows_as_they_were)
 {
     em_backend *backend = make_backend(1);
@@ -1349,6 +1442,9 @@ int main(void)
     tcase_add_test(rules, no_room_to_make_fails_whole);
     tcase_add_test(rules, a_full_table_keeps_the_storage_of_its_capacity);
     tcase_add_test(rules, the_same_requests_evict_the_same_keys);
+#ifndef EMBER_TEST_CUDA_BACKEND
+    tcase_add_test(rules, evictions_on_several_threads_match_one_thread);
+#endif
     tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);
     tcase_add_test(rules, erase_removes_listed_keys_and_a_snapshot_still_sees_them);
     tcase_add_test(rules, the_ring_keeps_the_last_evicted_keys_in_order);
