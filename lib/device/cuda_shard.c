@@ -1291,7 +1291,8 @@ typedef struct export_buffers {
 } export_buffers;
 
 static em_status take_export_buffers(scratch *s, cuda_shard *shard, cuda_lane *lane,
-                                     uint64_t limit, export_buffers *b, em_error *err)
+                                     uint64_t limit, bool with_values, export_buffers *b,
+                                     em_error *err)
 {
     em_status status = scratch_take(s, limit * sizeof(uint64_t), "export keys",
                                     (void **)&b->keys, err);
@@ -1299,7 +1300,7 @@ static em_status take_export_buffers(scratch *s, cuda_shard *shard, cuda_lane *l
         status = scratch_take(s, limit * sizeof(uint64_t), "export rows", (void **)&b->rows, err);
     if (status == EM_OK)
         status = scratch_take(s, sizeof(uint64_t), "export cursor", (void **)&b->next_slot, err);
-    if (status == EM_OK)
+    if (status == EM_OK && with_values)
         status = scratch_take(s, limit * shard->row_floats * sizeof(float), "export values",
                               (void **)&b->values, err);
     if (status == EM_OK)
@@ -1409,7 +1410,8 @@ static em_status export_range(cuda_shard *shard, cuda_lane *lane, uint64_t *curs
 {
     em_shard *base = &shard->base;
     *count = 0;
-    uint64_t entry_bytes = shard->row_floats * sizeof(float) + 2 * sizeof(uint64_t);
+    uint64_t entry_bytes =
+        (values != NULL ? shard->row_floats * sizeof(float) : 0) + 2 * sizeof(uint64_t);
     uint64_t limit = EXPORT_MAX_BYTES / entry_bytes;
     limit = limit < 1 ? 1 : limit;
     limit = max < limit ? max : limit;
@@ -1419,12 +1421,12 @@ static em_status export_range(cuda_shard *shard, cuda_lane *lane, uint64_t *curs
     export_buffers b = {.window = shard->slot_count < EXPORT_WINDOW_SLOTS ? shard->slot_count
                                                                            : EXPORT_WINDOW_SLOTS};
     uint64_t taken = 0;
-    em_status status = take_export_buffers(&s, shard, lane, limit, &b, err);
+    em_status status = take_export_buffers(&s, shard, lane, limit, values != NULL, &b, err);
     while (status == EM_RESOURCE_EXHAUSTED && (limit > 1 || b.window > MIN_EXPORT_WINDOW)) {
         scratch_free_now(&s); /* nothing was enqueued yet */
         limit = (limit + 1) / 2;
         b.window = b.window / 2 > MIN_EXPORT_WINDOW ? b.window / 2 : MIN_EXPORT_WINDOW;
-        status = take_export_buffers(&s, shard, lane, limit, &b, err);
+        status = take_export_buffers(&s, shard, lane, limit, values != NULL, &b, err);
     }
     if (status == EM_OK)
         status = export_side_rows(shard, lane, cursor, end, limit, &b, &taken, err);
@@ -1596,14 +1598,74 @@ static em_status erase_host_keys(cuda_shard *shard, cuda_lane *lane, const uint6
     return EM_OK;
 }
 
+/* Entries an eviction's walk reads from the GPU ahead of the chooser, at most. */
+#define EVICT_READ_AHEAD ((uint64_t)1 << 20)
+
 /* A walk for em_evict_choose over the map's export positions from a start: [start, end)
- * then [0, start). */
+ * then [0, start). Its first `ahead` entries (the chooser's window: count x candidates)
+ * are read from the GPU at once, keys, rows and access metadata, so that an eviction
+ * waits for the GPU a few times however many rows it removes (a block at a time, it
+ * waited about 4 times per 4,096 entries); they are handed to the chooser in the pieces
+ * the block-by-block walk gave (a block, or less where the range ends), which the
+ * chooser's cuts follow. Entries beyond them are read a block at a time. */
 typedef struct cuda_evict_walk {
     cuda_shard *shard;
     cuda_lane *lane;
     uint64_t start, cursor, end;
     bool wrapped;
+    uint64_t ahead;                 /* entries to read ahead (at the first call) */
+    uint64_t *keys, *rows;          /* read ahead: held, of which served are handed out */
+    em_row_access *access;
+    uint64_t held, served;
+    uint64_t before_wrap;           /* of them, read before the walk wrapped to 0 */
 } cuda_evict_walk;
+
+/* The walk's next entries from the GPU, up to max, without their metadata; they end where
+ * the range [start, end) ends. *got 0: every entry was seen. */
+static em_status walk_export(cuda_evict_walk *w, uint64_t max, uint64_t *keys, uint64_t *rows,
+                             uint64_t *got, em_error *err)
+{
+    *got = 0;
+    for (;;) {
+        while (w->cursor >= w->end) {
+            if (w->wrapped)
+                return EM_OK; /* every entry seen */
+            w->wrapped = true;
+            w->cursor = 0;
+            w->end = w->start;
+        }
+        em_status status = export_range(w->shard, w->lane, &w->cursor, w->end, keys, NULL, rows,
+                                        max, got, err);
+        if (status != EM_OK || *got > 0)
+            return status;
+    }
+}
+
+static em_status read_ahead(cuda_evict_walk *w, em_error *err)
+{
+    w->keys = malloc(w->ahead * sizeof(uint64_t));
+    w->rows = malloc(w->ahead * sizeof(uint64_t));
+    w->access = malloc(w->ahead * sizeof(em_row_access));
+    if (w->keys == NULL || w->rows == NULL || w->access == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    w->before_wrap = UINT64_MAX;
+    while (w->held < w->ahead) {
+        bool wrapped = w->wrapped;
+        uint64_t got = 0;
+        em_status status = walk_export(w, w->ahead - w->held, w->keys + w->held,
+                                       w->rows + w->held, &got, err);
+        if (status != EM_OK)
+            return status;
+        if (got == 0)
+            break;
+        if (!wrapped && w->wrapped)
+            w->before_wrap = w->held;
+        w->held += got;
+    }
+    if (w->before_wrap == UINT64_MAX)
+        w->before_wrap = w->held;
+    return read_access_host(w->shard, w->lane, w->rows, w->held, w->access, err);
+}
 
 static em_status cuda_evict_walk_next(void *context, uint64_t max, uint64_t *keys,
                                       uint64_t *rows, em_row_access *access, uint64_t *got,
@@ -1611,19 +1673,24 @@ static em_status cuda_evict_walk_next(void *context, uint64_t max, uint64_t *key
 {
     cuda_evict_walk *w = context;
     *got = 0;
-    while (w->cursor >= w->end) {
-        if (w->wrapped)
-            return EM_OK; /* every entry seen */
-        w->wrapped = true;
-        w->cursor = 0;
-        w->end = w->start;
+    if (w->ahead > 0 && w->keys == NULL) {
+        em_status status = read_ahead(w, err);
+        if (status != EM_OK)
+            return status;
     }
-    em_status status = export_range(w->shard, w->lane, &w->cursor, w->end, keys, NULL, rows, max,
-                                    got, err);
+    if (w->served < w->held) {
+        uint64_t end = w->served < w->before_wrap ? w->before_wrap : w->held;
+        uint64_t n = end - w->served < max ? end - w->served : max;
+        memcpy(keys, w->keys + w->served, n * sizeof(uint64_t));
+        memcpy(rows, w->rows + w->served, n * sizeof(uint64_t));
+        memcpy(access, w->access + w->served, n * sizeof(em_row_access));
+        w->served += n;
+        *got = n;
+        return EM_OK;
+    }
+    em_status status = walk_export(w, max, keys, rows, got, err);
     if (status == EM_OK)
         status = read_access_host(w->shard, w->lane, rows, *got, access, err);
-    if (status == EM_OK && *got == 0) /* the range ended: the next call goes on */
-        return cuda_evict_walk_next(context, max, keys, rows, access, got, err);
     return status;
 }
 
@@ -1635,12 +1702,19 @@ em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evic
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
     uint64_t positions = 2 + shard->slot_count;
+    uint64_t per_row = spec->candidates > 0 ? spec->candidates : 1;
+    uint64_t window = spec->count > EVICT_READ_AHEAD / per_row ? EVICT_READ_AHEAD
+                                                                : spec->count * per_row;
     cuda_evict_walk walk = {.shard = shard,
                             .lane = lane,
                             .start = spec->random % positions,
                             .cursor = spec->random % positions,
-                            .end = positions};
+                            .end = positions,
+                            .ahead = window < shard->size + 2 ? window : shard->size + 2};
     em_status status = em_evict_choose(spec, cuda_evict_walk_next, &walk, keys, rows, err);
+    free(walk.keys);
+    free(walk.rows);
+    free(walk.access);
     if (status == EM_OK)
         status = erase_host_keys(shard, lane, keys, spec->count, err);
     return status;

@@ -1956,6 +1956,62 @@ START_TEST(host_waits_and_operations_per_request)
 }
 END_TEST
 
+/* A push that evicts many rows reads the eviction's window of the GPU map (count x
+ * candidates entries) with its access metadata at once: it waits for the GPU a few
+ * times, not about 4 times per 4,096 entries. Here 8,192 new keys into a full lru table
+ * of 32,768 rows on one shard, candidates 16 (the whole shard's 32,768 entries walked):
+ * the push waits at most 16 times in all (14 here; 50 when the walk was read a
+ * block at a time). The rows left are the ones the rule keeps: the 8,192 keys pushed
+ * first, which no request touched since, are the ones gone. */
+START_TEST(a_large_eviction_waits_a_few_times)
+{
+    enum { CAPACITY = 32768, BATCH = 8192, DIM = 8 };
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(DIM, CAPACITY, 1, EM_OPTIMIZER_SGD, EM_INIT_UNIFORM);
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 16;
+    em_table *table = em_test_make_table(gpu, &config);
+    uint64_t *keys = malloc(BATCH * sizeof(uint64_t));
+    uint32_t *offsets = malloc((BATCH + 1) * sizeof(uint32_t));
+    float *gradients = malloc((size_t)BATCH * DIM * sizeof(float));
+    for (uint32_t i = 0; i <= BATCH; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < BATCH * DIM; i++)
+        gradients[i] = 0.01f;
+    em_csr batch = {.rows = BATCH, .nnz = BATCH, .offsets = offsets, .keys = keys};
+    em_error err;
+    uint64_t waits = 0;
+    for (uint64_t round = 0; round < CAPACITY / BATCH + 1; round++) {
+        for (uint32_t i = 0; i < BATCH; i++)
+            keys[i] = round * BATCH + i + 1;
+        uint64_t operations = 0, before = 0, after = 0;
+        em_gpu_emulated_counts(&operations, &before);
+        ck_assert_msg(em_test_push(table, &batch, EM_COMBINER_NONE, gradients, NULL, &err) ==
+                          EM_OK,
+                      "%s", err.message);
+        em_gpu_emulated_counts(&operations, &after);
+        waits = after - before;
+    }
+    printf("a push of %d new keys evicting %d rows: %" PRIu64 " host waits\n", BATCH, BATCH,
+           waits);
+    ck_assert_uint_le(waits, 16);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, CAPACITY);
+    ck_assert_uint_eq(stats.rows_evicted, BATCH);
+    em_test_snapshot left = em_test_snapshot_take(table, 4096);
+    ck_assert_uint_eq(left.count, CAPACITY);
+    for (uint64_t i = 0; i < left.count; i++)
+        ck_assert_msg(left.keys[i] > BATCH, "key %" PRIu64 " stayed", left.keys[i]);
+    em_test_snapshot_free(&left);
+    free(keys);
+    free(offsets);
+    free(gradients);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* A table whose shards all live on one GPU of several is served on that GPU: every
  * request, whichever GPU the backend's turn would make its home, finds and steps its
  * keys there with one host wait and no exchange (before, every other request was homed
@@ -2293,6 +2349,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, non_finite_gradients_are_refused_like_the_cpu, 0, 16);
 #ifdef EM_CUDA_EMULATED
     tcase_add_test(tc, host_waits_and_operations_per_request);
+    tcase_add_test(tc, a_large_eviction_waits_a_few_times);
     tcase_add_test(tc, a_table_on_one_gpu_of_two_is_served_there);
 #endif
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
