@@ -27,7 +27,8 @@
  *              table in one shard and in eight on the same GPU: both serve
  *              requests of stored keys with one wait for the GPU (STATS pulls_at_once),
  *              eight shards with one kernel of each kind over all of them. Then pulls
- *              whose keys are all new ("new"), which create them with one wait too.
+ *              and pushes whose keys are all new ("new", "newp"), which create them with
+ *              one wait too.
  *   pool       em_pool over one cudaMalloc'ed region against cudaMalloc/cudaFree, on
  *              the same random sequence of sizes (256 B .. 16 MiB, 64 live blocks).
  *
@@ -580,9 +581,9 @@ static void request_buffers_free(request_buffers *b)
     em_host_buffer_free(b->from, b->vectors);
 }
 
-/* Keys per second of pulls (push false) or pushes of `keys` random present keys. */
-/* Pulls that create every key they ask for (op "new"): NEW_REQUESTS of each size per
- * table, keys never asked before, so that the tables' memory stays bounded. */
+/* Keys per second of requests of `keys` keys (op: 0 pulls and 1 pushes of random present
+ * keys, 2 pulls and 3 pushes that create every key they ask for: NEW_REQUESTS of each
+ * size per table, keys never asked before, so that the tables' memory stays bounded). */
 #define NEW_REQUESTS 8u
 
 /* *waiting gets the share of that time the host spent waiting for the GPU (em_device
@@ -591,8 +592,8 @@ static double request_rate(const options *o, em_table *table, em_device *device,
                            request_buffers *b, uint32_t keys, int op, em_test_rng *rng,
                            double *waiting)
 {
-    static uint64_t next_new = REQUEST_UNIVERSE; /* the keys "new" pulls create */
-    bool push = op == 1, fresh = op == 2;
+    static uint64_t next_new = REQUEST_UNIVERSE; /* the keys "new" requests create */
+    bool push = op == 1 || op == 3, fresh = op >= 2;
     em_csr batch = {.rows = keys, .nnz = keys, .offsets = b->offsets, .keys = b->keys};
     em_pull_request pull = {batch, EM_COMBINER_NONE, fresh, b->vectors,
                             (uint64_t)keys * REQUEST_DIM};
@@ -625,7 +626,8 @@ static void bench_requests(const options *o)
     double to_device = 0.0, to_host = 0.0;
     bus_rates(o, &to_device, &to_host);
     printf("\nrequests: a table on one GPU (sgd, dim %u, %u present keys), the batch in host "
-           "memory; new: pulls whose keys are all created, %u of each size; bus: the time "
+           "memory; new, newp: pulls and pushes whose keys are all created, %u of each size; "
+           "bus: the time "
            "its bytes take at the pinned copy rates measured here (to the GPU %.1f GB/s, to "
            "the host %.1f GB/s), over the request's time\n",
            REQUEST_DIM, REQUEST_UNIVERSE, NEW_REQUESTS, to_device / 1e9, to_host / 1e9);
@@ -638,7 +640,7 @@ static void bench_requests(const options *o)
     for (int t = 0; t < 2; t++) {
         em_table_config config;
         em_table_config_init(&config, t == 0 ? "one" : "eight", REQUEST_DIM,
-                             REQUEST_UNIVERSE + 2 * NEW_REQUESTS * (4096 + 65536 + 1048576));
+                             REQUEST_UNIVERSE + 4 * NEW_REQUESTS * (4096 + 65536 + 1048576));
         config.shards = t == 0 ? 1 : 8;
         config.optimizer.kind = EM_OPTIMIZER_SGD;
         config.optimizer.learning_rate = 0.01f;
@@ -667,7 +669,8 @@ static void bench_requests(const options *o)
     /* pull: 8 key bytes in, dim floats out per key; push: both in */
     double pull_bus = 8.0 / to_device + REQUEST_DIM * 4.0 / to_host;
     double push_bus = (8.0 + REQUEST_DIM * 4.0) / to_device;
-    for (int op = 0; op < 3; op++) { /* pull, push, new (pulls creating their keys) */
+    static const char *const op_names[] = {"pull", "push", "new", "newp"};
+    for (int op = 0; op < 4; op++) { /* pull, push, then pulls and pushes creating keys */
         for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
             for (int pinned = 0; pinned < 2; pinned++) {
                 request_buffers b = request_buffers_make(pinned ? backend->host_buffers : NULL,
@@ -676,9 +679,9 @@ static void bench_requests(const options *o)
                 for (int t = 0; t < 2; t++)
                     rates[t] = request_rate(o, tables[t], backend->devices[0], &b, sizes[s], op,
                                             &rng, &waits[t]);
-                double bus = op == 1 ? push_bus : pull_bus;
+                double bus = op == 1 || op == 3 ? push_bus : pull_bus;
                 printf("%-4s %8u %-9s %17.2f %7.2f %6.2f %17.2f %7.2f %6.2f %8.2fx\n",
-                       op == 0 ? "pull" : op == 1 ? "push" : "new", sizes[s],
+                       op_names[op], sizes[s],
                        !pinned ? "pageable" : b.pinned ? "pinned" : "(full)", rates[0] / 1e6,
                        rates[0] * bus, waits[0], rates[1] / 1e6, rates[1] * bus, waits[1],
                        rates[0] / rates[1]);
