@@ -330,6 +330,21 @@ EM_HOST_DEVICE int em_gpu_run_hot(const uint32_t *sorted_inverse, uint64_t nnz, 
     return p + EM_SUM_CHUNK < nnz && sorted_inverse[p + EM_SUM_CHUNK] == sorted_inverse[p];
 }
 
+/* One past the last position of the run holding sorted position p. */
+EM_HOST_DEVICE uint64_t em_gpu_run_end(const uint32_t *sorted_inverse, uint64_t nnz, uint64_t p)
+{
+    uint32_t value = sorted_inverse[p];
+    uint64_t low = p + 1, high = nnz; /* the end is in [low, high] */
+    while (low < high) {
+        uint64_t middle = low + (high - low) / 2;
+        if (sorted_inverse[middle] == value)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    return low;
+}
+
 /* The run holding sorted position p: [*begin, *end). */
 EM_HOST_DEVICE void em_gpu_run_bounds(const uint32_t *sorted_inverse, uint64_t nnz, uint64_t p,
                                       uint64_t *begin, uint64_t *end)
@@ -344,16 +359,7 @@ EM_HOST_DEVICE void em_gpu_run_bounds(const uint32_t *sorted_inverse, uint64_t n
             high = middle;
     }
     *begin = low;
-    low = p + 1;
-    high = nnz; /* one past its last is in [low, high] */
-    while (low < high) {
-        uint64_t middle = low + (high - low) / 2;
-        if (sorted_inverse[middle] == value)
-            low = middle + 1;
-        else
-            high = middle;
-    }
-    *end = low;
+    *end = em_gpu_run_end(sorted_inverse, nnz, p);
 }
 
 /* Element j of the summed gradient of the key whose run begins at sorted position p,
@@ -419,11 +425,10 @@ EM_HOST_DEVICE void em_gpu_sum_hot_element(const em_gpu_batch *batch,
     uint64_t nnz = batch->nnz;
     if (!em_gpu_run_begins(sorted_inverse, p) || !em_gpu_run_hot(sorted_inverse, nnz, p))
         return;
-    uint64_t begin = 0, end = 0;
-    em_gpu_run_bounds(sorted_inverse, nnz, p, &begin, &end);
+    uint64_t end = em_gpu_run_end(sorted_inverse, nnz, p); /* the run begins at p */
     out[em_gpu_position(batch, sorted_inverse[p]) * batch->dim + j] =
         em_sum_chunk_levels(partials, p / EM_GPU_SUM_SLOT_SPACING,
-                            em_sum_chunks((uint32_t)(end - begin)), batch->dim, j);
+                            em_sum_chunks((uint32_t)(end - p)), batch->dim, j);
 }
 
 /* NONE: element j of key k's vector. */

@@ -1702,9 +1702,8 @@ em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evic
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
     uint64_t positions = 2 + shard->slot_count;
-    uint64_t per_row = spec->candidates > 0 ? spec->candidates : 1;
-    uint64_t window = spec->count > EVICT_READ_AHEAD / per_row ? EVICT_READ_AHEAD
-                                                                : spec->count * per_row;
+    uint64_t window = em_evict_window(spec);
+    window = window < EVICT_READ_AHEAD ? window : EVICT_READ_AHEAD;
     cuda_evict_walk walk = {.shard = shard,
                             .lane = lane,
                             .start = spec->random % positions,

@@ -141,14 +141,19 @@ static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k)
 
 /* ---- the chooser ------------------------------------------------------------------------- */
 
+uint64_t em_evict_window(const em_evict_spec *spec)
+{
+    uint64_t per_row = spec->candidates > 0 ? spec->candidates : 1;
+    return spec->count > UINT64_MAX / per_row ? UINT64_MAX : spec->count * per_row;
+}
+
 static void em_evict_chooser_end(em_evict_chooser *c);
 
 static em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec *spec, em_error *err)
 {
     memset(c, 0, sizeof(*c));
     c->spec = *spec;
-    uint64_t per_row = spec->candidates > 0 ? spec->candidates : 1;
-    c->window = spec->count > UINT64_MAX / per_row ? UINT64_MAX : spec->count * per_row;
+    c->window = em_evict_window(spec);
     c->room = spec->count + (spec->count > EM_EVICT_BLOCK / 3 ? 3 * spec->count : EM_EVICT_BLOCK);
     em_status status = row_set_make(c, spec->kept, spec->kept_count, err);
     if (status != EM_OK)

@@ -46,6 +46,10 @@ typedef struct em_evict_spec {
 typedef em_status (*em_evict_walk)(void *context, uint64_t max, uint64_t *keys, uint64_t *rows,
                                    em_row_access *access, uint64_t *got, em_error *err);
 
+/* The map entries a choice reads at least (the rule's window): count x candidates, a
+ * candidate a row when candidates is 0, UINT64_MAX when that does not fit. */
+uint64_t em_evict_window(const em_evict_spec *spec);
+
 /* Chooses spec->count rows by spec's policy among the entries of a map walk (the rule in
  * lib/table/table_config.h): the backend's walk starts at spec->random (modulo its map's
  * positions) and is read block by block (EM_EVICT_BLOCK entries at most) until enough

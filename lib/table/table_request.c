@@ -1065,9 +1065,7 @@ static uint32_t eviction_threads(const em_table *table, const shard_eviction *pa
 {
     uint64_t entries = 0;
     for (uint32_t i = 0; i < count; i++) {
-        uint64_t walk = parts[i].spec.count * (parts[i].spec.candidates > 0
-                                                   ? parts[i].spec.candidates
-                                                   : 1);
+        uint64_t walk = em_evict_window(&parts[i].spec);
         entries += walk < EVICT_PARALLEL_ENTRIES ? walk : EVICT_PARALLEL_ENTRIES;
     }
     return entries >= EVICT_PARALLEL_ENTRIES ? table->backend->eviction_threads : 1;
