@@ -876,6 +876,37 @@ static bool export_position(em_hashmap *map, uint64_t position, uint64_t *key,
     return true;
 }
 
+/* Copies the keys and values of the n slots from first that hold a key, packed, and
+ * returns how many. Without a branch on the key: about half the slots of a map are
+ * empty, at random, and their value reads as pending too. A key whose value is still
+ * pending is only noted, and the slots are then copied again, waiting for it. keys and
+ * values have room for n. */
+static size_t copy_slots(slot *first, uint64_t n, uint64_t *keys, uint64_t *values)
+{
+    size_t copied = 0;
+    uint64_t pending = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t key = atomic_load_explicit(&first[i].key, memory_order_relaxed);
+        uint64_t value = atomic_load_explicit(&first[i].value, memory_order_acquire);
+        uint64_t live = !is_sentinel(key);
+        keys[copied] = key;
+        values[copied] = value;
+        copied += live;
+        pending |= live & (value == VALUE_PENDING);
+    }
+    if (pending == 0)
+        return copied;
+    copied = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t key = atomic_load_explicit(&first[i].key, memory_order_relaxed);
+        if (is_sentinel(key))
+            continue;
+        keys[copied] = key;
+        values[copied++] = wait_published(&first[i].value);
+    }
+    return copied;
+}
+
 void em_hashmap_walk_begin(em_hashmap *map, uint64_t random, em_hashmap_walk *walk)
 {
     pthread_rwlock_rdlock(&map->lock);
@@ -900,25 +931,15 @@ size_t em_hashmap_walk_next(em_hashmap *map, em_hashmap_walk *walk, uint64_t *ke
             walk->left--;
             continue;
         }
-        /* a stretch of slots: each is copied, and counted only when it holds a key,
-         * without a branch on the key (about half the slots of a map are empty) */
         uint64_t stretch = positions - walk->position;
         if (stretch > walk->left)
             stretch = walk->left;
-        slot *current = &map->slots[walk->position - SIDE_COUNT];
-        uint64_t i = 0;
-        for (; i < stretch && copied < max; i++, current++) {
-            uint64_t key = atomic_load_explicit(&current->key, memory_order_relaxed);
-            uint64_t value = atomic_load_explicit(&current->value, memory_order_acquire);
-            bool live = !is_sentinel(key);
-            if (live && value == VALUE_PENDING)
-                value = wait_published(&current->value);
-            keys[copied] = key;
-            values[copied] = value;
-            copied += live;
-        }
-        walk->position += i;
-        walk->left -= i;
+        if (stretch > max - copied)
+            stretch = max - copied;
+        copied += copy_slots(&map->slots[walk->position - SIDE_COUNT], stretch, &keys[copied],
+                             &values[copied]);
+        walk->position += stretch;
+        walk->left -= stretch;
     }
     pthread_rwlock_unlock(&map->lock);
     return copied;
@@ -931,8 +952,14 @@ size_t em_hashmap_export(em_hashmap *map, uint64_t *cursor, uint64_t *keys, uint
     pthread_rwlock_rdlock(&map->lock);
     uint64_t end = SIDE_COUNT + (uint64_t)map->slot_count;
     uint64_t position = *cursor;
-    for (; position < end && copied < max; position++)
+    for (; position < SIDE_COUNT && position < end && copied < max; position++)
         copied += export_position(map, position, &keys[copied], &values[copied]);
+    while (position < end && copied < max) {
+        uint64_t stretch = end - position < max - copied ? end - position : max - copied;
+        copied += copy_slots(&map->slots[position - SIDE_COUNT], stretch, &keys[copied],
+                             &values[copied]);
+        position += stretch;
+    }
     *cursor = position;
     pthread_rwlock_unlock(&map->lock);
     return copied;

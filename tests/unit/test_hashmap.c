@@ -1237,6 +1237,69 @@ START_TEST(finds_are_right_while_others_insert)
 }
 END_TEST
 
+/* Walks (or exports, every other round) the map chunk by chunk until the writers are
+ * done: each entry given must carry the row the map holds for its key, never a value
+ * not yet published (a slot whose key landed before its row). */
+static void *walker_run(void *argument)
+{
+    reader_writer_worker *worker = argument;
+    reader_writer_shared *shared = worker->shared;
+    em_test_rng rng;
+    em_test_rng_init(&rng, worker->seed);
+    enum { CHUNK = 500 };
+    uint64_t keys[CHUNK], values[CHUNK], rows[CHUNK];
+    do {
+        bool exporting = worker->rounds % 2 == 1;
+        em_hashmap_walk walk;
+        em_hashmap_walk_begin(shared->map, em_test_rng_next(&rng), &walk);
+        uint64_t cursor = 0;
+        size_t got;
+        while ((got = exporting ? em_hashmap_export(shared->map, &cursor, keys, values, CHUNK)
+                                : em_hashmap_walk_next(shared->map, &walk, keys, values,
+                                                       CHUNK)) > 0) {
+            em_hashmap_find(shared->map, keys, got, rows);
+            for (size_t i = 0; i < got; i++)
+                if (values[i] != rows[i])
+                    fail_once(&shared->failure, exporting ? "export during inserts"
+                                                          : "walk during inserts",
+                              keys[i], values[i], rows[i]);
+        }
+        worker->rounds++;
+    } while (atomic_load(&shared->writers_left) > 0);
+    return NULL;
+}
+
+START_TEST(walks_and_exports_give_published_rows_while_others_insert)
+{
+    enum { WALKERS = 2, WRITERS = 2 };
+    reader_writer_shared shared = {.present = scaled(50000, 10000)};
+    size_t per_writer = scaled(200000, 40000);
+    shared.map = create_map(16, 0);
+    pthread_mutex_init(&shared.failure.lock, NULL);
+    atomic_init(&shared.writers_left, WRITERS);
+    require_u64(insert_range(shared.map, 0, shared.present, 4096), ==, shared.present);
+
+    reader_writer_worker workers[WALKERS + WRITERS];
+    pthread_t threads[WALKERS + WRITERS];
+    for (size_t t = 0; t < WALKERS + WRITERS; t++) {
+        workers[t] = (reader_writer_worker){.shared = &shared, .seed = em_test_seed() + t};
+        if (t >= WALKERS) {
+            workers[t].first = shared.present + (t - WALKERS) * per_writer;
+            workers[t].count = per_writer;
+        }
+        pthread_create(&threads[t], NULL, t < WALKERS ? walker_run : writer_run, &workers[t]);
+    }
+    for (size_t t = 0; t < WALKERS + WRITERS; t++)
+        pthread_join(threads[t], NULL);
+    require(shared.failure.message[0] == '\0', "%s", shared.failure.message);
+    for (size_t t = 0; t < WALKERS; t++)
+        require_u64(workers[t].rounds, >, 0);
+    require_u64(em_hashmap_size(shared.map), ==, shared.present + WRITERS * per_writer);
+    pthread_mutex_destroy(&shared.failure.lock);
+    em_hashmap_destroy(shared.map);
+}
+END_TEST
+
 /* Threads insert, erase and find their own keys (rows come from the shared pool). */
 enum { CHURN_THREADS = 3, CHURN_KEYS = 2000 };
 
@@ -1385,6 +1448,7 @@ int main(void)
     tcase_add_test(threads, threads_inserting_overlapping_keys_agree);
     tcase_add_test(threads, threads_racing_on_the_same_keys_agree);
     tcase_add_test(threads, finds_are_right_while_others_insert);
+    tcase_add_test(threads, walks_and_exports_give_published_rows_while_others_insert);
     tcase_add_test(threads, threads_inserting_and_erasing_keep_rows_unique);
     suite_add_tcase(suite, threads);
     return em_test_run(suite);
