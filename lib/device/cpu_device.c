@@ -909,7 +909,7 @@ static uint32_t update_age(uint32_t update_clock, const em_row_access *access)
 }
 
 /* How far ahead the walk prefetches an entry's access metadata. */
-#define EVICT_PREFETCH ((uint64_t)16)
+#define EVICT_PREFETCH ((uint64_t)64)
 
 /* A walk of the shard's map for em_evict_choose. */
 typedef struct cpu_evict_walk {

@@ -84,9 +84,20 @@ static em_status admit(request_context *r, bool may_create, attempt_state *state
 {
     em_status status = em__admit_missing(r, !state->admission_run, err);
     state->admission_run = true;
-    if (status == EM_OK && r->missing > 0 && !may_create && !em__claim_rows(r))
+    if (status == EM_OK && r->missing > 0 && !may_create &&
+        (r->find_stopped || !em__claim_rows(r)))
         state->needs_create = true;
     return status;
+}
+
+/* A shared attempt that would create every key it misses (admission always) stops its
+ * find once more keys are missing than the table has room for: it runs again alone
+ * whatever the other shards hold, so a full table's creating requests do not look up
+ * every key twice. */
+static void stop_finding_when_full(request_context *r, bool may_create, bool creates)
+{
+    r->stop_when_full = !may_create && creates &&
+                        r->table->config.admission.policy == EM_ADMISSION_ALWAYS;
 }
 
 /* ---- pull ------------------------------------------------------------------------ */
@@ -478,6 +489,7 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     if (!planned)
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK && !planned) {
+        stop_finding_when_full(&r, may_create, request->create_missing);
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
         if (status == EM_OK)
             note_general_find(table, &table->pulls_go_general, r.missing);
@@ -770,6 +782,7 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     if (!planned) /* else planned from what push_at_once found, with its sums */
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK && !planned) {
+        stop_finding_when_full(&r, may_create, true);
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
         if (status == EM_OK)
             note_general_find(table, &table->pushes_go_general, r.missing);

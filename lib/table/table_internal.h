@@ -162,6 +162,11 @@ typedef struct request_context {
     bool rows_written_next;    /* an import: every created row is written next, nothing
                                 * in between can fail, no one else reads (insert_missing's
                                 * initialize) */
+    bool stop_when_full;       /* the find may stop once more keys are missing than the
+                                * table has room for (a shared attempt that would create
+                                * every key it misses) */
+    bool find_stopped;         /* it did: keys of later shards were not looked up, and
+                                * the attempt must run again alone */
 } request_context;
 
 /* What em__run_on_shards does on each shard. */

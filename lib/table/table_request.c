@@ -358,15 +358,25 @@ static uint64_t shard_key_count(const request_context *r, uint32_t s)
     return r->shard_start[s + 1] - r->shard_start[s];
 }
 
+/* Rows the table may still create beside the claims of requests sharing it (a snapshot
+ * of a count others change). */
+static uint64_t room_left(em_table *table)
+{
+    uint64_t claimed = atomic_load_explicit(&table->rows_claimed, memory_order_relaxed);
+    return claimed < table->config.capacity ? table->config.capacity - claimed : 0;
+}
+
 /* Finds the keys of every shard of a device. Where the device can (shard_find_async),
  * the shards' missing counts land in device words and come back together, one wait for
- * the device instead of one per shard. */
+ * the device instead of one per shard. Else, with r->stop_when_full, it stops after the
+ * shard where more keys than the table's room are missing (r->find_stopped). */
 static em_status find_on_device(request_context *r, segment *seg, em_error *err)
 {
     em_table *table = r->table;
     const em_device_ops *ops = seg->device->ops;
     uint32_t shards = seg->end_shard - seg->first_shard;
     uint64_t *counts = NULL; /* device words, one per shard */
+    uint64_t found_missing = r->missing; /* on earlier devices and shards */
     em_status status = em__request_alloc(r, seg->device, seg->count * sizeof(uint64_t),
                                          "key rows", (void **)&seg->rows, err);
     if (status == EM_OK && ops->shard_find_async != NULL)
@@ -385,6 +395,12 @@ static em_status find_on_device(request_context *r, segment *seg, em_error *err)
                      : ops->shard_find(table->shards[s], seg->lane, seg->keys + offset, n,
                                        seg->rows + offset, &r->shard_missing[s], err);
         pthread_rwlock_unlock(&table->shard_locks[s]);
+        if (status == EM_OK && counts == NULL && r->stop_when_full &&
+            (found_missing += r->shard_missing[s]) > room_left(table)) {
+            r->missing = found_missing; /* at least */
+            r->find_stopped = true;
+            return EM_OK;
+        }
     }
     if (status == EM_OK && counts != NULL)
         status = ops->copy_to_host(seg->lane, &r->shard_missing[seg->first_shard], counts,
@@ -397,7 +413,7 @@ static em_status find_on_device(request_context *r, segment *seg, em_error *err)
 static em_status find_keys(request_context *r, em_error *err)
 {
     r->missing = 0;
-    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
+    for (uint32_t d = 0; d < r->table->backend->device_count && !r->find_stopped; d++) {
         if (r->segments[d].count == 0)
             continue;
         em_status status = find_on_device(r, &r->segments[d], err);
