@@ -26,7 +26,8 @@
  * `headroom` (0 to 0.5, default 0) makes an eviction free that share of the capacity
  * more than its request needs, from every shard in proportion to its rows (each by the
  * same rule, none from the request's own rows): requests that create keys need the
- * whole table to evict, so a full table runs each such request alone, twice over; with
+ * whole table to evict, so a full table runs each such request alone, after a shared
+ * attempt that stops at the first shard where it finds more new keys than room; with
  * headroom, the requests after an eviction create keys beside each other into the room
  * it left until that is used up. The table then holds between capacity - headroom x
  * capacity and capacity rows once full. 0 evicts exactly what each request needs.
