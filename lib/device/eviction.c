@@ -186,11 +186,11 @@ static void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, co
                 c->bar = c->pool[i];
         c->barred = true;
     }
+    bool keeps_rows = c->spec.kept_count > 0;
     for (uint64_t i = 0; i < n; i++) {
-        if (row_kept(c, rows[i]))
-            continue;
         em_evict_candidate candidate = candidate_of(&c->spec, &access[i], keys[i], rows[i]);
-        if (!c->barred || goes_first(&candidate, &c->bar))
+        if ((!c->barred || goes_first(&candidate, &c->bar)) &&
+            !(keeps_rows && row_kept(c, rows[i])))
             c->pool[c->have++] = candidate;
     }
 }

@@ -1202,37 +1202,47 @@ static void *writer_run(void *argument)
     return NULL;
 }
 
-START_TEST(finds_are_right_while_others_insert)
+enum { READERS = 2, WRITERS = 2 };
+
+/* Fills shared->map with keys [0, shared->present), then runs READERS threads of
+ * `reader` beside WRITERS writers, each inserting per_writer keys after those, until the
+ * writers are done; checks that no thread failed, that every reader ran at least one
+ * round, that the map grew, and that it holds every key. */
+static void run_beside_writers(reader_writer_shared *shared, size_t per_writer,
+                               void *(*reader)(void *))
 {
-    enum { READERS = 2, WRITERS = 2 };
-    reader_writer_shared shared = {.present = scaled(100000, 20000)};
-    size_t per_writer = scaled(300000, 60000);
-    shared.map = create_map(16, 0);
-    shared.absent_from = shared.present + WRITERS * per_writer;
-    pthread_mutex_init(&shared.failure.lock, NULL);
-    atomic_init(&shared.writers_left, WRITERS);
-    require_u64(insert_range(shared.map, 0, shared.present, 4096), ==, shared.present);
-    uint64_t grows_before = stats_of(shared.map).grow_count;
+    shared->map = create_map(16, 0);
+    shared->absent_from = shared->present + WRITERS * per_writer;
+    pthread_mutex_init(&shared->failure.lock, NULL);
+    atomic_init(&shared->writers_left, WRITERS);
+    require_u64(insert_range(shared->map, 0, shared->present, 4096), ==, shared->present);
+    uint64_t grows_before = stats_of(shared->map).grow_count;
 
     reader_writer_worker workers[READERS + WRITERS];
     pthread_t threads[READERS + WRITERS];
     for (size_t t = 0; t < READERS + WRITERS; t++) {
-        workers[t] = (reader_writer_worker){.shared = &shared, .seed = em_test_seed() + t};
+        workers[t] = (reader_writer_worker){.shared = shared, .seed = em_test_seed() + t};
         if (t >= READERS) {
-            workers[t].first = shared.present + (t - READERS) * per_writer;
+            workers[t].first = shared->present + (t - READERS) * per_writer;
             workers[t].count = per_writer;
         }
-        pthread_create(&threads[t], NULL, t < READERS ? reader_run : writer_run, &workers[t]);
+        pthread_create(&threads[t], NULL, t < READERS ? reader : writer_run, &workers[t]);
     }
     for (size_t t = 0; t < READERS + WRITERS; t++)
         pthread_join(threads[t], NULL);
-    require(shared.failure.message[0] == '\0', "%s", shared.failure.message);
+    require(shared->failure.message[0] == '\0', "%s", shared->failure.message);
     for (size_t t = 0; t < READERS; t++)
         require_u64(workers[t].rounds, >, 0);
-    require_u64(stats_of(shared.map).grow_count, >, grows_before);
-    require_u64(em_hashmap_size(shared.map), ==, shared.present + WRITERS * per_writer);
+    require_u64(stats_of(shared->map).grow_count, >, grows_before);
+    require_u64(em_hashmap_size(shared->map), ==, shared->present + WRITERS * per_writer);
+    pthread_mutex_destroy(&shared->failure.lock);
+}
+
+START_TEST(finds_are_right_while_others_insert)
+{
+    reader_writer_shared shared = {.present = scaled(100000, 20000)};
+    run_beside_writers(&shared, scaled(300000, 60000), reader_run);
     check_sequential_rows(shared.map, 0, shared.present, 0);
-    pthread_mutex_destroy(&shared.failure.lock);
     em_hashmap_destroy(shared.map);
 }
 END_TEST
@@ -1271,31 +1281,8 @@ static void *walker_run(void *argument)
 
 START_TEST(walks_and_exports_give_published_rows_while_others_insert)
 {
-    enum { WALKERS = 2, WRITERS = 2 };
     reader_writer_shared shared = {.present = scaled(50000, 10000)};
-    size_t per_writer = scaled(200000, 40000);
-    shared.map = create_map(16, 0);
-    pthread_mutex_init(&shared.failure.lock, NULL);
-    atomic_init(&shared.writers_left, WRITERS);
-    require_u64(insert_range(shared.map, 0, shared.present, 4096), ==, shared.present);
-
-    reader_writer_worker workers[WALKERS + WRITERS];
-    pthread_t threads[WALKERS + WRITERS];
-    for (size_t t = 0; t < WALKERS + WRITERS; t++) {
-        workers[t] = (reader_writer_worker){.shared = &shared, .seed = em_test_seed() + t};
-        if (t >= WALKERS) {
-            workers[t].first = shared.present + (t - WALKERS) * per_writer;
-            workers[t].count = per_writer;
-        }
-        pthread_create(&threads[t], NULL, t < WALKERS ? walker_run : writer_run, &workers[t]);
-    }
-    for (size_t t = 0; t < WALKERS + WRITERS; t++)
-        pthread_join(threads[t], NULL);
-    require(shared.failure.message[0] == '\0', "%s", shared.failure.message);
-    for (size_t t = 0; t < WALKERS; t++)
-        require_u64(workers[t].rounds, >, 0);
-    require_u64(em_hashmap_size(shared.map), ==, shared.present + WRITERS * per_writer);
-    pthread_mutex_destroy(&shared.failure.lock);
+    run_beside_writers(&shared, scaled(200000, 40000), walker_run);
     em_hashmap_destroy(shared.map);
 }
 END_TEST
