@@ -395,11 +395,13 @@ static em_status find_on_device(request_context *r, segment *seg, em_error *err)
                      : ops->shard_find(table->shards[s], seg->lane, seg->keys + offset, n,
                                        seg->rows + offset, &r->shard_missing[s], err);
         pthread_rwlock_unlock(&table->shard_locks[s]);
-        if (status == EM_OK && counts == NULL && r->stop_when_full &&
-            (found_missing += r->shard_missing[s]) > room_left(table)) {
-            r->missing = found_missing; /* at least */
-            r->find_stopped = true;
-            return EM_OK;
+        if (status == EM_OK && counts == NULL && r->stop_when_full) {
+            found_missing += r->shard_missing[s];
+            if (found_missing > room_left(table)) {
+                r->missing = found_missing; /* at least */
+                r->find_stopped = true;
+                return EM_OK;
+            }
         }
     }
     if (status == EM_OK && counts != NULL)
