@@ -55,7 +55,6 @@ typedef struct bench_worker {
     pthread_barrier_t *start;
     bench_operation operation;
     const uint64_t *keys;
-    uint64_t *keys_out; /* a walk's keys */
     uint64_t *values;
     size_t n;
     size_t batch;
@@ -68,20 +67,21 @@ typedef struct bench_worker {
 static void *bench_run(void *argument)
 {
     bench_worker *worker = argument;
+    /* a walk: n entries from a position of its own, a batch's keys at a time */
+    uint64_t *walked = worker->operation == OP_WALK ? malloc(worker->batch * sizeof(uint64_t))
+                                                    : NULL;
     pthread_barrier_wait(worker->start);
     worker->began = em_test_now();
-    if (worker->operation == OP_WALK) { /* n entries from a position of its own */
+    if (walked != NULL) {
         em_hashmap_walk walk;
         em_hashmap_walk_begin(worker->map, worker->first * 2, &walk);
-        size_t got = 1;
-        while (worker->counted < worker->n && got > 0) {
+        for (size_t got = 1; worker->counted < worker->n && got > 0; worker->counted += got) {
             size_t want = worker->n - worker->counted;
-            got = em_hashmap_walk_next(worker->map, &walk, (uint64_t *)worker->keys_out,
-                                       worker->values, want < worker->batch ? want
-                                                                            : worker->batch);
-            worker->counted += got;
+            got = em_hashmap_walk_next(worker->map, &walk, walked, worker->values,
+                                       want < worker->batch ? want : worker->batch);
         }
         worker->ended = em_test_now();
+        free(walked);
         return NULL;
     }
     for (size_t done = 0; done < worker->n; done += worker->batch) {
@@ -106,13 +106,13 @@ static void *bench_run(void *argument)
     return NULL;
 }
 
-/* Runs operation over keys[0..n) split among thread_count threads (a walk: n entries,
- * their keys into keys_out); returns seconds from
- * the first worker's start to the last one's end (the workers read the clock: the main
- * thread may not get a core back until they are done) and stores their summed count. */
+/* Runs operation over keys[0..n) split among thread_count threads (a walk: n entries);
+ * returns seconds from the first worker's start to the last one's end (the workers read
+ * the clock: the main thread may not get a core back until they are done) and stores
+ * their summed count. */
 static double timed_run(em_hashmap *map, bench_operation operation, const uint64_t *keys,
-                        uint64_t *keys_out, uint64_t *values, size_t n, size_t thread_count,
-                        size_t batch, size_t *counted)
+                        uint64_t *values, size_t n, size_t thread_count, size_t batch,
+                        size_t *counted)
 {
     pthread_barrier_t start;
     pthread_barrier_init(&start, NULL, (unsigned)thread_count + 1);
@@ -121,8 +121,8 @@ static double timed_run(em_hashmap *map, bench_operation operation, const uint64
     for (size_t t = 0; t < thread_count; t++) {
         size_t first = n * t / thread_count, last = n * (t + 1) / thread_count;
         workers[t] = (bench_worker){.map = map, .start = &start, .operation = operation,
-                                    .keys = keys + first, .keys_out = keys_out + first,
-                                    .values = values + first, .first = first,
+                                    .keys = keys + first, .values = values + first,
+                                    .first = first,
                                     .n = last - first, .batch = batch, .status = EM_OK};
         pthread_create(&threads[t], NULL, bench_run, &workers[t]);
     }
@@ -186,15 +186,15 @@ static void check_count(const char *what, size_t got, size_t want)
 }
 
 /* One fresh map: inserts every present key, then finds present and absent keys, then
- * walks as many entries as it holds (scratch takes their keys). Stores the rate of each
- * operation in million keys per second. */
+ * walks as many entries as it holds. Stores the rate of each operation in million keys
+ * per second. */
 static void bench_once(const bench_options *options, const uint64_t *present,
-                       const uint64_t *absent, uint64_t *values, uint64_t *scratch,
-                       double load, size_t thread_count, double rates[OP_COUNT])
+                       const uint64_t *absent, uint64_t *values, double load,
+                       size_t thread_count, double rates[OP_COUNT])
 {
     size_t n = options->keys, counted = 0;
     em_hashmap *map = presized_map(n, load);
-    double seconds = timed_run(map, OP_INSERT, present, scratch, values, n, thread_count,
+    double seconds = timed_run(map, OP_INSERT, present, values, n, thread_count,
                                options->batch, &counted);
     check_count("find_or_insert", counted, n);
     rates[OP_INSERT] = (double)n / seconds / 1e6;
@@ -205,17 +205,17 @@ static void bench_once(const bench_options *options, const uint64_t *present,
         fprintf(stderr, "warning: the map grew during the run (%" PRIu64 " slots)\n",
                 stats.slots);
 
-    seconds = timed_run(map, OP_FIND_PRESENT, present, scratch, values, n, thread_count,
-                        options->batch, &counted);
+    seconds = timed_run(map, OP_FIND_PRESENT, present, values, n, thread_count, options->batch,
+                        &counted);
     check_count("find of present keys (missing)", counted, 0);
     rates[OP_FIND_PRESENT] = (double)n / seconds / 1e6;
 
-    seconds = timed_run(map, OP_FIND_ABSENT, absent, scratch, values, n, thread_count,
-                        options->batch, &counted);
+    seconds = timed_run(map, OP_FIND_ABSENT, absent, values, n, thread_count, options->batch,
+                        &counted);
     check_count("find of absent keys (missing)", counted, n);
     rates[OP_FIND_ABSENT] = (double)n / seconds / 1e6;
 
-    seconds = timed_run(map, OP_WALK, present, scratch, values, n, thread_count, options->batch,
+    seconds = timed_run(map, OP_WALK, present, values, n, thread_count, options->batch,
                         &counted);
     check_count("walk (entries)", counted, n);
     rates[OP_WALK] = (double)n / seconds / 1e6;
@@ -223,13 +223,13 @@ static void bench_once(const bench_options *options, const uint64_t *present,
 }
 
 static void bench_configuration(const bench_options *options, const uint64_t *present,
-                                const uint64_t *absent, uint64_t *values, uint64_t *scratch,
-                                double load, size_t thread_count)
+                                const uint64_t *absent, uint64_t *values, double load,
+                                size_t thread_count)
 {
     double rates[OP_COUNT][MAX_REPEAT];
     for (size_t r = 0; r < options->repeat; r++) {
         double once[OP_COUNT];
-        bench_once(options, present, absent, values, scratch, load, thread_count, once);
+        bench_once(options, present, absent, values, load, thread_count, once);
         for (int op = 0; op < OP_COUNT; op++)
             rates[op][r] = once[op];
     }
@@ -336,8 +336,7 @@ int main(int argc, char **argv)
     uint64_t *present = malloc(options.keys * sizeof(uint64_t));
     uint64_t *absent = malloc(options.keys * sizeof(uint64_t));
     uint64_t *values = malloc(options.keys * sizeof(uint64_t));
-    uint64_t *scratch = malloc(options.keys * sizeof(uint64_t));
-    if (present == NULL || absent == NULL || values == NULL || scratch == NULL) {
+    if (present == NULL || absent == NULL || values == NULL) {
         fprintf(stderr, "cannot allocate key arrays for %zu keys\n", options.keys);
         return EXIT_FAILURE;
     }
@@ -351,9 +350,8 @@ int main(int argc, char **argv)
     printf("\n%-26s %5s %8s %10s %12s\n", "operation", "load", "threads", "Mops/s", "range");
     for (size_t l = 0; l < sizeof(bench_loads) / sizeof(bench_loads[0]); l++)
         for (size_t t = 0; t < sizeof(bench_threads) / sizeof(bench_threads[0]); t++)
-            bench_configuration(&options, present, absent, values, scratch, bench_loads[l],
+            bench_configuration(&options, present, absent, values, bench_loads[l],
                                 bench_threads[t]);
-    free(scratch);
     free(present);
     free(absent);
     free(values);
