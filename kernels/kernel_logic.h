@@ -497,16 +497,37 @@ EM_HOST_DEVICE uint64_t em_gpu_probe_start(em_gpu_probe *probe, uint64_t key, ui
     return probe->bucket * probe->bucket_slots;
 }
 
+/* The first slot of the sequence's next bucket. */
+EM_HOST_DEVICE uint64_t em_gpu_probe_next_bucket(em_gpu_probe *probe)
+{
+    probe->offset = 0;
+    probe->bucket += probe->step;
+    if (probe->bucket >= probe->bucket_count)
+        probe->bucket -= probe->bucket_count;
+    return probe->bucket * probe->bucket_slots;
+}
+
 /* The next slot of the sequence (after slot_count of them it starts again). */
 EM_HOST_DEVICE uint64_t em_gpu_probe_next(em_gpu_probe *probe)
 {
-    if (++probe->offset == probe->bucket_slots) {
-        probe->offset = 0;
-        probe->bucket += probe->step;
-        if (probe->bucket >= probe->bucket_count)
-            probe->bucket -= probe->bucket_count;
-    }
+    if (++probe->offset == probe->bucket_slots)
+        return em_gpu_probe_next_bucket(probe);
     return probe->bucket * probe->bucket_slots + probe->offset;
+}
+
+/* Where a search stops in a bucket whose slots hold the key (bit t of hits for slot t)
+ * or are EMPTY (bit t of empties): at the first of either, as a search of its slots in
+ * order does; -1 when it goes on to the next bucket. */
+EM_HOST_DEVICE int em_gpu_bucket_stop(uint32_t hits, uint32_t empties)
+{
+    uint32_t stops = hits | empties;
+    if (stops == 0)
+        return -1;
+#ifdef __CUDA_ARCH__
+    return __ffs(stops) - 1;
+#else
+    return __builtin_ctz(stops);
+#endif
 }
 
 /* Slot i of the map, in its one array or in its segment (em_gpu_map). Buckets never
@@ -627,10 +648,44 @@ EM_HOST_DEVICE uint64_t em_gpu_map_insert_key(em_gpu_map map, uint64_t key, int 
     return EM_GPU_ROW_NONE;
 }
 
+/* Whether em_gpu_map_lookup_buckets searches key a bucket at a time: a key kept in a
+ * slot (not in a side row) of a map in buckets. Else it searches as em_gpu_map_lookup. */
+EM_HOST_DEVICE int em_gpu_map_by_buckets(em_gpu_map map, uint64_t key)
+{
+    return em_gpu_side_index(key) < 0 && map.slot_count % EM_GPU_BUCKET_SLOTS == 0;
+}
+
+/* em_gpu_map_lookup a bucket at a time: each step reads all of a bucket's slots (one
+ * line), then stops where a search of them in order would (em_gpu_bucket_stop). On the
+ * GPU a group of EM_GPU_BUCKET_SLOTS threads reads a bucket in one step, a slot each
+ * (kernels/shard_ops.cu: lookup_grouped); this is the same search done by one thread,
+ * which the emulated kernels run. */
+EM_HOST_DEVICE uint64_t em_gpu_map_lookup_buckets(em_gpu_map map, uint64_t key)
+{
+    if (!em_gpu_map_by_buckets(map, key))
+        return em_gpu_map_lookup(map, key);
+    em_gpu_probe probe;
+    uint64_t first = em_gpu_probe_start(&probe, key, map.seed, map.slot_count);
+    for (uint64_t b = 0; b < probe.bucket_count; b++) {
+        const em_gpu_slot *bucket = em_gpu_map_slot(map, first);
+        uint32_t hits = 0, empties = 0;
+        for (uint32_t t = 0; t < EM_GPU_BUCKET_SLOTS; t++) {
+            uint64_t held = bucket[t].key;
+            hits |= (uint32_t)(held == key) << t;
+            empties |= (uint32_t)(held == EM_GPU_EMPTY_KEY) << t;
+        }
+        int stop = em_gpu_bucket_stop(hits, empties);
+        if (stop >= 0)
+            return (hits >> stop & 1u) != 0 ? bucket[stop].row : EM_GPU_ROW_NONE;
+        first = em_gpu_probe_next_bucket(&probe);
+    }
+    return EM_GPU_ROW_NONE;
+}
+
 EM_HOST_DEVICE int em_gpu_map_find_item(em_gpu_map map, const uint64_t *keys, uint64_t i,
                                         uint64_t *rows)
 {
-    rows[i] = em_gpu_map_lookup(map, keys[i]);
+    rows[i] = em_gpu_map_lookup_buckets(map, keys[i]);
     return rows[i] == EM_GPU_ROW_NONE;
 }
 
@@ -639,7 +694,7 @@ EM_HOST_DEVICE int em_gpu_shards_find_item(em_gpu_shards shards, const uint64_t 
                                            uint64_t *rows)
 {
     uint32_t s = em_key_shard(keys[i], shards.count);
-    uint64_t row = em_gpu_map_lookup(shards.maps[s], keys[i]);
+    uint64_t row = em_gpu_map_lookup_buckets(shards.maps[s], keys[i]);
     rows[i] = row == EM_GPU_ROW_NONE ? row : shards.row_base[s] + row;
     return row == EM_GPU_ROW_NONE;
 }

@@ -10,17 +10,61 @@
  * during the launch, then a settle, done by the launch that initialises the new rows:
  * a pull's em_gpu_rows_init, or a push's step, which writes a new row's initial values
  * before stepping it);
- * rehashes drop the tombstones. Lookups are one thread per key. Optimizer steps are one
+ * rehashes drop the tombstones. A pull's find is a group of 8 threads per key, a slot of
+ * each bucket each (lookup_grouped); a push's find, with its check, one thread per key, a
+ * bucket's slots in one pass (em_gpu_map_lookup_buckets). Optimizer steps are one
  * thread per element for sgd and adagrad, and one warp per row for rowwise adagrad
  * (whose mean of g*g is a warp reduction) and adam (whose step count is read by every
  * lane before lane 0 advances it).
  */
+#include <cooperative_groups.h>
+
 #include "kernels/kernel_logic.h"
 #include "kernels/launch.cuh"
+
+namespace cg = cooperative_groups;
 
 #define WARP_MASK 0xffffffffu
 
 /* ---- hash map ------------------------------------------------------------------------ */
+
+/* The threads that search for one key together, one per slot of a bucket. */
+typedef cg::thread_block_tile<EM_GPU_BUCKET_SLOTS> bucket_group;
+
+/* em_gpu_map_lookup_buckets by a group: at each bucket, thread t reads slot t (the group
+ * reads the bucket's line at once), the group's ballots give the masks of the slots that
+ * hold the key and that are EMPTY, and the thread at the stop hands the row it read to
+ * the others. Every thread of the group returns the same row. */
+__device__ uint64_t lookup_grouped(const bucket_group &group, em_gpu_map map, uint64_t key)
+{
+    if (!em_gpu_map_by_buckets(map, key))
+        return em_gpu_map_lookup(map, key);
+    uint32_t t = group.thread_rank();
+    em_gpu_probe probe;
+    uint64_t first = em_gpu_probe_start(&probe, key, map.seed, map.slot_count);
+    for (uint64_t b = 0; b < probe.bucket_count; b++) {
+        const em_gpu_slot *at = em_gpu_map_slot(map, first + t);
+        uint64_t held = at->key;
+        uint32_t hits = group.ballot(held == key);
+        uint32_t empties = group.ballot(held == EM_GPU_EMPTY_KEY);
+        int stop = em_gpu_bucket_stop(hits, empties);
+        if (stop >= 0) {
+            if ((hits >> stop & 1u) == 0)
+                return EM_GPU_ROW_NONE;
+            return group.shfl(t == (uint32_t)stop ? at->row : 0, stop);
+        }
+        first = em_gpu_probe_next_bucket(&probe);
+    }
+    return EM_GPU_ROW_NONE;
+}
+
+/* The same over a device's shards of one table: the row as the shards number them. */
+__device__ uint64_t lookup_grouped(const bucket_group &group, em_gpu_shards shards, uint64_t key)
+{
+    uint32_t s = em_key_shard(key, shards.count);
+    uint64_t row = lookup_grouped(group, shards.maps[s], key);
+    return row == EM_GPU_ROW_NONE ? row : shards.row_base[s] + row;
+}
 
 /* A key's row in one map, or in a device's shards of one table. */
 __device__ inline int find_item(em_gpu_map map, const uint64_t *keys, uint64_t i, uint64_t *rows)
@@ -34,15 +78,23 @@ __device__ inline int find_item(em_gpu_shards shards, const uint64_t *keys, uint
     return em_gpu_shards_find_item(shards, keys, i, rows);
 }
 
-/* The first *count keys (n when count is NULL), in a map or in shards (find_item). */
+/* The first *count keys (n when count is NULL), in a map or in shards, a group of
+ * threads a key (lookup_grouped; launched with EM_GPU_BUCKET_SLOTS threads a key). */
 template <typename Seen>
 __global__ void find_kernel(Seen seen, const uint64_t *keys, uint64_t n, const uint32_t *count,
                             uint64_t *rows, uint64_t *missing)
 {
+    bucket_group group = cg::tiled_partition<EM_GPU_BUCKET_SLOTS>(cg::this_thread_block());
     uint64_t end = count != NULL && *count < n ? *count : n;
     uint32_t absent = 0;
-    EM_GPU_FOR_EACH(i, end)
-    absent += (uint32_t)find_item(seen, keys, i, rows);
+    for (uint64_t i = EM_GPU_THREAD_INDEX / EM_GPU_BUCKET_SLOTS; i < end;
+         i += EM_GPU_THREAD_COUNT / EM_GPU_BUCKET_SLOTS) {
+        uint64_t row = lookup_grouped(group, seen, keys[i]);
+        if (group.thread_rank() == 0) {
+            rows[i] = row;
+            absent += row == EM_GPU_ROW_NONE;
+        }
+    }
     /* One atomic per warp: every lane reaches this point (blocks are whole warps). */
     absent = __reduce_add_sync(WARP_MASK, absent);
     if ((threadIdx.x & 31u) == 0 && absent != 0)
@@ -138,8 +190,8 @@ extern "C" em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map,
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(find_kernel<em_gpu_map>, n, stream, map, keys, n, (const uint32_t *)NULL,
-                         rows, missing);
+    return EM_GPU_LAUNCH(find_kernel<em_gpu_map>, n * EM_GPU_BUCKET_SLOTS, stream, map, keys, n,
+                         (const uint32_t *)NULL, rows, missing);
 }
 
 extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
@@ -150,7 +202,8 @@ extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_m
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(find_kernel<em_gpu_map>, n, stream, map, keys, n, count, rows, missing);
+    return EM_GPU_LAUNCH(find_kernel<em_gpu_map>, n * EM_GPU_BUCKET_SLOTS, stream, map, keys, n,
+                         count, rows, missing);
 }
 
 extern "C" em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
@@ -161,8 +214,8 @@ extern "C" em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gp
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(find_kernel<em_gpu_shards>, n, stream, shards, keys, n, count, rows,
-                         missing);
+    return EM_GPU_LAUNCH(find_kernel<em_gpu_shards>, n * EM_GPU_BUCKET_SLOTS, stream, shards,
+                         keys, n, count, rows, missing);
 }
 
 extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map,

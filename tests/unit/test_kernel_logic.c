@@ -832,9 +832,40 @@ START_TEST(probe_sequences_visit_every_slot_once)
 }
 END_TEST
 
+/* A bucket's search stops where a search of its slots in order stops: at the first slot
+ * holding the key or EMPTY, for every pair of masks a bucket can give. */
+START_TEST(bucket_stop_is_where_slot_order_stops)
+{
+    for (uint32_t hits = 0; hits < 1u << EM_GPU_BUCKET_SLOTS; hits++)
+        for (uint32_t empties = 0; empties < 1u << EM_GPU_BUCKET_SLOTS; empties++) {
+            if ((hits & empties) != 0) /* a slot holds the key or is EMPTY, not both */
+                continue;
+            int expected = -1;
+            for (uint32_t t = 0; t < EM_GPU_BUCKET_SLOTS && expected < 0; t++)
+                if (((hits | empties) >> t & 1u) != 0)
+                    expected = (int)t;
+            ck_assert_int_eq(em_gpu_bucket_stop(hits, empties), expected);
+        }
+}
+END_TEST
+
+/* The search a bucket at a time (the GPU's finds) gives what the search slot by slot
+ * gives, for every key of map, and for every absent key in [absent, absent + count). */
+static void lookups_agree(em_gpu_map map, uint64_t keys, uint64_t absent, uint64_t count)
+{
+    for (uint64_t k = 0; k < keys; k++)
+        ck_assert_uint_eq(em_gpu_map_lookup_buckets(map, em_mix64(k + 1)),
+                          em_gpu_map_lookup(map, em_mix64(k + 1)));
+    for (uint64_t a = 0; a < count; a++)
+        ck_assert_uint_eq(em_gpu_map_lookup_buckets(map, em_mix64(absent + a)),
+                          em_gpu_map_lookup(map, em_mix64(absent + a)));
+    ck_assert_uint_eq(em_gpu_map_lookup_buckets(map, EM_GPU_EMPTY_KEY),
+                      em_gpu_map_lookup(map, EM_GPU_EMPTY_KEY));
+}
+
 /* At the most a shard's map holds (load 0.9), every key is found at its row, no absent
  * key is, erased keys leave the others found, and their slots (tombstones) do not end
- * other keys' searches. */
+ * other keys' searches; searched a bucket at a time, the same. */
 START_TEST(maps_at_load_0_9_find_every_key)
 {
     enum { SLOTS = 1 << 14, KEYS = SLOTS / 10 * 9, ABSENT = 20000 };
@@ -854,11 +885,13 @@ START_TEST(maps_at_load_0_9_find_every_key)
         ck_assert_uint_eq(em_gpu_map_lookup(map, em_mix64(k + 1)), k);
     for (uint64_t a = 0; a < ABSENT; a++)
         ck_assert_uint_eq(em_gpu_map_lookup(map, em_mix64(KEYS + 1 + a)), EM_GPU_ROW_NONE);
+    lookups_agree(map, KEYS, KEYS + 1, ABSENT);
     for (uint64_t k = 0; k < KEYS; k += 3)
         ck_assert_uint_eq(em_gpu_map_erase_key(map, em_mix64(k + 1)), k);
     for (uint64_t k = 0; k < KEYS; k++)
         ck_assert_uint_eq(em_gpu_map_lookup(map, em_mix64(k + 1)),
                           k % 3 == 0 ? EM_GPU_ROW_NONE : k);
+    lookups_agree(map, KEYS, KEYS + 1, ABSENT);
     free(slots);
     free(free_rows);
 }
@@ -1066,6 +1099,7 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, map_full_sets_overflow_instead_of_looping);
     tcase_add_test(tc, map_seed_sets_the_home_slots);
     tcase_add_test(tc, probe_sequences_visit_every_slot_once);
+    tcase_add_test(tc, bucket_stop_is_where_slot_order_stops);
     tcase_add_test(tc, maps_at_load_0_9_find_every_key);
     tcase_add_test(tc, unique_claims_keep_first_positions_under_threads);
     tcase_add_test(tc, insert_without_reserve_is_reported);
