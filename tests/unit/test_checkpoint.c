@@ -587,6 +587,40 @@ START_TEST(version_1_checkpoints_still_load)
 }
 END_TEST
 
+/* A full checkpoint that format version 3 wrote (tests/data/checkpoint-v3: the rows of the
+ * version 1 one in an lru table, with their access metadata; its rows.emb checksum is of
+ * the file's bytes) passes verify and loads. */
+START_TEST(version_3_checkpoints_still_load)
+{
+    const char *data = getenv("EMBER_TEST_DATA");
+    ck_assert_ptr_nonnull(data);
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/checkpoint-v3/v3/00000000000000000001", data);
+    em_error err;
+    ck_assert_msg(em_checkpoint_verify(path, NULL, &err) == EM_OK, "%s", err.message);
+    em_backend *backend = make_backend();
+    em_table *table = NULL;
+    em_checkpoint_info info;
+    ck_assert_msg(em_checkpoint_load(path, backend, NULL, &tracking, &table, &info, &err) == EM_OK,
+                  "%s", err.message);
+    ck_assert_str_eq(info.kind, "full");
+    ck_assert_uint_eq(info.table_rows, 64);
+    ck_assert_int_eq(em_table_get_config(table)->eviction.policy, EM_EVICTION_LRU);
+    em_test_snapshot got = em_test_snapshot_take(table, 1000);
+    ck_assert_uint_eq(got.count, 64);
+    for (uint64_t r = 0; r < got.count; r++) {
+        uint64_t i = (got.keys[r] - 5) / 1000003u;
+        ck_assert_uint_eq(got.keys[r], i * 1000003u + 5);
+        for (uint32_t j = 0; j < 8; j++)
+            ck_assert_float_eq(got.values[r * 8 + j],
+                               (float)i * 0.25f + (float)j + (j >= 4 ? 1.0f : 0.0f));
+    }
+    em_test_snapshot_free(&got);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 /* ---- deltas ------------------------------------------------------------------------- */
 
 /* Moves the table on the way training does between saves: pushes to a few of its keys
@@ -1476,6 +1510,7 @@ int main(void)
     tcase_add_test(round_trip, unchanged_deltas_are_skipped_when_asked);
     tcase_add_test(round_trip, lists_read_manifests_only);
     tcase_add_test(round_trip, version_1_checkpoints_still_load);
+    tcase_add_test(round_trip, version_3_checkpoints_still_load);
     suite_add_tcase(suite, round_trip);
     TCase *damaged = tcase_create("damaged");
     tcase_add_loop_test(damaged, damaged_checkpoints_are_refused_naming_the_file, 0, DAMAGE_COUNT);
