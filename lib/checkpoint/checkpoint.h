@@ -49,8 +49,10 @@
 
 /* Version 2 added deltas and tombstones.emb; version 3 the access metadata of tables
  * whose eviction tracks it (each row's em_row_access after the chunk's floats, and the
- * table's clocks in the manifest). Versions 1 and 2 still load. */
-#define EM_CHECKPOINT_FORMAT_VERSION 3u
+ * table's clocks in the manifest); version 4 made the manifest's checksum of rows.emb
+ * one of its chunks' checksums (checkpoint_format.h: em_rows_digest_add) instead of its
+ * bytes. Versions 1 to 3 still load. */
+#define EM_CHECKPOINT_FORMAT_VERSION 4u
 /* Virtual buckets of the key hash (em_key_bucket): the buckets servers own. */
 #define EM_CHECKPOINT_BUCKET_BITS EM_KEY_BUCKET_BITS
 #define EM_CHECKPOINT_BUCKETS EM_KEY_BUCKETS

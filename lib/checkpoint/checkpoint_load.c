@@ -262,9 +262,9 @@ static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m,
     if (!cJSON_IsString(format) || strcmp(format->valuestring, "ember-checkpoint") != 0)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "checkpoint %s: manifest.json is not an ember checkpoint's", dir);
-    if (!cJSON_IsNumber(version) ||
-        (version->valuedouble != 1 && version->valuedouble != 2 &&
-         version->valuedouble != EM_CHECKPOINT_FORMAT_VERSION))
+    if (!cJSON_IsNumber(version) || version->valuedouble < 1 ||
+        version->valuedouble > EM_CHECKPOINT_FORMAT_VERSION ||
+        version->valuedouble != (double)(uint32_t)version->valuedouble)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "checkpoint %s: format version %g, this ember reads versions 1 to "
                             "%u", dir, cJSON_IsNumber(version) ? version->valuedouble : -1.0,
@@ -451,7 +451,8 @@ typedef struct reader {
     const char *dir;
     const manifest *m;
     int fd;                 /* rows.emb */
-    XXH3_state_t *hash;     /* of the whole file, as its bytes are taken (no owner) */
+    XXH3_state_t *hash;     /* the file's checksum (no owner): of its bytes as they are taken,
+                             * or from version 4 of its chunks' (em_rows_digest_add) */
     uint64_t position;      /* in the file: the next byte to take */
     unsigned char *block;   /* bytes of the file from block_start, block_bytes of them */
     size_t block_capacity, block_bytes;
@@ -725,7 +726,7 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
                                 READ_AHEAD_BYTES, POSIX_FADV_WILLNEED);
     }
     *out = r->block + (r->position - r->block_start);
-    if (r->owner_count == 0)
+    if (r->owner_count == 0 && r->m->version < 4) /* the file's checksum is of its bytes */
         XXH3_64bits_update(r->hash, *out, bytes);
     r->position = end;
     r->bytes_read += bytes;
@@ -775,6 +776,8 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
                              "chunk %" PRIu64 ": key %" PRIu64 " is not of bucket %u", i, key,
                              header.bucket);
     }
+    if (r->owner_count == 0 && m->version >= 4) /* the file's checksum is of its chunks' */
+        em_rows_digest_add(r->hash, &header);
     return EM_OK;
 }
 

@@ -64,14 +64,12 @@ typedef struct run_out {
 typedef struct rows_file {
     int fd;
     const char *path;
-    XXH3_state_t *hash;
 } rows_file;
 
 static em_status write_run(void *context, void *item, em_error *err)
 {
     const rows_file *file = context;
     const run_out *run = item;
-    XXH3_64bits_update(file->hash, run->data, run->bytes);
     return em_save_write(file->fd, run->data, run->bytes, EM_SAVE_ROWS_WRITE, file->path, err);
 }
 
@@ -98,7 +96,7 @@ typedef struct save {
     int fd;
     char tmp_dir[4096], rows_path[4200];
     uint64_t file_bytes;
-    XXH3_state_t *file_hash;
+    XXH3_state_t *file_hash; /* rows.emb's checksum (em_rows_digest_add) */
     em_index_entry *index;
     uint64_t chunks, index_capacity;
     uint64_t rows;            /* written */
@@ -173,6 +171,7 @@ static em_status flush_run(save *s, em_error *err)
         header.payload_xxh3 = XXH3_64bits(chunk + sizeof(header), header.payload_bytes);
         header.header_xxh3 = XXH3_64bits(&header, offsetof(em_chunk_header, header_xxh3));
         memcpy(chunk, &header, sizeof(header));
+        em_rows_digest_add(s->file_hash, &header); /* chunks go out in this order */
         s->index[s->chunks++] = (em_index_entry){.bucket = b,
                                                  .rows = count[b],
                                                  .offset = s->file_bytes + chunk_at[b],
@@ -277,7 +276,7 @@ static em_status write_rows(save *s, em_error *err)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
                               "out of host memory for the row digests of %" PRIu64 " rows",
                               em_table_snapshot_rows(snapshot));
-    s->file = (rows_file){.fd = s->fd, .path = s->rows_path, .hash = s->file_hash};
+    s->file = (rows_file){.fd = s->fd, .path = s->rows_path};
     if (status == EM_OK)
         status = em__pipe_start(&s->writer, write_run, &s->file, err);
     const em_checkpoint_options *o = s->options;
