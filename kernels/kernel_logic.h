@@ -689,14 +689,20 @@ EM_HOST_DEVICE int em_gpu_map_find_item(em_gpu_map map, const uint64_t *keys, ui
     return rows[i] == EM_GPU_ROW_NONE;
 }
 
+/* Row of shard s's map as a device's shards of one table number their rows (ROW_NONE
+ * stays ROW_NONE). */
+EM_HOST_DEVICE uint64_t em_gpu_shards_row(em_gpu_shards shards, uint32_t s, uint64_t row)
+{
+    return row == EM_GPU_ROW_NONE ? row : shards.row_base[s] + row;
+}
+
 /* em_gpu_map_find_item over a device's shards of one table (em_gpu_shards). */
 EM_HOST_DEVICE int em_gpu_shards_find_item(em_gpu_shards shards, const uint64_t *keys, uint64_t i,
                                            uint64_t *rows)
 {
     uint32_t s = em_key_shard(keys[i], shards.count);
-    uint64_t row = em_gpu_map_lookup_buckets(shards.maps[s], keys[i]);
-    rows[i] = row == EM_GPU_ROW_NONE ? row : shards.row_base[s] + row;
-    return row == EM_GPU_ROW_NONE;
+    rows[i] = em_gpu_shards_row(shards, s, em_gpu_map_lookup_buckets(shards.maps[s], keys[i]));
+    return rows[i] == EM_GPU_ROW_NONE;
 }
 
 EM_HOST_DEVICE void em_gpu_map_insert_item(em_gpu_map map, const uint64_t *keys, uint64_t i,

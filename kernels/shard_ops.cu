@@ -62,8 +62,7 @@ __device__ uint64_t lookup_grouped(const bucket_group &group, em_gpu_map map, ui
 __device__ uint64_t lookup_grouped(const bucket_group &group, em_gpu_shards shards, uint64_t key)
 {
     uint32_t s = em_key_shard(key, shards.count);
-    uint64_t row = lookup_grouped(group, shards.maps[s], key);
-    return row == EM_GPU_ROW_NONE ? row : shards.row_base[s] + row;
+    return em_gpu_shards_row(shards, s, lookup_grouped(group, shards.maps[s], key));
 }
 
 /* A key's row in one map, or in a device's shards of one table. */
