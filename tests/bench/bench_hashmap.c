@@ -68,11 +68,17 @@ static void *bench_run(void *argument)
 {
     bench_worker *worker = argument;
     /* a walk: n entries from a position of its own, a batch's keys at a time */
-    uint64_t *walked = worker->operation == OP_WALK ? malloc(worker->batch * sizeof(uint64_t))
-                                                    : NULL;
+    uint64_t *walked = NULL;
+    if (worker->operation == OP_WALK) {
+        walked = malloc(worker->batch * sizeof(uint64_t));
+        if (walked == NULL) {
+            fprintf(stderr, "cannot allocate a walk's buffer of %zu keys\n", worker->batch);
+            exit(EXIT_FAILURE);
+        }
+    }
     pthread_barrier_wait(worker->start);
     worker->began = em_test_now();
-    if (walked != NULL) {
+    if (worker->operation == OP_WALK) {
         em_hashmap_walk walk;
         em_hashmap_walk_begin(worker->map, worker->first * 2, &walk);
         for (size_t got = 1; worker->counted < worker->n && got > 0; worker->counted += got) {
