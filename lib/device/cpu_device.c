@@ -679,15 +679,24 @@ static void widen_bounds(cpu_shard *shard, float largest)
     }
 }
 
-/* The largest |v[j]| (NaN ignored, as fmax does), without a libm call per element. */
+/* The largest |v[j]| (NaN ignored, as fmax does), without a libm call per element. It
+ * compares bits: with the sign cleared, the bits of non-NaN floats order as their
+ * magnitudes do, and a NaN's (above infinity's) count as 0. Integer maxima have no
+ * NaN or signed-zero cases, so the loop runs on vector lanes (a float maximum would
+ * be one compare after another). */
 static float largest_magnitude(const float *v, uint32_t n)
 {
-    float largest = 0.0f;
+    int32_t largest = 0;
     for (uint32_t j = 0; j < n; j++) {
-        float a = fabsf(v[j]);
-        largest = a > largest ? a : largest;
+        int32_t bits;
+        memcpy(&bits, v + j, sizeof(bits));
+        bits &= INT32_C(0x7fffffff);
+        bits = bits > INT32_C(0x7f800000) ? 0 : bits;
+        largest = bits > largest ? bits : largest;
     }
-    return largest;
+    float magnitude;
+    memcpy(&magnitude, &largest, sizeof(magnitude));
+    return magnitude;
 }
 
 /* After a row was written as given: the bounds take in its values. */
