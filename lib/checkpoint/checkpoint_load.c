@@ -562,7 +562,7 @@ static em_status import_batch_rows(void *context, void *item, em_error *err)
 {
     reader *r = context;
     const import_batch *b = item;
-    em_status status = em_table_import_checked(r->table, b->keys, b->values, b->count, err);
+    em_status status = em_table_import_new(r->table, b->keys, b->values, b->count, err);
     if (status == EM_OK && b->has_access)
         status = em_table_set_access(r->table, b->keys, b->access, b->count, err);
     if (status == EM_INVALID_ARGUMENT) {
@@ -1282,6 +1282,11 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
             status = em_table_create_seeded(backend, &config,
                                             em_mix64(m->link.manifest_xxh3) | 1u, &table, err);
     }
+    /* the maps take the rows' keys without growing step by step: the rows are known
+     * exactly unless a server's part of a chain is loaded (then fewer may come) */
+    uint64_t reserved = r.owner_count == 0 ? table_rows : chains ? 0 : bound;
+    if (status == EM_OK && table != NULL && reserved > 0)
+        status = em_table_reserve(table, reserved, err);
     r.table = table;
     r.access = table != NULL &&
                em_eviction_tracks_access(&em_table_get_config(table)->eviction);

@@ -227,6 +227,19 @@ em_status em_table_check_rows(const em_table *table, const uint64_t *keys, const
 em_status em_table_import_checked(em_table *table, const uint64_t *keys, const float *values,
                                   uint64_t n, em_error *err);
 
+/* em_table_import_checked into a table that holds none of the keys (a loader filling a
+ * table it has just created): shards in host memory create the keys without looking
+ * them up first. A key that was there fails the call with INVALID_ARGUMENT after its
+ * batch's keys were created: the caller discards the table then. */
+em_status em_table_import_new(em_table *table, const uint64_t *keys, const float *values,
+                              uint64_t n, em_error *err);
+
+/* Makes room in the shards' indexes and storage for rows more keys, spread over the
+ * shards by their hash (each shard takes a share below its expected one, so that no map
+ * ends larger than inserting the rows would have made it), so that a loader's imports
+ * do not grow the maps again and again. Errors: RESOURCE_EXHAUSTED. */
+em_status em_table_reserve(em_table *table, uint64_t rows, em_error *err);
+
 void em_table_get_stats(em_table *table, em_table_stats *out);
 
 /* The clocks that a table's access metadata is stamped with (tables whose eviction

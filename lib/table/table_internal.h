@@ -167,6 +167,8 @@ typedef struct request_context {
                                 * every key it misses) */
     bool find_stopped;         /* it did: keys of later shards were not looked up, and
                                 * the attempt must run again alone */
+    bool keys_absent;          /* an import into a table being built, none of whose keys
+                                * it holds: shards on the host's memory skip the find */
 } request_context;
 
 /* What em__run_on_shards does on each shard. */

@@ -382,6 +382,19 @@ static em_status find_on_device(request_context *r, segment *seg, em_error *err)
     if (status == EM_OK && ops->shard_find_async != NULL)
         status = em__request_alloc(r, seg->device, shards * sizeof(uint64_t), "missing counts",
                                    (void **)&counts, err);
+    if (status == EM_OK && r->keys_absent && seg->device->host_addressable) {
+        /* the caller vouches that none is there: every key is missing, and
+         * em_table_import_new checks that each was created */
+        for (uint64_t i = 0; i < seg->count; i++)
+            seg->rows[i] = EM_ROW_NONE;
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s],
+                                                    memory_order_relaxed);
+            r->shard_missing[s] = shard_key_count(r, s);
+            r->missing += r->shard_missing[s];
+        }
+        return EM_OK;
+    }
     for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
         uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
         /* keys are created (and maps grow) under the shard's write lock */

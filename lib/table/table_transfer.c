@@ -178,11 +178,26 @@ static em_status send_import_rows(request_context *r, const float *values, uint6
     return status;
 }
 
+/* The rows the table's shards hold (the table lock held exclusively). */
+static uint64_t stored_rows(em_table *table)
+{
+    uint64_t rows = 0;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        em_shard_stats stats;
+        table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
+        rows += stats.rows;
+    }
+    return rows;
+}
+
+/* absent: em_table_import_new's promise that the table holds none of the keys */
 static em_status import_locked(em_table *table, const uint64_t *keys, const float *values,
-                               uint64_t n, em_error *err)
+                               uint64_t n, bool absent, em_error *err)
 {
     request_context r;
     em_status status = em__request_begin(table, &r, err);
+    r.keys_absent = absent;
+    uint64_t rows_before = absent ? stored_rows(table) : 0;
     if (status == EM_OK)
         status = em__plan_and_find(&r, keys, n, em__shards_at_home(&r), err);
     if (status == EM_OK)
@@ -200,6 +215,13 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     r.rows_written_next = r.home->host_addressable;
     if (status == EM_OK)
         status = em__create_missing(&r, false, err);
+    if (status == EM_OK && absent) { /* each key was created: none was there already */
+        uint64_t created = stored_rows(table) - rows_before;
+        if (created != r.missing)
+            status = em_error_set(err, EM_INVALID_ARGUMENT,
+                                  "%" PRIu64 " of its %" PRIu64 " keys are in the table "
+                                  "already", r.missing - created, r.missing);
+    }
     if (status == EM_OK)
         status = em__run_on_shards(&r, WORK_WRITE, table->row_floats, err);
     if (status == EM_OK)
@@ -209,14 +231,14 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
 }
 
 static em_status import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
-                        bool checked, em_error *err)
+                        bool checked, bool absent, em_error *err)
 {
     em_status status = check_import_size(n, err);
     if (status == EM_OK && !checked)
         status = em_table_check_rows(table, keys, values, n, err);
     if (status == EM_OK) {
         pthread_rwlock_wrlock(&table->lock);
-        status = import_locked(table, keys, values, n, err);
+        status = import_locked(table, keys, values, n, absent, err);
         pthread_rwlock_unlock(&table->lock);
     }
     if (status != EM_OK)
@@ -228,13 +250,50 @@ static em_status import(em_table *table, const uint64_t *keys, const float *valu
 em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
                           em_error *err)
 {
-    return import(table, keys, values, n, false, err);
+    return import(table, keys, values, n, false, false, err);
 }
 
 em_status em_table_import_checked(em_table *table, const uint64_t *keys, const float *values,
                                   uint64_t n, em_error *err)
 {
-    return import(table, keys, values, n, true, err);
+    return import(table, keys, values, n, true, false, err);
+}
+
+em_status em_table_import_new(em_table *table, const uint64_t *keys, const float *values,
+                              uint64_t n, em_error *err)
+{
+    return import(table, keys, values, n, true, true, err);
+}
+
+em_status em_table_reserve(em_table *table, uint64_t rows, em_error *err)
+{
+    /* a shard's keys are a binomial share of the rows: its mean less three standard
+     * deviations is below what nearly every shard gets, so a reservation of it never
+     * grows a map past the size the imports would have grown it to */
+    double mean = (double)rows / table->shard_count;
+    double low = mean - 3.0 * sqrt(mean);
+    uint64_t per_shard = table->shard_count == 1 ? rows : low > 0.0 ? (uint64_t)low : 0;
+    em_status status = EM_OK;
+    pthread_rwlock_wrlock(&table->lock);
+    for (uint32_t s = 0; status == EM_OK && per_shard > 0 && s < table->shard_count; s++) {
+        em_shard *shard = table->shards[s];
+        const em_device_ops *ops = shard->device->ops;
+        em_lane *lane = NULL;
+        if (ops->shard_reserve == NULL)
+            break;
+        status = ops->lane_acquire(shard->device, &lane, err);
+        if (status != EM_OK)
+            break;
+        em__shard_write_lock(table, s);
+        status = ops->shard_reserve(shard, lane, per_shard, 0, err);
+        pthread_rwlock_unlock(&table->shard_locks[s]);
+        ops->lane_release(lane);
+    }
+    pthread_rwlock_unlock(&table->lock);
+    if (status != EM_OK)
+        return em_error_prefix(err, "reserving %" PRIu64 " rows in table '%s': ", rows,
+                               table->config.name);
+    return EM_OK;
 }
 
 em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max, uint64_t *keys,
