@@ -433,13 +433,15 @@ static em_status read_index(const char *dir, const manifest *m, em_index_entry *
 
 /* ---- rows.emb -------------------------------------------------------------------------- */
 
-/* Rows go into the table in batches of about this many bytes (chunks are small). */
+/* Rows go into the table in batches of about this many bytes (chunks are small), where
+ * they are not imported from the file's blocks (reader.in_place). */
 #define IMPORT_BATCH_BYTES (16u << 20)
 
 /* Rows of chunks first..last of a link, for the table. */
 typedef struct import_batch {
     uint64_t *keys;
-    float *values;
+    float *values;           /* the rows, copied; or, in place: */
+    const float **rows;      /* where each row lies in the reader's block */
     em_row_access *access;   /* when the table and the checkpoint keep access metadata */
     bool has_access;
     uint64_t count, first_chunk, last_chunk;
@@ -454,9 +456,14 @@ typedef struct reader {
     XXH3_state_t *hash;     /* the file's checksum (no owner): of its bytes as they are taken,
                              * or from version 4 of its chunks' (em_rows_digest_add) */
     uint64_t position;      /* in the file: the next byte to take */
-    unsigned char *block;   /* bytes of the file from block_start, block_bytes of them */
-    size_t block_capacity, block_bytes;
+    unsigned char *blocks[2]; /* blocks[current]: bytes of the file from block_start,
+                               * block_bytes of them; in place, the batch the importer
+                               * has may still read the other one */
+    size_t block_capacity[2], block_bytes;
     uint64_t block_start;
+    int current;
+    bool in_place;          /* a batch's rows are imported from the block that holds
+                             * them (a load of every bucket, rows as saved) */
     unsigned char *payload; /* the chunk being read: in block (u64 keys unaligned) */
     em_table *table;        /* NULL: verify only */
     bool access;            /* the table tracks access: rows' metadata goes with them */
@@ -562,7 +569,9 @@ static em_status import_batch_rows(void *context, void *item, em_error *err)
 {
     reader *r = context;
     const import_batch *b = item;
-    em_status status = em_table_import_new(r->table, b->keys, b->values, b->count, err);
+    em_status status = r->in_place
+                           ? em_table_import_new_from(r->table, b->keys, b->rows, b->count, err)
+                           : em_table_import_new(r->table, b->keys, b->values, b->count, err);
     if (status == EM_OK && b->has_access)
         status = em_table_set_access(r->table, b->keys, b->access, b->count, err);
     if (status == EM_INVALID_ARGUMENT) {
@@ -605,10 +614,14 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
         r->batch_capacity = IMPORT_BATCH_BYTES / (sizeof(uint64_t) + floats * sizeof(float)) + 1;
         for (int k = 0; k < 2; k++) {
             r->batches[k].keys = malloc(r->batch_capacity * sizeof(uint64_t));
-            r->batches[k].values = malloc(r->batch_capacity * floats * sizeof(float));
+            if (r->in_place)
+                r->batches[k].rows = malloc(r->batch_capacity * sizeof(const float *));
+            else
+                r->batches[k].values = malloc(r->batch_capacity * floats * sizeof(float));
             if (r->access)
                 r->batches[k].access = malloc(r->batch_capacity * sizeof(em_row_access));
-            if (r->batches[k].keys == NULL || r->batches[k].values == NULL ||
+            if (r->batches[k].keys == NULL ||
+                (r->in_place ? r->batches[k].rows == NULL : r->batches[k].values == NULL) ||
                 (r->access && r->batches[k].access == NULL))
                 return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
         }
@@ -644,7 +657,12 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
                                                               sizeof(float) +
                        (size_t)done * sizeof(em_row_access),
                    take * sizeof(em_row_access));
-        if (!r->weights_only) {
+        const float *checked_values = b->values + b->count * floats;
+        if (r->in_place) { /* the rows stay where they are, the same floats as the table's */
+            for (uint32_t k = 0; k < take; k++)
+                b->rows[b->count + k] = values + (size_t)(done + k) * floats;
+            checked_values = values + (size_t)done * floats;
+        } else if (!r->weights_only) {
             memcpy(b->values + b->count * floats, values + (size_t)done * floats,
                    (size_t)take * floats * sizeof(float));
         } else { /* weights only: a new row's state after them */
@@ -656,8 +674,8 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
             }
         }
         /* checked here, in the cache, while the importer puts the batch before in */
-        em_status checked = em_table_check_rows(r->table, b->keys + b->count,
-                                                b->values + b->count * floats, take, err);
+        em_status checked = em_table_check_rows(r->table, b->keys + b->count, checked_values,
+                                                take, err);
         if (checked != EM_OK) {
             em_error_prefix(err, "checkpoint %s: rows.emb: chunk %" PRIu64 ": ", r->dir, i);
             err->status = EM_DATA_LOSS;
@@ -675,11 +693,13 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
 /* How far past the block read the kernel is asked to read on meanwhile. */
 #define READ_AHEAD_BYTES (32u << 20)
 
-/* Makes the bytes at r->position .. + bytes available at *out (in r->block, valid until
- * the next call) and moves past them. Reading on from the file start, blocks of
- * READ_BLOCK_BYTES are read and their bytes go into the file's checksum as they are
- * taken; with an owner (chunks skipped) exactly the bytes asked for are read, at their
- * offset, so a skipped chunk costs no read. */
+/* Makes the bytes at r->position .. + bytes available at *out (in r->blocks[r->current],
+ * valid until the next call) and moves past them. Reading on from the file start,
+ * blocks of READ_BLOCK_BYTES are read and their bytes go into the file's checksum as
+ * they are taken; with an owner (chunks skipped) exactly the bytes asked for are read,
+ * at their offset, so a skipped chunk costs no read. In place, the batch that points
+ * into the block is handed to the importer before the next bytes are read, into the
+ * other block (the importer is done with it by then: em__pipe_put waits for that). */
 static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64_t chunk,
                             em_error *err)
 {
@@ -689,23 +709,38 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
                          "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early "
                          "(truncated)", chunk, r->position);
     if (r->position < r->block_start || end > r->block_start + r->block_bytes) {
-        size_t kept = 0; /* bytes of the block at or after position, moved to its start */
-        if (r->position >= r->block_start && r->position < r->block_start + r->block_bytes) {
-            kept = (size_t)(r->block_start + r->block_bytes - r->position);
-            memmove(r->block, r->block + (r->position - r->block_start), kept);
+        if (r->in_place) { /* the batch's rows are this block's; an empty one hands nothing
+                            * over, and then the batch before must be done */
+            em_status status = r->batches[r->filling].count > 0
+                                   ? flush_batch(r, chunk - 1, err)
+                                   : em__pipe_wait(&r->importer, err);
+            if (status != EM_OK)
+                return status;
         }
+        int next = r->in_place ? 1 - r->current : r->current;
         size_t want = r->owner_count == 0 && bytes < READ_BLOCK_BYTES ? READ_BLOCK_BYTES : bytes;
-        if (want > r->block_capacity) {
-            unsigned char *block = realloc(r->block, want);
+        /* bytes of the block at or after position go to the start of the next one */
+        bool keeps = r->position >= r->block_start &&
+                     r->position < r->block_start + r->block_bytes;
+        size_t kept = keeps ? (size_t)(r->block_start + r->block_bytes - r->position) : 0;
+        if (next == r->current && kept > 0)
+            memmove(r->blocks[next], r->blocks[next] + (r->position - r->block_start), kept);
+        if (want > r->block_capacity[next]) {
+            unsigned char *block = realloc(r->blocks[next], want);
             if (block == NULL)
                 return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
-            r->block = block;
-            r->block_capacity = want;
+            r->blocks[next] = block;
+            r->block_capacity[next] = want;
         }
+        if (next != r->current && kept > 0)
+            memcpy(r->blocks[next], r->blocks[r->current] + (r->position - r->block_start),
+                   kept);
+        r->current = next;
         r->block_start = r->position;
         r->block_bytes = kept;
+        unsigned char *block = r->blocks[next];
         while (r->block_bytes < want) {
-            ssize_t n = pread(r->fd, r->block + r->block_bytes, want - r->block_bytes,
+            ssize_t n = pread(r->fd, block + r->block_bytes, want - r->block_bytes,
                               (off_t)(r->block_start + r->block_bytes));
             if (n < 0 && errno == EINTR)
                 continue;
@@ -725,7 +760,7 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
             (void)posix_fadvise(r->fd, (off_t)(r->block_start + r->block_bytes),
                                 READ_AHEAD_BYTES, POSIX_FADV_WILLNEED);
     }
-    *out = r->block + (r->position - r->block_start);
+    *out = r->blocks[r->current] + (r->position - r->block_start);
     if (r->owner_count == 0 && r->m->version < 4) /* the file's checksum is of its bytes */
         XXH3_64bits_update(r->hash, *out, bytes);
     r->position = end;
@@ -800,6 +835,9 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
         em_table_stats stats;
         em_table_get_stats(r->table, &stats);
         r->table_floats = stats.row_floats;
+        /* rows read on from the start, as the table keeps them: imported from the blocks */
+        r->in_place = !r->weights_only && r->owner_count == 0 &&
+                      r->table_floats == m->row_floats;
         const em_optimizer_config *optimizer = &em_table_get_config(r->table)->optimizer;
         r->initial_state = em_optimizer_has_accumulator(optimizer->kind)
                                ? optimizer->initial_accumulator
@@ -1132,11 +1170,13 @@ static void free_links(link_state *links, size_t count)
 
 static void free_reader(reader *r)
 {
-    free(r->block);
+    free(r->blocks[0]);
+    free(r->blocks[1]);
     free(r->bucket_source);
     for (int k = 0; k < 2; k++) {
         free(r->batches[k].keys);
         free(r->batches[k].values);
+        free(r->batches[k].rows);
         free(r->batches[k].access);
     }
     free(r->kept);

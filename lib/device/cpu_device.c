@@ -845,6 +845,21 @@ static em_status cpu_shard_write_rows(em_shard *base, em_lane *lane, const uint6
     return EM_OK;
 }
 
+static em_status cpu_shard_write_rows_from(em_shard *base, em_lane *lane, const uint64_t *rows,
+                                           uint64_t n, const float *const *sources,
+                                           em_error *err)
+{
+    (void)lane;
+    (void)err;
+    cpu_shard *shard = cpu_shard_of(base);
+    for (uint64_t i = 0; i < n; i++) {
+        float *row = row_address(shard, rows[i]);
+        memcpy(row, sources[i], shard->row_floats * sizeof(float));
+        widen_bounds_to_row(shard, row);
+    }
+    return EM_OK;
+}
+
 static void cpu_shard_stats(em_shard *base, em_shard_stats *out)
 {
     cpu_shard *shard = cpu_shard_of(base);
@@ -1044,6 +1059,7 @@ static const em_device_ops cpu_device_ops = {
     .shard_export = cpu_shard_export,
     .shard_read_rows = cpu_shard_read_rows,
     .shard_write_rows = cpu_shard_write_rows,
+    .shard_write_rows_from = cpu_shard_write_rows_from,
     .shard_stats = cpu_shard_stats,
     .shard_touch = cpu_shard_touch,
     .shard_read_access = cpu_shard_read_access,

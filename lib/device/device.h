@@ -305,6 +305,12 @@ typedef struct em_device_ops {
     em_status (*shard_write_rows)(em_shard *shard, em_lane *lane, const uint64_t *rows,
                                   uint64_t n, const uint32_t *sources, const float *values,
                                   em_error *err);
+    /* Overwrites rows[i] (existing rows) with the dim + state floats at sources[i], host
+     * memory each (a loader's rows, where the file's blocks hold them). Devices whose
+     * memory is the host's; NULL on others. */
+    em_status (*shard_write_rows_from)(em_shard *shard, em_lane *lane, const uint64_t *rows,
+                                       uint64_t n, const float *const *sources,
+                                       em_error *err);
     void (*shard_stats)(em_shard *shard, em_shard_stats *out);
 
     /* -- capacity: shards that track access (NULL where a backend has no eviction) -- */

@@ -234,6 +234,12 @@ em_status em_table_import_checked(em_table *table, const uint64_t *keys, const f
 em_status em_table_import_new(em_table *table, const uint64_t *keys, const float *values,
                               uint64_t n, em_error *err);
 
+/* em_table_import_new of rows that lie apart: key i's weights and optimizer state are
+ * the floats at rows[i] (host memory). Shards in host memory write them from there;
+ * others get them gathered into one array first. */
+em_status em_table_import_new_from(em_table *table, const uint64_t *keys,
+                                   const float *const *rows, uint64_t n, em_error *err);
+
 /* Makes room in the shards' indexes and storage for rows more keys, spread over the
  * shards by their hash (each shard takes a share below its expected one, so that no map
  * ends larger than inserting the rows would have made it), so that a loader's imports

@@ -1558,11 +1558,23 @@ em_status em__check_create_apply(request_context *r, em_error *err)
     return status;
 }
 
+/* An import's write from its row pointers (r->row_sources): the shard's rows[i] take the
+ * floats of the batch's key targets[i]. */
+static em_status write_rows_from(request_context *r, em_shard *shard, em_lane *lane,
+                                 const uint64_t *rows, uint64_t n, const uint32_t *targets,
+                                 em_error *err)
+{
+    const float **sources = malloc(n * sizeof(*sources));
+    if (n > 0 && sources == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of host memory");
+    for (uint64_t i = 0; i < n; i++)
+        sources[i] = r->row_sources[targets[i]];
+    em_status status = shard->device->ops->shard_write_rows_from(shard, lane, rows, n, sources,
+                                                                 err);
+    free(sources);
+    return status;
+}
 
-/* One operation on every shard over its keys' rows and its part of the segment payload
- * (floats_per_key floats per key), taking each shard's lock around it, with the locks
- * already held, or releasing each held lock once its shard is done (on an error, the
- * shards not reached are only released). */
 /* Stamps the rows a request read or wrote with the table's clocks (eviction). */
 static em_status touch_rows(request_context *r, segment *seg, uint32_t s, const uint64_t *rows,
                             uint64_t n, shard_work work, em_error *err)
@@ -1615,6 +1627,8 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
             else if (work == WORK_APPLY)
                 status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload,
                                           checks != NULL ? checks[s].largest : -1.0f, err);
+            else if (r->row_sources != NULL)
+                status = write_rows_from(r, table->shards[s], seg->lane, rows, n, targets, err);
             else
                 status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, targets,
                                                payload, err);
@@ -1638,6 +1652,10 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
     return failed;
 }
 
+/* One operation on every shard over its keys' rows and its part of the segment payload
+ * (floats_per_key floats per key), taking each shard's lock around it, with the locks
+ * already held, or releasing each held lock once its shard is done (on an error, the
+ * shards not reached are only released). */
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
                             em_error *err)
 {

@@ -155,6 +155,8 @@ static em_status send_import_rows(request_context *r, const float *values, uint6
     uint32_t width = r->table->row_floats;
     const float *staged = NULL;
     float *ordered = NULL;
+    if (r->row_sources != NULL) /* written from where they are (import_locked) */
+        return EM_OK;
     if (r->targets != NULL) { /* em__shards_at_home: rows written from staged by target */
         em_status status = em__stage_input(r, values, n * width * sizeof(float),
                                            "import values", (const void **)&staged, err);
@@ -190,14 +192,35 @@ static uint64_t stored_rows(em_table *table)
     return rows;
 }
 
-/* absent: em_table_import_new's promise that the table holds none of the keys */
+/* Whether an import's shards can write its rows from pointers (row_sources). */
+static bool writes_rows_from(const request_context *r)
+{
+    return em__shards_at_home(r) && r->home->host_addressable &&
+           r->home->ops->shard_write_rows_from != NULL;
+}
+
+/* absent: em_table_import_new's promise that the table holds none of the keys; the rows
+ * are values[i], or where row_sources[i] points (em_table_import_new_from) */
 static em_status import_locked(em_table *table, const uint64_t *keys, const float *values,
-                               uint64_t n, bool absent, em_error *err)
+                               const float *const *row_sources, uint64_t n, bool absent,
+                               em_error *err)
 {
     request_context r;
     em_status status = em__request_begin(table, &r, err);
     r.keys_absent = absent;
     uint64_t rows_before = absent ? stored_rows(table) : 0;
+    float *gathered = NULL; /* row_sources' rows in one array, where shards need them so */
+    if (status == EM_OK && row_sources != NULL && !writes_rows_from(&r)) {
+        size_t row_bytes = table->row_floats * sizeof(float);
+        gathered = malloc(n * row_bytes);
+        if (n > 0 && gathered == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of host memory");
+        for (uint64_t i = 0; status == EM_OK && i < n; i++)
+            memcpy(gathered + i * table->row_floats, row_sources[i], row_bytes);
+        values = gathered;
+        row_sources = NULL;
+    }
+    r.row_sources = row_sources;
     if (status == EM_OK)
         status = em__plan_and_find(&r, keys, n, em__shards_at_home(&r), err);
     if (status == EM_OK)
@@ -227,18 +250,20 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     if (status == EM_OK)
         status = em__synchronize_devices(&r, err);
     em__request_end(&r);
+    free(gathered);
     return status;
 }
 
-static em_status import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
-                        bool checked, bool absent, em_error *err)
+static em_status import(em_table *table, const uint64_t *keys, const float *values,
+                        const float *const *row_sources, uint64_t n, bool checked, bool absent,
+                        em_error *err)
 {
     em_status status = check_import_size(n, err);
     if (status == EM_OK && !checked)
         status = em_table_check_rows(table, keys, values, n, err);
     if (status == EM_OK) {
         pthread_rwlock_wrlock(&table->lock);
-        status = import_locked(table, keys, values, n, absent, err);
+        status = import_locked(table, keys, values, row_sources, n, absent, err);
         pthread_rwlock_unlock(&table->lock);
     }
     if (status != EM_OK)
@@ -250,19 +275,25 @@ static em_status import(em_table *table, const uint64_t *keys, const float *valu
 em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,
                           em_error *err)
 {
-    return import(table, keys, values, n, false, false, err);
+    return import(table, keys, values, NULL, n, false, false, err);
 }
 
 em_status em_table_import_checked(em_table *table, const uint64_t *keys, const float *values,
                                   uint64_t n, em_error *err)
 {
-    return import(table, keys, values, n, true, false, err);
+    return import(table, keys, values, NULL, n, true, false, err);
 }
 
 em_status em_table_import_new(em_table *table, const uint64_t *keys, const float *values,
                               uint64_t n, em_error *err)
 {
-    return import(table, keys, values, n, true, true, err);
+    return import(table, keys, values, NULL, n, true, true, err);
+}
+
+em_status em_table_import_new_from(em_table *table, const uint64_t *keys,
+                                   const float *const *rows, uint64_t n, em_error *err)
+{
+    return import(table, keys, NULL, rows, n, true, true, err);
 }
 
 em_status em_table_reserve(em_table *table, uint64_t rows, em_error *err)
