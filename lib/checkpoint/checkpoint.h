@@ -132,8 +132,12 @@ typedef struct em_checkpoint_load_options {
     /* per checkpoint loaded, the checksum its manifest must have (as a cluster checkpoint
      * recorded it): another is refused with DATA_LOSS. NULL: any. */
     const uint64_t *manifest_xxh3;
-    /* Heard after every batch of rows imported (about 16 MiB): rows imported and bytes
-     * of rows.emb read so far, of the whole chain, and those files' total bytes. */
+    /* rows.emb is read this many bytes at a time (two such blocks, whose rows are
+     * imported from where they lie); 0: 8 MiB. A block grows to hold a larger chunk. */
+    uint64_t read_block_bytes;
+    /* Heard after every batch of rows imported (a block's, about 8 MiB): rows imported
+     * and bytes of rows.emb read so far, of the whole chain, and those files' total
+     * bytes. */
     void (*progress)(void *context, uint64_t rows, uint64_t bytes, uint64_t total_bytes);
     void *progress_context;
 } em_checkpoint_load_options;

@@ -718,7 +718,10 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
                 return status;
         }
         int next = r->in_place ? 1 - r->current : r->current;
-        size_t want = r->owner_count == 0 && bytes < READ_BLOCK_BYTES ? READ_BLOCK_BYTES : bytes;
+        size_t block_bytes = r->options != NULL && r->options->read_block_bytes > 0
+                                 ? (size_t)r->options->read_block_bytes
+                                 : READ_BLOCK_BYTES;
+        size_t want = r->owner_count == 0 && bytes < block_bytes ? block_bytes : bytes;
         /* bytes of the block at or after position go to the start of the next one */
         bool keeps = r->position >= r->block_start &&
                      r->position < r->block_start + r->block_bytes;
@@ -1397,10 +1400,15 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
         for (size_t i = 0; status == EM_OK && i < sources[s].count; i++)
             status = read_admission(sources[s].links[i].dir, &sources[s].links[i].m,
                                     i == 0 ? table : NULL, err);
-    /* the clocks the rows' metadata counts in: the largest of the sources' */
+    /* the clocks the rows' metadata counts in: the largest of the sources'; when every
+     * row's metadata came with it, the ticks of the imports themselves are dropped */
+    bool every_row_access = r.access;
+    for (size_t s = 0; s < count; s++)
+        every_row_access = every_row_access && sources[s].links[0].m.access;
     for (size_t s = 0; status == EM_OK && r.access && s < count; s++)
         if (sources[s].links[0].m.access)
-            em_table_set_clocks(table, &sources[s].links[0].m.clocks);
+            em_table_set_clocks(table, &sources[s].links[0].m.clocks,
+                                every_row_access && s == 0);
     em__key_map_free(&decided);
     em__key_map_free(&digests);
     if (status == EM_OK && info != NULL) {

@@ -1247,10 +1247,12 @@ void em_table_get_clocks(em_table *table, em_table_clocks *out)
     pthread_mutex_unlock(&table->clock_lock);
 }
 
-void em_table_set_clocks(em_table *table, const em_table_clocks *clocks)
+void em_table_set_clocks(em_table *table, const em_table_clocks *clocks, bool replace)
 {
-    uint64_t access = atomic_load_explicit(&table->access_clock, memory_order_relaxed);
-    uint64_t update = atomic_load_explicit(&table->update_clock, memory_order_relaxed);
+    uint64_t access = replace ? 0 : atomic_load_explicit(&table->access_clock,
+                                                         memory_order_relaxed);
+    uint64_t update = replace ? 0 : atomic_load_explicit(&table->update_clock,
+                                                         memory_order_relaxed);
     atomic_store_explicit(&table->access_clock,
                           access > clocks->access_clock ? access : clocks->access_clock,
                           memory_order_relaxed);

@@ -263,8 +263,10 @@ typedef struct em_table_clocks {
 void em_table_get_clocks(em_table *table, em_table_clocks *out);
 
 /* Restores clocks into a table that serves nothing yet (a load): each counter becomes
- * the larger of the table's and clocks', and the samples are clocks' (when it has any). */
-void em_table_set_clocks(em_table *table, const em_table_clocks *clocks);
+ * clocks' (replace: the loader set every row's metadata from what clocks counts in, and
+ * its imports' own ticks mean nothing) or the larger of the table's and clocks', and
+ * the samples are clocks' (when it has any). */
+void em_table_set_clocks(em_table *table, const em_table_clocks *clocks, bool replace);
 
 /* Sets the access metadata of the rows of keys (present keys; repeats allowed, the last
  * wins) to access[i]: what a load restores. Nothing for a table that does not track

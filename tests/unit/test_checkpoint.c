@@ -117,6 +117,16 @@ START_TEST(saved_tables_load_bit_for_bit_and_train_on_alike)
     em_test_snapshot after = em_test_snapshot_take(restored, 1000);
     em_test_assert_snapshots_identical(&before, &after);
     em_test_snapshot_free(&after);
+    /* read a few KiB at a time: chunks straddle the blocks, and the rows of each block
+     * go in from where it holds them while the next is read into the other */
+    em_checkpoint_load_options small_blocks = {.read_block_bytes = 3001};
+    em_table *again = NULL;
+    ck_assert_msg(em_checkpoint_load(latest, backend, NULL, &small_blocks, &again, NULL, &err) ==
+                      EM_OK, "%s", err.message);
+    after = em_test_snapshot_take(again, 1000);
+    em_test_assert_snapshots_identical(&before, &after);
+    em_test_snapshot_free(&after);
+    em_table_destroy(again);
     for (uint64_t step = 0; step < 3; step++)
         push_same(table, restored, 8, em_test_seed() + step);
     em_test_snapshot_free(&before);
@@ -724,6 +734,8 @@ START_TEST(deltas_restore_the_table_of_their_instant)
     em_checkpoint_info loaded;
     uint64_t heard[3] = {0};
     em_checkpoint_load_options with_progress = {.track_changes = true,
+                                                .read_block_bytes = 2999, /* blocks of a
+                                                * few chunks, links of several blocks */
                                                 .progress = record_progress,
                                                 .progress_context = heard};
     ck_assert_msg(em_checkpoint_load(delta.path, backend, NULL, &with_progress, &restored,
@@ -1240,7 +1252,8 @@ START_TEST(access_metadata_and_clocks_survive_a_load)
     ck_assert_uint_gt(before.samples, 0);
 
     em_table *restored = NULL;
-    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err) ==
+    em_checkpoint_load_options small_blocks = {.read_block_bytes = 1500}; /* straddled */
+    ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, &small_blocks, &restored, NULL, &err) ==
                       EM_OK, "%s", err.message);
     ck_assert_uint_eq(read_access(restored, &loaded_keys, &loaded_access), rows);
     ck_assert_mem_eq(loaded_keys, keys, rows * sizeof(uint64_t));

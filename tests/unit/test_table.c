@@ -621,6 +621,68 @@ START_TEST(export_import_round_trip_across_layouts)
 }
 END_TEST
 
+/* A loader's imports into a table it has just made: em_table_import_new and
+ * em_table_import_new_from (rows where they lie) give the table em_table_import gives,
+ * on one device (rows written from where they lie) and on two (gathered first); a key
+ * that is there already fails the call naming how many; em_table_reserve first leaves
+ * the index no larger than the imports alone make it. */
+START_TEST(imports_into_a_new_table)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 9);
+    em_backend *source_backend = make_backend(1, 64 * MEBIBYTE);
+    em_table *source = populated_table(source_backend, 10000, 1, &rng);
+    em_test_snapshot rows = em_test_snapshot_take(source, 7);
+    em_table_config config = *em_table_get_config(source);
+    config.shards = 5;
+    for (uint32_t devices = 1; devices <= 2; devices++) {
+        em_backend *backend = make_backend(devices, 64 * MEBIBYTE);
+        em_table *tables[3];
+        em_error err;
+        for (int k = 0; k < 3; k++)
+            tables[k] = em_test_make_table(backend, &config);
+        ck_assert_int_eq(em_table_reserve(tables[2], rows.count, &err), EM_OK);
+        const float **pointers = malloc(rows.count * sizeof(*pointers));
+        for (uint64_t start = 0; start < rows.count; start += 700) {
+            uint64_t n = rows.count - start < 700 ? rows.count - start : 700;
+            const float *values = rows.values + start * rows.width;
+            for (uint64_t i = 0; i < n; i++) /* backwards through the batch: apart */
+                pointers[i] = rows.values + (start + n - 1 - i) * rows.width;
+            uint64_t *reversed = malloc(n * sizeof(uint64_t));
+            for (uint64_t i = 0; i < n; i++)
+                reversed[i] = rows.keys[start + n - 1 - i];
+            ck_assert_int_eq(em_table_import(tables[0], rows.keys + start, values, n, &err),
+                             EM_OK);
+            ck_assert_msg(em_table_import_new(tables[1], rows.keys + start, values, n, &err) ==
+                              EM_OK, "%s", err.message);
+            ck_assert_msg(em_table_import_new_from(tables[2], reversed, pointers, n, &err) ==
+                              EM_OK, "%s", err.message);
+            free(reversed);
+        }
+        free(pointers);
+        em_table_stats stats[3];
+        for (int k = 0; k < 3; k++) {
+            em_test_assert_table_unchanged(tables[k], &rows);
+            em_table_get_stats(tables[k], &stats[k]);
+            ck_assert_uint_eq(stats[k].rows, rows.count);
+        }
+        ck_assert_uint_eq(stats[2].index_bytes, stats[0].index_bytes);
+        /* two new keys and one already there: refused, saying so */
+        uint64_t keys[3] = {1u << 30, rows.keys[17], (1u << 30) + 1};
+        ck_assert_int_eq(em_table_import_new(tables[1], keys, rows.values, 3, &err),
+                         EM_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(err.message, "import into table 't': 1 of its 3 keys are in the "
+                                          "table already") != NULL, "%s", err.message);
+        for (int k = 0; k < 3; k++)
+            em_table_destroy(tables[k]);
+        em_backend_destroy(backend);
+    }
+    em_test_snapshot_free(&rows);
+    em_table_destroy(source);
+    em_backend_destroy(source_backend);
+}
+END_TEST
+
 /* ---- concurrency ------------------------------------------------------------------- */
 
 typedef struct torn_context {
@@ -1159,6 +1221,7 @@ int main(void)
     tcase_add_test(atomic, pool_exhaustion_fails_whole_and_table_keeps_working);
     tcase_add_loop_test(atomic, pulls_that_run_out_of_pool_create_nothing, 0, 3);
     tcase_add_test(atomic, export_import_round_trip_across_layouts);
+    tcase_add_test(atomic, imports_into_a_new_table);
     tcase_add_test(atomic, create_rejects_bad_config);
     suite_add_tcase(suite, atomic);
 
