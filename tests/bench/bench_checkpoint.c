@@ -4,7 +4,8 @@
  *   1. save and load GB/s of a table (Adam state) against dd writing the same bytes with
  *      conv=fdatasync and reading them back, on the same disk in the same run (the page
  *      cache is dropped before each read when /proc/sys/vm/drop_caches is writable),
- *      and a second load into the pool memory the first one touched (no fresh pages);
+ *      a second load into the pool memory the first one touched (no fresh pages), and
+ *      loads with the file in the page cache (the load's own work: best of three);
  *   2. a delta after pushes to 1% of the rows: its bytes against the full checkpoint's
  *      (target at most 1.5%), and the time of a full save that keeps the row digests
  *      deltas need against one that does not;
@@ -333,6 +334,13 @@ int main(int argc, char **argv)
      * itself costs, without the kernel providing and clearing fresh pages */
     drop_caches();
     double reload_s = timed_load(s.info.path, backend, &info);
+    /* and with rows.emb in the page cache (read by the load before): the load's own
+     * work, which the disk hides when it is slower (best of three) */
+    double cached_s = 0.0;
+    for (int k = 0; k < 3; k++) {
+        double seconds = timed_load(s.info.path, backend, &info);
+        cached_s = k == 0 || seconds < cached_s ? seconds : cached_s;
+    }
     drop_caches();
     start = em_test_now();
     if (em_checkpoint_verify(s.info.path, &info, &err) != EM_OK) {
@@ -355,6 +363,8 @@ int main(int argc, char **argv)
            dd_read_s / load_s);
     printf("%-34s %10.3f %10.3f %12.2f\n", "load again (pool memory touched)", reload_s,
            gb / reload_s, dd_read_s / reload_s);
+    printf("%-34s %10.3f %10.3f %12.2f\n", "load, file in the page cache", cached_s,
+           gb / cached_s, dd_read_s / cached_s);
     printf("%-34s %10.3f %10.3f %12.2f\n\n", "verify (read, check)", verify_s, gb / verify_s,
            dd_read_s / verify_s);
 
