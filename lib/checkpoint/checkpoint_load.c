@@ -688,10 +688,11 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
 }
 
 /* Bytes read ahead in one read(): a chunk is a few KiB, so reading them one by one
- * would cost two system calls each. */
+ * would cost two system calls each. The kernel's own read-ahead of a file read in
+ * order (POSIX_FADV_SEQUENTIAL) keeps the disk busy meanwhile; asking it for more
+ * (POSIX_FADV_WILLNEED past each block) made loads from a cold page cache slower and
+ * cost the reader's thread CPU (tests/bench/RESULTS.md). */
 #define READ_BLOCK_BYTES (8u << 20)
-/* How far past the block read the kernel is asked to read on meanwhile. */
-#define READ_AHEAD_BYTES (32u << 20)
 
 /* Makes the bytes at r->position .. + bytes available at *out (in r->blocks[r->current],
  * valid until the next call) and moves past them. Reading on from the file start,
@@ -759,9 +760,6 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
             return data_loss(err, r->dir, "rows.emb",
                              "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early "
                              "(truncated)", chunk, r->position);
-        if (r->owner_count == 0) /* the disk reads on while this block is used */
-            (void)posix_fadvise(r->fd, (off_t)(r->block_start + r->block_bytes),
-                                READ_AHEAD_BYTES, POSIX_FADV_WILLNEED);
     }
     *out = r->blocks[r->current] + (r->position - r->block_start);
     if (r->owner_count == 0 && r->m->version < 4) /* the file's checksum is of its bytes */
