@@ -39,11 +39,22 @@ em_status em_save_write(int fd, const void *data, size_t bytes, em_save_step ste
 {
     const char *p = data;
     bool fail = step_fails(step);
+    int flags = fcntl(fd, F_GETFL);
+    bool direct = flags != -1 && (flags & O_DIRECT) != 0;
     size_t limit = fail ? bytes / 2 : bytes;
+    if (fail && direct) /* half, in the blocks a direct write takes */
+        limit &= ~(EM_SAVE_DIRECT_ALIGN - 1);
     while (limit > 0) {
         ssize_t written = write(fd, p, limit);
         if (written < 0 && errno == EINTR)
             continue;
+        if (written < 0 && errno == EINVAL && direct) {
+            /* the file system wants other alignment: go on through the page cache */
+            direct = false;
+            if (fcntl(fd, F_SETFL, flags & ~O_DIRECT) == 0)
+                continue;
+            errno = EINVAL;
+        }
         if (written < 0)
             return step_error(step, path, errno, err);
         p += written;

@@ -39,8 +39,14 @@ typedef enum em_save_step {
 
 const char *em_save_step_name(em_save_step step);
 
+/* Direct writes (O_DIRECT) start at and cover multiples of this many bytes, from memory
+ * aligned to it. */
+#define EM_SAVE_DIRECT_ALIGN ((size_t)4096)
+
 /* Writes all of data to fd (a short write and EINTR go on; a step made to fail writes
- * half, then fails with ENOSPC). Errors: INTERNAL naming the step and path. */
+ * half, then fails with ENOSPC). An fd opened O_DIRECT gets data and bytes aligned to
+ * EM_SAVE_DIRECT_ALIGN; where its file system refuses that (EINVAL), the fd goes on
+ * through the page cache. Errors: INTERNAL naming the step and path. */
 em_status em_save_write(int fd, const void *data, size_t bytes, em_save_step step,
                         const char *path, em_error *err);
 /* fsync; a failure is final (never retried). */

@@ -54,23 +54,58 @@ uint32_t em__checkpoint_bucket(uint64_t key)
 
 /* ---- the state of one save ----------------------------------------------------------- */
 
-/* An output buffer handed to the writer thread (em__pipe), which hashes it into the
- * file's checksum and writes it; buffers go out in order. */
+/* An output buffer handed to the writer thread (em__pipe), which writes it; buffers go
+ * out in order. Its chunks start at data + lead. */
 typedef struct run_out {
     unsigned char *data;
-    size_t bytes;
+    size_t lead, bytes;
 } run_out;
 
+/* rows.emb, written around the page cache (O_DIRECT) where its file system allows: the
+ * kernel then copies nothing, where a buffered write copies every byte into the page
+ * cache on the writer's thread. Direct writes cover whole blocks of
+ * EM_SAVE_DIRECT_ALIGN bytes, so the bytes of a run past its last whole block wait in
+ * carry, and go at the start of the next run: each run leaves `lead` bytes in front of
+ * its chunks for them (the file's length so far, modulo the block). The last carry goes
+ * through the page cache. */
 typedef struct rows_file {
     int fd;
     const char *path;
+    bool direct;
+    unsigned char *carry; /* EM_SAVE_DIRECT_ALIGN bytes, aligned */
+    size_t carry_bytes;
 } rows_file;
 
 static em_status write_run(void *context, void *item, em_error *err)
 {
-    const rows_file *file = context;
+    rows_file *file = context;
     const run_out *run = item;
-    return em_save_write(file->fd, run->data, run->bytes, EM_SAVE_ROWS_WRITE, file->path, err);
+    if (!file->direct)
+        return em_save_write(file->fd, run->data, run->bytes, EM_SAVE_ROWS_WRITE, file->path,
+                             err);
+    memcpy(run->data, file->carry, run->lead); /* run->lead == file->carry_bytes */
+    size_t total = run->lead + run->bytes, whole = total & ~(EM_SAVE_DIRECT_ALIGN - 1);
+    em_status status = whole == 0 ? EM_OK
+                                  : em_save_write(file->fd, run->data, whole,
+                                                  EM_SAVE_ROWS_WRITE, file->path, err);
+    file->carry_bytes = total - whole;
+    memcpy(file->carry, run->data + whole, file->carry_bytes);
+    return status;
+}
+
+/* The bytes of rows.emb still in carry, once every run went out. */
+static em_status write_carry(rows_file *file, em_error *err)
+{
+    if (!file->direct || file->carry_bytes == 0)
+        return EM_OK;
+    int flags = fcntl(file->fd, F_GETFL);
+    if (flags == -1 || fcntl(file->fd, F_SETFL, flags & ~O_DIRECT) != 0)
+        return em_error_set(err, EM_INTERNAL, "%s (step %d) failed for %s: %s",
+                            em_save_step_name(EM_SAVE_ROWS_WRITE), (int)EM_SAVE_ROWS_WRITE,
+                            file->path, strerror(errno));
+    file->direct = false;
+    return em_save_write(file->fd, file->carry, file->carry_bytes, EM_SAVE_ROWS_WRITE,
+                         file->path, err);
 }
 
 typedef struct save {
@@ -86,7 +121,9 @@ typedef struct save {
     em_row_access *row_access; /* with access */
     uint8_t *admission;      /* counter admission: the sketch at the snapshot */
     uint64_t admission_bytes;
-    run_out runs[2];         /* output buffers: chunks of one run each */
+    run_out runs[2];         /* output buffers: chunks of one run each, aligned for
+                              * direct writes, with room for a lead (rows_file) */
+    unsigned char *carry;    /* rows_file's */
     unsigned char *out;      /* the one being filled (runs[filling].data) */
     int filling;
     size_t out_capacity;
@@ -143,10 +180,12 @@ static em_status flush_run(save *s, em_error *err)
         }
     }
     /* rows into place: keys after the header, values after the keys, then the access
-     * metadata */
+     * metadata; the run's chunks start after its lead (rows_file) */
+    size_t lead = s->file.direct ? (size_t)(s->file_bytes % EM_SAVE_DIRECT_ALIGN) : 0;
+    unsigned char *out = s->out + lead;
     for (uint64_t i = 0; status == EM_OK && i < s->staged; i++) {
         uint32_t b = em__checkpoint_bucket(s->keys[i]);
-        unsigned char *chunk = s->out + chunk_at[b];
+        unsigned char *chunk = out + chunk_at[b];
         unsigned char *keys = chunk + sizeof(em_chunk_header);
         unsigned char *values = keys + (size_t)count[b] * sizeof(uint64_t);
         memcpy(keys + (size_t)placed[b] * sizeof(uint64_t), &s->keys[i], sizeof(uint64_t));
@@ -167,7 +206,7 @@ static em_status flush_run(save *s, em_error *err)
                                   .row_floats = s->row_floats,
                                   .payload_bytes = (uint64_t)count[b] * s->row_bytes};
         memcpy(header.magic, EM_CHUNK_MAGIC, 8);
-        unsigned char *chunk = s->out + chunk_at[b];
+        unsigned char *chunk = out + chunk_at[b];
         header.payload_xxh3 = XXH3_64bits(chunk + sizeof(header), header.payload_bytes);
         header.header_xxh3 = XXH3_64bits(&header, offsetof(em_chunk_header, header_xxh3));
         memcpy(chunk, &header, sizeof(header));
@@ -178,6 +217,7 @@ static em_status flush_run(save *s, em_error *err)
                                                  .payload_xxh3 = header.payload_xxh3};
     }
     if (status == EM_OK) {
+        s->runs[s->filling].lead = lead;
         s->runs[s->filling].bytes = used;
         status = em__pipe_put(&s->writer, &s->runs[s->filling], err);
     }
@@ -276,7 +316,10 @@ static em_status write_rows(save *s, em_error *err)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
                               "out of host memory for the row digests of %" PRIu64 " rows",
                               em_table_snapshot_rows(snapshot));
-    s->file = (rows_file){.fd = s->fd, .path = s->rows_path};
+    int flags = fcntl(s->fd, F_GETFL);
+    s->file = (rows_file){.fd = s->fd, .path = s->rows_path,
+                          .direct = flags != -1 && (flags & O_DIRECT) != 0,
+                          .carry = s->carry};
     if (status == EM_OK)
         status = em__pipe_start(&s->writer, write_run, &s->file, err);
     const em_checkpoint_options *o = s->options;
@@ -307,6 +350,8 @@ static em_status write_rows(save *s, em_error *err)
         status = writing;
         em_error_copy(err, &written);
     }
+    if (status == EM_OK)
+        status = write_carry(&s->file, err);
     em_table_snapshot_end(snapshot);
     if (status == EM_OK && s->delta)
         status = collect_tombstones(s, err);
@@ -685,7 +730,9 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
     em_status status = make_dir(s->tmp_dir, err);
     if (status != EM_OK)
         return status;
-    s->fd = open(s->rows_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    s->fd = open(s->rows_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+    if (s->fd < 0 && errno == EINVAL) /* a file system without direct I/O (tmpfs) */
+        s->fd = open(s->rows_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (s->fd < 0)
         return em_error_set(err, EM_INTERNAL, "cannot create %s: %s", s->rows_path,
                             strerror(errno));
@@ -800,8 +847,12 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     s.admission_bytes = em_table_admission_bytes(table);
     if (s.admission_bytes > 0)
         s.admission = malloc(s.admission_bytes);
-    s.runs[0].data = malloc(s.out_capacity);
-    s.runs[1].data = malloc(s.out_capacity);
+    for (int k = 0; k < 2; k++)
+        if (posix_memalign((void **)&s.runs[k].data, EM_SAVE_DIRECT_ALIGN,
+                           s.out_capacity + EM_SAVE_DIRECT_ALIGN) != 0)
+            s.runs[k].data = NULL;
+    if (posix_memalign((void **)&s.carry, EM_SAVE_DIRECT_ALIGN, EM_SAVE_DIRECT_ALIGN) != 0)
+        s.carry = NULL;
     s.out = s.runs[0].data;
     s.file_hash = XXH3_createState();
     bool tracking = !options->detached && (options->delta || options->track_changes);
@@ -816,6 +867,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     if (tracking)
         s.next = calloc(1, sizeof(*s.next));
     if (s.keys == NULL || s.values == NULL || s.runs[0].data == NULL || s.runs[1].data == NULL ||
+        s.carry == NULL ||
         s.file_hash == NULL || (tracking && s.next == NULL) ||
         (s.access && s.row_access == NULL) || (s.admission_bytes > 0 && s.admission == NULL))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for buffers");
@@ -860,6 +912,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     free(s.admission);
     free(s.runs[0].data);
     free(s.runs[1].data);
+    free(s.carry);
     free(s.index);
     XXH3_freeState(s.file_hash);
     close(lock_fd); /* and the lock with it */
