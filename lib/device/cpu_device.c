@@ -829,6 +829,14 @@ static em_status cpu_shard_read_rows(em_shard *base, em_lane *lane, const uint64
     return EM_OK;
 }
 
+/* Overwrites a row with the floats at source, widening the bounds by them. */
+static void write_row(cpu_shard *shard, uint64_t row, const float *source)
+{
+    float *to = row_address(shard, row);
+    memcpy(to, source, shard->row_floats * sizeof(float));
+    widen_bounds_to_row(shard, to);
+}
+
 static em_status cpu_shard_write_rows(em_shard *base, em_lane *lane, const uint64_t *rows,
                                       uint64_t n, const uint32_t *sources, const float *values,
                                       em_error *err)
@@ -836,12 +844,9 @@ static em_status cpu_shard_write_rows(em_shard *base, em_lane *lane, const uint6
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
-    for (uint64_t i = 0; i < n; i++) {
-        float *row = row_address(shard, rows[i]);
-        memcpy(row, const_vector_at(values, sources != NULL ? sources[i] : i, shard->row_floats),
-               shard->row_floats * sizeof(float));
-        widen_bounds_to_row(shard, row);
-    }
+    for (uint64_t i = 0; i < n; i++)
+        write_row(shard, rows[i],
+                  const_vector_at(values, sources != NULL ? sources[i] : i, shard->row_floats));
     return EM_OK;
 }
 
@@ -852,11 +857,8 @@ static em_status cpu_shard_write_rows_from(em_shard *base, em_lane *lane, const 
     (void)lane;
     (void)err;
     cpu_shard *shard = cpu_shard_of(base);
-    for (uint64_t i = 0; i < n; i++) {
-        float *row = row_address(shard, rows[i]);
-        memcpy(row, sources[i], shard->row_floats * sizeof(float));
-        widen_bounds_to_row(shard, row);
-    }
+    for (uint64_t i = 0; i < n; i++)
+        write_row(shard, rows[i], sources[i]);
     return EM_OK;
 }
 

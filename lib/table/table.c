@@ -278,18 +278,6 @@ static bool creates_at_once(const request_context *r)
            ops->shard_reserve != NULL && ops->shard_insert_settle != NULL;
 }
 
-/* The rows a table's shards hold (their write locks held). */
-static uint64_t shard_rows(em_table *table)
-{
-    uint64_t rows = 0;
-    for (uint32_t s = 0; s < table->shard_count; s++) {
-        em_shard_stats stats;
-        table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
-        rows += stats.rows;
-    }
-    return rows;
-}
-
 /* Room in each shard for the batch's keys that fall in it (make_room_at_once); the
  * counts stay in r->shard_missing for settle_created. */
 static bool reserve_at_once(request_context *r, const em_csr *batch)
@@ -330,7 +318,7 @@ static bool make_room_at_once(request_context *r, const em_csr *batch, uint64_t 
         em__unlock_all_shards(table);
         return false;
     }
-    *rows_before = shard_rows(table);
+    *rows_before = em__stored_rows(table);
     return true;
 }
 
@@ -351,7 +339,7 @@ static em_status settle_created(request_context *r, uint64_t rows_before, em_err
         if (r->shard_missing[s] != 0) /* make_room_at_once: keys of the batch fall there */
             atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
     }
-    uint64_t rows = shard_rows(table);
+    uint64_t rows = em__stored_rows(table);
     uint64_t created = rows > rows_before ? rows - rows_before : 0;
     if (created > 0) {
         em__rows_added(table, created);

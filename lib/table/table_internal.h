@@ -237,6 +237,19 @@ uint32_t em__nonnegative_run(const em_table *table);
  * em__request_end, even when this fails. */
 em_status em__request_begin(em_table *table, request_context *r, em_error *err);
 
+/* The rows a table's shards hold (with their write locks, or the table's lock held
+ * exclusively). */
+static inline uint64_t em__stored_rows(em_table *table)
+{
+    uint64_t rows = 0;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        em_shard_stats stats;
+        table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
+        rows += stats.rows;
+    }
+    return rows;
+}
+
 /* Whether every shard of the request's table is on its home device (the home device
  * goes round the backend's devices, request by request). */
 static inline bool em__shards_at_home(const request_context *r)

@@ -180,18 +180,6 @@ static em_status send_import_rows(request_context *r, const float *values, uint6
     return status;
 }
 
-/* The rows the table's shards hold (the table lock held exclusively). */
-static uint64_t stored_rows(em_table *table)
-{
-    uint64_t rows = 0;
-    for (uint32_t s = 0; s < table->shard_count; s++) {
-        em_shard_stats stats;
-        table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
-        rows += stats.rows;
-    }
-    return rows;
-}
-
 /* Whether an import's shards can write its rows from pointers (row_sources). */
 static bool writes_rows_from(const request_context *r)
 {
@@ -208,7 +196,7 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     request_context r;
     em_status status = em__request_begin(table, &r, err);
     r.keys_absent = absent;
-    uint64_t rows_before = absent ? stored_rows(table) : 0;
+    uint64_t rows_before = absent ? em__stored_rows(table) : 0;
     float *gathered = NULL; /* row_sources' rows in one array, where shards need them so */
     if (status == EM_OK && row_sources != NULL && !writes_rows_from(&r)) {
         size_t row_bytes = table->row_floats * sizeof(float);
@@ -239,7 +227,7 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     if (status == EM_OK)
         status = em__create_missing(&r, false, err);
     if (status == EM_OK && absent) { /* each key was created: none was there already */
-        uint64_t created = stored_rows(table) - rows_before;
+        uint64_t created = em__stored_rows(table) - rows_before;
         if (created != r.missing)
             status = em_error_set(err, EM_INVALID_ARGUMENT,
                                   "%" PRIu64 " of its %" PRIu64 " keys are in the table "
