@@ -485,6 +485,8 @@ typedef struct reader {
     const char *const *sources; /* several checkpoints: their paths, and for each bucket */
     uint32_t *bucket_source;    /* 1 + the source whose chunks hold it (0: none yet) */
     uint32_t source;            /* the source being read */
+    uint64_t owned_until;   /* with an owner: where the run of owned chunks that lie one
+                             * after another from the current one ends (one read) */
     uint64_t bytes_read;    /* of the rows.emb files, every link's so far */
     uint64_t total_bytes;   /* of the rows.emb files: what the load reads of them */
     uint64_t imported;      /* rows imported so far */
@@ -723,6 +725,8 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
                                  ? (size_t)r->options->read_block_bytes
                                  : READ_BLOCK_BYTES;
         size_t want = r->owner_count == 0 && bytes < block_bytes ? block_bytes : bytes;
+        if (r->owner_count > 0 && r->owned_until > r->position + want) /* a run of owned chunks */
+            want = (size_t)(r->owned_until - r->position);
         /* bytes of the block at or after position go to the start of the next one */
         bool keeps = r->position >= r->block_start &&
                      r->position < r->block_start + r->block_bytes;
@@ -817,6 +821,23 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
     return EM_OK;
 }
 
+/* With an owner: where the chunks from chunk i on that the load owns and that follow
+ * one another in the file end, up to about READ_BLOCK_BYTES (index_layout checked the
+ * offsets and sizes), so that a run of them is one read instead of two per chunk. */
+static uint64_t owned_run_end(const reader *r, const manifest *m, const em_index_entry *index,
+                              uint64_t i)
+{
+    uint64_t start = index[i].offset, end = start;
+    for (uint64_t j = i; j < m->chunks && owns(r, index[j].bucket) && index[j].offset == end;
+         j++) {
+        uint64_t bytes = sizeof(em_chunk_header) + (uint64_t)index[j].rows * m->row_bytes;
+        if (j > i && end + bytes - start > READ_BLOCK_BYTES)
+            break;
+        end += bytes;
+    }
+    return end;
+}
+
 /* One pass over rows.emb; each chunk's rows go into r->table when it is not NULL. r has
  * the table, the chain's maps and the level set; the rest is set up here. */
 static em_status read_rows(reader *r, const char *dir, const manifest *m,
@@ -864,8 +885,10 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     for (uint64_t i = 0; status == EM_OK && i < m->chunks; i++) {
         if (!owns(r, index[i].bucket))
             continue; /* another server's: index_layout checked where it is */
-        if (r->owner_count > 0)
+        if (r->owner_count > 0) {
             r->position = index[i].offset;
+            r->owned_until = owned_run_end(r, m, index, i);
+        }
         uint32_t *held_by = r->bucket_source == NULL
                                 ? NULL
                                 : &r->bucket_source[index[i].bucket % EM_CHECKPOINT_BUCKETS];
