@@ -63,6 +63,15 @@ em_status em_save_write(int fd, const void *data, size_t bytes, em_save_step ste
     return fail ? step_error(step, path, ENOSPC, err) : EM_OK;
 }
 
+em_status em_save_write_buffered(int fd, const void *data, size_t bytes, em_save_step step,
+                                 const char *path, em_error *err)
+{
+    int flags = fcntl(fd, F_GETFL);
+    if (flags == -1 || ((flags & O_DIRECT) != 0 && fcntl(fd, F_SETFL, flags & ~O_DIRECT) != 0))
+        return step_error(step, path, errno, err);
+    return em_save_write(fd, data, bytes, step, path, err);
+}
+
 em_status em_save_fsync(int fd, em_save_step step, const char *path, em_error *err)
 {
     if (step_fails(step))

@@ -49,6 +49,10 @@ const char *em_save_step_name(em_save_step step);
  * through the page cache. Errors: INTERNAL naming the step and path. */
 em_status em_save_write(int fd, const void *data, size_t bytes, em_save_step step,
                         const char *path, em_error *err);
+/* em_save_write through the page cache, whatever fd was opened with (the last partial
+ * block of a file written O_DIRECT). */
+em_status em_save_write_buffered(int fd, const void *data, size_t bytes, em_save_step step,
+                                 const char *path, em_error *err);
 /* fsync; a failure is final (never retried). */
 em_status em_save_fsync(int fd, em_save_step step, const char *path, em_error *err);
 /* Opens a directory and fsyncs it. */

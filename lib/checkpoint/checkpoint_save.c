@@ -98,14 +98,9 @@ static em_status write_carry(rows_file *file, em_error *err)
 {
     if (!file->direct || file->carry_bytes == 0)
         return EM_OK;
-    int flags = fcntl(file->fd, F_GETFL);
-    if (flags == -1 || fcntl(file->fd, F_SETFL, flags & ~O_DIRECT) != 0)
-        return em_error_set(err, EM_INTERNAL, "%s (step %d) failed for %s: %s",
-                            em_save_step_name(EM_SAVE_ROWS_WRITE), (int)EM_SAVE_ROWS_WRITE,
-                            file->path, strerror(errno));
     file->direct = false;
-    return em_save_write(file->fd, file->carry, file->carry_bytes, EM_SAVE_ROWS_WRITE,
-                         file->path, err);
+    return em_save_write_buffered(file->fd, file->carry, file->carry_bytes, EM_SAVE_ROWS_WRITE,
+                                  file->path, err);
 }
 
 typedef struct save {

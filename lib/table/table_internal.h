@@ -169,6 +169,8 @@ typedef struct request_context {
                                 * the attempt must run again alone */
     bool keys_absent;          /* an import into a table being built, none of whose keys
                                 * it holds: shards on the host's memory skip the find */
+    const float **row_scratch; /* with row_sources: a shard's sources, n of them at most
+                                * (taken before any key is created) */
     const float *const *row_sources; /* an import whose rows are where these point, by
                                       * the batch's order (shard_write_rows_from) */
 } request_context;

@@ -1564,15 +1564,9 @@ static em_status write_rows_from(request_context *r, em_shard *shard, em_lane *l
                                  const uint64_t *rows, uint64_t n, const uint32_t *targets,
                                  em_error *err)
 {
-    const float **sources = malloc(n * sizeof(*sources));
-    if (n > 0 && sources == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of host memory");
     for (uint64_t i = 0; i < n; i++)
-        sources[i] = r->row_sources[targets[i]];
-    em_status status = shard->device->ops->shard_write_rows_from(shard, lane, rows, n, sources,
-                                                                 err);
-    free(sources);
-    return status;
+        r->row_scratch[i] = r->row_sources[targets[i]];
+    return shard->device->ops->shard_write_rows_from(shard, lane, rows, n, r->row_scratch, err);
 }
 
 /* Stamps the rows a request read or wrote with the table's clocks (eviction). */

@@ -209,6 +209,9 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
         row_sources = NULL;
     }
     r.row_sources = row_sources;
+    if (status == EM_OK && row_sources != NULL) /* before anything is created */
+        status = em__request_alloc(&r, r.home, n * sizeof(*r.row_scratch), "import row sources",
+                                   (void **)&r.row_scratch, err);
     if (status == EM_OK)
         status = em__plan_and_find(&r, keys, n, em__shards_at_home(&r), err);
     if (status == EM_OK)
