@@ -1033,6 +1033,7 @@ typedef struct shard_eviction {
     em_evict_spec spec;
     uint64_t *keys, *rows; /* chosen: spec.count each */
     uint64_t *kept;
+    bool evicted; /* its rows are out of the map */
     em_status status;
     em_error err;
 } shard_eviction;
@@ -1102,51 +1103,186 @@ static uint32_t eviction_threads(const em_table *table, const shard_eviction *pa
     return entries >= EVICT_PARALLEL_ENTRIES ? table->backend->eviction_threads : 1;
 }
 
-/* Every shard s with evict[s] > 0 gives up that many rows, nothing at all when a shard's
- * part cannot be prepared; a shard whose eviction fails makes the request fail, after
- * the other shards' evictions are counted. */
-static em_status evict_rows(request_context *r, const uint64_t *evict, em_error *err)
+/* The parts of a request's evictions, prepared in shard order: a part for every shard
+ * s with evict[s] > 0, and with inserts also one (evicting nothing) for every other
+ * shard where the request creates keys. On an error nothing was evicted; the parts are
+ * for parts_free either way. */
+static em_status prepare_parts(request_context *r, const uint64_t *evict, bool inserts,
+                               shard_eviction **out, uint32_t *count, em_error *err)
 {
     em_table *table = r->table;
     shard_eviction *parts = calloc(table->shard_count, sizeof(*parts));
+    *out = parts;
+    *count = 0;
     if (parts == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    uint32_t count = 0;
     uint64_t evicted = atomic_load_explicit(&table->rows_evicted, memory_order_relaxed);
-    em_status status = EM_OK;
-    for (uint32_t d = 0; status == EM_OK && d < table->backend->device_count; d++) {
+    for (uint32_t d = 0; d < table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
-        for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+            if (evict[s] == 0 && !(inserts && r->shard_missing[s] > 0))
+                continue;
+            shard_eviction *part = &parts[(*count)++];
+            *part = (shard_eviction){.seg = seg, .shard = s};
             if (evict[s] == 0)
                 continue;
-            shard_eviction *part = &parts[count++];
-            *part = (shard_eviction){.seg = seg, .shard = s};
-            status = prepare_eviction(r, part, evict[s], evicted, err);
+            em_status status = prepare_eviction(r, part, evict[s], evicted, err);
             evicted += evict[s];
             if (status != EM_OK)
-                em_error_prefix(err, "table '%s' shard %u: eviction: ", table->config.name, s);
+                return em_error_prefix(err, "table '%s' shard %u: eviction: ",
+                                       table->config.name, s);
         }
     }
-    bool ran = status == EM_OK; /* else nothing was evicted */
-    if (ran) {
-        eviction_run run = {.table = table, .parts = parts};
-        em_parallel_run(count, eviction_threads(table, parts, count), run_eviction, &run);
+    return EM_OK;
+}
+
+static void parts_free(shard_eviction *parts, uint32_t count)
+{
+    for (uint32_t i = 0; parts != NULL && i < count; i++) {
+        free(parts[i].kept);
+        free(parts[i].keys);
+        free(parts[i].rows);
     }
+    free(parts);
+}
+
+/* Every part's shard gives up its spec.count rows (each part evicts); a shard whose
+ * eviction fails makes the request fail, after the other shards' evictions are
+ * counted. */
+static em_status evict_rows(request_context *r, shard_eviction *parts, uint32_t count,
+                            em_error *err)
+{
+    em_table *table = r->table;
+    eviction_run run = {.table = table, .parts = parts};
+    em_parallel_run(count, eviction_threads(table, parts, count), run_eviction, &run);
+    em_status status = EM_OK;
     for (uint32_t i = 0; i < count; i++) {
         shard_eviction *part = &parts[i];
-        if (ran && part->status == EM_OK)
+        if (part->status == EM_OK)
             part->status = account_eviction(r, part, &part->err);
-        if (ran && part->status != EM_OK && status == EM_OK) {
+        if (part->status != EM_OK && status == EM_OK) {
             status = part->status;
             *err = part->err;
             em_error_prefix(err, "table '%s' shard %u: eviction: ", table->config.name,
                             part->shard);
         }
-        free(part->kept);
-        free(part->keys);
-        free(part->rows);
     }
-    free(parts);
+    return status;
+}
+
+/* ---- evictions and inserts on threads, a shard each ---------------------------------- */
+
+/* Whether a request that evicts can make room and create its keys a shard on each of
+ * the backend's eviction threads: every shard in host memory (their inserts finish as
+ * they return, and need no lane of their own), and walks long enough to be worth the
+ * threads. The request holds the table alone, so nothing else would use them. */
+static bool creates_beside(request_context *r, const shard_eviction *parts, uint32_t count)
+{
+    em_table *table = r->table;
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (!table->shards[s]->device->host_addressable)
+            return false;
+    return table->backend->eviction_threads > 1 && eviction_threads(table, parts, count) > 1;
+}
+
+/* One shard's part: its eviction (spec.count rows, 0 for none), then its new keys. */
+typedef struct creation_run {
+    request_context *r;
+    shard_eviction *parts;
+} creation_run;
+
+/* Shard part->shard gives up its rows, keeps their old values for a snapshot being
+ * read, and creates its new keys in the room (em_parallel_item). */
+static void run_creation(void *context, uint64_t i)
+{
+    creation_run *run = context;
+    request_context *r = run->r;
+    em_table *table = r->table;
+    shard_eviction *part = &run->parts[i];
+    uint32_t s = part->shard;
+    segment *seg = part->seg;
+    const em_device_ops *ops = seg->device->ops;
+    part->status = EM_OK;
+    if (part->spec.count > 0) {
+        part->status = ops->shard_evict(table->shards[s], seg->lane, &part->spec, part->keys,
+                                        part->rows, &part->err);
+        part->evicted = part->status == EM_OK;
+        if (part->status == EM_OK)
+            part->status = preserve_host_rows(r, s, seg->lane, part->rows, part->spec.count,
+                                              &part->err);
+        if (part->status != EM_OK) {
+            em_error_prefix(&part->err, "eviction: ");
+            return;
+        }
+    }
+    if (r->shard_missing[s] == 0)
+        return;
+    uint64_t offset = shard_offset(r, seg, s);
+    part->status = ops->shard_insert_missing(table->shards[s], seg->lane, seg->keys + offset,
+                                             shard_key_count(r, s), seg->rows + offset,
+                                             !r->rows_written_next, &part->err);
+}
+
+/* evict_rows then insert_missing, a shard on each eviction thread: the same rows, keys
+ * and values, since each shard's eviction and inserts read and write only that shard.
+ * Which rows go is prepared in shard order before and counted in shard order after, as
+ * evict_rows does. A shard that fails makes the request fail; the other shards' work is
+ * counted, as insert_missing counts the shards before a failed one. */
+static em_status evict_and_insert(request_context *r, shard_eviction *parts, uint32_t count,
+                                  em_error *err)
+{
+    em_table *table = r->table;
+    creation_run run = {.r = r, .parts = parts};
+    em_parallel_run(count, table->backend->eviction_threads, run_creation, &run);
+    em_status status = EM_OK;
+    for (uint32_t i = 0; i < count; i++) {
+        shard_eviction *part = &parts[i];
+        uint32_t s = part->shard;
+        if (part->evicted) {
+            em__rows_removed(table, part->spec.count);
+            em__record_evicted(table, part->keys, part->spec.count, &table->rows_evicted);
+        }
+        if (part->status == EM_OK && r->shard_missing[s] > 0) {
+            em__rows_added(table, r->shard_missing[s]);
+            atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
+        }
+        if (part->status != EM_OK && status == EM_OK) {
+            status = part->status;
+            *err = part->err;
+            em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
+        }
+    }
+    if (status == EM_OK)
+        atomic_fetch_add_explicit(&table->rows_created, r->missing, memory_order_relaxed);
+    return status;
+}
+
+/* Evicts what evict[] says, then creates the request's keys: on the eviction threads a
+ * shard each where creates_beside says so, else the evictions (on those threads) and
+ * then the inserts, shard after shard. */
+static em_status make_room_and_insert(request_context *r, const uint64_t *evict, em_error *err)
+{
+    shard_eviction *parts = NULL;
+    uint32_t count = 0;
+    em_status status = prepare_parts(r, evict, true, &parts, &count, err);
+    if (status != EM_OK) {
+        parts_free(parts, count);
+        return status;
+    }
+    if (creates_beside(r, parts, count)) {
+        status = evict_and_insert(r, parts, count, err);
+        parts_free(parts, count);
+        return status;
+    }
+    /* only the evicting parts, in shard order */
+    uint32_t evicting = 0;
+    for (uint32_t i = 0; i < count; i++)
+        if (parts[i].spec.count > 0)
+            parts[evicting++] = parts[i];
+    status = evict_rows(r, parts, evicting, err);
+    parts_free(parts, evicting);
+    if (status == EM_OK)
+        status = insert_missing(r, err);
     return status;
 }
 
@@ -1287,8 +1423,8 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
     if (status == EM_OK)
         status = reserve_missing(r, evict, err);
     if (status == EM_OK && evict != NULL)
-        status = evict_rows(r, evict, err);
-    if (status == EM_OK)
+        status = make_room_and_insert(r, evict, err);
+    else if (status == EM_OK)
         status = insert_missing(r, err);
     for (uint32_t s = 0; creating != NULL && s < table->shard_count; s++)
         if (creating[s])

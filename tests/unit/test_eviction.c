@@ -644,6 +644,104 @@ START_TEST(evictions_on_several_threads_match_one_thread)
     }
 }
 END_TEST
+
+/* Sorts a snapshot's rows by key, as em_test_snapshot_take gives them. */
+typedef struct keyed_row {
+    uint64_t key, at;
+} keyed_row;
+
+static int compare_keyed_rows(const void *a, const void *b)
+{
+    uint64_t x = ((const keyed_row *)a)->key, y = ((const keyed_row *)b)->key;
+    return (x > y) - (x < y);
+}
+
+static void sort_by_key(em_test_snapshot *rows)
+{
+    keyed_row *order = malloc(rows->count * sizeof(*order));
+    float *values = malloc(rows->count * rows->width * sizeof(float));
+    for (uint64_t i = 0; i < rows->count; i++)
+        order[i] = (keyed_row){rows->keys[i], i};
+    qsort(order, rows->count, sizeof(*order), compare_keyed_rows);
+    for (uint64_t i = 0; i < rows->count; i++) {
+        rows->keys[i] = order[i].key;
+        memcpy(values + i * rows->width, rows->values + order[i].at * rows->width,
+               rows->width * sizeof(float));
+    }
+    free(rows->values);
+    rows->values = values;
+    free(order);
+}
+
+/* Pushes that evict and create keys on several threads, a shard each, while a snapshot
+ * is read: the snapshot sees every row as it was when it began, though the new keys
+ * reuse the evicted rows. */
+START_TEST(a_snapshot_sees_rows_evicted_on_several_threads)
+{
+    enum { CAPACITY = 16384, BATCH = 4096 };
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.pool_limit_bytes = 256 * MEBIBYTE;
+    options.eviction_threads = 4;
+    em_backend *backend = NULL;
+    em_error err;
+    ck_assert_int_eq(em_backend_create_cpu(&options, &backend, &err), EM_OK);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, CAPACITY);
+    config.shards = 8;
+    config.optimizer = em_test_optimizers[3];
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 16;
+    em_table *table = em_test_make_table(backend, &config);
+    uint64_t *keys = malloc(BATCH * sizeof(uint64_t));
+    uint32_t *offsets = malloc((BATCH + 1) * sizeof(uint32_t));
+    float *values = malloc((size_t)BATCH * DIM * sizeof(float));
+    for (uint32_t i = 0; i <= BATCH; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < BATCH * DIM; i++)
+        values[i] = 0.25f;
+    em_csr batch = {.rows = BATCH, .nnz = BATCH, .offsets = offsets, .keys = keys};
+    em_test_snapshot before = {0};
+    em_table_snapshot *snapshot = NULL;
+    for (uint64_t round = 0; round < 6; round++) {
+        if (round == 4) { /* full: every push from here evicts a batch */
+            before = em_test_snapshot_take(table, 64);
+            ck_assert_int_eq(em_table_snapshot_begin(table, 64 * MEBIBYTE, &snapshot, &err),
+                             EM_OK);
+        }
+        for (uint32_t i = 0; i < BATCH; i++)
+            keys[i] = (round * BATCH + i) * 0x9e3779b97f4a7c15ull + 11;
+        ck_assert_msg(em_test_push(table, &batch, EM_COMBINER_NONE, values, NULL, &err) == EM_OK,
+                      "%s", err.message);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows_evicted, 2 * BATCH);
+    ck_assert_uint_eq(before.count, CAPACITY);
+    uint64_t *seen_keys = malloc(CAPACITY * sizeof(uint64_t));
+    float *seen = malloc((size_t)CAPACITY * before.width * sizeof(float));
+    uint64_t total = 0, count = 0;
+    do {
+        ck_assert_int_eq(em_table_snapshot_read(snapshot, CAPACITY - total, seen_keys + total,
+                                                seen + total * before.width, NULL, &count, &err),
+                         EM_OK);
+        total += count;
+    } while (count > 0 && total < CAPACITY);
+    em_table_snapshot_end(snapshot);
+    ck_assert_uint_eq(total, CAPACITY);
+    em_test_snapshot got = {.count = total, .width = before.width, .keys = seen_keys,
+                            .values = seen};
+    sort_by_key(&got);
+    em_test_assert_snapshots_identical(&got, &before);
+    em_test_snapshot_free(&got);
+    em_test_snapshot_free(&before);
+    free(keys);
+    free(offsets);
+    free(values);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
 #endif
 
 START_TEST(a_snapshot_sees_evicted_rows_as_they_were)
@@ -1444,6 +1542,7 @@ int main(void)
     tcase_add_test(rules, the_same_requests_evict_the_same_keys);
 #ifndef EMBER_TEST_CUDA_BACKEND
     tcase_add_test(rules, evictions_on_several_threads_match_one_thread);
+    tcase_add_test(rules, a_snapshot_sees_rows_evicted_on_several_threads);
 #endif
     tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);
     tcase_add_test(rules, erase_removes_listed_keys_and_a_snapshot_still_sees_them);
