@@ -35,9 +35,10 @@ typedef struct em_backend {
     /* Pinned host memory for request data the devices copy directly (host_buffers.h);
      * NULL where host buffers come from malloc (the CPU backend). Owned. */
     em_host_buffers *host_buffers;
-    /* Threads that one request's evictions, and then the inserts of its new keys, may
-     * use, a shard's each (lib/table/table_request.c: make_room_and_insert); 0 or 1: one
-     * shard after another, as on the GPUs, whose evictions share the request's lane. */
+    /* Threads that a request holding a table alone (one that evicts) may use for its
+     * evictions, the inserts of its new keys and its other work on each shard, a shard's
+     * each (lib/table/table_request.c: make_room_and_insert, run_beside); 0 or 1: one
+     * shard after another, as on the GPUs, whose shards share the request's lane. */
     uint32_t eviction_threads;
 } em_backend;
 

@@ -464,6 +464,7 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     em_pull_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
+    r.alone = may_create; /* the exclusive attempt */
     bool done = false, at_once = status == EM_OK && pull_may_run_at_once(&r, request);
     float *out_ready = NULL; /* at once, then planned the general way: the output's buffer */
     if (at_once)
@@ -757,6 +758,7 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     em_push_result *result = untyped_result;
     request_context r;
     em_status status = em__request_begin(table, &r, err);
+    r.alone = may_create; /* the exclusive attempt */
     bool done = false, planned = false;
     bool at_once = status == EM_OK && push_may_run_at_once(&r, request);
     if (status == EM_OK && !call->checked && (!at_once || request->combiner != EM_COMBINER_NONE))

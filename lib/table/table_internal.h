@@ -167,6 +167,8 @@ typedef struct request_context {
                                 * every key it misses) */
     bool find_stopped;         /* it did: keys of later shards were not looked up, and
                                 * the attempt must run again alone */
+    bool alone;                /* it holds the table's lock exclusively: its shards' work
+                                * may run on the backend's eviction threads */
     bool keys_absent;          /* an import into a table being built, none of whose keys
                                 * it holds: shards on the host's memory skip the find */
     const float **row_scratch; /* with row_sources: a shard's sources, n of them at most

@@ -1705,17 +1705,25 @@ static em_status write_rows_from(request_context *r, em_shard *shard, em_lane *l
     return shard->device->ops->shard_write_rows_from(shard, lane, rows, n, r->row_scratch, err);
 }
 
+/* The request's push clock, taken by the first shard it writes (eviction). */
+static void take_update_stamp(request_context *r)
+{
+    if (r->has_update_stamp)
+        return;
+    em_table *table = r->table;
+    r->update_stamp = (uint32_t)(atomic_fetch_add_explicit(&table->update_clock, 1,
+                                                           memory_order_relaxed) + 1);
+    r->has_update_stamp = true;
+    em__clock_sample(table, em__unix_ms(), r->update_stamp);
+}
+
 /* Stamps the rows a request read or wrote with the table's clocks (eviction). */
 static em_status touch_rows(request_context *r, segment *seg, uint32_t s, const uint64_t *rows,
                             uint64_t n, shard_work work, em_error *err)
 {
     em_table *table = r->table;
-    if (work != WORK_GATHER && !r->has_update_stamp) {
-        r->update_stamp = (uint32_t)(atomic_fetch_add_explicit(&table->update_clock, 1,
-                                                               memory_order_relaxed) + 1);
-        r->has_update_stamp = true;
-        em__clock_sample(table, em__unix_ms(), r->update_stamp);
-    }
+    if (work != WORK_GATHER)
+        take_update_stamp(r);
     uint32_t updated = work == WORK_GATHER
                            ? (uint32_t)atomic_load_explicit(&table->update_clock,
                                                             memory_order_relaxed)
@@ -1724,25 +1732,149 @@ static em_status touch_rows(request_context *r, segment *seg, uint32_t s, const 
                                          updated, work != WORK_GATHER, err);
 }
 
+/* One shard's part of run_on_shards: the operation on its keys' rows, the initial
+ * values of keys not admitted, and the rows' access stamps. */
+static em_status shard_step(request_context *r, shard_work work, uint32_t floats_per_key,
+                            const shard_check *checks, segment *seg, uint32_t s, em_error *err)
+{
+    em_table *table = r->table;
+    const em_device_ops *ops = seg->device->ops;
+    uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
+    /* direct gathers place each vector by its target; others fill in order */
+    const uint32_t *targets = seg->targets != NULL ? seg->targets + offset : NULL;
+    float *payload = targets != NULL ? (float *)seg->payload
+                                     : (float *)seg->payload + offset * floats_per_key;
+    const uint64_t *rows = seg->rows + offset;
+    em_status status;
+    if (work == WORK_GATHER)
+        status = ops->shard_gather(table->shards[s], seg->lane, rows, n, targets, payload, err);
+    else if (work == WORK_APPLY)
+        status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload,
+                                  checks != NULL ? checks[s].largest : -1.0f, err);
+    else if (r->row_sources != NULL)
+        status = write_rows_from(r, table->shards[s], seg->lane, rows, n, targets, err);
+    else
+        status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, targets, payload,
+                                       err);
+    if (work == WORK_WRITE) /* what pushes checked before this is stale */
+        table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+    if (status == EM_OK && work == WORK_GATHER && r->shard_rejected[s] > 0)
+        status = ops->shard_fill_initial(table->shards[s], seg->lane, seg->keys + offset, rows, n,
+                                         targets, payload, err);
+    if (status == EM_OK && r->access_stamp != 0)
+        status = touch_rows(r, seg, s, rows, n, work, err);
+    return status;
+}
+
+/* A request that holds the table alone runs its shards' work on the backend's eviction
+ * threads, a shard each, when it has this many keys: nothing else could use them. */
+#define ALONE_PARALLEL_KEYS (UINT64_C(1) << 12)
+
+/* Whether run_on_shards goes a shard on each thread: a request alone with the table,
+ * large enough, over at least two shards, all in host memory (their operations finish
+ * as they return, and need no lane of their own). */
+static bool runs_beside(const request_context *r)
+{
+    em_table *table = r->table;
+    if (!r->alone || table->backend->eviction_threads < 2 ||
+        r->shard_start[table->shard_count] < ALONE_PARALLEL_KEYS)
+        return false;
+    uint32_t busy = 0;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        if (!table->shards[s]->device->host_addressable)
+            return false;
+        busy += shard_key_count(r, s) > 0;
+    }
+    return busy >= 2;
+}
+
+typedef struct shard_job {
+    request_context *r;
+    shard_work work;
+    uint32_t floats_per_key;
+    bool lock; /* each takes its shard's lock */
+    const shard_check *checks;
+    uint32_t *shards;
+    segment **segments;
+    em_status *status;
+    em_error *errors;
+} shard_job;
+
+static void run_shard_job(void *context, uint64_t i)
+{
+    shard_job *job = context;
+    em_table *table = job->r->table;
+    uint32_t s = job->shards[i];
+    if (job->lock && job->work == WORK_GATHER)
+        em__shard_read_lock(table, s);
+    else if (job->lock)
+        em__shard_write_lock(table, s);
+    job->status[i] = shard_step(job->r, job->work, job->floats_per_key, job->checks,
+                                job->segments[i], s, &job->errors[i]);
+    if (job->lock)
+        pthread_rwlock_unlock(&table->shard_locks[s]);
+}
+
+/* run_on_shards a shard on each thread (runs_beside); the locks the caller holds are
+ * released once every shard is done, and a failure is that of the first shard, in shard
+ * order, that failed (the others did their work). */
+static em_status run_beside(request_context *r, shard_work work, uint32_t floats_per_key,
+                            shard_locking locking, const shard_check *checks, em_error *err)
+{
+    em_table *table = r->table;
+    uint32_t count = 0, *shards = malloc(table->shard_count * sizeof(*shards));
+    segment **segments = malloc(table->shard_count * sizeof(*segments));
+    em_status *status = malloc(table->shard_count * sizeof(*status));
+    em_error *errors = malloc(table->shard_count * sizeof(*errors));
+    em_status failed = EM_OK;
+    if (shards == NULL || segments == NULL || status == NULL || errors == NULL)
+        failed = em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
+                              table->config.name);
+    for (uint32_t d = 0; failed == EM_OK && d < table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        for (uint32_t s = seg->first_shard; s < seg->end_shard; s++)
+            if (shard_key_count(r, s) > 0) {
+                shards[count] = s;
+                segments[count++] = seg;
+            }
+    }
+    if (failed == EM_OK) {
+        if (work != WORK_GATHER && r->access_stamp != 0)
+            take_update_stamp(r); /* before the threads, which all stamp with it */
+        shard_job job = {r, work, floats_per_key, locking == SHARDS_LOCK_EACH, checks, shards,
+                         segments, status, errors};
+        em_parallel_run(count, table->backend->eviction_threads, run_shard_job, &job);
+    }
+    for (uint32_t i = 0; failed == EM_OK && i < count; i++)
+        if (status[i] != EM_OK) {
+            failed = status[i];
+            *err = errors[i];
+            em_error_prefix(err, "table '%s' shard %u: ", table->config.name, shards[i]);
+        }
+    if (locking == SHARDS_RELEASE_EACH) /* every shard with keys, whatever happened */
+        for (uint32_t s = 0; s < table->shard_count; s++)
+            if (shard_key_count(r, s) > 0)
+                pthread_rwlock_unlock(&table->shard_locks[s]);
+    free(shards);
+    free(segments);
+    free(status);
+    free(errors);
+    return failed;
+}
+
 static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
                                shard_locking locking, const shard_check *checks, em_error *err)
 {
+    if (runs_beside(r))
+        return run_beside(r, work, floats_per_key, locking, checks, err);
     bool lock = locking == SHARDS_LOCK_EACH;
     em_status failed = EM_OK;
     em_table *table = r->table;
     for (uint32_t d = 0; d < table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
-        const em_device_ops *ops = seg->device->ops;
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
-            if (n == 0)
+            if (shard_key_count(r, s) == 0)
                 continue;
-            /* direct gathers place each vector by its target; others fill in order */
-            const uint32_t *targets = seg->targets != NULL ? seg->targets + offset : NULL;
-            float *payload = targets != NULL ? (float *)seg->payload
-                                             : (float *)seg->payload + offset * floats_per_key;
-            const uint64_t *rows = seg->rows + offset;
-            em_status status = EM_OK;
             if (failed != EM_OK) {
                 pthread_rwlock_unlock(&table->shard_locks[s]); /* SHARDS_RELEASE_EACH */
                 continue;
@@ -1751,24 +1883,7 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 em__shard_read_lock(table, s);
             else if (lock)
                 em__shard_write_lock(table, s);
-            if (work == WORK_GATHER)
-                status = ops->shard_gather(table->shards[s], seg->lane, rows, n, targets, payload,
-                                           err);
-            else if (work == WORK_APPLY)
-                status = ops->shard_apply(table->shards[s], seg->lane, rows, n, payload,
-                                          checks != NULL ? checks[s].largest : -1.0f, err);
-            else if (r->row_sources != NULL)
-                status = write_rows_from(r, table->shards[s], seg->lane, rows, n, targets, err);
-            else
-                status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, targets,
-                                               payload, err);
-            if (work == WORK_WRITE) /* what pushes checked before this is stale */
-                table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
-            if (status == EM_OK && work == WORK_GATHER && r->shard_rejected[s] > 0)
-                status = ops->shard_fill_initial(table->shards[s], seg->lane, seg->keys + offset,
-                                                 rows, n, targets, payload, err);
-            if (status == EM_OK && r->access_stamp != 0)
-                status = touch_rows(r, seg, s, rows, n, work, err);
+            em_status status = shard_step(r, work, floats_per_key, checks, seg, s, err);
             if (locking != SHARDS_HELD)
                 pthread_rwlock_unlock(&table->shard_locks[s]);
             if (status != EM_OK) {

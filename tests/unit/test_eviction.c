@@ -559,6 +559,7 @@ END_TEST
  * eviction threads), on a CPU backend with eviction_threads threads. */
 typedef struct threaded_run {
     em_test_snapshot rows;
+    float *pulled; /* what the pulls of rounds 5 and 7 answered, one after the other */
     uint64_t evicted;
     uint64_t ring_count;
     uint64_t *ring;
@@ -591,14 +592,25 @@ static threaded_run evict_on_threads(uint32_t eviction_threads)
         offsets[i] = i;
     for (uint32_t i = 0; i < BATCH * DIM; i++)
         values[i] = 0.01f;
+    float *pulled = malloc(2 * BATCH * DIM * sizeof(float));
     em_csr batch = {.rows = BATCH, .nnz = BATCH, .offsets = offsets, .keys = keys};
     /* 4 batches fill the table; then every request pulls back a third of an old batch
-     * (so the oldest rows are not all the oldest created) and pushes a new batch */
+     * (so the oldest rows are not all the oldest created) and pushes a new batch, or in
+     * rounds 5 and 7 pulls it, creating its keys */
     for (uint64_t round = 0; round < 10; round++) {
         for (uint32_t i = 0; i < BATCH; i++)
             keys[i] = (round * BATCH + i) * 0x9e3779b97f4a7c15ull + 3;
-        ck_assert_msg(em_test_push(table, &batch, EM_COMBINER_NONE, values, NULL, &err) == EM_OK,
-                      "%s", err.message);
+        if (round == 5 || round == 7) {
+            ck_assert_msg(em_test_pull(table, &batch, EM_COMBINER_NONE, true, values, NULL,
+                                       &err) == EM_OK,
+                          "%s", err.message);
+            memcpy(pulled + (round == 7) * BATCH * DIM, values, BATCH * DIM * sizeof(float));
+        } else
+            ck_assert_msg(em_test_push(table, &batch, EM_COMBINER_NONE, values, NULL, &err) ==
+                              EM_OK,
+                          "%s", err.message);
+        for (uint32_t i = 0; i < BATCH * DIM; i++)
+            values[i] = 0.01f;
         if (round < 3)
             continue;
         uint32_t n = 0;
@@ -609,7 +621,7 @@ static threaded_run evict_on_threads(uint32_t eviction_threads)
                           EM_OK,
                       "%s", err.message);
     }
-    threaded_run run = {.rows = em_test_snapshot_take(table, 64)};
+    threaded_run run = {.rows = em_test_snapshot_take(table, 64), .pulled = pulled};
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     run.evicted = stats.rows_evicted;
@@ -625,9 +637,10 @@ static threaded_run evict_on_threads(uint32_t eviction_threads)
     return run;
 }
 
-/* Requests that evict from several shards at once do it on several threads, a shard
- * each: the same keys go, the ring keeps them in the same order, and every row left is
- * the same as with one thread. */
+/* Requests that evict from several shards at once do it, create their keys and step or
+ * read their rows on several threads, a shard each: the same keys go, the ring keeps
+ * them in the same order, the pulls that create keys answer the same, and every row
+ * left is the same as with one thread. */
 START_TEST(evictions_on_several_threads_match_one_thread)
 {
     threaded_run one = evict_on_threads(1);
@@ -637,9 +650,11 @@ START_TEST(evictions_on_several_threads_match_one_thread)
     ck_assert_uint_eq(four.ring_count, one.ring_count);
     ck_assert(memcmp(four.ring, one.ring, one.ring_count * sizeof(uint64_t)) == 0);
     em_test_assert_snapshots_identical(&four.rows, &one.rows);
+    ck_assert(memcmp(four.pulled, one.pulled, 2 * 4096 * DIM * sizeof(float)) == 0);
     threaded_run *runs[2] = {&one, &four};
     for (int r = 0; r < 2; r++) {
         em_test_snapshot_free(&runs[r]->rows);
+        free(runs[r]->pulled);
         free(runs[r]->ring);
     }
 }
