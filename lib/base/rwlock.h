@@ -10,6 +10,8 @@
 #define EMBER_LIB_BASE_RWLOCK_H
 
 #include <pthread.h>
+#include <stdint.h>
+#include <time.h>
 
 /* Attempts before blocking. */
 #define EM_RWLOCK_SPINS 64
@@ -40,6 +42,51 @@ static inline void em_rwlock_write_lock(pthread_rwlock_t *lock)
             return;
         em_cpu_relax();
     }
+    pthread_rwlock_wrlock(lock);
+}
+
+/* How long the patient calls try before blocking: longer than a table's one-key
+ * request under its lock, shorter than a futex wake and a context switch on a busy
+ * host (tens of microseconds on a virtual machine). */
+#define EM_RWLOCK_PATIENT_NS 50000
+
+static inline uint64_t em_rwlock_now_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+}
+
+/* For a lock that requests take and give back many times a second, some of them
+ * exclusively: a writer waiting makes a writer-preferring lock's readers sleep, and a
+ * reader makes the writer sleep, so with glibc's blocking calls every exclusive
+ * request would cost two futex waits and wakes. These try for up to
+ * EM_RWLOCK_PATIENT_NS first. */
+static inline void em_rwlock_read_lock_patient(pthread_rwlock_t *lock)
+{
+    if (pthread_rwlock_tryrdlock(lock) == 0)
+        return;
+    uint64_t deadline = em_rwlock_now_ns() + EM_RWLOCK_PATIENT_NS;
+    do {
+        for (int i = 0; i < EM_RWLOCK_SPINS; i++)
+            em_cpu_relax();
+        if (pthread_rwlock_tryrdlock(lock) == 0)
+            return;
+    } while (em_rwlock_now_ns() < deadline);
+    pthread_rwlock_rdlock(lock);
+}
+
+static inline void em_rwlock_write_lock_patient(pthread_rwlock_t *lock)
+{
+    if (pthread_rwlock_trywrlock(lock) == 0)
+        return;
+    uint64_t deadline = em_rwlock_now_ns() + EM_RWLOCK_PATIENT_NS;
+    do {
+        for (int i = 0; i < EM_RWLOCK_SPINS; i++)
+            em_cpu_relax();
+        if (pthread_rwlock_trywrlock(lock) == 0)
+            return;
+    } while (em_rwlock_now_ns() < deadline);
     pthread_rwlock_wrlock(lock);
 }
 

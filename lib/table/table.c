@@ -61,12 +61,12 @@ static em_status run_shared_then_exclusive(em_table *table, locked_attempt attem
                                            const void *request, void *result, em_error *err)
 {
     attempt_state state = {false, false};
-    pthread_rwlock_rdlock(&table->lock);
+    em_rwlock_read_lock_patient(&table->lock);
     em_status status = attempt(table, request, result, false, &state, err);
     pthread_rwlock_unlock(&table->lock);
     if (status == EM_OK && state.needs_create) {
         atomic_fetch_add_explicit(&table->exclusive_retries, 1, memory_order_relaxed);
-        pthread_rwlock_wrlock(&table->lock);
+        em_rwlock_write_lock_patient(&table->lock);
         status = attempt(table, request, result, true, &state, err);
         pthread_rwlock_unlock(&table->lock);
     }
