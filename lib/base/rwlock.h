@@ -10,8 +10,10 @@
 #define EMBER_LIB_BASE_RWLOCK_H
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Attempts before blocking. */
 #define EM_RWLOCK_SPINS 64
@@ -57,37 +59,51 @@ static inline uint64_t em_rwlock_now_ns(void)
     return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
 }
 
+/* Whether waiting by trying again can pay: not where this is the only CPU online, as
+ * the holder cannot run while its waiter spins. */
+static inline bool em_rwlock_spin_pays(void)
+{
+    static int cpus; /* 0 until first asked */
+    int known = __atomic_load_n(&cpus, __ATOMIC_RELAXED);
+    if (known == 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        known = online > 0 ? (int)online : 1;
+        __atomic_store_n(&cpus, known, __ATOMIC_RELAXED);
+    }
+    return known > 1;
+}
+
 /* For a lock that requests take and give back many times a second, some of them
  * exclusively: a writer waiting makes a writer-preferring lock's readers sleep, and a
  * reader makes the writer sleep, so with glibc's blocking calls every exclusive
  * request would cost two futex waits and wakes. These try for up to
- * EM_RWLOCK_PATIENT_NS first. */
+ * EM_RWLOCK_PATIENT_NS first, where another CPU can run the holder meanwhile. */
+static inline void em_rwlock_take_patiently(pthread_rwlock_t *lock,
+                                            int (*attempt)(pthread_rwlock_t *),
+                                            int (*take)(pthread_rwlock_t *))
+{
+    if (attempt(lock) == 0)
+        return;
+    if (em_rwlock_spin_pays()) {
+        uint64_t deadline = em_rwlock_now_ns() + EM_RWLOCK_PATIENT_NS;
+        do {
+            for (int i = 0; i < EM_RWLOCK_SPINS; i++)
+                em_cpu_relax();
+            if (attempt(lock) == 0)
+                return;
+        } while (em_rwlock_now_ns() < deadline);
+    }
+    take(lock);
+}
+
 static inline void em_rwlock_read_lock_patient(pthread_rwlock_t *lock)
 {
-    if (pthread_rwlock_tryrdlock(lock) == 0)
-        return;
-    uint64_t deadline = em_rwlock_now_ns() + EM_RWLOCK_PATIENT_NS;
-    do {
-        for (int i = 0; i < EM_RWLOCK_SPINS; i++)
-            em_cpu_relax();
-        if (pthread_rwlock_tryrdlock(lock) == 0)
-            return;
-    } while (em_rwlock_now_ns() < deadline);
-    pthread_rwlock_rdlock(lock);
+    em_rwlock_take_patiently(lock, pthread_rwlock_tryrdlock, pthread_rwlock_rdlock);
 }
 
 static inline void em_rwlock_write_lock_patient(pthread_rwlock_t *lock)
 {
-    if (pthread_rwlock_trywrlock(lock) == 0)
-        return;
-    uint64_t deadline = em_rwlock_now_ns() + EM_RWLOCK_PATIENT_NS;
-    do {
-        for (int i = 0; i < EM_RWLOCK_SPINS; i++)
-            em_cpu_relax();
-        if (pthread_rwlock_trywrlock(lock) == 0)
-            return;
-    } while (em_rwlock_now_ns() < deadline);
-    pthread_rwlock_wrlock(lock);
+    em_rwlock_take_patiently(lock, pthread_rwlock_trywrlock, pthread_rwlock_wrlock);
 }
 
 #endif
