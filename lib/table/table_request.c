@@ -370,6 +370,68 @@ static uint64_t room_left(em_table *table)
  * the shards' missing counts land in device words and come back together, one wait for
  * the device instead of one per shard. Else, with r->stop_when_full, it stops after the
  * shard where more keys than the table's room are missing (r->find_stopped). */
+/* A request that holds the table alone looks up its keys in the shards of a device in
+ * host memory a shard on each of the backend's eviction threads, when it has this many
+ * keys there (as run_on_shards does its shards' work: runs_beside). */
+#define ALONE_FIND_KEYS (UINT64_C(1) << 12)
+
+static bool finds_beside(const request_context *r, const segment *seg)
+{
+    return r->alone && !r->stop_when_full && r->table->backend->eviction_threads > 1 &&
+           seg->device->host_addressable && seg->end_shard - seg->first_shard > 1 &&
+           seg->count >= ALONE_FIND_KEYS;
+}
+
+typedef struct find_job {
+    request_context *r;
+    segment *seg;
+    em_status *status;
+    em_error *errors;
+} find_job;
+
+static void run_find_job(void *context, uint64_t i)
+{
+    find_job *job = context;
+    request_context *r = job->r;
+    em_table *table = r->table;
+    segment *seg = job->seg;
+    uint32_t s = seg->first_shard + (uint32_t)i;
+    uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
+    em__shard_read_lock(table, s);
+    r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s], memory_order_relaxed);
+    job->status[i] = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
+                                                  n, seg->rows + offset, &r->shard_missing[s],
+                                                  &job->errors[i]);
+    pthread_rwlock_unlock(&table->shard_locks[s]);
+}
+
+/* find_on_device's lookups a shard on each thread (finds_beside); a failure is that of
+ * the first shard that failed. */
+static em_status find_beside(request_context *r, segment *seg, em_error *err)
+{
+    uint32_t shards = seg->end_shard - seg->first_shard;
+    em_status *status = malloc(shards * sizeof(*status));
+    em_error *errors = malloc(shards * sizeof(*errors));
+    em_status failed = EM_OK;
+    if (status == NULL || errors == NULL)
+        failed = em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
+                              r->table->config.name);
+    if (failed == EM_OK) {
+        find_job job = {r, seg, status, errors};
+        em_parallel_run(shards, r->table->backend->eviction_threads, run_find_job, &job);
+    }
+    for (uint32_t i = 0; failed == EM_OK && i < shards; i++)
+        if (status[i] != EM_OK) {
+            failed = status[i];
+            *err = errors[i];
+        }
+    for (uint32_t s = seg->first_shard; failed == EM_OK && s < seg->end_shard; s++)
+        r->missing += r->shard_missing[s];
+    free(status);
+    free(errors);
+    return failed;
+}
+
 static em_status find_on_device(request_context *r, segment *seg, em_error *err)
 {
     em_table *table = r->table;
@@ -395,6 +457,8 @@ static em_status find_on_device(request_context *r, segment *seg, em_error *err)
         }
         return EM_OK;
     }
+    if (status == EM_OK && counts == NULL && finds_beside(r, seg))
+        return find_beside(r, seg, err);
     for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
         uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
         /* keys are created (and maps grow) under the shard's write lock */
