@@ -461,6 +461,8 @@ typedef struct reader {
                                * has may still read the other one */
     size_t block_capacity[2], block_bytes;
     uint64_t block_start;
+    uint64_t let_go;        /* the page cache was told to let the file's pages before this
+                             * go (let_pages_go) */
     int current;
     bool in_place;          /* a batch's rows are imported from the block that holds
                              * them (a load of every bucket, rows as saved) */
@@ -696,6 +698,23 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
  * cost the reader's thread CPU (tests/bench/RESULTS.md). */
 #define READ_BLOCK_BYTES (8u << 20)
 
+/* The page cache is told to let rows.emb's pages go once they are read (into a block)
+ * every this many bytes: each such call costs about a millisecond (the kernel drains
+ * every CPU's page lists), so not after every block. */
+#define LET_GO_BYTES (UINT64_C(64) << 20)
+
+/* Lets the pages of rows.emb before `until` go, LET_GO_BYTES at a time or, with all,
+ * whatever is left: the next reads reuse them instead of taking fresh memory, and a
+ * restore does not fill the host's memory with a file it reads once. */
+static void let_pages_go(reader *r, uint64_t until, bool all)
+{
+    if (until <= r->let_go || (!all && until - r->let_go < LET_GO_BYTES))
+        return;
+    (void)posix_fadvise(r->fd, (off_t)r->let_go, (off_t)(until - r->let_go),
+                        POSIX_FADV_DONTNEED);
+    r->let_go = until;
+}
+
 /* Makes the bytes at r->position .. + bytes available at *out (in r->blocks[r->current],
  * valid until the next call) and moves past them. Reading on from the file start,
  * blocks of READ_BLOCK_BYTES are read and their bytes go into the file's checksum as
@@ -760,6 +779,7 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
                 break;
             r->block_bytes += (size_t)n;
         }
+        let_pages_go(r, r->block_start + r->block_bytes, false);
         if (r->block_bytes < bytes)
             return data_loss(err, r->dir, "rows.emb",
                              "chunk %" PRIu64 " at byte %" PRIu64 ": the file ends early "
@@ -852,6 +872,7 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     r->position = 0;
     r->block_start = 0;
     r->block_bytes = 0;
+    r->let_go = 0;
     r->table_floats = m->row_floats;
     if (r->table != NULL) {
         em_table_stats stats;
@@ -912,6 +933,7 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     }
     if (status == EM_OK && r->table != NULL)
         status = flush_batch(r, m->chunks - 1, err);
+    let_pages_go(r, m->rows_file.bytes, true);
     if (r->owner_count > 0) { /* each chunk read was checked; the others are not read */
         close(r->fd);
         XXH3_freeState(r->hash);
