@@ -557,6 +557,60 @@ END_TEST
 /* The keys, rows and ring of a full lru table of 8 shards after requests that each evict
  * 4,096 rows over them (walks of 16 entries a row: long enough for the backend's
  * eviction threads), on a CPU backend with eviction_threads threads. */
+/* A CPU backend whose requests alone with a table use eviction_threads, and on it a
+ * full-size lru table of 8 shards (candidates 16) that the threaded tests fill. */
+static em_table *threaded_table(uint32_t eviction_threads, uint64_t capacity, int optimizer,
+                                uint32_t ring, em_backend **backend)
+{
+    em_cpu_backend_options options;
+    em_cpu_backend_options_init(&options);
+    options.pool_limit_bytes = 256 * MEBIBYTE;
+    options.pool_initial_bytes = 16 * MEBIBYTE;
+    options.eviction_threads = eviction_threads;
+    em_error err;
+    ck_assert_int_eq(em_backend_create_cpu(&options, backend, &err), EM_OK);
+    ck_assert_uint_eq((*backend)->eviction_threads, eviction_threads);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, capacity);
+    config.shards = 8;
+    config.initializer.seed = 5;
+    config.optimizer = em_test_optimizers[optimizer];
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 16;
+    config.eviction.ring = ring;
+    return em_test_make_table(*backend, &config);
+}
+
+/* A batch of n one-key rows and its values, all `value`. */
+typedef struct threaded_batch {
+    uint64_t *keys;
+    uint32_t *offsets;
+    float *values;
+    em_csr batch;
+} threaded_batch;
+
+static threaded_batch threaded_batch_make(uint32_t n, float value)
+{
+    threaded_batch b = {
+        .keys = malloc(n * sizeof(uint64_t)),
+        .offsets = malloc((n + 1) * sizeof(uint32_t)),
+        .values = malloc((size_t)n * DIM * sizeof(float)),
+    };
+    for (uint32_t i = 0; i <= n; i++)
+        b.offsets[i] = i;
+    for (uint32_t i = 0; i < n * DIM; i++)
+        b.values[i] = value;
+    b.batch = (em_csr){.rows = n, .nnz = n, .offsets = b.offsets, .keys = b.keys};
+    return b;
+}
+
+static void threaded_batch_free(threaded_batch *b)
+{
+    free(b->keys);
+    free(b->offsets);
+    free(b->values);
+}
+
 typedef struct threaded_run {
     em_test_snapshot rows;
     float *pulled; /* what the pulls of rounds 5 and 7 answered, one after the other */
@@ -568,32 +622,15 @@ typedef struct threaded_run {
 static threaded_run evict_on_threads(uint32_t eviction_threads)
 {
     enum { CAPACITY = 16384, BATCH = 4096, RING = 1 << 16 };
-    em_cpu_backend_options options;
-    em_cpu_backend_options_init(&options);
-    options.pool_limit_bytes = 256 * MEBIBYTE;
-    options.pool_initial_bytes = 16 * MEBIBYTE;
-    options.eviction_threads = eviction_threads;
     em_backend *backend = NULL;
     em_error err;
-    ck_assert_int_eq(em_backend_create_cpu(&options, &backend, &err), EM_OK);
-    ck_assert_uint_eq(backend->eviction_threads, eviction_threads);
-    em_table_config config;
-    em_table_config_init(&config, "t", DIM, CAPACITY);
-    config.shards = 8;
-    config.initializer.seed = 5;
-    config.eviction.policy = EM_EVICTION_LRU;
-    config.eviction.candidates = 16;
-    config.eviction.ring = RING;
-    em_table *table = em_test_make_table(backend, &config);
-    uint64_t *keys = malloc(BATCH * sizeof(uint64_t));
-    uint32_t *offsets = malloc((BATCH + 1) * sizeof(uint32_t));
-    float *values = malloc((size_t)BATCH * DIM * sizeof(float));
-    for (uint32_t i = 0; i <= BATCH; i++)
-        offsets[i] = i;
-    for (uint32_t i = 0; i < BATCH * DIM; i++)
-        values[i] = 0.01f;
+    em_table *table = threaded_table(eviction_threads, CAPACITY, 0, RING, &backend);
+    threaded_batch b = threaded_batch_make(BATCH, 0.01f);
+    uint64_t *keys = b.keys;
+    uint32_t *offsets = b.offsets;
+    float *values = b.values;
     float *pulled = malloc(2 * BATCH * DIM * sizeof(float));
-    em_csr batch = {.rows = BATCH, .nnz = BATCH, .offsets = offsets, .keys = keys};
+    em_csr batch = b.batch;
     /* 4 batches fill the table; then every request pulls back a third of an old batch
      * (so the oldest rows are not all the oldest created) and pushes a new batch, or in
      * rounds 5 and 7 pulls it, creating its keys */
@@ -629,9 +666,7 @@ static threaded_run evict_on_threads(uint32_t eviction_threads)
     em_evicted_view view;
     ck_assert_int_eq(em_table_evicted(table, 0, RING, run.ring, &view, &err), EM_OK);
     run.ring_count = view.count;
-    free(keys);
-    free(offsets);
-    free(values);
+    threaded_batch_free(&b);
     em_table_destroy(table);
     em_backend_destroy(backend);
     return run;
@@ -694,28 +729,10 @@ static void sort_by_key(em_test_snapshot *rows)
 START_TEST(a_snapshot_sees_rows_evicted_on_several_threads)
 {
     enum { CAPACITY = 16384, BATCH = 4096 };
-    em_cpu_backend_options options;
-    em_cpu_backend_options_init(&options);
-    options.pool_limit_bytes = 256 * MEBIBYTE;
-    options.eviction_threads = 4;
     em_backend *backend = NULL;
     em_error err;
-    ck_assert_int_eq(em_backend_create_cpu(&options, &backend, &err), EM_OK);
-    em_table_config config;
-    em_table_config_init(&config, "t", DIM, CAPACITY);
-    config.shards = 8;
-    config.optimizer = em_test_optimizers[3];
-    config.eviction.policy = EM_EVICTION_LRU;
-    config.eviction.candidates = 16;
-    em_table *table = em_test_make_table(backend, &config);
-    uint64_t *keys = malloc(BATCH * sizeof(uint64_t));
-    uint32_t *offsets = malloc((BATCH + 1) * sizeof(uint32_t));
-    float *values = malloc((size_t)BATCH * DIM * sizeof(float));
-    for (uint32_t i = 0; i <= BATCH; i++)
-        offsets[i] = i;
-    for (uint32_t i = 0; i < BATCH * DIM; i++)
-        values[i] = 0.25f;
-    em_csr batch = {.rows = BATCH, .nnz = BATCH, .offsets = offsets, .keys = keys};
+    em_table *table = threaded_table(4, CAPACITY, 3, 0, &backend);
+    threaded_batch b = threaded_batch_make(BATCH, 0.25f);
     em_test_snapshot before = {0};
     em_table_snapshot *snapshot = NULL;
     for (uint64_t round = 0; round < 6; round++) {
@@ -725,8 +742,9 @@ START_TEST(a_snapshot_sees_rows_evicted_on_several_threads)
                              EM_OK);
         }
         for (uint32_t i = 0; i < BATCH; i++)
-            keys[i] = (round * BATCH + i) * 0x9e3779b97f4a7c15ull + 11;
-        ck_assert_msg(em_test_push(table, &batch, EM_COMBINER_NONE, values, NULL, &err) == EM_OK,
+            b.keys[i] = (round * BATCH + i) * 0x9e3779b97f4a7c15ull + 11;
+        ck_assert_msg(em_test_push(table, &b.batch, EM_COMBINER_NONE, b.values, NULL, &err) ==
+                          EM_OK,
                       "%s", err.message);
     }
     em_table_stats stats;
@@ -750,9 +768,7 @@ START_TEST(a_snapshot_sees_rows_evicted_on_several_threads)
     em_test_assert_snapshots_identical(&got, &before);
     em_test_snapshot_free(&got);
     em_test_snapshot_free(&before);
-    free(keys);
-    free(offsets);
-    free(values);
+    threaded_batch_free(&b);
     em_table_destroy(table);
     em_backend_destroy(backend);
 }
