@@ -360,6 +360,12 @@ START_TEST(damaged_checkpoints_are_refused_naming_the_file)
     ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
                      EM_DATA_LOSS);
     ck_assert_ptr_null(restored);
+    ck_assert_msg(strstr(err.message, damaged_file[how]) != NULL, "%s", err.message);
+    if (how == FLIP_ROWS) /* the load's importer checks the payloads as verify does */
+        ck_assert_msg(strstr(err.message, "chunk ") != NULL &&
+                          strstr(err.message, "checksum mismatch: expected ") != NULL &&
+                          strstr(err.message, ", seen ") != NULL,
+                      "%s", err.message);
     em_table_destroy(table);
     em_backend_destroy(backend);
     em_test_remove_tree(dir);
