@@ -366,20 +366,16 @@ static uint64_t room_left(em_table *table)
     return claimed < table->config.capacity ? table->config.capacity - claimed : 0;
 }
 
-/* Finds the keys of every shard of a device. Where the device can (shard_find_async),
- * the shards' missing counts land in device words and come back together, one wait for
- * the device instead of one per shard. Else, with r->stop_when_full, it stops after the
- * shard where more keys than the table's room are missing (r->find_stopped). */
 /* A request that holds the table alone looks up its keys in the shards of a device in
- * host memory a shard on each of the backend's eviction threads, when it has this many
- * keys there (as run_on_shards does its shards' work: runs_beside). */
-#define ALONE_FIND_KEYS (UINT64_C(1) << 12)
+ * host memory, and does its shards' work (run_on_shards), a shard on each of the
+ * backend's eviction threads when it has this many keys: nothing else could use them. */
+#define ALONE_PARALLEL_KEYS (UINT64_C(1) << 12)
 
 static bool finds_beside(const request_context *r, const segment *seg)
 {
     return r->alone && !r->stop_when_full && r->table->backend->eviction_threads > 1 &&
            seg->device->host_addressable && seg->end_shard - seg->first_shard > 1 &&
-           seg->count >= ALONE_FIND_KEYS;
+           seg->count >= ALONE_PARALLEL_KEYS;
 }
 
 typedef struct find_job {
@@ -432,6 +428,10 @@ static em_status find_beside(request_context *r, segment *seg, em_error *err)
     return failed;
 }
 
+/* Finds the keys of every shard of a device. Where the device can (shard_find_async),
+ * the shards' missing counts land in device words and come back together, one wait for
+ * the device instead of one per shard. Else, with r->stop_when_full, it stops after the
+ * shard where more keys than the table's room are missing (r->find_stopped). */
 static em_status find_on_device(request_context *r, segment *seg, em_error *err)
 {
     em_table *table = r->table;
@@ -1236,17 +1236,26 @@ static em_status evict_rows(request_context *r, shard_eviction *parts, uint32_t 
 
 /* ---- evictions and inserts on threads, a shard each ---------------------------------- */
 
+/* Whether every shard of the table is in host memory: its operations finish as they
+ * return and need no lane of their own, so shards can go on threads side by side. */
+static bool shards_in_host_memory(const em_table *table)
+{
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (!table->shards[s]->device->host_addressable)
+            return false;
+    return true;
+}
+
 /* Whether a request that evicts can make room and create its keys a shard on each of
  * the backend's eviction threads: every shard in host memory (their inserts finish as
  * they return, and need no lane of their own), and walks long enough to be worth the
  * threads. The request holds the table alone, so nothing else would use them. */
-static bool creates_beside(request_context *r, const shard_eviction *parts, uint32_t count)
+static bool creates_beside(const request_context *r, const shard_eviction *parts,
+                           uint32_t count)
 {
-    em_table *table = r->table;
-    for (uint32_t s = 0; s < table->shard_count; s++)
-        if (!table->shards[s]->device->host_addressable)
-            return false;
-    return table->backend->eviction_threads > 1 && eviction_threads(table, parts, count) > 1;
+    const em_table *table = r->table;
+    return shards_in_host_memory(table) && table->backend->eviction_threads > 1 &&
+           eviction_threads(table, parts, count) > 1;
 }
 
 /* One shard's part: its eviction (spec.count rows, 0 for none), then its new keys. */
@@ -1830,10 +1839,6 @@ static em_status shard_step(request_context *r, shard_work work, uint32_t floats
     return status;
 }
 
-/* A request that holds the table alone runs its shards' work on the backend's eviction
- * threads, a shard each, when it has this many keys: nothing else could use them. */
-#define ALONE_PARALLEL_KEYS (UINT64_C(1) << 12)
-
 /* Whether run_on_shards goes a shard on each thread: a request alone with the table,
  * large enough, over at least two shards, all in host memory (their operations finish
  * as they return, and need no lane of their own). */
@@ -1844,12 +1849,9 @@ static bool runs_beside(const request_context *r)
         r->shard_start[table->shard_count] < ALONE_PARALLEL_KEYS)
         return false;
     uint32_t busy = 0;
-    for (uint32_t s = 0; s < table->shard_count; s++) {
-        if (!table->shards[s]->device->host_addressable)
-            return false;
+    for (uint32_t s = 0; s < table->shard_count; s++)
         busy += shard_key_count(r, s) > 0;
-    }
-    return busy >= 2;
+    return busy >= 2 && shards_in_host_memory(table);
 }
 
 typedef struct shard_job {
