@@ -379,7 +379,10 @@ START_TEST(top_shows_the_rates_and_latency_of_live_traffic)
     double seconds = number_of(view, "seconds");
     ck_assert_double_eq_tol(number_of(table, "keys_pulled_per_second") * seconds,
                             per_second * seconds * TOP_KEYS, TOP_KEYS + 0.5);
-    ck_assert_double_eq_tol(per_second * seconds, pulls_per_second * seconds, 1.5);
+    /* the table counts a pull as it serves it, the server as it answers, and STATS reads
+     * the two one after the other: each view's pair may be a pull apart, plus one that
+     * completed between the two reads, so their differences over the interval within 2 */
+    ck_assert_double_eq_tol(per_second * seconds, pulls_per_second * seconds, 2.5);
     cJSON_Delete(view);
 
     /* for a person: two views, one after the other (no terminal: no redrawing) */
