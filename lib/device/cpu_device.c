@@ -867,6 +867,7 @@ static void cpu_shard_stats(em_shard *base, em_shard_stats *out)
     cpu_shard *shard = cpu_shard_of(base);
     em_hashmap_stats map;
     em_hashmap_get_stats(shard->map, &map);
+    *out = (em_shard_stats){0}; /* a map here never grows through the host */
     out->rows = map.size;
     out->row_bytes = shard->block_count * shard->block_bytes;
     out->index_bytes = map.bytes;

@@ -1453,6 +1453,7 @@ em_status em__cuda_shard_export(em_shard *base, em_lane *lane_base, uint64_t *cu
 void em__cuda_shard_stats(em_shard *base, em_shard_stats *out)
 {
     cuda_shard *shard = shard_of(base);
+    *out = (em_shard_stats){0};
     out->rows = shard->size;
     out->row_bytes = shard->block_count * shard->block_bytes;
     out->index_bytes = shard->slot_count * sizeof(em_gpu_slot);

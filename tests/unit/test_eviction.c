@@ -249,6 +249,7 @@ START_TEST(each_policy_follows_its_rule_exactly)
     ck_assert_double_eq_tol(stats.index_bytes_per_row,
                             (double)stats.index_bytes / (double)stats.rows, 1e-9);
     ck_assert_double_ge(stats.access_bytes_per_row, 16.0);
+    ck_assert_uint_eq(stats.index_rehashes_through_host, 0); /* never on these backends */
     free(m.rows);
     em_table_destroy(table);
     em_backend_destroy(backend);
