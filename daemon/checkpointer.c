@@ -51,9 +51,10 @@ static void report_save(void *context, uint64_t rows_read, uint64_t rows_total)
 }
 
 static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode,
-                          em_checkpoint_info *info, em_error *err)
+                          bool wait_for_lock, em_checkpoint_info *info, em_error *err)
 {
     em_checkpoint_options options = c->options;
+    options.wait_for_lock = wait_for_lock;
     save_progress progress = {.stats = c->stats};
     options.progress = report_save;
     options.progress_context = &progress;
@@ -139,13 +140,14 @@ static em_status save_tables(em_catalog *catalog, const char *name, save_fn save
 typedef struct own_save {
     em_checkpointer *checkpointer;
     em_save_mode mode;
+    bool wait_for_lock;
 } own_save;
 
 static em_status save_own(void *context, em_table *table, em_checkpoint_info *info,
                           em_error *err)
 {
     own_save *own = context;
-    return save_one(own->checkpointer, table, own->mode, info, err);
+    return save_one(own->checkpointer, table, own->mode, own->wait_for_lock, info, err);
 }
 
 em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_save_mode mode,
@@ -153,6 +155,14 @@ em_status em_checkpointer_save(em_checkpointer *c, const char *name, em_save_mod
 {
     own_save own = {.checkpointer = c, .mode = mode};
     return save_tables(c->catalog, name, save_own, &own, infos, count, err);
+}
+
+em_status em_checkpointer_save_at_exit(em_checkpointer *c, em_checkpoint_info **infos,
+                                       size_t *count, em_error *err)
+{
+    em_checkpointer_stop(c);
+    own_save own = {.checkpointer = c, .mode = EM_SAVE_SCHEDULED, .wait_for_lock = true};
+    return save_tables(c->catalog, NULL, save_own, &own, infos, count, err);
 }
 
 typedef struct copy_save {
@@ -262,17 +272,23 @@ em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog 
     return EM_OK;
 }
 
+void em_checkpointer_stop(em_checkpointer *c)
+{
+    if (!c->thread_running)
+        return;
+    pthread_mutex_lock(&c->mutex);
+    c->stopping = true;
+    pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->mutex);
+    pthread_join(c->thread, NULL);
+    c->thread_running = false;
+}
+
 void em_checkpointer_destroy(em_checkpointer *c)
 {
     if (c == NULL)
         return;
-    if (c->thread_running) {
-        pthread_mutex_lock(&c->mutex);
-        c->stopping = true;
-        pthread_cond_signal(&c->wake);
-        pthread_mutex_unlock(&c->mutex);
-        pthread_join(c->thread, NULL);
-    }
+    em_checkpointer_stop(c);
     pthread_cond_destroy(&c->wake);
     pthread_mutex_destroy(&c->mutex);
     free(c);

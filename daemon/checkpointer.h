@@ -29,7 +29,10 @@ em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog 
                                  const em_log *log, em_server_stats *stats,
                                  em_checkpointer **out, em_error *err);
 
-/* Stops the periodic saves (waits for one that runs). NULL is ignored. */
+/* Stops the periodic saves (waits for one that runs); there are none after it. */
+void em_checkpointer_stop(em_checkpointer *checkpointer);
+
+/* Stops the periodic saves (em_checkpointer_stop) and frees. NULL is ignored. */
 void em_checkpointer_destroy(em_checkpointer *checkpointer);
 
 /* Loads the latest checkpoint of every table under the checkpoint dir into the catalog
@@ -58,6 +61,13 @@ em_status em_checkpointer_seed(em_checkpointer *checkpointer,
  * em_checkpoint_save), or as the schedule says (checkpoint.full_every: a delta unless
  * the table's chain already has full_every - 1 deltas). */
 typedef enum em_save_mode { EM_SAVE_FULL, EM_SAVE_DELTA, EM_SAVE_SCHEDULED } em_save_mode;
+
+/* The save at shutdown: the periodic saves stopped (em_checkpointer_stop, which waits
+ * for one that runs), each table saved as scheduled, after any other save of it that
+ * still runs (an admin SAVE, another process) is done, so that it holds the last
+ * pushes. Errors: those of em_checkpointer_save. */
+em_status em_checkpointer_save_at_exit(em_checkpointer *checkpointer, em_checkpoint_info **infos,
+                                       size_t *count, em_error *err);
 
 /* Saves the table called name, or every table when name is NULL or empty; *infos (a
  * malloc'ed array the caller frees) gets what was saved. Every table is tried; the

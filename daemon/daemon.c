@@ -651,8 +651,7 @@ void em_daemon_save_at_shutdown(em_daemon *d)
     em_checkpoint_info *infos = NULL;
     size_t count = 0;
     em_error err;
-    if (em_checkpointer_save(d->checkpointer, NULL, EM_SAVE_SCHEDULED, &infos, &count, &err) !=
-        EM_OK)
+    if (em_checkpointer_save_at_exit(d->checkpointer, &infos, &count, &err) != EM_OK)
         em_log_error(&d->log, "shutdown save: %s", err.message);
     free(infos);
 }

@@ -35,6 +35,7 @@
     X(CHECKPOINT_FAIL, checkpoint_fail,                                                       \
       "step value of a save fails with EIO (a write writes half, then ENOSPC)")              \
     X(CHECKPOINT_CRASH, checkpoint_crash, "the process exits at once before step value of a save") \
+    X(CHECKPOINT_STALL, checkpoint_stall, "a save sleeps value ms once its snapshot is taken") \
     X(GPU_FAULT, gpu_fault,                                                                   \
       "the emulated GPUs fail with a sticky kernel fault (tests/support/kernels_emulated.c)") \
     X(NCCL_INIT_FAIL, nccl_init_fail, "the emulated ncclCommInitAll fails")

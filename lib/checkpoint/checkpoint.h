@@ -73,6 +73,8 @@ typedef struct em_checkpoint_options {
     bool detached;             /* a copy outside the table's chain (a cluster checkpoint's
                                 * part): always full, and the table's digests stay as they
                                 * are, for the next delta under its own dir */
+    bool wait_for_lock;        /* another save of the table that runs (in this process or
+                                * another) is waited for, instead of FAILED_PRECONDITION */
     bool skip_unchanged;       /* with delta: a delta that would change nothing (no row, no
                                 * tombstone, the same clocks, no admission sketch) is not
                                 * written; info->unchanged says so and names the latest

@@ -31,6 +31,7 @@
 
 #include "common/keyhash.h"
 #include "ember_config.h"
+#include "lib/base/failpoint.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/checkpoint/checkpoint_format.h"
 #include "lib/checkpoint/checkpoint_internal.h"
@@ -321,6 +322,9 @@ static em_status write_rows(save *s, em_error *err)
     uint64_t total = status == EM_OK ? em_table_snapshot_rows(snapshot) : 0;
     if (status == EM_OK && o->progress != NULL)
         o->progress(o->progress_context, 0, total);
+    uint64_t stall_ms = 0; /* a test's: the save holds its snapshot a while */
+    if (status == EM_OK && em_failpoint_hit(EM_FAILPOINT_CHECKPOINT_STALL, &stall_ms))
+        usleep((useconds_t)(stall_ms * 1000u));
     uint64_t count = 1;
     while (status == EM_OK && count > 0) {
         status = em_table_snapshot_read(snapshot, s->buffer_rows - s->staged,
@@ -820,10 +824,18 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     if (lock_fd < 0)
         return em_error_set(err, EM_INTERNAL, "save of table '%s': cannot open %s: %s", name,
                             lock_path, strerror(errno));
-    if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    int locked;
+    while ((locked = flock(lock_fd, options->wait_for_lock ? LOCK_EX : LOCK_EX | LOCK_NB)) != 0 &&
+           errno == EINTR)
+        ;
+    if (locked != 0) {
+        int error = errno;
         close(lock_fd);
-        return em_error_set(err, EM_FAILED_PRECONDITION,
-                            "save of table '%s': another save of it is running", name);
+        return error == EWOULDBLOCK
+                   ? em_error_set(err, EM_FAILED_PRECONDITION,
+                                  "save of table '%s': another save of it is running", name)
+                   : em_error_set(err, EM_INTERNAL, "save of table '%s': cannot lock %s: %s",
+                                  name, lock_path, strerror(error));
     }
     em_table_stats stats;
     em_table_get_stats(table, &stats);

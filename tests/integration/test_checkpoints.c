@@ -377,6 +377,52 @@ static double wait_for_number(em_client *client, const char *name, double target
     return number;
 }
 
+/* SIGTERM while a periodic save runs (held by the failpoint checkpoint_stall once it
+ * has its snapshot of a first training): the shutdown save waits for it and then
+ * saves, so the pushes made while it ran survive the restart. Before, the shutdown save
+ * found the table's lock taken, failed with "another save of it is running", and the
+ * restart came back at the periodic save's snapshot. */
+START_TEST(sigterm_during_a_periodic_save_keeps_the_last_pushes)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
+    char json[2048];
+    snprintf(json, sizeof(json),
+             "{\"checkpoint\": {\"dir\": \"%s\", \"on_shutdown\": true, \"interval_s\": 1},"
+             " \"tables\": [{\"name\": \"t\", \"dim\": %u, \"capacity\": 100000, \"shards\": 2,"
+             " \"optimizer\": {\"type\": \"adam\", \"lr\": 0.01}}]}",
+             dir, DIM);
+    batch *b = every_key();
+    setenv("EMBER_FAILPOINTS", "checkpoint_stall=4000*1", 1);
+    test_daemon *daemon = test_daemon_start(json);
+    unsetenv("EMBER_FAILPOINTS");
+    em_client *client = client_for(daemon);
+    train(client, b, 41);
+    /* the first periodic save has its snapshot (STATS hears its rows from then on) */
+    wait_for_number(client, "checkpoint_save_rows", KEYS);
+    train(client, b, 42);
+    uint64_t missing = 0;
+    float *last = read_state(client, b, &missing);
+    ck_assert_double_eq(server_number(client, "checkpoint_saves_running"), 1); /* still */
+    em_client_destroy(client);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 30000), 0);
+    daemon = test_daemon_start(json);
+    char *log = test_daemon_log(daemon);
+    client = client_for(daemon);
+    float *restored = read_state(client, b, &missing);
+    ck_assert_uint_eq(missing, 0);
+    ck_assert_msg(same(restored, last), "the restart lost the pushes of the last training: %s",
+                  log);
+    free(log);
+    em_client_destroy(client);
+    test_daemon_stop(daemon, SIGKILL, 5000);
+    free(restored);
+    free(last);
+    free(b);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* Periodic saves (checkpoint.interval_s) of a table nobody changed write nothing: the
  * latest checkpoint still holds it, and a delta would only lengthen the chain (STATS
  * checkpoint_saves_unchanged; the log says so). A push, or on a table that tracks
@@ -737,6 +783,7 @@ int main(void)
     tcase_add_test(restart, save_without_a_checkpoint_dir_is_refused);
     tcase_add_test(restart, deltas_survive_kill_9_and_follow_full_every);
     tcase_add_test(restart, periodic_saves_write_nothing_for_unchanged_tables);
+    tcase_add_test(restart, sigterm_during_a_periodic_save_keeps_the_last_pushes);
     tcase_add_test(restart, emberctl_moves_a_table_between_clusters);
     suite_add_tcase(suite, restart);
     TCase *crash = tcase_create("crash");
