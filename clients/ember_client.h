@@ -201,7 +201,7 @@ em_status em_client_erase(em_client *client, const char *table, const uint64_t *
                           uint64_t n, uint64_t *erased, em_error *err);
 
 /* ERASE by age on every server: removes the rows neither pushed nor created in the
- * table's last not_pushed_for pushes; *erased gets how many. */
+ * table's last not_pushed_for pushes (at least 1); *erased gets how many. */
 em_status em_client_erase_older(em_client *client, const char *table, uint32_t not_pushed_for,
                                 uint64_t *erased, em_error *err);
 

@@ -1122,11 +1122,11 @@ static int erase_by_age(cli *c, const char *table, int argc, char **argv)
     bool by_time = strcmp(argv[2], "--not-pushed-since") == 0;
     double value = 0;
     if (argc != 4 || !parse_whole(argv[3], &value) ||
-        value > (by_time ? 18446744073709551.0 : 2147483647.0))
+        value > (by_time ? 18446744073709551.0 : 2147483647.0) || (!by_time && value < 1))
         return usage_error(by_time ? "erase TABLE --not-pushed-since T takes one time in "
                                      "seconds since 1970"
                                    : "erase TABLE --not-pushed-for N takes one number of "
-                                     "pushes in 0..2147483647");
+                                     "pushes in 1..2147483647");
     int code = connected(c);
     if (code != EXIT_OK)
         return code;

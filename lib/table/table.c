@@ -952,8 +952,14 @@ static em_status erase_by_min_age(em_table *table, uint32_t min_age, uint64_t *e
 em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
                                em_error *err)
 {
-    return erase_by_min_age(table, not_pushed_for == UINT32_MAX ? UINT32_MAX : not_pushed_for + 1,
-                            erased, err);
+    *erased = 0;
+    if (not_pushed_for == 0) /* no row was pushed in the last 0 pushes */
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "erase from table '%s' by age: not_pushed_for is 0, which would "
+                            "take every row; it must be at least 1 (DROP_TABLE removes a "
+                            "whole table)", table->config.name);
+    /* a row pushed by the table's last push has age 0, by the one before it 1, ... */
+    return erase_by_min_age(table, not_pushed_for, erased, err);
 }
 
 em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *erased,

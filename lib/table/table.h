@@ -175,8 +175,10 @@ em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint
 em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_error *err);
 
 /* Removes every row neither pushed nor created in the table's last not_pushed_for
- * pushes (counted in rows_erased), slice by slice. Errors: FAILED_PRECONDITION for a
- * table without access metadata (no eviction policy, no max_age_steps). Thread-safe. */
+ * pushes (counted in rows_erased), slice by slice: with 1, every row but those of the
+ * last push (a row created by a pull after it included). Errors: INVALID_ARGUMENT for 0
+ * (every row), FAILED_PRECONDITION for a table without access metadata (no eviction
+ * policy, no max_age_steps). Thread-safe. */
 em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
                                em_error *err);
 

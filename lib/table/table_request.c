@@ -907,7 +907,7 @@ bool em__expiry_age(em_table *table, uint64_t now_ms, uint32_t *min_age)
     const em_eviction_config *config = &table->config.eviction;
     uint32_t now = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
     bool any = config->max_age_steps > 0;
-    *min_age = config->max_age_steps + 1;
+    *min_age = config->max_age_steps; /* a row of the last push has age 0 */
     uint32_t then;
     if (config->max_age_seconds > 0 && now_ms >= config->max_age_seconds * 1000u &&
         em__clock_at(table, now_ms - config->max_age_seconds * 1000u, &then)) {

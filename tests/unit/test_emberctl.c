@@ -524,10 +524,13 @@ START_TEST(eviction_evicted_keys_and_erase_through_emberctl)
     r = RUN(NULL, "--server", at, "evicted", "t", "--max", "x");
     ck_assert_int_eq(r->code, 2);
 
-    /* by age: key 6 stays (pushed last), key 1 goes */
-    r = RUN(NULL, "--server", at, "erase", "t", "--not-pushed-for", "0");
+    /* by age: key 6 stays (pushed last), key 1 goes; 0 would take every row */
+    r = RUN(NULL, "--server", at, "erase", "t", "--not-pushed-for", "1");
     ck_assert_msg(r->code == 0, "%s", r->err);
     ck_assert_msg(strstr(r->out, "erased ") == r->out, "%s", r->out);
+    r = RUN(NULL, "--server", at, "erase", "t", "--not-pushed-for", "0");
+    ck_assert_int_eq(r->code, 2);
+    ck_assert_msg(strstr(r->err, "pushes in 1..2147483647") != NULL, "%s", r->err);
     r = RUN(NULL, "--server", at, "erase", "t", "--not-pushed-for", "x");
     ck_assert_int_eq(r->code, 2);
 

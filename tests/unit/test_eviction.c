@@ -961,16 +961,22 @@ START_TEST(the_sweep_expires_rows_not_pushed_in_max_age_steps)
     /* a pull creates key 50 at push clock 10 */
     uint64_t pulled = 50;
     ck_assert_int_eq(run_request(table, &pulled, 1, false, &err), EM_OK);
-    /* ages are 10 - k: keys 1..4 are older than 5 pushes; slices of 3 entries, the
-     * shards in turn, until both were swept whole */
-    ck_assert_uint_eq(sweep(table, 3, 12), 4);
-    const uint64_t left[] = {5, 6, 7, 8, 9, 10, 50};
-    assert_keys(table, left, 7);
-    /* six more pushes of key 10: key 50 and keys 5..9 pass the age */
+    /* ages are 10 - k: keys 1..5 were not pushed in the last 5 pushes (6..10); slices
+     * of 3 entries, the shards in turn, until both were swept whole */
+    ck_assert_uint_eq(sweep(table, 3, 12), 5);
+    const uint64_t left[] = {6, 7, 8, 9, 10, 50};
+    assert_keys(table, left, 6);
+    /* four more pushes of key 10: keys 6..9 (ages 8..5) go, key 50 (created after push
+     * 10, age 4) stays */
     uint64_t ten = 10;
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 4; i++)
         ck_assert_int_eq(run_request(table, &ten, 1, true, &err), EM_OK);
-    ck_assert_uint_eq(sweep(table, 100, 4), 6);
+    ck_assert_uint_eq(sweep(table, 100, 4), 4);
+    const uint64_t later[] = {10, 50};
+    assert_keys(table, later, 2);
+    /* a fifth: key 50 was neither pushed nor created in the last 5 pushes (11..15) */
+    ck_assert_int_eq(run_request(table, &ten, 1, true, &err), EM_OK);
+    ck_assert_uint_eq(sweep(table, 100, 4), 1);
     assert_keys(table, &ten, 1);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
@@ -1068,15 +1074,19 @@ START_TEST(erase_by_age_removes_rows_not_pushed_recently)
     uint64_t two = 2;
     ck_assert_int_eq(run_request(table, &two, 1, false, &err), EM_OK);
     uint64_t erased = 0;
+    /* 0 would take every row */
+    ck_assert_int_eq(em_table_erase_older(table, 0, &erased, &err), EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "at least 1") != NULL, "%s", err.message);
+    /* the last 3 pushes were of keys 8, 9 and 10 */
     ck_assert_int_eq(em_table_erase_older(table, 3, &erased, &err), EM_OK);
-    ck_assert_uint_eq(erased, 6);
-    const uint64_t left[] = {7, 8, 9, 10};
-    assert_keys(table, left, 4);
+    ck_assert_uint_eq(erased, 7);
+    const uint64_t left[] = {8, 9, 10};
+    assert_keys(table, left, 3);
     /* expiry was not configured: the sweep does nothing */
     ck_assert_uint_eq(sweep(table, 100, 4), 0);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
-    ck_assert_uint_eq(stats.rows_erased, 6);
+    ck_assert_uint_eq(stats.rows_erased, 7);
     ck_assert_uint_eq(stats.rows_expired, 0);
     em_table_destroy(table);
     /* without access metadata there is no age to go by */
