@@ -933,6 +933,10 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
     }
     if (status == EM_OK && r->table != NULL)
         status = flush_batch(r, m->chunks - 1, err);
+    /* the link's rows are in before the next link's read_rows sets the reader up again
+     * (in_place and the rest, which the importer reads) */
+    if (status == EM_OK && r->table != NULL)
+        status = em__pipe_wait(&r->importer, err);
     let_pages_go(r, m->rows_file.bytes, true);
     if (r->owner_count > 0) { /* each chunk read was checked; the others are not read */
         close(r->fd);
