@@ -1360,6 +1360,15 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
                                       "checkpoint %s: its table has dim %u, table '%s' has dim "
                                       "%u", paths[0], m->config.dim, weights_into->name,
                                       weights_into->dim);
+            /* the table keeps its config, its capacity too: raising it would be a change
+             * of the table nobody asked for */
+            else if (bound > weights_into->capacity)
+                status = em_error_set(err, EM_INVALID_ARGUMENT,
+                                      "checkpoint %s: its %" PRIu64 " rows are more than the "
+                                      "capacity %" PRIu64 " of table '%s' (a weights-only load "
+                                      "keeps the table's config: raise its capacity, or load "
+                                      "the checkpoint as a table of its own)",
+                                      paths[0], bound, weights_into->capacity, weights_into->name);
             config = *weights_into;
         }
         if (options != NULL && options->shards > 0)

@@ -198,6 +198,24 @@ START_TEST(weights_load_into_another_optimizer)
                      EM_INVALID_ARGUMENT);
     ck_assert_msg(strstr(err.message, "dim 8") != NULL && strstr(err.message, "dim 16") != NULL,
                   "%s", err.message);
+    /* the table keeps its capacity: the rows do not go into one row less */
+    em_table_config small;
+    em_table_config_init(&small, "small", 8, source.count - 1);
+    ck_assert_int_eq(em_checkpoint_load_weights(info.path, backend, &small, &none, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    ck_assert_ptr_null(none);
+    char expected[160];
+    snprintf(expected, sizeof(expected), "its %" PRIu64 " rows are more than the capacity %" PRIu64
+             " of table 'small'", source.count, source.count - 1);
+    ck_assert_msg(strstr(err.message, expected) != NULL, "%s", err.message);
+    small.capacity = source.count;
+    ck_assert_msg(em_checkpoint_load_weights(info.path, backend, &small, &none, NULL, &err) ==
+                      EM_OK, "%s", err.message);
+    em_table_stats small_stats;
+    em_table_get_stats(none, &small_stats);
+    ck_assert_uint_eq(small_stats.rows, source.count);
+    ck_assert_uint_eq(em_table_get_config(none)->capacity, source.count);
+    em_table_destroy(none);
     em_test_snapshot_free(&source);
     em_table_destroy(table);
     em_backend_destroy(backend);
