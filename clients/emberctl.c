@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <time.h>
 
@@ -1596,6 +1597,13 @@ static int checkpoints_list(cli *c, int argc, char **argv)
 {
     if (argc < 3 || argc > 4)
         return usage_error("checkpoints list needs a checkpoint dir and at most one table");
+    struct stat st;
+    if (stat(argv[2], &st) != 0 || !S_ISDIR(st.st_mode)) { /* a table name where the dir goes */
+        fprintf(stderr, "emberctl: NOT_FOUND: checkpoints list: '%s' is not a directory (give "
+                "the checkpoint dir, checkpoint.dir of the server's config, and then a "
+                "table)\n", argv[2]);
+        return EXIT_SERVER_ERROR;
+    }
     char **names = NULL;
     size_t count = 0;
     em_error err;
@@ -1605,6 +1613,8 @@ static int checkpoints_list(cli *c, int argc, char **argv)
         count = 1;
     } else if (em_checkpoint_tables(argv[2], &names, &count, &err) != EM_OK) {
         return checkpoint_failed(&err);
+    } else if (count == 0 && !c->json) {
+        printf("no checkpoints under %s\n", argv[2]);
     }
     int code = EXIT_OK;
     for (size_t t = 0; t < count && code == EXIT_OK; t++) {

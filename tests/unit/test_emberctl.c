@@ -124,6 +124,16 @@ START_TEST(usage_errors_exit_2_and_say_what_was_wrong)
     r = RUN(NULL, "--token-file", "/nonexistent/token", "ping");
     ck_assert_int_eq(r->code, 2);
     ck_assert(strstr(r->err, "cannot read token file '/nonexistent/token'") != NULL);
+    /* checkpoints list reads a dir: a table name in its place is not one */
+    r = RUN(NULL, "checkpoints", "list", "demo");
+    ck_assert_int_eq(r->code, 1);
+    ck_assert_msg(strstr(r->err, "'demo' is not a directory") != NULL, "%s", r->err);
+    char empty[256];
+    em_test_make_dir("ember-emberctl", empty, sizeof(empty));
+    r = RUN(NULL, "checkpoints", "list", empty);
+    ck_assert_int_eq(r->code, 0);
+    ck_assert_msg(strstr(r->out, "no checkpoints under ") == r->out, "%s", r->out);
+    em_test_remove_tree(empty);
 }
 END_TEST
 
