@@ -381,6 +381,8 @@ static const ProtobufCMessageDescriptor *response_descriptor(int method)
         return &ember__erase_response__descriptor;
     case EMBER__METHOD__EVICTED:
         return &ember__evicted_response__descriptor;
+    case EMBER__METHOD__CHECKPOINTS:
+        return &ember__checkpoints_response__descriptor;
     default:
         return NULL;
     }

@@ -774,18 +774,20 @@ static cJSON *checkpoint_info(const Ember__CheckpointInfo *info)
         cJSON_AddNumberToObject(item, "depth", info->depth) == NULL ||
         cJSON_AddNumberToObject(item, "tombstones", (double)info->tombstones) == NULL ||
         cJSON_AddNumberToObject(item, "table_rows", (double)info->table_rows) == NULL ||
-        cJSON_AddStringToObject(item, "manifest_xxh3", hash) == NULL) {
+        cJSON_AddStringToObject(item, "manifest_xxh3", hash) == NULL ||
+        cJSON_AddNumberToObject(item, "chunks", (double)info->chunks) == NULL ||
+        cJSON_AddNumberToObject(item, "created_unix_ms", (double)info->created_unix_ms) == NULL) {
         cJSON_Delete(item);
         return NULL;
     }
     return item;
 }
 
-static cJSON *checkpoint_list(const Ember__SaveResponse *response)
+static cJSON *checkpoint_list(Ember__CheckpointInfo *const *infos, size_t count)
 {
     cJSON *list = cJSON_CreateArray();
-    for (size_t i = 0; list != NULL && i < response->n_saved; i++) {
-        cJSON *item = checkpoint_info(response->saved[i]);
+    for (size_t i = 0; list != NULL && i < count; i++) {
+        cJSON *item = checkpoint_info(infos[i]);
         if (item == NULL || !cJSON_AddItemToArray(list, item)) {
             cJSON_Delete(item);
             cJSON_Delete(list);
@@ -806,9 +808,28 @@ em_status em_client_save(em_client *client, const char *table, bool delta, cJSON
     em_status status = message_call(client, EMBER__METHOD__SAVE, &body.base, &call, err);
     if (status != EM_OK)
         return status;
-    *saved = checkpoint_list((const Ember__SaveResponse *)call_response(call));
+    const Ember__SaveResponse *response = call_response(call);
+    *saved = checkpoint_list(response->saved, response->n_saved);
     if (*saved == NULL)
         status = out_of_memory(err, "save");
+    call_destroy(client, call);
+    return status;
+}
+
+em_status em_client_checkpoints(em_client *client, const char *table, cJSON **listed,
+                                em_error *err)
+{
+    *listed = NULL;
+    Ember__CheckpointsRequest body = EMBER__CHECKPOINTS_REQUEST__INIT;
+    body.table = (char *)(table != NULL ? table : "");
+    em_client_call *call;
+    em_status status = message_call(client, EMBER__METHOD__CHECKPOINTS, &body.base, &call, err);
+    if (status != EM_OK)
+        return status;
+    const Ember__CheckpointsResponse *response = call_response(call);
+    *listed = checkpoint_list(response->checkpoints, response->n_checkpoints);
+    if (*listed == NULL)
+        status = out_of_memory(err, "checkpoints");
     call_destroy(client, call);
     return status;
 }

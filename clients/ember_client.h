@@ -139,9 +139,17 @@ em_status em_client_stats(em_client *client, const char *table, cJSON **stats, e
 /* Saves the table (NULL or "": every table) as a checkpoint on the first server, with
  * delta only what changed since its last checkpoint; *saved gets a JSON array of
  * {table, id, path, rows, bytes, seconds, kind, parent, depth, tombstones,
- * table_rows, manifest_xxh3}. */
+ * table_rows, manifest_xxh3, chunks, created_unix_ms}. */
 em_status em_client_save(em_client *client, const char *table, bool delta, cJSON **saved,
                          em_error *err);
+
+/* The complete checkpoints of the table (NULL or "": every table) under the first
+ * server's checkpoint.dir, each table's oldest first and its latest last, from their
+ * manifests; *listed gets a JSON array of objects as em_client_save's (seconds 0; kind
+ * "?" for a manifest that does not read). Errors: FAILED_PRECONDITION without a
+ * checkpoint section, NOT_FOUND for a table without checkpoints. */
+em_status em_client_checkpoints(em_client *client, const char *table, cJSON **listed,
+                                em_error *err);
 
 /* Loads a checkpoint on the first server into the table (new, or replacing it in one
  * step): path is the checkpoint's directory on the server, or NULL for the table's

@@ -145,9 +145,11 @@ static void print_help(FILE *out)
           "                             first; --reset empties the log after reading it\n"
           "  reload                     read the configuration file again (as SIGHUP) and\n"
           "                             say what changed and what needs a restart\n"
+          "  checkpoints list [TABLE]   the server's complete checkpoints (under its\n"
+          "                             checkpoint.dir), from their manifests\n"
           "  checkpoints list DIR [TABLE]\n"
-          "                             the complete checkpoints under a checkpoint dir,\n"
-          "                             from their manifests (verify reads the data)\n"
+          "                             the same from a checkpoint dir on this host, no\n"
+          "                             server (verify reads the data)\n"
           "  checkpoints verify PATH    check every checksum of a checkpoint, and of its\n"
           "                             chain for a delta, or of every part of a cluster\n"
           "                             checkpoint (no server)\n"
@@ -1593,17 +1595,79 @@ static void print_checkpoint(const cli *c, const em_checkpoint_info *info, const
                info->chunks, verdict);
 }
 
+/* A text field of a listed checkpoint into fixed room. */
+static void copy_field(char *to, size_t room, const cJSON *item, const char *name)
+{
+    const cJSON *field = cJSON_GetObjectItem(item, name);
+    snprintf(to, room, "%s", cJSON_IsString(field) ? field->valuestring : "");
+}
+
+static uint64_t number_field(const cJSON *item, const char *name)
+{
+    const cJSON *field = cJSON_GetObjectItem(item, name);
+    return cJSON_IsNumber(field) ? (uint64_t)field->valuedouble : 0;
+}
+
+/* checkpoints list [TABLE]: the server's, under its checkpoint.dir (CHECKPOINTS). */
+static int checkpoints_list_server(cli *c, const char *table)
+{
+    int code = connected(c);
+    if (code != EXIT_OK)
+        return code;
+    cJSON *listed = NULL;
+    em_error err;
+    if (em_client_checkpoints(c->client, table, &listed, &err) != EM_OK)
+        return call_failed(&err);
+    if (cJSON_GetArraySize(listed) == 0 && !c->json)
+        printf("no checkpoints under the server's checkpoint dir\n");
+    const cJSON *item = NULL;
+    cJSON_ArrayForEach(item, listed)
+    {
+        em_checkpoint_info info;
+        memset(&info, 0, sizeof(info));
+        copy_field(info.table, sizeof(info.table), item, "table");
+        copy_field(info.id, sizeof(info.id), item, "id");
+        copy_field(info.path, sizeof(info.path), item, "path");
+        copy_field(info.kind, sizeof(info.kind), item, "kind");
+        copy_field(info.parent, sizeof(info.parent), item, "parent");
+        info.rows = number_field(item, "rows");
+        info.bytes = number_field(item, "bytes");
+        info.depth = (uint32_t)number_field(item, "depth");
+        info.tombstones = number_field(item, "tombstones");
+        info.table_rows = number_field(item, "table_rows");
+        info.chunks = number_field(item, "chunks");
+        info.created_unix_ms = number_field(item, "created_unix_ms");
+        const cJSON *next = item->next; /* each table's latest comes last among its own */
+        char next_table[sizeof(info.table)] = "";
+        if (next != NULL)
+            copy_field(next_table, sizeof(next_table), next, "table");
+        const char *verdict = strcmp(next_table, info.table) != 0 ? " (latest)" : "";
+        if (strcmp(info.kind, "?") == 0 && !c->json)
+            printf("%s %s: DAMAGED: its manifest does not read (checkpoints verify on the "
+                   "server's host says why)%s\n", info.id, info.path, verdict);
+        else
+            print_checkpoint(c, &info, verdict);
+    }
+    cJSON_Delete(listed);
+    return EXIT_OK;
+}
+
+/* checkpoints list [TABLE] asks the server; checkpoints list DIR [TABLE] reads a
+ * checkpoint dir here, without a server (an existing directory is a DIR). */
 static int checkpoints_list(cli *c, int argc, char **argv)
 {
-    if (argc < 3 || argc > 4)
-        return usage_error("checkpoints list needs a checkpoint dir and at most one table");
+    if (argc > 4)
+        return usage_error("checkpoints list takes at most a checkpoint dir and a table");
     struct stat st;
-    if (stat(argv[2], &st) != 0 || !S_ISDIR(st.st_mode)) { /* a table name where the dir goes */
-        fprintf(stderr, "emberctl: NOT_FOUND: checkpoints list: '%s' is not a directory (give "
-                "the checkpoint dir, checkpoint.dir of the server's config, and then a "
-                "table)\n", argv[2]);
+    bool here = argc >= 3 && stat(argv[2], &st) == 0 && S_ISDIR(st.st_mode);
+    if (!here && argc == 4) {
+        fprintf(stderr, "emberctl: NOT_FOUND: checkpoints list: '%s' is not a directory "
+                "(checkpoints list DIR TABLE reads a checkpoint dir on this host; "
+                "checkpoints list TABLE asks the server)\n", argv[2]);
         return EXIT_SERVER_ERROR;
     }
+    if (!here)
+        return checkpoints_list_server(c, argc == 3 ? argv[2] : NULL);
     char **names = NULL;
     size_t count = 0;
     em_error err;

@@ -587,6 +587,8 @@ static void checkpoint_chain_fields(Ember__CheckpointInfo *item, em_checkpoint_i
     item->tombstones = info->tombstones;
     item->table_rows = info->table_rows;
     item->manifest_xxh3 = info->manifest_xxh3;
+    item->chunks = info->chunks;
+    item->created_unix_ms = info->created_unix_ms;
 }
 
 em_status em_handle_save(em_request *request, em_error *err)
@@ -629,6 +631,77 @@ em_status em_handle_save(em_request *request, em_error *err)
         Ember__SaveResponse response = EMBER__SAVE_RESPONSE__INIT;
         response.n_saved = count;
         response.saved = pointers;
+        status = em_request_respond(request, &response.base, NULL, 0, err);
+    }
+    free(items);
+    free(pointers);
+    free(infos);
+    return status;
+}
+
+/* Appends the checkpoints of table under dir to *infos (*count of them, *capacity room). */
+static em_status list_table_checkpoints(const char *dir, const char *table,
+                                        em_checkpoint_info **infos, size_t *count,
+                                        size_t *capacity, em_error *err)
+{
+    em_checkpoint_info *listed = NULL;
+    size_t n = 0;
+    em_status status = em_checkpoint_list(dir, table, &listed, &n, err);
+    if (status == EM_OK && *count + n > *capacity) {
+        size_t grown_capacity = (*count + n) * 2;
+        em_checkpoint_info *grown = realloc(*infos, grown_capacity * sizeof(**infos));
+        if (grown == NULL)
+            status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "checkpoints: out of memory");
+        else {
+            *infos = grown;
+            *capacity = grown_capacity;
+        }
+    }
+    if (status == EM_OK) {
+        memcpy(*infos + *count, listed, n * sizeof(*listed));
+        *count += n;
+    }
+    free(listed);
+    return status;
+}
+
+em_status em_handle_checkpoints(em_request *request, em_error *err)
+{
+    const Ember__CheckpointsRequest *body = (const Ember__CheckpointsRequest *)request->body;
+    em_server_context *context = request->context;
+    if (context->checkpointer == NULL)
+        return em_error_set(err, EM_FAILED_PRECONDITION,
+                            "checkpoints: this server has no checkpoint section in its "
+                            "configuration");
+    const char *dir = context->checkpoint_dir;
+    bool one = body->table != NULL && body->table[0] != '\0';
+    char **names = NULL;
+    size_t tables = 0, count = 0, capacity = 0;
+    em_checkpoint_info *infos = NULL;
+    em_status status = one ? EM_OK : em_checkpoint_tables(dir, &names, &tables, err);
+    if (one)
+        status = list_table_checkpoints(dir, body->table, &infos, &count, &capacity, err);
+    for (size_t t = 0; status == EM_OK && t < tables; t++)
+        status = list_table_checkpoints(dir, names[t], &infos, &count, &capacity, err);
+    em_checkpoint_free_names(names, tables);
+    Ember__CheckpointInfo *items = calloc(count + 1, sizeof(*items));
+    Ember__CheckpointInfo **pointers = calloc(count + 1, sizeof(*pointers));
+    if (status == EM_OK && (items == NULL || pointers == NULL))
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "checkpoints: out of memory");
+    if (status == EM_OK) {
+        for (size_t i = 0; i < count; i++) {
+            ember__checkpoint_info__init(&items[i]);
+            items[i].table = infos[i].table;
+            items[i].id = infos[i].id;
+            items[i].path = infos[i].path;
+            items[i].rows = infos[i].rows;
+            items[i].bytes = infos[i].bytes;
+            checkpoint_chain_fields(&items[i], &infos[i]);
+            pointers[i] = &items[i];
+        }
+        Ember__CheckpointsResponse response = EMBER__CHECKPOINTS_RESPONSE__INIT;
+        response.n_checkpoints = count;
+        response.checkpoints = pointers;
         status = em_request_respond(request, &response.base, NULL, 0, err);
     }
     free(items);

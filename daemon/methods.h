@@ -50,7 +50,8 @@
     X(RELOAD, reload, ADMIN, ADMIN, LOOP, NONE)                                               \
     X(SLOWLOG, slowlog, ADMIN, ADMIN, LOOP, NONE)                                             \
     X(ERASE, erase, ADMIN, ADMIN, WRITE, NONE)                                                \
-    X(EVICTED, evicted, ADMIN, ADMIN, READ, NONE)
+    X(EVICTED, evicted, ADMIN, ADMIN, READ, NONE)                                             \
+    X(CHECKPOINTS, checkpoints, ADMIN, ADMIN, READ, NONE)
 
 typedef enum em_method_listener {
     EM_METHOD_LISTENER_ANY,

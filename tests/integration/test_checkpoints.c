@@ -296,6 +296,25 @@ START_TEST(deltas_survive_kill_9_and_follow_full_every)
     ck_assert_double_eq(cJSON_GetObjectItem(server, "checkpoint_save_rows")->valuedouble,
                         0);
     cJSON_Delete(stats);
+    /* the server lists its checkpoints as emberctl lists their dir: line for line */
+    char *local[] = {ctl, "checkpoints", "list", dir, "t", NULL};
+    char *by_server[] = {ctl, "--server", daemon->admin, "checkpoints", "list", "t", NULL};
+    char *all[] = {ctl, "--server", daemon->admin, "checkpoints", "list", NULL};
+    char *listed_here = NULL, *listed_there = NULL;
+    ck_assert_int_eq(test_run_program(local, NULL, &listed_here), 0);
+    ck_assert_int_eq(test_run_program(by_server, TEST_ADMIN_TOKEN, &listed_there), 0);
+    ck_assert_msg(strstr(listed_here, "00000000000000000002 ") != NULL &&
+                      strstr(listed_here, "(latest)") != NULL, "%s", listed_here);
+    ck_assert_str_eq(listed_there, listed_here);
+    free(listed_there);
+    ck_assert_int_eq(test_run_program(all, TEST_ADMIN_TOKEN, &listed_there), 0);
+    ck_assert_str_eq(listed_there, listed_here); /* t is its only table */
+    free(listed_there);
+    free(listed_here);
+    char *nope[] = {ctl, "--server", daemon->admin, "checkpoints", "list", "nope", NULL};
+    ck_assert_int_eq(test_run_program(nope, TEST_ADMIN_TOKEN, &out), 1);
+    ck_assert_msg(strstr(out, "NOT_FOUND") != NULL && strstr(out, "nope") != NULL, "%s", out);
+    free(out);
     uint64_t missing = 0;
     float *state = read_state(client, b, &missing);
     em_client_destroy(client);

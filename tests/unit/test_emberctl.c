@@ -124,10 +124,11 @@ START_TEST(usage_errors_exit_2_and_say_what_was_wrong)
     r = RUN(NULL, "--token-file", "/nonexistent/token", "ping");
     ck_assert_int_eq(r->code, 2);
     ck_assert(strstr(r->err, "cannot read token file '/nonexistent/token'") != NULL);
-    /* checkpoints list reads a dir: a table name in its place is not one */
-    r = RUN(NULL, "checkpoints", "list", "demo");
+    /* checkpoints list DIR TABLE reads a dir on this host: a path that is not one */
+    r = RUN(NULL, "checkpoints", "list", "/nonexistent/checkpoints", "t");
     ck_assert_int_eq(r->code, 1);
-    ck_assert_msg(strstr(r->err, "'demo' is not a directory") != NULL, "%s", r->err);
+    ck_assert_msg(strstr(r->err, "'/nonexistent/checkpoints' is not a directory") != NULL, "%s",
+                  r->err);
     char empty[256];
     em_test_make_dir("ember-emberctl", empty, sizeof(empty));
     r = RUN(NULL, "checkpoints", "list", empty);
@@ -533,6 +534,11 @@ START_TEST(eviction_evicted_keys_and_erase_through_emberctl)
     ck_assert_int_eq(r->code, 1);
     r = RUN(NULL, "--server", at, "evicted", "t", "--max", "x");
     ck_assert_int_eq(r->code, 2);
+    /* a server without a checkpoint section has no checkpoints to list */
+    r = RUN(NULL, "--server", at, "checkpoints", "list");
+    ck_assert_int_eq(r->code, 1);
+    ck_assert_msg(strstr(r->err, "FAILED_PRECONDITION") != NULL &&
+                      strstr(r->err, "no checkpoint section") != NULL, "%s", r->err);
 
     /* by age: key 6 stays (pushed last), key 1 goes; 0 would take every row */
     r = RUN(NULL, "--server", at, "erase", "t", "--not-pushed-for", "1");
