@@ -279,6 +279,10 @@ def test_admin_calls(start_daemon, tmp_path):
     saved = client.save("clicks", delta=True)  # nothing to build on: a full one
     assert saved[0]["table"] == "clicks" and saved[0]["rows"] == 3
     assert saved[0]["kind"] == "full"
+    listed = client.checkpoints("clicks")
+    assert [(c["id"], c["path"], c["kind"], c["rows"]) for c in listed] == \
+        [(saved[0]["id"], saved[0]["path"], "full", 3)]
+    assert client.checkpoints() == listed
     assert client.erase("clicks", np.array([1, 2, 9], np.uint64)) == 2
     assert client.stats("clicks")["tables"][0]["rows"] == 1
     delta = client.save("clicks", delta=True)[0]

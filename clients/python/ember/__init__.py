@@ -352,6 +352,12 @@ class Client:
         since its last checkpoint; a list of {table, id, path, kind, rows, ...}."""
         return json.loads(self._admin_client().save(table, bool(delta)))
 
+    def checkpoints(self, table=None):
+        """The complete checkpoints of the table (None: every table) under the server's
+        checkpoint.dir, each table's latest last: a list of {table, id, path, kind, rows,
+        ...}, read from their manifests."""
+        return json.loads(self._admin_client().checkpoints(table))
+
     def load(self, table, path=None, weights_only=False):
         """Loads the table's latest checkpoint, or the one at path (on the server)."""
         loaded = self._admin_client().load(table, path, bool(weights_only))

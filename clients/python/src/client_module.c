@@ -568,6 +568,20 @@ static PyObject *client_save(client_object *self, PyObject *args)
     return json_text(saved);
 }
 
+static PyObject *client_checkpoints(client_object *self, PyObject *args)
+{
+    const char *table = NULL;
+    if (!client_open(self) || !PyArg_ParseTuple(args, "|z", &table))
+        return NULL;
+    cJSON *listed = NULL;
+    em_error err = {0};
+    em_status status;
+    WITH_CLIENT(self, status = em_client_checkpoints(self->client, table, &listed, &err));
+    if (status != EM_OK)
+        return raise_error(&err);
+    return json_text(listed);
+}
+
 static PyObject *client_load(client_object *self, PyObject *args)
 {
     const char *table, *path = NULL;
@@ -758,6 +772,8 @@ static PyMethodDef client_methods[] = {
     {"list_tables", (PyCFunction)client_list_tables, METH_NOARGS, "-> JSON text"},
     {"stats", (PyCFunction)client_stats, METH_VARARGS, "stats([table]) -> JSON text"},
     {"save", (PyCFunction)client_save, METH_VARARGS, "save([table]) -> JSON text"},
+    {"checkpoints", (PyCFunction)client_checkpoints, METH_VARARGS,
+     "checkpoints([table]) -> JSON text"},
     {"load", (PyCFunction)client_load, METH_VARARGS,
      "load(table[, path[, weights_only]]) -> JSON text"},
     {"cluster_save", (PyCFunction)client_cluster_save, METH_VARARGS,
