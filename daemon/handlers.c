@@ -678,8 +678,12 @@ em_status em_handle_checkpoints(em_request *request, em_error *err)
     char **names = NULL;
     size_t tables = 0, count = 0, capacity = 0;
     em_checkpoint_info *infos = NULL;
-    em_status status = one ? EM_OK : em_checkpoint_tables(dir, &names, &tables, err);
-    if (one)
+    /* a table's name, never a path: it is joined to the dir */
+    em_status status = one ? em_table_name_check(body->table, err)
+                           : em_checkpoint_tables(dir, &names, &tables, err);
+    if (one && status != EM_OK)
+        return em_error_prefix(err, "checkpoints: ");
+    if (one && status == EM_OK)
         status = list_table_checkpoints(dir, body->table, &infos, &count, &capacity, err);
     for (size_t t = 0; status == EM_OK && t < tables; t++)
         status = list_table_checkpoints(dir, names[t], &infos, &count, &capacity, err);

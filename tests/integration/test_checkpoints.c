@@ -315,6 +315,10 @@ START_TEST(deltas_survive_kill_9_and_follow_full_every)
     ck_assert_int_eq(test_run_program(nope, TEST_ADMIN_TOKEN, &out), 1);
     ck_assert_msg(strstr(out, "NOT_FOUND") != NULL && strstr(out, "nope") != NULL, "%s", out);
     free(out);
+    char *climb[] = {ctl, "--server", daemon->admin, "checkpoints", "list", "../nope", NULL};
+    ck_assert_int_eq(test_run_program(climb, TEST_ADMIN_TOKEN, &out), 1);
+    ck_assert_msg(strstr(out, "INVALID_ARGUMENT") != NULL, "%s", out);
+    free(out);
     uint64_t missing = 0;
     float *state = read_state(client, b, &missing);
     em_client_destroy(client);
