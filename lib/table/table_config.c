@@ -267,6 +267,13 @@ em_status em_table_name_check(const char *name, em_error *err)
                                 "allowed are A-Z a-z 0-9 _ . -",
                                 name, (unsigned char)name[i], i);
     }
+    /* a table's checkpoints live in <checkpoint.dir>/<name>: "." and ".." are not a
+     * directory of its own, and the restore passes over hidden ones */
+    if (name[0] == '.')
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "table name '%s' starts with '.'; it names the table's "
+                            "checkpoint directory, which must not be hidden, '.' or '..'",
+                            name);
     return EM_OK;
 }
 

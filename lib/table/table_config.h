@@ -114,8 +114,8 @@ typedef struct em_table_config {
 
 extern const em_config_schema em_table_config_schema;
 
-/* Checks a table name: 1..128 characters of [A-Za-z0-9_.-]. The message names the
- * first bad character and its position. Errors: INVALID_ARGUMENT. */
+/* Checks a table name: 1..128 characters of [A-Za-z0-9_.-], not starting with '.'. The
+ * message names the first bad character and its position. Errors: INVALID_ARGUMENT. */
 em_status em_table_name_check(const char *name, em_error *err);
 
 em_status em_table_config_parse(const cJSON *json, const char *path, em_table_config *out,

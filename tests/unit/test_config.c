@@ -102,6 +102,12 @@ START_TEST(errors_name_path_and_value)
     assert_rejected("{\"name\": \"bad name\", \"dim\": 8, \"capacity\": 100}",
                     "table.name: table name 'bad name' has character 0x20 at position 3; allowed are "
                     "A-Z a-z 0-9 _ . -");
+    assert_rejected("{\"name\": \"..\", \"dim\": 8, \"capacity\": 100}",
+                    "table.name: table name '..' starts with '.'; it names the table's checkpoint "
+                    "directory, which must not be hidden, '.' or '..'");
+    assert_rejected("{\"name\": \".t\", \"dim\": 8, \"capacity\": 100}",
+                    "table.name: table name '.t' starts with '.'; it names the table's checkpoint "
+                    "directory, which must not be hidden, '.' or '..'");
     assert_rejected("{\"name\": \"t\", \"dim\": 8, \"dim\": 9, \"capacity\": 100}",
                     "table.dim: key given more than once");
     assert_rejected("[1, 2]", "table: must be an object, got an array [1,2]");
