@@ -578,9 +578,16 @@ em_status em_handle_list_tables(em_request *request, em_error *err)
 
 /* ---- checkpoints ----------------------------------------------------------------------- */
 
-/* What a CheckpointInfo says of a checkpoint's place in its chain. */
-static void checkpoint_chain_fields(Ember__CheckpointInfo *item, em_checkpoint_info *info)
+/* The CheckpointInfo of info, pointing into it. */
+static void checkpoint_message(Ember__CheckpointInfo *item, em_checkpoint_info *info)
 {
+    ember__checkpoint_info__init(item);
+    item->table = info->table;
+    item->id = info->id;
+    item->path = info->path;
+    item->rows = info->rows;
+    item->bytes = info->bytes;
+    item->seconds = info->seconds;
     item->kind = info->kind;
     item->parent = info->parent;
     item->depth = info->depth;
@@ -589,6 +596,23 @@ static void checkpoint_chain_fields(Ember__CheckpointInfo *item, em_checkpoint_i
     item->manifest_xxh3 = info->manifest_xxh3;
     item->chunks = info->chunks;
     item->created_unix_ms = info->created_unix_ms;
+}
+
+/* The CheckpointInfo messages of infos[0..count) in *items, and *pointers to them, for an
+ * answer's repeated field; the caller frees both once it has answered. */
+static em_status checkpoint_messages(em_checkpoint_info *infos, size_t count, const char *what,
+                                     Ember__CheckpointInfo **items,
+                                     Ember__CheckpointInfo ***pointers, em_error *err)
+{
+    *items = calloc(count + 1, sizeof(**items));
+    *pointers = calloc(count + 1, sizeof(**pointers));
+    if (*items == NULL || *pointers == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "%s: out of memory", what);
+    for (size_t i = 0; i < count; i++) {
+        checkpoint_message(&(*items)[i], &infos[i]);
+        (*pointers)[i] = &(*items)[i];
+    }
+    return EM_OK;
 }
 
 em_status em_handle_save(em_request *request, em_error *err)
@@ -612,22 +636,10 @@ em_status em_handle_save(em_request *request, em_error *err)
              : em_checkpointer_save(checkpointer, body->table,
                                     body->delta ? EM_SAVE_DELTA : EM_SAVE_FULL, &infos, &count,
                                     err);
-    Ember__CheckpointInfo *items = calloc(count + 1, sizeof(*items));
-    Ember__CheckpointInfo **pointers = calloc(count + 1, sizeof(*pointers));
-    if (status == EM_OK && (items == NULL || pointers == NULL))
-        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of memory");
+    Ember__CheckpointInfo *items = NULL, **pointers = NULL;
+    if (status == EM_OK)
+        status = checkpoint_messages(infos, count, "save", &items, &pointers, err);
     if (status == EM_OK) {
-        for (size_t i = 0; i < count; i++) {
-            ember__checkpoint_info__init(&items[i]);
-            items[i].table = infos[i].table;
-            items[i].id = infos[i].id;
-            items[i].path = infos[i].path;
-            items[i].rows = infos[i].rows;
-            items[i].bytes = infos[i].bytes;
-            items[i].seconds = infos[i].seconds;
-            checkpoint_chain_fields(&items[i], &infos[i]);
-            pointers[i] = &items[i];
-        }
         Ember__SaveResponse response = EMBER__SAVE_RESPONSE__INIT;
         response.n_saved = count;
         response.saved = pointers;
@@ -688,21 +700,10 @@ em_status em_handle_checkpoints(em_request *request, em_error *err)
     for (size_t t = 0; status == EM_OK && t < tables; t++)
         status = list_table_checkpoints(dir, names[t], &infos, &count, &capacity, err);
     em_checkpoint_free_names(names, tables);
-    Ember__CheckpointInfo *items = calloc(count + 1, sizeof(*items));
-    Ember__CheckpointInfo **pointers = calloc(count + 1, sizeof(*pointers));
-    if (status == EM_OK && (items == NULL || pointers == NULL))
-        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "checkpoints: out of memory");
+    Ember__CheckpointInfo *items = NULL, **pointers = NULL;
+    if (status == EM_OK)
+        status = checkpoint_messages(infos, count, "checkpoints", &items, &pointers, err);
     if (status == EM_OK) {
-        for (size_t i = 0; i < count; i++) {
-            ember__checkpoint_info__init(&items[i]);
-            items[i].table = infos[i].table;
-            items[i].id = infos[i].id;
-            items[i].path = infos[i].path;
-            items[i].rows = infos[i].rows;
-            items[i].bytes = infos[i].bytes;
-            checkpoint_chain_fields(&items[i], &infos[i]);
-            pointers[i] = &items[i];
-        }
         Ember__CheckpointsResponse response = EMBER__CHECKPOINTS_RESPONSE__INIT;
         response.n_checkpoints = count;
         response.checkpoints = pointers;
@@ -781,14 +782,8 @@ em_status em_handle_load(em_request *request, em_error *err)
         em_log_notice(context->log, "loaded table '%s' from %s%s: %" PRIu64 " rows in %.3f s",
                       body->table, info.path, body->weights_only ? " (weights only)" : "",
                       info.rows, info.seconds);
-    Ember__CheckpointInfo item = EMBER__CHECKPOINT_INFO__INIT;
-    item.table = info.table;
-    item.id = info.id;
-    item.path = info.path;
-    item.rows = info.rows;
-    item.bytes = info.bytes;
-    item.seconds = info.seconds;
-    checkpoint_chain_fields(&item, &info);
+    Ember__CheckpointInfo item;
+    checkpoint_message(&item, &info);
     Ember__LoadResponse response = EMBER__LOAD_RESPONSE__INIT;
     response.loaded = &item;
     return em_request_respond(request, &response.base, NULL, 0, err);
