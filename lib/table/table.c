@@ -927,7 +927,11 @@ static em_status erase_by_min_age(em_table *table, uint32_t min_age, uint64_t *e
                             "max_age_seconds)",
                             table->config.name);
     enum { SCAN = 65536 };
+    /* ages as of now: a row pushed between two slices is not taken by the later one */
     em_age_slice slice = {.min_age = min_age,
+                          .from_start = true,
+                          .start_clock = (uint32_t)atomic_load_explicit(&table->update_clock,
+                                                                        memory_order_relaxed),
                           .scan = SCAN,
                           .keys = malloc(SCAN * sizeof(uint64_t)),
                           .rows = malloc(SCAN * sizeof(uint64_t))};
@@ -969,7 +973,10 @@ em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *era
     if (!em_eviction_tracks_access(&table->config.eviction))
         return erase_by_min_age(table, 0, erased, err); /* its precondition error */
     uint32_t now = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
-    em__clock_sample(table, em__unix_ms(), now);
+    uint64_t now_ms = em__unix_ms();
+    if (unix_ms >= now_ms) /* every row was pushed before now */
+        return erase_by_min_age(table, 0, erased, err);
+    em__clock_sample(table, now_ms, now);
     uint32_t then;
     if (!em__clock_at(table, unix_ms, &then))
         return EM_OK; /* no push of the table is known to be that old */

@@ -185,7 +185,9 @@ em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_
 /* Removes every row neither pushed nor created since unix_ms (wall clock). Rows carry
  * push clocks: the table's (time, clock) samples turn the time into the clock of the
  * last sample at or before it, so a row updated shortly before unix_ms may stay (by at
- * most the samples' spacing), and none updated after it goes. Errors: as
+ * most the samples' spacing), and none updated after it goes; a time not yet come takes
+ * every row. Rows pushed while the erase runs are never taken (as for
+ * em_table_erase_older, whose ages are as of its start). Errors: as
  * em_table_erase_older. Thread-safe. */
 em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *erased,
                                 em_error *err);

@@ -313,6 +313,9 @@ typedef struct em_age_slice {
     uint32_t shard;        /* not sweep */
     uint64_t cursor;       /* not sweep: 0 to start */
     uint32_t min_age;
+    bool from_start;       /* min_age is as of push clock start_clock: rows pushed since
+                            * (between slices) are younger by as many pushes */
+    uint32_t start_clock;
     uint64_t scan;
     uint64_t *keys, *rows; /* host, scan entries each */
     uint64_t removed;      /* out */

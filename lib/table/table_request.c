@@ -1041,8 +1041,13 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
         em_device *device = table->shards[s]->device;
         uint32_t clock = (uint32_t)atomic_load_explicit(&table->update_clock,
                                                         memory_order_relaxed);
+        uint32_t min_age = slice->min_age;
+        if (slice->from_start) { /* the pushes since the start count too, never past 2^32 */
+            uint64_t aged = (uint64_t)min_age + (uint32_t)(clock - slice->start_clock);
+            min_age = aged > UINT32_MAX ? UINT32_MAX : (uint32_t)aged;
+        }
         em__shard_write_lock(table, s);
-        status = device->ops->shard_expire(table->shards[s], lane, clock, slice->min_age, cursor,
+        status = device->ops->shard_expire(table->shards[s], lane, clock, min_age, cursor,
                                            slice->scan, slice->keys, slice->rows,
                                            &slice->removed, err);
         if (status == EM_OK)

@@ -1058,6 +1058,12 @@ START_TEST(erase_by_time_never_takes_a_row_pushed_after_it)
     now_ms = (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u;
     ck_assert_int_eq(em_table_erase_before(table, now_ms, &erased, &err), EM_OK);
     ck_assert_uint_eq(erased, 3);
+    /* a time to come: every row was pushed before it, also those pushed since the last
+     * sample (keys 7 and 8, within a second of it) */
+    for (uint64_t key = 7; key <= 8; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+    ck_assert_int_eq(em_table_erase_before(table, now_ms + 3600 * 1000, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 2);
     em_table_destroy(table);
     em_backend_destroy(backend);
 }
