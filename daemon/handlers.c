@@ -695,7 +695,7 @@ em_status em_handle_checkpoints(em_request *request, em_error *err)
                            : em_checkpoint_tables(dir, &names, &tables, err);
     if (one && status != EM_OK)
         return em_error_prefix(err, "checkpoints: ");
-    if (one && status == EM_OK)
+    if (one)
         status = list_table_checkpoints(dir, body->table, &infos, &count, &capacity, err);
     for (size_t t = 0; status == EM_OK && t < tables; t++)
         status = list_table_checkpoints(dir, names[t], &infos, &count, &capacity, err);
