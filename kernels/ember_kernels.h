@@ -306,6 +306,19 @@ em_gpu_status em_gpu_map_clear(em_gpu_stream *stream, em_gpu_slot *slots, uint64
 /* rows[i] = row of keys[i] or ROW_NONE; *missing (device) += absent keys. */
 em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                               uint64_t n, uint64_t *rows, uint64_t *missing);
+/* How a find searches, with the same answers: a group of EM_GPU_BUCKET_SLOTS threads a
+ * key, each reading one slot of a bucket per step, or a thread a key reading a bucket's
+ * slots in one pass. AUTO, which every find but em_gpu_map_find_as uses: the group while
+ * n keys' groups fit the GPU at most twice over, a thread a key for more. */
+typedef enum em_gpu_find_form {
+    EM_GPU_FIND_AUTO,
+    EM_GPU_FIND_GROUPED,
+    EM_GPU_FIND_EACH,
+} em_gpu_find_form;
+/* em_gpu_map_find in the form asked for (benchmarks). */
+em_gpu_status em_gpu_map_find_as(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
+                                 uint64_t n, uint64_t *rows, uint64_t *missing,
+                                 em_gpu_find_form form);
 /* em_gpu_map_find of the first *count (device) of at most n keys: a count still on the
  * GPU (a dedupe's), the grid sized by n. */
 em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,

@@ -11,12 +11,15 @@
  * a pull's em_gpu_rows_init, or a push's step, which writes a new row's initial values
  * before stepping it);
  * rehashes drop the tombstones. A pull's find is a group of 8 threads per key, a slot of
- * each bucket each (lookup_grouped); a push's find, with its check, one thread per key, a
- * bucket's slots in one pass (em_gpu_map_lookup_buckets). Optimizer steps are one
- * thread per element for sgd and adagrad, and one warp per row for rowwise adagrad
- * (whose mean of g*g is a warp reduction) and adam (whose step count is read by every
- * lane before lane 0 advances it).
+ * each bucket each (lookup_grouped), while the groups fit the GPU about twice over, and
+ * one thread per key for more keys (find_form); a push's find, with its check, one
+ * thread per key, a bucket's slots in one pass (em_gpu_map_lookup_buckets). Optimizer
+ * steps are one thread per element for sgd and adagrad, and one warp per row for
+ * rowwise adagrad (whose mean of g*g is a warp reduction) and adam (whose step count is
+ * read by every lane before lane 0 advances it).
  */
+#include <atomic>
+
 #include <cooperative_groups.h>
 
 #include "kernels/kernel_logic.h"
@@ -80,8 +83,8 @@ __device__ inline int find_item(em_gpu_shards shards, const uint64_t *keys, uint
 /* The first *count keys (n when count is NULL), in a map or in shards, a group of
  * threads a key (lookup_grouped; launched with EM_GPU_BUCKET_SLOTS threads a key). */
 template <typename Seen>
-__global__ void find_kernel(Seen seen, const uint64_t *keys, uint64_t n, const uint32_t *count,
-                            uint64_t *rows, uint64_t *missing)
+__global__ void find_grouped_kernel(Seen seen, const uint64_t *keys, uint64_t n,
+                                    const uint32_t *count, uint64_t *rows, uint64_t *missing)
 {
     bucket_group group = cg::tiled_partition<EM_GPU_BUCKET_SLOTS>(cg::this_thread_block());
     uint64_t end = count != NULL && *count < n ? *count : n;
@@ -98,6 +101,67 @@ __global__ void find_kernel(Seen seen, const uint64_t *keys, uint64_t n, const u
     absent = __reduce_add_sync(WARP_MASK, absent);
     if ((threadIdx.x & 31u) == 0 && absent != 0)
         atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
+}
+
+/* The same, a thread a key (em_gpu_map_lookup_buckets). */
+template <typename Seen>
+__global__ void find_each_kernel(Seen seen, const uint64_t *keys, uint64_t n,
+                                 const uint32_t *count, uint64_t *rows, uint64_t *missing)
+{
+    uint64_t end = count != NULL && *count < n ? *count : n;
+    uint32_t absent = 0;
+    EM_GPU_FOR_EACH(i, end)
+    absent += (uint32_t)find_item(seen, keys, i, rows);
+    absent = __reduce_add_sync(WARP_MASK, absent);
+    if ((threadIdx.x & 31u) == 0 && absent != 0)
+        atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
+}
+
+/* The threads a GPU holds at once (its multiprocessors times the threads each holds),
+ * read once per GPU; 0 when the runtime cannot say. */
+static uint64_t resident_threads(int ordinal)
+{
+    enum { KNOWN = 64 };
+    static std::atomic<uint64_t> known[KNOWN];
+    bool kept = ordinal >= 0 && ordinal < KNOWN;
+    uint64_t threads = kept ? known[ordinal].load(std::memory_order_relaxed) : 0;
+    if (threads != 0)
+        return threads;
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess ||
+        cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, ordinal) !=
+            cudaSuccess)
+        return 0;
+    threads = (uint64_t)sms * (uint64_t)per_sm;
+    if (kept)
+        known[ordinal].store(threads, std::memory_order_relaxed);
+    return threads;
+}
+
+/* How a find of n keys searches (em_gpu_find_form): a group of threads a key while the
+ * groups fit the GPU at most twice over (the time is then each key's chain of dependent
+ * reads, which a bucket per step shortens), else a thread a key (the time is then the
+ * work, which the group does eight times over). A GPU that cannot say how many threads
+ * it holds gets the group. */
+static em_gpu_find_form find_form(const em_gpu_stream *stream, uint64_t n, em_gpu_find_form form)
+{
+    if (form != EM_GPU_FIND_AUTO)
+        return form;
+    uint64_t threads = resident_threads(stream->ordinal);
+    return threads != 0 && n * EM_GPU_BUCKET_SLOTS > 2 * threads ? EM_GPU_FIND_EACH
+                                                                  : EM_GPU_FIND_GROUPED;
+}
+
+template <typename Seen>
+static em_gpu_status launch_find(em_gpu_stream *stream, Seen seen, const uint64_t *keys,
+                                 uint64_t n, const uint32_t *count, uint64_t *rows,
+                                 uint64_t *missing, em_gpu_find_form form)
+{
+    if (find_form(stream, n, form) == EM_GPU_FIND_EACH)
+        return EM_GPU_LAUNCH(find_each_kernel<Seen>, n, stream, seen, keys, n, count, rows,
+                             missing);
+    return EM_GPU_LAUNCH(find_grouped_kernel<Seen>, n * EM_GPU_BUCKET_SLOTS, stream, seen, keys,
+                         n, count, rows, missing);
 }
 
 __global__ void map_insert_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n,
@@ -186,11 +250,17 @@ extern "C" em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map,
                                          const uint64_t *keys, uint64_t n, uint64_t *rows,
                                          uint64_t *missing)
 {
+    return em_gpu_map_find_as(stream, map, keys, n, rows, missing, EM_GPU_FIND_AUTO);
+}
+
+extern "C" em_gpu_status em_gpu_map_find_as(em_gpu_stream *stream, em_gpu_map map,
+                                            const uint64_t *keys, uint64_t n, uint64_t *rows,
+                                            uint64_t *missing, em_gpu_find_form form)
+{
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(find_kernel<em_gpu_map>, n * EM_GPU_BUCKET_SLOTS, stream, map, keys, n,
-                         (const uint32_t *)NULL, rows, missing);
+    return launch_find(stream, map, keys, n, (const uint32_t *)NULL, rows, missing, form);
 }
 
 extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
@@ -201,8 +271,7 @@ extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_m
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(find_kernel<em_gpu_map>, n * EM_GPU_BUCKET_SLOTS, stream, map, keys, n,
-                         count, rows, missing);
+    return launch_find(stream, map, keys, n, count, rows, missing, EM_GPU_FIND_AUTO);
 }
 
 extern "C" em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
@@ -213,8 +282,7 @@ extern "C" em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gp
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(find_kernel<em_gpu_shards>, n * EM_GPU_BUCKET_SLOTS, stream, shards,
-                         keys, n, count, rows, missing);
+    return launch_find(stream, shards, keys, n, count, rows, missing, EM_GPU_FIND_AUTO);
 }
 
 extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map,
@@ -355,7 +423,7 @@ __global__ void rows_check_kernel(em_gpu_storage storage, em_optimizer_config op
     }
 }
 
-/* find_kernel and rows_check_kernel in one pass: each thread checks the row it found. */
+/* find_each_kernel and rows_check_kernel in one pass: each thread checks the row it found. */
 template <typename Seen>
 __global__ void find_check_kernel(Seen seen, em_gpu_storage storage,
                                   em_optimizer_config optimizer, em_initializer_config initializer,

@@ -6,7 +6,10 @@
  *              at load factors 0.5 and 0.9 and dim 8 and 64, 1,048,576 keys per call.
  *              The map has --slots slots and is filled to the load with random keys;
  *              find_or_insert times the last call of the fill (the one that reaches
- *              the load), on a rebuilt map each run.
+ *              the load), on a rebuilt map each run. Then the find alone (no gather)
+ *              of 16K to 1M keys at dim 8 in each of its forms: a group of 8 threads
+ *              a key, a thread a key, and the form chosen by the key count (what
+ *              requests use).
  *   gather     1,048,576 random rows of dim 16/64/128/256 into a dense array, in GB/s
  *              (bytes read + written), and as a fraction of a device-to-device
  *              cudaMemcpy of the same size measured in the same run.
@@ -279,6 +282,61 @@ static double map_find(map_bench *m, storage *s, const uint64_t *lookups, timer 
     return seconds;
 }
 
+#define FORM_SIZES 4u
+#define FORMS 3u
+
+/* Seconds of one find of n present keys (no gather) in the form asked for. */
+static double map_find_as(map_bench *m, const uint64_t *lookups, uint64_t n,
+                          em_gpu_find_form form, timer *t)
+{
+    check(em_gpu_memset_async(m->stream, m->counter, 0, sizeof(uint64_t)), "counter");
+    timer_begin(t);
+    check(em_gpu_map_find_as(m->stream, m->map, lookups, n, m->rows, m->counter, form),
+          "map find");
+    double seconds = timer_end(t);
+    uint64_t missing = 0;
+    copy_now(m->stream, &missing, m->counter, sizeof(missing));
+    if (missing != 0) {
+        fprintf(stderr, "map find: %" PRIu64 " present keys not found\n", missing);
+        exit(EXIT_FAILURE);
+    }
+    return seconds;
+}
+
+/* Gkeys/s of the find alone at each size and form, medians of 5 x --repeat runs (the
+ * small finds take microseconds). */
+static void time_find_forms(map_bench *m, const uint64_t *lookups, timer *t,
+                            double gkeys[FORM_SIZES][FORMS])
+{
+    static const uint64_t sizes[FORM_SIZES] = {16384, 65536, 262144, KEYS_PER_CALL};
+    static const em_gpu_find_form forms[FORMS] = {EM_GPU_FIND_GROUPED, EM_GPU_FIND_EACH,
+                                                  EM_GPU_FIND_AUTO};
+    uint32_t runs_count = 5 * m->o->repeat;
+    double *runs = host_alloc(runs_count * sizeof(double));
+    for (uint32_t z = 0; z < FORM_SIZES; z++)
+        for (uint32_t f = 0; f < FORMS; f++) {
+            for (uint32_t r = 0; r < runs_count; r++)
+                runs[r] = map_find_as(m, lookups, sizes[z], forms[f], t);
+            gkeys[z][f] = (double)sizes[z] / median(runs, runs_count) / 1e9;
+        }
+    free(runs);
+}
+
+static void print_find_forms(const double *loads, uint32_t load_count,
+                             double gkeys[][FORM_SIZES][FORMS])
+{
+    static const uint64_t sizes[FORM_SIZES] = {16384, 65536, 262144, KEYS_PER_CALL};
+    printf("\nfind alone (no gather), dim 8, by form, Gkeys/s: a group of 8 threads a key, a "
+           "thread a key,\nand the form chosen by the key count (what requests use)\n");
+    printf("%5s %8s %9s %9s %9s %14s\n", "load", "keys", "group", "thread", "chosen",
+           "thread/group");
+    for (uint32_t l = 0; l < load_count; l++)
+        for (uint32_t z = 0; z < FORM_SIZES; z++)
+            printf("%5.2f %8" PRIu64 " %9.3f %9.3f %9.3f %14.2f\n", loads[l], sizes[z],
+                   gkeys[l][z][0], gkeys[l][z][1], gkeys[l][z][2],
+                   gkeys[l][z][1] / gkeys[l][z][0]);
+}
+
 static void bench_hash_map(const options *o, em_gpu_stream *stream)
 {
     static const double loads[] = {0.5, 0.9};
@@ -305,6 +363,7 @@ static void bench_hash_map(const options *o, em_gpu_stream *stream)
     copy_now(stream, m.keys, host_keys, max_keys * sizeof(uint64_t));
     timer t = timer_create(o, stream);
     double *runs = host_alloc(o->repeat * sizeof(double));
+    double forms[2][FORM_SIZES][FORMS];
     for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++) {
         storage s = storage_create(o, stream, max_keys, dims[d], dims[d]);
         for (size_t l = 0; l < sizeof(loads) / sizeof(loads[0]); l++) {
@@ -320,9 +379,12 @@ static void bench_hash_map(const options *o, em_gpu_stream *stream)
                 runs[r] = map_find(&m, &s, lookups, &t);
             printf("%-34s %5.2f %4u %9.3f\n", "find (present keys + gather)", loads[l], dims[d],
                    (double)KEYS_PER_CALL / median(runs, o->repeat) / 1e9);
+            if (d == 0)
+                time_find_forms(&m, lookups, &t, forms[l]);
         }
         storage_destroy(o, &s);
     }
+    print_find_forms(loads, 2, forms);
     free(runs);
     timer_destroy(&t);
     em_gpu_free(o->device, lookups);

@@ -935,6 +935,73 @@ START_TEST(pulls_at_once_match_cpu)
 }
 END_TEST
 
+/* Loop index: 1 or 5 shards. Pulls of 400,000 keys, more than twice what the groups of
+ * a find fit in a GPU of today (an H200 holds 132 x 2,048 threads: 67,584 keys' groups
+ * twice over), so their finds search a thread a key (em_gpu_find_form): the keys found
+ * and missed, the rows created and every value are the CPU's; pulls of the same keys
+ * once they are all stored go at once. */
+START_TEST(large_pulls_match_cpu)
+{
+    enum { KEYS = 400000, DIM = 4 };
+    const uint32_t shards = _i == 0 ? 1 : 5;
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(DIM, 2 * KEYS, shards, 1, EM_INIT_UNIFORM);
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
+    float *out[2] = {malloc((size_t)KEYS * DIM * sizeof(float)),
+                     malloc((size_t)KEYS * DIM * sizeof(float))};
+    ck_assert(keys != NULL && out[0] != NULL && out[1] != NULL);
+    for (uint64_t k = 0; k < KEYS; k++) /* the map's marker keys among them */
+        keys[k] = k < 3 ? UINT64_MAX - k : k * 0x9e3779b97f4a7c15ull + 7;
+    em_test_batch every = em_test_key_batch(keys, KEYS);
+    em_test_batch half = em_test_key_batch(keys, KEYS / 2);
+    em_error err;
+    for (int t = 0; t < 2; t++) /* half of them stored */
+        ck_assert_msg(em_test_pull(tables[t], &half.csr, EM_COMBINER_NONE, true, out[t], NULL,
+                                   &err) == EM_OK, "%s", err.message);
+    em_pull_result results[2];
+    for (int pass = 0; pass < 4; pass++) {
+        /* 0: half of the keys missing, not created; 1: created; 2, 3: every key stored
+         * (a table of several shards whose last pull missed keys pulls the general way
+         * once more, 2, and at once again after one that missed none, 3) */
+        bool create = pass > 0;
+        uint64_t pulls_at_once = 0;
+        for (int t = 0; t < 2; t++) {
+            em_table_stats before;
+            em_table_get_stats(tables[t], &before);
+            ck_assert_msg(em_test_pull(tables[t], &every.csr, EM_COMBINER_NONE, create, out[t],
+                                       &results[t], &err) == EM_OK, "pass %d: %s", pass,
+                          err.message);
+            em_table_stats after;
+            em_table_get_stats(tables[t], &after);
+            if (t == 1)
+                pulls_at_once = after.pulls_at_once - before.pulls_at_once;
+        }
+        ck_assert_mem_eq(out[1], out[0], (size_t)KEYS * DIM * sizeof(float));
+        ck_assert_uint_eq(results[1].missing, results[0].missing);
+        ck_assert_uint_eq(results[1].created, results[0].created);
+        ck_assert_uint_eq(results[0].missing, pass >= 2 ? 0 : KEYS / 2);
+        if (pass == 3 || (pass == 2 && shards == 1))
+            ck_assert_msg(pulls_at_once == 1, "pass %d", pass);
+    }
+    em_test_snapshot a = em_test_snapshot_take(tables[0], 4096);
+    em_test_snapshot g = em_test_snapshot_take(tables[1], 4096);
+    em_test_assert_snapshots_identical(&a, &g);
+    em_test_snapshot_free(&a);
+    em_test_snapshot_free(&g);
+    em_test_batch_free(&every);
+    em_test_batch_free(&half);
+    for (int t = 0; t < 2; t++) {
+        free(out[t]);
+        em_table_destroy(tables[t]);
+    }
+    free(keys);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* A table of 8 shards whose keys are in a few of them (the others hold no rows, and no
  * row blocks yet) pulls and pushes its keys at once, one wait each on the emulation (the
  * first pull, which creates them, also waits for row blocks), and ends equal to the
@@ -2358,6 +2425,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
     tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
     tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 24);
+    tcase_add_loop_test(tc, large_pulls_match_cpu, 0, 2);
     tcase_add_test(tc, tables_with_empty_shards_go_at_once);
     tcase_add_loop_test(tc, pushes_at_once_match_cpu, 0, 48);
     tcase_add_test(tc, erase_matches_cpu_and_reuses_rows);

@@ -830,6 +830,16 @@ em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint6
     return ok();
 }
 
+/* Both forms search as em_gpu_map_find_item: on the host the group's search reads the
+ * same slots in the same order. */
+em_gpu_status em_gpu_map_find_as(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
+                                 uint64_t n, uint64_t *rows, uint64_t *missing,
+                                 em_gpu_find_form form)
+{
+    (void)form;
+    return em_gpu_map_find(stream, map, keys, n, rows, missing);
+}
+
 em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
                                       const uint64_t *keys, uint64_t n, const uint32_t *count,
                                       uint64_t *rows, uint64_t *missing)
