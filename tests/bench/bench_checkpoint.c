@@ -1,5 +1,7 @@
 /*
- * Checkpoint throughput and the cost of a save to serving, on the CPU backend:
+ * Checkpoint throughput and the cost of a save to serving, on the CPU backend, or with
+ * --backend cuda on the first GPU (the rows in GPU memory: a save copies them out and a
+ * load in, through the lane's pinned staging):
  *
  *   1. save and load GB/s of a table (Adam state) against dd writing the same bytes with
  *      conv=fdatasync and reading them back, on the same disk in the same run (the page
@@ -13,6 +15,7 @@
  *      (in-process threads, no network), p50 / p99 / max.
  *
  *   bench_checkpoint [--rows N] [--dim D] [--dir PATH] [--clients C] [--seconds S]
+ *                    [--backend cpu|cuda]
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -23,6 +26,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "ember_config.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
@@ -36,6 +40,7 @@ typedef struct options {
     const char *dir;
     int clients;
     double seconds;
+    const char *backend; /* "cpu" or "cuda" */
 } options;
 
 static uint64_t key_of(uint64_t i)
@@ -296,6 +301,37 @@ static void read_into_cache(const char *dir, const char *name)
     fclose(f);
 }
 
+/* The backend --backend names; exits when it cannot be had. */
+static em_backend *bench_backend(const options *opt)
+{
+    em_backend *backend = NULL;
+    em_error err;
+    em_status status;
+    if (strcmp(opt->backend, "cpu") == 0) {
+        em_cpu_backend_options cpu;
+        em_cpu_backend_options_init(&cpu);
+        status = em_backend_create_cpu(&cpu, &backend, &err);
+    } else if (strcmp(opt->backend, "cuda") == 0) {
+#if EM_HAVE_CUDA
+        em_cuda_backend_options cuda;
+        em_cuda_backend_options_init(&cuda);
+        cuda.device_count = 1;
+        cuda.devices[0] = 0;
+        status = em_backend_create_cuda(&cuda, &backend, &err);
+#else
+        status = em_error_set(&err, EM_UNAVAILABLE, "this build has no CUDA backend");
+#endif
+    } else {
+        status = em_error_set(&err, EM_INVALID_ARGUMENT,
+                              "--backend %s: expected cpu or cuda", opt->backend);
+    }
+    if (status != EM_OK) {
+        fprintf(stderr, "backend %s: %s\n", opt->backend, err.message);
+        exit(1);
+    }
+    return backend;
+}
+
 /* Seconds to load the checkpoint at path into a new table (then destroyed); exits on a
  * failure. */
 static double timed_load(const char *path, em_backend *backend, em_checkpoint_info *info)
@@ -315,7 +351,7 @@ static double timed_load(const char *path, em_backend *backend, em_checkpoint_in
 int main(int argc, char **argv)
 {
     options opt = {.rows = 2000000, .dim = 64, .dir = "/tmp/ember-bench-checkpoint",
-                   .clients = 16, .seconds = 3};
+                   .clients = 16, .seconds = 3, .backend = "cpu"};
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--rows") == 0)
             opt.rows = strtoull(argv[i + 1], NULL, 10);
@@ -327,21 +363,18 @@ int main(int argc, char **argv)
             opt.clients = atoi(argv[i + 1]);
         else if (strcmp(argv[i], "--seconds") == 0)
             opt.seconds = strtod(argv[i + 1], NULL);
+        else if (strcmp(argv[i], "--backend") == 0)
+            opt.backend = argv[i + 1];
     }
     mkdir(opt.dir, 0755);
     em_test_print_machine(NULL);
     printf("command: bench_checkpoint --rows %" PRIu64 " --dim %u --dir %s --clients %d "
-           "--seconds %g\n", opt.rows, opt.dim, opt.dir, opt.clients, opt.seconds);
-    printf("CPU backend, 1 device, 8 shards, adam (weights, two moments and a step per row)\n\n");
-
-    em_cpu_backend_options backend_options;
-    em_cpu_backend_options_init(&backend_options);
-    em_backend *backend = NULL;
+           "--seconds %g --backend %s\n", opt.rows, opt.dim, opt.dir, opt.clients, opt.seconds,
+           opt.backend);
+    em_backend *backend = bench_backend(&opt);
     em_error err;
-    if (em_backend_create_cpu(&backend_options, &backend, &err) != EM_OK) {
-        fprintf(stderr, "%s\n", err.message);
-        return 1;
-    }
+    printf("%s backend, device %s, 8 shards, adam (weights, two moments and a step per row)\n\n",
+           opt.backend, backend->devices[0]->name);
     em_table *table = populated_table(backend, &opt);
 
     /* 1. save and load against dd */

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # First contact with a GPU: runs, in one go and within 10 minutes, the gpu suite, the
-# daemon's integration suites on the cuda backend, bench_gpu and bench_server --backend
-# cuda, and writes everything into one report file (default: $OUT/gpu-report.txt when
-# $OUT is set, else gpu-report.txt), ending with a table of each step's exit status and
-# time. Exits 0 only when every step passed.
+# daemon's integration suites (checkpoints too) on the cuda backend, bench_gpu,
+# bench_server --backend cuda and bench_checkpoint --backend cuda, and writes everything
+# into one report file (default: $OUT/gpu-report.txt when $OUT is set, else
+# gpu-report.txt), ending with a table of each step's exit status and time. Exits 0 only
+# when every step passed.
 #
 #     tests/gpu/run-on-gpu.sh [REPORT]
 #
@@ -70,7 +71,7 @@ if [[ -x $runtime/bin/emberd ]]; then
   gpu_suite=$bin/test_gpu_backend
   integration=$bin
   emberd=$bin/emberd emberctl=$bin/emberctl train_logreg=$bin/train_logreg
-  bench_gpu=$bin/bench_gpu bench_server=$bin/bench_server
+  bench_gpu=$bin/bench_gpu bench_server=$bin/bench_server bench_checkpoint=$bin/bench_checkpoint
   export LD_LIBRARY_PATH=$runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export PATH=$bin:$PATH
   origin="carried programs ($(head -2 "$runtime/STAGED" 2>/dev/null | tr '\n' ' '))"
@@ -91,6 +92,7 @@ else
   emberd=$build/daemon/emberd emberctl=$build/clients/emberctl
   train_logreg=$build/clients/examples/train_logreg
   bench_gpu=$build/tests/bench/bench_gpu bench_server=$build/tests/bench/bench_server
+  bench_checkpoint=$build/tests/bench/bench_checkpoint
   origin="build tree $build"
 fi
 
@@ -146,6 +148,11 @@ for suite in client_daemon protocol serving; do
   step "${suite}_cuda" 45 env EMBER_TEST_BACKEND=cuda EMBERD="$emberd" EMBERCTL="$emberctl" \
     TRAIN_LOGREG="$train_logreg" "$integration/test_$suite"
 done
+# Saves, kill -9 and restores, the save at SIGTERM and a short crash loop, with the
+# table's rows on the GPU (each iteration starts emberd, so 20 rather than 200).
+step "checkpoints_cuda" 150 env EMBER_TEST_BACKEND=cuda EMBER_CRASH_ITERATIONS=20 \
+  EMBERD="$emberd" EMBERCTL="$emberctl" TRAIN_LOGREG="$train_logreg" \
+  "$integration/test_checkpoints"
 
 # ---- benchmarks -----------------------------------------------------------------------
 if [[ ${EMBER_GPU_QUICK:-0} == 1 ]]; then
@@ -156,4 +163,6 @@ else
   step "bench_server --backend cuda" 100 "$bench_server" --emberd "$emberd" --backend cuda \
     --seconds 1
 fi
+# Saves and loads of a table in GPU memory against dd on this machine's disk.
+step "bench_checkpoint --backend cuda" 120 "$bench_checkpoint" --backend cuda --seconds 1
 finish
