@@ -757,6 +757,9 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     const em_push_request *request = call->request;
     em_push_result *result = untyped_result;
     request_context r;
+    /* a save's copies past their bound: wait for its reader before taking a lane, which
+     * the reader needs too (lib/table/table_snapshot.c) */
+    em__snapshot_wait_room(table);
     em_status status = em__request_begin(table, &r, err);
     r.alone = may_create; /* the exclusive attempt */
     bool done = false, planned = false;

@@ -374,8 +374,8 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
  * copies aside the snapshot's rows it is the first to change (table_snapshot.c). */
 em_status em__snapshot_preserve(em_table *table, uint32_t s, em_lane *lane, const uint64_t *rows,
                                 uint64_t n, em_error *err);
-/* Before taking any shard lock to write: waits while a snapshot's copies are over their
- * limit. */
+/* Before taking a lane or any shard lock to write: waits while a snapshot's copies are
+ * over their limit (the snapshot's reader takes a lane to free them). */
 void em__snapshot_wait_room(em_table *table);
 /* Before any row of the request is written: em__snapshot_preserve on every shard it
  * touches, holding each shard's write lock (take_locks) or with all of them held. */

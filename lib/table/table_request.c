@@ -1740,7 +1740,6 @@ em_status em__check_create_apply(request_context *r, em_error *err)
                                           "table '%s': push: out of memory", table->config.name)
                            : check_shards(r, checks, err);
     if (status == EM_OK) {
-        em__snapshot_wait_room(table);
         lock_shards(r, true);
         /* keys created by others since they were found take their rows now, and a shard
          * where that happened is checked again with them */

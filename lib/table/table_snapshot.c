@@ -17,8 +17,10 @@
  *
  * The reader goes shard by shard; once a shard has been read its copies are freed and
  * writes to it copy nothing more. The copies are bounded: past copy_limit bytes, pushes
- * wait (before they take any shard lock) until the reader has freed a shard's copies;
- * the reader needs only shards' read locks, so it always gets there. The memory a save
+ * and imports wait (before they take a lane or any shard lock) until the reader has
+ * freed a shard's copies; the reader needs only a lane and shards' read locks, so it
+ * always gets there. Begin, like every request, takes its lanes before the shards'
+ * locks. The memory a save
  * needs is therefore the captured index (16 bytes per row) plus at most copy_limit plus
  * what the pushes in flight at that moment copy.
  */
@@ -170,8 +172,10 @@ static void free_shard(snapshot_shard *shard)
     shard->done = true;
 }
 
-/* Copies shard s's index (every key and its row) to the host; its write lock is held. */
-static em_status capture_shard(em_table *table, uint32_t s, snapshot_shard *out, em_error *err)
+/* Copies shard s's index (every key and its row) to the host through a lane of its
+ * device; its write lock is held. */
+static em_status capture_shard(em_table *table, uint32_t s, em_lane *lane, snapshot_shard *out,
+                               em_error *err)
 {
     em_shard *shard = table->shards[s];
     const em_device_ops *ops = shard->device->ops;
@@ -184,8 +188,7 @@ static em_status capture_shard(em_table *table, uint32_t s, snapshot_shard *out,
         return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                             "snapshot of table '%s': out of host memory for the index of "
                             "shard %u (%" PRIu64 " rows)", table->config.name, s, stats.rows);
-    em_lane *lane = NULL;
-    em_status status = ops->lane_acquire(shard->device, &lane, err);
+    em_status status = EM_OK;
     uint64_t cursor = 0, count = 1;
     while (status == EM_OK && count > 0) {
         status = ops->shard_export(shard, lane, &cursor, out->keys + out->count, NULL,
@@ -196,8 +199,6 @@ static em_status capture_shard(em_table *table, uint32_t s, snapshot_shard *out,
                                   "snapshot of table '%s': shard %u holds more rows than it "
                                   "counts (%" PRIu64 ")", table->config.name, s, stats.rows);
     }
-    if (lane != NULL)
-        ops->lane_release(lane);
     if (status != EM_OK)
         return status;
     for (uint64_t i = 0; i < out->count; i++)
@@ -213,6 +214,33 @@ static em_status capture_shard(em_table *table, uint32_t s, snapshot_shard *out,
     return EM_OK;
 }
 
+/* Takes a lane on each device the table's shards live on, in device order, before any
+ * shard lock, as requests take theirs (table_request.c: acquire_lanes): a request holds
+ * its lanes while it waits for shard locks, so a holder of the shards' locks that then
+ * waited for a lane could wait for good. lanes[d] stays NULL for the other devices. */
+static em_status take_lanes(em_table *table, em_lane **lanes, em_error *err)
+{
+    em_backend *backend = table->backend;
+    for (uint32_t d = 0; d < backend->device_count; d++) {
+        bool hosts = false;
+        for (uint32_t s = 0; s < table->shard_count && !hosts; s++)
+            hosts = table->shard_device[s] == d;
+        em_device *device = backend->devices[d];
+        em_status status = hosts ? device->ops->lane_acquire(device, &lanes[d], err) : EM_OK;
+        if (status != EM_OK)
+            return em_error_prefix(err, "snapshot of table '%s': lane on %s: ",
+                                   table->config.name, device->name);
+    }
+    return EM_OK;
+}
+
+static void give_lanes(em_table *table, em_lane **lanes)
+{
+    for (uint32_t d = 0; d < table->backend->device_count; d++)
+        if (lanes[d] != NULL)
+            table->backend->devices[d]->ops->lane_release(lanes[d]);
+}
+
 em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
                                   em_table_snapshot **out, em_error *err)
 {
@@ -226,13 +254,15 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
     }
     snapshot->table = table;
     snapshot->copy_limit = copy_limit_bytes;
-    em_status status = EM_OK;
+    em_lane *lanes[EM_BACKEND_MAX_DEVICES] = {NULL};
+    em_status status = take_lanes(table, lanes, err);
     em__lock_all_shards(table, true);
-    if (table->snapshot != NULL)
+    if (status == EM_OK && table->snapshot != NULL)
         status = em_error_set(err, EM_FAILED_PRECONDITION,
                               "table '%s' is being saved already", table->config.name);
     for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++) {
-        status = capture_shard(table, s, &snapshot->shards[s], err);
+        status = capture_shard(table, s, lanes[table->shard_device[s]], &snapshot->shards[s],
+                               err);
         snapshot->rows += snapshot->shards[s].count;
     }
     if (status == EM_OK) {
@@ -242,6 +272,7 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
         pthread_mutex_unlock(&table->snapshot_mutex);
     }
     em__unlock_all_shards(table);
+    give_lanes(table, lanes);
     if (status != EM_OK) {
         for (uint32_t s = 0; s < table->shard_count; s++)
             free_shard(&snapshot->shards[s]);

@@ -194,6 +194,7 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
                                em_error *err)
 {
     request_context r;
+    em__snapshot_wait_room(table); /* before a lane: the save's reader needs one too */
     em_status status = em__request_begin(table, &r, err);
     r.keys_absent = absent;
     uint64_t rows_before = absent ? em__stored_rows(table) : 0;
@@ -222,10 +223,8 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
      * (created rows are not the snapshot's), so that between creating the missing rows
      * and writing them nothing can fail: they need no initial values, the exclusive
      * table lock keeps every reader out, and the write below fills them all */
-    if (status == EM_OK) {
-        em__snapshot_wait_room(table);
+    if (status == EM_OK)
         status = em__preserve_for_snapshot(&r, true, err);
-    }
     r.rows_written_next = r.home->host_addressable;
     if (status == EM_OK)
         status = em__create_missing(&r, false, err);

@@ -17,6 +17,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1243,6 +1244,118 @@ END_TEST
 
 /* ---- concurrency ------------------------------------------------------------------------ */
 
+typedef struct busy_table {
+    em_table *table;
+    const uint64_t *keys;
+    uint32_t key_count;
+    _Atomic int stop;
+    _Atomic int failures;
+    _Atomic uint64_t requests;
+} busy_table;
+
+/* Pulls and pushes the context's keys until told to stop. */
+static void *busy_client(void *argument)
+{
+    busy_table *context = argument;
+    em_test_batch b = em_test_key_batch(context->keys, context->key_count);
+    float *values = malloc((size_t)context->key_count * 8 * sizeof(float));
+    for (uint32_t i = 0; i < context->key_count * 8; i++)
+        values[i] = 0.01f;
+    em_error err;
+    for (uint64_t n = 0; !atomic_load(&context->stop); n++) {
+        em_status status =
+            n % 2 == 0
+                ? em_test_pull(context->table, &b.csr, EM_COMBINER_NONE, false, values, NULL, &err)
+                : em_test_push(context->table, &b.csr, EM_COMBINER_NONE, values, NULL, &err);
+        if (status != EM_OK)
+            atomic_fetch_add(&context->failures, 1);
+        atomic_fetch_add(&context->requests, 1);
+        for (uint32_t i = 0; i < context->key_count * 8; i++)
+            values[i] = 0.01f;
+    }
+    free(values);
+    em_test_batch_free(&b);
+    return NULL;
+}
+
+typedef struct save_run {
+    em_table *table;
+    const char *dir;
+    int saves;
+    uint64_t copy_limit_bytes; /* 0: the default */
+    _Atomic int done;
+    em_status status;
+    em_error err;
+} save_run;
+
+static void *save_repeatedly(void *argument)
+{
+    save_run *run = argument;
+    run->status = EM_OK;
+    for (int i = 0; run->status == EM_OK && i < run->saves; i++) {
+        em_checkpoint_options options;
+        em_checkpoint_options_init(&options, run->dir);
+        options.keep = 2;
+        if (run->copy_limit_bytes != 0)
+            options.copy_limit_bytes = run->copy_limit_bytes;
+        em_checkpoint_info info;
+        run->status = em_checkpoint_save(run->table, &options, &info, &run->err);
+    }
+    atomic_store(&run->done, 1);
+    return NULL;
+}
+
+/* Loop index: the save's copies within the default bound, or bounded to 1 byte (every
+ * push during a save waits for its reader). Saves while more threads than the GPU has
+ * lanes pull and push: a save takes its lanes before the shards' locks, as requests do,
+ * and a push waits for the save's reader before it takes a lane, so neither waits for
+ * the other for good. (A save that took the shards' write locks and then waited for a
+ * lane, which requests held while waiting for those locks, stopped the table for good;
+ * so did pushes that held every lane while they waited for the reader, which needs
+ * one.) */
+START_TEST(saves_while_requests_fill_every_lane_finish)
+{
+    enum { CLIENTS = 6, KEYS = 64, SAVES = 6, DEADLINE_S = 60 };
+    char dir[256];
+    em_test_make_dir("ember-gpu-busy-save", dir, sizeof(dir));
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false); /* 2 lanes */
+    em_table_config config = table_config(8, 10000, 2, 0, EM_INIT_ZEROS);
+    em_table *table = em_test_make_table(gpu, &config);
+    uint64_t keys[KEYS];
+    for (int i = 0; i < KEYS; i++)
+        keys[i] = 500 + 3 * (uint64_t)i;
+    em_test_batch b = em_test_key_batch(keys, KEYS);
+    float out[KEYS * 8];
+    em_error err;
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err), EM_OK);
+    em_test_batch_free(&b);
+    busy_table busy = {.table = table, .keys = keys, .key_count = KEYS};
+    pthread_t clients[CLIENTS];
+    for (int t = 0; t < CLIENTS; t++)
+        pthread_create(&clients[t], NULL, busy_client, &busy);
+    save_run run = {.table = table, .dir = dir, .saves = SAVES,
+                    .copy_limit_bytes = _i == 1 ? 1 : 0};
+    pthread_t saver;
+    pthread_create(&saver, NULL, save_repeatedly, &run);
+    double began = em_test_now();
+    while (!atomic_load(&run.done) && em_test_now() - began < DEADLINE_S)
+        usleep(10000);
+    ck_assert_msg(atomic_load(&run.done), "%d saves beside %d clients did not end in %d s "
+                  "(%" PRIu64 " requests answered): the save and the requests wait on each other",
+                  SAVES, CLIENTS, DEADLINE_S, atomic_load(&busy.requests));
+    pthread_join(saver, NULL);
+    atomic_store(&busy.stop, 1);
+    for (int t = 0; t < CLIENTS; t++)
+        pthread_join(clients[t], NULL);
+    ck_assert_msg(run.status == EM_OK, "%s", run.err.message);
+    ck_assert_int_eq(atomic_load(&busy.failures), 0);
+    ck_assert_uint_gt(atomic_load(&busy.requests), 0);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 #define RACE_KEYS 64
 #define RACE_DIM 32
 #define RACE_PUSHES 40
@@ -2406,6 +2519,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, import_export_round_trip_bit_for_bit);
     tcase_add_test(tc, checkpoints_move_between_gpu_and_cpu_bit_for_bit);
     tcase_add_loop_test(tc, concurrent_pushes_lose_no_update, 0, 3);
+    tcase_add_loop_test(tc, saves_while_requests_fill_every_lane_finish, 0, 2);
     tcase_add_loop_test(tc, threads_creating_the_same_keys_create_each_once, 0, 2);
     tcase_add_loop_test(tc, threads_pulling_new_keys_create_each_once, 0, 2);
     tcase_add_loop_test(tc, wide_rows_match_cpu_value_by_value, 0, 8);
