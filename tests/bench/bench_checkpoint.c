@@ -366,6 +366,7 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--backend") == 0)
             opt.backend = argv[i + 1];
     }
+    setvbuf(stdout, NULL, _IOLBF, 0); /* each line out at once: a run cut short keeps them */
     mkdir(opt.dir, 0755);
     em_test_print_machine(NULL);
     printf("command: bench_checkpoint --rows %" PRIu64 " --dim %u --dir %s --clients %d "
