@@ -309,7 +309,7 @@ em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint6
 /* How a find searches, with the same answers: a group of EM_GPU_BUCKET_SLOTS threads a
  * key, each reading one slot of a bucket per step, or a thread a key reading a bucket's
  * slots in one pass. AUTO, which every find but em_gpu_map_find_as uses: the group while
- * n keys' groups fit the GPU at most twice over, a thread a key for more. */
+ * n keys' groups fit in the GPU at once, a thread a key for more. */
 typedef enum em_gpu_find_form {
     EM_GPU_FIND_AUTO,
     EM_GPU_FIND_GROUPED,

@@ -11,8 +11,8 @@
  * a pull's em_gpu_rows_init, or a push's step, which writes a new row's initial values
  * before stepping it);
  * rehashes drop the tombstones. A pull's find is a group of 8 threads per key, a slot of
- * each bucket each (lookup_grouped), while the groups fit the GPU about twice over, and
- * one thread per key for more keys (find_form); a push's find, with its check, one
+ * each bucket each (lookup_grouped), while the groups fit in the GPU at once, and one
+ * thread per key for more keys (find_form); a push's find, with its check, one
  * thread per key, a bucket's slots in one pass (em_gpu_map_lookup_buckets). Optimizer
  * steps are one thread per element for sgd and adagrad, and one warp per row for
  * rowwise adagrad (whose mean of g*g is a warp reduction) and adam (whose step count is
@@ -139,17 +139,19 @@ static uint64_t resident_threads(int ordinal)
 }
 
 /* How a find of n keys searches (em_gpu_find_form): a group of threads a key while the
- * groups fit the GPU at most twice over (the time is then each key's chain of dependent
- * reads, which a bucket per step shortens), else a thread a key (the time is then the
- * work, which the group does eight times over). A GPU that cannot say how many threads
+ * groups fit in the GPU at once (the time is then each key's chain of dependent reads,
+ * which a bucket per step shortens), else a thread a key (the time is then the work,
+ * which the group does eight times over). On an H200 (270,336 threads at once: 33,792
+ * keys' groups) the thread a key searched 16K keys at 0.88-0.99 of the group's speed and
+ * 64K keys at 1.00-1.21 (tests/bench/RESULTS.md). A GPU that cannot say how many threads
  * it holds gets the group. */
 static em_gpu_find_form find_form(const em_gpu_stream *stream, uint64_t n, em_gpu_find_form form)
 {
     if (form != EM_GPU_FIND_AUTO)
         return form;
     uint64_t threads = resident_threads(stream->ordinal);
-    return threads != 0 && n * EM_GPU_BUCKET_SLOTS > 2 * threads ? EM_GPU_FIND_EACH
-                                                                  : EM_GPU_FIND_GROUPED;
+    return threads != 0 && n * EM_GPU_BUCKET_SLOTS > threads ? EM_GPU_FIND_EACH
+                                                              : EM_GPU_FIND_GROUPED;
 }
 
 template <typename Seen>

@@ -936,9 +936,9 @@ START_TEST(pulls_at_once_match_cpu)
 }
 END_TEST
 
-/* Loop index: 1 or 5 shards. Pulls of 400,000 keys, more than twice what the groups of
- * a find fit in a GPU of today (an H200 holds 132 x 2,048 threads: 67,584 keys' groups
- * twice over), so their finds search a thread a key (em_gpu_find_form): the keys found
+/* Loop index: 1 or 5 shards. Pulls of 400,000 keys, more than the groups of a find fit
+ * in a GPU of today at once (an H200 holds 132 x 2,048 threads: 33,792 keys' groups),
+ * so their finds search a thread a key (em_gpu_find_form): the keys found
  * and missed, the rows created and every value are the CPU's; pulls of the same keys
  * once they are all stored go at once. */
 START_TEST(large_pulls_match_cpu)
