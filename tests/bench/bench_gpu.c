@@ -929,6 +929,7 @@ static options parse_options(int argc, char **argv)
 
 int main(int argc, char **argv)
 {
+    setvbuf(stdout, NULL, _IOLBF, 0); /* each line out at once: a run cut short keeps them */
     options o = parse_options(argc, argv);
     uint32_t gpus = 0;
     em_error err;

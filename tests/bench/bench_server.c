@@ -753,6 +753,7 @@ static void parse_options(int argc, char **argv, bench_options *opt)
 
 int main(int argc, char **argv)
 {
+    setvbuf(stdout, NULL, _IOLBF, 0); /* each line out at once: a run cut short keeps them */
     bench_options opt;
     parse_options(argc, argv, &opt);
     signal(SIGPIPE, SIG_IGN);
