@@ -68,6 +68,10 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
     atomic_fetch_sub(&c->stats->checkpoint_save_rows_read, progress.read);
     atomic_fetch_sub(&c->stats->checkpoint_save_rows, progress.total);
     atomic_fetch_sub(&c->stats->checkpoint_saves_running, 1);
+    if (status != EM_OK && em_table_dropped(table)) { /* dropped since it was listed */
+        em_log_info(c->log, "table '%s' was dropped: not saved", em_table_name(table));
+        return status;
+    }
     if (status != EM_OK) {
         atomic_fetch_add(&c->stats->checkpoint_save_failures, 1);
         em_log_error(c->log, "%s", err->message);
@@ -96,7 +100,8 @@ typedef em_status (*save_fn)(void *context, em_table *table, em_checkpoint_info 
                              em_error *err);
 
 /* Saves the table called name, or every table, with save; *infos gets what was saved.
- * Every table is tried; the error is the first failure. */
+ * Every table is tried; the error is the first failure, other than that of a table
+ * dropped since it was listed when every table is saved. */
 static em_status save_tables(em_catalog *catalog, const char *name, save_fn save, void *context,
                              em_checkpoint_info **infos, size_t *count, em_error *err)
 {
@@ -124,9 +129,11 @@ static em_status save_tables(em_catalog *catalog, const char *name, save_fn save
         em_error one;
         if (first == EM_OK || *infos != NULL) {
             em_status saved = save(context, tables[i], &(*infos)[*count], &one);
+            bool every = name == NULL || name[0] == '\0';
+            bool passed_over = saved != EM_OK && every && em_table_dropped(tables[i]);
             if (saved == EM_OK)
                 (*count)++;
-            else if (first == EM_OK) {
+            else if (first == EM_OK && !passed_over) {
                 first = saved;
                 em_error_copy(err, &one);
             }

@@ -452,13 +452,38 @@ em_status em_handle_create_table(em_request *request, em_error *err)
     return status;
 }
 
+typedef struct drop_call {
+    em_catalog *catalog;
+    const char *table;
+} drop_call;
+
+static em_status drop_from_catalog(void *context, em_error *err)
+{
+    drop_call *call = context;
+    return em_catalog_drop(call->catalog, call->table, err);
+}
+
+/* A server with checkpoints sets the dropped table's aside, so that a restart does not
+ * bring it back (em_checkpoint_drop_table). */
 em_status em_handle_drop_table(em_request *request, em_error *err)
 {
     const Ember__DropTableRequest *body = (const Ember__DropTableRequest *)request->body;
-    em_status status = em_catalog_drop(request->context->catalog, body->table, err);
+    em_server_context *context = request->context;
+    drop_call call = {.catalog = context->catalog, .table = body->table};
+    char aside[4400] = "";
+    em_status status = em_table_name_check(body->table, err);
+    if (status == EM_OK && context->checkpointer != NULL)
+        status = em_checkpoint_drop_table(context->checkpoint_dir, body->table,
+                                          drop_from_catalog, &call, aside, sizeof(aside), err);
+    else if (status == EM_OK)
+        status = drop_from_catalog(&call, err);
     if (status != EM_OK)
         return status;
-    em_log_notice(request->context->log, "dropped table '%s'", body->table);
+    if (aside[0] != '\0')
+        em_log_notice(context->log, "dropped table '%s'; its checkpoints were moved to %s",
+                      body->table, aside);
+    else
+        em_log_notice(context->log, "dropped table '%s'", body->table);
     Ember__DropTableResponse response = EMBER__DROP_TABLE_RESPONSE__INIT;
     return em_request_respond(request, &response.base, NULL, 0, err);
 }

@@ -108,10 +108,23 @@ typedef struct em_checkpoint_info {
     double seconds;   /* the save or the load */
 } em_checkpoint_info;
 
+/* Drops a table whose checkpoints live under dir, so that it stays dropped: holding the
+ * table's save lock (taken without waiting: FAILED_PRECONDITION while a save of it
+ * runs, and nothing is dropped), calls drop (which takes it out of the catalog and
+ * marks it, em_table_mark_dropped; its error is returned as it is), then renames
+ * <dir>/<table> to <dir>/.dropped-<table>-<unix ms>, which a restore passes over and a
+ * LOAD may still name, and fsyncs dir. *aside (size bytes) gets that path, or "" for a
+ * table never saved. A rename that fails after the drop is INTERNAL naming both paths:
+ * the table is dropped, and its checkpoints would be restored at the next start. */
+em_status em_checkpoint_drop_table(const char *dir, const char *table,
+                                   em_status (*drop)(void *context, em_error *err),
+                                   void *context, char *aside, size_t size, em_error *err);
+
 /* Saves the table as a new checkpoint under options->dir and makes it the table's
  * latest: a delta when options->delta asks for one and the table's last checkpoint
  * (saved or loaded with tracking) is still the latest under dir, else a full one.
- * Errors: FAILED_PRECONDITION (a save of the table is running), INTERNAL naming
+ * Errors: FAILED_PRECONDITION (a save of the table is running, or the table was
+ * dropped: em_table_mark_dropped), INTERNAL naming
  * the step and the file for an I/O failure (the previous checkpoint stays current),
  * RESOURCE_EXHAUSTED. */
 em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,

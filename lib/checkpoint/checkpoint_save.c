@@ -797,6 +797,65 @@ static double monotonic_seconds(void)
     return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
 }
 
+em_status em_checkpoint_drop_table(const char *dir, const char *table,
+                                   em_status (*drop)(void *context, em_error *err),
+                                   void *context, char *aside, size_t size, em_error *err)
+{
+    aside[0] = '\0';
+    char table_dir[4096], lock_path[4200];
+    if ((size_t)snprintf(table_dir, sizeof(table_dir), "%s/%s", dir, table) >=
+        sizeof(table_dir) - 64)
+        return drop(context, err); /* longer than any save makes: never saved */
+    snprintf(lock_path, sizeof(lock_path), "%s/.lock", table_dir);
+    int lock_fd = open(lock_path, O_RDWR | O_CLOEXEC);
+    if (lock_fd < 0 && errno == ENOENT) /* never saved: nothing to set aside */
+        return drop(context, err);
+    if (lock_fd < 0)
+        return em_error_set(err, EM_INTERNAL, "drop of table '%s': cannot open %s: %s", table,
+                            lock_path, strerror(errno));
+    int locked;
+    while ((locked = flock(lock_fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR)
+        ;
+    if (locked != 0) {
+        int error = errno;
+        close(lock_fd);
+        return error == EWOULDBLOCK
+                   ? em_error_set(err, EM_FAILED_PRECONDITION,
+                                  "drop of table '%s': a save of it is running; drop it once "
+                                  "the save ends", table)
+                   : em_error_set(err, EM_INTERNAL, "drop of table '%s': cannot lock %s: %s",
+                                  table, lock_path, strerror(error));
+    }
+    em_status status = drop(context, err);
+    if (status == EM_OK) {
+        char path[4200];
+        snprintf(path, sizeof(path), "%s/.dropped-%s-%" PRIu64, dir, table, unix_ms());
+        int dir_fd = -1;
+        if (rename(table_dir, path) != 0)
+            status = em_error_set(err, EM_INTERNAL,
+                                  "table '%s' was dropped, but its checkpoints stay where a "
+                                  "restart restores them (move them aside by hand): rename of "
+                                  "%s to %s failed: %s", table, table_dir, path, strerror(errno));
+        else if ((dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0 || fsync(dir_fd) != 0)
+            status = em_error_set(err, EM_INTERNAL,
+                                  "table '%s' was dropped and its checkpoints moved to %s, but "
+                                  "fsync of %s failed (a crash may undo the move): %s", table,
+                                  path, dir, strerror(errno));
+        if (dir_fd >= 0)
+            close(dir_fd);
+        if (status == EM_OK)
+            snprintf(aside, size, "%s", path);
+    }
+    close(lock_fd); /* and the lock with it */
+    return status;
+}
+
+static em_status dropped_error(const char *name, em_error *err)
+{
+    return em_error_set(err, EM_FAILED_PRECONDITION,
+                        "save of table '%s': the table was dropped", name);
+}
+
 em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,
                              em_checkpoint_info *info, em_error *err)
 {
@@ -811,6 +870,8 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
                             "save of table '%s': checkpoint dir '%.256s' is too long (at most "
                             "%zu characters with the table name)",
                             name, options->dir, sizeof(table_dir) - 64);
+    if (em_table_dropped(table)) /* its checkpoints may be set aside already */
+        return dropped_error(name, err);
     em_status status = make_dir(options->dir, err);
     if (status == EM_OK)
         status = make_dir(table_dir, err);
@@ -836,6 +897,12 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
                                   "save of table '%s': another save of it is running", name)
                    : em_error_set(err, EM_INTERNAL, "save of table '%s': cannot lock %s: %s",
                                   name, lock_path, strerror(error));
+    }
+    /* dropped while this save waited: a drop sets the table's checkpoints aside holding
+     * this lock, after marking it (daemon/handlers.c, DROP_TABLE) */
+    if (em_table_dropped(table)) {
+        close(lock_fd);
+        return dropped_error(name, err);
     }
     em_table_stats stats;
     em_table_get_stats(table, &stats);

@@ -234,6 +234,7 @@ em_status em_catalog_drop(em_catalog *catalog, const char *name, em_error *err)
         status = not_found(catalog, name, err);
     } else {
         e->named = false;
+        em_table_mark_dropped(e->table);
         find_table(catalog, e->table, &index);
         last = unreference(catalog, e, index);
     }

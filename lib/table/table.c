@@ -1192,6 +1192,16 @@ const char *em_table_name(const em_table *table)
     return table->config.name;
 }
 
+void em_table_mark_dropped(em_table *table)
+{
+    atomic_store_explicit(&table->dropped, true, memory_order_release);
+}
+
+bool em_table_dropped(const em_table *table)
+{
+    return atomic_load_explicit(&table->dropped, memory_order_acquire);
+}
+
 uint32_t em_table_dim(const em_table *table)
 {
     return table->config.dim;

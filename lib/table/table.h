@@ -138,6 +138,11 @@ void em_table_destroy(em_table *table);
 const em_table_config *em_table_get_config(const em_table *table);
 const char *em_table_name(const em_table *table);
 
+/* Marks the table dropped from the catalog that named it (lib/table/catalog.h): a
+ * checkpoint save that still holds it refuses to write it (em_checkpoint_save). */
+void em_table_mark_dropped(em_table *table);
+bool em_table_dropped(const em_table *table);
+
 /* One slot of state that a caller keeps with the table and that lives as long as it
  * (the checkpoint writer keeps the digests of the last checkpoint's rows there, for
  * deltas: lib/checkpoint/checkpoint.h). Setting it frees what it held with that data's

@@ -68,6 +68,7 @@ struct em_table {
      * write lock and snapshot_mutex; snapshot_room signals freed copies. */
     struct em_table_snapshot *snapshot;
     _Atomic bool saving; /* snapshot != NULL, for em__snapshot_wait_room's quick look */
+    _Atomic bool dropped; /* em_table_mark_dropped */
     pthread_mutex_t snapshot_mutex;
     pthread_cond_t snapshot_room;
     _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;

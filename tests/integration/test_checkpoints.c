@@ -7,6 +7,7 @@
  */
 #include <check.h>
 #include <cJSON.h>
+#include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -446,6 +447,121 @@ START_TEST(sigterm_during_a_periodic_save_keeps_the_last_pushes)
 }
 END_TEST
 
+typedef struct program_run {
+    char **argv;
+    int status;
+    char *out;
+} program_run;
+
+static void *run_program_thread(void *argument)
+{
+    program_run *run = argument;
+    run->status = test_run_program(run->argv, TEST_ADMIN_TOKEN, &run->out);
+    return NULL;
+}
+
+/* The name in dir that starts with prefix ("" when none does). */
+static void find_entry(const char *dir, const char *prefix, char *name, size_t size)
+{
+    name[0] = '\0';
+    DIR *d = opendir(dir);
+    ck_assert_ptr_nonnull(d);
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL)
+        if (strncmp(entry->d_name, prefix, strlen(prefix)) == 0)
+            snprintf(name, size, "%s", entry->d_name);
+    closedir(d);
+}
+
+/* A dropped table stays dropped: its checkpoints are moved aside (to
+ * .dropped-<name>-<unix ms> under checkpoint.dir), the restart passes over them, and a
+ * LOAD can still bring the table back from there. A drop while a save of the table
+ * runs is refused and changes nothing. (Before, the dropped table's checkpoints stayed
+ * in place, and every restart restored it.) */
+START_TEST(a_dropped_table_stays_dropped_across_restarts)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
+    batch *b = every_key();
+    setenv("EMBER_FAILPOINTS", "checkpoint_stall=3000*1", 1); /* the first save stalls */
+    test_daemon *daemon = test_daemon_start(overrides(dir, true));
+    unsetenv("EMBER_FAILPOINTS");
+    em_client *client = client_for(daemon);
+    train(client, b, 61);
+    char *ctl = getenv("EMBERCTL"), *out = NULL;
+    char *save_t[] = {ctl, "--server", daemon->admin, "save", "t", NULL};
+    program_run saving = {.argv = save_t};
+    pthread_t saver;
+    pthread_create(&saver, NULL, run_program_thread, &saving);
+    wait_for_number(client, "checkpoint_save_rows", KEYS); /* it has its snapshot */
+    char *drop_t[] = {ctl, "--server", daemon->admin, "tables", "drop", "t", NULL};
+    ck_assert_int_eq(test_run_program(drop_t, TEST_ADMIN_TOKEN, &out), 1);
+    ck_assert_msg(strstr(out, "FAILED_PRECONDITION") != NULL &&
+                      strstr(out, "a save of it is running") != NULL, "%s", out);
+    free(out);
+    pthread_join(saver, NULL);
+    ck_assert_msg(saving.status == 0, "%s", saving.out);
+    free(saving.out);
+    uint64_t missing = 0;
+    float *state = read_state(client, b, &missing); /* t is still there, whole */
+    ck_assert_uint_eq(missing, 0);
+
+    /* t2: loaded from t's checkpoint, saved into its own directory, then dropped */
+    char from[512];
+    snprintf(from, sizeof(from), "%s/t/00000000000000000001", dir);
+    char *load[] = {ctl, "--server", daemon->admin, "load", "t2", "--from", from, NULL};
+    ck_assert_int_eq(test_run_program(load, TEST_ADMIN_TOKEN, &out), 0);
+    free(out);
+    char *save_t2[] = {ctl, "--server", daemon->admin, "save", "t2", NULL};
+    ck_assert_int_eq(test_run_program(save_t2, TEST_ADMIN_TOKEN, &out), 0);
+    free(out);
+    char *drop_t2[] = {ctl, "--server", daemon->admin, "tables", "drop", "t2", NULL};
+    ck_assert_int_eq(test_run_program(drop_t2, TEST_ADMIN_TOKEN, &out), 0);
+    free(out);
+    char aside[256], left[256];
+    find_entry(dir, ".dropped-t2-", aside, sizeof(aside));
+    ck_assert_msg(aside[0] != '\0', "no .dropped-t2-* under %s", dir);
+    find_entry(dir, "t2", left, sizeof(left));
+    ck_assert_msg(left[0] == '\0', "%s/%s is still there", dir, left);
+    char *log = test_daemon_log(daemon);
+    ck_assert_msg(strstr(log, "dropped table 't2'; its checkpoints were moved to ") != NULL,
+                  "%s", log);
+    free(log);
+    char *listed[] = {ctl, "--server", daemon->admin, "checkpoints", "list", NULL};
+    ck_assert_int_eq(test_run_program(listed, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "t2") == NULL, "%s", out);
+    free(out);
+    em_client_destroy(client);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
+
+    daemon = test_daemon_start(overrides(dir, true));
+    log = test_daemon_log(daemon);
+    ck_assert_msg(strstr(log, "t2") == NULL, "the restart met t2: %s", log);
+    free(log);
+    char *tables[] = {ctl, "--server", daemon->admin, "tables", "list", NULL};
+    ck_assert_int_eq(test_run_program(tables, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "t2") == NULL, "%s", out);
+    free(out);
+    client = client_for(daemon);
+    float *restored = read_state(client, b, &missing);
+    ck_assert(missing == 0 && same(restored, state));
+    free(restored);
+    /* what was set aside loads */
+    char back[600];
+    snprintf(back, sizeof(back), "%s/%s/00000000000000000001", dir, aside);
+    char *load_back[] = {ctl, "--server", daemon->admin, "load", "t3", "--from", back, NULL};
+    ck_assert_int_eq(test_run_program(load_back, TEST_ADMIN_TOKEN, &out), 0);
+    ck_assert_msg(strstr(out, "t3: loaded full checkpoint 00000000000000000001") != NULL &&
+                      strstr(out, "20000 rows") != NULL, "%s", out);
+    free(out);
+    em_client_destroy(client);
+    test_daemon_stop(daemon, SIGKILL, 5000);
+    free(state);
+    free(b);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* Periodic saves (checkpoint.interval_s) of a table nobody changed write nothing: the
  * latest checkpoint still holds it, and a delta would only lengthen the chain (STATS
  * checkpoint_saves_unchanged; the log says so). A push, or on a table that tracks
@@ -807,6 +923,7 @@ int main(void)
     tcase_add_test(restart, deltas_survive_kill_9_and_follow_full_every);
     tcase_add_test(restart, periodic_saves_write_nothing_for_unchanged_tables);
     tcase_add_test(restart, sigterm_during_a_periodic_save_keeps_the_last_pushes);
+    tcase_add_test(restart, a_dropped_table_stays_dropped_across_restarts);
     tcase_add_test(restart, emberctl_moves_a_table_between_clusters);
     suite_add_tcase(suite, restart);
     TCase *crash = tcase_create("crash");
