@@ -69,7 +69,8 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
     atomic_fetch_sub(&c->stats->checkpoint_save_rows, progress.total);
     atomic_fetch_sub(&c->stats->checkpoint_saves_running, 1);
     if (status != EM_OK && em_table_dropped(table)) { /* dropped since it was listed */
-        em_log_info(c->log, "table '%s' was dropped: not saved", em_table_name(table));
+        em_log_info(c->log, "table '%s' was dropped or replaced: not saved",
+                    em_table_name(table));
         return status;
     }
     if (status != EM_OK) {

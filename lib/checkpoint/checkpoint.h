@@ -124,7 +124,7 @@ em_status em_checkpoint_drop_table(const char *dir, const char *table,
  * latest: a delta when options->delta asks for one and the table's last checkpoint
  * (saved or loaded with tracking) is still the latest under dir, else a full one.
  * Errors: FAILED_PRECONDITION (a save of the table is running, or the table was
- * dropped: em_table_mark_dropped), INTERNAL naming
+ * dropped or replaced: em_table_mark_dropped), INTERNAL naming
  * the step and the file for an I/O failure (the previous checkpoint stays current),
  * RESOURCE_EXHAUSTED. */
 em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,

@@ -853,7 +853,7 @@ em_status em_checkpoint_drop_table(const char *dir, const char *table,
 static em_status dropped_error(const char *name, em_error *err)
 {
     return em_error_set(err, EM_FAILED_PRECONDITION,
-                        "save of table '%s': the table was dropped", name);
+                        "save of table '%s': the table was dropped or replaced", name);
 }
 
 em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,

@@ -140,6 +140,7 @@ static em_status adopt(em_catalog *catalog, em_table *table, unsigned references
          * the old one finish on it, and it goes with their last reference */
         size_t index = 0;
         old->named = false;
+        em_table_mark_dropped(old->table); /* a save still holding it must not write it */
         find_table(catalog, old->table, &index);
         last = unreference(catalog, old, index);
     }

@@ -47,7 +47,8 @@ em_status em_catalog_acquire(em_catalog *catalog, const char *name, em_table **o
 /* Releases a reference from create_table, acquire or list. Thread-safe. */
 void em_catalog_release(em_catalog *catalog, em_table *table);
 
-/* Removes the table's name; the table goes when its last reference does. Errors:
+/* Removes the table's name and marks it dropped (em_table_mark_dropped, as replace marks
+ * the table it replaces); the table goes when its last reference does. Errors:
  * NOT_FOUND. Thread-safe. */
 em_status em_catalog_drop(em_catalog *catalog, const char *name, em_error *err);
 
