@@ -73,6 +73,13 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
                     em_table_name(table));
         return status;
     }
+    if (status != EM_OK && mode == EM_SAVE_SCHEDULED && info->busy) {
+        /* an admin SAVE (or another process) is saving it now: that save covers this one */
+        atomic_fetch_add(&c->stats->checkpoint_saves_passed_over, 1);
+        em_log_info(c->log, "periodic save of table '%s' passed over: %s", info->table,
+                    err->message);
+        return status;
+    }
     if (status != EM_OK) {
         atomic_fetch_add(&c->stats->checkpoint_save_failures, 1);
         em_log_error(c->log, "%s", err->message);

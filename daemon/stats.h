@@ -71,6 +71,8 @@
     X(checkpoint_deltas, COUNTER, NONE, "table checkpoints completed as deltas")             \
     X(checkpoint_saves_unchanged, COUNTER, NONE,                                              \
       "periodic saves of a table unchanged since its latest checkpoint: nothing written")     \
+    X(checkpoint_saves_passed_over, COUNTER, NONE,                                            \
+      "periodic saves passed over because another save of the table was running")            \
     X(checkpoint_save_rows_read, GAUGE, NONE, "rows the saves running now have read")        \
     X(checkpoint_save_rows, GAUGE, NONE, "rows the snapshots of the saves running hold") \
     X(work_queued, GAUGE, NONE, "requests queued for or running on the workers now")       \

@@ -105,6 +105,8 @@ typedef struct em_checkpoint_info {
                              * checkpoint records of it) */
     bool unchanged;   /* a save with skip_unchanged that wrote nothing: id, path, kind and
                        * depth are the latest checkpoint's, rows and bytes 0 */
+    bool busy;        /* a save refused (FAILED_PRECONDITION) because another save of the
+                       * table held its lock */
     double seconds;   /* the save or the load */
 } em_checkpoint_info;
 

@@ -892,6 +892,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     if (locked != 0) {
         int error = errno;
         close(lock_fd);
+        info->busy = error == EWOULDBLOCK;
         return error == EWOULDBLOCK
                    ? em_error_set(err, EM_FAILED_PRECONDITION,
                                   "save of table '%s': another save of it is running", name)

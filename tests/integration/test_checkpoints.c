@@ -10,6 +10,7 @@
 #include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -562,6 +563,70 @@ START_TEST(a_dropped_table_stays_dropped_across_restarts)
 }
 END_TEST
 
+typedef struct admin_saves {
+    char **argv;
+    _Atomic int stop;
+    int busy;  /* refused: a periodic save held the table */
+    int other; /* failed otherwise */
+    int done;
+} admin_saves;
+
+static void *save_until_stopped(void *argument)
+{
+    admin_saves *a = argument;
+    while (!atomic_load(&a->stop)) {
+        char *out = NULL;
+        if (test_run_program(a->argv, TEST_ADMIN_TOKEN, &out) == 0)
+            a->done++;
+        else if (strstr(out, "another save of it is running") != NULL)
+            a->busy++;
+        else
+            a->other++;
+        free(out);
+    }
+    return NULL;
+}
+
+/* A periodic save that finds an admin SAVE of the table running is passed over (STATS
+ * checkpoint_saves_passed_over, an info line), not counted as a failure: the admin save
+ * covers it. Every save stalls 1.5 s (failpoint checkpoint_stall), so the two meet. */
+START_TEST(a_periodic_save_beside_an_admin_save_is_passed_over)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
+    char json[2048];
+    snprintf(json, sizeof(json),
+             "{\"checkpoint\": {\"dir\": \"%s\", \"interval_s\": 1},"
+             " \"tables\": [{\"name\": \"t\", \"dim\": %u, \"capacity\": 100000}]}",
+             dir, DIM);
+    setenv("EMBER_FAILPOINTS", "checkpoint_stall=1500", 1);
+    test_daemon *daemon = test_daemon_start(json);
+    unsetenv("EMBER_FAILPOINTS");
+    em_client *client = client_for(daemon);
+    batch *b = every_key();
+    train(client, b, 71);
+    char *ctl = getenv("EMBERCTL");
+    char *save[] = {ctl, "--server", daemon->admin, "save", "t", NULL};
+    admin_saves admin = {.argv = save};
+    pthread_t thread;
+    pthread_create(&thread, NULL, save_until_stopped, &admin);
+    wait_for_number(client, "checkpoint_saves_passed_over", 1);
+    atomic_store(&admin.stop, 1);
+    pthread_join(thread, NULL);
+    ck_assert_int_eq(admin.other, 0);
+    /* the failures are the admin saves refused beside a periodic one, and only those */
+    ck_assert_double_eq(server_number(client, "checkpoint_save_failures"), admin.busy);
+    char *log = test_daemon_log(daemon);
+    ck_assert_msg(strstr(log, "periodic save of table 't' passed over: save of table 't': "
+                              "another save of it is running") != NULL, "%s", log);
+    free(log);
+    em_client_destroy(client);
+    test_daemon_stop(daemon, SIGKILL, 5000);
+    free(b);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* Periodic saves (checkpoint.interval_s) of a table nobody changed write nothing: the
  * latest checkpoint still holds it, and a delta would only lengthen the chain (STATS
  * checkpoint_saves_unchanged; the log says so). A push, or on a table that tracks
@@ -924,6 +989,7 @@ int main(void)
     tcase_add_test(restart, periodic_saves_write_nothing_for_unchanged_tables);
     tcase_add_test(restart, sigterm_during_a_periodic_save_keeps_the_last_pushes);
     tcase_add_test(restart, a_dropped_table_stays_dropped_across_restarts);
+    tcase_add_test(restart, a_periodic_save_beside_an_admin_save_is_passed_over);
     tcase_add_test(restart, emberctl_moves_a_table_between_clusters);
     suite_add_tcase(suite, restart);
     TCase *crash = tcase_create("crash");
