@@ -263,6 +263,17 @@ static double map_fill(map_bench *m, storage *s, uint64_t keys, timer *t)
     return last;
 }
 
+/* Exits when the last find missed any of its keys (all of them present). */
+static void expect_all_found(map_bench *m)
+{
+    uint64_t missing = 0;
+    copy_now(m->stream, &missing, m->counter, sizeof(missing));
+    if (missing != 0) {
+        fprintf(stderr, "map find: %" PRIu64 " present keys not found\n", missing);
+        exit(EXIT_FAILURE);
+    }
+}
+
 /* Seconds of one find + gather of KEYS_PER_CALL present keys (uploaded at `lookups`). */
 static double map_find(map_bench *m, storage *s, const uint64_t *lookups, timer *t)
 {
@@ -273,12 +284,7 @@ static double map_find(map_bench *m, storage *s, const uint64_t *lookups, timer 
     check(em_gpu_rows_gather(m->stream, s->view, m->rows, KEYS_PER_CALL, NULL, m->vectors),
           "gather");
     double seconds = timer_end(t);
-    uint64_t missing = 0;
-    copy_now(m->stream, &missing, m->counter, sizeof(missing));
-    if (missing != 0) {
-        fprintf(stderr, "map find: %" PRIu64 " present keys not found\n", missing);
-        exit(EXIT_FAILURE);
-    }
+    expect_all_found(m);
     return seconds;
 }
 
@@ -294,12 +300,7 @@ static double map_find_as(map_bench *m, const uint64_t *lookups, uint64_t n,
     check(em_gpu_map_find_as(m->stream, m->map, lookups, n, m->rows, m->counter, form),
           "map find");
     double seconds = timer_end(t);
-    uint64_t missing = 0;
-    copy_now(m->stream, &missing, m->counter, sizeof(missing));
-    if (missing != 0) {
-        fprintf(stderr, "map find: %" PRIu64 " present keys not found\n", missing);
-        exit(EXIT_FAILURE);
-    }
+    expect_all_found(m);
     return seconds;
 }
 
