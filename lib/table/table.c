@@ -1213,7 +1213,10 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     pthread_rwlock_rdlock(&table->lock);
     for (uint32_t s = 0; s < table->shard_count; s++) {
         em_shard_stats shard;
+        /* the shard's counts and sizes change under its write lock (inserts, growth) */
+        em__shard_read_lock(table, s);
         table->shards[s]->device->ops->shard_stats(table->shards[s], &shard);
+        pthread_rwlock_unlock(&table->shard_locks[s]);
         out->row_bytes += shard.row_bytes;
         out->index_bytes += shard.index_bytes;
         out->access_bytes += shard.access_bytes;
