@@ -836,7 +836,8 @@ em_status em_checkpoint_drop_table(const char *dir, const char *table,
                                   "table '%s' was dropped, but its checkpoints stay where a "
                                   "restart restores them (move them aside by hand): rename of "
                                   "%s to %s failed: %s", table, table_dir, path, strerror(errno));
-        else if ((dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0 || fsync(dir_fd) != 0)
+        else if ((dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0 ||
+                 fsync(dir_fd) != 0)
             status = em_error_set(err, EM_INTERNAL,
                                   "table '%s' was dropped and its checkpoints moved to %s, but "
                                   "fsync of %s failed (a crash may undo the move): %s", table,

@@ -20,9 +20,8 @@
  * and imports wait (before they take a lane or any shard lock) until the reader has
  * freed a shard's copies; the reader needs only a lane and shards' read locks, so it
  * always gets there. Begin, like every request, takes its lanes before the shards'
- * locks. The memory a save
- * needs is therefore the captured index (16 bytes per row) plus at most copy_limit plus
- * what the pushes in flight at that moment copy.
+ * locks. The memory a save needs is therefore the captured index (16 bytes per row)
+ * plus at most copy_limit plus what the pushes in flight at that moment copy.
  */
 #include <inttypes.h>
 #include <stdlib.h>
