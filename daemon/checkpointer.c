@@ -73,10 +73,13 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
                     em_table_name(table));
         return status;
     }
-    if (status != EM_OK && mode == EM_SAVE_SCHEDULED && info->busy) {
-        /* an admin SAVE (or another process) is saving it now: that save covers this one */
-        atomic_fetch_add(&c->stats->checkpoint_saves_passed_over, 1);
-        em_log_info(c->log, "periodic save of table '%s' passed over: %s", info->table,
+    if (status != EM_OK && info->busy) {
+        /* another save of it (periodic, admin, another process) is writing it now: no
+         * failure, and that save covers a periodic one */
+        if (mode == EM_SAVE_SCHEDULED)
+            atomic_fetch_add(&c->stats->checkpoint_saves_passed_over, 1);
+        em_log_info(c->log, "%s save of table '%s' passed over: %s",
+                    mode == EM_SAVE_SCHEDULED ? "periodic" : "requested", info->table,
                     err->message);
         return status;
     }

@@ -60,7 +60,8 @@
     X(tls_handshakes, COUNTER, NONE, "TLS handshakes completed")                              \
     X(tls_handshakes_failed, COUNTER, NONE, "TLS handshakes refused (bad certificate, protocol)") \
     X(checkpoint_saves, COUNTER, NONE, "table checkpoints completed")                         \
-    X(checkpoint_save_failures, COUNTER, NONE, "table checkpoints that failed")               \
+    X(checkpoint_save_failures, COUNTER, NONE,                                                \
+      "table checkpoints that failed (not those refused beside another save of the table)")   \
     X(checkpoint_saves_running, GAUGE, NONE, "table checkpoints being written now")           \
     X(checkpoint_last_success_unix_ms, GAUGE, MILLISECONDS,                                   \
       "when the last checkpoint completed (Unix time)")                                       \
