@@ -111,8 +111,7 @@ typedef struct em_checkpoint_info {
 } em_checkpoint_info;
 
 /* Drops a table whose checkpoints live under dir, so that it stays dropped: holding the
- * table's save lock (taken without waiting: FAILED_PRECONDITION while a save of it
- * runs, and nothing is dropped), calls drop (which takes it out of the catalog and
+ * table's save lock (waiting for a save of it that is running to end), calls drop (which takes it out of the catalog and
  * marks it, em_table_mark_dropped; its error is returned as it is), then renames
  * <dir>/<table> to <dir>/.dropped-<table>-<unix ms>, which a restore passes over and a
  * LOAD may still name, and fsyncs dir. *aside (size bytes) gets that path, or "" for a

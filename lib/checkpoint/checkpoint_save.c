@@ -813,18 +813,14 @@ em_status em_checkpoint_drop_table(const char *dir, const char *table,
     if (lock_fd < 0)
         return em_error_set(err, EM_INTERNAL, "drop of table '%s': cannot open %s: %s", table,
                             lock_path, strerror(errno));
-    int locked;
-    while ((locked = flock(lock_fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR)
+    int locked; /* a save of the table that is running ends first */
+    while ((locked = flock(lock_fd, LOCK_EX)) != 0 && errno == EINTR)
         ;
     if (locked != 0) {
         int error = errno;
         close(lock_fd);
-        return error == EWOULDBLOCK
-                   ? em_error_set(err, EM_FAILED_PRECONDITION,
-                                  "drop of table '%s': a save of it is running; drop it once "
-                                  "the save ends", table)
-                   : em_error_set(err, EM_INTERNAL, "drop of table '%s': cannot lock %s: %s",
-                                  table, lock_path, strerror(error));
+        return em_error_set(err, EM_INTERNAL, "drop of table '%s': cannot lock %s: %s", table,
+                            lock_path, strerror(error));
     }
     em_status status = drop(context, err);
     if (status == EM_OK) {
