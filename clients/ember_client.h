@@ -127,6 +127,8 @@ em_status em_client_health_check(em_client *client, em_client_health *out, em_er
  * created table as a JSON object (caller frees with cJSON_Delete). */
 em_status em_client_create_table(em_client *client, const char *config_json, cJSON **info,
                                  em_error *err);
+/* The table stays dropped across restarts: a server with checkpoints sets its checkpoints
+ * aside (proto/ember.proto, DropTableRequest). */
 em_status em_client_drop_table(em_client *client, const char *table, em_error *err);
 
 /* JSON array of table objects {name, dim, capacity, shards, optimizer, rows, config}. */
