@@ -938,9 +938,9 @@ END_TEST
 
 /* Loop index: 1 or 5 shards. Pulls of 400,000 keys, more than the groups of a find fit
  * in a GPU of today at once (an H200 holds 132 x 2,048 threads: 33,792 keys' groups),
- * so their finds search a thread a key (em_gpu_find_form): the keys found
- * and missed, the rows created and every value are the CPU's; pulls of the same keys
- * once they are all stored go at once. */
+ * so their finds search a thread a key (em_gpu_find_form): the keys found and missed,
+ * the rows created and every value are the CPU's; pulls of the same keys once they are
+ * all stored go at once. */
 START_TEST(large_pulls_match_cpu)
 {
     enum { KEYS = 400000, DIM = 4 };
