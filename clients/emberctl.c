@@ -774,15 +774,17 @@ static void print_server_stats(const cJSON *server)
     double restored = json_number(server, "checkpoint_tables_restored");
     double running = json_number(server, "checkpoint_saves_running");
     double unchanged = json_number(server, "checkpoint_saves_unchanged");
-    if (saves + failures + restored + running + unchanged == 0)
+    double passed_over = json_number(server, "checkpoint_saves_passed_over");
+    if (saves + failures + restored + running + unchanged + passed_over == 0)
         return;
     char last_bytes[32];
     format_bytes(json_number(server, "checkpoint_last_save_bytes"), last_bytes,
                  sizeof(last_bytes));
-    printf("  checkpoints  %.0f saved (%.0f deltas), %.0f unchanged, %.0f failed, %.0f running "
-           "(%.0f of %.0f rows read); last save %s in %.0f ms; %.0f tables (%.0f rows) "
-           "restored at start\n",
-           saves, json_number(server, "checkpoint_deltas"), unchanged, failures, running,
+    printf("  checkpoints  %.0f saved (%.0f deltas), %.0f unchanged, %.0f passed over, %.0f "
+           "failed, %.0f running (%.0f of %.0f rows read); last save %s in %.0f ms; %.0f tables "
+           "(%.0f rows) restored at start\n",
+           saves, json_number(server, "checkpoint_deltas"), unchanged, passed_over, failures,
+           running,
            json_number(server, "checkpoint_save_rows_read"),
            json_number(server, "checkpoint_save_rows"), last_bytes,
            json_number(server, "checkpoint_last_save_ms"), restored,

@@ -624,6 +624,10 @@ START_TEST(a_periodic_save_beside_an_admin_save_is_passed_over)
     ck_assert_msg(strstr(log, "periodic save of table 't' passed over: save of table 't': "
                               "another save of it is running") != NULL, "%s", log);
     free(log);
+    char *shown = NULL, *stats_argv[] = {ctl, "--server", daemon->admin, "stats", NULL};
+    ck_assert_int_eq(test_run_program(stats_argv, TEST_ADMIN_TOKEN, &shown), 0);
+    ck_assert_msg(strstr(shown, " passed over, 0 failed, ") != NULL, "%s", shown);
+    free(shown);
     em_client_destroy(client);
     test_daemon_stop(daemon, SIGKILL, 5000);
     free(b);
