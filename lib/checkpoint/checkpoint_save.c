@@ -797,32 +797,58 @@ static double monotonic_seconds(void)
     return (double)now.tv_sec + (double)now.tv_nsec / 1e9;
 }
 
+/* Takes the save lock of the table whose directory is table_dir (<table_dir>/.lock, one
+ * save of a table at a time, across processes too), waiting for its holder when wait;
+ * *fd gets the descriptor that holds it (closing it lets go). create: make the lock
+ * file if missing; without it, a missing file leaves *fd at -1 and is no error (the
+ * table was never saved). Errors, prefixed "<what> of table '<table>': ":
+ * FAILED_PRECONDITION when another save holds it and !wait (*busy set), INTERNAL naming
+ * the file. */
+static em_status take_save_lock(const char *table_dir, const char *table, const char *what,
+                                bool create, bool wait, int *fd, bool *busy, em_error *err)
+{
+    char lock_path[4200];
+    snprintf(lock_path, sizeof(lock_path), "%s/.lock", table_dir);
+    *fd = open(lock_path, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0644);
+    if (*fd < 0 && !create && errno == ENOENT)
+        return EM_OK;
+    if (*fd < 0)
+        return em_error_set(err, EM_INTERNAL, "%s of table '%s': cannot open %s: %s", what,
+                            table, lock_path, strerror(errno));
+    int locked;
+    while ((locked = flock(*fd, wait ? LOCK_EX : LOCK_EX | LOCK_NB)) != 0 && errno == EINTR)
+        ;
+    if (locked == 0)
+        return EM_OK;
+    int error = errno;
+    close(*fd);
+    *fd = -1;
+    *busy = error == EWOULDBLOCK;
+    return error == EWOULDBLOCK
+               ? em_error_set(err, EM_FAILED_PRECONDITION,
+                              "%s of table '%s': another save of it is running", what, table)
+               : em_error_set(err, EM_INTERNAL, "%s of table '%s': cannot lock %s: %s", what,
+                              table, lock_path, strerror(error));
+}
+
 em_status em_checkpoint_drop_table(const char *dir, const char *table,
                                    em_status (*drop)(void *context, em_error *err),
                                    void *context, char *aside, size_t size, em_error *err)
 {
     aside[0] = '\0';
-    char table_dir[4096], lock_path[4200];
+    char table_dir[4096];
     if ((size_t)snprintf(table_dir, sizeof(table_dir), "%s/%s", dir, table) >=
         sizeof(table_dir) - 64)
         return drop(context, err); /* longer than any save makes: never saved */
-    snprintf(lock_path, sizeof(lock_path), "%s/.lock", table_dir);
-    int lock_fd = open(lock_path, O_RDWR | O_CLOEXEC);
-    if (lock_fd < 0 && errno == ENOENT) /* never saved: nothing to set aside */
+    /* a save of the table that is running ends first */
+    int lock_fd = -1;
+    bool busy = false;
+    em_status status = take_save_lock(table_dir, table, "drop", false, true, &lock_fd, &busy, err);
+    if (status != EM_OK)
+        return status;
+    if (lock_fd < 0) /* never saved: nothing to set aside */
         return drop(context, err);
-    if (lock_fd < 0)
-        return em_error_set(err, EM_INTERNAL, "drop of table '%s': cannot open %s: %s", table,
-                            lock_path, strerror(errno));
-    int locked; /* a save of the table that is running ends first */
-    while ((locked = flock(lock_fd, LOCK_EX)) != 0 && errno == EINTR)
-        ;
-    if (locked != 0) {
-        int error = errno;
-        close(lock_fd);
-        return em_error_set(err, EM_INTERNAL, "drop of table '%s': cannot lock %s: %s", table,
-                            lock_path, strerror(error));
-    }
-    em_status status = drop(context, err);
+    status = drop(context, err);
     if (status == EM_OK) {
         char path[4200];
         snprintf(path, sizeof(path), "%s/.dropped-%s-%" PRIu64, dir, table, unix_ms());
@@ -875,27 +901,11 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     if (status != EM_OK)
         return em_error_prefix(err, "save of table '%s': ", name);
 
-    /* one save of a table at a time, across processes too */
-    char lock_path[4200];
-    snprintf(lock_path, sizeof(lock_path), "%s/.lock", table_dir);
-    int lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (lock_fd < 0)
-        return em_error_set(err, EM_INTERNAL, "save of table '%s': cannot open %s: %s", name,
-                            lock_path, strerror(errno));
-    int locked;
-    while ((locked = flock(lock_fd, options->wait_for_lock ? LOCK_EX : LOCK_EX | LOCK_NB)) != 0 &&
-           errno == EINTR)
-        ;
-    if (locked != 0) {
-        int error = errno;
-        close(lock_fd);
-        info->busy = error == EWOULDBLOCK;
-        return error == EWOULDBLOCK
-                   ? em_error_set(err, EM_FAILED_PRECONDITION,
-                                  "save of table '%s': another save of it is running", name)
-                   : em_error_set(err, EM_INTERNAL, "save of table '%s': cannot lock %s: %s",
-                                  name, lock_path, strerror(error));
-    }
+    int lock_fd = -1;
+    status = take_save_lock(table_dir, name, "save", true, options->wait_for_lock, &lock_fd,
+                            &info->busy, err);
+    if (status != EM_OK)
+        return status;
     /* dropped while this save waited: a drop sets the table's checkpoints aside holding
      * this lock, after marking it (daemon/handlers.c, DROP_TABLE) */
     if (em_table_dropped(table)) {
