@@ -750,34 +750,47 @@ static em_status host_words_end(const segment *seg, uint64_t *words, uint64_t *h
     return status;
 }
 
-/* How many rows each shard that gets new keys gives up so that the request's new keys
- * fit (evict[s]): a new key's room is made in its own shard, as many rows as it gets
- * new keys, in shard order until need is met, never a row the request reads or writes.
- * Changes nothing; RESOURCE_EXHAUSTED when the shards hold too few other rows. */
+/* How many rows each shard gives up so that the request's new keys fit (evict[s]),
+ * never a row the request reads or writes: first in the shards that get new keys, as
+ * many rows as each gets, in shard order until need is met; then, when those shards
+ * hold too few other rows, from any shard in shard order. Changes nothing;
+ * RESOURCE_EXHAUSTED when the whole table holds too few other rows. */
 static em_status plan_evictions(request_context *r, uint64_t need, uint64_t *evict,
                                 em_error *err)
 {
     em_table *table = r->table;
     uint64_t remaining = need, evictable_total = 0;
+    uint64_t *spare = calloc(table->shard_count, sizeof(*spare));
+    if (spare == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
     for (uint32_t s = 0; s < table->shard_count; s++) {
-        evict[s] = 0;
-        if (r->shard_missing[s] == 0)
-            continue;
         em_shard_stats stats;
         table->shards[s]->device->ops->shard_stats(table->shards[s], &stats);
         /* the request's rows: its keys less the missing and the refused ones */
         uint64_t own = shard_key_count(r, s) - r->shard_missing[s] - r->shard_rejected[s];
-        uint64_t evictable = stats.rows > own ? stats.rows - own : 0;
-        evictable_total += evictable < r->shard_missing[s] ? evictable : r->shard_missing[s];
-        uint64_t take = r->shard_missing[s] < evictable ? r->shard_missing[s] : evictable;
+        spare[s] = stats.rows > own ? stats.rows - own : 0;
+        evictable_total += spare[s];
+    }
+    /* first in the shards the new keys go to, as many as each creates */
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        uint64_t take = r->shard_missing[s] < spare[s] ? r->shard_missing[s] : spare[s];
         evict[s] = take < remaining ? take : remaining;
         remaining -= evict[s];
     }
+    /* then from any shard's other rows; the shards that create more keys than they
+     * give up grow by the difference, the table stays within its capacity */
+    for (uint32_t s = 0; remaining > 0 && s < table->shard_count; s++) {
+        uint64_t more = spare[s] - evict[s];
+        more = more < remaining ? more : remaining;
+        evict[s] += more;
+        remaining -= more;
+    }
+    free(spare);
     if (remaining == 0)
         return EM_OK;
     return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                         "table '%s': full (capacity %" PRIu64 ", %" PRIu64 " rows): this request "
-                        "creates %" PRIu64 " keys and the shards they go to hold only %" PRIu64
+                        "creates %" PRIu64 " keys and the table holds only %" PRIu64
                         " rows it does not use, %" PRIu64 " short of making room; nothing was "
                         "applied",
                         table->config.name, table->config.capacity, table_rows(table),

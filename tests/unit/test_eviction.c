@@ -485,7 +485,7 @@ START_TEST(no_room_to_make_fails_whole)
     uint64_t five[] = {10, 11, 12, 13, 14};
     ck_assert_int_eq(run_request(table, five, 5, false, &err), EM_RESOURCE_EXHAUSTED);
     ck_assert_msg(strstr(err.message, "table 't': full (capacity 4, 4 rows): this request creates "
-                                      "5 keys and the shards they go to hold only 4 rows it "
+                                      "5 keys and the table holds only 4 rows it "
                                       "does not use, 1 short of making room; nothing was "
                                       "applied") != NULL,
                   "%s", err.message);
@@ -505,6 +505,67 @@ START_TEST(no_room_to_make_fails_whole)
     ck_assert_uint_eq(after.keys[3], 30);
     em_test_snapshot_free(&after);
     em_test_snapshot_free(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* New keys that all fall in one shard, more of them than that shard holds: the shard
+ * gives up every row it has, the others the rest, in shard order; the table stays at
+ * its capacity, and every row evicted is counted and in the ring. */
+START_TEST(room_comes_from_other_shards_when_the_keys_shard_holds_too_few)
+{
+    enum { CAPACITY = 64, SHARDS = 4, NEW = 30 };
+    em_backend *backend = make_backend(2);
+    em_table *table = make_table(backend, CAPACITY, SHARDS, EM_EVICTION_LRU, 16);
+    em_error err;
+    for (uint64_t key = 1; key <= CAPACITY; key += 8) {
+        uint64_t keys[8];
+        for (uint32_t i = 0; i < 8; i++)
+            keys[i] = key + i;
+        ck_assert_int_eq(run_request(table, keys, 8, true, &err), EM_OK);
+    }
+    uint64_t before[SHARDS], after[SHARDS];
+    rows_per_shard(table, SHARDS, before);
+    uint32_t target = 0; /* the fullest shard holds fewer than NEW rows */
+    ck_assert_uint_lt(before[target], NEW);
+    uint64_t fresh[NEW];
+    uint32_t n = 0;
+    for (uint64_t key = 1000; n < NEW; key++)
+        if (em_key_shard(key, SHARDS) == target)
+            fresh[n++] = key;
+    ck_assert_msg(run_request(table, fresh, NEW, true, &err) == EM_OK, "%s", err.message);
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, CAPACITY);
+    ck_assert_uint_eq(stats.rows_evicted, NEW);
+    ck_assert_uint_eq(stats.rows_created, CAPACITY + NEW);
+    rows_per_shard(table, SHARDS, after);
+    /* the target shard gave up every old row; the shards after it, in order, the rest */
+    ck_assert_uint_eq(after[target], NEW);
+    uint64_t rest = NEW - before[target];
+    for (uint32_t s = 1; s < SHARDS; s++) {
+        uint64_t given = before[s] - after[s];
+        uint64_t expect = rest < before[s] ? rest : before[s];
+        ck_assert_uint_eq(given, expect);
+        rest -= expect;
+    }
+    uint64_t evicted[NEW];
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, NEW, evicted, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.count, NEW);
+    for (uint32_t i = 0; i < NEW; i++)
+        ck_assert_uint_le(evicted[i], CAPACITY); /* only old keys left */
+    /* every new key reads back as stored */
+    float out[NEW * DIM];
+    uint32_t offsets[NEW + 1];
+    for (uint32_t i = 0; i <= NEW; i++)
+        offsets[i] = i;
+    em_csr batch = {.rows = NEW, .nnz = NEW, .offsets = offsets, .keys = fresh};
+    em_pull_result result;
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, false, out, &result, &err),
+                     EM_OK);
+    ck_assert_uint_eq(result.missing, 0);
     em_table_destroy(table);
     em_backend_destroy(backend);
 }
@@ -1586,6 +1647,7 @@ int main(void)
     tcase_add_test(rules, a_request_never_evicts_its_own_rows);
     tcase_add_loop_test(rules, a_request_evicts_the_rows_first_by_the_policy_at_once, 0, 3);
     tcase_add_test(rules, no_room_to_make_fails_whole);
+    tcase_add_test(rules, room_comes_from_other_shards_when_the_keys_shard_holds_too_few);
     tcase_add_test(rules, a_full_table_keeps_the_storage_of_its_capacity);
     tcase_add_test(rules, the_same_requests_evict_the_same_keys);
 #ifndef EMBER_TEST_CUDA_BACKEND
