@@ -274,6 +274,12 @@ def test_admin_calls(start_daemon, tmp_path):
     with pytest.raises(ember.Error) as error:
         client.create_table(config={"name": "bad", "dim": 0, "capacity": 10})
     assert error.value.status == "INVALID_ARGUMENT" and "dim" in error.value.message
+    views = client.create_table({"name": "views", "dim": 4, "capacity": 10})  # a dict: the config
+    assert (views["name"], views["dim"]) == ("views", 4)
+    client.drop_table("views")
+    with pytest.raises(ember.Error) as error:
+        client.create_table(7, 4, 10)
+    assert error.value.status == "INVALID_ARGUMENT" and "name must be a str" in error.value.message
     offsets, keys = csr([[1, 2, 3]])
     rows = client.pull("clicks", offsets, keys, combiner="none")
     saved = client.save("clicks", delta=True)  # nothing to build on: a full one

@@ -327,7 +327,16 @@ class Client:
     def create_table(self, name=None, dim=None, capacity=None, *, config=None, **fields):
         """Creates a table from a config dict (config=...) or from its fields:
         create_table("clicks", 16, 1_000_000, optimizer={"type": "adagrad", "lr": 0.05}).
-        Returns the created table's description."""
+        Returns the created table's description. A dict as the first argument is the
+        config: create_table({"name": "clicks", "dim": 16, "capacity": 1_000_000})."""
+        if isinstance(name, dict) and config is None and dim is None and capacity is None:
+            config, name = name, None
+            if fields:
+                raise invalid_argument("create_table: pass config=... or fields, not both")
+        if name is not None and not isinstance(name, str):
+            raise invalid_argument(
+                f"create_table: name must be a str (or the whole config a dict), got "
+                f"{type(name).__name__}")
         if config is None:
             config = dict(fields)
             for key, value in (("name", name), ("dim", dim), ("capacity", capacity)):
