@@ -290,6 +290,13 @@ def test_admin_calls(start_daemon, tmp_path):
         [(saved[0]["id"], saved[0]["path"], "full", 3)]
     assert client.checkpoints() == listed
     assert client.erase("clicks", np.array([1, 2, 9], np.uint64)) == 2
+    assert client.erase("clicks", [2, 10]) == 0  # a list of ints: nothing there any more
+    for bad, said in (([1, -1], "keys[1]: key -1 is not in [0, 2^64)"),
+                      ([1, 2**64], "keys[1]: key 18446744073709551616"),
+                      ([1.5], "keys[0]: expected an int key, got float")):
+        with pytest.raises(ember.Error) as error:
+            client.erase("clicks", bad)
+        assert error.value.status == "INVALID_ARGUMENT" and said in error.value.message
     assert client.stats("clicks")["tables"][0]["rows"] == 1
     delta = client.save("clicks", delta=True)[0]
     assert (delta["kind"], delta["parent"], delta["rows"], delta["tombstones"],

@@ -72,6 +72,17 @@ def _array(value, name, dtype, ndim=None):
     return value
 
 
+def _key_list(values, name):
+    """A list or tuple of ints as a uint64 array; anything else in it is refused by index."""
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise invalid_argument(
+                f"{name}[{i}]: expected an int key, got {type(value).__name__}")
+        if not 0 <= int(value) < 2**64:
+            raise invalid_argument(f"{name}[{i}]: key {int(value)} is not in [0, 2^64)")
+    return np.array([int(value) for value in values], dtype=np.uint64)
+
+
 def _combiner(combiner):
     if combiner not in COMBINERS:
         raise invalid_argument(
@@ -388,7 +399,10 @@ class Client:
         return json.loads(loaded)
 
     def erase(self, table, keys):
-        """Removes the keys (uint64 array) from the table; returns how many were there."""
+        """Removes the keys (a uint64 array, or a list of ints) from the table; returns how
+        many were there."""
+        if isinstance(keys, (list, tuple)):
+            keys = _key_list(keys, "keys")
         keys = _array(keys, "keys", np.uint64, (1,))
         return self._admin_client().erase(table, keys)
 
