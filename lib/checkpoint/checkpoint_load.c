@@ -1095,6 +1095,50 @@ static em_status check_parent(const link_state *child, const link_state *parent,
 }
 
 /* Reads the manifests from path back to its full checkpoint: (*links)[0] is path's. */
+/* A table's directory of checkpoints (LATEST, and no manifest.json of its own) stands
+ * for the checkpoint its LATEST names: *dir gets that checkpoint's path. A directory
+ * with none of a checkpoint's files nor LATEST is NOT_FOUND; any other path is taken as
+ * it is (a checkpoint that lost its manifest stays DATA_LOSS). */
+static em_status resolve_table_dir(const char *path, char *dir, size_t capacity,
+                                   em_error *err)
+{
+    snprintf(dir, capacity, "%s", path);
+    char file[4200];
+    struct stat st;
+    snprintf(file, sizeof(file), "%s/manifest.json", path);
+    if (stat(file, &st) == 0 || errno != ENOENT)
+        return EM_OK;
+    snprintf(file, sizeof(file), "%s/LATEST", path);
+    FILE *latest = fopen(file, "re");
+    if (latest == NULL) {
+        static const char *const parts[] = {"rows.emb", "index.emb", "tombstones.emb"};
+        for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
+            snprintf(file, sizeof(file), "%s/%s", path, parts[i]);
+            if (stat(file, &st) == 0 || errno != ENOENT)
+                return EM_OK; /* a checkpoint that lost its manifest: DATA_LOSS */
+        }
+        if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
+            return EM_OK; /* read_manifest names it */
+        return em_error_set(err, EM_NOT_FOUND,
+                            "%s is not a checkpoint (no manifest.json, rows.emb or "
+                            "index.emb) nor a table's directory of checkpoints (no LATEST)",
+                            path);
+    }
+    char line[64] = {0};
+    bool read = fgets(line, sizeof(line), latest) != NULL;
+    fclose(latest);
+    line[strcspn(line, "\n")] = '\0';
+    if (!read || !em__checkpoint_is_id(line))
+        return data_loss(err, path, "LATEST", "does not hold a checkpoint id");
+    size_t length = strlen(path);
+    while (length > 1 && path[length - 1] == '/')
+        length--;
+    if ((size_t)snprintf(dir, capacity, "%.*s/%s", (int)length, path, line) >= capacity)
+        return em_error_set(err, EM_INVALID_ARGUMENT, "checkpoint path under '%.256s' is too long",
+                            path);
+    return EM_OK;
+}
+
 static em_status resolve_chain(const char *path, link_state **links, size_t *count,
                                em_error *err)
 {
@@ -1103,8 +1147,13 @@ static em_status resolve_chain(const char *path, link_state **links, size_t *cou
     *links = calloc(capacity, sizeof(link_state));
     if (*links == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+    char resolved[sizeof((*links)[0].dir)]; /* *links moves as the chain grows */
+    em_status status = resolve_table_dir(path, resolved, sizeof(resolved), err);
+    if (status != EM_OK)
+        return status;
+    path = resolved;
     snprintf((*links)[0].dir, sizeof((*links)[0].dir), "%s", path);
-    em_status status = read_manifest(path, &(*links)[0].m, err);
+    status = read_manifest(path, &(*links)[0].m, err);
     /* a checkpoint in a directory named by an id is the checkpoint of that id */
     char name[4096];
     parent_dir(path, "", name, sizeof(name));
@@ -1472,7 +1521,7 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
         snprintf(info->table, sizeof(info->table), "%s",
                  table != NULL ? em_table_name(table) : m->config.name);
         snprintf(info->id, sizeof(info->id), "%s", m->link.id);
-        snprintf(info->path, sizeof(info->path), "%s", paths[0]);
+        snprintf(info->path, sizeof(info->path), "%s", sources[0].links[0].dir);
         snprintf(info->kind, sizeof(info->kind), "%s", m->link.delta ? "delta" : "full");
         snprintf(info->parent, sizeof(info->parent), "%s", m->link.parent_id);
         info->depth = m->link.depth;

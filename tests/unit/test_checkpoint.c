@@ -250,7 +250,8 @@ START_TEST(empty_tables_round_trip)
 }
 END_TEST
 
-/* Saves number themselves, LATEST moves to each, and only `keep` stay. */
+/* Saves number themselves, LATEST moves to each, and only `keep` stay; a table's
+ * directory loads as its latest checkpoint. */
 START_TEST(saves_keep_the_newest)
 {
     char dir[256];
@@ -284,6 +285,26 @@ START_TEST(saves_keep_the_newest)
     em_checkpoint_free_names(names, count);
     ck_assert_int_eq(em_checkpoint_latest(dir, "nothing", info.path, sizeof(info.path), &err),
                      EM_NOT_FOUND);
+    /* a table's directory stands for the checkpoint its LATEST names, with or without a
+     * trailing slash; the checkpoint dir above it is no checkpoint at all */
+    char table_dir[512];
+    for (int slash = 0; slash < 2; slash++) {
+        snprintf(table_dir, sizeof(table_dir), "%s/t%s", dir, slash ? "/" : "");
+        em_checkpoint_info found;
+        ck_assert_msg(em_checkpoint_verify(table_dir, &found, &err) == EM_OK, "%s", err.message);
+        ck_assert_str_eq(found.id, "00000000000000000004");
+        ck_assert_str_eq(found.path, info.path);
+        em_table *loaded = NULL;
+        ck_assert_msg(em_checkpoint_load(table_dir, backend, NULL, NULL, &loaded, &found, &err) ==
+                          EM_OK,
+                      "%s", err.message);
+        ck_assert_str_eq(found.path, info.path);
+        em_table_destroy(loaded);
+    }
+    ck_assert_int_eq(em_checkpoint_verify(dir, NULL, &err), EM_NOT_FOUND);
+    ck_assert_msg(strstr(err.message, "is not a checkpoint (no manifest.json, rows.emb or "
+                                      "index.emb) nor a table's directory of checkpoints") != NULL,
+                  "%s", err.message);
     em_table_destroy(table);
     em_backend_destroy(backend);
     em_test_remove_tree(dir);
