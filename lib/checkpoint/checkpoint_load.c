@@ -1095,6 +1095,30 @@ static em_status check_parent(const link_state *child, const link_state *parent,
 }
 
 /* Reads the manifests from path back to its full checkpoint: (*links)[0] is path's. */
+/* The checkpoint id that table_dir/LATEST names (id: EM_CHECKPOINT_ID_DIGITS + 1 bytes),
+ * checked to be there. NOT_FOUND when there is no LATEST; DATA_LOSS when it holds no id
+ * or names a checkpoint that is missing. */
+static em_status read_latest(const char *table_dir, char *id, em_error *err)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/LATEST", table_dir);
+    FILE *file = fopen(path, "re");
+    if (file == NULL)
+        return em_error_set(err, EM_NOT_FOUND, "%s: no LATEST", table_dir);
+    char line[64] = {0};
+    bool read = fgets(line, sizeof(line), file) != NULL;
+    fclose(file);
+    line[strcspn(line, "\n")] = '\0';
+    if (!read || !em__checkpoint_is_id(line))
+        return data_loss(err, table_dir, "LATEST", "does not hold a checkpoint id");
+    snprintf(path, sizeof(path), "%s/%s", table_dir, line);
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return data_loss(err, table_dir, "LATEST", "names %s, which is missing", line);
+    memcpy(id, line, EM_CHECKPOINT_ID_DIGITS + 1);
+    return EM_OK;
+}
+
 /* A table's directory of checkpoints (LATEST, and no manifest.json of its own) stands
  * for the checkpoint its LATEST names: *dir gets that checkpoint's path. A directory
  * with none of a checkpoint's files nor LATEST is NOT_FOUND; any other path is taken as
@@ -1108,9 +1132,9 @@ static em_status resolve_table_dir(const char *path, char *dir, size_t capacity,
     snprintf(file, sizeof(file), "%s/manifest.json", path);
     if (stat(file, &st) == 0 || errno != ENOENT)
         return EM_OK;
-    snprintf(file, sizeof(file), "%s/LATEST", path);
-    FILE *latest = fopen(file, "re");
-    if (latest == NULL) {
+    char id[EM_CHECKPOINT_ID_DIGITS + 1];
+    em_status status = read_latest(path, id, err);
+    if (status == EM_NOT_FOUND) {
         static const char *const parts[] = {"rows.emb", "index.emb", "tombstones.emb"};
         for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
             snprintf(file, sizeof(file), "%s/%s", path, parts[i]);
@@ -1124,16 +1148,12 @@ static em_status resolve_table_dir(const char *path, char *dir, size_t capacity,
                             "index.emb) nor a table's directory of checkpoints (no LATEST)",
                             path);
     }
-    char line[64] = {0};
-    bool read = fgets(line, sizeof(line), latest) != NULL;
-    fclose(latest);
-    line[strcspn(line, "\n")] = '\0';
-    if (!read || !em__checkpoint_is_id(line))
-        return data_loss(err, path, "LATEST", "does not hold a checkpoint id");
+    if (status != EM_OK)
+        return status;
     size_t length = strlen(path);
     while (length > 1 && path[length - 1] == '/')
         length--;
-    if ((size_t)snprintf(dir, capacity, "%.*s/%s", (int)length, path, line) >= capacity)
+    if ((size_t)snprintf(dir, capacity, "%.*s/%s", (int)length, path, id) >= capacity)
         return em_error_set(err, EM_INVALID_ARGUMENT, "checkpoint path under '%.256s' is too long",
                             path);
     return EM_OK;
@@ -1607,24 +1627,16 @@ em_status em_checkpoint_latest(const char *dir, const char *table, char *path, s
 {
     char table_dir[4200];
     snprintf(table_dir, sizeof(table_dir), "%s/%s", dir, table);
-    char latest[4400];
-    snprintf(latest, sizeof(latest), "%s/LATEST", table_dir);
-    FILE *file = fopen(latest, "re");
-    if (file == NULL)
+    char id[EM_CHECKPOINT_ID_DIGITS + 1];
+    em_status status = read_latest(table_dir, id, err);
+    if (status == EM_NOT_FOUND)
         return em_error_set(err, EM_NOT_FOUND, "table '%s' has no checkpoint in %s", table, dir);
-    char line[64] = {0};
-    bool read = fgets(line, sizeof(line), file) != NULL;
-    fclose(file);
-    line[strcspn(line, "\n")] = '\0';
-    if (!read || !em__checkpoint_is_id(line))
-        return data_loss(err, table_dir, "LATEST", "does not hold a checkpoint id");
-    if ((size_t)snprintf(path, capacity, "%s/%s", table_dir, line) >= capacity)
+    if (status != EM_OK)
+        return status;
+    if ((size_t)snprintf(path, capacity, "%s/%s", table_dir, id) >= capacity)
         return em_error_set(err, EM_INVALID_ARGUMENT,
                             "checkpoint path under '%.256s' for table '%s' is too long", dir,
                             table);
-    struct stat st;
-    if (stat(path, &st) != 0)
-        return data_loss(err, table_dir, "LATEST", "names %s, which is missing", line);
     return EM_OK;
 }
 
