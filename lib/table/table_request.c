@@ -430,10 +430,14 @@ static em_status find_beside(request_context *r, segment *seg, em_error *err)
 
 /* Finds the keys of every shard of a device. Where the device can (shard_find_async),
  * the shards' missing counts land in device words and come back together, one wait for
- * the device instead of one per shard. Else, with r->stop_when_full, it stops after the
- * shard where more keys than the table's room are missing (r->find_stopped). */
-static em_status find_on_device(request_context *r, segment *seg, em_error *err)
+ * the device instead of one per shard; where it can also read them back later
+ * (copy_to_host_later), *pending is set and the counts arrive when the caller
+ * synchronizes the lane, so that the finds of several devices run at once. Else, with
+ * r->stop_when_full, it stops after the shard where more keys than the table's room are
+ * missing (r->find_stopped). */
+static em_status find_on_device(request_context *r, segment *seg, bool *pending, em_error *err)
 {
+    *pending = false;
     em_table *table = r->table;
     const em_device_ops *ops = seg->device->ops;
     uint32_t shards = seg->end_shard - seg->first_shard;
@@ -481,6 +485,12 @@ static em_status find_on_device(request_context *r, segment *seg, em_error *err)
             }
         }
     }
+    if (status == EM_OK && counts != NULL && ops->copy_to_host_later != NULL) {
+        status = ops->copy_to_host_later(seg->lane, &r->shard_missing[seg->first_shard], counts,
+                                         shards * sizeof(uint64_t), err);
+        *pending = status == EM_OK;
+        return status;
+    }
     if (status == EM_OK && counts != NULL)
         status = ops->copy_to_host(seg->lane, &r->shard_missing[seg->first_shard], counts,
                                    shards * sizeof(uint64_t), err);
@@ -489,17 +499,33 @@ static em_status find_on_device(request_context *r, segment *seg, em_error *err)
     return status;
 }
 
+/* Finds the keys on every device: the finds of all devices are enqueued before any is
+ * waited for (find_on_device's pending counts), then each such device's lane is
+ * synchronized and its counts added, so a table over several GPUs looks its keys up on
+ * all of them at once. */
 static em_status find_keys(request_context *r, em_error *err)
 {
+    em_table *table = r->table;
+    uint32_t devices = table->backend->device_count;
+    bool pending[EM_BACKEND_MAX_DEVICES] = {false};
+    em_status status = EM_OK;
     r->missing = 0;
-    for (uint32_t d = 0; d < r->table->backend->device_count && !r->find_stopped; d++) {
-        if (r->segments[d].count == 0)
+    for (uint32_t d = 0; status == EM_OK && d < devices && !r->find_stopped; d++)
+        if (r->segments[d].count > 0)
+            status = find_on_device(r, &r->segments[d], &pending[d], err);
+    for (uint32_t d = 0; d < devices; d++) {
+        if (!pending[d])
             continue;
-        em_status status = find_on_device(r, &r->segments[d], err);
-        if (status != EM_OK)
-            return status;
+        segment *seg = &r->segments[d];
+        em_error later;
+        em_status synchronized = seg->device->ops->synchronize(seg->lane,
+                                                               status == EM_OK ? err : &later);
+        if (status == EM_OK)
+            status = synchronized;
+        for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++)
+            r->missing += r->shard_missing[s];
     }
-    return EM_OK;
+    return status;
 }
 
 void em__plan_found(request_context *r, uint64_t nnz, uint64_t *unique, uint32_t *inverse,
@@ -1628,48 +1654,74 @@ static em_status problem_error(request_context *r, const segment *seg, uint32_t 
 /* Checks every shard of a device under its read lock, so pushes check side by side;
  * where the device can (shard_check_apply_async), the shards' answers come back
  * together, one wait for the device. The first problem becomes the error. */
+/* Enqueues (or, on a device without it, makes) the checks of a device's shards into
+ * *problems (host memory, one word per shard of the device, the caller frees it). Where
+ * the device checks without waiting and can read the answers back later, *pending is set
+ * and they arrive when the caller synchronizes the lane. */
 static em_status check_on_device(request_context *r, segment *seg, shard_check *checks,
-                                 em_error *err)
+                                 uint64_t **problems, bool *pending, em_error *err)
 {
     em_table *table = r->table;
+    const em_device_ops *ops = seg->device->ops;
     uint32_t shards = seg->end_shard - seg->first_shard;
-    bool async = seg->device->ops->shard_check_apply_async != NULL;
-    uint64_t *problems = malloc((shards + 1) * sizeof(uint64_t)), *device_problems = NULL;
-    em_status status = problems == NULL ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                                                       "push: out of host memory")
+    bool async = ops->shard_check_apply_async != NULL;
+    uint64_t *device_problems = NULL;
+    *pending = false;
+    *problems = malloc((shards + 1) * sizeof(uint64_t));
+    em_status status = *problems == NULL ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                                        "push: out of host memory")
                        : async ? em__request_alloc(r, seg->device, shards * sizeof(uint64_t),
                                                    "check answers", (void **)&device_problems,
                                                    err)
                                : EM_OK;
     for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
         uint64_t *problem = async ? &device_problems[s - seg->first_shard]
-                                  : &problems[s - seg->first_shard];
+                                  : &(*problems)[s - seg->first_shard];
         if (shard_key_count(r, s) == 0)
             continue; /* its answer is not read */
         em__shard_read_lock(table, s);
         status = check_shard(r, seg, s, async, problem, &checks[s], err);
         pthread_rwlock_unlock(&table->shard_locks[s]);
     }
-    if (status == EM_OK && async)
-        status = seg->device->ops->copy_to_host(seg->lane, problems, device_problems,
-                                                shards * sizeof(uint64_t), err);
-    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++)
-        if (shard_key_count(r, s) != 0)
-            status = problem_error(r, seg, s, problems[s - seg->first_shard], err);
-    free(problems);
+    if (status == EM_OK && async && ops->copy_to_host_later != NULL) {
+        status = ops->copy_to_host_later(seg->lane, *problems, device_problems,
+                                         shards * sizeof(uint64_t), err);
+        *pending = status == EM_OK;
+    } else if (status == EM_OK && async) {
+        status = ops->copy_to_host(seg->lane, *problems, device_problems,
+                                   shards * sizeof(uint64_t), err);
+    }
     return status;
 }
 
+/* Checks every device's shards: all devices' checks are enqueued before any is waited
+ * for, so a table over several GPUs checks on all of them at once; then each device's
+ * answers are read, in device and shard order (the first problem is the request's). */
 static em_status check_shards(request_context *r, shard_check *checks, em_error *err)
 {
-    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
-        if (r->segments[d].count == 0)
-            continue;
-        em_status status = check_on_device(r, &r->segments[d], checks, err);
-        if (status != EM_OK)
-            return status;
+    uint32_t devices = r->table->backend->device_count;
+    uint64_t *problems[EM_BACKEND_MAX_DEVICES] = {NULL};
+    bool pending[EM_BACKEND_MAX_DEVICES] = {false};
+    em_status status = EM_OK;
+    for (uint32_t d = 0; status == EM_OK && d < devices; d++)
+        if (r->segments[d].count > 0)
+            status = check_on_device(r, &r->segments[d], checks, &problems[d], &pending[d], err);
+    for (uint32_t d = 0; d < devices; d++) {
+        segment *seg = &r->segments[d];
+        em_error later;
+        if (pending[d]) {
+            em_status synchronized = seg->device->ops->synchronize(seg->lane,
+                                                                   status == EM_OK ? err : &later);
+            if (status == EM_OK)
+                status = synchronized;
+        }
+        for (uint32_t s = seg->first_shard; status == EM_OK && problems[d] != NULL &&
+                                            s < seg->end_shard; s++)
+            if (shard_key_count(r, s) != 0)
+                status = problem_error(r, seg, s, problems[d][s - seg->first_shard], err);
+        free(problems[d]);
     }
-    return EM_OK;
+    return status;
 }
 
 /* Whether the check of a shard no longer holds: another push stepped it since, and the

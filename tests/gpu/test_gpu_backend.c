@@ -2247,6 +2247,63 @@ START_TEST(a_table_on_one_gpu_of_two_is_served_there)
     em_backend_destroy(gpu);
 }
 END_TEST
+
+/* A table whose shards are on two GPUs: a request looks its keys up (and a push checks
+ * its steps) on both GPUs before it waits for either, so the host never waits for one
+ * GPU while the other has not been given its part yet. Counted by the emulation's waits
+ * during which the other GPU still had an answer on its way (overlapped waits): the
+ * finds of a pull, the finds and the checks of a push. The answers equal the CPU's. */
+START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
+{
+    enum { KEYS = 800, DIM = 8 };
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(2, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(DIM, 100000, 8, EM_OPTIMIZER_ADAGRAD, EM_INIT_UNIFORM);
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
+    for (uint32_t i = 0; i < KEYS; i++)
+        keys[i] = 29 * (uint64_t)i + 3;
+    float *gradients = malloc(KEYS * DIM * sizeof(float));
+    for (uint32_t i = 0; i < KEYS * DIM; i++)
+        gradients[i] = 0.002f * (float)(i % 89) - 0.05f;
+    float *out[2] = {malloc(KEYS * DIM * sizeof(float)), malloc(KEYS * DIM * sizeof(float))};
+    em_test_batch b = em_test_key_batch(keys, KEYS);
+    em_error err;
+    for (int t = 0; t < 2; t++) /* the keys created */
+        ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err) ==
+                          EM_OK, "%s", err.message);
+    for (int request = 0; request < 4; request++) {
+        bool push = request % 2 == 1;
+        uint64_t overlapped = 0;
+        for (int t = 0; t < 2; t++) {
+            if (t == 1)
+                overlapped = em_gpu_emulated_overlapped_waits();
+            em_status status =
+                push ? em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err)
+                     : em_test_pull(tables[t], &b.csr, EM_COMBINER_NONE, false, out[t], NULL, &err);
+            ck_assert_msg(status == EM_OK, "%s", err.message);
+        }
+        overlapped = em_gpu_emulated_overlapped_waits() - overlapped;
+        printf("two GPUs, %s of present keys: %" PRIu64 " host waits overlapped the other GPU's "
+               "work\n", push ? "push" : "pull", overlapped);
+        ck_assert_msg(overlapped >= (push ? 2u : 1u),
+                      "request %d (%s): %" PRIu64 " waits overlapped another GPU's work", request,
+                      push ? "push" : "pull", overlapped);
+        if (!push)
+            ck_assert(memcmp(out[0], out[1], KEYS * DIM * sizeof(float)) == 0);
+    }
+    assert_tables_alike(tables[0], tables[1], 64, 0);
+    em_test_batch_free(&b);
+    free(out[0]);
+    free(out[1]);
+    free(gradients);
+    free(keys);
+    em_table_destroy(tables[0]);
+    em_table_destroy(tables[1]);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
 #endif
 
 /* Loop index: the capacity policy (lru, lfu, age, expiry, counter admission,
@@ -2532,6 +2589,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, host_waits_and_operations_per_request);
     tcase_add_test(tc, a_large_eviction_waits_a_few_times);
     tcase_add_test(tc, a_table_on_one_gpu_of_two_is_served_there);
+    tcase_add_test(tc, a_table_over_two_gpus_finds_and_checks_on_both_at_once);
 #endif
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_test(tc, bad_options_are_named);

@@ -134,7 +134,7 @@ static void protect_all(int protection)
 }
 
 /* What the host asked of the emulated GPUs (em_gpu_emulated_counts). */
-static _Atomic uint64_t operations_issued, transfers_issued, host_waits;
+static _Atomic uint64_t operations_issued, transfers_issued, host_waits, overlapped_waits;
 
 void em_gpu_emulated_counts(uint64_t *operations, uint64_t *waits)
 {
@@ -145,6 +145,11 @@ void em_gpu_emulated_counts(uint64_t *operations, uint64_t *waits)
 uint64_t em_gpu_emulated_transfers(void)
 {
     return atomic_load(&transfers_issued);
+}
+
+uint64_t em_gpu_emulated_overlapped_waits(void)
+{
+    return atomic_load(&overlapped_waits);
 }
 
 /* Device work runs between these two: regions readable and writable, one at a time. */
@@ -428,9 +433,22 @@ void em_gpu_stream_destroy(em_gpu_stream *stream)
     free(stream);
 }
 
-em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
+/* Counts a wait for a stream of device `ordinal` (em_gpu_emulated_overlapped_waits). */
+static void count_wait(int ordinal)
 {
     atomic_fetch_add(&host_waits, 1);
+    bool overlapped = false;
+    pthread_mutex_lock(&pinned_lock);
+    for (const pending_copy *c = pending_head; c != NULL && !overlapped; c = c->next)
+        overlapped = c->to_host && c->stream->ordinal != ordinal;
+    pthread_mutex_unlock(&pinned_lock);
+    if (overlapped)
+        atomic_fetch_add(&overlapped_waits, 1);
+}
+
+em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
+{
+    count_wait(stream->ordinal);
     complete_copies(stream, UINT64_MAX);
     return ok();
 }
@@ -475,7 +493,7 @@ em_gpu_status em_gpu_stream_wait(em_gpu_stream *stream, em_gpu_event *event)
 
 em_gpu_status em_gpu_event_synchronize(em_gpu_event *event)
 {
-    atomic_fetch_add(&host_waits, 1);
+    count_wait(event->ordinal);
     pthread_mutex_lock(&pinned_lock);
     em_gpu_stream *stream = event->stream;
     uint64_t upto = event->issued;

@@ -16,4 +16,9 @@ void em_gpu_emulated_counts(uint64_t *operations, uint64_t *waits);
  * are kernel launches. */
 uint64_t em_gpu_emulated_transfers(void);
 
+/* Of the waits, those during which another device also had a copy into pinned host
+ * memory still in flight: the host waits for one GPU while another works on for the
+ * same host (their work overlaps on real GPUs). */
+uint64_t em_gpu_emulated_overlapped_waits(void);
+
 #endif
