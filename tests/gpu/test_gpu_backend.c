@@ -2043,10 +2043,11 @@ END_TEST
  * known idle is not synchronised). Printed, and held at or
  * below the ceilings measured when this test was written, so a change that adds work
  * to a request fails here and one that removes some lowers the ceilings. 1,000 keys,
- * dim 16, adagrad, batches in malloc'ed memory, one GPU. */
+ * dim 16, adagrad, batches in malloc'ed memory, the table's shards on one GPU or spread
+ * over two (which goes the general way). */
 typedef struct request_shape {
     const char *what;
-    uint32_t shards;
+    uint32_t gpus, shards;
     bool push, fresh; /* fresh: keys not in the table yet (created) */
     bool again;       /* fresh, in a table where a pull of as many keys created them before */
     uint64_t operations, waits; /* ceilings */
@@ -2055,21 +2056,24 @@ typedef struct request_shape {
 START_TEST(host_waits_and_operations_per_request)
 {
     static const request_shape shapes[] = {
-        {"pull, present keys", 1, false, false, false, 11, 1},
-        {"pull, creating", 1, false, true, false, 16, 2},
-        {"pull, creating again", 1, false, true, true, 15, 1},
-        {"push, present keys", 1, true, false, false, 14, 1},
-        {"push, creating", 1, true, true, false, 18, 2},
-        {"push, creating again", 1, true, true, true, 17, 1},
-        {"pull, present keys", 8, false, false, false, 11, 1},
-        {"pull, creating", 8, false, true, false, 23, 9},
-        {"pull, creating again", 8, false, true, true, 15, 1},
-        {"push, present keys", 8, true, false, false, 14, 1},
-        {"push, creating", 8, true, true, false, 25, 9},
-        {"push, creating again", 8, true, true, true, 17, 1},
+        {"pull, present keys", 1, 1, false, false, false, 11, 1},
+        {"pull, creating", 1, 1, false, true, false, 16, 2},
+        {"pull, creating again", 1, 1, false, true, true, 15, 1},
+        {"push, present keys", 1, 1, true, false, false, 14, 1},
+        {"push, creating", 1, 1, true, true, false, 18, 2},
+        {"push, creating again", 1, 1, true, true, true, 17, 1},
+        {"pull, present keys", 1, 8, false, false, false, 11, 1},
+        {"pull, creating", 1, 8, false, true, false, 23, 9},
+        {"pull, creating again", 1, 8, false, true, true, 15, 1},
+        {"push, present keys", 1, 8, true, false, false, 14, 1},
+        {"push, creating", 1, 8, true, true, false, 25, 9},
+        {"push, creating again", 1, 8, true, true, true, 17, 1},
+        {"pull, present keys", 2, 8, false, false, false, 42, 6},
+        {"push, present keys", 2, 8, true, false, false, 61, 8},
     };
     enum { KEYS = 1000, DIM = 16 };
-    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_backend *gpus[2] = {gpu_backend(1, GPU_POOL_BYTES, false),
+                           gpu_backend(2, GPU_POOL_BYTES, false)};
     uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
     uint32_t *offsets = malloc((KEYS + 1) * sizeof(uint32_t));
     float *vectors = malloc(KEYS * DIM * sizeof(float));
@@ -2083,7 +2087,7 @@ START_TEST(host_waits_and_operations_per_request)
         const request_shape *shape = &shapes[k];
         em_table_config config = table_config(DIM, 100000, shape->shards, EM_OPTIMIZER_ADAGRAD,
                                               EM_INIT_UNIFORM);
-        em_table *table = em_test_make_table(gpu, &config);
+        em_table *table = em_test_make_table(gpus[shape->gpus - 1], &config);
         for (uint32_t i = 0; i < KEYS; i++)
             keys[i] = 7 * (uint64_t)i + 1;
         if (!shape->fresh) { /* the keys present first, then a request of the kind that
@@ -2119,20 +2123,21 @@ START_TEST(host_waits_and_operations_per_request)
         operations = operations_after - operations;
         waits = waits_after - waits;
         transfers = em_gpu_emulated_transfers() - transfers;
-        printf("%-20s %u shard(s): %3" PRIu64 " operations (%2" PRIu64 " kernels, %2" PRIu64
+        printf("%-20s %u GPU(s), %u shard(s): %3" PRIu64 " operations (%2" PRIu64 " kernels, %2" PRIu64
                " copies and fills), %2" PRIu64 " host waits\n",
-               shape->what, shape->shards, operations, operations - transfers, transfers, waits);
+               shape->what, shape->gpus, shape->shards, operations, operations - transfers, transfers, waits);
         ck_assert_msg(operations <= shape->operations && waits <= shape->waits,
-                      "%s, %u shard(s): %" PRIu64 " operations and %" PRIu64 " waits, more than "
-                      "the %" PRIu64 " and %" PRIu64 " measured before",
-                      shape->what, shape->shards, operations, waits, shape->operations,
+                      "%s, %u GPU(s), %u shard(s): %" PRIu64 " operations and %" PRIu64
+                      " waits, more than the %" PRIu64 " and %" PRIu64 " measured before",
+                      shape->what, shape->gpus, shape->shards, operations, waits, shape->operations,
                       shape->waits);
         em_table_destroy(table);
     }
     free(keys);
     free(offsets);
     free(vectors);
-    em_backend_destroy(gpu);
+    em_backend_destroy(gpus[0]);
+    em_backend_destroy(gpus[1]);
 }
 END_TEST
 
