@@ -8,6 +8,7 @@
 #include <check.h>
 #include <cJSON.h>
 #include <dirent.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -134,6 +135,124 @@ static void train(em_client *client, const batch *b, uint64_t seed)
 static bool same(const float *a, const float *b)
 {
     return memcmp(a, b, (size_t)KEYS * DIM * sizeof(float)) == 0;
+}
+
+/* ---- a table at its capacity: lru eviction (the crash loop's second table) ---------- */
+
+#define EVICTING_CAPACITY 6000u
+#define EVICTING_PUSH 1500u /* keys per push: each push into the full table evicts */
+
+/* The crash loop's config: t as overrides() has it, and e, which holds a fraction of the
+ * keys and evicts. */
+static char *crash_overrides(const char *dir)
+{
+    static char json[2048];
+    snprintf(json, sizeof(json),
+             "{\"checkpoint\": {\"dir\": \"%s\", \"keep\": 2, \"on_shutdown\": false,"
+             " \"full_every\": 3},"
+             " \"tables\": [{\"name\": \"t\", \"dim\": %u, \"capacity\": 100000, \"shards\": 4,"
+             " \"optimizer\": {\"type\": \"adam\", \"lr\": 0.01},"
+             " \"initializer\": {\"type\": \"uniform\", \"bound\": 0.1, \"seed\": 7}},"
+             " {\"name\": \"e\", \"dim\": %u, \"capacity\": %u, \"shards\": 3,"
+             " \"optimizer\": {\"type\": \"adagrad\", \"lr\": 0.05},"
+             " \"initializer\": {\"type\": \"uniform\", \"bound\": 0.1, \"seed\": 9},"
+             " \"eviction\": {\"policy\": \"lru\"}}]}",
+             dir, DIM, DIM, EVICTING_CAPACITY);
+    return json;
+}
+
+/* e's weights for every key (zeros where absent); *missing gets how many it lacks. */
+static float *read_evicting(em_client *client, const batch *b, uint64_t *missing)
+{
+    float *out = calloc((size_t)KEYS * DIM, sizeof(float));
+    em_client_pull_args args = {.table = "e",
+                                .batch = {.rows = KEYS, .nnz = KEYS, .offsets = b->offsets,
+                                          .keys = b->keys},
+                                .combiner = EM_COMBINER_NONE,
+                                .create_missing = false,
+                                .out = out,
+                                .out_capacity = (uint64_t)KEYS * DIM};
+    em_client_pull_result result;
+    em_error err;
+    ck_assert_msg(em_client_pull(client, &args, &result, &err) == EM_OK, "%s", err.message);
+    *missing = result.missing;
+    return out;
+}
+
+/* pushes pushes of EVICTING_PUSH keys into e, each from a random start (wrapping). */
+static void train_evicting(em_client *client, const batch *b, uint64_t seed, int pushes)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, seed ^ 0x5bd1e995u);
+    uint64_t keys[EVICTING_PUSH];
+    float *g = malloc((size_t)EVICTING_PUSH * DIM * sizeof(float));
+    for (int p = 0; p < pushes; p++) {
+        uint32_t first = (uint32_t)em_test_rng_below(&rng, KEYS);
+        for (uint32_t i = 0; i < EVICTING_PUSH; i++)
+            keys[i] = b->keys[(first + i) % KEYS];
+        for (uint64_t i = 0; i < (uint64_t)EVICTING_PUSH * DIM; i++)
+            g[i] = (float)(em_test_rng_unit(&rng) - 0.5);
+        em_client_push_args args = {.table = "e",
+                                    .batch = {.rows = EVICTING_PUSH, .nnz = EVICTING_PUSH,
+                                              .offsets = b->offsets, .keys = keys},
+                                    .combiner = EM_COMBINER_NONE,
+                                    .gradients = g,
+                                    .gradient_count = (uint64_t)EVICTING_PUSH * DIM};
+        em_error err;
+        ck_assert_msg(em_client_push(client, &args, NULL, &err) == EM_OK, "%s", err.message);
+    }
+    free(g);
+}
+
+/* The state of both of the crash loop's tables: t's weights, e's weights and its
+ * missing count (which keys it holds). */
+typedef struct crash_state {
+    float *t, *e;
+    uint64_t t_missing, e_missing;
+} crash_state;
+
+static crash_state read_crash_state(em_client *client, const batch *b)
+{
+    crash_state state;
+    state.t = read_state(client, b, &state.t_missing);
+    state.e = read_evicting(client, b, &state.e_missing);
+    return state;
+}
+
+/* Whether table t (e) of a equals that of b; a table of b never saved (NULL) is empty. */
+static bool same_t(const crash_state *a, const crash_state *b)
+{
+    return b->t == NULL ? a->t_missing == KEYS : a->t_missing == 0 && same(a->t, b->t);
+}
+
+static bool same_e(const crash_state *a, const crash_state *b)
+{
+    return b->e == NULL ? a->e_missing == KEYS
+                        : a->e_missing == b->e_missing && same(a->e, b->e);
+}
+
+/* Takes table t (e) of from into into, freeing into's. */
+static void take_t(crash_state *into, crash_state *from)
+{
+    free(into->t);
+    into->t = from->t;
+    into->t_missing = from->t_missing;
+    from->t = NULL;
+}
+
+static void take_e(crash_state *into, crash_state *from)
+{
+    free(into->e);
+    into->e = from->e;
+    into->e_missing = from->e_missing;
+    from->e = NULL;
+}
+
+static void crash_state_free(crash_state *state)
+{
+    free(state->t);
+    free(state->e);
+    state->t = state->e = NULL;
 }
 
 /* ---- SAVE, kill -9, restore ---------------------------------------------------------- */
@@ -750,7 +869,8 @@ static void *save_in_background(void *argument)
 }
 
 /* Each iteration: the restarted daemon holds exactly the last completed checkpoint (or
- * nothing before the first); it trains, a save starts (half of them deltas, after
+ * nothing before the first), in both of its tables: t, and e, which is full and evicts
+ * at every push (which keys it holds is part of the state); it trains, a save starts (half of them deltas, after
  * training a few keys), and the daemon dies by kill -9 after a random delay of up to
  * three times the last completed save's duration (so most saves complete, however fast
  * the machine), or by a failpoint at a random step of the save. */
@@ -764,37 +884,40 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
     char dir[256];
     em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
     batch *b = every_key();
-    float *completed = NULL; /* the last state a completed save holds */
+    crash_state completed = {0}; /* each table as its last completed save holds it (NULL:
+                                  * none yet); a save writes each table's checkpoint apart */
     int saves_completed = 0, deltas_completed = 0, by_failpoint = 0;
     double save_seconds = 0.2; /* until a save has been timed */
     for (int i = 0; i < iterations; i++) {
         bool failpoint = em_test_rng_below(&rng, 3) == 0;
         bool delta = em_test_rng_below(&rng, 2) == 0;
-        delta = delta && completed != NULL; /* a delta trains a few keys: all exist by then */
+        delta = delta && completed.t != NULL; /* a delta trains a few keys: all exist by then */
         int step = 1 + (int)em_test_rng_below(&rng, EM_SAVE_STEP_COUNT);
         char crash[64];
         snprintf(crash, sizeof(crash), "checkpoint_crash=%d", step);
         if (failpoint)
             setenv("EMBER_FAILPOINTS", crash, 1);
-        test_daemon *daemon = test_daemon_start(overrides(dir, false));
+        test_daemon *daemon = test_daemon_start(crash_overrides(dir));
         unsetenv("EMBER_FAILPOINTS");
         em_client *client = client_for(daemon);
-        uint64_t missing = 0;
-        float *state = read_state(client, b, &missing);
-        if (completed == NULL)
-            ck_assert_msg(missing == KEYS, "iteration %d (seed %llu): rows without a save", i,
-                          (unsigned long long)seed);
-        else
-            ck_assert_msg(missing == 0 && same(state, completed),
-                          "iteration %d (seed %llu): the restored table is not the last "
-                          "completed checkpoint", i, (unsigned long long)seed);
-        free(state);
+        crash_state state = read_crash_state(client, b);
+        ck_assert_msg(same_t(&state, &completed),
+                      "iteration %d (seed %llu): t restored is not its last completed checkpoint",
+                      i, (unsigned long long)seed);
+        ck_assert_msg(same_e(&state, &completed),
+                      "iteration %d (seed %llu): e restored is not its last completed checkpoint "
+                      "(%" PRIu64 " keys missing, %" PRIu64 " in it)", i,
+                      (unsigned long long)seed, state.e_missing, completed.e_missing);
+        crash_state_free(&state);
         if (delta)
             train_part(client, b, seed + (uint64_t)i, (uint32_t)em_test_rng_below(&rng, KEYS - 1000),
                        1000);
         else
             train(client, b, seed + (uint64_t)i);
-        float *trained = read_state(client, b, &missing);
+        /* e is full after the first iteration: every push evicts, and a delta carries the
+         * evicted keys as tombstones */
+        train_evicting(client, b, seed + (uint64_t)i, delta ? 1 : 4);
+        crash_state trained = read_crash_state(client, b);
         save_call call = {.client = client, .delta = delta, .status = EM_UNKNOWN};
         pthread_t thread;
         pthread_create(&thread, NULL, save_in_background, &call);
@@ -814,36 +937,44 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
             by_failpoint += code == 99;
         if (call.status == EM_OK) {
             /* answered before the kill: this save is complete */
-            free(completed);
-            completed = trained;
+            take_t(&completed, &trained);
+            take_e(&completed, &trained);
             saves_completed++;
             deltas_completed += delta;
             continue;
         }
         /* unanswered: complete or not, the next start tells; remember both */
-        test_daemon *probe = test_daemon_start(overrides(dir, false));
+        test_daemon *probe = test_daemon_start(crash_overrides(dir));
         client = client_for(probe);
-        float *now = read_state(client, b, &missing);
+        crash_state now = read_crash_state(client, b);
         em_client_destroy(client);
         test_daemon_stop(probe, SIGKILL, 5000);
-        if (missing == 0 && same(now, trained)) {
-            free(completed);
-            completed = trained;
-            saves_completed++;
-            deltas_completed += delta;
-        } else {
-            ck_assert_msg(completed == NULL ? missing == KEYS
-                                            : missing == 0 && same(now, completed),
-                          "iteration %d (seed %llu): after a kill during a save the table is "
-                          "neither the old nor the new checkpoint", i, (unsigned long long)seed);
-            free(trained);
-        }
-        free(now);
+        /* each table on its own: its new checkpoint or its old one */
+        bool t_new = same_t(&now, &trained), e_new = same_e(&now, &trained);
+        ck_assert_msg(t_new || same_t(&now, &completed),
+                      "iteration %d (seed %llu): after a kill during a save t is neither its "
+                      "old nor its new checkpoint", i, (unsigned long long)seed);
+        ck_assert_msg(e_new || same_e(&now, &completed),
+                      "iteration %d (seed %llu): after a kill during a save e is neither its "
+                      "old nor its new checkpoint", i, (unsigned long long)seed);
+        if (t_new)
+            take_t(&completed, &trained);
+        if (e_new)
+            take_e(&completed, &trained);
+        saves_completed += t_new && e_new;
+        deltas_completed += t_new && e_new && delta;
+        crash_state_free(&trained);
+        crash_state_free(&now);
     }
     printf("crash loop: %d iterations (seed %llu), %d saves completed (%d asked as deltas), %d "
-           "crashed by failpoint inside a save\n", iterations, (unsigned long long)seed,
-           saves_completed, deltas_completed, by_failpoint);
-    free(completed);
+           "crashed by failpoint inside a save; e holds %" PRIu64 " of the %u keys\n",
+           iterations, (unsigned long long)seed, saves_completed, deltas_completed, by_failpoint,
+           completed.e != NULL ? KEYS - completed.e_missing : 0, KEYS);
+    if (iterations >= 10) /* e filled up, and its saves held it full */
+        ck_assert_msg(completed.e != NULL && completed.e_missing == KEYS - EVICTING_CAPACITY,
+                      "e's last checkpoint holds %" PRIu64 " keys, not its capacity %u",
+                      KEYS - completed.e_missing, EVICTING_CAPACITY);
+    crash_state_free(&completed);
     free(b);
     em_test_remove_tree(dir);
 }
