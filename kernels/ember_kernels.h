@@ -190,6 +190,12 @@ em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys,
 /* owner[u] = em_key_shard(unique[u], shard_count); index[u] = u. */
 em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *unique, uint64_t n,
                                       uint32_t shard_count, uint32_t *owner, uint32_t *index);
+/* em_gpu_partition_owners over n entries of which the first *count (a device word) are
+ * keys: the others get owner shard_count, after every shard once sorted. */
+em_gpu_status em_gpu_partition_owners_counted(em_gpu_stream *stream, const uint64_t *unique,
+                                              uint64_t n, const uint32_t *count,
+                                              uint32_t shard_count, uint32_t *owner,
+                                              uint32_t *index);
 /* With sorted_index the unique indices stably sorted by owner: partitioned[i] =
  * unique[sorted_index[i]], position[sorted_index[i]] = i, and (when targets is not
  * NULL) targets[i] = first_positions[sorted_index[i]]. */

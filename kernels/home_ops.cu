@@ -60,6 +60,14 @@ __global__ void partition_owners_kernel(const uint64_t *unique, uint64_t n, uint
     em_gpu_partition_owner_item(unique, u, shard_count, owner, index);
 }
 
+__global__ void partition_owners_counted_kernel(const uint64_t *unique, uint64_t n,
+                                                const uint32_t *count, uint32_t shard_count,
+                                                uint32_t *owner, uint32_t *index)
+{
+    EM_GPU_FOR_EACH(u, n)
+    em_gpu_partition_owner_counted_item(unique, count, u, shard_count, owner, index);
+}
+
 __global__ void partition_scatter_kernel(const uint64_t *unique, const uint32_t *sorted_index,
                                          const uint32_t *first_positions, uint64_t n,
                                          uint64_t *partitioned, uint32_t *position,
@@ -182,6 +190,19 @@ extern "C" em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const ui
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(partition_owners_kernel, n, stream, unique, n, shard_count, owner,
                          index);
+}
+
+extern "C" em_gpu_status em_gpu_partition_owners_counted(em_gpu_stream *stream,
+                                                         const uint64_t *unique, uint64_t n,
+                                                         const uint32_t *count,
+                                                         uint32_t shard_count, uint32_t *owner,
+                                                         uint32_t *index)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(partition_owners_counted_kernel, n, stream, unique, n, count,
+                         shard_count, owner, index);
 }
 
 extern "C" em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *unique,

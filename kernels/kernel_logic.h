@@ -218,6 +218,18 @@ EM_HOST_DEVICE void em_gpu_partition_owner_item(const uint64_t *unique, uint64_t
     index[u] = (uint32_t)u;
 }
 
+/* em_gpu_partition_owner_item over an upper bound: the entries at and past *count (the
+ * dedupe's count, on the device) get owner shard_count, which sorts them after every
+ * shard. */
+EM_HOST_DEVICE void em_gpu_partition_owner_counted_item(const uint64_t *unique,
+                                                        const uint32_t *count, uint64_t u,
+                                                        uint32_t shard_count, uint32_t *owner,
+                                                        uint32_t *index)
+{
+    owner[u] = u < *count ? em_key_shard(unique[u], shard_count) : shard_count;
+    index[u] = (uint32_t)u;
+}
+
 EM_HOST_DEVICE void em_gpu_partition_scatter_item(const uint64_t *unique,
                                                   const uint32_t *sorted_index,
                                                   const uint32_t *first_positions, uint64_t i,

@@ -152,6 +152,58 @@ static em_status partition_single(cuda_lane *lane, const uint64_t *unique, uint6
     return status;
 }
 
+/* Enqueues the partition of unique[0..n) by owner shard (shard_count > 1), or, with
+ * count (a device word), of its first *count entries, the others sorted after every
+ * shard; *starts_out (scratch, shard_count + 1 words): where each shard's keys begin,
+ * and where the keys end. */
+static em_status enqueue_partition(cuda_lane *lane, scratch *s, const uint64_t *unique,
+                                   uint64_t n, const uint32_t *count, uint32_t shard_count,
+                                   const uint32_t *first_positions, uint64_t *partitioned,
+                                   uint32_t *position, uint32_t *targets, uint32_t **starts_out,
+                                   em_error *err)
+{
+    uint32_t *owner = NULL, *index = NULL, *sorted_owner = NULL, *sorted_index = NULL;
+    uint32_t *starts = NULL;
+    void *temp = NULL;
+    size_t temp_bytes = 0;
+    /* counted: the entries past the count carry owner shard_count */
+    uint32_t end_bit = bits_for(count != NULL ? (uint64_t)shard_count + 1 : shard_count);
+    size_t bytes = n * sizeof(uint32_t);
+    em_status status = scratch_take(s, bytes, "partition owners", (void **)&owner, err);
+    if (status == EM_OK)
+        status = scratch_take(s, bytes, "partition indices", (void **)&index, err);
+    if (status == EM_OK)
+        status = scratch_take(s, bytes, "sorted owners", (void **)&sorted_owner, err);
+    if (status == EM_OK)
+        status = scratch_take(s, bytes, "sorted indices", (void **)&sorted_index, err);
+    if (status == EM_OK)
+        status = scratch_take(s, ((size_t)shard_count + 1) * sizeof(uint32_t), "shard starts",
+                              (void **)&starts, err);
+    if (status == EM_OK)
+        status = take_sort_temp(s, lane, n, end_bit, &temp, &temp_bytes, err);
+    if (status == EM_OK)
+        status = lane_check(lane,
+                            count != NULL
+                                ? em_gpu_partition_owners_counted(lane->stream, unique, n, count,
+                                                                  shard_count, owner, index)
+                                : em_gpu_partition_owners(lane->stream, unique, n, shard_count,
+                                                          owner, index),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_sort_pairs_u32(lane->stream, temp, temp_bytes, owner,
+                                                        sorted_owner, index, sorted_index, n,
+                                                        end_bit), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_partition_scatter(lane->stream, unique, sorted_index,
+                                                           first_positions, n, partitioned,
+                                                           position, targets), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_segment_starts(lane->stream, sorted_owner, n,
+                                                        shard_count, starts), err);
+    *starts_out = starts;
+    return status;
+}
+
 em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_t n,
                                      uint32_t shard_count, const uint32_t *first_positions,
                                      uint64_t *partitioned, uint32_t *position, uint32_t *targets,
@@ -165,40 +217,59 @@ em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_
         return partition_single(lane, unique, n, first_positions, partitioned, position, targets,
                                 shard_counts, err);
     scratch s = {.device = base->device};
-    uint32_t *owner = NULL, *index = NULL, *sorted_owner = NULL, *sorted_index = NULL;
     uint32_t *starts = NULL;
-    void *temp = NULL;
-    size_t temp_bytes = 0;
-    uint32_t end_bit = bits_for(shard_count);
-    size_t bytes = n * sizeof(uint32_t);
-    em_status status = scratch_take(&s, bytes, "partition owners", (void **)&owner, err);
-    if (status == EM_OK)
-        status = scratch_take(&s, bytes, "partition indices", (void **)&index, err);
-    if (status == EM_OK)
-        status = scratch_take(&s, bytes, "sorted owners", (void **)&sorted_owner, err);
-    if (status == EM_OK)
-        status = scratch_take(&s, bytes, "sorted indices", (void **)&sorted_index, err);
-    if (status == EM_OK)
-        status = scratch_take(&s, ((size_t)shard_count + 1) * sizeof(uint32_t), "shard starts",
-                              (void **)&starts, err);
-    if (status == EM_OK)
-        status = take_sort_temp(&s, lane, n, end_bit, &temp, &temp_bytes, err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_partition_owners(lane->stream, unique, n, shard_count,
-                                                          owner, index), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_sort_pairs_u32(lane->stream, temp, temp_bytes, owner,
-                                                        sorted_owner, index, sorted_index, n,
-                                                        end_bit), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_partition_scatter(lane->stream, unique, sorted_index,
-                                                           first_positions, n, partitioned,
-                                                           position, targets), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_segment_starts(lane->stream, sorted_owner, n,
-                                                        shard_count, starts), err);
+    em_status status = enqueue_partition(lane, &s, unique, n, NULL, shard_count, first_positions,
+                                         partitioned, position, targets, &starts, err);
     if (status == EM_OK)
         status = shard_counts_from_starts(lane, starts, shard_count, shard_counts, err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, lane, status, err);
+    scratch_free_now(&s);
+    return EM_OK;
+}
+
+/* The dedupe and the partition of keys[0..n) (n > 0) with one wait (device.h:
+ * unique_partition_keys): the partition runs over n entries with the dedupe's count
+ * left on the GPU, and the count comes back with the shards' starts. */
+em_status em__cuda_unique_partition_keys(em_lane *base, const uint64_t *keys, uint64_t n,
+                                         uint32_t shard_count, uint64_t *unique,
+                                         uint32_t *inverse, uint32_t *first_positions,
+                                         uint64_t *partitioned, uint32_t *position,
+                                         uint32_t *targets, uint64_t *unique_count,
+                                         uint64_t *shard_counts, em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    scratch s = {.device = base->device};
+    memset(shard_counts, 0, shard_count * sizeof(*shard_counts));
+    *unique_count = 0;
+    uint32_t *rank = NULL, *starts = NULL;
+    em_status status = n == 0 ? em_error_set(err, EM_INTERNAL, "dedupe of no keys")
+                              : enqueue_unique(lane, &s, keys, n, unique, inverse,
+                                               first_positions, &rank, err);
+    const uint32_t *count = rank != NULL ? rank + n : NULL;
+    uint32_t *host = malloc(((size_t)shard_count + 1) * sizeof(*host));
+    if (status == EM_OK && host == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "partition: out of host memory");
+    if (status == EM_OK && shard_count == 1) { /* the unique order, every entry */
+        uint64_t ignored;
+        status = partition_single(lane, unique, n, first_positions, partitioned, position,
+                                  targets, &ignored, err);
+        if (status == EM_OK)
+            status = em__cuda_copy_to_host(base, host, count, sizeof(uint32_t), err);
+        if (status == EM_OK)
+            *unique_count = shard_counts[0] = host[0];
+    } else if (status == EM_OK) {
+        status = enqueue_partition(lane, &s, unique, n, count, shard_count, first_positions,
+                                   partitioned, position, targets, &starts, err);
+        if (status == EM_OK)
+            status = em__cuda_copy_to_host(base, host, starts,
+                                           ((size_t)shard_count + 1) * sizeof(*host), err);
+        for (uint32_t shard = 0; status == EM_OK && shard < shard_count; shard++)
+            shard_counts[shard] = host[shard + 1] - host[shard];
+        if (status == EM_OK)
+            *unique_count = host[shard_count]; /* the first entry past the keys */
+    }
+    free(host);
     if (status != EM_OK)
         return em__cuda_finish_async(&s, lane, status, err);
     scratch_free_now(&s);

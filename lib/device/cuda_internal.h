@@ -41,7 +41,7 @@
 #define LATER_BYTES ((size_t)128)
 #define LATER_MAX 4u
 /* Scratch buffers one operation takes at most. */
-#define SCRATCH_MAX 8u
+#define SCRATCH_MAX 16u
 /* Views of a table's shards a lane keeps on its GPU (cuda_shard.c: see_shards). */
 #define VIEW_CACHE 4u
 /* Most positions a lane keeps on its GPU for the pushes' sort (4 MiB): larger pushes
@@ -260,6 +260,13 @@ em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_
                                   uint32_t shard_count, const uint32_t *first_positions,
                                   uint64_t *partitioned, uint32_t *position, uint32_t *targets,
                                   uint64_t *shard_counts, em_error *err);
+
+em_status em__cuda_unique_partition_keys(em_lane *base, const uint64_t *keys, uint64_t n,
+                                         uint32_t shard_count, uint64_t *unique,
+                                         uint32_t *inverse, uint32_t *first_positions,
+                                         uint64_t *partitioned, uint32_t *position,
+                                         uint32_t *targets, uint64_t *unique_count,
+                                         uint64_t *shard_counts, em_error *err);
 
 em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
                                  em_combiner combiner, uint32_t dim, const float *gradients,

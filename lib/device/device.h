@@ -160,6 +160,16 @@ typedef struct em_device_ops {
                                 uint32_t shard_count, const uint32_t *first,
                                 uint64_t *partitioned, uint32_t *position, uint32_t *targets,
                                 uint64_t *shard_counts, em_error *err);
+    /* unique_keys then partition_keys with one wait for both: the same unique, inverse,
+     * first, partitioned, position and targets (each with room for n entries; those past
+     * *unique_count hold nothing of use), *unique_count and shard_counts (host memory).
+     * NULL where the two wait no more than once anyway (the CPU). */
+    em_status (*unique_partition_keys)(em_lane *lane, const uint64_t *keys, uint64_t n,
+                                       uint32_t shard_count, uint64_t *unique, uint32_t *inverse,
+                                       uint32_t *first, uint64_t *partitioned,
+                                       uint32_t *position, uint32_t *targets,
+                                       uint64_t *unique_count, uint64_t *shard_counts,
+                                       em_error *err);
     /* Push: partitioned_gradients[position[u]] = sum, starting from -0.0 (the identity
      * of IEEE addition, so a key's only gradient is copied bit for bit), over the
      * batch's keys k with inverse[k] = u, in order of k, of the key's gradient (NONE:

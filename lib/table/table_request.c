@@ -555,13 +555,64 @@ void em__plan_found(request_context *r, uint64_t nnz, uint64_t *unique, uint32_t
 /* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
  * them. Changes nothing in the table. want_targets asks for the output position of
  * every partitioned key (for gathering straight into a per-key output). */
+/* dedupe_keys and partition_keys in one operation of the home device, which waits for
+ * it once (unique_partition_keys): its buffers hold nnz entries, the unique count not
+ * being known before. */
+static em_status dedupe_and_partition(request_context *r, const uint64_t *host_keys,
+                                      uint64_t nnz, bool want_targets, em_error *err)
+{
+    em_device *home = r->home;
+    uint64_t *unique = NULL;
+    uint32_t *inverse = NULL, *position = NULL;
+    em_status status = em__stage_input(r, host_keys, nnz * sizeof(uint64_t), "request keys",
+                                       (const void **)&r->keys, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys",
+                                   (void **)&unique, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
+                                   (void **)&inverse, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
+                                   (void **)&r->first, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "partitioned keys",
+                                   (void **)&r->partitioned, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key positions",
+                                   (void **)&position, err);
+    if (status == EM_OK && want_targets)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "output targets",
+                                   (void **)&r->targets, err);
+    if (status == EM_OK)
+        status = home->ops->unique_partition_keys(r->home_lane, r->keys, nnz,
+                                                  r->table->shard_count, unique, inverse,
+                                                  r->first, r->partitioned, position, r->targets,
+                                                  &r->batch.unique_count, r->shard_start + 1,
+                                                  err);
+    r->batch.inverse = inverse;
+    r->batch.position = position;
+    r->batch.nnz = nnz;
+    if (status != EM_OK)
+        return status;
+    r->shard_start[0] = 0;
+    for (uint32_t s = 0; s < r->table->shard_count; s++)
+        r->shard_start[s + 1] += r->shard_start[s];
+    return EM_OK;
+}
+
 em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
                                bool want_targets, em_error *err)
 {
     uint64_t *unique = NULL;
-    em_status status = dedupe_keys(r, host_keys, nnz, &unique, err);
-    if (status == EM_OK)
-        status = partition_keys(r, unique, want_targets, err);
+    em_status status = EM_OK;
+    if (r->home->ops->unique_partition_keys != NULL && nnz > 0) {
+        status = dedupe_and_partition(r, host_keys, nnz, want_targets, err);
+    } else {
+        status = dedupe_keys(r, host_keys, nnz, &unique, err);
+        if (status == EM_OK)
+            status = partition_keys(r, unique, want_targets, err);
+    }
     if (status != EM_OK)
         return status;
     plan_segments(r);

@@ -2068,8 +2068,8 @@ START_TEST(host_waits_and_operations_per_request)
         {"push, present keys", 1, 8, true, false, false, 14, 1},
         {"push, creating", 1, 8, true, true, false, 25, 9},
         {"push, creating again", 1, 8, true, true, true, 17, 1},
-        {"pull, present keys", 2, 8, false, false, false, 42, 6},
-        {"push, present keys", 2, 8, true, false, false, 61, 8},
+        {"pull, present keys", 2, 8, false, false, false, 41, 5},
+        {"push, present keys", 2, 8, true, false, false, 60, 7},
     };
     enum { KEYS = 1000, DIM = 16 };
     em_backend *gpus[2] = {gpu_backend(1, GPU_POOL_BYTES, false),

@@ -748,6 +748,19 @@ em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *uni
     return ok();
 }
 
+em_gpu_status em_gpu_partition_owners_counted(em_gpu_stream *stream, const uint64_t *unique,
+                                              uint64_t n, const uint32_t *count,
+                                              uint32_t shard_count, uint32_t *owner,
+                                              uint32_t *index)
+{
+    (void)stream;
+    enter_device();
+    for (uint64_t u = 0; u < n; u++)
+        em_gpu_partition_owner_counted_item(unique, count, u, shard_count, owner, index);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *unique,
                                        const uint32_t *sorted_index,
                                        const uint32_t *first_positions, uint64_t n,

@@ -27,6 +27,7 @@
 #include "lib/device/backend.h"
 #include "lib/device/cuda_device.h"
 #include "kernels/ember_kernels.h"
+#include "tests/support/kernels_emulated.h"
 #include "tests/support/test_support.h"
 
 #define MEBIBYTE (UINT64_C(1) << 20)
@@ -234,6 +235,70 @@ START_TEST(partition_is_stable_like_cpu)
     free(gpu.counts);
     close_devices(&d);
     free(unique);
+}
+END_TEST
+
+/* Loop index picks the shard count (and many repeats or few): the GPU's dedupe and
+ * partition in one operation (unique_partition_keys, the count left on the GPU and the
+ * partition run over every key position) give what the CPU's dedupe then partition give,
+ * and wait for the GPU once (with fewer than 64 shards). */
+START_TEST(unique_and_partition_with_one_wait_like_cpu)
+{
+    static const uint32_t shard_counts[] = {1, 2, 7, 64, 1024};
+    uint32_t shards = shard_counts[_i % 5];
+    uint64_t n = 3000, universe = _i < 5 ? 700 : 1u << 30;
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + 300 + (uint64_t)_i);
+    uint64_t *keys = malloc(n * sizeof(uint64_t));
+    for (uint64_t i = 0; i < n; i++)
+        keys[i] = random_key(&rng, universe);
+    keys[n - 1] = UINT64_MAX;
+    devices d = open_devices();
+    deduped cpu_unique = run_unique(d.cpu, d.cpu_lane, keys, n);
+    partitioned cpu = run_partition(d.cpu, d.cpu_lane, cpu_unique.unique, cpu_unique.first,
+                                    cpu_unique.count, shards);
+    em_error err;
+    const uint64_t *on_device = upload(d.gpu, d.gpu_lane, keys, n * sizeof(uint64_t));
+    void *buffers[6];
+    for (int b = 0; b < 6; b++)
+        buffers[b] = device_buffer(d.gpu, n * sizeof(uint64_t));
+    uint64_t count = 0, *counts = calloc(shards, sizeof(uint64_t));
+    uint64_t operations = 0, waits = 0, waits_after = 0;
+    em_gpu_emulated_counts(&operations, &waits);
+    ck_assert_msg(d.gpu->ops->unique_partition_keys(d.gpu_lane, on_device, n, shards, buffers[0],
+                                                    buffers[1], buffers[2], buffers[3],
+                                                    buffers[4], buffers[5], &count, counts,
+                                                    &err) == EM_OK,
+                  "%s", err.message);
+    em_gpu_emulated_counts(&operations, &waits_after);
+    if (shards < 64) /* more shards' starts than a count's read back come through staging */
+        ck_assert_uint_eq(waits_after - waits, 1);
+    ck_assert_uint_eq(count, cpu_unique.count);
+    ck_assert(memcmp(counts, cpu.counts, shards * sizeof(uint64_t)) == 0);
+    void *host[6];
+    for (int b = 0; b < 6; b++)
+        host[b] = download(d.gpu, d.gpu_lane, buffers[b], n * sizeof(uint64_t));
+    ck_assert(memcmp(host[0], cpu_unique.unique, count * sizeof(uint64_t)) == 0);
+    ck_assert(memcmp(host[1], cpu_unique.inverse, n * sizeof(uint32_t)) == 0);
+    ck_assert(memcmp(host[2], cpu_unique.first, count * sizeof(uint32_t)) == 0);
+    ck_assert(memcmp(host[3], cpu.keys, count * sizeof(uint64_t)) == 0);
+    ck_assert(memcmp(host[4], cpu.position, count * sizeof(uint32_t)) == 0);
+    ck_assert(memcmp(host[5], cpu.targets, count * sizeof(uint32_t)) == 0);
+    for (int b = 0; b < 6; b++) {
+        free(host[b]);
+        em_device_free(d.gpu, buffers[b]);
+    }
+    em_device_free(d.gpu, (void *)on_device);
+    free(counts);
+    free(cpu_unique.unique);
+    free(cpu_unique.inverse);
+    free(cpu_unique.first);
+    free(cpu.keys);
+    free(cpu.position);
+    free(cpu.targets);
+    free(cpu.counts);
+    close_devices(&d);
+    free(keys);
 }
 END_TEST
 
@@ -1088,6 +1153,7 @@ static Suite *kernel_logic_suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_loop_test(tc, unique_keys_in_order_of_first_appearance_like_cpu, 0, 12);
     tcase_add_loop_test(tc, partition_is_stable_like_cpu, 0, 6);
+    tcase_add_loop_test(tc, unique_and_partition_with_one_wait_like_cpu, 0, 10);
     tcase_add_loop_test(tc, sums_and_pooling_bit_for_bit_like_cpu, 0, 16);
     tcase_add_loop_test(tc, hot_keys_sum_by_the_chunk_tree_like_cpu, 0, 8);
     tcase_add_test(tc, runs_of_a_sorted_inverse_are_found_from_any_position);
