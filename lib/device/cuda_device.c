@@ -231,15 +231,15 @@ em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
 
 /* Enqueues a read back of a few bytes into the words after the readback bytes; they
  * reach host_destination when the lane next synchronizes (em__cuda_lane_sync), so
- * counts that a request needs only at its end come back with its answer, one wait. */
+ * counts that a request needs only at its end come back with its answer, one wait. A
+ * read back those words have no room for is made at once (copy_to_host, which waits). */
 em_status em__cuda_copy_to_host_later(em_lane *base, void *host_destination, const void *source,
                                       size_t bytes, em_error *err)
 {
     cuda_lane *lane = lane_of(base);
     size_t offset = (lane->later_used + 7) & ~(size_t)7;
     if (lane->later_count == LATER_MAX || offset + bytes > LATER_BYTES)
-        return em_error_set(err, EM_INTERNAL, "%s: more reads back pending than the lane "
-                            "holds (%u, %zu bytes)", base->device->name, LATER_MAX, LATER_BYTES);
+        return em__cuda_copy_to_host(base, host_destination, source, bytes, err);
     uint8_t *words = lane->staging + lane->staging_bytes + READBACK_BYTES;
     em_status status = lane_check(lane, em_gpu_memcpy_async(lane->stream, words + offset, source,
                                                             bytes),

@@ -131,8 +131,9 @@ typedef struct em_device_ops {
     /* Enqueues a copy of a few device bytes (a count) that reaches host_destination when
      * the lane next synchronizes (synchronize, or a copy_to_host, which ends with one), so
      * counts a request needs only at its end come back with its answer. The host memory
-     * must stay valid until then; dropped if that synchronisation fails. NULL where
-     * copies are synchronous anyway (the CPU). */
+     * must stay valid until then; dropped if that synchronisation fails. A lane keeps
+     * room for a few such bytes; one that finds no room is copied at once (waiting).
+     * NULL where copies are synchronous anyway (the CPU). */
     em_status (*copy_to_host_later)(em_lane *lane, void *host_destination, const void *source,
                                     size_t bytes, em_error *err);
     /* Waits until every operation issued on the lane so far has completed. */

@@ -552,9 +552,6 @@ void em__plan_found(request_context *r, uint64_t nnz, uint64_t *unique, uint32_t
     r->missing = missing;
 }
 
-/* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
- * them. Changes nothing in the table. want_targets asks for the output position of
- * every partitioned key (for gathering straight into a per-key output). */
 /* dedupe_keys and partition_keys in one operation of the home device, which waits for
  * it once (unique_partition_keys): its buffers hold nnz entries, the unique count not
  * being known before. */
@@ -601,6 +598,9 @@ static em_status dedupe_and_partition(request_context *r, const uint64_t *host_k
     return EM_OK;
 }
 
+/* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
+ * them. Changes nothing in the table. want_targets asks for the output position of
+ * every partitioned key (for gathering straight into a per-key output). */
 em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint64_t nnz,
                                bool want_targets, em_error *err)
 {
@@ -1704,11 +1704,9 @@ static em_status problem_error(request_context *r, const segment *seg, uint32_t 
 
 /* Checks every shard of a device under its read lock, so pushes check side by side;
  * where the device can (shard_check_apply_async), the shards' answers come back
- * together, one wait for the device. The first problem becomes the error. */
-/* Enqueues (or, on a device without it, makes) the checks of a device's shards into
- * *problems (host memory, one word per shard of the device, the caller frees it). Where
- * the device checks without waiting and can read the answers back later, *pending is set
- * and they arrive when the caller synchronizes the lane. */
+ * together, one wait for the device, into *problems (host memory, one word per shard of
+ * the device, the caller frees it); where it can also read them back later, *pending is
+ * set and they arrive when the caller synchronizes the lane. */
 static em_status check_on_device(request_context *r, segment *seg, shard_check *checks,
                                  uint64_t **problems, bool *pending, em_error *err)
 {

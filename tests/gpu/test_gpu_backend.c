@@ -1912,7 +1912,8 @@ START_TEST(layouts_over_gpus_identical_to_one_gpu)
     em_backend *one = gpu_backend(1, GPU_POOL_BYTES, false);
     record base = run_layout(one, 1, _i, combiner);
     em_backend_destroy(one);
-    static const uint32_t shard_counts[] = {1, 2, 3, 8}; /* 1: a table on GPU 0 only */
+    /* 1: a table on GPU 0 only; 64: more shards per GPU than a lane reads back later */
+    static const uint32_t shard_counts[] = {1, 2, 3, 8, 64};
     for (int staged = 0; staged < 2; staged++) {
         em_backend *all = gpu_backend(0, GPU_POOL_BYTES, staged != 0);
         ck_assert_uint_eq(all->device_count, gpus);
