@@ -208,11 +208,12 @@ em_status em__stage_offsets(request_context *r, const em_csr *batch, em_error *e
 
 /* ---- planning: dedupe, partition, segments ---------------------------------------- */
 
-static em_status dedupe_keys(request_context *r, const uint64_t *host_keys, uint64_t nnz,
-                             uint64_t **unique, em_error *err)
+/* Stages the batch keys and takes the dedupe's buffers (nnz entries each): *unique,
+ * *inverse (also r->batch.inverse), r->first. */
+static em_status dedupe_buffers(request_context *r, const uint64_t *host_keys, uint64_t nnz,
+                                uint64_t **unique, uint32_t **inverse, em_error *err)
 {
     em_device *home = r->home;
-    uint32_t *inverse = NULL;
     em_status status = em__stage_input(r, host_keys, nnz * sizeof(uint64_t), "request keys",
                                        (const void **)&r->keys, err);
     if (status == EM_OK)
@@ -220,43 +221,65 @@ static em_status dedupe_keys(request_context *r, const uint64_t *host_keys, uint
                                    err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
-                                   (void **)&inverse, err);
+                                   (void **)inverse, err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
                                    (void **)&r->first, err);
-    if (status == EM_OK)
-        status = home->ops->unique_keys(r->home_lane, r->keys, nnz, *unique, inverse, r->first,
-                                        &r->batch.unique_count, err);
-    r->batch.inverse = inverse;
+    r->batch.inverse = *inverse;
     r->batch.nnz = nnz;
+    return status;
+}
+
+/* Takes the partition's buffers for n keys: r->partitioned, *position (also
+ * r->batch.position) and, with want_targets, r->targets. */
+static em_status partition_buffers(request_context *r, uint64_t n, bool want_targets,
+                                   uint32_t **position, em_error *err)
+{
+    em_device *home = r->home;
+    em_status status = em__request_alloc(r, home, n * sizeof(uint64_t), "partitioned keys",
+                                         (void **)&r->partitioned, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, n * sizeof(uint32_t), "key positions",
+                                   (void **)position, err);
+    if (status == EM_OK && want_targets)
+        status = em__request_alloc(r, home, n * sizeof(uint32_t), "output targets",
+                                   (void **)&r->targets, err);
+    r->batch.position = *position;
+    return status;
+}
+
+/* r->shard_start[s + 1] held shard s's key count: now where each shard's keys begin. */
+static void shard_starts_from_counts(request_context *r)
+{
+    r->shard_start[0] = 0;
+    for (uint32_t s = 0; s < r->table->shard_count; s++)
+        r->shard_start[s + 1] += r->shard_start[s];
+}
+
+static em_status dedupe_keys(request_context *r, const uint64_t *host_keys, uint64_t nnz,
+                             uint64_t **unique, em_error *err)
+{
+    uint32_t *inverse = NULL;
+    em_status status = dedupe_buffers(r, host_keys, nnz, unique, &inverse, err);
+    if (status == EM_OK)
+        status = r->home->ops->unique_keys(r->home_lane, r->keys, nnz, *unique, inverse, r->first,
+                                           &r->batch.unique_count, err);
     return status;
 }
 
 static em_status partition_keys(request_context *r, const uint64_t *unique, bool want_targets,
                                 em_error *err)
 {
-    em_device *home = r->home;
     uint64_t count = r->batch.unique_count;
     uint32_t *position = NULL;
-    em_status status = em__request_alloc(r, home, count * sizeof(uint64_t), "partitioned keys",
-                                      (void **)&r->partitioned, err);
+    em_status status = partition_buffers(r, count, want_targets, &position, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, count * sizeof(uint32_t), "key positions",
-                                   (void **)&position, err);
-    if (status == EM_OK && want_targets)
-        status = em__request_alloc(r, home, count * sizeof(uint32_t), "output targets",
-                                   (void **)&r->targets, err);
+        status = r->home->ops->partition_keys(r->home_lane, unique, count, r->table->shard_count,
+                                              r->first, r->partitioned, position, r->targets,
+                                              r->shard_start + 1, err);
     if (status == EM_OK)
-        status = home->ops->partition_keys(r->home_lane, unique, count, r->table->shard_count,
-                                           r->first, r->partitioned, position, r->targets,
-                                           r->shard_start + 1, err);
-    r->batch.position = position;
-    if (status != EM_OK)
-        return status;
-    r->shard_start[0] = 0;
-    for (uint32_t s = 0; s < r->table->shard_count; s++)
-        r->shard_start[s + 1] += r->shard_start[s];
-    return EM_OK;
+        shard_starts_from_counts(r);
+    return status;
 }
 
 static void plan_segments(request_context *r)
@@ -558,44 +581,20 @@ void em__plan_found(request_context *r, uint64_t nnz, uint64_t *unique, uint32_t
 static em_status dedupe_and_partition(request_context *r, const uint64_t *host_keys,
                                       uint64_t nnz, bool want_targets, em_error *err)
 {
-    em_device *home = r->home;
     uint64_t *unique = NULL;
     uint32_t *inverse = NULL, *position = NULL;
-    em_status status = em__stage_input(r, host_keys, nnz * sizeof(uint64_t), "request keys",
-                                       (const void **)&r->keys, err);
+    em_status status = dedupe_buffers(r, host_keys, nnz, &unique, &inverse, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "unique keys",
-                                   (void **)&unique, err);
+        status = partition_buffers(r, nnz, want_targets, &position, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key inverse",
-                                   (void **)&inverse, err);
+        status = r->home->ops->unique_partition_keys(r->home_lane, r->keys, nnz,
+                                                     r->table->shard_count, unique, inverse,
+                                                     r->first, r->partitioned, position,
+                                                     r->targets, &r->batch.unique_count,
+                                                     r->shard_start + 1, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "first positions",
-                                   (void **)&r->first, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint64_t), "partitioned keys",
-                                   (void **)&r->partitioned, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "key positions",
-                                   (void **)&position, err);
-    if (status == EM_OK && want_targets)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "output targets",
-                                   (void **)&r->targets, err);
-    if (status == EM_OK)
-        status = home->ops->unique_partition_keys(r->home_lane, r->keys, nnz,
-                                                  r->table->shard_count, unique, inverse,
-                                                  r->first, r->partitioned, position, r->targets,
-                                                  &r->batch.unique_count, r->shard_start + 1,
-                                                  err);
-    r->batch.inverse = inverse;
-    r->batch.position = position;
-    r->batch.nnz = nnz;
-    if (status != EM_OK)
-        return status;
-    r->shard_start[0] = 0;
-    for (uint32_t s = 0; s < r->table->shard_count; s++)
-        r->shard_start[s + 1] += r->shard_start[s];
-    return EM_OK;
+        shard_starts_from_counts(r);
+    return status;
 }
 
 /* Stages the batch keys, dedupes, partitions, sends each device its keys and finds

@@ -2198,6 +2198,70 @@ START_TEST(a_large_eviction_waits_a_few_times)
 }
 END_TEST
 
+/* A CPU table and a GPU table (on a backend of two GPUs) of the same config, n keys
+ * created in both by one push, for requests compared side by side (twin_request). */
+typedef struct twin {
+    em_backend *cpu, *gpu;
+    em_table *tables[2]; /* the CPU's, the GPU's */
+    uint32_t n, dim;
+    uint64_t *keys;
+    float *gradients, *out[2];
+    em_test_batch batch;
+} twin;
+
+/* A pull (into out[k]) or a push of every key on table k. */
+static void twin_request(twin *t, int k, bool push)
+{
+    em_error err;
+    em_status status =
+        push ? em_test_push(t->tables[k], &t->batch.csr, EM_COMBINER_NONE, t->gradients, NULL,
+                            &err)
+             : em_test_pull(t->tables[k], &t->batch.csr, EM_COMBINER_NONE, false, t->out[k], NULL,
+                            &err);
+    ck_assert_msg(status == EM_OK, "%s", err.message);
+}
+
+static twin twin_make(uint32_t shards, uint32_t n, uint32_t dim)
+{
+    twin t = {.cpu = cpu_backend(), .gpu = gpu_backend(2, GPU_POOL_BYTES, false), .n = n,
+              .dim = dim};
+    em_table_config config = table_config(dim, 100000, shards, EM_OPTIMIZER_ADAGRAD,
+                                          EM_INIT_UNIFORM);
+    t.tables[0] = em_test_make_table(t.cpu, &config);
+    t.tables[1] = em_test_make_table(t.gpu, &config);
+    t.keys = malloc(n * sizeof(uint64_t));
+    for (uint32_t i = 0; i < n; i++)
+        t.keys[i] = 13 * (uint64_t)i + 5;
+    t.gradients = malloc((size_t)n * dim * sizeof(float));
+    for (uint32_t i = 0; i < n * dim; i++)
+        t.gradients[i] = 0.001f * (float)(i % 97) - 0.04f;
+    for (int k = 0; k < 2; k++)
+        t.out[k] = malloc((size_t)n * dim * sizeof(float));
+    t.batch = em_test_key_batch(t.keys, n);
+    for (int k = 0; k < 2; k++) /* the keys created */
+        twin_request(&t, k, true);
+    return t;
+}
+
+/* The last pulls of both tables gave the same bits. */
+static void twin_assert_pulls_equal(const twin *t)
+{
+    ck_assert(memcmp(t->out[0], t->out[1], (size_t)t->n * t->dim * sizeof(float)) == 0);
+}
+
+static void twin_free(twin *t)
+{
+    em_test_batch_free(&t->batch);
+    free(t->out[0]);
+    free(t->out[1]);
+    free(t->gradients);
+    free(t->keys);
+    em_table_destroy(t->tables[0]);
+    em_table_destroy(t->tables[1]);
+    em_backend_destroy(t->cpu);
+    em_backend_destroy(t->gpu);
+}
+
 /* A table whose shards all live on one GPU of several is served on that GPU: every
  * request, whichever GPU the backend's turn would make its home, finds and steps its
  * keys there with one host wait and no exchange (before, every other request was homed
@@ -2205,52 +2269,23 @@ END_TEST
  * a CPU table's. */
 START_TEST(a_table_on_one_gpu_of_two_is_served_there)
 {
-    enum { KEYS = 500, DIM = 8 };
-    em_backend *cpu = cpu_backend();
-    em_backend *gpu = gpu_backend(2, GPU_POOL_BYTES, false);
-    em_table_config config = table_config(DIM, 100000, 1, EM_OPTIMIZER_ADAGRAD, EM_INIT_UNIFORM);
-    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
-    uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
-    for (uint32_t i = 0; i < KEYS; i++)
-        keys[i] = 13 * (uint64_t)i + 5;
-    float *gradients = malloc(KEYS * DIM * sizeof(float));
-    for (uint32_t i = 0; i < KEYS * DIM; i++)
-        gradients[i] = 0.001f * (float)(i % 97) - 0.04f;
-    float *out[2] = {malloc(KEYS * DIM * sizeof(float)), malloc(KEYS * DIM * sizeof(float))};
-    em_test_batch b = em_test_key_batch(keys, KEYS);
-    em_error err;
-    for (int t = 0; t < 2; t++) /* the keys created, then the steady state */
-        ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err) ==
-                          EM_OK, "%s", err.message);
-    for (int request = 0; request < 6; request++) {
+    twin t = twin_make(1, 500, 8);
+    for (int request = 0; request < 6; request++) { /* the steady state */
         bool push = request % 2 == 1;
         uint64_t operations = 0, waits = 0, waits_after = 0;
-        for (int t = 0; t < 2; t++) {
-            if (t == 1)
-                em_gpu_emulated_counts(&operations, &waits);
-            em_status status =
-                push ? em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err)
-                     : em_test_pull(tables[t], &b.csr, EM_COMBINER_NONE, false, out[t], NULL, &err);
-            ck_assert_msg(status == EM_OK, "%s", err.message);
-        }
+        twin_request(&t, 0, push);
+        em_gpu_emulated_counts(&operations, &waits);
+        twin_request(&t, 1, push);
         em_gpu_emulated_counts(&operations, &waits_after);
         ck_assert_msg(waits_after - waits == 1, "request %d (%s): %" PRIu64 " host waits", request,
                       push ? "push" : "pull", waits_after - waits);
         if (!push)
-            ck_assert(memcmp(out[0], out[1], KEYS * DIM * sizeof(float)) == 0);
+            twin_assert_pulls_equal(&t);
     }
     em_table_stats stats;
-    em_table_get_stats(tables[1], &stats);
-    ck_assert_uint_eq(stats.rows, KEYS);
-    em_test_batch_free(&b);
-    free(out[0]);
-    free(out[1]);
-    free(gradients);
-    free(keys);
-    em_table_destroy(tables[0]);
-    em_table_destroy(tables[1]);
-    em_backend_destroy(cpu);
-    em_backend_destroy(gpu);
+    em_table_get_stats(t.tables[1], &stats);
+    ck_assert_uint_eq(stats.rows, t.n);
+    twin_free(&t);
 }
 END_TEST
 
@@ -2261,34 +2296,12 @@ END_TEST
  * finds of a pull, the finds and the checks of a push. The answers equal the CPU's. */
 START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
 {
-    enum { KEYS = 800, DIM = 8 };
-    em_backend *cpu = cpu_backend();
-    em_backend *gpu = gpu_backend(2, GPU_POOL_BYTES, false);
-    em_table_config config = table_config(DIM, 100000, 8, EM_OPTIMIZER_ADAGRAD, EM_INIT_UNIFORM);
-    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
-    uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
-    for (uint32_t i = 0; i < KEYS; i++)
-        keys[i] = 29 * (uint64_t)i + 3;
-    float *gradients = malloc(KEYS * DIM * sizeof(float));
-    for (uint32_t i = 0; i < KEYS * DIM; i++)
-        gradients[i] = 0.002f * (float)(i % 89) - 0.05f;
-    float *out[2] = {malloc(KEYS * DIM * sizeof(float)), malloc(KEYS * DIM * sizeof(float))};
-    em_test_batch b = em_test_key_batch(keys, KEYS);
-    em_error err;
-    for (int t = 0; t < 2; t++) /* the keys created */
-        ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err) ==
-                          EM_OK, "%s", err.message);
+    twin t = twin_make(8, 800, 8);
     for (int request = 0; request < 4; request++) {
         bool push = request % 2 == 1;
-        uint64_t overlapped = 0;
-        for (int t = 0; t < 2; t++) {
-            if (t == 1)
-                overlapped = em_gpu_emulated_overlapped_waits();
-            em_status status =
-                push ? em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err)
-                     : em_test_pull(tables[t], &b.csr, EM_COMBINER_NONE, false, out[t], NULL, &err);
-            ck_assert_msg(status == EM_OK, "%s", err.message);
-        }
+        twin_request(&t, 0, push);
+        uint64_t overlapped = em_gpu_emulated_overlapped_waits();
+        twin_request(&t, 1, push);
         overlapped = em_gpu_emulated_overlapped_waits() - overlapped;
         printf("two GPUs, %s of present keys: %" PRIu64 " host waits overlapped the other GPU's "
                "work\n", push ? "push" : "pull", overlapped);
@@ -2296,18 +2309,10 @@ START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
                       "request %d (%s): %" PRIu64 " waits overlapped another GPU's work", request,
                       push ? "push" : "pull", overlapped);
         if (!push)
-            ck_assert(memcmp(out[0], out[1], KEYS * DIM * sizeof(float)) == 0);
+            twin_assert_pulls_equal(&t);
     }
-    assert_tables_alike(tables[0], tables[1], 64, 0);
-    em_test_batch_free(&b);
-    free(out[0]);
-    free(out[1]);
-    free(gradients);
-    free(keys);
-    em_table_destroy(tables[0]);
-    em_table_destroy(tables[1]);
-    em_backend_destroy(cpu);
-    em_backend_destroy(gpu);
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    twin_free(&t);
 }
 END_TEST
 #endif

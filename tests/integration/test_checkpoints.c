@@ -88,11 +88,13 @@ static batch *every_key(void)
     return b;
 }
 
-/* Every key's weights; *missing gets how many keys the table lacks. */
-static float *read_state(em_client *client, const batch *b, uint64_t *missing)
+/* Every key's weights in table (zeros where absent); *missing gets how many keys the
+ * table lacks. */
+static float *read_table(em_client *client, const char *table, const batch *b,
+                         uint64_t *missing)
 {
-    float *out = malloc((size_t)KEYS * DIM * sizeof(float));
-    em_client_pull_args args = {.table = "t",
+    float *out = calloc((size_t)KEYS * DIM, sizeof(float));
+    em_client_pull_args args = {.table = table,
                                 .batch = {.rows = KEYS, .nnz = KEYS, .offsets = b->offsets,
                                           .keys = b->keys},
                                 .combiner = EM_COMBINER_NONE,
@@ -104,6 +106,12 @@ static float *read_state(em_client *client, const batch *b, uint64_t *missing)
     ck_assert_msg(em_client_pull(client, &args, &result, &err) == EM_OK, "%s", err.message);
     *missing = result.missing;
     return out;
+}
+
+/* t's weights for every key. */
+static float *read_state(em_client *client, const batch *b, uint64_t *missing)
+{
+    return read_table(client, "t", b, missing);
 }
 
 /* One push to n keys from first on (adam: weights and both moments move). */
@@ -161,24 +169,6 @@ static char *crash_overrides(const char *dir)
     return json;
 }
 
-/* e's weights for every key (zeros where absent); *missing gets how many it lacks. */
-static float *read_evicting(em_client *client, const batch *b, uint64_t *missing)
-{
-    float *out = calloc((size_t)KEYS * DIM, sizeof(float));
-    em_client_pull_args args = {.table = "e",
-                                .batch = {.rows = KEYS, .nnz = KEYS, .offsets = b->offsets,
-                                          .keys = b->keys},
-                                .combiner = EM_COMBINER_NONE,
-                                .create_missing = false,
-                                .out = out,
-                                .out_capacity = (uint64_t)KEYS * DIM};
-    em_client_pull_result result;
-    em_error err;
-    ck_assert_msg(em_client_pull(client, &args, &result, &err) == EM_OK, "%s", err.message);
-    *missing = result.missing;
-    return out;
-}
-
 /* pushes pushes of EVICTING_PUSH keys into e, each from a random start (wrapping). */
 static void train_evicting(em_client *client, const batch *b, uint64_t seed, int pushes)
 {
@@ -215,7 +205,7 @@ static crash_state read_crash_state(em_client *client, const batch *b)
 {
     crash_state state;
     state.t = read_state(client, b, &state.t_missing);
-    state.e = read_evicting(client, b, &state.e_missing);
+    state.e = read_table(client, "e", b, &state.e_missing);
     return state;
 }
 
