@@ -479,8 +479,10 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK && !planned) {
         stop_finding_when_full(&r, may_create, request->create_missing);
+        /* creating nothing, it needs the missing counts only for its answer */
+        r.counts_later = !request->create_missing;
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
-        if (status == EM_OK)
+        if (status == EM_OK && !r.counts_pending)
             note_general_find(table, &table->pulls_go_general, r.missing);
     }
     uint64_t missing = r.missing;
@@ -502,6 +504,11 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
         status = copy_output(&r, request, direct, &buffers, err);
     if (status == EM_OK)
         status = em__synchronize_devices(&r, err);
+    if (status == EM_OK && r.counts_pending) { /* the find's counts came back with it */
+        em__missing_found(&r);
+        missing = r.missing;
+        note_general_find(table, &table->pulls_go_general, r.missing);
+    }
     if (status == EM_OK) {
         result->unique_keys = r.batch.unique_count;
         result->missing = missing;

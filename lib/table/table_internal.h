@@ -172,11 +172,19 @@ typedef struct request_context {
                                 * may run on the backend's eviction threads */
     bool keys_absent;          /* an import into a table being built, none of whose keys
                                 * it holds: shards on the host's memory skip the find */
+    bool counts_later;         /* a request that creates nothing: the find's missing counts
+                                * may come back with its answer (em__missing_found) */
+    bool counts_pending;       /* they do: r->missing is known after the devices' last
+                                * synchronisation */
     const float **row_scratch; /* with row_sources: a shard's sources, n of them at most
                                 * (taken before any key is created) */
     const float *const *row_sources; /* an import whose rows are where these point, by
                                       * the batch's order (shard_write_rows_from) */
 } request_context;
+
+/* After em__synchronize_devices of a request whose find counts came back with its
+ * answer (counts_later): adds them up into r->missing. */
+void em__missing_found(request_context *r);
 
 /* What em__run_on_shards does on each shard. */
 typedef enum shard_work { WORK_GATHER, WORK_APPLY, WORK_WRITE } shard_work;

@@ -525,7 +525,8 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
 /* Finds the keys on every device: the finds of all devices are enqueued before any is
  * waited for (find_on_device's pending counts), then each such device's lane is
  * synchronized and its counts added, so a table over several GPUs looks its keys up on
- * all of them at once. */
+ * all of them at once. A request that creates nothing (r->counts_later) does not wait
+ * for them: they come back with its answer (em__missing_found). */
 static em_status find_keys(request_context *r, em_error *err)
 {
     em_table *table = r->table;
@@ -536,6 +537,12 @@ static em_status find_keys(request_context *r, em_error *err)
     for (uint32_t d = 0; status == EM_OK && d < devices && !r->find_stopped; d++)
         if (r->segments[d].count > 0)
             status = find_on_device(r, &r->segments[d], &pending[d], err);
+    for (uint32_t d = 0; status == EM_OK && r->counts_later && d < devices; d++)
+        r->counts_pending = r->counts_pending || pending[d];
+    if (r->counts_pending) { /* the missing of the devices that waited are in already */
+        r->missing = 0;
+        return EM_OK;
+    }
     for (uint32_t d = 0; d < devices; d++) {
         if (!pending[d])
             continue;
@@ -549,6 +556,18 @@ static em_status find_keys(request_context *r, em_error *err)
             r->missing += r->shard_missing[s];
     }
     return status;
+}
+
+void em__missing_found(request_context *r)
+{
+    if (!r->counts_pending)
+        return;
+    r->counts_pending = false;
+    r->missing = 0;
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++)
+        for (uint32_t s = r->segments[d].first_shard;
+             r->segments[d].count > 0 && s < r->segments[d].end_shard; s++)
+            r->missing += r->shard_missing[s];
 }
 
 void em__plan_found(request_context *r, uint64_t nnz, uint64_t *unique, uint32_t *inverse,
