@@ -111,12 +111,13 @@ typedef struct em_checkpoint_info {
 } em_checkpoint_info;
 
 /* Drops a table whose checkpoints live under dir, so that it stays dropped: holding the
- * table's save lock (waiting for a save of it that is running to end), calls drop (which takes it out of the catalog and
- * marks it, em_table_mark_dropped; its error is returned as it is), then renames
- * <dir>/<table> to <dir>/.dropped-<table>-<unix ms>, which a restore passes over and a
- * LOAD may still name, and fsyncs dir. *aside (size bytes) gets that path, or "" for a
- * table never saved. A rename that fails after the drop is INTERNAL naming both paths:
- * the table is dropped, and its checkpoints would be restored at the next start. */
+ * table's save lock (waiting for a save of it that is running to end), calls drop
+ * (which takes it out of the catalog and marks it, em_table_mark_dropped; its error is
+ * returned as it is), then renames <dir>/<table> to <dir>/.dropped-<table>-<unix ms>,
+ * which a restore passes over and a LOAD may still name, and fsyncs dir. *aside (size
+ * bytes) gets that path, or "" for a table never saved. A rename that fails after the
+ * drop is INTERNAL naming both paths: the table is dropped, and its checkpoints would be
+ * restored at the next start. */
 em_status em_checkpoint_drop_table(const char *dir, const char *table,
                                    em_status (*drop)(void *context, em_error *err),
                                    void *context, char *aside, size_t size, em_error *err);

@@ -1094,7 +1094,6 @@ static em_status check_parent(const link_state *child, const link_state *parent,
     return EM_OK;
 }
 
-/* Reads the manifests from path back to its full checkpoint: (*links)[0] is path's. */
 /* The checkpoint id that table_dir/LATEST names (id: EM_CHECKPOINT_ID_DIGITS + 1 bytes),
  * checked to be there. NOT_FOUND when there is no LATEST; DATA_LOSS when it holds no id
  * or names a checkpoint that is missing. */
@@ -1159,6 +1158,8 @@ static em_status resolve_table_dir(const char *path, char *dir, size_t capacity,
     return EM_OK;
 }
 
+/* Reads the manifests from path back to its full checkpoint: (*links)[0] is path's (a
+ * table's directory standing for its latest checkpoint: resolve_table_dir). */
 static em_status resolve_chain(const char *path, link_state **links, size_t *count,
                                em_error *err)
 {

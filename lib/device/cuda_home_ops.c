@@ -119,10 +119,11 @@ em_status em__cuda_unique_keys_async(em_lane *base, const uint64_t *keys, uint64
     return em__cuda_finish_async(&s, lane, status, err);
 }
 
-/* Reads the per-shard starts back and turns them into counts. */
+/* Reads the per-shard starts back and turns them into counts; *end (when not NULL)
+ * gets where the last shard's keys end. */
 static em_status shard_counts_from_starts(cuda_lane *lane, const uint32_t *starts,
                                           uint32_t shard_count, uint64_t *shard_counts,
-                                          em_error *err)
+                                          uint64_t *end, em_error *err)
 {
     uint32_t *host = malloc(((size_t)shard_count + 1) * sizeof(*host));
     if (host == NULL)
@@ -131,6 +132,8 @@ static em_status shard_counts_from_starts(cuda_lane *lane, const uint32_t *start
                                              ((size_t)shard_count + 1) * sizeof(*host), err);
     for (uint32_t shard = 0; status == EM_OK && shard < shard_count; shard++)
         shard_counts[shard] = host[shard + 1] - host[shard];
+    if (status == EM_OK && end != NULL)
+        *end = host[shard_count];
     free(host);
     return status;
 }
@@ -221,7 +224,7 @@ em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_
     em_status status = enqueue_partition(lane, &s, unique, n, NULL, shard_count, first_positions,
                                          partitioned, position, targets, &starts, err);
     if (status == EM_OK)
-        status = shard_counts_from_starts(lane, starts, shard_count, shard_counts, err);
+        status = shard_counts_from_starts(lane, starts, shard_count, shard_counts, NULL, err);
     if (status != EM_OK)
         return em__cuda_finish_async(&s, lane, status, err);
     scratch_free_now(&s);
@@ -247,29 +250,22 @@ em_status em__cuda_unique_partition_keys(em_lane *base, const uint64_t *keys, ui
                               : enqueue_unique(lane, &s, keys, n, unique, inverse,
                                                first_positions, &rank, err);
     const uint32_t *count = rank != NULL ? rank + n : NULL;
-    uint32_t *host = malloc(((size_t)shard_count + 1) * sizeof(*host));
-    if (status == EM_OK && host == NULL)
-        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "partition: out of host memory");
     if (status == EM_OK && shard_count == 1) { /* the unique order, every entry */
         uint64_t ignored;
+        uint32_t host = 0;
         status = partition_single(lane, unique, n, first_positions, partitioned, position,
                                   targets, &ignored, err);
         if (status == EM_OK)
-            status = em__cuda_copy_to_host(base, host, count, sizeof(uint32_t), err);
+            status = em__cuda_copy_to_host(base, &host, count, sizeof(host), err);
         if (status == EM_OK)
-            *unique_count = shard_counts[0] = host[0];
+            *unique_count = shard_counts[0] = host;
     } else if (status == EM_OK) {
         status = enqueue_partition(lane, &s, unique, n, count, shard_count, first_positions,
                                    partitioned, position, targets, &starts, err);
-        if (status == EM_OK)
-            status = em__cuda_copy_to_host(base, host, starts,
-                                           ((size_t)shard_count + 1) * sizeof(*host), err);
-        for (uint32_t shard = 0; status == EM_OK && shard < shard_count; shard++)
-            shard_counts[shard] = host[shard + 1] - host[shard];
-        if (status == EM_OK)
-            *unique_count = host[shard_count]; /* the first entry past the keys */
+        if (status == EM_OK) /* the keys end where the entries past the count begin */
+            status = shard_counts_from_starts(lane, starts, shard_count, shard_counts,
+                                              unique_count, err);
     }
-    free(host);
     if (status != EM_OK)
         return em__cuda_finish_async(&s, lane, status, err);
     scratch_free_now(&s);

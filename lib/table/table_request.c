@@ -401,6 +401,16 @@ static bool finds_beside(const request_context *r, const segment *seg)
            seg->count >= ALONE_PARALLEL_KEYS;
 }
 
+/* The keys a segment's shards found missing (r->shard_missing, once they have come
+ * back). */
+static uint64_t segment_missing(const request_context *r, const segment *seg)
+{
+    uint64_t missing = 0;
+    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++)
+        missing += r->shard_missing[s];
+    return missing;
+}
+
 typedef struct find_job {
     request_context *r;
     segment *seg;
@@ -444,8 +454,8 @@ static em_status find_beside(request_context *r, segment *seg, em_error *err)
             failed = status[i];
             *err = errors[i];
         }
-    for (uint32_t s = seg->first_shard; failed == EM_OK && s < seg->end_shard; s++)
-        r->missing += r->shard_missing[s];
+    if (failed == EM_OK)
+        r->missing += segment_missing(r, seg);
     free(status);
     free(errors);
     return failed;
@@ -517,8 +527,8 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
     if (status == EM_OK && counts != NULL)
         status = ops->copy_to_host(seg->lane, &r->shard_missing[seg->first_shard], counts,
                                    shards * sizeof(uint64_t), err);
-    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++)
-        r->missing += r->shard_missing[s];
+    if (status == EM_OK)
+        r->missing += segment_missing(r, seg);
     return status;
 }
 
@@ -539,10 +549,8 @@ static em_status find_keys(request_context *r, em_error *err)
             status = find_on_device(r, &r->segments[d], &pending[d], err);
     for (uint32_t d = 0; status == EM_OK && r->counts_later && d < devices; d++)
         r->counts_pending = r->counts_pending || pending[d];
-    if (r->counts_pending) { /* the missing of the devices that waited are in already */
-        r->missing = 0;
+    if (r->counts_pending) /* em__missing_found adds every device's up at the end */
         return EM_OK;
-    }
     for (uint32_t d = 0; d < devices; d++) {
         if (!pending[d])
             continue;
@@ -552,8 +560,8 @@ static em_status find_keys(request_context *r, em_error *err)
                                                                status == EM_OK ? err : &later);
         if (status == EM_OK)
             status = synchronized;
-        for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++)
-            r->missing += r->shard_missing[s];
+        if (status == EM_OK)
+            r->missing += segment_missing(r, seg);
     }
     return status;
 }
@@ -565,9 +573,8 @@ void em__missing_found(request_context *r)
     r->counts_pending = false;
     r->missing = 0;
     for (uint32_t d = 0; d < r->table->backend->device_count; d++)
-        for (uint32_t s = r->segments[d].first_shard;
-             r->segments[d].count > 0 && s < r->segments[d].end_shard; s++)
-            r->missing += r->shard_missing[s];
+        if (r->segments[d].count > 0)
+            r->missing += segment_missing(r, &r->segments[d]);
 }
 
 void em__plan_found(request_context *r, uint64_t nnz, uint64_t *unique, uint32_t *inverse,
