@@ -108,7 +108,8 @@ bool em__key_map_put(em__key_map *map, uint64_t key, uint64_t value)
     return true;
 }
 
-uint64_t em__row_digest(const float *row, uint32_t floats)
+uint64_t em__row_digest(const float *row, uint32_t floats, const void *access)
 {
-    return XXH3_64bits(row, (size_t)floats * sizeof(float));
+    uint64_t values = XXH3_64bits(row, (size_t)floats * sizeof(float));
+    return access == NULL ? values : XXH3_64bits_withSeed(access, sizeof(em_row_access), values);
 }

@@ -68,8 +68,10 @@ void em__key_map_free(em__key_map *map);
 bool em__key_map_get(const em__key_map *map, uint64_t key, uint64_t *value);
 bool em__key_map_put(em__key_map *map, uint64_t key, uint64_t value);
 
-/* The digest a delta compares rows by: XXH3-64 of the row's floats. */
-uint64_t em__row_digest(const float *row, uint32_t floats);
+/* The digest a delta compares rows by: XXH3-64 of the row's floats, and, for a table
+ * that tracks access, of its access metadata (NULL: none) as the file holds it, so that
+ * a row only pulled since the parent goes into the delta with its new metadata. */
+uint64_t em__row_digest(const float *row, uint32_t floats, const void *access);
 
 /* What a table keeps (em_table_set_attachment) after a save or a load, so that its next
  * save can be a delta: which checkpoint its rows were last written as, and each key's

@@ -510,6 +510,19 @@ static uint64_t payload_key(const unsigned char *payload, uint32_t i)
     return key;
 }
 
+/* The digest of row i of a payload of n rows (em__row_digest): its floats, and its
+ * access metadata, which follows all n rows' floats, when the table tracks access (a
+ * tracking load's checkpoint then carries it: track_changes). */
+static uint64_t row_digest(const reader *r, const float *values, uint32_t n, uint32_t i)
+{
+    uint32_t floats = r->m->row_floats;
+    const unsigned char *access = NULL;
+    if (r->access && r->m->access)
+        access = (const unsigned char *)(values + (size_t)n * floats) +
+                 (size_t)i * sizeof(em_row_access);
+    return em__row_digest(values + (size_t)i * floats, floats, access);
+}
+
 /* Drops the rows of the chunk in r->payload that a newer link decided, records the
  * rest as decided by this link (and their digests when tracking), and compacts the
  * payload to the kept rows: *rows becomes their count. */
@@ -540,8 +553,7 @@ static em_status keep_rows(reader *r, uint64_t chunk, uint32_t *rows, em_error *
         }
         if ((r->decided != NULL && !em__key_map_put(r->decided, key, r->level)) ||
             (r->digests != NULL &&
-             !em__key_map_put(r->digests, key,
-                              em__row_digest(values + (size_t)i * floats, floats))))
+             !em__key_map_put(r->digests, key, row_digest(r, values, n, i))))
             return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                                 "out of host memory for the keys of a checkpoint");
         memcpy(keys + (size_t)out * sizeof(uint64_t), &key, sizeof(key));
@@ -1461,7 +1473,8 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
                em_eviction_tracks_access(&em_table_get_config(table)->eviction);
     /* a table loaded whole from one checkpoint can be the parent of a delta */
     bool tracking = table != NULL && options != NULL && options->track_changes &&
-                    weights_into == NULL && count == 1 && r.owner_count == 0;
+                    weights_into == NULL && count == 1 && r.owner_count == 0 &&
+                    r.access == m->access; /* else rows get fresh metadata, not digested */
     em__key_map decided = {0}, digests = {0};
     if (status == EM_OK && tracking && !em__key_map_init(&digests, m->table_rows))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,

@@ -231,7 +231,8 @@ static em_status flush_run(save *s, em_error *err)
 }
 
 /* Digests the count rows just staged after s->staged (when tracking) and keeps, for a
- * delta, only those that changed since the parent; *kept of them stay, in order. */
+ * delta, only those that changed since the parent (values, state or access metadata);
+ * *kept of them stay, in order. */
 static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error *err)
 {
     *kept = count;
@@ -242,7 +243,8 @@ static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error
     float *values = s->values + s->staged * floats;
     uint64_t out = 0;
     for (uint64_t i = 0; i < count; i++) {
-        uint64_t digest = em__row_digest(values + i * floats, floats), before = 0;
+        const em_row_access *access = s->access ? &s->row_access[s->staged + i] : NULL;
+        uint64_t digest = em__row_digest(values + i * floats, floats, access), before = 0;
         if (!em__key_map_put(&s->next->digests, keys[i], digest))
             return em_error_set(err, EM_RESOURCE_EXHAUSTED,
                                 "out of host memory for the row digests of %" PRIu64 " rows",

@@ -1282,8 +1282,7 @@ static uint64_t read_access(em_table *table, uint64_t **keys, em_row_access **ac
 
 /* A table whose eviction tracks access keeps each row's metadata (last access, last
  * update, frequency) and the table's clocks across a save and a load, whole or as one
- * server's buckets; through a delta chain, each row's metadata is that of the link
- * holding the row. */
+ * server's buckets, and through a delta chain. */
 START_TEST(access_metadata_and_clocks_survive_a_load)
 {
     char dir[256];
@@ -1362,8 +1361,8 @@ START_TEST(access_metadata_and_clocks_survive_a_load)
     free(loaded_access);
     em_table_destroy(restored);
 
-    /* a delta carries the metadata of the rows it holds (those whose values changed);
-     * the others keep their metadata as of the link that holds them */
+    /* a delta holds the rows whose values or metadata changed (pulled rows too), so
+     * through the chain every row's metadata is the table's at the delta */
     em_test_snapshot at_full = em_test_snapshot_take(table, 1000);
     options.track_changes = true;
     ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
@@ -1400,13 +1399,33 @@ START_TEST(access_metadata_and_clocks_survive_a_load)
         bool changed = !old || memcmp(at_full.values + j * at_full.width,
                                       at_delta.values + i * at_delta.width,
                                       at_full.width * sizeof(float)) != 0;
-        const em_row_access *expected = changed ? &now_access[i] : &access[j];
         from_delta += changed;
         pulled_only += !changed && memcmp(&now_access[i], &access[j], sizeof(em_row_access)) != 0;
-        ck_assert_mem_eq(&loaded_access[i], expected, sizeof(em_row_access));
+        ck_assert_mem_eq(&loaded_access[i], &now_access[i], sizeof(em_row_access));
     }
     ck_assert_uint_gt(from_delta, 0);
-    ck_assert_uint_gt(pulled_only, 0); /* rows whose metadata only a full save would carry */
+    ck_assert_uint_gt(pulled_only, 0); /* rows whose metadata alone changed */
+    ck_assert_uint_eq(info.rows, from_delta + pulled_only);
+    em_table_destroy(restored);
+
+    /* restored with tracking, the digests include the metadata as loaded: a delta after
+     * pulls of 50 stored keys holds exactly those rows (options: delta) */
+    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, &tracking, &restored, NULL,
+                                        &err), EM_OK);
+    uint64_t pulled[50];
+    uint32_t offsets[51];
+    for (uint32_t i = 0; i < 50; i++) {
+        pulled[i] = now_keys[i * (now_rows / 50)];
+        offsets[i] = i;
+    }
+    offsets[50] = 50;
+    em_csr csr = {.rows = 50, .nnz = 50, .offsets = offsets, .keys = pulled};
+    float out[50 * 4];
+    ck_assert_int_eq(em_test_pull(restored, &csr, EM_COMBINER_NONE, false, out, NULL, &err),
+                     EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(restored, &options, &info, &err), EM_OK);
+    ck_assert_str_eq(info.kind, "delta");
+    ck_assert_uint_eq(info.rows, 50);
     free(now_keys);
     free(now_access);
     free(loaded_keys);
