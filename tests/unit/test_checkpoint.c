@@ -1280,6 +1280,69 @@ static uint64_t read_access(em_table *table, uint64_t **keys, em_row_access **ac
     return got;
 }
 
+/* Pushes rounds random batches of 300 keys out of 20,000 (seeded) into table. */
+static void push_rounds(em_table *table, uint64_t seed, int rounds)
+{
+    em_test_rng rng;
+    em_test_rng_init(&rng, seed);
+    em_error err;
+    for (int round = 0; round < rounds; round++) {
+        em_test_batch b = em_test_random_batch(&rng, 300, 1, 20000);
+        float *g = em_test_random_floats(&rng, b.csr.nnz * 4);
+        ck_assert_msg(em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err) == EM_OK,
+                      "%s", err.message);
+        free(g);
+        em_test_batch_free(&b);
+    }
+}
+
+/* Which rows an lru eviction compares depends on the hash map's layout, which a load
+ * rebuilds: every load of one checkpoint rebuilds it alike, so the same pushes after
+ * two loads keep the same rows and evict the same keys, in the same order. */
+START_TEST(every_load_of_a_checkpoint_evicts_alike)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_table_config config;
+    em_table_config_init(&config, "lru", 4, 2000);
+    config.shards = 4;
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.ring = 4096;
+    em_table *table = em_test_make_table(backend, &config);
+    push_rounds(table, 1, 30);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    em_table *loaded[2] = {NULL, NULL};
+    em_test_snapshot after[2];
+    uint64_t evicted[2][4096];
+    em_evicted_view view[2];
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &loaded[i], NULL,
+                                            &err), EM_OK);
+        push_rounds(loaded[i], 2, 20);
+        after[i] = em_test_snapshot_take(loaded[i], 1000);
+        ck_assert_int_eq(em_table_evicted(loaded[i], 0, 4096, evicted[i], &view[i], &err),
+                         EM_OK);
+    }
+    ck_assert_uint_eq(after[0].count, config.capacity);
+    em_test_assert_snapshots_identical(&after[0], &after[1]);
+    ck_assert_uint_gt(view[0].count, 1000); /* the pushes evicted */
+    ck_assert_uint_eq(view[0].count, view[1].count);
+    ck_assert_mem_eq(evicted[0], evicted[1], view[0].count * sizeof(uint64_t));
+    for (int i = 0; i < 2; i++) {
+        em_test_snapshot_free(&after[i]);
+        em_table_destroy(loaded[i]);
+    }
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* A table whose eviction tracks access keeps each row's metadata (last access, last
  * update, frequency) and the table's clocks across a save and a load, whole or as one
  * server's buckets, and through a delta chain. */
@@ -1651,6 +1714,7 @@ int main(void)
     tcase_add_test(cluster, cluster_parts_load_the_buckets_each_server_owns);
     tcase_add_test(cluster, cluster_parts_refuse_damaged_chunks);
     tcase_add_test(cluster, access_metadata_and_clocks_survive_a_load);
+    tcase_add_test(cluster, every_load_of_a_checkpoint_evicts_alike);
     tcase_add_test(cluster, admission_sketches_survive_a_load);
     suite_add_tcase(suite, cluster);
     suite_add_tcase(suite, deltas);
