@@ -52,7 +52,7 @@
  * table's clocks in the manifest); version 4 made the manifest's checksum of rows.emb
  * one of its chunks' checksums (checkpoint_format.h: em_rows_digest_add) instead of its
  * bytes. Versions 1 to 3 still load. */
-#define EM_CHECKPOINT_FORMAT_VERSION 4u
+#define EM_CHECKPOINT_FORMAT_VERSION 5u
 /* Virtual buckets of the key hash (em_key_bucket): the buckets servers own. */
 #define EM_CHECKPOINT_BUCKET_BITS EM_KEY_BUCKET_BITS
 #define EM_CHECKPOINT_BUCKETS EM_KEY_BUCKETS

@@ -16,6 +16,7 @@
 #define EM_INDEX_MAGIC "EMBINDEX"
 #define EM_TOMBSTONES_MAGIC "EMBTOMBS"
 #define EM_ADMISSION_MAGIC "EMBADMIT"
+#define EM_EVICTED_MAGIC "EMBEVICT"
 
 /* A chunk of rows.emb: this header, then rows keys (u64), then rows x row_floats
  * floats (f32). */
@@ -82,5 +83,18 @@ typedef struct em_admission_header {
 } em_admission_header;
 
 _Static_assert(sizeof(em_admission_header) == 24, "admission header layout");
+
+/* evicted.emb (format version 5, tables whose eviction tracks access): this header, the
+ * keys of the evicted-key ring oldest first (count u64; sequences total - count + 1 to
+ * total), then the XXH3-64 of all bytes before it. */
+typedef struct em_evicted_header {
+    char magic[8];
+    uint32_t version;
+    uint32_t ring;   /* the table's eviction.ring */
+    uint64_t total;  /* keys the policy removed (evicted or expired) up to the snapshot */
+    uint64_t count;  /* keys that follow: min(total, ring) */
+} em_evicted_header;
+
+_Static_assert(sizeof(em_evicted_header) == 32, "evicted header layout");
 
 #endif

@@ -49,6 +49,8 @@ typedef struct manifest {
     file_entry rows_file, index_file, tombstones_file;
     file_entry admission_file; /* with has_admission */
     bool has_admission;        /* counter admission's sketch in admission.emb (version 3) */
+    file_entry evicted_file;   /* with has_evicted */
+    bool has_evicted;          /* with access, the evicted-key ring in evicted.emb (version 5) */
     uint64_t tombstones, table_rows;
     em__chain_link link;
 } manifest;
@@ -318,6 +320,9 @@ static em_status parse_manifest(const cJSON *json, const char *dir, manifest *m,
     m->has_admission = m->version >= 3 && m->config.admission.policy == EM_ADMISSION_COUNTER;
     if (status == EM_OK && m->has_admission)
         status = read_file_entry(files, dir, "admission.emb", &m->admission_file, err);
+    m->has_evicted = m->version >= 5 && m->access;
+    if (status == EM_OK && m->has_evicted)
+        status = read_file_entry(files, dir, "evicted.emb", &m->evicted_file, err);
     if (status == EM_OK && m->version >= 2) {
         status = number_field(json, dir, "tombstones", &m->tombstones, err);
         if (status == EM_OK)
@@ -1055,6 +1060,40 @@ static em_status read_admission(const char *dir, const manifest *m, em_table *ta
     return status;
 }
 
+/* ---- evicted.emb ----------------------------------------------------------------------- */
+
+/* Reads a link's evicted-key ring, checks it, and gives it to table (NULL: verify). */
+static em_status read_evicted(const char *dir, const manifest *m, em_table *table,
+                              em_error *err)
+{
+    if (!m->has_evicted)
+        return EM_OK;
+    uint32_t ring = m->config.eviction.ring;
+    size_t limit = sizeof(em_evicted_header) + ((size_t)ring + 1) * sizeof(uint64_t);
+    char *data = NULL;
+    size_t size = 0;
+    em_status status = read_listing(dir, "evicted.emb", limit, &m->evicted_file, &data, &size,
+                                    err);
+    em_evicted_header header;
+    if (status == EM_OK && size < sizeof(header) + sizeof(uint64_t))
+        status = data_loss(err, dir, "evicted.emb", "%zu bytes, less than its header", size);
+    if (status == EM_OK) {
+        memcpy(&header, data, sizeof(header));
+        if (memcmp(header.magic, EM_EVICTED_MAGIC, 8) != 0 || header.version != m->version ||
+            header.ring != ring || header.count > ring || header.count > header.total ||
+            size != sizeof(header) + (header.count + 1) * sizeof(uint64_t))
+            status = data_loss(err, dir, "evicted.emb",
+                               "its header does not match the manifest (ring %u) or its %zu "
+                               "bytes", ring, size);
+    }
+    if (status == EM_OK && table != NULL)
+        status = em_table_restore_evicted(table, header.total,
+                                          (const uint64_t *)(data + sizeof(header)),
+                                          header.count, err);
+    free(data);
+    return status;
+}
+
 /* ---- the chain ------------------------------------------------------------------------- */
 
 /* A chain longer than this is refused (a delta's depth says how long it is). */
@@ -1539,6 +1578,14 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
         for (size_t i = 0; status == EM_OK && i < sources[s].count; i++)
             status = read_admission(sources[s].links[i].dir, &sources[s].links[i].m,
                                     i == 0 ? table : NULL, err);
+    /* the evicted-key ring of the newest link, into a table loaded whole from one
+     * checkpoint (the ring follows the table's own removals: of a part of a cluster, or
+     * of weights only, it starts afresh); an older link's is checked only */
+    bool whole = count == 1 && r.owner_count == 0 && weights_into == NULL;
+    for (size_t s = 0; s < count; s++)
+        for (size_t i = 0; status == EM_OK && i < sources[s].count; i++)
+            status = read_evicted(sources[s].links[i].dir, &sources[s].links[i].m,
+                                  i == 0 && whole ? table : NULL, err);
     /* the clocks the rows' metadata counts in: the largest of the sources'; when every
      * row's metadata came with it, the ticks of the imports themselves are dropped */
     bool every_row_access = r.access;
@@ -1565,7 +1612,8 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
         info->table_rows = count > 1 || r.owner_count > 0 ? restored : m->table_rows;
         info->chunks = m->chunks;
         info->bytes = m->rows_file.bytes + m->index_file.bytes + m->tombstones_file.bytes +
-                      (m->has_admission ? m->admission_file.bytes : 0);
+                      (m->has_admission ? m->admission_file.bytes : 0) +
+                      (m->has_evicted ? m->evicted_file.bytes : 0);
         info->created_unix_ms = m->created_unix_ms;
         info->seconds = monotonic_seconds() - start;
     }
@@ -1785,7 +1833,8 @@ em_status em_checkpoint_list(const char *dir, const char *table, em_checkpoint_i
         info->created_unix_ms = m->created_unix_ms;
         info->manifest_xxh3 = m->link.manifest_xxh3;
         info->bytes = m->rows_file.bytes + m->index_file.bytes + m->tombstones_file.bytes +
-                      (m->has_admission ? m->admission_file.bytes : 0);
+                      (m->has_admission ? m->admission_file.bytes : 0) +
+                      (m->has_evicted ? m->evicted_file.bytes : 0);
     }
     free(m);
     return EM_OK;

@@ -117,6 +117,8 @@ typedef struct save {
     em_row_access *row_access; /* with access */
     uint8_t *admission;      /* counter admission: the sketch at the snapshot */
     uint64_t admission_bytes;
+    uint64_t *evicted;       /* with access: the evicted-key ring at the snapshot */
+    uint64_t evicted_total, evicted_count;
     run_out runs[2];         /* output buffers: chunks of one run each, aligned for
                               * direct writes, with room for a lead (rows_file) */
     unsigned char *carry;    /* rows_file's */
@@ -297,6 +299,18 @@ static em_status collect_tombstones(save *s, em_error *err)
     return EM_OK;
 }
 
+/* The snapshot's evicted-key ring, kept for evicted.emb. */
+static em_status keep_evicted(save *s, const em_table_snapshot *snapshot, em_error *err)
+{
+    const uint64_t *keys = em_table_snapshot_evicted(snapshot, &s->evicted_total,
+                                                     &s->evicted_count);
+    s->evicted = malloc((s->evicted_count + 1) * sizeof(uint64_t));
+    if (s->evicted == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
+    memcpy(s->evicted, keys, s->evicted_count * sizeof(uint64_t));
+    return EM_OK;
+}
+
 /* Reads the whole snapshot through the staging buffer into rows.emb. */
 static em_status write_rows(save *s, em_error *err)
 {
@@ -309,6 +323,8 @@ static em_status write_rows(save *s, em_error *err)
         em_table_snapshot_begin(s->table, s->options->copy_limit_bytes, &snapshot, err);
     if (status == EM_OK && s->access)
         em_table_get_clocks(s->table, &s->clocks);
+    if (status == EM_OK && s->access)
+        status = keep_evicted(s, snapshot, err);
     if (status == EM_OK && s->next != NULL &&
         !em__key_map_init(&s->next->digests, em_table_snapshot_rows(snapshot)))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
@@ -436,6 +452,21 @@ static em_status write_admission(save *s, uint64_t *bytes, uint64_t *checksum, e
                          s->admission_bytes, EM_SAVE_TOMBSTONES_WRITE, bytes, checksum, err);
 }
 
+/* The evicted-key ring, as of the snapshot: evicted.emb. */
+static em_status write_evicted(save *s, uint64_t *bytes, uint64_t *checksum, em_error *err)
+{
+    em_evicted_header header = {
+        .version = EM_CHECKPOINT_FORMAT_VERSION,
+        .ring = em_table_get_config(s->table)->eviction.ring,
+        .total = s->evicted_total,
+        .count = s->evicted_count,
+    };
+    memcpy(header.magic, EM_EVICTED_MAGIC, 8);
+    return write_listing(s, "evicted.emb", &header, sizeof(header), s->evicted,
+                         s->evicted_count * sizeof(uint64_t), EM_SAVE_TOMBSTONES_WRITE, bytes,
+                         checksum, err);
+}
+
 static void add_file(cJSON *files, const char *name, uint64_t bytes, uint64_t checksum)
 {
     char hex[17];
@@ -449,7 +480,7 @@ static void add_file(cJSON *files, const char *name, uint64_t bytes, uint64_t ch
 
 typedef struct file_sums {
     uint64_t index_bytes, index_xxh3, tombstones_bytes, tombstones_xxh3;
-    uint64_t admission_bytes, admission_xxh3;
+    uint64_t admission_bytes, admission_xxh3, evicted_bytes, evicted_xxh3;
     uint64_t manifest_xxh3; /* out: its checksum line */
 } file_sums;
 
@@ -515,6 +546,8 @@ static em_status write_manifest(save *s, const em_checkpoint_info *info, file_su
     add_file(files, "tombstones.emb", sums->tombstones_bytes, sums->tombstones_xxh3);
     if (s->admission_bytes > 0)
         add_file(files, "admission.emb", sums->admission_bytes, sums->admission_xxh3);
+    if (s->access)
+        add_file(files, "evicted.emb", sums->evicted_bytes, sums->evicted_xxh3);
     char *text = cJSON_Print(manifest);
     cJSON_Delete(manifest);
     if (text == NULL)
@@ -755,6 +788,8 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
         status = write_tombstones(s, &sums.tombstones_bytes, &sums.tombstones_xxh3, err);
     if (status == EM_OK && s->admission_bytes > 0)
         status = write_admission(s, &sums.admission_bytes, &sums.admission_xxh3, err);
+    if (status == EM_OK && s->access)
+        status = write_evicted(s, &sums.evicted_bytes, &sums.evicted_xxh3, err);
     if (status == EM_OK)
         status = write_manifest(s, info, &sums, err);
     if (status == EM_OK)
@@ -765,7 +800,8 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
         status = em_save_fsync_dir(table_dir, EM_SAVE_TABLE_DIR_FSYNC, err);
     if (status == EM_OK)
         status = publish_latest(table_dir, info->id, err);
-    info->bytes = s->file_bytes + sums.index_bytes + sums.tombstones_bytes + sums.admission_bytes;
+    info->bytes = s->file_bytes + sums.index_bytes + sums.tombstones_bytes +
+                  sums.admission_bytes + sums.evicted_bytes;
     info->manifest_xxh3 = sums.manifest_xxh3;
     info->rows = s->rows;
     info->tombstones = s->tombstone_count;
@@ -994,6 +1030,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     free(s.values);
     free(s.row_access);
     free(s.admission);
+    free(s.evicted);
     free(s.runs[0].data);
     free(s.runs[1].data);
     free(s.carry);

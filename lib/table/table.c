@@ -1017,6 +1017,23 @@ em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64
     return EM_OK;
 }
 
+em_status em_table_restore_evicted(em_table *table, uint64_t total, const uint64_t *keys,
+                                   uint64_t count, em_error *err)
+{
+    if (count > total)
+        return em_error_set(err, EM_INVALID_ARGUMENT,
+                            "evicted keys of table '%s': %" PRIu64 " keys given of %" PRIu64
+                            " removed", table->config.name, count, total);
+    uint32_t ring = table->evicted_keys != NULL ? table->config.eviction.ring : 0;
+    pthread_mutex_lock(&table->evicted_lock);
+    table->removed_total = total;
+    uint64_t first = count > ring ? count - ring : 0; /* the newest the ring has room for */
+    for (uint64_t i = first; i < count; i++) /* key i has sequence total - count + 1 + i */
+        table->evicted_keys[(total - count + i) % ring] = keys[i];
+    pthread_mutex_unlock(&table->evicted_lock);
+    return EM_OK;
+}
+
 /* ---- lifecycle and stats --------------------------------------------------------- */
 
 static em_status create_shards(em_table *table, em_error *err)

@@ -53,6 +53,10 @@ struct em_table_snapshot {
     em_table *table;
     snapshot_shard *shards;
     uint64_t rows;
+    /* the evicted-key ring at the instant: keys removed by the policy so far, and the
+     * last evicted_count of them, oldest first */
+    uint64_t evicted_total, evicted_count;
+    uint64_t *evicted;
     uint64_t copy_limit;
     uint64_t copy_bytes; /* under table->snapshot_mutex */
     uint32_t shard;      /* the reader's position */
@@ -240,6 +244,22 @@ static void give_lanes(em_table *table, em_lane **lanes)
             table->backend->devices[d]->ops->lane_release(lanes[d]);
 }
 
+/* The evicted-key ring as of now, into the snapshot (em_table_evicted's keys, all of
+ * those the ring holds). */
+static em_status capture_evicted(em_table *table, em_table_snapshot *snapshot, em_error *err)
+{
+    uint32_t ring = table->evicted_keys != NULL ? table->config.eviction.ring : 0;
+    snapshot->evicted = malloc(((size_t)ring + 1) * sizeof(uint64_t));
+    if (snapshot->evicted == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "snapshot of table '%s': out of memory",
+                            table->config.name);
+    em_evicted_view view;
+    em_status status = em_table_evicted(table, 0, ring, snapshot->evicted, &view, err);
+    snapshot->evicted_total = view.total;
+    snapshot->evicted_count = view.count;
+    return status;
+}
+
 em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
                                   em_table_snapshot **out, em_error *err)
 {
@@ -264,6 +284,8 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
                                err);
         snapshot->rows += snapshot->shards[s].count;
     }
+    if (status == EM_OK) /* every removal records its keys before its shard lock goes */
+        status = capture_evicted(table, snapshot, err);
     if (status == EM_OK) {
         pthread_mutex_lock(&table->snapshot_mutex);
         table->snapshot = snapshot;
@@ -276,11 +298,20 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
         for (uint32_t s = 0; s < table->shard_count; s++)
             free_shard(&snapshot->shards[s]);
         free(snapshot->shards);
+        free(snapshot->evicted);
         free(snapshot);
         return status;
     }
     *out = snapshot;
     return EM_OK;
+}
+
+const uint64_t *em_table_snapshot_evicted(const em_table_snapshot *snapshot, uint64_t *total,
+                                          uint64_t *count)
+{
+    *total = snapshot->evicted_total;
+    *count = snapshot->evicted_count;
+    return snapshot->evicted;
 }
 
 void em_table_snapshot_end(em_table_snapshot *snapshot)
@@ -298,6 +329,7 @@ void em_table_snapshot_end(em_table_snapshot *snapshot)
     for (uint32_t s = 0; s < table->shard_count; s++)
         free_shard(&snapshot->shards[s]);
     free(snapshot->shards);
+    free(snapshot->evicted);
     free(snapshot);
 }
 

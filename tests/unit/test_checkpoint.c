@@ -446,8 +446,8 @@ static void replace_hex(char *text, uint64_t old, uint64_t new)
     memcpy(at, to, 16);
 }
 
-/* rows.emb's checksum as the manifest has it (format version 4): of each chunk's header
- * and payload checksums, in the order index.emb lists the chunks. */
+/* rows.emb's checksum as the manifest has it (format version 4 and later): of each
+ * chunk's header and payload checksums, in the order index.emb lists the chunks. */
 static uint64_t rows_checksum(const unsigned char *rows, const unsigned char *index,
                               size_t index_size)
 {
@@ -711,6 +711,23 @@ START_TEST(version_3_checkpoints_still_load)
     em_backend *backend = make_backend();
     em_table *table = load_old_checkpoint(backend, "checkpoint-v3/v3/00000000000000000001");
     ck_assert_int_eq(em_table_get_config(table)->eviction.policy, EM_EVICTION_LRU);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* A full checkpoint that format version 4 wrote (tests/data/checkpoint-v4: the same
+ * rows in an lru table, without evicted.emb) loads, its evicted-key ring empty. */
+START_TEST(version_4_checkpoints_still_load)
+{
+    em_backend *backend = make_backend();
+    em_table *table = load_old_checkpoint(backend, "checkpoint-v4/v4/00000000000000000001");
+    ck_assert_int_eq(em_table_get_config(table)->eviction.policy, EM_EVICTION_LRU);
+    uint64_t keys[4];
+    em_evicted_view view;
+    em_error err;
+    ck_assert_int_eq(em_table_evicted(table, 0, 4, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.total, 0);
     em_table_destroy(table);
     em_backend_destroy(backend);
 }
@@ -1343,6 +1360,101 @@ START_TEST(every_load_of_a_checkpoint_evicts_alike)
 }
 END_TEST
 
+/* The evicted-key ring of a table, all it holds (EVICTED from the start). */
+typedef struct ring_view {
+    em_evicted_view view;
+    uint64_t keys[64];
+} ring_view;
+
+static ring_view ring_of(em_table *table)
+{
+    ring_view ring;
+    em_error err;
+    ck_assert_int_eq(em_table_evicted(table, 0, 64, ring.keys, &ring.view, &err), EM_OK);
+    return ring;
+}
+
+static void assert_rings_equal(const ring_view *a, const ring_view *b)
+{
+    ck_assert_uint_eq(a->view.total, b->view.total);
+    ck_assert_uint_eq(a->view.first, b->view.first);
+    ck_assert_uint_eq(a->view.count, b->view.count);
+    ck_assert_mem_eq(a->keys, b->keys, a->view.count * sizeof(uint64_t));
+}
+
+/* The keys an lru table's policy removed (EVICTED, its sequence numbers) are part of its
+ * checkpoints: a load gives the ring as of the save's instant, whole and through a delta
+ * chain, and the sequence numbers go on from there; a table loaded as one server's
+ * buckets starts its ring afresh; a damaged evicted.emb is refused naming it. */
+START_TEST(the_evicted_ring_survives_a_load)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_table_config config;
+    em_table_config_init(&config, "lru", 4, 2000);
+    config.shards = 4;
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.ring = 64;
+    em_table *table = em_test_make_table(backend, &config);
+    push_rounds(table, 1, 30);
+    ring_view saved = ring_of(table);
+    ck_assert_uint_gt(saved.view.total, 64); /* the ring has wrapped */
+    ck_assert_uint_eq(saved.view.count, 64);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.track_changes = true;
+    em_checkpoint_info full;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &full, &err), EM_OK);
+    push_rounds(table, 2, 5);
+    em_table *loaded = NULL;
+    ck_assert_int_eq(em_checkpoint_load(full.path, backend, NULL, NULL, &loaded, NULL, &err),
+                     EM_OK);
+    ring_view got = ring_of(loaded);
+    assert_rings_equal(&got, &saved);
+    push_rounds(loaded, 2, 5); /* numbered on from the checkpoint's */
+    em_table_stats stats;
+    em_table_get_stats(loaded, &stats); /* evicted since the load */
+    ck_assert_uint_gt(stats.rows_evicted, 0);
+    ck_assert_uint_eq(ring_of(loaded).view.total, saved.view.total + stats.rows_evicted);
+    ring_view table_on = ring_of(table);
+    em_table_destroy(loaded);
+
+    /* a delta holds the ring at its instant */
+    options.delta = true;
+    em_checkpoint_info delta;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &delta, &err), EM_OK);
+    ck_assert_str_eq(delta.kind, "delta");
+    ck_assert_int_eq(em_checkpoint_load(delta.path, backend, NULL, NULL, &loaded, NULL, &err),
+                     EM_OK);
+    got = ring_of(loaded);
+    assert_rings_equal(&got, &table_on);
+    em_table_destroy(loaded);
+
+    /* one server's buckets: a ring of its own */
+    const char *one[1] = {delta.path};
+    em_checkpoint_load_options owner = {.owner_index = 0, .owner_count = 2};
+    ck_assert_int_eq(em_checkpoint_load_sources(one, 1, backend, NULL, &owner, &loaded, NULL,
+                                                &err), EM_OK);
+    ck_assert_uint_eq(ring_of(loaded).view.total, 0);
+    em_table_destroy(loaded);
+
+    /* damaged: refused, naming the file, in a load and a verify */
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/evicted.emb", full.path);
+    em_test_flip_byte(path, 40);
+    ck_assert_int_eq(em_checkpoint_load(full.path, backend, NULL, NULL, &loaded, NULL, &err),
+                     EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, "evicted.emb") != NULL, "%s", err.message);
+    ck_assert_int_eq(em_checkpoint_verify(delta.path, NULL, &err), EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, "evicted.emb") != NULL, "%s", err.message);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* A table whose eviction tracks access keeps each row's metadata (last access, last
  * update, frequency) and the table's clocks across a save and a load, whole or as one
  * server's buckets, and through a delta chain. */
@@ -1691,6 +1803,7 @@ int main(void)
     tcase_add_test(round_trip, lists_read_manifests_only);
     tcase_add_test(round_trip, version_1_checkpoints_still_load);
     tcase_add_test(round_trip, version_3_checkpoints_still_load);
+    tcase_add_test(round_trip, version_4_checkpoints_still_load);
     suite_add_tcase(suite, round_trip);
     TCase *damaged = tcase_create("damaged");
     tcase_add_loop_test(damaged, damaged_checkpoints_are_refused_naming_the_file, 0, DAMAGE_COUNT);
@@ -1715,6 +1828,7 @@ int main(void)
     tcase_add_test(cluster, cluster_parts_refuse_damaged_chunks);
     tcase_add_test(cluster, access_metadata_and_clocks_survive_a_load);
     tcase_add_test(cluster, every_load_of_a_checkpoint_evicts_alike);
+    tcase_add_test(cluster, the_evicted_ring_survives_a_load);
     tcase_add_test(cluster, admission_sketches_survive_a_load);
     suite_add_tcase(suite, cluster);
     suite_add_tcase(suite, deltas);
