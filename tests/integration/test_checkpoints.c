@@ -195,17 +195,39 @@ static void train_evicting(em_client *client, const batch *b, uint64_t seed, int
 }
 
 /* The state of both of the crash loop's tables: t's weights, e's weights and its
- * missing count (which keys it holds). */
+ * missing count (which keys it holds), and e's evicted-key ring (EVICTED: how many keys
+ * its policy removed, and a digest of the keys the ring holds, in order). */
 typedef struct crash_state {
     float *t, *e;
     uint64_t t_missing, e_missing;
+    uint64_t e_removed, e_ring_digest;
 } crash_state;
+
+static void read_ring(em_client *client, const char *table, uint64_t *removed,
+                      uint64_t *digest)
+{
+    cJSON *evicted = NULL;
+    em_error err;
+    ck_assert_msg(em_client_evicted(client, table, 0, 0, &evicted, &err) == EM_OK, "%s",
+                  err.message);
+    *removed = (uint64_t)cJSON_GetObjectItem(evicted, "total")->valuedouble;
+    *digest = 1469598103934665603ull; /* FNV-1a over the keys' decimal strings */
+    const cJSON *key;
+    cJSON_ArrayForEach(key, cJSON_GetObjectItem(evicted, "keys"))
+        for (const char *c = key->valuestring; ; c++) {
+            *digest = (*digest ^ (unsigned char)*c) * 1099511628211ull;
+            if (*c == '\0')
+                break;
+        }
+    cJSON_Delete(evicted);
+}
 
 static crash_state read_crash_state(em_client *client, const batch *b)
 {
     crash_state state;
     state.t = read_state(client, b, &state.t_missing);
     state.e = read_table(client, "e", b, &state.e_missing);
+    read_ring(client, "e", &state.e_removed, &state.e_ring_digest);
     return state;
 }
 
@@ -217,8 +239,10 @@ static bool same_t(const crash_state *a, const crash_state *b)
 
 static bool same_e(const crash_state *a, const crash_state *b)
 {
-    return b->e == NULL ? a->e_missing == KEYS
-                        : a->e_missing == b->e_missing && same(a->e, b->e);
+    if (b->e == NULL)
+        return a->e_missing == KEYS && a->e_removed == 0;
+    return a->e_missing == b->e_missing && same(a->e, b->e) && a->e_removed == b->e_removed &&
+           a->e_ring_digest == b->e_ring_digest;
 }
 
 /* Takes table t (e) of from into into, freeing into's. */
@@ -235,6 +259,8 @@ static void take_e(crash_state *into, crash_state *from)
     free(into->e);
     into->e = from->e;
     into->e_missing = from->e_missing;
+    into->e_removed = from->e_removed;
+    into->e_ring_digest = from->e_ring_digest;
     from->e = NULL;
 }
 
@@ -896,8 +922,9 @@ START_TEST(kill_9_during_saves_restarts_at_one_complete_checkpoint)
                       i, (unsigned long long)seed);
         ck_assert_msg(same_e(&state, &completed),
                       "iteration %d (seed %llu): e restored is not its last completed checkpoint "
-                      "(%" PRIu64 " keys missing, %" PRIu64 " in it)", i,
-                      (unsigned long long)seed, state.e_missing, completed.e_missing);
+                      "(%" PRIu64 " keys missing, %" PRIu64 " in it; %" PRIu64 " keys evicted, "
+                      "%" PRIu64 " in it)", i, (unsigned long long)seed, state.e_missing,
+                      completed.e_missing, state.e_removed, completed.e_removed);
         crash_state_free(&state);
         if (delta)
             train_part(client, b, seed + (uint64_t)i, (uint32_t)em_test_rng_below(&rng, KEYS - 1000),
