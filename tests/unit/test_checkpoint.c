@@ -1313,6 +1313,37 @@ static void push_rounds(em_table *table, uint64_t seed, int rounds)
     }
 }
 
+/* A byte of checkpoint/file flipped at offset: a load is refused with DATA_LOSS naming
+ * the file and the checksum that no longer matches. */
+static void load_refuses_a_flipped_byte(em_backend *backend, const char *checkpoint,
+                                        const char *file, long offset)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/%s", checkpoint, file);
+    em_test_flip_byte(path, offset);
+    em_table *loaded = NULL;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_load(checkpoint, backend, NULL, NULL, &loaded, NULL, &err),
+                     EM_DATA_LOSS);
+    ck_assert_ptr_null(loaded);
+    ck_assert_msg(strstr(err.message, file) != NULL &&
+                      strstr(err.message, "checksum mismatch") != NULL, "%s", err.message);
+}
+
+/* An lru table of capacity 2,000 over 4 shards with an evicted-key ring of `ring`, full
+ * and evicting after 30 pushes of 300 keys out of 20,000. */
+static em_table *full_lru_table(em_backend *backend, uint32_t ring)
+{
+    em_table_config config;
+    em_table_config_init(&config, "lru", 4, 2000);
+    config.shards = 4;
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.ring = ring;
+    em_table *table = em_test_make_table(backend, &config);
+    push_rounds(table, 1, 30);
+    return table;
+}
+
 /* Which rows an lru eviction compares depends on the hash map's layout, which a load
  * rebuilds: every load of one checkpoint rebuilds it alike, so the same pushes after
  * two loads keep the same rows and evict the same keys, in the same order. */
@@ -1321,13 +1352,7 @@ START_TEST(every_load_of_a_checkpoint_evicts_alike)
     char dir[256];
     em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
-    em_table_config config;
-    em_table_config_init(&config, "lru", 4, 2000);
-    config.shards = 4;
-    config.eviction.policy = EM_EVICTION_LRU;
-    config.eviction.ring = 4096;
-    em_table *table = em_test_make_table(backend, &config);
-    push_rounds(table, 1, 30);
+    em_table *table = full_lru_table(backend, 4096);
     em_checkpoint_options options;
     em_checkpoint_options_init(&options, dir);
     em_checkpoint_info info;
@@ -1345,7 +1370,7 @@ START_TEST(every_load_of_a_checkpoint_evicts_alike)
         ck_assert_int_eq(em_table_evicted(loaded[i], 0, 4096, evicted[i], &view[i], &err),
                          EM_OK);
     }
-    ck_assert_uint_eq(after[0].count, config.capacity);
+    ck_assert_uint_eq(after[0].count, 2000);
     em_test_assert_snapshots_identical(&after[0], &after[1]);
     ck_assert_uint_gt(view[0].count, 1000); /* the pushes evicted */
     ck_assert_uint_eq(view[0].count, view[1].count);
@@ -1391,13 +1416,7 @@ START_TEST(the_evicted_ring_survives_a_load)
     char dir[256];
     em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
-    em_table_config config;
-    em_table_config_init(&config, "lru", 4, 2000);
-    config.shards = 4;
-    config.eviction.policy = EM_EVICTION_LRU;
-    config.eviction.ring = 64;
-    em_table *table = em_test_make_table(backend, &config);
-    push_rounds(table, 1, 30);
+    em_table *table = full_lru_table(backend, 64);
     ring_view saved = ring_of(table);
     ck_assert_uint_gt(saved.view.total, 64); /* the ring has wrapped */
     ck_assert_uint_eq(saved.view.count, 64);
@@ -1441,12 +1460,7 @@ START_TEST(the_evicted_ring_survives_a_load)
     em_table_destroy(loaded);
 
     /* damaged: refused, naming the file, in a load and a verify */
-    char path[4400];
-    snprintf(path, sizeof(path), "%s/evicted.emb", full.path);
-    em_test_flip_byte(path, 40);
-    ck_assert_int_eq(em_checkpoint_load(full.path, backend, NULL, NULL, &loaded, NULL, &err),
-                     EM_DATA_LOSS);
-    ck_assert_msg(strstr(err.message, "evicted.emb") != NULL, "%s", err.message);
+    load_refuses_a_flipped_byte(backend, full.path, "evicted.emb", 40);
     ck_assert_int_eq(em_checkpoint_verify(delta.path, NULL, &err), EM_DATA_LOSS);
     ck_assert_msg(strstr(err.message, "evicted.emb") != NULL, "%s", err.message);
     em_table_destroy(table);
@@ -1672,13 +1686,7 @@ START_TEST(admission_sketches_survive_a_load)
     ck_assert_uint_eq(stats.rows, 50); /* the third sighting */
     em_table_destroy(restored);
 
-    char path[4400];
-    snprintf(path, sizeof(path), "%s/admission.emb", info.path);
-    em_test_flip_byte(path, 100);
-    ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
-                     EM_DATA_LOSS);
-    ck_assert_msg(strstr(err.message, "admission.emb") != NULL &&
-                      strstr(err.message, "checksum mismatch") != NULL, "%s", err.message);
+    load_refuses_a_flipped_byte(backend, info.path, "admission.emb", 100);
     free(sketch);
     free(loaded_sketch);
     em_table_destroy(table);
