@@ -93,6 +93,10 @@ typedef struct em_cuda_backend_options {
     uint64_t pinned_buffer_bytes; /* pinned host memory for request data, which the GPUs
                                    * copy directly (host_buffers.h); 0: none, all staged */
     bool host_staged_exchange; /* skip NCCL even with several GPUs (tests, debugging) */
+    bool shared_gpus;          /* devices may list one GPU more than once, each listing a
+                                * device of its own (pool, lanes, streams) on it: tests of
+                                * the multi-device paths on a host with one GPU. NCCL
+                                * takes one GPU per rank, so the exchange is host-staged. */
     uint64_t map_segment_slots; /* a shard's hash map larger than this many slots is kept
                                  * in segments of this many, so that it grows by the
                                  * slots it adds (a power of two, 1024 .. 2^30) */

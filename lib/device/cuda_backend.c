@@ -139,7 +139,7 @@ static em_status check_device_list(const em_cuda_backend_options *options, uint3
             return em_error_set(err, EM_INVALID_ARGUMENT,
                                 "cuda backend: devices[%u] = %u, but %u GPUs are visible", i,
                                 options->devices[i], visible);
-        for (uint32_t j = 0; j < i; j++)
+        for (uint32_t j = 0; j < i && !options->shared_gpus; j++)
             if (options->devices[j] == options->devices[i])
                 return em_error_set(err, EM_INVALID_ARGUMENT,
                                     "cuda backend: GPU %u is listed twice (devices[%u] and "
@@ -255,12 +255,19 @@ static em_status create_host_buffers(const em_cuda_backend_options *options,
     return em_host_buffers_create(&buffers, out, err);
 }
 
+/* Device index on GPU ordinals[index] (shared_gpus: the devices listed before it on the
+ * same GPU make it cuda:<ordinal>#<n>). */
 static em_status create_device(const em_cuda_backend_options *options, uint32_t index,
-                               int ordinal, em_host_buffers *host_buffers,
+                               const uint32_t *ordinals, em_host_buffers *host_buffers,
                                em_device **out, em_error *err)
 {
+    int ordinal = (int)ordinals[index];
+    uint32_t sharing = 0;
+    for (uint32_t j = 0; j < index; j++)
+        sharing += ordinals[j] == ordinals[index];
     em__cuda_device_options device_options = {
         .ordinal = ordinal,
+        .sharing = sharing,
         .lanes = options->lanes,
         .staging_bytes = options->staging_bytes,
         .host_buffers = host_buffers,
@@ -283,6 +290,15 @@ static void destroy_devices(em_device **devices, uint32_t count)
 /* NCCL with several GPUs, created before the pools so that its buffers and
  * connections come out of the free memory first; *fallback gets why it could not be
  * had (then the host-staged exchange serves). */
+/* The index of the first device listed before i on the same GPU; i when none is. */
+static uint32_t first_on_gpu(const uint32_t *ordinals, uint32_t i)
+{
+    uint32_t j = 0;
+    while (ordinals[j] != ordinals[i])
+        j++;
+    return j;
+}
+
 static em_exchange *try_nccl(const em_cuda_backend_options *options, const uint32_t *ordinals,
                              uint32_t count, em_error *fallback)
 {
@@ -290,6 +306,13 @@ static em_exchange *try_nccl(const em_cuda_backend_options *options, const uint3
     fallback->message[0] = '\0';
     if (count < 2 || options->host_staged_exchange)
         return NULL;
+    for (uint32_t i = 1; i < count; i++)
+        if (first_on_gpu(ordinals, i) != i) {
+            em_error_set(fallback, EM_FAILED_PRECONDITION,
+                         "GPU %u holds devices %u and %u (shared_gpus): NCCL takes one GPU "
+                         "per rank", ordinals[i], first_on_gpu(ordinals, i), i);
+            return NULL;
+        }
     em_exchange *exchange = NULL;
     if (em_exchange_create_nccl(ordinals, count, &exchange, fallback) != EM_OK)
         return NULL;
@@ -323,7 +346,7 @@ em_status em_backend_create_cuda(const em_cuda_backend_options *options, em_back
     if (status == EM_OK)
         status = create_host_buffers(options, &host_buffers, err);
     for (uint32_t i = 0; i < count && status == EM_OK; i++)
-        status = create_device(options, i, (int)ordinals[i], host_buffers, &devices[i], err);
+        status = create_device(options, i, ordinals, host_buffers, &devices[i], err);
     if (status == EM_OK && exchange == NULL)
         status = em_exchange_create_host_staged(&exchange, err);
     if (status == EM_OK)

@@ -645,7 +645,11 @@ em_status em__cuda_device_create(uint32_t index, const em__cuda_device_options *
     pthread_cond_init(&state->lane_freed, NULL);
     device->impl = state;
     device->ops = &cuda_device_ops;
-    snprintf(device->name, sizeof(device->name), "cuda:%d", options->ordinal);
+    if (options->sharing == 0)
+        snprintf(device->name, sizeof(device->name), "cuda:%d", options->ordinal);
+    else
+        snprintf(device->name, sizeof(device->name), "cuda:%d#%u", options->ordinal,
+                 options->sharing);
     device->kind = "cuda";
     device->index = index;
     device->host_addressable = false;

@@ -21,6 +21,8 @@ typedef struct em__cuda_device_options {
     uint64_t staging_bytes; /* pinned host memory per lane */
     em_host_buffers *host_buffers; /* buffers copied directly (NULL: none) */
     uint64_t map_segment_slots; /* slots per segment of a shard's large hash map */
+    uint32_t sharing;       /* devices listed before this one on the same GPU (shared_gpus):
+                             * 0 names it "cuda:<ordinal>", n > 0 "cuda:<ordinal>#<n>" */
 } em__cuda_device_options;
 
 /* Creates the device for GPU options->ordinal as device `index` of its backend: its
