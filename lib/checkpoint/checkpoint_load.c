@@ -1080,7 +1080,7 @@ static em_status read_evicted(const char *dir, const manifest *m, em_table *tabl
     if (status == EM_OK) {
         memcpy(&header, data, sizeof(header));
         if (memcmp(header.magic, EM_EVICTED_MAGIC, 8) != 0 || header.version != m->version ||
-            header.ring != ring || header.count > ring || header.count > header.total ||
+            header.ring != ring || header.count != (header.total < ring ? header.total : ring) ||
             size != sizeof(header) + (header.count + 1) * sizeof(uint64_t))
             status = data_loss(err, dir, "evicted.emb",
                                "its header does not match the manifest (ring %u) or its %zu "

@@ -287,9 +287,6 @@ static void destroy_devices(em_device **devices, uint32_t count)
     free(devices);
 }
 
-/* NCCL with several GPUs, created before the pools so that its buffers and
- * connections come out of the free memory first; *fallback gets why it could not be
- * had (then the host-staged exchange serves). */
 /* The index of the first device listed before i on the same GPU; i when none is. */
 static uint32_t first_on_gpu(const uint32_t *ordinals, uint32_t i)
 {
@@ -298,6 +295,10 @@ static uint32_t first_on_gpu(const uint32_t *ordinals, uint32_t i)
         j++;
     return j;
 }
+
+/* NCCL with several GPUs, created before the pools so that its buffers and
+ * connections come out of the free memory first; *fallback gets why it could not be
+ * had (then the host-staged exchange serves). */
 
 static em_exchange *try_nccl(const em_cuda_backend_options *options, const uint32_t *ordinals,
                              uint32_t count, em_error *fallback)
