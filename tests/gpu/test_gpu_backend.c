@@ -1939,9 +1939,9 @@ END_TEST
 
 /* Loop index: optimizer. Two devices on one GPU (shared_gpus: each its own pool, lanes
  * and streams, the exchange host-staged), so that a host with one GPU runs the paths of
- * tables spread over several devices, the finds and checks enqueued on both before
- * either is waited for among them: outputs and rows equal the one-device, one-shard run
- * bit for bit. */
+ * a table spread over several devices (the exchange, the finds and checks on both
+ * devices before any wait): outputs and rows equal the one-device, one-shard run bit
+ * for bit. */
 START_TEST(two_devices_sharing_one_gpu_match_one_device)
 {
     em_combiner combiner = (em_combiner)((_i + 1) % 4);
