@@ -1899,6 +1899,20 @@ static record run_layout(em_backend *backend, uint32_t shards, int optimizer, em
     return r;
 }
 
+/* run_layout on backend with shards shards gives base's outputs and rows, bit for bit. */
+static void assert_layout_as_base(em_backend *backend, uint32_t shards, int optimizer,
+                                  em_combiner combiner, const record *base)
+{
+    record other = run_layout(backend, shards, optimizer, combiner);
+    ck_assert_uint_eq(other.output_count, base->output_count);
+    ck_assert_msg(memcmp(other.outputs, base->outputs, base->output_count * sizeof(float)) == 0,
+                  "pulls differ with %u devices, %u shards, %s exchange", backend->device_count,
+                  shards, backend->exchange->name);
+    em_test_assert_snapshots_identical(&other.final, &base->final);
+    free(other.outputs);
+    em_test_snapshot_free(&other.final);
+}
+
 /* Loop index: optimizer. With every visible GPU (NCCL and host-staged exchanges) and
  * several shard counts, outputs and rows equal the one-GPU, one-shard run bit for bit. */
 START_TEST(layouts_over_gpus_identical_to_one_gpu)
@@ -1919,17 +1933,8 @@ START_TEST(layouts_over_gpus_identical_to_one_gpu)
         em_backend *all = gpu_backend(0, GPU_POOL_BYTES, staged != 0);
         ck_assert_uint_eq(all->device_count, gpus);
         ck_assert_str_eq(all->exchange->name, staged ? "host-staged" : "nccl");
-        for (size_t s = 0; s < sizeof(shard_counts) / sizeof(shard_counts[0]); s++) {
-            record other = run_layout(all, shard_counts[s], _i, combiner);
-            ck_assert_uint_eq(other.output_count, base.output_count);
-            ck_assert_msg(memcmp(other.outputs, base.outputs,
-                                 base.output_count * sizeof(float)) == 0,
-                          "pulls differ with %u GPUs, %u shards, %s exchange", gpus,
-                          shard_counts[s], all->exchange->name);
-            em_test_assert_snapshots_identical(&other.final, &base.final);
-            free(other.outputs);
-            em_test_snapshot_free(&other.final);
-        }
+        for (size_t s = 0; s < sizeof(shard_counts) / sizeof(shard_counts[0]); s++)
+            assert_layout_as_base(all, shard_counts[s], _i, combiner, &base);
         em_backend_destroy(all);
     }
     free(base.outputs);
@@ -1965,15 +1970,8 @@ START_TEST(two_devices_sharing_one_gpu_match_one_device)
     ck_assert_msg(strstr(shared->exchange_fallback, "shared_gpus") != NULL, "%s",
                   shared->exchange_fallback);
     static const uint32_t shard_counts[] = {2, 3, 8, 40};
-    for (size_t s = 0; s < sizeof(shard_counts) / sizeof(shard_counts[0]); s++) {
-        record other = run_layout(shared, shard_counts[s], _i, combiner);
-        ck_assert_uint_eq(other.output_count, base.output_count);
-        ck_assert_msg(memcmp(other.outputs, base.outputs, base.output_count * sizeof(float)) == 0,
-                      "pulls differ with two devices on one GPU, %u shards", shard_counts[s]);
-        em_test_assert_snapshots_identical(&other.final, &base.final);
-        free(other.outputs);
-        em_test_snapshot_free(&other.final);
-    }
+    for (size_t s = 0; s < sizeof(shard_counts) / sizeof(shard_counts[0]); s++)
+        assert_layout_as_base(shared, shard_counts[s], _i, combiner, &base);
     em_backend_destroy(shared);
     free(base.outputs);
     em_test_snapshot_free(&base.final);
