@@ -1242,6 +1242,9 @@ static int command_evicted(cli *c, int argc, char **argv)
         printf("; sequence %.0f to %.0f below", first, first + shown - 1);
     if (json_number(evicted, "missed") > 0)
         printf("; %.0f after %.0f no longer kept", json_number(evicted, "missed"), after);
+    if (after > json_number(evicted, "total")) /* a poller's sequence from before a restore */
+        printf("; --after %.0f is past them all: the table went back to a checkpoint (or "
+               "this is another server)", after);
     putchar('\n');
     const cJSON *key;
     cJSON_ArrayForEach(key, keys)

@@ -481,6 +481,12 @@ START_TEST(eviction_evicted_keys_and_erase_through_emberctl)
     ck_assert_msg(r->code == 0, "%s", r->err);
     ck_assert_str_eq(r->out,
                      "table 't': 2 key(s) evicted or expired in all; sequence 1 to 2 below\n1\n2\n");
+    /* a sequence past the server's count: said, so that a poller knows to start over */
+    r = RUN(NULL, "--server", at, "evicted", "t", "--after", "7");
+    ck_assert_msg(r->code == 0, "%s", r->err);
+    ck_assert_str_eq(r->out, "table 't': 2 key(s) evicted or expired in all; --after 7 is past "
+                             "them all: the table went back to a checkpoint (or this is another "
+                             "server)\n");
     r = RUN(NULL, "--server", at, "--json", "evicted", "t", "--after", "1");
     ck_assert_int_eq(r->code, 0);
     cJSON *json = cJSON_Parse(r->out);
