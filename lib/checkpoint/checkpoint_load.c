@@ -1083,8 +1083,10 @@ static em_status read_evicted(const char *dir, const manifest *m, em_table *tabl
             header.ring != ring || header.count != (header.total < ring ? header.total : ring) ||
             size != sizeof(header) + (header.count + 1) * sizeof(uint64_t))
             status = data_loss(err, dir, "evicted.emb",
-                               "its header does not match the manifest (ring %u) or its %zu "
-                               "bytes", ring, size);
+                               "its header (version %u, ring %u, %" PRIu64 " keys of %" PRIu64
+                               " removed) does not match the manifest (version %u, ring %u) "
+                               "or its %zu bytes", header.version, header.ring, header.count,
+                               header.total, m->version, ring, size);
     }
     if (status == EM_OK && table != NULL)
         status = em_table_restore_evicted(table, header.total,

@@ -299,18 +299,6 @@ static em_status collect_tombstones(save *s, em_error *err)
     return EM_OK;
 }
 
-/* The snapshot's evicted-key ring, kept for evicted.emb. */
-static em_status keep_evicted(save *s, const em_table_snapshot *snapshot, em_error *err)
-{
-    const uint64_t *keys = em_table_snapshot_evicted(snapshot, &s->evicted_total,
-                                                     &s->evicted_count);
-    s->evicted = malloc((s->evicted_count + 1) * sizeof(uint64_t));
-    if (s->evicted == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "save: out of host memory");
-    memcpy(s->evicted, keys, s->evicted_count * sizeof(uint64_t));
-    return EM_OK;
-}
-
 /* Reads the whole snapshot through the staging buffer into rows.emb. */
 static em_status write_rows(save *s, em_error *err)
 {
@@ -323,8 +311,9 @@ static em_status write_rows(save *s, em_error *err)
         em_table_snapshot_begin(s->table, s->options->copy_limit_bytes, &snapshot, err);
     if (status == EM_OK && s->access)
         em_table_get_clocks(s->table, &s->clocks);
-    if (status == EM_OK && s->access)
-        status = keep_evicted(s, snapshot, err);
+    if (status == EM_OK && s->access) /* for evicted.emb */
+        s->evicted = em_table_snapshot_take_evicted(snapshot, &s->evicted_total,
+                                                    &s->evicted_count);
     if (status == EM_OK && s->next != NULL &&
         !em__key_map_init(&s->next->digests, em_table_snapshot_rows(snapshot)))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,

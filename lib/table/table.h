@@ -215,9 +215,9 @@ em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64
 
 /* Sets the evicted-key ring of a table no request has reached yet (a restore): total
  * keys removed by the policy so far, the last count of them oldest first (as
- * em_table_snapshot_evicted gives them; the ring keeps the newest it has room for), so
- * that EVICTED's sequence numbers go on from a checkpoint's. INVALID_ARGUMENT when count
- * exceeds total. */
+ * em_table_snapshot_take_evicted gives them; the ring keeps the newest it has room
+ * for), so that EVICTED's sequence numbers go on from a checkpoint's. INVALID_ARGUMENT
+ * when count exceeds total. */
 em_status em_table_restore_evicted(em_table *table, uint64_t total, const uint64_t *keys,
                                    uint64_t count, em_error *err);
 
@@ -332,10 +332,10 @@ em_status em_table_snapshot_read(em_table_snapshot *snapshot, uint64_t max, uint
                                  em_error *err);
 
 /* The evicted-key ring at the snapshot's instant (em_table_evicted): *total keys removed
- * by the policy so far, and the last *count of them (all the ring holds), oldest first.
- * Valid until em_table_snapshot_end. */
-const uint64_t *em_table_snapshot_evicted(const em_table_snapshot *snapshot, uint64_t *total,
-                                          uint64_t *count);
+ * by the policy so far, and the last *count of them (all the ring holds), oldest first,
+ * handed over (the caller frees them; a second call gets none). */
+uint64_t *em_table_snapshot_take_evicted(em_table_snapshot *snapshot, uint64_t *total,
+                                         uint64_t *count);
 
 /* Closes the snapshot (read completely or not). NULL is ignored. */
 void em_table_snapshot_end(em_table_snapshot *snapshot);

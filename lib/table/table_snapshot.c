@@ -244,17 +244,19 @@ static void give_lanes(em_table *table, em_lane **lanes)
             table->backend->devices[d]->ops->lane_release(lanes[d]);
 }
 
-/* The evicted-key ring as of now, into the snapshot (em_table_evicted's keys, all of
- * those the ring holds). */
+/* Room for the evicted-key ring, taken before the shards are held. */
+static uint32_t ring_size(const em_table *table)
+{
+    return table->evicted_keys != NULL ? table->config.eviction.ring : 0;
+}
+
+/* The evicted-key ring as of now, into the snapshot's room for it (em_table_evicted's
+ * keys, all of those the ring holds). */
 static em_status capture_evicted(em_table *table, em_table_snapshot *snapshot, em_error *err)
 {
-    uint32_t ring = table->evicted_keys != NULL ? table->config.eviction.ring : 0;
-    snapshot->evicted = malloc(((size_t)ring + 1) * sizeof(uint64_t));
-    if (snapshot->evicted == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "snapshot of table '%s': out of memory",
-                            table->config.name);
     em_evicted_view view;
-    em_status status = em_table_evicted(table, 0, ring, snapshot->evicted, &view, err);
+    em_status status = em_table_evicted(table, 0, ring_size(table), snapshot->evicted, &view,
+                                        err);
     snapshot->evicted_total = view.total;
     snapshot->evicted_count = view.count;
     return status;
@@ -264,9 +266,15 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
                                   em_table_snapshot **out, em_error *err)
 {
     em_table_snapshot *snapshot = calloc(1, sizeof(*snapshot));
-    if (snapshot != NULL)
+    if (snapshot != NULL) {
         snapshot->shards = calloc(table->shard_count, sizeof(*snapshot->shards));
-    if (snapshot == NULL || snapshot->shards == NULL) {
+        snapshot->evicted = malloc(((size_t)ring_size(table) + 1) * sizeof(uint64_t));
+    }
+    if (snapshot == NULL || snapshot->shards == NULL || snapshot->evicted == NULL) {
+        if (snapshot != NULL) {
+            free(snapshot->shards);
+            free(snapshot->evicted);
+        }
         free(snapshot);
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "snapshot of table '%s': out of memory",
                             table->config.name);
@@ -306,12 +314,15 @@ em_status em_table_snapshot_begin(em_table *table, uint64_t copy_limit_bytes,
     return EM_OK;
 }
 
-const uint64_t *em_table_snapshot_evicted(const em_table_snapshot *snapshot, uint64_t *total,
-                                          uint64_t *count)
+uint64_t *em_table_snapshot_take_evicted(em_table_snapshot *snapshot, uint64_t *total,
+                                         uint64_t *count)
 {
+    uint64_t *keys = snapshot->evicted;
     *total = snapshot->evicted_total;
     *count = snapshot->evicted_count;
-    return snapshot->evicted;
+    snapshot->evicted = NULL;
+    snapshot->evicted_count = 0;
+    return keys;
 }
 
 void em_table_snapshot_end(em_table_snapshot *snapshot)
