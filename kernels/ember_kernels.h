@@ -96,6 +96,12 @@ void em_gpu_host_free(void *pointer);
 em_gpu_status em_gpu_stream_create(int ordinal, em_gpu_stream **out);
 void em_gpu_stream_destroy(em_gpu_stream *stream);
 em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream);
+/* Waits once for the work so far of count streams, of one GPU or several: the host polls
+ * them together, so GPUs that work at once are waited for in one round trip. On an
+ * error, *failed is the index of the stream that reported it (else -1); count is at most
+ * 64. */
+em_gpu_status em_gpu_streams_synchronize(em_gpu_stream *const *streams, int count,
+                                         int *failed);
 
 /* Events order work between streams; timing events also measure it (benchmarks). */
 em_gpu_status em_gpu_event_create(int ordinal, int timing, em_gpu_event **out);

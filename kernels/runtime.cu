@@ -215,6 +215,31 @@ extern "C" em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
     return wait_until_done([raw] { return cudaStreamQuery(raw); }, "cudaStreamQuery");
 }
 
+extern "C" em_gpu_status em_gpu_streams_synchronize(em_gpu_stream *const *streams, int count,
+                                                    int *failed)
+{
+    *failed = -1;
+    if (count < 0 || count > 64)
+        return em_gpu_cuda_status(cudaErrorInvalidValue, "em_gpu_streams_synchronize (count)");
+    uint64_t waiting = count == 64 ? UINT64_MAX : (UINT64_C(1) << count) - 1;
+    return wait_until_done(
+        [&] {
+            for (int i = 0; i < count; i++) {
+                if ((waiting >> i & 1) == 0)
+                    continue;
+                cudaError_t error = cudaStreamQuery(streams[i]->stream);
+                if (error == cudaSuccess) {
+                    waiting &= ~(UINT64_C(1) << i);
+                } else if (error != cudaErrorNotReady) {
+                    *failed = i;
+                    return error;
+                }
+            }
+            return waiting == 0 ? cudaSuccess : cudaErrorNotReady;
+        },
+        "cudaStreamQuery");
+}
+
 extern "C" em_gpu_status em_gpu_event_create(int ordinal, int timing, em_gpu_event **out)
 {
     *out = NULL;

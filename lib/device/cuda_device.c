@@ -212,7 +212,19 @@ static void land_later(cuda_lane *lane, bool synchronized)
     lane->later_used = 0;
 }
 
-em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
+/* After a wait for the lane (synchronized: it succeeded): its staging is free, its
+ * deferred scratch goes back to the pool, its reads back land. */
+static void lane_waited(cuda_lane *lane, bool synchronized)
+{
+    if (synchronized)
+        lane->synced = lane->issued;
+    lane->staging_in_flight[0] = lane->staging_in_flight[1] = false;
+    lane->staging_used[0] = lane->staging_used[1] = 0;
+    free_deferred(lane);
+    land_later(lane, synchronized);
+}
+
+static em_status lane_sync_alone(cuda_lane *lane, em_error *err)
 {
     em_status status = EM_OK;
     if (lane->issued != lane->synced) { /* else nothing can be running: no round trip */
@@ -220,13 +232,98 @@ em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
         status = lane_check(lane, em_gpu_stream_synchronize(lane->stream), err);
         count_wait(lane, began);
     }
-    if (status == EM_OK)
-        lane->synced = lane->issued;
-    lane->staging_in_flight[0] = lane->staging_in_flight[1] = false;
-    lane->staging_used[0] = lane->staging_used[1] = 0;
-    free_deferred(lane);
-    land_later(lane, status == EM_OK);
+    lane_waited(lane, status == EM_OK);
     return status;
+}
+
+/* Waits once for every lane of lanes[0..count) that has work in flight, lanes of
+ * several GPUs polled together (em_gpu_streams_synchronize), then does for each what a
+ * synchronisation does after its wait. When one GPU fails, the others are waited for
+ * alone, so that no scratch goes back to a pool while a GPU may still use it. */
+static em_status lanes_sync(cuda_lane *const *lanes, uint32_t count, em_error *err)
+{
+    cuda_lane *busy[EM_BACKEND_MAX_DEVICES];
+    em_gpu_stream *streams[EM_BACKEND_MAX_DEVICES];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < count; i++)
+        if (lanes[i]->issued != lanes[i]->synced) {
+            busy[n] = lanes[i];
+            streams[n++] = lanes[i]->stream;
+        }
+    if (n <= 1) {
+        em_status status = EM_OK;
+        for (uint32_t i = 0; i < count; i++) {
+            em_error later;
+            em_status synced = lane_sync_alone(lanes[i], status == EM_OK ? err : &later);
+            if (status == EM_OK)
+                status = synced;
+        }
+        return status;
+    }
+    uint64_t began = monotonic_ns();
+    int failed = -1;
+    em_gpu_status waited = em_gpu_streams_synchronize(streams, (int)n, &failed);
+    cuda_lane *culprit = busy[failed >= 0 && (uint32_t)failed < n ? (uint32_t)failed : 0];
+    em_status status = em__cuda_check(waited, culprit->base.device->name, err);
+    for (uint32_t i = 0; i < n; i++)
+        count_wait(busy[i], began);
+    for (uint32_t i = 0; i < count; i++) {
+        em_error ignored;
+        if (status == EM_OK || lanes[i] == culprit)
+            lane_waited(lanes[i], status == EM_OK);
+        else
+            (void)lane_sync_alone(lanes[i], &ignored);
+    }
+    return status;
+}
+
+/* Waits for the lane and, in the same round trip, the lanes joined to it
+ * (em__cuda_lane_join) since its last synchronisation. */
+em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err)
+{
+    if (lane->joined_count == 0)
+        return lane_sync_alone(lane, err);
+    cuda_lane *lanes[EM_BACKEND_MAX_DEVICES];
+    uint32_t count = 0;
+    lanes[count++] = lane;
+    for (uint32_t i = 0; i < lane->joined_count && count < EM_BACKEND_MAX_DEVICES; i++)
+        lanes[count++] = lane->joined[i];
+    lane->joined_count = 0;
+    return lanes_sync(lanes, count, err);
+}
+
+static em_status cuda_synchronize_lanes(em_lane *const *bases, uint32_t count, em_error *err)
+{
+    cuda_lane *lanes[EM_BACKEND_MAX_DEVICES];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        cuda_lane *lane = lane_of(bases[i]);
+        for (uint32_t j = 0; j <= lane->joined_count && n < EM_BACKEND_MAX_DEVICES; j++) {
+            cuda_lane *next = j == 0 ? lane : lane->joined[j - 1];
+            bool listed = false;
+            for (uint32_t k = 0; k < n && !listed; k++)
+                listed = lanes[k] == next;
+            if (!listed)
+                lanes[n++] = next;
+        }
+        lane->joined_count = 0;
+    }
+    return lanes_sync(lanes, n, err);
+}
+
+static em_status cuda_lane_join(em_lane *base, em_lane *companion_base, em_error *err)
+{
+    cuda_lane *lane = lane_of(base), *companion = lane_of(companion_base);
+    if (companion == lane)
+        return EM_OK;
+    for (uint32_t i = 0; i < lane->joined_count; i++)
+        if (lane->joined[i] == companion)
+            return EM_OK;
+    if (lane->joined_count == EM_BACKEND_MAX_DEVICES - 1)
+        return em_error_set(err, EM_INTERNAL, "%s: a lane joins at most %d others",
+                            base->device->name, EM_BACKEND_MAX_DEVICES - 1);
+    lane->joined[lane->joined_count++] = companion;
+    return EM_OK;
 }
 
 /* Enqueues a read back of a few bytes into the words after the readback bytes; they
@@ -302,7 +399,9 @@ void em__cuda_lane_release(em_lane *base)
 {
     cuda_lane *lane = lane_of(base);
     cuda_state *state = state_of(base->device);
-    /* Deferred scratch goes back to the pool before another request takes the lane. */
+    /* Deferred scratch goes back to the pool before another request takes the lane;
+     * the lanes joined to it are their own requesters' to synchronize and release. */
+    lane->joined_count = 0;
     em__cuda_lane_sync(lane, NULL);
     pthread_mutex_lock(&state->lock);
     lane->held = false;
@@ -550,6 +649,8 @@ static const em_device_ops cuda_device_ops = {
     .copy_to_host = em__cuda_copy_to_host,
     .copy_to_host_later = em__cuda_copy_to_host_later,
     .synchronize = cuda_synchronize,
+    .synchronize_lanes = cuda_synchronize_lanes,
+    .lane_join = cuda_lane_join,
     .unique_keys = em__cuda_unique_keys,
     .unique_keys_async = em__cuda_unique_keys_async,
     .partition_keys = em__cuda_partition_keys,

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "common/keyhash.h"
+#include "lib/device/backend.h"
 
 /* Row blocks aim at this many bytes (em_row_blocks_plan). */
 #define TARGET_BLOCK_BYTES ((size_t)4 << 20)
@@ -94,6 +95,10 @@ typedef struct cuda_lane {
      * out its stream counts as one), and their number at the last synchronisation: a
      * lane with nothing issued since is idle, and synchronising it waits for nothing. */
     uint64_t issued, synced;
+    /* Lanes of other GPUs that the lane's next synchronisation waits for too, in the
+     * same round trip (em_device_ops.lane_join); cleared by it and by the release. */
+    struct cuda_lane *joined[EM_BACKEND_MAX_DEVICES - 1];
+    uint32_t joined_count;
 } cuda_lane;
 
 typedef struct cuda_state {

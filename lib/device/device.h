@@ -138,6 +138,15 @@ typedef struct em_device_ops {
                                     size_t bytes, em_error *err);
     /* Waits until every operation issued on the lane so far has completed. */
     em_status (*synchronize)(em_lane *lane, em_error *err);
+    /* synchronize of count lanes of devices of this kind (one lane per device), in
+     * one wait: the host polls their devices together, so devices that work at once
+     * cost one round trip. NULL where each is synchronized in turn (the CPU). */
+    em_status (*synchronize_lanes)(em_lane *const *lanes, uint32_t count, em_error *err);
+    /* The lane's next synchronisation (synchronize, or the end of a copy_to_host) waits
+     * for companion's work so far too, a lane of another device of this kind, in the
+     * same round trip; the lane's release forgets it. The companion stays held until
+     * then. NULL where waits are not joined (the CPU). */
+    em_status (*lane_join)(em_lane *lane, em_lane *companion, em_error *err);
 
     /* -- home-side request operations -------------------------------------------- */
     /* unique[0..*unique_count) = distinct keys in order of first appearance;

@@ -456,15 +456,57 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     return EM_OK;
 }
 
-/* A pull attempt (locked_attempt). */
+/* Whether a pull that may create keys, of a table over several devices (the general
+ * way), goes without waiting for its finds, as a pull that creates nothing does: its
+ * missing counts come back with its answer, and when some key was missing after all, it
+ * created nothing and changed nothing, and is done again waiting for them (pull_locked).
+ * So a pull of stored keys, the steady state of training, saves the finds' wait. Not
+ * for a table that tracks access (a pull touches its rows: done twice, an lfu count would
+ * move twice), nor while the table's pulls find keys missing (pulls_find_first). */
+static bool finds_later(const request_context *r, const em_pull_request *request)
+{
+    return request->create_missing && !em__shards_at_home(r) && r->access_stamp == 0 &&
+           r->home->ops->copy_to_host_later != NULL &&
+           !atomic_load_explicit(&r->table->pulls_find_first, memory_order_relaxed);
+}
+
+/* A general pull that waited for its finds found `missing` keys: none, and the table's
+ * next pulls need not wait. */
+static void note_waited_find(em_table *table, uint64_t missing)
+{
+    if (missing == 0 &&
+        atomic_load_explicit(&table->pulls_find_first, memory_order_relaxed))
+        atomic_store_explicit(&table->pulls_find_first, false, memory_order_relaxed);
+}
+
+static em_status pull_attempt(em_table *table, const em_pull_request *request,
+                              em_pull_result *result, bool may_create, bool find_first,
+                              attempt_state *state, bool *again, em_error *err);
+
+/* A pull attempt (locked_attempt): the general way's pull that did not wait for its
+ * finds and found keys missing (finds_later) goes again, waiting for them. */
 static em_status pull_locked(em_table *table, const void *untyped_request, void *untyped_result,
                              bool may_create, attempt_state *state, em_error *err)
 {
-    const em_pull_request *request = untyped_request;
-    em_pull_result *result = untyped_result;
+    bool again = false;
+    em_status status = pull_attempt(table, untyped_request, untyped_result, may_create, false,
+                                    state, &again, err);
+    if (status == EM_OK && again)
+        status = pull_attempt(table, untyped_request, untyped_result, may_create, true, state,
+                              &again, err);
+    return status;
+}
+
+static em_status pull_attempt(em_table *table, const em_pull_request *request,
+                              em_pull_result *result, bool may_create, bool find_first,
+                              attempt_state *state, bool *again, em_error *err)
+{
     request_context r;
+    *again = false;
     em_status status = em__request_begin(table, &r, err);
     r.alone = may_create; /* the exclusive attempt */
+    bool later = status == EM_OK && !find_first && finds_later(&r, request);
+    bool create = request->create_missing && !later;
     bool done = false, at_once = status == EM_OK && pull_may_run_at_once(&r, request);
     float *out_ready = NULL; /* at once, then planned the general way: the output's buffer */
     if (at_once)
@@ -478,15 +520,17 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     if (!planned)
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK && !planned) {
-        stop_finding_when_full(&r, may_create, request->create_missing);
+        stop_finding_when_full(&r, may_create, create);
         /* creating nothing, it needs the missing counts only for its answer */
-        r.counts_later = !request->create_missing;
+        r.counts_later = !create;
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
-        if (status == EM_OK && !r.counts_pending)
+        if (status == EM_OK && !r.counts_pending) {
             note_general_find(table, &table->pulls_go_general, r.missing);
+            note_waited_find(table, r.missing);
+        }
     }
     uint64_t missing = r.missing;
-    if (status == EM_OK && r.missing > 0 && request->create_missing)
+    if (status == EM_OK && r.missing > 0 && create)
         status = admit(&r, may_create, state, err);
     if (status == EM_OK && state->needs_create && !may_create) {
         em__request_end(&r);
@@ -495,11 +539,13 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
     pull_buffers buffers;
     if (status == EM_OK)
         status = take_pull_buffers(&r, request, direct, out_ready, &buffers, err);
-    if (status == EM_OK && request->create_missing)
+    if (status == EM_OK && create)
         status = em__create_missing(&r, false, err);
     if (status == EM_OK)
         status = direct ? gather_direct(&r, request, &buffers, err)
                         : gather_and_combine(&r, request, &buffers, err);
+    if (status == EM_OK) /* the output's last wait covers the other devices too */
+        status = em__join_devices(&r, err);
     if (status == EM_OK)
         status = copy_output(&r, request, direct, &buffers, err);
     if (status == EM_OK)
@@ -509,10 +555,17 @@ static em_status pull_locked(em_table *table, const void *untyped_request, void 
         missing = r.missing;
         note_general_find(table, &table->pulls_go_general, r.missing);
     }
+    if (status == EM_OK && later && missing > 0) { /* it should have created them */
+        atomic_store_explicit(&table->pulls_find_first, true, memory_order_relaxed);
+        atomic_fetch_add_explicit(&table->pulls_found_again, 1, memory_order_relaxed);
+        *again = true;
+        em__request_end(&r);
+        return EM_OK;
+    }
     if (status == EM_OK) {
         result->unique_keys = r.batch.unique_count;
         result->missing = missing;
-        result->created = request->create_missing ? r.missing : 0;
+        result->created = create ? r.missing : 0;
         atomic_fetch_add_explicit(&table->pulls_not_admitted, r.rejected, memory_order_relaxed);
     }
     em__request_end(&r);
@@ -756,14 +809,42 @@ static em_status push_at_once(request_context *r, push_call *call,
     return EM_OK;
 }
 
-/* A push attempt (locked_attempt). */
+/* Whether a push of a table over several devices (the general way) goes without waiting
+ * for its finds: their missing counts come back with its checks' wait, before it
+ * changes anything (em__check_create_apply), and when some key was missing it goes again
+ * waiting for them, to create them (push_locked). So a push of stored keys saves the
+ * finds' wait. Not while the table's pushes find keys missing (pushes_find_first). */
+static bool push_finds_later(const request_context *r)
+{
+    return !em__shards_at_home(r) && r->home->ops->copy_to_host_later != NULL &&
+           !atomic_load_explicit(&r->table->pushes_find_first, memory_order_relaxed);
+}
+
+static em_status push_attempt(em_table *table, push_call *call, em_push_result *result,
+                              bool may_create, bool find_first, attempt_state *state,
+                              bool *again, em_error *err);
+
+/* A push attempt (locked_attempt): the general way's push that did not wait for its
+ * finds and found keys missing (push_finds_later) goes again, waiting for them. */
 static em_status push_locked(em_table *table, const void *untyped_request, void *untyped_result,
                              bool may_create, attempt_state *state, em_error *err)
 {
     push_call *call = (push_call *)untyped_request; /* em_table_push's own: writable */
+    bool again = false;
+    em_status status = push_attempt(table, call, untyped_result, may_create, false, state,
+                                    &again, err);
+    if (status == EM_OK && again)
+        status = push_attempt(table, call, untyped_result, may_create, true, state, &again, err);
+    return status;
+}
+
+static em_status push_attempt(em_table *table, push_call *call, em_push_result *result,
+                              bool may_create, bool find_first, attempt_state *state,
+                              bool *again, em_error *err)
+{
     const em_push_request *request = call->request;
-    em_push_result *result = untyped_result;
     request_context r;
+    *again = false;
     /* a save's copies past their bound: wait for its reader before taking a lane, which
      * the reader needs too (lib/table/table_snapshot.c) */
     em__snapshot_wait_room(table);
@@ -782,10 +863,15 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     if (!planned) /* else planned from what push_at_once found, with its sums */
         status = em__stage_offsets(&r, &request->batch, err);
     if (status == EM_OK && !planned) {
-        stop_finding_when_full(&r, may_create, true);
+        r.counts_later = !find_first && push_finds_later(&r);
+        stop_finding_when_full(&r, may_create, !r.counts_later);
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
-        if (status == EM_OK)
+        if (status == EM_OK && !r.counts_pending) {
             note_general_find(table, &table->pushes_go_general, r.missing);
+            if (r.missing == 0 &&
+                atomic_load_explicit(&table->pushes_find_first, memory_order_relaxed))
+                atomic_store_explicit(&table->pushes_find_first, false, memory_order_relaxed);
+        }
     }
     if (status == EM_OK && r.missing > 0)
         status = admit(&r, may_create, state, err);
@@ -795,9 +881,16 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
     }
     if (status == EM_OK && !planned)
         status = sum_and_send_gradients(&r, request, call->largest, err);
-    uint64_t missing = r.missing;
     if (status == EM_OK)
         status = em__check_create_apply(&r, err);
+    uint64_t missing = r.missing; /* after the checks when they brought the counts */
+    if (status == EM_OK && r.found_missing_late) { /* it should have created them */
+        atomic_store_explicit(&table->pushes_find_first, true, memory_order_relaxed);
+        atomic_fetch_add_explicit(&table->pushes_found_again, 1, memory_order_relaxed);
+        *again = true;
+        em__request_end(&r);
+        return EM_OK;
+    }
     if (status == EM_OK)
         status = em__synchronize_devices(&r, err);
     if (status == EM_OK) {
@@ -1271,6 +1364,10 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->exclusive_retries =
         atomic_load_explicit(&table->exclusive_retries, memory_order_relaxed);
     out->pulls_at_once = atomic_load_explicit(&table->pulls_at_once, memory_order_relaxed);
+    out->pulls_found_again = atomic_load_explicit(&table->pulls_found_again,
+                                                  memory_order_relaxed);
+    out->pushes_found_again = atomic_load_explicit(&table->pushes_found_again,
+                                                   memory_order_relaxed);
     out->pushes_at_once = atomic_load_explicit(&table->pushes_at_once, memory_order_relaxed);
 }
 

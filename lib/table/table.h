@@ -100,6 +100,12 @@ typedef struct em_push_result {
       "pulls served with one wait for the GPU (tables on one GPU; keys stored or created)")  \
     X(uint64_t, pushes_at_once, COUNTER, NONE,                                                \
       "pushes applied with one wait for the GPU (tables on one GPU; keys stored or created)")  \
+    X(uint64_t, pulls_found_again, COUNTER, NONE,                                             \
+      "pulls of a table over several GPUs that did not wait for their finds, found keys "    \
+      "missing and went again, waiting for them, to create those")                          \
+    X(uint64_t, pushes_found_again, COUNTER, NONE,                                            \
+      "pushes of a table over several GPUs that did not wait for their finds, found keys "   \
+      "missing and went again, waiting for them, to create those")                          \
     X(uint64_t, index_rehashes_through_host, COUNTER, NONE,                                   \
       "GPU hash map growths that went through host memory: the pool had no room for the "    \
       "old map beside the new one (only the slots added)")

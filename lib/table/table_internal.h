@@ -89,6 +89,7 @@ struct em_table {
     _Atomic uint64_t pulls_not_admitted, pushes_dropped;
     _Atomic uint64_t exclusive_retries; /* run_shared_then_exclusive's second attempts */
     _Atomic uint64_t pulls_at_once, pushes_at_once; /* served with one wait for the GPU */
+    _Atomic uint64_t pulls_found_again, pushes_found_again; /* table.c: finds_later */
     /* A table of several shards: set when a pull (push) at once found keys missing, whose
      * work is then done again the general way; the next pulls (pushes) go the general way
      * from the start until one of them finds every key (table.c: pull_at_once). */
@@ -97,6 +98,10 @@ struct em_table {
      * table), cleared by a pull at once that found every key: pulls at once then make room for every key of their
      * batch and create the absent ones there (table.c: pull_at_once). */
     _Atomic bool pulls_create, pushes_create; /* the same for pushes */
+    /* A table over several devices: set when a pull that did not wait for its finds
+     * (table.c: finds_later) found keys missing and was done again; its next pulls wait
+     * for their finds until one of them finds every key. */
+    _Atomic bool pulls_find_first, pushes_find_first;
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
     pthread_mutex_t clock_lock;
@@ -172,10 +177,14 @@ typedef struct request_context {
                                 * may run on the backend's eviction threads */
     bool keys_absent;          /* an import into a table being built, none of whose keys
                                 * it holds: shards on the host's memory skip the find */
-    bool counts_later;         /* a request that creates nothing: the find's missing counts
-                                * may come back with its answer (em__missing_found) */
-    bool counts_pending;       /* they do: r->missing is known after the devices' last
+    bool counts_later;         /* the find's missing counts may come back with a later
+                                * wait (em__missing_found): a request that creates
+                                * nothing, or one that goes again when keys were missing
+                                * (table.c: finds_later, push_finds_later) */
+    bool counts_pending;       /* they do: r->missing is known after the devices' next
                                 * synchronisation */
+    bool found_missing_late;   /* em__check_create_apply: the counts came back with the
+                                * checks, some key was missing, and nothing was changed */
     const float **row_scratch; /* with row_sources: a shard's sources, n of them at most
                                 * (taken before any key is created) */
     const float *const *row_sources; /* an import whose rows are where these point, by
@@ -389,6 +398,9 @@ void em__snapshot_wait_room(em_table *table);
 /* Before any row of the request is written: em__snapshot_preserve on every shard it
  * touches, holding each shard's write lock (take_locks) or with all of them held. */
 em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_error *err);
+/* A push's check, creation of its missing keys, and step. A push whose find counts are
+ * pending (counts_later) gets them with the checks' wait: when some key was missing, it
+ * stops there, r->found_missing_late set, the table unchanged. */
 em_status em__check_create_apply(request_context *r, em_error *err);
 
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
@@ -412,7 +424,13 @@ em_status em__gather_from_segments(request_context *r, void *home_array,
 em_status em__prepare_payloads(request_context *r, float *home_array, uint32_t floats_per_key,
                                const char *what, em_error *err);
 
-/* Waits for every lane of the request. */
+/* Waits for every lane of the request, in one wait where the devices can
+ * (em_device_ops.synchronize_lanes). */
 em_status em__synchronize_devices(request_context *r, em_error *err);
+
+/* Joins the lanes of the request's other devices to its home lane (em_device_ops.lane_join),
+ * so that the home lane's next synchronisation, the end of the output's copy, also
+ * waits for them: a request over several GPUs then waits once at its end. */
+em_status em__join_devices(request_context *r, em_error *err);
 
 #endif

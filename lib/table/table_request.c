@@ -532,6 +532,31 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
     return status;
 }
 
+/* Waits for the lanes of the devices marked in `which`: in one wait where their kind
+ * can (synchronize_lanes: the host polls GPUs that work at once together), else one after
+ * the other. */
+static em_status synchronize_marked(request_context *r, const bool *which, em_error *err)
+{
+    em_lane *lanes[EM_BACKEND_MAX_DEVICES];
+    uint32_t count = 0;
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++)
+        if (which[d] && r->lanes[d] != NULL)
+            lanes[count++] = r->lanes[d];
+    if (count == 0)
+        return EM_OK;
+    const em_device_ops *ops = lanes[0]->device->ops;
+    if (ops->synchronize_lanes != NULL)
+        return ops->synchronize_lanes(lanes, count, err);
+    em_status status = EM_OK;
+    for (uint32_t i = 0; i < count; i++) {
+        em_error later;
+        em_status synchronized = ops->synchronize(lanes[i], status == EM_OK ? err : &later);
+        if (status == EM_OK)
+            status = synchronized;
+    }
+    return status;
+}
+
 /* Finds the keys on every device: the finds of all devices are enqueued before any is
  * waited for (find_on_device's pending counts), then each such device's lane is
  * synchronized and its counts added, so a table over several GPUs looks its keys up on
@@ -551,18 +576,13 @@ static em_status find_keys(request_context *r, em_error *err)
         r->counts_pending = r->counts_pending || pending[d];
     if (r->counts_pending) /* em__missing_found adds every device's up at the end */
         return EM_OK;
-    for (uint32_t d = 0; d < devices; d++) {
-        if (!pending[d])
-            continue;
-        segment *seg = &r->segments[d];
-        em_error later;
-        em_status synchronized = seg->device->ops->synchronize(seg->lane,
-                                                               status == EM_OK ? err : &later);
-        if (status == EM_OK)
-            status = synchronized;
-        if (status == EM_OK)
-            r->missing += segment_missing(r, seg);
-    }
+    em_error later;
+    em_status synchronized = synchronize_marked(r, pending, status == EM_OK ? err : &later);
+    if (status == EM_OK)
+        status = synchronized;
+    for (uint32_t d = 0; status == EM_OK && d < devices; d++)
+        if (pending[d])
+            r->missing += segment_missing(r, &r->segments[d]);
     return status;
 }
 
@@ -1769,8 +1789,9 @@ static em_status check_on_device(request_context *r, segment *seg, shard_check *
 }
 
 /* Checks every device's shards: all devices' checks are enqueued before any is waited
- * for, so a table over several GPUs checks on all of them at once; then each device's
- * answers are read, in device and shard order (the first problem is the request's). */
+ * for, so a table over several GPUs checks on all of them at once, and their answers
+ * come back in one wait; then each device's answers are read, in device and shard order
+ * (the first problem is the request's). */
 static em_status check_shards(request_context *r, shard_check *checks, em_error *err)
 {
     uint32_t devices = r->table->backend->device_count;
@@ -1780,15 +1801,12 @@ static em_status check_shards(request_context *r, shard_check *checks, em_error 
     for (uint32_t d = 0; status == EM_OK && d < devices; d++)
         if (r->segments[d].count > 0)
             status = check_on_device(r, &r->segments[d], checks, &problems[d], &pending[d], err);
+    em_error later;
+    em_status synchronized = synchronize_marked(r, pending, status == EM_OK ? err : &later);
+    if (status == EM_OK)
+        status = synchronized;
     for (uint32_t d = 0; d < devices; d++) {
         segment *seg = &r->segments[d];
-        em_error later;
-        if (pending[d]) {
-            em_status synchronized = seg->device->ops->synchronize(seg->lane,
-                                                                   status == EM_OK ? err : &later);
-            if (status == EM_OK)
-                status = synchronized;
-        }
         for (uint32_t s = seg->first_shard; status == EM_OK && problems[d] != NULL &&
                                             s < seg->end_shard; s++)
             if (shard_key_count(r, s) != 0)
@@ -1878,7 +1896,16 @@ em_status em__check_create_apply(request_context *r, em_error *err)
                            ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
                                           "table '%s': push: out of memory", table->config.name)
                            : check_shards(r, checks, err);
-    if (status == EM_OK) {
+    /* The finds' counts came back with the checks' wait (which a problem found also
+     * means): with keys missing, the checks did not see what admission makes of them,
+     * and the push goes again, finding first. */
+    if (r->counts_pending && (status == EM_OK || status == EM_INVALID_ARGUMENT)) {
+        em__missing_found(r);
+        r->found_missing_late = r->missing > 0;
+        if (r->found_missing_late)
+            status = EM_OK;
+    }
+    if (status == EM_OK && !r->found_missing_late) {
         lock_shards(r, true);
         /* keys created by others since they were found take their rows now, and a shard
          * where that happened is checked again with them */
@@ -1902,7 +1929,7 @@ em_status em__check_create_apply(request_context *r, em_error *err)
     }
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
      * once, so pushes behind this one follow it shard by shard. */
-    if (status == EM_OK)
+    if (status == EM_OK && !r->found_missing_late)
         status = run_on_shards(r, WORK_APPLY, table->config.dim, SHARDS_RELEASE_EACH, checks,
                                err);
     free(refound);
@@ -2117,14 +2144,32 @@ em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats
 }
 
 
-em_status em__synchronize_devices(request_context *r, em_error *err)
+/* The devices a request has work on: its home and every device with keys of it. */
+static void devices_at_work(const request_context *r, bool *which)
 {
     em_backend *backend = r->table->backend;
-    for (uint32_t d = 0; d < backend->device_count; d++) {
-        em_device *device = backend->devices[d];
-        if (device != r->home && r->segments[d].count == 0)
+    for (uint32_t d = 0; d < backend->device_count; d++)
+        which[d] = backend->devices[d] == r->home || r->segments[d].count > 0;
+}
+
+em_status em__synchronize_devices(request_context *r, em_error *err)
+{
+    bool which[EM_BACKEND_MAX_DEVICES] = {false};
+    devices_at_work(r, which);
+    return synchronize_marked(r, which, err);
+}
+
+em_status em__join_devices(request_context *r, em_error *err)
+{
+    const em_device_ops *ops = r->home->ops;
+    if (ops->lane_join == NULL)
+        return EM_OK;
+    bool which[EM_BACKEND_MAX_DEVICES] = {false};
+    devices_at_work(r, which);
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
+        if (!which[d] || r->lanes[d] == NULL || r->lanes[d] == r->home_lane)
             continue;
-        em_status status = device->ops->synchronize(r->lanes[d], err);
+        em_status status = ops->lane_join(r->home_lane, r->lanes[d], err);
         if (status != EM_OK)
             return status;
     }

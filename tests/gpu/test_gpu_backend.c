@@ -2110,9 +2110,9 @@ START_TEST(host_waits_and_operations_per_request)
         {"push, present keys", 1, 8, true, false, false, 14, 1, false},
         {"push, creating", 1, 8, true, true, false, 25, 9, false},
         {"push, creating again", 1, 8, true, true, true, 17, 1, false},
-        {"pull, present keys", 2, 8, false, false, false, 41, 5, false},
-        {"push, present keys", 2, 8, true, false, false, 60, 7, false},
-        {"serve, present keys", 2, 8, false, false, false, 41, 3, true},
+        {"pull, present keys", 2, 8, false, false, false, 41, 2, false},
+        {"push, present keys", 2, 8, true, false, false, 60, 3, false},
+        {"serve, present keys", 2, 8, false, false, false, 41, 2, true},
     };
     enum { KEYS = 1000, DIM = 16 };
     em_backend *gpus[2] = {gpu_backend(1, GPU_POOL_BYTES, false),
@@ -2333,26 +2333,47 @@ START_TEST(a_table_on_one_gpu_of_two_is_served_there)
 END_TEST
 
 /* A table whose shards are on two GPUs: a request looks its keys up (and a push checks
- * its steps) on both GPUs before it waits for either, so the host never waits for one
- * GPU while the other has not been given its part yet. Counted by the emulation's waits
- * during which the other GPU still had an answer on its way (overlapped waits): the
- * finds of a pull, the finds and the checks of a push. The answers equal the CPU's,
- * the missing count of a pull that creates nothing (which comes back with the answer)
- * too. */
+ * its steps) on both GPUs before it waits, and then waits for both in one round trip
+ * (em_gpu_streams_synchronize); its end waits for both at once too, the pull's with its
+ * output. A pull of a table that tracks no access waits for its finds only while the
+ * table's pulls find keys missing (table.c: finds_later); a push's finds come back with
+ * its checks while its table's pushes find every key (push_finds_later). Counted by the
+ * emulation: of a pull's 2 waits, 1 is for both GPUs at once (the end), of a push's 3,
+ * 2 (the finds and checks, the end), of a pull that creates nothing 2, 1 (the end); the
+ * dedupe and partition wait for the home GPU alone. The answers equal the CPU's, the missing
+ * count of a pull that creates nothing (which comes back with the answer) too. */
 START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
 {
+    static const char *const kinds[] = {"pull", "push", "pull creating nothing"};
+    static const uint64_t joint_waits[] = {1, 2, 1};
     twin t = twin_make(8, 800, 8);
-    for (int request = 0; request < 4; request++) {
-        bool push = request % 2 == 1;
+    for (int k = 0; k < 2; k++) /* a push that finds every key: the next need not find first */
+        twin_request(&t, k, true);
+    for (int request = 0; request < 6; request++) {
+        int kind = request % 3;
+        bool push = kind == 1;
         twin_request(&t, 0, push);
-        uint64_t overlapped = em_gpu_emulated_overlapped_waits();
-        twin_request(&t, 1, push);
-        overlapped = em_gpu_emulated_overlapped_waits() - overlapped;
-        printf("two GPUs, %s of present keys: %" PRIu64 " host waits overlapped the other GPU's "
-               "work\n", push ? "push" : "pull", overlapped);
-        ck_assert_msg(overlapped >= (push ? 2u : 1u),
-                      "request %d (%s): %" PRIu64 " waits overlapped another GPU's work", request,
-                      push ? "push" : "pull", overlapped);
+        uint64_t joint = em_gpu_emulated_joint_waits(), waits = 0, operations = 0;
+        em_gpu_emulated_counts(&operations, &waits);
+        uint64_t waits_before = waits;
+        em_error err;
+        em_status status = kind == 0 ? em_test_pull(t.tables[1], &t.batch.csr, EM_COMBINER_NONE,
+                                                    true, t.out[1], NULL, &err)
+                           : push    ? em_test_push(t.tables[1], &t.batch.csr, EM_COMBINER_NONE,
+                                                    t.gradients, NULL, &err)
+                                     : em_test_pull(t.tables[1], &t.batch.csr, EM_COMBINER_NONE,
+                                                    false, t.out[1], NULL, &err);
+        ck_assert_msg(status == EM_OK, "%s", err.message);
+        joint = em_gpu_emulated_joint_waits() - joint;
+        em_gpu_emulated_counts(&operations, &waits);
+        waits -= waits_before;
+        printf("two GPUs, %s of present keys: %" PRIu64 " host waits, %" PRIu64 " of them for "
+               "both GPUs at once\n", kinds[kind], waits, joint);
+        /* a push's finds and checks together, and the end, each wait for both GPUs at
+         * once; only the dedupe and partition waits for the home GPU alone */
+        ck_assert_msg(joint == joint_waits[kind] && waits == joint + 1,
+                      "request %d (%s): %" PRIu64 " waits, %" PRIu64 " for both GPUs at once",
+                      request, kinds[kind], waits, joint);
         if (!push)
             twin_assert_pulls_equal(&t);
     }
@@ -2373,6 +2394,115 @@ START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
     ck_assert_uint_eq(results[1].unique_keys, results[0].unique_keys);
     twin_assert_pulls_equal(&t);
     em_test_batch_free(&half);
+    free(mixed);
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    twin_free(&t);
+}
+END_TEST
+
+/* A pull that may create keys, of a table over two GPUs that tracks no access, does not
+ * wait for its finds; when it finds keys missing after all it changed nothing, and goes
+ * again waiting for them, which creates them (STATS pulls_found_again). The table's next
+ * pulls wait for their finds until one finds every key. A push's finds come back with
+ * its checks, before it changes anything, and the same holds (pushes_found_again). Each
+ * request's answer and counts, and the rows left, equal the CPU's. */
+START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
+{
+    twin t = twin_make(8, 800, 8);
+    uint64_t *mixed = malloc(t.n * sizeof(uint64_t));
+    em_error err;
+    /* pulls, in turn: a third of the keys new; new keys again; stored keys (finds them
+     * all, waiting); stored keys (without waiting) */
+    static const uint64_t again_after[] = {1, 1, 1, 1};
+    static const uint64_t waits_of[] = {0, 0, 3, 2}; /* 0: not counted */
+    for (int pass = 0; pass < 4; pass++) {
+        for (uint32_t i = 0; i < t.n; i++)
+            mixed[i] = pass >= 2 || i % 3 != 0 ? t.keys[i]
+                                               : 1000003 * (uint64_t)(i + t.n * pass) + 11;
+        em_test_batch batch = em_test_key_batch(mixed, t.n);
+        em_pull_result results[2];
+        uint64_t operations = 0, waits_before = 0, waits = 0;
+        em_gpu_emulated_counts(&operations, &waits_before);
+        for (int k = 0; k < 2; k++)
+            ck_assert_msg(em_test_pull(t.tables[k], &batch.csr, EM_COMBINER_NONE, true, t.out[k],
+                                       &results[k], &err) == EM_OK,
+                          "%s", err.message);
+        em_gpu_emulated_counts(&operations, &waits);
+        twin_assert_pulls_equal(&t);
+        ck_assert_uint_eq(results[1].missing, results[0].missing);
+        ck_assert_uint_eq(results[1].created, results[0].created);
+        ck_assert_uint_eq(results[1].unique_keys, results[0].unique_keys);
+        ck_assert_uint_eq(results[0].created, pass < 2 ? (t.n + 2) / 3 : 0);
+        em_table_stats stats;
+        em_table_get_stats(t.tables[1], &stats);
+        printf("two GPUs, pull %d: %" PRIu64 " missing, %" PRIu64 " host waits, pulls found "
+               "again %" PRIu64 "\n", pass, results[1].missing, waits - waits_before,
+               stats.pulls_found_again);
+        ck_assert_uint_eq(stats.pulls_found_again, again_after[pass]);
+        if (waits_of[pass] != 0)
+            ck_assert_uint_eq(waits - waits_before, waits_of[pass]);
+        em_test_batch_free(&batch);
+    }
+    /* the same for pushes, whose finds' counts come back with their checks: the push of
+     * twin_make went again (it created every key); in turn, stored keys (waiting for
+     * the finds, which find every key), a third of the keys new (not waiting, so again),
+     * new keys again (waiting), stored keys (waiting), stored keys (not waiting) */
+    static const bool push_new[] = {false, true, true, false, false};
+    static const uint64_t pushes_again_after[] = {1, 2, 2, 2, 2};
+    static const uint64_t push_waits[] = {4, 0, 0, 4, 3}; /* 0: not counted */
+    for (int pass = 0; pass < 5; pass++) {
+        for (uint32_t i = 0; i < t.n; i++)
+            mixed[i] = !push_new[pass] || i % 3 != 1
+                           ? t.keys[i]
+                           : 2000003 * (uint64_t)(i + t.n * pass) + 13;
+        em_test_batch batch = em_test_key_batch(mixed, t.n);
+        em_push_result results[2];
+        uint64_t operations = 0, waits_before = 0, waits = 0;
+        em_gpu_emulated_counts(&operations, &waits_before);
+        for (int k = 0; k < 2; k++)
+            ck_assert_msg(em_test_push(t.tables[k], &batch.csr, EM_COMBINER_NONE, t.gradients,
+                                       &results[k], &err) == EM_OK,
+                          "%s", err.message);
+        em_gpu_emulated_counts(&operations, &waits);
+        ck_assert_uint_eq(results[1].created, results[0].created);
+        ck_assert_uint_eq(results[1].updated, results[0].updated);
+        ck_assert_uint_eq(results[0].created, push_new[pass] ? (t.n + 1) / 3 : 0);
+        em_table_stats stats;
+        em_table_get_stats(t.tables[1], &stats);
+        printf("two GPUs, push %d: %" PRIu64 " created, %" PRIu64 " host waits, pushes found "
+               "again %" PRIu64 "\n", pass, results[1].created, waits - waits_before,
+               stats.pushes_found_again);
+        ck_assert_uint_eq(stats.pushes_found_again, pushes_again_after[pass]);
+        if (push_waits[pass] != 0)
+            ck_assert_uint_eq(waits - waits_before, push_waits[pass]);
+        em_test_batch_free(&batch);
+    }
+    /* a push whose step would overflow a stored key's row is refused as on the CPU,
+     * nothing changed, whether it goes without waiting for its finds (every key stored)
+     * or finds a new key too (and goes again: the second refusal is the waiting one's) */
+    for (int pass = 0; pass < 2; pass++) {
+        for (uint32_t i = 0; i < t.n; i++)
+            mixed[i] = pass == 1 && i == 5 ? 3000017 : t.keys[i];
+        em_test_batch batch = em_test_key_batch(mixed, t.n);
+        float *huge = malloc((size_t)t.n * t.dim * sizeof(float));
+        memcpy(huge, t.gradients, (size_t)t.n * t.dim * sizeof(float));
+        huge[(t.n - 7) * t.dim + 3] = 1e35f; /* its adagrad state would overflow */
+        em_error errors[2];
+        for (int k = 0; k < 2; k++) {
+            em_test_snapshot before = em_test_snapshot_take(t.tables[k], 64);
+            ck_assert_int_eq(em_test_push(t.tables[k], &batch.csr, EM_COMBINER_NONE, huge, NULL,
+                                          &errors[k]),
+                             EM_INVALID_ARGUMENT);
+            em_test_assert_table_unchanged(t.tables[k], &before);
+            em_test_snapshot_free(&before);
+        }
+        ck_assert_str_eq(errors[1].message, errors[0].message);
+        em_table_stats stats;
+        em_table_get_stats(t.tables[1], &stats);
+        ck_assert_uint_eq(stats.pushes_found_again, 2 + (uint64_t)pass);
+        free(huge);
+        em_test_batch_free(&batch);
+    }
     free(mixed);
     assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
     twin_free(&t);
@@ -2664,6 +2794,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, a_large_eviction_waits_a_few_times);
     tcase_add_test(tc, a_table_on_one_gpu_of_two_is_served_there);
     tcase_add_test(tc, a_table_over_two_gpus_finds_and_checks_on_both_at_once);
+    tcase_add_test(tc, a_request_over_two_gpus_that_finds_keys_missing_goes_again);
 #endif
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
     tcase_add_loop_test(tc, two_devices_sharing_one_gpu_match_one_device, 0, 4);

@@ -134,7 +134,8 @@ static void protect_all(int protection)
 }
 
 /* What the host asked of the emulated GPUs (em_gpu_emulated_counts). */
-static _Atomic uint64_t operations_issued, transfers_issued, host_waits, overlapped_waits;
+static _Atomic uint64_t operations_issued, transfers_issued, host_waits, overlapped_waits,
+    joint_waits;
 
 void em_gpu_emulated_counts(uint64_t *operations, uint64_t *waits)
 {
@@ -150,6 +151,11 @@ uint64_t em_gpu_emulated_transfers(void)
 uint64_t em_gpu_emulated_overlapped_waits(void)
 {
     return atomic_load(&overlapped_waits);
+}
+
+uint64_t em_gpu_emulated_joint_waits(void)
+{
+    return atomic_load(&joint_waits);
 }
 
 /* Device work runs between these two: regions readable and writable, one at a time. */
@@ -451,6 +457,26 @@ em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
     count_wait(stream->ordinal);
     complete_copies(stream, UINT64_MAX);
     return ok();
+}
+
+em_gpu_status em_gpu_streams_synchronize(em_gpu_stream *const *streams, int count,
+                                         int *failed)
+{
+    *failed = -1;
+    if (count < 0 || count > 64)
+        return failure(1, 0, "em_gpu_streams_synchronize (count)", "invalid argument");
+    bool devices_differ = false;
+    for (int i = 1; i < count; i++)
+        devices_differ = devices_differ || streams[i]->ordinal != streams[0]->ordinal;
+    atomic_fetch_add(&host_waits, 1);
+    if (devices_differ)
+        atomic_fetch_add(&joint_waits, 1);
+    for (int i = 0; i < count; i++)
+        complete_copies(streams[i], UINT64_MAX);
+    em_gpu_status status = ok();
+    if (status.code != 0)
+        *failed = 0;
+    return status;
 }
 
 em_gpu_status em_gpu_event_create(int ordinal, int timing, em_gpu_event **out)

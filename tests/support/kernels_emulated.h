@@ -21,4 +21,8 @@ uint64_t em_gpu_emulated_transfers(void);
  * same host (their work overlaps on real GPUs). */
 uint64_t em_gpu_emulated_overlapped_waits(void);
 
+/* Of the waits, those for the streams of several devices at once
+ * (em_gpu_streams_synchronize): one round trip for GPUs that worked at once. */
+uint64_t em_gpu_emulated_joint_waits(void);
+
 #endif
