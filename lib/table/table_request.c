@@ -759,20 +759,25 @@ static em_status reserve_missing(request_context *r, const uint64_t *evict, em_e
     return EM_OK;
 }
 
-/* Inserts the missing keys of a device's shards (their write locks held). Where the
- * device can (shard_insert_missing_async), the inserts of all its shards wait once. */
-static em_status insert_on_device(request_context *r, segment *seg, em_error *err)
+static bool segment_creates(const request_context *r, const segment *seg)
+{
+    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++)
+        if (r->shard_missing[s] != 0)
+            return true;
+    return false;
+}
+
+/* Inserts the missing keys of a device's shards (their write locks held): enqueued where
+ * the device can (shard_insert_missing_async), to be waited for with the other devices'.
+ * *failed: the shard whose insert failed (seg->end_shard: none). */
+static em_status enqueue_inserts(request_context *r, segment *seg, uint32_t *failed,
+                                 em_error *err)
 {
     em_table *table = r->table;
     const em_device_ops *ops = seg->device->ops;
-    bool any = false;
-    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++)
-        any = any || r->shard_missing[s] != 0;
-    if (!any)
-        return EM_OK;
     bool async = ops->shard_insert_missing_async != NULL;
     em_status status = EM_OK;
-    uint32_t failed = seg->end_shard; /* the shard whose insert failed */
+    *failed = seg->end_shard;
     for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
         if (r->shard_missing[s] == 0)
             continue;
@@ -782,38 +787,58 @@ static em_status insert_on_device(request_context *r, segment *seg, em_error *er
             seg->rows + offset, !r->rows_written_next, err);
         if (status != EM_OK) {
             em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
-            failed = s;
+            *failed = s;
         }
     }
-    /* the shards before a failed one have their keys: they are taken in and counted */
-    em_error later;
-    em_status settled = async ? ops->synchronize(seg->lane, status == EM_OK ? err : &later)
-                              : EM_OK;
-    for (uint32_t s = seg->first_shard; settled == EM_OK && s < failed; s++) {
+    return status;
+}
+
+/* Once a device's inserts are done: the shards before a failed one have their keys, and
+ * they are taken in (shard_insert_settle, for inserts enqueued) and counted. */
+static em_status settle_inserts(request_context *r, segment *seg, uint32_t failed,
+                                bool report, em_error *err)
+{
+    em_table *table = r->table;
+    const em_device_ops *ops = seg->device->ops;
+    bool async = ops->shard_insert_missing_async != NULL;
+    for (uint32_t s = seg->first_shard; s < failed; s++) {
         if (r->shard_missing[s] == 0)
             continue;
-        if (async && (settled = ops->shard_insert_settle(table->shards[s],
-                                                         status == EM_OK ? err : &later)) !=
-                         EM_OK) {
-            if (status == EM_OK)
-                em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
-            break;
-        }
+        em_error later;
+        if (async && ops->shard_insert_settle(table->shards[s], report ? err : &later) != EM_OK)
+            return report ? em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s)
+                          : EM_INTERNAL;
         em__rows_added(table, r->shard_missing[s]);
         atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
     }
-    return status != EM_OK ? status : settled;
+    return EM_OK;
 }
 
+/* Inserts the missing keys on every device: every device's inserts are enqueued, up to
+ * the first that fails, and then waited for together (one wait for a table over several
+ * GPUs), and what each device inserted is taken in. */
 static em_status insert_missing(request_context *r, em_error *err)
 {
-    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
-        em_status status = insert_on_device(r, &r->segments[d], err);
-        if (status != EM_OK)
-            return status;
+    uint32_t devices = r->table->backend->device_count;
+    bool enqueued[EM_BACKEND_MAX_DEVICES] = {false}, waits[EM_BACKEND_MAX_DEVICES] = {false};
+    uint32_t failed[EM_BACKEND_MAX_DEVICES];
+    em_status status = EM_OK;
+    for (uint32_t d = 0; status == EM_OK && d < devices; d++) {
+        segment *seg = &r->segments[d];
+        if (!segment_creates(r, seg))
+            continue;
+        enqueued[d] = true;
+        waits[d] = seg->device->ops->shard_insert_missing_async != NULL;
+        status = enqueue_inserts(r, seg, &failed[d], err);
     }
-    atomic_fetch_add_explicit(&r->table->rows_created, r->missing, memory_order_relaxed);
-    return EM_OK;
+    em_error later;
+    em_status settled = synchronize_marked(r, waits, status == EM_OK ? err : &later);
+    for (uint32_t d = 0; settled == EM_OK && d < devices; d++)
+        if (enqueued[d])
+            settled = settle_inserts(r, &r->segments[d], failed[d], status == EM_OK, err);
+    if (status == EM_OK && settled == EM_OK)
+        atomic_fetch_add_explicit(&r->table->rows_created, r->missing, memory_order_relaxed);
+    return status != EM_OK ? status : settled;
 }
 
 /* Takes or releases, in shard order, the write locks of the shards the request touches. */

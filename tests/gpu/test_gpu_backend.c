@@ -2113,6 +2113,8 @@ START_TEST(host_waits_and_operations_per_request)
         {"pull, present keys", 2, 8, false, false, false, 41, 2, false},
         {"push, present keys", 2, 8, true, false, false, 60, 3, false},
         {"serve, present keys", 2, 8, false, false, false, 41, 2, true},
+        {"pull, creating again", 2, 8, false, true, true, 65, 4, false},
+        {"push, creating again", 2, 8, true, true, true, 84, 5, false},
     };
     enum { KEYS = 1000, DIM = 16 };
     em_backend *gpus[2] = {gpu_backend(1, GPU_POOL_BYTES, false),
