@@ -227,7 +227,10 @@ extern "C" em_gpu_status em_gpu_streams_synchronize(em_gpu_stream *const *stream
             for (int i = 0; i < count; i++) {
                 if ((waiting >> i & 1) == 0)
                     continue;
-                cudaError_t error = cudaStreamQuery(streams[i]->stream);
+                /* each query from its stream's device, as every other call here is made */
+                cudaError_t error = cudaSetDevice(streams[i]->ordinal);
+                if (error == cudaSuccess)
+                    error = cudaStreamQuery(streams[i]->stream);
                 if (error == cudaSuccess) {
                     waiting &= ~(UINT64_C(1) << i);
                 } else if (error != cudaErrorNotReady) {
