@@ -558,10 +558,10 @@ static em_status synchronize_marked(request_context *r, const bool *which, em_er
 }
 
 /* Finds the keys on every device: the finds of all devices are enqueued before any is
- * waited for (find_on_device's pending counts), then each such device's lane is
- * synchronized and its counts added, so a table over several GPUs looks its keys up on
- * all of them at once. A request that creates nothing (r->counts_later) does not wait
- * for them: they come back with its answer (em__missing_found). */
+ * waited for (find_on_device's pending counts), then their lanes are synchronized in one
+ * wait and the counts added, so a table over several GPUs looks its keys up on all of
+ * them at once. A request with r->counts_later does not wait for them: they come back
+ * with its next wait (em__missing_found), a pull's answer or a push's checks. */
 static em_status find_keys(request_context *r, em_error *err)
 {
     em_table *table = r->table;
