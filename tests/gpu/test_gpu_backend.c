@@ -2402,6 +2402,42 @@ START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
 }
 END_TEST
 
+/* A pull (create_missing) or a push of batch on both twin tables, into pulls[k] or
+ * pushes[k]; returns the host waits of the GPU table's request. */
+static uint64_t twin_counted(twin *t, const em_csr *batch, bool push, em_pull_result *pulls,
+                             em_push_result *pushes)
+{
+    em_error err;
+    uint64_t operations = 0, before = 0, after = 0;
+    for (int k = 0; k < 2; k++) {
+        if (k == 1)
+            em_gpu_emulated_counts(&operations, &before);
+        em_status status =
+            push ? em_test_push(t->tables[k], batch, EM_COMBINER_NONE, t->gradients, &pushes[k],
+                                &err)
+                 : em_test_pull(t->tables[k], batch, EM_COMBINER_NONE, true, t->out[k],
+                                &pulls[k], &err);
+        ck_assert_msg(status == EM_OK, "%s", err.message);
+    }
+    em_gpu_emulated_counts(&operations, &after);
+    return after - before;
+}
+
+/* The GPU table's count of requests that went again is `again`, and its request took
+ * `waits` host waits when that is not 0. */
+static void assert_went_again(const twin *t, bool push, int pass, uint64_t waits,
+                              uint64_t again, uint64_t expected_waits)
+{
+    em_table_stats stats;
+    em_table_get_stats(t->tables[1], &stats);
+    uint64_t counted = push ? stats.pushes_found_again : stats.pulls_found_again;
+    printf("two GPUs, %s %d: %" PRIu64 " host waits, %s found again %" PRIu64 "\n",
+           push ? "push" : "pull", pass, waits, push ? "pushes" : "pulls", counted);
+    ck_assert_uint_eq(counted, again);
+    if (expected_waits != 0)
+        ck_assert_uint_eq(waits, expected_waits);
+}
+
 /* A pull that may create keys, of a table over two GPUs that tracks no access, does not
  * wait for its finds; when it finds keys missing after all it changed nothing, and goes
  * again waiting for them, which creates them (STATS pulls_found_again). The table's next
@@ -2412,7 +2448,6 @@ START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
 {
     twin t = twin_make(8, 800, 8);
     uint64_t *mixed = malloc(t.n * sizeof(uint64_t));
-    em_error err;
     /* pulls, in turn: a third of the keys new; new keys again; stored keys (finds them
      * all, waiting); stored keys (without waiting) */
     static const uint64_t again_after[] = {1, 1, 1, 1};
@@ -2423,26 +2458,13 @@ START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
                                                : 1000003 * (uint64_t)(i + t.n * pass) + 11;
         em_test_batch batch = em_test_key_batch(mixed, t.n);
         em_pull_result results[2];
-        uint64_t operations = 0, waits_before = 0, waits = 0;
-        em_gpu_emulated_counts(&operations, &waits_before);
-        for (int k = 0; k < 2; k++)
-            ck_assert_msg(em_test_pull(t.tables[k], &batch.csr, EM_COMBINER_NONE, true, t.out[k],
-                                       &results[k], &err) == EM_OK,
-                          "%s", err.message);
-        em_gpu_emulated_counts(&operations, &waits);
+        uint64_t waits = twin_counted(&t, &batch.csr, false, results, NULL);
         twin_assert_pulls_equal(&t);
         ck_assert_uint_eq(results[1].missing, results[0].missing);
         ck_assert_uint_eq(results[1].created, results[0].created);
         ck_assert_uint_eq(results[1].unique_keys, results[0].unique_keys);
         ck_assert_uint_eq(results[0].created, pass < 2 ? (t.n + 2) / 3 : 0);
-        em_table_stats stats;
-        em_table_get_stats(t.tables[1], &stats);
-        printf("two GPUs, pull %d: %" PRIu64 " missing, %" PRIu64 " host waits, pulls found "
-               "again %" PRIu64 "\n", pass, results[1].missing, waits - waits_before,
-               stats.pulls_found_again);
-        ck_assert_uint_eq(stats.pulls_found_again, again_after[pass]);
-        if (waits_of[pass] != 0)
-            ck_assert_uint_eq(waits - waits_before, waits_of[pass]);
+        assert_went_again(&t, false, pass, waits, again_after[pass], waits_of[pass]);
         em_test_batch_free(&batch);
     }
     /* the same for pushes, whose finds' counts come back with their checks: the push of
@@ -2459,24 +2481,11 @@ START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
                            : 2000003 * (uint64_t)(i + t.n * pass) + 13;
         em_test_batch batch = em_test_key_batch(mixed, t.n);
         em_push_result results[2];
-        uint64_t operations = 0, waits_before = 0, waits = 0;
-        em_gpu_emulated_counts(&operations, &waits_before);
-        for (int k = 0; k < 2; k++)
-            ck_assert_msg(em_test_push(t.tables[k], &batch.csr, EM_COMBINER_NONE, t.gradients,
-                                       &results[k], &err) == EM_OK,
-                          "%s", err.message);
-        em_gpu_emulated_counts(&operations, &waits);
+        uint64_t waits = twin_counted(&t, &batch.csr, true, NULL, results);
         ck_assert_uint_eq(results[1].created, results[0].created);
         ck_assert_uint_eq(results[1].updated, results[0].updated);
         ck_assert_uint_eq(results[0].created, push_new[pass] ? (t.n + 1) / 3 : 0);
-        em_table_stats stats;
-        em_table_get_stats(t.tables[1], &stats);
-        printf("two GPUs, push %d: %" PRIu64 " created, %" PRIu64 " host waits, pushes found "
-               "again %" PRIu64 "\n", pass, results[1].created, waits - waits_before,
-               stats.pushes_found_again);
-        ck_assert_uint_eq(stats.pushes_found_again, pushes_again_after[pass]);
-        if (push_waits[pass] != 0)
-            ck_assert_uint_eq(waits - waits_before, push_waits[pass]);
+        assert_went_again(&t, true, pass, waits, pushes_again_after[pass], push_waits[pass]);
         em_test_batch_free(&batch);
     }
     /* a push whose step would overflow a stored key's row is refused as on the CPU,
