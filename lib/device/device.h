@@ -393,7 +393,8 @@ struct em_device {
     /* Times the host waited for work it had enqueued on the device to finish (a lane's
      * synchronisation, or a staging half's copy), and the nanoseconds those waits took:
      * with the requests' own time, how much of it the GPU took. 0 where work runs as it
-     * is called (the CPU backend). */
+     * is called (the CPU backend). A wait for several devices at once (synchronize_lanes)
+     * counts on the first of them only, so that the sums over devices stay the host's. */
     _Atomic uint64_t waits;
     _Atomic uint64_t wait_ns;
 };
