@@ -399,7 +399,7 @@ void em__cuda_lane_release(em_lane *base)
     cuda_lane *lane = lane_of(base);
     cuda_state *state = state_of(base->device);
     /* Deferred scratch goes back to the pool before another request takes the lane;
-     * the lanes joined to it are their own requesters' to synchronize and release. */
+     * the lanes joined to it are synchronized when they are released themselves. */
     lane->joined_count = 0;
     em__cuda_lane_sync(lane, NULL);
     pthread_mutex_lock(&state->lock);
