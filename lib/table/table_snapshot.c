@@ -435,8 +435,8 @@ static void finish_shard(em_table_snapshot *snapshot, uint32_t s)
 {
     em_table *table = snapshot->table;
     snapshot_shard *shard = &snapshot->shards[s];
+    em__shard_write_lock(table, s); /* a push may still be copying rows of it */
     uint64_t bytes = shard->copy_count * table->row_floats * sizeof(float);
-    em__shard_write_lock(table, s);
     free_shard(shard);
     pthread_rwlock_unlock(&table->shard_locks[s]);
     pthread_mutex_lock(&table->snapshot_mutex);
