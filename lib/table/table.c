@@ -456,6 +456,33 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     return EM_OK;
 }
 
+/* Whether a request of a table over several devices (the general way) may leave its
+ * finds' counts for a later wait (counts_later), its table's requests of its kind
+ * having found every key lately (find_first clear: note_waited_find). */
+static bool may_find_later(const request_context *r, _Atomic bool *find_first)
+{
+    return !em__shards_at_home(r) && r->home->ops->copy_to_host_later != NULL &&
+           !atomic_load_explicit(find_first, memory_order_relaxed);
+}
+
+/* A general request that waited for its finds found `missing` keys: none, and the
+ * table's next requests of its kind need not wait (find_first: pulls_find_first,
+ * pushes_find_first). */
+static void note_waited_find(_Atomic bool *find_first, uint64_t missing)
+{
+    if (missing == 0 && atomic_load_explicit(find_first, memory_order_relaxed))
+        atomic_store_explicit(find_first, false, memory_order_relaxed);
+}
+
+/* A request that did not wait for its finds found keys missing, and changed nothing: it
+ * goes again (*again), and the table's next requests of its kind wait for their finds. */
+static void go_again(_Atomic bool *find_first, _Atomic uint64_t *found_again, bool *again)
+{
+    atomic_store_explicit(find_first, true, memory_order_relaxed);
+    atomic_fetch_add_explicit(found_again, 1, memory_order_relaxed);
+    *again = true;
+}
+
 /* Whether a pull that may create keys, of a table over several devices (the general
  * way), goes without waiting for its finds, as a pull that creates nothing does: its
  * missing counts come back with its answer, and when some key was missing after all, it
@@ -465,18 +492,8 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
  * move twice), nor while the table's pulls find keys missing (pulls_find_first). */
 static bool finds_later(const request_context *r, const em_pull_request *request)
 {
-    return request->create_missing && !em__shards_at_home(r) && r->access_stamp == 0 &&
-           r->home->ops->copy_to_host_later != NULL &&
-           !atomic_load_explicit(&r->table->pulls_find_first, memory_order_relaxed);
-}
-
-/* A general pull that waited for its finds found `missing` keys: none, and the table's
- * next pulls need not wait. */
-static void note_waited_find(em_table *table, uint64_t missing)
-{
-    if (missing == 0 &&
-        atomic_load_explicit(&table->pulls_find_first, memory_order_relaxed))
-        atomic_store_explicit(&table->pulls_find_first, false, memory_order_relaxed);
+    return request->create_missing && r->access_stamp == 0 &&
+           may_find_later(r, &r->table->pulls_find_first);
 }
 
 static em_status pull_attempt(em_table *table, const em_pull_request *request,
@@ -526,7 +543,7 @@ static em_status pull_attempt(em_table *table, const em_pull_request *request,
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, direct, err);
         if (status == EM_OK && !r.counts_pending) {
             note_general_find(table, &table->pulls_go_general, r.missing);
-            note_waited_find(table, r.missing);
+            note_waited_find(&table->pulls_find_first, r.missing);
         }
     }
     uint64_t missing = r.missing;
@@ -556,9 +573,7 @@ static em_status pull_attempt(em_table *table, const em_pull_request *request,
         note_general_find(table, &table->pulls_go_general, r.missing);
     }
     if (status == EM_OK && later && missing > 0) { /* it should have created them */
-        atomic_store_explicit(&table->pulls_find_first, true, memory_order_relaxed);
-        atomic_fetch_add_explicit(&table->pulls_found_again, 1, memory_order_relaxed);
-        *again = true;
+        go_again(&table->pulls_find_first, &table->pulls_found_again, again);
         em__request_end(&r);
         return EM_OK;
     }
@@ -816,8 +831,7 @@ static em_status push_at_once(request_context *r, push_call *call,
  * finds' wait. Not while the table's pushes find keys missing (pushes_find_first). */
 static bool push_finds_later(const request_context *r)
 {
-    return !em__shards_at_home(r) && r->home->ops->copy_to_host_later != NULL &&
-           !atomic_load_explicit(&r->table->pushes_find_first, memory_order_relaxed);
+    return may_find_later(r, &r->table->pushes_find_first);
 }
 
 static em_status push_attempt(em_table *table, push_call *call, em_push_result *result,
@@ -868,9 +882,7 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
         status = em__plan_and_find(&r, request->batch.keys, request->batch.nnz, false, err);
         if (status == EM_OK && !r.counts_pending) {
             note_general_find(table, &table->pushes_go_general, r.missing);
-            if (r.missing == 0 &&
-                atomic_load_explicit(&table->pushes_find_first, memory_order_relaxed))
-                atomic_store_explicit(&table->pushes_find_first, false, memory_order_relaxed);
+            note_waited_find(&table->pushes_find_first, r.missing);
         }
     }
     if (status == EM_OK && r.missing > 0)
@@ -881,13 +893,11 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     }
     if (status == EM_OK && !planned)
         status = sum_and_send_gradients(&r, request, call->largest, err);
+    uint64_t missing = r.missing; /* 0 while the counts are pending: then none is */
     if (status == EM_OK)
         status = em__check_create_apply(&r, err);
-    uint64_t missing = r.missing; /* after the checks when they brought the counts */
     if (status == EM_OK && r.found_missing_late) { /* it should have created them */
-        atomic_store_explicit(&table->pushes_find_first, true, memory_order_relaxed);
-        atomic_fetch_add_explicit(&table->pushes_found_again, 1, memory_order_relaxed);
-        *again = true;
+        go_again(&table->pushes_find_first, &table->pushes_found_again, again);
         em__request_end(&r);
         return EM_OK;
     }

@@ -89,7 +89,7 @@ struct em_table {
     _Atomic uint64_t pulls_not_admitted, pushes_dropped;
     _Atomic uint64_t exclusive_retries; /* run_shared_then_exclusive's second attempts */
     _Atomic uint64_t pulls_at_once, pushes_at_once; /* served with one wait for the GPU */
-    _Atomic uint64_t pulls_found_again, pushes_found_again; /* table.c: finds_later */
+    _Atomic uint64_t pulls_found_again, pushes_found_again; /* table.c: go_again */
     /* A table of several shards: set when a pull (push) at once found keys missing, whose
      * work is then done again the general way; the next pulls (pushes) go the general way
      * from the start until one of them finds every key (table.c: pull_at_once). */
@@ -98,9 +98,9 @@ struct em_table {
      * table), cleared by a pull at once that found every key: pulls at once then make room for every key of their
      * batch and create the absent ones there (table.c: pull_at_once). */
     _Atomic bool pulls_create, pushes_create; /* the same for pushes */
-    /* A table over several devices: set when a pull that did not wait for its finds
-     * (table.c: finds_later) found keys missing and was done again; its next pulls wait
-     * for their finds until one of them finds every key. */
+    /* A table over several devices: set when a pull (push) that did not wait for its
+     * finds (table.c: may_find_later) found keys missing and went again; its next pulls
+     * (pushes) wait for their finds until one of them finds every key. */
     _Atomic bool pulls_find_first, pushes_find_first;
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */

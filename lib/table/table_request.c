@@ -796,7 +796,7 @@ static em_status enqueue_inserts(request_context *r, segment *seg, uint32_t *fai
 /* Once a device's inserts are done: the shards before a failed one have their keys, and
  * they are taken in (shard_insert_settle, for inserts enqueued) and counted. */
 static em_status settle_inserts(request_context *r, segment *seg, uint32_t failed,
-                                bool report, em_error *err)
+                                em_error *err)
 {
     em_table *table = r->table;
     const em_device_ops *ops = seg->device->ops;
@@ -804,10 +804,8 @@ static em_status settle_inserts(request_context *r, segment *seg, uint32_t faile
     for (uint32_t s = seg->first_shard; s < failed; s++) {
         if (r->shard_missing[s] == 0)
             continue;
-        em_error later;
-        if (async && ops->shard_insert_settle(table->shards[s], report ? err : &later) != EM_OK)
-            return report ? em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s)
-                          : EM_INTERNAL;
+        if (async && ops->shard_insert_settle(table->shards[s], err) != EM_OK)
+            return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         em__rows_added(table, r->shard_missing[s]);
         atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
     }
@@ -816,7 +814,8 @@ static em_status settle_inserts(request_context *r, segment *seg, uint32_t faile
 
 /* Inserts the missing keys on every device: every device's inserts are enqueued, up to
  * the first that fails, and then waited for together (one wait for a table over several
- * GPUs), and what each device inserted is taken in. */
+ * GPUs), and what each device inserted is taken in, every device's even after one
+ * failed (the first failure is the request's). */
 static em_status insert_missing(request_context *r, em_error *err)
 {
     uint32_t devices = r->table->backend->device_count;
@@ -832,10 +831,16 @@ static em_status insert_missing(request_context *r, em_error *err)
         status = enqueue_inserts(r, seg, &failed[d], err);
     }
     em_error later;
-    em_status settled = synchronize_marked(r, waits, status == EM_OK ? err : &later);
-    for (uint32_t d = 0; settled == EM_OK && d < devices; d++)
-        if (enqueued[d])
-            settled = settle_inserts(r, &r->segments[d], failed[d], status == EM_OK, err);
+    em_status synchronized = synchronize_marked(r, waits, status == EM_OK ? err : &later);
+    em_status settled = synchronized;
+    for (uint32_t d = 0; synchronized == EM_OK && d < devices; d++) {
+        if (!enqueued[d])
+            continue;
+        bool first = status == EM_OK && settled == EM_OK;
+        em_status taken = settle_inserts(r, &r->segments[d], failed[d], first ? err : &later);
+        if (settled == EM_OK)
+            settled = taken;
+    }
     if (status == EM_OK && settled == EM_OK)
         atomic_fetch_add_explicit(&r->table->rows_created, r->missing, memory_order_relaxed);
     return status != EM_OK ? status : settled;
