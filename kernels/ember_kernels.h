@@ -530,6 +530,31 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
                                 const uint64_t *rows, uint64_t n, uint64_t accessed,
                                 uint32_t updated, int pushed);
 
+/* An eviction's walk of a map read in one pass (lib/device/cuda_shard.c): windows of
+ * slots, each flagged and scanned (em_gpu_map_export_flags, em_gpu_exclusive_scan_u32),
+ * compacted one after another into the same arrays, their running count kept on the
+ * device, so that the host waits once for however many windows. */
+typedef struct em_gpu_walk {
+    uint64_t taken;       /* occupied slots met so far (may pass want) */
+    uint64_t before_wrap; /* taken when the walk went on from slot 0 (advance with wrap) */
+    uint64_t next_slot;   /* one past the slot of entry want - 1, once met; else as set */
+    uint64_t reserved;
+} em_gpu_walk;
+
+/* With rank the exclusive scan of flags over slots [begin, begin + count): the occupied
+ * slot of rank r becomes entry walk->taken + r of keys, rows and access (its row's access
+ * metadata) when that is below want, and walk->next_slot = one past the slot of entry
+ * want - 1. */
+em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,
+                                      em_gpu_storage storage, uint64_t begin, uint64_t count,
+                                      const uint32_t *flags, const uint32_t *rank, uint64_t want,
+                                      em_gpu_walk *walk, uint64_t *keys, uint64_t *rows,
+                                      em_gpu_row_access *access);
+/* After a window's compaction: walk->taken += rank[count] (its occupied slots); with
+ * wrap (nonzero), then walk->before_wrap = walk->taken. */
+em_gpu_status em_gpu_map_walk_advance(em_gpu_stream *stream, const uint32_t *rank,
+                                      uint64_t count, int wrap, em_gpu_walk *walk);
+
 /* out[i] = the access metadata of rows[i]. */
 em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
                                  const uint64_t *rows, uint64_t n, em_gpu_row_access *out);

@@ -931,6 +931,35 @@ EM_HOST_DEVICE void em_gpu_access_read_item(em_gpu_storage storage, const uint64
     out[i] = *em_gpu_row_access_of(storage, rows[i]);
 }
 
+EM_HOST_DEVICE void em_gpu_map_walk_compact_item(em_gpu_map map, em_gpu_storage storage,
+                                                 uint64_t begin, uint64_t i,
+                                                 const uint32_t *flags, const uint32_t *rank,
+                                                 uint64_t want, em_gpu_walk *walk,
+                                                 uint64_t *keys, uint64_t *rows,
+                                                 em_gpu_row_access *access)
+{
+    if (!flags[i])
+        return;
+    uint64_t at = walk->taken + rank[i];
+    if (at >= want)
+        return;
+    const em_gpu_slot *slot = em_gpu_map_slot(map, begin + i);
+    keys[at] = slot->key;
+    rows[at] = slot->row;
+    access[at] = *em_gpu_row_access_of(storage, slot->row);
+    if (at == want - 1)
+        walk->next_slot = begin + i + 1;
+}
+
+/* One thread: the window's occupied slots counted in. */
+EM_HOST_DEVICE void em_gpu_map_walk_advance_item(const uint32_t *rank, uint64_t count, int wrap,
+                                                 em_gpu_walk *walk)
+{
+    walk->taken += rank[count];
+    if (wrap)
+        walk->before_wrap = walk->taken;
+}
+
 EM_HOST_DEVICE void em_gpu_access_write_item(em_gpu_storage storage, const uint64_t *rows,
                                              uint64_t i, const em_gpu_row_access *in)
 {

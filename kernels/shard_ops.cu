@@ -599,6 +599,24 @@ __global__ void access_read_kernel(em_gpu_storage storage, const uint64_t *rows,
     em_gpu_access_read_item(storage, rows, i, out);
 }
 
+__global__ void map_walk_compact_kernel(em_gpu_map map, em_gpu_storage storage, uint64_t begin,
+                                        uint64_t count, const uint32_t *flags,
+                                        const uint32_t *rank, uint64_t want, em_gpu_walk *walk,
+                                        uint64_t *keys, uint64_t *rows,
+                                        em_gpu_row_access *access)
+{
+    EM_GPU_FOR_EACH(i, count)
+    em_gpu_map_walk_compact_item(map, storage, begin, i, flags, rank, want, walk, keys, rows,
+                                 access);
+}
+
+__global__ void map_walk_advance_kernel(const uint32_t *rank, uint64_t count, int wrap,
+                                        em_gpu_walk *walk)
+{
+    if (EM_GPU_THREAD_INDEX == 0)
+        em_gpu_map_walk_advance_item(rank, count, wrap, walk);
+}
+
 __global__ void access_write_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
                                     const em_gpu_row_access *in)
 {
@@ -664,6 +682,27 @@ extern "C" em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storag
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(access_read_kernel, n, stream, storage, rows, n, out);
+}
+
+extern "C" em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,
+                                                 em_gpu_storage storage, uint64_t begin,
+                                                 uint64_t count, const uint32_t *flags,
+                                                 const uint32_t *rank, uint64_t want,
+                                                 em_gpu_walk *walk, uint64_t *keys,
+                                                 uint64_t *rows, em_gpu_row_access *access)
+{
+    if (count == 0 || want == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_walk_compact_kernel, count, stream, map, storage, begin, count, flags,
+                         rank, want, walk, keys, rows, access);
+}
+
+extern "C" em_gpu_status em_gpu_map_walk_advance(em_gpu_stream *stream, const uint32_t *rank,
+                                                 uint64_t count, int wrap, em_gpu_walk *walk)
+{
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(map_walk_advance_kernel, 1, stream, rank, count, wrap, walk);
 }
 
 extern "C" em_gpu_status em_gpu_access_write(em_gpu_stream *stream, em_gpu_storage storage,

@@ -796,6 +796,22 @@ static em_status reserve_free_rows(cuda_shard *shard, cuda_lane *lane, uint64_t 
     return EM_OK;
 }
 
+/* Enqueues the erase of keys[0..n) where rows is NULL or rows[i] is stored (keys and
+ * rows on the device), with room on the free list for every row. */
+static em_status enqueue_erase(cuda_shard *shard, cuda_lane *lane, const uint64_t *keys,
+                               const uint64_t *rows, uint64_t n, em_error *err)
+{
+    em_status status = reserve_free_rows(shard, lane, shard->free_count + n, err);
+    if (status == EM_OK)
+        status = order_write(shard, lane, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_map_erase(lane->stream, map_view(shard), keys, rows, n),
+                            err);
+    if (status == EM_OK)
+        status = record_write(shard, lane, err);
+    return status;
+}
+
 /* Tombstones the keys' slots and puts their rows on the free list (keys and rows on
  * the device). */
 em_status em__cuda_shard_erase(em_shard *base, em_lane *lane_base, const uint64_t *keys,
@@ -805,17 +821,8 @@ em_status em__cuda_shard_erase(em_shard *base, em_lane *lane_base, const uint64_
     cuda_lane *lane = lane_of(lane_base);
     if (n == 0)
         return EM_OK;
-    em_status status = reserve_free_rows(shard, lane, shard->free_count + n, err);
-    if (status == EM_OK)
-        status = order_write(shard, lane, err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_map_erase(lane->stream, map_view(shard), keys, rows, n),
-                            err);
-    if (status == EM_OK)
-        status = record_write(shard, lane, err);
-    if (status == EM_OK)
-        status = read_back_header(shard, lane, err);
-    return status;
+    em_status status = enqueue_erase(shard, lane, keys, rows, n, err);
+    return status == EM_OK ? read_back_header(shard, lane, err) : status;
 }
 
 em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,
@@ -1578,9 +1585,29 @@ em_status em__cuda_shard_write_access(em_shard *base, em_lane *lane_base, const 
     return EM_OK;
 }
 
-/* Erases keys[0..n) (host memory, present keys). */
+/* The host copies of the map's header after the erase of keys[0..n), present and
+ * distinct: each key's slot a tombstone (or its side row gone), its row on the free
+ * list, as em_gpu_map_erase_key does. */
+static void take_erase(cuda_shard *shard, const uint64_t *keys, uint64_t n)
+{
+    for (uint64_t i = 0; i < n; i++) {
+        if (keys[i] == EM_GPU_EMPTY_KEY)
+            shard->side_rows[0] = EM_ROW_NONE;
+        else if (keys[i] == EM_GPU_TOMBSTONE_KEY)
+            shard->side_rows[1] = EM_ROW_NONE;
+        else
+            shard->tombstones++;
+    }
+    shard->size -= n;
+    shard->free_count += n;
+}
+
+/* Erases keys[0..n) (host memory; present and distinct). With read_back the host waits
+ * for the GPU's header; without, the erase is only enqueued and the host copies take
+ * its known effect (take_erase), which the next header read back confirms: an eviction
+ * does this, its table held alone, so that it does not wait before its inserts. */
 static em_status erase_host_keys(cuda_shard *shard, cuda_lane *lane, const uint64_t *keys,
-                                 uint64_t n, em_error *err)
+                                 uint64_t n, bool read_back, em_error *err)
 {
     if (n == 0)
         return EM_OK;
@@ -1591,12 +1618,13 @@ static em_status erase_host_keys(cuda_shard *shard, cuda_lane *lane, const uint6
     if (status == EM_OK)
         status = em__cuda_copy_to_device(&lane->base, device_keys, keys, n * sizeof(uint64_t),
                                          err);
-    if (status == EM_OK) /* reads the header back: synchronizes */
-        status = em__cuda_shard_erase(&shard->base, &lane->base, device_keys, NULL, n, err);
-    if (status != EM_OK)
-        return em__cuda_finish_async(&s, lane, status, err);
-    scratch_free_now(&s);
-    return EM_OK;
+    if (status == EM_OK)
+        status = enqueue_erase(shard, lane, device_keys, NULL, n, err);
+    if (status == EM_OK && read_back) /* synchronizes */
+        status = read_back_header(shard, lane, err);
+    else if (status == EM_OK)
+        take_erase(shard, keys, n);
+    return em__cuda_finish_async(&s, lane, status, err);
 }
 
 /* Entries an eviction's walk reads from the GPU ahead of the chooser, at most. */
@@ -1619,6 +1647,9 @@ typedef struct cuda_evict_walk {
     em_row_access *access;
     uint64_t held, served;
     uint64_t before_wrap;           /* of them, read before the walk wrapped to 0 */
+    const uint64_t *kept_device;    /* the spec's kept_device, read back with the walk */
+    uint64_t kept_device_count;
+    uint64_t *kept, kept_count;     /* of them, the stored rows (host memory) */
 } cuda_evict_walk;
 
 /* The walk's next entries from the GPU, up to max, without their metadata; they end where
@@ -1642,7 +1673,265 @@ static em_status walk_export(cuda_evict_walk *w, uint64_t max, uint64_t *keys, u
     }
 }
 
-static em_status read_ahead(cuda_evict_walk *w, em_error *err)
+/* The side rows (keys EMPTY and TOMBSTONE) at export positions [from, to), as entries. */
+static uint64_t side_entries(const cuda_shard *shard, uint64_t from, uint64_t to, uint64_t *keys,
+                             uint64_t *rows)
+{
+    static const uint64_t side_keys_by_position[2] = {EM_GPU_EMPTY_KEY, EM_GPU_TOMBSTONE_KEY};
+    uint64_t n = 0;
+    for (uint64_t p = from; p < to && p < 2; p++)
+        if (shard->side_rows[p] != EM_ROW_NONE) {
+            keys[n] = side_keys_by_position[p];
+            rows[n++] = shard->side_rows[p];
+        }
+    return n;
+}
+
+/* read_window's device region (and its host copy): the walk's counts, then want
+ * entries (keys, rows, access metadata), the side rows' metadata and the request's rows
+ * of the shard (kept, kept_count of them). */
+typedef struct window_region {
+    em_gpu_walk walk;
+    uint64_t *keys, *rows;
+    em_gpu_row_access *access, *side_access;
+    uint64_t *kept;
+} window_region;
+
+static size_t region_bytes(uint64_t want, uint64_t kept_count)
+{
+    return sizeof(em_gpu_walk) + want * (2 * sizeof(uint64_t) + sizeof(em_gpu_row_access)) +
+           2 * sizeof(em_gpu_row_access) + kept_count * sizeof(uint64_t);
+}
+
+static window_region region_layout(uint8_t *base, uint64_t want)
+{
+    window_region r = {.keys = (uint64_t *)(base + sizeof(em_gpu_walk))};
+    r.rows = r.keys + want;
+    r.access = (em_gpu_row_access *)(r.rows + want);
+    r.side_access = r.access + want;
+    r.kept = (uint64_t *)(r.side_access + 2);
+    return r;
+}
+
+/* The stored rows among the request's rows read back (rows[0..n)), as the walk's kept
+ * rows. */
+static em_status take_kept(cuda_evict_walk *w, const uint64_t *rows, uint64_t n, em_error *err)
+{
+    w->kept = malloc((n + 1) * sizeof(uint64_t));
+    if (w->kept == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    w->kept_count = 0;
+    for (uint64_t i = 0; i < n; i++)
+        if (em_row_stored(rows[i]))
+            w->kept[w->kept_count++] = rows[i];
+    return EM_OK;
+}
+
+/* Enqueues the walk over `count` slots from `first` (not wrapping), a window at a time;
+ * with wrap, the last window marks where the walk goes on from slot 0. */
+static em_status enqueue_walk(cuda_shard *shard, cuda_lane *lane, uint64_t first, uint64_t count,
+                              bool wrap, uint64_t want, const export_buffers *b,
+                              em_gpu_walk *walk, const window_region *device, em_error *err)
+{
+    em_gpu_map map = map_view(shard);
+    em_status status = EM_OK;
+    for (uint64_t done = 0; status == EM_OK && done < count;) {
+        uint64_t n = count - done < b->window ? count - done : b->window;
+        status = lane_check(lane, em_gpu_map_export_flags(lane->stream, map, first + done, n,
+                                                          b->flags), err);
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_exclusive_scan_u32(lane->stream, b->temp,
+                                                                b->temp_bytes, b->flags, b->rank,
+                                                                n + 1), err);
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_map_walk_compact(lane->stream, map,
+                                                              storage_view(shard), first + done,
+                                                              n, b->flags, b->rank, want, walk,
+                                                              device->keys, device->rows,
+                                                              device->access), err);
+        done += n;
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_map_walk_advance(lane->stream, b->rank, n,
+                                                              wrap && done == count, walk), err);
+    }
+    return status;
+}
+
+/* Slots the read ahead walks at first: enough to hold `want` entries at the map's load
+ * and a quarter more (the map's keys are spread by their hash), or all. */
+static uint64_t window_span(const cuda_shard *shard, uint64_t want, uint64_t side)
+{
+    uint64_t in_slots = shard->size > side ? shard->size - side : 0;
+    if (in_slots <= want)
+        return shard->slot_count;
+    uint64_t span = want * shard->slot_count / in_slots;
+    span += span / 4 + MIN_EXPORT_WINDOW;
+    return span < shard->slot_count ? span : shard->slot_count;
+}
+
+/* Appends n entries (the device's metadata layout is em_row_access's) to the held ones. */
+static void hold_entries(cuda_evict_walk *w, const uint64_t *keys, const uint64_t *rows,
+                         const em_gpu_row_access *access, uint64_t n)
+{
+    memcpy(w->keys + w->held, keys, n * sizeof(uint64_t));
+    memcpy(w->rows + w->held, rows, n * sizeof(uint64_t));
+    memcpy(w->access + w->held, access, n * sizeof(em_row_access));
+    w->held += n;
+}
+
+/* The side rows at export positions [from, to) (from side_entries over [0, 2)), held. */
+static void hold_side(cuda_evict_walk *w, const window_region *r, const uint64_t *side_keys,
+                      const uint64_t *side_rows, uint64_t from, uint64_t to)
+{
+    for (uint64_t p = 0, i = 0; p < 2; p++) {
+        if (w->shard->side_rows[p] == EM_ROW_NONE)
+            continue;
+        if (p >= from && p < to)
+            hold_entries(w, &side_keys[i], &side_rows[i], &r->side_access[i], 1);
+        i++;
+    }
+}
+
+/* Holds read_window's entries in the walk's order and sets the walk to go on after
+ * them. The span was slots [first, first + before), then [0, after); the compaction cut
+ * it at its want-th entry when it held more. */
+static em_status hold_window(cuda_evict_walk *w, const window_region *r,
+                             const uint64_t *side_keys, const uint64_t *side_rows, uint64_t side,
+                             uint64_t first, uint64_t before, uint64_t after, em_error *err)
+{
+    uint64_t want = w->ahead, slot_count = w->shard->slot_count, start = w->start;
+    bool cut = r->walk.taken >= want;
+    uint64_t taken = cut ? want : r->walk.taken;
+    /* of the entries taken, those before the span went on from slot 0 */
+    uint64_t wrap_at = after > 0 && r->walk.before_wrap < taken ? r->walk.before_wrap : taken;
+    w->keys = malloc((taken + side + 1) * sizeof(uint64_t));
+    w->rows = malloc((taken + side + 1) * sizeof(uint64_t));
+    w->access = malloc((taken + side + 1) * sizeof(em_row_access));
+    if (w->keys == NULL || w->rows == NULL || w->access == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    w->before_wrap = UINT64_MAX;
+    if (start >= 2) {
+        /* the walk passed the map's end: it went on with the side rows, then slot 0 */
+        bool passed = cut ? after > 0 && want > r->walk.before_wrap
+                          : first + before == slot_count;
+        hold_entries(w, r->keys, r->rows, r->access, wrap_at);
+        if (passed) {
+            w->before_wrap = w->held;
+            hold_side(w, r, side_keys, side_rows, 0, 2);
+        }
+        hold_entries(w, r->keys + wrap_at, r->rows + wrap_at, r->access + wrap_at,
+                     taken - wrap_at);
+        w->wrapped = passed;
+        w->end = passed ? start : 2 + slot_count;
+        w->cursor = cut ? 2 + r->walk.next_slot : passed ? 2 + after : 2 + first + before;
+    } else { /* from a side row: every slot, then the side rows before the start */
+        hold_side(w, r, side_keys, side_rows, start, 2);
+        hold_entries(w, r->keys, r->rows, r->access, taken);
+        bool whole = !cut && before == slot_count;
+        if (whole) {
+            w->before_wrap = w->held;
+            hold_side(w, r, side_keys, side_rows, 0, start);
+        }
+        w->wrapped = whole;
+        w->end = whole ? start : 2 + slot_count;
+        w->cursor = cut ? 2 + r->walk.next_slot : whole ? start : 2 + before;
+    }
+    if (w->before_wrap == UINT64_MAX)
+        w->before_wrap = w->held;
+    return EM_OK;
+}
+
+/* The read ahead in one wait (export_range waits about three times an export, and an
+ * export stops where the walk wraps): the entries of a span of slots that should hold
+ * `ahead` of them (window_span) are compacted on the GPU with their access metadata
+ * (enqueue_walk), the side rows' metadata read beside them, and all of it copied back
+ * at once. The held entries are the walk's order: from the start position to the end
+ * of the map, then positions 0 and 1 (the side rows), then the slots before the start.
+ * When the span held fewer, the walk goes on after it export by export. *read false:
+ * the pool has no room for the buffers, and nothing was enqueued. */
+static em_status read_window(cuda_evict_walk *w, bool *read, em_error *err)
+{
+    cuda_shard *shard = w->shard;
+    cuda_lane *lane = w->lane;
+    uint64_t slot_count = shard->slot_count;
+    uint64_t side_keys[2], side_rows[2];
+    uint64_t side = side_entries(shard, 0, 2, side_keys, side_rows);
+    uint64_t want = w->ahead;
+    /* the walk from position start: slots [first, first + before), then [0, after) */
+    uint64_t first = w->start >= 2 ? w->start - 2 : 0;
+    uint64_t span = window_span(shard, want, side);
+    uint64_t before = span < slot_count - first ? span : slot_count - first;
+    uint64_t after = span - before;
+
+    scratch s = {.device = shard->base.device};
+    export_buffers b = {.window = span < EXPORT_WINDOW_SLOTS ? span : EXPORT_WINDOW_SLOTS};
+    uint8_t *device_base = NULL;
+    uint64_t *device_side = NULL;
+    uint64_t kept_count = w->kept_device_count;
+    size_t bytes = region_bytes(want, kept_count);
+    em_status status = scratch_take(&s, bytes, "eviction walk", (void **)&device_base, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, 2 * sizeof(uint64_t), "eviction side rows",
+                              (void **)&device_side, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, (b.window + 1) * sizeof(uint32_t), "eviction flags",
+                              (void **)&b.flags, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, (b.window + 1) * sizeof(uint32_t), "eviction ranks",
+                              (void **)&b.rank, err);
+    if (status == EM_OK)
+        status = em__cuda_take_scan_temp(&s, lane, b.window + 1, &b.temp, &b.temp_bytes, err);
+    uint8_t *host_base = status == EM_OK ? malloc(bytes) : NULL;
+    if (status == EM_OK && host_base == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    *read = status != EM_RESOURCE_EXHAUSTED;
+    if (status != EM_OK) {
+        scratch_free_now(&s);
+        return *read ? status : EM_OK;
+    }
+    window_region device = region_layout(device_base, want);
+    em_gpu_walk *walk = (em_gpu_walk *)device_base;
+    em_gpu_walk begin = {.next_slot = UINT64_MAX};
+    status = em__cuda_copy_to_device(&lane->base, walk, &begin, sizeof(begin), err);
+    if (status == EM_OK && kept_count > 0)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, device.kept, w->kept_device,
+                                                      kept_count * sizeof(uint64_t)),
+                            err);
+    if (status == EM_OK && side > 0)
+        status = em__cuda_copy_to_device(&lane->base, device_side, side_rows,
+                                         side * sizeof(uint64_t), err);
+    if (status == EM_OK)
+        status = order_read(shard, lane, err);
+    if (status == EM_OK && side > 0)
+        status = lane_check(lane, em_gpu_access_read(lane->stream, storage_view(shard),
+                                                     device_side, side, device.side_access),
+                            err);
+    if (status == EM_OK)
+        status = enqueue_walk(shard, lane, first, before, after > 0, want, &b, walk, &device,
+                              err);
+    if (status == EM_OK)
+        status = enqueue_walk(shard, lane, 0, after, false, want, &b, walk, &device, err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    if (status == EM_OK) /* synchronizes */
+        status = em__cuda_copy_to_host(&lane->base, host_base, device_base, bytes, err);
+    if (status != EM_OK) {
+        free(host_base);
+        return em__cuda_finish_async(&s, lane, status, err);
+    }
+    scratch_free_now(&s);
+    window_region host = region_layout(host_base, want);
+    memcpy(&host.walk, host_base, sizeof(host.walk));
+    status = hold_window(w, &host, side_keys, side_rows, side, first, before, after, err);
+    if (status == EM_OK)
+        status = take_kept(w, host.kept, kept_count, err);
+    free(host_base);
+    return status;
+}
+
+/* The read ahead export by export (each waits a few times), where the pool has no room
+ * for read_window's buffers. */
+static em_status read_ahead_by_exports(cuda_evict_walk *w, em_error *err)
 {
     w->keys = malloc(w->ahead * sizeof(uint64_t));
     w->rows = malloc(w->ahead * sizeof(uint64_t));
@@ -1668,17 +1957,40 @@ static em_status read_ahead(cuda_evict_walk *w, em_error *err)
     return read_access_host(w->shard, w->lane, w->rows, w->held, w->access, err);
 }
 
+/* The request's rows read back on their own (read_ahead_by_exports). */
+static em_status read_kept(cuda_evict_walk *w, em_error *err)
+{
+    uint64_t n = w->kept_device_count;
+    uint64_t *rows = malloc((n + 1) * sizeof(uint64_t));
+    if (rows == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    em_status status = n == 0 ? EM_OK
+                              : em__cuda_copy_to_host(&w->lane->base, rows, w->kept_device,
+                                                      n * sizeof(uint64_t), err);
+    if (status == EM_OK)
+        status = take_kept(w, rows, n, err);
+    free(rows);
+    return status;
+}
+
+/* The walk's first entries and the request's rows, before the choice. */
+static em_status read_ahead(cuda_evict_walk *w, em_error *err)
+{
+    bool read = false;
+    em_status status = read_window(w, &read, err);
+    if (status == EM_OK && !read)
+        status = read_kept(w, err);
+    if (status == EM_OK && !read)
+        status = read_ahead_by_exports(w, err);
+    return status;
+}
+
 static em_status cuda_evict_walk_next(void *context, uint64_t max, uint64_t *keys,
                                       uint64_t *rows, em_row_access *access, uint64_t *got,
                                       em_error *err)
 {
     cuda_evict_walk *w = context;
     *got = 0;
-    if (w->ahead > 0 && w->keys == NULL) {
-        em_status status = read_ahead(w, err);
-        if (status != EM_OK)
-            return status;
-    }
     if (w->served < w->held) {
         uint64_t end = w->served < w->before_wrap ? w->before_wrap : w->held;
         uint64_t n = end - w->served < max ? end - w->served : max;
@@ -1702,6 +2014,8 @@ em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evic
     cuda_lane *lane = lane_of(lane_base);
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
+    if (spec->count == 0) /* a shard that only takes the request's new keys */
+        return EM_OK;
     uint64_t positions = 2 + shard->slot_count;
     uint64_t window = em_evict_window(spec);
     window = window < EVICT_READ_AHEAD ? window : EVICT_READ_AHEAD;
@@ -1710,13 +2024,23 @@ em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evic
                             .start = spec->random % positions,
                             .cursor = spec->random % positions,
                             .end = positions,
-                            .ahead = window < shard->size + 2 ? window : shard->size + 2};
-    em_status status = em_evict_choose(spec, cuda_evict_walk_next, &walk, keys, rows, err);
+                            .ahead = window < shard->size + 2 ? window : shard->size + 2,
+                            .kept_device = spec->kept_device,
+                            .kept_device_count = spec->kept_device_count};
+    em_evict_spec choice = *spec;
+    em_status status = read_ahead(&walk, err);
+    if (walk.kept_device_count > 0) {
+        choice.kept = walk.kept;
+        choice.kept_count = walk.kept_count;
+    }
+    if (status == EM_OK)
+        status = em_evict_choose(&choice, cuda_evict_walk_next, &walk, keys, rows, err);
     free(walk.keys);
     free(walk.rows);
     free(walk.access);
+    free(walk.kept);
     if (status == EM_OK)
-        status = erase_host_keys(shard, lane, keys, spec->count, err);
+        status = erase_host_keys(shard, lane, keys, spec->count, false, err);
     return status;
 }
 
@@ -1747,7 +2071,7 @@ em_status em__cuda_shard_expire(em_shard *base, em_lane *lane_base, uint32_t upd
             rows[*count] = rows[i];
             (*count)++;
         }
-        status = erase_host_keys(shard, lane, keys, *count, err);
+        status = erase_host_keys(shard, lane, keys, *count, true, err);
     }
     if (status != EM_OK)
         *count = 0;

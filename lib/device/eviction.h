@@ -34,6 +34,11 @@ typedef struct em_evict_spec {
     uint64_t random;       /* a pseudo-random number: where sampling starts */
     const uint64_t *kept;  /* rows that must stay (the request's own): host memory */
     uint64_t kept_count;
+    /* Or, on a device whose memory the host cannot read (kept then NULL): the request's
+     * rows of the shard in device memory, values that are not stored rows among them
+     * (em_row_stored), which the backend reads back with its walk. */
+    const uint64_t *kept_device;
+    uint64_t kept_device_count;
 } em_evict_spec;
 
 /* ---- choosing the rows to evict (eviction.c) ---- */

@@ -990,22 +990,27 @@ static void plan_headroom(request_context *r, uint64_t *evict)
         }
 }
 
-/* The request's rows of shard s (on the host: rows it reads or writes, which eviction
- * must keep); *count of them. */
-static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_t **out,
-                           uint64_t *count, em_error *err)
+/* The request's rows of shard s (rows it reads or writes, which eviction must keep) for
+ * its eviction's spec: read into host memory where the device's memory is the host's;
+ * elsewhere left on the device (kept_device), for the device to read back with its walk
+ * instead of waiting for them here. */
+static em_status kept_rows(request_context *r, segment *seg, uint32_t s, em_evict_spec *spec,
+                           uint64_t **out, em_error *err)
 {
     uint64_t n = shard_key_count(r, s);
+    /* a shard the request has no keys in gives rows to headroom only: none to keep (and
+     * its segment may have no rows array at all) */
+    if (n > 0 && !seg->device->host_addressable) {
+        spec->kept_device = seg->rows + shard_offset(r, seg, s);
+        spec->kept_device_count = n;
+        return EM_OK;
+    }
     uint64_t *rows = malloc((n + 1) * sizeof(uint64_t));
     if (rows == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    /* a shard the request has no keys in gives rows to headroom only: none to keep (and
-     * its segment may have no rows array at all) */
     em_status status = n == 0 ? EM_OK
                               : read_device_value(seg, rows, seg->rows + shard_offset(r, seg, s),
                                                   n * sizeof(uint64_t), err);
-    if (status == EM_OK && !seg->device->host_addressable)
-        status = seg->device->ops->synchronize(seg->lane, err);
     if (status != EM_OK) {
         free(rows);
         return status;
@@ -1015,7 +1020,8 @@ static em_status kept_rows(request_context *r, segment *seg, uint32_t s, uint64_
         if (em_row_stored(rows[i]))
             rows[kept++] = rows[i];
     *out = rows;
-    *count = kept;
+    spec->kept = rows;
+    spec->kept_count = kept;
     return EM_OK;
 }
 
@@ -1281,26 +1287,22 @@ static em_status prepare_eviction(request_context *r, shard_eviction *part, uint
                                   uint64_t evicted_before, em_error *err)
 {
     em_table *table = r->table;
-    uint64_t kept_count = 0;
     part->keys = malloc(count * sizeof(uint64_t));
     part->rows = malloc(count * sizeof(uint64_t));
-    em_status status = part->keys == NULL || part->rows == NULL
-                           ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                                          "eviction: out of host memory")
-                           : kept_rows(r, part->seg, part->shard, &part->kept, &kept_count, err);
-    if (status != EM_OK)
-        return status;
-    table->evict_random = em_mix64(table->evict_random ^ (evicted_before + part->shard));
+    if (part->keys == NULL || part->rows == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
     part->spec = (em_evict_spec){
         .policy = table->config.eviction.policy,
         .candidates = table->config.eviction.candidates,
         .count = count,
         .update_clock = (uint32_t)atomic_load_explicit(&table->update_clock,
                                                        memory_order_relaxed),
-        .random = table->evict_random,
-        .kept = part->kept,
-        .kept_count = kept_count,
     };
+    em_status status = kept_rows(r, part->seg, part->shard, &part->spec, &part->kept, err);
+    if (status != EM_OK)
+        return status;
+    table->evict_random = em_mix64(table->evict_random ^ (evicted_before + part->shard));
+    part->spec.random = table->evict_random;
     return EM_OK;
 }
 

@@ -2188,12 +2188,17 @@ START_TEST(host_waits_and_operations_per_request)
 END_TEST
 
 /* A push that evicts many rows reads the eviction's window of the GPU map (count x
- * candidates entries) with its access metadata at once: it waits for the GPU a few
- * times, not about 4 times per 4,096 entries. Here 8,192 new keys into a full lru table
- * of 32,768 rows on one shard, candidates 16 (the whole shard's 32,768 entries walked):
- * the push waits at most 16 times in all (14 here; 50 when the walk was read a
- * block at a time). The rows left are the ones the rule keeps: the 8,192 keys pushed
- * first, which no request touched since, are the ones gone. */
+ * candidates entries) with its access metadata in one pass, and erases the chosen rows
+ * without waiting: it waits for the GPU a few times, not about 4 times per 4,096
+ * entries. Here 8,192 new keys into a full lru table of 32,768 rows on one shard,
+ * candidates 16 (the whole shard's 32,768 entries walked): the push waits 8 times in
+ * all: its attempt beside other requests, which finds keys missing and the table full;
+ * alone, the at-once attempt's find, the checks, the window's 1 MiB (with the request's
+ * own rows, which the eviction keeps) coming back through this backend's 1 MiB of
+ * staging (3 waits; 1 with the default 16 MiB), the inserts and the end. (50 when the
+ * walk was read a block at a time; 14 when the window was read export by export, the
+ * request's rows on their own and the erase waited.) The rows left are the ones the rule keeps: the 8,192 keys pushed first,
+ * which no request touched since, are the ones gone. */
 START_TEST(a_large_eviction_waits_a_few_times)
 {
     enum { CAPACITY = 32768, BATCH = 8192, DIM = 8 };
@@ -2225,7 +2230,7 @@ START_TEST(a_large_eviction_waits_a_few_times)
     }
     printf("a push of %d new keys evicting %d rows: %" PRIu64 " host waits\n", BATCH, BATCH,
            waits);
-    ck_assert_uint_le(waits, 16);
+    ck_assert_uint_le(waits, 8);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, CAPACITY);

@@ -1122,6 +1122,33 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
+em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,
+                                      em_gpu_storage storage, uint64_t begin, uint64_t count,
+                                      const uint32_t *flags, const uint32_t *rank, uint64_t want,
+                                      em_gpu_walk *walk, uint64_t *keys, uint64_t *rows,
+                                      em_gpu_row_access *access)
+{
+    (void)stream;
+    if (count == 0 || want == 0)
+        return ok();
+    enter_device();
+    for (uint64_t i = 0; i < count; i++)
+        em_gpu_map_walk_compact_item(map, storage, begin, i, flags, rank, want, walk, keys, rows,
+                                     access);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_map_walk_advance(em_gpu_stream *stream, const uint32_t *rank,
+                                      uint64_t count, int wrap, em_gpu_walk *walk)
+{
+    (void)stream;
+    enter_device();
+    em_gpu_map_walk_advance_item(rank, count, wrap, walk);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
                                  const uint64_t *rows, uint64_t n, em_gpu_row_access *out)
 {

@@ -26,6 +26,7 @@
 #include "kernels/kernel_logic.h"
 #include "lib/device/backend.h"
 #include "lib/device/cuda_device.h"
+#include "lib/memory/pool.h"
 #include "kernels/ember_kernels.h"
 #include "tests/support/kernels_emulated.h"
 #include "tests/support/test_support.h"
@@ -39,7 +40,7 @@ typedef struct devices {
     em_lane *cpu_lane, *gpu_lane;
 } devices;
 
-static devices open_devices(void)
+static devices open_devices_staged(size_t staging_bytes)
 {
     devices d;
     em_error err;
@@ -51,12 +52,17 @@ static devices open_devices(void)
     ck_assert_msg(em_cpu_device_create(0, &cpu_options, &d.cpu, &err) == EM_OK, "%s",
                   err.message);
     em__cuda_device_options gpu_options = {
-        .ordinal = 0, .pool_bytes = 128 * MEBIBYTE, .lanes = 2, .staging_bytes = 4096};
+        .ordinal = 0, .pool_bytes = 128 * MEBIBYTE, .lanes = 2, .staging_bytes = staging_bytes};
     ck_assert_msg(em__cuda_device_create(0, &gpu_options, &d.gpu, &err) == EM_OK, "%s",
                   err.message);
     ck_assert_int_eq(d.cpu->ops->lane_acquire(d.cpu, &d.cpu_lane, &err), EM_OK);
     ck_assert_int_eq(d.gpu->ops->lane_acquire(d.gpu, &d.gpu_lane, &err), EM_OK);
     return d;
+}
+
+static devices open_devices(void)
+{
+    return open_devices_staged(4096);
 }
 
 static void close_devices(devices *d)
@@ -1061,6 +1067,367 @@ START_TEST(insert_without_reserve_is_reported)
 }
 END_TEST
 
+/* ---- an eviction's walk of the map ------------------------------------------------------- */
+
+/* A shard that tracks access, holding n keys (among them the two side keys EMPTY and
+ * TOMBSTONE) whose last accesses are all different, on a GPU whose staging holds its
+ * whole walk. */
+typedef struct walked {
+    devices d;
+    em_shard *shard;
+    uint64_t n, positions;
+    uint64_t *keys, *device_keys; /* in insert order */
+} walked;
+
+static walked walked_make(uint64_t n)
+{
+    walked w = {.n = n};
+    w.d = open_devices_staged(4 * MEBIBYTE);
+    em_device *gpu = w.d.gpu;
+    em_shard_spec spec = {.table = "t", .dim = 4, .expected_rows = n,
+                          .optimizer = {.kind = EM_OPTIMIZER_SGD},
+                          .initializer = {.kind = EM_INIT_UNIFORM, .bound = 1.0f, .seed = 3},
+                          .track_access = true, .hash_seed = 5};
+    em_error err;
+    ck_assert_msg(gpu->ops->shard_create(gpu, &spec, &w.shard, &err) == EM_OK, "%s", err.message);
+    w.keys = malloc(n * sizeof(uint64_t));
+    uint64_t *none = malloc(n * sizeof(uint64_t));
+    for (uint64_t i = 0; i < n; i++) {
+        w.keys[i] = i == 0 ? UINT64_MAX : i == 1 ? UINT64_MAX - 1 : i * 0x9e3779b97f4a7c15ull + 7;
+        none[i] = EM_ROW_NONE;
+    }
+    w.device_keys = upload(gpu, w.d.gpu_lane, w.keys, n * sizeof(uint64_t));
+    uint64_t *device_rows = upload(gpu, w.d.gpu_lane, none, n * sizeof(uint64_t));
+    ck_assert_msg(gpu->ops->shard_reserve(w.shard, w.d.gpu_lane, n, 0, &err) == EM_OK, "%s",
+                  err.message);
+    ck_assert_msg(gpu->ops->shard_insert_missing(w.shard, w.d.gpu_lane, w.device_keys, n,
+                                                 device_rows, true, &err) == EM_OK,
+                  "%s", err.message);
+    uint64_t *rows = download(gpu, w.d.gpu_lane, device_rows, n * sizeof(uint64_t));
+    em_row_access *access = calloc(n, sizeof(em_row_access));
+    for (uint64_t i = 0; i < n; i++) /* 7919 is prime: a permutation of [0, n) */
+        access[i] = (em_row_access){.accessed = 1000 + i * 7919 % n, .frequency = 1};
+    ck_assert_msg(gpu->ops->shard_write_access(w.shard, w.d.gpu_lane, rows, n, access, &err) ==
+                      EM_OK,
+                  "%s", err.message);
+    em_shard_stats stats;
+    gpu->ops->shard_stats(w.shard, &stats);
+    w.positions = 2 + stats.index_bytes / sizeof(em_gpu_slot);
+    em_device_free(gpu, device_rows);
+    free(rows);
+    free(access);
+    free(none);
+    return w;
+}
+
+static void walked_free(walked *w)
+{
+    em_device_free(w->d.gpu, w->device_keys);
+    w->d.gpu->ops->shard_destroy(w->shard);
+    close_devices(&w->d);
+    free(w->keys);
+}
+
+/* The map's entries in the order of a walk from position start: from start to the end
+ * of the export positions, then from position 0. *count of them, with rows and access. */
+static uint64_t *walk_order(walked *w, uint64_t start, uint64_t **rows, em_row_access **access,
+                            uint64_t *count)
+{
+    em_device *gpu = w->d.gpu;
+    em_error err;
+    uint64_t *keys = malloc((w->n + 1) * 2 * sizeof(uint64_t));
+    *rows = malloc((w->n + 1) * 2 * sizeof(uint64_t));
+    uint64_t cursor = start, tail = 0, all = 0;
+    ck_assert_int_eq(gpu->ops->shard_export(w->shard, w->d.gpu_lane, &cursor, keys, NULL, *rows,
+                                            2 * w->n, &tail, &err), EM_OK);
+    cursor = 0;
+    ck_assert_int_eq(gpu->ops->shard_export(w->shard, w->d.gpu_lane, &cursor, keys + tail, NULL,
+                                            *rows + tail, 2 * w->n, &all, &err), EM_OK);
+    *count = all; /* the entries from start, then the first all - tail of the whole */
+    *access = malloc(*count * sizeof(em_row_access));
+    ck_assert_int_eq(gpu->ops->shard_read_access(w->shard, w->d.gpu_lane, *rows, *count, *access,
+                                                 &err), EM_OK);
+    return keys;
+}
+
+static int compare_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static bool row_in(const uint64_t *rows, uint64_t n, uint64_t row)
+{
+    for (uint64_t i = 0; i < n; i++)
+        if (rows[i] == row)
+            return true;
+    return false;
+}
+
+/* The lru rule of lib/table/table_config.h: the chosen keys are the count oldest (all
+ * accesses differ) among the entries outside kept of the walk's first `seen`, for some
+ * seen from the window (count x candidates, or all) on. The walk's entries as they were
+ * before the eviction. */
+typedef struct walk_entries {
+    uint64_t *keys, *rows, count;
+    em_row_access *access;
+} walk_entries;
+
+static walk_entries walk_entries_take(walked *w, uint64_t start)
+{
+    walk_entries e;
+    e.keys = walk_order(w, start, &e.rows, &e.access, &e.count);
+    return e;
+}
+
+static void walk_entries_free(walk_entries *e)
+{
+    free(e->keys);
+    free(e->rows);
+    free(e->access);
+}
+
+static void assert_lru_rule(const walk_entries *e, const em_evict_spec *spec,
+                            const uint64_t *chosen, uint64_t positions)
+{
+    const uint64_t *rows = e->rows, *order = e->keys;
+    const em_row_access *access = e->access;
+    uint64_t count = e->count;
+    uint64_t *want = malloc((spec->count + 1) * sizeof(uint64_t));
+    uint64_t *got = malloc((spec->count + 1) * sizeof(uint64_t));
+    uint64_t *pool = malloc((count + 1) * 2 * sizeof(uint64_t));
+    memcpy(got, chosen, spec->count * sizeof(uint64_t));
+    qsort(got, spec->count, sizeof(uint64_t), compare_u64);
+    uint64_t window = spec->count * spec->candidates;
+    bool matched = false;
+    for (uint64_t seen = window < count ? window : count; seen <= count && !matched; seen++) {
+        uint64_t pooled = 0; /* (accessed, key) pairs outside kept */
+        for (uint64_t i = 0; i < seen; i++)
+            if (!row_in(spec->kept, spec->kept_count, rows[i])) {
+                pool[2 * pooled] = access[i].accessed;
+                pool[2 * pooled++ + 1] = order[i];
+            }
+        if (pooled < spec->count)
+            continue;
+        qsort(pool, pooled, 2 * sizeof(uint64_t), compare_u64);
+        for (uint64_t v = 0; v < spec->count; v++)
+            want[v] = pool[2 * v + 1];
+        qsort(want, spec->count, sizeof(uint64_t), compare_u64);
+        matched = memcmp(want, got, spec->count * sizeof(uint64_t)) == 0;
+    }
+    ck_assert_msg(matched, "evicted %" PRIu64 " keys from position %" PRIu64
+                  " that no walk of at least %" PRIu64 " entries chooses",
+                  spec->count, spec->random % positions, window);
+    free(want);
+    free(got);
+    free(pool);
+}
+
+/* Allocates from the pool until `leave` bytes of it are free (within a granule);
+ * returns the allocations, NULL-terminated, for balloon_free. */
+static void **balloon_leaving(em_device *device, uint64_t leave)
+{
+    void **held = calloc(1024, sizeof(void *));
+    for (int count = 0;;) {
+        em_pool_stats stats;
+        em_pool_get_stats(device->pool, &stats);
+        if (stats.bytes_free <= leave + EM_POOL_ALIGNMENT)
+            break;
+        uint64_t take = stats.bytes_free - leave;
+        take = take < stats.largest_free_block ? take : stats.largest_free_block;
+        ck_assert_int_lt(count, 1023);
+        held[count++] = device_buffer(device, take);
+    }
+    return held;
+}
+
+static void balloon_free(em_device *device, void **held)
+{
+    for (int i = 0; held[i] != NULL; i++)
+        em_device_free(device, held[i]);
+    free(held);
+}
+
+/* Makes room for spec->count new keys after evicting as many (shard_reserve), evicts by
+ * spec and checks the rule, then that the map's header kept on the host (not read back
+ * after an eviction) is the GPU's: the evicted keys are gone, the others found, and the
+ * new keys fit into the rows they left without the storage growing. With
+ * kept_on_device the kept rows go to the shard as a request's rows on the GPU
+ * (kept_device); with leave > 0 the eviction runs with only that many bytes of the pool
+ * free. *waits: the eviction's host waits. */
+static void evict_and_check(walked *w, const em_evict_spec *spec, bool kept_on_device,
+                            uint64_t leave, uint64_t *waits)
+{
+    em_device *gpu = w->d.gpu;
+    em_error err;
+    uint64_t *keys = malloc((spec->count + 1) * sizeof(uint64_t));
+    uint64_t *rows = malloc((spec->count + 1) * sizeof(uint64_t));
+    walk_entries entries = walk_entries_take(w, spec->random % w->positions);
+    /* as a table does: room for the new keys after the eviction, then the eviction */
+    ck_assert_msg(gpu->ops->shard_reserve(w->shard, w->d.gpu_lane, spec->count, spec->count,
+                                          &err) == EM_OK,
+                  "%s", err.message);
+    em_shard_stats stats;
+    gpu->ops->shard_stats(w->shard, &stats);
+    uint64_t row_limit = stats.row_limit;
+    em_evict_spec given = *spec;
+    uint64_t *device_kept = NULL;
+    if (kept_on_device) { /* as a request's rows: with rows that are not stored between */
+        uint64_t *request_rows = malloc((2 * spec->kept_count + 1) * sizeof(uint64_t));
+        for (uint64_t i = 0; i < spec->kept_count; i++) {
+            request_rows[2 * i] = spec->kept[i];
+            request_rows[2 * i + 1] = i % 2 == 0 ? EM_ROW_NONE : EM_ROW_REJECTED;
+        }
+        device_kept = upload(gpu, w->d.gpu_lane, request_rows,
+                             2 * spec->kept_count * sizeof(uint64_t));
+        given.kept = NULL;
+        given.kept_count = 0;
+        given.kept_device = device_kept;
+        given.kept_device_count = 2 * spec->kept_count;
+        free(request_rows);
+    }
+    void **balloon = leave > 0 ? balloon_leaving(gpu, leave) : NULL;
+    uint64_t operations = 0, before = 0, after = 0;
+    em_gpu_emulated_counts(&operations, &before);
+    ck_assert_msg(gpu->ops->shard_evict(w->shard, w->d.gpu_lane, &given, keys, rows, &err) ==
+                      EM_OK,
+                  "%s", err.message);
+    em_gpu_emulated_counts(&operations, &after);
+    if (balloon != NULL)
+        balloon_free(gpu, balloon);
+    if (device_kept != NULL)
+        em_device_free(gpu, device_kept);
+    *waits = after - before;
+    assert_lru_rule(&entries, spec, keys, w->positions);
+    walk_entries_free(&entries);
+    for (uint64_t v = 0; v < spec->count; v++)
+        ck_assert(!row_in(spec->kept, spec->kept_count, rows[v]));
+    gpu->ops->shard_stats(w->shard, &stats);
+    ck_assert_uint_eq(stats.rows, w->n - spec->count);
+
+    uint64_t *found = device_buffer(gpu, w->n * sizeof(uint64_t));
+    uint64_t missing = 0;
+    ck_assert_int_eq(gpu->ops->shard_find(w->shard, w->d.gpu_lane, w->device_keys, w->n, found,
+                                          &missing, &err), EM_OK);
+    ck_assert_uint_eq(missing, spec->count);
+    uint64_t *found_host = download(gpu, w->d.gpu_lane, found, w->n * sizeof(uint64_t));
+    for (uint64_t i = 0; i < w->n; i++)
+        ck_assert_msg(row_in(keys, spec->count, w->keys[i]) == (found_host[i] == EM_ROW_NONE),
+                      "key %" PRIu64, w->keys[i]);
+    uint64_t *fresh = malloc((spec->count + 1) * sizeof(uint64_t));
+    uint64_t *none = malloc((spec->count + 1) * sizeof(uint64_t));
+    for (uint64_t v = 0; v < spec->count; v++) {
+        fresh[v] = (w->n + v) * 0x9e3779b97f4a7c15ull + 7;
+        none[v] = EM_ROW_NONE;
+    }
+    uint64_t *device_fresh = upload(gpu, w->d.gpu_lane, fresh, spec->count * sizeof(uint64_t));
+    uint64_t *device_none = upload(gpu, w->d.gpu_lane, none, spec->count * sizeof(uint64_t));
+    ck_assert_msg(gpu->ops->shard_insert_missing(w->shard, w->d.gpu_lane, device_fresh,
+                                                 spec->count, device_none, true, &err) == EM_OK,
+                  "%s", err.message);
+    gpu->ops->shard_stats(w->shard, &stats);
+    ck_assert_uint_eq(stats.rows, w->n);
+    ck_assert_uint_eq(stats.row_limit, row_limit);
+    em_device_free(gpu, found);
+    em_device_free(gpu, device_fresh);
+    em_device_free(gpu, device_none);
+    free(found_host);
+    free(fresh);
+    free(none);
+    free(keys);
+    free(rows);
+}
+
+/* The rows of the entries with the `count` oldest accesses (the kept rows of a request
+ * that uses the eviction's best choices). */
+static uint64_t *oldest_rows(walked *w, uint64_t count)
+{
+    uint64_t *rows, n;
+    em_row_access *access;
+    uint64_t *order = walk_order(w, 0, &rows, &access, &n);
+    uint64_t *pairs = malloc((n + 1) * 2 * sizeof(uint64_t));
+    for (uint64_t i = 0; i < n; i++) {
+        pairs[2 * i] = access[i].accessed;
+        pairs[2 * i + 1] = rows[i];
+    }
+    qsort(pairs, n, 2 * sizeof(uint64_t), compare_u64);
+    uint64_t *kept = malloc((count + 1) * sizeof(uint64_t));
+    for (uint64_t v = 0; v < count; v++)
+        kept[v] = pairs[2 * v + 1];
+    free(pairs);
+    free(order);
+    free(rows);
+    free(access);
+    return kept;
+}
+
+/* Loop index: where the walk starts (a side row's position, the first slots, the middle,
+ * the last position) and what it removes: one row, 40 rows (a window of 160 entries),
+ * half the rows (a window beyond every entry), 40 rows while the 300 oldest must stay,
+ * 5 rows while all but 12 must stay, and 40 rows while the window's first 150 entries
+ * must stay and the oldest rows are the ones right after the window (in both, the walk
+ * goes on past its window). The kept rows are given in host memory, or (the last shape,
+ * and the 300 oldest from odd starts) as a request's rows on the GPU. The GPU reads the
+ * walk's window, and the request's rows with it, at once: the eviction waits for it
+ * once (more when the walk goes on past it), and not after its erase. */
+START_TEST(an_eviction_reads_its_window_at_once_and_follows_the_rule)
+{
+    enum { N = 1500, CANDIDATES = 4 };
+    walked w = walked_make(N);
+    uint64_t starts[] = {0, 1, 2, 3, w.positions / 2, w.positions - 1};
+    uint64_t counts[] = {1, 40, N / 2, 40, 5, 40};
+    uint64_t start = starts[_i % 6], shape = (uint64_t)_i / 6;
+    em_evict_spec spec = {.policy = EM_EVICTION_LRU, .candidates = CANDIDATES,
+                          .count = counts[shape], .random = start};
+    uint64_t *kept = NULL;
+    if (shape == 5) { /* the window's first 150 must stay; the oldest follow the window */
+        em_error err;
+        spec.count = 40;
+        uint64_t window = spec.count * CANDIDATES;
+        walk_entries e = walk_entries_take(&w, start);
+        for (uint64_t i = 0; i < e.count; i++)
+            e.access[i].accessed = 1000 + (i > window ? i - window : window - i);
+        ck_assert_int_eq(w.d.gpu->ops->shard_write_access(w.shard, w.d.gpu_lane, e.rows, e.count,
+                                                          e.access, &err), EM_OK);
+        kept = malloc(150 * sizeof(uint64_t));
+        memcpy(kept, e.rows, 150 * sizeof(uint64_t));
+        spec.kept_count = 150;
+        walk_entries_free(&e);
+    } else if (shape == 3) {
+        kept = oldest_rows(&w, 300);
+        spec.kept_count = 300;
+    } else if (shape == 4) { /* every row but the 12 newest */
+        kept = oldest_rows(&w, N - 12);
+        spec.kept_count = N - 12;
+    }
+    spec.kept = kept;
+    uint64_t waits = 0;
+    evict_and_check(&w, &spec, shape == 5 || (shape == 3 && start % 2 == 1), 0, &waits);
+    ck_assert_uint_le(waits, shape >= 4 ? 8 : 1);
+    free(kept);
+    walked_free(&w);
+}
+END_TEST
+
+/* Where the pool has no room for the window's buffers, an eviction reads the request's
+ * rows, then its walk export by export (more waits), and chooses by the same rule. Loop
+ * index: the start, as above. */
+START_TEST(an_eviction_without_room_for_its_window_walks_export_by_export)
+{
+    enum { N = 1500 };
+    walked w = walked_make(N);
+    uint64_t starts[] = {0, 2, w.positions / 2};
+    uint64_t *kept = oldest_rows(&w, 100);
+    em_evict_spec spec = {.policy = EM_EVICTION_LRU, .candidates = 4, .count = N / 2,
+                          .random = starts[_i], .kept = kept, .kept_count = 100};
+    uint64_t waits = 0;
+    evict_and_check(&w, &spec, true, 64 * 1024, &waits);
+    ck_assert_uint_gt(waits, 1);
+    free(kept);
+    walked_free(&w);
+}
+END_TEST
+
 /* ---- the emulation's copies ---------------------------------------------------------- */
 
 /* A device buffer of 64 bytes and two pinned ones, on emulated device 0. */
@@ -1170,6 +1537,8 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, maps_at_load_0_9_find_every_key);
     tcase_add_test(tc, unique_claims_keep_first_positions_under_threads);
     tcase_add_test(tc, insert_without_reserve_is_reported);
+    tcase_add_loop_test(tc, an_eviction_reads_its_window_at_once_and_follows_the_rule, 0, 36);
+    tcase_add_loop_test(tc, an_eviction_without_room_for_its_window_walks_export_by_export, 0, 3);
     tcase_add_test(tc, copies_into_pinned_memory_land_when_waited_for);
     tcase_add_loop_test_raise_signal(tc, pinned_memory_misused_before_the_wait_stops_the_process,
                                      SIGABRT, 0, 3);
