@@ -681,6 +681,7 @@ static const em_device_ops cuda_device_ops = {
     .shard_read_access = em__cuda_shard_read_access,
     .shard_write_access = em__cuda_shard_write_access,
     .shard_evict = em__cuda_shard_evict,
+    .shards_evict = em__cuda_shards_evict,
     .shard_expire = em__cuda_shard_expire,
     .destroy = cuda_device_destroy,
 };

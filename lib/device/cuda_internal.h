@@ -360,6 +360,7 @@ em_status em__cuda_shard_write_access(em_shard *base, em_lane *lane_base, const 
                                       uint64_t n, const em_row_access *in, em_error *err);
 em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evict_spec *spec,
                                uint64_t *keys, uint64_t *rows, em_error *err);
+void em__cuda_shards_evict(em_lane *lane, em_shard_evict_part *parts, uint32_t count);
 em_status em__cuda_shard_expire(em_shard *base, em_lane *lane_base, uint32_t update_clock,
                                 uint32_t min_age, uint64_t *cursor, uint64_t scan,
                                 uint64_t *keys, uint64_t *rows, uint64_t *count, em_error *err);

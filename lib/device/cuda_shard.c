@@ -1650,6 +1650,10 @@ typedef struct cuda_evict_walk {
     const uint64_t *kept_device;    /* the spec's kept_device, read back with the walk */
     uint64_t kept_device_count;
     uint64_t *kept, kept_count;     /* of them, the stored rows (host memory) */
+    /* the read ahead's plan (plan_window): the side rows, the span of slots [first,
+     * first + before) then [0, after), and the walk's part of the shared region */
+    uint64_t side, side_keys[2], side_rows[2];
+    uint64_t first, span, before, after, offset, bytes;
 } cuda_evict_walk;
 
 /* The walk's next entries from the GPU, up to max, without their metadata; they end where
@@ -1844,88 +1848,146 @@ static em_status hold_window(cuda_evict_walk *w, const window_region *r,
 /* The read ahead in one wait (export_range waits about three times an export, and an
  * export stops where the walk wraps): the entries of a span of slots that should hold
  * `ahead` of them (window_span) are compacted on the GPU with their access metadata
- * (enqueue_walk), the side rows' metadata read beside them, and all of it copied back
- * at once. The held entries are the walk's order: from the start position to the end
- * of the map, then positions 0 and 1 (the side rows), then the slots before the start.
- * When the span held fewer, the walk goes on after it export by export. *read false:
- * the pool has no room for the buffers, and nothing was enqueued. */
-static em_status read_window(cuda_evict_walk *w, bool *read, em_error *err)
+ * (enqueue_walk), the side rows' metadata and the request's rows of the shard read
+ * beside them, and all of it copied back at once. The held entries are the walk's
+ * order: from the start position to the end of the map, then positions 0 and 1 (the
+ * side rows), then the slots before the start. When the span held fewer, the walk goes
+ * on after it export by export. Several shards' walks on one lane share the buffers and
+ * the copy (em__cuda_shards_evict): plan_window sizes a walk's part of them,
+ * enqueue_window fills it, take_window takes it in. */
+static void plan_window(cuda_evict_walk *w, uint64_t offset)
+{
+    cuda_shard *shard = w->shard;
+    uint64_t slot_count = shard->slot_count;
+    w->side = side_entries(shard, 0, 2, w->side_keys, w->side_rows);
+    /* the walk from position start: slots [first, first + before), then [0, after) */
+    w->first = w->start >= 2 ? w->start - 2 : 0;
+    w->span = window_span(shard, w->ahead, w->side);
+    w->before = w->span < slot_count - w->first ? w->span : slot_count - w->first;
+    w->after = w->span - w->before;
+    w->offset = offset;
+    w->bytes = region_bytes(w->ahead, w->kept_device_count);
+}
+
+/* Buffers the enqueued walks share: flags and ranks of a window of slots, the scan's
+ * temporary storage, the side rows, and the region all walks' parts come back in. */
+typedef struct window_buffers {
+    export_buffers b;
+    uint64_t *side_rows; /* two per walk */
+    uint8_t *region;
+    size_t bytes;
+} window_buffers;
+
+/* Takes the buffers for walks[0..count) (planned); RESOURCE_EXHAUSTED when the pool has
+ * no room for them. */
+static em_status take_window_buffers(scratch *s, cuda_lane *lane, cuda_evict_walk *walks,
+                                     uint32_t count, window_buffers *out, em_error *err)
+{
+    uint64_t window = 1;
+    out->bytes = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        window = walks[i].span > window ? walks[i].span : window;
+        out->bytes = walks[i].offset + walks[i].bytes > out->bytes
+                         ? walks[i].offset + walks[i].bytes
+                         : out->bytes;
+    }
+    out->b = (export_buffers){.window = window < EXPORT_WINDOW_SLOTS ? window : EXPORT_WINDOW_SLOTS};
+    em_status status = scratch_take(s, out->bytes, "eviction walk", (void **)&out->region, err);
+    if (status == EM_OK)
+        status = scratch_take(s, 2 * count * sizeof(uint64_t), "eviction side rows",
+                              (void **)&out->side_rows, err);
+    if (status == EM_OK)
+        status = scratch_take(s, (out->b.window + 1) * sizeof(uint32_t), "eviction flags",
+                              (void **)&out->b.flags, err);
+    if (status == EM_OK)
+        status = scratch_take(s, (out->b.window + 1) * sizeof(uint32_t), "eviction ranks",
+                              (void **)&out->b.rank, err);
+    if (status == EM_OK)
+        status = em__cuda_take_scan_temp(s, lane, out->b.window + 1, &out->b.temp,
+                                         &out->b.temp_bytes, err);
+    return status;
+}
+
+/* Enqueues walk i's part of the region: its counts, the request's rows, the side rows'
+ * metadata and the span's entries. */
+static em_status enqueue_window(cuda_evict_walk *w, uint32_t i, const window_buffers *buffers,
+                                em_error *err)
 {
     cuda_shard *shard = w->shard;
     cuda_lane *lane = w->lane;
-    uint64_t slot_count = shard->slot_count;
-    uint64_t side_keys[2], side_rows[2];
-    uint64_t side = side_entries(shard, 0, 2, side_keys, side_rows);
-    uint64_t want = w->ahead;
-    /* the walk from position start: slots [first, first + before), then [0, after) */
-    uint64_t first = w->start >= 2 ? w->start - 2 : 0;
-    uint64_t span = window_span(shard, want, side);
-    uint64_t before = span < slot_count - first ? span : slot_count - first;
-    uint64_t after = span - before;
+    uint8_t *base = buffers->region + w->offset;
+    window_region device = region_layout(base, w->ahead);
+    em_gpu_walk *walk = (em_gpu_walk *)base;
+    uint64_t *device_side = buffers->side_rows + 2 * i;
+    em_gpu_walk begin = {.next_slot = UINT64_MAX};
+    em_status status = em__cuda_copy_to_device(&lane->base, walk, &begin, sizeof(begin), err);
+    if (status == EM_OK && w->kept_device_count > 0)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, device.kept, w->kept_device,
+                                                      w->kept_device_count * sizeof(uint64_t)),
+                            err);
+    if (status == EM_OK && w->side > 0)
+        status = em__cuda_copy_to_device(&lane->base, device_side, w->side_rows,
+                                         w->side * sizeof(uint64_t), err);
+    if (status == EM_OK)
+        status = order_read(shard, lane, err);
+    if (status == EM_OK && w->side > 0)
+        status = lane_check(lane, em_gpu_access_read(lane->stream, storage_view(shard),
+                                                     device_side, w->side, device.side_access),
+                            err);
+    if (status == EM_OK)
+        status = enqueue_walk(shard, lane, w->first, w->before, w->after > 0, w->ahead,
+                              &buffers->b, walk, &device, err);
+    if (status == EM_OK)
+        status = enqueue_walk(shard, lane, 0, w->after, false, w->ahead, &buffers->b, walk,
+                              &device, err);
+    if (status == EM_OK)
+        status = record_read(shard, lane, err);
+    return status;
+}
 
-    scratch s = {.device = shard->base.device};
-    export_buffers b = {.window = span < EXPORT_WINDOW_SLOTS ? span : EXPORT_WINDOW_SLOTS};
-    uint8_t *device_base = NULL;
-    uint64_t *device_side = NULL;
-    uint64_t kept_count = w->kept_device_count;
-    size_t bytes = region_bytes(want, kept_count);
-    em_status status = scratch_take(&s, bytes, "eviction walk", (void **)&device_base, err);
-    if (status == EM_OK)
-        status = scratch_take(&s, 2 * sizeof(uint64_t), "eviction side rows",
-                              (void **)&device_side, err);
-    if (status == EM_OK)
-        status = scratch_take(&s, (b.window + 1) * sizeof(uint32_t), "eviction flags",
-                              (void **)&b.flags, err);
-    if (status == EM_OK)
-        status = scratch_take(&s, (b.window + 1) * sizeof(uint32_t), "eviction ranks",
-                              (void **)&b.rank, err);
-    if (status == EM_OK)
-        status = em__cuda_take_scan_temp(&s, lane, b.window + 1, &b.temp, &b.temp_bytes, err);
-    uint8_t *host_base = status == EM_OK ? malloc(bytes) : NULL;
-    if (status == EM_OK && host_base == NULL)
+/* Takes in walk w's part of the region, copied back to host memory at host. */
+static em_status take_window(cuda_evict_walk *w, const uint8_t *host, em_error *err)
+{
+    window_region part = region_layout((uint8_t *)host + w->offset, w->ahead);
+    memcpy(&part.walk, host + w->offset, sizeof(part.walk));
+    em_status status = hold_window(w, &part, w->side_keys, w->side_rows, w->side, w->first,
+                                   w->before, w->after, err);
+    return status == EM_OK ? take_kept(w, part.kept, w->kept_device_count, err) : status;
+}
+
+/* Reads walks[0..count) (one lane) at once. *read false: the pool has no room for the
+ * buffers, and nothing was enqueued. */
+static em_status read_windows(cuda_evict_walk *walks, uint32_t count, bool *read, em_error *err)
+{
+    cuda_lane *lane = walks[0].lane;
+    uint64_t offset = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        plan_window(&walks[i], offset);
+        offset += (walks[i].bytes + 255) & ~(uint64_t)255; /* each part 256-byte aligned */
+    }
+    scratch s = {.device = lane->base.device};
+    window_buffers buffers;
+    em_status status = take_window_buffers(&s, lane, walks, count, &buffers, err);
+    uint8_t *host = status == EM_OK ? malloc(buffers.bytes) : NULL;
+    if (status == EM_OK && host == NULL)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
     *read = status != EM_RESOURCE_EXHAUSTED;
     if (status != EM_OK) {
         scratch_free_now(&s);
         return *read ? status : EM_OK;
     }
-    window_region device = region_layout(device_base, want);
-    em_gpu_walk *walk = (em_gpu_walk *)device_base;
-    em_gpu_walk begin = {.next_slot = UINT64_MAX};
-    status = em__cuda_copy_to_device(&lane->base, walk, &begin, sizeof(begin), err);
-    if (status == EM_OK && kept_count > 0)
-        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, device.kept, w->kept_device,
-                                                      kept_count * sizeof(uint64_t)),
-                            err);
-    if (status == EM_OK && side > 0)
-        status = em__cuda_copy_to_device(&lane->base, device_side, side_rows,
-                                         side * sizeof(uint64_t), err);
-    if (status == EM_OK)
-        status = order_read(shard, lane, err);
-    if (status == EM_OK && side > 0)
-        status = lane_check(lane, em_gpu_access_read(lane->stream, storage_view(shard),
-                                                     device_side, side, device.side_access),
-                            err);
-    if (status == EM_OK)
-        status = enqueue_walk(shard, lane, first, before, after > 0, want, &b, walk, &device,
-                              err);
-    if (status == EM_OK)
-        status = enqueue_walk(shard, lane, 0, after, false, want, &b, walk, &device, err);
-    if (status == EM_OK)
-        status = record_read(shard, lane, err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        status = enqueue_window(&walks[i], i, &buffers, err);
     if (status == EM_OK) /* synchronizes */
-        status = em__cuda_copy_to_host(&lane->base, host_base, device_base, bytes, err);
+        status = em__cuda_copy_to_host(&lane->base, host, buffers.region, buffers.bytes, err);
     if (status != EM_OK) {
-        free(host_base);
+        free(host);
         return em__cuda_finish_async(&s, lane, status, err);
     }
     scratch_free_now(&s);
-    window_region host = region_layout(host_base, want);
-    memcpy(&host.walk, host_base, sizeof(host.walk));
-    status = hold_window(w, &host, side_keys, side_rows, side, first, before, after, err);
-    if (status == EM_OK)
-        status = take_kept(w, host.kept, kept_count, err);
-    free(host_base);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        status = take_window(&walks[i], host, err);
+    free(host);
     return status;
 }
 
@@ -1977,7 +2039,7 @@ static em_status read_kept(cuda_evict_walk *w, em_error *err)
 static em_status read_ahead(cuda_evict_walk *w, em_error *err)
 {
     bool read = false;
-    em_status status = read_window(w, &read, err);
+    em_status status = read_windows(w, 1, &read, err);
     if (status == EM_OK && !read)
         status = read_kept(w, err);
     if (status == EM_OK && !read)
@@ -2007,41 +2069,106 @@ static em_status cuda_evict_walk_next(void *context, uint64_t max, uint64_t *key
     return status;
 }
 
+/* A walk for spec over shard's map (not yet read). */
+static cuda_evict_walk evict_walk(cuda_shard *shard, cuda_lane *lane, const em_evict_spec *spec)
+{
+    uint64_t positions = 2 + shard->slot_count;
+    uint64_t window = em_evict_window(spec);
+    window = window < EVICT_READ_AHEAD ? window : EVICT_READ_AHEAD;
+    return (cuda_evict_walk){.shard = shard,
+                             .lane = lane,
+                             .start = spec->random % positions,
+                             .cursor = spec->random % positions,
+                             .end = positions,
+                             .ahead = window < shard->size + 2 ? window : shard->size + 2,
+                             .kept_device = spec->kept_device,
+                             .kept_device_count = spec->kept_device_count};
+}
+
+static void evict_walk_free(cuda_evict_walk *w)
+{
+    free(w->keys);
+    free(w->rows);
+    free(w->access);
+    free(w->kept);
+}
+
+/* After the walk's read ahead: the choice by spec over the walk, and the erase of the
+ * chosen rows (enqueued). */
+static em_status choose_and_erase(cuda_evict_walk *w, const em_evict_spec *spec, uint64_t *keys,
+                                  uint64_t *rows, em_error *err)
+{
+    em_evict_spec choice = *spec;
+    if (w->kept_device_count > 0) {
+        choice.kept = w->kept;
+        choice.kept_count = w->kept_count;
+    }
+    em_status status = em_evict_choose(&choice, cuda_evict_walk_next, w, keys, rows, err);
+    if (status == EM_OK)
+        status = erase_host_keys(w->shard, w->lane, keys, spec->count, false, err);
+    return status;
+}
+
 em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evict_spec *spec,
                                uint64_t *keys, uint64_t *rows, em_error *err)
 {
     cuda_shard *shard = shard_of(base);
-    cuda_lane *lane = lane_of(lane_base);
     if (!shard->track_access)
         return em_error_set(err, EM_FAILED_PRECONDITION, "shard keeps no access metadata");
     if (spec->count == 0) /* a shard that only takes the request's new keys */
         return EM_OK;
-    uint64_t positions = 2 + shard->slot_count;
-    uint64_t window = em_evict_window(spec);
-    window = window < EVICT_READ_AHEAD ? window : EVICT_READ_AHEAD;
-    cuda_evict_walk walk = {.shard = shard,
-                            .lane = lane,
-                            .start = spec->random % positions,
-                            .cursor = spec->random % positions,
-                            .end = positions,
-                            .ahead = window < shard->size + 2 ? window : shard->size + 2,
-                            .kept_device = spec->kept_device,
-                            .kept_device_count = spec->kept_device_count};
-    em_evict_spec choice = *spec;
+    cuda_evict_walk walk = evict_walk(shard, lane_of(lane_base), spec);
     em_status status = read_ahead(&walk, err);
-    if (walk.kept_device_count > 0) {
-        choice.kept = walk.kept;
-        choice.kept_count = walk.kept_count;
-    }
     if (status == EM_OK)
-        status = em_evict_choose(&choice, cuda_evict_walk_next, &walk, keys, rows, err);
-    free(walk.keys);
-    free(walk.rows);
-    free(walk.access);
-    free(walk.kept);
-    if (status == EM_OK)
-        status = erase_host_keys(shard, lane, keys, spec->count, false, err);
+        status = choose_and_erase(&walk, spec, keys, rows, err);
+    evict_walk_free(&walk);
     return status;
+}
+
+void em__cuda_shards_evict(em_lane *lane_base, em_shard_evict_part *parts, uint32_t count)
+{
+    cuda_lane *lane = lane_of(lane_base);
+    cuda_evict_walk *walks = calloc(count > 0 ? count : 1, sizeof(*walks));
+    uint32_t *part_of = calloc(count > 0 ? count : 1, sizeof(*part_of));
+    uint32_t reading = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        cuda_shard *shard = shard_of(parts[i].shard);
+        parts[i].status = EM_OK;
+        if (!shard->track_access)
+            parts[i].status = em_error_set(&parts[i].err, EM_FAILED_PRECONDITION,
+                                           "shard keeps no access metadata");
+        else if (parts[i].spec.count > 0 && walks != NULL && part_of != NULL) {
+            part_of[reading] = i;
+            walks[reading++] = evict_walk(shard, lane, &parts[i].spec);
+        }
+    }
+    bool read = false;
+    em_error err;
+    em_status status = walks == NULL || part_of == NULL
+                           ? EM_OK /* no memory to read at once: each on its own */
+                           : read_windows(walks, reading, &read, &err);
+    for (uint32_t r = 0; r < reading; r++) {
+        em_shard_evict_part *part = &parts[part_of[r]];
+        if (status != EM_OK) {
+            part->status = status;
+            part->err = err;
+        } else if (read) {
+            part->status = choose_and_erase(&walks[r], &part->spec, part->keys, part->rows,
+                                            &part->err);
+        } else { /* no room for every walk's buffers at once */
+            part->status = em__cuda_shard_evict(part->shard, lane_base, &part->spec,
+                                                part->keys, part->rows, &part->err);
+        }
+        evict_walk_free(&walks[r]);
+    }
+    if (walks == NULL || part_of == NULL) /* each on its own */
+        for (uint32_t i = 0; i < count; i++)
+            if (parts[i].status == EM_OK)
+                parts[i].status = em__cuda_shard_evict(parts[i].shard, lane_base, &parts[i].spec,
+                                                       parts[i].keys, parts[i].rows,
+                                                       &parts[i].err);
+    free(walks);
+    free(part_of);
 }
 
 em_status em__cuda_shard_expire(em_shard *base, em_lane *lane_base, uint32_t update_clock,

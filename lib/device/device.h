@@ -108,6 +108,15 @@ typedef struct em_device_batch {
     uint64_t unique_count;
 } em_device_batch;
 
+/* One shard's part of shards_evict. */
+typedef struct em_shard_evict_part {
+    em_shard *shard;
+    em_evict_spec spec;
+    uint64_t *keys, *rows; /* out: spec.count each, host memory */
+    em_status status;
+    em_error err;
+} em_shard_evict_part;
+
 typedef struct em_device_ops {
     /* -- memory and lanes ---------------------------------------------------------- */
     /* Region provider for the device's pool (cudaMalloc, or host memory). */
@@ -366,6 +375,12 @@ typedef struct em_device_ops {
      * move entries (em_hashmap_erase_exclusive). */
     em_status (*shard_evict)(em_shard *shard, em_lane *lane, const em_evict_spec *spec,
                              uint64_t *keys, uint64_t *rows, em_error *err);
+    /* shard_evict of several shards of this device at once, on one lane: each part's
+     * shard gives up part->spec.count rows into part->keys and part->rows, its status and
+     * error in the part; the shards' walks are read back together (one wait for all,
+     * where shard_evict waits once for each). NULL where a backend evicts a shard at a
+     * time. */
+    void (*shards_evict)(em_lane *lane, em_shard_evict_part *parts, uint32_t count);
     /* Removes the keys whose rows[i] is not EM_ROW_NONE (distinct keys with their rows
      * from shard_find, device memory); their rows are reused by later inserts. Under the
      * shard's write lock. NULL where a backend cannot erase. */

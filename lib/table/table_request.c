@@ -1382,6 +1382,34 @@ static void parts_free(shard_eviction *parts, uint32_t count)
     free(parts);
 }
 
+/* Where the devices evict several shards at once (shards_evict, the GPUs: a lane's
+ * walks come back in one wait), each device's parts go together, on its lane; returns
+ * false where they do not (the parts then run a shard at a time, on threads). */
+static bool evict_device_by_device(em_table *table, shard_eviction *parts, uint32_t count)
+{
+    for (uint32_t i = 0; i < count; i++)
+        if (parts[i].seg->device->ops->shards_evict == NULL)
+            return false;
+    em_shard_evict_part *batch = calloc(count > 0 ? count : 1, sizeof(*batch));
+    if (batch == NULL)
+        return false;
+    for (uint32_t first = 0, end; first < count; first = end) {
+        segment *seg = parts[first].seg; /* the parts are in device order */
+        for (end = first; end < count && parts[end].seg == seg; end++)
+            batch[end - first] = (em_shard_evict_part){.shard = table->shards[parts[end].shard],
+                                                       .spec = parts[end].spec,
+                                                       .keys = parts[end].keys,
+                                                       .rows = parts[end].rows};
+        seg->device->ops->shards_evict(seg->lane, batch, end - first);
+        for (uint32_t i = first; i < end; i++) {
+            parts[i].status = batch[i - first].status;
+            parts[i].err = batch[i - first].err;
+        }
+    }
+    free(batch);
+    return true;
+}
+
 /* Every part's shard gives up its spec.count rows (each part evicts); a shard whose
  * eviction fails makes the request fail, after the other shards' evictions are
  * counted. */
@@ -1390,7 +1418,8 @@ static em_status evict_rows(request_context *r, shard_eviction *parts, uint32_t 
 {
     em_table *table = r->table;
     eviction_run run = {.table = table, .parts = parts};
-    em_parallel_run(count, eviction_threads(table, parts, count), run_eviction, &run);
+    if (!evict_device_by_device(table, parts, count))
+        em_parallel_run(count, eviction_threads(table, parts, count), run_eviction, &run);
     em_status status = EM_OK;
     for (uint32_t i = 0; i < count; i++) {
         shard_eviction *part = &parts[i];
