@@ -1070,19 +1070,19 @@ END_TEST
 /* ---- an eviction's walk of the map ------------------------------------------------------- */
 
 /* A shard that tracks access, holding n keys (among them the two side keys EMPTY and
- * TOMBSTONE) whose last accesses are all different, on a GPU whose staging holds its
- * whole walk. */
+ * TOMBSTONE; salt varies the others) whose last accesses are all different, on a GPU
+ * whose staging holds its whole walk (walked_make: devices of its own). */
 typedef struct walked {
     devices d;
     em_shard *shard;
     uint64_t n, positions;
     uint64_t *keys, *device_keys; /* in insert order */
+    bool own_devices;
 } walked;
 
-static walked walked_make(uint64_t n)
+static walked walked_make_on(devices d, uint64_t n, uint64_t salt, bool own_devices)
 {
-    walked w = {.n = n};
-    w.d = open_devices_staged(4 * MEBIBYTE);
+    walked w = {.n = n, .d = d, .own_devices = own_devices};
     em_device *gpu = w.d.gpu;
     em_shard_spec spec = {.table = "t", .dim = 4, .expected_rows = n,
                           .optimizer = {.kind = EM_OPTIMIZER_SGD},
@@ -1093,7 +1093,9 @@ static walked walked_make(uint64_t n)
     w.keys = malloc(n * sizeof(uint64_t));
     uint64_t *none = malloc(n * sizeof(uint64_t));
     for (uint64_t i = 0; i < n; i++) {
-        w.keys[i] = i == 0 ? UINT64_MAX : i == 1 ? UINT64_MAX - 1 : i * 0x9e3779b97f4a7c15ull + 7;
+        w.keys[i] = i == 0   ? UINT64_MAX
+                    : i == 1 ? UINT64_MAX - 1
+                             : i * 0x9e3779b97f4a7c15ull + 7 + salt;
         none[i] = EM_ROW_NONE;
     }
     w.device_keys = upload(gpu, w.d.gpu_lane, w.keys, n * sizeof(uint64_t));
@@ -1120,11 +1122,17 @@ static walked walked_make(uint64_t n)
     return w;
 }
 
+static walked walked_make(uint64_t n)
+{
+    return walked_make_on(open_devices_staged(4 * MEBIBYTE), n, 0, true);
+}
+
 static void walked_free(walked *w)
 {
     em_device_free(w->d.gpu, w->device_keys);
     w->d.gpu->ops->shard_destroy(w->shard);
-    close_devices(&w->d);
+    if (w->own_devices)
+        close_devices(&w->d);
     free(w->keys);
 }
 
@@ -1248,60 +1256,43 @@ static void balloon_free(em_device *device, void **held)
     free(held);
 }
 
-/* Makes room for spec->count new keys after evicting as many (shard_reserve), evicts by
- * spec and checks the rule, then that the map's header kept on the host (not read back
- * after an eviction) is the GPU's: the evicted keys are gone, the others found, and the
- * new keys fit into the rows they left without the storage growing. With
- * kept_on_device the kept rows go to the shard as a request's rows on the GPU
- * (kept_device); with leave > 0 the eviction runs with only that many bytes of the pool
- * free. *waits: the eviction's host waits. */
-static void evict_and_check(walked *w, const em_evict_spec *spec, bool kept_on_device,
-                            uint64_t leave, uint64_t *waits)
+/* An eviction checked (evict_check_begin before it, evict_check_end after): makes room
+ * for spec->count new keys after evicting as many (shard_reserve), as a table does;
+ * after the eviction checks the rule, then that the map's header kept on the host (not
+ * read back after an eviction) is the GPU's: the evicted keys are gone, the others
+ * found, and the new keys fit into the rows they left without the storage growing. */
+typedef struct evict_check {
+    walk_entries entries;
+    uint64_t row_limit;
+    uint64_t *keys, *rows; /* the eviction's output */
+} evict_check;
+
+static evict_check evict_check_begin(walked *w, const em_evict_spec *spec)
 {
     em_device *gpu = w->d.gpu;
     em_error err;
-    uint64_t *keys = malloc((spec->count + 1) * sizeof(uint64_t));
-    uint64_t *rows = malloc((spec->count + 1) * sizeof(uint64_t));
-    walk_entries entries = walk_entries_take(w, spec->random % w->positions);
-    /* as a table does: room for the new keys after the eviction, then the eviction */
+    evict_check c = {.keys = malloc((spec->count + 1) * sizeof(uint64_t)),
+                     .rows = malloc((spec->count + 1) * sizeof(uint64_t))};
+    c.entries = walk_entries_take(w, spec->random % w->positions);
     ck_assert_msg(gpu->ops->shard_reserve(w->shard, w->d.gpu_lane, spec->count, spec->count,
                                           &err) == EM_OK,
                   "%s", err.message);
     em_shard_stats stats;
     gpu->ops->shard_stats(w->shard, &stats);
-    uint64_t row_limit = stats.row_limit;
-    em_evict_spec given = *spec;
-    uint64_t *device_kept = NULL;
-    if (kept_on_device) { /* as a request's rows: with rows that are not stored between */
-        uint64_t *request_rows = malloc((2 * spec->kept_count + 1) * sizeof(uint64_t));
-        for (uint64_t i = 0; i < spec->kept_count; i++) {
-            request_rows[2 * i] = spec->kept[i];
-            request_rows[2 * i + 1] = i % 2 == 0 ? EM_ROW_NONE : EM_ROW_REJECTED;
-        }
-        device_kept = upload(gpu, w->d.gpu_lane, request_rows,
-                             2 * spec->kept_count * sizeof(uint64_t));
-        given.kept = NULL;
-        given.kept_count = 0;
-        given.kept_device = device_kept;
-        given.kept_device_count = 2 * spec->kept_count;
-        free(request_rows);
-    }
-    void **balloon = leave > 0 ? balloon_leaving(gpu, leave) : NULL;
-    uint64_t operations = 0, before = 0, after = 0;
-    em_gpu_emulated_counts(&operations, &before);
-    ck_assert_msg(gpu->ops->shard_evict(w->shard, w->d.gpu_lane, &given, keys, rows, &err) ==
-                      EM_OK,
-                  "%s", err.message);
-    em_gpu_emulated_counts(&operations, &after);
-    if (balloon != NULL)
-        balloon_free(gpu, balloon);
-    if (device_kept != NULL)
-        em_device_free(gpu, device_kept);
-    *waits = after - before;
-    assert_lru_rule(&entries, spec, keys, w->positions);
-    walk_entries_free(&entries);
+    c.row_limit = stats.row_limit;
+    return c;
+}
+
+static void evict_check_end(walked *w, const em_evict_spec *spec, evict_check *c)
+{
+    em_device *gpu = w->d.gpu;
+    em_error err;
+    const uint64_t *keys = c->keys, *rows = c->rows;
+    assert_lru_rule(&c->entries, spec, keys, w->positions);
+    walk_entries_free(&c->entries);
     for (uint64_t v = 0; v < spec->count; v++)
         ck_assert(!row_in(spec->kept, spec->kept_count, rows[v]));
+    em_shard_stats stats;
     gpu->ops->shard_stats(w->shard, &stats);
     ck_assert_uint_eq(stats.rows, w->n - spec->count);
 
@@ -1327,15 +1318,55 @@ static void evict_and_check(walked *w, const em_evict_spec *spec, bool kept_on_d
                   "%s", err.message);
     gpu->ops->shard_stats(w->shard, &stats);
     ck_assert_uint_eq(stats.rows, w->n);
-    ck_assert_uint_eq(stats.row_limit, row_limit);
+    ck_assert_uint_eq(stats.row_limit, c->row_limit);
     em_device_free(gpu, found);
     em_device_free(gpu, device_fresh);
     em_device_free(gpu, device_none);
     free(found_host);
     free(fresh);
     free(none);
-    free(keys);
-    free(rows);
+    free(c->keys);
+    free(c->rows);
+}
+
+/* An eviction by spec (shard_evict), checked. With kept_on_device the kept rows go to the
+ * shard as a request's rows on the GPU (kept_device); with leave > 0 the eviction runs
+ * with only that many bytes of the pool free. *waits: the eviction's host waits. */
+static void evict_and_check(walked *w, const em_evict_spec *spec, bool kept_on_device,
+                            uint64_t leave, uint64_t *waits)
+{
+    em_device *gpu = w->d.gpu;
+    em_error err;
+    evict_check check = evict_check_begin(w, spec);
+    em_evict_spec given = *spec;
+    uint64_t *device_kept = NULL;
+    if (kept_on_device) { /* as a request's rows: with rows that are not stored between */
+        uint64_t *request_rows = malloc((2 * spec->kept_count + 1) * sizeof(uint64_t));
+        for (uint64_t i = 0; i < spec->kept_count; i++) {
+            request_rows[2 * i] = spec->kept[i];
+            request_rows[2 * i + 1] = i % 2 == 0 ? EM_ROW_NONE : EM_ROW_REJECTED;
+        }
+        device_kept = upload(gpu, w->d.gpu_lane, request_rows,
+                             2 * spec->kept_count * sizeof(uint64_t));
+        given.kept = NULL;
+        given.kept_count = 0;
+        given.kept_device = device_kept;
+        given.kept_device_count = 2 * spec->kept_count;
+        free(request_rows);
+    }
+    void **balloon = leave > 0 ? balloon_leaving(gpu, leave) : NULL;
+    uint64_t operations = 0, before = 0, after = 0;
+    em_gpu_emulated_counts(&operations, &before);
+    ck_assert_msg(gpu->ops->shard_evict(w->shard, w->d.gpu_lane, &given, check.keys, check.rows,
+                                        &err) == EM_OK,
+                  "%s", err.message);
+    em_gpu_emulated_counts(&operations, &after);
+    if (balloon != NULL)
+        balloon_free(gpu, balloon);
+    if (device_kept != NULL)
+        em_device_free(gpu, device_kept);
+    *waits = after - before;
+    evict_check_end(w, spec, &check);
 }
 
 /* The rows of the entries with the `count` oldest accesses (the kept rows of a request
@@ -1425,6 +1456,42 @@ START_TEST(an_eviction_without_room_for_its_window_walks_export_by_export)
     ck_assert_uint_gt(waits, 1);
     free(kept);
     walked_free(&w);
+}
+END_TEST
+
+/* Two shards of one GPU evict together (shards_evict): one wait for both walks, each
+ * shard by the rule. Loop index 1: with 64 KiB of the pool free, no room for both walks'
+ * buffers at once: each shard evicts on its own (a wait each), by the rule too. */
+START_TEST(shards_of_one_gpu_evict_together)
+{
+    devices d = open_devices_staged(4 * MEBIBYTE);
+    walked a = walked_make_on(d, 1500, 0, false), b = walked_make_on(d, 1000, 1, false);
+    em_evict_spec specs[2] = {
+        {.policy = EM_EVICTION_LRU, .candidates = 4, .count = 40, .random = a.positions / 2},
+        {.policy = EM_EVICTION_LRU, .candidates = 4, .count = 500, .random = 3},
+    };
+    evict_check checks[2] = {evict_check_begin(&a, &specs[0]), evict_check_begin(&b, &specs[1])};
+    em_shard_evict_part parts[2];
+    for (int i = 0; i < 2; i++)
+        parts[i] = (em_shard_evict_part){.shard = i == 0 ? a.shard : b.shard,
+                                         .spec = specs[i],
+                                         .keys = checks[i].keys,
+                                         .rows = checks[i].rows};
+    void **balloon = _i == 1 ? balloon_leaving(d.gpu, 64 * 1024) : NULL;
+    uint64_t operations = 0, before = 0, after = 0;
+    em_gpu_emulated_counts(&operations, &before);
+    d.gpu->ops->shards_evict(d.gpu_lane, parts, 2);
+    em_gpu_emulated_counts(&operations, &after);
+    if (balloon != NULL)
+        balloon_free(d.gpu, balloon);
+    for (int i = 0; i < 2; i++)
+        ck_assert_msg(parts[i].status == EM_OK, "%s", parts[i].err.message);
+    ck_assert_uint_eq(after - before, _i == 0 ? 1 : 2);
+    evict_check_end(&a, &specs[0], &checks[0]);
+    evict_check_end(&b, &specs[1], &checks[1]);
+    walked_free(&a);
+    walked_free(&b);
+    close_devices(&d);
 }
 END_TEST
 
@@ -1539,6 +1606,7 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, insert_without_reserve_is_reported);
     tcase_add_loop_test(tc, an_eviction_reads_its_window_at_once_and_follows_the_rule, 0, 36);
     tcase_add_loop_test(tc, an_eviction_without_room_for_its_window_walks_export_by_export, 0, 3);
+    tcase_add_loop_test(tc, shards_of_one_gpu_evict_together, 0, 2);
     tcase_add_test(tc, copies_into_pinned_memory_land_when_waited_for);
     tcase_add_loop_test_raise_signal(tc, pinned_memory_misused_before_the_wait_stops_the_process,
                                      SIGABRT, 0, 3);
