@@ -1959,6 +1959,9 @@ static em_status take_window(cuda_evict_walk *w, const uint8_t *host, em_error *
  * buffers, and nothing was enqueued. */
 static em_status read_windows(cuda_evict_walk *walks, uint32_t count, bool *read, em_error *err)
 {
+    *read = true;
+    if (count == 0) /* every part only takes new keys */
+        return EM_OK;
     cuda_lane *lane = walks[0].lane;
     uint64_t offset = 0;
     for (uint32_t i = 0; i < count; i++) {

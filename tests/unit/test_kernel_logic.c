@@ -1461,7 +1461,9 @@ END_TEST
 
 /* Two shards of one GPU evict together (shards_evict): one wait for both walks, each
  * shard by the rule. Loop index 1: with 64 KiB of the pool free, no room for both walks'
- * buffers at once: each shard evicts on its own (a wait each), by the rule too. */
+ * buffers at once: each shard evicts on its own (a wait each), by the rule too. A part
+ * that evicts nothing (its shard only takes new keys) is answered without any work,
+ * alone or beside others. */
 START_TEST(shards_of_one_gpu_evict_together)
 {
     devices d = open_devices_staged(4 * MEBIBYTE);
@@ -1487,6 +1489,14 @@ START_TEST(shards_of_one_gpu_evict_together)
     for (int i = 0; i < 2; i++)
         ck_assert_msg(parts[i].status == EM_OK, "%s", parts[i].err.message);
     ck_assert_uint_eq(after - before, _i == 0 ? 1 : 2);
+    em_shard_evict_part nothing = {.shard = a.shard,
+                                   .spec = {.policy = EM_EVICTION_LRU, .candidates = 4},
+                                   .status = EM_INTERNAL};
+    em_gpu_emulated_counts(&operations, &before);
+    d.gpu->ops->shards_evict(d.gpu_lane, &nothing, 1);
+    em_gpu_emulated_counts(&operations, &after);
+    ck_assert_int_eq(nothing.status, EM_OK);
+    ck_assert_uint_eq(after - before, 0);
     evict_check_end(&a, &specs[0], &checks[0]);
     evict_check_end(&b, &specs[1], &checks[1]);
     walked_free(&a);
