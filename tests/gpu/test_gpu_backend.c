@@ -2253,6 +2253,66 @@ START_TEST(a_large_eviction_waits_a_few_times)
 }
 END_TEST
 
+/* A table of 2 shards over two GPUs (lru, capacity 64) filled with keys of shard 1 only:
+ * a push of keys of shard 0 evicts the oldest rows of shard 1 (shard 0 holds none to
+ * give), so the first GPU only takes the new keys while the second evicts (its
+ * shards_evict with one part). The rows left are the CPU backend's. */
+START_TEST(a_gpu_that_only_takes_new_keys_while_another_evicts)
+{
+    enum { CAPACITY = 64, DIM = 4 };
+    if (visible_gpus() < 2)
+        return;
+    em_backend *backends[2] = {cpu_backend(), gpu_backend(2, GPU_POOL_BYTES, false)};
+    em_table_config config = table_config(DIM, CAPACITY, 2, EM_OPTIMIZER_SGD, EM_INIT_UNIFORM);
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 16;
+    em_table *tables[2];
+    uint64_t shard1[CAPACITY], shard0[8];
+    uint32_t found1 = 0, found0 = 0;
+    for (uint64_t key = 1; found1 < CAPACITY || found0 < 8; key++) {
+        if (em_key_shard(key, 2) == 1 && found1 < CAPACITY)
+            shard1[found1++] = key;
+        else if (em_key_shard(key, 2) == 0 && found0 < 8)
+            shard0[found0++] = key;
+    }
+    float gradients[CAPACITY * DIM];
+    for (uint32_t i = 0; i < CAPACITY * DIM; i++)
+        gradients[i] = 0.01f;
+    em_error err;
+    for (int k = 0; k < 2; k++) {
+        tables[k] = em_test_make_table(backends[k], &config);
+        for (uint32_t i = 0; i < CAPACITY; i++) { /* one a request: each its own access */
+            em_test_batch one = em_test_key_batch(&shard1[i], 1);
+            ck_assert_msg(em_test_push(tables[k], &one.csr, EM_COMBINER_NONE, gradients, NULL,
+                                       &err) == EM_OK,
+                          "%s", err.message);
+            em_test_batch_free(&one);
+        }
+        em_test_batch b = em_test_key_batch(shard0, 8);
+        ck_assert_msg(em_test_push(tables[k], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err) ==
+                          EM_OK,
+                      "%s", err.message);
+        em_test_batch_free(&b);
+        em_table_stats stats;
+        em_table_get_stats(tables[k], &stats);
+        ck_assert_uint_eq(stats.rows, CAPACITY);
+        ck_assert_uint_eq(stats.rows_evicted, 8);
+    }
+    em_test_snapshot left[2] = {em_test_snapshot_take(tables[0], 64),
+                                em_test_snapshot_take(tables[1], 64)};
+    ck_assert_uint_eq(left[0].count, left[1].count);
+    ck_assert(memcmp(left[0].keys, left[1].keys, left[0].count * sizeof(uint64_t)) == 0);
+    for (uint64_t i = 0; i < left[1].count; i++) /* the 8 oldest of shard 1 went */
+        for (uint32_t v = 0; v < 8; v++)
+            ck_assert_uint_ne(left[1].keys[i], shard1[v]);
+    for (int k = 0; k < 2; k++) {
+        em_test_snapshot_free(&left[k]);
+        em_table_destroy(tables[k]);
+        em_backend_destroy(backends[k]);
+    }
+}
+END_TEST
+
 /* A CPU table and a GPU table (on a backend of two GPUs) of the same config, n keys
  * created in both by one push, for requests compared side by side (twin_request). */
 typedef struct twin {
@@ -2813,6 +2873,7 @@ static Suite *gpu_backend_suite(void)
 #ifdef EM_CUDA_EMULATED
     tcase_add_test(tc, host_waits_and_operations_per_request);
     tcase_add_loop_test(tc, a_large_eviction_waits_a_few_times, 0, 2);
+    tcase_add_test(tc, a_gpu_that_only_takes_new_keys_while_another_evicts);
     tcase_add_test(tc, a_table_on_one_gpu_of_two_is_served_there);
     tcase_add_test(tc, a_table_over_two_gpus_finds_and_checks_on_both_at_once);
     tcase_add_test(tc, a_request_over_two_gpus_that_finds_keys_missing_goes_again);
