@@ -350,6 +350,23 @@ em_status em__cuda_copy_to_host_later(em_lane *base, void *host_destination, con
     return EM_OK;
 }
 
+em_status em__cuda_lane_readback(cuda_lane *lane, size_t bytes, uint8_t **out, em_error *err)
+{
+    if (bytes > lane->readback_bytes) {
+        size_t grown = lane->readback_bytes * 2 > bytes ? lane->readback_bytes * 2 : bytes;
+        uint8_t *memory = NULL;
+        em_status status = em__cuda_check(em_gpu_host_alloc(grown, (void **)&memory),
+                                          lane->base.device->name, err);
+        if (status != EM_OK)
+            return status;
+        em_gpu_host_free(lane->readback);
+        lane->readback = memory;
+        lane->readback_bytes = grown;
+    }
+    *out = lane->readback;
+    return EM_OK;
+}
+
 /* Frees the scratch once the lane's work so far has completed. */
 static em_status scratch_free_later(scratch *s, cuda_lane *lane, em_error *err)
 {
@@ -600,6 +617,7 @@ static void destroy_lane(em_device *device, cuda_lane *lane)
     em_gpu_event_destroy(lane->handoff);
     em_gpu_stream_destroy(lane->stream);
     em_gpu_host_free(lane->staging);
+    em_gpu_host_free(lane->readback);
 }
 
 static void cuda_device_destroy(em_device *device)
@@ -681,7 +699,8 @@ static const em_device_ops cuda_device_ops = {
     .shard_read_access = em__cuda_shard_read_access,
     .shard_write_access = em__cuda_shard_write_access,
     .shard_evict = em__cuda_shard_evict,
-    .shards_evict = em__cuda_shards_evict,
+    .shards_evict_begin = em__cuda_shards_evict_begin,
+    .shards_evict_end = em__cuda_shards_evict_end,
     .shard_expire = em__cuda_shard_expire,
     .destroy = cuda_device_destroy,
 };

@@ -99,6 +99,11 @@ typedef struct cuda_lane {
      * same round trip (em_device_ops.lane_join); cleared by it and by the release. */
     struct cuda_lane *joined[EM_BACKEND_MAX_DEVICES - 1];
     uint32_t joined_count;
+    /* Pinned host memory that a copy back fills while the host does not wait for it (an
+     * eviction's walks, read back with other GPUs' work: cuda_shard.c), grown on demand
+     * (em__cuda_lane_readback); NULL until then. */
+    uint8_t *readback;
+    size_t readback_bytes;
 } cuda_lane;
 
 typedef struct cuda_state {
@@ -286,6 +291,10 @@ em_status em__cuda_unique_keys_async(em_lane *base, const uint64_t *keys, uint64
                                      uint32_t *first_positions, const uint32_t **count,
                                      em_error *err);
 
+/* The lane's pinned readback memory, at least bytes of it (grown: nothing of the lane
+ * may be copying into it). */
+em_status em__cuda_lane_readback(cuda_lane *lane, size_t bytes, uint8_t **out, em_error *err);
+
 em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void **temp,
                                   size_t *temp_bytes, em_error *err);
 
@@ -360,7 +369,9 @@ em_status em__cuda_shard_write_access(em_shard *base, em_lane *lane_base, const 
                                       uint64_t n, const em_row_access *in, em_error *err);
 em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evict_spec *spec,
                                uint64_t *keys, uint64_t *rows, em_error *err);
-void em__cuda_shards_evict(em_lane *lane, em_shard_evict_part *parts, uint32_t count);
+em_status em__cuda_shards_evict_begin(em_lane *lane, em_shard_evict_part *parts, uint32_t count,
+                                      void **pending, em_error *err);
+void em__cuda_shards_evict_end(void *pending, em_status synchronized, const em_error *sync_err);
 em_status em__cuda_shard_expire(em_shard *base, em_lane *lane_base, uint32_t update_clock,
                                 uint32_t min_age, uint64_t *cursor, uint64_t scan,
                                 uint64_t *keys, uint64_t *rows, uint64_t *count, em_error *err);

@@ -1853,7 +1853,7 @@ static em_status hold_window(cuda_evict_walk *w, const window_region *r,
  * order: from the start position to the end of the map, then positions 0 and 1 (the
  * side rows), then the slots before the start. When the span held fewer, the walk goes
  * on after it export by export. Several shards' walks on one lane share the buffers and
- * the copy (em__cuda_shards_evict): plan_window sizes a walk's part of them,
+ * the copy (em__cuda_shards_evict_begin): plan_window sizes a walk's part of them,
  * enqueue_window fills it, take_window takes it in. */
 static void plan_window(cuda_evict_walk *w, uint64_t offset)
 {
@@ -2128,50 +2128,127 @@ em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evic
     return status;
 }
 
-void em__cuda_shards_evict(em_lane *lane_base, em_shard_evict_part *parts, uint32_t count)
+/* shards_evict_begin's work in flight, for shards_evict_end. */
+typedef struct evict_batch {
+    cuda_lane *lane;
+    em_shard_evict_part *parts;
+    uint32_t count, reading;
+    cuda_evict_walk *walks; /* the parts that evict, in order */
+    uint32_t *part_of;      /* walks[r] is parts[part_of[r]]'s */
+    bool read;              /* the walks were enqueued; else each part evicts at the end */
+    scratch s;
+    uint8_t *host;          /* the lane's readback: the walks once the lane synchronized */
+} evict_batch;
+
+static void evict_batch_free(evict_batch *batch)
+{
+    for (uint32_t r = 0; r < batch->reading; r++)
+        evict_walk_free(&batch->walks[r]);
+    free(batch->walks);
+    free(batch->part_of);
+    free(batch);
+}
+
+/* Plans the parts' walks, takes their shared buffers and enqueues their reads and the
+ * copy back into the lane's readback memory. Where the pool (or the readback memory) has
+ * no room, nothing is enqueued and the parts evict a shard at a time at the end. */
+static em_status enqueue_batch(evict_batch *batch, em_error *err)
+{
+    cuda_lane *lane = batch->lane;
+    uint64_t offset = 0;
+    for (uint32_t r = 0; r < batch->reading; r++) {
+        plan_window(&batch->walks[r], offset);
+        offset += (batch->walks[r].bytes + 255) & ~(uint64_t)255;
+    }
+    window_buffers buffers;
+    em_error room_err;
+    em_status status = take_window_buffers(&batch->s, lane, batch->walks, batch->reading,
+                                           &buffers, &room_err);
+    if (status == EM_OK)
+        status = em__cuda_lane_readback(lane, buffers.bytes, &batch->host, &room_err);
+    if (status != EM_OK) { /* no room: a shard at a time, at the end */
+        scratch_free_now(&batch->s);
+        return EM_OK;
+    }
+    batch->read = true;
+    for (uint32_t r = 0; status == EM_OK && r < batch->reading; r++)
+        status = enqueue_window(&batch->walks[r], r, &buffers, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, batch->host, buffers.region,
+                                                      buffers.bytes),
+                            err);
+    return status;
+}
+
+em_status em__cuda_shards_evict_begin(em_lane *lane_base, em_shard_evict_part *parts,
+                                      uint32_t count, void **pending, em_error *err)
 {
     cuda_lane *lane = lane_of(lane_base);
-    cuda_evict_walk *walks = calloc(count > 0 ? count : 1, sizeof(*walks));
-    uint32_t *part_of = calloc(count > 0 ? count : 1, sizeof(*part_of));
-    uint32_t reading = 0;
+    *pending = NULL;
+    evict_batch *batch = calloc(1, sizeof(*batch));
+    if (batch != NULL) {
+        batch->walks = calloc(count > 0 ? count : 1, sizeof(*batch->walks));
+        batch->part_of = calloc(count > 0 ? count : 1, sizeof(*batch->part_of));
+    }
+    if (batch == NULL || batch->walks == NULL || batch->part_of == NULL) {
+        if (batch != NULL)
+            evict_batch_free(batch);
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    }
+    *batch = (evict_batch){.lane = lane, .parts = parts, .count = count,
+                           .walks = batch->walks, .part_of = batch->part_of,
+                           .s = {.device = lane->base.device}};
     for (uint32_t i = 0; i < count; i++) {
         cuda_shard *shard = shard_of(parts[i].shard);
         parts[i].status = EM_OK;
         if (!shard->track_access)
             parts[i].status = em_error_set(&parts[i].err, EM_FAILED_PRECONDITION,
                                            "shard keeps no access metadata");
-        else if (parts[i].spec.count > 0 && walks != NULL && part_of != NULL) {
-            part_of[reading] = i;
-            walks[reading++] = evict_walk(shard, lane, &parts[i].spec);
+        else if (parts[i].spec.count > 0) {
+            batch->part_of[batch->reading] = i;
+            batch->walks[batch->reading++] = evict_walk(shard, lane, &parts[i].spec);
         }
     }
-    bool read = false;
-    em_error err;
-    em_status status = walks == NULL || part_of == NULL
-                           ? EM_OK /* no memory to read at once: each on its own */
-                           : read_windows(walks, reading, &read, &err);
-    for (uint32_t r = 0; r < reading; r++) {
-        em_shard_evict_part *part = &parts[part_of[r]];
-        if (status != EM_OK) {
-            part->status = status;
-            part->err = err;
-        } else if (read) {
-            part->status = choose_and_erase(&walks[r], &part->spec, part->keys, part->rows,
-                                            &part->err);
+    if (batch->reading == 0) { /* every part only takes new keys, or failed */
+        evict_batch_free(batch);
+        return EM_OK;
+    }
+    em_status status = enqueue_batch(batch, err);
+    if (status != EM_OK) {
+        em__cuda_finish_async(&batch->s, lane, status, err);
+        evict_batch_free(batch);
+        return status;
+    }
+    *pending = batch;
+    return EM_OK;
+}
+
+void em__cuda_shards_evict_end(void *pending, em_status synchronized, const em_error *sync_err)
+{
+    evict_batch *batch = pending;
+    if (batch == NULL)
+        return;
+    em_lane *lane_base = &batch->lane->base;
+    if (batch->read && synchronized == EM_OK)
+        scratch_free_now(&batch->s);
+    else if (batch->read) /* the lane failed: its scratch goes back once it is waited for */
+        em__cuda_finish_async(&batch->s, batch->lane, synchronized, NULL);
+    for (uint32_t r = 0; r < batch->reading; r++) {
+        em_shard_evict_part *part = &batch->parts[batch->part_of[r]];
+        if (synchronized != EM_OK) {
+            part->status = synchronized;
+            part->err = *sync_err;
+        } else if (batch->read) {
+            part->status = take_window(&batch->walks[r], batch->host, &part->err);
+            if (part->status == EM_OK)
+                part->status = choose_and_erase(&batch->walks[r], &part->spec, part->keys,
+                                                part->rows, &part->err);
         } else { /* no room for every walk's buffers at once */
             part->status = em__cuda_shard_evict(part->shard, lane_base, &part->spec,
                                                 part->keys, part->rows, &part->err);
         }
-        evict_walk_free(&walks[r]);
     }
-    if (walks == NULL || part_of == NULL) /* each on its own */
-        for (uint32_t i = 0; i < count; i++)
-            if (parts[i].status == EM_OK)
-                parts[i].status = em__cuda_shard_evict(parts[i].shard, lane_base, &parts[i].spec,
-                                                       parts[i].keys, parts[i].rows,
-                                                       &parts[i].err);
-    free(walks);
-    free(part_of);
+    evict_batch_free(batch);
 }
 
 em_status em__cuda_shard_expire(em_shard *base, em_lane *lane_base, uint32_t update_clock,

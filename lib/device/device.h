@@ -108,7 +108,7 @@ typedef struct em_device_batch {
     uint64_t unique_count;
 } em_device_batch;
 
-/* One shard's part of shards_evict. */
+/* One shard's part of shards_evict_begin and shards_evict_end. */
 typedef struct em_shard_evict_part {
     em_shard *shard;
     em_evict_spec spec;
@@ -375,12 +375,19 @@ typedef struct em_device_ops {
      * move entries (em_hashmap_erase_exclusive). */
     em_status (*shard_evict)(em_shard *shard, em_lane *lane, const em_evict_spec *spec,
                              uint64_t *keys, uint64_t *rows, em_error *err);
-    /* shard_evict of several shards of this device at once, on one lane: each part's
-     * shard gives up part->spec.count rows into part->keys and part->rows, its status and
-     * error in the part; the shards' walks are read back together (one wait for all,
-     * where shard_evict waits once for each). NULL where a backend evicts a shard at a
-     * time. */
-    void (*shards_evict)(em_lane *lane, em_shard_evict_part *parts, uint32_t count);
+    /* shard_evict of several shards of this device at once, on one lane, in two steps so
+     * that the shards' walks, and those of other devices, come back in one wait (where
+     * shard_evict waits once for each): shards_evict_begin enqueues the reads of the
+     * parts' walks (nothing changes; *pending for the end: NULL on an error, or when no
+     * part evicts, every part's status then set); the caller synchronizes the lane
+     * (synchronize, or synchronize_lanes with other devices');
+     * shards_evict_end, given that synchronisation's status and error, makes each part's
+     * shard give up part->spec.count rows into part->keys and part->rows, and sets each
+     * part's status and error. The parts stay the caller's from one to the other. NULL
+     * where a backend evicts a shard at a time. */
+    em_status (*shards_evict_begin)(em_lane *lane, em_shard_evict_part *parts, uint32_t count,
+                                    void **pending, em_error *err);
+    void (*shards_evict_end)(void *pending, em_status synchronized, const em_error *sync_err);
     /* Removes the keys whose rows[i] is not EM_ROW_NONE (distinct keys with their rows
      * from shard_find, device memory); their rows are reused by later inserts. Under the
      * shard's write lock. NULL where a backend cannot erase. */

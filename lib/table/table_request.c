@@ -1382,29 +1382,46 @@ static void parts_free(shard_eviction *parts, uint32_t count)
     free(parts);
 }
 
-/* Where the devices evict several shards at once (shards_evict, the GPUs: a lane's
- * walks come back in one wait), each device's parts go together, on its lane; returns
- * false where they do not (the parts then run a shard at a time, on threads). */
-static bool evict_device_by_device(em_table *table, shard_eviction *parts, uint32_t count)
+/* Where the devices evict several shards at once (shards_evict_begin and _end, the GPUs),
+ * each device's parts go together on its lane, and every device's walks come back in one
+ * wait for all of them; returns false where they do not (the parts then run a shard at a
+ * time, on threads). */
+static bool evict_device_by_device(request_context *r, shard_eviction *parts, uint32_t count)
 {
+    em_table *table = r->table;
     for (uint32_t i = 0; i < count; i++)
-        if (parts[i].seg->device->ops->shards_evict == NULL)
+        if (parts[i].seg->device->ops->shards_evict_begin == NULL)
             return false;
     em_shard_evict_part *batch = calloc(count > 0 ? count : 1, sizeof(*batch));
     if (batch == NULL)
         return false;
+    void *pending[EM_BACKEND_MAX_DEVICES] = {NULL};
+    bool begun[EM_BACKEND_MAX_DEVICES] = {false};
     for (uint32_t first = 0, end; first < count; first = end) {
         segment *seg = parts[first].seg; /* the parts are in device order */
+        uint32_t d = (uint32_t)(seg - r->segments);
         for (end = first; end < count && parts[end].seg == seg; end++)
-            batch[end - first] = (em_shard_evict_part){.shard = table->shards[parts[end].shard],
-                                                       .spec = parts[end].spec,
-                                                       .keys = parts[end].keys,
-                                                       .rows = parts[end].rows};
-        seg->device->ops->shards_evict(seg->lane, batch, end - first);
-        for (uint32_t i = first; i < end; i++) {
-            parts[i].status = batch[i - first].status;
-            parts[i].err = batch[i - first].err;
+            batch[end] = (em_shard_evict_part){.shard = table->shards[parts[end].shard],
+                                               .spec = parts[end].spec,
+                                               .keys = parts[end].keys,
+                                               .rows = parts[end].rows};
+        em_error err;
+        em_status status = seg->device->ops->shards_evict_begin(seg->lane, batch + first,
+                                                                end - first, &pending[d], &err);
+        for (uint32_t i = first; status != EM_OK && i < end; i++) {
+            batch[i].status = status;
+            batch[i].err = err;
         }
+        begun[d] = status == EM_OK && pending[d] != NULL;
+    }
+    em_error sync_err;
+    em_status synchronized = synchronize_marked(r, begun, &sync_err);
+    for (uint32_t d = 0; d < table->backend->device_count; d++)
+        if (begun[d])
+            r->segments[d].device->ops->shards_evict_end(pending[d], synchronized, &sync_err);
+    for (uint32_t i = 0; i < count; i++) {
+        parts[i].status = batch[i].status;
+        parts[i].err = batch[i].err;
     }
     free(batch);
     return true;
@@ -1418,7 +1435,7 @@ static em_status evict_rows(request_context *r, shard_eviction *parts, uint32_t 
 {
     em_table *table = r->table;
     eviction_run run = {.table = table, .parts = parts};
-    if (!evict_device_by_device(table, parts, count))
+    if (!evict_device_by_device(r, parts, count))
         em_parallel_run(count, eviction_threads(table, parts, count), run_eviction, &run);
     em_status status = EM_OK;
     for (uint32_t i = 0; i < count; i++) {

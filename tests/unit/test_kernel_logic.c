@@ -1459,7 +1459,21 @@ START_TEST(an_eviction_without_room_for_its_window_walks_export_by_export)
 }
 END_TEST
 
-/* Two shards of one GPU evict together (shards_evict): one wait for both walks, each
+/* shards_evict_begin, the lane synchronized, shards_evict_end. */
+static void shards_evict(devices *d, em_shard_evict_part *parts, uint32_t count)
+{
+    void *pending = NULL;
+    em_error err, sync_err;
+    ck_assert_msg(d->gpu->ops->shards_evict_begin(d->gpu_lane, parts, count, &pending, &err) ==
+                      EM_OK,
+                  "%s", err.message);
+    if (pending == NULL) /* no part evicts: nothing to wait for */
+        return;
+    em_status synchronized = d->gpu->ops->synchronize(d->gpu_lane, &sync_err);
+    d->gpu->ops->shards_evict_end(pending, synchronized, &sync_err);
+}
+
+/* Two shards of one GPU evict together (shards_evict_*): one wait for both walks, each
  * shard by the rule. Loop index 1: with 64 KiB of the pool free, no room for both walks'
  * buffers at once: each shard evicts on its own (a wait each), by the rule too. A part
  * that evicts nothing (its shard only takes new keys) is answered without any work,
@@ -1482,7 +1496,7 @@ START_TEST(shards_of_one_gpu_evict_together)
     void **balloon = _i == 1 ? balloon_leaving(d.gpu, 64 * 1024) : NULL;
     uint64_t operations = 0, before = 0, after = 0;
     em_gpu_emulated_counts(&operations, &before);
-    d.gpu->ops->shards_evict(d.gpu_lane, parts, 2);
+    shards_evict(&d, parts, 2);
     em_gpu_emulated_counts(&operations, &after);
     if (balloon != NULL)
         balloon_free(d.gpu, balloon);
@@ -1493,7 +1507,7 @@ START_TEST(shards_of_one_gpu_evict_together)
                                    .spec = {.policy = EM_EVICTION_LRU, .candidates = 4},
                                    .status = EM_INTERNAL};
     em_gpu_emulated_counts(&operations, &before);
-    d.gpu->ops->shards_evict(d.gpu_lane, &nothing, 1);
+    shards_evict(&d, &nothing, 1);
     em_gpu_emulated_counts(&operations, &after);
     ck_assert_int_eq(nothing.status, EM_OK);
     ck_assert_uint_eq(after - before, 0);
