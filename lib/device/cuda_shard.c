@@ -1955,43 +1955,53 @@ static em_status take_window(cuda_evict_walk *w, const uint8_t *host, em_error *
     return status == EM_OK ? take_kept(w, part.kept, w->kept_device_count, err) : status;
 }
 
-/* Reads walks[0..count) (one lane) at once. *read false: the pool has no room for the
- * buffers, and nothing was enqueued. */
-static em_status read_windows(cuda_evict_walk *walks, uint32_t count, bool *read, em_error *err)
+/* Plans walks[0..count) (one lane, count > 0), takes their shared buffers into s and
+ * enqueues their reads and the copy of the region back into the lane's pinned readback
+ * memory (*host, filled once the lane synchronizes). *read false: the pool (or the
+ * readback memory) has no room, and nothing was enqueued. */
+static em_status enqueue_reads(cuda_evict_walk *walks, uint32_t count, scratch *s,
+                               uint8_t **host, bool *read, em_error *err)
 {
-    *read = true;
-    if (count == 0) /* every part only takes new keys */
-        return EM_OK;
     cuda_lane *lane = walks[0].lane;
     uint64_t offset = 0;
     for (uint32_t i = 0; i < count; i++) {
         plan_window(&walks[i], offset);
         offset += (walks[i].bytes + 255) & ~(uint64_t)255; /* each part 256-byte aligned */
     }
-    scratch s = {.device = lane->base.device};
     window_buffers buffers;
-    em_status status = take_window_buffers(&s, lane, walks, count, &buffers, err);
-    uint8_t *host = status == EM_OK ? malloc(buffers.bytes) : NULL;
-    if (status == EM_OK && host == NULL)
-        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    *read = status != EM_RESOURCE_EXHAUSTED;
+    em_error room_err;
+    em_status status = take_window_buffers(s, lane, walks, count, &buffers, &room_err);
+    if (status == EM_OK)
+        status = em__cuda_lane_readback(lane, buffers.bytes, host, &room_err);
+    *read = status == EM_OK;
     if (status != EM_OK) {
-        scratch_free_now(&s);
-        return *read ? status : EM_OK;
+        scratch_free_now(s);
+        return EM_OK;
     }
     for (uint32_t i = 0; status == EM_OK && i < count; i++)
         status = enqueue_window(&walks[i], i, &buffers, err);
-    if (status == EM_OK) /* synchronizes */
-        status = em__cuda_copy_to_host(&lane->base, host, buffers.region, buffers.bytes, err);
-    if (status != EM_OK) {
-        free(host);
-        return em__cuda_finish_async(&s, lane, status, err);
-    }
-    scratch_free_now(&s);
-    for (uint32_t i = 0; status == EM_OK && i < count; i++)
-        status = take_window(&walks[i], host, err);
-    free(host);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, *host, buffers.region,
+                                                      buffers.bytes),
+                            err);
     return status;
+}
+
+/* Reads one walk's window at once (enqueue_reads, then a wait). *read false: no room,
+ * nothing was enqueued. */
+static em_status read_window(cuda_evict_walk *w, bool *read, em_error *err)
+{
+    scratch s = {.device = w->lane->base.device};
+    uint8_t *host = NULL;
+    em_status status = enqueue_reads(w, 1, &s, &host, read, err);
+    if (status == EM_OK && *read)
+        status = em__cuda_lane_sync(w->lane, err);
+    if (status != EM_OK)
+        return em__cuda_finish_async(&s, w->lane, status, err);
+    if (!*read)
+        return EM_OK;
+    scratch_free_now(&s);
+    return take_window(w, host, err);
 }
 
 /* The read ahead export by export (each waits a few times), where the pool has no room
@@ -2042,7 +2052,7 @@ static em_status read_kept(cuda_evict_walk *w, em_error *err)
 static em_status read_ahead(cuda_evict_walk *w, em_error *err)
 {
     bool read = false;
-    em_status status = read_windows(w, 1, &read, err);
+    em_status status = read_window(w, &read, err);
     if (status == EM_OK && !read)
         status = read_kept(w, err);
     if (status == EM_OK && !read)
@@ -2149,37 +2159,6 @@ static void evict_batch_free(evict_batch *batch)
     free(batch);
 }
 
-/* Plans the parts' walks, takes their shared buffers and enqueues their reads and the
- * copy back into the lane's readback memory. Where the pool (or the readback memory) has
- * no room, nothing is enqueued and the parts evict a shard at a time at the end. */
-static em_status enqueue_batch(evict_batch *batch, em_error *err)
-{
-    cuda_lane *lane = batch->lane;
-    uint64_t offset = 0;
-    for (uint32_t r = 0; r < batch->reading; r++) {
-        plan_window(&batch->walks[r], offset);
-        offset += (batch->walks[r].bytes + 255) & ~(uint64_t)255;
-    }
-    window_buffers buffers;
-    em_error room_err;
-    em_status status = take_window_buffers(&batch->s, lane, batch->walks, batch->reading,
-                                           &buffers, &room_err);
-    if (status == EM_OK)
-        status = em__cuda_lane_readback(lane, buffers.bytes, &batch->host, &room_err);
-    if (status != EM_OK) { /* no room: a shard at a time, at the end */
-        scratch_free_now(&batch->s);
-        return EM_OK;
-    }
-    batch->read = true;
-    for (uint32_t r = 0; status == EM_OK && r < batch->reading; r++)
-        status = enqueue_window(&batch->walks[r], r, &buffers, err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, batch->host, buffers.region,
-                                                      buffers.bytes),
-                            err);
-    return status;
-}
-
 em_status em__cuda_shards_evict_begin(em_lane *lane_base, em_shard_evict_part *parts,
                                       uint32_t count, void **pending, em_error *err)
 {
@@ -2213,7 +2192,9 @@ em_status em__cuda_shards_evict_begin(em_lane *lane_base, em_shard_evict_part *p
         evict_batch_free(batch);
         return EM_OK;
     }
-    em_status status = enqueue_batch(batch, err);
+    /* without room, nothing is enqueued and the parts evict a shard at a time at the end */
+    em_status status = enqueue_reads(batch->walks, batch->reading, &batch->s, &batch->host,
+                                     &batch->read, err);
     if (status != EM_OK) {
         em__cuda_finish_async(&batch->s, lane, status, err);
         evict_batch_free(batch);
