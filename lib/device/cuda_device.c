@@ -352,8 +352,13 @@ em_status em__cuda_copy_to_host_later(em_lane *base, void *host_destination, con
 
 em_status em__cuda_lane_readback(cuda_lane *lane, size_t bytes, uint8_t **out, em_error *err)
 {
+    if (bytes > LANE_READBACK_MAX)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "%s: %zu bytes to read back, over the lane's %zu of pinned memory",
+                            lane->base.device->name, bytes, LANE_READBACK_MAX);
     if (bytes > lane->readback_bytes) {
         size_t grown = lane->readback_bytes * 2 > bytes ? lane->readback_bytes * 2 : bytes;
+        grown = grown < LANE_READBACK_MAX ? grown : LANE_READBACK_MAX;
         uint8_t *memory = NULL;
         em_status status = em__cuda_check(em_gpu_host_alloc(grown, (void **)&memory),
                                           lane->base.device->name, err);

@@ -40,6 +40,9 @@
 /* And after those, for reads back that land at the lane's next synchronisation
  * (copy_to_host_later): LATER_MAX of them, LATER_BYTES in all. */
 #define LATER_BYTES ((size_t)128)
+/* A lane's pinned readback memory (em__cuda_lane_readback) grows up to this much: an
+ * eviction whose walks need more reads a shard at a time, or through staging. */
+#define LANE_READBACK_MAX ((size_t)64 << 20)
 #define LATER_MAX 4u
 /* Scratch buffers one operation takes at most. */
 #define SCRATCH_MAX 16u
@@ -292,7 +295,7 @@ em_status em__cuda_unique_keys_async(em_lane *base, const uint64_t *keys, uint64
                                      em_error *err);
 
 /* The lane's pinned readback memory, at least bytes of it (grown: nothing of the lane
- * may be copying into it). */
+ * may be copying into it); RESOURCE_EXHAUSTED beyond LANE_READBACK_MAX. */
 em_status em__cuda_lane_readback(cuda_lane *lane, size_t bytes, uint8_t **out, em_error *err);
 
 em_status em__cuda_take_scan_temp(scratch *s, cuda_lane *lane, uint64_t n, void **temp,

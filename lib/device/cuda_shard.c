@@ -1958,7 +1958,7 @@ static em_status take_window(cuda_evict_walk *w, const uint8_t *host, em_error *
 /* Plans walks[0..count) (one lane, count > 0), takes their shared buffers into s and
  * enqueues their reads and the copy of the region back into the lane's pinned readback
  * memory (*host, filled once the lane synchronizes). *read false: the pool (or the
- * readback memory) has no room, and nothing was enqueued. */
+ * readback memory, LANE_READBACK_MAX) has no room, and nothing was enqueued. */
 static em_status enqueue_reads(cuda_evict_walk *walks, uint32_t count, scratch *s,
                                uint8_t **host, bool *read, em_error *err)
 {
@@ -1974,9 +1974,11 @@ static em_status enqueue_reads(cuda_evict_walk *walks, uint32_t count, scratch *
     if (status == EM_OK)
         status = em__cuda_lane_readback(lane, buffers.bytes, host, &room_err);
     *read = status == EM_OK;
-    if (status != EM_OK) {
+    if (status != EM_OK) { /* no room (else a failure, which is the caller's) */
         scratch_free_now(s);
-        return EM_OK;
+        if (status != EM_RESOURCE_EXHAUSTED)
+            *err = room_err;
+        return status == EM_RESOURCE_EXHAUSTED ? EM_OK : status;
     }
     for (uint32_t i = 0; status == EM_OK && i < count; i++)
         status = enqueue_window(&walks[i], i, &buffers, err);
