@@ -1321,12 +1321,14 @@ static em_status take_export_buffers(scratch *s, cuda_shard *shard, cuda_lane *l
     return status;
 }
 
+/* The keys of the side rows at export positions 0 and 1. */
+static const uint64_t side_keys_by_position[2] = {EM_GPU_EMPTY_KEY, EM_GPU_TOMBSTONE_KEY};
+
 /* Side entries at positions *cursor < 2 (and < end), into the first device entries. */
 static em_status export_side_rows(cuda_shard *shard, cuda_lane *lane, uint64_t *cursor,
                                   uint64_t end, uint64_t limit, const export_buffers *b,
                                   uint64_t *taken, em_error *err)
 {
-    static const uint64_t side_keys_by_position[2] = {EM_GPU_EMPTY_KEY, EM_GPU_TOMBSTONE_KEY};
     uint64_t keys[2], rows[2], count = 0;
     for (; *cursor < 2 && *cursor < end && count < limit; (*cursor)++) {
         if (shard->side_rows[*cursor] == EM_ROW_NONE)
@@ -1677,13 +1679,11 @@ static em_status walk_export(cuda_evict_walk *w, uint64_t max, uint64_t *keys, u
     }
 }
 
-/* The side rows (keys EMPTY and TOMBSTONE) at export positions [from, to), as entries. */
-static uint64_t side_entries(const cuda_shard *shard, uint64_t from, uint64_t to, uint64_t *keys,
-                             uint64_t *rows)
+/* The side rows (keys EMPTY and TOMBSTONE) the shard holds, as entries. */
+static uint64_t side_entries(const cuda_shard *shard, uint64_t *keys, uint64_t *rows)
 {
-    static const uint64_t side_keys_by_position[2] = {EM_GPU_EMPTY_KEY, EM_GPU_TOMBSTONE_KEY};
     uint64_t n = 0;
-    for (uint64_t p = from; p < to && p < 2; p++)
+    for (uint64_t p = 0; p < 2; p++)
         if (shard->side_rows[p] != EM_ROW_NONE) {
             keys[n] = side_keys_by_position[p];
             rows[n++] = shard->side_rows[p];
@@ -1695,7 +1695,7 @@ static uint64_t side_entries(const cuda_shard *shard, uint64_t from, uint64_t to
  * entries (keys, rows, access metadata), the side rows' metadata and the request's rows
  * of the shard (kept, kept_count of them). */
 typedef struct window_region {
-    em_gpu_walk walk;
+    em_gpu_walk *walk;
     uint64_t *keys, *rows;
     em_gpu_row_access *access, *side_access;
     uint64_t *kept;
@@ -1709,7 +1709,8 @@ static size_t region_bytes(uint64_t want, uint64_t kept_count)
 
 static window_region region_layout(uint8_t *base, uint64_t want)
 {
-    window_region r = {.keys = (uint64_t *)(base + sizeof(em_gpu_walk))};
+    window_region r = {.walk = (em_gpu_walk *)base,
+                       .keys = (uint64_t *)(base + sizeof(em_gpu_walk))};
     r.rows = r.keys + want;
     r.access = (em_gpu_row_access *)(r.rows + want);
     r.side_access = r.access + want;
@@ -1783,31 +1784,30 @@ static void hold_entries(cuda_evict_walk *w, const uint64_t *keys, const uint64_
     w->held += n;
 }
 
-/* The side rows at export positions [from, to) (from side_entries over [0, 2)), held. */
-static void hold_side(cuda_evict_walk *w, const window_region *r, const uint64_t *side_keys,
-                      const uint64_t *side_rows, uint64_t from, uint64_t to)
+/* The side rows at export positions [from, to) (the plan's side_entries), held. */
+static void hold_side(cuda_evict_walk *w, const window_region *r, uint64_t from, uint64_t to)
 {
     for (uint64_t p = 0, i = 0; p < 2; p++) {
         if (w->shard->side_rows[p] == EM_ROW_NONE)
             continue;
         if (p >= from && p < to)
-            hold_entries(w, &side_keys[i], &side_rows[i], &r->side_access[i], 1);
+            hold_entries(w, &w->side_keys[i], &w->side_rows[i], &r->side_access[i], 1);
         i++;
     }
 }
 
-/* Holds read_window's entries in the walk's order and sets the walk to go on after
- * them. The span was slots [first, first + before), then [0, after); the compaction cut
- * it at its want-th entry when it held more. */
-static em_status hold_window(cuda_evict_walk *w, const window_region *r,
-                             const uint64_t *side_keys, const uint64_t *side_rows, uint64_t side,
-                             uint64_t first, uint64_t before, uint64_t after, em_error *err)
+/* Holds a read window's entries (r, in host memory) in the walk's order and sets the
+ * walk to go on after them. The span was slots [first, first + before), then [0, after)
+ * (plan_window); the compaction cut it at its want-th entry when it held more. */
+static em_status hold_window(cuda_evict_walk *w, const window_region *r, em_error *err)
 {
     uint64_t want = w->ahead, slot_count = w->shard->slot_count, start = w->start;
-    bool cut = r->walk.taken >= want;
-    uint64_t taken = cut ? want : r->walk.taken;
+    uint64_t side = w->side, first = w->first, before = w->before, after = w->after;
+    const em_gpu_walk *walk = r->walk;
+    bool cut = walk->taken >= want;
+    uint64_t taken = cut ? want : walk->taken;
     /* of the entries taken, those before the span went on from slot 0 */
-    uint64_t wrap_at = after > 0 && r->walk.before_wrap < taken ? r->walk.before_wrap : taken;
+    uint64_t wrap_at = after > 0 && walk->before_wrap < taken ? walk->before_wrap : taken;
     w->keys = malloc((taken + side + 1) * sizeof(uint64_t));
     w->rows = malloc((taken + side + 1) * sizeof(uint64_t));
     w->access = malloc((taken + side + 1) * sizeof(em_row_access));
@@ -1816,29 +1816,29 @@ static em_status hold_window(cuda_evict_walk *w, const window_region *r,
     w->before_wrap = UINT64_MAX;
     if (start >= 2) {
         /* the walk passed the map's end: it went on with the side rows, then slot 0 */
-        bool passed = cut ? after > 0 && want > r->walk.before_wrap
+        bool passed = cut ? after > 0 && want > walk->before_wrap
                           : first + before == slot_count;
         hold_entries(w, r->keys, r->rows, r->access, wrap_at);
         if (passed) {
             w->before_wrap = w->held;
-            hold_side(w, r, side_keys, side_rows, 0, 2);
+            hold_side(w, r, 0, 2);
         }
         hold_entries(w, r->keys + wrap_at, r->rows + wrap_at, r->access + wrap_at,
                      taken - wrap_at);
         w->wrapped = passed;
         w->end = passed ? start : 2 + slot_count;
-        w->cursor = cut ? 2 + r->walk.next_slot : passed ? 2 + after : 2 + first + before;
+        w->cursor = cut ? 2 + walk->next_slot : passed ? 2 + after : 2 + first + before;
     } else { /* from a side row: every slot, then the side rows before the start */
-        hold_side(w, r, side_keys, side_rows, start, 2);
+        hold_side(w, r, start, 2);
         hold_entries(w, r->keys, r->rows, r->access, taken);
         bool whole = !cut && before == slot_count;
         if (whole) {
             w->before_wrap = w->held;
-            hold_side(w, r, side_keys, side_rows, 0, start);
+            hold_side(w, r, 0, start);
         }
         w->wrapped = whole;
         w->end = whole ? start : 2 + slot_count;
-        w->cursor = cut ? 2 + r->walk.next_slot : whole ? start : 2 + before;
+        w->cursor = cut ? 2 + walk->next_slot : whole ? start : 2 + before;
     }
     if (w->before_wrap == UINT64_MAX)
         w->before_wrap = w->held;
@@ -1859,7 +1859,7 @@ static void plan_window(cuda_evict_walk *w, uint64_t offset)
 {
     cuda_shard *shard = w->shard;
     uint64_t slot_count = shard->slot_count;
-    w->side = side_entries(shard, 0, 2, w->side_keys, w->side_rows);
+    w->side = side_entries(shard, w->side_keys, w->side_rows);
     /* the walk from position start: slots [first, first + before), then [0, after) */
     w->first = w->start >= 2 ? w->start - 2 : 0;
     w->span = window_span(shard, w->ahead, w->side);
@@ -1917,7 +1917,7 @@ static em_status enqueue_window(cuda_evict_walk *w, uint32_t i, const window_buf
     cuda_lane *lane = w->lane;
     uint8_t *base = buffers->region + w->offset;
     window_region device = region_layout(base, w->ahead);
-    em_gpu_walk *walk = (em_gpu_walk *)base;
+    em_gpu_walk *walk = device.walk;
     uint64_t *device_side = buffers->side_rows + 2 * i;
     em_gpu_walk begin = {.next_slot = UINT64_MAX};
     em_status status = em__cuda_copy_to_device(&lane->base, walk, &begin, sizeof(begin), err);
@@ -1949,9 +1949,7 @@ static em_status enqueue_window(cuda_evict_walk *w, uint32_t i, const window_buf
 static em_status take_window(cuda_evict_walk *w, const uint8_t *host, em_error *err)
 {
     window_region part = region_layout((uint8_t *)host + w->offset, w->ahead);
-    memcpy(&part.walk, host + w->offset, sizeof(part.walk));
-    em_status status = hold_window(w, &part, w->side_keys, w->side_rows, w->side, w->first,
-                                   w->before, w->after, err);
+    em_status status = hold_window(w, &part, err);
     return status == EM_OK ? take_kept(w, part.kept, w->kept_device_count, err) : status;
 }
 
