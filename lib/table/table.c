@@ -556,8 +556,9 @@ static em_status pull_attempt(em_table *table, const em_pull_request *request,
     pull_buffers buffers;
     if (status == EM_OK)
         status = take_pull_buffers(&r, request, direct, out_ready, &buffers, err);
+    /* alone with a table on GPUs, its inserts settle with its last wait */
     if (status == EM_OK && create)
-        status = em__create_missing(&r, false, err);
+        status = em__create_missing(&r, r.missing > 0 && em__hold_for_settle(&r), err);
     if (status == EM_OK)
         status = direct ? gather_direct(&r, request, &buffers, err)
                         : gather_and_combine(&r, request, &buffers, err);
@@ -565,8 +566,7 @@ static em_status pull_attempt(em_table *table, const em_pull_request *request,
         status = em__join_devices(&r, err);
     if (status == EM_OK)
         status = copy_output(&r, request, direct, &buffers, err);
-    if (status == EM_OK)
-        status = em__synchronize_devices(&r, err);
+    status = em__finish_devices(&r, status, err);
     if (status == EM_OK && r.counts_pending) { /* the find's counts came back with it */
         em__missing_found(&r);
         missing = r.missing;
@@ -901,8 +901,6 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
         em__request_end(&r);
         return EM_OK;
     }
-    if (status == EM_OK)
-        status = em__synchronize_devices(&r, err);
     if (status == EM_OK) {
         result->updated = r.batch.unique_count - r.rejected;
         result->created = missing;

@@ -129,6 +129,8 @@ typedef struct segment {
     uint32_t first_shard, end_shard;
     uint64_t begin, count; /* range in the partitioned order */
     bool remote;           /* device is not the home device */
+    bool settle_pending;   /* its inserts are enqueued, their settle waits for the
+                            * request's last synchronisation (r->settle_later) */
     uint64_t *keys;        /* count keys in device memory */
     const uint32_t *targets; /* direct pulls: where each key's vector goes in the output */
     uint64_t *rows;        /* count rows from find / insert */
@@ -185,6 +187,12 @@ typedef struct request_context {
                                 * synchronisation */
     bool found_missing_late;   /* em__check_create_apply: the counts came back with the
                                 * checks, some key was missing, and nothing was changed */
+    bool settle_later;         /* the inserts' settle (the maps' counts read back) waits
+                                * for the request's last synchronisation
+                                * (em__finish_devices): a request alone with a table on
+                                * GPUs */
+    bool shards_held;          /* the write locks of the request's shards are held until
+                                * em__finish_devices (em__run_on_shards takes none) */
     const float **row_scratch; /* with row_sources: a shard's sources, n of them at most
                                 * (taken before any key is created) */
     const float *const *row_sources; /* an import whose rows are where these point, by
@@ -381,6 +389,17 @@ em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err);
  * holds them). */
 em_status em__create_missing(request_context *r, bool locks_held, em_error *err);
 
+/* A request alone with a table on GPUs (r->alone, every shard's inserts enqueued) that
+ * is about to create keys: takes the write locks of its shards, held until
+ * em__finish_devices, and leaves its inserts' settle to that last wait (then
+ * em__create_missing(r, true, ...)). false, taking nothing, for any other request. */
+bool em__hold_for_settle(request_context *r);
+
+/* The request's last wait: synchronizes its devices (after an error, status, only when
+ * inserts wait to settle), settles those inserts, and lets go of the shards held for
+ * them. Returns the request's status: status, else what the wait or the settle found. */
+em_status em__finish_devices(request_context *r, em_status status, em_error *err);
+
 /* Runs one operation on every shard over its keys' rows and its part of the segment
  * payload (floats_per_key floats per key). */
 /* Push: holding the write locks of every shard the push touches, checks that every
@@ -398,9 +417,10 @@ void em__snapshot_wait_room(em_table *table);
 /* Before any row of the request is written: em__snapshot_preserve on every shard it
  * touches, holding each shard's write lock (take_locks) or with all of them held. */
 em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_error *err);
-/* A push's check, creation of its missing keys, and step. A push whose find counts are
- * pending (counts_later) gets them with the checks' wait: when some key was missing, it
- * stops there, r->found_missing_late set, the table unchanged. */
+/* A push's check, creation of its missing keys, and step, and the wait for its devices.
+ * A push whose find counts are pending (counts_later) gets them with the checks' wait:
+ * when some key was missing, it stops there, r->found_missing_late set, the table
+ * unchanged. */
 em_status em__check_create_apply(request_context *r, em_error *err);
 
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,

@@ -830,6 +830,11 @@ static em_status insert_missing(request_context *r, em_error *err)
         waits[d] = seg->device->ops->shard_insert_missing_async != NULL;
         status = enqueue_inserts(r, seg, &failed[d], err);
     }
+    if (status == EM_OK && r->settle_later) { /* settle_later_inserts */
+        for (uint32_t d = 0; d < devices; d++)
+            r->segments[d].settle_pending = enqueued[d];
+        return EM_OK;
+    }
     em_error later;
     em_status synchronized = synchronize_marked(r, waits, status == EM_OK ? err : &later);
     em_status settled = synchronized;
@@ -846,6 +851,30 @@ static em_status insert_missing(request_context *r, em_error *err)
     return status != EM_OK ? status : settled;
 }
 
+/* After the request's devices synchronized (synchronized: how that went), the inserts
+ * insert_missing left to settle later are taken in and counted. */
+static em_status settle_later_inserts(request_context *r, em_status synchronized, em_error *err)
+{
+    em_status settled = synchronized;
+    bool pending = false;
+    em_error later;
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
+        segment *seg = &r->segments[d];
+        if (!seg->settle_pending)
+            continue;
+        seg->settle_pending = false;
+        pending = true;
+        if (synchronized != EM_OK)
+            continue;
+        em_status taken = settle_inserts(r, seg, seg->end_shard, settled == EM_OK ? err : &later);
+        if (settled == EM_OK)
+            settled = taken;
+    }
+    if (pending && settled == EM_OK)
+        atomic_fetch_add_explicit(&r->table->rows_created, r->missing, memory_order_relaxed);
+    return settled;
+}
+
 /* Takes or releases, in shard order, the write locks of the shards the request touches. */
 static void lock_shards(request_context *r, bool lock)
 {
@@ -858,6 +887,43 @@ static void lock_shards(request_context *r, bool lock)
         else
             pthread_rwlock_unlock(&table->shard_locks[s]);
     }
+}
+
+/* Whether every shard of the table inserts on its device's lane without waiting
+ * (shard_insert_missing_async: the GPUs). */
+static bool inserts_enqueued(const em_table *table)
+{
+    for (uint32_t s = 0; s < table->shard_count; s++)
+        if (table->shards[s]->device->ops->shard_insert_missing_async == NULL)
+            return false;
+    return true;
+}
+
+bool em__hold_for_settle(request_context *r)
+{
+    if (!r->alone || !inserts_enqueued(r->table))
+        return false;
+    lock_shards(r, true);
+    r->settle_later = true;
+    r->shards_held = true;
+    return true;
+}
+
+em_status em__finish_devices(request_context *r, em_status status, em_error *err)
+{
+    bool pending = false;
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++)
+        pending = pending || r->segments[d].settle_pending;
+    em_error later;
+    em_status synchronized = status;
+    if (status == EM_OK || pending)
+        synchronized = em__synchronize_devices(r, status == EM_OK ? err : &later);
+    em_status settled = settle_later_inserts(r, synchronized, status == EM_OK ? err : &later);
+    if (r->shards_held) {
+        lock_shards(r, false);
+        r->shards_held = false;
+    }
+    return status != EM_OK ? status : settled;
 }
 
 /* ---- eviction ------------------------------------------------------------------------ */
@@ -1998,18 +2064,27 @@ em_status em__check_create_apply(request_context *r, em_error *err)
             status = recheck_stale_shards(r, checks, err);
         if (status == EM_OK)
             status = em__preserve_for_snapshot(r, false, err);
+        /* alone with the table on GPUs, the inserts settle with the push's last wait,
+         * the shards held until then */
+        if (status == EM_OK && r->alone && inserts_enqueued(table)) {
+            r->settle_later = true;
+            r->shards_held = true;
+        }
         if (status == EM_OK)
             status = em__create_missing(r, true, err);
         if (status == EM_OK)
             advance_versions(r, checks);
-        else
+        else if (!r->shards_held) /* else em__finish_devices lets them go */
             lock_shards(r, false);
     }
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
-     * once, so pushes behind this one follow it shard by shard. */
+     * once, so pushes behind this one follow it shard by shard (or all together once
+     * their inserts settle). */
     if (status == EM_OK && !r->found_missing_late)
-        status = run_on_shards(r, WORK_APPLY, table->config.dim, SHARDS_RELEASE_EACH, checks,
-                               err);
+        status = run_on_shards(r, WORK_APPLY, table->config.dim,
+                               r->shards_held ? SHARDS_HELD : SHARDS_RELEASE_EACH, checks, err);
+    if (!r->found_missing_late)
+        status = em__finish_devices(r, status, err);
     free(refound);
     free(checks);
     return status;
@@ -2218,7 +2293,8 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
                             em_error *err)
 {
-    return run_on_shards(r, work, floats_per_key, SHARDS_LOCK_EACH, NULL, err);
+    return run_on_shards(r, work, floats_per_key,
+                         r->shards_held ? SHARDS_HELD : SHARDS_LOCK_EACH, NULL, err);
 }
 
 
