@@ -100,6 +100,21 @@ static void stop_finding_when_full(request_context *r, bool may_create, bool cre
                         r->table->config.admission.policy == EM_ADMISSION_ALWAYS;
 }
 
+/* A shared attempt that found at once `absent` keys missing, every one of which it would
+ * create (admission `always`), when the table has no room for them: it can only run
+ * again alone, so it stops there (state->needs_create), before it looks its keys up
+ * again the general way. */
+static bool goes_alone(request_context *r, bool may_create, uint64_t absent,
+                       attempt_state *state)
+{
+    if (may_create || absent == 0 ||
+        r->table->config.admission.policy != EM_ADMISSION_ALWAYS ||
+        absent <= em__room_left(r->table))
+        return false;
+    state->needs_create = true;
+    return true;
+}
+
 /* ---- pull ------------------------------------------------------------------------ */
 
 /* A pull's buffers, all taken before the pull creates any key, so that running out of
@@ -363,7 +378,7 @@ static em_status settle_created(request_context *r, uint64_t rows_before, em_err
  * again with the scratch given back. */
 static em_status pull_at_once(request_context *r, const em_pull_request *request,
                               em_pull_result *result, bool *done, float **out_ready,
-                              em_error *err)
+                              uint64_t *found_absent, em_error *err)
 {
     em_table *table = r->table;
     em_device *home = r->home;
@@ -438,6 +453,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     }
     note_at_once_find(table, &table->pulls_create, &table->pulls_go_general, absent, creatable,
                       true);
+    *found_absent = absent;
     if (absent != 0 && table->shard_count > 1) {
         em__request_rewind(r, &mark);
         return EM_OK;
@@ -526,9 +542,10 @@ static em_status pull_attempt(em_table *table, const em_pull_request *request,
     bool create = request->create_missing && !later;
     bool done = false, at_once = status == EM_OK && pull_may_run_at_once(&r, request);
     float *out_ready = NULL; /* at once, then planned the general way: the output's buffer */
+    uint64_t absent = 0;     /* at once: the keys it found missing */
     if (at_once)
-        status = pull_at_once(&r, request, result, &done, &out_ready, err);
-    if (status != EM_OK || done) {
+        status = pull_at_once(&r, request, result, &done, &out_ready, &absent, err);
+    if (status != EM_OK || done || (create && goes_alone(&r, may_create, absent, state))) {
         em__request_end(&r);
         return status;
     }
@@ -701,7 +718,8 @@ static bool push_may_run_at_once(const request_context *r, const em_push_request
  * clock moves once the step is known to have happened, the write lock held until then
  * so that no other step takes that value meanwhile. */
 static em_status push_at_once(request_context *r, push_call *call,
-                              em_push_result *result, bool *done, bool *planned, em_error *err)
+                              em_push_result *result, bool *done, bool *planned,
+                              uint64_t *found_absent, em_error *err)
 {
     const em_push_request *request = call->request;
     em_table *table = r->table;
@@ -802,6 +820,8 @@ static em_status push_at_once(request_context *r, push_call *call,
     if (!saving)
         note_at_once_find(table, &table->pushes_create, &table->pushes_go_general, answers[0],
                           creatable && !create, !create && !stepped);
+    if (!saving && !create && !stepped)
+        *found_absent = answers[0];
     if (saving || (!stepped && table->shard_count > 1)) {
         em__request_rewind(r, &mark);
         return EM_OK;
@@ -865,12 +885,13 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     em_status status = em__request_begin(table, &r, err);
     r.alone = may_create; /* the exclusive attempt */
     bool done = false, planned = false;
+    uint64_t absent = 0; /* at once: the keys it found missing */
     bool at_once = status == EM_OK && push_may_run_at_once(&r, request);
     if (status == EM_OK && !call->checked && (!at_once || request->combiner != EM_COMBINER_NONE))
         status = check_gradients(table, call, err);
     if (status == EM_OK && at_once)
-        status = push_at_once(&r, call, result, &done, &planned, err);
-    if (status != EM_OK || done) {
+        status = push_at_once(&r, call, result, &done, &planned, &absent, err);
+    if (status != EM_OK || done || goes_alone(&r, may_create, absent, state)) {
         em__request_end(&r);
         return status;
     }

@@ -244,6 +244,8 @@ bool em__claim_rows(request_context *r);
 
 /* em__claim_rows of n rows; em__release_claim gives back what the request holds. */
 bool em__claim_capacity(request_context *r, uint64_t n);
+/* The rows the table may still get: capacity less the rows stored and claimed. */
+uint64_t em__room_left(em_table *table);
 void em__release_claim(request_context *r);
 
 /* The table gained or lost n rows (the caller holds the shards' write locks). */

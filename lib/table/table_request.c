@@ -383,7 +383,7 @@ static uint64_t shard_key_count(const request_context *r, uint32_t s)
 
 /* Rows the table may still create beside the claims of requests sharing it (a snapshot
  * of a count others change). */
-static uint64_t room_left(em_table *table)
+uint64_t em__room_left(em_table *table)
 {
     uint64_t claimed = atomic_load_explicit(&table->rows_claimed, memory_order_relaxed);
     return claimed < table->config.capacity ? table->config.capacity - claimed : 0;
@@ -511,7 +511,7 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
         pthread_rwlock_unlock(&table->shard_locks[s]);
         if (status == EM_OK && counts == NULL && r->stop_when_full) {
             found_missing += r->shard_missing[s];
-            if (found_missing > room_left(table)) {
+            if (found_missing > em__room_left(table)) {
                 r->missing = found_missing; /* at least */
                 r->find_stopped = true;
                 return EM_OK;
