@@ -43,6 +43,7 @@ static uint64_t vector_floats(const em_table *table, const em_csr *batch, em_com
 typedef struct attempt_state {
     bool needs_create; /* it stopped: keys must be created */
     bool admission_run; /* its admission counted the missing keys' sightings */
+    bool made_room;     /* the exclusive attempt evicted rows to make room */
 } attempt_state;
 
 /* One attempt at a request under the table lock the caller holds. Without may_create
@@ -56,19 +57,40 @@ typedef em_status (*locked_attempt)(em_table *table, const void *request, void *
  * shard's lock), those that create keys too while the table has room for them; one that
  * needs room made (eviction) or refused whole at capacity runs again alone, because
  * choosing what to evict, or answering that the table is full, has to see the whole
- * table. */
+ * table. Once ALONE_AFTER requests of a kind in a row made room (making_room: the
+ * table's pulls_making_room or pushes_making_room), the next ones take the exclusive
+ * lock from the start, saving the attempt beside the others that would only find the
+ * table full; the first of them that makes no room sends the next ones beside the
+ * others again. Either way the request does the same. */
+#define ALONE_AFTER 4
+
 static em_status run_shared_then_exclusive(em_table *table, locked_attempt attempt,
-                                           const void *request, void *result, em_error *err)
+                                           _Atomic uint32_t *making_room, const void *request,
+                                           void *result, em_error *err)
 {
-    attempt_state state = {false, false};
-    em_rwlock_read_lock_patient(&table->lock);
-    em_status status = attempt(table, request, result, false, &state, err);
-    pthread_rwlock_unlock(&table->lock);
-    if (status == EM_OK && state.needs_create) {
-        atomic_fetch_add_explicit(&table->exclusive_retries, 1, memory_order_relaxed);
+    attempt_state state = {false, false, false};
+    bool alone_first = atomic_load_explicit(making_room, memory_order_relaxed) >= ALONE_AFTER;
+    em_status status = EM_OK;
+    if (alone_first) {
+        atomic_fetch_add_explicit(&table->requests_alone_first, 1, memory_order_relaxed);
+    } else {
+        em_rwlock_read_lock_patient(&table->lock);
+        status = attempt(table, request, result, false, &state, err);
+        pthread_rwlock_unlock(&table->lock);
+        if (status == EM_OK && state.needs_create)
+            atomic_fetch_add_explicit(&table->exclusive_retries, 1, memory_order_relaxed);
+    }
+    if (status == EM_OK && (alone_first || state.needs_create)) {
         em_rwlock_write_lock_patient(&table->lock);
         status = attempt(table, request, result, true, &state, err);
         pthread_rwlock_unlock(&table->lock);
+    }
+    if (status == EM_OK && state.made_room) {
+        uint32_t seen = atomic_load_explicit(making_room, memory_order_relaxed);
+        if (seen < ALONE_AFTER) /* no further: it only says whether the next go alone */
+            atomic_store_explicit(making_room, seen + 1, memory_order_relaxed);
+    } else if (status == EM_OK) {
+        atomic_store_explicit(making_room, 0, memory_order_relaxed);
     }
     return status;
 }
@@ -576,6 +598,7 @@ static em_status pull_attempt(em_table *table, const em_pull_request *request,
     /* alone with a table on GPUs, its inserts settle with its last wait */
     if (status == EM_OK && create)
         status = em__create_missing(&r, r.missing > 0 && em__hold_for_settle(&r), err);
+    state->made_room = state->made_room || r.made_room;
     if (status == EM_OK)
         status = direct ? gather_direct(&r, request, &buffers, err)
                         : gather_and_combine(&r, request, &buffers, err);
@@ -626,7 +649,8 @@ em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull
     em_status status = check_pull(table, request, err);
     if (status != EM_OK)
         return em_error_prefix(err, "pull from table '%s': ", table->config.name);
-    status = run_shared_then_exclusive(table, pull_locked, request, result, err);
+    status = run_shared_then_exclusive(table, pull_locked, &table->pulls_making_room, request,
+                                       result, err);
     if (status != EM_OK)
         return status;
     atomic_fetch_add_explicit(&table->pulls, 1, memory_order_relaxed);
@@ -917,6 +941,7 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     uint64_t missing = r.missing; /* 0 while the counts are pending: then none is */
     if (status == EM_OK)
         status = em__check_create_apply(&r, err);
+    state->made_room = state->made_room || r.made_room;
     if (status == EM_OK && r.found_missing_late) { /* it should have created them */
         go_again(&table->pushes_find_first, &table->pushes_found_again, again);
         em__request_end(&r);
@@ -971,7 +996,8 @@ em_status em_table_push(em_table *table, const em_push_request *request, em_push
         if (status != EM_OK)
             return status;
     }
-    status = run_shared_then_exclusive(table, push_locked, &call, result, err);
+    status = run_shared_then_exclusive(table, push_locked, &table->pushes_making_room, &call,
+                                       result, err);
     if (status != EM_OK)
         return status;
     atomic_fetch_add_explicit(&table->pushes, 1, memory_order_relaxed);
@@ -1392,6 +1418,8 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
     out->pushes_dropped = atomic_load_explicit(&table->pushes_dropped, memory_order_relaxed);
     out->exclusive_retries =
         atomic_load_explicit(&table->exclusive_retries, memory_order_relaxed);
+    out->requests_alone_first =
+        atomic_load_explicit(&table->requests_alone_first, memory_order_relaxed);
     out->pulls_at_once = atomic_load_explicit(&table->pulls_at_once, memory_order_relaxed);
     out->pulls_found_again = atomic_load_explicit(&table->pulls_found_again,
                                                   memory_order_relaxed);

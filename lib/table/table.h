@@ -96,6 +96,9 @@ typedef struct em_push_result {
       "keys whose pushed gradients were dropped: admission did not store them")             \
     X(uint64_t, exclusive_retries, COUNTER, NONE,                                             \
       "pulls and pushes run again under the exclusive table lock to make room for keys")     \
+    X(uint64_t, requests_alone_first, COUNTER, NONE,                                          \
+      "pulls and pushes run under the exclusive table lock from the start: the last ones "    \
+      "of their kind each had to make room")                                                 \
     X(uint64_t, pulls_at_once, COUNTER, NONE,                                                 \
       "pulls served with one wait for the GPU (tables on one GPU; keys stored or created)")  \
     X(uint64_t, pushes_at_once, COUNTER, NONE,                                                \

@@ -88,6 +88,10 @@ struct em_table {
     uint8_t *admission_counts;
     _Atomic uint64_t pulls_not_admitted, pushes_dropped;
     _Atomic uint64_t exclusive_retries; /* run_shared_then_exclusive's second attempts */
+    /* Pulls (pushes) in a row that had to make room (table.c: run_shared_then_exclusive);
+     * from ALONE_AFTER on, the next ones take the exclusive lock first */
+    _Atomic uint32_t pulls_making_room, pushes_making_room;
+    _Atomic uint64_t requests_alone_first; /* such requests */
     _Atomic uint64_t pulls_at_once, pushes_at_once; /* served with one wait for the GPU */
     _Atomic uint64_t pulls_found_again, pushes_found_again; /* table.c: go_again */
     /* A table of several shards: set when a pull (push) at once found keys missing, whose
@@ -187,6 +191,7 @@ typedef struct request_context {
                                 * synchronisation */
     bool found_missing_late;   /* em__check_create_apply: the counts came back with the
                                 * checks, some key was missing, and nothing was changed */
+    bool made_room;            /* em__create_missing evicted rows to make room */
     bool settle_later;         /* the inserts' settle (the maps' counts read back) waits
                                 * for the request's last synchronisation
                                 * (em__finish_devices): a request alone with a table on

@@ -1751,6 +1751,7 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
             return status;
         }
         plan_headroom(r, evict);
+        r->made_room = true;
     }
     /* Growing a shard's storage or index moves them: the shards' write locks keep out a
      * snapshot reader, which holds only shard locks (table_snapshot.c), and the finds

@@ -290,6 +290,63 @@ START_TEST(headroom_frees_the_next_rows_by_the_rule_too)
 }
 END_TEST
 
+/* Loop index: pulls (0) or pushes (1). Once 4 requests of a kind in a row made room,
+ * the next ones take the table alone from the start (requests_alone_first) instead of
+ * trying beside the others first (exclusive_retries), evicting the same rows: with
+ * one shard and candidates above the capacity the oldest go, one each time. The first of them that
+ * makes no room sends the next ones beside the others again; requests of the other
+ * kind keep their own count. */
+START_TEST(requests_that_keep_making_room_go_alone_first)
+{
+    const bool push = _i == 1;
+    const uint64_t capacity = 32;
+    em_backend *backend = make_backend(1);
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, capacity);
+    config.shards = 1;
+    config.optimizer = em_test_optimizers[1];
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 1024;
+    em_table *table = em_test_make_table(backend, &config);
+    em_error err;
+    for (uint64_t key = 1; key <= capacity; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, push, &err), EM_OK);
+    em_table_stats stats;
+    uint64_t fresh = 1000;
+    for (uint32_t i = 1; i <= 6; i++, fresh++) {
+        ck_assert_msg(run_request(table, &fresh, 1, push, &err) == EM_OK, "%s", err.message);
+        em_table_get_stats(table, &stats);
+        ck_assert_uint_eq(stats.rows_evicted, i);
+        ck_assert_uint_eq(stats.exclusive_retries, i < 4 ? i : 4);
+        ck_assert_uint_eq(stats.requests_alone_first, i < 4 ? 0 : i - 4);
+    }
+    /* the other kind tries beside the others first: it finds its key stored */
+    uint64_t stored = capacity;
+    ck_assert_int_eq(run_request(table, &stored, 1, !push, &err), EM_OK);
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.requests_alone_first, 2);
+    /* alone first, it makes no room: the next one goes beside the others */
+    for (uint32_t i = 0; i < 2; i++)
+        ck_assert_int_eq(run_request(table, &stored, 1, push, &err), EM_OK);
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.requests_alone_first, 3);
+    ck_assert_uint_eq(stats.exclusive_retries, 4);
+    ck_assert_int_eq(run_request(table, &fresh, 1, push, &err), EM_OK);
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.exclusive_retries, 5);
+    ck_assert_uint_eq(stats.rows, capacity);
+    /* the 7 oldest keys went, in that order */
+    uint64_t evicted[16];
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, 16, evicted, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.count, 7);
+    for (uint64_t i = 0; i < view.count; i++)
+        ck_assert_uint_eq(evicted[i], i + 1);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 /* Rows of each of a table's shards, by its keys' shard (common/keyhash.h). */
 static void rows_per_shard(em_table *table, uint32_t shards, uint64_t *rows)
 {
@@ -1644,6 +1701,7 @@ int main(void)
     tcase_add_loop_test(rules, each_policy_follows_its_rule_exactly, 0, 3);
     tcase_add_loop_test(rules, headroom_frees_the_next_rows_by_the_rule_too, 0, 3);
     tcase_add_test(rules, headroom_comes_from_every_shard_by_its_rows);
+    tcase_add_loop_test(rules, requests_that_keep_making_room_go_alone_first, 0, 2);
     tcase_add_test(rules, a_request_never_evicts_its_own_rows);
     tcase_add_loop_test(rules, a_request_evicts_the_rows_first_by_the_policy_at_once, 0, 3);
     tcase_add_test(rules, no_room_to_make_fails_whole);
