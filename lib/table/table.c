@@ -785,6 +785,7 @@ static em_status push_at_once(request_context *r, push_call *call,
                                     err);
     }
     bool saving = false, locked = false;
+    uint64_t checked_version = 0;
     bool stamps = r->access_stamp != 0; /* the table tracks access */
     uint32_t stamp = 0;
     if (status == EM_OK) {
@@ -801,6 +802,7 @@ static em_status push_at_once(request_context *r, push_call *call,
         /* whether it stepped is known later: checks before it look again */
         for (uint32_t s = 0; !saving && s < table->shard_count; s++)
             table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+        checked_version = table->shard_versions[0]; /* what its own check saw */
         /* creating, the locks are held until the shards are settled */
         if (!create && (!stamps || saving || status != EM_OK)) {
             em__unlock_all_shards(table);
@@ -858,6 +860,11 @@ static em_status push_at_once(request_context *r, push_call *call,
         /* a key occurs at most nnz - unique + 1 times, so its sum has at most that many
          * terms (as sum_and_send_gradients says) */
         r->gradient_bound = em_row_sum_bound(call->largest, nnz - updated + 1);
+        /* its check covered every key, the missing ones as created with their initial
+         * values, which is what admission `always` does with them */
+        r->checked_at_once = answers[1] == UINT64_MAX &&
+                             table->config.admission.policy == EM_ADMISSION_ALWAYS;
+        r->checked_version = checked_version;
         *planned = true;
         return EM_OK;
     }

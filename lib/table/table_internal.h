@@ -192,6 +192,12 @@ typedef struct request_context {
     bool found_missing_late;   /* em__check_create_apply: the counts came back with the
                                 * checks, some key was missing, and nothing was changed */
     bool made_room;            /* em__create_missing evicted rows to make room */
+    bool checked_at_once;      /* a push planned from its attempt at once (one shard),
+                                * which checked every key's step there, those of the
+                                * keys to create too, and found no problem, the shard at
+                                * checked_version: em__check_create_apply takes that
+                                * check (and checks again if the shard moved since) */
+    uint64_t checked_version;
     bool settle_later;         /* the inserts' settle (the maps' counts read back) waits
                                 * for the request's last synchronisation
                                 * (em__finish_devices): a request alone with a table on

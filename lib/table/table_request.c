@@ -1961,6 +1961,16 @@ static em_status check_shards(request_context *r, shard_check *checks, em_error 
     return status;
 }
 
+/* A push planned from its attempt at once (one shard), which checked there every key's
+ * step and found no problem (r->checked_at_once): that check stands for check_shards',
+ * as of the shard's version then, so recheck_stale_shards looks again if another push
+ * stepped the shard since. */
+static em_status take_check_at_once(request_context *r, shard_check *checks)
+{
+    checks[0] = (shard_check){.version = r->checked_version, .bounded = 0, .largest = -1.0f};
+    return EM_OK;
+}
+
 /* Whether the check of a shard no longer holds: another push stepped it since, and the
  * check was not bounded or more steps came than a bounded check covers (row_check.h). */
 static bool check_stale(const shard_check *check, uint64_t version)
@@ -2040,7 +2050,8 @@ em_status em__check_create_apply(request_context *r, em_error *err)
     em_status status = r->rows_claimed > 0 && refound == NULL
                            ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
                                           "table '%s': push: out of memory", table->config.name)
-                           : check_shards(r, checks, err);
+                       : r->checked_at_once ? take_check_at_once(r, checks)
+                                            : check_shards(r, checks, err);
     /* The finds' counts came back with the checks' wait (which a problem found also
      * means): with keys missing, the checks did not see what admission makes of them,
      * and the push goes again, finding first. */
