@@ -945,10 +945,14 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     }
     if (status == EM_OK && !planned)
         status = sum_and_send_gradients(&r, request, call->largest, err);
-    uint64_t missing = r.missing; /* 0 while the counts are pending: then none is */
     if (status == EM_OK)
         status = em__check_create_apply(&r, err);
     state->made_room = state->made_room || r.made_room;
+    if (status == EM_OK && r.needs_alone) { /* found missing with its checks, no room */
+        state->needs_create = true;
+        em__request_end(&r);
+        return EM_OK;
+    }
     if (status == EM_OK && r.found_missing_late) { /* it should have created them */
         go_again(&table->pushes_find_first, &table->pushes_found_again, again);
         em__request_end(&r);
@@ -956,7 +960,7 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     }
     if (status == EM_OK) {
         result->updated = r.batch.unique_count - r.rejected;
-        result->created = missing;
+        result->created = r.missing; /* with counts pending, known since the checks */
         atomic_fetch_add_explicit(&table->pushes_dropped, r.rejected, memory_order_relaxed);
     }
     em__request_end(&r);

@@ -191,6 +191,9 @@ typedef struct request_context {
                                 * synchronisation */
     bool found_missing_late;   /* em__check_create_apply: the counts came back with the
                                 * checks, some key was missing, and nothing was changed */
+    bool needs_alone;          /* em__check_create_apply: keys found missing with the
+                                * checks' wait, no room for them beside other requests:
+                                * nothing was changed, the push runs again alone */
     bool made_room;            /* em__create_missing evicted rows to make room */
     bool checked_at_once;      /* a push planned from its attempt at once (one shard),
                                 * which checked every key's step there, those of the
@@ -432,8 +435,9 @@ void em__snapshot_wait_room(em_table *table);
 em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_error *err);
 /* A push's check, creation of its missing keys, and step, and the wait for its devices.
  * A push whose find counts are pending (counts_later) gets them with the checks' wait:
- * when some key was missing, it stops there, r->found_missing_late set, the table
- * unchanged. */
+ * when some key was missing, with admission `always` it creates it (or, finding no room
+ * beside other requests, stops there, r->needs_alone set, the table unchanged), under
+ * another admission it stops there, r->found_missing_late set, the table unchanged. */
 em_status em__check_create_apply(request_context *r, em_error *err);
 
 em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,

@@ -2045,21 +2045,33 @@ em_status em__check_create_apply(request_context *r, em_error *err)
                             table->config.name);
     /* the heavy part, side by side with other pushes; then, holding every lock, only
      * the shards whose check no longer holds are checked again */
-    /* only a push that creates keys beside other requests may find some created since */
-    bool *refound = r->rows_claimed > 0 ? calloc(table->shard_count, sizeof(*refound)) : NULL;
-    em_status status = r->rows_claimed > 0 && refound == NULL
-                           ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                                          "table '%s': push: out of memory", table->config.name)
-                       : r->checked_at_once ? take_check_at_once(r, checks)
-                                            : check_shards(r, checks, err);
+    em_status status = r->checked_at_once ? take_check_at_once(r, checks)
+                                          : check_shards(r, checks, err);
     /* The finds' counts came back with the checks' wait (which a problem found also
-     * means): with keys missing, the checks did not see what admission makes of them,
-     * and the push goes again, finding first. */
+     * means): with keys missing, the checks saw them as created (their initial values
+     * stepped), which is what admission `always` does with them, so the push goes on to
+     * create them, claiming the room beside other requests (or, without room, running
+     * again alone: r->needs_alone); under another admission the checks did not see what
+     * admission makes of them, and the push goes again, finding first. */
     if (r->counts_pending && (status == EM_OK || status == EM_INVALID_ARGUMENT)) {
         em__missing_found(r);
-        r->found_missing_late = r->missing > 0;
+        bool always = table->config.admission.policy == EM_ADMISSION_ALWAYS;
+        r->found_missing_late = r->missing > 0 && (status != EM_OK || !always);
         if (r->found_missing_late)
             status = EM_OK;
+        else if (status == EM_OK && r->missing > 0 && !r->alone && !em__claim_rows(r))
+            r->needs_alone = true;
+    }
+    /* only a push that creates keys beside other requests may find some created since */
+    bool *refound = r->rows_claimed > 0 && !r->needs_alone
+                        ? calloc(table->shard_count, sizeof(*refound))
+                        : NULL;
+    if (status == EM_OK && r->rows_claimed > 0 && !r->needs_alone && refound == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': push: out of memory",
+                              table->config.name);
+    if (status == EM_OK && r->needs_alone) {
+        free(checks);
+        return EM_OK;
     }
     if (status == EM_OK && !r->found_missing_late) {
         lock_shards(r, true);
