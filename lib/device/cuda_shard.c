@@ -1725,10 +1725,7 @@ static em_status take_kept(cuda_evict_walk *w, const uint64_t *rows, uint64_t n,
     w->kept = malloc((n + 1) * sizeof(uint64_t));
     if (w->kept == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    w->kept_count = 0;
-    for (uint64_t i = 0; i < n; i++)
-        if (em_row_stored(rows[i]))
-            w->kept[w->kept_count++] = rows[i];
+    w->kept_count = em_evict_kept_rows(rows, n, w->kept);
     return EM_OK;
 }
 

@@ -147,6 +147,15 @@ uint64_t em_evict_window(const em_evict_spec *spec)
     return spec->count > UINT64_MAX / per_row ? UINT64_MAX : spec->count * per_row;
 }
 
+uint64_t em_evict_kept_rows(const uint64_t *rows, uint64_t n, uint64_t *kept)
+{
+    uint64_t count = 0;
+    for (uint64_t i = 0; i < n; i++)
+        if (em_row_stored(rows[i]))
+            kept[count++] = rows[i];
+    return count;
+}
+
 static void em_evict_chooser_end(em_evict_chooser *c);
 
 static em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec *spec, em_error *err)

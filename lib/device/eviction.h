@@ -55,6 +55,11 @@ typedef em_status (*em_evict_walk)(void *context, uint64_t max, uint64_t *keys, 
  * candidate a row when candidates is 0, UINT64_MAX when that does not fit. */
 uint64_t em_evict_window(const em_evict_spec *spec);
 
+/* What an eviction keeps of its request's rows: the stored ones among rows[0..n) (the
+ * values of keys missing or refused are not rows: device.h em_row_stored), copied into
+ * kept in their order (kept may be rows itself); returns how many. */
+uint64_t em_evict_kept_rows(const uint64_t *rows, uint64_t n, uint64_t *kept);
+
 /* Chooses spec->count rows by spec's policy among the entries of a map walk (the rule in
  * lib/table/table_config.h): the backend's walk starts at spec->random (modulo its map's
  * positions) and is read block by block (EM_EVICT_BLOCK entries at most) until enough

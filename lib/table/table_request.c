@@ -1081,13 +1081,9 @@ static em_status kept_rows(request_context *r, segment *seg, uint32_t s, em_evic
         free(rows);
         return status;
     }
-    uint64_t kept = 0;
-    for (uint64_t i = 0; i < n; i++)
-        if (em_row_stored(rows[i]))
-            rows[kept++] = rows[i];
     *out = rows;
     spec->kept = rows;
-    spec->kept_count = kept;
+    spec->kept_count = em_evict_kept_rows(rows, n, rows);
     return EM_OK;
 }
 
