@@ -290,27 +290,38 @@ START_TEST(headroom_frees_the_next_rows_by_the_rule_too)
 }
 END_TEST
 
+/* An lru table of `shards` (candidates above its rows, headroom as given) filled with the
+ * keys 1 to capacity, a request each (pushes, or pulls that create). */
+static em_table *filled_lru_table(em_backend *backend, uint64_t capacity, uint32_t shards,
+                                  double headroom, bool push)
+{
+    em_table_config config;
+    em_table_config_init(&config, "t", DIM, capacity);
+    config.shards = shards;
+    config.optimizer = em_test_optimizers[1];
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 1024;
+    config.eviction.headroom = headroom;
+    em_table *table = em_test_make_table(backend, &config);
+    em_error err;
+    for (uint64_t key = 1; key <= capacity; key++)
+        ck_assert_int_eq(run_request(table, &key, 1, push, &err), EM_OK);
+    return table;
+}
+
 /* Loop index: pulls (0) or pushes (1). Once 4 requests of a kind in a row made room,
  * the next ones take the table alone from the start (requests_alone_first) instead of
- * trying beside the others first (exclusive_retries), evicting the same rows: with
- * one shard and candidates above the capacity the oldest go, one each time. The first of them that
- * makes no room sends the next ones beside the others again; requests of the other
- * kind keep their own count. */
+ * trying beside the others first (exclusive_retries), evicting the same rows: with one
+ * shard and candidates above the capacity the oldest go, one each time. The first of
+ * them that makes no room sends the next ones beside the others again; requests of the
+ * other kind keep their own count. */
 START_TEST(requests_that_keep_making_room_go_alone_first)
 {
     const bool push = _i == 1;
     const uint64_t capacity = 32;
     em_backend *backend = make_backend(1);
-    em_table_config config;
-    em_table_config_init(&config, "t", DIM, capacity);
-    config.shards = 1;
-    config.optimizer = em_test_optimizers[1];
-    config.eviction.policy = EM_EVICTION_LRU;
-    config.eviction.candidates = 1024;
-    em_table *table = em_test_make_table(backend, &config);
+    em_table *table = filled_lru_table(backend, capacity, 1, 0.0, push);
     em_error err;
-    for (uint64_t key = 1; key <= capacity; key++)
-        ck_assert_int_eq(run_request(table, &key, 1, push, &err), EM_OK);
     em_table_stats stats;
     uint64_t fresh = 1000;
     for (uint32_t i = 1; i <= 6; i++, fresh++) {
@@ -364,17 +375,8 @@ START_TEST(headroom_comes_from_every_shard_by_its_rows)
 {
     const uint64_t capacity = 400;
     em_backend *backend = make_backend(2);
-    em_table_config config;
-    em_table_config_init(&config, "t", DIM, capacity);
-    config.shards = 4;
-    config.optimizer = em_test_optimizers[1];
-    config.eviction.policy = EM_EVICTION_LRU;
-    config.eviction.candidates = 1024;
-    config.eviction.headroom = 0.1;
-    em_table *table = em_test_make_table(backend, &config);
+    em_table *table = filled_lru_table(backend, capacity, 4, 0.1, true);
     em_error err;
-    for (uint64_t key = 1; key <= capacity; key++)
-        ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
     em_table_stats stats;
     em_table_get_stats(table, &stats);
     ck_assert_uint_eq(stats.rows, capacity);
