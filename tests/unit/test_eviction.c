@@ -59,8 +59,8 @@ static em_backend *make_backend(uint32_t devices)
 }
 #endif
 
-static em_table *make_table(em_backend *backend, uint64_t capacity, uint32_t shards,
-                            em_eviction_policy policy, uint32_t candidates)
+static em_table_config policy_config(uint64_t capacity, uint32_t shards,
+                                     em_eviction_policy policy, uint32_t candidates)
 {
     em_table_config config;
     em_table_config_init(&config, "t", DIM, capacity);
@@ -69,6 +69,13 @@ static em_table *make_table(em_backend *backend, uint64_t capacity, uint32_t sha
     config.initializer.seed = 99;
     config.eviction.policy = policy;
     config.eviction.candidates = candidates;
+    return config;
+}
+
+static em_table *make_table(em_backend *backend, uint64_t capacity, uint32_t shards,
+                            em_eviction_policy policy, uint32_t candidates)
+{
+    em_table_config config = policy_config(capacity, shards, policy, candidates);
     return em_test_make_table(backend, &config);
 }
 
@@ -295,12 +302,7 @@ END_TEST
 static em_table *filled_lru_table(em_backend *backend, uint64_t capacity, uint32_t shards,
                                   double headroom, bool push)
 {
-    em_table_config config;
-    em_table_config_init(&config, "t", DIM, capacity);
-    config.shards = shards;
-    config.optimizer = em_test_optimizers[1];
-    config.eviction.policy = EM_EVICTION_LRU;
-    config.eviction.candidates = 1024;
+    em_table_config config = policy_config(capacity, shards, EM_EVICTION_LRU, 1024);
     config.eviction.headroom = headroom;
     em_table *table = em_test_make_table(backend, &config);
     em_error err;
