@@ -427,6 +427,57 @@ START_TEST(headroom_comes_from_every_shard_by_its_rows)
 }
 END_TEST
 
+/* Loop index: the table's shards (1 or 4). A push into a full table whose step would
+ * overflow a row (an adagrad accumulator past the float range) is refused whole,
+ * naming the key: nothing is evicted, created or stepped, whether it tried beside the
+ * others first or, after requests that kept making room, went alone first, and whether
+ * the row is a stored key's or a new key's (its initial value stepped). */
+START_TEST(a_refused_push_into_a_full_table_evicts_nothing)
+{
+    const uint32_t shards = _i == 0 ? 1 : 4;
+    const uint64_t capacity = 32;
+    em_backend *backend = make_backend(1);
+    em_table *table = filled_lru_table(backend, capacity, shards, 0.0, true);
+    em_error err;
+    uint64_t fresh = 1000;
+    for (int round = 0; round < 2; round++) {
+        /* round 1: after 4 pushes that made room, the refused ones go alone first */
+        for (int i = 0; round == 1 && i < 4; i++, fresh++)
+            ck_assert_int_eq(run_request(table, &fresh, 1, true, &err), EM_OK);
+        em_table_stats before_stats;
+        em_table_get_stats(table, &before_stats);
+        for (int bad = 0; bad < 2; bad++) {
+            /* a new key and a stored one; the huge gradient is the stored key's (bad 0)
+             * or the new key's (bad 1) */
+            uint64_t keys[2] = {fresh + 100, round == 0 ? 7 : fresh - 1};
+            uint32_t offsets[3] = {0, 1, 2};
+            float gradients[2 * DIM];
+            for (uint32_t i = 0; i < 2 * DIM; i++)
+                gradients[i] = 0.01f;
+            gradients[(bad == 0 ? 1 : 0) * DIM + 2] = 1e35f;
+            em_csr batch = {.rows = 2, .nnz = 2, .offsets = offsets, .keys = keys};
+            em_test_snapshot before = em_test_snapshot_take(table, 7);
+            ck_assert_int_eq(em_test_push(table, &batch, EM_COMBINER_NONE, gradients, NULL, &err),
+                             EM_INVALID_ARGUMENT);
+            char named[32];
+            snprintf(named, sizeof(named), "%" PRIu64, keys[bad == 0 ? 1 : 0]);
+            ck_assert_msg(strstr(err.message, named) != NULL, "%s", err.message);
+            em_test_assert_table_unchanged(table, &before);
+            em_test_snapshot_free(&before);
+        }
+        em_table_stats stats;
+        em_table_get_stats(table, &stats);
+        ck_assert_uint_eq(stats.rows, capacity);
+        ck_assert_uint_eq(stats.rows_evicted, before_stats.rows_evicted);
+        ck_assert_uint_eq(stats.rows_created, before_stats.rows_created);
+        ck_assert_uint_eq(stats.requests_alone_first,
+                          before_stats.requests_alone_first + (round == 1 ? 2 : 0));
+    }
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 START_TEST(a_request_never_evicts_its_own_rows)
 {
     em_backend *backend = make_backend(1);
@@ -1706,6 +1757,7 @@ int main(void)
     tcase_add_loop_test(rules, headroom_frees_the_next_rows_by_the_rule_too, 0, 3);
     tcase_add_test(rules, headroom_comes_from_every_shard_by_its_rows);
     tcase_add_loop_test(rules, requests_that_keep_making_room_go_alone_first, 0, 2);
+    tcase_add_loop_test(rules, a_refused_push_into_a_full_table_evicts_nothing, 0, 2);
     tcase_add_test(rules, a_request_never_evicts_its_own_rows);
     tcase_add_loop_test(rules, a_request_evicts_the_rows_first_by_the_policy_at_once, 0, 3);
     tcase_add_test(rules, no_room_to_make_fails_whole);
