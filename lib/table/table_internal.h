@@ -195,6 +195,8 @@ typedef struct request_context {
                                 * checks' wait, no room for them beside other requests:
                                 * nothing was changed, the push runs again alone */
     bool made_room;            /* em__create_missing evicted rows to make room */
+    struct unchecked_push *unchecked; /* a push's checks enqueued, their answers left to
+                                       * its evictions' wait (table_request.c) */
     bool checked_at_once;      /* a push planned from its attempt at once (one shard),
                                 * which checked every key's step there, those of the
                                 * keys to create too, and found no problem, the shard at

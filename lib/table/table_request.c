@@ -28,6 +28,17 @@
 #include "lib/base/parallel.h"
 #include "lib/table/table_internal.h"
 
+/* A push's checks enqueued on its devices, their answers not yet waited for: a push
+ * alone that will evict on GPUs leaves that wait to its evictions' walks. */
+typedef struct unchecked_push {
+    uint64_t *problems[EM_BACKEND_MAX_DEVICES]; /* host, a word per shard of the device */
+    bool pending[EM_BACKEND_MAX_DEVICES];       /* the words come with the device's wait */
+} unchecked_push;
+
+static em_status take_checks(request_context *r, unchecked_push *u, em_status status,
+                             em_error *err);
+static em_status settle_unchecked(request_context *r, em_error *err);
+
 /* ---- scratch and staging ----------------------------------------------------------- */
 
 /* Scratch of at most SCRATCH_SMALL bytes comes from a block of SCRATCH_BLOCK bytes per
@@ -821,7 +832,9 @@ static em_status insert_missing(request_context *r, em_error *err)
     uint32_t devices = r->table->backend->device_count;
     bool enqueued[EM_BACKEND_MAX_DEVICES] = {false}, waits[EM_BACKEND_MAX_DEVICES] = {false};
     uint32_t failed[EM_BACKEND_MAX_DEVICES];
-    em_status status = EM_OK;
+    em_status status = settle_unchecked(r, err); /* a push's checks come first */
+    if (status != EM_OK)
+        return status;
     for (uint32_t d = 0; status == EM_OK && d < devices; d++) {
         segment *seg = &r->segments[d];
         if (!segment_creates(r, seg))
@@ -1448,7 +1461,8 @@ static void parts_free(shard_eviction *parts, uint32_t count)
  * each device's parts go together on its lane, and every device's walks come back in one
  * wait for all of them; returns false where they do not (the parts then run a shard at a
  * time, on threads). */
-static bool evict_device_by_device(request_context *r, shard_eviction *parts, uint32_t count)
+static bool evict_device_by_device(request_context *r, shard_eviction *parts, uint32_t count,
+                                   em_status *checked, em_error *check_err)
 {
     em_table *table = r->table;
     for (uint32_t i = 0; i < count; i++)
@@ -1476,11 +1490,25 @@ static bool evict_device_by_device(request_context *r, shard_eviction *parts, ui
         }
         begun[d] = status == EM_OK && pending[d] != NULL;
     }
+    /* a push's checks left to this wait (r->unchecked) come back with the walks */
+    bool waits[EM_BACKEND_MAX_DEVICES] = {false};
+    for (uint32_t d = 0; d < table->backend->device_count; d++)
+        waits[d] = begun[d] || (r->unchecked != NULL && r->unchecked->pending[d]);
     em_error sync_err;
-    em_status synchronized = synchronize_marked(r, begun, &sync_err);
+    em_status synchronized = synchronize_marked(r, waits, &sync_err);
+    *checked = EM_OK;
+    if (r->unchecked != NULL) { /* a problem found: no shard erases anything */
+        *checked = take_checks(r, r->unchecked, synchronized, check_err);
+        r->unchecked = NULL;
+        if (synchronized == EM_OK && *checked != EM_OK)
+            synchronized = *checked;
+        else
+            *checked = EM_OK; /* the wait's own failure is the parts' */
+    }
+    const em_error *ended_err = *checked != EM_OK ? check_err : &sync_err;
     for (uint32_t d = 0; d < table->backend->device_count; d++)
         if (begun[d])
-            r->segments[d].device->ops->shards_evict_end(pending[d], synchronized, &sync_err);
+            r->segments[d].device->ops->shards_evict_end(pending[d], synchronized, ended_err);
     for (uint32_t i = 0; i < count; i++) {
         parts[i].status = batch[i].status;
         parts[i].err = batch[i].err;
@@ -1493,12 +1521,23 @@ static bool evict_device_by_device(request_context *r, shard_eviction *parts, ui
  * eviction fails makes the request fail, after the other shards' evictions are
  * counted. */
 static em_status evict_rows(request_context *r, shard_eviction *parts, uint32_t count,
-                            em_error *err)
+                            bool *refused, em_error *err)
 {
     em_table *table = r->table;
     eviction_run run = {.table = table, .parts = parts};
-    if (!evict_device_by_device(r, parts, count))
+    em_status checked = EM_OK;
+    *refused = false;
+    if (!evict_device_by_device(r, parts, count, &checked, err)) {
+        em_status status = settle_unchecked(r, err); /* a push's checks come first */
+        if (status != EM_OK) {
+            *refused = true;
+            return status;
+        }
         em_parallel_run(count, eviction_threads(table, parts, count), run_eviction, &run);
+    } else if (checked != EM_OK) { /* the push's checks found a problem: nothing evicted */
+        *refused = true;
+        return checked;
+    }
     em_status status = EM_OK;
     for (uint32_t i = 0; i < count; i++) {
         shard_eviction *part = &parts[i];
@@ -1617,6 +1656,7 @@ static em_status make_room_and_insert(request_context *r, const uint64_t *evict,
 {
     shard_eviction *parts = NULL;
     uint32_t count = 0;
+    uint64_t random = r->table->evict_random; /* prepare_parts draws from it */
     em_status status = prepare_parts(r, evict, true, &parts, &count, err);
     if (status != EM_OK) {
         parts_free(parts, count);
@@ -1632,8 +1672,11 @@ static em_status make_room_and_insert(request_context *r, const uint64_t *evict,
     for (uint32_t i = 0; i < count; i++)
         if (parts[i].spec.count > 0)
             parts[evicting++] = parts[i];
-    status = evict_rows(r, parts, evicting, err);
+    bool refused = false;
+    status = evict_rows(r, parts, evicting, &refused, err);
     parts_free(parts, evicting);
+    if (refused) /* the push's checks said no: as if it had not planned these evictions */
+        r->table->evict_random = random;
     if (status == EM_OK)
         status = insert_missing(r, err);
     return status;
@@ -1930,31 +1973,64 @@ static em_status check_on_device(request_context *r, segment *seg, shard_check *
 }
 
 /* Checks every device's shards: all devices' checks are enqueued before any is waited
- * for, so a table over several GPUs checks on all of them at once, and their answers
- * come back in one wait; then each device's answers are read, in device and shard order
- * (the first problem is the request's). */
-static em_status check_shards(request_context *r, shard_check *checks, em_error *err)
+ * for, so a table over several GPUs checks on all of them at once (enqueue_checks), and
+ * their answers come back in one wait; then each device's answers are read, in device
+ * and shard order (take_checks: the first problem is the request's). A push that will
+ * evict on GPUs leaves that wait to its evictions' walks (r->unchecked). */
+static em_status enqueue_checks(request_context *r, shard_check *checks, unchecked_push *u,
+                                em_error *err)
 {
-    uint32_t devices = r->table->backend->device_count;
-    uint64_t *problems[EM_BACKEND_MAX_DEVICES] = {NULL};
-    bool pending[EM_BACKEND_MAX_DEVICES] = {false};
     em_status status = EM_OK;
-    for (uint32_t d = 0; status == EM_OK && d < devices; d++)
+    for (uint32_t d = 0; status == EM_OK && d < r->table->backend->device_count; d++)
         if (r->segments[d].count > 0)
-            status = check_on_device(r, &r->segments[d], checks, &problems[d], &pending[d], err);
-    em_error later;
-    em_status synchronized = synchronize_marked(r, pending, status == EM_OK ? err : &later);
-    if (status == EM_OK)
-        status = synchronized;
-    for (uint32_t d = 0; d < devices; d++) {
+            status = check_on_device(r, &r->segments[d], checks, &u->problems[d],
+                                     &u->pending[d], err);
+    return status;
+}
+
+/* Once the devices with answers pending synchronized (status: the request's so far):
+ * the first problem found, as the request's error; frees the answers. */
+static em_status take_checks(request_context *r, unchecked_push *u, em_status status,
+                             em_error *err)
+{
+    for (uint32_t d = 0; d < r->table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
-        for (uint32_t s = seg->first_shard; status == EM_OK && problems[d] != NULL &&
+        for (uint32_t s = seg->first_shard; status == EM_OK && u->problems[d] != NULL &&
                                             s < seg->end_shard; s++)
             if (shard_key_count(r, s) != 0)
-                status = problem_error(r, seg, s, problems[d][s - seg->first_shard], err);
-        free(problems[d]);
+                status = problem_error(r, seg, s, u->problems[d][s - seg->first_shard], err);
+        free(u->problems[d]);
+        u->problems[d] = NULL;
+        u->pending[d] = false;
     }
     return status;
+}
+
+/* Waits for the answers of enqueue_checks (status: how enqueueing went) and takes them. */
+static em_status wait_for_checks(request_context *r, unchecked_push *u, em_status status,
+                                 em_error *err)
+{
+    em_error later;
+    em_status synchronized = synchronize_marked(r, u->pending, status == EM_OK ? err : &later);
+    return take_checks(r, u, status == EM_OK ? synchronized : status, err);
+}
+
+static em_status check_shards(request_context *r, shard_check *checks, em_error *err)
+{
+    unchecked_push u = {0};
+    em_status status = enqueue_checks(r, checks, &u, err);
+    return wait_for_checks(r, &u, status, err);
+}
+
+/* Before the first change of a push whose checks were left to its evictions' walks
+ * (r->unchecked) that did not take them: waits for them now. */
+static em_status settle_unchecked(request_context *r, em_error *err)
+{
+    unchecked_push *u = r->unchecked;
+    if (u == NULL)
+        return EM_OK;
+    r->unchecked = NULL;
+    return wait_for_checks(r, u, EM_OK, err);
 }
 
 /* A push planned from its attempt at once (one shard), which checked there every key's
@@ -2032,6 +2108,23 @@ em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_erro
     return EM_OK;
 }
 
+/* Whether a push leaves its checks' wait to the walks of its evictions (r->unchecked):
+ * alone with a full table whose every device evicts several shards at once (the GPUs:
+ * shards_evict_begin), with its keys' counts known and more keys missing than there is
+ * room for. Nothing changes before that wait: a problem found stops the push there. */
+static bool checks_wait_for_walks(const request_context *r)
+{
+    const em_table *table = r->table;
+    if (!r->alone || r->counts_pending || r->missing == 0 ||
+        table->config.eviction.policy == EM_EVICTION_NONE ||
+        r->missing <= table->config.capacity - table_rows(table))
+        return false;
+    for (uint32_t d = 0; d < table->backend->device_count; d++)
+        if (table->backend->devices[d]->ops->shards_evict_begin == NULL)
+            return false;
+    return true;
+}
+
 em_status em__check_create_apply(request_context *r, em_error *err)
 {
     em_table *table = r->table;
@@ -2041,8 +2134,15 @@ em_status em__check_create_apply(request_context *r, em_error *err)
                             table->config.name);
     /* the heavy part, side by side with other pushes; then, holding every lock, only
      * the shards whose check no longer holds are checked again */
+    unchecked_push unchecked = {0};
+    bool later = !r->checked_at_once && checks_wait_for_walks(r);
     em_status status = r->checked_at_once ? take_check_at_once(r, checks)
+                       : later            ? enqueue_checks(r, checks, &unchecked, err)
                                           : check_shards(r, checks, err);
+    if (later && status != EM_OK)
+        status = wait_for_checks(r, &unchecked, status, err);
+    else if (later)
+        r->unchecked = &unchecked; /* taken by the evictions' wait, or before any change */
     /* The finds' counts came back with the checks' wait (which a problem found also
      * means): with keys missing, the checks saw them as created (their initial values
      * stepped), which is what admission `always` does with them, so the push goes on to
@@ -2100,6 +2200,12 @@ em_status em__check_create_apply(request_context *r, em_error *err)
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
      * once, so pushes behind this one follow it shard by shard (or all together once
      * their inserts settle). */
+    if (r->unchecked != NULL) { /* not taken yet: nothing was changed */
+        em_error later_err;
+        em_status checked = settle_unchecked(r, status == EM_OK ? err : &later_err);
+        if (status == EM_OK)
+            status = checked;
+    }
     if (status == EM_OK && !r->found_missing_late)
         status = run_on_shards(r, WORK_APPLY, table->config.dim,
                                r->shards_held ? SHARDS_HELD : SHARDS_RELEASE_EACH, checks, err);
