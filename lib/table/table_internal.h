@@ -203,12 +203,11 @@ typedef struct request_context {
                                 * checked_version: em__check_create_apply takes that
                                 * check (and checks again if the shard moved since) */
     uint64_t checked_version;
-    bool settle_later;         /* the inserts' settle (the maps' counts read back) waits
-                                * for the request's last synchronisation
-                                * (em__finish_devices): a request alone with a table on
-                                * GPUs */
-    bool shards_held;          /* the write locks of the request's shards are held until
-                                * em__finish_devices (em__run_on_shards takes none) */
+    bool settle_later;         /* a request alone with a table on GPUs: its inserts'
+                                * settle (the maps' counts read back) waits for its last
+                                * synchronisation (em__finish_devices), and the write
+                                * locks of its shards are held until then
+                                * (em__run_on_shards takes none) */
     const float **row_scratch; /* with row_sources: a shard's sources, n of them at most
                                 * (taken before any key is created) */
     const float *const *row_sources; /* an import whose rows are where these point, by

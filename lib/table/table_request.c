@@ -912,13 +912,19 @@ static bool inserts_enqueued(const em_table *table)
     return true;
 }
 
+/* Whether the request's inserts settle with its last wait, its shards' write locks held
+ * until then (r->settle_later: alone with a table on GPUs). */
+static bool settles_later(request_context *r)
+{
+    r->settle_later = r->alone && inserts_enqueued(r->table);
+    return r->settle_later;
+}
+
 bool em__hold_for_settle(request_context *r)
 {
-    if (!r->alone || !inserts_enqueued(r->table))
+    if (!settles_later(r))
         return false;
     lock_shards(r, true);
-    r->settle_later = true;
-    r->shards_held = true;
     return true;
 }
 
@@ -932,9 +938,9 @@ em_status em__finish_devices(request_context *r, em_status status, em_error *err
     if (status == EM_OK || pending)
         synchronized = em__synchronize_devices(r, status == EM_OK ? err : &later);
     em_status settled = settle_later_inserts(r, synchronized, status == EM_OK ? err : &later);
-    if (r->shards_held) {
+    if (r->settle_later) {
         lock_shards(r, false);
-        r->shards_held = false;
+        r->settle_later = false;
     }
     return status != EM_OK ? status : settled;
 }
@@ -2186,15 +2192,13 @@ em_status em__check_create_apply(request_context *r, em_error *err)
             status = em__preserve_for_snapshot(r, false, err);
         /* alone with the table on GPUs, the inserts settle with the push's last wait,
          * the shards held until then */
-        if (status == EM_OK && r->alone && inserts_enqueued(table)) {
-            r->settle_later = true;
-            r->shards_held = true;
-        }
+        if (status == EM_OK)
+            (void)settles_later(r);
         if (status == EM_OK)
             status = em__create_missing(r, true, err);
         if (status == EM_OK)
             advance_versions(r, checks);
-        else if (!r->shards_held) /* else em__finish_devices lets them go */
+        else if (!r->settle_later) /* else em__finish_devices lets them go */
             lock_shards(r, false);
     }
     /* Every step is known to keep its rows finite: each shard is stepped and let go at
@@ -2208,7 +2212,7 @@ em_status em__check_create_apply(request_context *r, em_error *err)
     }
     if (status == EM_OK && !r->found_missing_late)
         status = run_on_shards(r, WORK_APPLY, table->config.dim,
-                               r->shards_held ? SHARDS_HELD : SHARDS_RELEASE_EACH, checks, err);
+                               r->settle_later ? SHARDS_HELD : SHARDS_RELEASE_EACH, checks, err);
     if (!r->found_missing_late)
         status = em__finish_devices(r, status, err);
     free(refound);
@@ -2420,7 +2424,7 @@ em_status em__run_on_shards(request_context *r, shard_work work, uint32_t floats
                             em_error *err)
 {
     return run_on_shards(r, work, floats_per_key,
-                         r->shards_held ? SHARDS_HELD : SHARDS_LOCK_EACH, NULL, err);
+                         r->settle_later ? SHARDS_HELD : SHARDS_LOCK_EACH, NULL, err);
 }
 
 
