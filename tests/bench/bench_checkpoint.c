@@ -6,8 +6,12 @@
  *   1. save and load GB/s of a table (Adam state) against dd writing the same bytes with
  *      conv=fdatasync and reading them back, on the same disk in the same run (the page
  *      cache is dropped before each read when /proc/sys/vm/drop_caches is writable),
- *      a second load into the pool memory the first one touched (no fresh pages), and
- *      loads with the file in the page cache (the load's own work: best of three);
+ *      with the CPU time the first load spent in the kernel (first touches of fresh
+ *      memory), loads into the pool memory the first one touched (no fresh pages),
+ *      --pairs times, each beside dd reading the same rows.emb (before it, then after
+ *      it, in turn; the ratio of each pair, their median, and the median load against
+ *      the fastest dd read of the run), and loads with the file in the page cache (the
+ *      load's own work: best of three);
  *   2. a delta after pushes to 1% of the rows: its bytes against the full checkpoint's
  *      (target at most 1.5%), and the time of a full save that keeps the row digests
  *      deltas need against one that does not;
@@ -15,7 +19,7 @@
  *      (in-process threads, no network), p50 / p99 / max.
  *
  *   bench_checkpoint [--rows N] [--dim D] [--dir PATH] [--clients C] [--seconds S]
- *                    [--backend cpu|cuda]
+ *                    [--backend cpu|cuda] [--pairs P (1 to 9, 5 by default)]
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -23,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -34,6 +39,9 @@
 
 #define PULL_KEYS 26
 
+/* Most loads into touched memory, each beside a dd read (--pairs). */
+#define MAX_PAIRS 9
+
 typedef struct options {
     uint64_t rows;
     uint32_t dim;
@@ -41,6 +49,7 @@ typedef struct options {
     int clients;
     double seconds;
     const char *backend; /* "cpu" or "cuda" */
+    int pairs;           /* loads into touched memory, each beside a dd read (1 to 9) */
 } options;
 
 static uint64_t key_of(uint64_t i)
@@ -129,6 +138,20 @@ static void run_dd(const char *dir, uint64_t bytes, double *write_s, double *rea
     *read_nocache_s = em_test_now() - start;
     snprintf(command, sizeof(command), "%s/dd.bin", dir);
     unlink(command);
+}
+
+/* Seconds dd takes to read path (page cache dropped before), as a load reads it: each
+ * page let go once read (iflag=nocache). */
+static double dd_read_file(const char *path)
+{
+    char command[4600];
+    snprintf(command, sizeof(command), "dd if=%s of=/dev/null bs=1M iflag=nocache status=none",
+             path);
+    drop_caches();
+    double start = em_test_now();
+    if (system(command) != 0)
+        fprintf(stderr, "dd failed: %s\n", command);
+    return em_test_now() - start;
 }
 
 /* ---- pull latency ---------------------------------------------------------------------- */
@@ -332,18 +355,37 @@ static em_backend *bench_backend(const options *opt)
     return backend;
 }
 
+/* CPU seconds of the whole process so far: user, and in the kernel (system). */
+static void process_cpu(double *user, double *system)
+{
+    struct rusage usage;
+    getrusage(RUSAGE_SELF, &usage);
+    *user = (double)usage.ru_utime.tv_sec + (double)usage.ru_utime.tv_usec * 1e-6;
+    *system = (double)usage.ru_stime.tv_sec + (double)usage.ru_stime.tv_usec * 1e-6;
+}
+
+/* The CPU seconds of the last timed_load, its threads together: user and kernel (the
+ * kernel's share is its copies out of the page cache and the first touches of fresh
+ * memory, which a guest's host may make slow). */
+static double last_load_user, last_load_system;
+
 /* Seconds to load the checkpoint at path into a new table (then destroyed); exits on a
  * failure. */
 static double timed_load(const char *path, em_backend *backend, em_checkpoint_info *info)
 {
     em_table *loaded = NULL;
     em_error err;
+    double user_before, system_before;
+    process_cpu(&user_before, &system_before);
     double start = em_test_now();
     if (em_checkpoint_load(path, backend, "loaded", NULL, &loaded, info, &err) != EM_OK) {
         fprintf(stderr, "load: %s\n", err.message);
         exit(1);
     }
     double seconds = em_test_now() - start;
+    process_cpu(&last_load_user, &last_load_system);
+    last_load_user -= user_before;
+    last_load_system -= system_before;
     em_table_destroy(loaded);
     return seconds;
 }
@@ -351,7 +393,7 @@ static double timed_load(const char *path, em_backend *backend, em_checkpoint_in
 int main(int argc, char **argv)
 {
     options opt = {.rows = 2000000, .dim = 64, .dir = "/tmp/ember-bench-checkpoint",
-                   .clients = 16, .seconds = 3, .backend = "cpu"};
+                   .clients = 16, .seconds = 3, .backend = "cpu", .pairs = 5};
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--rows") == 0)
             opt.rows = strtoull(argv[i + 1], NULL, 10);
@@ -365,13 +407,20 @@ int main(int argc, char **argv)
             opt.seconds = strtod(argv[i + 1], NULL);
         else if (strcmp(argv[i], "--backend") == 0)
             opt.backend = argv[i + 1];
+        else if (strcmp(argv[i], "--pairs") == 0)
+            opt.pairs = atoi(argv[i + 1]);
     }
     setvbuf(stdout, NULL, _IOLBF, 0); /* each line out at once: a run cut short keeps them */
     mkdir(opt.dir, 0755);
     em_test_print_machine(NULL);
+    if (opt.pairs < 1 || opt.pairs > MAX_PAIRS) {
+        fprintf(stderr, "bench_checkpoint: --pairs %d: expected 1 to %d\n", opt.pairs,
+                MAX_PAIRS);
+        return 2;
+    }
     printf("command: bench_checkpoint --rows %" PRIu64 " --dim %u --dir %s --clients %d "
-           "--seconds %g --backend %s\n", opt.rows, opt.dim, opt.dir, opt.clients, opt.seconds,
-           opt.backend);
+           "--seconds %g --backend %s --pairs %d\n", opt.rows, opt.dim, opt.dir, opt.clients,
+           opt.seconds, opt.backend, opt.pairs);
     em_backend *backend = bench_backend(&opt);
     em_error err;
     printf("%s backend, device %s, 8 shards, adam (weights, two moments and a step per row)\n\n",
@@ -389,10 +438,32 @@ int main(int argc, char **argv)
     em_table *loaded = NULL;
     em_checkpoint_info info;
     double load_s = timed_load(s.info.path, backend, &info);
+    double load_user = last_load_user, load_system = last_load_system;
     /* again, into the pool memory the first load touched and gave back: what the load
-     * itself costs, without the kernel providing and clearing fresh pages */
-    drop_caches();
-    double reload_s = timed_load(s.info.path, backend, &info);
+     * itself costs, without the kernel providing and clearing fresh pages; in turn with
+     * dd reading the same rows.emb, --pairs times, so that each load and the dd read
+     * beside it meet the disk and the page cache alike (a guest's reads and first
+     * touches of memory swing by several times from one minute to the next), dd first
+     * in odd pairs and the load first in even ones, as what comes first after the page
+     * cache is dropped may meet the coldest memory */
+    const int pairs = opt.pairs;
+    char rows_file[4400];
+    snprintf(rows_file, sizeof(rows_file), "%s/rows.emb", s.info.path);
+    double pair_dd[MAX_PAIRS], pair_load[MAX_PAIRS], pair_ratio[MAX_PAIRS];
+    double pair_system[MAX_PAIRS];
+    for (int k = 0; k < pairs; k++) {
+        if (k % 2 == 0)
+            pair_dd[k] = dd_read_file(rows_file);
+        drop_caches();
+        pair_load[k] = timed_load(s.info.path, backend, &info);
+        pair_system[k] = last_load_system;
+        if (k % 2 == 1)
+            pair_dd[k] = dd_read_file(rows_file);
+        pair_ratio[k] = pair_dd[k] / pair_load[k];
+    }
+    double sorted_ratio[MAX_PAIRS];
+    memcpy(sorted_ratio, pair_ratio, pairs * sizeof(double));
+    qsort(sorted_ratio, pairs, sizeof(double), compare_doubles);
     /* and with rows.emb in the page cache (read just before; a load lets the pages it
      * has read go): the load's own work, which the disk hides when it is slower (best
      * of three) */
@@ -422,10 +493,29 @@ int main(int argc, char **argv)
     printf("%-34s %10.3f %10.3f %12s\n", "dd read", dd_read_s, gb / dd_read_s, "1.00");
     printf("%-34s %10.3f %10.3f %12.2f\n", "dd read, iflag=nocache", dd_nocache_s,
            gb / dd_nocache_s, dd_read_s / dd_nocache_s);
-    printf("%-34s %10.3f %10.3f %12.2f\n", "load (read, check, new table)", load_s, gb / load_s,
-           dd_read_s / load_s);
-    printf("%-34s %10.3f %10.3f %12.2f\n", "load again (pool memory touched)", reload_s,
-           gb / reload_s, dd_read_s / reload_s);
+    printf("%-34s %10.3f %10.3f %12.2f   (CPU: %.2f s user, %.2f s in the kernel)\n",
+           "load (read, check, new table)", load_s, gb / load_s, dd_read_s / load_s, load_user,
+           load_system);
+    for (int k = 0; k < pairs; k++) {
+        char label[64];
+        snprintf(label, sizeof(label), "dd read of rows.emb, pair %d%s", k + 1,
+                 k % 2 == 0 ? "" : " (after)");
+        printf("%-34s %10.3f %10.3f %12s\n", label, pair_dd[k], gb / pair_dd[k], "1.00");
+        snprintf(label, sizeof(label), "load again, pair %d", k + 1);
+        printf("%-34s %10.3f %10.3f %12.2f   (%.2f s in the kernel)\n", label, pair_load[k],
+               gb / pair_load[k], pair_ratio[k], pair_system[k]);
+    }
+    double sorted_load[MAX_PAIRS];
+    double fastest_dd = dd_read_s < dd_nocache_s ? dd_read_s : dd_nocache_s;
+    memcpy(sorted_load, pair_load, pairs * sizeof(double));
+    qsort(sorted_load, pairs, sizeof(double), compare_doubles);
+    for (int k = 0; k < pairs; k++)
+        fastest_dd = pair_dd[k] < fastest_dd ? pair_dd[k] : fastest_dd;
+    printf("%-34s %10s %10s %12.2f\n", "load again: median of the pairs", "", "",
+           sorted_ratio[pairs / 2]);
+    printf("%-34s %10.3f %10.3f %12.2f   (against the fastest dd read of the run, %.3f s)\n",
+           "load again: median load", sorted_load[pairs / 2], gb / sorted_load[pairs / 2],
+           fastest_dd / sorted_load[pairs / 2], fastest_dd);
     printf("%-34s %10.3f %10.3f %12.2f\n", "load, file in the page cache", cached_s,
            gb / cached_s, dd_read_s / cached_s);
     printf("%-34s %10.3f %10.3f %12.2f\n\n", "verify (read, check)", verify_s, gb / verify_s,

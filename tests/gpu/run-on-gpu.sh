@@ -164,5 +164,6 @@ else
     --seconds 1
 fi
 # Saves and loads of a table in GPU memory against dd on this machine's disk.
-step "bench_checkpoint --backend cuda" 120 "$bench_checkpoint" --backend cuda --seconds 1
+step "bench_checkpoint --backend cuda" 120 "$bench_checkpoint" --backend cuda --seconds 1 \
+  --pairs 3
 finish
