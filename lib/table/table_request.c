@@ -1351,12 +1351,9 @@ void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count,
 typedef struct shard_eviction {
     segment *seg;
     uint32_t shard;
-    em_evict_spec spec;
-    uint64_t *keys, *rows; /* chosen: spec.count each */
+    em_shard_evict_part evict; /* its shard, spec, chosen keys and rows, status and error */
     uint64_t *kept;
     bool evicted; /* its rows are out of the map */
-    em_status status;
-    em_error err;
 } shard_eviction;
 
 typedef struct eviction_run {
@@ -1368,22 +1365,22 @@ static em_status prepare_eviction(request_context *r, shard_eviction *part, uint
                                   uint64_t evicted_before, em_error *err)
 {
     em_table *table = r->table;
-    part->keys = malloc(count * sizeof(uint64_t));
-    part->rows = malloc(count * sizeof(uint64_t));
-    if (part->keys == NULL || part->rows == NULL)
+    part->evict.keys = malloc(count * sizeof(uint64_t));
+    part->evict.rows = malloc(count * sizeof(uint64_t));
+    if (part->evict.keys == NULL || part->evict.rows == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    part->spec = (em_evict_spec){
+    part->evict.spec = (em_evict_spec){
         .policy = table->config.eviction.policy,
         .candidates = table->config.eviction.candidates,
         .count = count,
         .update_clock = (uint32_t)atomic_load_explicit(&table->update_clock,
                                                        memory_order_relaxed),
     };
-    em_status status = kept_rows(r, part->seg, part->shard, &part->spec, &part->kept, err);
+    em_status status = kept_rows(r, part->seg, part->shard, &part->evict.spec, &part->kept, err);
     if (status != EM_OK)
         return status;
     table->evict_random = em_mix64(table->evict_random ^ (evicted_before + part->shard));
-    part->spec.random = table->evict_random;
+    part->evict.spec.random = table->evict_random;
     return EM_OK;
 }
 
@@ -1392,9 +1389,10 @@ static void run_eviction(void *context, uint64_t i)
 {
     eviction_run *run = context;
     shard_eviction *part = &run->parts[i];
-    part->status = part->seg->device->ops->shard_evict(run->table->shards[part->shard],
-                                                       part->seg->lane, &part->spec, part->keys,
-                                                       part->rows, &part->err);
+    em_shard_evict_part *evict = &part->evict;
+    evict->status = part->seg->device->ops->shard_evict(evict->shard, part->seg->lane,
+                                                        &evict->spec, evict->keys, evict->rows,
+                                                        &evict->err);
 }
 
 /* The rows a shard gave up leave the counts and join the ring; a snapshot being read
@@ -1402,10 +1400,10 @@ static void run_eviction(void *context, uint64_t i)
 static em_status account_eviction(request_context *r, shard_eviction *part, em_error *err)
 {
     em_table *table = r->table;
-    uint64_t count = part->spec.count;
+    uint64_t count = part->evict.spec.count;
     em__rows_removed(table, count);
-    em__record_evicted(table, part->keys, count, &table->rows_evicted);
-    return preserve_host_rows(r, part->shard, part->seg->lane, part->rows, count, err);
+    em__record_evicted(table, part->evict.keys, count, &table->rows_evicted);
+    return preserve_host_rows(r, part->shard, part->seg->lane, part->evict.rows, count, err);
 }
 
 /* Threads for a request's evictions: the backend's, when the walks are long enough. */
@@ -1414,7 +1412,7 @@ static uint32_t eviction_threads(const em_table *table, const shard_eviction *pa
 {
     uint64_t entries = 0;
     for (uint32_t i = 0; i < count; i++) {
-        uint64_t walk = em_evict_window(&parts[i].spec);
+        uint64_t walk = em_evict_window(&parts[i].evict.spec);
         entries += walk < EVICT_PARALLEL_ENTRIES ? walk : EVICT_PARALLEL_ENTRIES;
     }
     return entries >= EVICT_PARALLEL_ENTRIES ? table->backend->eviction_threads : 1;
@@ -1440,7 +1438,7 @@ static em_status prepare_parts(request_context *r, const uint64_t *evict, bool i
             if (evict[s] == 0 && !(inserts && r->shard_missing[s] > 0))
                 continue;
             shard_eviction *part = &parts[(*count)++];
-            *part = (shard_eviction){.seg = seg, .shard = s};
+            *part = (shard_eviction){.seg = seg, .shard = s, .evict.shard = table->shards[s]};
             if (evict[s] == 0)
                 continue;
             em_status status = prepare_eviction(r, part, evict[s], evicted, err);
@@ -1457,8 +1455,8 @@ static void parts_free(shard_eviction *parts, uint32_t count)
 {
     for (uint32_t i = 0; parts != NULL && i < count; i++) {
         free(parts[i].kept);
-        free(parts[i].keys);
-        free(parts[i].rows);
+        free(parts[i].evict.keys);
+        free(parts[i].evict.rows);
     }
     free(parts);
 }
@@ -1483,10 +1481,7 @@ static bool evict_device_by_device(request_context *r, shard_eviction *parts, ui
         segment *seg = parts[first].seg; /* the parts are in device order */
         uint32_t d = (uint32_t)(seg - r->segments);
         for (end = first; end < count && parts[end].seg == seg; end++)
-            batch[end] = (em_shard_evict_part){.shard = table->shards[parts[end].shard],
-                                               .spec = parts[end].spec,
-                                               .keys = parts[end].keys,
-                                               .rows = parts[end].rows};
+            batch[end] = parts[end].evict;
         em_error err;
         em_status status = seg->device->ops->shards_evict_begin(seg->lane, batch + first,
                                                                 end - first, &pending[d], &err);
@@ -1515,10 +1510,8 @@ static bool evict_device_by_device(request_context *r, shard_eviction *parts, ui
     for (uint32_t d = 0; d < table->backend->device_count; d++)
         if (begun[d])
             r->segments[d].device->ops->shards_evict_end(pending[d], synchronized, ended_err);
-    for (uint32_t i = 0; i < count; i++) {
-        parts[i].status = batch[i].status;
-        parts[i].err = batch[i].err;
-    }
+    for (uint32_t i = 0; i < count; i++)
+        parts[i].evict = batch[i];
     free(batch);
     return true;
 }
@@ -1547,11 +1540,11 @@ static em_status evict_rows(request_context *r, shard_eviction *parts, uint32_t 
     em_status status = EM_OK;
     for (uint32_t i = 0; i < count; i++) {
         shard_eviction *part = &parts[i];
-        if (part->status == EM_OK)
-            part->status = account_eviction(r, part, &part->err);
-        if (part->status != EM_OK && status == EM_OK) {
-            status = part->status;
-            *err = part->err;
+        if (part->evict.status == EM_OK)
+            part->evict.status = account_eviction(r, part, &part->evict.err);
+        if (part->evict.status != EM_OK && status == EM_OK) {
+            status = part->evict.status;
+            *err = part->evict.err;
             em_error_prefix(err, "table '%s' shard %u: eviction: ", table->config.name,
                             part->shard);
         }
@@ -1597,28 +1590,29 @@ static void run_creation(void *context, uint64_t i)
     request_context *r = run->r;
     em_table *table = r->table;
     shard_eviction *part = &run->parts[i];
+    em_shard_evict_part *evict = &part->evict; /* its status: the eviction's, then the inserts' */
     uint32_t s = part->shard;
     segment *seg = part->seg;
     const em_device_ops *ops = seg->device->ops;
-    part->status = EM_OK;
-    if (part->spec.count > 0) {
-        part->status = ops->shard_evict(table->shards[s], seg->lane, &part->spec, part->keys,
-                                        part->rows, &part->err);
-        part->evicted = part->status == EM_OK;
-        if (part->status == EM_OK)
-            part->status = preserve_host_rows(r, s, seg->lane, part->rows, part->spec.count,
-                                              &part->err);
-        if (part->status != EM_OK) {
-            em_error_prefix(&part->err, "eviction: ");
+    evict->status = EM_OK;
+    if (evict->spec.count > 0) {
+        evict->status = ops->shard_evict(evict->shard, seg->lane, &evict->spec, evict->keys,
+                                         evict->rows, &evict->err);
+        part->evicted = evict->status == EM_OK;
+        if (evict->status == EM_OK)
+            evict->status = preserve_host_rows(r, s, seg->lane, evict->rows, evict->spec.count,
+                                               &evict->err);
+        if (evict->status != EM_OK) {
+            em_error_prefix(&evict->err, "eviction: ");
             return;
         }
     }
     if (r->shard_missing[s] == 0)
         return;
     uint64_t offset = shard_offset(r, seg, s);
-    part->status = ops->shard_insert_missing(table->shards[s], seg->lane, seg->keys + offset,
-                                             shard_key_count(r, s), seg->rows + offset,
-                                             !r->rows_written_next, &part->err);
+    evict->status = ops->shard_insert_missing(table->shards[s], seg->lane, seg->keys + offset,
+                                              shard_key_count(r, s), seg->rows + offset,
+                                              !r->rows_written_next, &evict->err);
 }
 
 /* evict_rows then insert_missing, a shard on each eviction thread: the same rows, keys
@@ -1637,16 +1631,17 @@ static em_status evict_and_insert(request_context *r, shard_eviction *parts, uin
         shard_eviction *part = &parts[i];
         uint32_t s = part->shard;
         if (part->evicted) {
-            em__rows_removed(table, part->spec.count);
-            em__record_evicted(table, part->keys, part->spec.count, &table->rows_evicted);
+            uint64_t evicted = part->evict.spec.count;
+            em__rows_removed(table, evicted);
+            em__record_evicted(table, part->evict.keys, evicted, &table->rows_evicted);
         }
-        if (part->status == EM_OK && r->shard_missing[s] > 0) {
+        if (part->evict.status == EM_OK && r->shard_missing[s] > 0) {
             em__rows_added(table, r->shard_missing[s]);
             atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
         }
-        if (part->status != EM_OK && status == EM_OK) {
-            status = part->status;
-            *err = part->err;
+        if (part->evict.status != EM_OK && status == EM_OK) {
+            status = part->evict.status;
+            *err = part->evict.err;
             em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         }
     }
@@ -1676,7 +1671,7 @@ static em_status make_room_and_insert(request_context *r, const uint64_t *evict,
     /* only the evicting parts, in shard order */
     uint32_t evicting = 0;
     for (uint32_t i = 0; i < count; i++)
-        if (parts[i].spec.count > 0)
+        if (parts[i].evict.spec.count > 0)
             parts[evicting++] = parts[i];
     bool refused = false;
     status = evict_rows(r, parts, evicting, &refused, err);
