@@ -61,8 +61,9 @@ static em_status save_one(em_checkpointer *c, em_table *table, em_save_mode mode
     bool scheduled_delta = mode == EM_SAVE_SCHEDULED && c->config->full_every > 1;
     options.delta = mode == EM_SAVE_DELTA || scheduled_delta;
     options.max_depth = mode == EM_SAVE_SCHEDULED ? c->config->full_every - 1 : 0;
-    /* a periodic delta of a table nobody changed would only lengthen the chain */
-    options.skip_unchanged = scheduled_delta;
+    /* a periodic or shutdown save of a table nobody changed since its latest checkpoint
+     * would write that checkpoint again (or an empty delta, lengthening the chain) */
+    options.skip_unchanged = mode == EM_SAVE_SCHEDULED;
     atomic_fetch_add(&c->stats->checkpoint_saves_running, 1);
     em_status status = em_checkpoint_save(table, &options, info, err);
     atomic_fetch_sub(&c->stats->checkpoint_save_rows_read, progress.read);

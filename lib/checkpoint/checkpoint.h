@@ -75,10 +75,14 @@ typedef struct em_checkpoint_options {
                                 * are, for the next delta under its own dir */
     bool wait_for_lock;        /* another save of the table that runs (in this process or
                                 * another) is waited for, instead of FAILED_PRECONDITION */
-    bool skip_unchanged;       /* with delta: a delta that would change nothing (no row, no
-                                * tombstone, the same clocks, no admission sketch) is not
-                                * written; info->unchanged says so and names the latest
-                                * checkpoint, which still holds the table */
+    bool skip_unchanged;       /* a save whose table the latest checkpoint under dir still
+                                * holds is not written: that checkpoint was saved from the
+                                * table or loaded into it whole and as saved, and no call
+                                * that may change the table ran since
+                                * (em_table_changed_since); nor, with delta, a delta that
+                                * would change nothing (no row, no tombstone, the same
+                                * clocks, no admission sketch). info->unchanged says so and
+                                * names the latest checkpoint. Not with detached */
     /* Heard once the snapshot is taken (rows_read 0) and after each staging buffer
      * written: rows of the snapshot read so far, and its rows. NULL: not heard. */
     void (*progress)(void *context, uint64_t rows_read, uint64_t rows_total);

@@ -83,7 +83,12 @@ typedef struct em__delta_base {
     uint32_t depth;                         /* 0 for a full checkpoint */
     uint64_t manifest_xxh3;                 /* the checksum line of its manifest */
     uint32_t row_floats;
+    bool tracked;          /* digests hold every row as the checkpoint has it (deltas) */
     em__key_map digests;
+    bool holds_table;      /* the checkpoint holds the table as it was when
+                            * em_table_changes gave `changes` (before a save's snapshot,
+                            * after a load of the table as saved) */
+    uint64_t changes;
     bool clocks_known;    /* clocks hold the table's clocks as the checkpoint has them (a
                            * save of a table that tracks access; not a load) */
     em_table_clocks clocks;

@@ -1355,9 +1355,12 @@ static void free_reader(reader *r)
     free(r->kept);
 }
 
-/* The digests of a loaded table: its next save can be a delta of this checkpoint. */
-static em_status attach_base(em_table *table, const link_state *target, em__key_map *digests,
-                             em_error *err)
+/* The table was loaded whole from the checkpoint target (the newest link of its
+ * chain): its next save may be a delta of it (tracking: *digests is taken), and, when
+ * the table is that checkpoint's as saved (holds), needs writing nothing while nothing
+ * changes the table. Called after everything the load sets in the table. */
+static em_status attach_base(em_table *table, const link_state *target, bool tracking,
+                             bool holds, em__key_map *digests, em_error *err)
 {
     em__delta_base *base = calloc(1, sizeof(*base));
     if (base == NULL)
@@ -1369,10 +1372,25 @@ static em_status attach_base(em_table *table, const link_state *target, em__key_
     base->depth = link->depth;
     base->manifest_xxh3 = link->manifest_xxh3;
     base->row_floats = target->m.row_floats;
-    base->digests = *digests;
-    memset(digests, 0, sizeof(*digests));
+    base->tracked = tracking;
+    base->holds_table = holds;
+    if (tracking) {
+        base->digests = *digests;
+        memset(digests, 0, sizeof(*digests));
+    }
+    base->changes = em_table_changes(table);
     em_table_set_attachment(table, base, em__delta_base_free);
     return EM_OK;
+}
+
+/* Whether a table loaded from one checkpoint is that checkpoint's table as saved: all
+ * of it (no weights only, no server's part), its config unchanged (name, capacity and
+ * shards too), and its rows' access metadata from the checkpoint when it keeps some. */
+static bool loads_as_saved(const em_table *table, const manifest *m, bool whole, bool access)
+{
+    const em_table_config *config = em_table_get_config(table);
+    return whole && access == m->access && config->capacity == m->config.capacity &&
+           config->shards == m->config.shards && strcmp(config->name, m->config.name) == 0;
 }
 
 /* The sources of one load: each a checkpoint's chain, newest link first. */
@@ -1572,8 +1590,6 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
         status = data_loss(err, paths[0], "manifest.json",
                            "the tables its %zu checkpoints restore have %" PRIu64 " rows, "
                            "they hold %" PRIu64 " distinct keys", count, expected, restored);
-    if (status == EM_OK && tracking)
-        status = attach_base(table, &sources[0].links[0], &digests, err);
     /* the admission sketches of the newest links, merged (each counter the largest); an
      * older link's is checked only */
     for (size_t s = 0; s < count; s++)
@@ -1597,6 +1613,9 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
         if (sources[s].links[0].m.access)
             em_table_set_clocks(table, &sources[s].links[0].m.clocks,
                                 every_row_access && s == 0);
+    bool as_saved = status == EM_OK && table != NULL && loads_as_saved(table, m, whole, r.access);
+    if (status == EM_OK && (tracking || as_saved))
+        status = attach_base(table, &sources[0].links[0], tracking, as_saved, &digests, err);
     em__key_map_free(&decided);
     em__key_map_free(&digests);
     if (status == EM_OK && info != NULL) {

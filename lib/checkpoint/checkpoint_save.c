@@ -138,7 +138,9 @@ typedef struct save {
     uint64_t table_rows;      /* in the snapshot */
     bool delta;               /* only what changed since parent */
     const em__delta_base *parent;
-    em__delta_base *next;     /* the digests as of this save, when tracking */
+    em__delta_base *next;     /* this save, for the table's next save (not detached) */
+    bool tracking;            /* next gets the digests of the rows as saved */
+    uint64_t changes;         /* em_table_changes before the snapshot */
     uint64_t *tombstones;     /* a delta's: the parent's keys no longer in the table */
     uint64_t tombstone_count;
     bool unchanged;           /* skip_unchanged: nothing written, the parent holds it all */
@@ -238,7 +240,7 @@ static em_status flush_run(save *s, em_error *err)
 static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error *err)
 {
     *kept = count;
-    if (s->next == NULL)
+    if (!s->tracking)
         return EM_OK;
     uint32_t floats = s->row_floats;
     uint64_t *keys = s->keys + s->staged;
@@ -314,7 +316,7 @@ static em_status write_rows(save *s, em_error *err)
     if (status == EM_OK && s->access) /* for evicted.emb */
         s->evicted = em_table_snapshot_take_evicted(snapshot, &s->evicted_total,
                                                     &s->evicted_count);
-    if (status == EM_OK && s->next != NULL &&
+    if (status == EM_OK && s->tracking &&
         !em__key_map_init(&s->next->digests, em_table_snapshot_rows(snapshot)))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
                               "out of host memory for the row digests of %" PRIu64 " rows",
@@ -690,23 +692,41 @@ void em__delta_base_free(void *data)
     free(base);
 }
 
+/* Whether the checkpoint base describes is still the latest of the table under dir
+ * (no other save replaced it since). */
+static bool base_is_latest(const em__delta_base *base, em_table *table, const char *dir)
+{
+    char latest[4200];
+    em__chain_link link;
+    em_error ignored;
+    return em_checkpoint_latest(dir, em_table_name(table), latest, sizeof(latest), &ignored) ==
+               EM_OK &&
+           strcmp(latest, base->path) == 0 &&
+           em__checkpoint_read_link(latest, &link, &ignored) == EM_OK &&
+           link.manifest_xxh3 == base->manifest_xxh3;
+}
+
 /* The table's digests when they describe the latest checkpoint under dir, unchanged
  * since: then this save can be a delta of it. */
 static const em__delta_base *delta_parent(em_table *table, const em_checkpoint_options *options,
                                           uint32_t row_floats)
 {
     const em__delta_base *base = em_table_attachment(table);
-    const char *dir = options->dir;
-    char latest[4200];
-    em__chain_link link;
-    em_error ignored;
-    if (base == NULL || base->row_floats != row_floats ||
+    if (base == NULL || !base->tracked || base->row_floats != row_floats ||
         (options->max_depth > 0 && base->depth >= options->max_depth) ||
-        em_checkpoint_latest(dir, em_table_name(table), latest, sizeof(latest), &ignored) !=
-            EM_OK ||
-        strcmp(latest, base->path) != 0 ||
-        em__checkpoint_read_link(latest, &link, &ignored) != EM_OK ||
-        link.manifest_xxh3 != base->manifest_xxh3)
+        !base_is_latest(base, table, options->dir))
+        return NULL;
+    return base;
+}
+
+/* Whether the latest checkpoint of the table under dir still holds it: it was saved
+ * from the table or loaded into it, and no call that may change the table has run
+ * since (em_table_changed_since). */
+static const em__delta_base *holding_checkpoint(em_table *table, const char *dir)
+{
+    const em__delta_base *base = em_table_attachment(table);
+    if (base == NULL || !base->holds_table || em_table_changed_since(table, base->changes) ||
+        !base_is_latest(base, table, dir))
         return NULL;
     return base;
 }
@@ -733,18 +753,18 @@ static bool delta_changes_nothing(const save *s)
     return true;
 }
 
-/* What a save that wrote nothing answers: the parent, which still holds the table. */
-static void describe_parent(const save *s, em_checkpoint_info *info)
+/* What a save that wrote nothing answers: the checkpoint that still holds the table. */
+static void describe_holder(const em__delta_base *holder, uint64_t table_rows,
+                            em_checkpoint_info *info)
 {
-    const em__delta_base *parent = s->parent;
     info->unchanged = true;
-    snprintf(info->id, sizeof(info->id), "%s", parent->id);
-    snprintf(info->path, sizeof(info->path), "%s", parent->path);
-    snprintf(info->kind, sizeof(info->kind), "%s", parent->depth == 0 ? "full" : "delta");
+    snprintf(info->id, sizeof(info->id), "%s", holder->id);
+    snprintf(info->path, sizeof(info->path), "%s", holder->path);
+    snprintf(info->kind, sizeof(info->kind), "%s", holder->depth == 0 ? "full" : "delta");
     info->parent[0] = '\0';
-    info->depth = parent->depth;
-    info->manifest_xxh3 = parent->manifest_xxh3;
-    info->table_rows = s->table_rows;
+    info->depth = holder->depth;
+    info->manifest_xxh3 = holder->manifest_xxh3;
+    info->table_rows = table_rows;
 }
 
 static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *info,
@@ -764,7 +784,7 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
     if (s->unchanged) {
         close(s->fd);
         em__checkpoint_remove_dir(s->tmp_dir);
-        describe_parent(s, info);
+        describe_holder(s->parent, s->table_rows, info);
         return EM_OK;
     }
     if (status == EM_OK)
@@ -804,6 +824,9 @@ static em_status save_files(save *s, const char *table_dir, em_checkpoint_info *
         s->next->depth = info->depth;
         s->next->manifest_xxh3 = sums.manifest_xxh3;
         s->next->row_floats = s->row_floats;
+        s->next->tracked = s->tracking;
+        s->next->holds_table = true;
+        s->next->changes = s->changes;
         s->next->clocks_known = s->access;
         s->next->clocks = s->clocks;
     }
@@ -941,7 +964,18 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     }
     em_table_stats stats;
     em_table_get_stats(table, &stats);
+    const em__delta_base *holder = options->skip_unchanged && !options->detached
+                                       ? holding_checkpoint(table, options->dir)
+                                       : NULL;
+    if (holder != NULL) { /* nothing to write: that checkpoint is the table as it is */
+        describe_holder(holder, stats.rows, info);
+        close(lock_fd);
+        info->seconds = monotonic_seconds() - start;
+        return EM_OK;
+    }
     save s = {.table = table, .options = options, .row_floats = stats.row_floats, .fd = -1};
+    /* before the snapshot: every change counted is in it */
+    s.changes = em_table_changes(table);
     s.access = em_eviction_tracks_access(&em_table_get_config(table)->eviction);
     s.row_bytes = sizeof(uint64_t) + s.row_floats * sizeof(float) +
                   (s.access ? sizeof(em_row_access) : 0);
@@ -973,11 +1007,12 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
         snprintf(info->parent, sizeof(info->parent), "%s", s.parent->id);
         info->depth = s.parent->depth + 1;
     }
-    if (tracking)
+    s.tracking = tracking;
+    if (!options->detached)
         s.next = calloc(1, sizeof(*s.next));
     if (s.keys == NULL || s.values == NULL || s.runs[0].data == NULL || s.runs[1].data == NULL ||
         s.carry == NULL ||
-        s.file_hash == NULL || (tracking && s.next == NULL) ||
+        s.file_hash == NULL || (!options->detached && s.next == NULL) ||
         (s.access && s.row_access == NULL) || (s.admission_bytes > 0 && s.admission == NULL))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for buffers");
     else
@@ -1006,12 +1041,14 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
             strcmp(current, info->path) != 0)
             em__checkpoint_remove_dir(info->path);
         em__delta_base_free(s.next);
-    } else if (s.unchanged) { /* the parent stays the table's checkpoint and the base */
+    } else if (s.unchanged) { /* the parent stays the table's checkpoint and the base, */
         em__delta_base_free(s.next);
+        /* holding the table as of this save's count of its changes */
+        ((em__delta_base *)em_table_attachment(table))->changes = s.changes;
     } else {
         /* the table's rows are now written as this checkpoint: the next delta's parent */
         if (!options->detached)
-            em_table_set_attachment(table, s.next, s.next != NULL ? em__delta_base_free : NULL);
+            em_table_set_attachment(table, s.next, em__delta_base_free);
         prune(table_dir, options->dir, name, options->keep == 0 ? 1 : options->keep);
     }
     free(s.tombstones);

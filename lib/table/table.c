@@ -643,8 +643,8 @@ static em_status check_pull(const em_table *table, const em_pull_request *reques
     return EM_OK;
 }
 
-em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull_result *result,
-                        em_error *err)
+static em_status pull_rows(em_table *table, const em_pull_request *request,
+                           em_pull_result *result, em_error *err)
 {
     em_status status = check_pull(table, request, err);
     if (status != EM_OK)
@@ -656,6 +656,25 @@ em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull
     atomic_fetch_add_explicit(&table->pulls, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&table->keys_pulled, request->batch.nnz, memory_order_relaxed);
     return EM_OK;
+}
+
+/* Whether a pull may change what a checkpoint holds of its table: it may create keys,
+ * its table tracks access (a pull moves the access clock and its rows' metadata), or
+ * counts the sightings of keys not admitted yet. A pull of a serving table changes
+ * nothing. */
+static bool pull_changes_table(const em_table *table, const em_pull_request *request)
+{
+    return request->create_missing || em_eviction_tracks_access(&table->config.eviction) ||
+           table->config.admission.policy == EM_ADMISSION_COUNTER;
+}
+
+em_status em_table_pull(em_table *table, const em_pull_request *request, em_pull_result *result,
+                        em_error *err)
+{
+    if (!pull_changes_table(table, request))
+        return pull_rows(table, request, result, err);
+    em__change_begin(table);
+    return em__change_end(table, pull_rows(table, request, result, err));
 }
 
 /* ---- push ------------------------------------------------------------------------ */
@@ -995,8 +1014,8 @@ static em_status check_push(const em_table *table, const em_push_request *reques
     return EM_OK;
 }
 
-em_status em_table_push(em_table *table, const em_push_request *request, em_push_result *result,
-                        em_error *err)
+static em_status push_rows(em_table *table, const em_push_request *request,
+                           em_push_result *result, em_error *err)
 {
     push_call call = {request, -1.0f, false};
     em_status status = check_push(table, request, err);
@@ -1016,10 +1035,17 @@ em_status em_table_push(em_table *table, const em_push_request *request, em_push
     return EM_OK;
 }
 
+em_status em_table_push(em_table *table, const em_push_request *request, em_push_result *result,
+                        em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, push_rows(table, request, result, err));
+}
+
 /* ---- erase ---------------------------------------------------------------------------- */
 
-em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint64_t *erased,
-                         em_error *err)
+static em_status erase_keys(em_table *table, const uint64_t *keys, uint64_t n, uint64_t *erased,
+                             em_error *err)
 {
     *erased = 0;
     if (n > MAX_KEYS_PER_REQUEST)
@@ -1054,7 +1080,14 @@ em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint
     return EM_OK;
 }
 
-em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_error *err)
+em_status em_table_erase(em_table *table, const uint64_t *keys, uint64_t n, uint64_t *erased,
+                         em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, erase_keys(table, keys, n, erased, err));
+}
+
+static em_status expire_rows(em_table *table, uint64_t scan, uint64_t *expired, em_error *err)
 {
     *expired = 0;
     const em_eviction_config *config = &table->config.eviction;
@@ -1081,6 +1114,12 @@ em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_
     if (status != EM_OK)
         return em_error_prefix(err, "expiry of table '%s': ", table->config.name);
     return EM_OK;
+}
+
+em_status em_table_expire(em_table *table, uint64_t scan, uint64_t *expired, em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, expire_rows(table, scan, expired, err));
 }
 
 /* Erases every row at least min_age pushes old, shard by shard, a slice at a time
@@ -1122,8 +1161,8 @@ static em_status erase_by_min_age(em_table *table, uint32_t min_age, uint64_t *e
     return EM_OK;
 }
 
-em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
-                               em_error *err)
+static em_status erase_not_pushed_for(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
+                                       em_error *err)
 {
     *erased = 0;
     if (not_pushed_for == 0) /* no row was pushed in the last 0 pushes */
@@ -1135,8 +1174,15 @@ em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_
     return erase_by_min_age(table, not_pushed_for, erased, err);
 }
 
-em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *erased,
-                                em_error *err)
+em_status em_table_erase_older(em_table *table, uint32_t not_pushed_for, uint64_t *erased,
+                               em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, erase_not_pushed_for(table, not_pushed_for, erased, err));
+}
+
+static em_status erase_pushed_before(em_table *table, uint64_t unix_ms, uint64_t *erased,
+                                     em_error *err)
 {
     *erased = 0;
     if (!em_eviction_tracks_access(&table->config.eviction))
@@ -1151,6 +1197,13 @@ em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *era
         return EM_OK; /* no push of the table is known to be that old */
     /* rows updated at or before push `then` were updated at or before unix_ms */
     return erase_by_min_age(table, now - then, erased, err);
+}
+
+em_status em_table_erase_before(em_table *table, uint64_t unix_ms, uint64_t *erased,
+                                em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, erase_pushed_before(table, unix_ms, erased, err));
 }
 
 em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64_t *keys,
@@ -1176,8 +1229,8 @@ em_status em_table_evicted(em_table *table, uint64_t after, uint64_t max, uint64
     return EM_OK;
 }
 
-em_status em_table_restore_evicted(em_table *table, uint64_t total, const uint64_t *keys,
-                                   uint64_t count, em_error *err)
+static em_status restore_evicted_ring(em_table *table, uint64_t total, const uint64_t *keys,
+                                      uint64_t count, em_error *err)
 {
     if (count > total)
         return em_error_set(err, EM_INVALID_ARGUMENT,
@@ -1191,6 +1244,13 @@ em_status em_table_restore_evicted(em_table *table, uint64_t total, const uint64
         table->evicted_keys[(total - count + i) % ring] = keys[i];
     pthread_mutex_unlock(&table->evicted_lock);
     return EM_OK;
+}
+
+em_status em_table_restore_evicted(em_table *table, uint64_t total, const uint64_t *keys,
+                                   uint64_t count, em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, restore_evicted_ring(table, total, keys, count, err));
 }
 
 /* ---- lifecycle and stats --------------------------------------------------------- */
@@ -1365,6 +1425,30 @@ void *em_table_attachment(const em_table *table)
     return table->attachment;
 }
 
+void em__change_begin(em_table *table)
+{
+    atomic_fetch_add(&table->changing, 1);
+}
+
+em_status em__change_end(em_table *table, em_status status)
+{
+    /* counted before it stops running: a reader that saw none running (changing, read
+     * first) and the count it had is sure nothing returned in between */
+    atomic_fetch_add(&table->changes, 1);
+    atomic_fetch_sub(&table->changing, 1);
+    return status;
+}
+
+uint64_t em_table_changes(const em_table *table)
+{
+    return atomic_load(&table->changes);
+}
+
+bool em_table_changed_since(const em_table *table, uint64_t changes)
+{
+    return atomic_load(&table->changing) != 0 || atomic_load(&table->changes) != changes;
+}
+
 const em_table_config *em_table_get_config(const em_table *table)
 {
     return &table->config;
@@ -1455,7 +1539,7 @@ void em_table_get_clocks(em_table *table, em_table_clocks *out)
     pthread_mutex_unlock(&table->clock_lock);
 }
 
-void em_table_set_clocks(em_table *table, const em_table_clocks *clocks, bool replace)
+static void set_table_clocks(em_table *table, const em_table_clocks *clocks, bool replace)
 {
     uint64_t access = replace ? 0 : atomic_load_explicit(&table->access_clock,
                                                          memory_order_relaxed);
@@ -1477,6 +1561,13 @@ void em_table_set_clocks(em_table *table, const em_table_clocks *clocks, bool re
     if (clocks->sample_spacing_ms > 0)
         table->clock_spacing_ms = clocks->sample_spacing_ms;
     pthread_mutex_unlock(&table->clock_lock);
+}
+
+void em_table_set_clocks(em_table *table, const em_table_clocks *clocks, bool replace)
+{
+    em__change_begin(table);
+    set_table_clocks(table, clocks, replace);
+    (void)em__change_end(table, EM_OK);
 }
 
 /* One shard's part of em_table_set_access: keys (host) that route to shard s. */
@@ -1529,8 +1620,8 @@ static em_status set_shard_access(em_table *table, uint32_t s, const uint64_t *k
     return status;
 }
 
-em_status em_table_set_access(em_table *table, const uint64_t *keys, const em_row_access *access,
-                              uint64_t n, em_error *err)
+static em_status set_rows_access(em_table *table, const uint64_t *keys,
+                                 const em_row_access *access, uint64_t n, em_error *err)
 {
     if (!em_eviction_tracks_access(&table->config.eviction) || n == 0)
         return EM_OK;
@@ -1572,6 +1663,13 @@ em_status em_table_set_access(em_table *table, const uint64_t *keys, const em_ro
     return EM_OK;
 }
 
+em_status em_table_set_access(em_table *table, const uint64_t *keys, const em_row_access *access,
+                              uint64_t n, em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, set_rows_access(table, keys, access, n, err));
+}
+
 /* ---- the admission sketch (checkpoints) ---------------------------------------------- */
 
 uint64_t em_table_admission_bytes(const em_table *table)
@@ -1588,8 +1686,8 @@ void em_table_get_admission(em_table *table, uint8_t *out)
     pthread_mutex_unlock(&table->admission_lock);
 }
 
-em_status em_table_merge_admission(em_table *table, const uint8_t *counts, uint64_t bytes,
-                                   em_error *err)
+static em_status merge_admission_counts(em_table *table, const uint8_t *counts, uint64_t bytes,
+                                        em_error *err)
 {
     if (bytes != em_table_admission_bytes(table))
         return em_error_set(err, EM_INVALID_ARGUMENT,
@@ -1602,4 +1700,11 @@ em_status em_table_merge_admission(em_table *table, const uint8_t *counts, uint6
             table->admission_counts[i] = counts[i];
     pthread_mutex_unlock(&table->admission_lock);
     return EM_OK;
+}
+
+em_status em_table_merge_admission(em_table *table, const uint8_t *counts, uint64_t bytes,
+                                   em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, merge_admission_counts(table, counts, bytes, err));
 }

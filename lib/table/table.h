@@ -159,6 +159,17 @@ bool em_table_dropped(const em_table *table);
  * save of a table at a time). */
 void em_table_set_attachment(em_table *table, void *data, void (*free_data)(void *));
 void *em_table_attachment(const em_table *table);
+
+/* A count of the calls that may have changed what a checkpoint holds of the table: a
+ * push; a pull that may create keys, or of a table that tracks access or counts
+ * admission sightings; an erase, an expiry, an import, and the setting of access,
+ * clocks, admission counts or the evicted ring. Each is counted when it returns.
+ * Thread-safe. */
+uint64_t em_table_changes(const em_table *table);
+/* Whether such a call returned since em_table_changes gave `changes`, or one is running
+ * now. A checkpoint that read the count before its snapshot holds every change it
+ * counted, so a table not changed since is still held by that checkpoint. */
+bool em_table_changed_since(const em_table *table, uint64_t changes);
 uint32_t em_table_dim(const em_table *table);
 
 /* Gathers the batch's vectors into request->out (pooled per row unless NONE).

@@ -116,6 +116,10 @@ struct em_table {
     /* the expiry sweep's position: a shard and a cursor in its map (exclusive lock) */
     uint32_t expire_shard;
     uint64_t expire_cursor;
+    /* The calls that may change what a checkpoint holds of the table (table.h:
+     * em_table_changes): those returned, and those running now. */
+    _Atomic uint64_t changes;
+    _Atomic uint32_t changing;
     /* em_table_set_attachment */
     void *attachment;
     void (*free_attachment)(void *);
@@ -262,6 +266,11 @@ bool em__claim_capacity(request_context *r, uint64_t n);
 /* The rows the table may still get: capacity less the rows stored and claimed. */
 uint64_t em__room_left(em_table *table);
 void em__release_claim(request_context *r);
+
+/* A call that may change what a checkpoint holds of the table runs between these
+ * (em_table_changes); em__change_end returns status. */
+void em__change_begin(em_table *table);
+em_status em__change_end(em_table *table, em_status status);
 
 /* The table gained or lost n rows (the caller holds the shards' write locks). */
 void em__rows_added(em_table *table, uint64_t n);

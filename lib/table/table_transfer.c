@@ -244,9 +244,9 @@ static em_status import_locked(em_table *table, const uint64_t *keys, const floa
     return status;
 }
 
-static em_status import(em_table *table, const uint64_t *keys, const float *values,
-                        const float *const *row_sources, uint64_t n, bool checked, bool absent,
-                        em_error *err)
+static em_status import_rows(em_table *table, const uint64_t *keys, const float *values,
+                             const float *const *row_sources, uint64_t n, bool checked,
+                             bool absent, em_error *err)
 {
     em_status status = check_import_size(n, err);
     if (status == EM_OK && !checked)
@@ -260,6 +260,15 @@ static em_status import(em_table *table, const uint64_t *keys, const float *valu
         return em_error_prefix(err, "import into table '%s': ", table->config.name);
     atomic_fetch_add_explicit(&table->imports, 1, memory_order_relaxed);
     return EM_OK;
+}
+
+static em_status import(em_table *table, const uint64_t *keys, const float *values,
+                        const float *const *row_sources, uint64_t n, bool checked, bool absent,
+                        em_error *err)
+{
+    em__change_begin(table);
+    return em__change_end(table, import_rows(table, keys, values, row_sources, n, checked,
+                                             absent, err));
 }
 
 em_status em_table_import(em_table *table, const uint64_t *keys, const float *values, uint64_t n,

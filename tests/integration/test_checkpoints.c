@@ -494,13 +494,26 @@ START_TEST(deltas_survive_kill_9_and_follow_full_every)
                               "changed, 0 tombstones, 20000 rows restored") != NULL, "%s", out);
     free(out);
 
-    /* the chain has full_every - 1 deltas: the next scheduled save is full */
+    /* restored and only read (pulls that create nothing), the table is still delta 3's:
+     * SIGTERM writes nothing */
+    daemon = test_daemon_start(overrides(dir, true));
+    client = client_for(daemon);
+    restored = read_state(client, b, &missing);
+    ck_assert(missing == 0 && same(restored, state));
+    free(restored);
+    em_client_destroy(client);
+    ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
+    ck_assert_int_eq(test_run_program(list, NULL, &out), 0);
+    ck_assert_msg(strstr(out, "00000000000000000004") == NULL, "%s", out);
+    free(out);
+    /* the chain has full_every - 1 deltas: the next scheduled save that writes is full */
     daemon = test_daemon_start(overrides(dir, true));
     client = client_for(daemon);
     restored = read_state(client, b, &missing);
     ck_assert(missing == 0 && same(restored, state));
     free(restored);
     free(state);
+    train_part(client, b, 24, 9000, 20);
     em_client_destroy(client);
     ck_assert_int_eq(test_daemon_stop(daemon, SIGTERM, 20000), 0);
     ck_assert_int_eq(test_run_program(list, NULL, &out), 0);

@@ -1745,13 +1745,134 @@ START_TEST(unchanged_deltas_are_skipped_when_asked)
     ck_assert_uint_eq(again.rows, 0);
     em_table_destroy(table);
 
+    /* an admission sketch: untouched since, unchanged; a push of keys not admitted yet
+     * moves only the sketch, and the delta is written */
     table = admitting_table(backend);
     options.skip_unchanged = true;
     ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
     ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(again.unchanged);
+    uint64_t key = 77;
+    uint32_t offsets[2] = {0, 1};
+    em_csr one = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &key};
+    float gradient[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    ck_assert_int_eq(em_test_push(table, &one, EM_COMBINER_NONE, gradient, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
     ck_assert(!again.unchanged);
     ck_assert_str_eq(again.kind, "delta");
+    ck_assert_uint_eq(again.rows, 0);
     em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
+/* Saves (full, or a delta) that skip_unchanged lets pass write nothing while no call
+ * that may change the table ran since its latest checkpoint was saved from it or loaded
+ * into it: pulls that create nothing of a table that tracks no access leave it
+ * unchanged; a pull that may create keys, a push, an erase, or any pull of a table that
+ * tracks access change it. A load of the table as saved is that checkpoint; a load into
+ * another shape, or another save of the table's name (another table), is not. */
+START_TEST(saves_of_unchanged_tables_write_nothing_when_asked)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, 56);
+    em_table *table = trained_table(backend, 1, 8, 300, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.skip_unchanged = true;
+    em_checkpoint_info first, again;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
+    ck_assert(!first.unchanged);
+    char table_dir[300];
+    snprintf(table_dir, sizeof(table_dir), "%s/t", dir);
+    int entries = count_entries(table_dir);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(again.unchanged);
+    ck_assert_str_eq(again.id, first.id);
+    ck_assert_str_eq(again.path, first.path);
+    ck_assert_str_eq(again.kind, "full");
+    ck_assert_uint_eq(again.rows + again.bytes, 0);
+    ck_assert_uint_eq(again.table_rows, first.table_rows);
+    ck_assert_int_eq(count_entries(table_dir), entries);
+    /* serving: pulls that create nothing */
+    em_test_batch b = em_test_random_batch(&rng, 50, 2, 600);
+    float *out = malloc(b.csr.nnz * 8 * sizeof(float));
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err),
+                     EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(again.unchanged);
+    /* a pull that may create keys (all of these are stored: it creates none) */
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, true, out, NULL, &err),
+                     EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    ck_assert_str_eq(again.kind, "full");
+    ck_assert_str_ne(again.id, first.id);
+    em_checkpoint_info latest = again;
+    /* without skip_unchanged a save writes, changed or not */
+    options.skip_unchanged = false;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    ck_assert_str_ne(again.id, latest.id);
+    latest = again;
+    options.skip_unchanged = true;
+    /* an erase, even of a key not stored */
+    uint64_t gone = 123456789, erased = 0;
+    ck_assert_int_eq(em_table_erase(table, &gone, 1, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 0);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    latest = again;
+    /* a load of the table as saved is its latest checkpoint; its next save writes nothing
+     * until it changes */
+    em_table *restored = NULL;
+    ck_assert_msg(em_checkpoint_load(latest.path, backend, NULL, NULL, &restored, NULL, &err) ==
+                      EM_OK, "%s", err.message);
+    ck_assert_int_eq(em_checkpoint_save(restored, &options, &again, &err), EM_OK);
+    ck_assert(again.unchanged);
+    ck_assert_str_eq(again.id, latest.id);
+    float *g = em_test_random_floats(&rng, b.csr.nnz * 8);
+    ck_assert_int_eq(em_test_push(restored, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(restored, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    latest = again;
+    /* the first table is no longer what the latest checkpoint of t holds */
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    latest = again;
+    em_table_destroy(restored);
+    /* loaded into another shape (more shards): a table of its own */
+    em_checkpoint_load_options reshape = {.shards = 5};
+    ck_assert_msg(em_checkpoint_load(latest.path, backend, NULL, &reshape, &restored, NULL,
+                                     &err) == EM_OK,
+                  "%s", err.message);
+    ck_assert_int_eq(em_checkpoint_save(restored, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    em_table_destroy(restored);
+    em_table_destroy(table);
+
+    /* a table that tracks access: a pull moves its clocks and its rows' metadata */
+    em_table_config config;
+    em_table_config_init(&config, "l", 8, 1000);
+    config.eviction.policy = EM_EVICTION_LRU;
+    table = em_test_make_table(backend, &config);
+    ck_assert_int_eq(em_test_push(table, &b.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(again.unchanged);
+    ck_assert_int_eq(em_test_pull(table, &b.csr, EM_COMBINER_NONE, false, out, NULL, &err),
+                     EM_OK);
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
+    ck_assert(!again.unchanged);
+    em_table_destroy(table);
+    free(g);
+    free(out);
+    em_test_batch_free(&b);
     em_backend_destroy(backend);
     em_test_remove_tree(dir);
 }
@@ -1808,6 +1929,7 @@ int main(void)
     tcase_add_test(round_trip, weights_load_into_another_optimizer);
     tcase_add_test(round_trip, saves_keep_the_newest);
     tcase_add_test(round_trip, unchanged_deltas_are_skipped_when_asked);
+    tcase_add_test(round_trip, saves_of_unchanged_tables_write_nothing_when_asked);
     tcase_add_test(round_trip, lists_read_manifests_only);
     tcase_add_test(round_trip, version_1_checkpoints_still_load);
     tcase_add_test(round_trip, version_3_checkpoints_still_load);
