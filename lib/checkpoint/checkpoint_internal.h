@@ -54,19 +54,34 @@ em_status em__pipe_finish(em__pipe *pipe, em_error *err);
 
 /* ---- deltas ---------------------------------------------------------------------------- */
 
-/* A u64 -> u64 map (checkpoint_digests.c). */
+/* A u64 -> u64 map (checkpoint_digests.c): a key and its value share a slot, so a
+ * lookup costs one cache line. */
+typedef struct em__key_slot {
+    uint64_t key, value;
+} em__key_slot;
+
 typedef struct em__key_map {
-    uint64_t *keys, *values;
+    em__key_slot *slot;
     uint64_t slots, used;
     bool has_empty_key; /* the key UINT64_MAX, the slots' marker, is kept aside */
     uint64_t empty_key_value;
 } em__key_map;
+
+/* The key of a slot that holds none. */
+#define EM__KEY_MAP_EMPTY UINT64_MAX
 
 /* False when out of memory (get: when key is absent). */
 bool em__key_map_init(em__key_map *map, uint64_t expected);
 void em__key_map_free(em__key_map *map);
 bool em__key_map_get(const em__key_map *map, uint64_t key, uint64_t *value);
 bool em__key_map_put(em__key_map *map, uint64_t key, uint64_t value);
+/* Asks for the line where key's search starts, a few keys before it is looked up: a
+ * map of millions of keys is far larger than the caches, and the keys come in no order
+ * of its. */
+void em__key_map_prefetch(const em__key_map *map, uint64_t key);
+/* How many keys ahead of a lookup its prefetch goes: a row's digest, or the check of a
+ * key, takes long enough that a few of them cover a memory latency. */
+#define EM__KEY_PREFETCH 8
 
 /* The digest a delta compares rows by: XXH3-64 of the row's floats, and, for a table
  * that tracks access, of its access metadata (NULL: none) as the file holds it, so that

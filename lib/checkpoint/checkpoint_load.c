@@ -548,6 +548,13 @@ static em_status keep_rows(reader *r, uint64_t chunk, uint32_t *rows, em_error *
     unsigned char *keys = r->payload;
     const float *values = (const float *)(r->payload + (size_t)n * sizeof(uint64_t));
     for (uint32_t i = 0; i < n; i++) {
+        if (i + EM__KEY_PREFETCH < n) { /* the keys before i move down only: ahead stays */
+            uint64_t ahead = payload_key(keys, i + EM__KEY_PREFETCH);
+            if (r->decided != NULL)
+                em__key_map_prefetch(r->decided, ahead);
+            if (r->digests != NULL)
+                em__key_map_prefetch(r->digests, ahead);
+        }
         uint64_t key = payload_key(keys, i), by = 0;
         if (r->decided != NULL && em__key_map_get(r->decided, key, &by)) {
             if (by == r->level)

@@ -247,6 +247,11 @@ static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error
     float *values = s->values + s->staged * floats;
     uint64_t out = 0;
     for (uint64_t i = 0; i < count; i++) {
+        if (i + EM__KEY_PREFETCH < count) { /* keys[] before i move down only: ahead stays */
+            em__key_map_prefetch(&s->next->digests, keys[i + EM__KEY_PREFETCH]);
+            if (s->delta)
+                em__key_map_prefetch(&s->parent->digests, keys[i + EM__KEY_PREFETCH]);
+        }
         const em_row_access *access = s->access ? &s->row_access[s->staged + i] : NULL;
         uint64_t digest = em__row_digest(values + i * floats, floats, access), before = 0;
         if (!em__key_map_put(&s->next->digests, keys[i], digest))
@@ -291,8 +296,11 @@ static em_status collect_tombstones(save *s, em_error *err)
     if (s->tombstones == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for tombstones");
     for (uint64_t slot = 0; slot < before->slots; slot++) {
-        uint64_t key = before->keys[slot];
-        if (key != UINT64_MAX && !em__key_map_get(now, key, &digest))
+        if (slot + EM__KEY_PREFETCH < before->slots &&
+            before->slot[slot + EM__KEY_PREFETCH].key != EM__KEY_MAP_EMPTY)
+            em__key_map_prefetch(now, before->slot[slot + EM__KEY_PREFETCH].key);
+        uint64_t key = before->slot[slot].key;
+        if (key != EM__KEY_MAP_EMPTY && !em__key_map_get(now, key, &digest))
             s->tombstones[s->tombstone_count++] = key;
     }
     if (before->has_empty_key && !em__key_map_get(now, UINT64_MAX, &digest))
