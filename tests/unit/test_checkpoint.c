@@ -1695,10 +1695,35 @@ START_TEST(admission_sketches_survive_a_load)
 }
 END_TEST
 
+/* Saves table twice (options with skip_unchanged): the first writes a full checkpoint,
+ * *first; the second writes nothing and names it, and the table's dir has no new
+ * entry. */
+static void save_then_find_unchanged(em_table *table, const em_checkpoint_options *options,
+                                     const char *dir, em_checkpoint_info *first)
+{
+    em_checkpoint_info again;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, options, first, &err), EM_OK);
+    ck_assert_str_eq(first->kind, "full");
+    ck_assert(!first->unchanged);
+    char table_dir[300];
+    snprintf(table_dir, sizeof(table_dir), "%s/%s", dir, em_table_name(table));
+    int entries = count_entries(table_dir);
+    ck_assert_int_eq(em_checkpoint_save(table, options, &again, &err), EM_OK);
+    ck_assert(again.unchanged);
+    ck_assert_str_eq(again.id, first->id);
+    ck_assert_str_eq(again.path, first->path);
+    ck_assert_str_eq(again.kind, "full");
+    ck_assert_uint_eq(again.depth, 0);
+    ck_assert_uint_eq(again.rows + again.bytes, 0);
+    ck_assert_uint_eq(again.table_rows, first->table_rows);
+    ck_assert_int_eq(count_entries(table_dir), entries);
+}
+
 /* With skip_unchanged, a delta that would change nothing is not written: the answer
  * names the latest checkpoint (unchanged, its id and depth), no directory appears, and
- * the next delta still builds on that one. A table with an admission sketch always
- * writes one (sightings change the sketch, not a row). */
+ * the next delta still builds on that one. A table with an admission sketch writes one
+ * once a request was made of it (sightings change the sketch, not a row). */
 START_TEST(unchanged_deltas_are_skipped_when_asked)
 {
     char dir[256];
@@ -1713,21 +1738,8 @@ START_TEST(unchanged_deltas_are_skipped_when_asked)
     options.skip_unchanged = true;
     em_checkpoint_info first, again, delta;
     em_error err;
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
-    ck_assert_str_eq(first.kind, "full"); /* nothing to build on: full, whatever changed */
-    ck_assert(!first.unchanged);
-    char table_dir[300];
-    snprintf(table_dir, sizeof(table_dir), "%s/t", dir);
-    int entries = count_entries(table_dir);
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
-    ck_assert(again.unchanged);
-    ck_assert_str_eq(again.id, first.id);
-    ck_assert_str_eq(again.path, first.path);
-    ck_assert_str_eq(again.kind, "full");
-    ck_assert_uint_eq(again.depth, 0);
-    ck_assert_uint_eq(again.rows + again.bytes, 0);
-    ck_assert_uint_eq(again.table_rows, first.table_rows);
-    ck_assert_int_eq(count_entries(table_dir), entries);
+    /* nothing to build on: full, whatever changed */
+    save_then_find_unchanged(table, &options, dir, &first);
     change_a_little(table, 8, &rng, 5);
     ck_assert_int_eq(em_checkpoint_save(table, &options, &delta, &err), EM_OK);
     ck_assert(!delta.unchanged);
@@ -1749,9 +1761,7 @@ START_TEST(unchanged_deltas_are_skipped_when_asked)
      * moves only the sketch, and the delta is written */
     table = admitting_table(backend);
     options.skip_unchanged = true;
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
-    ck_assert(again.unchanged);
+    save_then_find_unchanged(table, &options, dir, &first);
     uint64_t key = 77;
     uint32_t offsets[2] = {0, 1};
     em_csr one = {.rows = 1, .nnz = 1, .offsets = offsets, .keys = &key};
@@ -1786,19 +1796,7 @@ START_TEST(saves_of_unchanged_tables_write_nothing_when_asked)
     options.skip_unchanged = true;
     em_checkpoint_info first, again;
     em_error err;
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &first, &err), EM_OK);
-    ck_assert(!first.unchanged);
-    char table_dir[300];
-    snprintf(table_dir, sizeof(table_dir), "%s/t", dir);
-    int entries = count_entries(table_dir);
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &again, &err), EM_OK);
-    ck_assert(again.unchanged);
-    ck_assert_str_eq(again.id, first.id);
-    ck_assert_str_eq(again.path, first.path);
-    ck_assert_str_eq(again.kind, "full");
-    ck_assert_uint_eq(again.rows + again.bytes, 0);
-    ck_assert_uint_eq(again.table_rows, first.table_rows);
-    ck_assert_int_eq(count_entries(table_dir), entries);
+    save_then_find_unchanged(table, &options, dir, &first);
     /* serving: pulls that create nothing */
     em_test_batch b = em_test_random_batch(&rng, 50, 2, 600);
     float *out = malloc(b.csr.nnz * 8 * sizeof(float));
