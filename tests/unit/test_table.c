@@ -1194,6 +1194,95 @@ START_TEST(create_rejects_bad_config)
 }
 END_TEST
 
+/* A push to keys 100.. of table, from its own thread (calls_that_may_change_...). */
+typedef struct counted_pusher {
+    em_table *table;
+    const em_csr *batch;
+    const float *gradients;
+    int pushes;
+} counted_pusher;
+
+static void *push_repeatedly(void *argument)
+{
+    counted_pusher *p = argument;
+    em_error err;
+    for (int i = 0; i < p->pushes; i++)
+        ck_assert_int_eq(em_test_push(p->table, p->batch, EM_COMBINER_NONE, p->gradients, NULL,
+                                      &err),
+                         EM_OK);
+    return NULL;
+}
+
+/* em_table_changes counts each call that may change what a checkpoint holds of the
+ * table, once it returns, and em_table_changed_since says whether one did since a
+ * count: a pull that creates nothing of a table that tracks no access is not one (a
+ * serving pull); a pull that may create keys, a push and an erase are, each once,
+ * whatever they found; on a table that tracks access every pull is. Pushes from
+ * several threads at once are each counted. */
+START_TEST(calls_that_may_change_a_checkpoint_are_counted)
+{
+    em_backend *backend = make_backend(1, 64 * MEBIBYTE);
+    em_table_config config = table_config(4, 10000, 2, 0);
+    em_table *table = em_test_make_table(backend, &config);
+    uint64_t keys[8];
+    uint32_t offsets[9];
+    for (uint32_t i = 0; i < 8; i++) {
+        keys[i] = 100 + i;
+        offsets[i] = i;
+    }
+    offsets[8] = 8;
+    em_csr batch = {.rows = 8, .nnz = 8, .offsets = offsets, .keys = keys};
+    float out[8 * 4], gradients[8 * 4];
+    for (int i = 0; i < 8 * 4; i++)
+        gradients[i] = 0.01f * (float)(i % 5);
+    em_error err;
+    uint64_t before = em_table_changes(table);
+    ck_assert(!em_table_changed_since(table, before));
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, false, out, NULL, &err),
+                     EM_OK);
+    ck_assert(!em_table_changed_since(table, before));
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, true, out, NULL, &err),
+                     EM_OK);
+    ck_assert(em_table_changed_since(table, before));
+    ck_assert_uint_eq(em_table_changes(table), before + 1);
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, true, out, NULL, &err),
+                     EM_OK); /* every key stored already: it may have created some */
+    ck_assert_uint_eq(em_table_changes(table), before + 2);
+    ck_assert_int_eq(em_test_push(table, &batch, EM_COMBINER_NONE, gradients, NULL, &err),
+                     EM_OK);
+    uint64_t erased = 0, absent = 999;
+    ck_assert_int_eq(em_table_erase(table, &absent, 1, &erased, &err), EM_OK);
+    ck_assert_uint_eq(erased, 0);
+    ck_assert_uint_eq(em_table_changes(table), before + 4);
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, false, out, NULL, &err),
+                     EM_OK);
+    ck_assert(!em_table_changed_since(table, before + 4));
+
+    enum { THREADS = 4, PUSHES = 50 };
+    pthread_t threads[THREADS];
+    counted_pusher pushers[THREADS];
+    for (int t = 0; t < THREADS; t++) {
+        pushers[t] = (counted_pusher){table, &batch, gradients, PUSHES};
+        ck_assert_int_eq(pthread_create(&threads[t], NULL, push_repeatedly, &pushers[t]), 0);
+    }
+    for (int t = 0; t < THREADS; t++)
+        pthread_join(threads[t], NULL);
+    ck_assert_uint_eq(em_table_changes(table), before + 4 + THREADS * PUSHES);
+    em_table_destroy(table);
+
+    config.eviction.policy = EM_EVICTION_LRU; /* a pull moves the rows' access metadata */
+    table = em_test_make_table(backend, &config);
+    ck_assert_int_eq(em_test_push(table, &batch, EM_COMBINER_NONE, gradients, NULL, &err),
+                     EM_OK);
+    before = em_table_changes(table);
+    ck_assert_int_eq(em_test_pull(table, &batch, EM_COMBINER_NONE, false, out, NULL, &err),
+                     EM_OK);
+    ck_assert(em_table_changed_since(table, before));
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("table");
@@ -1232,6 +1321,7 @@ int main(void)
     tcase_add_test(concurrency, concurrent_pushes_near_the_float_range_keep_rows_finite);
     tcase_add_test(concurrency, concurrent_disjoint_pushes_match_reference);
     tcase_add_test(concurrency, stats_count_rows_memory_and_requests);
+    tcase_add_test(concurrency, calls_that_may_change_a_checkpoint_are_counted);
     suite_add_tcase(suite, concurrency);
     return em_test_run(suite);
 }
