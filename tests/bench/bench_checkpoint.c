@@ -109,6 +109,20 @@ static bool drop_caches(void)
     return fclose(f) == 0 && ok;
 }
 
+/* Seconds dd takes to read path (page cache dropped before), as a load reads it: each
+ * page let go once read (iflag=nocache). */
+static double dd_read_file(const char *path)
+{
+    char command[4600];
+    snprintf(command, sizeof(command), "dd if=%s of=/dev/null bs=1M iflag=nocache status=none",
+             path);
+    drop_caches();
+    double start = em_test_now();
+    if (system(command) != 0)
+        fprintf(stderr, "dd failed: %s\n", command);
+    return em_test_now() - start;
+}
+
 /* dd of `bytes` (rounded to whole MiB) to a file with conv=fdatasync, then back, twice. */
 static void run_dd(const char *dir, uint64_t bytes, double *write_s, double *read_s,
                    double *read_nocache_s)
@@ -129,29 +143,9 @@ static void run_dd(const char *dir, uint64_t bytes, double *write_s, double *rea
         fprintf(stderr, "dd failed: %s\n", command);
     *read_s = em_test_now() - start;
     /* and reading as a load does, letting each page go once read (iflag=nocache) */
-    drop_caches();
-    snprintf(command, sizeof(command),
-             "dd if=%s/dd.bin of=/dev/null bs=1M iflag=nocache status=none", dir);
-    start = em_test_now();
-    if (system(command) != 0)
-        fprintf(stderr, "dd failed: %s\n", command);
-    *read_nocache_s = em_test_now() - start;
     snprintf(command, sizeof(command), "%s/dd.bin", dir);
+    *read_nocache_s = dd_read_file(command);
     unlink(command);
-}
-
-/* Seconds dd takes to read path (page cache dropped before), as a load reads it: each
- * page let go once read (iflag=nocache). */
-static double dd_read_file(const char *path)
-{
-    char command[4600];
-    snprintf(command, sizeof(command), "dd if=%s of=/dev/null bs=1M iflag=nocache status=none",
-             path);
-    drop_caches();
-    double start = em_test_now();
-    if (system(command) != 0)
-        fprintf(stderr, "dd failed: %s\n", command);
-    return em_test_now() - start;
 }
 
 /* ---- pull latency ---------------------------------------------------------------------- */
