@@ -1390,14 +1390,13 @@ static em_status attach_base(em_table *table, const link_state *target, bool tra
     return EM_OK;
 }
 
-/* Whether a table loaded from one checkpoint is that checkpoint's table as saved: all
- * of it (no weights only, no server's part), its config unchanged (name, capacity and
- * shards too), and its rows' access metadata from the checkpoint when it keeps some. */
-static bool loads_as_saved(const em_table *table, const manifest *m, bool whole, bool access)
+/* Whether a table loaded from a checkpoint kept the config it was saved with (its name,
+ * capacity and shards too, which a load may change). */
+static bool config_as_saved(const em_table *table, const manifest *m)
 {
     const em_table_config *config = em_table_get_config(table);
-    return whole && access == m->access && config->capacity == m->config.capacity &&
-           config->shards == m->config.shards && strcmp(config->name, m->config.name) == 0;
+    return config->capacity == m->config.capacity && config->shards == m->config.shards &&
+           strcmp(config->name, m->config.name) == 0;
 }
 
 /* The sources of one load: each a checkpoint's chain, newest link first. */
@@ -1537,10 +1536,11 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
     r.table = table;
     r.access = table != NULL &&
                em_eviction_tracks_access(&em_table_get_config(table)->eviction);
-    /* a table loaded whole from one checkpoint can be the parent of a delta */
-    bool tracking = table != NULL && options != NULL && options->track_changes &&
-                    weights_into == NULL && count == 1 && r.owner_count == 0 &&
-                    r.access == m->access; /* else rows get fresh metadata, not digested */
+    /* a table loaded whole from one checkpoint, its rows' access metadata from it too
+     * (else rows get fresh metadata, not digested), can be the parent of a delta */
+    bool whole = count == 1 && r.owner_count == 0 && weights_into == NULL;
+    bool rows_as_saved = table != NULL && whole && r.access == m->access;
+    bool tracking = rows_as_saved && options != NULL && options->track_changes;
     em__key_map decided = {0}, digests = {0};
     if (status == EM_OK && tracking && !em__key_map_init(&digests, m->table_rows))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
@@ -1606,7 +1606,6 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
     /* the evicted-key ring of the newest link, into a table loaded whole from one
      * checkpoint (the ring follows the table's own removals: of a part of a cluster, or
      * of weights only, it starts afresh); an older link's is checked only */
-    bool whole = count == 1 && r.owner_count == 0 && weights_into == NULL;
     for (size_t s = 0; s < count; s++)
         for (size_t i = 0; status == EM_OK && i < sources[s].count; i++)
             status = read_evicted(sources[s].links[i].dir, &sources[s].links[i].m,
@@ -1620,7 +1619,7 @@ static em_status read_checkpoints(const char *const *paths, size_t count, em_bac
         if (sources[s].links[0].m.access)
             em_table_set_clocks(table, &sources[s].links[0].m.clocks,
                                 every_row_access && s == 0);
-    bool as_saved = status == EM_OK && table != NULL && loads_as_saved(table, m, whole, r.access);
+    bool as_saved = status == EM_OK && rows_as_saved && config_as_saved(table, m);
     if (status == EM_OK && (tracking || as_saved))
         status = attach_base(table, &sources[0].links[0], tracking, as_saved, &digests, err);
     em__key_map_free(&decided);
