@@ -1,11 +1,12 @@
 /*
- * Eviction on the CPU backend:
+ * Eviction on the CPU backend, or with --backend cuda on the first GPU:
  *
  *   1. insert throughput (pushes of batches of new keys, sgd, dim 64) into a full table
  *      that evicts (lru) against the same inserts into tables at load 0.5 that need no
  *      room, in the same run: one without a policy (no access metadata kept) and one
  *      with the full table's (lru: the metadata kept, nothing evicted); the full table
- *      twice, evicting on one thread and on the backend's eviction threads;
+ *      twice, evicting on one thread and on the backend's eviction threads (on a GPU,
+ *      whose shards share the request's lane, both evict a shard after another);
  *   2. hit rate of lru and lfu (sampled, `candidates` entries per row removed) against
  *      an exact LRU and an exact LFU on the same Zipf streams (alpha 1.05 and 1.2, key
  *      space 10x the capacity), one key per request;
@@ -18,17 +19,19 @@
  *      table lock, and the share of pushes that found their key stored.
  *
  *   bench_eviction [--rows N] [--batch B] [--rounds R] [--capacity C] [--accesses A]
- *                  [--candidates K] [--parts LIST]
+ *                  [--candidates K] [--parts LIST] [--backend cpu|cuda]
  *
  * --parts runs only the listed parts (digits 1 to 4, e.g. 12); all four by default.
  */
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "ember_config.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
 #include "tests/support/test_support.h"
@@ -41,7 +44,10 @@ typedef struct options {
     uint32_t candidates;
     int rounds;         /* part 1 */
     unsigned parts;     /* bit p-1: run part p */
+    const char *backend; /* "cpu" or "cuda" */
 } options;
+
+static const options *bench_options;
 
 static void die(const char *what, const em_error *err)
 {
@@ -49,23 +55,44 @@ static void die(const char *what, const em_error *err)
     exit(1);
 }
 
-/* eviction_threads: the backend's option (0: the CPUs online, at most 8). */
-static em_backend *cpu_backend_evicting_on(uint32_t eviction_threads)
+static bool on_gpu(void)
 {
-    em_cpu_backend_options cpu;
-    em_cpu_backend_options_init(&cpu);
-    cpu.devices = 1;
-    cpu.eviction_threads = eviction_threads;
+    return strcmp(bench_options->backend, "cuda") == 0;
+}
+
+/* The backend --backend names: one host device, or the first GPU. eviction_threads: the
+ * CPU backend's option (0: the CPUs online, at most 8); a GPU evicts a shard after
+ * another. Exits when the backend cannot be had. */
+static em_backend *bench_backend_evicting_on(uint32_t eviction_threads)
+{
     em_backend *backend = NULL;
     em_error err;
-    if (em_backend_create_cpu(&cpu, &backend, &err) != EM_OK)
-        die("backend", &err);
+    em_status status;
+    if (!on_gpu()) {
+        em_cpu_backend_options cpu;
+        em_cpu_backend_options_init(&cpu);
+        cpu.devices = 1;
+        cpu.eviction_threads = eviction_threads;
+        status = em_backend_create_cpu(&cpu, &backend, &err);
+    } else {
+#if EM_HAVE_CUDA
+        em_cuda_backend_options cuda;
+        em_cuda_backend_options_init(&cuda);
+        cuda.device_count = 1;
+        cuda.devices[0] = 0;
+        status = em_backend_create_cuda(&cuda, &backend, &err);
+#else
+        status = em_error_set(&err, EM_UNAVAILABLE, "this build has no CUDA backend");
+#endif
+    }
+    if (status != EM_OK)
+        die(bench_options->backend, &err);
     return backend;
 }
 
-static em_backend *cpu_backend(void)
+static em_backend *bench_backend(void)
 {
-    return cpu_backend_evicting_on(0);
+    return bench_backend_evicting_on(0);
 }
 
 static em_table *make_table(em_backend *backend, uint32_t dim, uint64_t capacity,
@@ -143,13 +170,21 @@ static void sort_doubles(double *values, int n)
 static void insert_throughput(const options *opt)
 {
     const uint32_t dim = 64;
-    em_backend *backend = cpu_backend();
-    em_backend *serial = cpu_backend_evicting_on(1);
+    em_backend *backend = bench_backend();
+    /* a GPU has one backend at a time (its pool takes most of its memory): both full
+     * tables live on it and evict alike, a shard after another */
+    em_backend *serial = on_gpu() ? backend : bench_backend_evicting_on(1);
     pusher p = pusher_make(opt->batch, dim);
     uint64_t measured = opt->rows / 4;
     printf("1. insert throughput: pushes of %u new keys (sgd, dim %u, 8 shards), %" PRIu64
-           " keys timed per round; the full tables evict on 1 thread and on %u (a shard each)\n\n",
-           opt->batch, dim, measured, backend->eviction_threads);
+           " keys timed per round; ",
+           opt->batch, dim, measured);
+    if (on_gpu())
+        printf("on %s, both full tables evict a shard after another (1t: the first one)\n\n",
+               backend->devices[0]->name);
+    else
+        printf("the full tables evict on 1 thread and on %u (a shard each)\n\n",
+               backend->eviction_threads);
     printf("%5s %14s %14s %14s %14s %9s %9s %9s\n", "round", "0.5 keys/s", "0.5+lru keys/s",
            "full 1t keys/s", "full keys/s", "full1t/.5", "full/0.5", "full/.5lru");
     /* full[0] evicts on one thread, full[1] on the backend's */
@@ -197,7 +232,8 @@ static void insert_throughput(const options *opt)
     free(p.keys);
     free(p.offsets);
     free(p.gradients);
-    em_backend_destroy(serial);
+    if (serial != backend)
+        em_backend_destroy(serial);
     em_backend_destroy(backend);
 }
 
@@ -381,7 +417,7 @@ static double table_hit_rate(em_backend *backend, em_eviction_policy policy, uin
 
 static void hit_rates(const options *opt)
 {
-    em_backend *backend = cpu_backend();
+    em_backend *backend = bench_backend();
     printf("2. hit rate: one key per pull (create_missing), capacity %" PRIu64
            ", key space %" PRIu64 ", %" PRIu64 " accesses per stream, candidates %u\n\n",
            opt->capacity, opt->capacity * 10, opt->accesses, opt->candidates);
@@ -539,7 +575,7 @@ static uint64_t keys_seen(const uint64_t *stream, uint64_t n, uint64_t threshold
 
 static void admission(const options *opt)
 {
-    em_backend *backend = cpu_backend();
+    em_backend *backend = bench_backend();
     uint64_t space = opt->capacity * 10;
     printf("\n3. counter admission: %" PRIu64 " one-key pushes (adagrad, dim 64), Zipf 1.05 "
            "over %" PRIu64 " keys, no capacity limit reached\n\n",
@@ -574,7 +610,7 @@ static void admission(const options *opt)
 
 static void admission_threads(const options *opt)
 {
-    em_backend *backend = cpu_backend();
+    em_backend *backend = bench_backend();
     uint64_t space = opt->capacity * 10;
     printf("\n4. one-key pushes from 1 and 2 threads at once, same stream as 3 (counter "
            "threshold 5, 1024 KiB sketch; full: lru, capacity %" PRIu64 "), pushes/s\n\n",
@@ -646,11 +682,14 @@ static unsigned parse_parts(const char *text)
 int main(int argc, char **argv)
 {
     options opt = {.rows = 1u << 19, .batch = 65536, .capacity = 10000, .accesses = 500000,
-                   .candidates = 16, .rounds = 5, .parts = 0xf};
+                   .candidates = 16, .rounds = 5, .parts = 0xf, .backend = "cpu"};
+    bench_options = &opt;
+    setvbuf(stdout, NULL, _IOLBF, 0); /* each line out at once: a run cut short keeps them */
     for (int i = 1; i < argc; i++) {
         if (i + 1 >= argc) {
             fprintf(stderr, "usage: bench_eviction [--rows N] [--batch B] [--rounds R] "
-                            "[--capacity C] [--accesses A] [--candidates K] [--parts LIST]\n");
+                            "[--capacity C] [--accesses A] [--candidates K] [--parts LIST] "
+                            "[--backend cpu|cuda]\n");
             return 2;
         }
         if (strcmp(argv[i], "--rows") == 0)
@@ -668,15 +707,23 @@ int main(int argc, char **argv)
             opt.candidates = (uint32_t)parse_count(argv[++i], "--candidates");
         else if (strcmp(argv[i], "--parts") == 0)
             opt.parts = parse_parts(argv[++i]);
-        else {
+        else if (strcmp(argv[i], "--backend") == 0) {
+            opt.backend = argv[++i];
+            if (strcmp(opt.backend, "cpu") != 0 && strcmp(opt.backend, "cuda") != 0) {
+                fprintf(stderr, "bench_eviction: --backend %s: expected cpu or cuda\n",
+                        opt.backend);
+                return 2;
+            }
+        } else {
             fprintf(stderr, "bench_eviction: unknown option '%s'\n", argv[i]);
             return 2;
         }
     }
     em_test_print_machine(NULL);
     printf("command: bench_eviction --rows %" PRIu64 " --batch %u --rounds %d --capacity %" PRIu64
-           " --accesses %" PRIu64 " --candidates %u",
-           opt.rows, opt.batch, opt.rounds, opt.capacity, opt.accesses, opt.candidates);
+           " --accesses %" PRIu64 " --candidates %u --backend %s",
+           opt.rows, opt.batch, opt.rounds, opt.capacity, opt.accesses, opt.candidates,
+           opt.backend);
     if (opt.parts != 0xfu) {
         printf(" --parts ");
         for (unsigned p = 0; p < 4; p++)

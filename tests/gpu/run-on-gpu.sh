@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # First contact with a GPU: runs, in one go and within 10 minutes, the gpu suite, the
 # daemon's integration suites (checkpoints too) on the cuda backend, bench_gpu,
-# bench_server --backend cuda and bench_checkpoint --backend cuda, and writes everything
+# bench_server --backend cuda, bench_checkpoint --backend cuda and bench_eviction
+# --backend cuda, and writes everything
 # into one report file (default: $OUT/gpu-report.txt when $OUT is set, else
 # gpu-report.txt), ending with a table of each step's exit status and time. Exits 0 only
 # when every step passed.
@@ -72,6 +73,7 @@ if [[ -x $runtime/bin/emberd ]]; then
   integration=$bin
   emberd=$bin/emberd emberctl=$bin/emberctl train_logreg=$bin/train_logreg
   bench_gpu=$bin/bench_gpu bench_server=$bin/bench_server bench_checkpoint=$bin/bench_checkpoint
+  bench_eviction=$bin/bench_eviction
   export LD_LIBRARY_PATH=$runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export PATH=$bin:$PATH
   origin="carried programs ($(head -2 "$runtime/STAGED" 2>/dev/null | tr '\n' ' '))"
@@ -93,6 +95,7 @@ else
   train_logreg=$build/clients/examples/train_logreg
   bench_gpu=$build/tests/bench/bench_gpu bench_server=$build/tests/bench/bench_server
   bench_checkpoint=$build/tests/bench/bench_checkpoint
+  bench_eviction=$build/tests/bench/bench_eviction
   origin="build tree $build"
 fi
 
@@ -166,4 +169,8 @@ fi
 # Saves and loads of a table in GPU memory against dd on this machine's disk.
 step "bench_checkpoint --backend cuda" 120 "$bench_checkpoint" --backend cuda --seconds 1 \
   --pairs 3
+# Inserts into a full table that evicts against inserts at load 0.5, and the hit rates of
+# lru and lfu against exact ones, with the tables on the GPU.
+step "bench_eviction --backend cuda" 120 "$bench_eviction" --backend cuda --parts 12 \
+  --rows 4194304 --accesses 100000
 finish

@@ -2,7 +2,7 @@
 # Stages into .gpu-runtime/ what tests/gpu/run-on-gpu.sh needs on a GPU machine that has
 # a driver, CUDA and NCCL but nothing of ember's: the programs of a build tree (emberd,
 # emberctl, the gpu suite, the *_cuda integration suites and the checkpoints suite,
-# bench_gpu, bench_server, bench_checkpoint), the Debian 12 runtime libraries they link
+# bench_gpu, bench_server, bench_checkpoint, bench_eviction), the Debian 12 runtime libraries they link
 # (libuv, protobuf-c, cJSON, xxHash, http-parser, subunit, OpenSSL) and what bench_server
 # compares against (redis-server, the openssl command), about 27 MB in all. Run on the
 # Debian 12 machine that built the tree:
@@ -29,6 +29,7 @@ programs=(
   tests/bench/bench_gpu
   tests/bench/bench_server
   tests/bench/bench_checkpoint
+  tests/bench/bench_eviction
 )
 packages=(libatomic1 libuv1 libprotobuf-c1 libcjson1 libxxhash0 libhttp-parser2.9 libsubunit0
           libssl3 openssl redis-tools libjemalloc2 liblzf1 liblua5.1-0)
