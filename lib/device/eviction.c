@@ -20,7 +20,9 @@
 #include "lib/device/device.h"
 
 /* A row that may leave, with what the policy orders it by: the smaller rank goes
- * first. */
+ * first, then the smaller key (keys are distinct, so the order is total: the rows
+ * chosen from a window do not depend on the order the walk gave them in, and the GPU's
+ * choice, kernels/ember_kernels.h em_gpu_choice, is the same). */
 typedef struct em_evict_candidate {
     unsigned __int128 rank;
     uint64_t row;
@@ -94,7 +96,7 @@ static em_evict_candidate candidate_of(const em_evict_spec *spec, const em_row_a
 
 static bool goes_first(const em_evict_candidate *a, const em_evict_candidate *b)
 {
-    return a->rank < b->rank;
+    return a->rank < b->rank || (a->rank == b->rank && a->key < b->key);
 }
 
 static void swap_candidates(em_evict_candidate *a, em_evict_candidate *b)
@@ -104,28 +106,26 @@ static void swap_candidates(em_evict_candidate *a, em_evict_candidate *b)
     *b = t;
 }
 
-/* Reorders c[0..n) so that its k first by the policy come first: quickselect with a
- * median-of-three pivot and a three-way partition, since many rows share a rank (every
- * row of one request has the same last access). Which of equal ranks make the k
- * depends on the input order only, which the map's walk fixes. */
-static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k)
+/* Reorders c[0..n) (distinct keys) so that its k smallest keys come first: quickselect
+ * with a median-of-three pivot. */
+static void keep_first_keys(em_evict_candidate *c, uint64_t n, uint64_t k)
 {
     uint64_t low = 0, high = n; /* the k-th lies in [low, high) */
     while (k > low && k < high && high - low > 1) {
         uint64_t middle = low + (high - low) / 2, last = high - 1;
-        if (goes_first(&c[middle], &c[low]))
+        if (c[middle].key < c[low].key)
             swap_candidates(&c[middle], &c[low]);
-        if (goes_first(&c[last], &c[low]))
+        if (c[last].key < c[low].key)
             swap_candidates(&c[last], &c[low]);
-        if (goes_first(&c[last], &c[middle]))
+        if (c[last].key < c[middle].key)
             swap_candidates(&c[last], &c[middle]);
-        em_evict_candidate pivot = c[middle];
-        /* [low, before) go first, [before, i) equal the pivot, [after, high) go after */
+        uint64_t pivot = c[middle].key;
+        /* [low, before) go first, [after, high) go after, the pivot between */
         uint64_t before = low, i = low, after = high;
         while (i < after) {
-            if (goes_first(&c[i], &pivot))
+            if (c[i].key < pivot)
                 swap_candidates(&c[i++], &c[before++]);
-            else if (goes_first(&pivot, &c[i]))
+            else if (c[i].key > pivot)
                 swap_candidates(&c[i], &c[--after]);
             else
                 i++;
@@ -135,7 +135,46 @@ static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k)
         else if (k >= after)
             low = after;
         else
-            return; /* the k-th is among the equal ones */
+            return;
+    }
+}
+
+/* Reorders c[0..n) so that its k first by the policy come first (goes_first): a
+ * quickselect by rank with a median-of-three pivot and a three-way partition, since many
+ * rows share a rank (every row of one request has the same last access); where the
+ * k-th lies among rows of one rank, the smaller keys of those make up the k. Ordering
+ * every tie by key would cost about as much again; only the one run of equal ranks that
+ * the k-th falls in needs it. */
+static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k)
+{
+    uint64_t low = 0, high = n; /* the k-th lies in [low, high) */
+    while (k > low && k < high && high - low > 1) {
+        uint64_t middle = low + (high - low) / 2, last = high - 1;
+        if (c[middle].rank < c[low].rank)
+            swap_candidates(&c[middle], &c[low]);
+        if (c[last].rank < c[low].rank)
+            swap_candidates(&c[last], &c[low]);
+        if (c[last].rank < c[middle].rank)
+            swap_candidates(&c[last], &c[middle]);
+        unsigned __int128 pivot = c[middle].rank;
+        /* [low, before) go first, [before, i) equal the pivot, [after, high) go after */
+        uint64_t before = low, i = low, after = high;
+        while (i < after) {
+            if (c[i].rank < pivot)
+                swap_candidates(&c[i++], &c[before++]);
+            else if (c[i].rank > pivot)
+                swap_candidates(&c[i], &c[--after]);
+            else
+                i++;
+        }
+        if (k <= before) {
+            high = before;
+        } else if (k >= after) {
+            low = after;
+        } else { /* the k-th is among the equal ones: the smaller keys of them */
+            keep_first_keys(c + before, after - before, k - before);
+            return;
+        }
     }
 }
 
