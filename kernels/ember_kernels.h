@@ -555,6 +555,77 @@ em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,
 em_gpu_status em_gpu_map_walk_advance(em_gpu_stream *stream, const uint32_t *rank,
                                       uint64_t count, int wrap, em_gpu_walk *walk);
 
+/* An eviction's choice made on the GPU (lib/device/cuda_shard.c): the count first
+ * entries of a walk's window by the policy's order, ties broken by the smaller key
+ * (lib/device/eviction.c chooses by the same order on the host), leaving out the rows
+ * of the request. An entry's order is a number of 160 bits (em_gpu_rank), read a byte
+ * at a time from the top: each pass counts the window's entries that match the bytes
+ * fixed so far by their next byte (em_gpu_choice_count), and one thread per walk fixes
+ * that byte as the one where the count-th entry lies (em_gpu_choice_fix), until every
+ * entry matching the bytes fixed is chosen; then the chosen entries are flagged
+ * (em_gpu_choice_flags), scanned, and written out in window order
+ * (em_gpu_choice_write). Several walks (shards of one lane) go through each launch
+ * together, a walk per grid row. */
+typedef struct em_gpu_rank {
+    uint32_t first;    /* lfu: the frequency; age: UINT32_MAX - pushes since the update */
+    uint64_t accessed; /* the last access */
+    uint64_t key;
+} em_gpu_rank;
+
+#define EM_GPU_RANK_DIGITS 20u /* bytes of an em_gpu_rank, top first */
+#define EM_GPU_CHOICE_BINS 256u
+
+enum { EM_GPU_CHOICE_OPEN = 0, EM_GPU_CHOICE_SETTLED = 1, EM_GPU_CHOICE_SHORT = 2 };
+
+typedef struct em_gpu_choice {
+    /* set by the host */
+    const uint64_t *keys, *rows;         /* the window: entries in walk order */
+    const em_gpu_row_access *access;
+    const em_gpu_walk *walk;             /* its entries: min(walk->taken, want) */
+    uint64_t want;
+    uint64_t count;                      /* entries to choose (> 0) */
+    const uint64_t *kept;                /* the request's rows of the shard (values that
+                                          * are not rows among them) */
+    uint64_t kept_count;
+    uint64_t *kept_bits;                 /* a bit per row below row_limit, cleared */
+    uint64_t row_limit;
+    uint64_t first_flag;                 /* the walk's first entry in the shared flags */
+    uint64_t *out_keys, *out_rows;       /* count each */
+    int policy;                          /* em_eviction_policy: 1 lru, 2 lfu, 3 age */
+    uint32_t update_clock;
+    uint32_t first_digit;                /* 4 for lru (first is 0), else 0 */
+    /* the choice in progress */
+    uint32_t state;                      /* EM_GPU_CHOICE_* */
+    uint32_t digits;                     /* bytes of prefix fixed */
+    em_gpu_rank prefix;                  /* those bytes, the others 0 */
+    uint64_t remaining;                  /* entries still to choose among those matching */
+    uint32_t bins[EM_GPU_CHOICE_BINS];
+    /* what came of it */
+    uint64_t taken;                      /* walk->taken */
+    uint64_t held;                       /* entries in the window: min(taken, want) */
+    uint64_t free_entries;               /* of them, not the request's */
+} em_gpu_choice;
+
+/* Sets each choice's kept_bits for its kept rows (below row_limit). */
+em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_choice *choices,
+                                      uint32_t walks, uint64_t most_kept);
+/* Counts, per open choice, its free entries that match the fixed bytes by byte digit. */
+em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
+                                  uint32_t walks, uint64_t most_held, uint32_t digit);
+/* Fixes byte digit of each open choice (one thread a walk); at first_digit also records
+ * taken, held and free_entries, and a choice with fewer free entries than count becomes
+ * SHORT. */
+em_gpu_status em_gpu_choice_fix(em_gpu_stream *stream, em_gpu_choice *choices, uint32_t walks,
+                                uint32_t digit);
+/* flags[first_flag + i] = whether window entry i (i < want) of each walk was chosen. */
+em_gpu_status em_gpu_choice_flags(em_gpu_stream *stream, em_gpu_choice *choices,
+                                  uint32_t walks, uint64_t most_want, uint32_t *flags);
+/* With rank the exclusive scan of the flags: each chosen entry's key and row go to
+ * out_keys and out_rows at its rank within its walk. */
+em_gpu_status em_gpu_choice_write(em_gpu_stream *stream, em_gpu_choice *choices,
+                                  uint32_t walks, uint64_t most_want, const uint32_t *flags,
+                                  const uint32_t *rank);
+
 /* out[i] = the access metadata of rows[i]. */
 em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
                                  const uint64_t *rows, uint64_t n, em_gpu_row_access *out);

@@ -82,6 +82,15 @@ EM_HOST_DEVICE uint64_t em_gpu_atomic_add_u64(uint64_t *address, uint64_t value)
 #endif
 }
 
+EM_HOST_DEVICE void em_gpu_atomic_or_u64(uint64_t *address, uint64_t value)
+{
+#ifdef __CUDA_ARCH__
+    atomicOr((unsigned long long *)address, (unsigned long long)value);
+#else
+    __atomic_fetch_or(address, value, __ATOMIC_ACQ_REL);
+#endif
+}
+
 EM_HOST_DEVICE void em_gpu_atomic_min_u32(uint32_t *address, uint32_t value)
 {
 #ifdef __CUDA_ARCH__
@@ -958,6 +967,167 @@ EM_HOST_DEVICE void em_gpu_map_walk_advance_item(const uint32_t *rank, uint64_t 
     walk->taken += rank[count];
     if (wrap)
         walk->before_wrap = walk->taken;
+}
+
+/* ---- eviction choices (em_gpu_choice) ------------------------------------------------ */
+
+/* Window entry i's place in the policy's order (lib/device/eviction.c: candidate_of). */
+EM_HOST_DEVICE em_gpu_rank em_gpu_choice_rank(const em_gpu_choice *c, uint64_t i)
+{
+    const em_gpu_row_access *access = &c->access[i];
+    em_gpu_rank rank;
+    rank.first = 0;
+    if (c->policy == 2) /* lfu */
+        rank.first = access->frequency;
+    else if (c->policy == 3) /* age */
+        rank.first = UINT32_MAX - (uint32_t)(c->update_clock - access->updated);
+    rank.accessed = access->accessed;
+    rank.key = c->keys[i];
+    return rank;
+}
+
+/* Byte digit of rank (0: the top byte of first, 19: the low byte of key). */
+EM_HOST_DEVICE uint32_t em_gpu_rank_digit(em_gpu_rank rank, uint32_t digit)
+{
+    if (digit < 4)
+        return (rank.first >> (8 * (3 - digit))) & 0xffu;
+    if (digit < 12)
+        return (uint32_t)(rank.accessed >> (8 * (11 - digit))) & 0xffu;
+    return (uint32_t)(rank.key >> (8 * (19 - digit))) & 0xffu;
+}
+
+/* rank's first `digits` bytes, the others 0. */
+EM_HOST_DEVICE em_gpu_rank em_gpu_rank_top(em_gpu_rank rank, uint32_t digits)
+{
+    if (digits < 4) {
+        rank.first = digits == 0 ? 0 : rank.first & ~(UINT32_MAX >> (8 * digits));
+        rank.accessed = 0;
+        rank.key = 0;
+    } else if (digits < 12) {
+        uint32_t bytes = digits - 4;
+        rank.accessed = bytes == 0 ? 0 : rank.accessed & ~(UINT64_MAX >> (8 * bytes));
+        rank.key = 0;
+    } else if (digits < EM_GPU_RANK_DIGITS) {
+        uint32_t bytes = digits - 12;
+        rank.key = bytes == 0 ? 0 : rank.key & ~(UINT64_MAX >> (8 * bytes));
+    }
+    return rank;
+}
+
+/* rank with byte digit set to value (it was 0). */
+EM_HOST_DEVICE em_gpu_rank em_gpu_rank_with_digit(em_gpu_rank rank, uint32_t digit,
+                                                  uint32_t value)
+{
+    if (digit < 4)
+        rank.first |= value << (8 * (3 - digit));
+    else if (digit < 12)
+        rank.accessed |= (uint64_t)value << (8 * (11 - digit));
+    else
+        rank.key |= (uint64_t)value << (8 * (19 - digit));
+    return rank;
+}
+
+/* -1, 0 or 1 as a goes before, with or after b. */
+EM_HOST_DEVICE int em_gpu_rank_compare(em_gpu_rank a, em_gpu_rank b)
+{
+    if (a.first != b.first)
+        return a.first < b.first ? -1 : 1;
+    if (a.accessed != b.accessed)
+        return a.accessed < b.accessed ? -1 : 1;
+    if (a.key != b.key)
+        return a.key < b.key ? -1 : 1;
+    return 0;
+}
+
+/* The window's entries: min(walk->taken, want). */
+EM_HOST_DEVICE uint64_t em_gpu_choice_held(const em_gpu_choice *c)
+{
+    uint64_t taken = c->walk->taken;
+    return taken < c->want ? taken : c->want;
+}
+
+/* Whether row is one of the request's (it must stay). */
+EM_HOST_DEVICE int em_gpu_choice_kept(const em_gpu_choice *c, uint64_t row)
+{
+    return row < c->row_limit && ((c->kept_bits[row >> 6] >> (row & 63)) & 1u) != 0;
+}
+
+/* Kept row j of choice c into its bit set. */
+EM_HOST_DEVICE void em_gpu_choice_mark_kept_item(em_gpu_choice *c, uint64_t j)
+{
+    uint64_t row = c->kept[j];
+    if (row < c->row_limit)
+        em_gpu_atomic_or_u64(&c->kept_bits[row >> 6], (uint64_t)1 << (row & 63));
+}
+
+/* The bin entry i (< held) of an open choice counts in at byte digit:
+ * EM_GPU_CHOICE_BINS when it does not (a row of the request, or its bytes before digit
+ * differ from the prefix). */
+EM_HOST_DEVICE uint32_t em_gpu_choice_bin(const em_gpu_choice *c, uint64_t i, uint32_t digit)
+{
+    if (em_gpu_choice_kept(c, c->rows[i]))
+        return EM_GPU_CHOICE_BINS;
+    em_gpu_rank rank = em_gpu_choice_rank(c, i);
+    if (em_gpu_rank_compare(em_gpu_rank_top(rank, digit), c->prefix) != 0)
+        return EM_GPU_CHOICE_BINS;
+    return em_gpu_rank_digit(rank, digit);
+}
+
+/* One thread a walk: byte digit of the prefix becomes the bin holding the remaining-th
+ * entry; the bins are cleared for the next digit. */
+EM_HOST_DEVICE void em_gpu_choice_fix_item(em_gpu_choice *c, uint32_t digit)
+{
+    if (c->state != EM_GPU_CHOICE_OPEN)
+        return;
+    uint64_t total = 0;
+    for (uint32_t b = 0; b < EM_GPU_CHOICE_BINS; b++)
+        total += c->bins[b];
+    if (digit == c->first_digit) {
+        c->taken = c->walk->taken;
+        c->held = em_gpu_choice_held(c);
+        c->free_entries = total;
+    }
+    if (total < c->remaining) { /* fewer free entries than rows to choose */
+        c->state = EM_GPU_CHOICE_SHORT;
+    } else {
+        uint64_t below = 0;
+        uint32_t bin = 0;
+        for (; bin + 1 < EM_GPU_CHOICE_BINS && below + c->bins[bin] < c->remaining; bin++)
+            below += c->bins[bin];
+        c->remaining -= below;
+        c->prefix = em_gpu_rank_with_digit(c->prefix, digit, bin);
+        c->digits = digit + 1;
+        /* keys are distinct: at the last digit one entry is left in the bin */
+        if (c->bins[bin] == c->remaining || digit + 1 == EM_GPU_RANK_DIGITS)
+            c->state = EM_GPU_CHOICE_SETTLED;
+    }
+    for (uint32_t b = 0; b < EM_GPU_CHOICE_BINS; b++)
+        c->bins[b] = 0;
+}
+
+/* Whether window entry i (< want) was chosen. */
+EM_HOST_DEVICE uint32_t em_gpu_choice_flag(const em_gpu_choice *c, uint64_t i)
+{
+    if (c->state != EM_GPU_CHOICE_SETTLED || i >= em_gpu_choice_held(c) ||
+        em_gpu_choice_kept(c, c->rows[i]))
+        return 0;
+    em_gpu_rank top = em_gpu_rank_top(em_gpu_choice_rank(c, i), c->digits);
+    return em_gpu_rank_compare(top, c->prefix) <= 0 ? 1u : 0u;
+}
+
+/* A chosen entry i's key and row to its place among the walk's chosen (rank, the scan
+ * of the shared flags). */
+EM_HOST_DEVICE void em_gpu_choice_write_item(em_gpu_choice *c, uint64_t i, const uint32_t *flags,
+                                             const uint32_t *rank)
+{
+    uint64_t f = c->first_flag + i;
+    if (!flags[f])
+        return;
+    uint64_t at = rank[f] - rank[c->first_flag];
+    if (at < c->count) {
+        c->out_keys[at] = c->keys[i];
+        c->out_rows[at] = c->rows[i];
+    }
 }
 
 EM_HOST_DEVICE void em_gpu_access_write_item(em_gpu_storage storage, const uint64_t *rows,

@@ -128,6 +128,26 @@ static inline em_gpu_status em_gpu_launch(void (*kernel)(Parameters...), const c
         cudaLaunchKernelEx(&config, kernel, static_cast<Arguments &&>(arguments)...), name);
 }
 
+/* em_gpu_launch with a row of blocks for each of `rows` (blockIdx.y): kernels over
+ * several walks or segments at once, `threads` items in the longest. */
+template <typename... Parameters, typename... Arguments>
+static inline em_gpu_status em_gpu_launch_rows(void (*kernel)(Parameters...), const char *name,
+                                               uint64_t threads, uint32_t rows,
+                                               const em_gpu_stream *stream,
+                                               Arguments &&...arguments)
+{
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(em_gpu_blocks(threads), rows);
+    config.blockDim = dim3(EM_GPU_BLOCK_THREADS);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream->stream;
+    return em_gpu_cuda_status(
+        cudaLaunchKernelEx(&config, kernel, static_cast<Arguments &&>(arguments)...), name);
+}
+
+#define EM_GPU_LAUNCH_ROWS(kernel, threads, rows, stream, ...) \
+    em_gpu_launch_rows(kernel, #kernel, (threads), (rows), (stream), __VA_ARGS__)
+
 /* kernel(arguments) on the stream with enough threads for `threads` items, evaluating
  * to the launch status. */
 #define EM_GPU_LAUNCH(kernel, threads, stream, ...) \

@@ -617,6 +617,57 @@ __global__ void map_walk_advance_kernel(const uint32_t *rank, uint64_t count, in
         em_gpu_map_walk_advance_item(rank, count, wrap, walk);
 }
 
+__global__ void choice_mark_kept_kernel(em_gpu_choice *choices)
+{
+    em_gpu_choice *c = &choices[blockIdx.y];
+    EM_GPU_FOR_EACH(j, c->kept_count)
+    em_gpu_choice_mark_kept_item(c, j);
+}
+
+/* A block's counts gather in shared memory, then go to the walk's bins. */
+__global__ void choice_count_kernel(em_gpu_choice *choices, uint32_t digit)
+{
+    __shared__ uint32_t bins[EM_GPU_CHOICE_BINS];
+    em_gpu_choice *c = &choices[blockIdx.y];
+    if (c->state != EM_GPU_CHOICE_OPEN) /* the same for the whole block */
+        return;
+    for (uint32_t b = threadIdx.x; b < EM_GPU_CHOICE_BINS; b += blockDim.x)
+        bins[b] = 0;
+    __syncthreads();
+    uint64_t held = em_gpu_choice_held(c);
+    EM_GPU_FOR_EACH(i, held)
+    {
+        uint32_t bin = em_gpu_choice_bin(c, i, digit);
+        if (bin < EM_GPU_CHOICE_BINS)
+            atomicAdd(&bins[bin], 1u);
+    }
+    __syncthreads();
+    for (uint32_t b = threadIdx.x; b < EM_GPU_CHOICE_BINS; b += blockDim.x)
+        if (bins[b] != 0)
+            atomicAdd(&c->bins[b], bins[b]);
+}
+
+__global__ void choice_fix_kernel(em_gpu_choice *choices, uint32_t walks, uint32_t digit)
+{
+    EM_GPU_FOR_EACH(w, walks)
+    em_gpu_choice_fix_item(&choices[w], digit);
+}
+
+__global__ void choice_flags_kernel(em_gpu_choice *choices, uint32_t *flags)
+{
+    const em_gpu_choice *c = &choices[blockIdx.y];
+    EM_GPU_FOR_EACH(i, c->want)
+    flags[c->first_flag + i] = em_gpu_choice_flag(c, i);
+}
+
+__global__ void choice_write_kernel(em_gpu_choice *choices, const uint32_t *flags,
+                                    const uint32_t *rank)
+{
+    em_gpu_choice *c = &choices[blockIdx.y];
+    EM_GPU_FOR_EACH(i, c->want)
+    em_gpu_choice_write_item(c, i, flags, rank);
+}
+
 __global__ void access_write_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
                                     const em_gpu_row_access *in)
 {
@@ -682,6 +733,53 @@ extern "C" em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storag
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(access_read_kernel, n, stream, storage, rows, n, out);
+}
+
+extern "C" em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_choice *choices,
+                                                 uint32_t walks, uint64_t most_kept)
+{
+    if (walks == 0 || most_kept == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH_ROWS(choice_mark_kept_kernel, most_kept, walks, stream, choices);
+}
+
+extern "C" em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
+                                             uint32_t walks, uint64_t most_held, uint32_t digit)
+{
+    if (walks == 0 || most_held == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH_ROWS(choice_count_kernel, most_held, walks, stream, choices, digit);
+}
+
+extern "C" em_gpu_status em_gpu_choice_fix(em_gpu_stream *stream, em_gpu_choice *choices,
+                                           uint32_t walks, uint32_t digit)
+{
+    if (walks == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(choice_fix_kernel, walks, stream, choices, walks, digit);
+}
+
+extern "C" em_gpu_status em_gpu_choice_flags(em_gpu_stream *stream, em_gpu_choice *choices,
+                                             uint32_t walks, uint64_t most_want, uint32_t *flags)
+{
+    if (walks == 0 || most_want == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH_ROWS(choice_flags_kernel, most_want, walks, stream, choices, flags);
+}
+
+extern "C" em_gpu_status em_gpu_choice_write(em_gpu_stream *stream, em_gpu_choice *choices,
+                                             uint32_t walks, uint64_t most_want,
+                                             const uint32_t *flags, const uint32_t *rank)
+{
+    if (walks == 0 || most_want == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH_ROWS(choice_write_kernel, most_want, walks, stream, choices, flags,
+                              rank);
 }
 
 extern "C" em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,

@@ -100,10 +100,15 @@ typedef struct em_cuda_backend_options {
     uint64_t map_segment_slots; /* a shard's hash map larger than this many slots is kept
                                  * in segments of this many, so that it grows by the
                                  * slots it adds (a power of two, 1024 .. 2^30) */
+    uint64_t gpu_choice_entries; /* a request's evictions on a GPU whose windows hold this
+                                  * many map entries together are chosen on the GPU, fewer
+                                  * on the host (the same rows either way); 0: the default,
+                                  * 16,384; UINT64_MAX: always on the host */
 } em_cuda_backend_options;
 
 /* Defaults: every usable GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging, 1 GiB
- * of pinned buffers for request data, map segments of 2^22 slots (64 MiB). */
+ * of pinned buffers for request data, map segments of 2^22 slots (64 MiB), evictions
+ * chosen on the GPU from windows of 16,384 entries. */
 void em_cuda_backend_options_init(em_cuda_backend_options *options);
 
 /* Whether a usable GPU is visible (one this build's kernels run on; they are compiled

@@ -766,6 +766,7 @@ em_status em__cuda_device_create(uint32_t index, const em__cuda_device_options *
     state->ordinal = options->ordinal;
     state->host_buffers = options->host_buffers;
     state->map_segment_slots = options->map_segment_slots;
+    state->gpu_choice_entries = options->gpu_choice_entries;
     pthread_mutex_init(&state->lock, NULL);
     pthread_cond_init(&state->lane_freed, NULL);
     device->impl = state;

@@ -21,6 +21,7 @@ typedef struct em__cuda_device_options {
     uint64_t staging_bytes; /* pinned host memory per lane */
     em_host_buffers *host_buffers; /* buffers copied directly (NULL: none) */
     uint64_t map_segment_slots; /* slots per segment of a shard's large hash map */
+    uint64_t gpu_choice_entries; /* evictions' windows chosen on the GPU from this many */
     uint32_t sharing;       /* devices listed before this one on the same GPU (shared_gpus):
                              * 0 names it "cuda:<ordinal>", n > 0 "cuda:<ordinal>#<n>" */
 } em__cuda_device_options;

@@ -113,6 +113,7 @@ typedef struct cuda_state {
     int ordinal;
     em_host_buffers *host_buffers; /* copied directly, without staging; counts copies */
     uint64_t map_segment_slots;    /* a power of two (em_cuda_backend_options) */
+    uint64_t gpu_choice_entries;   /* em_cuda_backend_options, resolved */
     em_gpu_device_info info;
     cuda_lane *lanes;
     uint32_t lane_count;
@@ -156,6 +157,7 @@ typedef struct cuda_shard {
     uint64_t free_count;   /* released rows waiting for reuse (host copy) */
     uint64_t tombstones;   /* erased slots (host copy) */
     uint64_t rehashes_through_host; /* em_shard_stats */
+    uint64_t rows_chosen_on_gpu;    /* em_shard_stats rows_evicted_chosen_on_gpu */
     uint64_t *free_rows;   /* the map's free list (device), free_capacity entries */
     uint64_t free_capacity;
     /* row storage */

@@ -1467,6 +1467,7 @@ void em__cuda_shard_stats(em_shard *base, em_shard_stats *out)
     out->row_bytes = shard->block_count * shard->block_bytes;
     out->index_bytes = shard->slot_count * sizeof(em_gpu_slot);
     out->index_rehashes_through_host = shard->rehashes_through_host;
+    out->rows_evicted_chosen_on_gpu = shard->rows_chosen_on_gpu;
     out->row_limit = storage_rows(shard);
     out->access_bytes = shard->track_access ? shard->block_count * access_block_bytes(shard) : 0;
 }
@@ -1656,6 +1657,13 @@ typedef struct cuda_evict_walk {
      * first + before) then [0, after), and the walk's part of the shared region */
     uint64_t side, side_keys[2], side_rows[2];
     uint64_t first, span, before, after, offset, bytes;
+    /* what it chooses for; whether the GPU chooses (gpu_chooses), and where its choice
+     * lies among the lane's (choice_index, answer_offset: its chosen keys then rows) */
+    em_evict_spec spec;
+    bool on_gpu;
+    uint32_t choice_index;
+    uint64_t answer_offset;
+    const uint8_t *device_part; /* its part of the read ahead's region, on the GPU */
 } cuda_evict_walk;
 
 /* The walk's next entries from the GPU, up to max, without their metadata; they end where
@@ -1691,7 +1699,7 @@ static uint64_t side_entries(const cuda_shard *shard, uint64_t *keys, uint64_t *
     return n;
 }
 
-/* read_window's device region (and its host copy): the walk's counts, then want
+/* The read ahead's device region (and its host copy): the walk's counts, then want
  * entries (keys, rows, access metadata), the side rows' metadata and the request's rows
  * of the shard (kept, kept_count of them). */
 typedef struct window_region {
@@ -1942,20 +1950,207 @@ static em_status enqueue_window(cuda_evict_walk *w, uint32_t i, const window_buf
     return status;
 }
 
-/* Takes in walk w's part of the region, copied back to host memory at host. */
-static em_status take_window(cuda_evict_walk *w, const uint8_t *host, em_error *err)
+/* Takes in walk w's part of the region, copied back to host memory at host_part. */
+static em_status take_window(cuda_evict_walk *w, const uint8_t *host_part, em_error *err)
 {
-    window_region part = region_layout((uint8_t *)host + w->offset, w->ahead);
+    window_region part = region_layout((uint8_t *)host_part, w->ahead);
     em_status status = hold_window(w, &part, err);
     return status == EM_OK ? take_kept(w, part.kept, w->kept_device_count, err) : status;
 }
 
+/* ---- choices on the GPU ------------------------------------------------------------ */
+
+/* Whether the GPU may choose walk w's rows (planned): its window holds no side rows and
+ * is the read ahead (ahead == window) or every entry of the map (the span covers every
+ * slot), and the request's rows are on the GPU. Whether the read ahead held that window
+ * is known once the GPU has walked: take_choice. */
+static bool gpu_may_choose(const cuda_evict_walk *w)
+{
+    uint64_t window = em_evict_window(&w->spec);
+    return w->side == 0 && w->spec.kept_count == 0 &&
+           (w->ahead == window || w->span == w->shard->slot_count);
+}
+
+/* The buffers of the choices a lane's walks leave to the GPU: the answers region (the
+ * choices, then each walk's chosen keys and rows), which comes back to the host; the
+ * flags over every such walk's read ahead and their scan; the bit sets of the request's
+ * rows, a bit for each row of the shard's storage. */
+typedef struct choice_buffers {
+    uint32_t walks;
+    uint8_t *answers;
+    size_t answers_bytes;
+    uint32_t *flags, *rank;
+    void *temp;
+    size_t temp_bytes;
+    uint64_t *bits;
+    uint64_t bit_words, flag_count, most_want, most_kept;
+    uint32_t first_digit;
+} choice_buffers;
+
+static size_t aligned_256(size_t bytes)
+{
+    return (bytes + 255) & ~(size_t)255;
+}
+
+/* Marks the walks (planned) whose rows the GPU chooses and lays out their answers: those
+ * it may choose for, where their windows together are long enough to pay for the
+ * choice's passes (the device's gpu_choice_entries; the host's choice costs about their
+ * length, the GPU's about its launches). */
+static void plan_choices(cuda_evict_walk *walks, uint32_t count, choice_buffers *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->first_digit = EM_GPU_RANK_DIGITS;
+    uint64_t entries = 0;
+    for (uint32_t i = 0; i < count; i++)
+        if (gpu_may_choose(&walks[i]))
+            entries += walks[i].ahead;
+    bool pays = count > 0 && entries >= state_of(walks[0].shard->base.device)->gpu_choice_entries;
+    for (uint32_t i = 0; i < count; i++) {
+        walks[i].on_gpu = pays && gpu_may_choose(&walks[i]);
+        if (walks[i].on_gpu)
+            walks[i].choice_index = c->walks++;
+    }
+    size_t at = aligned_256(c->walks * sizeof(em_gpu_choice));
+    for (uint32_t i = 0; i < count; i++) {
+        cuda_evict_walk *w = &walks[i];
+        if (!w->on_gpu)
+            continue;
+        w->answer_offset = at;
+        at += aligned_256(2 * w->spec.count * sizeof(uint64_t));
+        c->flag_count += w->ahead;
+        c->bit_words += (storage_rows(w->shard) + 63) / 64;
+        c->most_want = w->ahead > c->most_want ? w->ahead : c->most_want;
+        c->most_kept = w->kept_device_count > c->most_kept ? w->kept_device_count : c->most_kept;
+        uint32_t first = w->spec.policy == EM_EVICTION_LRU ? 4 : 0; /* lru: first is 0 */
+        c->first_digit = first < c->first_digit ? first : c->first_digit;
+    }
+    c->answers_bytes = c->walks > 0 ? at : 0;
+}
+
+static em_status take_choice_buffers(scratch *s, cuda_lane *lane, choice_buffers *c,
+                                     em_error *err)
+{
+    if (c->walks == 0)
+        return EM_OK;
+    em_status status = scratch_take(s, c->answers_bytes, "eviction choices",
+                                    (void **)&c->answers, err);
+    if (status == EM_OK)
+        status = scratch_take(s, (c->flag_count + 1) * sizeof(uint32_t), "eviction choice flags",
+                              (void **)&c->flags, err);
+    if (status == EM_OK)
+        status = scratch_take(s, (c->flag_count + 1) * sizeof(uint32_t), "eviction choice ranks",
+                              (void **)&c->rank, err);
+    if (status == EM_OK)
+        status = scratch_take(s, c->bit_words * sizeof(uint64_t), "eviction kept rows",
+                              (void **)&c->bits, err);
+    if (status == EM_OK)
+        status = em__cuda_take_scan_temp(s, lane, c->flag_count + 1, &c->temp, &c->temp_bytes,
+                                         err);
+    return status;
+}
+
+/* Enqueues the choices of the walks the GPU chooses for (after their walks): the
+ * request's rows into bit sets, a count and a fix for each byte of the order from the
+ * first that differs between entries, then the chosen entries flagged, scanned and
+ * written out (kernels/ember_kernels.h: em_gpu_choice). */
+static em_status enqueue_choices(cuda_evict_walk *walks, uint32_t count, const choice_buffers *c,
+                                 em_error *err)
+{
+    cuda_lane *lane = walks[0].lane;
+    em_gpu_choice *host = calloc(c->walks, sizeof(*host));
+    if (host == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    uint64_t flag = 0, word = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const cuda_evict_walk *w = &walks[i];
+        if (!w->on_gpu)
+            continue;
+        window_region device = region_layout((uint8_t *)w->device_part, w->ahead);
+        em_gpu_choice *h = &host[w->choice_index];
+        *h = (em_gpu_choice){
+            .keys = device.keys,
+            .rows = device.rows,
+            .access = device.access,
+            .walk = device.walk,
+            .want = w->ahead,
+            .count = w->spec.count,
+            .kept = w->kept_device,
+            .kept_count = w->kept_device_count,
+            .kept_bits = c->bits + word,
+            .row_limit = storage_rows(w->shard),
+            .first_flag = flag,
+            .out_keys = (uint64_t *)(c->answers + w->answer_offset),
+            .out_rows = (uint64_t *)(c->answers + w->answer_offset) + w->spec.count,
+            .policy = w->spec.policy,
+            .update_clock = w->spec.update_clock,
+            .first_digit = c->first_digit,
+            .state = EM_GPU_CHOICE_OPEN,
+            .digits = c->first_digit,
+            .remaining = w->spec.count,
+        };
+        word += (h->row_limit + 63) / 64;
+        flag += w->ahead;
+    }
+    em_gpu_choice *choices = (em_gpu_choice *)c->answers;
+    em_status status = em__cuda_copy_to_device(&lane->base, choices, host,
+                                               c->walks * sizeof(em_gpu_choice), err);
+    free(host);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, c->bits, 0,
+                                                      c->bit_words * sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_choice_mark_kept(lane->stream, choices, c->walks,
+                                                          c->most_kept), err);
+    for (uint32_t digit = c->first_digit; status == EM_OK && digit < EM_GPU_RANK_DIGITS; digit++) {
+        status = lane_check(lane, em_gpu_choice_count(lane->stream, choices, c->walks,
+                                                      c->most_want, digit), err);
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_choice_fix(lane->stream, choices, c->walks, digit),
+                                err);
+    }
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, c->flags, 0,
+                                                      (c->flag_count + 1) * sizeof(uint32_t)),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_choice_flags(lane->stream, choices, c->walks,
+                                                      c->most_want, c->flags), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_exclusive_scan_u32(lane->stream, c->temp, c->temp_bytes,
+                                                            c->flags, c->rank, c->flag_count + 1),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_choice_write(lane->stream, choices, c->walks,
+                                                      c->most_want, c->flags, c->rank), err);
+    return status;
+}
+
+/* Whether the GPU's choice for walk w holds (answers: the answers region in host
+ * memory): its read ahead held the chooser's window (cut at `ahead` when that is the
+ * window, or every entry of the map) and at least as many entries outside the request
+ * as rows to choose; then keys and rows get the chosen ones, in window order. */
+static bool take_choice(const cuda_evict_walk *w, const uint8_t *answers, uint64_t *keys,
+                        uint64_t *rows)
+{
+    const em_gpu_choice *c = (const em_gpu_choice *)answers + w->choice_index;
+    uint64_t window = em_evict_window(&w->spec);
+    bool whole = c->taken >= w->ahead ? w->ahead == window : w->span == w->shard->slot_count;
+    if (c->state != EM_GPU_CHOICE_SETTLED || !whole)
+        return false;
+    const uint64_t *chosen = (const uint64_t *)(answers + w->answer_offset);
+    memcpy(keys, chosen, w->spec.count * sizeof(uint64_t));
+    memcpy(rows, chosen + w->spec.count, w->spec.count * sizeof(uint64_t));
+    return true;
+}
+
 /* Plans walks[0..count) (one lane, count > 0), takes their shared buffers into s and
- * enqueues their reads and the copy of the region back into the lane's pinned readback
- * memory (*host, filled once the lane synchronizes). *read false: the pool (or the
- * readback memory, LANE_READBACK_MAX) has no room, and nothing was enqueued. */
+ * enqueues their reads, the choices the GPU makes (gpu_chooses), and the copy back into
+ * the lane's pinned readback memory (*host, filled once the lane synchronizes) of the
+ * region of the walks the host chooses for (at *host) and of the GPU's answers (at
+ * *host + *answers_at). *read false: the pool (or the readback memory,
+ * LANE_READBACK_MAX) has no room, and nothing was enqueued. */
 static em_status enqueue_reads(cuda_evict_walk *walks, uint32_t count, scratch *s,
-                               uint8_t **host, bool *read, em_error *err)
+                               uint8_t **host, size_t *answers_at, bool *read, em_error *err)
 {
     cuda_lane *lane = walks[0].lane;
     uint64_t offset = 0;
@@ -1963,11 +2158,18 @@ static em_status enqueue_reads(cuda_evict_walk *walks, uint32_t count, scratch *
         plan_window(&walks[i], offset);
         offset += (walks[i].bytes + 255) & ~(uint64_t)255; /* each part 256-byte aligned */
     }
+    choice_buffers choices;
+    plan_choices(walks, count, &choices);
     window_buffers buffers;
     em_error room_err;
     em_status status = take_window_buffers(s, lane, walks, count, &buffers, &room_err);
     if (status == EM_OK)
-        status = em__cuda_lane_readback(lane, buffers.bytes, host, &room_err);
+        status = take_choice_buffers(s, lane, &choices, &room_err);
+    size_t region_back = choices.walks < count ? buffers.bytes : 0; /* the host's walks */
+    *answers_at = aligned_256(region_back);
+    if (status == EM_OK)
+        status = em__cuda_lane_readback(lane, *answers_at + choices.answers_bytes, host,
+                                        &room_err);
     *read = status == EM_OK;
     if (status != EM_OK) { /* no room (else a failure, which is the caller's) */
         scratch_free_now(s);
@@ -1975,34 +2177,78 @@ static em_status enqueue_reads(cuda_evict_walk *walks, uint32_t count, scratch *
             *err = room_err;
         return status == EM_RESOURCE_EXHAUSTED ? EM_OK : status;
     }
+    for (uint32_t i = 0; i < count; i++)
+        walks[i].device_part = buffers.region + walks[i].offset;
     for (uint32_t i = 0; status == EM_OK && i < count; i++)
         status = enqueue_window(&walks[i], i, &buffers, err);
-    if (status == EM_OK)
+    if (status == EM_OK && choices.walks > 0)
+        status = enqueue_choices(walks, count, &choices, err);
+    if (status == EM_OK && region_back > 0)
         status = lane_check(lane, em_gpu_memcpy_async(lane->stream, *host, buffers.region,
-                                                      buffers.bytes),
+                                                      region_back),
+                            err);
+    if (status == EM_OK && choices.walks > 0)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, *host + *answers_at,
+                                                      choices.answers, choices.answers_bytes),
                             err);
     return status;
 }
 
-/* Reads one walk's window at once (enqueue_reads, then a wait). *read false: no room,
- * nothing was enqueued. */
-static em_status read_window(cuda_evict_walk *w, bool *read, em_error *err)
+static em_status choose_and_erase(cuda_evict_walk *w, const em_evict_spec *spec, uint64_t *keys,
+                                  uint64_t *rows, em_error *err);
+
+/* After the lane synchronized over walk w's reads (host: the readback memory): its
+ * choice, the GPU's (answers at host + answers_at) where that holds, else the host's
+ * over the read ahead (copied back now where the GPU chose), and the erase of the chosen
+ * rows, enqueued. The walk's scratch is still the lane's. */
+static em_status finish_walk(cuda_evict_walk *w, const uint8_t *host, size_t answers_at,
+                             uint64_t *keys, uint64_t *rows, em_error *err)
+{
+    if (w->on_gpu && take_choice(w, host + answers_at, keys, rows)) {
+        w->shard->rows_chosen_on_gpu += w->spec.count;
+        return erase_host_keys(w->shard, w->lane, keys, w->spec.count, false, err);
+    }
+    const uint8_t *part = host + w->offset;
+    uint8_t *copy = NULL;
+    em_status status = EM_OK;
+    if (w->on_gpu) { /* the read ahead was not the window, or too few of it may go */
+        copy = malloc(w->bytes);
+        status = copy != NULL ? em__cuda_copy_to_host(&w->lane->base, copy, w->device_part,
+                                                      w->bytes, err)
+                              : em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                             "eviction: out of host memory");
+        part = copy;
+    }
+    if (status == EM_OK)
+        status = take_window(w, part, err);
+    free(copy);
+    if (status == EM_OK)
+        status = choose_and_erase(w, &w->spec, keys, rows, err);
+    return status;
+}
+
+/* Reads one walk's window at once (enqueue_reads, then a wait), chooses and erases
+ * (finish_walk). *read false: no room, nothing was enqueued or chosen. */
+static em_status read_window_and_choose(cuda_evict_walk *w, uint64_t *keys, uint64_t *rows,
+                                        bool *read, em_error *err)
 {
     scratch s = {.device = w->lane->base.device};
     uint8_t *host = NULL;
-    em_status status = enqueue_reads(w, 1, &s, &host, read, err);
+    size_t answers_at = 0;
+    em_status status = enqueue_reads(w, 1, &s, &host, &answers_at, read, err);
     if (status == EM_OK && *read)
         status = em__cuda_lane_sync(w->lane, err);
     if (status != EM_OK)
         return em__cuda_finish_async(&s, w->lane, status, err);
     if (!*read)
         return EM_OK;
-    scratch_free_now(&s);
-    return take_window(w, host, err);
+    status = finish_walk(w, host, answers_at, keys, rows, err);
+    scratch_free_now(&s); /* the lane synchronized: nothing it runs reads them */
+    return status;
 }
 
 /* The read ahead export by export (each waits a few times), where the pool has no room
- * for read_window's buffers. */
+ * for the read ahead's buffers. */
 static em_status read_ahead_by_exports(cuda_evict_walk *w, em_error *err)
 {
     w->keys = malloc(w->ahead * sizeof(uint64_t));
@@ -2045,14 +2291,12 @@ static em_status read_kept(cuda_evict_walk *w, em_error *err)
     return status;
 }
 
-/* The walk's first entries and the request's rows, before the choice. */
-static em_status read_ahead(cuda_evict_walk *w, em_error *err)
+/* Without room for the read ahead's buffers: the request's rows and the walk's first
+ * entries read back export by export, before the host's choice. */
+static em_status read_ahead_without_room(cuda_evict_walk *w, em_error *err)
 {
-    bool read = false;
-    em_status status = read_window(w, &read, err);
-    if (status == EM_OK && !read)
-        status = read_kept(w, err);
-    if (status == EM_OK && !read)
+    em_status status = read_kept(w, err);
+    if (status == EM_OK)
         status = read_ahead_by_exports(w, err);
     return status;
 }
@@ -2087,6 +2331,7 @@ static cuda_evict_walk evict_walk(cuda_shard *shard, cuda_lane *lane, const em_e
     window = window < EVICT_READ_AHEAD ? window : EVICT_READ_AHEAD;
     return (cuda_evict_walk){.shard = shard,
                              .lane = lane,
+                             .spec = *spec,
                              .start = spec->random % positions,
                              .cursor = spec->random % positions,
                              .end = positions,
@@ -2128,8 +2373,11 @@ em_status em__cuda_shard_evict(em_shard *base, em_lane *lane_base, const em_evic
     if (spec->count == 0) /* a shard that only takes the request's new keys */
         return EM_OK;
     cuda_evict_walk walk = evict_walk(shard, lane_of(lane_base), spec);
-    em_status status = read_ahead(&walk, err);
-    if (status == EM_OK)
+    bool read = false;
+    em_status status = read_window_and_choose(&walk, keys, rows, &read, err);
+    if (status == EM_OK && !read)
+        status = read_ahead_without_room(&walk, err);
+    if (status == EM_OK && !read)
         status = choose_and_erase(&walk, spec, keys, rows, err);
     evict_walk_free(&walk);
     return status;
@@ -2145,6 +2393,7 @@ typedef struct evict_batch {
     bool read;              /* the walks were enqueued; else each part evicts at the end */
     scratch s;
     uint8_t *host;          /* the lane's readback: the walks once the lane synchronized */
+    size_t answers_at;      /* where the GPU's choices are in it */
 } evict_batch;
 
 static void evict_batch_free(evict_batch *batch)
@@ -2191,7 +2440,7 @@ em_status em__cuda_shards_evict_begin(em_lane *lane_base, em_shard_evict_part *p
     }
     /* without room, nothing is enqueued and the parts evict a shard at a time at the end */
     em_status status = enqueue_reads(batch->walks, batch->reading, &batch->s, &batch->host,
-                                     &batch->read, err);
+                                     &batch->answers_at, &batch->read, err);
     if (status != EM_OK) {
         em__cuda_finish_async(&batch->s, lane, status, err);
         evict_batch_free(batch);
@@ -2207,25 +2456,25 @@ void em__cuda_shards_evict_end(void *pending, em_status synchronized, const em_e
     if (batch == NULL)
         return;
     em_lane *lane_base = &batch->lane->base;
-    if (batch->read && synchronized == EM_OK)
-        scratch_free_now(&batch->s);
-    else if (batch->read) /* the lane failed: its scratch goes back once it is waited for */
-        em__cuda_finish_async(&batch->s, batch->lane, synchronized, NULL);
     for (uint32_t r = 0; r < batch->reading; r++) {
         em_shard_evict_part *part = &batch->parts[batch->part_of[r]];
         if (synchronized != EM_OK) {
             part->status = synchronized;
             part->err = *sync_err;
         } else if (batch->read) {
-            part->status = take_window(&batch->walks[r], batch->host, &part->err);
-            if (part->status == EM_OK)
-                part->status = choose_and_erase(&batch->walks[r], &part->spec, part->keys,
-                                                part->rows, &part->err);
+            part->status = finish_walk(&batch->walks[r], batch->host, batch->answers_at,
+                                       part->keys, part->rows, &part->err);
         } else { /* no room for every walk's buffers at once */
             part->status = em__cuda_shard_evict(part->shard, lane_base, &part->spec,
                                                 part->keys, part->rows, &part->err);
         }
     }
+    /* the walks' scratch: the lane synchronized, so nothing it runs reads it (the erases
+     * enqueued above have their own); where the lane failed, once it is waited for */
+    if (batch->read && synchronized == EM_OK)
+        scratch_free_now(&batch->s);
+    else if (batch->read)
+        em__cuda_finish_async(&batch->s, batch->lane, synchronized, NULL);
     evict_batch_free(batch);
 }
 

@@ -94,6 +94,8 @@ typedef struct em_shard_stats {
     uint64_t index_rehashes_through_host; /* map growths (or rehashes) that went through
                                            * host memory, the pool having no room for the
                                            * old map beside the new (CUDA) */
+    uint64_t rows_evicted_chosen_on_gpu; /* rows the shard evicted whose choice the GPU
+                                          * made (CUDA), not the host */
 } em_shard_stats;
 
 /* Home-side view of a batch in device memory (offsets, keys from the request). */

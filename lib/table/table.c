@@ -1488,6 +1488,7 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
         out->index_bytes += shard.index_bytes;
         out->access_bytes += shard.access_bytes;
         out->index_rehashes_through_host += shard.index_rehashes_through_host;
+        out->rows_evicted_chosen_on_gpu += shard.rows_evicted_chosen_on_gpu;
     }
     out->rows = atomic_load_explicit(&table->rows, memory_order_relaxed);
     pthread_rwlock_unlock(&table->lock);

@@ -111,7 +111,10 @@ typedef struct em_push_result {
       "missing and went again, waiting for them, to create those")                          \
     X(uint64_t, index_rehashes_through_host, COUNTER, NONE,                                   \
       "GPU hash map growths that went through host memory: the pool had no room for the "    \
-      "old map beside the new one (only the slots added)")
+      "old map beside the new one (only the slots added)")                                 \
+    X(uint64_t, rows_evicted_chosen_on_gpu, COUNTER, NONE,                                    \
+      "of rows_evicted, those the GPU chose (evictions whose windows were long enough); "    \
+      "the host chose the others, by the same rule")
 
 typedef struct em_table_stats {
 #define EM_TABLE_STATS_FIELD(type, name, kind, unit, help) type name;

@@ -20,8 +20,9 @@
  * n x `candidates` consecutive entries of the shard's hash map from a pseudo-random
  * position (a function of the table's initializer seed and its evictions so far), or
  * every entry when the shard holds fewer, and the n first by the policy among those the
- * request does not use go (ties in no documented order, but the same for the same
- * requests); when fewer than n of those entries may go, the walk goes on until n may.
+ * request does not use go (ties: the smaller key first); when fewer than n of those
+ * entries may go, the walk goes on until n may. On a GPU the choice is made there when
+ * a request's windows are long (the same rows as on the host).
  * tests/bench/bench_eviction measures how close this comes to exact LRU and LFU.
  * `headroom` (0 to 0.5, default 0) makes an eviction free that share of the capacity
  * more than its request needs, from every shard in proportion to its rows (each by the

@@ -62,6 +62,10 @@ static em_backend *cpu_backend(void)
  * backend's default, 2^22): small, so that a test's maps are kept in many segments. */
 static uint64_t map_segment_slots;
 
+/* The gpu_choice_entries of the backends gpu_backend makes (0: the backend's default):
+ * 1 has the GPU choose every eviction it may, UINT64_MAX the host. */
+static uint64_t gpu_choice_entries;
+
 /* devices 0: every visible GPU; else the first `devices` GPUs. */
 static em_backend *gpu_backend(uint32_t devices, uint64_t pool_bytes, bool host_staged)
 {
@@ -75,6 +79,7 @@ static em_backend *gpu_backend(uint32_t devices, uint64_t pool_bytes, bool host_
     options.host_staged_exchange = host_staged;
     if (map_segment_slots != 0)
         options.map_segment_slots = map_segment_slots;
+    options.gpu_choice_entries = gpu_choice_entries;
     em_backend *backend = NULL;
     em_error err;
     ck_assert_msg(em_backend_create_cuda(&options, &backend, &err) == EM_OK, "%s", err.message);
@@ -2642,41 +2647,138 @@ START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
 END_TEST
 #endif
 
+/* The rows the GPU chooses to evict are the ones the host chooses from the same window:
+ * the same stream of requests into two GPU tables, one whose evictions the GPU chooses
+ * (gpu_choice_entries 1), one whose evictions the host chooses (UINT64_MAX), evict the
+ * same keys request by request and keep the same rows. Requests of 512 keys, about half
+ * new and half stored (rows the eviction must keep), pushes and creating pulls in turn,
+ * into a full table of 4,096 rows with candidates 4, so that a shard's window is a part
+ * of its map, cut on the GPU where the walk has taken enough entries; lru ties (every
+ * row a request touches has the same last access) go by key on both. Loop index: the
+ * policy (lru, lfu, age), then the same on 4 shards, whose walks go through each
+ * launch together. */
+static int compare_keys(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
+{
+    enum { CAPACITY = 4096, DIM = 4, BATCH = 512, ROUNDS = 24 };
+    static const em_eviction_policy policies[3] = {EM_EVICTION_LRU, EM_EVICTION_LFU,
+                                                   EM_EVICTION_AGE};
+    em_backend *gpus[2];
+    gpu_choice_entries = 1;
+    gpus[0] = gpu_backend(1, GPU_POOL_BYTES, false);
+    gpu_choice_entries = UINT64_MAX;
+    gpus[1] = gpu_backend(1, GPU_POOL_BYTES, false);
+    gpu_choice_entries = 0;
+    em_table_config config = table_config(DIM, CAPACITY, _i < 3 ? 1 : 4, EM_OPTIMIZER_ADAGRAD,
+                                          EM_INIT_UNIFORM);
+    config.eviction.policy = policies[_i % 3];
+    config.eviction.candidates = 4;
+    config.eviction.ring = EM_EVICTION_RING_MAX;
+    em_table *tables[2] = {em_test_make_table(gpus[0], &config),
+                           em_test_make_table(gpus[1], &config)};
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
+    uint64_t keys[BATCH], next_key = 1, seen[2] = {0, 0};
+    float values[BATCH * DIM], gradients[BATCH * DIM];
+    uint64_t *evicted[2] = {malloc(CAPACITY * 2 * sizeof(uint64_t)),
+                            malloc(CAPACITY * 2 * sizeof(uint64_t))};
+    em_error err;
+    for (int round = 0; round < ROUNDS; round++) {
+        for (uint32_t i = 0; i < BATCH; i++) /* stored keys are those of the last rounds */
+            keys[i] = em_test_rng_below(&rng, 2) == 0 || next_key < CAPACITY
+                          ? next_key++
+                          : next_key - CAPACITY / 2 + em_test_rng_below(&rng, CAPACITY / 2);
+        for (uint32_t j = 0; j < BATCH * DIM; j++)
+            gradients[j] = 0.001f * (float)((round + j) % 7) - 0.003f;
+        em_test_batch b = em_test_key_batch(keys, BATCH);
+        uint64_t count[2];
+        for (int t = 0; t < 2; t++) {
+            em_status status =
+                round % 2 == 0
+                    ? em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err)
+                    : em_test_pull(tables[t], &b.csr, EM_COMBINER_NONE, true, values, NULL, &err);
+            ck_assert_msg(status == EM_OK, "%s, round %d: %s", t == 0 ? "gpu choice" : "host choice",
+                          round, err.message);
+            em_evicted_view view;
+            ck_assert_int_eq(em_table_evicted(tables[t], seen[t], CAPACITY * 2, evicted[t], &view,
+                                              &err), EM_OK);
+            ck_assert_uint_eq(view.missed, 0);
+            seen[t] = view.total;
+            count[t] = view.count;
+            qsort(evicted[t], count[t], sizeof(uint64_t), compare_keys);
+        }
+        em_test_batch_free(&b);
+        ck_assert_uint_eq(count[0], count[1]);
+        for (uint64_t i = 0; i < count[0]; i++)
+            ck_assert_msg(evicted[0][i] == evicted[1][i],
+                          "round %d: the gpu evicted key %" PRIu64 ", the host %" PRIu64, round,
+                          evicted[0][i], evicted[1][i]);
+    }
+    em_test_snapshot a = em_test_snapshot_take(tables[0], 1024);
+    em_test_snapshot b = em_test_snapshot_take(tables[1], 1024);
+    em_test_assert_snapshots_identical(&a, &b);
+    em_table_stats stats[2];
+    for (int t = 0; t < 2; t++)
+        em_table_get_stats(tables[t], &stats[t]);
+    ck_assert_uint_gt(stats[0].rows_evicted, CAPACITY / 2);
+    ck_assert_uint_eq(stats[0].rows_evicted, stats[1].rows_evicted);
+    ck_assert_uint_eq(stats[0].rows_evicted_chosen_on_gpu, stats[0].rows_evicted);
+    ck_assert_uint_eq(stats[1].rows_evicted_chosen_on_gpu, 0);
+    em_test_snapshot_free(&a);
+    em_test_snapshot_free(&b);
+    free(evicted[0]);
+    free(evicted[1]);
+    for (int t = 0; t < 2; t++) {
+        em_table_destroy(tables[t]);
+        em_backend_destroy(gpus[t]);
+    }
+}
+END_TEST
+
 /* Loop index: the capacity policy (lru, lfu, age, expiry, counter admission,
  * probability admission). The same stream of one-key pulls and pushes over a key space
  * of four times the capacity on both backends, every row compared at each eviction
  * (candidates above the shard's rows): the rows kept match bit for bit, and so do the
  * counters of what left or was refused. The GPU's maps are in segments of 1,024 slots
- * for lfu, expiry and probability admission (odd loop indexes). */
+ * for lfu, expiry and probability admission (odd loop indexes). Loop indexes 6 to 8:
+ * lru, lfu and age again with every eviction chosen on the GPU (gpu_choice_entries 1;
+ * below the default, a one-row eviction is chosen on the host). */
 START_TEST(capacity_policies_match_cpu)
 {
-    map_segment_slots = _i % 2 == 1 ? 1024 : 0;
+    const int which = _i % 6;
+    gpu_choice_entries = _i >= 6 ? 1 : 0;
+    map_segment_slots = which % 2 == 1 ? 1024 : 0;
     const uint64_t capacity = 120;
     const uint32_t dim = 8;
     em_backend *cpu = cpu_backend();
     em_backend *gpu = gpu_backend(1, 64 * MEBIBYTE, false);
     em_table_config config = table_config(dim, capacity, 2, 1, EM_INIT_UNIFORM);
     config.eviction.candidates = 1024;
-    config.eviction.headroom = _i == 0 ? 0.1 : 0.0; /* lru: evictions leave room behind */
-    if (_i < 3)
-        config.eviction.policy = _i == 0 ? EM_EVICTION_LRU
-                                 : _i == 1 ? EM_EVICTION_LFU
+    config.eviction.headroom = which == 0 ? 0.1 : 0.0; /* lru: evictions leave room behind */
+    if (which < 3)
+        config.eviction.policy = which == 0 ? EM_EVICTION_LRU
+                                 : which == 1 ? EM_EVICTION_LFU
                                            : EM_EVICTION_AGE;
-    if (_i >= 3)
+    if (which >= 3)
         config.capacity = 100000;
-    if (_i == 3)
+    if (which == 3)
         config.eviction.max_age_steps = 40;
-    if (_i == 4) {
+    if (which == 4) {
         config.admission.policy = EM_ADMISSION_COUNTER;
         config.admission.threshold = 3;
     }
-    if (_i == 5) {
+    if (which == 5) {
         config.admission.policy = EM_ADMISSION_PROBABILITY;
         config.admission.probability = 0.5;
     }
     em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
     em_test_rng rng;
-    em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
+    em_test_rng_init(&rng, em_test_seed() + (uint64_t)which);
     float values[8], gradient[8];
     em_error err;
     for (int step = 0; step < 700; step++) {
@@ -2694,7 +2796,7 @@ START_TEST(capacity_policies_match_cpu)
             ck_assert_msg(status == EM_OK, "%s backend, step %d: %s", t == 0 ? "cpu" : "cuda",
                           step, err.message);
             uint64_t expired = 0;
-            if (_i == 3 && step % 50 == 49)
+            if (which == 3 && step % 50 == 49)
                 for (int slice = 0; slice < 4; slice++)
                     ck_assert_int_eq(em_table_expire(tables[t], 64, &expired, &err), EM_OK);
         }
@@ -2711,13 +2813,15 @@ START_TEST(capacity_policies_match_cpu)
     ck_assert_uint_eq(stats[1].rows_expired, stats[0].rows_expired);
     ck_assert_uint_eq(stats[1].pulls_not_admitted, stats[0].pulls_not_admitted);
     ck_assert_uint_eq(stats[1].pushes_dropped, stats[0].pushes_dropped);
-    if (_i < 3)
+    if (which < 3)
         ck_assert_uint_gt(stats[1].rows_evicted, 100);
-    if (_i == 3)
+    /* the GPU chose every eviction where told to, none of these short ones by default */
+    ck_assert_uint_eq(stats[1].rows_evicted_chosen_on_gpu, _i >= 6 ? stats[1].rows_evicted : 0);
+    if (which == 3)
         ck_assert_uint_gt(stats[1].rows_expired, 50);
-    if (_i >= 4)
+    if (which >= 4)
         ck_assert_uint_gt(stats[1].pushes_dropped + stats[1].pulls_not_admitted, 50);
-    ck_assert_uint_ge(stats[1].access_bytes, _i < 4 ? stats[1].rows * 16 : 0);
+    ck_assert_uint_ge(stats[1].access_bytes, which < 4 ? stats[1].rows * 16 : 0);
     em_test_snapshot_free(&a);
     em_test_snapshot_free(&b);
     for (int t = 0; t < 2; t++)
@@ -2918,6 +3022,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, wide_rows_match_cpu_value_by_value, 0, 8);
     tcase_add_loop_test(tc, outputs_at_any_alignment, 0, 4);
     tcase_add_test(tc, a_table_beyond_2_31_floats);
+    tcase_add_loop_test(tc, evictions_chosen_on_the_gpu_are_the_hosts, 0, 6);
     tcase_add_loop_test(tc, requests_in_pinned_buffers_match_pageable_ones, 0, 3);
     tcase_add_test(tc, a_push_refused_in_one_shard_of_eight_says_what_the_cpu_says);
     tcase_add_loop_test(tc, non_finite_gradients_are_refused_like_the_cpu, 0, 16);
@@ -2933,7 +3038,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, two_devices_sharing_one_gpu_match_one_device, 0, 4);
     tcase_add_test(tc, bad_options_are_named);
     tcase_add_test(tc, nccl_first_and_a_fallback_that_says_why);
-    tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 6);
+    tcase_add_loop_test(tc, capacity_policies_match_cpu, 0, 9);
     tcase_add_test(tc, access_metadata_moves_between_gpu_and_cpu);
     tcase_add_loop_test(tc, pulls_at_once_match_cpu, 0, 24);
     tcase_add_loop_test(tc, large_pulls_match_cpu, 0, 2);

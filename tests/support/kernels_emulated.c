@@ -1122,6 +1122,78 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
+em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_choice *choices,
+                                      uint32_t walks, uint64_t most_kept)
+{
+    (void)stream;
+    (void)most_kept;
+    enter_device();
+    for (uint32_t w = 0; w < walks; w++)
+        for (uint64_t j = 0; j < choices[w].kept_count; j++)
+            em_gpu_choice_mark_kept_item(&choices[w], j);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
+                                  uint32_t walks, uint64_t most_held, uint32_t digit)
+{
+    (void)stream;
+    (void)most_held;
+    enter_device();
+    for (uint32_t w = 0; w < walks; w++) {
+        em_gpu_choice *c = &choices[w];
+        if (c->state != EM_GPU_CHOICE_OPEN)
+            continue;
+        uint64_t held = em_gpu_choice_held(c);
+        for (uint64_t i = 0; i < held; i++) {
+            uint32_t bin = em_gpu_choice_bin(c, i, digit);
+            if (bin < EM_GPU_CHOICE_BINS)
+                c->bins[bin]++;
+        }
+    }
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_choice_fix(em_gpu_stream *stream, em_gpu_choice *choices, uint32_t walks,
+                                uint32_t digit)
+{
+    (void)stream;
+    enter_device();
+    for (uint32_t w = 0; w < walks; w++)
+        em_gpu_choice_fix_item(&choices[w], digit);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_choice_flags(em_gpu_stream *stream, em_gpu_choice *choices,
+                                  uint32_t walks, uint64_t most_want, uint32_t *flags)
+{
+    (void)stream;
+    (void)most_want;
+    enter_device();
+    for (uint32_t w = 0; w < walks; w++)
+        for (uint64_t i = 0; i < choices[w].want; i++)
+            flags[choices[w].first_flag + i] = em_gpu_choice_flag(&choices[w], i);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_choice_write(em_gpu_stream *stream, em_gpu_choice *choices,
+                                  uint32_t walks, uint64_t most_want, const uint32_t *flags,
+                                  const uint32_t *rank)
+{
+    (void)stream;
+    (void)most_want;
+    enter_device();
+    for (uint32_t w = 0; w < walks; w++)
+        for (uint64_t i = 0; i < choices[w].want; i++)
+            em_gpu_choice_write_item(&choices[w], i, flags, rank);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,
                                       em_gpu_storage storage, uint64_t begin, uint64_t count,
                                       const uint32_t *flags, const uint32_t *rank, uint64_t want,
