@@ -222,11 +222,11 @@ static void insert_throughput(const options *opt)
     em_table_stats stats;
     em_table_get_stats(full[1], &stats);
     printf("median %65.3fx %8.3fx %8.3fx\n(full tables: %" PRIu64 " rows, %" PRIu64
-           " evicted; per row: index %.1f bytes, access metadata %.1f bytes, storage %.1f "
-           "bytes)\n\n",
+           " evicted, %" PRIu64 " of them chosen on the GPU; per row: index %.1f bytes, access "
+           "metadata %.1f bytes, storage %.1f bytes)\n\n",
            ratios[0][rounds / 2], ratios[1][rounds / 2], ratios[2][rounds / 2], stats.rows,
-           stats.rows_evicted, stats.index_bytes_per_row, stats.access_bytes_per_row,
-           (double)stats.row_bytes / (double)stats.rows);
+           stats.rows_evicted, stats.rows_evicted_chosen_on_gpu, stats.index_bytes_per_row,
+           stats.access_bytes_per_row, (double)stats.row_bytes / (double)stats.rows);
     for (int f = 0; f < 2; f++)
         em_table_destroy(full[f]);
     free(p.keys);
