@@ -20,8 +20,11 @@
  *
  *   bench_eviction [--rows N] [--batch B] [--rounds R] [--capacity C] [--accesses A]
  *                  [--candidates K] [--parts LIST] [--backend cpu|cuda]
+ *                  [--gpu-choice-entries N]
  *
  * --parts runs only the listed parts (digits 1 to 4, e.g. 12); all four by default.
+ * --gpu-choice-entries: the CUDA backend's gpu_choice_entries (evictions whose windows
+ * hold this many entries are chosen on the GPU; 0: the default, "host": never).
  */
 #include <inttypes.h>
 #include <math.h>
@@ -45,6 +48,7 @@ typedef struct options {
     int rounds;         /* part 1 */
     unsigned parts;     /* bit p-1: run part p */
     const char *backend; /* "cpu" or "cuda" */
+    uint64_t gpu_choice_entries; /* cuda: the backend option (0: its default) */
 } options;
 
 static const options *bench_options;
@@ -80,6 +84,7 @@ static em_backend *bench_backend_evicting_on(uint32_t eviction_threads)
         em_cuda_backend_options_init(&cuda);
         cuda.device_count = 1;
         cuda.devices[0] = 0;
+        cuda.gpu_choice_entries = bench_options->gpu_choice_entries;
         status = em_backend_create_cuda(&cuda, &backend, &err);
 #else
         status = em_error_set(&err, EM_UNAVAILABLE, "this build has no CUDA backend");
@@ -689,7 +694,7 @@ int main(int argc, char **argv)
         if (i + 1 >= argc) {
             fprintf(stderr, "usage: bench_eviction [--rows N] [--batch B] [--rounds R] "
                             "[--capacity C] [--accesses A] [--candidates K] [--parts LIST] "
-                            "[--backend cpu|cuda]\n");
+                            "[--backend cpu|cuda] [--gpu-choice-entries N|host]\n");
             return 2;
         }
         if (strcmp(argv[i], "--rows") == 0)
@@ -707,7 +712,12 @@ int main(int argc, char **argv)
             opt.candidates = (uint32_t)parse_count(argv[++i], "--candidates");
         else if (strcmp(argv[i], "--parts") == 0)
             opt.parts = parse_parts(argv[++i]);
-        else if (strcmp(argv[i], "--backend") == 0) {
+        else if (strcmp(argv[i], "--gpu-choice-entries") == 0) {
+            i++;
+            opt.gpu_choice_entries = strcmp(argv[i], "host") == 0
+                                         ? UINT64_MAX
+                                         : parse_count(argv[i], "--gpu-choice-entries");
+        } else if (strcmp(argv[i], "--backend") == 0) {
             opt.backend = argv[++i];
             if (strcmp(opt.backend, "cpu") != 0 && strcmp(opt.backend, "cuda") != 0) {
                 fprintf(stderr, "bench_eviction: --backend %s: expected cpu or cuda\n",
@@ -724,6 +734,10 @@ int main(int argc, char **argv)
            " --accesses %" PRIu64 " --candidates %u --backend %s",
            opt.rows, opt.batch, opt.rounds, opt.capacity, opt.accesses, opt.candidates,
            opt.backend);
+    if (opt.gpu_choice_entries == UINT64_MAX)
+        printf(" --gpu-choice-entries host");
+    else if (opt.gpu_choice_entries != 0)
+        printf(" --gpu-choice-entries %" PRIu64, opt.gpu_choice_entries);
     if (opt.parts != 0xfu) {
         printf(" --parts ");
         for (unsigned p = 0; p < 4; p++)
