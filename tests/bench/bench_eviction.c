@@ -162,6 +162,32 @@ static double push_new_keys(em_table *table, pusher *p, uint64_t first, uint64_t
     return em_test_now() - start;
 }
 
+/* The host's waits for the device (em_device waits, wait_ns) over some pushes. */
+typedef struct device_waits {
+    uint64_t pushes, waits, wait_ns;
+    double seconds;
+} device_waits;
+
+/* push_new_keys, its waits for the backend's first device added to *w. */
+static double push_new_keys_counted(em_table *table, em_backend *backend, pusher *p,
+                                    uint64_t first, uint64_t n, device_waits *w)
+{
+    em_device *device = backend->devices[0];
+    uint64_t waits = atomic_load(&device->waits), wait_ns = atomic_load(&device->wait_ns);
+    double seconds = push_new_keys(table, p, first, n);
+    w->pushes += (n + p->batch - 1) / p->batch;
+    w->waits += atomic_load(&device->waits) - waits;
+    w->wait_ns += atomic_load(&device->wait_ns) - wait_ns;
+    w->seconds += seconds;
+    return seconds;
+}
+
+static void print_waits(const char *what, const device_waits *w)
+{
+    printf("  %s: %.1f waits a push, the host waiting %.0f%% of the pushes' time\n", what,
+           (double)w->waits / (double)w->pushes, 100.0 * (double)w->wait_ns / 1e9 / w->seconds);
+}
+
 static void sort_doubles(double *values, int n)
 {
     for (int i = 1; i < n; i++)
@@ -199,6 +225,7 @@ static void insert_throughput(const options *opt)
         push_new_keys(full[f], &p, 0, opt->rows);
     uint64_t next_half = opt->rows / 2, next_full = opt->rows;
     double ratios[3][64]; /* full 1 thread / 0.5, full / 0.5, full / 0.5+lru */
+    device_waits waits[2] = {{0}}; /* 0.5, full (the last column's tables) */
     int rounds = opt->rounds;
     for (int r = 0; r < rounds; r++) {
         /* the load-0.5 tables stay between 0.5 and 0.75: fresh ones each round */
@@ -208,11 +235,12 @@ static void insert_throughput(const options *opt)
                                         lru ? EM_EVICTION_LRU : EM_EVICTION_NONE,
                                         opt->candidates);
             push_new_keys(half, &p, 1u << 30, opt->rows / 2);
-            t_half[lru] = push_new_keys(half, &p, next_half, measured);
+            t_half[lru] = push_new_keys_counted(half, backend, &p, next_half, measured,
+                                                &waits[0]);
             em_table_destroy(half);
         }
-        for (int f = 0; f < 2; f++)
-            t_full[f] = push_new_keys(full[f], &p, next_full, measured);
+        t_full[0] = push_new_keys(full[0], &p, next_full, measured);
+        t_full[1] = push_new_keys_counted(full[1], backend, &p, next_full, measured, &waits[1]);
         next_half += measured;
         next_full += measured;
         ratios[0][r] = t_half[0] / t_full[0];
@@ -232,6 +260,12 @@ static void insert_throughput(const options *opt)
            ratios[0][rounds / 2], ratios[1][rounds / 2], ratios[2][rounds / 2], stats.rows,
            stats.rows_evicted, stats.rows_evicted_chosen_on_gpu, stats.index_bytes_per_row,
            stats.access_bytes_per_row, (double)stats.row_bytes / (double)stats.rows);
+    if (on_gpu()) {
+        printf("host waits for the GPU (STATS device_waits, device_wait_ms):\n");
+        print_waits("tables at load 0.5", &waits[0]);
+        print_waits("full table", &waits[1]);
+        printf("\n");
+    }
     for (int f = 0; f < 2; f++)
         em_table_destroy(full[f]);
     free(p.keys);
