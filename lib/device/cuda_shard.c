@@ -1768,14 +1768,19 @@ static em_status enqueue_walk(cuda_shard *shard, cuda_lane *lane, uint64_t first
 }
 
 /* Slots the read ahead walks at first: enough to hold `want` entries at the map's load
- * and a quarter more (the map's keys are spread by their hash), or all. */
-static uint64_t window_span(const cuda_shard *shard, uint64_t want, uint64_t side)
+ * and more (the map's keys are spread by their hash), or all. Each eviction empties
+ * 1 / candidates of the entries of its window, so a window that falls where others
+ * were holds fewer: a quarter more covers that from 8 candidates a row on, twice the
+ * slots from 2 on, four times below (1 candidate: the last window there left none). A
+ * span that holds fewer than want sends the rest of the walk to the host, with waits. */
+static uint64_t window_span(const cuda_shard *shard, uint64_t want, uint64_t side,
+                            uint32_t candidates)
 {
     uint64_t in_slots = shard->size > side ? shard->size - side : 0;
     if (in_slots <= want)
         return shard->slot_count;
     uint64_t span = want * shard->slot_count / in_slots;
-    span += span / 4 + MIN_EXPORT_WINDOW;
+    span += (candidates >= 8 ? span / 4 : candidates >= 2 ? span : 3 * span) + MIN_EXPORT_WINDOW;
     return span < shard->slot_count ? span : shard->slot_count;
 }
 
@@ -1867,7 +1872,7 @@ static void plan_window(cuda_evict_walk *w, uint64_t offset)
     w->side = side_entries(shard, w->side_keys, w->side_rows);
     /* the walk from position start: slots [first, first + before), then [0, after) */
     w->first = w->start >= 2 ? w->start - 2 : 0;
-    w->span = window_span(shard, w->ahead, w->side);
+    w->span = window_span(shard, w->ahead, w->side, w->spec.candidates);
     w->before = w->span < slot_count - w->first ? w->span : slot_count - w->first;
     w->after = w->span - w->before;
     w->offset = offset;

@@ -2660,7 +2660,11 @@ END_TEST
  * GPU where the walk has taken enough entries. A GPU's concurrent inserts place keys in
  * an order of their own within a bucket (and beyond, where a bucket is full), so two
  * tables there hold the same keys at different slots and cut windows differ; the
- * emulation inserts in one order. */
+ * emulation inserts in one order. Loop indexes 9 to 11: candidates 1, one shard of
+ * 32,768 rows and requests of 4,096 new keys: each eviction empties its window, so a
+ * later window that falls there holds few entries, and the walk reads ahead far enough
+ * that the GPU still chooses every time (with the request's own rows in a window that
+ * short, the rule walks on past it, and the host does). */
 static int compare_keys(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -2669,10 +2673,12 @@ static int compare_keys(const void *a, const void *b)
 
 START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
 {
-    enum { CAPACITY = 4096, DIM = 4, BATCH = 512, ROUNDS = 24 };
+    enum { DIM = 4, ROUNDS = 24, MOST = 4096 };
     static const em_eviction_policy policies[3] = {EM_EVICTION_LRU, EM_EVICTION_LFU,
                                                    EM_EVICTION_AGE};
-    const bool cut = _i >= 6;
+    const bool cut = _i >= 6, fresh = _i >= 9;
+    const uint64_t capacity = fresh ? 32768 : 4096;
+    const uint32_t batch = fresh ? MOST : 512;
 #ifndef EM_CUDA_EMULATED
     if (cut)
         return;
@@ -2683,28 +2689,28 @@ START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
     gpu_choice_entries = UINT64_MAX;
     gpus[1] = gpu_backend(1, GPU_POOL_BYTES, false);
     gpu_choice_entries = 0;
-    em_table_config config = table_config(DIM, CAPACITY, _i % 6 < 3 ? 1 : 4,
+    em_table_config config = table_config(DIM, capacity, _i % 6 < 3 || fresh ? 1 : 4,
                                           EM_OPTIMIZER_ADAGRAD, EM_INIT_UNIFORM);
     config.eviction.policy = policies[_i % 3];
-    config.eviction.candidates = cut ? 4 : 1024;
+    config.eviction.candidates = !cut ? 1024 : _i < 9 ? 4 : 1;
     config.eviction.ring = EM_EVICTION_RING_MAX;
     em_table *tables[2] = {em_test_make_table(gpus[0], &config),
                            em_test_make_table(gpus[1], &config)};
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
-    uint64_t keys[BATCH], next_key = 1, seen[2] = {0, 0};
-    float values[BATCH * DIM], gradients[BATCH * DIM];
-    uint64_t *evicted[2] = {malloc(CAPACITY * 2 * sizeof(uint64_t)),
-                            malloc(CAPACITY * 2 * sizeof(uint64_t))};
+    uint64_t keys[MOST], next_key = 1, seen[2] = {0, 0};
+    float values[MOST * DIM], gradients[MOST * DIM];
+    uint64_t *evicted[2] = {malloc(capacity * 2 * sizeof(uint64_t)),
+                            malloc(capacity * 2 * sizeof(uint64_t))};
     em_error err;
     for (int round = 0; round < ROUNDS; round++) {
-        for (uint32_t i = 0; i < BATCH; i++) /* stored keys are those of the last rounds */
-            keys[i] = em_test_rng_below(&rng, 2) == 0 || next_key < CAPACITY
+        for (uint32_t i = 0; i < batch; i++) /* stored keys are those of the last rounds */
+            keys[i] = em_test_rng_below(&rng, 2) == 0 || next_key < capacity || fresh
                           ? next_key++
-                          : next_key - CAPACITY / 2 + em_test_rng_below(&rng, CAPACITY / 2);
-        for (uint32_t j = 0; j < BATCH * DIM; j++)
+                          : next_key - capacity / 2 + em_test_rng_below(&rng, capacity / 2);
+        for (uint32_t j = 0; j < batch * DIM; j++)
             gradients[j] = 0.001f * (float)((round + j) % 7) - 0.003f;
-        em_test_batch b = em_test_key_batch(keys, BATCH);
+        em_test_batch b = em_test_key_batch(keys, batch);
         uint64_t count[2];
         for (int t = 0; t < 2; t++) {
             em_status status =
@@ -2714,7 +2720,7 @@ START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
             ck_assert_msg(status == EM_OK, "%s, round %d: %s", t == 0 ? "gpu choice" : "host choice",
                           round, err.message);
             em_evicted_view view;
-            ck_assert_int_eq(em_table_evicted(tables[t], seen[t], CAPACITY * 2, evicted[t], &view,
+            ck_assert_int_eq(em_table_evicted(tables[t], seen[t], capacity * 2, evicted[t], &view,
                                               &err), EM_OK);
             ck_assert_uint_eq(view.missed, 0);
             seen[t] = view.total;
@@ -2734,7 +2740,7 @@ START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
     em_table_stats stats[2];
     for (int t = 0; t < 2; t++)
         em_table_get_stats(tables[t], &stats[t]);
-    ck_assert_uint_gt(stats[0].rows_evicted, CAPACITY / 2);
+    ck_assert_uint_gt(stats[0].rows_evicted, capacity / 2);
     ck_assert_uint_eq(stats[0].rows_evicted, stats[1].rows_evicted);
     ck_assert_uint_eq(stats[0].rows_evicted_chosen_on_gpu, stats[0].rows_evicted);
     ck_assert_uint_eq(stats[1].rows_evicted_chosen_on_gpu, 0);
