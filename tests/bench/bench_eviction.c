@@ -20,11 +20,12 @@
  *
  *   bench_eviction [--rows N] [--batch B] [--rounds R] [--capacity C] [--accesses A]
  *                  [--candidates K] [--parts LIST] [--backend cpu|cuda]
- *                  [--gpu-choice-entries N]
+ *                  [--gpu-choice-entries N] [--shards N]
  *
  * --parts runs only the listed parts (digits 1 to 4, e.g. 12); all four by default.
  * --gpu-choice-entries: the CUDA backend's gpu_choice_entries (evictions whose windows
  * hold this many entries are chosen on the GPU; 0: the default, "host": never).
+ * --shards: of every table (8 by default).
  */
 #include <inttypes.h>
 #include <math.h>
@@ -49,6 +50,7 @@ typedef struct options {
     unsigned parts;     /* bit p-1: run part p */
     const char *backend; /* "cpu" or "cuda" */
     uint64_t gpu_choice_entries; /* cuda: the backend option (0: its default) */
+    uint32_t shards;             /* of every table */
 } options;
 
 static const options *bench_options;
@@ -105,7 +107,7 @@ static em_table *make_table(em_backend *backend, uint32_t dim, uint64_t capacity
 {
     em_table_config config;
     em_table_config_init(&config, "bench", dim, capacity);
-    config.shards = 8;
+    config.shards = bench_options->shards;
     config.optimizer.kind = EM_OPTIMIZER_SGD;
     config.optimizer.learning_rate = 0.01;
     config.eviction.policy = policy;
@@ -207,9 +209,9 @@ static void insert_throughput(const options *opt)
     em_backend *serial = on_gpu() ? backend : bench_backend_evicting_on(1);
     pusher p = pusher_make(opt->batch, dim);
     uint64_t measured = opt->rows / 4;
-    printf("1. insert throughput: pushes of %u new keys (sgd, dim %u, 8 shards), %" PRIu64
+    printf("1. insert throughput: pushes of %u new keys (sgd, dim %u, %u shards), %" PRIu64
            " keys timed per round; ",
-           opt->batch, dim, measured);
+           opt->batch, dim, opt->shards, measured);
     if (on_gpu())
         printf("on %s, both full tables evict a shard after another (1t: the first one)\n\n",
                backend->devices[0]->name);
@@ -535,7 +537,7 @@ static double push_stream_threads(em_backend *backend, em_admission_policy polic
 {
     em_table_config config;
     em_table_config_init(&config, "bench", 64, capacity);
-    config.shards = 8;
+    config.shards = bench_options->shards;
     config.optimizer.kind = EM_OPTIMIZER_ADAGRAD;
     config.optimizer.learning_rate = 0.01;
     config.admission.policy = policy;
@@ -721,14 +723,15 @@ static unsigned parse_parts(const char *text)
 int main(int argc, char **argv)
 {
     options opt = {.rows = 1u << 19, .batch = 65536, .capacity = 10000, .accesses = 500000,
-                   .candidates = 16, .rounds = 5, .parts = 0xf, .backend = "cpu"};
+                   .candidates = 16, .rounds = 5, .parts = 0xf, .backend = "cpu",
+                   .shards = 8};
     bench_options = &opt;
     setvbuf(stdout, NULL, _IOLBF, 0); /* each line out at once: a run cut short keeps them */
     for (int i = 1; i < argc; i++) {
         if (i + 1 >= argc) {
             fprintf(stderr, "usage: bench_eviction [--rows N] [--batch B] [--rounds R] "
                             "[--capacity C] [--accesses A] [--candidates K] [--parts LIST] "
-                            "[--backend cpu|cuda] [--gpu-choice-entries N|host]\n");
+                            "[--backend cpu|cuda] [--gpu-choice-entries N|host] [--shards N]\n");
             return 2;
         }
         if (strcmp(argv[i], "--rows") == 0)
@@ -746,6 +749,8 @@ int main(int argc, char **argv)
             opt.candidates = (uint32_t)parse_count(argv[++i], "--candidates");
         else if (strcmp(argv[i], "--parts") == 0)
             opt.parts = parse_parts(argv[++i]);
+        else if (strcmp(argv[i], "--shards") == 0)
+            opt.shards = (uint32_t)parse_count(argv[++i], "--shards");
         else if (strcmp(argv[i], "--gpu-choice-entries") == 0) {
             i++;
             opt.gpu_choice_entries = strcmp(argv[i], "host") == 0
@@ -768,6 +773,8 @@ int main(int argc, char **argv)
            " --accesses %" PRIu64 " --candidates %u --backend %s",
            opt.rows, opt.batch, opt.rounds, opt.capacity, opt.accesses, opt.candidates,
            opt.backend);
+    if (opt.shards != 8)
+        printf(" --shards %u", opt.shards);
     if (opt.gpu_choice_entries == UINT64_MAX)
         printf(" --gpu-choice-entries host");
     else if (opt.gpu_choice_entries != 0)
