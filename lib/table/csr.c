@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/row_check.h"
+#include "lib/base/parallel.h"
 
 static const char *const combiner_names[] = {"none", "sum", "mean", "sqrtn"};
 #define COMBINER_COUNT EM_COMBINER_COUNT
@@ -108,13 +109,49 @@ static em_status per_row_gradient_error(const em_csr *csr, uint32_t row, uint32_
                         non_finite_name(value));
 }
 
+/* The largest sizes of the parts of values, a part a thread. */
+typedef struct largest_parts {
+    const float *values;
+    uint64_t count, part;
+    float found[EM_CSR_CHECK_THREADS_MAX];
+} largest_parts;
+
+static void largest_of_part(void *context, uint64_t i)
+{
+    largest_parts *p = context;
+    uint64_t begin = i * p->part;
+    uint64_t count = p->count - begin < p->part ? p->count - begin : p->part;
+    p->found[i] = em_row_largest_size(p->values + begin, count);
+}
+
+/* em_row_largest_size of values[0..count), on up to threads threads. */
+static float largest_size(const float *values, uint64_t count, uint32_t threads)
+{
+    uint64_t parts = count / EM_CSR_CHECK_FLOATS_PER_THREAD;
+    threads = threads < EM_CSR_CHECK_THREADS_MAX ? threads : EM_CSR_CHECK_THREADS_MAX;
+    parts = parts < threads ? parts : threads;
+    if (parts < 2)
+        return em_row_largest_size(values, count);
+    largest_parts p = {.values = values, .count = count, .part = (count + parts - 1) / parts};
+    em_parallel_run(parts, (uint32_t)parts, largest_of_part, &p);
+    /* sizes order as their bit patterns do (NaN above infinity): the largest of the parts' */
+    return em_row_largest_size(p.found, parts);
+}
+
 em_status em_csr_check_gradients(const em_csr *csr, em_combiner combiner, uint32_t dim,
                                  const float *gradients, float *largest, em_error *err)
+{
+    return em_csr_check_gradients_on(csr, combiner, dim, gradients, 1, largest, err);
+}
+
+em_status em_csr_check_gradients_on(const em_csr *csr, em_combiner combiner, uint32_t dim,
+                                    const float *gradients, uint32_t threads, float *largest,
+                                    em_error *err)
 {
     uint64_t vectors = em_csr_output_vectors(csr, combiner);
     /* one branch-free pass settles the usual case; only a non-finite element is looked
      * for vector by vector, to be named */
-    float found = em_row_largest_size(gradients, vectors * dim);
+    float found = largest_size(gradients, vectors * dim, threads);
     if (largest != NULL)
         *largest = found;
     if (found <= FLT_MAX)

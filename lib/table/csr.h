@@ -48,4 +48,16 @@ uint64_t em_csr_output_vectors(const em_csr *csr, em_combiner combiner);
 em_status em_csr_check_gradients(const em_csr *csr, em_combiner combiner, uint32_t dim,
                                  const float *gradients, float *largest, em_error *err);
 
+/* Floats of gradients a thread of em_csr_check_gradients_on takes at least: its pass
+ * over them takes far longer than starting the thread. */
+#define EM_CSR_CHECK_FLOATS_PER_THREAD ((uint64_t)1 << 20)
+#define EM_CSR_CHECK_THREADS_MAX 16u
+
+/* em_csr_check_gradients with the pass over the gradients split over up to threads
+ * threads (at most EM_CSR_CHECK_THREADS_MAX, each with EM_CSR_CHECK_FLOATS_PER_THREAD
+ * floats or more): the same answer, the same error. */
+em_status em_csr_check_gradients_on(const em_csr *csr, em_combiner combiner, uint32_t dim,
+                                    const float *gradients, uint32_t threads, float *largest,
+                                    em_error *err);
+
 #endif

@@ -14,6 +14,7 @@
 
 #include "common/keyhash.h"
 #include "common/row_check.h"
+#include "lib/base/parallel.h"
 #include "lib/table/table_internal.h"
 
 /* ---- validation -------------------------------------------------------------------- */
@@ -700,9 +701,14 @@ typedef struct push_call {
 static em_status check_gradients(const em_table *table, push_call *call, em_error *err)
 {
     const em_push_request *request = call->request;
-    em_status status = em_csr_check_gradients(&request->batch, request->combiner,
-                                              table->config.dim, request->gradients,
-                                              &call->largest, err);
+    /* a large push's pass over its gradients goes on several threads (16 MiB of them, a
+     * push of 65,536 keys at dim 64, take about 1.5 ms on one) */
+    uint32_t threads = 1;
+    if (request->gradient_count >= 2 * EM_CSR_CHECK_FLOATS_PER_THREAD)
+        threads = em_parallel_cpus();
+    em_status status = em_csr_check_gradients_on(&request->batch, request->combiner,
+                                                 table->config.dim, request->gradients,
+                                                 threads, &call->largest, err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s': ", table->config.name);
     call->checked = true;

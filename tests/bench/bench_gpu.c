@@ -48,6 +48,7 @@
 #include <string.h>
 
 #include "kernels/ember_kernels.h"
+#include "lib/base/parallel.h"
 #include "lib/device/backend.h"
 #include "lib/memory/pool.h"
 #include "lib/table/csr.h"
@@ -754,19 +755,26 @@ static void bench_requests(const options *o)
     }
     /* what the host's check of a push's gradients costs (em_table_push leaves it to the
      * GPU when the push goes at once, unless it goes the general way) */
-    printf("the host's check of a push's gradients (em_csr_check_gradients), pageable:");
+    uint32_t cpus = em_parallel_cpus();
+    printf("the host's check of a push's gradients (em_csr_check_gradients_on), pageable, on 1 "
+           "thread and on up to %u (the CPUs, as em_table_push does from %" PRIu64 " floats):",
+           cpus, 2 * EM_CSR_CHECK_FLOATS_PER_THREAD);
     for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
         request_buffers b = request_buffers_make(NULL, sizes[s]);
         em_csr batch = {.rows = sizes[s], .nnz = sizes[s], .offsets = b.offsets, .keys = b.keys};
-        double began = em_test_now(), now = began;
-        uint32_t runs = 0;
-        for (; runs == 0 || now - began < 0.2; runs++) {
-            check_em(em_csr_check_gradients(&batch, EM_COMBINER_NONE, REQUEST_DIM, b.vectors,
-                                            NULL, &err),
-                     &err, "check");
-            now = em_test_now();
+        double ms[2];
+        for (int threaded = 0; threaded < 2; threaded++) {
+            double began = em_test_now(), now = began;
+            uint32_t runs = 0;
+            for (; runs == 0 || now - began < 0.2; runs++) {
+                check_em(em_csr_check_gradients_on(&batch, EM_COMBINER_NONE, REQUEST_DIM,
+                                                   b.vectors, threaded ? cpus : 1, NULL, &err),
+                         &err, "check");
+                now = em_test_now();
+            }
+            ms[threaded] = (now - began) / runs * 1e3;
         }
-        printf(" %u keys %.3f ms%s", sizes[s], (now - began) / runs * 1e3,
+        printf(" %u keys %.3f / %.3f ms%s", sizes[s], ms[0], ms[1],
                s + 1 < sizeof(sizes) / sizeof(sizes[0]) ? "," : "\n");
         request_buffers_free(&b);
     }

@@ -1,4 +1,5 @@
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "lib/table/csr.h"
@@ -101,6 +102,52 @@ START_TEST(non_finite_gradients_are_located)
 }
 END_TEST
 
+/* The check split over threads finds what one thread finds: the largest size, and the
+ * first non-finite element of the whole, whichever part holds it and whatever lies in
+ * the parts after (a push of 65,536 keys at dim 64: 4 Mi floats, parts of 1 Mi). */
+START_TEST(a_check_on_threads_answers_as_one_thread)
+{
+    enum { KEYS = 65536, DIM = 64 };
+    uint32_t *offsets = malloc((KEYS + 1) * sizeof(uint32_t));
+    uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
+    float *gradients = malloc((size_t)KEYS * DIM * sizeof(float));
+    for (uint32_t i = 0; i <= KEYS; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < KEYS; i++)
+        keys[i] = 1000 + i;
+    for (size_t i = 0; i < (size_t)KEYS * DIM; i++)
+        gradients[i] = (float)(i % 1000) * 1e-3f - 0.5f;
+    em_csr csr = {.rows = KEYS, .nnz = KEYS, .offsets = offsets, .keys = keys};
+    gradients[(size_t)KEYS * DIM - 7] = -9e20f; /* the largest, in the last part */
+    const uint32_t threads[] = {1, 2, 3, 4, 16, 64};
+    em_error err, one_err;
+    for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
+        float largest = 0.0f;
+        ck_assert_int_eq(em_csr_check_gradients_on(&csr, EM_COMBINER_NONE, DIM, gradients,
+                                                   threads[t], &largest, &err),
+                         EM_OK);
+        ck_assert_float_eq(largest, 9e20f);
+    }
+    /* an infinity in the third part, a NaN (larger by bits) in the last */
+    gradients[(size_t)40000 * DIM + 5] = INFINITY;
+    gradients[(size_t)KEYS * DIM - 3] = NAN;
+    ck_assert_int_eq(em_csr_check_gradients(&csr, EM_COMBINER_NONE, DIM, gradients, NULL,
+                                            &one_err),
+                     EM_INVALID_ARGUMENT);
+    ck_assert_str_eq(one_err.message,
+                     "gradient of key 41000 (keys[40000], row 40000) element 5 is +inf");
+    for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
+        ck_assert_int_eq(em_csr_check_gradients_on(&csr, EM_COMBINER_NONE, DIM, gradients,
+                                                   threads[t], NULL, &err),
+                         EM_INVALID_ARGUMENT);
+        ck_assert_str_eq(err.message, one_err.message);
+    }
+    free(offsets);
+    free(keys);
+    free(gradients);
+}
+END_TEST
+
 int main(void)
 {
     Suite *suite = suite_create("csr");
@@ -110,6 +157,7 @@ int main(void)
     tcase_add_test(tc, combiner_names_and_divisors);
     tcase_add_test(tc, output_vectors_by_combiner);
     tcase_add_test(tc, non_finite_gradients_are_located);
+    tcase_add_test(tc, a_check_on_threads_answers_as_one_thread);
     suite_add_tcase(suite, tc);
     return em_test_run(suite);
 }
