@@ -106,63 +106,38 @@ static void swap_candidates(em_evict_candidate *a, em_evict_candidate *b)
     *b = t;
 }
 
-/* Reorders c[0..n) (distinct keys) so that its k smallest keys come first: quickselect
- * with a median-of-three pivot. */
-static void keep_first_keys(em_evict_candidate *c, uint64_t n, uint64_t k)
+/* What keep_first orders by: the rank, or (among equal ranks) the key. */
+static unsigned __int128 order_of(const em_evict_candidate *c, bool by_key)
 {
-    uint64_t low = 0, high = n; /* the k-th lies in [low, high) */
-    while (k > low && k < high && high - low > 1) {
-        uint64_t middle = low + (high - low) / 2, last = high - 1;
-        if (c[middle].key < c[low].key)
-            swap_candidates(&c[middle], &c[low]);
-        if (c[last].key < c[low].key)
-            swap_candidates(&c[last], &c[low]);
-        if (c[last].key < c[middle].key)
-            swap_candidates(&c[last], &c[middle]);
-        uint64_t pivot = c[middle].key;
-        /* [low, before) go first, [after, high) go after, the pivot between */
-        uint64_t before = low, i = low, after = high;
-        while (i < after) {
-            if (c[i].key < pivot)
-                swap_candidates(&c[i++], &c[before++]);
-            else if (c[i].key > pivot)
-                swap_candidates(&c[i], &c[--after]);
-            else
-                i++;
-        }
-        if (k <= before)
-            high = before;
-        else if (k >= after)
-            low = after;
-        else
-            return;
-    }
+    return by_key ? c->key : c->rank;
 }
 
 /* Reorders c[0..n) so that its k first by the policy come first (goes_first): a
- * quickselect by rank with a median-of-three pivot and a three-way partition, since many
- * rows share a rank (every row of one request has the same last access); where the
- * k-th lies among rows of one rank, the smaller keys of those make up the k. Ordering
- * every tie by key would cost about as much again; only the one run of equal ranks that
- * the k-th falls in needs it. */
-static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k)
+ * quickselect by rank (by_key false) with a median-of-three pivot and a three-way
+ * partition, since many rows share a rank (every row of one request has the same last
+ * access); where the k-th lies among rows of one rank, the same by key over those
+ * (by_key true; keys are distinct) picks the smaller keys of them. Ordering every tie
+ * by key would cost about as much again; only the one run of equal ranks that the k-th
+ * falls in needs it. */
+static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k, bool by_key)
 {
     uint64_t low = 0, high = n; /* the k-th lies in [low, high) */
     while (k > low && k < high && high - low > 1) {
         uint64_t middle = low + (high - low) / 2, last = high - 1;
-        if (c[middle].rank < c[low].rank)
+        if (order_of(&c[middle], by_key) < order_of(&c[low], by_key))
             swap_candidates(&c[middle], &c[low]);
-        if (c[last].rank < c[low].rank)
+        if (order_of(&c[last], by_key) < order_of(&c[low], by_key))
             swap_candidates(&c[last], &c[low]);
-        if (c[last].rank < c[middle].rank)
+        if (order_of(&c[last], by_key) < order_of(&c[middle], by_key))
             swap_candidates(&c[last], &c[middle]);
-        unsigned __int128 pivot = c[middle].rank;
+        unsigned __int128 pivot = order_of(&c[middle], by_key);
         /* [low, before) go first, [before, i) equal the pivot, [after, high) go after */
         uint64_t before = low, i = low, after = high;
         while (i < after) {
-            if (c[i].rank < pivot)
+            unsigned __int128 order = order_of(&c[i], by_key);
+            if (order < pivot)
                 swap_candidates(&c[i++], &c[before++]);
-            else if (c[i].rank > pivot)
+            else if (order > pivot)
                 swap_candidates(&c[i], &c[--after]);
             else
                 i++;
@@ -171,8 +146,9 @@ static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k)
             high = before;
         } else if (k >= after) {
             low = after;
-        } else { /* the k-th is among the equal ones: the smaller keys of them */
-            keep_first_keys(c + before, after - before, k - before);
+        } else { /* the k-th is among the equal ones: by key, the smaller of them */
+            if (!by_key)
+                keep_first(c + before, after - before, k - before, true);
             return;
         }
     }
@@ -226,7 +202,7 @@ static void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, co
 {
     c->seen += n;
     if (c->have + n > c->room) { /* keep the best count so far, make room for the block */
-        keep_first(c->pool, c->have, c->spec.count);
+        keep_first(c->pool, c->have, c->spec.count, false);
         c->have = c->spec.count;
         c->bar = c->pool[0];
         for (uint64_t i = 1; i < c->have; i++)
@@ -251,7 +227,7 @@ static em_status em_evict_chooser_finish(em_evict_chooser *c, uint64_t *keys, ui
                             "eviction found only %" PRIu64 " of %" PRIu64
                             " rows outside the request",
                             c->have, c->spec.count);
-    keep_first(c->pool, c->have, c->spec.count);
+    keep_first(c->pool, c->have, c->spec.count, false);
     for (uint64_t v = 0; v < c->spec.count; v++) {
         keys[v] = c->pool[v].key;
         rows[v] = c->pool[v].row;
