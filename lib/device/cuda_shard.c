@@ -1657,7 +1657,7 @@ typedef struct cuda_evict_walk {
      * first + before) then [0, after), and the walk's part of the shared region */
     uint64_t side, side_keys[2], side_rows[2];
     uint64_t first, span, before, after, offset, bytes;
-    /* what it chooses for; whether the GPU chooses (gpu_chooses), and where its choice
+    /* what it chooses for; whether the GPU chooses (plan_choices), and where its choice
      * lies among the lane's (choice_index, answer_offset: its chosen keys then rows) */
     em_evict_spec spec;
     bool on_gpu;
@@ -2149,7 +2149,7 @@ static bool take_choice(const cuda_evict_walk *w, const uint8_t *answers, uint64
 }
 
 /* Plans walks[0..count) (one lane, count > 0), takes their shared buffers into s and
- * enqueues their reads, the choices the GPU makes (gpu_chooses), and the copy back into
+ * enqueues their reads, the choices the GPU makes (plan_choices), and the copy back into
  * the lane's pinned readback memory (*host, filled once the lane synchronizes) of the
  * region of the walks the host chooses for (at *host) and of the GPU's answers (at
  * *host + *answers_at). *read false: the pool (or the readback memory,
