@@ -1992,6 +1992,10 @@ typedef struct choice_buffers {
     uint32_t first_digit;
 } choice_buffers;
 
+/* em_gpu_choice.policy takes the policies' numbers (the kernels see no eviction.h) */
+_Static_assert(EM_EVICTION_LRU == 1 && EM_EVICTION_LFU == 2 && EM_EVICTION_AGE == 3,
+               "em_gpu_choice's policy numbers");
+
 static size_t aligned_256(size_t bytes)
 {
     return (bytes + 255) & ~(size_t)255;
