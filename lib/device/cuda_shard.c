@@ -1632,6 +1632,10 @@ static em_status erase_host_keys(cuda_shard *shard, cuda_lane *lane, const uint6
 
 /* Entries an eviction's walk reads from the GPU ahead of the chooser, at most. */
 #define EVICT_READ_AHEAD ((uint64_t)1 << 20)
+/* The same where the GPU is to choose (the window long enough for gpu_choice_entries):
+ * only the choice comes back, so the read ahead may cover a request that evicts 262,144
+ * rows of a shard at 16 candidates (128 MiB of the pool a shard while it runs). */
+#define EVICT_READ_AHEAD_ON_GPU ((uint64_t)1 << 22)
 
 /* A walk for em_evict_choose over the map's export positions from a start: [start, end)
  * then [0, start). Its first `ahead` entries (the chooser's window: count x candidates)
@@ -2337,7 +2341,10 @@ static cuda_evict_walk evict_walk(cuda_shard *shard, cuda_lane *lane, const em_e
 {
     uint64_t positions = 2 + shard->slot_count;
     uint64_t window = em_evict_window(spec);
-    window = window < EVICT_READ_AHEAD ? window : EVICT_READ_AHEAD;
+    bool on_gpu = window >= state_of(shard->base.device)->gpu_choice_entries &&
+                  spec->kept_count == 0 && side_keys(shard) == 0;
+    uint64_t most = on_gpu ? EVICT_READ_AHEAD_ON_GPU : EVICT_READ_AHEAD;
+    window = window < most ? window : most;
     return (cuda_evict_walk){.shard = shard,
                              .lane = lane,
                              .spec = *spec,

@@ -2755,6 +2755,54 @@ START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
 }
 END_TEST
 
+/* A shard of more than a million rows, full, and a push of 8,192 new keys with 256
+ * candidates a row: a window of 2,097,152 entries, which is the whole shard. The GPU
+ * chooses from a read ahead of up to 4 Mi entries (the host's stops at 1 Mi, and the rest
+ * of the walk would come back export by export), and the rows gone are the rule's: the
+ * least recent are the first push's 65,536 keys, equal in last access, and of those the
+ * smaller keys go first, 1 to 8,192. */
+START_TEST(a_shard_of_over_a_million_rows_evicts_on_the_gpu)
+{
+    enum { BATCH = 65536, NEW = 8192 };
+    const uint64_t capacity = ((uint64_t)1 << 20) + BATCH;
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(1, capacity, 1, EM_OPTIMIZER_SGD, EM_INIT_ZEROS);
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 256;
+    config.eviction.ring = NEW;
+    em_table *table = em_test_make_table(gpu, &config);
+    uint64_t *keys = malloc(BATCH * sizeof(uint64_t));
+    float *gradients = calloc(BATCH, sizeof(float));
+    em_error err;
+    for (uint64_t done = 0; done < capacity + NEW; done += BATCH) {
+        uint32_t n = done < capacity ? BATCH : NEW;
+        for (uint32_t i = 0; i < n; i++)
+            keys[i] = done + i + 1;
+        em_test_batch b = em_test_key_batch(keys, n);
+        ck_assert_msg(em_test_push(table, &b.csr, EM_COMBINER_NONE, gradients, NULL, &err) ==
+                          EM_OK,
+                      "%s", err.message);
+        em_test_batch_free(&b);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    ck_assert_uint_eq(stats.rows, capacity);
+    ck_assert_uint_eq(stats.rows_evicted, NEW);
+    ck_assert_uint_eq(stats.rows_evicted_chosen_on_gpu, NEW);
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, NEW, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.count, NEW);
+    qsort(keys, NEW, sizeof(uint64_t), compare_keys);
+    for (uint32_t i = 0; i < NEW; i++)
+        ck_assert_uint_eq(keys[i], i + 1);
+    free(keys);
+    free(gradients);
+    em_table_destroy(table);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
+
 /* Loop index: the capacity policy (lru, lfu, age, expiry, counter admission,
  * probability admission). The same stream of one-key pulls and pushes over a key space
  * of four times the capacity on both backends, every row compared at each eviction
@@ -3021,6 +3069,7 @@ static Suite *gpu_backend_suite(void)
     TCase *choice = tcase_create("eviction_choice");
     tcase_set_timeout(choice, 600);
     tcase_add_loop_test(choice, evictions_chosen_on_the_gpu_are_the_hosts, 0, 12);
+    tcase_add_test(choice, a_shard_of_over_a_million_rows_evicts_on_the_gpu);
     suite_add_tcase(suite, choice);
     TCase *tc = tcase_create("core");
     tcase_set_timeout(tc, 600);
