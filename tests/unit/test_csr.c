@@ -152,6 +152,7 @@ int main(void)
 {
     Suite *suite = suite_create("csr");
     TCase *tc = tcase_create("csr");
+    tcase_set_timeout(tc, 60); /* the check over 4 Mi floats, slow under sanitizers */
     tcase_add_test(tc, valid_batches_pass);
     tcase_add_test(tc, errors_name_index_and_value);
     tcase_add_test(tc, combiner_names_and_divisors);
