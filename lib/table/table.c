@@ -701,10 +701,13 @@ typedef struct push_call {
 static em_status check_gradients(const em_table *table, push_call *call, em_error *err)
 {
     const em_push_request *request = call->request;
-    /* a large push's pass over its gradients goes on several threads (16 MiB of them, a
-     * push of 65,536 keys at dim 64, take about 1.5 ms on one) */
+    /* a large push's pass over its gradients goes on several threads where the rows are
+     * on GPUs (16 MiB of them, a push of 65,536 keys at dim 64, take about 1.5 ms on one,
+     * while the host's CPUs have little else to do); on the CPU backend they serve the
+     * requests themselves, one on each */
     uint32_t threads = 1;
-    if (request->gradient_count >= 2 * EM_CSR_CHECK_FLOATS_PER_THREAD)
+    if (request->gradient_count >= 2 * EM_CSR_CHECK_FLOATS_PER_THREAD &&
+        !table->backend->devices[0]->host_addressable)
         threads = em_parallel_cpus();
     em_status status = em_csr_check_gradients_on(&request->batch, request->combiner,
                                                  table->config.dim, request->gradients,
