@@ -2976,6 +2976,53 @@ START_TEST(erase_matches_cpu_and_reuses_rows)
 }
 END_TEST
 
+/* A push of 2 Mi gradient floats (32,768 keys at dim 64) with a non-finite one, to a
+ * table on a GPU, is checked on the host's CPUs in parts (lib/table/table.c
+ * check_gradients) once the GPU's check has stopped it: an infinity in the second part
+ * and a NaN in the last, and the infinity is named, in the CPU backend's words (which
+ * checks on one thread); nothing changes. Loop index: 1 and 8 shards. */
+START_TEST(a_large_push_with_a_non_finite_gradient_is_refused_like_the_cpu)
+{
+    enum { KEYS = 32768, DIM = 64 };
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(DIM, 100000, _i == 0 ? 1 : 8, EM_OPTIMIZER_SGD,
+                                          EM_INIT_UNIFORM);
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    uint64_t *keys = malloc(KEYS * sizeof(uint64_t));
+    float *g = malloc((size_t)KEYS * DIM * sizeof(float));
+    for (uint32_t i = 0; i < KEYS; i++)
+        keys[i] = 11 + 7 * (uint64_t)i;
+    for (size_t i = 0; i < (size_t)KEYS * DIM; i++)
+        g[i] = 0.001f * (float)(i % 11) - 0.005f;
+    em_test_batch b = em_test_key_batch(keys, KEYS);
+    em_error err, errors[2];
+    for (int t = 0; t < 2; t++) /* the keys stored */
+        ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, g, NULL, &err) == EM_OK,
+                      "%s", err.message);
+    g[(size_t)20000 * DIM + 9] = INFINITY;
+    g[(size_t)KEYS * DIM - 2] = NAN;
+    for (int t = 0; t < 2; t++) {
+        em_test_snapshot before = em_test_snapshot_take(tables[t], 4096);
+        ck_assert_int_eq(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, g, NULL, &errors[t]),
+                         EM_INVALID_ARGUMENT);
+        em_test_assert_table_unchanged(tables[t], &before);
+        em_test_snapshot_free(&before);
+    }
+    ck_assert_msg(strstr(errors[0].message, "gradient of key 140011 (keys[20000], row 20000) "
+                                            "element 9 is +inf") != NULL,
+                  "%s", errors[0].message);
+    ck_assert_str_eq(errors[1].message, errors[0].message);
+    em_test_batch_free(&b);
+    free(keys);
+    free(g);
+    for (int t = 0; t < 2; t++)
+        em_table_destroy(tables[t]);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* A gradient that is not finite, in a push that goes at once (the host does not read its
  * gradients) or, with a combiner, is checked first: refused with the CPU backend's words,
  * nothing stepped or created, in tables of 1 and 8 shards, to stored keys and to keys the
@@ -3094,6 +3141,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_loop_test(tc, requests_in_pinned_buffers_match_pageable_ones, 0, 3);
     tcase_add_test(tc, a_push_refused_in_one_shard_of_eight_says_what_the_cpu_says);
     tcase_add_loop_test(tc, non_finite_gradients_are_refused_like_the_cpu, 0, 16);
+    tcase_add_loop_test(tc, a_large_push_with_a_non_finite_gradient_is_refused_like_the_cpu, 0, 2);
 #ifdef EM_CUDA_EMULATED
     tcase_add_test(tc, host_waits_and_operations_per_request);
     tcase_add_loop_test(tc, a_large_eviction_waits_a_few_times, 0, 6);
