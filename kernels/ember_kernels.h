@@ -601,9 +601,7 @@ typedef struct em_gpu_choice {
     uint64_t remaining;                  /* entries still to choose among those matching */
     uint32_t bins[EM_GPU_CHOICE_BINS];
     /* what came of it */
-    uint64_t taken;                      /* walk->taken */
-    uint64_t held;                       /* entries in the window: min(taken, want) */
-    uint64_t free_entries;               /* of them, not the request's */
+    uint64_t taken;                      /* walk->taken, for the host's check of the window */
 } em_gpu_choice;
 
 /* Sets each choice's kept_bits for its kept rows (below row_limit). */
@@ -613,8 +611,7 @@ em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_choice *choi
 em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
                                   uint32_t walks, uint64_t most_held, uint32_t digit);
 /* Fixes byte digit of each open choice (one thread a walk); at first_digit also records
- * taken, held and free_entries, and a choice with fewer free entries than count becomes
- * SHORT. */
+ * taken, and a choice with fewer free entries than count becomes SHORT. */
 em_gpu_status em_gpu_choice_fix(em_gpu_stream *stream, em_gpu_choice *choices, uint32_t walks,
                                 uint32_t digit);
 /* flags[first_flag + i] = whether window entry i (i < want) of each walk was chosen. */

@@ -1082,11 +1082,8 @@ EM_HOST_DEVICE void em_gpu_choice_fix_item(em_gpu_choice *c, uint32_t digit)
     uint64_t total = 0;
     for (uint32_t b = 0; b < EM_GPU_CHOICE_BINS; b++)
         total += c->bins[b];
-    if (digit == c->first_digit) {
+    if (digit == c->first_digit)
         c->taken = c->walk->taken;
-        c->held = em_gpu_choice_held(c);
-        c->free_entries = total;
-    }
     if (total < c->remaining) { /* fewer free entries than rows to choose */
         c->state = EM_GPU_CHOICE_SHORT;
     } else {
