@@ -153,9 +153,14 @@ typedef struct em_checkpoint_load_options {
     /* per checkpoint loaded, the checksum its manifest must have (as a cluster checkpoint
      * recorded it): another is refused with DATA_LOSS. NULL: any. */
     const uint64_t *manifest_xxh3;
-    /* rows.emb is read this many bytes at a time (two such blocks, whose rows are
-     * imported from where they lie); 0: 8 MiB. A block grows to hold a larger chunk. */
+    /* rows.emb is read this many bytes at a time (into a ring of four such blocks, two
+     * of them read ahead; the rows are imported from where they lie); 0: 8 MiB. A block
+     * grows to hold a larger chunk. */
     uint64_t read_block_bytes;
+    /* Whether rows.emb is read ahead on a thread of its own, while the blocks before are
+     * checked and imported: 0 decides by the CPUs and whether the file is in the page
+     * cache (checkpoint_load.c read_ahead_start), 1 always, -1 never. */
+    int read_ahead;
     /* Heard after every batch of rows imported (a block's, about 8 MiB): rows imported
      * and bytes of rows.emb read so far, of the whole chain, and those files' total
      * bytes. */

@@ -411,6 +411,58 @@ START_TEST(damaged_checkpoints_are_refused_naming_the_file)
 }
 END_TEST
 
+/* rows.emb read a few bytes at a time: every chunk spans several blocks, more than the
+ * read ahead holds at once, and a block ends within most chunks. The table comes back
+ * bit for bit, and a flipped byte is still refused naming its chunk. */
+START_TEST(chunks_larger_than_the_blocks_read_ahead_load_alike)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 3, 8, 2000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    em_test_snapshot before = em_test_snapshot_take(table, 1000);
+    const uint64_t block_bytes[] = {7, 64, 333, 0};
+    for (int ahead = -1; ahead <= 1; ahead += 2) /* read here, then on the thread */
+        for (size_t b = 0; b < sizeof(block_bytes) / sizeof(block_bytes[0]); b++) {
+            em_checkpoint_load_options small_blocks = {.read_block_bytes = block_bytes[b],
+                                                       .read_ahead = ahead};
+            em_table *restored = NULL;
+            ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, &small_blocks, &restored,
+                                             NULL, &err) == EM_OK,
+                          "blocks of %" PRIu64 " bytes, read_ahead %d: %s", block_bytes[b], ahead,
+                          err.message);
+            em_test_snapshot after = em_test_snapshot_take(restored, 1000);
+            em_test_assert_snapshots_identical(&before, &after);
+            em_test_snapshot_free(&after);
+            em_table_destroy(restored);
+        }
+    damage(info.path, FLIP_ROWS);
+    for (int ahead = -1; ahead <= 1; ahead += 2) {
+        em_checkpoint_load_options small_blocks = {.read_block_bytes = 64, .read_ahead = ahead};
+        em_table *restored = NULL;
+        ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, &small_blocks, &restored,
+                                            NULL, &err),
+                         EM_DATA_LOSS);
+        ck_assert_ptr_null(restored);
+        ck_assert_msg(strstr(err.message, "rows.emb") != NULL &&
+                          strstr(err.message, "chunk ") != NULL &&
+                          strstr(err.message, "checksum mismatch") != NULL,
+                      "%s", err.message);
+    }
+    em_test_snapshot_free(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* ---- values that pass every checksum and no table takes ------------------------------ */
 
 static unsigned char *read_whole(const char *path, size_t *size)
@@ -1924,6 +1976,7 @@ int main(void)
     tcase_set_timeout(round_trip, 120);
     tcase_add_loop_test(round_trip, saved_tables_load_bit_for_bit_and_train_on_alike, 0, 4);
     tcase_add_test(round_trip, empty_tables_round_trip);
+    tcase_add_test(round_trip, chunks_larger_than_the_blocks_read_ahead_load_alike);
     tcase_add_test(round_trip, weights_load_into_another_optimizer);
     tcase_add_test(round_trip, saves_keep_the_newest);
     tcase_add_test(round_trip, unchanged_deltas_are_skipped_when_asked);
