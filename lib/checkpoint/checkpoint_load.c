@@ -480,6 +480,11 @@ typedef enum ahead_state {
     AHEAD_TAKEN,   /* the reader's (struct reader): the current block, or the one before */
 } ahead_state;
 
+/* Owned chunks that lie one after another in rows.emb (owned_run_end): one read. */
+typedef struct ahead_run {
+    uint64_t offset, bytes;
+} ahead_run;
+
 /* A read of rows.emb from start to end on a thread of its own, block after block into
  * a ring of buffers, in the file's order, while the reader takes the blocks read before
  * (next_block_ahead). Each buffer holds `front` bytes before where a read lands, for the
@@ -501,6 +506,10 @@ typedef struct read_ahead {
     int take;             /* the buffer the reader takes next (ring order) */
     int current, before;  /* the buffers the reader holds (TAKEN), or -1 */
     bool threaded;        /* reads ahead on the thread; else the reader reads each block */
+    bool ended;           /* a read failed or came short: none after it */
+    const ahead_run *runs; /* a load of some buckets: the runs of chunks it reads, in
+                            * order (one block each), instead of the file from its start */
+    size_t run_count, next_run;
 } read_ahead;
 
 typedef struct reader {
@@ -510,20 +519,18 @@ typedef struct reader {
     XXH3_state_t *hash;     /* the file's checksum (no owner): of its bytes as they are taken,
                              * or from version 4 of its chunks' (em_rows_digest_add) */
     uint64_t position;      /* in the file: the next byte to take */
-    unsigned char *blocks[2]; /* blocks[current]: bytes of the file from block_start,
-                               * block_bytes of them; in place, the batch the importer
-                               * has may still read the other one */
-    size_t block_capacity[2], block_bytes;
+    unsigned char *block;   /* the current block: bytes of the file from block_start,
+                             * block_bytes of them, in a buffer of the read ahead's */
+    size_t block_bytes;
     uint64_t block_start;
     uint64_t let_go;        /* the page cache was told to let the file's pages before this
                              * go (let_pages_go) */
-    int current;
     bool in_place;          /* a batch's rows are imported from the block that holds
                              * them (a load of every bucket, rows as saved) */
-    unsigned char *block;   /* the current block's bytes: blocks[current], or, read from
-                             * start to end, a buffer of the read ahead's */
-    read_ahead ahead;       /* reading from start to end: the blocks after the current one
-                             * are read on a thread of their own meanwhile */
+    read_ahead ahead;       /* the blocks after the current one, read on a thread of their
+                             * own meanwhile where that pays (read_ahead_start) */
+    ahead_run *runs;        /* with an owner: the runs of owned chunks, in the file's order */
+    size_t run_capacity;
     unsigned char *payload; /* the chunk being read: in block (u64 keys unaligned) */
     em_table *table;        /* NULL: verify only */
     bool access;            /* the table tracks access: rows' metadata goes with them */
@@ -545,8 +552,6 @@ typedef struct reader {
     const char *const *sources; /* several checkpoints: their paths, and for each bucket */
     uint32_t *bucket_source;    /* 1 + the source whose chunks hold it (0: none yet) */
     uint32_t source;            /* the source being read */
-    uint64_t owned_until;   /* with an owner: where the run of owned chunks that lie one
-                             * after another from the current one ends (one read) */
     uint64_t bytes_read;    /* of the rows.emb files, every link's so far */
     uint64_t total_bytes;   /* of the rows.emb files: what the load reads of them */
     uint64_t imported;      /* rows imported so far */
@@ -846,23 +851,44 @@ static bool buffer_room(read_ahead *a, int k, size_t front, size_t capacity, siz
     return true;
 }
 
-/* The read-ahead thread: each free buffer in ring order gets the next block, until the
- * file's end, a failed or short read (the reader reports it when it takes that block)
+/* Whether reads are left: blocks to the file's end, or runs. */
+static bool reads_left(const read_ahead *a)
+{
+    return !a->ended && (a->runs != NULL ? a->next_run < a->run_count : a->offset < a->end);
+}
+
+/* The next read (reads_left): its offset and bytes. */
+static block_read plan_read(read_ahead *a)
+{
+    block_read b = {.fd = a->fd};
+    if (a->runs != NULL) {
+        b.offset = a->runs[a->next_run].offset;
+        b.want = (size_t)a->runs[a->next_run].bytes;
+        a->next_run++;
+    } else {
+        b.offset = a->offset;
+        b.want = a->end - a->offset < a->block ? (size_t)(a->end - a->offset) : a->block;
+        a->offset += b.want;
+    }
+    return b;
+}
+
+/* The read-ahead thread: each free buffer in ring order gets the next read, until none
+ * is left, one fails or comes short (the reader reports it when it takes that block),
  * or a stop. */
 static void *run_read_ahead(void *argument)
 {
     read_ahead *a = argument;
     pthread_mutex_lock(&a->lock);
     for (;;) {
-        while (!a->stop && (a->offset >= a->end || a->state[a->fill] != AHEAD_FREE))
+        while (!a->stop && (!reads_left(a) || a->state[a->fill] != AHEAD_FREE))
             pthread_cond_wait(&a->changed, &a->lock);
         if (a->stop)
             break;
         int k = a->fill;
-        size_t want = a->end - a->offset < a->block ? (size_t)(a->end - a->offset) : a->block;
         a->state[k] = AHEAD_READING;
-        a->read[k] = (block_read){.fd = a->fd, .offset = a->offset, .want = want};
-        a->offset += want;
+        a->read[k] = plan_read(a);
+        size_t want = a->read[k].want;
         a->fill = (k + 1) % AHEAD_BUFFERS;
         pthread_mutex_unlock(&a->lock);
         bool room = buffer_room(a, k, a->front, want, 0, 0);
@@ -876,7 +902,7 @@ static void *run_read_ahead(void *argument)
         a->state[k] = AHEAD_READY;
         pthread_cond_broadcast(&a->changed);
         if (a->read[k].error != 0 || a->read[k].got < want) {
-            a->offset = a->end; /* nothing after it is read */
+            a->ended = true; /* nothing after it is read */
             break;
         }
     }
@@ -924,15 +950,23 @@ static bool file_looks_cached(int fd, uint64_t end)
  * guest of 2 vCPUs: 0.45-0.50 s a load against 0.55-0.60 s, tests/bench/RESULTS.md).
  * With the file in the page cache and fewer than 4 CPUs, a third busy thread only
  * takes the CPUs from the reader and the importer (0.40 s against 0.26-0.31 s there):
- * the reader then reads each block itself when it needs it (take_ahead).
+ * the reader then reads each block itself when it needs it (take_ahead). A load of some
+ * buckets (runs) is read ahead only on 4 CPUs or more: on 2 vCPUs it went from
+ * 0.47-0.56 s to 0.54-0.70 s for a third of that rows.emb, as it copies its rows
+ * (no rows imported in place) and the three threads share two CPUs.
  * em_checkpoint_load_options.read_ahead may decide instead (choice 1: on the thread,
  * -1: here). */
 static em_status read_ahead_start(read_ahead *a, int fd, uint64_t end, size_t block,
-                                  int choice, em_error *err)
+                                  const ahead_run *runs, size_t run_count, int choice,
+                                  em_error *err)
 {
     a->fd = fd;
     a->end = end;
     a->block = block;
+    a->runs = runs;
+    a->run_count = run_count;
+    a->next_run = 0;
+    a->ended = false;
     a->front = block / 8 < (1u << 20) ? block / 8 : (1u << 20);
     for (int k = 0; k < AHEAD_BUFFERS; k++)
         a->state[k] = AHEAD_FREE;
@@ -941,7 +975,7 @@ static em_status read_ahead_start(read_ahead *a, int fd, uint64_t end, size_t bl
     a->offset = 0;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     a->threaded = choice > 0 || (choice == 0 && end > 0 &&
-                                 (cpus >= 4 || !file_looks_cached(fd, end)));
+                                 (cpus >= 4 || (runs == NULL && !file_looks_cached(fd, end))));
     return a->threaded ? read_ahead_run(a, 0, err) : EM_OK;
 }
 
@@ -964,18 +998,17 @@ static void read_ahead_stop(read_ahead *a)
 static int read_next_here(read_ahead *a)
 {
     int k = a->take;
-    if (a->offset >= a->end || a->state[k] != AHEAD_FREE)
+    if (!reads_left(a) || a->state[k] != AHEAD_FREE)
         return -1;
-    size_t want = a->end - a->offset < a->block ? (size_t)(a->end - a->offset) : a->block;
-    a->read[k] = (block_read){.fd = a->fd, .offset = a->offset, .want = want};
+    a->read[k] = plan_read(a);
+    size_t want = a->read[k].want;
     if (buffer_room(a, k, a->front, want, 0, 0)) {
         a->read[k].to = a->base[k] + a->base_front[k];
         read_block(&a->read[k]);
     } else {
         a->read[k].error = ENOMEM;
     }
-    bool whole = a->read[k].error == 0 && a->read[k].got == want;
-    a->offset = whole ? a->offset + want : a->end; /* nothing after a failed or short one */
+    a->ended = a->read[k].error != 0 || a->read[k].got < want; /* none after such a one */
     a->state[k] = AHEAD_TAKEN;
     a->take = (k + 1) % AHEAD_BUFFERS;
     return k;
@@ -990,7 +1023,7 @@ static int take_ahead(read_ahead *a)
         return read_next_here(a);
     pthread_mutex_lock(&a->lock);
     int k = a->take;
-    while (a->state[k] == AHEAD_READING || (a->state[k] == AHEAD_FREE && a->offset < a->end))
+    while (a->state[k] == AHEAD_READING || (a->state[k] == AHEAD_FREE && reads_left(a)))
         pthread_cond_wait(&a->changed, &a->lock);
     bool ready = a->state[k] == AHEAD_READY;
     if (ready) {
@@ -1097,7 +1130,7 @@ static em_status next_block_ahead(reader *r, size_t bytes, uint64_t chunk, em_er
     if (status == EM_OK && kept > 0)
         memcpy(a->base[k] + a->base_front[k] - kept, r->block + (r->position - r->block_start),
                kept);
-    if (status == EM_OK && kept + have < bytes)
+    if (status == EM_OK && kept + have < bytes && a->runs == NULL)
         status = take_large_chunk(r, k, kept, &have, bytes, chunk, err);
     a->before = a->current;
     a->current = k;
@@ -1110,53 +1143,13 @@ static em_status next_block_ahead(reader *r, size_t bytes, uint64_t chunk, em_er
     return EM_OK;
 }
 
-/* Reads the bytes a load of some buckets (an owner) wants next into r->blocks: exactly
- * those asked for, or the run of owned chunks that lie one after another from there. */
-static em_status next_block_owned(reader *r, size_t bytes, uint64_t chunk, em_error *err)
-{
-    int next = r->in_place ? 1 - r->current : r->current;
-    size_t want = bytes;
-    if (r->owned_until > r->position + want) /* a run of owned chunks */
-        want = (size_t)(r->owned_until - r->position);
-    /* bytes of the block at or after position go to the start of the next one */
-    bool keeps = r->position >= r->block_start && r->position < r->block_start + r->block_bytes;
-    size_t kept = keeps ? (size_t)(r->block_start + r->block_bytes - r->position) : 0;
-    if (next == r->current && kept > 0)
-        memmove(r->blocks[next], r->blocks[next] + (r->position - r->block_start), kept);
-    if (want > r->block_capacity[next]) {
-        unsigned char *block = realloc(r->blocks[next], want);
-        if (block == NULL)
-            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
-        r->blocks[next] = block;
-        r->block_capacity[next] = want;
-    }
-    if (next != r->current && kept > 0)
-        memcpy(r->blocks[next], r->blocks[r->current] + (r->position - r->block_start), kept);
-    r->current = next;
-    r->block = r->blocks[next];
-    r->block_start = r->position;
-    r->block_bytes = kept;
-    if (want > kept) {
-        block_read now = {.fd = r->fd, .to = r->block + kept, .offset = r->position + kept,
-                          .want = want - kept};
-        read_block(&now);
-        em_status status = read_outcome(r, &now, chunk, err);
-        if (status != EM_OK)
-            return status;
-        r->block_bytes += now.got;
-    }
-    let_pages_go(r, r->block_start + r->block_bytes, false);
-    return EM_OK;
-}
-
 /* Makes the bytes at r->position .. + bytes available at *out (in r->block, valid until
  * the next call) and moves past them. Reading on from the file start, blocks of
- * READ_BLOCK_BYTES are read, one ahead on a thread of its own (next_block_ahead), and
- * their bytes go into the file's checksum as they are taken; with an owner (chunks
- * skipped) exactly the bytes asked for are read, at their offset, so a skipped chunk
- * costs no read. In place, the batch that points into the block is handed to the
- * importer before the next bytes are taken, and its block is not read into until the
- * importer is done with it. */
+ * READ_BLOCK_BYTES are read (next_block_ahead), and their bytes go into the file's
+ * checksum as they are taken; with an owner (chunks skipped) the runs of owned chunks
+ * are read, each at its offset, so a skipped chunk costs no read. In place, the batch
+ * that points into the block is handed to the importer before the next bytes are
+ * taken, and its block is not read into until the importer is done with it. */
 static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64_t chunk,
                             em_error *err)
 {
@@ -1174,8 +1167,7 @@ static em_status take_bytes(reader *r, size_t bytes, unsigned char **out, uint64
             if (status != EM_OK)
                 return status;
         }
-        em_status status = r->owner_count == 0 ? next_block_ahead(r, bytes, chunk, err)
-                                               : next_block_owned(r, bytes, chunk, err);
+        em_status status = next_block_ahead(r, bytes, chunk, err);
         if (status != EM_OK)
             return status;
         if (r->block_bytes < bytes)
@@ -1239,21 +1231,38 @@ static em_status read_chunk(reader *r, uint64_t i, const em_index_entry *entry, 
     return EM_OK;
 }
 
-/* With an owner: where the chunks from chunk i on that the load owns and that follow
- * one another in the file end, up to about READ_BLOCK_BYTES (index_layout checked the
- * offsets and sizes), so that a run of them is one read instead of two per chunk. */
-static uint64_t owned_run_end(const reader *r, const manifest *m, const em_index_entry *index,
-                              uint64_t i)
+/* With an owner: the runs of owned chunks that follow one another in the file, each up
+ * to about a block (index_layout checked the offsets and sizes), so that a run is one
+ * read instead of two per chunk, into r->runs; *count gets how many. */
+static em_status plan_runs(reader *r, const manifest *m, const em_index_entry *index,
+                           size_t *count, em_error *err)
 {
-    uint64_t start = index[i].offset, end = start;
-    for (uint64_t j = i; j < m->chunks && owns(r, index[j].bucket) && index[j].offset == end;
-         j++) {
-        uint64_t bytes = sizeof(em_chunk_header) + (uint64_t)index[j].rows * m->row_bytes;
-        if (j > i && end + bytes - start > READ_BLOCK_BYTES)
-            break;
-        end += bytes;
+    size_t block = block_size(r);
+    *count = 0;
+    uint64_t end = 0;
+    for (uint64_t i = 0; i < m->chunks; i++) {
+        if (!owns(r, index[i].bucket) || (*count > 0 && index[i].offset < end))
+            continue;
+        uint64_t start = index[i].offset;
+        end = start;
+        for (uint64_t j = i; j < m->chunks && owns(r, index[j].bucket) && index[j].offset == end;
+             j++) {
+            uint64_t bytes = sizeof(em_chunk_header) + (uint64_t)index[j].rows * m->row_bytes;
+            if (j > i && end + bytes - start > block)
+                break;
+            end += bytes;
+        }
+        if (*count == r->run_capacity) {
+            size_t capacity = r->run_capacity == 0 ? 64 : 2 * r->run_capacity;
+            ahead_run *grown = realloc(r->runs, capacity * sizeof(ahead_run));
+            if (grown == NULL)
+                return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+            r->runs = grown;
+            r->run_capacity = capacity;
+        }
+        r->runs[(*count)++] = (ahead_run){.offset = start, .bytes = end - start};
     }
-    return end;
+    return EM_OK;
 }
 
 /* One pass over rows.emb; each chunk's rows go into r->table when it is not NULL. r has
@@ -1298,21 +1307,23 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
                            (long long)st.st_size, m->rows_file.bytes);
     else
         XXH3_64bits_reset(r->hash);
-    if (r->owner_count == 0) { /* read from start to end: the kernel may read further ahead,
-                                * and so does a thread of the load's, block by block */
+    /* read from start to end: the kernel may read further ahead; with an owner, the runs
+     * of owned chunks. A thread of the load's reads ahead where that pays. */
+    size_t runs = 0;
+    if (r->owner_count == 0)
         (void)posix_fadvise(r->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-        if (status == EM_OK)
-            status = read_ahead_start(&r->ahead, r->fd, m->rows_file.bytes, block_size(r),
-                                      r->options != NULL ? r->options->read_ahead : 0, err);
-    }
+    else if (status == EM_OK)
+        status = plan_runs(r, m, index, &runs, err);
+    if (status == EM_OK)
+        status = read_ahead_start(&r->ahead, r->fd, m->rows_file.bytes, block_size(r),
+                                  r->owner_count > 0 ? r->runs : NULL, runs,
+                                  r->options != NULL ? r->options->read_ahead : 0, err);
     uint64_t rows = 0;
     for (uint64_t i = 0; status == EM_OK && i < m->chunks; i++) {
         if (!owns(r, index[i].bucket))
             continue; /* another server's: index_layout checked where it is */
-        if (r->owner_count > 0) {
+        if (r->owner_count > 0)
             r->position = index[i].offset;
-            r->owned_until = owned_run_end(r, m, index, i);
-        }
         uint32_t *held_by = r->bucket_source == NULL
                                 ? NULL
                                 : &r->bucket_source[index[i].bucket % EM_CHECKPOINT_BUCKETS];
@@ -1730,8 +1741,7 @@ static void free_links(link_state *links, size_t count)
 
 static void free_reader(reader *r)
 {
-    free(r->blocks[0]);
-    free(r->blocks[1]);
+    free(r->runs);
     for (int k = 0; k < AHEAD_BUFFERS; k++)
         free(r->ahead.base[k]);
     free(r->bucket_source);

@@ -1131,12 +1131,21 @@ static em_test_snapshot union_of(em_table *const *parts, size_t count)
 
 /* Loads server `owner` of `servers` from the checkpoints at paths, with `shards` shards,
  * and checks that it holds only keys the client routes to it. */
-static em_table *load_part(em_backend *backend, const char *const *paths, size_t count,
-                           uint32_t owner, uint32_t servers, uint32_t shards,
-                           const uint64_t *manifests)
+/* load_part's way of reading: the read ahead (em_checkpoint_load_options.read_ahead)
+ * and the block size. */
+typedef struct part_reads {
+    int read_ahead;
+    uint64_t block_bytes;
+} part_reads;
+
+static em_table *load_part_read(em_backend *backend, const char *const *paths, size_t count,
+                                uint32_t owner, uint32_t servers, uint32_t shards,
+                                const uint64_t *manifests, part_reads reads)
 {
     em_checkpoint_load_options options = {.shards = shards, .owner_index = owner,
-                                          .owner_count = servers, .manifest_xxh3 = manifests};
+                                          .owner_count = servers, .manifest_xxh3 = manifests,
+                                          .read_ahead = reads.read_ahead,
+                                          .read_block_bytes = reads.block_bytes};
     em_table *part = NULL;
     em_checkpoint_info info;
     em_error err;
@@ -1149,6 +1158,14 @@ static em_table *load_part(em_backend *backend, const char *const *paths, size_t
         ck_assert_int_eq(em_key_server(rows.keys[r], (int32_t)servers), (int32_t)owner);
     em_test_snapshot_free(&rows);
     return part;
+}
+
+static em_table *load_part(em_backend *backend, const char *const *paths, size_t count,
+                           uint32_t owner, uint32_t servers, uint32_t shards,
+                           const uint64_t *manifests)
+{
+    return load_part_read(backend, paths, count, owner, servers, shards, manifests,
+                          (part_reads){0});
 }
 
 /* A table (with a delta chain) split over 3 servers of 5 shards, each loading only the
@@ -1183,14 +1200,22 @@ START_TEST(cluster_parts_load_the_buckets_each_server_owns)
     ck_assert_str_eq(delta.kind, "delta"); /* the detached copy left the chain alone */
     em_test_snapshot original = em_test_snapshot_take(table, 1000);
 
-    /* one server's chain onto 3 servers of 5 shards */
+    /* one server's chain onto 3 servers of 5 shards; the runs of owned chunks read here
+     * and ahead on a thread, in blocks of the default size and of a few chunks */
     const char *one[1] = {delta.path};
     em_table *parts[3];
-    for (uint32_t j = 0; j < 3; j++)
-        parts[j] = load_part(backend, one, 1, j, 3, 5, &delta.manifest_xxh3);
-    em_test_snapshot merged = union_of(parts, 3);
-    em_test_assert_snapshots_identical(&merged, &original);
-    em_test_snapshot_free(&merged);
+    const part_reads ways[] = {{-1, 0}, {1, 0}, {-1, 700}, {1, 700}};
+    for (size_t w = 0; w < sizeof(ways) / sizeof(ways[0]); w++) {
+        for (uint32_t j = 0; j < 3; j++)
+            parts[j] = load_part_read(backend, one, 1, j, 3, 5, &delta.manifest_xxh3, ways[w]);
+        em_test_snapshot merged = union_of(parts, 3);
+        em_test_assert_snapshots_identical(&merged, &original);
+        em_test_snapshot_free(&merged);
+        if (w + 1 < sizeof(ways) / sizeof(ways[0]))
+            for (uint32_t j = 0; j < 3; j++)
+                em_table_destroy(parts[j]);
+    }
+    em_test_snapshot merged;
 
     /* the 3 parts saved, and loaded onto 2 servers of 8 shards */
     char part_dirs[3][300];
