@@ -823,26 +823,40 @@ static size_t block_size(const reader *r)
                : READ_BLOCK_BYTES;
 }
 
-/* Gives ring buffer k room for `front` bytes before its data and `capacity` after,
- * keeping the keep_front bytes before its data and the keep bytes of it. Only the
- * buffer's holder calls it: the thread while it reads into it, the reader once taken. */
+/* Where a buffer's read lands: as far into its eight-byte word as the read's offset into
+ * the file's, so that every value lies in memory as aligned as in the file (a chunk's
+ * floats on four bytes; they start wherever the chunk before ended). */
+#define AHEAD_ALIGN ((size_t)8)
+
+/* The first byte of buffer k's read (a->read[k] planned). */
+static unsigned char *ahead_data(const read_ahead *a, int k)
+{
+    return a->base[k] + a->base_front[k] + a->read[k].offset % AHEAD_ALIGN;
+}
+
+/* Gives ring buffer k room for `front` bytes before its data and `capacity` after (its
+ * read planned), keeping the keep_front bytes before its data and the keep bytes of it.
+ * Only the buffer's holder calls it: the thread while it reads into it, the reader once
+ * taken. */
 static bool buffer_room(read_ahead *a, int k, size_t front, size_t capacity, size_t keep_front,
                         size_t keep)
 {
     if (a->base[k] != NULL && a->base_front[k] >= front && a->capacity[k] >= capacity)
         return true;
     front = front > a->base_front[k] ? front : a->base_front[k];
+    front = (front + AHEAD_ALIGN - 1) / AHEAD_ALIGN * AHEAD_ALIGN;
     capacity = capacity > a->capacity[k] ? capacity : a->capacity[k];
     /* blocks of megabytes on large pages: the kernel's copies into them and the checks'
      * reads out of them miss the TLB less */
-    size_t bytes = front + capacity, align = bytes >= (2u << 20) ? (2u << 20) : 64;
+    size_t bytes = front + capacity + AHEAD_ALIGN, align = bytes >= (2u << 20) ? (2u << 20) : 64;
     unsigned char *grown = NULL;
     if (posix_memalign((void **)&grown, align, bytes) != 0)
         return false;
     if (align > 64)
         (void)madvise(grown, bytes, MADV_HUGEPAGE);
+    size_t shift = a->read[k].offset % AHEAD_ALIGN;
     if (keep_front + keep > 0)
-        memcpy(grown + front - keep_front, a->base[k] + a->base_front[k] - keep_front,
+        memcpy(grown + front + shift - keep_front, ahead_data(a, k) - keep_front,
                keep_front + keep);
     free(a->base[k]);
     a->base[k] = grown;
@@ -893,7 +907,7 @@ static void *run_read_ahead(void *argument)
         pthread_mutex_unlock(&a->lock);
         bool room = buffer_room(a, k, a->front, want, 0, 0);
         if (room) {
-            a->read[k].to = a->base[k] + a->base_front[k];
+            a->read[k].to = ahead_data(a, k);
             read_block(&a->read[k]);
         } else {
             a->read[k].error = ENOMEM;
@@ -1003,7 +1017,7 @@ static int read_next_here(read_ahead *a)
     a->read[k] = plan_read(a);
     size_t want = a->read[k].want;
     if (buffer_room(a, k, a->front, want, 0, 0)) {
-        a->read[k].to = a->base[k] + a->base_front[k];
+        a->read[k].to = ahead_data(a, k);
         read_block(&a->read[k]);
     } else {
         a->read[k].error = ENOMEM;
@@ -1071,14 +1085,14 @@ static em_status take_large_chunk(reader *r, int k, size_t kept, size_t *have, s
     em_status status = EM_OK;
     if (!buffer_room(a, k, kept, bytes - kept, kept, *have))
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
-    unsigned char *data = a->base[k] + a->base_front[k];
+    unsigned char *data = ahead_data(a, k);
     for (int m = a->take; status == EM_OK && a->state[m] == AHEAD_READY && kept + *have < bytes;
          m = a->take) {
         status = read_outcome(r, &a->read[m], chunk, err);
         if (status != EM_OK || a->read[m].got > bytes - kept - *have)
             break; /* the chunk ends within it: the rest is read again below */
         size_t got = a->read[m].got;
-        memcpy(data + *have, a->base[m] + a->base_front[m], got);
+        memcpy(data + *have, ahead_data(a, m), got);
         *have += got;
         a->state[m] = AHEAD_FREE;
         a->take = (m + 1) % AHEAD_BUFFERS;
@@ -1128,15 +1142,14 @@ static em_status next_block_ahead(reader *r, size_t bytes, uint64_t chunk, em_er
     if (status == EM_OK && !buffer_room(a, k, kept, have, 0, have))
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
     if (status == EM_OK && kept > 0)
-        memcpy(a->base[k] + a->base_front[k] - kept, r->block + (r->position - r->block_start),
-               kept);
+        memcpy(ahead_data(a, k) - kept, r->block + (r->position - r->block_start), kept);
     if (status == EM_OK && kept + have < bytes && a->runs == NULL)
         status = take_large_chunk(r, k, kept, &have, bytes, chunk, err);
     a->before = a->current;
     a->current = k;
     if (status != EM_OK)
         return status;
-    r->block = a->base[k] + a->base_front[k] - kept;
+    r->block = ahead_data(a, k) - kept;
     r->block_start = r->position;
     r->block_bytes = kept + have;
     let_pages_go(r, r->block_start + r->block_bytes, false);
