@@ -146,6 +146,7 @@ struct em_hashmap {
     uint64_t seed;     /* the home hash's (em_hashmap_options.seed) */
     uint64_t max_used; /* budget for used_slots: floor(max_load_factor * slot_count) */
     uint64_t grow_count;
+    _Atomic uint64_t sweeps; /* em_hashmap_stats */
     double max_load_factor;
     em_allocator allocator;
 
@@ -587,21 +588,30 @@ static bool may_move_back(size_t home, size_t hole, size_t at, size_t slot_count
     return home_to_hole < home_to_at;
 }
 
-/* Backward-shift erase; the caller holds the map alone, so no value is pending. */
-static uint64_t slots_erase_exclusive(em_hashmap *map, uint64_t key)
+/* Where key's slot is, or SIZE_MAX. */
+static size_t slots_position(const em_hashmap *map, uint64_t key)
 {
     size_t count = map->slot_count;
-    size_t hole = home_slot(map, key, count);
-    for (;; hole = next_slot(hole, count)) {
-        uint64_t seen = atomic_load_explicit(&map->slots[hole].key, memory_order_relaxed);
-        if (seen == EM_HASHMAP_EMPTY_KEY)
-            return EM_HASHMAP_NOT_FOUND;
+    for (size_t at = home_slot(map, key, count);; at = next_slot(at, count)) {
+        uint64_t seen = atomic_load_explicit(&map->slots[at].key, memory_order_relaxed);
         if (seen == key)
-            break;
+            return at;
+        if (seen == EM_HASHMAP_EMPTY_KEY)
+            return SIZE_MAX;
     }
+}
+
+/* Backward-shift erase; the caller holds the map alone, so no value is pending. */
+static uint64_t slots_erase_exclusive(em_hashmap *map, uint64_t key, size_t *walked)
+{
+    size_t count = map->slot_count;
+    size_t hole = slots_position(map, key);
+    if (hole == SIZE_MAX)
+        return EM_HASHMAP_NOT_FOUND;
     uint64_t row = atomic_load_explicit(&map->slots[hole].value, memory_order_relaxed);
     for (size_t at = next_slot(hole, count);; at = next_slot(at, count)) {
         uint64_t moving = atomic_load_explicit(&map->slots[at].key, memory_order_relaxed);
+        (*walked)++;
         if (moving == EM_HASHMAP_EMPTY_KEY)
             break;
         if (moving == EM_HASHMAP_TOMBSTONE_KEY ||
@@ -710,6 +720,7 @@ static void init_fields(em_hashmap *map, const em_hashmap_options *options)
         options->max_load_factor == 0.0 ? EM_HASHMAP_DEFAULT_MAX_LOAD : options->max_load_factor;
     map->max_used = max_used_for(map->slot_count, map->max_load_factor);
     map->grow_count = 0;
+    atomic_init(&map->sweeps, 0);
     map->allocator = options->allocator;
     atomic_init(&map->used_slots, 0);
     atomic_init(&map->next_row, 0);
@@ -825,16 +836,127 @@ em_status em_hashmap_reserve(em_hashmap *map, size_t additional_keys, em_error *
     return grow(map, additional_keys, err);
 }
 
+/* An exclusive erase goes on by sweeps (erase_by_sweeps) once its backward shifts have
+ * walked more than this many slots a key, over SWEEP_AFTER_KEYS keys at least: where
+ * runs are short, a shift per key costs less than a sweep's bitmap of the map. */
+#define SWEEP_WALK_PER_KEY ((size_t)32)
+#define SWEEP_AFTER_KEYS ((size_t)32)
+
+/* The first marked bit in [from, to), or SIZE_MAX. */
+static size_t first_marked(const uint64_t *bits, size_t from, size_t to)
+{
+    for (size_t at = from; at < to;) {
+        uint64_t word = bits[at / 64] >> (at % 64);
+        if (word != 0) {
+            size_t found = at + (size_t)__builtin_ctzll(word);
+            return found < to ? found : SIZE_MAX;
+        }
+        at = (at / 64 + 1) * 64;
+    }
+    return SIZE_MAX;
+}
+
+/* The exclusive erase of many keys, one sweep per run of occupied slots that holds some
+ * of them, instead of a backward shift per key: a shift walks to the end of its key's
+ * run, so erasing m keys of a run of length L that way costs about m x L, and a run
+ * only grows where evictions empty a stretch of the map and inserts pile up elsewhere
+ * (choosing among few candidates a row: tests/bench/RESULTS.md). Positions count from
+ * just after an empty slot, so no run wraps around the end of the array. Each run is
+ * swept once from its first erased slot to its end: an erased key leaves a hole; a key
+ * that stays moves to the first hole at or after its home slot (on its probe sequence,
+ * no empty slot between), its old slot becoming a hole; the holes left at the run's end
+ * become empty slots. Every key then still lies on its probe sequence with no empty
+ * slot before it, as a shift per key would leave it (maybe in another order). The
+ * rows go to released and values as em_hashmap_erase's; a key given twice is erased
+ * once. False, with nothing done, when the bitmap of holes cannot be had. */
+static bool erase_by_sweeps(em_hashmap *map, const uint64_t *keys, size_t n, uint64_t *values,
+                            row_batch *released, size_t *removed)
+{
+    size_t count = map->slot_count;
+    uint64_t *holes = calloc((count + 63) / 64, sizeof(uint64_t)); /* by position */
+    if (holes == NULL)
+        return false;
+    size_t empty = 0; /* there is one: the load stays below 1 */
+    while (atomic_load_explicit(&map->slots[empty].key, memory_order_relaxed) !=
+           EM_HASHMAP_EMPTY_KEY)
+        empty++;
+#define SLOT_AT(position) (&map->slots[(empty + 1 + (position)) % count])
+    for (size_t i = 0; i < n; i++) {
+        prefetch_home(map, keys, i, n, 0);
+        uint64_t row = EM_HASHMAP_NOT_FOUND;
+        if (is_sentinel(keys[i])) {
+            row = side_erase(map, keys[i]);
+        } else {
+            size_t at = slots_position(map, keys[i]);
+            size_t position = at == SIZE_MAX ? 0 : (at + count - empty - 1) % count;
+            if (at != SIZE_MAX && (holes[position / 64] & UINT64_C(1) << position % 64) == 0) {
+                holes[position / 64] |= UINT64_C(1) << position % 64;
+                row = atomic_load_explicit(&map->slots[at].value, memory_order_relaxed);
+            }
+        }
+        if (row != EM_HASHMAP_NOT_FOUND) {
+            release_row(map, released, row);
+            (*removed)++;
+        }
+        if (values != NULL)
+            values[i] = row;
+    }
+    size_t erased = 0;
+    for (size_t start = first_marked(holes, 0, count); start != SIZE_MAX;) {
+        size_t at = start;
+        for (;; at++) { /* the empty slot ends the run at the latest */
+            slot *current = SLOT_AT(at);
+            uint64_t key = atomic_load_explicit(&current->key, memory_order_relaxed);
+            if (key == EM_HASHMAP_EMPTY_KEY)
+                break;
+            if ((holes[at / 64] & UINT64_C(1) << at % 64) != 0 || /* to erase */
+                key == EM_HASHMAP_TOMBSTONE_KEY)
+                continue;
+            size_t home = (home_slot(map, key, count) + count - empty - 1) % count;
+            size_t hole = first_marked(holes, home, at);
+            if (hole == SIZE_MAX)
+                continue;
+            slot *to = SLOT_AT(hole);
+            atomic_store_explicit(&to->key, key, memory_order_relaxed);
+            atomic_store_explicit(&to->value,
+                                  atomic_load_explicit(&current->value, memory_order_relaxed),
+                                  memory_order_relaxed);
+            holes[hole / 64] &= ~(UINT64_C(1) << hole % 64);
+            holes[at / 64] |= UINT64_C(1) << at % 64;
+        }
+        for (size_t hole = first_marked(holes, start, at); hole != SIZE_MAX;
+             hole = first_marked(holes, hole + 1, at)) {
+            slot *emptied = SLOT_AT(hole);
+            atomic_store_explicit(&emptied->key, EM_HASHMAP_EMPTY_KEY, memory_order_relaxed);
+            atomic_store_explicit(&emptied->value, VALUE_PENDING, memory_order_relaxed);
+            holes[hole / 64] &= ~(UINT64_C(1) << hole % 64);
+            erased++;
+        }
+        start = first_marked(holes, at, count);
+    }
+#undef SLOT_AT
+    atomic_fetch_sub_explicit(&map->used_slots, erased, memory_order_relaxed);
+    atomic_fetch_add_explicit(&map->sweeps, 1, memory_order_relaxed);
+    free(holes);
+    return true;
+}
+
 static size_t erase_batch(em_hashmap *map, const uint64_t *keys, size_t n, uint64_t *values,
                           bool exclusive)
 {
     size_t removed = 0;
     row_batch released = {.count = 0};
     pthread_rwlock_rdlock(&map->lock);
+    size_t walked = 0;
     for (size_t i = 0; i < n; i++) {
+        if (exclusive && i >= SWEEP_AFTER_KEYS && walked > SWEEP_WALK_PER_KEY * i &&
+            erase_by_sweeps(map, keys + i, n - i, values != NULL ? values + i : NULL, &released,
+                            &removed))
+            break; /* the rest went by sweeps */
         prefetch_home(map, keys, i, n, 1);
-        uint64_t row = exclusive && !is_sentinel(keys[i]) ? slots_erase_exclusive(map, keys[i])
-                                                          : erase_one(map, keys[i]);
+        uint64_t row = exclusive && !is_sentinel(keys[i])
+                           ? slots_erase_exclusive(map, keys[i], &walked)
+                           : erase_one(map, keys[i]);
         if (row != EM_HASHMAP_NOT_FOUND) {
             release_row(map, &released, row);
             removed++;
@@ -1005,6 +1127,7 @@ void em_hashmap_get_stats(em_hashmap *map, em_hashmap_stats *out)
     out->row_limit = em_hashmap_row_limit(map);
     out->free_rows = atomic_load_explicit(&map->free_count, memory_order_relaxed);
     out->grow_count = map->grow_count;
+    out->sweeps = atomic_load_explicit(&map->sweeps, memory_order_relaxed);
     out->load_factor = (double)(keys_in_slots(map) + tombstones) / (double)map->slot_count;
     pthread_rwlock_unlock(&map->lock);
 }

@@ -66,6 +66,7 @@ typedef struct em_hashmap_stats {
     uint64_t row_limit;   /* see em_hashmap_row_limit */
     uint64_t free_rows;   /* released row indices waiting for reuse */
     uint64_t grow_count;  /* rehashes since create */
+    uint64_t sweeps;      /* exclusive erases that went on by sweeps of the runs */
     double load_factor;   /* (keys in slots + tombstones) / slots; the two sentinel keys
                            * sit in side entries and use no slot */
 } em_hashmap_stats;

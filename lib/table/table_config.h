@@ -23,7 +23,10 @@
  * request does not use go (ties: the smaller key first); when fewer than n of those
  * entries may go, the walk goes on until n may. On a GPU the choice is made there when
  * a request's windows are long (the same rows as on the host).
- * tests/bench/bench_eviction measures how close this comes to exact LRU and LFU.
+ * tests/bench/bench_eviction measures how close this comes to exact LRU and LFU. Fewer
+ * candidates empty a larger share of each window they read, while new keys land all
+ * over the map, so the runs of the map's slots grow where no window went lately: below
+ * 8, a table that evicts for long gets slower (tests/bench/RESULTS.md).
  * `headroom` (0 to 0.5, default 0) makes an eviction free that share of the capacity
  * more than its request needs, from every shard in proportion to its rows (each by the
  * same rule, none from the request's own rows): requests that create keys need the

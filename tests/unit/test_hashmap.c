@@ -46,6 +46,16 @@ static uint64_t key_at(uint64_t i)
     return i * UINT64_C(0x9e3779b97f4a7c15) + UINT64_C(0x1234);
 }
 
+/* The index whose key_at is key: the multiplier's inverse modulo 2^64 (Newton's
+ * iteration doubles the correct low bits each step). */
+static uint64_t index_of_key(uint64_t key)
+{
+    uint64_t multiplier = UINT64_C(0x9e3779b97f4a7c15), inverse = multiplier;
+    for (int step = 0; step < 6; step++)
+        inverse *= 2 - multiplier * inverse;
+    return (key - UINT64_C(0x1234)) * inverse;
+}
+
 static em_hashmap *create_map(size_t initial_slots, double max_load_factor)
 {
     em_hashmap_options options = {.initial_slots = initial_slots,
@@ -747,26 +757,42 @@ START_TEST(churn_at_a_steady_size_keeps_the_slot_count)
 END_TEST
 
 /* Erasing by backward shift in a full map (long runs, wrapping at the end) keeps every
- * other key where a probe finds it, leaves no tombstone and never rehashes. */
+ * other key where a probe finds it, leaves no tombstone and never rehashes: a key at a
+ * time (batches below 32 keys), and by sweeps of the runs (larger ones), of keys at
+ * random and, every other round of the larger batches, of a whole stretch of the map as
+ * an eviction's window empties it. */
 START_TEST(exclusive_erase_keeps_a_full_map_whole)
 {
     em_hashmap *map = create_map(1024, 0.95);
     uint64_t budget = (uint64_t)(1024 * 0.95);
-    enum { ROUNDS = 300, MOST = 32 };
-    uint8_t *present = calloc(budget + ROUNDS * MOST, 1);
+    enum { ROUNDS = 300, LARGEST = 400 };
+    const uint64_t most = _i == 0 ? 31 : LARGEST;
+    uint8_t *present = calloc(budget + ROUNDS * LARGEST, 1);
     require_u64(insert_range(map, 0, budget, 64), ==, budget);
     memset(present, 1, budget);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
     uint64_t next = budget, live = budget;
     for (int round = 1; round <= ROUNDS; round++) {
-        uint64_t keys[MOST], values[MOST];
-        uint64_t n = 1 + em_test_rng_below(&rng, MOST), expected = 0;
-        for (uint64_t i = 0; i < n; i++) {
-            uint64_t index = em_test_rng_below(&rng, next);
-            keys[i] = key_at(index);
-            expected += present[index]; /* a key twice in the batch goes once */
-            present[index] = 0;
+        uint64_t keys[LARGEST], values[LARGEST];
+        uint64_t n = 1 + em_test_rng_below(&rng, most), expected = 0;
+        if (_i == 1 && round % 2 == 0) { /* a stretch of the map: every key of a walk */
+            em_hashmap_walk walk;
+            em_hashmap_walk_begin(map, em_test_rng_next(&rng), &walk);
+            n = em_hashmap_walk_next(map, &walk, keys, values, n);
+            for (uint64_t i = 0; i < n; i++) {
+                uint64_t index = index_of_key(keys[i]);
+                require_u64(key_at(index), ==, keys[i]);
+                expected += present[index];
+                present[index] = 0;
+            }
+        } else {
+            for (uint64_t i = 0; i < n; i++) {
+                uint64_t index = em_test_rng_below(&rng, next);
+                keys[i] = key_at(index);
+                expected += present[index]; /* a key twice in the batch goes once */
+                present[index] = 0;
+            }
         }
         require_u64(em_hashmap_erase_exclusive(map, keys, n, values), ==, expected);
         live -= expected;
@@ -784,6 +810,10 @@ START_TEST(exclusive_erase_keeps_a_full_map_whole)
     require_u64(stats.size, ==, budget);
     require_u64(stats.tombstones, ==, 0);
     require_u64(stats.grow_count, ==, 0);
+    if (_i == 0)
+        require_u64(stats.sweeps, ==, 0); /* too few keys a batch */
+    else
+        require_u64(stats.sweeps, >=, ROUNDS / 4); /* the runs of a full map are long */
     require_u64(stats.slots, ==, 1024);
     require_u64(stats.row_limit, ==, budget);
     free(present);
@@ -1426,7 +1456,7 @@ int main(void)
     tcase_add_test(large, reserve_prevents_growth);
     tcase_add_test(large, erase_churn_does_not_grow_without_bound);
     tcase_add_test(large, churn_at_a_steady_size_keeps_the_slot_count);
-    tcase_add_test(large, exclusive_erase_keeps_a_full_map_whole);
+    tcase_add_loop_test(large, exclusive_erase_keeps_a_full_map_whole, 0, 2);
     tcase_add_test(large, holds_keys_at_the_maximum_load);
     suite_add_tcase(suite, large);
 
