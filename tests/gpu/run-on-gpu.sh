@@ -173,4 +173,8 @@ step "bench_checkpoint --backend cuda" 120 "$bench_checkpoint" --backend cuda --
 # lru and lfu against exact ones, with the tables on the GPU.
 step "bench_eviction --backend cuda" 120 "$bench_eviction" --backend cuda --parts 12 \
   --rows 4194304 --accesses 100000
+# The same inserts in pushes of 4,096 keys: each evicts a small share of the table, as
+# in a large table in production.
+step "bench_eviction --backend cuda, small pushes" 120 "$bench_eviction" --backend cuda \
+  --parts 1 --rows 4194304 --batch 4096 --rounds 3
 finish
