@@ -45,6 +45,16 @@ bool em_failpoint_hit(em_failpoint failpoint, uint64_t *value)
     return true;
 }
 
+bool em_failpoint_armed(em_failpoint failpoint, uint64_t *value)
+{
+    failpoint_state *state = &states[failpoint];
+    if (atomic_load_explicit(&state->remaining, memory_order_relaxed) == 0)
+        return false;
+    if (value != NULL)
+        *value = atomic_load_explicit(&state->value, memory_order_relaxed);
+    return true;
+}
+
 typedef struct parsed_item {
     em_failpoint failpoint;
     uint64_t value;

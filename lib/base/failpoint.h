@@ -36,6 +36,8 @@
       "step value of a save fails with EIO (a write writes half, then ENOSPC)")              \
     X(CHECKPOINT_CRASH, checkpoint_crash, "the process exits at once before step value of a save") \
     X(CHECKPOINT_STALL, checkpoint_stall, "a save sleeps value ms once its snapshot is taken") \
+    X(CHECKPOINT_READ_FAIL, checkpoint_read_fail,                                             \
+      "a load's first read of rows.emb that reaches past byte value reads half, then EIO")    \
     X(GPU_FAULT, gpu_fault,                                                                   \
       "the emulated GPUs fail with a sticky kernel fault (tests/support/kernels_emulated.c)") \
     X(NCCL_INIT_FAIL, nccl_init_fail, "the emulated ncclCommInitAll fails")
@@ -50,6 +52,10 @@ typedef enum em_failpoint {
 /* True when failpoint triggers on this hit (one of its count is used up); *value (may
  * be NULL) gets its argument. */
 bool em_failpoint_hit(em_failpoint failpoint, uint64_t *value);
+
+/* True while failpoint is armed (it would trigger), without using up a hit; *value (may
+ * be NULL) gets its argument. */
+bool em_failpoint_armed(em_failpoint failpoint, uint64_t *value);
 
 /* Arms the failpoints of spec (the syntax above). Errors: INVALID_ARGUMENT naming the
  * item; nothing is armed then. */

@@ -29,6 +29,7 @@
 #include <xxhash.h>
 
 #include "common/keyhash.h"
+#include "lib/base/failpoint.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/checkpoint/checkpoint_format.h"
 #include "lib/checkpoint/checkpoint_internal.h"
@@ -797,13 +798,24 @@ static void let_pages_go(reader *r, uint64_t until, bool all)
     r->let_go = until;
 }
 
-/* Reads b->want bytes (fewer at the end of the file); a failure leaves its errno. */
+/* Reads b->want bytes (fewer at the end of the file); a failure leaves its errno. The
+ * failpoint checkpoint_read_fail makes the first read past its byte read half and fail. */
 static void read_block(block_read *b)
 {
     b->got = 0;
     b->error = 0;
+    uint64_t past = 0;
+    size_t fails_at = SIZE_MAX;
+    if (em_failpoint_armed(EM_FAILPOINT_CHECKPOINT_READ_FAIL, &past) &&
+        b->offset + b->want > past && em_failpoint_hit(EM_FAILPOINT_CHECKPOINT_READ_FAIL, NULL))
+        fails_at = b->want / 2;
     while (b->got < b->want) {
-        ssize_t n = pread(b->fd, b->to + b->got, b->want - b->got, (off_t)(b->offset + b->got));
+        if (b->got >= fails_at) {
+            b->error = EIO;
+            break;
+        }
+        size_t want = (fails_at < b->want ? fails_at : b->want) - b->got;
+        ssize_t n = pread(b->fd, b->to + b->got, want, (off_t)(b->offset + b->got));
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0) {

@@ -463,6 +463,62 @@ START_TEST(chunks_larger_than_the_blocks_read_ahead_load_alike)
 }
 END_TEST
 
+/* A read of rows.emb that fails (failpoint checkpoint_read_fail: half the read, then
+ * EIO), the first block's or a later one's, read here or ahead on the thread, whole or
+ * for some buckets: the load is refused with DATA_LOSS naming the file, the chunk and
+ * the error, no table comes back, and the next load, the failpoint spent, succeeds. */
+START_TEST(a_failed_read_is_refused_naming_the_file)
+{
+    char dir[256];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 3, 8, 2000, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    em_checkpoint_info info;
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    em_test_snapshot before = em_test_snapshot_take(table, 1000);
+    for (int ahead = -1; ahead <= 1; ahead += 2)
+        for (int owner = 0; owner < 2; owner++)
+            for (int later = 0; later < 2; later++) {
+                char spec[64];
+                snprintf(spec, sizeof(spec), "checkpoint_read_fail=%" PRIu64 "*1",
+                         later ? info.bytes / 2 : 0);
+                ck_assert_int_eq(em_failpoints_arm(spec, &err), EM_OK);
+                em_checkpoint_load_options reads = {.read_block_bytes = 4096,
+                                                    .read_ahead = ahead,
+                                                    .owner_count = owner ? 2 : 0};
+                em_table *restored = NULL;
+                ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, &reads, &restored,
+                                                    NULL, &err),
+                                 EM_DATA_LOSS);
+                em_failpoints_disarm_all();
+                ck_assert_ptr_null(restored);
+                ck_assert_msg(strstr(err.message, "rows.emb") != NULL &&
+                                  strstr(err.message, "chunk ") != NULL &&
+                                  strstr(err.message, "read failed: Input/output error") != NULL,
+                              "read_ahead %d, owner %d, later %d: %s", ahead, owner, later,
+                              err.message);
+                ck_assert_msg(em_checkpoint_load(info.path, backend, NULL, &reads, &restored,
+                                                 NULL, &err) == EM_OK,
+                              "%s", err.message);
+                if (!owner) {
+                    em_test_snapshot after = em_test_snapshot_take(restored, 1000);
+                    em_test_assert_snapshots_identical(&before, &after);
+                    em_test_snapshot_free(&after);
+                }
+                em_table_destroy(restored);
+            }
+    em_test_snapshot_free(&before);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* ---- values that pass every checksum and no table takes ------------------------------ */
 
 static unsigned char *read_whole(const char *path, size_t *size)
@@ -2019,6 +2075,7 @@ int main(void)
     tcase_add_loop_test(failures, a_failed_step_leaves_the_previous_checkpoint_current,
                         EM_SAVE_ROWS_WRITE, EM_SAVE_STEP_COUNT + 1);
     tcase_add_test(failures, direct_writes_go_on_buffered_where_refused);
+    tcase_add_test(failures, a_failed_read_is_refused_naming_the_file);
     suite_add_tcase(suite, failures);
     TCase *deltas = tcase_create("deltas");
     tcase_set_timeout(deltas, 120);

@@ -34,7 +34,8 @@ START_TEST(bad_lists_are_refused_whole)
     ck_assert_int_eq(em_failpoints_arm("accept_fail, nope=3", &err), EM_INVALID_ARGUMENT);
     ck_assert_str_eq(err.message, "failpoint 'nope=3': unknown name (known: pool_alloc, "
                                   "worker_stall, partial_write, accept_fail, checkpoint_fail, "
-                                  "checkpoint_crash, checkpoint_stall, gpu_fault, nccl_init_fail)");
+                                  "checkpoint_crash, checkpoint_stall, checkpoint_read_fail, "
+                                  "gpu_fault, nccl_init_fail)");
     ck_assert(!em_failpoint_hit(EM_FAILPOINT_ACCEPT_FAIL, NULL)); /* nothing armed */
     ck_assert_int_eq(em_failpoints_arm("pool_alloc*0", &err), EM_INVALID_ARGUMENT);
     ck_assert_str_eq(err.message, "failpoint 'pool_alloc*0': the count must be at least 1");
