@@ -1121,6 +1121,7 @@ static em_status take_large_chunk(reader *r, int k, size_t kept, size_t *have, s
             a->state[m] = AHEAD_FREE;
     a->fill = a->take = (k + 1) % AHEAD_BUFFERS;
     a->offset = r->position + bytes;
+    a->ended = false; /* a read past the chunk that failed is tried again, and reported */
     if (status == EM_OK && kept + *have == bytes && a->threaded)
         status = read_ahead_run(a, r->position + bytes, err);
     return status;

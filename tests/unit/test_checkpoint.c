@@ -512,6 +512,22 @@ START_TEST(a_failed_read_is_refused_naming_the_file)
                 }
                 em_table_destroy(restored);
             }
+    /* chunks larger than the blocks, a read past the middle failing every time: the reads
+     * a large chunk did not need are made again, and the failure is what is reported */
+    for (int ahead = -1; ahead <= 1; ahead += 2) {
+        char spec[64];
+        snprintf(spec, sizeof(spec), "checkpoint_read_fail=%" PRIu64, info.bytes / 2);
+        ck_assert_int_eq(em_failpoints_arm(spec, &err), EM_OK);
+        em_checkpoint_load_options tiny = {.read_block_bytes = 7, .read_ahead = ahead};
+        em_table *restored = NULL;
+        ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, &tiny, &restored, NULL,
+                                            &err),
+                         EM_DATA_LOSS);
+        em_failpoints_disarm_all();
+        ck_assert_ptr_null(restored);
+        ck_assert_msg(strstr(err.message, "read failed: Input/output error") != NULL, "%s",
+                      err.message);
+    }
     em_test_snapshot_free(&before);
     em_table_destroy(table);
     em_backend_destroy(backend);
