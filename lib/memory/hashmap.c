@@ -856,43 +856,52 @@ static size_t first_marked(const uint64_t *bits, size_t from, size_t to)
     return SIZE_MAX;
 }
 
-/* The exclusive erase of many keys, one sweep per run of occupied slots that holds some
- * of them, instead of a backward shift per key: a shift walks to the end of its key's
- * run, so erasing m keys of a run of length L that way costs about m x L, and a run
- * only grows where evictions empty a stretch of the map and inserts pile up elsewhere
- * (choosing among few candidates a row: tests/bench/RESULTS.md). Positions count from
- * just after an empty slot, so no run wraps around the end of the array. Each run is
- * swept once from its first erased slot to its end: an erased key leaves a hole; a key
- * that stays moves to the first hole at or after its home slot (on its probe sequence,
- * no empty slot between), its old slot becoming a hole; the holes left at the run's end
- * become empty slots. Every key then still lies on its probe sequence with no empty
- * slot before it, as a shift per key would leave it (maybe in another order). The
- * rows go to released and values as em_hashmap_erase's; a key given twice is erased
- * once. False, with nothing done, when the bitmap of holes cannot be had. */
-static bool erase_by_sweeps(em_hashmap *map, const uint64_t *keys, size_t n, uint64_t *values,
+/* A sweep's view of the map: positions count from just after an empty slot, so that no
+ * run of occupied slots wraps around the end of the array; holes marks positions (bits). */
+typedef struct sweep {
+    em_hashmap *map;
+    size_t count, empty;
+    uint64_t *holes;
+} sweep;
+
+static slot *sweep_slot(const sweep *w, size_t position)
+{
+    return &w->map->slots[(w->empty + 1 + position) % w->count];
+}
+
+static size_t sweep_position(const sweep *w, size_t slot_index)
+{
+    return (slot_index + w->count - w->empty - 1) % w->count;
+}
+
+static bool sweep_marked(const sweep *w, size_t position)
+{
+    return (w->holes[position / 64] & UINT64_C(1) << position % 64) != 0;
+}
+
+static void sweep_mark(sweep *w, size_t position, bool hole)
+{
+    if (hole)
+        w->holes[position / 64] |= UINT64_C(1) << position % 64;
+    else
+        w->holes[position / 64] &= ~(UINT64_C(1) << position % 64);
+}
+
+/* Marks the slots of keys as holes to be; the rows go to released and values as
+ * em_hashmap_erase's (a key given twice is erased once). */
+static void sweep_mark_keys(sweep *w, const uint64_t *keys, size_t n, uint64_t *values,
                             row_batch *released, size_t *removed)
 {
-    size_t count = map->slot_count;
-    uint64_t *holes = calloc((count + 63) / 64, sizeof(uint64_t)); /* by position */
-    if (holes == NULL)
-        return false;
-    size_t empty = 0; /* there is one: the load stays below 1 */
-    while (atomic_load_explicit(&map->slots[empty].key, memory_order_relaxed) !=
-           EM_HASHMAP_EMPTY_KEY)
-        empty++;
-#define SLOT_AT(position) (&map->slots[(empty + 1 + (position)) % count])
+    em_hashmap *map = w->map;
     for (size_t i = 0; i < n; i++) {
         prefetch_home(map, keys, i, n, 0);
         uint64_t row = EM_HASHMAP_NOT_FOUND;
+        size_t at = is_sentinel(keys[i]) ? SIZE_MAX : slots_position(map, keys[i]);
         if (is_sentinel(keys[i])) {
             row = side_erase(map, keys[i]);
-        } else {
-            size_t at = slots_position(map, keys[i]);
-            size_t position = at == SIZE_MAX ? 0 : (at + count - empty - 1) % count;
-            if (at != SIZE_MAX && (holes[position / 64] & UINT64_C(1) << position % 64) == 0) {
-                holes[position / 64] |= UINT64_C(1) << position % 64;
-                row = atomic_load_explicit(&map->slots[at].value, memory_order_relaxed);
-            }
+        } else if (at != SIZE_MAX && !sweep_marked(w, sweep_position(w, at))) {
+            sweep_mark(w, sweep_position(w, at), true);
+            row = atomic_load_explicit(&map->slots[at].value, memory_order_relaxed);
         }
         if (row != EM_HASHMAP_NOT_FOUND) {
             release_row(map, released, row);
@@ -901,43 +910,70 @@ static bool erase_by_sweeps(em_hashmap *map, const uint64_t *keys, size_t n, uin
         if (values != NULL)
             values[i] = row;
     }
-    size_t erased = 0;
-    for (size_t start = first_marked(holes, 0, count); start != SIZE_MAX;) {
-        size_t at = start;
-        for (;; at++) { /* the empty slot ends the run at the latest */
-            slot *current = SLOT_AT(at);
-            uint64_t key = atomic_load_explicit(&current->key, memory_order_relaxed);
-            if (key == EM_HASHMAP_EMPTY_KEY)
-                break;
-            if ((holes[at / 64] & UINT64_C(1) << at % 64) != 0 || /* to erase */
-                key == EM_HASHMAP_TOMBSTONE_KEY)
-                continue;
-            size_t home = (home_slot(map, key, count) + count - empty - 1) % count;
-            size_t hole = first_marked(holes, home, at);
-            if (hole == SIZE_MAX)
-                continue;
-            slot *to = SLOT_AT(hole);
-            atomic_store_explicit(&to->key, key, memory_order_relaxed);
-            atomic_store_explicit(&to->value,
-                                  atomic_load_explicit(&current->value, memory_order_relaxed),
-                                  memory_order_relaxed);
-            holes[hole / 64] &= ~(UINT64_C(1) << hole % 64);
-            holes[at / 64] |= UINT64_C(1) << at % 64;
-        }
-        for (size_t hole = first_marked(holes, start, at); hole != SIZE_MAX;
-             hole = first_marked(holes, hole + 1, at)) {
-            slot *emptied = SLOT_AT(hole);
-            atomic_store_explicit(&emptied->key, EM_HASHMAP_EMPTY_KEY, memory_order_relaxed);
-            atomic_store_explicit(&emptied->value, VALUE_PENDING, memory_order_relaxed);
-            holes[hole / 64] &= ~(UINT64_C(1) << hole % 64);
-            erased++;
-        }
-        start = first_marked(holes, at, count);
+}
+
+/* Sweeps the run from its first hole, start: an erased key leaves a hole; a key that
+ * stays moves to the first hole at or after its home slot (on its probe sequence, no
+ * empty slot between), its old slot becoming a hole; the holes left at the run's end
+ * become empty slots. Returns the run's end (its empty slot); *erased counts them. */
+static size_t sweep_run(sweep *w, size_t start, size_t *erased)
+{
+    size_t at = start;
+    for (;; at++) { /* the empty slot ends the run at the latest */
+        slot *current = sweep_slot(w, at);
+        uint64_t key = atomic_load_explicit(&current->key, memory_order_relaxed);
+        if (key == EM_HASHMAP_EMPTY_KEY)
+            break;
+        if (sweep_marked(w, at) || key == EM_HASHMAP_TOMBSTONE_KEY)
+            continue; /* to erase, or stays where it is */
+        size_t home = sweep_position(w, home_slot(w->map, key, w->count));
+        size_t hole = first_marked(w->holes, home, at);
+        if (hole == SIZE_MAX)
+            continue;
+        slot *to = sweep_slot(w, hole);
+        atomic_store_explicit(&to->key, key, memory_order_relaxed);
+        atomic_store_explicit(&to->value,
+                              atomic_load_explicit(&current->value, memory_order_relaxed),
+                              memory_order_relaxed);
+        sweep_mark(w, hole, false);
+        sweep_mark(w, at, true);
     }
-#undef SLOT_AT
+    for (size_t hole = first_marked(w->holes, start, at); hole != SIZE_MAX;
+         hole = first_marked(w->holes, hole + 1, at)) {
+        slot *emptied = sweep_slot(w, hole);
+        atomic_store_explicit(&emptied->key, EM_HASHMAP_EMPTY_KEY, memory_order_relaxed);
+        atomic_store_explicit(&emptied->value, VALUE_PENDING, memory_order_relaxed);
+        sweep_mark(w, hole, false);
+        (*erased)++;
+    }
+    return at;
+}
+
+/* The exclusive erase of many keys, one sweep per run of occupied slots that holds some
+ * of them (sweep_run), instead of a backward shift per key: a shift walks to the end of
+ * its key's run, so erasing m keys of a run of length L that way costs about m x L, and
+ * a run only grows where evictions empty a stretch of the map and inserts pile up
+ * elsewhere (choosing among few candidates a row: tests/bench/RESULTS.md). Every key
+ * then still lies on its probe sequence with no empty slot before it, as a shift per
+ * key would leave it (maybe in another order). The rows go to released and values as
+ * em_hashmap_erase's. False, with nothing done, when the bitmap of holes cannot be had. */
+static bool erase_by_sweeps(em_hashmap *map, const uint64_t *keys, size_t n, uint64_t *values,
+                            row_batch *released, size_t *removed)
+{
+    sweep w = {.map = map, .count = map->slot_count};
+    w.holes = calloc((w.count + 63) / 64, sizeof(uint64_t));
+    if (w.holes == NULL)
+        return false;
+    while (atomic_load_explicit(&map->slots[w.empty].key, memory_order_relaxed) !=
+           EM_HASHMAP_EMPTY_KEY)
+        w.empty++; /* there is one: the load stays below 1 */
+    sweep_mark_keys(&w, keys, n, values, released, removed);
+    size_t erased = 0;
+    for (size_t start = first_marked(w.holes, 0, w.count); start != SIZE_MAX;)
+        start = first_marked(w.holes, sweep_run(&w, start, &erased), w.count);
     atomic_fetch_sub_explicit(&map->used_slots, erased, memory_order_relaxed);
     atomic_fetch_add_explicit(&map->sweeps, 1, memory_order_relaxed);
-    free(holes);
+    free(w.holes);
     return true;
 }
 
