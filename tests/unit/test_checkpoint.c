@@ -371,20 +371,30 @@ static void damage(const char *checkpoint, enum damage how)
 }
 
 /* Each damage is refused with DATA_LOSS naming the file; loading fails whole. */
-START_TEST(damaged_checkpoints_are_refused_naming_the_file)
+/* An adam table of dim 8 trained on 2,000 keys, saved (whole) under a new directory
+ * (dir): the table, and the checkpoint in *info. */
+static em_table *saved_adam_table(em_backend *backend, char *dir, size_t dir_capacity,
+                                  em_checkpoint_info *info)
 {
-    enum damage how = (enum damage)_i;
-    char dir[256];
-    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
-    em_backend *backend = make_backend();
+    em_test_make_dir("ember-checkpoint", dir, dir_capacity);
     em_test_rng rng;
     em_test_rng_init(&rng, em_test_seed());
     em_table *table = trained_table(backend, 3, 8, 2000, &rng);
     em_checkpoint_options options;
     em_checkpoint_options_init(&options, dir);
-    em_checkpoint_info info;
     em_error err;
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    ck_assert_msg(em_checkpoint_save(table, &options, info, &err) == EM_OK, "%s", err.message);
+    return table;
+}
+
+START_TEST(damaged_checkpoints_are_refused_naming_the_file)
+{
+    enum damage how = (enum damage)_i;
+    char dir[256];
+    em_backend *backend = make_backend();
+    em_checkpoint_info info;
+    em_table *table = saved_adam_table(backend, dir, sizeof(dir), &info);
+    em_error err;
     ck_assert_int_eq(em_checkpoint_verify(info.path, NULL, &err), EM_OK);
     damage(info.path, how);
     ck_assert_int_eq(em_checkpoint_verify(info.path, NULL, &err), EM_DATA_LOSS);
@@ -417,16 +427,10 @@ END_TEST
 START_TEST(chunks_larger_than_the_blocks_read_ahead_load_alike)
 {
     char dir[256];
-    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
-    em_test_rng rng;
-    em_test_rng_init(&rng, em_test_seed());
-    em_table *table = trained_table(backend, 3, 8, 2000, &rng);
-    em_checkpoint_options options;
-    em_checkpoint_options_init(&options, dir);
     em_checkpoint_info info;
+    em_table *table = saved_adam_table(backend, dir, sizeof(dir), &info);
     em_error err;
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
     em_test_snapshot before = em_test_snapshot_take(table, 1000);
     const uint64_t block_bytes[] = {7, 64, 333, 0};
     for (int ahead = -1; ahead <= 1; ahead += 2) /* read here, then on the thread */
@@ -470,16 +474,10 @@ END_TEST
 START_TEST(a_failed_read_is_refused_naming_the_file)
 {
     char dir[256];
-    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
     em_backend *backend = make_backend();
-    em_test_rng rng;
-    em_test_rng_init(&rng, em_test_seed());
-    em_table *table = trained_table(backend, 3, 8, 2000, &rng);
-    em_checkpoint_options options;
-    em_checkpoint_options_init(&options, dir);
     em_checkpoint_info info;
+    em_table *table = saved_adam_table(backend, dir, sizeof(dir), &info);
     em_error err;
-    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
     em_test_snapshot before = em_test_snapshot_take(table, 1000);
     for (int ahead = -1; ahead <= 1; ahead += 2)
         for (int owner = 0; owner < 2; owner++)
