@@ -481,15 +481,16 @@ typedef enum ahead_state {
     AHEAD_TAKEN,   /* the reader's (struct reader): the current block, or the one before */
 } ahead_state;
 
-/* Owned chunks that lie one after another in rows.emb (owned_run_end): one read. */
+/* Owned chunks that lie one after another in rows.emb (plan_runs): one read. */
 typedef struct ahead_run {
     uint64_t offset, bytes;
 } ahead_run;
 
-/* A read of rows.emb from start to end on a thread of its own, block after block into
- * a ring of buffers, in the file's order, while the reader takes the blocks read before
- * (next_block_ahead). Each buffer holds `front` bytes before where a read lands, for the
- * end of the block before it (the start of a chunk that straddles the two). */
+/* The reads of rows.emb, block after block (or run after run) into a ring of buffers,
+ * in the file's order: on a thread of its own while the reader takes the blocks read
+ * before (next_block_ahead), or by the reader as it needs each (not threaded). Each
+ * buffer holds `front` bytes before where a read lands, for the end of the block before
+ * it (the start of a chunk that straddles the two). */
 typedef struct read_ahead {
     pthread_t thread;
     bool running;
@@ -899,6 +900,18 @@ static block_read plan_read(read_ahead *a)
     return b;
 }
 
+/* Makes buffer k's planned read (a->read[k]), room for it first; without room the read
+ * fails with ENOMEM. Only the buffer's holder calls it. */
+static void read_into(read_ahead *a, int k)
+{
+    if (buffer_room(a, k, a->front, a->read[k].want, 0, 0)) {
+        a->read[k].to = ahead_data(a, k);
+        read_block(&a->read[k]);
+    } else {
+        a->read[k].error = ENOMEM;
+    }
+}
+
 /* The read-ahead thread: each free buffer in ring order gets the next read, until none
  * is left, one fails or comes short (the reader reports it when it takes that block),
  * or a stop. */
@@ -917,13 +930,7 @@ static void *run_read_ahead(void *argument)
         size_t want = a->read[k].want;
         a->fill = (k + 1) % AHEAD_BUFFERS;
         pthread_mutex_unlock(&a->lock);
-        bool room = buffer_room(a, k, a->front, want, 0, 0);
-        if (room) {
-            a->read[k].to = ahead_data(a, k);
-            read_block(&a->read[k]);
-        } else {
-            a->read[k].error = ENOMEM;
-        }
+        read_into(a, k);
         pthread_mutex_lock(&a->lock);
         a->state[k] = AHEAD_READY;
         pthread_cond_broadcast(&a->changed);
@@ -1027,14 +1034,8 @@ static int read_next_here(read_ahead *a)
     if (!reads_left(a) || a->state[k] != AHEAD_FREE)
         return -1;
     a->read[k] = plan_read(a);
-    size_t want = a->read[k].want;
-    if (buffer_room(a, k, a->front, want, 0, 0)) {
-        a->read[k].to = ahead_data(a, k);
-        read_block(&a->read[k]);
-    } else {
-        a->read[k].error = ENOMEM;
-    }
-    a->ended = a->read[k].error != 0 || a->read[k].got < want; /* none after such a one */
+    read_into(a, k);
+    a->ended = a->read[k].error != 0 || a->read[k].got < a->read[k].want; /* none after */
     a->state[k] = AHEAD_TAKEN;
     a->take = (k + 1) % AHEAD_BUFFERS;
     return k;
@@ -1077,7 +1078,8 @@ static em_status read_outcome(const reader *r, const block_read *b, uint64_t chu
                               em_error *err)
 {
     if (b->error == ENOMEM)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "out of host memory for a read of %zu bytes of rows.emb", b->want);
     if (b->error != 0)
         return data_loss(err, r->dir, "rows.emb",
                          "chunk %" PRIu64 " at byte %" PRIu64 ": read failed: %s", chunk,
@@ -1096,7 +1098,9 @@ static em_status take_large_chunk(reader *r, int k, size_t kept, size_t *have, s
     read_ahead_stop(a); /* every read it began has ended */
     em_status status = EM_OK;
     if (!buffer_room(a, k, kept, bytes - kept, kept, *have))
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "out of host memory for chunk %" PRIu64 " of rows.emb (%zu bytes)",
+                            chunk, bytes);
     unsigned char *data = ahead_data(a, k);
     for (int m = a->take; status == EM_OK && a->state[m] == AHEAD_READY && kept + *have < bytes;
          m = a->take) {
@@ -1153,7 +1157,9 @@ static em_status next_block_ahead(reader *r, size_t bytes, uint64_t chunk, em_er
                               ", taken at %" PRIu64, a->read[k].offset, r->position + kept);
     size_t have = a->read[k].got;
     if (status == EM_OK && !buffer_room(a, k, kept, have, 0, have))
-        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                              "out of host memory for a block of %zu bytes of rows.emb",
+                              kept + have);
     if (status == EM_OK && kept > 0)
         memcpy(ahead_data(a, k) - kept, r->block + (r->position - r->block_start), kept);
     if (status == EM_OK && kept + have < bytes && a->runs == NULL)
@@ -1282,7 +1288,9 @@ static em_status plan_runs(reader *r, const manifest *m, const em_index_entry *i
             size_t capacity = r->run_capacity == 0 ? 64 : 2 * r->run_capacity;
             ahead_run *grown = realloc(r->runs, capacity * sizeof(ahead_run));
             if (grown == NULL)
-                return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory");
+                return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                    "out of host memory for %zu runs of owned chunks of "
+                                    "rows.emb", capacity);
             r->runs = grown;
             r->run_capacity = capacity;
         }
