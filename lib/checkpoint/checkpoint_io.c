@@ -1,7 +1,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "lib/base/failpoint.h"
@@ -32,6 +34,17 @@ static em_status step_error(em_save_step step, const char *path, int error, em_e
 {
     return em_error_set(err, EM_INTERNAL, "%s (step %d) failed for %s: %s", em_save_step_name(step),
                         (int)step, path, strerror(error));
+}
+
+void *em_io_buffer_alloc(size_t bytes)
+{
+    size_t large = (size_t)2 << 20, align = bytes >= large ? large : EM_SAVE_DIRECT_ALIGN;
+    void *memory = NULL;
+    if (posix_memalign(&memory, align, bytes > 0 ? bytes : 1) != 0)
+        return NULL;
+    if (align == large) /* advice only: without large pages the buffer works as well */
+        (void)madvise(memory, bytes, MADV_HUGEPAGE);
+    return memory;
 }
 
 em_status em_save_write(int fd, const void *data, size_t bytes, em_save_step step,

@@ -21,7 +21,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -33,6 +32,7 @@
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/checkpoint/checkpoint_format.h"
 #include "lib/checkpoint/checkpoint_internal.h"
+#include "lib/checkpoint/checkpoint_io.h"
 #include "lib/table/table_config.h"
 
 #define MANIFEST_MAX_BYTES (16u << 20)
@@ -861,12 +861,10 @@ static bool buffer_room(read_ahead *a, int k, size_t front, size_t capacity, siz
     capacity = capacity > a->capacity[k] ? capacity : a->capacity[k];
     /* blocks of megabytes on large pages: the kernel's copies into them and the checks'
      * reads out of them miss the TLB less */
-    size_t bytes = front + capacity + AHEAD_ALIGN, align = bytes >= (2u << 20) ? (2u << 20) : 64;
-    unsigned char *grown = NULL;
-    if (posix_memalign((void **)&grown, align, bytes) != 0)
+    size_t bytes = front + capacity + AHEAD_ALIGN;
+    unsigned char *grown = em_io_buffer_alloc(bytes);
+    if (grown == NULL)
         return false;
-    if (align > 64)
-        (void)madvise(grown, bytes, MADV_HUGEPAGE);
     size_t shift = a->read[k].offset % AHEAD_ALIGN;
     if (keep_front + keep > 0)
         memcpy(grown + front + shift - keep_front, ahead_data(a, k) - keep_front,

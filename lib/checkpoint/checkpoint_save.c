@@ -998,10 +998,8 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     s.admission_bytes = em_table_admission_bytes(table);
     if (s.admission_bytes > 0)
         s.admission = malloc(s.admission_bytes);
-    for (int k = 0; k < 2; k++)
-        if (posix_memalign((void **)&s.runs[k].data, EM_SAVE_DIRECT_ALIGN,
-                           s.out_capacity + EM_SAVE_DIRECT_ALIGN) != 0)
-            s.runs[k].data = NULL;
+    for (int k = 0; k < 2; k++) /* large pages: pinned for direct writes (checkpoint_io.h) */
+        s.runs[k].data = em_io_buffer_alloc(s.out_capacity + EM_SAVE_DIRECT_ALIGN);
     if (posix_memalign((void **)&s.carry, EM_SAVE_DIRECT_ALIGN, EM_SAVE_DIRECT_ALIGN) != 0)
         s.carry = NULL;
     s.out = s.runs[0].data;
