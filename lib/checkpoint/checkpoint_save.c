@@ -13,7 +13,9 @@
  * digest map; a delta then keeps only the rows whose digest differs from the parent's
  * (or that the parent lacks), and after the pass the parent's keys missing from the new
  * map are the tombstones. The new map replaces the table's only once the checkpoint is
- * published, so the extra memory of a delta is a second map while it runs.
+ * published, so the extra memory of a delta is a second map while it runs. A full save
+ * keeps every row whatever its digest, so there a thread of its own digests each full
+ * staging buffer while the save groups it into chunks.
  */
 #include <cJSON.h>
 #include <dirent.h>
@@ -127,6 +129,8 @@ typedef struct save {
     size_t out_capacity;
     rows_file file;
     em__pipe writer;
+    em__pipe digester;        /* a full save that tracks: digests the staging buffer */
+    uint64_t digest_rows;     /* the digester's item: rows of staging to digest */
     uint64_t staged;
     int fd;
     char tmp_dir[4096], rows_path[4200];
@@ -234,17 +238,18 @@ static em_status flush_run(save *s, em_error *err)
     return status;
 }
 
-/* Digests the count rows just staged after s->staged (when tracking) and keeps, for a
- * delta, only those that changed since the parent (values, state or access metadata);
- * *kept of them stay, in order. */
-static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error *err)
+/* Digests the count rows of staging from first into s->next's digests (when tracking)
+ * and keeps, for a delta, only those that changed since the parent (values, state or
+ * access metadata); *kept of them stay, in order. */
+static em_status digest_staged(save *s, uint64_t first, uint64_t count, uint64_t *kept,
+                               em_error *err)
 {
     *kept = count;
     if (!s->tracking)
         return EM_OK;
     uint32_t floats = s->row_floats;
-    uint64_t *keys = s->keys + s->staged;
-    float *values = s->values + s->staged * floats;
+    uint64_t *keys = s->keys + first;
+    float *values = s->values + first * floats;
     uint64_t out = 0;
     for (uint64_t i = 0; i < count; i++) {
         if (i + EM__KEY_PREFETCH < count) { /* keys[] before i move down only: ahead stays */
@@ -252,7 +257,7 @@ static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error
             if (s->delta)
                 em__key_map_prefetch(&s->parent->digests, keys[i + EM__KEY_PREFETCH]);
         }
-        const em_row_access *access = s->access ? &s->row_access[s->staged + i] : NULL;
+        const em_row_access *access = s->access ? &s->row_access[first + i] : NULL;
         uint64_t digest = em__row_digest(values + i * floats, floats, access), before = 0;
         if (!em__key_map_put(&s->next->digests, keys[i], digest))
             return em_error_set(err, EM_RESOURCE_EXHAUSTED,
@@ -265,12 +270,20 @@ static em_status digest_staged(save *s, uint64_t count, uint64_t *kept, em_error
             keys[out] = keys[i];
             memcpy(values + out * floats, values + i * floats, floats * sizeof(float));
             if (s->access)
-                s->row_access[s->staged + out] = s->row_access[s->staged + i];
+                s->row_access[first + out] = s->row_access[first + i];
         }
         out++;
     }
     *kept = out;
     return EM_OK;
+}
+
+/* The digester's work: the rows of a full staging buffer (a full save keeps them all). */
+static em_status digest_run(void *context, void *item, em_error *err)
+{
+    save *s = context;
+    uint64_t kept;
+    return digest_staged(s, 0, *(const uint64_t *)item, &kept, err);
 }
 
 int em__checkpoint_key_order(uint64_t x, uint64_t y)
@@ -335,6 +348,10 @@ static em_status write_rows(save *s, em_error *err)
                           .carry = s->carry};
     if (status == EM_OK)
         status = em__pipe_start(&s->writer, write_run, &s->file, err);
+    /* a full save's digests beside the grouping (a delta's decide what it groups) */
+    bool digest_aside = s->tracking && !s->delta;
+    if (status == EM_OK && digest_aside)
+        status = em__pipe_start(&s->digester, digest_run, s, err);
     const em_checkpoint_options *o = s->options;
     uint64_t total = status == EM_OK ? em_table_snapshot_rows(snapshot) : 0;
     if (status == EM_OK && o->progress != NULL)
@@ -351,15 +368,28 @@ static em_status write_rows(save *s, em_error *err)
                                         err);
         s->table_rows += count;
         uint64_t kept = count;
-        if (status == EM_OK)
-            status = digest_staged(s, count, &kept, err);
+        if (status == EM_OK && !digest_aside)
+            status = digest_staged(s, s->staged, count, &kept, err);
         s->staged += kept;
         if (status == EM_OK && (s->staged == s->buffer_rows || count == 0)) {
-            status = flush_run(s, err);
+            s->digest_rows = s->staged;
+            if (digest_aside && s->staged > 0)
+                status = em__pipe_put(&s->digester, &s->digest_rows, err);
+            if (status == EM_OK)
+                status = flush_run(s, err);
+            /* both read staging; the next snapshot read writes it */
+            em_error digested;
+            em_status digesting = digest_aside ? em__pipe_wait(&s->digester, &digested) : EM_OK;
+            if (status == EM_OK && digesting != EM_OK) {
+                status = digesting;
+                em_error_copy(err, &digested);
+            }
             if (status == EM_OK && o->progress != NULL)
                 o->progress(o->progress_context, s->table_rows, total);
         }
     }
+    em_error ignored; /* every item handed to the digester was waited for above */
+    (void)em__pipe_finish(&s->digester, &ignored);
     em_error written;
     em_status writing = em__pipe_finish(&s->writer, &written);
     if (status == EM_OK && writing != EM_OK) {
