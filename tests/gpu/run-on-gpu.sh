@@ -167,7 +167,7 @@ else
     --seconds 1
 fi
 # Saves and loads of a table in GPU memory against dd on this machine's disk.
-step "bench_checkpoint --backend cuda" 120 "$bench_checkpoint" --backend cuda --seconds 1 \
+step "bench_checkpoint --backend cuda" 180 "$bench_checkpoint" --backend cuda --seconds 1 \
   --pairs 3
 # Inserts into a full table that evicts against inserts at load 0.5, and the hit rates of
 # lru and lfu against exact ones, with the tables on the GPU.
