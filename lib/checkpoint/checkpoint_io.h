@@ -48,7 +48,7 @@ const char *em_save_step_name(em_save_step step);
  * advice to back it with large pages. A direct write pins every page it sends, and the
  * disk takes each page as a segment: direct writes of a 1.5 GiB file in 4 MiB calls spent
  * 0.61-0.69 s in the kernel from 4 KiB pages and 0.35-0.38 s from large pages on a virtual
- * disk, where a save's writer thread went from 0.64-0.68 s to 0.38-0.43 s
+ * disk, where a save's writer thread went from 0.64-0.77 s to 0.35-0.39 s
  * (tests/bench/RESULTS.md). Copies into and out of such a buffer miss the TLB less. */
 void *em_io_buffer_alloc(size_t bytes);
 
