@@ -372,9 +372,10 @@ static em_status write_rows(save *s, em_error *err)
             status = digest_staged(s, s->staged, count, &kept, err);
         s->staged += kept;
         if (status == EM_OK && (s->staged == s->buffer_rows || count == 0)) {
-            s->digest_rows = s->staged;
-            if (digest_aside && s->staged > 0)
+            if (digest_aside && s->staged > 0) {
+                s->digest_rows = s->staged;
                 status = em__pipe_put(&s->digester, &s->digest_rows, err);
+            }
             if (status == EM_OK)
                 status = flush_run(s, err);
             /* both read staging; the next snapshot read writes it */

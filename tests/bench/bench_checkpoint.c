@@ -151,36 +151,49 @@ static void run_dd(const char *dir, uint64_t bytes, double *write_s, double *rea
     unlink(command);
 }
 
-/* Seconds dd takes to copy `source` (a checkpoint's rows.emb, read into the page cache
- * first) to a new file beside it: through the page cache with conv=fdatasync (direct
- * false), or around it in writes of 4 MiB (oflag=direct), the disk's own speed for these
- * bytes. Writes of zeros, as the first table's dd, can be far cheaper than writes of
- * data on a virtual disk (tests/bench/RESULTS.md), so the saves are also held against
- * the same bytes they write. */
-static double last_unlink_s; /* dd_copy's removal of its file */
+/* Reads dir/name to its end, so that its pages are in the page cache. */
+static void read_into_cache(const char *dir, const char *name)
+{
+    char path[8192];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) {
+        fprintf(stderr, "%s: cannot open\n", path);
+        exit(1);
+    }
+    static char buffer[1 << 20];
+    while (fread(buffer, 1, sizeof(buffer), f) == sizeof(buffer))
+        ;
+    fclose(f);
+}
 
-static double dd_copy(const char *dir, const char *source, bool direct)
+/* The seconds dd takes to copy a checkpoint's rows.emb (read into the page cache first)
+ * to a new file beside it, around the page cache in writes of 4 MiB (oflag=direct: the
+ * disk's own speed for these bytes) into *direct, and through it with conv=fdatasync
+ * into *buffered; the range of the times its files took to remove widens [*unlink_low,
+ * *unlink_high]. Writes of zeros, as the first table's dd, can be far cheaper than writes
+ * of data on a virtual disk (tests/bench/RESULTS.md), so the saves are also held against
+ * the same bytes they write. */
+static void dd_copies(const char *dir, const char *checkpoint, double *direct, double *buffered,
+                      double *unlink_low, double *unlink_high)
 {
     char command[9000], path[900];
     snprintf(path, sizeof(path), "%s/dd-copy.bin", dir);
-    snprintf(command, sizeof(command), "dd if=%s of=%s bs=4M %s status=none", source, path,
-             direct ? "oflag=direct" : "conv=fdatasync");
-    FILE *f = fopen(source, "rb");
-    if (f != NULL) { /* into the page cache: what is timed is the write */
-        static char buffer[1 << 20];
-        while (fread(buffer, 1, sizeof(buffer), f) == sizeof(buffer))
-            ;
-        fclose(f);
+    for (int way = 0; way < 2; way++) {
+        read_into_cache(checkpoint, "rows.emb"); /* what is timed is the write */
+        snprintf(command, sizeof(command), "dd if=%s/rows.emb of=%s bs=4M %s status=none",
+                 checkpoint, path, way == 0 ? "oflag=direct" : "conv=fdatasync");
+        sync();
+        double start = em_test_now();
+        if (system(command) != 0)
+            fprintf(stderr, "dd failed: %s\n", command);
+        *(way == 0 ? direct : buffered) = em_test_now() - start;
+        start = em_test_now();
+        unlink(path);
+        double unlink_s = em_test_now() - start;
+        *unlink_low = unlink_s < *unlink_low ? unlink_s : *unlink_low;
+        *unlink_high = unlink_s > *unlink_high ? unlink_s : *unlink_high;
     }
-    sync();
-    double start = em_test_now();
-    if (system(command) != 0)
-        fprintf(stderr, "dd failed: %s\n", command);
-    double seconds = em_test_now() - start;
-    start = em_test_now();
-    unlink(path);
-    last_unlink_s = em_test_now() - start;
-    return seconds;
 }
 
 /* ---- pull latency ---------------------------------------------------------------------- */
@@ -337,21 +350,6 @@ static latency measure_pulls(em_table *table, const options *opt, bool with_save
     return l;
 }
 
-/* Reads dir/name to its end, so that its pages are in the page cache. */
-static void read_into_cache(const char *dir, const char *name)
-{
-    char path[8192];
-    snprintf(path, sizeof(path), "%s/%s", dir, name);
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) {
-        fprintf(stderr, "%s: cannot open\n", path);
-        exit(1);
-    }
-    static char buffer[1 << 20];
-    while (fread(buffer, 1, sizeof(buffer), f) == sizeof(buffer))
-        ;
-    fclose(f);
-}
 
 /* The backend --backend names; exits when it cannot be had. */
 static em_backend *bench_backend(const options *opt)
@@ -594,17 +592,12 @@ int main(int argc, char **argv)
     double copy_direct[MAX_PAIRS] = {0}, copy_buffered[MAX_PAIRS] = {0};
     double unlink_low = 1e9, unlink_high = 0;
     double save_plain[MAX_PAIRS], save_tracked[MAX_PAIRS];
-    char source[4400];
-    snprintf(source, sizeof(source), "%s/rows.emb", s.info.path);
+    char last_saved[4400]; /* the last save's checkpoint */
+    snprintf(last_saved, sizeof(last_saved), "%s", s.info.path);
     for (int k = 0; k < pairs; k++) {
-        if (k % 2 == 0) {
-            copy_direct[k] = dd_copy(opt.dir, source, true);
-            copy_buffered[k] = dd_copy(opt.dir, source, false);
-        }
-        if (k % 2 == 0) {
-            unlink_low = last_unlink_s < unlink_low ? last_unlink_s : unlink_low;
-            unlink_high = last_unlink_s > unlink_high ? last_unlink_s : unlink_high;
-        }
+        if (k % 2 == 0)
+            dd_copies(opt.dir, last_saved, &copy_direct[k], &copy_buffered[k], &unlink_low,
+                      &unlink_high);
         for (int which = 0; which < 2; which++) {
             bool track = (which == 0) == (k % 2 == 1); /* which goes first alternates too */
             saver pair_save = {.table = table, .opt = &opt, .track = track};
@@ -615,14 +608,11 @@ int main(int argc, char **argv)
             if (pair_save.status != EM_OK)
                 return 1;
             *(track ? &save_tracked[k] : &save_plain[k]) = seconds;
-            snprintf(source, sizeof(source), "%s/rows.emb", pair_save.info.path);
+            snprintf(last_saved, sizeof(last_saved), "%s", pair_save.info.path);
         }
-        if (k % 2 == 1) {
-            copy_direct[k] = dd_copy(opt.dir, source, true);
-            copy_buffered[k] = dd_copy(opt.dir, source, false);
-            unlink_low = last_unlink_s < unlink_low ? last_unlink_s : unlink_low;
-            unlink_high = last_unlink_s > unlink_high ? last_unlink_s : unlink_high;
-        }
+        if (k % 2 == 1)
+            dd_copies(opt.dir, last_saved, &copy_direct[k], &copy_buffered[k], &unlink_low,
+                      &unlink_high);
     }
     printf("saves beside dd copying the rows.emb a save wrote (4 MiB writes, oflag=direct "
            "and conv=fdatasync):\n");
