@@ -104,6 +104,8 @@ void em_backend_destroy(em_backend *backend)
     if (backend == NULL)
         return;
     em_exchange_destroy(backend->exchange);
+    for (uint32_t i = 0; i < backend->device_count; i++)
+        em_device_scratch_drop(backend->devices[i]);
     destroy_devices(backend->devices, backend->device_count);
     em_host_buffers_destroy(backend->host_buffers);
     free(backend);

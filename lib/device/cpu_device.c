@@ -1077,7 +1077,7 @@ static const em_device_ops cpu_device_ops = {
 em_status em_cpu_device_create(uint32_t index, const em_cpu_backend_options *options,
                                em_device **out, em_error *err)
 {
-    em_device *device = calloc(1, sizeof(*device));
+    em_device *device = em_device_allocate();
     cpu_device_state *state = calloc(1, sizeof(*state));
     if (device == NULL || state == NULL) {
         free(device);

@@ -755,7 +755,7 @@ static em_status check_kernels(em_device *device, em_error *err)
 em_status em__cuda_device_create(uint32_t index, const em__cuda_device_options *options,
                                  em_device **out, em_error *err)
 {
-    em_device *device = calloc(1, sizeof(*device));
+    em_device *device = em_device_allocate();
     cuda_state *state = calloc(1, sizeof(*state));
     if (device == NULL || state == NULL) {
         free(device);
@@ -794,4 +794,3 @@ em_status em__cuda_device_create(uint32_t index, const em__cuda_device_options *
     *out = device;
     return EM_OK;
 }
-

@@ -1,5 +1,9 @@
 #include "lib/device/device.h"
 
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
 em_status em_device_alloc(em_device *device, size_t bytes, const char *what, void **out,
                           em_error *err)
 {
@@ -16,6 +20,66 @@ void em_device_free(em_device *device, void *pointer)
 {
     if (pointer != NULL)
         em_pool_free(device->pool, (uintptr_t)pointer, NULL);
+}
+
+em_device *em_device_allocate(void)
+{
+    size_t bytes = (sizeof(em_device) + _Alignof(em_device) - 1) / _Alignof(em_device) *
+                   _Alignof(em_device);
+    em_device *device = aligned_alloc(_Alignof(em_device), bytes);
+    if (device != NULL)
+        memset(device, 0, sizeof(*device));
+    return device;
+}
+
+/* The slot a thread looks at first: threads numbered in the order they first ask, so
+ * that a few threads each find a slot of their own. */
+static uint32_t first_scratch_slot(void)
+{
+    static _Atomic uint32_t threads;
+    static _Thread_local uint32_t number; /* 0: not numbered yet */
+    if (number == 0)
+        number = atomic_fetch_add_explicit(&threads, 1, memory_order_relaxed) + 1;
+    return number % EM_DEVICE_SCRATCH_SLOTS;
+}
+
+em_status em_device_scratch_take(em_device *device, const char *what, void **out,
+                                 em_error *err)
+{
+    uint32_t first = first_scratch_slot();
+    for (uint32_t i = 0; i < EM_DEVICE_SCRATCH_SLOTS; i++) {
+        em_scratch_slot *slot = &device->scratch[(first + i) % EM_DEVICE_SCRATCH_SLOTS];
+        if (atomic_load_explicit(&slot->block, memory_order_relaxed) == NULL)
+            continue;
+        void *block = atomic_exchange_explicit(&slot->block, NULL, memory_order_acquire);
+        if (block != NULL) {
+            *out = block;
+            return EM_OK;
+        }
+    }
+    return em_device_alloc(device, EM_DEVICE_SCRATCH_BLOCK, what, out, err);
+}
+
+void em_device_scratch_give(em_device *device, void *block)
+{
+    uint32_t first = first_scratch_slot();
+    for (uint32_t i = 0; i < EM_DEVICE_SCRATCH_SLOTS; i++) {
+        em_scratch_slot *slot = &device->scratch[(first + i) % EM_DEVICE_SCRATCH_SLOTS];
+        void *empty = NULL;
+        if (atomic_load_explicit(&slot->block, memory_order_relaxed) == NULL &&
+            atomic_compare_exchange_strong_explicit(&slot->block, &empty, block,
+                                                    memory_order_release,
+                                                    memory_order_relaxed))
+            return;
+    }
+    em_device_free(device, block);
+}
+
+void em_device_scratch_drop(em_device *device)
+{
+    for (uint32_t i = 0; i < EM_DEVICE_SCRATCH_SLOTS; i++)
+        em_device_free(device, atomic_exchange_explicit(&device->scratch[i].block, NULL,
+                                                        memory_order_acquire));
 }
 
 /* Row padding and the bounds of rows per block (see em_row_blocks_plan). */

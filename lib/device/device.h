@@ -406,6 +406,23 @@ typedef struct em_device_ops {
     void (*destroy)(em_device *device);
 } em_device_ops;
 
+/* Requests carve their small buffers out of blocks of EM_DEVICE_SCRATCH_BLOCK bytes
+ * (lib/table/table_request.c). A device keeps up to EM_DEVICE_SCRATCH_SLOTS such blocks
+ * that requests gave back, a cache line a slot, so that requests on several threads
+ * do not each take the pool's lock (and, when they meet there, sleep in the kernel)
+ * twice a request: a block given back goes into an empty slot, or back to the pool when
+ * every slot holds one. The blocks kept count in the pool's bytes in use, as they did
+ * while a request held them: at most EM_DEVICE_SCRATCH_SLOTS x EM_DEVICE_SCRATCH_BLOCK
+ * bytes (512 KiB) a device once requests have run on it. A block is given back when
+ * the request that held it has ended on the device (its lanes released), as a pool
+ * free would be. */
+#define EM_DEVICE_SCRATCH_BLOCK ((size_t)64 << 10)
+#define EM_DEVICE_SCRATCH_SLOTS 8
+
+typedef struct em_scratch_slot {
+    _Alignas(64) void *_Atomic block;
+} em_scratch_slot;
+
 struct em_device {
     const em_device_ops *ops;
     char name[32];         /* "cpu0", "cuda:0" */
@@ -421,6 +438,8 @@ struct em_device {
      * counts on the first of them only, so that the sums over devices stay the host's. */
     _Atomic uint64_t waits;
     _Atomic uint64_t wait_ns;
+    /* Request scratch blocks kept between requests (em_device_scratch_take). */
+    em_scratch_slot scratch[EM_DEVICE_SCRATCH_SLOTS];
 };
 
 /* How a shard stores rows (both backends): each row is its weights then its optimizer
@@ -440,10 +459,24 @@ typedef struct em_row_blocks {
  * target_block_bytes (16 when even that is larger). */
 em_row_blocks em_row_blocks_plan(uint32_t dim, int optimizer_kind, size_t target_block_bytes);
 
+/* A zeroed em_device, aligned as its scratch slots ask (NULL when out of memory); free()
+ * frees it. */
+em_device *em_device_allocate(void);
+
 /* Pool allocation of bytes on the device, as a pointer. Errors: RESOURCE_EXHAUSTED with
  * the pool's statistics, prefixed with what (e.g. "pull scratch"). */
 em_status em_device_alloc(em_device *device, size_t bytes, const char *what, void **out,
                           em_error *err);
 void em_device_free(em_device *device, void *pointer);
+
+/* A scratch block of EM_DEVICE_SCRATCH_BLOCK bytes: one the device kept, else from the
+ * pool (em_device_alloc's errors). */
+em_status em_device_scratch_take(em_device *device, const char *what, void **out,
+                                 em_error *err);
+/* Gives back a block from em_device_scratch_take: kept for the next request when a slot
+ * is free, else freed. */
+void em_device_scratch_give(em_device *device, void *block);
+/* Frees the blocks the device keeps (before its pool goes; nothing may run on it). */
+void em_device_scratch_drop(em_device *device);
 
 #endif

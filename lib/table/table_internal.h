@@ -128,6 +128,7 @@ struct em_table {
 typedef struct scratch_item {
     em_device *device;
     void *pointer;
+    bool block; /* a scratch block (em_device_scratch_take), given back to the device */
 } scratch_item;
 
 /* The slice of a request that one device handles. */

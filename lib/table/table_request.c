@@ -46,19 +46,29 @@ static em_status settle_unchecked(request_context *r, em_error *err);
  * the pool. A pool that cannot give a block fails the request as it would have failed
  * for the buffer (before anything is created: callers take scratch first). */
 #define SCRATCH_SMALL ((size_t)8 << 10)
-#define SCRATCH_BLOCK ((size_t)64 << 10)
+#define SCRATCH_BLOCK EM_DEVICE_SCRATCH_BLOCK
 
-static em_status track_scratch(request_context *r, em_device *device, size_t bytes,
+/* bytes of scratch, or a scratch block when block (the device may have one kept). */
+static em_status track_scratch(request_context *r, em_device *device, size_t bytes, bool block,
                                const char *what, void **out, em_error *err)
 {
     if (r->scratch_count == r->scratch_capacity)
         return em_error_set(err, EM_INTERNAL, "request scratch list full (%u buffers)",
                             r->scratch_capacity);
-    em_status status = em_device_alloc(device, bytes, what, out, err);
+    em_status status = block ? em_device_scratch_take(device, what, out, err)
+                             : em_device_alloc(device, bytes, what, out, err);
     if (status != EM_OK)
         return status;
-    r->scratch[r->scratch_count++] = (scratch_item){device, *out};
+    r->scratch[r->scratch_count++] = (scratch_item){device, *out, block};
     return EM_OK;
+}
+
+static void release_scratch(const scratch_item *item)
+{
+    if (item->block)
+        em_device_scratch_give(item->device, item->pointer);
+    else
+        em_device_free(item->device, item->pointer);
 }
 
 em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
@@ -68,11 +78,11 @@ em_status em__request_alloc(request_context *r, em_device *device, size_t bytes,
     if (rounded == 0)
         rounded = EM_POOL_ALIGNMENT;
     if (rounded > SCRATCH_SMALL)
-        return track_scratch(r, device, bytes, what, out, err);
+        return track_scratch(r, device, bytes, false, what, out, err);
     struct scratch_block *block = &r->blocks[device->index];
     if (block->size - block->used < rounded) {
         void *base = NULL;
-        em_status status = track_scratch(r, device, SCRATCH_BLOCK, what, &base, err);
+        em_status status = track_scratch(r, device, SCRATCH_BLOCK, true, what, &base, err);
         if (status != EM_OK)
             return status;
         *block = (struct scratch_block){base, 0, SCRATCH_BLOCK};
@@ -90,7 +100,7 @@ request_mark em__request_mark(const request_context *r)
 void em__request_rewind(request_context *r, const request_mark *mark)
 {
     for (uint32_t i = r->scratch_count; i > mark->scratch_count; i--)
-        em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
+        release_scratch(&r->scratch[i - 1]);
     r->scratch_count = mark->scratch_count;
     r->blocks[r->home->index] = mark->home_block;
 }
@@ -189,7 +199,7 @@ void em__request_end(request_context *r)
         em__release_claim(r);
     release_lanes(r);
     for (uint32_t i = r->scratch_count; r->scratch != NULL && i > 0; i--)
-        em_device_free(r->scratch[i - 1].device, r->scratch[i - 1].pointer);
+        release_scratch(&r->scratch[i - 1]);
     free(r->scratch); /* every bookkeeping array (em__request_begin) */
 }
 

@@ -2090,7 +2090,10 @@ END_TEST
  * below the ceilings measured when this test was written, so a change that adds work
  * to a request fails here and one that removes some lowers the ceilings. 1,000 keys,
  * dim 16, adagrad, batches in malloc'ed memory, the table's shards on one GPU or spread
- * over two (which goes the general way). */
+ * over two (which goes the general way). The first request of a new table of several
+ * shards copies its shards' view to the GPU; a lane that kept a view with the same
+ * bytes (an earlier table's, at the same addresses) skips that copy, so the ceilings of
+ * the fresh shapes of several shards count it. */
 typedef struct request_shape {
     const char *what;
     uint32_t gpus, shards;
@@ -2110,7 +2113,7 @@ START_TEST(host_waits_and_operations_per_request)
         {"push, creating", 1, 1, true, true, false, 18, 2, false},
         {"push, creating again", 1, 1, true, true, true, 17, 1, false},
         {"pull, present keys", 1, 8, false, false, false, 11, 1, false},
-        {"pull, creating", 1, 8, false, true, false, 23, 9, false},
+        {"pull, creating", 1, 8, false, true, false, 24, 9, false},
         {"pull, creating again", 1, 8, false, true, true, 15, 1, false},
         {"push, present keys", 1, 8, true, false, false, 14, 1, false},
         {"push, creating", 1, 8, true, true, false, 25, 9, false},

@@ -24,8 +24,11 @@ static em_table_config config_named(const char *name)
     return config;
 }
 
+/* The pool's bytes in use by tables: the scratch blocks the device keeps for requests
+ * (em_device_scratch_take) are the device's, given back to the pool first. */
 static uint64_t pool_in_use(em_backend *backend)
 {
+    em_device_scratch_drop(backend->devices[0]);
     em_pool_stats stats;
     em_pool_get_stats(backend->devices[0]->pool, &stats);
     return stats.bytes_in_use;

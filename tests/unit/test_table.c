@@ -1146,6 +1146,71 @@ START_TEST(concurrent_disjoint_pushes_match_reference)
 }
 END_TEST
 
+static uint64_t pool_in_use(em_device *device)
+{
+    em_pool_stats stats;
+    em_pool_get_stats(device->pool, &stats);
+    return stats.bytes_in_use;
+}
+
+/* Requests' scratch blocks: kept by the device between requests, up to its slots, the
+ * rest back to the pool; what is kept counts in the pool and goes with the device. */
+START_TEST(devices_keep_scratch_blocks_between_requests)
+{
+    em_backend *backend = make_backend(1, 64 * MEBIBYTE);
+    em_device *device = backend->devices[0];
+    uint64_t baseline = pool_in_use(device);
+    enum { TAKEN = EM_DEVICE_SCRATCH_SLOTS + 3 };
+    void *blocks[TAKEN];
+    em_error err;
+    for (int i = 0; i < TAKEN; i++)
+        ck_assert_int_eq(em_device_scratch_take(device, "test scratch", &blocks[i], &err), EM_OK);
+    ck_assert_uint_eq(pool_in_use(device), baseline + TAKEN * EM_DEVICE_SCRATCH_BLOCK);
+    for (int i = 0; i < TAKEN; i++)
+        em_device_scratch_give(device, blocks[i]);
+    uint64_t kept = EM_DEVICE_SCRATCH_SLOTS * EM_DEVICE_SCRATCH_BLOCK;
+    ck_assert_uint_eq(pool_in_use(device), baseline + kept);
+    /* taken again: kept blocks, nothing more from the pool */
+    void *again[EM_DEVICE_SCRATCH_SLOTS];
+    for (int i = 0; i < EM_DEVICE_SCRATCH_SLOTS; i++) {
+        ck_assert_int_eq(em_device_scratch_take(device, "test scratch", &again[i], &err), EM_OK);
+        bool known = false;
+        for (int j = 0; j < TAKEN; j++)
+            known = known || again[i] == blocks[j];
+        ck_assert_msg(known, "block %d was not one given back", i);
+    }
+    ck_assert_uint_eq(pool_in_use(device), baseline + kept);
+    for (int i = 0; i < EM_DEVICE_SCRATCH_SLOTS; i++)
+        em_device_scratch_give(device, again[i]);
+    /* requests on several threads use what is kept: a table's memory plus at most the
+     * kept blocks once they are done */
+    em_table_config config = table_config(9, 100000, 6, 2);
+    em_table *table = em_test_make_table(backend, &config);
+    pthread_t handles[4];
+    disjoint_context contexts[4];
+    for (int t = 0; t < 4; t++) {
+        contexts[t] = (disjoint_context){table, reference_table_create(&config),
+                                         em_test_seed() + (uint64_t)t, t, 4, EM_OK};
+        pthread_create(&handles[t], NULL, disjoint_worker, &contexts[t]);
+    }
+    for (int t = 0; t < 4; t++) {
+        pthread_join(handles[t], NULL);
+        ck_assert_int_eq(contexts[t].status, EM_OK);
+        reference_table_destroy(contexts[t].reference);
+    }
+    em_table_stats stats;
+    em_table_get_stats(table, &stats);
+    uint64_t with_table = pool_in_use(device);
+    ck_assert_uint_le(with_table, baseline + kept + stats.row_bytes + stats.index_bytes +
+                                      stats.access_bytes);
+    em_table_destroy(table);
+    ck_assert_uint_eq(pool_in_use(device), baseline + kept);
+    em_device_scratch_drop(device);
+    ck_assert_uint_eq(pool_in_use(device), baseline);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 START_TEST(stats_count_rows_memory_and_requests)
 {
     em_backend *backend = make_backend(1, 64 * MEBIBYTE);
@@ -1321,6 +1386,7 @@ int main(void)
     tcase_add_test(concurrency, concurrent_pushes_near_the_float_range_keep_rows_finite);
     tcase_add_test(concurrency, concurrent_disjoint_pushes_match_reference);
     tcase_add_test(concurrency, stats_count_rows_memory_and_requests);
+    tcase_add_test(concurrency, devices_keep_scratch_blocks_between_requests);
     tcase_add_test(concurrency, calls_that_may_change_a_checkpoint_are_counted);
     suite_add_tcase(suite, concurrency);
     return em_test_run(suite);
