@@ -1,5 +1,7 @@
 #include "lib/device/device.h"
 
+#include "lib/base/spread_lock.h"
+
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,11 +38,7 @@ em_device *em_device_allocate(void)
  * that a few threads each find a slot of their own. */
 static uint32_t first_scratch_slot(void)
 {
-    static _Atomic uint32_t threads;
-    static _Thread_local uint32_t number; /* 0: not numbered yet */
-    if (number == 0)
-        number = atomic_fetch_add_explicit(&threads, 1, memory_order_relaxed) + 1;
-    return number % EM_DEVICE_SCRATCH_SLOTS;
+    return em_thread_number() % EM_DEVICE_SCRATCH_SLOTS;
 }
 
 em_status em_device_scratch_take(em_device *device, const char *what, void **out,

@@ -75,23 +75,23 @@ static em_status run_shared_then_exclusive(em_table *table, locked_attempt attem
     if (alone_first) {
         atomic_fetch_add_explicit(&table->requests_alone_first, 1, memory_order_relaxed);
     } else {
-        em_rwlock_read_lock_patient(&table->lock);
+        em_spread_lock_read(&table->lock);
         status = attempt(table, request, result, false, &state, err);
-        pthread_rwlock_unlock(&table->lock);
+        em_spread_unlock_read(&table->lock);
         if (status == EM_OK && state.needs_create)
             atomic_fetch_add_explicit(&table->exclusive_retries, 1, memory_order_relaxed);
     }
     if (status == EM_OK && (alone_first || state.needs_create)) {
-        em_rwlock_write_lock_patient(&table->lock);
+        em_spread_lock_write(&table->lock);
         status = attempt(table, request, result, true, &state, err);
-        pthread_rwlock_unlock(&table->lock);
+        em_spread_unlock_write(&table->lock);
     }
     if (status == EM_OK && state.made_room) {
         uint32_t seen = atomic_load_explicit(making_room, memory_order_relaxed);
         if (seen < ALONE_AFTER) /* no further: it only says whether the next go alone */
             atomic_store_explicit(making_room, seen + 1, memory_order_relaxed);
-    } else if (status == EM_OK) {
-        atomic_store_explicit(making_room, 0, memory_order_relaxed);
+    } else if (status == EM_OK && atomic_load_explicit(making_room, memory_order_relaxed) != 0) {
+        atomic_store_explicit(making_room, 0, memory_order_relaxed); /* a write only then */
     }
     return status;
 }
@@ -375,7 +375,7 @@ static em_status settle_created(request_context *r, uint64_t rows_before, em_err
         if (status == EM_OK && settled != EM_OK)
             status = em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         if (r->shard_missing[s] != 0) /* make_room_at_once: keys of the batch fall there */
-            atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&table->shard_creations[s].value, 1, memory_order_relaxed);
     }
     uint64_t rows = em__stored_rows(table);
     uint64_t created = rows > rows_before ? rows - rows_before : 0;
@@ -434,7 +434,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
             (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
         if (!create) /* creating, every write lock is held until the shards are settled */
             em__lock_all_shards(table, false);
-        seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
+        seen = atomic_load_explicit(&table->shard_creations[0].value, memory_order_relaxed);
         status = ops->shards_pull_async(table->shards, table->shard_count, r->home_lane, &batch,
                                         request->combiner, k.unique, k.count, create, k.rows,
                                         missing, out, r->access_stamp, updated, err);
@@ -821,7 +821,7 @@ static em_status push_at_once(request_context *r, push_call *call,
             em__lock_all_shards(table, true);
         locked = true;
         stamp = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed) + 1;
-        seen = atomic_load_explicit(&table->shard_creations[0], memory_order_relaxed);
+        seen = atomic_load_explicit(&table->shard_creations[0].value, memory_order_relaxed);
         saving = table->snapshot != NULL; /* its rows go aside first: the general way */
         if (!saving)
             status = ops->shards_push_async(table->shards, table->shard_count, r->home_lane,
@@ -829,8 +829,8 @@ static em_status push_at_once(request_context *r, push_call *call,
                                             &words[0], &words[1], r->access_stamp, stamp, err);
         /* whether it stepped is known later: checks before it look again */
         for (uint32_t s = 0; !saving && s < table->shard_count; s++)
-            table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
-        checked_version = table->shard_versions[0]; /* what its own check saw */
+            table->shard_versions[s].value += EM_ROW_BOUNDED_STEPS + 1;
+        checked_version = table->shard_versions[0].value; /* what its own check saw */
         /* creating, the locks are held until the shards are settled */
         if (!create && (!stamps || saving || status != EM_OK)) {
             em__unlock_all_shards(table);
@@ -1073,7 +1073,7 @@ static em_status erase_keys(em_table *table, const uint64_t *keys, uint64_t n, u
     if (n == 0)
         return EM_OK;
     request_context r;
-    pthread_rwlock_wrlock(&table->lock);
+    em_spread_lock_write(&table->lock);
     em_status status = em__request_begin(table, &r, err);
     if (status == EM_OK)
         status = em__plan_and_find(&r, keys, n, false, err);
@@ -1082,7 +1082,7 @@ static em_status erase_keys(em_table *table, const uint64_t *keys, uint64_t n, u
     if (status == EM_OK)
         status = em__synchronize_devices(&r, err);
     em__request_end(&r);
-    pthread_rwlock_unlock(&table->lock);
+    em_spread_unlock_write(&table->lock);
     atomic_fetch_add_explicit(&table->rows_erased, *erased, memory_order_relaxed);
     if (status != EM_OK)
         return em_error_prefix(err, "erase from table '%s': ", table->config.name);
@@ -1264,19 +1264,33 @@ em_status em_table_restore_evicted(em_table *table, uint64_t total, const uint64
 
 /* ---- lifecycle and stats --------------------------------------------------------- */
 
+/* count zeroed elements of a 64-byte aligned type (the table and its per-shard words),
+ * or NULL; free() frees them. */
+static void *aligned_calloc(size_t count, size_t size)
+{
+    if (count == 0 || size > SIZE_MAX / count)
+        return NULL;
+    size_t bytes = (count * size + 63) / 64 * 64;
+    void *memory = aligned_alloc(64, bytes);
+    if (memory != NULL)
+        memset(memory, 0, bytes);
+    return memory;
+}
+
 static em_status create_shards(em_table *table, em_error *err)
 {
     table->shards = calloc(table->shard_count, sizeof(*table->shards));
     table->shard_device = calloc(table->shard_count, sizeof(*table->shard_device));
-    table->shard_locks = calloc(table->shard_count, sizeof(*table->shard_locks));
-    table->shard_versions = calloc(table->shard_count, sizeof(*table->shard_versions));
-    table->shard_creations = calloc(table->shard_count, sizeof(*table->shard_creations));
+    table->shard_locks = aligned_calloc(table->shard_count, sizeof(*table->shard_locks));
+    table->shard_versions = aligned_calloc(table->shard_count, sizeof(*table->shard_versions));
+    table->shard_creations = aligned_calloc(table->shard_count,
+                                            sizeof(*table->shard_creations));
     if (table->shards == NULL || table->shard_device == NULL || table->shard_locks == NULL ||
         table->shard_versions == NULL || table->shard_creations == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
                             table->config.name);
     for (uint32_t s = 0; s < table->shard_count; s++)
-        pthread_rwlock_init(&table->shard_locks[s], NULL);
+        pthread_rwlock_init(&table->shard_locks[s].lock, NULL);
     for (uint32_t s = 0; s < table->shard_count; s++) {
         uint32_t d = em_backend_shard_device(table->backend, s, table->shard_count);
         em_device *device = table->backend->devices[d];
@@ -1337,7 +1351,7 @@ em_status em_table_create_seeded(em_backend *backend, const em_table_config *con
     em_status status = em_table_config_validate(config, err);
     if (status != EM_OK)
         return status;
-    em_table *table = calloc(1, sizeof(*table));
+    em_table *table = aligned_calloc(1, sizeof(*table));
     if (table == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
                             config->name);
@@ -1351,12 +1365,13 @@ em_status em_table_create_seeded(em_backend *backend, const em_table_config *con
         config->dim + em_optimizer_state_floats(config->optimizer.kind, config->dim);
     table->nonnegative_from = em__nonnegative_run(table);
     table->evict_random = em_mix64(config->initializer.seed ^ 0x65766963746564ull);
-    pthread_rwlockattr_t attributes;
-    pthread_rwlockattr_init(&attributes);
-    /* Writers (pushes) must not starve behind a steady stream of pulls. */
-    pthread_rwlockattr_setkind_np(&attributes, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
-    pthread_rwlock_init(&table->lock, &attributes);
-    pthread_rwlockattr_destroy(&attributes);
+    /* writers (requests alone) come first: a steady stream of requests beside each
+     * other cannot starve them (lib/base/spread_lock.h) */
+    if (em_spread_lock_init(&table->lock) != 0) {
+        free(table);
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
+                            config->name);
+    }
     pthread_mutex_init(&table->snapshot_mutex, NULL);
     pthread_mutex_init(&table->evicted_lock, NULL);
     pthread_mutex_init(&table->clock_lock, NULL);
@@ -1398,13 +1413,13 @@ void em_table_destroy(em_table *table)
         if (table->shards[s] != NULL)
             table->shards[s]->device->ops->shard_destroy(table->shards[s]);
     for (uint32_t s = 0; table->shard_locks != NULL && s < table->shard_count; s++)
-        pthread_rwlock_destroy(&table->shard_locks[s]);
+        pthread_rwlock_destroy(&table->shard_locks[s].lock);
     free(table->shard_locks);
     free(table->shard_versions);
     free((void *)table->shard_creations);
     free(table->shards);
     free(table->shard_device);
-    pthread_rwlock_destroy(&table->lock);
+    em_spread_lock_destroy(&table->lock);
     pthread_mutex_destroy(&table->snapshot_mutex);
     pthread_mutex_destroy(&table->evicted_lock);
     pthread_mutex_destroy(&table->clock_lock);
@@ -1486,13 +1501,13 @@ uint32_t em_table_dim(const em_table *table)
 void em_table_get_stats(em_table *table, em_table_stats *out)
 {
     memset(out, 0, sizeof(*out));
-    pthread_rwlock_rdlock(&table->lock);
+    em_spread_lock_read(&table->lock);
     for (uint32_t s = 0; s < table->shard_count; s++) {
         em_shard_stats shard;
         /* the shard's counts and sizes change under its write lock (inserts, growth) */
         em__shard_read_lock(table, s);
         table->shards[s]->device->ops->shard_stats(table->shards[s], &shard);
-        pthread_rwlock_unlock(&table->shard_locks[s]);
+        pthread_rwlock_unlock(&table->shard_locks[s].lock);
         out->row_bytes += shard.row_bytes;
         out->index_bytes += shard.index_bytes;
         out->access_bytes += shard.access_bytes;
@@ -1500,7 +1515,7 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
         out->rows_evicted_chosen_on_gpu += shard.rows_evicted_chosen_on_gpu;
     }
     out->rows = atomic_load_explicit(&table->rows, memory_order_relaxed);
-    pthread_rwlock_unlock(&table->lock);
+    em_spread_unlock_read(&table->lock);
     if (out->rows > 0) {
         out->index_bytes_per_row = (double)out->index_bytes / (double)out->rows;
         out->access_bytes_per_row = (double)out->access_bytes / (double)out->rows;
@@ -1621,7 +1636,7 @@ static em_status set_shard_access(em_table *table, uint32_t s, const uint64_t *k
                                   keys[i]);
     if (status == EM_OK)
         status = ops->shard_write_access(shard, lane, rows, n, access, err);
-    pthread_rwlock_unlock(&table->shard_locks[s]);
+    pthread_rwlock_unlock(&table->shard_locks[s].lock);
     if (!device->host_addressable) {
         em_device_free(device, device_rows == rows ? NULL : device_rows);
         em_device_free(device, device_keys == keys ? NULL : device_keys);
@@ -1656,13 +1671,13 @@ static em_status set_rows_access(em_table *table, const uint64_t *keys,
     }
     bool locked = status == EM_OK;
     if (locked)
-        pthread_rwlock_rdlock(&table->lock);
+        em_spread_lock_read(&table->lock);
     for (uint32_t s = 0; status == EM_OK && s < shards; s++)
         if (start[s + 1] > start[s])
             status = set_shard_access(table, s, grouped + start[s], grouped_access + start[s],
                                       start[s + 1] - start[s], rows, err);
     if (locked)
-        pthread_rwlock_unlock(&table->lock);
+        em_spread_unlock_read(&table->lock);
     free(start);
     free(cursor);
     free(grouped);

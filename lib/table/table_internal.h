@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "lib/base/rwlock.h"
+#include "lib/base/spread_lock.h"
 #include "lib/table/table.h"
 
 /* A request addresses keys with 32-bit positions (inverse, position arrays). */
@@ -35,6 +36,22 @@
 #define SCRATCH_FIXED 16u
 #define SCRATCH_PER_DEVICE 4u
 
+/* Per-shard words that requests on different threads write (a shard's lock, its
+ * versions and creations): one a cache line, so that work on one shard does not move
+ * another's line between cores (arrays of them: table.c, aligned_calloc). */
+typedef struct em_shard_lock {
+    _Alignas(64) pthread_rwlock_t lock;
+} em_shard_lock;
+typedef struct em_shard_word {
+    _Alignas(64) uint64_t value;
+} em_shard_word;
+typedef struct em_shard_counter {
+    _Alignas(64) _Atomic uint64_t value;
+} em_shard_counter;
+
+/* A table is allocated 64-byte aligned (em_table_create): the groups of fields that
+ * requests write on every thread (counters, clocks, the change counts) each start a
+ * cache line of their own, apart from the fields requests only read. */
 struct em_table {
     em_table_config config;
     uint64_t hash_seed; /* of the shards' maps (em_table_create_seeded) */
@@ -49,9 +66,9 @@ struct em_table {
                              * (em__request_begin), which then gathers per-key pulls into
                              * the output and writes imported rows from where they
                              * arrived (targets), no copy between (em__shards_at_home) */
-    pthread_rwlock_t lock;
-    pthread_rwlock_t *shard_locks; /* readers gather or export, writers apply or write */
-    uint64_t *shard_versions;      /* moved by every step and write of a shard (under
+    em_spread_lock lock;
+    em_shard_lock *shard_locks; /* readers gather or export, writers apply or write */
+    em_shard_word *shard_versions; /* moved by every step and write of a shard (under
                                     * its write lock): 1 for a bounded step, more for
                                     * anything else; a push that checked a shard under
                                     * its read lock checks it again when its check no
@@ -59,11 +76,11 @@ struct em_table {
     /* Rows in the table, and rows + the rows that requests creating keys under the shared
      * lock have claimed (em__claim_rows; never above capacity). Both change together
      * through em__rows_added and em__rows_removed. */
-    _Atomic uint64_t rows, rows_claimed;
+    _Alignas(64) _Atomic uint64_t rows, rows_claimed;
     /* moved (under the shard's write lock) each time keys are created in a shard: a
      * request that found keys missing looks them up again before creating them when
      * their shard's count moved since (em__refind_created) */
-    _Atomic uint64_t *shard_creations;
+    _Alignas(64) em_shard_counter *shard_creations;
     /* The snapshot being read (table_snapshot.c), set and cleared holding every shard's
      * write lock and snapshot_mutex; snapshot_room signals freed copies. */
     struct em_table_snapshot *snapshot;
@@ -71,12 +88,13 @@ struct em_table {
     _Atomic bool dropped; /* em_table_mark_dropped */
     pthread_mutex_t snapshot_mutex;
     pthread_cond_t snapshot_room;
-    _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
+    _Alignas(64) _Atomic uint64_t pulls, pushes, imports, keys_pulled, keys_pushed, rows_created;
     /* eviction (tables with a policy): the clocks rows are stamped with (requests, and
      * pushes), the rows removed, and the state of the sampling's pseudo-random numbers
      * (under the exclusive lock) */
-    _Atomic uint64_t access_clock, update_clock, rows_evicted, rows_expired, rows_erased;
-    uint64_t evict_random;
+    _Alignas(64) _Atomic uint64_t access_clock, update_clock, rows_evicted, rows_expired,
+        rows_erased;
+    _Alignas(64) uint64_t evict_random;
     /* the last keys the policy removed (evicted or expired): key with sequence q (1, 2,
      * ... over removed_total) sits at evicted_keys[(q - 1) % ring]; under evicted_lock */
     pthread_mutex_t evicted_lock;
@@ -86,7 +104,7 @@ struct em_table {
      * under the shared table lock), and what was refused */
     pthread_mutex_t admission_lock;
     uint8_t *admission_counts;
-    _Atomic uint64_t pulls_not_admitted, pushes_dropped;
+    _Alignas(64) _Atomic uint64_t pulls_not_admitted, pushes_dropped;
     _Atomic uint64_t exclusive_retries; /* run_shared_then_exclusive's second attempts */
     /* Pulls (pushes) in a row that had to make room (table.c: run_shared_then_exclusive);
      * from ALONE_AFTER on, the next ones take the exclusive lock first */
@@ -108,7 +126,7 @@ struct em_table {
     _Atomic bool pulls_find_first, pushes_find_first;
     /* (time, push clock) samples, oldest first, for ages in seconds (table_request.c:
      * em__clock_at); under clock_lock */
-    pthread_mutex_t clock_lock;
+    _Alignas(64) pthread_mutex_t clock_lock;
     uint64_t clock_ms[EM_CLOCK_SAMPLES];
     uint32_t clock_value[EM_CLOCK_SAMPLES];
     uint32_t clock_samples;
@@ -118,10 +136,10 @@ struct em_table {
     uint64_t expire_cursor;
     /* The calls that may change what a checkpoint holds of the table (table.h:
      * em_table_changes): those returned, and those running now. */
-    _Atomic uint64_t changes;
+    _Alignas(64) _Atomic uint64_t changes;
     _Atomic uint32_t changing;
     /* em_table_set_attachment */
-    void *attachment;
+    _Alignas(64) void *attachment;
     void (*free_attachment)(void *);
 };
 
@@ -231,12 +249,12 @@ typedef enum shard_work { WORK_GATHER, WORK_APPLY, WORK_WRITE } shard_work;
  * the wait (em_rwlock_*: lib/base/rwlock.h). */
 static inline void em__shard_read_lock(em_table *table, uint32_t s)
 {
-    em_rwlock_read_lock(&table->shard_locks[s]);
+    em_rwlock_read_lock(&table->shard_locks[s].lock);
 }
 
 static inline void em__shard_write_lock(em_table *table, uint32_t s)
 {
-    em_rwlock_write_lock(&table->shard_locks[s]);
+    em_rwlock_write_lock(&table->shard_locks[s].lock);
 }
 
 /* Every shard's lock (write or read), in shard order, as every holder of several takes
@@ -253,7 +271,7 @@ static inline void em__lock_all_shards(em_table *table, bool write)
 static inline void em__unlock_all_shards(em_table *table)
 {
     for (uint32_t s = 0; s < table->shard_count; s++)
-        pthread_rwlock_unlock(&table->shard_locks[s]);
+        pthread_rwlock_unlock(&table->shard_locks[s].lock);
 }
 
 /* Claims capacity for the request's missing keys, to create them under the shared table

@@ -448,11 +448,11 @@ static void run_find_job(void *context, uint64_t i)
     uint32_t s = seg->first_shard + (uint32_t)i;
     uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
     em__shard_read_lock(table, s);
-    r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s], memory_order_relaxed);
+    r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s].value, memory_order_relaxed);
     job->status[i] = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
                                                   n, seg->rows + offset, &r->shard_missing[s],
                                                   &job->errors[i]);
-    pthread_rwlock_unlock(&table->shard_locks[s]);
+    pthread_rwlock_unlock(&table->shard_locks[s].lock);
 }
 
 /* find_on_device's lookups a shard on each thread (finds_beside); a failure is that of
@@ -508,7 +508,7 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
         for (uint64_t i = 0; i < seg->count; i++)
             seg->rows[i] = EM_ROW_NONE;
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s],
+            r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s].value,
                                                     memory_order_relaxed);
             r->shard_missing[s] = shard_key_count(r, s);
             r->missing += r->shard_missing[s];
@@ -521,7 +521,7 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
         uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
         /* keys are created (and maps grow) under the shard's write lock */
         em__shard_read_lock(table, s);
-        r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s],
+        r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s].value,
                                                 memory_order_relaxed);
         status = counts != NULL
                      ? ops->shard_find_async(table->shards[s], seg->lane, seg->keys + offset, n,
@@ -529,7 +529,7 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
                                              err)
                      : ops->shard_find(table->shards[s], seg->lane, seg->keys + offset, n,
                                        seg->rows + offset, &r->shard_missing[s], err);
-        pthread_rwlock_unlock(&table->shard_locks[s]);
+        pthread_rwlock_unlock(&table->shard_locks[s].lock);
         if (status == EM_OK && counts == NULL && r->stop_when_full) {
             found_missing += r->shard_missing[s];
             if (found_missing > em__room_left(table)) {
@@ -828,7 +828,7 @@ static em_status settle_inserts(request_context *r, segment *seg, uint32_t faile
         if (async && ops->shard_insert_settle(table->shards[s], err) != EM_OK)
             return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         em__rows_added(table, r->shard_missing[s]);
-        atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&table->shard_creations[s].value, 1, memory_order_relaxed);
     }
     return EM_OK;
 }
@@ -908,7 +908,7 @@ static void lock_shards(request_context *r, bool lock)
         if (lock)
             em__shard_write_lock(table, s);
         else
-            pthread_rwlock_unlock(&table->shard_locks[s]);
+            pthread_rwlock_unlock(&table->shard_locks[s].lock);
     }
 }
 
@@ -1294,7 +1294,7 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
     slice->removed = 0;
     request_context r;
     em__snapshot_wait_room(table);
-    pthread_rwlock_wrlock(&table->lock);
+    em_spread_lock_write(&table->lock);
     em_status status = em__request_begin(table, &r, err);
     uint32_t s = slice->sweep ? table->expire_shard : slice->shard;
     uint64_t *cursor = slice->sweep ? &table->expire_cursor : &slice->cursor;
@@ -1316,14 +1316,14 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
             status = preserve_host_rows(&r, s, lane, slice->rows, slice->removed, err);
         if (status == EM_OK && slice->removed > 0) {
             em__rows_removed(table, slice->removed);
-            table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+            table->shard_versions[s].value += EM_ROW_BOUNDED_STEPS + 1;
             if (slice->sweep)
                 em__record_evicted(table, slice->keys, slice->removed, &table->rows_expired);
             else
                 atomic_fetch_add_explicit(&table->rows_erased, slice->removed,
                                           memory_order_relaxed);
         }
-        pthread_rwlock_unlock(&table->shard_locks[s]);
+        pthread_rwlock_unlock(&table->shard_locks[s].lock);
         slice->wrapped = *cursor == 0;
         if (slice->sweep && slice->wrapped)
             table->expire_shard = (s + 1) % table->shard_count;
@@ -1331,7 +1331,7 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
             em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
     }
     em__request_end(&r);
-    pthread_rwlock_unlock(&table->lock);
+    em_spread_unlock_write(&table->lock);
     return status;
 }
 
@@ -1647,7 +1647,7 @@ static em_status evict_and_insert(request_context *r, shard_eviction *parts, uin
         }
         if (part->evict.status == EM_OK && r->shard_missing[s] > 0) {
             em__rows_added(table, r->shard_missing[s]);
-            atomic_fetch_add_explicit(&table->shard_creations[s], 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&table->shard_creations[s].value, 1, memory_order_relaxed);
         }
         if (part->evict.status != EM_OK && status == EM_OK) {
             status = part->evict.status;
@@ -1713,11 +1713,11 @@ em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err)
                                                        seg->keys + offset, seg->rows + offset, n,
                                                        err);
             if (status == EM_OK) {
-                table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+                table->shard_versions[s].value += EM_ROW_BOUNDED_STEPS + 1;
                 em__rows_removed(table, found);
                 *erased += found;
             }
-            pthread_rwlock_unlock(&table->shard_locks[s]);
+            pthread_rwlock_unlock(&table->shard_locks[s].lock);
             if (status != EM_OK)
                 return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         }
@@ -1731,7 +1731,7 @@ em_status em__refind_created(request_context *r, bool *stale, em_error *err)
     for (uint32_t d = 0; d < table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
-            uint64_t now = atomic_load_explicit(&table->shard_creations[s], memory_order_relaxed);
+            uint64_t now = atomic_load_explicit(&table->shard_creations[s].value, memory_order_relaxed);
             if (r->shard_missing[s] == 0 || now == r->shard_seen[s])
                 continue;
             r->shard_seen[s] = now;
@@ -1836,7 +1836,7 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
         status = insert_missing(r, err);
     for (uint32_t s = 0; creating != NULL && s < table->shard_count; s++)
         if (creating[s])
-            pthread_rwlock_unlock(&table->shard_locks[s]);
+            pthread_rwlock_unlock(&table->shard_locks[s].lock);
     free(creating);
     free(evict);
     em__release_claim(r);
@@ -1920,7 +1920,7 @@ static em_status check_shard(request_context *r, segment *seg, uint32_t s, bool 
     const em_device_ops *ops = seg->device->ops;
     uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
     const float *gradients = (const float *)seg->payload + offset * table->config.dim;
-    check->version = table->shard_versions[s];
+    check->version = table->shard_versions[s].value;
     if (async)
         return ops->shard_check_apply_async(table->shards[s], seg->lane, seg->keys + offset,
                                             seg->rows + offset, n, gradients, r->gradient_bound,
@@ -1970,7 +1970,7 @@ static em_status check_on_device(request_context *r, segment *seg, shard_check *
             continue; /* its answer is not read */
         em__shard_read_lock(table, s);
         status = check_shard(r, seg, s, async, problem, &checks[s], err);
-        pthread_rwlock_unlock(&table->shard_locks[s]);
+        pthread_rwlock_unlock(&table->shard_locks[s].lock);
     }
     if (status == EM_OK && async && ops->copy_to_host_later != NULL) {
         status = ops->copy_to_host_later(seg->lane, *problems, device_problems,
@@ -2071,7 +2071,7 @@ static em_status recheck_stale_shards(request_context *r, shard_check *checks, e
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
             if (shard_key_count(r, s) == 0)
                 continue;
-            if (check_stale(&checks[s], table->shard_versions[s])) {
+            if (check_stale(&checks[s], table->shard_versions[s].value)) {
                 uint64_t problem = UINT64_MAX;
                 em_status status = check_shard(r, seg, s, false, &problem, &checks[s], err);
                 if (status == EM_OK)
@@ -2092,7 +2092,7 @@ static void advance_versions(request_context *r, const shard_check *checks)
     em_table *table = r->table;
     for (uint32_t s = 0; s < table->shard_count; s++)
         if (shard_key_count(r, s) != 0)
-            table->shard_versions[s] += checks[s].bounded ? 1 : EM_ROW_BOUNDED_STEPS + 1;
+            table->shard_versions[s].value += checks[s].bounded ? 1 : EM_ROW_BOUNDED_STEPS + 1;
 }
 
 em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_error *err)
@@ -2111,7 +2111,7 @@ em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_erro
             em_status status = em__snapshot_preserve(table, s, seg->lane,
                                                      seg->rows + shard_offset(r, seg, s), n, err);
             if (take_locks)
-                pthread_rwlock_unlock(&table->shard_locks[s]);
+                pthread_rwlock_unlock(&table->shard_locks[s].lock);
             if (status != EM_OK)
                 return status;
         }
@@ -2189,7 +2189,7 @@ em_status em__check_create_apply(request_context *r, em_error *err)
         for (uint32_t s = 0; status == EM_OK && refound != NULL && s < table->shard_count; s++)
             if (refound[s]) {
                 checks[s].bounded = 0;
-                checks[s].version = table->shard_versions[s] - 1;
+                checks[s].version = table->shard_versions[s].value - 1;
             }
         if (status == EM_OK)
             status = recheck_stale_shards(r, checks, err);
@@ -2288,7 +2288,7 @@ static em_status shard_step(request_context *r, shard_work work, uint32_t floats
         status = ops->shard_write_rows(table->shards[s], seg->lane, rows, n, targets, payload,
                                        err);
     if (work == WORK_WRITE) /* what pushes checked before this is stale */
-        table->shard_versions[s] += EM_ROW_BOUNDED_STEPS + 1;
+        table->shard_versions[s].value += EM_ROW_BOUNDED_STEPS + 1;
     if (status == EM_OK && work == WORK_GATHER && r->shard_rejected[s] > 0)
         status = ops->shard_fill_initial(table->shards[s], seg->lane, seg->keys + offset, rows, n,
                                          targets, payload, err);
@@ -2336,7 +2336,7 @@ static void run_shard_job(void *context, uint64_t i)
     job->status[i] = shard_step(job->r, job->work, job->floats_per_key, job->checks,
                                 job->segments[i], s, &job->errors[i]);
     if (job->lock)
-        pthread_rwlock_unlock(&table->shard_locks[s]);
+        pthread_rwlock_unlock(&table->shard_locks[s].lock);
 }
 
 /* run_on_shards a shard on each thread (runs_beside); the locks the caller holds are
@@ -2378,7 +2378,7 @@ static em_status run_beside(request_context *r, shard_work work, uint32_t floats
     if (locking == SHARDS_RELEASE_EACH) /* every shard with keys, whatever happened */
         for (uint32_t s = 0; s < table->shard_count; s++)
             if (shard_key_count(r, s) > 0)
-                pthread_rwlock_unlock(&table->shard_locks[s]);
+                pthread_rwlock_unlock(&table->shard_locks[s].lock);
     free(shards);
     free(segments);
     free(status);
@@ -2400,7 +2400,7 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
             if (shard_key_count(r, s) == 0)
                 continue;
             if (failed != EM_OK) {
-                pthread_rwlock_unlock(&table->shard_locks[s]); /* SHARDS_RELEASE_EACH */
+                pthread_rwlock_unlock(&table->shard_locks[s].lock); /* SHARDS_RELEASE_EACH */
                 continue;
             }
             if (lock && work == WORK_GATHER)
@@ -2409,7 +2409,7 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 em__shard_write_lock(table, s);
             em_status status = shard_step(r, work, floats_per_key, checks, seg, s, err);
             if (locking != SHARDS_HELD)
-                pthread_rwlock_unlock(&table->shard_locks[s]);
+                pthread_rwlock_unlock(&table->shard_locks[s].lock);
             if (status != EM_OK) {
                 em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
                 if (locking != SHARDS_RELEASE_EACH)

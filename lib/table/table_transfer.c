@@ -252,9 +252,9 @@ static em_status import_rows(em_table *table, const uint64_t *keys, const float 
     if (status == EM_OK && !checked)
         status = em_table_check_rows(table, keys, values, n, err);
     if (status == EM_OK) {
-        pthread_rwlock_wrlock(&table->lock);
+        em_spread_lock_write(&table->lock);
         status = import_locked(table, keys, values, row_sources, n, absent, err);
-        pthread_rwlock_unlock(&table->lock);
+        em_spread_unlock_write(&table->lock);
     }
     if (status != EM_OK)
         return em_error_prefix(err, "import into table '%s': ", table->config.name);
@@ -304,7 +304,7 @@ em_status em_table_reserve(em_table *table, uint64_t rows, em_error *err)
     double low = mean - 3.0 * sqrt(mean);
     uint64_t per_shard = table->shard_count == 1 ? rows : low > 0.0 ? (uint64_t)low : 0;
     em_status status = EM_OK;
-    pthread_rwlock_wrlock(&table->lock);
+    em_spread_lock_write(&table->lock);
     for (uint32_t s = 0; status == EM_OK && per_shard > 0 && s < table->shard_count; s++) {
         em_shard *shard = table->shards[s];
         const em_device_ops *ops = shard->device->ops;
@@ -316,10 +316,10 @@ em_status em_table_reserve(em_table *table, uint64_t rows, em_error *err)
             break;
         em__shard_write_lock(table, s);
         status = ops->shard_reserve(shard, lane, per_shard, 0, err);
-        pthread_rwlock_unlock(&table->shard_locks[s]);
+        pthread_rwlock_unlock(&table->shard_locks[s].lock);
         ops->lane_release(lane);
     }
-    pthread_rwlock_unlock(&table->lock);
+    em_spread_unlock_write(&table->lock);
     if (status != EM_OK)
         return em_error_prefix(err, "reserving %" PRIu64 " rows in table '%s': ", rows,
                                table->config.name);
@@ -331,7 +331,7 @@ em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max
 {
     *count = 0;
     em_status status = EM_OK;
-    pthread_rwlock_rdlock(&table->lock);
+    em_spread_lock_read(&table->lock);
     while (status == EM_OK && *count == 0 && cursor->shard < table->shard_count && max > 0) {
         em_shard *shard = table->shards[cursor->shard];
         const em_device_ops *ops = shard->device->ops;
@@ -342,14 +342,14 @@ em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max
         em__shard_read_lock(table, cursor->shard);
         status = ops->shard_export(shard, lane, &cursor->position, keys, values, NULL, max, count,
                                    err);
-        pthread_rwlock_unlock(&table->shard_locks[cursor->shard]);
+        pthread_rwlock_unlock(&table->shard_locks[cursor->shard].lock);
         ops->lane_release(lane);
         if (status == EM_OK && *count == 0) {
             cursor->shard++;
             cursor->position = 0;
         }
     }
-    pthread_rwlock_unlock(&table->lock);
+    em_spread_unlock_read(&table->lock);
     if (status != EM_OK)
         return em_error_prefix(err, "export of table '%s' shard %u: ", table->config.name,
                                cursor->shard);
