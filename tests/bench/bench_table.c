@@ -6,14 +6,17 @@
  *
  *   bench_table [--keys N] [--seconds S] [--shards N] [--operations all|push]
  *               [--optimizer NAME] [--dim D] [--threads T] [--batches B] [--gradient G]
- *               [--new-keys F]
+ *               [--new-keys F] [--batch-keys K]
  *
  * --optimizer and --dim keep one optimizer or dim, --threads the runs with at most T
  * threads, and --batches B makes each thread issue exactly B requests instead of
  * running for S seconds (fixed work, for instruction counts: tests/bench/row_check_cost.py).
  * Pushed gradient elements are G x 0, 1, ..., 12 (G 0.001 by default). --new-keys F makes
  * that fraction of every batch's keys new ones, never requested before (the requests
- * create them; the table's capacity is then unbounded in practice).
+ * create them; the table's capacity is then unbounded in practice). --batch-keys K
+ * makes each request K keys (a multiple of 8) instead of 4096: small requests show what
+ * a request costs beyond its keys, and how requests on two threads get in each
+ * other's way.
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -25,8 +28,9 @@
 #include "lib/table/table.h"
 #include "tests/support/test_support.h"
 
-#define BATCH_KEYS 4096
-#define BATCH_ROWS 512 /* 8 keys per row for the pooled pulls */
+/* Keys per request (--batch-keys), 8 a row for the pooled pulls. */
+static uint32_t batch_keys = 4096;
+static uint32_t batch_rows = 512;
 
 typedef struct options {
     uint64_t keys;
@@ -63,13 +67,13 @@ typedef struct worker {
  * worker w's new keys are those of i = 2^40 (w + 1), 2^40 (w + 1) + 1, ... */
 static void fill_batch(em_test_rng *rng, worker *w, uint64_t *keys, uint32_t *offsets)
 {
-    for (int i = 0; i < BATCH_KEYS; i++) {
-        uint64_t index = (uint32_t)i < w->new_keys ? w->fresh++
+    for (uint32_t i = 0; i < batch_keys; i++) {
+        uint64_t index = i < w->new_keys ? w->fresh++
                                                    : em_test_rng_below(rng, w->universe);
         keys[i] = index * 0x9e3779b97f4a7c15ull;
     }
-    for (int r = 0; r <= BATCH_ROWS; r++)
-        offsets[r] = (uint32_t)(r * (BATCH_KEYS / BATCH_ROWS));
+    for (uint32_t r = 0; r <= batch_rows; r++)
+        offsets[r] = r * (batch_keys / batch_rows);
 }
 
 static void *run_worker(void *argument)
@@ -77,13 +81,13 @@ static void *run_worker(void *argument)
     worker *w = argument;
     em_test_rng rng;
     em_test_rng_init(&rng, w->seed);
-    uint64_t keys[BATCH_KEYS];
-    uint32_t offsets[BATCH_ROWS + 1];
-    uint32_t identity[BATCH_KEYS + 1]; /* one key per row for pushes */
-    for (uint32_t i = 0; i <= BATCH_KEYS; i++)
+    uint64_t *keys = malloc(batch_keys * sizeof(uint64_t));
+    uint32_t *offsets = malloc((batch_rows + 1) * sizeof(uint32_t));
+    uint32_t *identity = malloc((batch_keys + 1) * sizeof(uint32_t)); /* a key a row: pushes */
+    for (uint32_t i = 0; i <= batch_keys; i++)
         identity[i] = i;
-    float *buffer = malloc((size_t)BATCH_KEYS * w->dim * sizeof(float));
-    for (size_t i = 0; i < (size_t)BATCH_KEYS * w->dim; i++)
+    float *buffer = malloc((size_t)batch_keys * w->dim * sizeof(float));
+    for (size_t i = 0; i < (size_t)batch_keys * w->dim; i++)
         buffer[i] = w->gradient * (float)(i % 13);
     em_error err;
     pthread_barrier_wait(w->start);
@@ -95,29 +99,33 @@ static void *run_worker(void *argument)
             fill_batch(&rng, w, keys, offsets);
             em_status status;
             if (w->op == PUSH) {
-                em_csr csr = {BATCH_KEYS, BATCH_KEYS, identity, keys};
+                em_csr csr = {batch_keys, batch_keys, identity, keys};
                 em_push_request request = {csr, EM_COMBINER_NONE, buffer,
-                                           (uint64_t)BATCH_KEYS * w->dim};
+                                           (uint64_t)batch_keys * w->dim};
                 em_push_result result;
                 status = em_table_push(w->table, &request, &result, &err);
             } else {
-                em_csr csr = {BATCH_ROWS, BATCH_KEYS, offsets, keys};
+                em_csr csr = {batch_rows, batch_keys, offsets, keys};
                 em_combiner combiner = w->op == PULL_SUM ? EM_COMBINER_SUM : EM_COMBINER_NONE;
                 em_pull_request request = {csr, combiner, true, buffer,
-                                           (uint64_t)BATCH_KEYS * w->dim};
+                                           (uint64_t)batch_keys * w->dim};
                 em_pull_result result;
                 status = em_table_pull(w->table, &request, &result, &err);
             }
             if (status != EM_OK) {
                 fprintf(stderr, "request failed: %s\n", err.message);
                 w->failed = 1;
-                free(buffer);
-                return NULL;
+                break;
             }
-            w->keys_done += BATCH_KEYS;
+            w->keys_done += batch_keys;
         }
+        if (w->failed)
+            break;
     }
     free(buffer);
+    free(keys);
+    free(offsets);
+    free(identity);
     return NULL;
 }
 
@@ -140,13 +148,13 @@ static em_table *populated_table(em_backend *backend, uint32_t dim, int optimize
         exit(1);
     }
     /* Create every key of the universe once, in batches. */
-    uint64_t *keys = malloc(BATCH_KEYS * sizeof(uint64_t));
-    uint32_t *offsets = malloc((BATCH_KEYS + 1) * sizeof(uint32_t));
-    float *out = malloc((size_t)BATCH_KEYS * dim * sizeof(float));
-    for (uint32_t i = 0; i <= BATCH_KEYS; i++)
+    uint64_t *keys = malloc(batch_keys * sizeof(uint64_t));
+    uint32_t *offsets = malloc((batch_keys + 1) * sizeof(uint32_t));
+    float *out = malloc((size_t)batch_keys * dim * sizeof(float));
+    for (uint32_t i = 0; i <= batch_keys; i++)
         offsets[i] = i;
-    for (uint64_t start = 0; start < opt->keys; start += BATCH_KEYS) {
-        uint32_t n = (uint32_t)(opt->keys - start < BATCH_KEYS ? opt->keys - start : BATCH_KEYS);
+    for (uint64_t start = 0; start < opt->keys; start += batch_keys) {
+        uint32_t n = (uint32_t)(opt->keys - start < batch_keys ? opt->keys - start : batch_keys);
         for (uint32_t i = 0; i < n; i++)
             keys[i] = (start + i) * 0x9e3779b97f4a7c15ull;
         em_pull_request request = {{n, n, offsets, keys}, EM_COMBINER_NONE, true, out,
@@ -180,7 +188,7 @@ static double measure(em_table *table, operation op, uint32_t dim, int threads,
                               .seconds = opt->seconds,
                               .batches = opt->batches,
                               .gradient = opt->gradient,
-                              .new_keys = (uint32_t)(opt->new_keys * BATCH_KEYS + 0.5),
+                              .new_keys = (uint32_t)(opt->new_keys * batch_keys + 0.5),
                               .fresh = (UINT64_C(1) << 40) * (uint64_t)(t + 1) +
                                        (UINT64_C(1) << 32) * next_run++,
                               .start = &start};
@@ -224,6 +232,16 @@ int main(int argc, char **argv)
             opt.threads = atoi(argv[i + 1]) == 1 ? 1 : 2;
         else if (strcmp(argv[i], "--batches") == 0)
             opt.batches = strtoull(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--batch-keys") == 0) {
+            unsigned long keys = strtoul(argv[i + 1], NULL, 10);
+            if (keys < 8 || keys > 65536 || keys % 8 != 0) {
+                fprintf(stderr, "bench_table: --batch-keys '%s' is not a multiple of 8 from 8 "
+                        "to 65536\n", argv[i + 1]);
+                return 2;
+            }
+            batch_keys = (uint32_t)keys;
+            batch_rows = batch_keys / 8;
+        }
         else if (strcmp(argv[i], "--gradient") == 0)
             opt.gradient = strtof(argv[i + 1], NULL);
         else if (strcmp(argv[i], "--new-keys") == 0) {
@@ -246,16 +264,16 @@ int main(int argc, char **argv)
     }
     em_test_print_machine(NULL);
     printf("command: bench_table --keys %" PRIu64 " --seconds %g --shards %u --operations %s "
-           "--optimizer %s --dim %u --threads %d --batches %" PRIu64 " --gradient %g "
-           "--new-keys %g\n",
+           "--optimizer %s --dim %u --threads %d --batches %" PRIu64 " --batch-keys %u "
+           "--gradient %g --new-keys %g\n",
            opt.keys, opt.seconds, opt.shards, opt.pushes_only ? "push" : "all",
            opt.optimizer < 0 ? "all" : optimizer_names[opt.optimizer], opt.dim, opt.threads,
-           opt.batches, (double)opt.gradient, opt.new_keys);
-    printf("CPU backend, 1 device; batches of %d keys drawn uniformly from %" PRIu64
-           " existing keys", BATCH_KEYS, opt.keys);
+           opt.batches, batch_keys, (double)opt.gradient, opt.new_keys);
+    printf("CPU backend, 1 device; batches of %u keys drawn uniformly from %" PRIu64
+           " existing keys", batch_keys, opt.keys);
     if (opt.new_keys > 0)
         printf(", %u of them new keys instead",
-               (uint32_t)(opt.new_keys * BATCH_KEYS + 0.5));
+               (uint32_t)(opt.new_keys * batch_keys + 0.5));
     printf("; each thread issues its own requests on one table\n\n");
     printf("%-10s %-16s %5s %8s %14s %10s\n", "operation", "optimizer", "dim", "threads",
            "keys/s", "GB/s");
@@ -282,7 +300,7 @@ int main(int argc, char **argv)
                     const char *name = op == PULL_NONE ? "pull" : op == PULL_SUM ? "pull-sum"
                                                                                  : "push";
                     /* bytes of vectors moved: one per key (pull none, push) or per row */
-                    double vectors = op == PULL_SUM ? rate / (BATCH_KEYS / BATCH_ROWS) : rate;
+                    double vectors = op == PULL_SUM ? rate / (batch_keys / batch_rows) : rate;
                     printf("%-10s %-16s %5u %8d %14.0f %10.2f\n", name,
                            op == PUSH ? optimizer_names[optimizer] : "-", dims[d], threads, rate,
                            vectors * dims[d] * sizeof(float) / 1e9);
