@@ -54,8 +54,24 @@ typedef struct bench_options {
 
 /* ---- processes ------------------------------------------------------------------------- */
 
+/* The servers spawned and not yet stopped: stopped at exit too, so that a run that
+ * gives up half-way (a server that did not start, a failed load) leaves none behind. */
+#define MAX_SPAWNED 4
+static pid_t spawned[MAX_SPAWNED];
+
+static void stop_process(pid_t pid);
+
+static void stop_spawned(void)
+{
+    for (int i = 0; i < MAX_SPAWNED; i++)
+        stop_process(spawned[i]);
+}
+
 static pid_t spawn(char *const argv[], const char *log_path)
 {
+    static bool registered;
+    if (!registered)
+        registered = atexit(stop_spawned) == 0;
     pid_t pid = fork();
     if (pid == 0) {
         FILE *log = fopen(log_path, "w");
@@ -67,6 +83,11 @@ static pid_t spawn(char *const argv[], const char *log_path)
         fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
         _exit(127);
     }
+    for (int i = 0; pid > 0 && i < MAX_SPAWNED; i++)
+        if (spawned[i] == 0) {
+            spawned[i] = pid;
+            break;
+        }
     return pid;
 }
 
@@ -74,6 +95,9 @@ static void stop_process(pid_t pid)
 {
     if (pid <= 0)
         return;
+    for (int i = 0; i < MAX_SPAWNED; i++)
+        if (spawned[i] == pid)
+            spawned[i] = 0;
     kill(pid, SIGTERM);
     waitpid(pid, NULL, 0);
 }
