@@ -66,6 +66,30 @@ START_TEST(fill_equals_value)
 }
 END_TEST
 
+/* The uniform fill goes several elements at a time where the CPU allows: every width and
+ * tail, many keys and bounds, bit for bit against the element formula. */
+START_TEST(uniform_fill_equals_value_for_every_length)
+{
+    static const uint32_t dims[] = {1, 3, 7, 8, 9, 15, 16, 17, 31, 64, 100, 129, 256};
+    static const float bounds[] = {1.0f, 0.05f, 3.0e-7f, 1.0e30f};
+    float row[256];
+    for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++)
+        for (size_t b = 0; b < sizeof(bounds) / sizeof(bounds[0]); b++)
+            for (uint64_t k = 0; k < 64; k++) {
+                em_initializer_config config = {
+                    .kind = EM_INIT_UNIFORM, .bound = bounds[b], .seed = 17 + b};
+                uint64_t key = k * 0x9e3779b97f4a7c15ull + d;
+                em_initializer_fill(&config, key, dims[d], row);
+                for (uint32_t j = 0; j < dims[d]; j++) {
+                    float value = em_initializer_value(&config, key, j);
+                    ck_assert_msg(memcmp(&row[j], &value, sizeof(float)) == 0,
+                                  "dim %u key %llu element %u: %a != %a", dims[d],
+                                  (unsigned long long)key, j, (double)row[j], (double)value);
+                }
+            }
+}
+END_TEST
+
 START_TEST(seed_and_key_change_the_vector)
 {
     em_initializer_config a = {.kind = EM_INIT_UNIFORM, .bound = 1.0f, .seed = 1};
@@ -115,6 +139,7 @@ int main(void)
     TCase *tc = tcase_create("initializer");
     tcase_add_test(tc, uniform_matches_documented_formula_bit_for_bit);
     tcase_add_test(tc, fill_equals_value);
+    tcase_add_test(tc, uniform_fill_equals_value_for_every_length);
     tcase_add_test(tc, seed_and_key_change_the_vector);
     tcase_add_test(tc, distributions_have_expected_moments);
     suite_add_tcase(suite, tc);
