@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lib/base/aligned.h"
 #include "lib/base/rwlock.h"
 
 uint32_t em_thread_number(void)
@@ -19,7 +20,7 @@ uint32_t em_thread_number(void)
 int em_spread_lock_init(em_spread_lock *lock)
 {
     memset(lock, 0, sizeof(*lock));
-    lock->slots = aligned_alloc(64, EM_SPREAD_SLOTS * sizeof(em_spread_slot));
+    lock->slots = em_aligned_calloc(EM_SPREAD_SLOTS, sizeof(em_spread_slot));
     if (lock->slots == NULL)
         return ENOMEM;
     for (uint32_t i = 0; i < EM_SPREAD_SLOTS; i++)

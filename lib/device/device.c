@@ -1,10 +1,9 @@
 #include "lib/device/device.h"
 
+#include "lib/base/aligned.h"
 #include "lib/base/spread_lock.h"
 
 #include <stdatomic.h>
-#include <stdlib.h>
-#include <string.h>
 
 em_status em_device_alloc(em_device *device, size_t bytes, const char *what, void **out,
                           em_error *err)
@@ -26,12 +25,8 @@ void em_device_free(em_device *device, void *pointer)
 
 em_device *em_device_allocate(void)
 {
-    size_t bytes = (sizeof(em_device) + _Alignof(em_device) - 1) / _Alignof(em_device) *
-                   _Alignof(em_device);
-    em_device *device = aligned_alloc(_Alignof(em_device), bytes);
-    if (device != NULL)
-        memset(device, 0, sizeof(*device));
-    return device;
+    _Static_assert(_Alignof(em_device) <= EM_CACHE_LINE, "em_aligned_calloc aligns enough");
+    return em_aligned_calloc(1, sizeof(em_device));
 }
 
 /* The slot a thread looks at first: threads numbered in the order they first ask, so

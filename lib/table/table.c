@@ -1264,27 +1264,15 @@ em_status em_table_restore_evicted(em_table *table, uint64_t total, const uint64
 
 /* ---- lifecycle and stats --------------------------------------------------------- */
 
-/* count zeroed elements of a 64-byte aligned type (the table and its per-shard words),
- * or NULL; free() frees them. */
-static void *aligned_calloc(size_t count, size_t size)
-{
-    if (count == 0 || size > SIZE_MAX / count)
-        return NULL;
-    size_t bytes = (count * size + 63) / 64 * 64;
-    void *memory = aligned_alloc(64, bytes);
-    if (memory != NULL)
-        memset(memory, 0, bytes);
-    return memory;
-}
-
 static em_status create_shards(em_table *table, em_error *err)
 {
     table->shards = calloc(table->shard_count, sizeof(*table->shards));
     table->shard_device = calloc(table->shard_count, sizeof(*table->shard_device));
-    table->shard_locks = aligned_calloc(table->shard_count, sizeof(*table->shard_locks));
-    table->shard_versions = aligned_calloc(table->shard_count, sizeof(*table->shard_versions));
-    table->shard_creations = aligned_calloc(table->shard_count,
-                                            sizeof(*table->shard_creations));
+    table->shard_locks = em_aligned_calloc(table->shard_count, sizeof(*table->shard_locks));
+    table->shard_versions = em_aligned_calloc(table->shard_count,
+                                              sizeof(*table->shard_versions));
+    table->shard_creations = em_aligned_calloc(table->shard_count,
+                                               sizeof(*table->shard_creations));
     if (table->shards == NULL || table->shard_device == NULL || table->shard_locks == NULL ||
         table->shard_versions == NULL || table->shard_creations == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
@@ -1351,7 +1339,7 @@ em_status em_table_create_seeded(em_backend *backend, const em_table_config *con
     em_status status = em_table_config_validate(config, err);
     if (status != EM_OK)
         return status;
-    em_table *table = aligned_calloc(1, sizeof(*table));
+    em_table *table = em_aligned_calloc(1, sizeof(*table));
     if (table == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
                             config->name);

@@ -23,6 +23,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "lib/base/aligned.h"
 #include "lib/base/rwlock.h"
 #include "lib/base/spread_lock.h"
 #include "lib/table/table.h"
@@ -38,7 +39,7 @@
 
 /* Per-shard words that requests on different threads write (a shard's lock, its
  * versions and creations): one a cache line, so that work on one shard does not move
- * another's line between cores (arrays of them: table.c, aligned_calloc). */
+ * another's line between cores (arrays of them: em_aligned_calloc). */
 typedef struct em_shard_lock {
     _Alignas(64) pthread_rwlock_t lock;
 } em_shard_lock;
@@ -49,7 +50,7 @@ typedef struct em_shard_counter {
     _Alignas(64) _Atomic uint64_t value;
 } em_shard_counter;
 
-/* A table is allocated 64-byte aligned (em_table_create): the groups of fields that
+/* A table is allocated 64-byte aligned (em_aligned_calloc): the groups of fields that
  * requests write on every thread (counters, clocks, the change counts) each start a
  * cache line of their own, apart from the fields requests only read. */
 struct em_table {
