@@ -37,8 +37,7 @@ typedef struct em_evict_chooser {
     uint64_t *kept_slots; /* the spec's kept rows, as a set */
     uint64_t kept_mask;
     em_evict_candidate *pool;
-    em_evict_candidate bar;
-    bool barred;
+    em_evict_candidate bar; /* what an entry has to go before to be pooled */
 } em_evict_chooser;
 
 /* ---- the request's own rows ------------------------------------------------------------ */
@@ -94,16 +93,11 @@ static em_evict_candidate candidate_of(const em_evict_spec *spec, const em_row_a
     };
 }
 
+/* (evaluated whole, without a branch on its parts: the walk offers its entries in a
+ * random order) */
 static bool goes_first(const em_evict_candidate *a, const em_evict_candidate *b)
 {
-    return a->rank < b->rank || (a->rank == b->rank && a->key < b->key);
-}
-
-static void swap_candidates(em_evict_candidate *a, em_evict_candidate *b)
-{
-    em_evict_candidate t = *a;
-    *a = *b;
-    *b = t;
+    return (a->rank < b->rank) | ((a->rank == b->rank) & (a->key < b->key));
 }
 
 /* What keep_first orders by: the rank, or (among equal ranks) the key. */
@@ -112,39 +106,63 @@ static unsigned __int128 order_of(const em_evict_candidate *c, bool by_key)
     return by_key ? c->key : c->rank;
 }
 
+/* Moves the entries of c[0..n) whose order (order_of) is below pivot, or at most pivot
+ * with or_equal, to the front, and returns how many there are: one pass that swaps every
+ * entry whatever it holds (the comparisons decide only how far the front has grown), so
+ * that entries in a random order cost no mispredicted branch each. */
+static uint64_t move_to_front(em_evict_candidate *c, uint64_t n, unsigned __int128 pivot,
+                              bool by_key, bool or_equal)
+{
+    /* entries move as two 16-byte halves, loaded as they were stored: a load of bytes
+     * written by several narrower stores just before waits for them to land */
+    typedef uint64_t half __attribute__((vector_size(16)));
+    uint64_t front = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        half entry[2], other[2];
+        memcpy(entry, &c[i], sizeof(entry));
+        memcpy(other, &c[front], sizeof(other));
+        unsigned __int128 order = order_of(&c[i], by_key);
+        memcpy(&c[i], other, sizeof(other));
+        memcpy(&c[front], entry, sizeof(entry));
+        front += or_equal ? order <= pivot : order < pivot;
+    }
+    return front;
+}
+
+static unsigned __int128 median_of_three(unsigned __int128 a, unsigned __int128 b,
+                                         unsigned __int128 c)
+{
+    if (a > b) {
+        unsigned __int128 t = a;
+        a = b;
+        b = t;
+    }
+    return c <= a ? a : c >= b ? b : c;
+}
+
 /* Reorders c[0..n) so that its k first by the policy come first (goes_first): a
  * quickselect by rank (by_key false) with a median-of-three pivot and a three-way
- * partition, since many rows share a rank (every row of one request has the same last
- * access); where the k-th lies among rows of one rank, the same by key over those
- * (by_key true; keys are distinct) picks the smaller keys of them. Ordering every tie
- * by key would cost about as much again; only the one run of equal ranks that the k-th
- * falls in needs it. */
+ * partition in up to two passes (move_to_front: below the pivot, then equal to it),
+ * since many rows share a rank (every row of one request has the same last access);
+ * where the k-th lies among rows of one rank, the same by key over those (by_key true;
+ * keys are distinct) picks the smaller keys of them. Ordering every tie by key would
+ * cost about as much again; only the one run of equal ranks that the k-th falls in
+ * needs it. */
 static void keep_first(em_evict_candidate *c, uint64_t n, uint64_t k, bool by_key)
 {
     uint64_t low = 0, high = n; /* the k-th lies in [low, high) */
     while (k > low && k < high && high - low > 1) {
-        uint64_t middle = low + (high - low) / 2, last = high - 1;
-        if (order_of(&c[middle], by_key) < order_of(&c[low], by_key))
-            swap_candidates(&c[middle], &c[low]);
-        if (order_of(&c[last], by_key) < order_of(&c[low], by_key))
-            swap_candidates(&c[last], &c[low]);
-        if (order_of(&c[last], by_key) < order_of(&c[middle], by_key))
-            swap_candidates(&c[last], &c[middle]);
-        unsigned __int128 pivot = order_of(&c[middle], by_key);
-        /* [low, before) go first, [before, i) equal the pivot, [after, high) go after */
-        uint64_t before = low, i = low, after = high;
-        while (i < after) {
-            unsigned __int128 order = order_of(&c[i], by_key);
-            if (order < pivot)
-                swap_candidates(&c[i++], &c[before++]);
-            else if (order > pivot)
-                swap_candidates(&c[i], &c[--after]);
-            else
-                i++;
-        }
+        unsigned __int128 pivot = median_of_three(order_of(&c[low], by_key),
+                                                  order_of(&c[low + (high - low) / 2], by_key),
+                                                  order_of(&c[high - 1], by_key));
+        /* [low, before) go first, [before, after) equal the pivot, [after, high) go after */
+        uint64_t before = low + move_to_front(c + low, high - low, pivot, by_key, false);
         if (k <= before) {
             high = before;
-        } else if (k >= after) {
+            continue;
+        }
+        uint64_t after = before + move_to_front(c + before, high - before, pivot, by_key, true);
+        if (k >= after) {
             low = after;
         } else { /* the k-th is among the equal ones: by key, the smaller of them */
             if (!by_key)
@@ -179,6 +197,7 @@ static em_status em_evict_chooser_begin(em_evict_chooser *c, const em_evict_spec
     c->spec = *spec;
     c->window = em_evict_window(spec);
     c->room = spec->count + (spec->count > EM_EVICT_BLOCK / 3 ? 3 * spec->count : EM_EVICT_BLOCK);
+    c->bar.rank = ~(unsigned __int128)0; /* above every rank (candidate_of): no bar yet */
     em_status status = row_set_make(c, spec->kept, spec->kept_count, err);
     if (status != EM_OK)
         return status;
@@ -208,14 +227,20 @@ static void em_evict_chooser_offer(em_evict_chooser *c, const uint64_t *keys, co
         for (uint64_t i = 1; i < c->have; i++)
             if (goes_first(&c->bar, &c->pool[i]))
                 c->bar = c->pool[i];
-        c->barred = true;
     }
-    bool keeps_rows = c->spec.kept_count > 0;
+    /* every entry is written past the pool's end, which then grows over those that go
+     * before the bar (room holds the block) */
+    if (c->spec.kept_count == 0) {
+        for (uint64_t i = 0; i < n; i++) {
+            c->pool[c->have] = candidate_of(&c->spec, &access[i], keys[i], rows[i]);
+            c->have += goes_first(&c->pool[c->have], &c->bar);
+        }
+        return;
+    }
     for (uint64_t i = 0; i < n; i++) {
-        em_evict_candidate candidate = candidate_of(&c->spec, &access[i], keys[i], rows[i]);
-        if ((!c->barred || goes_first(&candidate, &c->bar)) &&
-            !(keeps_rows && row_kept(c, rows[i])))
-            c->pool[c->have++] = candidate;
+        c->pool[c->have] = candidate_of(&c->spec, &access[i], keys[i], rows[i]);
+        if (goes_first(&c->pool[c->have], &c->bar) && !row_kept(c, rows[i]))
+            c->have++;
     }
 }
 

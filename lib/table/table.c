@@ -698,17 +698,23 @@ typedef struct push_call {
  * never reads the gradients of a push that steps at once. Every other push is checked
  * before it takes any lock (gpu_may_check), a push with a combiner among them: a gradient
  * of an empty row is no term of any sum. */
-static em_status check_gradients(const em_table *table, push_call *call, em_error *err)
+static em_status check_gradients(const em_table *table, push_call *call, bool alone,
+                                 em_error *err)
 {
     const em_push_request *request = call->request;
     /* a large push's pass over its gradients goes on several threads where the rows are
      * on GPUs (16 MiB of them, a push of 65,536 keys at dim 64, take about 1.5 ms on one,
      * while the host's CPUs have little else to do); on the CPU backend they serve the
-     * requests themselves, one on each */
+     * requests themselves, one on each, except while one holds the table alone (alone:
+     * under its exclusive lock), which then uses the backend's eviction threads as it
+     * does for its shards' work */
     uint32_t threads = 1;
-    if (request->gradient_count >= 2 * EM_CSR_CHECK_FLOATS_PER_THREAD &&
-        !table->backend->devices[0]->host_addressable)
-        threads = em_parallel_cpus();
+    if (request->gradient_count >= 2 * EM_CSR_CHECK_FLOATS_PER_THREAD) {
+        if (!table->backend->devices[0]->host_addressable)
+            threads = em_parallel_cpus();
+        else if (alone)
+            threads = table->backend->eviction_threads;
+    }
     em_status status = em_csr_check_gradients_on(&request->batch, request->combiner,
                                                  table->config.dim, request->gradients,
                                                  threads, &call->largest, err);
@@ -863,7 +869,7 @@ static em_status push_at_once(request_context *r, push_call *call,
     }
     if ((status != EM_OK || !stepped) && !call->checked) { /* bad input is named first */
         em_error check_err;
-        em_status refused = check_gradients(table, call, &check_err);
+        em_status refused = check_gradients(table, call, r->alone, &check_err);
         if (refused != EM_OK) {
             *err = check_err;
             return refused;
@@ -947,7 +953,7 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     uint64_t absent = 0; /* at once: the keys it found missing */
     bool at_once = status == EM_OK && push_may_run_at_once(&r, request);
     if (status == EM_OK && !call->checked && (!at_once || request->combiner != EM_COMBINER_NONE))
-        status = check_gradients(table, call, err);
+        status = check_gradients(table, call, r.alone, err);
     if (status == EM_OK && at_once)
         status = push_at_once(&r, call, result, &done, &planned, &absent, err);
     if (status != EM_OK || done || goes_alone(&r, may_create, absent, state)) {
@@ -1031,7 +1037,10 @@ static em_status push_rows(em_table *table, const em_push_request *request,
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s': ", table->config.name);
     if (!gpu_may_check(table, request)) {
-        status = check_gradients(table, &call, err);
+        /* a push that will go alone (run_shared_then_exclusive) is checked as if it was */
+        bool alone = atomic_load_explicit(&table->pushes_making_room, memory_order_relaxed) >=
+                     ALONE_AFTER;
+        status = check_gradients(table, &call, alone, err);
         if (status != EM_OK)
             return status;
     }

@@ -8,6 +8,7 @@
  * table follows its policy exactly and the model must agree key for key.
  */
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -549,6 +550,139 @@ START_TEST(a_request_evicts_the_rows_first_by_the_policy_at_once)
 }
 END_TEST
 
+/* ---- the chooser alone (lib/device/eviction.h em_evict_choose) ------------------------- */
+
+/* A walk over entries made up here: entry i has key keys[i], row i and access[i]. */
+typedef struct made_walk {
+    const uint64_t *keys;
+    const em_row_access *access;
+    uint64_t n, next;
+} made_walk;
+
+static em_status made_walk_next(void *context, uint64_t max, uint64_t *keys, uint64_t *rows,
+                                em_row_access *access, uint64_t *got, em_error *err)
+{
+    (void)err;
+    made_walk *w = context;
+    *got = 0;
+    for (; *got < max && w->next < w->n; w->next++, (*got)++) {
+        keys[*got] = w->keys[w->next];
+        rows[*got] = w->next;
+        access[*got] = w->access[w->next];
+    }
+    return EM_OK;
+}
+
+/* The documented order (table_config.h), written out: whether entry a goes before b. */
+static const em_evict_spec *order_spec;
+static const uint64_t *order_keys;
+static const em_row_access *order_access;
+
+static int compare_by_rule(const void *pa, const void *pb)
+{
+    uint64_t a = *(const uint64_t *)pa, b = *(const uint64_t *)pb;
+    const em_row_access *x = &order_access[a], *y = &order_access[b];
+    uint64_t first_x = 0, first_y = 0; /* larger goes later */
+    if (order_spec->policy == EM_EVICTION_LFU) {
+        first_x = x->frequency;
+        first_y = y->frequency;
+    } else if (order_spec->policy == EM_EVICTION_AGE) { /* the older push goes first */
+        first_x = UINT32_MAX - (uint32_t)(order_spec->update_clock - x->updated);
+        first_y = UINT32_MAX - (uint32_t)(order_spec->update_clock - y->updated);
+    }
+    if (first_x != first_y)
+        return first_x < first_y ? -1 : 1;
+    if (x->accessed != y->accessed)
+        return x->accessed < y->accessed ? -1 : 1;
+    return order_keys[a] < order_keys[b] ? -1 : order_keys[a] > order_keys[b] ? 1 : 0;
+}
+
+/* Loop index: the policy, and how many distinct ranks the entries have. The chooser's
+ * choice over windows small and large (pools cut several times, the k-th row among many
+ * equal ranks or among distinct ones), with some rows kept (rows a request uses), is
+ * the count first by the rule among the rows of the window it does not keep, where the
+ * window is count x candidates entries, going on a block at a time while fewer than
+ * count of them may go. */
+START_TEST(the_chooser_takes_the_rows_first_by_the_rule_in_its_window)
+{
+    static const uint64_t spreads[3] = {3, 40, UINT64_C(1) << 40};
+    const uint64_t n = 120000;
+    uint64_t *keys = malloc(n * sizeof(uint64_t));
+    em_row_access *access = malloc(n * sizeof(em_row_access));
+    uint64_t *order = malloc(n * sizeof(uint64_t));
+    uint64_t *chosen_keys = malloc(n * sizeof(uint64_t)), *chosen_rows = malloc(n * sizeof(uint64_t));
+    uint64_t *kept = malloc(n * sizeof(uint64_t));
+    uint8_t *is_kept = calloc(n, 1);
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
+    uint64_t spread = spreads[_i % 3];
+    for (uint64_t i = 0; i < n; i++) {
+        keys[i] = em_mix64(i + 1); /* distinct */
+        access[i].accessed = em_test_rng_next(&rng) % spread;
+        access[i].updated = (uint32_t)(em_test_rng_next(&rng) % spread);
+        access[i].frequency = (uint32_t)(em_test_rng_next(&rng) % spread);
+    }
+    static const struct {
+        uint64_t count;
+        uint32_t candidates;
+        uint64_t kept;
+    } shapes[] = {{1, 16, 0}, {7, 4, 3}, {1000, 16, 0}, {1365, 8, 200}, {6000, 16, 0},
+                  {6000, 4, 5000}, {20000, 2, 0}, {20000, 1, 15000}, {30000, 16, 1000}};
+    for (size_t t = 0; t < sizeof(shapes) / sizeof(shapes[0]); t++) {
+        memset(is_kept, 0, n);
+        for (uint64_t i = 0; i < shapes[t].kept; i++) {
+            kept[i] = em_test_rng_next(&rng) % (n / 2); /* repeats allowed */
+            is_kept[kept[i]] = 1;
+        }
+        em_evict_spec spec = {.policy = policies[_i / 3],
+                              .candidates = shapes[t].candidates,
+                              .count = shapes[t].count,
+                              .update_clock = (uint32_t)spread + 5,
+                              .kept = kept,
+                              .kept_count = shapes[t].kept};
+        made_walk walk = {keys, access, n, 0};
+        em_error err;
+        ck_assert_msg(em_evict_choose(&spec, made_walk_next, &walk, chosen_keys, chosen_rows,
+                                      &err) == EM_OK, "%s", err.message);
+        /* the window: count x candidates entries, then blocks while too few may go */
+        uint64_t window = spec.count * spec.candidates, may_go = 0; /* every entry at most */
+        window = window < n ? window : n;
+        for (uint64_t i = 0; i < window; i++)
+            may_go += !is_kept[i];
+        while (may_go < spec.count) {
+            uint64_t end = window + EM_EVICT_BLOCK < n ? window + EM_EVICT_BLOCK : n;
+            for (uint64_t i = window; i < end; i++)
+                may_go += !is_kept[i];
+            window = end;
+        }
+        uint64_t m = 0;
+        for (uint64_t i = 0; i < window; i++)
+            if (!is_kept[i])
+                order[m++] = i;
+        order_spec = &spec;
+        order_keys = keys;
+        order_access = access;
+        qsort(order, m, sizeof(uint64_t), compare_by_rule);
+        for (uint64_t v = 0; v < spec.count; v++)
+            ck_assert_uint_eq(chosen_keys[v], keys[chosen_rows[v]]);
+        qsort(chosen_rows, spec.count, sizeof(uint64_t), compare_keys);
+        qsort(order, spec.count, sizeof(uint64_t), compare_keys);
+        for (uint64_t v = 0; v < spec.count; v++) {
+            ck_assert_msg(chosen_rows[v] == order[v],
+                          "shape %zu: chosen row %" PRIu64 " of %" PRIu64 " is %" PRIu64
+                          ", the rule's %" PRIu64, t, v, spec.count, chosen_rows[v], order[v]);
+        }
+    }
+    free(keys);
+    free(access);
+    free(order);
+    free(chosen_keys);
+    free(chosen_rows);
+    free(kept);
+    free(is_kept);
+}
+END_TEST
+
 /* A full table takes its new keys' rows from the ones it evicts: its storage stays that
  * of its capacity (one block of 32,768 rows here) however many keys come through. */
 START_TEST(a_full_table_keeps_the_storage_of_its_capacity)
@@ -731,9 +865,6 @@ START_TEST(the_same_requests_evict_the_same_keys)
 END_TEST
 
 #ifndef EMBER_TEST_CUDA_BACKEND
-/* The keys, rows and ring of a full lru table of 8 shards after requests that each evict
- * 4,096 rows over them (walks of 16 entries a row: long enough for the backend's
- * eviction threads), on a CPU backend with eviction_threads threads. */
 /* A CPU backend whose requests alone with a table use eviction_threads, and on it a
  * full-size lru table of 8 shards (candidates 16) that the threaded tests fill. */
 static em_table *threaded_table(uint32_t eviction_threads, uint64_t capacity, int optimizer,
@@ -796,6 +927,9 @@ typedef struct threaded_run {
     uint64_t *ring;
 } threaded_run;
 
+/* The keys, rows and ring of a full lru table of 8 shards after requests that each evict
+ * 4,096 rows over them (walks of 16 entries a row: long enough for the backend's
+ * eviction threads), on a CPU backend with eviction_threads threads. */
 static threaded_run evict_on_threads(uint32_t eviction_threads)
 {
     enum { CAPACITY = 16384, BATCH = 4096, RING = 1 << 16 };
@@ -945,6 +1079,55 @@ START_TEST(a_snapshot_sees_rows_evicted_on_several_threads)
     em_test_assert_snapshots_identical(&got, &before);
     em_test_snapshot_free(&got);
     em_test_snapshot_free(&before);
+    threaded_batch_free(&b);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* A push into a table whose pushes kept making room goes alone from the start, and one of
+ * 2^21 gradients or more is then checked on the backend's eviction threads (two parts
+ * here): a NaN late in it is still named by its key and element, and refuses the push
+ * before anything changes; the same push with the NaN gone evicts and steps. */
+START_TEST(a_large_push_that_goes_alone_is_checked_whole)
+{
+    enum { CAPACITY = 64, PUSH = 1 << 19 }; /* x DIM 4: 2^21 gradients */
+    em_backend *backend = NULL;
+    em_table *table = threaded_table(4, CAPACITY, 0, 0, &backend);
+    threaded_batch b = threaded_batch_make(PUSH, 0.01f);
+    em_error err;
+    em_push_result result;
+    for (uint32_t r = 0; r < 5; r++) { /* full, then four that make room */
+        b.batch.rows = b.batch.nnz = r == 0 ? CAPACITY : 8;
+        for (uint32_t i = 0; i < b.batch.nnz; i++)
+            b.keys[i] = (r == 0 ? 0 : CAPACITY + 8 * (r - 1)) + i + 1;
+        ck_assert_msg(em_test_push(table, &b.batch, EM_COMBINER_NONE, b.values, NULL, &err) ==
+                          EM_OK, "%s", err.message);
+    }
+    em_table_stats before;
+    em_table_get_stats(table, &before);
+    ck_assert_uint_eq(before.rows_evicted, 32);
+    b.batch.rows = b.batch.nnz = PUSH;
+    for (uint32_t i = 0; i < PUSH; i++)
+        b.keys[i] = 1000 + i % 8; /* eight new keys, many times each */
+    b.values[(size_t)(PUSH - 3) * DIM + 2] = NAN;
+    ck_assert_int_eq(em_test_push(table, &b.batch, EM_COMBINER_NONE, b.values, NULL, &err),
+                     EM_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err.message, "gradient of key 1005 (keys[524285], row 524285) "
+                                      "element 2 is NaN") != NULL,
+                  "%s", err.message);
+    em_table_stats after;
+    em_table_get_stats(table, &after);
+    ck_assert_uint_eq(after.rows_evicted, before.rows_evicted);
+    ck_assert_uint_eq(after.rows, CAPACITY);
+    ck_assert_uint_eq(after.pushes, before.pushes);
+    b.values[(size_t)(PUSH - 3) * DIM + 2] = 0.01f;
+    ck_assert_msg(em_test_push(table, &b.batch, EM_COMBINER_NONE, b.values, &result, &err) ==
+                      EM_OK, "%s", err.message);
+    em_table_get_stats(table, &after);
+    ck_assert_uint_eq(after.rows_evicted, before.rows_evicted + 8);
+    ck_assert_uint_eq(after.requests_alone_first, before.requests_alone_first + 1);
+    ck_assert_uint_eq(result.created, 8);
     threaded_batch_free(&b);
     em_table_destroy(table);
     em_backend_destroy(backend);
@@ -1757,6 +1940,7 @@ int main(void)
     Suite *suite = suite_create("eviction");
     TCase *rules = tcase_create("rules");
     tcase_add_loop_test(rules, each_policy_follows_its_rule_exactly, 0, 3);
+    tcase_add_loop_test(rules, the_chooser_takes_the_rows_first_by_the_rule_in_its_window, 0, 9);
     tcase_add_loop_test(rules, headroom_frees_the_next_rows_by_the_rule_too, 0, 3);
     tcase_add_test(rules, headroom_comes_from_every_shard_by_its_rows);
     tcase_add_loop_test(rules, requests_that_keep_making_room_go_alone_first, 0, 2);
@@ -1770,6 +1954,7 @@ int main(void)
 #ifndef EMBER_TEST_CUDA_BACKEND
     tcase_add_test(rules, evictions_on_several_threads_match_one_thread);
     tcase_add_test(rules, a_snapshot_sees_rows_evicted_on_several_threads);
+    tcase_add_test(rules, a_large_push_that_goes_alone_is_checked_whole);
 #endif
     tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);
     tcase_add_test(rules, erase_removes_listed_keys_and_a_snapshot_still_sees_them);
