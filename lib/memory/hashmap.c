@@ -581,11 +581,16 @@ static uint64_t slots_erase(em_hashmap *map, uint64_t key)
 
 /* Whether the key at position at, whose home slot is home, may move back to hole: the
  * hole lies on its probe sequence between its home and itself. */
+static size_t slots_from(size_t from, size_t to, size_t slot_count)
+{
+    /* positions are below slot_count: no division (the walk of an erase asks it of
+     * every key it meets) */
+    return to >= from ? to - from : to + slot_count - from;
+}
+
 static bool may_move_back(size_t home, size_t hole, size_t at, size_t slot_count)
 {
-    size_t home_to_hole = (hole + slot_count - home) % slot_count;
-    size_t home_to_at = (at + slot_count - home) % slot_count;
-    return home_to_hole < home_to_at;
+    return slots_from(home, hole, slot_count) < slots_from(home, at, slot_count);
 }
 
 /* Where key's slot is, or SIZE_MAX. */
