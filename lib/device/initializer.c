@@ -6,8 +6,11 @@
  * IEEE product each, so any vector width gives the same bits as the kernels. Also
  * compiled for x86-64 with AVX-512 (whose 64-bit multiplies the mix needs to go eight
  * elements at a time; about 6x faster per row there, tests/bench/RESULTS.md), the
- * loader choosing the build for the CPU it runs on. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+ * loader choosing the build for the CPU it runs on. Not under ThreadSanitizer, whose
+ * instrumented resolver would run before its runtime is set up, as the loader binds the
+ * clone. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("arch=x86-64-v4", "default")))
 #endif
 static void fill_uniform(uint64_t row_seed, float bound, uint32_t dim, float *weights)
