@@ -579,15 +579,15 @@ static uint64_t slots_erase(em_hashmap *map, uint64_t key)
     }
 }
 
-/* Whether the key at position at, whose home slot is home, may move back to hole: the
- * hole lies on its probe sequence between its home and itself. */
+/* Slots from position from on to position to, wrapping (both below slot_count: no
+ * division, as the walk of an erase asks it of every key it meets). */
 static size_t slots_from(size_t from, size_t to, size_t slot_count)
 {
-    /* positions are below slot_count: no division (the walk of an erase asks it of
-     * every key it meets) */
     return to >= from ? to - from : to + slot_count - from;
 }
 
+/* Whether the key at position at, whose home slot is home, may move back to hole: the
+ * hole lies on its probe sequence between its home and itself. */
 static bool may_move_back(size_t home, size_t hole, size_t at, size_t slot_count)
 {
     return slots_from(home, hole, slot_count) < slots_from(home, at, slot_count);

@@ -705,9 +705,9 @@ static em_status check_gradients(const em_table *table, push_call *call, bool al
     /* a large push's pass over its gradients goes on several threads where the rows are
      * on GPUs (16 MiB of them, a push of 65,536 keys at dim 64, take about 1.5 ms on one,
      * while the host's CPUs have little else to do); on the CPU backend they serve the
-     * requests themselves, one on each, except while one holds the table alone (alone:
-     * under its exclusive lock), which then uses the backend's eviction threads as it
-     * does for its shards' work */
+     * requests themselves, one on each, except a push that holds the table alone or
+     * will (alone: run_shared_then_exclusive), which then uses the backend's eviction
+     * threads as it does for its shards' work: no other request could use them */
     uint32_t threads = 1;
     if (request->gradient_count >= 2 * EM_CSR_CHECK_FLOATS_PER_THREAD) {
         if (!table->backend->devices[0]->host_addressable)
