@@ -8,6 +8,7 @@
 #include "daemon/tls.h"
 #include "lib/base/failpoint.h"
 #include "lib/base/log.h"
+#include "lib/base/zeroed.h"
 
 /* Attachment buffers (em_host_buffer_alloc) are aligned for any array the protocol
  * carries, and for SIMD. */
@@ -411,7 +412,7 @@ static int write_in_pieces(em_connection *connection, pending_write *write,
     size_t pieces = 0;
     for (int b = 0; b < count; b++)
         pieces += (buffers[b].len + piece - 1) / piece;
-    write->parts = calloc(pieces, sizeof(*write->parts));
+    write->parts = em_zeroed(pieces, sizeof(*write->parts));
     if (write->parts == NULL)
         return UV_ENOMEM;
     write->parts_left = (uint32_t)pieces;
@@ -440,7 +441,7 @@ static int write_in_pieces(em_connection *connection, pending_write *write,
 static void queue_write(em_connection *connection, uint8_t *first, void *second,
                         const uv_buf_t *buffers, int count, size_t bytes)
 {
-    pending_write *write = calloc(1, sizeof(*write));
+    pending_write *write = em_zeroed(1, sizeof(*write));
     if (write == NULL) {
         free(first);
         em_host_buffer_free(connection->settings->buffers, second);

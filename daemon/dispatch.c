@@ -1,6 +1,7 @@
 #include "daemon/dispatch.h"
 
 #include "lib/base/failpoint.h"
+#include "lib/base/zeroed.h"
 
 #include <inttypes.h>
 #include <stddef.h>
@@ -326,7 +327,7 @@ static em_status authorize(const em_method_info *info, const Ember__RpcMeta *met
 static em_request *new_request(em_connection *connection, const em_dispatch_settings *settings,
                                const em_frame_header *frame)
 {
-    em_request *request = calloc(1, sizeof(*request));
+    em_request *request = em_zeroed(1, sizeof(*request));
     if (request == NULL)
         return NULL;
     request->job.run = run_job;

@@ -26,6 +26,7 @@
 #include "common/keyhash.h"
 #include "common/row_check.h"
 #include "lib/base/parallel.h"
+#include "lib/base/zeroed.h"
 #include "lib/table/table_internal.h"
 
 /* A push's checks enqueued on its devices, their answers not yet waited for: a push
@@ -158,7 +159,7 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
     size_t bytes = r->scratch_capacity * sizeof(*r->scratch) +
                    (4 * shards + 1) * sizeof(uint64_t) +
                    devices * (sizeof(*r->segments) + sizeof(*r->lanes) + sizeof(*r->blocks));
-    char *books = calloc(1, bytes);
+    char *books = em_zeroed(1, bytes);
     if (books == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': request bookkeeping: "
                             "out of host memory", table->config.name);
@@ -331,7 +332,7 @@ em_status em__scatter_to_segments(request_context *r, const void *home_array,
                                      void **(*pointer_of)(segment *), em_error *err)
 {
     em_backend *backend = r->table->backend;
-    em_transfer *transfers = calloc(backend->device_count, sizeof(*transfers));
+    em_transfer *transfers = em_zeroed(backend->device_count, sizeof(*transfers));
     if (transfers == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "%s: out of host memory", what);
     size_t transfer_count = 0;
@@ -361,7 +362,7 @@ em_status em__gather_from_segments(request_context *r, void *home_array,
                                       size_t element_bytes, em_error *err)
 {
     em_backend *backend = r->table->backend;
-    em_transfer *transfers = calloc(backend->device_count, sizeof(*transfers));
+    em_transfer *transfers = em_zeroed(backend->device_count, sizeof(*transfers));
     if (transfers == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "gather: out of host memory");
     size_t transfer_count = 0;
@@ -1007,7 +1008,7 @@ static em_status plan_evictions(request_context *r, uint64_t need, uint64_t *evi
 {
     em_table *table = r->table;
     uint64_t remaining = need, evictable_total = 0;
-    uint64_t *spare = calloc(table->shard_count, sizeof(*spare));
+    uint64_t *spare = em_zeroed(table->shard_count, sizeof(*spare));
     if (spare == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
     for (uint32_t s = 0; s < table->shard_count; s++) {
@@ -1436,7 +1437,7 @@ static em_status prepare_parts(request_context *r, const uint64_t *evict, bool i
                                shard_eviction **out, uint32_t *count, em_error *err)
 {
     em_table *table = r->table;
-    shard_eviction *parts = calloc(table->shard_count, sizeof(*parts));
+    shard_eviction *parts = em_zeroed(table->shard_count, sizeof(*parts));
     *out = parts;
     *count = 0;
     if (parts == NULL)
@@ -1482,7 +1483,7 @@ static bool evict_device_by_device(request_context *r, shard_eviction *parts, ui
     for (uint32_t i = 0; i < count; i++)
         if (parts[i].seg->device->ops->shards_evict_begin == NULL)
             return false;
-    em_shard_evict_part *batch = calloc(count > 0 ? count : 1, sizeof(*batch));
+    em_shard_evict_part *batch = em_zeroed(count > 0 ? count : 1, sizeof(*batch));
     if (batch == NULL)
         return false;
     void *pending[EM_BACKEND_MAX_DEVICES] = {NULL};
@@ -1792,7 +1793,7 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
         return check_capacity(r, err);
     uint64_t *evict = NULL;
     if (need > 0) {
-        evict = calloc(table->shard_count, sizeof(*evict));
+        evict = em_zeroed(table->shard_count, sizeof(*evict));
         if (evict == NULL)
             return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
         em_status status = plan_evictions(r, need, evict, err);
@@ -1810,7 +1811,7 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
     bool *creating = NULL;
     em_status status = EM_OK;
     if (!locks_held) {
-        creating = calloc(table->shard_count, sizeof(*creating));
+        creating = em_zeroed(table->shard_count, sizeof(*creating));
         if (creating == NULL)
             status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "creating keys: out of host memory");
         for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++)
@@ -1821,7 +1822,7 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
     } else if (evict != NULL) {
         /* the caller holds the locks of the shards with the request's keys; headroom may
          * evict from others too (table_snapshot.c's reader holds one shard at a time) */
-        creating = calloc(table->shard_count, sizeof(*creating));
+        creating = em_zeroed(table->shard_count, sizeof(*creating));
         if (creating == NULL)
             status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "creating keys: out of host memory");
         for (uint32_t s = 0; status == EM_OK && s < table->shard_count; s++)
@@ -2139,7 +2140,7 @@ static bool checks_wait_for_walks(const request_context *r)
 em_status em__check_create_apply(request_context *r, em_error *err)
 {
     em_table *table = r->table;
-    shard_check *checks = calloc(table->shard_count, sizeof(*checks));
+    shard_check *checks = em_zeroed(table->shard_count, sizeof(*checks));
     if (checks == NULL)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': push: out of memory",
                             table->config.name);
@@ -2171,7 +2172,7 @@ em_status em__check_create_apply(request_context *r, em_error *err)
     }
     /* only a push that creates keys beside other requests may find some created since */
     bool *refound = r->rows_claimed > 0 && !r->needs_alone
-                        ? calloc(table->shard_count, sizeof(*refound))
+                        ? em_zeroed(table->shard_count, sizeof(*refound))
                         : NULL;
     if (status == EM_OK && r->rows_claimed > 0 && !r->needs_alone && refound == NULL)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': push: out of memory",
