@@ -47,9 +47,10 @@ static inline void em_rwlock_write_lock(pthread_rwlock_t *lock)
     pthread_rwlock_wrlock(lock);
 }
 
-/* How long the patient calls try before blocking: longer than a table's one-key
- * request under its lock, shorter than a futex wake and a context switch on a busy
- * host (tens of microseconds on a virtual machine). */
+/* How long a patient waiter (the table lock's, lib/base/spread_lock.c) tries before
+ * blocking: longer than a table's one-key request under its lock, shorter than a futex
+ * wake and a context switch on a busy host (tens of microseconds on a virtual
+ * machine). */
 #define EM_RWLOCK_PATIENT_NS 50000
 
 static inline uint64_t em_rwlock_now_ns(void)
@@ -71,39 +72,6 @@ static inline bool em_rwlock_spin_pays(void)
         __atomic_store_n(&cpus, known, __ATOMIC_RELAXED);
     }
     return known > 1;
-}
-
-/* For a lock that requests take and give back many times a second, some of them
- * exclusively: a writer waiting makes a writer-preferring lock's readers sleep, and a
- * reader makes the writer sleep, so with glibc's blocking calls every exclusive
- * request would cost two futex waits and wakes. These try for up to
- * EM_RWLOCK_PATIENT_NS first, where another CPU can run the holder meanwhile. */
-static inline void em_rwlock_take_patiently(pthread_rwlock_t *lock,
-                                            int (*attempt)(pthread_rwlock_t *),
-                                            int (*take)(pthread_rwlock_t *))
-{
-    if (attempt(lock) == 0)
-        return;
-    if (em_rwlock_spin_pays()) {
-        uint64_t deadline = em_rwlock_now_ns() + EM_RWLOCK_PATIENT_NS;
-        do {
-            for (int i = 0; i < EM_RWLOCK_SPINS; i++)
-                em_cpu_relax();
-            if (attempt(lock) == 0)
-                return;
-        } while (em_rwlock_now_ns() < deadline);
-    }
-    take(lock);
-}
-
-static inline void em_rwlock_read_lock_patient(pthread_rwlock_t *lock)
-{
-    em_rwlock_take_patiently(lock, pthread_rwlock_tryrdlock, pthread_rwlock_rdlock);
-}
-
-static inline void em_rwlock_write_lock_patient(pthread_rwlock_t *lock)
-{
-    em_rwlock_take_patiently(lock, pthread_rwlock_trywrlock, pthread_rwlock_wrlock);
 }
 
 #endif

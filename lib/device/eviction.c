@@ -116,6 +116,7 @@ static uint64_t move_to_front(em_evict_candidate *c, uint64_t n, unsigned __int1
     /* entries move as two 16-byte halves, loaded as they were stored: a load of bytes
      * written by several narrower stores just before waits for them to land */
     typedef uint64_t half __attribute__((vector_size(16)));
+    _Static_assert(sizeof(em_evict_candidate) == 2 * sizeof(half), "an entry is two halves");
     uint64_t front = 0;
     for (uint64_t i = 0; i < n; i++) {
         half entry[2], other[2];

@@ -1504,7 +1504,7 @@ void em_table_get_stats(em_table *table, em_table_stats *out)
         /* the shard's counts and sizes change under its write lock (inserts, growth) */
         em__shard_read_lock(table, s);
         table->shards[s]->device->ops->shard_stats(table->shards[s], &shard);
-        pthread_rwlock_unlock(&table->shard_locks[s].lock);
+        em__shard_unlock(table, s);
         out->row_bytes += shard.row_bytes;
         out->index_bytes += shard.index_bytes;
         out->access_bytes += shard.access_bytes;
@@ -1633,7 +1633,7 @@ static em_status set_shard_access(em_table *table, uint32_t s, const uint64_t *k
                                   keys[i]);
     if (status == EM_OK)
         status = ops->shard_write_access(shard, lane, rows, n, access, err);
-    pthread_rwlock_unlock(&table->shard_locks[s].lock);
+    em__shard_unlock(table, s);
     if (!device->host_addressable) {
         em_device_free(device, device_rows == rows ? NULL : device_rows);
         em_device_free(device, device_keys == keys ? NULL : device_keys);

@@ -258,6 +258,12 @@ static inline void em__shard_write_lock(em_table *table, uint32_t s)
     em_rwlock_write_lock(&table->shard_locks[s].lock);
 }
 
+/* Releases a shard's lock, read or write. */
+static inline void em__shard_unlock(em_table *table, uint32_t s)
+{
+    pthread_rwlock_unlock(&table->shard_locks[s].lock);
+}
+
 /* Every shard's lock (write or read), in shard order, as every holder of several takes
  * them; em__unlock_all_shards releases them. */
 static inline void em__lock_all_shards(em_table *table, bool write)
@@ -272,7 +278,7 @@ static inline void em__lock_all_shards(em_table *table, bool write)
 static inline void em__unlock_all_shards(em_table *table)
 {
     for (uint32_t s = 0; s < table->shard_count; s++)
-        pthread_rwlock_unlock(&table->shard_locks[s].lock);
+        em__shard_unlock(table, s);
 }
 
 /* Claims capacity for the request's missing keys, to create them under the shared table

@@ -453,7 +453,7 @@ static void run_find_job(void *context, uint64_t i)
     job->status[i] = seg->device->ops->shard_find(table->shards[s], seg->lane, seg->keys + offset,
                                                   n, seg->rows + offset, &r->shard_missing[s],
                                                   &job->errors[i]);
-    pthread_rwlock_unlock(&table->shard_locks[s].lock);
+    em__shard_unlock(table, s);
 }
 
 /* find_on_device's lookups a shard on each thread (finds_beside); a failure is that of
@@ -530,7 +530,7 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
                                              err)
                      : ops->shard_find(table->shards[s], seg->lane, seg->keys + offset, n,
                                        seg->rows + offset, &r->shard_missing[s], err);
-        pthread_rwlock_unlock(&table->shard_locks[s].lock);
+        em__shard_unlock(table, s);
         if (status == EM_OK && counts == NULL && r->stop_when_full) {
             found_missing += r->shard_missing[s];
             if (found_missing > em__room_left(table)) {
@@ -909,7 +909,7 @@ static void lock_shards(request_context *r, bool lock)
         if (lock)
             em__shard_write_lock(table, s);
         else
-            pthread_rwlock_unlock(&table->shard_locks[s].lock);
+            em__shard_unlock(table, s);
     }
 }
 
@@ -1324,7 +1324,7 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
                 atomic_fetch_add_explicit(&table->rows_erased, slice->removed,
                                           memory_order_relaxed);
         }
-        pthread_rwlock_unlock(&table->shard_locks[s].lock);
+        em__shard_unlock(table, s);
         slice->wrapped = *cursor == 0;
         if (slice->sweep && slice->wrapped)
             table->expire_shard = (s + 1) % table->shard_count;
@@ -1718,7 +1718,7 @@ em_status em__erase_found(request_context *r, uint64_t *erased, em_error *err)
                 em__rows_removed(table, found);
                 *erased += found;
             }
-            pthread_rwlock_unlock(&table->shard_locks[s].lock);
+            em__shard_unlock(table, s);
             if (status != EM_OK)
                 return em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         }
@@ -1837,7 +1837,7 @@ em_status em__create_missing(request_context *r, bool locks_held, em_error *err)
         status = insert_missing(r, err);
     for (uint32_t s = 0; creating != NULL && s < table->shard_count; s++)
         if (creating[s])
-            pthread_rwlock_unlock(&table->shard_locks[s].lock);
+            em__shard_unlock(table, s);
     free(creating);
     free(evict);
     em__release_claim(r);
@@ -1971,7 +1971,7 @@ static em_status check_on_device(request_context *r, segment *seg, shard_check *
             continue; /* its answer is not read */
         em__shard_read_lock(table, s);
         status = check_shard(r, seg, s, async, problem, &checks[s], err);
-        pthread_rwlock_unlock(&table->shard_locks[s].lock);
+        em__shard_unlock(table, s);
     }
     if (status == EM_OK && async && ops->copy_to_host_later != NULL) {
         status = ops->copy_to_host_later(seg->lane, *problems, device_problems,
@@ -2112,7 +2112,7 @@ em_status em__preserve_for_snapshot(request_context *r, bool take_locks, em_erro
             em_status status = em__snapshot_preserve(table, s, seg->lane,
                                                      seg->rows + shard_offset(r, seg, s), n, err);
             if (take_locks)
-                pthread_rwlock_unlock(&table->shard_locks[s].lock);
+                em__shard_unlock(table, s);
             if (status != EM_OK)
                 return status;
         }
@@ -2337,7 +2337,7 @@ static void run_shard_job(void *context, uint64_t i)
     job->status[i] = shard_step(job->r, job->work, job->floats_per_key, job->checks,
                                 job->segments[i], s, &job->errors[i]);
     if (job->lock)
-        pthread_rwlock_unlock(&table->shard_locks[s].lock);
+        em__shard_unlock(table, s);
 }
 
 /* run_on_shards a shard on each thread (runs_beside); the locks the caller holds are
@@ -2379,7 +2379,7 @@ static em_status run_beside(request_context *r, shard_work work, uint32_t floats
     if (locking == SHARDS_RELEASE_EACH) /* every shard with keys, whatever happened */
         for (uint32_t s = 0; s < table->shard_count; s++)
             if (shard_key_count(r, s) > 0)
-                pthread_rwlock_unlock(&table->shard_locks[s].lock);
+                em__shard_unlock(table, s);
     free(shards);
     free(segments);
     free(status);
@@ -2401,7 +2401,7 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
             if (shard_key_count(r, s) == 0)
                 continue;
             if (failed != EM_OK) {
-                pthread_rwlock_unlock(&table->shard_locks[s].lock); /* SHARDS_RELEASE_EACH */
+                em__shard_unlock(table, s); /* SHARDS_RELEASE_EACH */
                 continue;
             }
             if (lock && work == WORK_GATHER)
@@ -2410,7 +2410,7 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
                 em__shard_write_lock(table, s);
             em_status status = shard_step(r, work, floats_per_key, checks, seg, s, err);
             if (locking != SHARDS_HELD)
-                pthread_rwlock_unlock(&table->shard_locks[s].lock);
+                em__shard_unlock(table, s);
             if (status != EM_OK) {
                 em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
                 if (locking != SHARDS_RELEASE_EACH)

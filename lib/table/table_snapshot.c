@@ -438,7 +438,7 @@ static void finish_shard(em_table_snapshot *snapshot, uint32_t s)
     em__shard_write_lock(table, s); /* a push may still be copying rows of it */
     uint64_t bytes = shard->copy_count * table->row_floats * sizeof(float);
     free_shard(shard);
-    pthread_rwlock_unlock(&table->shard_locks[s].lock);
+    em__shard_unlock(table, s);
     pthread_mutex_lock(&table->snapshot_mutex);
     snapshot->copy_bytes -= bytes;
     pthread_cond_broadcast(&table->snapshot_room);
@@ -486,7 +486,7 @@ em_status em_table_snapshot_read(em_table_snapshot *snapshot, uint64_t max, uint
                 status = device->ops->shard_read_access(table->shards[s], lane, rows, take,
                                                         access + *count, err);
         }
-        pthread_rwlock_unlock(&table->shard_locks[s].lock);
+        em__shard_unlock(table, s);
         device->ops->lane_release(lane);
         if (status != EM_OK)
             return em_error_prefix(err, "snapshot of table '%s' shard %u: ", table->config.name,

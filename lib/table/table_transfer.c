@@ -316,7 +316,7 @@ em_status em_table_reserve(em_table *table, uint64_t rows, em_error *err)
             break;
         em__shard_write_lock(table, s);
         status = ops->shard_reserve(shard, lane, per_shard, 0, err);
-        pthread_rwlock_unlock(&table->shard_locks[s].lock);
+        em__shard_unlock(table, s);
         ops->lane_release(lane);
     }
     em_spread_unlock_write(&table->lock);
@@ -342,7 +342,7 @@ em_status em_table_export(em_table *table, em_table_cursor *cursor, uint64_t max
         em__shard_read_lock(table, cursor->shard);
         status = ops->shard_export(shard, lane, &cursor->position, keys, values, NULL, max, count,
                                    err);
-        pthread_rwlock_unlock(&table->shard_locks[cursor->shard].lock);
+        em__shard_unlock(table, cursor->shard);
         ops->lane_release(lane);
         if (status == EM_OK && *count == 0) {
             cursor->shard++;
