@@ -308,6 +308,7 @@ void em_checkpointer_destroy(em_checkpointer *c)
     if (c == NULL)
         return;
     em_checkpointer_stop(c);
+    em_checkpoint_wait_removals(); /* the files of checkpoints the saves pruned */
     pthread_cond_destroy(&c->wake);
     pthread_mutex_destroy(&c->mutex);
     free(c);

@@ -15,8 +15,8 @@
  * directory, fsyncs every file and the directory, renames it to its id, fsyncs the
  * table's directory, and only then replaces LATEST (write, fsync, rename, fsync): a
  * crash at any instant leaves the previous checkpoint current and whole. Checkpoints
- * beyond `keep` are removed after LATEST moved. A failed fsync fails the save; nothing
- * retries it.
+ * beyond `keep` are set aside after LATEST moved, and removed after the save answers. A
+ * failed fsync fails the save; nothing retries it.
  *
  * A delta holds only what changed since its parent, the table's previous checkpoint:
  * the rows whose content differs from the parent's (new keys too) and, in
@@ -135,6 +135,11 @@ em_status em_checkpoint_drop_table(const char *dir, const char *table,
  * RESOURCE_EXHAUSTED. */
 em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,
                              em_checkpoint_info *info, em_error *err);
+
+/* A save answers once its checkpoint is published and the ones it prunes are set aside
+ * (renamed to .old-<id>, which nothing lists or loads); their files are removed after,
+ * on a thread of its own. This waits until every such removal of the process ended. */
+void em_checkpoint_wait_removals(void);
 
 /* Reads every file of the checkpoint at path (a checkpoint's directory), and of every
  * checkpoint of its chain for a delta, and checks every checksum and count, without a

@@ -23,6 +23,17 @@ bool em__checkpoint_is_id(const char *name);
 /* Removes a directory of plain files, best effort. */
 void em__checkpoint_remove_dir(const char *path);
 
+/* What a table's directory calls a checkpoint, or a leftover, that a save set aside to
+ * be removed: .old-<id> (checkpoint_prune.c). */
+#define EM__CHECKPOINT_OLD ".old-"
+
+/* Sets aside, with the table's save lock held, the published checkpoints beyond keep
+ * (the oldest) that no kept delta builds on and what saves that never finished left
+ * (temporaries, directories newer than LATEST), and removes them, and any set aside
+ * before, on a thread of its own (checkpoint_prune.c). */
+void em__checkpoint_prune(const char *table_dir, const char *dir, const char *table,
+                          uint32_t keep);
+
 /* ---- the worker thread of saves and loads (checkpoint_pipe.c) --------------------------- */
 
 /* One item at a time goes to work(context, item) on a thread of its own; the caller

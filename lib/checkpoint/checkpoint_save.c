@@ -612,79 +612,8 @@ static em_status make_dir(const char *path, em_error *err)
                         strerror(errno));
 }
 
-/* Removes a checkpoint's directory (its files are plain files). */
-void em__checkpoint_remove_dir(const char *path)
-{
-    DIR *dir = opendir(path);
-    if (dir != NULL) {
-        struct dirent *entry;
-        while ((entry = readdir(dir)) != NULL) {
-            if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
-                continue;
-            char file[4400];
-            snprintf(file, sizeof(file), "%s/%s", path, entry->d_name);
-            unlink(file);
-        }
-        closedir(dir);
-    }
-    rmdir(path);
-}
-
-/* The oldest id that the newest keep checkpoints need: the full checkpoint each of
- * their chains starts at (a chain's links are consecutive published ids). "" when a
- * manifest does not read: then nothing is removed. */
-static void oldest_needed(const em_checkpoint_info *infos, size_t count, uint32_t keep,
-                          char *oldest)
-{
-    strcpy(oldest, infos[count - 1].id);
-    for (size_t i = count > keep ? count - keep : 0; i < count; i++) {
-        em__chain_link link;
-        em_error err;
-        if (em__checkpoint_read_link(infos[i].path, &link, &err) != EM_OK) {
-            oldest[0] = '\0';
-            return;
-        }
-        if (strcmp(link.base_id, oldest) < 0)
-            strcpy(oldest, link.base_id);
-    }
-}
-
-/* Removes the published checkpoints beyond keep (the oldest) that no kept delta builds
- * on, and what saves that never finished left: temporaries, and directories newer than
- * LATEST. The table's save lock is held, so no save is writing them. */
-static void prune(const char *table_dir, const char *dir, const char *table, uint32_t keep)
-{
-    em_checkpoint_info *infos = NULL;
-    size_t count = 0;
-    em_error err;
-    if (em_checkpoint_list(dir, table, &infos, &count, &err) != EM_OK)
-        return;
-    char oldest[EM_CHECKPOINT_ID_DIGITS + 1] = "";
-    if (count > keep)
-        oldest_needed(infos, count, keep, oldest);
-    for (size_t i = 0; i + keep < count; i++)
-        if (strcmp(infos[i].id, oldest) < 0)
-            em__checkpoint_remove_dir(infos[i].path);
-    char latest_id[EM_CHECKPOINT_ID_DIGITS + 1];
-    snprintf(latest_id, sizeof(latest_id), "%s", count > 0 ? infos[count - 1].id : "");
-    free(infos);
-    DIR *d = opendir(table_dir);
-    if (d == NULL)
-        return;
-    struct dirent *entry;
-    while ((entry = readdir(d)) != NULL) {
-        bool unpublished = em__checkpoint_is_id(entry->d_name) &&
-                           strcmp(entry->d_name, latest_id) > 0;
-        if (strncmp(entry->d_name, ".tmp-", 5) != 0 && !unpublished)
-            continue;
-        char path[4400];
-        snprintf(path, sizeof(path), "%s/%s", table_dir, entry->d_name);
-        em__checkpoint_remove_dir(path);
-    }
-    closedir(d);
-}
-
-/* The next id: one more than any checkpoint (complete or not) of the table. */
+/* The next id: one more than any checkpoint (complete, unfinished or being removed) of
+ * the table. */
 static uint64_t next_id(const char *table_dir)
 {
     uint64_t next = 1;
@@ -694,8 +623,8 @@ static uint64_t next_id(const char *table_dir)
     struct dirent *entry;
     while ((entry = readdir(d)) != NULL) {
         const char *name = entry->d_name;
-        if (strncmp(name, ".tmp-", 5) == 0)
-            name += 5;
+        if (strncmp(name, ".tmp-", 5) == 0 || strncmp(name, EM__CHECKPOINT_OLD, 5) == 0)
+            name += 5; /* a save that never finished, or one being removed */
         if (em__checkpoint_is_id(name)) {
             uint64_t id = strtoull(name, NULL, 10);
             next = id + 1 > next ? id + 1 : next;
@@ -1086,7 +1015,8 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
         /* the table's rows are now written as this checkpoint: the next delta's parent */
         if (!options->detached)
             em_table_set_attachment(table, s.next, em__delta_base_free);
-        prune(table_dir, options->dir, name, options->keep == 0 ? 1 : options->keep);
+        em__checkpoint_prune(table_dir, options->dir, name,
+                             options->keep == 0 ? 1 : options->keep);
     }
     free(s.tombstones);
     free(s.keys);

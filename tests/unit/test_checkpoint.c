@@ -1125,6 +1125,113 @@ START_TEST(a_failed_delta_leaves_the_next_one_complete)
 }
 END_TEST
 
+/* The names in dir, sorted, joined by spaces. */
+static void names_in(const char *dir, char *names, size_t size)
+{
+    char *list[64];
+    int count = 0;
+    DIR *d = opendir(dir);
+    ck_assert_ptr_nonnull(d);
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL && count < 64)
+        if (strcmp(entry->d_name, ".") != 0 && strcmp(entry->d_name, "..") != 0)
+            list[count++] = strdup(entry->d_name);
+    closedir(d);
+    for (int i = 1; i < count; i++) /* few names: insertion */
+        for (int j = i; j > 0 && strcmp(list[j - 1], list[j]) > 0; j--) {
+            char *t = list[j];
+            list[j] = list[j - 1];
+            list[j - 1] = t;
+        }
+    names[0] = '\0';
+    for (int i = 0; i < count; i++) {
+        snprintf(names + strlen(names), size - strlen(names), "%s%s", i > 0 ? " " : "", list[i]);
+        free(list[i]);
+    }
+}
+
+/* A directory holding one file of bytes bytes. */
+static void make_dir_with_file(const char *dir, const char *name, size_t bytes)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    ck_assert_int_eq(mkdir(path, 0755), 0);
+    snprintf(path + strlen(path), sizeof(path) - strlen(path), "/rows.emb");
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    for (size_t i = 0; i < bytes; i++)
+        fputc((int)(i & 0xff), f);
+    fclose(f);
+}
+
+/* A save answers with the checkpoints it prunes already set aside (.old-<id>, which no
+ * list, load or restore reads), and removes their files after; what a crash left set
+ * aside or half-written goes with the next save's, and ids go on past both. The removal
+ * keeps its place when the table's directory is renamed under it, as a drop does. */
+START_TEST(pruned_checkpoints_are_removed_after_the_save_answers)
+{
+    char dir[256], table_dir[512], names[4096];
+    em_test_make_dir("ember-checkpoint", dir, sizeof(dir));
+    snprintf(table_dir, sizeof(table_dir), "%s/t", dir);
+    em_backend *backend = make_backend();
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed());
+    em_table *table = trained_table(backend, 1, 4, 300, &rng);
+    em_checkpoint_options options;
+    em_checkpoint_options_init(&options, dir);
+    options.keep = 1;
+    em_checkpoint_info info;
+    em_error err;
+    for (int i = 1; i <= 3; i++) {
+        ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s",
+                      err.message);
+        /* as the save answers: the one before is no longer where it was */
+        char before[4400];
+        snprintf(before, sizeof(before), "%s/%020d", table_dir, i - 1);
+        struct stat st;
+        ck_assert_int_ne(stat(before, &st), 0);
+        em_checkpoint_info *list = NULL;
+        size_t count = 0;
+        ck_assert_int_eq(em_checkpoint_list(dir, "t", &list, &count, &err), EM_OK);
+        ck_assert_uint_eq(count, 1);
+        ck_assert_str_eq(list[0].id, info.id);
+        free(list);
+    }
+    em_checkpoint_wait_removals();
+    names_in(table_dir, names, sizeof(names));
+    ck_assert_str_eq(names, ".lock 00000000000000000003 LATEST");
+
+    /* what a crash leaves: a checkpoint set aside, a save half-written, a directory
+     * renamed but never published */
+    make_dir_with_file(table_dir, ".old-00000000000000000013", 5000);
+    make_dir_with_file(table_dir, ".tmp-00000000000000000010", 5000);
+    make_dir_with_file(table_dir, "00000000000000000011", 5000);
+    ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s", err.message);
+    ck_assert_str_eq(info.id, "00000000000000000014");
+    em_checkpoint_wait_removals();
+    names_in(table_dir, names, sizeof(names));
+    ck_assert_str_eq(names, ".lock 00000000000000000014 LATEST");
+
+    /* the table's directory renamed while the removal may still run */
+    for (int k = 0; k < 4; k++) {
+        char name[64];
+        snprintf(name, sizeof(name), ".old-%020d", 100 + k);
+        make_dir_with_file(table_dir, name, 1 << 20);
+    }
+    ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s", err.message);
+    char aside[600];
+    snprintf(aside, sizeof(aside), "%s/.dropped-t", dir);
+    ck_assert_int_eq(rename(table_dir, aside), 0);
+    em_checkpoint_wait_removals();
+    names_in(aside, names, sizeof(names));
+    ck_assert_str_eq(names, ".lock 00000000000000000104 LATEST");
+    ck_assert_msg(em_checkpoint_verify(aside, &info, &err) == EM_OK, "%s", err.message);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 /* keep counts checkpoints, but one that a kept delta builds on stays until no kept
  * checkpoint needs it. */
 START_TEST(pruning_keeps_the_chains_of_kept_deltas)
@@ -2074,6 +2181,7 @@ int main(void)
     tcase_add_test(round_trip, chunks_larger_than_the_blocks_read_ahead_load_alike);
     tcase_add_test(round_trip, weights_load_into_another_optimizer);
     tcase_add_test(round_trip, saves_keep_the_newest);
+    tcase_add_test(round_trip, pruned_checkpoints_are_removed_after_the_save_answers);
     tcase_add_test(round_trip, unchanged_deltas_are_skipped_when_asked);
     tcase_add_test(round_trip, saves_of_unchanged_tables_write_nothing_when_asked);
     tcase_add_test(round_trip, lists_read_manifests_only);
