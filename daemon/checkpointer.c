@@ -18,6 +18,7 @@ struct em_checkpointer {
     em_catalog *catalog;
     const em_log *log;
     em_checkpoint_options options;
+    em_checkpoint_removals *removals; /* the files of checkpoints the saves pruned */
     em_server_stats *stats;
     pthread_t thread;
     bool thread_running;
@@ -274,6 +275,13 @@ em_status em_checkpointer_create(const em_checkpoint_config *config, em_catalog 
     c->options.copy_limit_bytes = config->copy_limit_bytes;
     c->options.track_changes = config->full_every > 1;
     pthread_mutex_init(&c->mutex, NULL);
+    em_status status = em_checkpoint_removals_create(&c->removals, err);
+    if (status != EM_OK) {
+        pthread_mutex_destroy(&c->mutex);
+        free(c);
+        return status;
+    }
+    c->options.removals = c->removals;
     pthread_condattr_t attributes;
     pthread_condattr_init(&attributes);
     pthread_condattr_setclock(&attributes, CLOCK_MONOTONIC);
@@ -308,7 +316,7 @@ void em_checkpointer_destroy(em_checkpointer *c)
     if (c == NULL)
         return;
     em_checkpointer_stop(c);
-    em_checkpoint_wait_removals(); /* the files of checkpoints the saves pruned */
+    em_checkpoint_removals_destroy(c->removals); /* waits for them */
     pthread_cond_destroy(&c->wake);
     pthread_mutex_destroy(&c->mutex);
     free(c);

@@ -15,8 +15,8 @@
  * directory, fsyncs every file and the directory, renames it to its id, fsyncs the
  * table's directory, and only then replaces LATEST (write, fsync, rename, fsync): a
  * crash at any instant leaves the previous checkpoint current and whole. Checkpoints
- * beyond `keep` are set aside after LATEST moved, and removed after the save answers. A
- * failed fsync fails the save; nothing retries it.
+ * beyond `keep` are set aside after LATEST moved, and removed (after the save answers,
+ * given em_checkpoint_removals). A failed fsync fails the save; nothing retries it.
  *
  * A delta holds only what changed since its parent, the table's previous checkpoint:
  * the rows whose content differs from the parent's (new keys too) and, in
@@ -58,6 +58,18 @@
 #define EM_CHECKPOINT_BUCKETS EM_KEY_BUCKETS
 #define EM_CHECKPOINT_ID_DIGITS 20
 
+/* Where saves remove the checkpoints they prune after they answer. A save sets each
+ * aside first (renamed to .old-<id>, which nothing lists, loads or restores); given
+ * removals, its files go on a thread of their own that removals counts, else before
+ * the save answers. */
+typedef struct em_checkpoint_removals em_checkpoint_removals;
+
+em_status em_checkpoint_removals_create(em_checkpoint_removals **out, em_error *err);
+/* Waits until every removal begun with removals ended. Thread-safe. */
+void em_checkpoint_removals_wait(em_checkpoint_removals *removals);
+/* Waits for the removals, then frees them (NULL: nothing). */
+void em_checkpoint_removals_destroy(em_checkpoint_removals *removals);
+
 typedef struct em_checkpoint_options {
     const char *dir;           /* the root: one folder per table below it */
     uint32_t keep;             /* complete checkpoints kept per table (0 means 1) */
@@ -87,6 +99,9 @@ typedef struct em_checkpoint_options {
      * written: rows of the snapshot read so far, and its rows. NULL: not heard. */
     void (*progress)(void *context, uint64_t rows_read, uint64_t rows_total);
     void *progress_context;
+    /* where the checkpoints this save prunes are removed after it answers (borrowed; it
+     * outlives the save); NULL: they are removed before it answers */
+    em_checkpoint_removals *removals;
 } em_checkpoint_options;
 
 /* Defaults: keep 3, copy limit 256 MiB, buffer 32 MiB, full saves, no tracking. */
@@ -135,11 +150,6 @@ em_status em_checkpoint_drop_table(const char *dir, const char *table,
  * RESOURCE_EXHAUSTED. */
 em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *options,
                              em_checkpoint_info *info, em_error *err);
-
-/* A save answers once its checkpoint is published and the ones it prunes are set aside
- * (renamed to .old-<id>, which nothing lists or loads); their files are removed after,
- * on a thread of its own. This waits until every such removal of the process ended. */
-void em_checkpoint_wait_removals(void);
 
 /* Reads every file of the checkpoint at path (a checkpoint's directory), and of every
  * checkpoint of its chain for a delta, and checks every checksum and count, without a

@@ -30,9 +30,10 @@ void em__checkpoint_remove_dir(const char *path);
 /* Sets aside, with the table's save lock held, the published checkpoints beyond keep
  * (the oldest) that no kept delta builds on and what saves that never finished left
  * (temporaries, directories newer than LATEST), and removes them, and any set aside
- * before, on a thread of its own (checkpoint_prune.c). */
+ * before: on a thread of its own counted in removals, or before it returns where
+ * removals is NULL (checkpoint_prune.c). */
 void em__checkpoint_prune(const char *table_dir, const char *dir, const char *table,
-                          uint32_t keep);
+                          uint32_t keep, em_checkpoint_removals *removals);
 
 /* ---- the worker thread of saves and loads (checkpoint_pipe.c) --------------------------- */
 

@@ -9,13 +9,13 @@
  * pass over names that start with '.', and a crash leaves .old- directories for the
  * next save's prune to remove.
  *
- * Their files are unlinked afterwards, on a thread of their own: unlinking a checkpoint
- * of 1.5 GB took 0.2-0.3 s on a virtual disk (tests/bench/RESULTS.md), which the save's
- * caller has no reason to wait for. The thread works through a descriptor of the
- * table's directory, so a drop that renames that directory meanwhile
- * (em_checkpoint_drop_table) does not make it lose its place. em_checkpoint_wait_removals
- * waits for every such thread, for a daemon going down and for a benchmark timing
- * what comes next.
+ * Given an em_checkpoint_removals (options->removals), their files are unlinked after
+ * the save answers, on a thread of their own that the removals count: unlinking a
+ * checkpoint of 1.5 GB took 0.2-0.3 s on a virtual disk (tests/bench/RESULTS.md), which
+ * the save's caller has no reason to wait for. The thread works through a descriptor of
+ * the table's directory, so a drop that renames that directory meanwhile
+ * (em_checkpoint_drop_table) does not make it lose its place. Destroying the removals
+ * waits for their threads. Without one, the save removes them before it answers.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -52,9 +52,42 @@ void em__checkpoint_remove_dir(const char *path)
 
 /* ---- removal after the answer ------------------------------------------------------------ */
 
-static pthread_mutex_t removals_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t removals_ended = PTHREAD_COND_INITIALIZER;
-static unsigned removals_running;
+struct em_checkpoint_removals {
+    pthread_mutex_t lock;
+    pthread_cond_t ended;
+    unsigned running; /* removal threads not ended */
+};
+
+em_status em_checkpoint_removals_create(em_checkpoint_removals **out, em_error *err)
+{
+    em_checkpoint_removals *removals = calloc(1, sizeof(*removals));
+    if (removals == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "checkpoint removals: out of memory");
+    pthread_mutex_init(&removals->lock, NULL);
+    pthread_cond_init(&removals->ended, NULL);
+    *out = removals;
+    return EM_OK;
+}
+
+void em_checkpoint_removals_wait(em_checkpoint_removals *removals)
+{
+    if (removals == NULL)
+        return;
+    pthread_mutex_lock(&removals->lock);
+    while (removals->running > 0)
+        pthread_cond_wait(&removals->ended, &removals->lock);
+    pthread_mutex_unlock(&removals->lock);
+}
+
+void em_checkpoint_removals_destroy(em_checkpoint_removals *removals)
+{
+    if (removals == NULL)
+        return;
+    em_checkpoint_removals_wait(removals);
+    pthread_cond_destroy(&removals->ended);
+    pthread_mutex_destroy(&removals->lock);
+    free(removals);
+}
 
 /* Removes the directory name (of plain files) in the directory dir_fd. */
 static void remove_dir_at(int dir_fd, const char *name)
@@ -92,51 +125,52 @@ static void remove_old_dirs(int dir_fd)
     closedir(dir);
 }
 
-static void removal_ended(void)
-{
-    pthread_mutex_lock(&removals_lock);
-    removals_running--;
-    pthread_cond_broadcast(&removals_ended);
-    pthread_mutex_unlock(&removals_lock);
-}
+typedef struct removal {
+    em_checkpoint_removals *removals;
+    int dir_fd; /* the table's directory */
+} removal;
 
 static void *run_removal(void *argument)
 {
-    int dir_fd = (int)(intptr_t)argument;
-    remove_old_dirs(dir_fd);
-    close(dir_fd);
-    removal_ended();
+    removal *job = argument;
+    em_checkpoint_removals *removals = job->removals;
+    remove_old_dirs(job->dir_fd);
+    close(job->dir_fd);
+    free(job);
+    pthread_mutex_lock(&removals->lock);
+    removals->running--;
+    pthread_cond_broadcast(&removals->ended);
+    pthread_mutex_unlock(&removals->lock);
     return NULL;
 }
 
-/* Removes the .old- directories of table_dir on a thread of its own (here, where no
- * thread starts). */
-static void start_removal(const char *table_dir)
+/* Removes the .old- directories of table_dir: on a thread of its own counted in
+ * removals, or here without removals (or where no thread starts). */
+static void remove_old(const char *table_dir, em_checkpoint_removals *removals)
 {
     int dir_fd = open(table_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir_fd < 0)
         return;
-    pthread_mutex_lock(&removals_lock);
-    removals_running++;
-    pthread_mutex_unlock(&removals_lock);
+    removal *job = removals != NULL ? malloc(sizeof(*job)) : NULL;
+    if (job == NULL) {
+        remove_old_dirs(dir_fd);
+        close(dir_fd);
+        return;
+    }
+    *job = (removal){removals, dir_fd};
+    pthread_mutex_lock(&removals->lock);
+    removals->running++;
+    pthread_mutex_unlock(&removals->lock);
     pthread_attr_t attr;
     pthread_t thread;
     bool started = pthread_attr_init(&attr) == 0;
     if (started) {
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        started = pthread_create(&thread, &attr, run_removal, (void *)(intptr_t)dir_fd) == 0;
+        started = pthread_create(&thread, &attr, run_removal, job) == 0;
         pthread_attr_destroy(&attr);
     }
     if (!started)
-        run_removal((void *)(intptr_t)dir_fd);
-}
-
-void em_checkpoint_wait_removals(void)
-{
-    pthread_mutex_lock(&removals_lock);
-    while (removals_running > 0)
-        pthread_cond_wait(&removals_ended, &removals_lock);
-    pthread_mutex_unlock(&removals_lock);
+        run_removal(job);
 }
 
 /* ---- pruning ------------------------------------------------------------------------------ */
@@ -172,8 +206,48 @@ static void set_aside(const char *table_dir, const char *name)
         em__checkpoint_remove_dir(from);
 }
 
+/* Sets aside what saves that never finished left in table_dir (temporaries, ids newer
+ * than latest_id); returns how many, and *old says whether .old- directories are there
+ * already. */
+static size_t set_aside_leftovers(const char *table_dir, const char *latest_id, bool *old)
+{
+    *old = false;
+    DIR *d = opendir(table_dir);
+    if (d == NULL)
+        return 0;
+    /* the names first: the directory is not read while it changes */
+    char (*leftovers)[NAME_MAX + 1] = NULL;
+    size_t count = 0, capacity = 0;
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL) {
+        const char *name = entry->d_name;
+        *old = *old || strncmp(name, EM__CHECKPOINT_OLD, strlen(EM__CHECKPOINT_OLD)) == 0;
+        bool unpublished = em__checkpoint_is_id(name) && strcmp(name, latest_id) > 0;
+        if (!unpublished && strncmp(name, ".tmp-", 5) != 0)
+            continue;
+        if (count == capacity) {
+            size_t grown = capacity == 0 ? 4 : 2 * capacity;
+            void *more = realloc(leftovers, grown * sizeof(*leftovers));
+            if (more == NULL) { /* then this one goes now */
+                char path[4400];
+                snprintf(path, sizeof(path), "%s/%s", table_dir, name);
+                em__checkpoint_remove_dir(path);
+                continue;
+            }
+            leftovers = more;
+            capacity = grown;
+        }
+        snprintf(leftovers[count++], sizeof(*leftovers), "%s", name);
+    }
+    closedir(d);
+    for (size_t i = 0; i < count; i++)
+        set_aside(table_dir, leftovers[i]);
+    free(leftovers);
+    return count;
+}
+
 void em__checkpoint_prune(const char *table_dir, const char *dir, const char *table,
-                          uint32_t keep)
+                          uint32_t keep, em_checkpoint_removals *removals)
 {
     em_checkpoint_info *infos = NULL;
     size_t count = 0;
@@ -192,38 +266,8 @@ void em__checkpoint_prune(const char *table_dir, const char *dir, const char *ta
     char latest_id[EM_CHECKPOINT_ID_DIGITS + 1];
     snprintf(latest_id, sizeof(latest_id), "%s", count > 0 ? infos[count - 1].id : "");
     free(infos);
-    DIR *d = opendir(table_dir);
-    if (d == NULL)
-        return;
-    /* the leftovers' names first: the directory is not read while it changes */
-    char (*leftovers)[NAME_MAX + 1] = NULL;
-    size_t leftover_count = 0, leftover_capacity = 0;
-    bool old = false;
-    struct dirent *entry;
-    while ((entry = readdir(d)) != NULL) {
-        const char *name = entry->d_name;
-        old = old || strncmp(name, EM__CHECKPOINT_OLD, strlen(EM__CHECKPOINT_OLD)) == 0;
-        bool unpublished = em__checkpoint_is_id(name) && strcmp(name, latest_id) > 0;
-        if (!unpublished && strncmp(name, ".tmp-", 5) != 0)
-            continue;
-        if (leftover_count == leftover_capacity) {
-            size_t grown = leftover_capacity == 0 ? 4 : 2 * leftover_capacity;
-            void *more = realloc(leftovers, grown * sizeof(*leftovers));
-            if (more == NULL) { /* then this one goes now */
-                char path[4400];
-                snprintf(path, sizeof(path), "%s/%s", table_dir, name);
-                em__checkpoint_remove_dir(path);
-                continue;
-            }
-            leftovers = more;
-            leftover_capacity = grown;
-        }
-        snprintf(leftovers[leftover_count++], sizeof(*leftovers), "%s", name);
-    }
-    closedir(d);
-    for (size_t i = 0; i < leftover_count; i++)
-        set_aside(table_dir, leftovers[i]);
-    free(leftovers);
-    if (old || leftover_count > 0 || aside > 0)
-        start_removal(table_dir);
+    bool old;
+    aside += set_aside_leftovers(table_dir, latest_id, &old);
+    if (old || aside > 0)
+        remove_old(table_dir, removals);
 }

@@ -1016,7 +1016,7 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
         if (!options->detached)
             em_table_set_attachment(table, s.next, em__delta_base_free);
         em__checkpoint_prune(table_dir, options->dir, name,
-                             options->keep == 0 ? 1 : options->keep);
+                             options->keep == 0 ? 1 : options->keep, options->removals);
     }
     free(s.tombstones);
     free(s.keys);

@@ -265,6 +265,8 @@ typedef struct saver {
 
 /* The range of the removals' times after the saves of the pairs. */
 static double removal_low = 1e9, removal_high = 0;
+/* Where the saves remove the checkpoints they prune, after they answer. */
+static em_checkpoint_removals *removals;
 
 static void *run_save(void *argument)
 {
@@ -274,6 +276,7 @@ static void *run_save(void *argument)
     save_options.keep = 1;
     save_options.delta = s->delta;
     save_options.track_changes = s->track;
+    save_options.removals = removals;
     em_error err;
     double start = em_test_now();
     s->status = em_checkpoint_save(s->table, &save_options, &s->info, &err);
@@ -283,7 +286,7 @@ static void *run_save(void *argument)
     /* the checkpoint before it goes after the answer (checkpoint_prune.c): its removal
      * ends before anything else is timed */
     start = em_test_now();
-    em_checkpoint_wait_removals();
+    em_checkpoint_removals_wait(removals);
     s->removal_s = em_test_now() - start;
     return NULL;
 }
@@ -461,6 +464,10 @@ int main(int argc, char **argv)
            opt.seconds, opt.backend, opt.pairs);
     em_backend *backend = bench_backend(&opt);
     em_error err;
+    if (em_checkpoint_removals_create(&removals, &err) != EM_OK) {
+        fprintf(stderr, "%s\n", err.message);
+        return 1;
+    }
     printf("%s backend, device %s, 8 shards, adam (weights, two moments and a step per row)\n\n",
            opt.backend, backend->devices[0]->name);
     em_table *table = populated_table(backend, &opt);
@@ -691,5 +698,6 @@ int main(int argc, char **argv)
            busy.p99 / idle.p99, during_s);
     em_table_destroy(table);
     em_backend_destroy(backend);
+    em_checkpoint_removals_destroy(removals);
     return 0;
 }

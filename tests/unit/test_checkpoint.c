@@ -1182,6 +1182,9 @@ START_TEST(pruned_checkpoints_are_removed_after_the_save_answers)
     options.keep = 1;
     em_checkpoint_info info;
     em_error err;
+    em_checkpoint_removals *removals = NULL;
+    ck_assert_int_eq(em_checkpoint_removals_create(&removals, &err), EM_OK);
+    options.removals = removals;
     for (int i = 1; i <= 3; i++) {
         ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s",
                       err.message);
@@ -1197,7 +1200,7 @@ START_TEST(pruned_checkpoints_are_removed_after_the_save_answers)
         ck_assert_str_eq(list[0].id, info.id);
         free(list);
     }
-    em_checkpoint_wait_removals();
+    em_checkpoint_removals_wait(removals);
     names_in(table_dir, names, sizeof(names));
     ck_assert_str_eq(names, ".lock 00000000000000000003 LATEST");
 
@@ -1208,7 +1211,7 @@ START_TEST(pruned_checkpoints_are_removed_after_the_save_answers)
     make_dir_with_file(table_dir, "00000000000000000011", 5000);
     ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s", err.message);
     ck_assert_str_eq(info.id, "00000000000000000014");
-    em_checkpoint_wait_removals();
+    em_checkpoint_removals_wait(removals);
     names_in(table_dir, names, sizeof(names));
     ck_assert_str_eq(names, ".lock 00000000000000000014 LATEST");
 
@@ -1222,10 +1225,20 @@ START_TEST(pruned_checkpoints_are_removed_after_the_save_answers)
     char aside[600];
     snprintf(aside, sizeof(aside), "%s/.dropped-t", dir);
     ck_assert_int_eq(rename(table_dir, aside), 0);
-    em_checkpoint_wait_removals();
+    em_checkpoint_removals_wait(removals);
     names_in(aside, names, sizeof(names));
     ck_assert_str_eq(names, ".lock 00000000000000000104 LATEST");
     ck_assert_msg(em_checkpoint_verify(aside, &info, &err) == EM_OK, "%s", err.message);
+
+    /* without removals, a save removes what it prunes before it answers */
+    options.removals = NULL;
+    ck_assert_int_eq(rename(aside, table_dir), 0);
+    make_dir_with_file(table_dir, ".old-00000000000000000200", 5000);
+    ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s", err.message);
+    ck_assert_str_eq(info.id, "00000000000000000201");
+    names_in(table_dir, names, sizeof(names));
+    ck_assert_str_eq(names, ".lock 00000000000000000201 LATEST");
+    em_checkpoint_removals_destroy(removals);
     em_table_destroy(table);
     em_backend_destroy(backend);
     em_test_remove_tree(dir);
