@@ -100,7 +100,8 @@ typedef struct em_checkpoint_options {
     void (*progress)(void *context, uint64_t rows_read, uint64_t rows_total);
     void *progress_context;
     /* where the checkpoints this save prunes are removed after it answers (borrowed; it
-     * outlives the save); NULL: they are removed before it answers */
+     * outlives the save); the save first waits for the removals already begun there, so
+     * a disk holds no more than without. NULL: they are removed before it answers */
     em_checkpoint_removals *removals;
 } em_checkpoint_options;
 

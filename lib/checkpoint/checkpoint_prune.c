@@ -14,8 +14,12 @@
  * checkpoint of 1.5 GB took 0.2-0.3 s on a virtual disk (tests/bench/RESULTS.md), which
  * the save's caller has no reason to wait for. The thread works through a descriptor of
  * the table's directory, so a drop that renames that directory meanwhile
- * (em_checkpoint_drop_table) does not make it lose its place. Destroying the removals
- * waits for their threads. Without one, the save removes them before it answers.
+ * (em_checkpoint_drop_table) does not make it lose its place. A save given removals
+ * waits for those already begun before it writes, so the disk never holds more than
+ * when saves removed before answering (a save of every table, one after another, frees
+ * each table's old checkpoint before the next table's is written). Destroying the
+ * removals waits for their threads. Without one, the save removes them before it
+ * answers.
  */
 #include <dirent.h>
 #include <errno.h>

@@ -918,6 +918,9 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
         status = make_dir(table_dir, err);
     if (status != EM_OK)
         return em_error_prefix(err, "save of table '%s': ", name);
+    /* what earlier saves pruned is gone before this one writes: the disk never holds
+     * more than when saves removed it before answering */
+    em_checkpoint_removals_wait(options->removals);
 
     int lock_fd = -1;
     status = take_save_lock(table_dir, name, "save", true, options->wait_for_lock, &lock_fd,

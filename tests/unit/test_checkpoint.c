@@ -1215,6 +1215,25 @@ START_TEST(pruned_checkpoints_are_removed_after_the_save_answers)
     names_in(table_dir, names, sizeof(names));
     ck_assert_str_eq(names, ".lock 00000000000000000014 LATEST");
 
+    /* a save waits for the removals begun before it: none of these is left once the
+     * second save answers (its own prune's removal may still run) */
+    for (int k = 0; k < 8; k++) {
+        char name[64];
+        snprintf(name, sizeof(name), ".old-%020d", 30 + k);
+        make_dir_with_file(table_dir, name, 4 << 20);
+    }
+    for (int k = 0; k < 2; k++)
+        ck_assert_msg(em_checkpoint_save(table, &options, &info, &err) == EM_OK, "%s",
+                      err.message);
+    ck_assert_str_eq(info.id, "00000000000000000039");
+    names_in(table_dir, names, sizeof(names));
+    for (int k = 0; k < 8; k++) {
+        char name[64];
+        snprintf(name, sizeof(name), ".old-%020d", 30 + k);
+        ck_assert_msg(strstr(names, name) == NULL, "%s is still there: %s", name, names);
+    }
+    em_checkpoint_removals_wait(removals);
+
     /* the table's directory renamed while the removal may still run */
     for (int k = 0; k < 4; k++) {
         char name[64];
