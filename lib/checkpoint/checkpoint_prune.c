@@ -36,22 +36,29 @@
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/checkpoint/checkpoint_internal.h"
 
-/* Removes a checkpoint's directory (its files are plain files). */
+/* Removes the directory name (of plain files) in the directory dir_fd (AT_FDCWD: name is
+ * a path), best effort. */
+static void remove_dir_at(int dir_fd, const char *name)
+{
+    int fd = openat(dir_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0) {
+        DIR *dir = fdopendir(fd);
+        if (dir == NULL) {
+            close(fd);
+        } else {
+            struct dirent *entry;
+            while ((entry = readdir(dir)) != NULL)
+                if (strcmp(entry->d_name, ".") != 0 && strcmp(entry->d_name, "..") != 0)
+                    unlinkat(fd, entry->d_name, 0);
+            closedir(dir); /* and fd with it */
+        }
+    }
+    unlinkat(dir_fd, name, AT_REMOVEDIR);
+}
+
 void em__checkpoint_remove_dir(const char *path)
 {
-    DIR *dir = opendir(path);
-    if (dir != NULL) {
-        struct dirent *entry;
-        while ((entry = readdir(dir)) != NULL) {
-            if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0)
-                continue;
-            char file[4400];
-            snprintf(file, sizeof(file), "%s/%s", path, entry->d_name);
-            unlink(file);
-        }
-        closedir(dir);
-    }
-    rmdir(path);
+    remove_dir_at(AT_FDCWD, path);
 }
 
 /* ---- removal after the answer ------------------------------------------------------------ */
@@ -91,25 +98,6 @@ void em_checkpoint_removals_destroy(em_checkpoint_removals *removals)
     pthread_cond_destroy(&removals->ended);
     pthread_mutex_destroy(&removals->lock);
     free(removals);
-}
-
-/* Removes the directory name (of plain files) in the directory dir_fd. */
-static void remove_dir_at(int dir_fd, const char *name)
-{
-    int fd = openat(dir_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd >= 0) {
-        DIR *dir = fdopendir(fd);
-        if (dir == NULL) {
-            close(fd);
-        } else {
-            struct dirent *entry;
-            while ((entry = readdir(dir)) != NULL)
-                if (strcmp(entry->d_name, ".") != 0 && strcmp(entry->d_name, "..") != 0)
-                    unlinkat(fd, entry->d_name, 0);
-            closedir(dir); /* and fd with it */
-        }
-    }
-    unlinkat(dir_fd, name, AT_REMOVEDIR);
 }
 
 /* Removes every .old- directory in the directory dir_fd. */
