@@ -153,9 +153,11 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
                              em_checkpoint_info *info, em_error *err);
 
 /* Reads every file of the checkpoint at path (a checkpoint's directory), and of every
- * checkpoint of its chain for a delta, and checks every checksum and count, without a
- * table. Errors: DATA_LOSS naming the file (and the
- * chunk), NOT_FOUND, INVALID_ARGUMENT for a manifest of another format or version. */
+ * checkpoint of its chain for a delta, and checks every checksum and count and every
+ * row's values as a load does, without a table: what verify accepts, a load accepts.
+ * Errors: DATA_LOSS naming the file (and the chunk, and for a value the row, its key
+ * and the element), NOT_FOUND, INVALID_ARGUMENT for a manifest of another format or
+ * version. */
 em_status em_checkpoint_verify(const char *path, em_checkpoint_info *info, em_error *err);
 
 typedef struct em_checkpoint_load_options {

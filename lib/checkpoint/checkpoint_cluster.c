@@ -12,6 +12,7 @@
 #include <xxhash.h>
 
 #include "common/keyhash.h"
+#include "lib/checkpoint/checkpoint_internal.h"
 
 #define RECORD_MAX_BYTES (16u << 20)
 #define ID_DIGITS 20
@@ -144,12 +145,11 @@ static em_status check_part(const cJSON *part, const char *dir, const char *tabl
     const cJSON *hash = cJSON_GetObjectItemCaseSensitive(part, "manifest_xxh3");
     const cJSON *rows = cJSON_GetObjectItemCaseSensitive(part, "rows");
     uint64_t ignored;
-    if (!cJSON_IsNumber(server) || server->valuedouble < 0 || !cJSON_IsString(path) ||
+    if (!em__json_count(server, &ignored) || !cJSON_IsString(path) ||
         !inside(path->valuestring) || !cJSON_IsString(id) ||
         strlen(id->valuestring) != ID_DIGITS ||
         strspn(id->valuestring, "0123456789") != ID_DIGITS || !cJSON_IsString(hash) ||
-        !parse_hex64(hash->valuestring, &ignored) || !cJSON_IsNumber(rows) ||
-        rows->valuedouble < 0)
+        !parse_hex64(hash->valuestring, &ignored) || !em__json_count(rows, &ignored))
         return bad_record(err, dir, "a malformed part of table", table);
     return EM_OK;
 }

@@ -20,6 +20,12 @@ int em__checkpoint_key_order(uint64_t x, uint64_t y);
 /* Whether name is a checkpoint id: exactly EM_CHECKPOINT_ID_DIGITS decimal digits. */
 bool em__checkpoint_is_id(const char *name);
 
+/* Whether item is a JSON number holding a whole number from 0 to 2^53, as every count a
+ * manifest or a cluster record holds is; *out gets it. Larger, fractional, negative or
+ * non-finite numbers are not counts (nor converted: that would be undefined). */
+struct cJSON;
+bool em__json_count(const struct cJSON *item, uint64_t *out);
+
 /* Removes a directory of plain files, best effort. */
 void em__checkpoint_remove_dir(const char *path);
 

@@ -137,22 +137,30 @@ static em_status read_file_entry(const cJSON *files, const char *dir, const char
             continue;
         const cJSON *bytes = cJSON_GetObjectItemCaseSensitive(file, "bytes");
         const cJSON *hash = cJSON_GetObjectItemCaseSensitive(file, "xxh3");
-        if (!cJSON_IsNumber(bytes) || bytes->valuedouble < 0 || !cJSON_IsString(hash) ||
+        if (!em__json_count(bytes, &out->bytes) || !cJSON_IsString(hash) ||
             !parse_hex64(hash->valuestring, &out->xxh3))
             return data_loss(err, dir, "manifest.json", "the entry of %s is malformed", name);
-        out->bytes = (uint64_t)bytes->valuedouble;
         return EM_OK;
     }
     return data_loss(err, dir, "manifest.json", "lists no file %s", name);
 }
 
+bool em__json_count(const cJSON *item, uint64_t *out)
+{
+    /* 2^53: a double holds every whole number up to it exactly */
+    if (!cJSON_IsNumber(item) || !(item->valuedouble >= 0) ||
+        item->valuedouble > 9007199254740992.0 ||
+        item->valuedouble != (double)(uint64_t)item->valuedouble)
+        return false;
+    *out = (uint64_t)item->valuedouble;
+    return true;
+}
+
 static em_status number_field(const cJSON *json, const char *dir, const char *name,
                               uint64_t *out, em_error *err)
 {
-    const cJSON *item = cJSON_GetObjectItemCaseSensitive(json, name);
-    if (!cJSON_IsNumber(item) || item->valuedouble < 0)
+    if (!em__json_count(cJSON_GetObjectItemCaseSensitive(json, name), out))
         return data_loss(err, dir, "manifest.json", "field %s is missing or not a count", name);
-    *out = (uint64_t)item->valuedouble;
     return EM_OK;
 }
 
@@ -247,15 +255,15 @@ static em_status parse_access(const cJSON *json, const char *dir, manifest *m, e
     cJSON_ArrayForEach(pair, samples)
     {
         const cJSON *ms = cJSON_GetArrayItem(pair, 0), *clock = cJSON_GetArrayItem(pair, 1);
-        if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 || !cJSON_IsNumber(ms) ||
-            !cJSON_IsNumber(clock) || ms->valuedouble < 0 || clock->valuedouble < 0 ||
-            clock->valuedouble > UINT32_MAX ||
-            (c->samples > 0 && ms->valuedouble < (double)c->sample_ms[c->samples - 1]))
+        uint64_t unix_ms = 0, count = 0;
+        if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 ||
+            !em__json_count(ms, &unix_ms) || !em__json_count(clock, &count) ||
+            count > UINT32_MAX || (c->samples > 0 && unix_ms < c->sample_ms[c->samples - 1]))
             return data_loss(err, dir, "manifest.json",
                              "clocks.samples[%u] is not a [unix_ms, clock] pair in time order",
                              c->samples);
-        c->sample_ms[c->samples] = (uint64_t)ms->valuedouble;
-        c->sample_clock[c->samples++] = (uint32_t)clock->valuedouble;
+        c->sample_ms[c->samples] = unix_ms;
+        c->sample_clock[c->samples++] = (uint32_t)count;
     }
     return EM_OK;
 }
@@ -420,7 +428,9 @@ static em_status read_index(const char *dir, const manifest *m, em_index_entry *
         return status;
     em_index_header header;
     if (status == EM_OK) {
-        memcpy(&header, data, sizeof(header));
+        /* a file shorter than its header (with a manifest that agrees) is refused below */
+        memset(&header, 0, sizeof(header));
+        memcpy(&header, data, size < sizeof(header) ? size : sizeof(header));
         if (size != sizeof(header) + m->chunks * sizeof(em_index_entry) + sizeof(uint64_t) ||
             memcmp(header.magic, EM_INDEX_MAGIC, 8) != 0 || header.chunks != m->chunks ||
             header.version != m->version)
@@ -548,6 +558,8 @@ typedef struct reader {
     em__key_map *digests;   /* tracking: key -> digest of its row as loaded; else NULL */
     uint32_t *kept;         /* scratch: kept rows' positions in the chunk */
     uint64_t kept_capacity;
+    uint64_t *keys;         /* verify: scratch, a chunk's keys aligned for its value check */
+    uint64_t keys_capacity;
     uint64_t taken;         /* rows used, of every link read */
     const em_checkpoint_load_options *options; /* progress; NULL when none */
     uint32_t owner_index, owner_count; /* owner_count > 0: only the buckets owned */
@@ -588,6 +600,48 @@ static uint64_t row_digest(const reader *r, const float *values, uint32_t n, uin
     return em__row_digest(values + (size_t)i * floats, floats, access);
 }
 
+/* Whether every row of a chunk is checked as it is read (check_chunk_values): for a
+ * verify, and for a weights-only load, which puts in the weights alone but refuses a
+ * checkpoint whose optimizer state is bad as verify does. A load of whole rows checks
+ * the rows it keeps as it batches them for its table (batch_chunk), and the rows a
+ * newer link overrides as it skips them (keep_rows), so that it accepts exactly what
+ * verify accepts. */
+static bool checked_whole(const reader *r)
+{
+    return r->table == NULL || r->weights_only;
+}
+
+/* n rows of the chunk (keys aligned), checked by the manifest's table config as a load
+ * checks the rows it imports: every float finite, the optimizer state that cannot be
+ * negative not negative. DATA_LOSS naming the chunk, the row and the element. */
+static em_status check_values(reader *r, uint64_t chunk, const uint64_t *keys,
+                              const float *values, uint32_t n, em_error *err)
+{
+    if (em_table_config_check_rows(&r->m->config, keys, values, n, err) == EM_OK)
+        return EM_OK;
+    em_error_prefix(err, "checkpoint %s: rows.emb: chunk %" PRIu64 ": ", r->dir, chunk);
+    err->status = EM_DATA_LOSS;
+    return EM_DATA_LOSS;
+}
+
+/* Every row of the chunk just read, checked (checked_whole), before keep_rows moves the
+ * rows it keeps. */
+static em_status check_chunk_values(reader *r, uint64_t chunk, uint32_t rows, em_error *err)
+{
+    if (rows > r->keys_capacity) {
+        uint64_t *grown = realloc(r->keys, (size_t)rows * sizeof(uint64_t));
+        if (grown == NULL)
+            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "out of host memory for %u keys",
+                                rows);
+        r->keys = grown;
+        r->keys_capacity = rows;
+    }
+    for (uint32_t k = 0; k < rows; k++)
+        r->keys[k] = payload_key(r->payload, k);
+    const float *values = (const float *)(r->payload + (size_t)rows * sizeof(uint64_t));
+    return check_values(r, chunk, r->keys, values, rows, err);
+}
+
 /* Drops the rows of the chunk in r->payload that a newer link decided, records the
  * rest as decided by this link (and their digests when tracking), and compacts the
  * payload to the kept rows: *rows becomes their count. */
@@ -621,7 +675,12 @@ static em_status keep_rows(reader *r, uint64_t chunk, uint32_t *rows, em_error *
                 return data_loss(err, r->dir, "rows.emb",
                                  "chunk %" PRIu64 ": key %" PRIu64 " appears twice in this "
                                  "checkpoint", chunk, key);
-            continue; /* a newer link has it */
+            /* a newer link has it: the row is not loaded, but checked as the rows that
+             * are (check_chunk_values checked it already where every row was) */
+            if (!checked_whole(r) &&
+                check_values(r, chunk, &key, values + (size_t)i * floats, 1, err) != EM_OK)
+                return EM_DATA_LOSS;
+            continue;
         }
         if ((r->decided != NULL && !em__key_map_put(r->decided, key, r->level)) ||
             (r->digests != NULL &&
@@ -745,11 +804,12 @@ static em_status batch_chunk(reader *r, uint64_t i, uint32_t rows, em_error *err
                                                               sizeof(float) +
                        (size_t)done * sizeof(em_row_access),
                    take * sizeof(em_row_access));
-        const float *checked_values = b->values + b->count * floats;
+        /* in place, the batch has no values of its own (b->values is NULL) */
+        const float *checked_values = r->in_place ? values + (size_t)done * floats
+                                                  : b->values + b->count * floats;
         if (r->in_place) { /* the rows stay where they are, the same floats as the table's */
             for (uint32_t k = 0; k < take; k++)
                 b->rows[b->count + k] = values + (size_t)(done + k) * floats;
-            checked_values = values + (size_t)done * floats;
         } else if (!r->weights_only) {
             memcpy(b->values + b->count * floats, values + (size_t)done * floats,
                    (size_t)take * floats * sizeof(float));
@@ -1370,6 +1430,8 @@ static em_status read_rows(reader *r, const char *dir, const manifest *m,
         if (held_by != NULL)
             *held_by = r->source + 1;
         status = read_chunk(r, i, &index[i], err);
+        if (status == EM_OK && checked_whole(r))
+            status = check_chunk_values(r, i, index[i].rows, err);
         uint32_t kept = index[i].rows;
         if (status == EM_OK)
             status = keep_rows(r, i, &kept, err);
@@ -1774,6 +1836,7 @@ static void free_links(link_state *links, size_t count)
 static void free_reader(reader *r)
 {
     free(r->runs);
+    free(r->keys);
     for (int k = 0; k < AHEAD_BUFFERS; k++)
         free(r->ahead.base[k]);
     free(r->bucket_source);

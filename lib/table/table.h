@@ -262,6 +262,11 @@ em_status em_table_import(em_table *table, const uint64_t *keys, const float *va
 em_status em_table_check_rows(const em_table *table, const uint64_t *keys, const float *values,
                               uint64_t n, em_error *err);
 
+/* em_table_check_rows for rows of a table of config (floats as em_table_export gives
+ * them for it), without a table: what a checkpoint's verify checks. */
+em_status em_table_config_check_rows(const em_table_config *config, const uint64_t *keys,
+                                     const float *values, uint64_t n, em_error *err);
+
 /* em_table_import of rows that em_table_check_rows passed (a loader checks each chunk
  * on its own thread while the rows before it are imported); the same otherwise. */
 em_status em_table_import_checked(em_table *table, const uint64_t *keys, const float *values,

@@ -12,12 +12,13 @@
 
 /* ---- import / export ------------------------------------------------------------- */
 
-static em_status check_import_row(const em_table *table, uint64_t key, uint64_t index,
-                                  const float *row, em_error *err)
+/* A row of a table of config, of floats floats (weights, then optimizer state). */
+static em_status check_import_row(const em_table_config *config, uint32_t floats, uint64_t key,
+                                  uint64_t index, const float *row, em_error *err)
 {
-    uint32_t dim = table->config.dim;
-    em_optimizer_kind kind = table->config.optimizer.kind;
-    for (uint32_t j = 0; j < table->row_floats; j++) {
+    uint32_t dim = config->dim;
+    em_optimizer_kind kind = config->optimizer.kind;
+    for (uint32_t j = 0; j < floats; j++) {
         /* the usual row passes on these two tests alone; names only for a refusal */
         if (isfinite(row[j]) && (j < dim || row[j] >= 0))
             continue;
@@ -36,10 +37,10 @@ static em_status check_import_row(const em_table *table, uint64_t key, uint64_t 
     return EM_OK;
 }
 
-uint32_t em__nonnegative_run(const em_table *table)
+static uint32_t nonnegative_run(const em_table_config *config, uint32_t floats)
 {
-    uint32_t dim = table->config.dim, floats = table->row_floats;
-    em_optimizer_kind kind = table->config.optimizer.kind;
+    uint32_t dim = config->dim;
+    em_optimizer_kind kind = config->optimizer.kind;
     uint32_t from = floats;
     for (uint32_t j = dim; j < floats && from == floats; j++)
         if (em_optimizer_state_nonnegative(kind, dim, j - dim))
@@ -48,6 +49,11 @@ uint32_t em__nonnegative_run(const em_table *table)
         if (!em_optimizer_state_nonnegative(kind, dim, j - dim))
             return UINT32_MAX;
     return from;
+}
+
+uint32_t em__nonnegative_run(const em_table *table)
+{
+    return nonnegative_run(&table->config, table->row_floats);
 }
 
 /* check_import_row's verdict for a row that passes it, without a branch per float (so
@@ -74,20 +80,34 @@ static em_status check_import_size(uint64_t n, em_error *err)
     return EM_OK;
 }
 
-em_status em_table_check_rows(const em_table *table, const uint64_t *keys, const float *values,
-                              uint64_t n, em_error *err)
+static em_status check_rows(const em_table_config *config, uint32_t floats,
+                            uint32_t nonnegative_from, const uint64_t *keys, const float *values,
+                            uint64_t n, em_error *err)
 {
-    uint32_t floats = table->row_floats, nonnegative_from = table->nonnegative_from;
     for (uint64_t i = 0; i < n; i++) {
         const float *row = values + i * floats;
         if (nonnegative_from != UINT32_MAX && row_passes(row, floats, nonnegative_from))
             continue;
         /* the slow check names what is wrong (or passes a row the fast one doubted) */
-        em_status status = check_import_row(table, keys[i], i, row, err);
+        em_status status = check_import_row(config, floats, keys[i], i, row, err);
         if (status != EM_OK)
             return status;
     }
     return EM_OK;
+}
+
+em_status em_table_check_rows(const em_table *table, const uint64_t *keys, const float *values,
+                              uint64_t n, em_error *err)
+{
+    return check_rows(&table->config, table->row_floats, table->nonnegative_from, keys, values,
+                      n, err);
+}
+
+em_status em_table_config_check_rows(const em_table_config *config, const uint64_t *keys,
+                                     const float *values, uint64_t n, em_error *err)
+{
+    uint32_t floats = config->dim + em_optimizer_state_floats(config->optimizer.kind, config->dim);
+    return check_rows(config, floats, nonnegative_run(config, floats), keys, values, n, err);
 }
 
 /* Keys of an import are distinct; inverse[i] == i for all i exactly then (unique keeps

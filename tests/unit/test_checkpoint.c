@@ -639,9 +639,60 @@ static uint64_t reseal_with_value(const char *checkpoint, uint32_t element, floa
     return key;
 }
 
+/* The 16 hex digits of the checksum line of the manifest in checkpoint. */
+static uint64_t manifest_line(const char *checkpoint)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/manifest.json", checkpoint);
+    size_t size;
+    char *text = (char *)read_whole(path, &size);
+    char *last = strstr(text, "\nxxh3 ");
+    ck_assert_ptr_nonnull(last);
+    uint64_t sum = strtoull(last + 6, NULL, 16);
+    free(text);
+    return sum;
+}
+
+/* Makes the delta at checkpoint name its parent's manifest by the checksum now, and
+ * signs its own manifest again. */
+static void relink_to_parent(const char *checkpoint, uint64_t parent_before, uint64_t parent_now)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/manifest.json", checkpoint);
+    size_t size;
+    char *manifest = (char *)read_whole(path, &size);
+    replace_hex(manifest, parent_before, parent_now);
+    char *last = strstr(manifest, "\nxxh3 ");
+    ck_assert_ptr_nonnull(last);
+    size_t body = (size_t)(last - manifest) + 1;
+    snprintf(manifest + body, size + 1 - body, "xxh3 %016" PRIx64 "\n",
+             XXH3_64bits(manifest, body));
+    write_whole(path, manifest, strlen(manifest));
+    free(manifest);
+}
+
+/* The key of the first row of the checkpoint's first chunk. */
+static uint64_t first_key(const char *checkpoint)
+{
+    char rows_path[4400], index_path[4400];
+    snprintf(rows_path, sizeof(rows_path), "%s/rows.emb", checkpoint);
+    snprintf(index_path, sizeof(index_path), "%s/index.emb", checkpoint);
+    size_t rows_size, index_size;
+    unsigned char *rows = read_whole(rows_path, &rows_size);
+    unsigned char *index = read_whole(index_path, &index_size);
+    uint64_t offset, key;
+    memcpy(&offset, index + 24 + 8, 8);
+    memcpy(&key, rows + offset + 48, 8);
+    free(rows);
+    free(index);
+    return key;
+}
+
 /* A row that every checksum vouches for but that holds a non-finite weight or a negative
- * accumulator (a writer with a bug): verify, which reads checksums only, passes it; a
- * load refuses it with DATA_LOSS naming the chunk, the key and the element. */
+ * accumulator (a writer with a bug): a load refuses it with DATA_LOSS naming the chunk,
+ * the key and the element, and so does verify, which checks what a load checks. Also
+ * where the row is in the parent of a delta that holds the key anew (the load does not
+ * take that row, but accepts no checkpoint that verify refuses). */
 START_TEST(checksummed_rows_no_table_takes_are_refused)
 {
     static const struct {
@@ -662,22 +713,139 @@ START_TEST(checksummed_rows_no_table_takes_are_refused)
     em_table *table = trained_table(backend, cases[_i].optimizer, 8, 2000, &rng);
     em_checkpoint_options options;
     em_checkpoint_options_init(&options, dir);
+    options.track_changes = true;
     em_checkpoint_info info;
     em_error err;
     ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
-    uint64_t key = reseal_with_value(info.path, cases[_i].element, cases[_i].value);
-    ck_assert_msg(em_checkpoint_verify(info.path, NULL, &err) == EM_OK, "%s", err.message);
+    char parent[4096];
+    snprintf(parent, sizeof(parent), "%s", info.path);
+    /* the delta holds the parent's first row anew */
+    uint64_t key = first_key(parent);
+    em_test_batch one = em_test_key_batch(&key, 1);
+    float g[8] = {0.5f, -0.25f, 0.125f, 1, 2, 3, 4, 5};
+    ck_assert_int_eq(em_test_push(table, &one.csr, EM_COMBINER_NONE, g, NULL, &err), EM_OK);
+    em_test_batch_free(&one);
+    options.delta = true;
+    ck_assert_int_eq(em_checkpoint_save(table, &options, &info, &err), EM_OK);
+    ck_assert_str_eq(info.kind, "delta");
+    char delta[4096];
+    snprintf(delta, sizeof(delta), "%s", info.path);
+
+    uint64_t parent_before = manifest_line(parent);
+    ck_assert_uint_eq(reseal_with_value(parent, cases[_i].element, cases[_i].value), key);
+    relink_to_parent(delta, parent_before, manifest_line(parent));
+    char named[64];
+    snprintf(named, sizeof(named), "(key %" PRIu64 ")", key);
+    const char *const paths[2] = {parent, delta};
+    for (int check = 0; check < 4; check++) { /* verify, then load, the parent then the delta */
+        const char *path = paths[check / 2];
+        em_table *restored = NULL;
+        if (check % 2 == 0) {
+            ck_assert_int_eq(em_checkpoint_verify(path, NULL, &err), EM_DATA_LOSS);
+        } else {
+            ck_assert_int_eq(em_checkpoint_load(path, backend, NULL, NULL, &restored, NULL, &err),
+                             EM_DATA_LOSS);
+            ck_assert_ptr_null(restored);
+        }
+        ck_assert_msg(strstr(err.message, parent) != NULL &&
+                          strstr(err.message, "rows.emb: chunk 0: ") != NULL &&
+                          strstr(err.message, named) != NULL &&
+                          strstr(err.message, cases[_i].what) != NULL,
+                      "%s", err.message);
+    }
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
+/* Replaces, in the manifest text (malloc'ed), the value of the first member `field`
+ * after `anchor` by value; returns the new text. */
+static char *replace_member(char *text, const char *anchor, const char *field, const char *value)
+{
+    char *from = strstr(text, anchor);
+    ck_assert_ptr_nonnull(from);
+    char quoted[64];
+    snprintf(quoted, sizeof(quoted), "\"%s\":", field);
+    char *at = strstr(from, quoted);
+    ck_assert_ptr_nonnull(at);
+    at += strlen(quoted);
+    at += strspn(at, " \t");
+    size_t old_length = strcspn(at, ",\n}");
+    size_t head = (size_t)(at - text), tail = strlen(at + old_length);
+    char *out = malloc(head + strlen(value) + tail + 1);
+    memcpy(out, text, head);
+    memcpy(out + head, value, strlen(value));
+    memcpy(out + head + strlen(value), at + old_length, tail + 1);
+    free(text);
+    return out;
+}
+
+/* Signs the manifest text again (its last line) and writes it to checkpoint. */
+static void write_signed_manifest(const char *checkpoint, char *text)
+{
+    char *last = strstr(text, "\nxxh3 ");
+    ck_assert_ptr_nonnull(last);
+    size_t body = (size_t)(last - text) + 1;
+    char line[32];
+    snprintf(line, sizeof(line), "xxh3 %016" PRIx64 "\n", XXH3_64bits(text, body));
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/manifest.json", checkpoint);
+    FILE *f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_uint_eq(fwrite(text, 1, body, f), body);
+    ck_assert_uint_eq(fwrite(line, 1, strlen(line), f), strlen(line));
+    fclose(f);
+}
+
+/* Files and manifests that every checksum vouches for but whose sizes and counts are
+ * impossible (a writer with a bug, or a checkpoint made up): refused with DATA_LOSS
+ * naming the file and what is wrong, nothing read out of bounds (the sanitizer builds
+ * check that), whether loaded or verified. */
+START_TEST(sealed_impossible_sizes_and_counts_are_refused)
+{
+    static const char *const expected[] = {
+        "index.emb: its header does not match the manifest",
+        "manifest.json: field rows is missing or not a count",
+        "manifest.json: field chunks is missing or not a count",
+        "manifest.json: the entry of rows.emb is malformed",
+        "manifest.json: field tombstones is missing or not a count",
+    };
+    char dir[256];
+    em_backend *backend = make_backend();
+    em_checkpoint_info info;
+    em_table *table = saved_adam_table(backend, dir, sizeof(dir), &info);
+    char manifest_path[4400];
+    snprintf(manifest_path, sizeof(manifest_path), "%s/manifest.json", info.path);
+    size_t size;
+    char *text = (char *)read_whole(manifest_path, &size);
+    if (_i == 0) { /* index.emb shorter than its header, the manifest agreeing */
+        char index_path[4400];
+        snprintf(index_path, sizeof(index_path), "%s/index.emb", info.path);
+        unsigned char *index = read_whole(index_path, &size);
+        replace_hex(text, XXH3_64bits(index, size), XXH3_64bits(index, 10));
+        text = replace_member(text, "\"index.emb\"", "bytes", "10");
+        write_whole(index_path, index, 10);
+        free(index);
+    } else if (_i == 1) { /* more rows than a count can be */
+        text = replace_member(text, "\"kind\"", "rows", "1e300");
+    } else if (_i == 2) {
+        text = replace_member(text, "\"kind\"", "chunks", "2.5");
+    } else if (_i == 3) {
+        text = replace_member(text, "\"rows.emb\"", "bytes", "-0.5");
+    } else {
+        text = replace_member(text, "\"kind\"", "tombstones", "18446744073709551615");
+    }
+    write_signed_manifest(info.path, text);
+    free(text);
+    em_error err;
+    ck_assert_int_eq(em_checkpoint_verify(info.path, NULL, &err), EM_DATA_LOSS);
+    ck_assert_msg(strstr(err.message, expected[_i]) != NULL, "%s", err.message);
     em_table *restored = NULL;
     ck_assert_int_eq(em_checkpoint_load(info.path, backend, NULL, NULL, &restored, NULL, &err),
                      EM_DATA_LOSS);
     ck_assert_ptr_null(restored);
-    char named[64];
-    snprintf(named, sizeof(named), "(key %" PRIu64 ")", key);
-    ck_assert_msg(strstr(err.message, info.path) != NULL &&
-                      strstr(err.message, "rows.emb: chunk 0: ") != NULL &&
-                      strstr(err.message, named) != NULL &&
-                      strstr(err.message, cases[_i].what) != NULL,
-                  "%s", err.message);
+    ck_assert_msg(strstr(err.message, expected[_i]) != NULL, "%s", err.message);
     em_table_destroy(table);
     em_backend_destroy(backend);
     em_test_remove_tree(dir);
@@ -2224,6 +2392,7 @@ int main(void)
     TCase *damaged = tcase_create("damaged");
     tcase_add_loop_test(damaged, damaged_checkpoints_are_refused_naming_the_file, 0, DAMAGE_COUNT);
     tcase_add_loop_test(damaged, checksummed_rows_no_table_takes_are_refused, 0, 3);
+    tcase_add_loop_test(damaged, sealed_impossible_sizes_and_counts_are_refused, 0, 5);
     suite_add_tcase(suite, damaged);
     TCase *failures = tcase_create("failures");
     tcase_add_loop_test(failures, a_failed_step_leaves_the_previous_checkpoint_current,
