@@ -11,6 +11,8 @@ fuzzer=$(realpath "$1")
 seeds=$(realpath "$2")
 seconds=${EMBER_FUZZ_SECONDS:-30}
 scratch=$(mktemp -d -t ember-fuzz-XXXXXX)
+# undefined behaviour fails the run too (the build's UBSan only reports it by default)
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 cd "$scratch"
 "$fuzzer" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 \
   -error_exitcode=1 -timeout_exitcode=1 \
