@@ -13,8 +13,9 @@
  *                     buckets, values, the chain's links); 1 edits only; 2 the file
  *                     replaced by the rest of the input; 3 resized to the next two
  *                     bytes' length, then edits and checksums fixed
- *           bits 6-7  what: load, verify, load the weights only into another
- *                     optimizer, load the buckets of server 1 of 3
+ *           bits 6-7  what: load, verify (and list the table's checkpoints), load
+ *                     the weights only into another optimizer, load the buckets of
+ *                     server 1 of 3
  *   byte 1  bit 0 read ahead on a thread; bit 1 blocks of 4 KiB; bits 2-3 shards
  *   then    edits of 3 bytes: an offset (u16, modulo the file's size) and its new byte
  *
@@ -525,6 +526,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         } else if (what == 1) {
             outcome verify = run_verify(target_dir);
             refused_with_reason(&verify, "verify");
+            /* and the listing, which reads the manifests only */
+            em_checkpoint_info *infos = NULL;
+            size_t count = 0;
+            outcome listed = {0};
+            listed.status = em_checkpoint_list(fx.root, "f", &infos, &count, &listed.err);
+            refused_with_reason(&listed, "list");
+            free(infos);
         } else if (what == 2) {
             em_table_config config;
             em_table_config_init(&config, "w", DIM, CAPACITY);
