@@ -25,6 +25,7 @@
  * unbounded allocation (the harness's limit) whatever the manifest claims.
  */
 #include <fcntl.h>
+#include <ftw.h>
 #include <stddef.h>
 #include <inttypes.h>
 #include <stdbool.h>
@@ -145,13 +146,29 @@ static void push_keys(em_table *table, uint64_t first, uint64_t count)
         die("push", &err);
 }
 
+static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *at)
+{
+    (void)st;
+    (void)type;
+    (void)at;
+    remove(path);
+    return 0;
+}
+
+/* The fixture's directory goes when the fuzzer exits (its time is up, or it stops). */
+static void remove_fixture(void)
+{
+    nftw(fx.root, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
 static void build_fixture(void)
 {
     const char *tmp = getenv("TMPDIR");
     snprintf(fx.root, sizeof(fx.root), "%s/ember-fuzz-checkpoint-XXXXXX",
              tmp != NULL && tmp[0] != '\0' ? tmp : "/tmp");
-    if (mkdtemp(fx.root) == NULL)
+    if (mkdtemp(fx.root) == NULL) /* the X's: mkdtemp's template for a unique name */
         abort();
+    atexit(remove_fixture);
     snprintf(fx.table_dir, sizeof(fx.table_dir), "%s/f", fx.root);
 
     em_cpu_backend_options cpu;
