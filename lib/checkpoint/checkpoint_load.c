@@ -159,9 +159,15 @@ bool em__json_count(const cJSON *item, uint64_t *out)
 static em_status number_field(const cJSON *json, const char *dir, const char *name,
                               uint64_t *out, em_error *err)
 {
-    if (!em__json_count(cJSON_GetObjectItemCaseSensitive(json, name), out))
-        return data_loss(err, dir, "manifest.json", "field %s is missing or not a count", name);
-    return EM_OK;
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(json, name);
+    if (em__json_count(item, out))
+        return EM_OK;
+    if (cJSON_IsNumber(item))
+        return data_loss(err, dir, "manifest.json",
+                         "field %s is missing or not a count (a whole number from 0 to 2^53): "
+                         "%.17g", name, item->valuedouble);
+    return data_loss(err, dir, "manifest.json", "field %s is missing or not a count (%s)", name,
+                     item == NULL ? "absent" : "not a number");
 }
 
 static em_status id_field(const cJSON *json, const char *dir, const char *name,
