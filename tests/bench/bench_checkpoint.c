@@ -38,6 +38,7 @@
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
+#include "tests/bench/sampler.h"
 #include "tests/support/test_support.h"
 
 #define PULL_KEYS 26
@@ -410,20 +411,23 @@ static void process_cpu(double *user, double *system)
  * memory, which a guest's host may make slow). */
 static double last_load_user, last_load_system;
 
-/* Seconds to load the checkpoint at path into a new table (then destroyed); exits on a
- * failure. */
-static double timed_load(const char *path, em_backend *backend, em_checkpoint_info *info)
+/* Seconds to load the checkpoint at path into a new table (then destroyed), sampled
+ * under label (EMBER_BENCH_PROFILE); exits on a failure. */
+static double timed_load(const char *path, em_backend *backend, em_checkpoint_info *info,
+                         const char *label)
 {
     em_table *loaded = NULL;
     em_error err;
     double user_before, system_before;
     process_cpu(&user_before, &system_before);
+    bench_profile_begin(label);
     double start = em_test_now();
     if (em_checkpoint_load(path, backend, "loaded", NULL, &loaded, info, &err) != EM_OK) {
         fprintf(stderr, "load: %s\n", err.message);
         exit(1);
     }
     double seconds = em_test_now() - start;
+    bench_profile_end();
     process_cpu(&last_load_user, &last_load_system);
     last_load_user -= user_before;
     last_load_system -= system_before;
@@ -482,7 +486,7 @@ int main(int argc, char **argv)
     bool dropped = drop_caches();
     em_table *loaded = NULL;
     em_checkpoint_info info;
-    double load_s = timed_load(s.info.path, backend, &info);
+    double load_s = timed_load(s.info.path, backend, &info, "first load");
     double load_user = last_load_user, load_system = last_load_system;
     /* again, into the pool memory the first load touched and gave back: what the load
      * itself costs, without the kernel providing and clearing fresh pages; in turn with
@@ -500,7 +504,7 @@ int main(int argc, char **argv)
         if (k % 2 == 0)
             pair_dd[k] = dd_read_file(rows_file);
         drop_caches();
-        pair_load[k] = timed_load(s.info.path, backend, &info);
+        pair_load[k] = timed_load(s.info.path, backend, &info, "load from disk");
         pair_system[k] = last_load_system;
         if (k % 2 == 1)
             pair_dd[k] = dd_read_file(rows_file);
@@ -515,7 +519,7 @@ int main(int argc, char **argv)
     double cached_s = 0.0;
     for (int k = 0; k < 3; k++) {
         read_into_cache(s.info.path, "rows.emb");
-        double seconds = timed_load(s.info.path, backend, &info);
+        double seconds = timed_load(s.info.path, backend, &info, "load from the page cache");
         cached_s = k == 0 || seconds < cached_s ? seconds : cached_s;
     }
     drop_caches();

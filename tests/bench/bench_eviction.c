@@ -38,6 +38,7 @@
 #include "ember_config.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
+#include "tests/bench/sampler.h"
 #include "tests/support/test_support.h"
 
 typedef struct options {
@@ -240,12 +241,17 @@ static void insert_throughput(const options *opt)
                                         lru ? EM_EVICTION_LRU : EM_EVICTION_NONE,
                                         opt->candidates);
             push_new_keys(half, &p, 1u << 30, opt->rows / 2);
+            bench_profile_begin(lru ? "load 0.5, lru" : "load 0.5");
             t_half[lru] = push_new_keys_counted(half, backend, &p, next_half, measured,
                                                 &waits[0]);
+            bench_profile_end();
             em_table_destroy(half);
         }
+        bench_profile_begin("full, 1 thread");
         t_full[0] = push_new_keys(full[0], &p, next_full, measured);
+        bench_profile_begin("full");
         t_full[1] = push_new_keys_counted(full[1], backend, &p, next_full, measured, &waits[1]);
+        bench_profile_end();
         next_half += measured;
         next_full += measured;
         double ratio[3] = {t_half[0] / t_full[0], t_half[0] / t_full[1], t_half[1] / t_full[1]};

@@ -4,8 +4,10 @@
 # bench_server --backend cuda, bench_checkpoint --backend cuda and bench_eviction
 # --backend cuda, and writes everything
 # into one report file (default: $OUT/gpu-report.txt when $OUT is set, else
-# gpu-report.txt), ending with a table of each step's exit status and time. Exits 0 only
-# when every step passed.
+# gpu-report.txt), ending with a table of each step's exit status and time, and sampled
+# profiles of bench_checkpoint's loads and bench_eviction's pushes in profiles/ beside the
+# report (read them where the programs were built: tests/bench/profile-report.py FILE
+# --binaries build). Exits 0 only when every step passed.
 #
 #     tests/gpu/run-on-gpu.sh [REPORT]
 #
@@ -166,13 +168,18 @@ else
   step "bench_server --backend cuda" 100 "$bench_server" --emberd "$emberd" --backend cuda \
     --seconds 1
 fi
+# Where the host's time goes in the timed loads and pushes (tests/bench/sampler.h): the
+# samples land beside the report, for tests/bench/profile-report.py on the machine that
+# built the programs.
+profiles=$(dirname "$report")/profiles
+mkdir -p "$profiles"
 # Saves and loads of a table in GPU memory against dd on this machine's disk.
-step "bench_checkpoint --backend cuda" 180 "$bench_checkpoint" --backend cuda --seconds 1 \
-  --pairs 3
+step "bench_checkpoint --backend cuda" 180 env EMBER_BENCH_PROFILE="$profiles" \
+  "$bench_checkpoint" --backend cuda --seconds 1 --pairs 3
 # Inserts into a full table that evicts against inserts at load 0.5, and the hit rates of
 # lru and lfu against exact ones, with the tables on the GPU.
-step "bench_eviction --backend cuda" 120 "$bench_eviction" --backend cuda --parts 12 \
-  --rows 4194304 --accesses 100000
+step "bench_eviction --backend cuda" 120 env EMBER_BENCH_PROFILE="$profiles" \
+  "$bench_eviction" --backend cuda --parts 12 --rows 4194304 --accesses 100000
 # The same inserts in pushes of 4,096 keys: each evicts a small share of the table, as
 # in a large table in production.
 step "bench_eviction --backend cuda, small pushes" 120 "$bench_eviction" --backend cuda \
