@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -13,6 +14,10 @@ typedef struct parallel_run {
     void *context;
     uint64_t n;
     _Atomic uint64_t next; /* the next item to take */
+    /* with a pool, under its lock: */
+    uint32_t tickets;            /* pool threads it still takes in (it is queued while > 0) */
+    uint32_t helping;            /* pool threads taking its items now */
+    struct parallel_run *queued; /* the next run in the pool's queue */
 } parallel_run;
 
 static void *take_items(void *untyped)
@@ -44,6 +49,133 @@ void em_parallel_run(uint64_t n, uint32_t threads, em_parallel_item item, void *
     take_items(&run);
     for (uint64_t t = 0; t < count; t++)
         pthread_join(started[t], NULL);
+}
+
+/* ---- the pool ------------------------------------------------------------------------------ */
+
+struct em_parallel_pool {
+    pthread_mutex_t lock;
+    pthread_cond_t work;     /* a run was queued, or the pool stops */
+    pthread_cond_t finished; /* a thread left a run */
+    parallel_run *queue;     /* runs that take more threads in, oldest first */
+    uint32_t helpers;        /* threads at most */
+    uint32_t started, waiting;
+    bool stopping;
+    pthread_t threads[PARALLEL_THREADS_MAX];
+};
+
+/* A pool thread: takes the items of the oldest queued run, one thread per ticket, until
+ * the pool stops. */
+static void *serve(void *untyped)
+{
+    em_parallel_pool *pool = untyped;
+    pthread_mutex_lock(&pool->lock);
+    for (;;) {
+        while (pool->queue == NULL && !pool->stopping) {
+            pool->waiting++;
+            pthread_cond_wait(&pool->work, &pool->lock);
+            pool->waiting--;
+        }
+        if (pool->queue == NULL)
+            break; /* stopping */
+        parallel_run *run = pool->queue;
+        run->helping++;
+        if (--run->tickets == 0)
+            pool->queue = run->queued;
+        pthread_mutex_unlock(&pool->lock);
+        take_items(run);
+        pthread_mutex_lock(&pool->lock);
+        if (--run->helping == 0) /* the last use of run: its caller may return */
+            pthread_cond_broadcast(&pool->finished);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return NULL;
+}
+
+em_parallel_pool *em_parallel_pool_create(uint32_t helpers)
+{
+    em_parallel_pool *pool = calloc(1, sizeof(*pool));
+    if (pool == NULL)
+        return NULL;
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->work, NULL);
+    pthread_cond_init(&pool->finished, NULL);
+    pool->helpers = helpers < PARALLEL_THREADS_MAX ? helpers : PARALLEL_THREADS_MAX;
+    return pool;
+}
+
+void em_parallel_pool_destroy(em_parallel_pool *pool)
+{
+    if (pool == NULL)
+        return;
+    pthread_mutex_lock(&pool->lock);
+    pool->stopping = true;
+    pthread_cond_broadcast(&pool->work);
+    pthread_mutex_unlock(&pool->lock);
+    for (uint32_t t = 0; t < pool->started; t++)
+        pthread_join(pool->threads[t], NULL);
+    pthread_cond_destroy(&pool->finished);
+    pthread_cond_destroy(&pool->work);
+    pthread_mutex_destroy(&pool->lock);
+    free(pool);
+}
+
+/* Takes run out of the pool's queue (under its lock). */
+static void unqueue(em_parallel_pool *pool, parallel_run *run)
+{
+    for (parallel_run **at = &pool->queue; *at != NULL; at = &(*at)->queued)
+        if (*at == run) {
+            *at = run->queued;
+            return;
+        }
+}
+
+void em_parallel_pool_run(em_parallel_pool *pool, uint64_t n, uint32_t threads,
+                          em_parallel_item item, void *context)
+{
+    if (pool == NULL) {
+        em_parallel_run(n, threads, item, context);
+        return;
+    }
+    parallel_run run = {.item = item, .context = context, .n = n};
+    atomic_init(&run.next, 0);
+    uint64_t helpers = threads > 1 ? threads - 1 : 0;
+    uint64_t most = n > 0 ? n - 1 : 0; /* the calling thread takes one item too */
+    helpers = helpers < most ? helpers : most;
+    helpers = helpers < pool->helpers ? helpers : pool->helpers;
+    if (helpers > 0) {
+        pthread_mutex_lock(&pool->lock);
+        run.tickets = (uint32_t)helpers;
+        parallel_run **tail = &pool->queue;
+        while (*tail != NULL)
+            tail = &(*tail)->queued;
+        *tail = &run;
+        /* threads enough for its tickets, as far as the pool goes; a thread that cannot
+         * be started leaves its share to the others */
+        uint32_t ready = pool->waiting;
+        while (ready < helpers && pool->started < pool->helpers &&
+               pthread_create(&pool->threads[pool->started], NULL, serve, pool) == 0) {
+            pool->started++;
+            ready++;
+        }
+        if (helpers == 1)
+            pthread_cond_signal(&pool->work);
+        else
+            pthread_cond_broadcast(&pool->work);
+        pthread_mutex_unlock(&pool->lock);
+    }
+    take_items(&run);
+    if (helpers > 0) {
+        /* every item is taken: tickets not used go, and the threads in it finish */
+        pthread_mutex_lock(&pool->lock);
+        if (run.tickets > 0) {
+            unqueue(pool, &run);
+            run.tickets = 0;
+        }
+        while (run.helping > 0)
+            pthread_cond_wait(&pool->finished, &pool->lock);
+        pthread_mutex_unlock(&pool->lock);
+    }
 }
 
 uint32_t em_parallel_cpus(void)

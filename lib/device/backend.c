@@ -61,6 +61,7 @@ em_status em_backend_assemble(const char *kind, em_device **devices, uint32_t co
     backend->device_count = count;
     backend->exchange = exchange;
     atomic_init(&backend->next_home, 0);
+    backend->workers = em_parallel_pool_create(em_parallel_cpus() - 1);
     *out = backend;
     return EM_OK;
 }
@@ -108,6 +109,7 @@ void em_backend_destroy(em_backend *backend)
         em_device_scratch_drop(backend->devices[i]);
     destroy_devices(backend->devices, backend->device_count);
     em_host_buffers_destroy(backend->host_buffers);
+    em_parallel_pool_destroy(backend->workers);
     free(backend);
 }
 

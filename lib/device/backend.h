@@ -16,6 +16,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "lib/base/parallel.h"
 #include "lib/device/device.h"
 #include "lib/device/exchange.h"
 #include "lib/device/host_buffers.h"
@@ -40,6 +41,10 @@ typedef struct em_backend {
      * each (lib/table/table_request.c: make_room_and_insert, run_beside); 0 or 1: one
      * shard after another, as on the GPUs, whose shards share the request's lane. */
     uint32_t eviction_threads;
+    /* The threads those runs, and a large push's check of its gradients, take besides
+     * the request's own (em_parallel_pool_run): up to the CPUs online less one, started
+     * as first needed. NULL when it could not be made: runs start their own. Owned. */
+    em_parallel_pool *workers;
 } em_backend;
 
 typedef struct em_cpu_backend_options {

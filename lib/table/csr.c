@@ -124,8 +124,9 @@ static void largest_of_part(void *context, uint64_t i)
     p->found[i] = em_row_largest_size(p->values + begin, count);
 }
 
-/* em_row_largest_size of values[0..count), on up to threads threads. */
-static float largest_size(const float *values, uint64_t count, uint32_t threads)
+/* em_row_largest_size of values[0..count), on up to threads threads (of pool). */
+static float largest_size(const float *values, uint64_t count, em_parallel_pool *pool,
+                          uint32_t threads)
 {
     uint64_t parts = count / EM_CSR_CHECK_FLOATS_PER_THREAD;
     threads = threads < EM_CSR_CHECK_THREADS_MAX ? threads : EM_CSR_CHECK_THREADS_MAX;
@@ -133,7 +134,7 @@ static float largest_size(const float *values, uint64_t count, uint32_t threads)
     if (parts < 2)
         return em_row_largest_size(values, count);
     largest_parts p = {.values = values, .count = count, .part = (count + parts - 1) / parts};
-    em_parallel_run(parts, (uint32_t)parts, largest_of_part, &p);
+    em_parallel_pool_run(pool, parts, (uint32_t)parts, largest_of_part, &p);
     /* sizes order as their bit patterns do (NaN above infinity): the largest of the parts' */
     return em_row_largest_size(p.found, parts);
 }
@@ -141,17 +142,17 @@ static float largest_size(const float *values, uint64_t count, uint32_t threads)
 em_status em_csr_check_gradients(const em_csr *csr, em_combiner combiner, uint32_t dim,
                                  const float *gradients, float *largest, em_error *err)
 {
-    return em_csr_check_gradients_on(csr, combiner, dim, gradients, 1, largest, err);
+    return em_csr_check_gradients_on(csr, combiner, dim, gradients, NULL, 1, largest, err);
 }
 
 em_status em_csr_check_gradients_on(const em_csr *csr, em_combiner combiner, uint32_t dim,
-                                    const float *gradients, uint32_t threads, float *largest,
-                                    em_error *err)
+                                    const float *gradients, em_parallel_pool *pool,
+                                    uint32_t threads, float *largest, em_error *err)
 {
     uint64_t vectors = em_csr_output_vectors(csr, combiner);
     /* one branch-free pass settles the usual case; only a non-finite element is looked
      * for vector by vector, to be named */
-    float found = largest_size(gradients, vectors * dim, threads);
+    float found = largest_size(gradients, vectors * dim, pool, threads);
     if (largest != NULL)
         *largest = found;
     if (found <= FLT_MAX)

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "common/combiner.h"
+#include "lib/base/parallel.h"
 #include "lib/base/status.h"
 
 /* Borrowed view of a batch; the arrays belong to the caller. */
@@ -55,9 +56,10 @@ em_status em_csr_check_gradients(const em_csr *csr, em_combiner combiner, uint32
 
 /* em_csr_check_gradients with the pass over the gradients split over up to threads
  * threads (at most EM_CSR_CHECK_THREADS_MAX, each with EM_CSR_CHECK_FLOATS_PER_THREAD
- * floats or more): the same answer, the same error. */
+ * floats or more; the calling thread and those of pool, which may be NULL:
+ * em_parallel_pool_run): the same answer, the same error. */
 em_status em_csr_check_gradients_on(const em_csr *csr, em_combiner combiner, uint32_t dim,
-                                    const float *gradients, uint32_t threads, float *largest,
-                                    em_error *err);
+                                    const float *gradients, em_parallel_pool *pool,
+                                    uint32_t threads, float *largest, em_error *err);
 
 #endif

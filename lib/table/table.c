@@ -717,7 +717,8 @@ static em_status check_gradients(const em_table *table, push_call *call, bool al
     }
     em_status status = em_csr_check_gradients_on(&request->batch, request->combiner,
                                                  table->config.dim, request->gradients,
-                                                 threads, &call->largest, err);
+                                                 table->backend->workers, threads,
+                                                 &call->largest, err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s': ", table->config.name);
     call->checked = true;

@@ -469,7 +469,8 @@ static em_status find_beside(request_context *r, segment *seg, em_error *err)
                               r->table->config.name);
     if (failed == EM_OK) {
         find_job job = {r, seg, status, errors};
-        em_parallel_run(shards, r->table->backend->eviction_threads, run_find_job, &job);
+        em_parallel_pool_run(r->table->backend->workers, shards,
+                             r->table->backend->eviction_threads, run_find_job, &job);
     }
     for (uint32_t i = 0; failed == EM_OK && i < shards; i++)
         if (status[i] != EM_OK) {
@@ -1543,7 +1544,8 @@ static em_status evict_rows(request_context *r, shard_eviction *parts, uint32_t 
             *refused = true;
             return status;
         }
-        em_parallel_run(count, eviction_threads(table, parts, count), run_eviction, &run);
+        em_parallel_pool_run(table->backend->workers, count,
+                             eviction_threads(table, parts, count), run_eviction, &run);
     } else if (checked != EM_OK) { /* the push's checks found a problem: nothing evicted */
         *refused = true;
         return checked;
@@ -1636,7 +1638,8 @@ static em_status evict_and_insert(request_context *r, shard_eviction *parts, uin
 {
     em_table *table = r->table;
     creation_run run = {.r = r, .parts = parts};
-    em_parallel_run(count, table->backend->eviction_threads, run_creation, &run);
+    em_parallel_pool_run(table->backend->workers, count, table->backend->eviction_threads,
+                         run_creation, &run);
     em_status status = EM_OK;
     for (uint32_t i = 0; i < count; i++) {
         shard_eviction *part = &parts[i];
@@ -2368,7 +2371,8 @@ static em_status run_beside(request_context *r, shard_work work, uint32_t floats
             take_update_stamp(r); /* before the threads, which all stamp with it */
         shard_job job = {r, work, floats_per_key, locking == SHARDS_LOCK_EACH, checks, shards,
                          segments, status, errors};
-        em_parallel_run(count, table->backend->eviction_threads, run_shard_job, &job);
+        em_parallel_pool_run(table->backend->workers, count,
+                             table->backend->eviction_threads, run_shard_job, &job);
     }
     for (uint32_t i = 0; failed == EM_OK && i < count; i++)
         if (status[i] != EM_OK) {

@@ -756,6 +756,7 @@ static void bench_requests(const options *o)
     /* what the host's check of a push's gradients costs (em_table_push leaves it to the
      * GPU when the push goes at once, unless it goes the general way) */
     uint32_t cpus = em_parallel_cpus();
+    em_parallel_pool *workers = backend->workers; /* the threads em_table_push takes */
     printf("the host's check of a push's gradients (em_csr_check_gradients_on), pageable, on 1 "
            "thread and on up to %u (the CPUs, as em_table_push does from %" PRIu64 " floats):",
            cpus, 2 * EM_CSR_CHECK_FLOATS_PER_THREAD);
@@ -768,7 +769,8 @@ static void bench_requests(const options *o)
             uint32_t runs = 0;
             for (; runs == 0 || now - began < 0.2; runs++) {
                 check_em(em_csr_check_gradients_on(&batch, EM_COMBINER_NONE, REQUEST_DIM,
-                                                   b.vectors, threaded ? cpus : 1, NULL, &err),
+                                                   b.vectors, workers, threaded ? cpus : 1,
+                                                   NULL, &err),
                          &err, "check");
                 now = em_test_now();
             }

@@ -121,10 +121,14 @@ START_TEST(a_check_on_threads_answers_as_one_thread)
     gradients[(size_t)KEYS * DIM - 7] = -9e20f; /* the largest, in the last part */
     const uint32_t threads[] = {1, 2, 3, 4, 16, 64};
     em_error err, one_err;
-    for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
+    /* threads started for each check, and a pool's kept between them */
+    em_parallel_pool *pools[2] = {NULL, em_parallel_pool_create(63)};
+    ck_assert_ptr_nonnull(pools[1]);
+    for (size_t t = 0; t < 2 * sizeof(threads) / sizeof(threads[0]); t++) {
         float largest = 0.0f;
         ck_assert_int_eq(em_csr_check_gradients_on(&csr, EM_COMBINER_NONE, DIM, gradients,
-                                                   threads[t], &largest, &err),
+                                                   pools[t % 2], threads[t / 2], &largest,
+                                                   &err),
                          EM_OK);
         ck_assert_float_eq(largest, 9e20f);
     }
@@ -136,12 +140,13 @@ START_TEST(a_check_on_threads_answers_as_one_thread)
                      EM_INVALID_ARGUMENT);
     ck_assert_str_eq(one_err.message,
                      "gradient of key 41000 (keys[40000], row 40000) element 5 is +inf");
-    for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
+    for (size_t t = 0; t < 2 * sizeof(threads) / sizeof(threads[0]); t++) {
         ck_assert_int_eq(em_csr_check_gradients_on(&csr, EM_COMBINER_NONE, DIM, gradients,
-                                                   threads[t], NULL, &err),
+                                                   pools[t % 2], threads[t / 2], NULL, &err),
                          EM_INVALID_ARGUMENT);
         ck_assert_str_eq(err.message, one_err.message);
     }
+    em_parallel_pool_destroy(pools[1]);
     free(offsets);
     free(keys);
     free(gradients);

@@ -3,7 +3,9 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "lib/base/parallel.h"
 
@@ -70,6 +72,128 @@ START_TEST(items_run_at_the_same_time_on_two_threads)
 }
 END_TEST
 
+/* Through pools of 0, 1, 3 and 100 threads (more than any run takes), and without one. */
+START_TEST(every_item_runs_once_on_a_pool)
+{
+    static const uint64_t sizes[] = {0, 1, 2, 7, 1000};
+    static const uint32_t threads[] = {0, 1, 2, 3, 8, 100};
+    static const uint32_t helpers[] = {0, 1, 3, 100};
+    for (size_t h = 0; h < sizeof(helpers) / sizeof(helpers[0]) + 1; h++) {
+        em_parallel_pool *pool =
+            h < sizeof(helpers) / sizeof(helpers[0]) ? em_parallel_pool_create(helpers[h]) : NULL;
+        for (size_t a = 0; a < sizeof(sizes) / sizeof(sizes[0]); a++)
+            for (size_t b = 0; b < sizeof(threads) / sizeof(threads[0]); b++) {
+                uint64_t n = sizes[a];
+                _Atomic uint32_t *runs = calloc(n + 1, sizeof(*runs));
+                counted c = {runs};
+                em_parallel_pool_run(pool, n, threads[b], count_item, &c);
+                uint64_t wrong = 0;
+                for (uint64_t i = 0; i < n; i++)
+                    wrong += atomic_load(&runs[i]) != 1;
+                ck_assert_msg(wrong == 0, "pool %zu, n %llu, threads %u: %llu items not run once",
+                              h, (unsigned long long)n, threads[b], (unsigned long long)wrong);
+                free(runs);
+            }
+        em_parallel_pool_destroy(pool);
+    }
+}
+END_TEST
+
+typedef struct met_on {
+    meeting m;
+    _Atomic long tids[2]; /* the threads of the two items */
+} met_on;
+
+static void meet_and_name_item(void *context, uint64_t item)
+{
+    met_on *on = context;
+    atomic_store(&on->tids[item], (long)syscall(SYS_gettid));
+    meet_item(&on->m, item);
+}
+
+/* Two items meet on two threads of the pool's, and the next run meets on the same two:
+ * the pool's thread was kept, not started again. */
+START_TEST(a_pool_runs_items_at_the_same_time_on_threads_it_keeps)
+{
+    em_parallel_pool *pool = em_parallel_pool_create(1);
+    long helper = 0;
+    for (int round = 0; round < 3; round++) {
+        met_on on;
+        atomic_init(&on.m.arrived, 0);
+        atomic_init(&on.m.met, 0);
+        em_parallel_pool_run(pool, 2, 2, meet_and_name_item, &on);
+        ck_assert_uint_eq(atomic_load(&on.m.met), 2);
+        long self = (long)syscall(SYS_gettid);
+        long other = atomic_load(&on.tids[0]) == self ? atomic_load(&on.tids[1])
+                                                       : atomic_load(&on.tids[0]);
+        ck_assert_int_ne(other, self);
+        if (round > 0)
+            ck_assert_int_eq(other, helper);
+        helper = other;
+    }
+    em_parallel_pool_destroy(pool);
+}
+END_TEST
+
+typedef struct nested {
+    em_parallel_pool *pool;
+    _Atomic uint32_t inner; /* items of the runs started from items */
+} nested;
+
+static void inner_item(void *context, uint64_t item)
+{
+    (void)item;
+    nested *n = context;
+    atomic_fetch_add(&n->inner, 1);
+}
+
+static void outer_item(void *context, uint64_t item)
+{
+    (void)item;
+    nested *n = context;
+    em_parallel_pool_run(n->pool, 16, 4, inner_item, n);
+}
+
+typedef struct caller {
+    em_parallel_pool *pool;
+    uint64_t wrong;
+} caller;
+
+static void *call_many(void *untyped)
+{
+    caller *c = untyped;
+    for (int r = 0; r < 300; r++) {
+        _Atomic uint32_t runs[9] = {0};
+        counted count = {runs};
+        em_parallel_pool_run(c->pool, 9, 4, count_item, &count);
+        for (int i = 0; i < 9; i++)
+            c->wrong += atomic_load(&runs[i]) != 1;
+    }
+    return NULL;
+}
+
+/* Runs from four threads at once share a pool of two threads, and runs started inside
+ * an item finish: no run waits for a thread the others hold. */
+START_TEST(runs_from_several_threads_and_from_items_share_a_pool)
+{
+    em_parallel_pool *pool = em_parallel_pool_create(2);
+    caller callers[4];
+    pthread_t threads[4];
+    for (int t = 0; t < 4; t++) {
+        callers[t] = (caller){pool, 0};
+        ck_assert_int_eq(pthread_create(&threads[t], NULL, call_many, &callers[t]), 0);
+    }
+    for (int t = 0; t < 4; t++) {
+        pthread_join(threads[t], NULL);
+        ck_assert_uint_eq(callers[t].wrong, 0);
+    }
+    nested n = {pool, 0};
+    em_parallel_pool_run(pool, 8, 3, outer_item, &n);
+    ck_assert_uint_eq(atomic_load(&n.inner), 8 * 16);
+    em_parallel_pool_destroy(pool);
+}
+END_TEST
+
 static Suite *parallel_suite(void)
 {
     Suite *suite = suite_create("parallel");
@@ -77,6 +201,9 @@ static Suite *parallel_suite(void)
     tcase_set_timeout(tc, 30);
     tcase_add_test(tc, every_item_runs_once);
     tcase_add_test(tc, items_run_at_the_same_time_on_two_threads);
+    tcase_add_test(tc, every_item_runs_once_on_a_pool);
+    tcase_add_test(tc, a_pool_runs_items_at_the_same_time_on_threads_it_keeps);
+    tcase_add_test(tc, runs_from_several_threads_and_from_items_share_a_pool);
     suite_add_tcase(suite, tc);
     return suite;
 }
