@@ -4,6 +4,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 /* Threads started for one call, at most. */
@@ -61,6 +62,8 @@ struct em_parallel_pool {
     uint32_t helpers;        /* threads at most */
     uint32_t started, waiting;
     bool stopping;
+    pid_t owner; /* the process whose threads these are: a child forked from it has none
+                  * of them (and maybe a lock held at the fork), so it starts its own */
     pthread_t threads[PARALLEL_THREADS_MAX];
 };
 
@@ -101,6 +104,7 @@ em_parallel_pool *em_parallel_pool_create(uint32_t helpers)
     pthread_cond_init(&pool->work, NULL);
     pthread_cond_init(&pool->finished, NULL);
     pool->helpers = helpers < PARALLEL_THREADS_MAX ? helpers : PARALLEL_THREADS_MAX;
+    pool->owner = getpid();
     return pool;
 }
 
@@ -108,6 +112,10 @@ void em_parallel_pool_destroy(em_parallel_pool *pool)
 {
     if (pool == NULL)
         return;
+    if (pool->owner != getpid()) { /* its threads are the parent's */
+        free(pool);
+        return;
+    }
     pthread_mutex_lock(&pool->lock);
     pool->stopping = true;
     pthread_cond_broadcast(&pool->work);
@@ -133,7 +141,7 @@ static void unqueue(em_parallel_pool *pool, parallel_run *run)
 void em_parallel_pool_run(em_parallel_pool *pool, uint64_t n, uint32_t threads,
                           em_parallel_item item, void *context)
 {
-    if (pool == NULL) {
+    if (pool == NULL || pool->owner != getpid()) {
         em_parallel_run(n, threads, item, context);
         return;
     }

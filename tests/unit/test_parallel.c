@@ -4,6 +4,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -194,6 +195,34 @@ START_TEST(runs_from_several_threads_and_from_items_share_a_pool)
 }
 END_TEST
 
+/* A child forked after the pool started its thread (which the child does not have)
+ * runs every item, on threads of its own, and destroys the pool without waiting for it. */
+START_TEST(a_forked_child_runs_without_the_parents_pool_threads)
+{
+    em_parallel_pool *pool = em_parallel_pool_create(1);
+    met_on on;
+    atomic_init(&on.m.arrived, 0);
+    atomic_init(&on.m.met, 0);
+    em_parallel_pool_run(pool, 2, 2, meet_and_name_item, &on); /* the thread starts */
+    ck_assert_uint_eq(atomic_load(&on.m.met), 2);
+    pid_t child = fork();
+    ck_assert_int_ge(child, 0);
+    if (child == 0) {
+        met_on again;
+        atomic_init(&again.m.arrived, 0);
+        atomic_init(&again.m.met, 0);
+        em_parallel_pool_run(pool, 2, 2, meet_and_name_item, &again);
+        em_parallel_pool_destroy(pool);
+        _exit(atomic_load(&again.m.met) == 2 ? 0 : 1);
+    }
+    int status = 0;
+    ck_assert_int_eq(waitpid(child, &status, 0), child);
+    ck_assert(WIFEXITED(status));
+    ck_assert_int_eq(WEXITSTATUS(status), 0);
+    em_parallel_pool_destroy(pool);
+}
+END_TEST
+
 static Suite *parallel_suite(void)
 {
     Suite *suite = suite_create("parallel");
@@ -204,6 +233,7 @@ static Suite *parallel_suite(void)
     tcase_add_test(tc, every_item_runs_once_on_a_pool);
     tcase_add_test(tc, a_pool_runs_items_at_the_same_time_on_threads_it_keeps);
     tcase_add_test(tc, runs_from_several_threads_and_from_items_share_a_pool);
+    tcase_add_test(tc, a_forked_child_runs_without_the_parents_pool_threads);
     suite_add_tcase(suite, tc);
     return suite;
 }
