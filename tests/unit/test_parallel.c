@@ -208,12 +208,22 @@ START_TEST(a_forked_child_runs_without_the_parents_pool_threads)
     pid_t child = fork();
     ck_assert_int_ge(child, 0);
     if (child == 0) {
+#ifdef __SANITIZE_THREAD__
+        /* ThreadSanitizer stops a child of a threaded process that starts a thread:
+         * there the items run on the calling thread */
+        _Atomic uint32_t runs[2] = {0};
+        counted c = {runs};
+        em_parallel_pool_run(pool, 2, 1, count_item, &c);
+        em_parallel_pool_destroy(pool);
+        _exit(atomic_load(&runs[0]) == 1 && atomic_load(&runs[1]) == 1 ? 0 : 1);
+#else
         met_on again;
         atomic_init(&again.m.arrived, 0);
         atomic_init(&again.m.met, 0);
         em_parallel_pool_run(pool, 2, 2, meet_and_name_item, &again);
         em_parallel_pool_destroy(pool);
         _exit(atomic_load(&again.m.met) == 2 ? 0 : 1);
+#endif
     }
     int status = 0;
     ck_assert_int_eq(waitpid(child, &status, 0), child);
