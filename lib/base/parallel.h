@@ -24,8 +24,8 @@ typedef void (*em_parallel_item)(void *context, uint64_t item);
  * same time as each other; the call returns once every item has run. */
 void em_parallel_run(uint64_t n, uint32_t threads, em_parallel_item item, void *context);
 
-/* Threads kept for runs: up to `helpers` of them, each started the first time a run
- * finds none waiting, until the pool is destroyed. */
+/* Threads kept for runs: up to `helpers` of them (at most 64), each started the first
+ * time a run finds none waiting, until the pool is destroyed. */
 typedef struct em_parallel_pool em_parallel_pool;
 
 /* NULL when out of memory (runs then start their threads as em_parallel_run does). */

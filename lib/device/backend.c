@@ -61,7 +61,7 @@ em_status em_backend_assemble(const char *kind, em_device **devices, uint32_t co
     backend->device_count = count;
     backend->exchange = exchange;
     atomic_init(&backend->next_home, 0);
-    backend->workers = em_parallel_pool_create(em_parallel_cpus() - 1);
+    backend->workers = em_parallel_pool_create(UINT32_MAX); /* as many as runs ask */
     *out = backend;
     return EM_OK;
 }

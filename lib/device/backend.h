@@ -42,8 +42,9 @@ typedef struct em_backend {
      * shard after another, as on the GPUs, whose shards share the request's lane. */
     uint32_t eviction_threads;
     /* The threads those runs, and a large push's check of its gradients, take besides
-     * the request's own (em_parallel_pool_run): up to the CPUs online less one, started
-     * as first needed. NULL when it could not be made: runs start their own. Owned. */
+     * the request's own (em_parallel_pool_run): as many as the runs ask for at once (at
+     * most 64), started as first needed and kept. NULL when it could not be made: runs
+     * start their own. Owned. */
     em_parallel_pool *workers;
 } em_backend;
 
