@@ -20,27 +20,6 @@ static void count_item(void *context, uint64_t item)
     atomic_fetch_add(&c->runs[item], 1);
 }
 
-/* Every item runs exactly once, whatever the threads asked for, n = 0 included. */
-START_TEST(every_item_runs_once)
-{
-    static const uint64_t sizes[] = {0, 1, 2, 7, 1000};
-    static const uint32_t threads[] = {0, 1, 2, 3, 8, 100};
-    for (size_t a = 0; a < sizeof(sizes) / sizeof(sizes[0]); a++)
-        for (size_t b = 0; b < sizeof(threads) / sizeof(threads[0]); b++) {
-            uint64_t n = sizes[a];
-            _Atomic uint32_t *runs = calloc(n + 1, sizeof(*runs));
-            counted c = {runs};
-            em_parallel_run(n, threads[b], count_item, &c);
-            uint64_t wrong = 0;
-            for (uint64_t i = 0; i < n; i++)
-                wrong += atomic_load(&runs[i]) != 1;
-            ck_assert_msg(wrong == 0, "n %llu, threads %u: %llu items not run once",
-                          (unsigned long long)n, threads[b], (unsigned long long)wrong);
-            free(runs);
-        }
-}
-END_TEST
-
 typedef struct meeting {
     _Atomic uint32_t arrived;
     _Atomic uint32_t met; /* items that saw the other one arrive */
@@ -73,8 +52,10 @@ START_TEST(items_run_at_the_same_time_on_two_threads)
 }
 END_TEST
 
-/* Through pools of 0, 1, 3 and 100 threads (more than any run takes), and without one. */
-START_TEST(every_item_runs_once_on_a_pool)
+/* Every item runs exactly once, whatever the threads asked for, n = 0 included: with
+ * threads started for the run (no pool), and through pools of 0, 1, 3 and 100 threads
+ * (more than any run takes). */
+START_TEST(every_item_runs_once)
 {
     static const uint64_t sizes[] = {0, 1, 2, 7, 1000};
     static const uint32_t threads[] = {0, 1, 2, 3, 8, 100};
@@ -240,7 +221,6 @@ static Suite *parallel_suite(void)
     tcase_set_timeout(tc, 30);
     tcase_add_test(tc, every_item_runs_once);
     tcase_add_test(tc, items_run_at_the_same_time_on_two_threads);
-    tcase_add_test(tc, every_item_runs_once_on_a_pool);
     tcase_add_test(tc, a_pool_runs_items_at_the_same_time_on_threads_it_keeps);
     tcase_add_test(tc, runs_from_several_threads_and_from_items_share_a_pool);
     tcase_add_test(tc, a_forked_child_runs_without_the_parents_pool_threads);
