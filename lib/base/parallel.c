@@ -7,7 +7,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
-/* Threads started for one call, at most. */
+/* Threads a run takes besides the calling one, and a pool keeps, at most. */
 #define PARALLEL_THREADS_MAX 64u
 
 typedef struct parallel_run {
