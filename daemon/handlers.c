@@ -32,10 +32,34 @@ static em_status check_padding(const uint8_t *attachment, const em_csr_attachmen
     return EM_OK;
 }
 
+/* An attachment whose length is not what rows, nnz and the gradients need. vectors is
+ * the push's gradient vectors (0 for a pull): where the bytes after the keys are a whole
+ * number of floats a vector, the message says how many, the usual slip being gradients
+ * of another dim than the table's. */
+static em_status size_error(const char *method, uint64_t length, uint32_t rows, uint64_t nnz,
+                            uint64_t vectors, const em_csr_attachment *layout, em_error *err)
+{
+    uint64_t gradient_bytes = layout->total - layout->gradients_at;
+    char width[96] = "";
+    if (vectors > 0 && length > layout->gradients_at) {
+        uint64_t sent = length - layout->gradients_at;
+        if (sent % (vectors * sizeof(float)) == 0)
+            snprintf(width, sizeof(width), ": the gradients hold %" PRIu64
+                     " floats a vector where the table's dim is %" PRIu64,
+                     sent / (vectors * sizeof(float)), gradient_bytes / (vectors * sizeof(float)));
+    }
+    return em_error_set(err, EM_INVALID_ARGUMENT,
+                        "%s attachment is %" PRIu64 " bytes; rows=%" PRIu32 " nnz=%" PRIu64
+                        "%s need %" PRIu64 " (offsets %" PRIu64 ", keys at %" PRIu64 "%s)%s",
+                        method, length, rows, nnz, vectors > 0 ? " with their gradients" : "",
+                        layout->total, ((uint64_t)rows + 1) * 4, layout->keys_at,
+                        vectors > 0 ? ", gradients after the keys" : "", width);
+}
+
 /* Maps a PULL or PUSH attachment onto a CSR view after checking its size. */
 static em_status map_batch(const em_request *request, uint32_t rows, uint64_t nnz,
-                           uint64_t gradient_floats, em_csr *batch, em_csr_attachment *layout,
-                           em_error *err)
+                           uint64_t vectors, uint64_t gradient_floats, em_csr *batch,
+                           em_csr_attachment *layout, em_error *err)
 {
     const char *method = em_method_name(request->method);
     if (nnz > request->max_keys_per_request)
@@ -46,14 +70,7 @@ static em_status map_batch(const em_request *request, uint32_t rows, uint64_t nn
     if (status != EM_OK)
         return status;
     if (request->attachment_length != layout->total)
-        return em_error_set(err, EM_INVALID_ARGUMENT,
-                            "%s attachment is %" PRIu64 " bytes; rows=%" PRIu32 " nnz=%" PRIu64
-                            "%s need %" PRIu64 " (offsets %" PRIu64 ", keys at %" PRIu64
-                            "%s)",
-                            method, request->attachment_length, rows, nnz,
-                            gradient_floats > 0 ? " with their gradients" : "", layout->total,
-                            ((uint64_t)rows + 1) * 4, layout->keys_at,
-                            gradient_floats > 0 ? ", gradients after the keys" : "");
+        return size_error(method, request->attachment_length, rows, nnz, vectors, layout, err);
     status = check_padding(request->attachment, layout, rows, err);
     if (status != EM_OK)
         return status;
@@ -92,8 +109,8 @@ static uint32_t admitted_dim(const em_request *request, const char *name, bool *
 /* The attachment's announced length against the layout the body describes; what
  * names the request in messages ("push to table 't' (dim 4)"). */
 static em_status admit_batch(const em_request *request, const char *what, uint32_t rows,
-                             uint64_t nnz, uint64_t gradient_floats, uint64_t attachment_length,
-                             em_error *err)
+                             uint64_t nnz, uint64_t vectors, uint64_t gradient_floats,
+                             uint64_t attachment_length, em_error *err)
 {
     if (nnz > request->max_keys_per_request)
         return em_error_set(err, EM_RESOURCE_EXHAUSTED,
@@ -103,15 +120,11 @@ static em_status admit_batch(const em_request *request, const char *what, uint32
     em_status status = em_csr_attachment_layout(rows, nnz, gradient_floats, &layout, err);
     if (status != EM_OK)
         return em_error_prefix(err, "%s: ", what);
-    if (attachment_length != layout.total)
-        return em_error_set(err, EM_INVALID_ARGUMENT,
-                            "%s: %s attachment is %" PRIu64 " bytes; rows=%" PRIu32
-                            " nnz=%" PRIu64 "%s need %" PRIu64 " (offsets %" PRIu64
-                            ", keys at %" PRIu64 "%s)",
-                            what, em_method_name(request->method), attachment_length, rows, nnz,
-                            gradient_floats > 0 ? " with their gradients" : "", layout.total,
-                            ((uint64_t)rows + 1) * 4, layout.keys_at,
-                            gradient_floats > 0 ? ", gradients after the keys" : "");
+    if (attachment_length != layout.total) {
+        size_error(em_method_name(request->method), attachment_length, rows, nnz, vectors,
+                   &layout, err);
+        return em_error_prefix(err, "%s: ", what);
+    }
     return EM_OK;
 }
 
@@ -121,8 +134,8 @@ em_status em_admit_pull(em_request *request, uint64_t attachment_length, uint64_
     const Ember__PullRequest *body = (const Ember__PullRequest *)request->body;
     char what[EM_TABLE_NAME_MAX + 64];
     snprintf(what, sizeof(what), "pull from table '%s'", body->table);
-    em_status status = admit_batch(request, what, body->rows, body->nnz, 0, attachment_length,
-                                   err);
+    em_status status = admit_batch(request, what, body->rows, body->nnz, 0, 0,
+                                   attachment_length, err);
     if (status != EM_OK)
         return status;
     bool known = false;
@@ -154,8 +167,8 @@ em_status em_admit_push(em_request *request, uint64_t attachment_length, uint64_
                             " overflow 64 bits", body->table, vectors, dim);
     char what[EM_TABLE_NAME_MAX + 64];
     snprintf(what, sizeof(what), "push to table '%s' (dim %" PRIu64 ")", body->table, dim);
-    return admit_batch(request, what, body->rows, body->nnz, vectors * dim, attachment_length,
-                       err);
+    return admit_batch(request, what, body->rows, body->nnz, vectors, vectors * dim,
+                       attachment_length, err);
 }
 
 /* ---- pull and push ------------------------------------------------------------------- */
@@ -170,7 +183,7 @@ static em_status pull_table(em_request *request, em_table *table, const void *un
     em_status status = combiner_of((int)body->combiner, &combiner, err);
     if (status != EM_OK)
         return em_error_prefix(err, "pull from table '%s': ", em_table_name(table));
-    status = map_batch(request, body->rows, body->nnz, 0, &batch, &layout, err);
+    status = map_batch(request, body->rows, body->nnz, 0, 0, &batch, &layout, err);
     if (status != EM_OK)
         return em_error_prefix(err, "pull from table '%s' (combiner %s): ", em_table_name(table),
                                em_combiner_name(combiner));
@@ -242,7 +255,7 @@ static em_status push_table(em_request *request, em_table *table, const void *un
                             " overflow 64 bits", em_table_name(table), vectors, dim);
     em_csr batch;
     em_csr_attachment layout;
-    status = map_batch(request, body->rows, body->nnz, vectors * dim, &batch, &layout, err);
+    status = map_batch(request, body->rows, body->nnz, vectors, vectors * dim, &batch, &layout, err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s' (dim %" PRIu64 ", combiner %s): ",
                                em_table_name(table), dim, em_combiner_name(combiner));

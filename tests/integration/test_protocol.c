@@ -285,7 +285,13 @@ START_TEST(bad_requests_are_answered_and_apply_nothing)
     test_frame_free(&frame);
     /* Wrong dim: gradients for dim 3. */
     frame = push(fd, 4, "t", 2, offsets, 4, keys, EMBER__COMBINER__NONE, gradients, 12);
-    assert_status(&frame, EMBER__STATUS__INVALID_ARGUMENT, "dim 4");
+    assert_status(&frame, EMBER__STATUS__INVALID_ARGUMENT,
+                  "the gradients hold 3 floats a vector where the table's dim is 4");
+    test_frame_free(&frame);
+    /* Gradients that are no whole number of floats a vector: only the sizes named. */
+    frame = push(fd, 4, "t", 2, offsets, 4, keys, EMBER__COMBINER__NONE, gradients, 15);
+    assert_status(&frame, EMBER__STATUS__INVALID_ARGUMENT, "(dim 4)");
+    ck_assert_ptr_null(strstr(frame.meta->error, "floats a vector"));
     test_frame_free(&frame);
     /* NaN in the gradient of the 4th key. */
     gradients[3 * 4 + 1] = NAN;
