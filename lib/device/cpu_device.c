@@ -503,7 +503,8 @@ static em_status cpu_shard_create(em_device *device, const em_shard_spec *spec, 
     shard->state_bound = em_optimizer_has_accumulator(spec->optimizer.kind)
                              ? spec->optimizer.initial_accumulator
                              : 0.0;
-    em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES);
+    em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES,
+                                            spec->expected_rows);
     shard->row_floats = plan.row_floats;
     shard->stride = plan.stride;
     shard->block_shift = plan.block_shift;

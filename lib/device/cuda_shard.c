@@ -567,7 +567,8 @@ static em_status create_map(cuda_shard *shard, uint64_t expected_rows, em_error 
 static void set_row_geometry(cuda_shard *shard, const em_shard_spec *spec)
 {
     shard->dim = spec->dim;
-    em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES);
+    em_row_blocks plan = em_row_blocks_plan(spec->dim, spec->optimizer.kind, TARGET_BLOCK_BYTES,
+                                            spec->expected_rows);
     shard->row_floats = plan.row_floats;
     shard->stride = plan.stride;
     shard->block_shift = plan.block_shift;

@@ -80,7 +80,8 @@ void em_device_scratch_drop(em_device *device)
 #define MIN_BLOCK_ROWS 16u
 #define MAX_BLOCK_ROWS 65536u
 
-em_row_blocks em_row_blocks_plan(uint32_t dim, int optimizer_kind, size_t target_block_bytes)
+em_row_blocks em_row_blocks_plan(uint32_t dim, int optimizer_kind, size_t target_block_bytes,
+                                 uint64_t expected_rows)
 {
     em_row_blocks plan;
     plan.row_floats = dim + em_optimizer_state_floats(optimizer_kind, dim);
@@ -88,7 +89,8 @@ em_row_blocks em_row_blocks_plan(uint32_t dim, int optimizer_kind, size_t target
     size_t row_bytes = (size_t)plan.stride * sizeof(float);
     uint32_t rows = MIN_BLOCK_ROWS;
     plan.block_shift = 4; /* log2(MIN_BLOCK_ROWS) */
-    while (rows < MAX_BLOCK_ROWS && (size_t)rows * 2 * row_bytes <= target_block_bytes) {
+    while (rows < MAX_BLOCK_ROWS && (size_t)rows * 2 * row_bytes <= target_block_bytes &&
+           (expected_rows == 0 || rows < expected_rows)) {
         rows *= 2;
         plan.block_shift++;
     }

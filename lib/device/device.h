@@ -456,8 +456,12 @@ typedef struct em_row_blocks {
 } em_row_blocks;
 
 /* Rows per block: the largest power of two in [16, 65536] whose block stays within
- * target_block_bytes (16 when even that is larger). */
-em_row_blocks em_row_blocks_plan(uint32_t dim, int optimizer_kind, size_t target_block_bytes);
+ * target_block_bytes (16 when even that is larger), and no larger than needed for
+ * expected_rows (the shard's share of its table's capacity; 0: no bound), so that a small
+ * table does not take a block sized for a large one (a shard that outgrows its share adds
+ * blocks as any other). */
+em_row_blocks em_row_blocks_plan(uint32_t dim, int optimizer_kind, size_t target_block_bytes,
+                                 uint64_t expected_rows);
 
 /* A zeroed em_device, aligned as its scratch slots ask (NULL when out of memory); free()
  * frees it. */
