@@ -1652,6 +1652,9 @@ static em_status read_latest(const char *table_dir, char *id, em_error *err)
 {
     char path[4400];
     snprintf(path, sizeof(path), "%s/LATEST", table_dir);
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) /* a table named LATEST, in a root */
+        return em_error_set(err, EM_NOT_FOUND, "%s: no LATEST file", table_dir);
     FILE *file = fopen(path, "re");
     if (file == NULL)
         return em_error_set(err, EM_NOT_FOUND, "%s: no LATEST", table_dir);
@@ -1662,11 +1665,42 @@ static em_status read_latest(const char *table_dir, char *id, em_error *err)
     if (!read || !em__checkpoint_is_id(line))
         return data_loss(err, table_dir, "LATEST", "does not hold a checkpoint id");
     snprintf(path, sizeof(path), "%s/%s", table_dir, line);
-    struct stat st;
     if (stat(path, &st) != 0)
         return data_loss(err, table_dir, "LATEST", "names %s, which is missing", line);
     memcpy(id, line, EM_CHECKPOINT_ID_DIGITS + 1);
     return EM_OK;
+}
+
+/* Where dir holds tables' directories of checkpoints (a checkpoint.dir, or a cluster
+ * checkpoint's part), out gets ": it holds the checkpoints of tables a, b, ...: name
+ * one" (the first few, in directory order), else "". */
+static void tables_under(const char *dir, char *out, size_t capacity)
+{
+    out[0] = '\0';
+    DIR *d = opendir(dir);
+    if (d == NULL)
+        return;
+    size_t used = 0, found = 0;
+    const struct dirent *entry;
+    while ((entry = readdir(d)) != NULL && found < 8) {
+        char latest[4400];
+        struct stat st;
+        snprintf(latest, sizeof(latest), "%s/%s/LATEST", dir, entry->d_name);
+        if (entry->d_name[0] == '.' || stat(latest, &st) != 0 || !S_ISREG(st.st_mode))
+            continue;
+        int n = snprintf(out + used, capacity - used, "%s%s",
+                         found == 0 ? ": it holds the checkpoints of tables " : ", ",
+                         entry->d_name);
+        if (n < 0 || (size_t)n >= capacity - used - 16) {
+            out[used] = '\0';
+            break;
+        }
+        used += (size_t)n;
+        found++;
+    }
+    closedir(d);
+    if (found > 0)
+        snprintf(out + used, capacity - used, ": name one");
 }
 
 /* A table's directory of checkpoints (LATEST, and no manifest.json of its own) stands
@@ -1693,10 +1727,13 @@ static em_status resolve_table_dir(const char *path, char *dir, size_t capacity,
         }
         if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
             return EM_OK; /* read_manifest names it */
+        char tables[256];
+        tables_under(path, tables, sizeof(tables));
         return em_error_set(err, EM_NOT_FOUND,
                             "%s is not a checkpoint (no manifest.json, rows.emb or "
-                            "index.emb) nor a table's directory of checkpoints (no LATEST)",
-                            path);
+                            "index.emb) nor a table's directory of checkpoints (no LATEST "
+                            "file)%s",
+                            path, tables);
     }
     if (status != EM_OK)
         return status;

@@ -305,6 +305,24 @@ START_TEST(saves_keep_the_newest)
     ck_assert_msg(strstr(err.message, "is not a checkpoint (no manifest.json, rows.emb or "
                                       "index.emb) nor a table's directory of checkpoints") != NULL,
                   "%s", err.message);
+    ck_assert_msg(strstr(err.message, "it holds the checkpoints of tables t: name one") != NULL,
+                  "%s", err.message);
+    /* beside a table named LATEST (a directory, whose own LATEST names its checkpoint),
+     * the dir above is still no checkpoint, and both tables are named */
+    char latest_table[512];
+    snprintf(latest_table, sizeof(latest_table), "%s/LATEST", dir);
+    ck_assert_int_eq(mkdir(latest_table, 0755), 0);
+    char pointer[600];
+    snprintf(pointer, sizeof(pointer), "%s/LATEST", latest_table);
+    FILE *file = fopen(pointer, "w");
+    ck_assert_ptr_nonnull(file);
+    fputs("00000000000000000001\n", file);
+    fclose(file);
+    ck_assert_int_eq(em_checkpoint_verify(dir, NULL, &err), EM_NOT_FOUND);
+    ck_assert_msg(strstr(err.message, "nor a table's directory of checkpoints (no LATEST file)") !=
+                          NULL &&
+                      strstr(err.message, " t") != NULL && strstr(err.message, " LATEST") != NULL,
+                  "%s", err.message);
     em_table_destroy(table);
     em_backend_destroy(backend);
     em_test_remove_tree(dir);
