@@ -32,16 +32,23 @@ static void *take_items(void *untyped)
     }
 }
 
+/* The threads besides the caller that a run of n items on `threads` threads takes: no
+ * more than `most`, and none for an item the caller would take itself. */
+static uint64_t helpers_for(uint64_t n, uint32_t threads, uint64_t most)
+{
+    uint64_t helpers = threads > 1 ? threads - 1 : 0;
+    if (helpers > most)
+        helpers = most;
+    if (n > 0 && helpers > n - 1) /* the calling thread takes one item too */
+        helpers = n - 1;
+    return n > 0 ? helpers : 0;
+}
+
 void em_parallel_run(uint64_t n, uint32_t threads, em_parallel_item item, void *context)
 {
     parallel_run run = {.item = item, .context = context, .n = n};
     atomic_init(&run.next, 0);
-    uint64_t helpers = threads > 1 ? threads - 1 : 0;
-    if (helpers > PARALLEL_THREADS_MAX)
-        helpers = PARALLEL_THREADS_MAX;
-    uint64_t most = n > 0 ? n - 1 : 0; /* the calling thread takes one item too */
-    if (helpers > most)
-        helpers = most;
+    uint64_t helpers = helpers_for(n, threads, PARALLEL_THREADS_MAX);
     pthread_t started[PARALLEL_THREADS_MAX];
     uint64_t count = 0;
     for (; count < helpers; count++)
@@ -147,10 +154,7 @@ void em_parallel_pool_run(em_parallel_pool *pool, uint64_t n, uint32_t threads,
     }
     parallel_run run = {.item = item, .context = context, .n = n};
     atomic_init(&run.next, 0);
-    uint64_t helpers = threads > 1 ? threads - 1 : 0;
-    uint64_t most = n > 0 ? n - 1 : 0; /* the calling thread takes one item too */
-    helpers = helpers < most ? helpers : most;
-    helpers = helpers < pool->helpers ? helpers : pool->helpers;
+    uint64_t helpers = helpers_for(n, threads, pool->helpers);
     if (helpers > 0) {
         pthread_mutex_lock(&pool->lock);
         run.tickets = (uint32_t)helpers;
