@@ -768,15 +768,17 @@ em_status em__cuda_shard_insert_settle(em_shard *base, em_error *err)
     return take_header(shard, *header, err);
 }
 
-/* Makes the free list hold count rows, keeping the ones on it. */
+/* Makes the free list hold count rows, keeping the ones on it. It grows to half as much
+ * again as asked at least: a full table's requests each evict about as many rows as the
+ * one before, a few more or less, and each growth waits for the lane. */
 static em_status reserve_free_rows(cuda_shard *shard, cuda_lane *lane, uint64_t count,
                                    em_error *err)
 {
     if (count <= shard->free_capacity)
         return EM_OK;
     uint64_t capacity = shard->free_capacity < 1024 ? 1024 : 2 * shard->free_capacity;
-    if (capacity < count)
-        capacity = count;
+    if (capacity < count + count / 2)
+        capacity = count + count / 2;
     uint64_t *grown = NULL;
     em_status status = em_device_alloc(shard->base.device, capacity * sizeof(uint64_t),
                                        "free row list", (void **)&grown, err);
