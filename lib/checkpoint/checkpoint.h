@@ -75,7 +75,8 @@ typedef struct em_checkpoint_options {
     uint32_t keep;             /* complete checkpoints kept per table (0 means 1) */
     uint64_t copy_limit_bytes; /* rows changed during a save kept aside, at most */
     uint64_t buffer_bytes;     /* rows grouped by bucket before writing (three buffers: one
-                                * staging, two for the writer thread) */
+                                * staging, two for the writer thread), at most: a table of
+                                * fewer rows takes what they need (at least 1 MiB) */
     bool delta;                /* save only what changed since the table's last checkpoint;
                                 * a full save when there is no such parent (info->kind) */
     uint32_t max_depth;        /* with delta: a full save instead once the chain would have

@@ -950,8 +950,13 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
     s.access = em_eviction_tracks_access(&em_table_get_config(table)->eviction);
     s.row_bytes = sizeof(uint64_t) + s.row_floats * sizeof(float) +
                   (s.access ? sizeof(em_row_access) : 0);
-    uint64_t buffer = options->buffer_bytes < (UINT64_C(1) << 20) ? UINT64_C(1) << 20
-                                                                   : options->buffer_bytes;
+    /* no larger than the table's rows need (a table of a few thousand rows took 128 MiB
+     * of buffers for its saves), and 1 MiB at least */
+    uint64_t buffer = options->buffer_bytes;
+    if (stats.rows < buffer / s.row_bytes)
+        buffer = (stats.rows + 1) * s.row_bytes;
+    if (buffer < (UINT64_C(1) << 20))
+        buffer = UINT64_C(1) << 20;
     s.buffer_rows = buffer / s.row_bytes + 1;
     s.out_capacity = s.buffer_rows * s.row_bytes + EM_CHECKPOINT_BUCKETS * sizeof(em_chunk_header);
     s.keys = malloc(s.buffer_rows * sizeof(uint64_t));
