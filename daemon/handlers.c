@@ -255,7 +255,8 @@ static em_status push_table(em_request *request, em_table *table, const void *un
                             " overflow 64 bits", em_table_name(table), vectors, dim);
     em_csr batch;
     em_csr_attachment layout;
-    status = map_batch(request, body->rows, body->nnz, vectors, vectors * dim, &batch, &layout, err);
+    status = map_batch(request, body->rows, body->nnz, vectors, vectors * dim, &batch, &layout,
+                       err);
     if (status != EM_OK)
         return em_error_prefix(err, "push to table '%s' (dim %" PRIu64 ", combiner %s): ",
                                em_table_name(table), dim, em_combiner_name(combiner));
