@@ -154,6 +154,16 @@ static void print_help(FILE *out)
           "                             as a load does, and of its chain for a delta,\n"
           "                             or of every part of a cluster checkpoint (no\n"
           "                             server)\n"
+          "  checkpoints export PATH --out DIR [--weights-only]\n"
+          "                             write the table of a checkpoint (checked as a\n"
+          "                             load checks it) as NumPy arrays in DIR: keys.npy,\n"
+          "                             weights.npy and the optimizer state, by key, and\n"
+          "                             export.json (no server)\n"
+          "  checkpoints import DIR --to CHECKPOINT_DIR [--name TABLE]\n"
+          "                     [--json-config '{...}'] [--weights-only]\n"
+          "                             write the arrays of DIR (an export's layout) as a\n"
+          "                             new checkpoint of the table under CHECKPOINT_DIR,\n"
+          "                             for a server to load (no server)\n"
           "\n"
           "Options:\n"
           "  --server HOST:PORT   admin listener (default " DEFAULT_ADMIN_SERVER "); a list\n"
@@ -1766,15 +1776,87 @@ static int checkpoints_verify(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+static int checkpoints_export(cli *c, int argc, char **argv)
+{
+    const char *path = NULL, *out = NULL;
+    bool weights_only = false;
+    for (int i = 2; i < argc; i++) {
+        if (strcmp(argv[i], "--out") == 0 && i + 1 < argc)
+            out = argv[++i];
+        else if (strcmp(argv[i], "--weights-only") == 0)
+            weights_only = true;
+        else if (argv[i][0] != '-' && path == NULL)
+            path = argv[i];
+        else
+            return usage_error("checkpoints export: unexpected argument '%s'", argv[i]);
+    }
+    if (path == NULL || out == NULL)
+        return usage_error("checkpoints export needs a checkpoint path and --out DIR");
+    em_checkpoint_info info;
+    em_error err;
+    if (em_checkpoint_export(path, out, weights_only, &info, &err) != EM_OK)
+        return checkpoint_failed(&err);
+    if (c->json) {
+        cJSON *result = cJSON_CreateObject();
+        cJSON_AddStringToObject(result, "table", info.table);
+        cJSON_AddStringToObject(result, "checkpoint", info.id);
+        cJSON_AddStringToObject(result, "out", out);
+        cJSON_AddNumberToObject(result, "rows", (double)info.rows);
+        cJSON_AddBoolToObject(result, "weights_only", weights_only);
+        cJSON_AddNumberToObject(result, "seconds", info.seconds);
+        print_json(result);
+        cJSON_Delete(result);
+    } else {
+        printf("%s: table %s, checkpoint %s, %" PRIu64 " rows%s, %.3f s\n", out, info.table,
+               info.id, info.rows, weights_only ? " (weights only)" : "", info.seconds);
+    }
+    return EXIT_OK;
+}
+
+static int checkpoints_import(cli *c, int argc, char **argv)
+{
+    const char *dir = NULL, *root = NULL;
+    em_checkpoint_import_options options;
+    em_checkpoint_import_options_init(&options);
+    for (int i = 2; i < argc; i++) {
+        if (strcmp(argv[i], "--to") == 0 && i + 1 < argc)
+            root = argv[++i];
+        else if (strcmp(argv[i], "--name") == 0 && i + 1 < argc)
+            options.name = argv[++i];
+        else if (strcmp(argv[i], "--json-config") == 0 && i + 1 < argc)
+            options.config_json = argv[++i];
+        else if (strcmp(argv[i], "--weights-only") == 0)
+            options.weights_only = true;
+        else if (argv[i][0] != '-' && dir == NULL)
+            dir = argv[i];
+        else
+            return usage_error("checkpoints import: unexpected argument '%s'", argv[i]);
+    }
+    if (dir == NULL || root == NULL)
+        return usage_error("checkpoints import needs a directory of arrays and --to "
+                           "CHECKPOINT_DIR");
+    em_checkpoint_info info;
+    em_error err;
+    if (em_checkpoint_import(dir, root, &options, &info, &err) != EM_OK)
+        return checkpoint_failed(&err);
+    print_checkpoint(c, &info, "");
+    return EXIT_OK;
+}
+
 static int command_checkpoints(cli *c, int argc, char **argv)
 {
     if (argc < 2)
-        return usage_error("checkpoints needs a subcommand: list or verify");
+        return usage_error("checkpoints needs a subcommand: list, verify, export or import");
     if (strcmp(argv[1], "list") == 0)
         return checkpoints_list(c, argc, argv);
     if (strcmp(argv[1], "verify") == 0)
         return checkpoints_verify(c, argc, argv);
-    return usage_error("unknown checkpoints subcommand '%s' (list, verify)", argv[1]);
+    if (strcmp(argv[1], "export") == 0)
+        return checkpoints_export(c, argc, argv);
+    if (strcmp(argv[1], "import") == 0)
+        return checkpoints_import(c, argc, argv);
+    return usage_error("unknown checkpoints subcommand '%s' (list, verify, export, import)",
+                       argv[1]);
 }
 
 /* ---- main -------------------------------------------------------------------------- */

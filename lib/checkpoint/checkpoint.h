@@ -221,6 +221,43 @@ em_status em_checkpoint_load_weights(const char *path, em_backend *backend,
                                      const em_table_config *config, em_table **out,
                                      em_checkpoint_info *info, em_error *err);
 
+/* Writes the table of the checkpoint at path (a checkpoint, a delta with its chain, or a
+ * table's directory: its latest), every checksum checked as a load checks it, as NumPy
+ * array files in out_dir (created, or empty): keys.npy (uint64), weights.npy (float32,
+ * rows x dim), one file for each part of the optimizer state unless weights_only
+ * (docs/checkpoints.md, "Export and import"), rows by ascending key, and export.json
+ * (the table's config and the files) last. Needs memory for the table twice. info gets
+ * the checkpoint's figures, rows the rows written. Errors: those of em_checkpoint_load,
+ * FAILED_PRECONDITION for an out_dir that holds files, INTERNAL naming a file that
+ * could not be written. */
+em_status em_checkpoint_export(const char *path, const char *out_dir, bool weights_only,
+                               em_checkpoint_info *info, em_error *err);
+
+typedef struct em_checkpoint_import_options {
+    const char *name;        /* the table's name; NULL: the config's */
+    const char *config_json; /* the table's config (as CREATE_TABLE takes it); NULL: the
+                              * config in the directory's export.json */
+    bool weights_only;       /* every row's optimizer state as a new row's, even where the
+                              * directory holds state files */
+} em_checkpoint_import_options;
+
+/* Defaults: the name and config of export.json, the state from the files where they
+ * hold it. */
+void em_checkpoint_import_options_init(em_checkpoint_import_options *options);
+
+/* Writes the rows of the array files in in_dir (an export's layout: keys.npy and
+ * weights.npy, with or without the state's files) as a new full checkpoint of the table
+ * under root, its table's latest (the table's checkpoints already there are kept), for a
+ * server to LOAD or restore. Nothing is written unless every row passed: the arrays'
+ * types and shapes against the config, distinct keys within the capacity, every value
+ * finite and every accumulator and second moment >= 0; without state files the state
+ * is a new row's. Errors: INVALID_ARGUMENT naming the file and what is wrong (the row,
+ * key and element for a value), NOT_FOUND for a missing keys.npy or weights.npy, and
+ * those of em_checkpoint_save. */
+em_status em_checkpoint_import(const char *in_dir, const char *root,
+                               const em_checkpoint_import_options *options,
+                               em_checkpoint_info *info, em_error *err);
+
 /* The path of the latest complete checkpoint of table under dir. Errors: NOT_FOUND
  * when the table has none. */
 em_status em_checkpoint_latest(const char *dir, const char *table, char *path, size_t capacity,
