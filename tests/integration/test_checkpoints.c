@@ -1026,6 +1026,69 @@ static em_client *cluster_client(test_daemon *const *daemons, uint32_t count, ch
 /* emberctl saves 2 servers into a cluster checkpoint, verifies it offline, and restores
  * it onto 3 new servers with 3 shards each: every key reads back as trained, and the
  * restored servers save on into their own checkpoint dirs. */
+/* emberctl exports a server's checkpoint as arrays and imports them as a new checkpoint
+ * of another table, which the server loads: every key's weights as trained; a directory
+ * that holds files, and arrays of another dim, are refused with what was wrong. */
+START_TEST(emberctl_exports_arrays_and_imports_them_into_a_server)
+{
+    char dir[256], out[512], root[512], table_dir[512];
+    em_test_make_dir("ember-checkpoints", dir, sizeof(dir));
+    snprintf(out, sizeof(out), "%s/export", dir);
+    snprintf(root, sizeof(root), "%s/imported", dir);
+    snprintf(table_dir, sizeof(table_dir), "%s/t", dir);
+    batch *b = every_key();
+    test_daemon *daemon = test_daemon_start(overrides(dir, false));
+    em_client *client = client_for(daemon);
+    train(client, b, 31);
+    train_part(client, b, 32, 100, 5000);
+    uint64_t missing = 0;
+    float *trained = read_state(client, b, &missing);
+    ck_assert_uint_eq(missing, 0);
+    char *ctl = getenv("EMBERCTL"), *output = NULL;
+    char *save[] = {ctl, "--server", daemon->admin, "save", "t", NULL};
+    ck_assert_int_eq(test_run_program(save, TEST_ADMIN_TOKEN, &output), 0);
+    free(output);
+
+    char *export[] = {ctl, "checkpoints", "export", table_dir, "--out", out, NULL};
+    ck_assert_int_eq(test_run_program(export, NULL, &output), 0);
+    ck_assert_msg(strstr(output, "table t, checkpoint 00000000000000000001, 20000 rows") != NULL,
+                  "%s", output);
+    free(output);
+    ck_assert_int_eq(test_run_program(export, NULL, &output), 1); /* out holds the export */
+    ck_assert_msg(strstr(output, "FAILED_PRECONDITION") != NULL &&
+                      strstr(output, "is not empty") != NULL, "%s", output);
+    free(output);
+
+    char *import[] = {ctl, "checkpoints", "import", out, "--to", root, "--name", "t2", NULL};
+    ck_assert_int_eq(test_run_program(import, NULL, &output), 0);
+    ck_assert_msg(strstr(output, "table t2, full, 20000 rows") != NULL, "%s", output);
+    free(output);
+    char from[600];
+    snprintf(from, sizeof(from), "%s/t2", root);
+    char *load[] = {ctl, "--server", daemon->admin, "load", "t2", "--from", from, NULL};
+    ck_assert_int_eq(test_run_program(load, TEST_ADMIN_TOKEN, &output), 0);
+    free(output);
+    float *imported = read_table(client, "t2", b, &missing);
+    ck_assert_uint_eq(missing, 0);
+    ck_assert(same(imported, trained));
+    free(imported);
+
+    char *other_dim[] = {ctl, "checkpoints", "import", out, "--to", root, "--json-config",
+                         "{\"name\": \"t3\", \"dim\": 8, \"capacity\": 100000, "
+                         "\"optimizer\": {\"type\": \"adam\"}}", NULL};
+    ck_assert_int_eq(test_run_program(other_dim, NULL, &output), 1);
+    ck_assert_msg(strstr(output, "INVALID_ARGUMENT") != NULL &&
+                      strstr(output, "weights of 16 floats a row where the table's dim is 8") !=
+                          NULL, "%s", output);
+    free(output);
+    free(trained);
+    em_client_destroy(client);
+    test_daemon_stop(daemon, SIGTERM, 10000);
+    free(b);
+    em_test_remove_tree(dir);
+}
+END_TEST
+
 START_TEST(emberctl_moves_a_table_between_clusters)
 {
     char root[256], dirs[5][300], cluster_dir[300], list[512];
@@ -1160,6 +1223,7 @@ int main(void)
     tcase_add_test(restart, a_dropped_table_stays_dropped_across_restarts);
     tcase_add_test(restart, a_periodic_save_beside_an_admin_save_is_passed_over);
     tcase_add_test(restart, emberctl_moves_a_table_between_clusters);
+    tcase_add_test(restart, emberctl_exports_arrays_and_imports_them_into_a_server);
     suite_add_tcase(suite, restart);
     TCase *crash = tcase_create("crash");
     tcase_set_timeout(crash, 1800);
