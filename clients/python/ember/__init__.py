@@ -34,7 +34,8 @@ import numpy as np
 
 from . import _ember
 
-__all__ = ["Client", "Error", "Future", "PullResult", "PushResult", "COMBINERS"]
+__all__ = ["Client", "Error", "Future", "PullResult", "PushResult", "COMBINERS", "Export",
+           "read_export", "write_export"]
 
 Error = _ember.Error
 
@@ -449,3 +450,6 @@ class Client:
             if time.monotonic() > deadline:
                 raise _error("DEADLINE_EXCEEDED", f"not ready after {timeout} s")
             time.sleep(0.05)
+
+
+from .export import Export, read_export, write_export  # noqa: E402
