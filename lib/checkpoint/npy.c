@@ -95,6 +95,10 @@ static em_status parse_dict(const char *dict, const char *path, em_npy_array *ou
         return bad_header(path, "the array header's element type (descr) does not read", err);
     memcpy(out->descr, descr + 1, (size_t)(close - descr - 1));
     out->descr[close - descr - 1] = '\0';
+    for (const char *c = out->descr; *c != '\0'; c++)
+        if (!isgraph((unsigned char)*c))
+            return bad_header(path, "the array header's element type (descr) does not read",
+                              err);
     const char *order = after_key(dict, "fortran_order");
     if (order == NULL || (strncmp(order, "False", 5) != 0 && strncmp(order, "True", 4) != 0))
         return bad_header(path, "the array header has no fortran_order", err);
@@ -152,13 +156,19 @@ static em_status check_size(FILE *file, const char *path, const em_npy_array *ar
         return em_error_set(err, EM_INTERNAL, "stat of %s failed: %s", path, strerror(errno));
     uint64_t data = (uint64_t)st.st_size - array->data_offset;
     bool overflow = array->columns != 0 && array->rows > UINT64_MAX / array->columns / element;
-    if (overflow || data != array->rows * array->columns * element)
+    if (overflow || data != array->rows * array->columns * element) {
+        char shape[64];
+        if (array->dimensions == 1)
+            snprintf(shape, sizeof(shape), "(%" PRIu64 ",)", array->rows);
+        else
+            snprintf(shape, sizeof(shape), "(%" PRIu64 ", %" PRIu64 ")", array->rows,
+                     array->columns);
         return em_error_set(err, EM_INVALID_ARGUMENT,
-                            "%s: holds %" PRIu64 " bytes of elements where its shape (%" PRIu64
-                            ", %" PRIu64 ") of '%s' needs %s%" PRIu64 " (a truncated file?)",
-                            path, data, array->rows, array->columns, array->descr,
-                            overflow ? "more than " : "",
+                            "%s: holds %" PRIu64 " bytes of elements where its shape %s of '%s' "
+                            "needs %s%" PRIu64 " (a truncated file?)",
+                            path, data, shape, array->descr, overflow ? "more than " : "",
                             overflow ? UINT64_MAX : array->rows * array->columns * element);
+    }
     return EM_OK;
 }
 
