@@ -105,3 +105,7 @@ def test_bad_arrays_are_refused_naming_what_was_wrong(tmp_path):
     with pytest.raises(ember.Error) as error:
         ember.read_export(str(tmp_path))
     assert error.value.status == "INVALID_ARGUMENT" and "export.json" in error.value.message
+    os.remove(tmp_path / "inf" / "weights.npy")
+    with pytest.raises(ember.Error) as error:
+        ember.read_export(str(tmp_path / "inf"))
+    assert error.value.status == "INVALID_ARGUMENT" and "weights.npy" in error.value.message

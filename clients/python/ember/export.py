@@ -64,8 +64,15 @@ def read_export(directory, mmap=False):
     if manifest.get("format") != FORMAT or not isinstance(manifest.get("arrays"), dict):
         raise _error(f"{manifest_path}: not an ember export's manifest")
     mode = "r" if mmap else None
-    arrays = {name: np.load(os.path.join(directory, file), mmap_mode=mode)
-              for name, file in manifest["arrays"].items()}
+    arrays = {}
+    for name, file in manifest["arrays"].items():
+        path = os.path.join(directory, file)
+        try:
+            arrays[name] = np.load(path, mmap_mode=mode, allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise _error(f"{path}: {error}") from None
+    if "keys" not in arrays or "weights" not in arrays:
+        raise _error(f"{manifest_path}: names no keys or no weights array")
     keys, weights = arrays.pop("keys"), arrays.pop("weights")
     return Export(keys, weights, arrays, manifest.get("config"), manifest.get("table"),
                   manifest.get("checkpoint"))
