@@ -312,6 +312,13 @@ static void truncate_by(const char *dir, const char *name, off_t bytes)
     ck_assert_int_eq(truncate(path, st.st_size - bytes), 0);
 }
 
+static void remove_in(const char *dir, const char *name)
+{
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    ck_assert_int_eq(unlink(path), 0);
+}
+
 static void replace_in_file(const char *dir, const char *name, const char *from, const char *to)
 {
     char path[4200];
@@ -416,13 +423,10 @@ START_TEST(imports_refuse_bad_arrays_naming_the_file)
         replace_in_file(out, "weights.npy", "False", "True ");
         expected = "weights.npy: the array is in Fortran order";
         break;
-    case PART_OF_THE_STATE: {
-        char step[600];
-        snprintf(step, sizeof(step), "%s/step.npy", out);
-        ck_assert_int_eq(unlink(step), 0);
+    case PART_OF_THE_STATE:
+        remove_in(out, "step.npy");
         expected = "but no step.npy";
         break;
-    }
     case ABOVE_CAPACITY:
         options.config_json = "{\"name\": \"t\", \"dim\": 4, \"capacity\": 10, "
                               "\"optimizer\": {\"type\": \"adam\"}}";
@@ -430,13 +434,10 @@ START_TEST(imports_refuse_bad_arrays_naming_the_file)
                  n);
         expected = text;
         break;
-    case NO_CONFIG: {
-        char manifest[600];
-        snprintf(manifest, sizeof(manifest), "%s/export.json", out);
-        ck_assert_int_eq(unlink(manifest), 0);
+    case NO_CONFIG:
+        remove_in(out, "export.json");
         expected = "export.json: No such file or directory; give the table's config instead";
         break;
-    }
     case NOT_AN_ARRAY: {
         char path[600];
         snprintf(path, sizeof(path), "%s/second_moment.npy", out);
