@@ -154,9 +154,10 @@ static void print_help(FILE *out)
           "                             as a load does, and of its chain for a delta,\n"
           "                             or of every part of a cluster checkpoint (no\n"
           "                             server)\n"
-          "  checkpoints export PATH --out DIR [--weights-only]\n"
+          "  checkpoints export PATH --out DIR [--weights-only] [--table TABLE]\n"
           "                             write the table of a checkpoint (checked as a\n"
-          "                             load checks it) as NumPy arrays in DIR: keys.npy,\n"
+          "                             load checks it), or of a cluster checkpoint's\n"
+          "                             parts together, as NumPy arrays in DIR: keys.npy,\n"
           "                             weights.npy and the optimizer state, by key, and\n"
           "                             export.json (no server)\n"
           "  checkpoints import DIR --to CHECKPOINT_DIR [--name TABLE]\n"
@@ -1776,13 +1777,50 @@ static int checkpoints_verify(cli *c, int argc, char **argv)
     return EXIT_OK;
 }
 
+/* The parts of table (NULL: the record's only table) of the cluster checkpoint in dir,
+ * exported into out. */
+static em_status export_cluster(const char *dir, const char *table, const char *out,
+                                bool weights_only, em_checkpoint_info *info, em_error *err)
+{
+    cJSON *record = NULL;
+    em_status status = em_cluster_read(dir, &record, err);
+    const cJSON *tables = cJSON_GetObjectItem(record, "tables");
+    if (status == EM_OK && table == NULL && cJSON_GetArraySize(tables) != 1) {
+        char names[512] = "";
+        const cJSON *item = NULL;
+        cJSON_ArrayForEach(item, tables)
+        {
+            size_t used = strlen(names);
+            snprintf(names + used, sizeof(names) - used, "%s%s", used > 0 ? ", " : "",
+                     cJSON_GetObjectItem(item, "name")->valuestring);
+        }
+        status = em_error_set(err, EM_INVALID_ARGUMENT,
+                              "%s holds tables %s: name one with --table", dir, names);
+    }
+    if (status == EM_OK && table == NULL)
+        table = cJSON_GetObjectItem(cJSON_GetArrayItem(tables, 0), "name")->valuestring;
+    char **paths = NULL;
+    uint64_t *manifests = NULL;
+    size_t count = 0;
+    if (status == EM_OK)
+        status = em_cluster_sources(record, dir, table, &paths, &manifests, &count, err);
+    if (status == EM_OK)
+        status = em_checkpoint_export_sources((const char *const *)paths, count, manifests, out,
+                                              weights_only, info, err);
+    em_cluster_free_sources(paths, manifests, count);
+    cJSON_Delete(record);
+    return status;
+}
+
 static int checkpoints_export(cli *c, int argc, char **argv)
 {
-    const char *path = NULL, *out = NULL;
+    const char *path = NULL, *out = NULL, *table = NULL;
     bool weights_only = false;
     for (int i = 2; i < argc; i++) {
         if (strcmp(argv[i], "--out") == 0 && i + 1 < argc)
             out = argv[++i];
+        else if (strcmp(argv[i], "--table") == 0 && i + 1 < argc)
+            table = argv[++i];
         else if (strcmp(argv[i], "--weights-only") == 0)
             weights_only = true;
         else if (argv[i][0] != '-' && path == NULL)
@@ -1792,9 +1830,16 @@ static int checkpoints_export(cli *c, int argc, char **argv)
     }
     if (path == NULL || out == NULL)
         return usage_error("checkpoints export needs a checkpoint path and --out DIR");
+    char record[4200];
+    snprintf(record, sizeof(record), "%s/%s", path, EM_CLUSTER_FILE);
+    bool cluster = access(record, F_OK) == 0;
+    if (table != NULL && !cluster)
+        return usage_error("checkpoints export: --table is for a cluster checkpoint");
     em_checkpoint_info info;
     em_error err;
-    if (em_checkpoint_export(path, out, weights_only, &info, &err) != EM_OK)
+    em_status status = cluster ? export_cluster(path, table, out, weights_only, &info, &err)
+                               : em_checkpoint_export(path, out, weights_only, &info, &err);
+    if (status != EM_OK)
         return checkpoint_failed(&err);
     if (c->json) {
         cJSON *result = cJSON_CreateObject();

@@ -233,6 +233,14 @@ em_status em_checkpoint_load_weights(const char *path, em_backend *backend,
 em_status em_checkpoint_export(const char *path, const char *out_dir, bool weights_only,
                                em_checkpoint_info *info, em_error *err);
 
+/* em_checkpoint_export of the table that the checkpoints at paths fill together (a
+ * cluster checkpoint's parts, as em_checkpoint_load_sources loads them, each manifest's
+ * checksum as given when manifest_xxh3 is not NULL): the whole table, every bucket once. */
+em_status em_checkpoint_export_sources(const char *const *paths, size_t count,
+                                       const uint64_t *manifest_xxh3, const char *out_dir,
+                                       bool weights_only, em_checkpoint_info *info,
+                                       em_error *err);
+
 typedef struct em_checkpoint_import_options {
     const char *name;        /* the table's name; NULL: the config's */
     const char *config_json; /* the table's config (as CREATE_TABLE takes it); NULL: the

@@ -370,7 +370,11 @@ static em_status write_arrays(const char *out_dir, const em_table_config *config
     return status;
 }
 
-em_status em_checkpoint_export(const char *path, const char *out_dir, bool weights_only,
+/* Exports the table that load fills (a checkpoint, or the parts of a cluster one). */
+static em_status export_loaded(em_status (*load)(const void *what, em_backend *backend,
+                                                 em_table **table, em_checkpoint_info *info,
+                                                 em_error *err),
+                               const void *what, const char *out_dir, bool weights_only,
                                em_checkpoint_info *info, em_error *err)
 {
     double began = seconds_now();
@@ -382,7 +386,7 @@ em_status em_checkpoint_export(const char *path, const char *out_dir, bool weigh
     if (status == EM_OK)
         status = scratch_backend(&backend, err);
     if (status == EM_OK)
-        status = em_checkpoint_load(path, backend, NULL, NULL, &table, info, err);
+        status = load(what, backend, &table, info, err);
     if (status == EM_OK) {
         config = *em_table_get_config(table);
         status = copy_rows(table, &e, err);
@@ -401,6 +405,43 @@ em_status em_checkpoint_export(const char *path, const char *out_dir, bool weigh
         info->seconds = seconds_now() - began;
     }
     return status;
+}
+
+static em_status load_path(const void *what, em_backend *backend, em_table **table,
+                           em_checkpoint_info *info, em_error *err)
+{
+    return em_checkpoint_load(what, backend, NULL, NULL, table, info, err);
+}
+
+em_status em_checkpoint_export(const char *path, const char *out_dir, bool weights_only,
+                               em_checkpoint_info *info, em_error *err)
+{
+    return export_loaded(load_path, path, out_dir, weights_only, info, err);
+}
+
+/* The parts of a cluster checkpoint's table. */
+typedef struct sources {
+    const char *const *paths;
+    size_t count;
+    const uint64_t *manifest_xxh3;
+} sources;
+
+static em_status load_sources(const void *what, em_backend *backend, em_table **table,
+                              em_checkpoint_info *info, em_error *err)
+{
+    const sources *s = what;
+    em_checkpoint_load_options options = {.manifest_xxh3 = s->manifest_xxh3};
+    return em_checkpoint_load_sources(s->paths, s->count, backend, NULL, &options, table, info,
+                                      err);
+}
+
+em_status em_checkpoint_export_sources(const char *const *paths, size_t count,
+                                       const uint64_t *manifest_xxh3, const char *out_dir,
+                                       bool weights_only, em_checkpoint_info *info,
+                                       em_error *err)
+{
+    sources s = {paths, count, manifest_xxh3};
+    return export_loaded(load_sources, &s, out_dir, weights_only, info, err);
 }
 
 /* ---- import ------------------------------------------------------------------------ */

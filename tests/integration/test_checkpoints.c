@@ -19,6 +19,7 @@
 
 #include "clients/ember_client.h"
 #include "lib/checkpoint/checkpoint_io.h"
+#include "lib/checkpoint/npy.h"
 #include "tests/integration/harness.h"
 #include "tests/support/test_support.h"
 
@@ -1026,6 +1027,50 @@ static em_client *cluster_client(test_daemon *const *daemons, uint32_t count, ch
 /* emberctl saves 2 servers into a cluster checkpoint, verifies it offline, and restores
  * it onto 3 new servers with 3 shards each: every key reads back as trained, and the
  * restored servers save on into their own checkpoint dirs. */
+static int compare_key_order(const void *a, const void *b)
+{
+    uint64_t x = ((const uint64_t *)a)[0], y = ((const uint64_t *)b)[0];
+    return x < y ? -1 : x > y;
+}
+
+static void *read_exported(const char *out, const char *name, uint64_t rows, size_t bytes)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/%s", out, name);
+    FILE *file = fopen(path, "rb");
+    ck_assert_msg(file != NULL, "%s is missing", path);
+    em_npy_array shape;
+    em_error err;
+    ck_assert_msg(em_npy_read_header(file, path, &shape, &err) == EM_OK, "%s", err.message);
+    ck_assert_uint_eq(shape.rows, rows);
+    void *data = malloc(bytes);
+    ck_assert_uint_eq(fread(data, 1, bytes, file), bytes);
+    fclose(file);
+    return data;
+}
+
+/* Checks that the arrays exported into out hold every key of b, ascending, with the
+ * weights of trained (b's order). */
+static void assert_export_holds(const char *out, const batch *b, const float *trained)
+{
+    uint64_t *keys = read_exported(out, "keys.npy", KEYS, (size_t)KEYS * sizeof(uint64_t));
+    float *weights = read_exported(out, "weights.npy", KEYS, (size_t)KEYS * DIM * sizeof(float));
+    uint64_t *order = malloc((size_t)KEYS * 2 * sizeof(uint64_t));
+    for (uint64_t i = 0; i < KEYS; i++) {
+        order[2 * i] = b->keys[i];
+        order[2 * i + 1] = i;
+    }
+    qsort(order, KEYS, 2 * sizeof(uint64_t), compare_key_order);
+    for (uint64_t i = 0; i < KEYS; i++) {
+        ck_assert_uint_eq(keys[i], order[2 * i]);
+        ck_assert_mem_eq(weights + i * DIM, trained + order[2 * i + 1] * DIM,
+                         DIM * sizeof(float));
+    }
+    free(order);
+    free(keys);
+    free(weights);
+}
+
 /* emberctl exports a server's checkpoint as arrays and imports them as a new checkpoint
  * of another table, which the server loads: every key's weights as trained; a directory
  * that holds files, and arrays of another dim, are refused with what was wrong. */
@@ -1054,6 +1099,7 @@ START_TEST(emberctl_exports_arrays_and_imports_them_into_a_server)
     ck_assert_msg(strstr(output, "table t, checkpoint 00000000000000000001, 20000 rows") != NULL,
                   "%s", output);
     free(output);
+    assert_export_holds(out, b, trained);
     ck_assert_int_eq(test_run_program(export, NULL, &output), 1); /* out holds the export */
     ck_assert_msg(strstr(output, "FAILED_PRECONDITION") != NULL &&
                       strstr(output, "is not empty") != NULL, "%s", output);
@@ -1122,6 +1168,16 @@ START_TEST(emberctl_moves_a_table_between_clusters)
     ck_assert_msg(strstr(output, "table t, 2 parts, 20000 rows: every checksum matches") != NULL,
                   "%s", output);
     free(output);
+    /* the parts together export as one table, every key once */
+    char exported[400];
+    snprintf(exported, sizeof(exported), "%s/export", root);
+    char *export[] = {getenv("EMBERCTL"), "checkpoints", "export", cluster_dir, "--out",
+                      exported, NULL};
+    ck_assert_int_eq(test_run_program(export, NULL, &output), 0);
+    ck_assert_msg(strstr(output, "table t, checkpoint 00000000000000000001, 20000 rows") != NULL,
+                  "%s", output);
+    free(output);
+    assert_export_holds(exported, b, trained);
 
     /* two new servers seeded from it at start, each with its own buckets; after a
      * kill -9 they come back at their own latest save, not at the seed */
