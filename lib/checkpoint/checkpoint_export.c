@@ -32,6 +32,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "lib/base/config.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/checkpoint/npy.h"
 #include "lib/device/optimizer.h"
@@ -42,7 +43,7 @@
 /* Rows copied, gathered or imported at a time. */
 #define EXPORT_BATCH_ROWS ((uint64_t)65536)
 /* An export.json larger than this is not one. */
-#define EXPORT_MANIFEST_MAX ((long)1 << 20)
+#define EXPORT_MANIFEST_MAX ((size_t)1 << 20)
 
 /* One part of a row's optimizer state, as the array file it is written to: floats
  * [offset, offset + width) of the state; width 1 is an array of one dimension. */
@@ -191,48 +192,43 @@ typedef struct exported {
     uint64_t *order;
 } exported;
 
-/* Writes floats [offset, offset + width) of every row, in key order, as an array file of
- * shape (rows,) when one_dimension, else (rows, width). */
-static em_status write_floats(const char *dir, const char *name, const exported *e,
-                              uint32_t offset, uint32_t width, bool one_dimension,
-                              em_error *err)
+/* Writes every row of source (rows of stride bytes, in the table's order) in key order as
+ * an array file of descr: the width elements at byte offset of each row, as shape (rows,)
+ * when one_dimension, else (rows, width). */
+static em_status write_array(const char *dir, const char *name, const exported *e,
+                             const char *descr, const void *source, size_t stride,
+                             size_t offset, uint32_t width, bool one_dimension, em_error *err)
 {
     out_file f;
     em_status status = out_open(&f, dir, name, err);
     if (status != EM_OK)
         return status;
-    float *buffer = malloc(EXPORT_BATCH_ROWS * width * sizeof(float));
+    size_t row_bytes = (size_t)width * em_npy_element_bytes(descr);
+    unsigned char *buffer = malloc(EXPORT_BATCH_ROWS * row_bytes);
     if (buffer == NULL)
         status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "export: out of memory");
     if (status == EM_OK)
-        status = em_npy_write_header(f.file, f.temporary, "<f4", e->rows,
+        status = em_npy_write_header(f.file, f.temporary, descr, e->rows,
                                      one_dimension ? 0 : width, err);
+    const unsigned char *rows = source;
     for (uint64_t first = 0; status == EM_OK && first < e->rows; first += EXPORT_BATCH_ROWS) {
         uint64_t n = e->rows - first < EXPORT_BATCH_ROWS ? e->rows - first : EXPORT_BATCH_ROWS;
         for (uint64_t i = 0; i < n; i++)
-            memcpy(buffer + i * width,
-                   e->values + e->order[first + i] * e->floats + offset, width * sizeof(float));
-        status = out_write(&f, buffer, n * width * sizeof(float), err);
+            memcpy(buffer + i * row_bytes, rows + e->order[first + i] * stride + offset,
+                   row_bytes);
+        status = out_write(&f, buffer, n * row_bytes, err);
     }
     free(buffer);
     return out_close(&f, status, err);
 }
 
-static em_status write_keys(const char *dir, const exported *e, em_error *err)
+/* Floats [offset, offset + width) of every row (write_array). */
+static em_status write_floats(const char *dir, const char *name, const exported *e,
+                              uint32_t offset, uint32_t width, bool one_dimension,
+                              em_error *err)
 {
-    out_file f;
-    em_status status = out_open(&f, dir, "keys.npy", err);
-    if (status != EM_OK)
-        return status;
-    status = em_npy_write_header(f.file, f.temporary, "<u8", e->rows, 0, err);
-    uint64_t buffer[1024];
-    for (uint64_t first = 0; status == EM_OK && first < e->rows; first += 1024) {
-        uint64_t n = e->rows - first < 1024 ? e->rows - first : 1024;
-        for (uint64_t i = 0; i < n; i++)
-            buffer[i] = e->keys[e->order[first + i]];
-        status = out_write(&f, buffer, n * sizeof(uint64_t), err);
-    }
-    return out_close(&f, status, err);
+    return write_array(dir, name, e, "<f4", e->values, e->floats * sizeof(float),
+                       offset * sizeof(float), width, one_dimension, err);
 }
 
 static char *array_file_name(const char *array)
@@ -290,20 +286,30 @@ static int compare_key_index(const void *a, const void *b)
     return x[0] < y[0] ? -1 : x[0] > y[0];
 }
 
+/* keys[0..n) as (key, index) pairs sorted by key (equal keys side by side, in no set
+ * order), or NULL when there is no memory for them. */
+static uint64_t *sorted_key_pairs(const uint64_t *keys, uint64_t n)
+{
+    uint64_t *pairs = malloc((n + 1) * 2 * sizeof(uint64_t));
+    if (pairs == NULL)
+        return NULL;
+    for (uint64_t i = 0; i < n; i++) {
+        pairs[2 * i] = keys[i];
+        pairs[2 * i + 1] = i;
+    }
+    qsort(pairs, n, 2 * sizeof(uint64_t), compare_key_index);
+    return pairs;
+}
+
 /* e->order: the rows' indexes by ascending key. */
 static em_status sort_by_key(exported *e, em_error *err)
 {
-    uint64_t *pairs = malloc((e->rows + 1) * 2 * sizeof(uint64_t));
+    uint64_t *pairs = sorted_key_pairs(e->keys, e->rows);
     e->order = malloc((e->rows + 1) * sizeof(uint64_t));
     if (pairs == NULL || e->order == NULL) {
         free(pairs);
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "export: out of memory");
     }
-    for (uint64_t i = 0; i < e->rows; i++) {
-        pairs[2 * i] = e->keys[i];
-        pairs[2 * i + 1] = i;
-    }
-    qsort(pairs, e->rows, 2 * sizeof(uint64_t), compare_key_index);
     for (uint64_t i = 0; i < e->rows; i++)
         e->order[i] = pairs[2 * i + 1];
     free(pairs);
@@ -352,7 +358,8 @@ static em_status write_arrays(const char *out_dir, const em_table_config *config
 {
     state_array states[STATE_ARRAYS_MAX];
     uint32_t state_count = state_arrays_of(config->optimizer.kind, config->dim, states);
-    em_status status = write_keys(out_dir, e, err);
+    em_status status = write_array(out_dir, "keys.npy", e, "<u8", e->keys, sizeof(uint64_t),
+                                   0, 1, true, err);
     if (status == EM_OK)
         status = write_floats(out_dir, "weights.npy", e, 0, config->dim, false, err);
     for (uint32_t s = 0; status == EM_OK && !weights_only && s < state_count; s++) {
@@ -514,42 +521,42 @@ static em_status check_floats(const in_array *a, uint64_t rows, uint32_t width,
     return EM_OK;
 }
 
+/* The table's config in dir's export.json. */
+static em_status export_config(const char *dir, em_table_config *config, em_error *err)
+{
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/%s", dir, EXPORT_MANIFEST);
+    char *text = NULL;
+    em_error read_err;
+    if (em_config_read_file(path, EXPORT_MANIFEST_MAX, &text, &read_err) != EM_OK)
+        return em_error_set(err, read_err.status == EM_RESOURCE_EXHAUSTED
+                                     ? EM_RESOURCE_EXHAUSTED
+                                     : EM_INVALID_ARGUMENT,
+                            "%s; give the table's config instead", read_err.message);
+    cJSON *json = cJSON_Parse(text);
+    free(text);
+    const cJSON *format = cJSON_GetObjectItemCaseSensitive(json, "format");
+    const cJSON *table = cJSON_GetObjectItemCaseSensitive(json, "config");
+    em_status status = EM_OK;
+    if (json == NULL || !cJSON_IsString(format) ||
+        strcmp(format->valuestring, EXPORT_FORMAT) != 0 || !cJSON_IsObject(table))
+        status = em_error_set(err, EM_INVALID_ARGUMENT,
+                              "%s: not an ember export's manifest (JSON with format \"%s\" "
+                              "and the table's config)",
+                              path, EXPORT_FORMAT);
+    else
+        status = em_table_config_parse(table, "export.json config", config, err);
+    cJSON_Delete(json);
+    return status;
+}
+
 /* The config: options->config_json, else export.json's, named options->name if given. */
 static em_status import_config(const char *dir, const em_checkpoint_import_options *options,
                                em_table_config *config, em_error *err)
 {
-    em_status status;
-    if (options->config_json != NULL) {
-        status = em_table_config_parse_text(options->config_json, config, err);
-    } else {
-        char path[4200];
-        snprintf(path, sizeof(path), "%s/%s", dir, EXPORT_MANIFEST);
-        FILE *file = fopen(path, "rb");
-        if (file == NULL)
-            return em_error_set(err, EM_INVALID_ARGUMENT,
-                                "%s: %s; give the table's config instead", path,
-                                strerror(errno));
-        char *text = malloc((size_t)EXPORT_MANIFEST_MAX + 1);
-        size_t got = text != NULL ? fread(text, 1, (size_t)EXPORT_MANIFEST_MAX + 1, file) : 0;
-        fclose(file);
-        if (text == NULL)
-            return em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of memory");
-        text[got > (size_t)EXPORT_MANIFEST_MAX ? (size_t)EXPORT_MANIFEST_MAX : got] = '\0';
-        cJSON *json = got <= (size_t)EXPORT_MANIFEST_MAX ? cJSON_Parse(text) : NULL;
-        free(text);
-        const cJSON *format = cJSON_GetObjectItemCaseSensitive(json, "format");
-        const cJSON *table = cJSON_GetObjectItemCaseSensitive(json, "config");
-        if (json == NULL || !cJSON_IsString(format) ||
-            strcmp(format->valuestring, EXPORT_FORMAT) != 0 || !cJSON_IsObject(table)) {
-            cJSON_Delete(json);
-            return em_error_set(err, EM_INVALID_ARGUMENT,
-                                "%s: not an ember export's manifest (JSON with format \"%s\" "
-                                "and the table's config)",
-                                path, EXPORT_FORMAT);
-        }
-        status = em_table_config_parse(table, "export.json config", config, err);
-        cJSON_Delete(json);
-    }
+    em_status status = options->config_json != NULL
+                           ? em_table_config_parse_text(options->config_json, config, err)
+                           : export_config(dir, config, err);
     if (status == EM_OK && options->name != NULL) {
         status = em_table_name_check(options->name, err);
         if (status == EM_OK)
@@ -624,17 +631,13 @@ static em_status read_exactly(in_array *a, void *data, size_t bytes, em_error *e
 static em_status read_keys(importing *im, em_error *err)
 {
     im->keys = malloc((im->rows + 1) * sizeof(uint64_t));
-    uint64_t *pairs = malloc((im->rows + 1) * 2 * sizeof(uint64_t));
-    em_status status = im->keys != NULL && pairs != NULL
+    em_status status = im->keys != NULL
                            ? read_exactly(&im->keys_file, im->keys, im->rows * sizeof(uint64_t),
                                           err)
                            : em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of memory");
-    for (uint64_t i = 0; status == EM_OK && i < im->rows; i++) {
-        pairs[2 * i] = im->keys[i];
-        pairs[2 * i + 1] = i;
-    }
-    if (status == EM_OK)
-        qsort(pairs, im->rows, 2 * sizeof(uint64_t), compare_key_index);
+    uint64_t *pairs = status == EM_OK ? sorted_key_pairs(im->keys, im->rows) : NULL;
+    if (status == EM_OK && pairs == NULL)
+        status = em_error_set(err, EM_RESOURCE_EXHAUSTED, "import: out of memory");
     for (uint64_t i = 1; status == EM_OK && i < im->rows; i++) {
         if (pairs[2 * i] != pairs[2 * i - 2])
             continue;

@@ -19,7 +19,6 @@
 
 #include "clients/ember_client.h"
 #include "lib/checkpoint/checkpoint_io.h"
-#include "lib/checkpoint/npy.h"
 #include "tests/integration/harness.h"
 #include "tests/support/test_support.h"
 
@@ -1033,28 +1032,12 @@ static int compare_key_order(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static void *read_exported(const char *out, const char *name, uint64_t rows, size_t bytes)
-{
-    char path[600];
-    snprintf(path, sizeof(path), "%s/%s", out, name);
-    FILE *file = fopen(path, "rb");
-    ck_assert_msg(file != NULL, "%s is missing", path);
-    em_npy_array shape;
-    em_error err;
-    ck_assert_msg(em_npy_read_header(file, path, &shape, &err) == EM_OK, "%s", err.message);
-    ck_assert_uint_eq(shape.rows, rows);
-    void *data = malloc(bytes);
-    ck_assert_uint_eq(fread(data, 1, bytes, file), bytes);
-    fclose(file);
-    return data;
-}
-
 /* Checks that the arrays exported into out hold every key of b, ascending, with the
  * weights of trained (b's order). */
 static void assert_export_holds(const char *out, const batch *b, const float *trained)
 {
-    uint64_t *keys = read_exported(out, "keys.npy", KEYS, (size_t)KEYS * sizeof(uint64_t));
-    float *weights = read_exported(out, "weights.npy", KEYS, (size_t)KEYS * DIM * sizeof(float));
+    uint64_t *keys = em_test_read_array(out, "keys.npy", "<u8", KEYS, 0);
+    float *weights = em_test_read_array(out, "weights.npy", "<f4", KEYS, DIM);
     uint64_t *order = malloc((size_t)KEYS * 2 * sizeof(uint64_t));
     for (uint64_t i = 0; i < KEYS; i++) {
         order[2 * i] = b->keys[i];

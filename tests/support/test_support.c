@@ -9,6 +9,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "lib/checkpoint/npy.h"
+
 #define DEFAULT_TEST_SEED UINT64_C(20261121)
 
 int em_test_run(Suite *suite)
@@ -134,4 +136,25 @@ void em_test_flip_byte(const char *path, long offset)
     byte ^= 0x10;
     ck_assert_int_eq(pwrite(fd, &byte, 1, offset), 1);
     close(fd);
+}
+
+void *em_test_read_array(const char *dir, const char *name, const char *descr, uint64_t rows,
+                         uint64_t columns)
+{
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *file = fopen(path, "rb");
+    ck_assert_msg(file != NULL, "%s is missing", path);
+    em_npy_array shape;
+    em_error err;
+    ck_assert_msg(em_npy_read_header(file, path, &shape, &err) == EM_OK, "%s", err.message);
+    ck_assert_str_eq(shape.descr, descr);
+    ck_assert_uint_eq(shape.dimensions, columns == 0 ? 1 : 2);
+    ck_assert_uint_eq(shape.rows, rows);
+    ck_assert_uint_eq(shape.columns, columns == 0 ? 1 : columns);
+    size_t bytes = rows * (columns == 0 ? 1 : columns) * em_npy_element_bytes(descr);
+    void *data = malloc(bytes + 1);
+    ck_assert_uint_eq(fread(data, 1, bytes, file), bytes);
+    fclose(file);
+    return data;
 }

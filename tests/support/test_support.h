@@ -44,4 +44,9 @@ void em_test_remove_tree(const char *path);
 /* Flips one bit (mask 0x10) of the byte at offset of the file at path: damage. */
 void em_test_flip_byte(const char *path, long offset);
 
+/* The elements of the NumPy array file dir/name (malloc'ed), checked to be of descr with
+ * shape (rows,) when columns is 0, else (rows, columns). */
+void *em_test_read_array(const char *dir, const char *name, const char *descr, uint64_t rows,
+                         uint64_t columns);
+
 #endif

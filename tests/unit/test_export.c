@@ -67,29 +67,6 @@ static em_table *saved_table(em_backend *backend, int optimizer, uint32_t dim, c
     return table;
 }
 
-/* The elements of an array file, checked to be of descr with rows x columns of them
- * (columns 0: one dimension). */
-static void *read_array(const char *dir, const char *name, const char *descr, uint64_t rows,
-                        uint64_t columns)
-{
-    char path[4200];
-    snprintf(path, sizeof(path), "%s/%s", dir, name);
-    FILE *file = fopen(path, "rb");
-    ck_assert_msg(file != NULL, "%s is missing", path);
-    em_npy_array shape;
-    em_error err;
-    ck_assert_msg(em_npy_read_header(file, path, &shape, &err) == EM_OK, "%s", err.message);
-    ck_assert_str_eq(shape.descr, descr);
-    ck_assert_uint_eq(shape.dimensions, columns == 0 ? 1 : 2);
-    ck_assert_uint_eq(shape.rows, rows);
-    ck_assert_uint_eq(shape.columns, columns == 0 ? 1 : columns);
-    size_t bytes = rows * (columns == 0 ? 1 : columns) * em_npy_element_bytes(descr);
-    void *data = malloc(bytes + 1);
-    ck_assert_uint_eq(fread(data, 1, bytes, file), bytes);
-    fclose(file);
-    return data;
-}
-
 static bool exists(const char *dir, const char *name)
 {
     char path[4200];
@@ -150,8 +127,8 @@ START_TEST(exports_hold_every_row_by_key_and_import_back_bit_for_bit)
     ck_assert_str_eq(info.table, "t");
 
     uint64_t n = before.count;
-    uint64_t *keys = read_array(out, "keys.npy", "<u8", n, 0);
-    float *weights = read_array(out, "weights.npy", "<f4", n, dim);
+    uint64_t *keys = em_test_read_array(out, "keys.npy", "<u8", n, 0);
+    float *weights = em_test_read_array(out, "weights.npy", "<f4", n, dim);
     for (uint64_t i = 0; i < n; i++) {
         ck_assert_uint_eq(keys[i], before.keys[i]);
         ck_assert_msg(i == 0 || keys[i] > keys[i - 1], "keys out of order at row %" PRIu64, i);
@@ -164,7 +141,7 @@ START_TEST(exports_hold_every_row_by_key_and_import_back_bit_for_bit)
                                                        parts[part_count - 1].width),
                       before.width);
     for (uint32_t p = 0; p < part_count; p++) {
-        float *state = read_array(out, parts[p].file, "<f4", n,
+        float *state = em_test_read_array(out, parts[p].file, "<f4", n,
                                   parts[p].width == 1 ? 0 : parts[p].width);
         for (uint64_t i = 0; i < n; i++)
             ck_assert_mem_eq(state + i * parts[p].width,
@@ -253,13 +230,7 @@ START_TEST(exports_refuse_occupied_directories_and_damaged_checkpoints)
 
     /* a flipped byte in the full checkpoint's rows: DATA_LOSS, and no array written */
     snprintf(rows, sizeof(rows), "%s/00000000000000000001/rows.emb", table_dir);
-    file = fopen(rows, "r+b");
-    ck_assert_ptr_nonnull(file);
-    fseek(file, 100, SEEK_SET);
-    int byte = fgetc(file);
-    fseek(file, 100, SEEK_SET);
-    fputc(byte ^ 0x10, file);
-    fclose(file);
+    em_test_flip_byte(rows, 100);
     char fresh[600];
     snprintf(fresh, sizeof(fresh), "%s/fresh", dir);
     ck_assert_int_eq(em_checkpoint_export(table_dir, fresh, false, &info, &err), EM_DATA_LOSS);
@@ -370,7 +341,7 @@ START_TEST(imports_refuse_bad_arrays_naming_the_file)
     ck_assert_int_eq(em_checkpoint_export(table_dir, out, false, &info, &err), EM_OK);
     uint64_t n = info.rows;
     ck_assert_uint_gt(n, 20);
-    uint64_t *keys = read_array(out, "keys.npy", "<u8", n, 0);
+    uint64_t *keys = em_test_read_array(out, "keys.npy", "<u8", n, 0);
     em_checkpoint_import_options options;
     em_checkpoint_import_options_init(&options);
     const char *expected = NULL;
@@ -436,7 +407,7 @@ START_TEST(imports_refuse_bad_arrays_naming_the_file)
         break;
     case NO_CONFIG:
         remove_in(out, "export.json");
-        expected = "export.json: No such file or directory; give the table's config instead";
+        expected = "export.json': No such file or directory; give the table's config instead";
         break;
     case NOT_AN_ARRAY: {
         char path[600];
