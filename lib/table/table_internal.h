@@ -428,8 +428,10 @@ bool em__expiry_age(em_table *table, uint64_t now_ms, uint32_t *min_age);
 em_status em__admit_missing(request_context *r, bool count_sightings, em_error *err);
 
 /* Keeps count keys the policy removed in the table's ring and counts them in counter
- * (rows_evicted or rows_expired). */
-void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count,
+ * (rows_evicted or rows_expired). The ring numbers one call's keys in ascending order,
+ * so that it does not depend on where a backend's map held them; keys is reordered
+ * (only what the ring keeps is sorted: the largest `ring` keys, last). */
+void em__record_evicted(em_table *table, uint64_t *keys, uint64_t count,
                         _Atomic uint64_t *counter);
 
 /* Erases the request's keys that were found (under the exclusive table lock; each

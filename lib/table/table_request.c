@@ -1337,13 +1337,60 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
     return status;
 }
 
-void em__record_evicted(em_table *table, const uint64_t *keys, uint64_t count,
+static void swap_keys(uint64_t *keys, uint64_t a, uint64_t b)
+{
+    uint64_t key = keys[a];
+    keys[a] = keys[b];
+    keys[b] = key;
+}
+
+/* Puts the largest `last` keys of keys[0..count) at its end, in no order (a
+ * three-way quickselect, so repeated keys cost no more). */
+static void largest_last(uint64_t *keys, uint64_t count, uint64_t last)
+{
+    uint64_t low = 0, high = count, target = count - last;
+    while (high - low > 1) {
+        /* [low, less) < pivot, [less, i) == pivot, [more, high) > pivot */
+        uint64_t pivot = keys[low + (high - low) / 2];
+        uint64_t less = low, more = high, i = low;
+        while (i < more) {
+            if (keys[i] < pivot)
+                swap_keys(keys, i++, less++);
+            else if (keys[i] > pivot)
+                swap_keys(keys, i, --more);
+            else
+                i++;
+        }
+        if (target < less)
+            high = less;
+        else if (target >= more)
+            low = more;
+        else
+            return;
+    }
+}
+
+static int compare_keys(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+void em__record_evicted(em_table *table, uint64_t *keys, uint64_t count,
                         _Atomic uint64_t *counter)
 {
     uint32_t ring = table->evicted_keys != NULL ? table->config.eviction.ring : 0;
+    /* what the ring keeps of these keys, in ascending order: the same whatever order the
+     * shard's map (or a GPU's choice) gave them in */
+    uint64_t kept = count < ring ? count : ring;
+    if (kept > 0) {
+        if (kept < count)
+            largest_last(keys, count, kept);
+        qsort(keys + count - kept, kept, sizeof(uint64_t), compare_keys);
+    }
     pthread_mutex_lock(&table->evicted_lock);
     uint64_t total = table->removed_total;
-    for (uint64_t i = 0; ring > 0 && i < count; i++)
+    for (uint64_t i = count - kept; i < count; i++)
         table->evicted_keys[(total + i) % ring] = keys[i];
     table->removed_total = total + count;
     atomic_fetch_add_explicit(counter, count, memory_order_relaxed);
@@ -2214,10 +2261,16 @@ em_status em__check_create_apply(request_context *r, em_error *err)
      * once, so pushes behind this one follow it shard by shard (or all together once
      * their inserts settle). */
     if (r->unchecked != NULL) { /* not taken yet: nothing was changed */
-        em_error later_err;
-        em_status checked = settle_unchecked(r, status == EM_OK ? err : &later_err);
-        if (status == EM_OK)
+        em_error check_err;
+        em_status checked = settle_unchecked(r, &check_err);
+        /* a problem the checks found is the push's error before the table's room or
+         * memory, as where the checks are waited for first (a device's failure stays) */
+        bool first = status == EM_OK ||
+                     (status == EM_RESOURCE_EXHAUSTED && checked == EM_INVALID_ARGUMENT);
+        if (checked != EM_OK && first) {
             status = checked;
+            *err = check_err;
+        }
     }
     if (status == EM_OK && !r->found_missing_late)
         status = run_on_shards(r, WORK_APPLY, table->config.dim,

@@ -1279,6 +1279,96 @@ START_TEST(the_ring_keeps_the_last_evicted_keys_in_order)
 }
 END_TEST
 
+/* One request's evictions from a shard are numbered in ascending key order, whatever
+ * order the shard's map holds them in (so the ring reads the same on every backend):
+ * 40 keys scattered over 1..101 are pulled one by one, then requests of new keys evict
+ * the least recent. With a ring shorter than an eviction, it keeps the largest keys. */
+START_TEST(the_ring_numbers_a_requests_evicted_keys_in_ascending_order)
+{
+    em_backend *backend = make_backend(1);
+    em_table_config config = policy_config(40, 1, EM_EVICTION_LRU, 1024);
+    config.eviction.ring = 16;
+    em_table *table = em_test_make_table(backend, &config);
+    em_error err;
+    uint64_t filled[40];
+    for (uint64_t i = 0; i < 40; i++) {
+        filled[i] = i * 37 % 101 + 1;
+        ck_assert_int_eq(run_request(table, &filled[i], 1, false, &err), EM_OK);
+    }
+    /* ten new keys: the ten oldest go, ascending */
+    uint64_t fresh[10];
+    for (uint64_t i = 0; i < 10; i++)
+        fresh[i] = 1000 + i;
+    ck_assert_int_eq(run_request(table, fresh, 10, true, &err), EM_OK);
+    uint64_t expected[10], keys[16];
+    memcpy(expected, filled, sizeof(expected));
+    qsort(expected, 10, sizeof(uint64_t), compare_keys);
+    em_evicted_view view;
+    ck_assert_int_eq(em_table_evicted(table, 0, 16, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.total, 10);
+    ck_assert_uint_eq(view.count, 10);
+    for (int i = 0; i < 10; i++)
+        ck_assert_uint_eq(keys[i], expected[i]);
+    /* twenty more: the next twenty oldest go, and the ring of 16 keeps the largest 16 of
+     * them, ascending, after the four that it no longer holds */
+    uint64_t more[20];
+    for (uint64_t i = 0; i < 20; i++)
+        more[i] = 2000 + i;
+    ck_assert_int_eq(run_request(table, more, 20, true, &err), EM_OK);
+    uint64_t next[20];
+    memcpy(next, filled + 10, sizeof(next));
+    qsort(next, 20, sizeof(uint64_t), compare_keys);
+    ck_assert_int_eq(em_table_evicted(table, 10, 16, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.total, 30);
+    ck_assert_uint_eq(view.count, 16);
+    ck_assert_uint_eq(view.missed, 4);
+    ck_assert_uint_eq(view.first, 15);
+    for (int i = 0; i < 16; i++)
+        ck_assert_uint_eq(keys[i], next[4 + i]);
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
+/* A push that brings a bad step and more new keys than its table can make room for is
+ * refused for the step, on every backend and path (over two devices, a GPU's checks
+ * come back after the room was planned): a table of 8 rows over 2 devices, empty or
+ * full, and a push of 9 new keys, one with a gradient too large for its accumulator. */
+START_TEST(a_push_refused_for_its_step_and_its_room_is_refused_for_its_step)
+{
+    em_backend *backend = make_backend(2);
+    em_table *table = make_table(backend, 8, 4, EM_EVICTION_AGE, 1024);
+    em_error err;
+    for (int full = 0; full < 2; full++) {
+        if (full == 1)
+            for (uint64_t key = 100; key < 108; key++)
+                ck_assert_int_eq(run_request(table, &key, 1, true, &err), EM_OK);
+        uint64_t keys[9];
+        uint32_t offsets[10];
+        float gradients[9 * DIM];
+        for (uint32_t i = 0; i < 9; i++) {
+            keys[i] = 1 + i;
+            offsets[i + 1] = i + 1;
+        }
+        offsets[0] = 0;
+        for (uint32_t i = 0; i < 9 * DIM; i++)
+            gradients[i] = 0.01f;
+        gradients[4 * DIM + 1] = 1e35f;
+        em_csr batch = {.rows = 9, .nnz = 9, .offsets = offsets, .keys = keys};
+        em_test_snapshot before = em_test_snapshot_take(table, 7);
+        ck_assert_int_eq(em_test_push(table, &batch, EM_COMBINER_NONE, gradients, NULL, &err),
+                         EM_INVALID_ARGUMENT);
+        ck_assert_str_eq(err.message, "push to table 't': key 5: this adagrad step would make its "
+                                      "accumulator (state float 1) non-finite; nothing was "
+                                      "applied");
+        em_test_assert_table_unchanged(table, &before);
+        em_test_snapshot_free(&before);
+    }
+    em_table_destroy(table);
+    em_backend_destroy(backend);
+}
+END_TEST
+
 static em_table *expiring_table(em_backend *backend, em_eviction_policy policy, uint32_t max_age)
 {
     em_table_config config;
@@ -1961,6 +2051,8 @@ int main(void)
     tcase_add_test(rules, a_snapshot_sees_evicted_rows_as_they_were);
     tcase_add_test(rules, erase_removes_listed_keys_and_a_snapshot_still_sees_them);
     tcase_add_test(rules, the_ring_keeps_the_last_evicted_keys_in_order);
+    tcase_add_test(rules, the_ring_numbers_a_requests_evicted_keys_in_ascending_order);
+    tcase_add_test(rules, a_push_refused_for_its_step_and_its_room_is_refused_for_its_step);
     tcase_add_test(rules, the_sweep_expires_rows_not_pushed_in_max_age_steps);
     tcase_add_test(rules, erase_by_age_removes_rows_not_pushed_recently);
     tcase_add_test(rules, the_sweep_expires_rows_by_seconds_never_early);
