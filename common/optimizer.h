@@ -114,6 +114,27 @@ EM_HOST_DEVICE void em_adagrad_element(float *w, float *s, float g, float learni
     *w -= learning_rate * g / (sqrtf(*s) + eps);
 }
 
+/* Rowwise adagrad's sum of g*g over a row is taken in one order on every backend, the
+ * GPU's: EM_ROWWISE_LANES partial sums, lane l adding the elements l, l + lanes, ... in
+ * increasing order, then the partials pairwise, lane l adding lane l + k for k = 16, 8,
+ * 4, 2, 1 (a warp's butterfly ends with this sum in every lane). */
+#define EM_ROWWISE_LANES 32u
+
+EM_HOST_DEVICE float em_rowwise_squares(const float *gradient, uint32_t dim)
+{
+    float partial[EM_ROWWISE_LANES];
+    for (uint32_t lane = 0; lane < EM_ROWWISE_LANES; lane++) {
+        float sum = 0.0f;
+        for (uint32_t j = lane; j < dim; j += EM_ROWWISE_LANES)
+            sum += gradient[j] * gradient[j];
+        partial[lane] = sum;
+    }
+    for (uint32_t half = EM_ROWWISE_LANES / 2; half > 0; half /= 2)
+        for (uint32_t lane = 0; lane < half; lane++)
+            partial[lane] += partial[lane + half];
+    return partial[0];
+}
+
 /* Rowwise adagrad: the row's accumulator has been advanced already; denominator is
  * sqrt(s) + eps for every element. */
 EM_HOST_DEVICE void em_rowwise_adagrad_element(float *w, float g, float learning_rate,

@@ -73,9 +73,7 @@ EM_HOST_DEVICE float em_row_check_value(const float *row, const em_optimizer_con
         }                                                                                     \
         break;                                                                                \
     case EM_OPTIMIZER_ROWWISE_ADAGRAD: {                                                      \
-        float squares = 0.0f;                                                                 \
-        for (uint32_t j = 0; j < dim; j++)                                                    \
-            squares += gradient[j] * gradient[j];                                             \
+        float squares = em_rowwise_squares(gradient, dim);                                    \
         float accumulator = EM_ROW_CHECK_AT(dim) + squares / (float)dim;                      \
         if (!em_row_check_finite(accumulator))                                                \
             return EM_ROW_CHECK_CODE(EM_ROW_CHECK_VALUE, dim);                                \

@@ -41,8 +41,9 @@
 #include "common/row_check.h"
 #include "kernels/ember_kernels.h"
 
-/* Threads that cooperate on one row in the rowwise-adagrad and adam kernels (a warp). */
-#define EM_GPU_ROW_LANES 32u
+/* Threads that cooperate on one row in the rowwise-adagrad and adam kernels (a warp):
+ * rowwise adagrad's lanes are common/optimizer.h's, so its sums are the CPU's. */
+#define EM_GPU_ROW_LANES EM_ROWWISE_LANES
 
 /* ---- atomics and ordered accesses ---------------------------------------------------- */
 

@@ -107,10 +107,7 @@ static void apply_rowwise_adagrad(const em_optimizer_config *config, uint32_t di
                                   float *restrict weights, float *restrict accumulator,
                                   const float *restrict gradient)
 {
-    float squares = 0.0f;
-    for (uint32_t j = 0; j < dim; j++)
-        squares += gradient[j] * gradient[j];
-    *accumulator += squares / (float)dim;
+    *accumulator += em_rowwise_squares(gradient, dim) / (float)dim;
     float denominator = sqrtf(*accumulator) + config->eps;
     float learning_rate = config->learning_rate;
     for (uint32_t j = 0; j < dim; j++)
