@@ -36,6 +36,6 @@ EMBER_CRASH_ITERATIONS=${EMBER_CRASH_ITERATIONS:-40} ASAN_OPTIONS=abort_on_error
 echo "== fuzzers (build-fuzz/, clang + libFuzzer, ${EMBER_FUZZ_SECONDS:-30} s each)"
 CC=clang setup build-fuzz -Dcuda=disabled -Dpython=disabled -Dfuzz=enabled -Db_sanitize=address,undefined \
   -Db_lundef=false -Dc_args=-fsanitize=fuzzer-no-link
-meson compile -C build-fuzz fuzz_config fuzz_frames fuzz_requests fuzz_checkpoint fuzz_npy
+meson compile -C build-fuzz fuzz_config fuzz_frames fuzz_requests fuzz_checkpoint fuzz_npy fuzz_backends
 meson test -C build-fuzz --no-rebuild --print-errorlogs --num-processes 2 --suite fuzz
 echo "== all tests passed"
