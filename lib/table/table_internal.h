@@ -429,9 +429,11 @@ em_status em__admit_missing(request_context *r, bool count_sightings, em_error *
 
 /* Keeps count keys the policy removed in the table's ring and counts them in counter
  * (rows_evicted or rows_expired). The ring numbers one call's keys in ascending order,
- * so that it does not depend on where a backend's map held them; keys is reordered
- * (only what the ring keeps is sorted: the largest `ring` keys, last). */
-void em__record_evicted(em_table *table, uint64_t *keys, uint64_t count,
+ * so that it does not depend on where a backend's map held them; keys is reordered.
+ * later: the keys the caller records next, for the same request (its other shards):
+ * only the keys the ring still holds after those are sorted (the largest, last), so an
+ * EVICTED that reads between the two calls may see the others in the map's order. */
+void em__record_evicted(em_table *table, uint64_t *keys, uint64_t count, uint64_t later,
                         _Atomic uint64_t *counter);
 
 /* Erases the request's keys that were found (under the exclusive table lock; each

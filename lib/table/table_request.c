@@ -1320,7 +1320,7 @@ em_status em__age_slice(em_table *table, em_age_slice *slice, em_error *err)
             em__rows_removed(table, slice->removed);
             table->shard_versions[s].value += EM_ROW_BOUNDED_STEPS + 1;
             if (slice->sweep)
-                em__record_evicted(table, slice->keys, slice->removed, &table->rows_expired);
+                em__record_evicted(table, slice->keys, slice->removed, 0, &table->rows_expired);
             else
                 atomic_fetch_add_explicit(&table->rows_erased, slice->removed,
                                           memory_order_relaxed);
@@ -1376,22 +1376,70 @@ static int compare_keys(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-void em__record_evicted(em_table *table, uint64_t *keys, uint64_t count,
+/* Sorts keys[0..n) ascending: by insertion for a few, else by their bytes from the
+ * least significant, a pass for each byte where they differ (qsort only when there is
+ * no memory for the passes' second array). A request's evictions sort up to a ring's
+ * worth of keys a shard, which qsort made a fifth of a full table's insert cost. */
+static void sort_keys(uint64_t *keys, uint64_t n)
+{
+    if (n <= 32) {
+        for (uint64_t i = 1; i < n; i++) {
+            uint64_t key = keys[i], j = i;
+            for (; j > 0 && keys[j - 1] > key; j--)
+                keys[j] = keys[j - 1];
+            keys[j] = key;
+        }
+        return;
+    }
+    uint64_t *other = malloc(n * sizeof(uint64_t));
+    if (other == NULL) {
+        qsort(keys, n, sizeof(uint64_t), compare_keys);
+        return;
+    }
+    uint32_t counts[8][256];
+    memset(counts, 0, sizeof(counts));
+    for (uint64_t i = 0; i < n; i++)
+        for (uint32_t b = 0; b < 8; b++)
+            counts[b][(keys[i] >> (8 * b)) & 0xff]++;
+    uint64_t *from = keys, *to = other;
+    for (uint32_t b = 0; b < 8; b++) {
+        if (counts[b][(from[0] >> (8 * b)) & 0xff] == n)
+            continue; /* every key has this byte */
+        uint32_t start[256], sum = 0;
+        for (uint32_t v = 0; v < 256; v++) {
+            start[v] = sum;
+            sum += counts[b][v];
+        }
+        for (uint64_t i = 0; i < n; i++)
+            to[start[(from[i] >> (8 * b)) & 0xff]++] = from[i];
+        uint64_t *swap = from;
+        from = to;
+        to = swap;
+    }
+    if (from != keys)
+        memcpy(keys, from, n * sizeof(uint64_t));
+    free(other);
+}
+
+void em__record_evicted(em_table *table, uint64_t *keys, uint64_t count, uint64_t later,
                         _Atomic uint64_t *counter)
 {
     uint32_t ring = table->evicted_keys != NULL ? table->config.eviction.ring : 0;
-    /* what the ring keeps of these keys, in ascending order: the same whatever order the
-     * shard's map (or a GPU's choice) gave them in */
-    uint64_t kept = count < ring ? count : ring;
+    /* what the ring keeps of these keys once the later ones are in, in ascending order:
+     * the same whatever order the shard's map (or a GPU's choice) gave them in */
+    uint64_t room = later < ring ? ring - later : 0;
+    uint64_t kept = count < room ? count : room;
     if (kept > 0) {
         if (kept < count)
             largest_last(keys, count, kept);
-        qsort(keys + count - kept, kept, sizeof(uint64_t), compare_keys);
+        sort_keys(keys + count - kept, kept);
     }
     pthread_mutex_lock(&table->evicted_lock);
     uint64_t total = table->removed_total;
     for (uint64_t i = count - kept; i < count; i++)
         table->evicted_keys[(total + i) % ring] = keys[i];
+    for (uint64_t i = count - (count < ring ? count : ring); i < count - kept; i++)
+        table->evicted_keys[(total + i) % ring] = keys[i]; /* replaced by the later ones */
     table->removed_total = total + count;
     atomic_fetch_add_explicit(counter, count, memory_order_relaxed);
     pthread_mutex_unlock(&table->evicted_lock);
@@ -1456,12 +1504,13 @@ static void run_eviction(void *context, uint64_t i)
 
 /* The rows a shard gave up leave the counts and join the ring; a snapshot being read
  * keeps their values (the request's inserts reuse the rows). */
-static em_status account_eviction(request_context *r, shard_eviction *part, em_error *err)
+static em_status account_eviction(request_context *r, shard_eviction *part, uint64_t later,
+                                  em_error *err)
 {
     em_table *table = r->table;
     uint64_t count = part->evict.spec.count;
     em__rows_removed(table, count);
-    em__record_evicted(table, part->evict.keys, count, &table->rows_evicted);
+    em__record_evicted(table, part->evict.keys, count, later, &table->rows_evicted);
     return preserve_host_rows(r, part->shard, part->seg->lane, part->evict.rows, count, err);
 }
 
@@ -1597,11 +1646,16 @@ static em_status evict_rows(request_context *r, shard_eviction *parts, uint32_t 
         *refused = true;
         return checked;
     }
+    uint64_t later = 0; /* keys the parts after this one put in the ring */
+    for (uint32_t i = 0; i < count; i++)
+        later += parts[i].evict.status == EM_OK ? parts[i].evict.spec.count : 0;
     em_status status = EM_OK;
     for (uint32_t i = 0; i < count; i++) {
         shard_eviction *part = &parts[i];
-        if (part->evict.status == EM_OK)
-            part->evict.status = account_eviction(r, part, &part->evict.err);
+        if (part->evict.status == EM_OK) {
+            later -= part->evict.spec.count;
+            part->evict.status = account_eviction(r, part, later, &part->evict.err);
+        }
         if (part->evict.status != EM_OK && status == EM_OK) {
             status = part->evict.status;
             *err = part->evict.err;
@@ -1687,14 +1741,18 @@ static em_status evict_and_insert(request_context *r, shard_eviction *parts, uin
     creation_run run = {.r = r, .parts = parts};
     em_parallel_pool_run(table->backend->workers, count, table->backend->eviction_threads,
                          run_creation, &run);
+    uint64_t later = 0; /* keys the parts after this one put in the ring */
+    for (uint32_t i = 0; i < count; i++)
+        later += parts[i].evicted ? parts[i].evict.spec.count : 0;
     em_status status = EM_OK;
     for (uint32_t i = 0; i < count; i++) {
         shard_eviction *part = &parts[i];
         uint32_t s = part->shard;
         if (part->evicted) {
             uint64_t evicted = part->evict.spec.count;
+            later -= evicted;
             em__rows_removed(table, evicted);
-            em__record_evicted(table, part->evict.keys, evicted, &table->rows_evicted);
+            em__record_evicted(table, part->evict.keys, evicted, later, &table->rows_evicted);
         }
         if (part->evict.status == EM_OK && r->shard_missing[s] > 0) {
             em__rows_added(table, r->shard_missing[s]);

@@ -17,6 +17,8 @@
  *           bit 1     initializer zeros instead of uniform
  *           bit 2     every eviction chosen on the GPU (gpu_choice_entries 1), not on
  *                     the host as for windows this short by default
+ *           bit 3     an evicted-key ring of 5 keys instead of 256 (a request's
+ *                     evictions push out the ring's older keys, and their own)
  *   then    requests, each a byte (the kind, below) and what it takes:
  *           0-2 pull, 3-5 push: a byte of flags (combiner, create_missing, gradient
  *           shapes) and a batch (a byte of rows, then a byte of keys per row, then a
@@ -512,7 +514,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     config.optimizer = optimizers[(shape >> 4) % 4];
     config.eviction.policy = evictions[shape >> 6];
     config.eviction.candidates = EM_EVICTION_CANDIDATES_MAX;
-    config.eviction.ring = 256;
+    config.eviction.ring = (place & 8) != 0 ? 5 : 256;
     if ((policy & 0x40) != 0)
         config.eviction.max_age_steps = 6;
     if ((policy & 0x80) != 0 && config.eviction.policy != EM_EVICTION_NONE)
