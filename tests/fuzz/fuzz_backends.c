@@ -19,6 +19,7 @@
  *                     the host as for windows this short by default
  *           bit 3     an evicted-key ring of 5 keys instead of 256 (a request's
  *                     evictions push out the ring's older keys, and their own)
+ *           bit 4     the CPU backend with two devices (its shards spread over them)
  *   then    requests, each a byte (the kind, below) and what it takes:
  *           0-2 pull, 3-5 push: a byte of flags (combiner, create_missing, gradient
  *           shapes) and a batch (a byte of rows, then a byte of keys per row, then a
@@ -28,7 +29,10 @@
  *           6 erase: a batch's keys
  *           7 erase_older: a byte, the pushes a row must have been pushed within
  *           8 expire: a whole sweep, a slice a shard
- *           9 save each table and load each checkpoint on the other backend: the
+ *           9 import: a batch's keys, each row's floats (weights and state) small
+ *           multiples of 1/16, or where a byte says one of them NaN or negative (a
+ *           row the import must refuse, an accumulator below zero)
+ *           10 save each table and load each checkpoint on the other backend: the
  *           tables swap, and go on as they were (rows, state, access metadata, clocks,
  *           admission counts, the evicted keys), at most once an input
  *
@@ -168,7 +172,7 @@ static void read_batch(input *in, uint64_t key_space, batch *b)
 
 /* ---- the backends, made once ----------------------------------------------------------- */
 
-static em_backend *cpu_backend;
+static em_backend *cpu_backends[2]; /* one device, two */
 static em_backend *gpu_backends[2][2]; /* [one emulated GPU, two][choice: host, GPU] */
 static char scratch[64];
 
@@ -196,16 +200,19 @@ static void remove_scratch(void)
 
 static void make_backends(void)
 {
-    if (cpu_backend != NULL)
+    if (cpu_backends[0] != NULL)
         return;
     em_error err;
-    em_cpu_backend_options cpu;
-    em_cpu_backend_options_init(&cpu);
-    cpu.devices = 1;
-    cpu.pool_limit_bytes = UINT64_C(64) << 20;
-    cpu.pool_initial_bytes = UINT64_C(4) << 20;
-    cpu.pool_growth_bytes = UINT64_C(4) << 20;
-    must(em_backend_create_cpu(&cpu, &cpu_backend, &err), &err, "creating the backend", CPU);
+    for (uint32_t c = 0; c < 2; c++) {
+        em_cpu_backend_options cpu;
+        em_cpu_backend_options_init(&cpu);
+        cpu.devices = c + 1;
+        cpu.pool_limit_bytes = UINT64_C(64) << 20;
+        cpu.pool_initial_bytes = UINT64_C(4) << 20;
+        cpu.pool_growth_bytes = UINT64_C(4) << 20;
+        must(em_backend_create_cpu(&cpu, &cpu_backends[c], &err), &err, "creating the backend",
+             CPU);
+    }
     for (uint32_t g = 0; g < 4; g++) {
         em_cuda_backend_options cuda;
         em_cuda_backend_options_init(&cuda);
@@ -464,6 +471,27 @@ static void expire(em_table *const tables[2], uint32_t shards)
         fail("expire: cpu expired %" PRIu64 ", cuda %" PRIu64, expired[CPU], expired[GPU]);
 }
 
+static void import(em_table *const tables[2], input *in, uint64_t key_space)
+{
+    batch b;
+    read_batch(in, key_space, &b);
+    trace_batch("import", &b.csr, 0);
+    em_table_stats stats;
+    em_table_get_stats(tables[CPU], &stats);
+    uint64_t row_floats = stats.row_floats;
+    float values[MAX_KEYS * (3 * MAX_DIM + 1)];
+    for (uint64_t i = 0; i < b.csr.nnz * row_floats; i++)
+        values[i] = (float)((int)(i * 5 % 13)) / 16.0f;
+    uint8_t odd = take(in);
+    if (odd >= 224 && b.csr.nnz > 0) /* one element NaN or negative */
+        values[take(in) % (b.csr.nnz * row_floats)] = (odd & 1) != 0 ? NAN : -1.0f;
+    em_status status[2];
+    em_error err[2];
+    for (int t = 0; t < 2; t++)
+        status[t] = em_table_import(tables[t], b.keys, values, b.csr.nnz, &err[t]);
+    compare_status(status, err, "import");
+}
+
 /* Saves each table and loads its checkpoint on the other backend. */
 static void swap_through_checkpoints(em_table *tables[2], em_backend *backends[2])
 {
@@ -536,7 +564,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
           dim, config.capacity, config.shards, config.optimizer.kind, config.eviction.policy,
           config.eviction.headroom, config.eviction.max_age_steps, config.admission.policy,
           config.initializer.kind, (place & 1) + 1, (place & 4) != 0 ? "GPU" : "host");
-    em_backend *backends[2] = {cpu_backend, gpu_backends[place & 1][(place >> 2) & 1]};
+    em_backend *backends[2] = {cpu_backends[(place >> 4) & 1],
+                               gpu_backends[place & 1][(place >> 2) & 1]};
     em_table *tables[2] = {NULL, NULL};
     em_error err;
     for (int t = 0; t < 2; t++)
@@ -545,7 +574,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     uint64_t key_space = 2 * config.capacity;
     bool swapped = false;
     for (request_number = 0; request_number < MAX_REQUESTS && in.left > 0; request_number++) {
-        switch (take(&in) % 10) {
+        switch (take(&in) % 11) {
         case 0: case 1: case 2:
             pull(tables, &in, key_space, dim);
             break;
@@ -560,6 +589,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             break;
         case 8:
             expire(tables, config.shards);
+            break;
+        case 9:
+            import(tables, &in, key_space);
             break;
         default:
             if (!swapped) {
