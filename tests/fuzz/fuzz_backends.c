@@ -47,7 +47,6 @@
  * optimizer state) bit for bit, and the same evicted keys in the same order. A
  * mismatch aborts, naming the request and what differed.
  */
-#include <ftw.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -62,6 +61,7 @@
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
+#include "tests/support/test_support.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -110,7 +110,7 @@ static void trace_batch(const char *what, const em_csr *csr, uint8_t flags)
     trace("%s flags 0x%02x %s", what, flags, text);
 }
 
-__attribute__((noreturn, format(printf, 1, 2))) static void fail(const char *format, ...)
+__attribute__((noreturn, format(printf, 1, 2))) static void fail_input(const char *format, ...)
 {
     va_list args;
     va_start(args, format);
@@ -124,7 +124,7 @@ __attribute__((noreturn, format(printf, 1, 2))) static void fail(const char *for
 static void must(em_status status, const em_error *err, const char *what, int side)
 {
     if (status != EM_OK)
-        fail("%s on the %s backend failed: %s", what, backend_names[side], err->message);
+        fail_input("%s on the %s backend failed: %s", what, backend_names[side], err->message);
 }
 
 /* ---- the input ---------------------------------------------------------------------- */
@@ -174,28 +174,19 @@ static void read_batch(input *in, uint64_t key_space, batch *b)
 
 static em_backend *cpu_backends[2]; /* one device, two */
 static em_backend *gpu_backends[2][2]; /* [one emulated GPU, two][choice: host, GPU] */
-static char scratch[64];
+static char scratch[4096];
 
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    remove(path);
-    return 0;
-}
-
-/* Empties the scratch directory (the checkpoints of a swap), or removes it at exit. */
+/* Empties the scratch directory (the checkpoints of a swap). */
 static void clear_scratch(void)
 {
-    nftw(scratch, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    em_test_remove_tree(scratch);
     if (mkdir(scratch, 0700) != 0)
-        fail("cannot make %s again", scratch);
+        fail_input("cannot make %s again", scratch);
 }
 
 static void remove_scratch(void)
 {
-    nftw(scratch, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    em_test_remove_tree(scratch);
 }
 
 static void make_backends(void)
@@ -227,9 +218,11 @@ static void make_backends(void)
         must(em_backend_create_cuda(&cuda, &gpu_backends[g % 2][g / 2], &err), &err,
              "creating the backend", GPU);
     }
-    snprintf(scratch, sizeof(scratch), "/tmp/ember-fuzz-backends-XXXXXX");
-    if (mkdtemp(scratch) == NULL)
-        fail("cannot make a scratch directory");
+    const char *tmp = getenv("TMPDIR");
+    snprintf(scratch, sizeof(scratch), "%s/ember-fuzz-backends-XXXXXX",
+             tmp != NULL && tmp[0] != '\0' ? tmp : "/tmp");
+    if (mkdtemp(scratch) == NULL) /* the X's: mkdtemp's template for a unique name */
+        fail_input("cannot make a scratch directory %s", scratch);
     atexit(remove_scratch);
 }
 
@@ -242,8 +235,8 @@ static void compare_counters(em_table *const tables[2])
         em_table_get_stats(tables[t], &s[t]);
 #define SAME(field)                                                                          \
     if (s[CPU].field != s[GPU].field)                                                        \
-        fail("table counter " #field ": cpu %" PRIu64 ", cuda %" PRIu64, (uint64_t)s[CPU].field, \
-             (uint64_t)s[GPU].field);
+        fail_input("table counter " #field ": cpu %" PRIu64 ", cuda %" PRIu64,               \
+                   (uint64_t)s[CPU].field, (uint64_t)s[GPU].field);
     SAME(rows)
     SAME(rows_evicted)
     SAME(rows_expired)
@@ -274,8 +267,8 @@ static rows_of read_rows(em_table *table, uint32_t row_floats, int side)
     for (;;) {
         uint64_t got = 0;
         if (out.count == room)
-            fail("the %s table exported more rows than its %" PRIu64, backend_names[side],
-                 stats.rows);
+            fail_input("the %s table exported more rows than its %" PRIu64, backend_names[side],
+                       stats.rows);
         must(em_table_export(table, &cursor, room - out.count, keys + out.count,
                              values + out.count * row_floats, &got, &err),
              &err, "export", side);
@@ -308,18 +301,19 @@ static void compare_rows(em_table *const tables[2])
     em_table_stats stats;
     em_table_get_stats(tables[CPU], &stats);
     uint32_t row_floats = (uint32_t)stats.row_floats;
-    rows_of r[2] = {read_rows(tables[CPU], row_floats, CPU), read_rows(tables[GPU], row_floats, GPU)};
+    rows_of r[2] = {read_rows(tables[CPU], row_floats, CPU),
+                    read_rows(tables[GPU], row_floats, GPU)};
     if (r[CPU].count != r[GPU].count)
-        fail("rows exported: cpu %" PRIu64 ", cuda %" PRIu64, r[CPU].count, r[GPU].count);
+        fail_input("rows exported: cpu %" PRIu64 ", cuda %" PRIu64, r[CPU].count, r[GPU].count);
     for (uint64_t i = 0; i < r[CPU].count; i++) {
         if (r[CPU].keys[i] != r[GPU].keys[i])
-            fail("row %" PRIu64 " by key: cpu key %" PRIu64 ", cuda key %" PRIu64, i,
-                 r[CPU].keys[i], r[GPU].keys[i]);
+            fail_input("row %" PRIu64 " by key: cpu key %" PRIu64 ", cuda key %" PRIu64, i,
+                       r[CPU].keys[i], r[GPU].keys[i]);
         const float *a = r[CPU].values + i * row_floats, *b = r[GPU].values + i * row_floats;
         for (uint32_t f = 0; f < row_floats; f++)
             if (memcmp(&a[f], &b[f], sizeof(float)) != 0)
-                fail("key %" PRIu64 " float %u (weights then state): cpu %.9g, cuda %.9g",
-                     r[CPU].keys[i], f, (double)a[f], (double)b[f]);
+                fail_input("key %" PRIu64 " float %u (weights then state): cpu %.9g, cuda %.9g",
+                           r[CPU].keys[i], f, (double)a[f], (double)b[f]);
     }
     for (int t = 0; t < 2; t++) {
         free(r[t].keys);
@@ -336,32 +330,39 @@ static void compare_evicted(em_table *const tables[2])
         must(em_table_evicted(tables[t], 0, 256, keys[t], &view[t], &err), &err, "evicted", t);
     if (view[CPU].total != view[GPU].total || view[CPU].count != view[GPU].count ||
         view[CPU].first != view[GPU].first)
-        fail("evicted keys: cpu %" PRIu64 " in all, %" PRIu64 " kept from %" PRIu64
-             "; cuda %" PRIu64 ", %" PRIu64 " from %" PRIu64,
-             view[CPU].total, view[CPU].count, view[CPU].first, view[GPU].total,
-             view[GPU].count, view[GPU].first);
+        fail_input("evicted keys: cpu %" PRIu64 " in all, %" PRIu64 " kept from %" PRIu64
+                   "; cuda %" PRIu64 ", %" PRIu64 " from %" PRIu64,
+                   view[CPU].total, view[CPU].count, view[CPU].first, view[GPU].total,
+                   view[GPU].count, view[GPU].first);
     for (uint64_t i = 0; i < view[CPU].count; i++)
         if (keys[CPU][i] != keys[GPU][i])
-            fail("evicted key %" PRIu64 ": cpu %" PRIu64 ", cuda %" PRIu64, view[CPU].first + i,
-                 keys[CPU][i], keys[GPU][i]);
+            fail_input("evicted key %" PRIu64 ": cpu %" PRIu64 ", cuda %" PRIu64,
+                       view[CPU].first + i, keys[CPU][i], keys[GPU][i]);
 }
 
 static void compare_status(const em_status status[2], const em_error err[2], const char *what)
 {
     if (status[CPU] != status[GPU])
-        fail("%s: cpu %s (%s), cuda %s (%s)", what, em_status_name(status[CPU]),
-             status[CPU] == EM_OK ? "" : err[CPU].message, em_status_name(status[GPU]),
-             status[GPU] == EM_OK ? "" : err[GPU].message);
+        fail_input("%s: cpu %s (%s), cuda %s (%s)", what, em_status_name(status[CPU]),
+                   status[CPU] == EM_OK ? "" : err[CPU].message, em_status_name(status[GPU]),
+                   status[GPU] == EM_OK ? "" : err[GPU].message);
 }
 
 /* ---- requests ----------------------------------------------------------------------- */
 
-static void pull(em_table *const tables[2], input *in, uint64_t key_space, uint32_t dim)
+/* A pull's or a push's flags byte and batch; returns the flags. */
+static uint8_t read_request(input *in, uint64_t key_space, const char *what, batch *b)
 {
     uint8_t flags = take(in);
+    read_batch(in, key_space, b);
+    trace_batch(what, &b->csr, flags);
+    return flags;
+}
+
+static void pull(em_table *const tables[2], input *in, uint64_t key_space, uint32_t dim)
+{
     batch b;
-    read_batch(in, key_space, &b);
-    trace_batch("pull", &b.csr, flags);
+    uint8_t flags = read_request(in, key_space, "pull", &b);
     em_combiner combiner = (em_combiner)(flags % 4);
     uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * dim;
     float out[2][MAX_KEYS * MAX_DIM];
@@ -380,22 +381,20 @@ static void pull(em_table *const tables[2], input *in, uint64_t key_space, uint3
         return;
     if (result[CPU].unique_keys != result[GPU].unique_keys ||
         result[CPU].missing != result[GPU].missing || result[CPU].created != result[GPU].created)
-        fail("pull: cpu %" PRIu64 " unique, %" PRIu64 " missing, %" PRIu64 " created; cuda %"
-             PRIu64 ", %" PRIu64 ", %" PRIu64,
-             result[CPU].unique_keys, result[CPU].missing, result[CPU].created,
-             result[GPU].unique_keys, result[GPU].missing, result[GPU].created);
+        fail_input("pull: cpu %" PRIu64 " unique, %" PRIu64 " missing, %" PRIu64 " created; cuda %"
+                   PRIu64 ", %" PRIu64 ", %" PRIu64,
+                   result[CPU].unique_keys, result[CPU].missing, result[CPU].created,
+                   result[GPU].unique_keys, result[GPU].missing, result[GPU].created);
     for (uint64_t i = 0; i < floats; i++)
         if (memcmp(&out[CPU][i], &out[GPU][i], sizeof(float)) != 0)
-            fail("pull output float %" PRIu64 " (vector %" PRIu64 "): cpu %.9g, cuda %.9g", i,
-                 i / dim, (double)out[CPU][i], (double)out[GPU][i]);
+            fail_input("pull output float %" PRIu64 " (vector %" PRIu64 "): cpu %.9g, cuda %.9g", i,
+                       i / dim, (double)out[CPU][i], (double)out[GPU][i]);
 }
 
 static void push(em_table *const tables[2], input *in, uint64_t key_space, uint32_t dim)
 {
-    uint8_t flags = take(in);
     batch b;
-    read_batch(in, key_space, &b);
-    trace_batch("push", &b.csr, flags);
+    uint8_t flags = read_request(in, key_space, "push", &b);
     em_combiner combiner = (em_combiner)(flags % 4);
     uint64_t floats = em_csr_output_vectors(&b.csr, combiner) * dim;
     float gradients[MAX_KEYS * MAX_DIM];
@@ -416,8 +415,9 @@ static void push(em_table *const tables[2], input *in, uint64_t key_space, uint3
     compare_status(status, err, "push");
     if (status[CPU] == EM_OK &&
         (result[CPU].updated != result[GPU].updated || result[CPU].created != result[GPU].created))
-        fail("push: cpu %" PRIu64 " updated, %" PRIu64 " created; cuda %" PRIu64 ", %" PRIu64,
-             result[CPU].updated, result[CPU].created, result[GPU].updated, result[GPU].created);
+        fail_input("push: cpu %" PRIu64 " updated, %" PRIu64 " created; cuda %" PRIu64 ", %" PRIu64,
+                   result[CPU].updated, result[CPU].created, result[GPU].updated,
+                   result[GPU].created);
 }
 
 static void erase(em_table *const tables[2], input *in, uint64_t key_space)
@@ -432,7 +432,7 @@ static void erase(em_table *const tables[2], input *in, uint64_t key_space)
         status[t] = em_table_erase(tables[t], b.keys, b.csr.nnz, &erased[t], &err[t]);
     compare_status(status, err, "erase");
     if (erased[CPU] != erased[GPU])
-        fail("erase: cpu erased %" PRIu64 ", cuda %" PRIu64, erased[CPU], erased[GPU]);
+        fail_input("erase: cpu erased %" PRIu64 ", cuda %" PRIu64, erased[CPU], erased[GPU]);
 }
 
 static void erase_older(em_table *const tables[2], input *in)
@@ -446,7 +446,7 @@ static void erase_older(em_table *const tables[2], input *in)
         status[t] = em_table_erase_older(tables[t], not_pushed_for, &erased[t], &err[t]);
     compare_status(status, err, "erase_older");
     if (erased[CPU] != erased[GPU])
-        fail("erase_older: cpu erased %" PRIu64 ", cuda %" PRIu64, erased[CPU], erased[GPU]);
+        fail_input("erase_older: cpu erased %" PRIu64 ", cuda %" PRIu64, erased[CPU], erased[GPU]);
 }
 
 /* A whole sweep of expiry, a slice a shard: slices of a sweep examine the rows each map
@@ -468,7 +468,7 @@ static void expire(em_table *const tables[2], uint32_t shards)
     }
     compare_status(status, err, "expire");
     if (expired[CPU] != expired[GPU])
-        fail("expire: cpu expired %" PRIu64 ", cuda %" PRIu64, expired[CPU], expired[GPU]);
+        fail_input("expire: cpu expired %" PRIu64 ", cuda %" PRIu64, expired[CPU], expired[GPU]);
 }
 
 static void import(em_table *const tables[2], input *in, uint64_t key_space)
