@@ -211,6 +211,25 @@ em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *un
                                        uint64_t *partitioned, uint32_t *position,
                                        uint32_t *targets);
 
+/* Where a table's shards sit on the devices a request spreads its keys over: device i
+ * of count holds shards [first_shard[i], first_shard[i + 1]), first_shard[count] being
+ * the table's shard count (a table's shards are contiguous blocks per device). */
+#define EM_GPU_SPREAD_MAX 64u
+typedef struct em_gpu_spread {
+    uint32_t count;
+    uint32_t first_shard[EM_GPU_SPREAD_MAX + 1];
+} em_gpu_spread;
+
+/* After a counted partition by shard (partitioned and position as em_gpu_partition_scatter
+ * leaves them, starts as em_gpu_segment_starts over shard_count + 1 segments): each
+ * device's keys into a bucket of its own, buckets[i * n ...] for device i, in partitioned
+ * order; bucket_counts[i] = how many; position[u] (for every u whose key is one of the
+ * counted ones) becomes the key's place in buckets. */
+em_gpu_status em_gpu_spread_keys(em_gpu_stream *stream, const uint64_t *partitioned, uint64_t n,
+                                 const uint32_t *starts, uint32_t shard_count,
+                                 const em_gpu_spread *spread, uint64_t *buckets,
+                                 uint32_t *bucket_counts, uint32_t *position);
+
 /* key_row[k] = the row of key position k (offsets: rows + 1 entries). */
 em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, uint32_t rows,
                               uint64_t nnz, uint32_t *key_row);

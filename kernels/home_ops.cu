@@ -78,6 +78,15 @@ __global__ void partition_scatter_kernel(const uint64_t *unique, const uint32_t 
                                   position, targets);
 }
 
+__global__ void spread_keys_kernel(em_gpu_spread spread, const uint64_t *partitioned, uint64_t n,
+                                   const uint32_t *starts, uint32_t shard_count, uint64_t items,
+                                   uint64_t *buckets, uint32_t *bucket_counts, uint32_t *position)
+{
+    EM_GPU_FOR_EACH(t, items)
+    em_gpu_spread_item(&spread, partitioned, n, starts, shard_count, t, buckets, bucket_counts,
+                       position);
+}
+
 __global__ void key_rows_kernel(const uint32_t *offsets, uint32_t rows, uint64_t nnz,
                                 uint32_t *key_row)
 {
@@ -203,6 +212,18 @@ extern "C" em_gpu_status em_gpu_partition_owners_counted(em_gpu_stream *stream,
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(partition_owners_counted_kernel, n, stream, unique, n, count,
                          shard_count, owner, index);
+}
+
+extern "C" em_gpu_status em_gpu_spread_keys(em_gpu_stream *stream, const uint64_t *partitioned,
+                                            uint64_t n, const uint32_t *starts,
+                                            uint32_t shard_count, const em_gpu_spread *spread,
+                                            uint64_t *buckets, uint32_t *bucket_counts,
+                                            uint32_t *position)
+{
+    uint64_t items = n > spread->count ? n : spread->count;
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(spread_keys_kernel, items, stream, *spread, partitioned, n, starts,
+                         shard_count, items, buckets, bucket_counts, position);
 }
 
 extern "C" em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *unique,

@@ -253,6 +253,38 @@ EM_HOST_DEVICE void em_gpu_partition_scatter_item(const uint64_t *unique,
         targets[i] = first_positions[u];
 }
 
+/* The device of spread whose shards hold partitioned entry i (below starts[shard count]). */
+EM_HOST_DEVICE uint32_t em_gpu_spread_device(const em_gpu_spread *spread, const uint32_t *starts,
+                                             uint64_t i)
+{
+    uint32_t d = 0;
+    while (d + 1 < spread->count && i >= starts[spread->first_shard[d + 1]])
+        d++;
+    return d;
+}
+
+/* Item t of em_gpu_spread_keys (t below the larger of n and spread->count): partitioned
+ * entry t into its device's bucket, unique key t's position moved to its bucket, and
+ * device t's count. */
+EM_HOST_DEVICE void em_gpu_spread_item(const em_gpu_spread *spread, const uint64_t *partitioned,
+                                       uint64_t n, const uint32_t *starts, uint32_t shard_count,
+                                       uint64_t t, uint64_t *buckets, uint32_t *bucket_counts,
+                                       uint32_t *position)
+{
+    uint32_t end = starts[shard_count]; /* the counted keys end there */
+    if (t < end) {
+        uint32_t d = em_gpu_spread_device(spread, starts, t);
+        buckets[d * n + t - starts[spread->first_shard[d]]] = partitioned[t];
+    }
+    if (t < n && position[t] < end) {
+        uint32_t p = position[t], d = em_gpu_spread_device(spread, starts, p);
+        position[t] = (uint32_t)(d * n + p - starts[spread->first_shard[d]]);
+    }
+    if (t < spread->count)
+        bucket_counts[t] =
+            starts[spread->first_shard[t + 1]] - starts[spread->first_shard[t]];
+}
+
 /* Item i in 0..n of em_gpu_segment_starts: the segments that begin at i are those above
  * the previous key up to the current one (the end counts as key `segments`). */
 EM_HOST_DEVICE void em_gpu_segment_start_item(const uint32_t *sorted_keys, uint64_t n,

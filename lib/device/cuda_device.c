@@ -675,6 +675,7 @@ static const em_device_ops cuda_device_ops = {
     .lane_join = cuda_lane_join,
     .unique_keys = em__cuda_unique_keys,
     .unique_keys_async = em__cuda_unique_keys_async,
+    .spread_keys_async = em__cuda_spread_keys_async,
     .partition_keys = em__cuda_partition_keys,
     .unique_partition_keys = em__cuda_unique_partition_keys,
     .sum_gradients = em__cuda_sum_gradients,

@@ -272,6 +272,38 @@ em_status em__cuda_unique_partition_keys(em_lane *base, const uint64_t *keys, ui
     return EM_OK;
 }
 
+_Static_assert(EM_SPREAD_MAX == EM_GPU_SPREAD_MAX, "a spread is the same on both sides");
+
+/* A counted partition by shard, then each device's keys into its bucket (device.h:
+ * spread_keys_async). */
+em_status em__cuda_spread_keys_async(em_lane *base, const uint64_t *unique, uint64_t n,
+                                     const uint32_t *count, uint32_t shard_count,
+                                     const em_spread *spread, uint64_t *buckets,
+                                     uint32_t *bucket_counts, uint32_t *position,
+                                     em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    scratch s = {.device = base->device};
+    uint64_t *partitioned = NULL;
+    uint32_t *starts = NULL;
+    em_gpu_spread view = {.count = spread->count};
+    memcpy(view.first_shard, spread->first_shard, sizeof(view.first_shard));
+    em_status status = n == 0 || spread->count == 0 || spread->count > EM_SPREAD_MAX
+                           ? em_error_set(err, EM_INTERNAL, "spread of %" PRIu64
+                                          " keys over %u devices", n, spread->count)
+                           : scratch_take(&s, n * sizeof(uint64_t), "partitioned keys",
+                                          (void **)&partitioned, err);
+    if (status == EM_OK)
+        status = enqueue_partition(lane, &s, unique, n, count, shard_count, NULL, partitioned,
+                                   position, NULL, &starts, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_spread_keys(lane->stream, partitioned, n, starts,
+                                                     shard_count, &view, buckets, bucket_counts,
+                                                     position), err);
+    /* the scratch is freed once the lane has synchronized, after the kernels that read it */
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
 static em_gpu_batch gpu_batch(const em_device_batch *batch, em_combiner combiner, uint32_t dim)
 {
     return (em_gpu_batch){

@@ -276,6 +276,12 @@ em_status em__cuda_partition_keys(em_lane *base, const uint64_t *unique, uint64_
                                   uint64_t *partitioned, uint32_t *position, uint32_t *targets,
                                   uint64_t *shard_counts, em_error *err);
 
+em_status em__cuda_spread_keys_async(em_lane *base, const uint64_t *unique, uint64_t n,
+                                     const uint32_t *count, uint32_t shard_count,
+                                     const em_spread *spread, uint64_t *buckets,
+                                     uint32_t *bucket_counts, uint32_t *position,
+                                     em_error *err);
+
 em_status em__cuda_unique_partition_keys(em_lane *base, const uint64_t *keys, uint64_t n,
                                          uint32_t shard_count, uint64_t *unique,
                                          uint32_t *inverse, uint32_t *first_positions,

@@ -1122,6 +1122,19 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
                          .combiner = combiner,
                          .dim = first->dim};
     em_status status = see_shards(bases, shard_count, lane, &seen, err);
+    if (status == EM_OK && batch->inverse == NULL) { /* per distinct key: rows past the
+                                                      * count stay absent, their vectors 0 */
+        uint32_t *identity = NULL;
+        status = scratch_take(&s, batch->nnz * sizeof(uint32_t), "identity inverse",
+                              (void **)&identity, err);
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_iota_u32(lane->stream, identity, batch->nnz), err);
+        if (status == EM_OK)
+            status = lane_check(lane, em_gpu_memset_async(lane->stream, rows, 0xff,
+                                                          batch->nnz * sizeof(uint64_t)),
+                                err);
+        view.inverse = identity;
+    }
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)),
                             err);

@@ -110,6 +110,14 @@ typedef struct em_device_batch {
     uint64_t unique_count;
 } em_device_batch;
 
+/* The devices a request spreads its keys over and the shards each holds
+ * (spread_keys_async): device i holds shards [first_shard[i], first_shard[i + 1]). */
+#define EM_SPREAD_MAX 64u
+typedef struct em_spread {
+    uint32_t count;
+    uint32_t first_shard[EM_SPREAD_MAX + 1];
+} em_spread;
+
 /* One shard's part of shards_evict_begin and shards_evict_end. */
 typedef struct em_shard_evict_part {
     em_shard *shard;
@@ -181,6 +189,17 @@ typedef struct em_device_ops {
                                 uint32_t shard_count, const uint32_t *first,
                                 uint64_t *partitioned, uint32_t *position, uint32_t *targets,
                                 uint64_t *shard_counts, em_error *err);
+    /* For a request over the shards of several devices, without waiting (n > 0): each
+     * of unique[0..*count) (count a device word, at most n) goes to the device whose
+     * shards own it: spread device i (of spread->count, at most EM_SPREAD_MAX) holds
+     * shards [first_shard[i], first_shard[i + 1]) of shard_count. buckets (spread->count
+     * x n entries): device i's keys from i x n on, in shard order, and bucket_counts[i]
+     * (device words) how many; position (n entries): position[u] = where unique[u] went
+     * in buckets (spread->count x n must fit 32 bits). NULL on the CPU. */
+    em_status (*spread_keys_async)(em_lane *lane, const uint64_t *unique, uint64_t n,
+                                   const uint32_t *count, uint32_t shard_count,
+                                   const em_spread *spread, uint64_t *buckets,
+                                   uint32_t *bucket_counts, uint32_t *position, em_error *err);
     /* unique_keys then partition_keys with one wait for both: the same unique, inverse,
      * first, partitioned, position and targets (each with room for n entries; those past
      * *unique_count hold nothing of use), *unique_count and shard_counts (host memory).
@@ -235,6 +254,8 @@ typedef struct em_device_ops {
      * accessed, updated for rows never touched) only if none was absent. The caller holds
      * every shard's read lock until the operations are enqueued. batch->position and
      * unique_count are not used. With *missing > 0 the output is not the pull's.
+     * batch->inverse NULL (combiner NONE, batch->nnz = n): the output is per distinct key,
+     * out[u] the vector of unique[u] for u below *count and zeros from there to n. 
      * With create, the absent keys are inserted (shard_insert_missing, initial rows
      * included) before the output is written, and the rows are touched whatever was
      * absent: the caller holds every shard's write lock, has made room for every key it

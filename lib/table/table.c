@@ -495,6 +495,241 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
     return EM_OK;
 }
 
+/* A pull spread over the devices of a table (pull_spread) sends every device that is not
+ * home a bucket of room for all of the request's keys, and gets back as many vectors,
+ * since how many are its own is known only on the GPU: at most this many bytes in all,
+ * else it goes the general way, which sends each device its keys only. */
+#define SPREAD_MAX_BYTES ((uint64_t)8 << 20)
+
+/* The devices holding the table's shards, in device order (devices[i], backend indices),
+ * and the shards each holds; 0 when there are more of them than a spread takes. */
+static uint32_t spread_of(const em_table *table, em_spread *spread, uint32_t *devices)
+{
+    spread->count = 0;
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        uint32_t d = table->shard_device[s];
+        if (spread->count > 0 && devices[spread->count - 1] == d)
+            continue;
+        if (spread->count == EM_SPREAD_MAX)
+            return 0;
+        devices[spread->count] = d;
+        spread->first_shard[spread->count++] = s;
+    }
+    spread->first_shard[spread->count] = table->shard_count;
+    return spread->count;
+}
+
+/* Whether a pull of a table over several devices goes spread (pull_spread): its devices
+ * can, its table's pulls find their keys lately (pulls_go_general clear), it tracks no
+ * access (a pull that found keys missing on one device would have touched the others'
+ * rows), and its buckets and vectors stay within SPREAD_MAX_BYTES. */
+static bool pull_may_spread(const request_context *r, const em_pull_request *request)
+{
+    const em_table *table = r->table;
+    const em_device_ops *ops = r->home->ops;
+    uint64_t nnz = request->batch.nnz;
+    if (em__shards_at_home(r) || nnz == 0 || r->access_stamp != 0 ||
+        ops->spread_keys_async == NULL || ops->unique_keys_async == NULL ||
+        ops->copy_to_host_later == NULL || ops->lane_join == NULL ||
+        atomic_load_explicit(&table->pulls_go_general, memory_order_relaxed))
+        return false;
+    em_spread spread;
+    uint32_t devices[EM_SPREAD_MAX];
+    uint32_t count = spread_of(table, &spread, devices), remote = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const em_device *device = table->backend->devices[devices[i]];
+        if (device->ops != ops || ops->shards_pull_async == NULL)
+            return false;
+        remote += device != r->home;
+    }
+    uint64_t key_bytes = sizeof(uint64_t) + (uint64_t)table->config.dim * sizeof(float);
+    uint64_t bytes = remote * nnz * key_bytes;
+    return count > 1 && count * nnz <= UINT32_MAX && bytes <= SPREAD_MAX_BYTES;
+}
+
+/* Each spread device's part of a pull: its keys (a bucket of room for every key of the
+ * request) and their count, its rows, vectors and missing count, on that device. */
+typedef struct spread_part {
+    em_device *device;
+    em_lane *lane;
+    uint64_t *keys;
+    uint32_t *count;
+    uint64_t *rows;
+    float *vectors;
+    uint64_t *missing;
+} spread_part;
+
+/* The parts' buffers: at home, where the buckets, vectors and missing counts are;
+ * elsewhere, in scratch of their own, with the transfers that move keys there (to_remote)
+ * and vectors and counts back (to_home). */
+static em_status spread_buffers(request_context *r, const em_spread *spread,
+                                const uint32_t *devices, uint64_t nnz, uint64_t *buckets,
+                                uint32_t *counts, float *vectors, uint64_t *missing,
+                                spread_part *parts, em_transfer *to_remote, em_transfer *to_home,
+                                size_t *transfers, em_error *err)
+{
+    em_table *table = r->table;
+    uint32_t dim = table->config.dim;
+    size_t vector_bytes = nnz * dim * sizeof(float);
+    *transfers = 0;
+    em_status status = EM_OK;
+    for (uint32_t i = 0; status == EM_OK && i < spread->count; i++) {
+        spread_part *p = &parts[i];
+        p->device = table->backend->devices[devices[i]];
+        p->lane = r->lanes[devices[i]];
+        if (p->device == r->home) {
+            *p = (spread_part){p->device, p->lane, buckets + i * nnz, counts + i, NULL,
+                               vectors + i * nnz * dim, missing + i};
+            status = em__request_alloc(r, p->device, nnz * sizeof(uint64_t), "spread rows",
+                                       (void **)&p->rows, err);
+            continue;
+        }
+        status = em__request_alloc(r, p->device, nnz * sizeof(uint64_t), "spread keys",
+                                   (void **)&p->keys, err);
+        if (status == EM_OK)
+            status = em__request_alloc(r, p->device, sizeof(uint32_t), "spread count",
+                                       (void **)&p->count, err);
+        if (status == EM_OK)
+            status = em__request_alloc(r, p->device, nnz * sizeof(uint64_t), "spread rows",
+                                       (void **)&p->rows, err);
+        if (status == EM_OK)
+            status = em__request_alloc(r, p->device, vector_bytes, "spread vectors",
+                                       (void **)&p->vectors, err);
+        if (status == EM_OK)
+            status = em__request_alloc(r, p->device, sizeof(uint64_t), "spread missing",
+                                       (void **)&p->missing, err);
+        if (status != EM_OK)
+            break;
+        size_t t = *transfers;
+        to_remote[2 * t] = (em_transfer){r->home_lane, buckets + i * nnz, p->lane, p->keys,
+                                         nnz * sizeof(uint64_t)};
+        to_remote[2 * t + 1] = (em_transfer){r->home_lane, counts + i, p->lane, p->count,
+                                             sizeof(uint32_t)};
+        to_home[2 * t] = (em_transfer){p->lane, p->vectors, r->home_lane,
+                                       vectors + i * nnz * dim, vector_bytes};
+        to_home[2 * t + 1] = (em_transfer){p->lane, p->missing, r->home_lane, missing + i,
+                                           sizeof(uint64_t)};
+        *transfers = t + 1;
+    }
+    return status;
+}
+
+/* A pull of a table over several devices (pull_may_spread) with one wait, as a pull at
+ * once is with one: the home device dedupes the keys and puts each device's into a
+ * bucket (spread_keys_async), buckets go to the other devices whole (room for every key:
+ * how many are a device's own is known only on the GPU), each device finds its keys and
+ * writes their vectors in one pass over its shards (shards_pull_async per distinct key),
+ * the vectors come back whole, and home combines them into the output, which comes back
+ * with every device's missing count in one wait for all of them. When some key is
+ * missing, *done stays false and nothing was changed: the pull starts again the general
+ * way, with the scratch given back, and the table's next pulls go that way until one
+ * finds every key (pulls_go_general). */
+static em_status pull_spread(request_context *r, const em_pull_request *request,
+                             em_pull_result *result, bool *done, em_error *err)
+{
+    em_table *table = r->table;
+    em_device *home = r->home;
+    const em_device_ops *ops = home->ops;
+    uint64_t nnz = request->batch.nnz;
+    uint32_t dim = table->config.dim;
+    uint64_t out_floats = vector_floats(table, &request->batch, request->combiner);
+    request_mark mark = em__request_mark(r);
+    em_spread spread;
+    uint32_t devices[EM_SPREAD_MAX];
+    uint32_t count = spread_of(table, &spread, devices);
+    at_once_keys k = {0};
+    uint64_t *buckets = NULL, *missing = NULL;
+    uint32_t *counts = NULL, *position = NULL;
+    float *vectors = NULL, *out = NULL;
+    spread_part parts[EM_SPREAD_MAX];
+    em_transfer to_remote[2 * EM_SPREAD_MAX], to_home[2 * EM_SPREAD_MAX];
+    size_t transfers = 0;
+    *done = false;
+    em_status status = dedupe_at_once(r, &request->batch, request->combiner, &k, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, count * nnz * sizeof(uint64_t), "key buckets",
+                                   (void **)&buckets, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, count * sizeof(uint32_t), "bucket counts",
+                                   (void **)&counts, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "bucket positions",
+                                   (void **)&position, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, count * nnz * dim * sizeof(float),
+                                   "spread vectors", (void **)&vectors, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, count * sizeof(uint64_t), "missing counts",
+                                   (void **)&missing, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, out_floats * sizeof(float), "pull output",
+                                   (void **)&out, err);
+    if (status == EM_OK)
+        status = spread_buffers(r, &spread, devices, nnz, buckets, counts, vectors, missing,
+                                parts, to_remote, to_home, &transfers, err);
+    if (status == EM_OK)
+        status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
+                                        &spread, buckets, counts, position, err);
+    if (status == EM_OK && transfers > 0)
+        status = em_exchange_run(table->backend->exchange, to_remote, 2 * transfers, err);
+    if (status == EM_OK) {
+        em_device_batch distinct = {.rows = (uint32_t)nnz, .nnz = nnz};
+        em__lock_all_shards(table, false);
+        for (uint32_t i = 0; status == EM_OK && i < count; i++) {
+            uint32_t first = spread.first_shard[i];
+            status = parts[i].device->ops->shards_pull_async(
+                table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
+                &distinct, EM_COMBINER_NONE, parts[i].keys, parts[i].count, false,
+                parts[i].rows, parts[i].missing, parts[i].vectors, 0, 0, err);
+        }
+        em__unlock_all_shards(table);
+    }
+    if (status == EM_OK && transfers > 0)
+        status = em_exchange_run(table->backend->exchange, to_home, 2 * transfers, err);
+    if (status == EM_OK) {
+        em_device_batch batch = {.rows = request->batch.rows,
+                                 .nnz = nnz,
+                                 .offsets = r->batch.offsets,
+                                 .inverse = k.inverse,
+                                 .position = position,
+                                 .unique_count = nnz};
+        status = ops->combine(r->home_lane, &batch, request->combiner, dim, vectors, out, err);
+    }
+    uint64_t absent[EM_SPREAD_MAX];
+    uint32_t unique_count = 0;
+    if (status == EM_OK)
+        status = ops->copy_to_host_later(r->home_lane, absent, missing, count * sizeof(uint64_t),
+                                         err);
+    if (status == EM_OK)
+        status = ops->copy_to_host_later(r->home_lane, &unique_count, k.count,
+                                         sizeof(unique_count), err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++) /* one wait for every device */
+        if (parts[i].lane != r->home_lane)
+            status = ops->lane_join(r->home_lane, parts[i].lane, err);
+    if (status == EM_OK) /* ends with the lanes' synchronisation: the counts are in */
+        status = ops->copy_to_host(r->home_lane, request->out, out, out_floats * sizeof(float),
+                                   err);
+    if (status != EM_OK) {
+        em_error ignored; /* every lane's work ends before its release frees scratch */
+        (void)ops->synchronize(r->home_lane, &ignored);
+        return em_error_prefix(err, "table '%s': ", table->config.name);
+    }
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < count; i++)
+        total += absent[i];
+    note_at_once_find(table, &table->pulls_create, &table->pulls_go_general, total, false, true);
+    if (total != 0) {
+        em__request_rewind(r, &mark);
+        return EM_OK;
+    }
+    result->unique_keys = unique_count;
+    result->missing = 0;
+    result->created = 0;
+    atomic_fetch_add_explicit(&table->pulls_at_once, 1, memory_order_relaxed);
+    *done = true;
+    return EM_OK;
+}
+
 /* Whether a request of a table over several devices (the general way) may leave its
  * finds' counts for a later wait (counts_later), its table's requests of its kind
  * having found every key lately (find_first clear: note_waited_find). */
@@ -568,6 +803,8 @@ static em_status pull_attempt(em_table *table, const em_pull_request *request,
     uint64_t absent = 0;     /* at once: the keys it found missing */
     if (at_once)
         status = pull_at_once(&r, request, result, &done, &out_ready, &absent, err);
+    else if (status == EM_OK && pull_may_spread(&r, request))
+        status = pull_spread(&r, request, result, &done, err);
     if (status != EM_OK || done || (create && goes_alone(&r, may_create, absent, state))) {
         em__request_end(&r);
         return status;

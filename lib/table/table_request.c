@@ -100,8 +100,13 @@ request_mark em__request_mark(const request_context *r)
 
 void em__request_rewind(request_context *r, const request_mark *mark)
 {
-    for (uint32_t i = r->scratch_count; i > mark->scratch_count; i--)
-        release_scratch(&r->scratch[i - 1]);
+    for (uint32_t i = r->scratch_count; i > mark->scratch_count; i--) {
+        const scratch_item *item = &r->scratch[i - 1];
+        struct scratch_block *block = &r->blocks[item->device->index];
+        if (item->block && block->base == item->pointer) /* another device's block */
+            *block = (struct scratch_block){0};
+        release_scratch(item);
+    }
     r->scratch_count = mark->scratch_count;
     r->blocks[r->home->index] = mark->home_block;
 }

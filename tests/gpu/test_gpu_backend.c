@@ -1451,7 +1451,7 @@ static void *race_reader(void *argument)
     return NULL;
 }
 
-/* Loop index: 2 shards on 2 GPUs (where 2 are visible: requests go the general way), 1
+/* Loop index: 2 shards on 2 GPUs (where 2 are visible: pushes go the general way), 1
  * shard, 3 shards on one GPU (pulls and pushes of stored keys go at once, with one wait
  * for the GPU). Pushes on several lanes at once never lose an update (the shards' events
  * order them) and readers never see a half-applied push. */
@@ -1497,8 +1497,12 @@ START_TEST(concurrent_pushes_lose_no_update)
                            * none after it */
         ck_assert_uint_ge(stats.pushes_at_once, RACE_PUSHERS * RACE_PUSHES - RACE_PUSHERS);
         ck_assert_uint_eq(stats.pulls_at_once, 2 * RACE_PUSHES + 2);
-    } else {
-        ck_assert_uint_eq(stats.pushes_at_once + stats.pulls_at_once, 0);
+    } else { /* pushes go the general way; pulls of stored keys go spread over both GPUs
+              * (table.c: pull_spread) once a pull has found every key: all but each
+              * reader's first, at most, and the last */
+        ck_assert_uint_eq(stats.pushes_at_once, 0);
+        ck_assert_uint_ge(stats.pulls_at_once, 2 * RACE_PUSHES - 1);
+        ck_assert_uint_le(stats.pulls_at_once, 2 * RACE_PUSHES + 1);
     }
     free(out);
     em_test_batch_free(&b);
@@ -2153,9 +2157,9 @@ START_TEST(host_waits_and_operations_per_request)
         {"push, present keys", 1, 8, true, false, false, 14, 1, false},
         {"push, creating", 1, 8, true, true, false, 25, 9, false},
         {"push, creating again", 1, 8, true, true, true, 17, 1, false},
-        {"pull, present keys", 2, 8, false, false, false, 41, 2, false},
+        {"pull, present keys", 2, 8, false, false, false, 28, 1, false},
         {"push, present keys", 2, 8, true, false, false, 60, 3, false},
-        {"serve, present keys", 2, 8, false, false, false, 41, 2, true},
+        {"serve, present keys", 2, 8, false, false, false, 28, 1, true},
         {"pull, creating again", 2, 8, false, true, true, 65, 4, false},
         {"push, creating again", 2, 8, true, true, true, 84, 5, false},
     };
@@ -2491,17 +2495,18 @@ END_TEST
 /* A table whose shards are on two GPUs: a request looks its keys up (and a push checks
  * its steps) on both GPUs before it waits, and then waits for both in one round trip
  * (em_gpu_streams_synchronize); its end waits for both at once too, the pull's with its
- * output. A pull of a table that tracks no access waits for its finds only while the
- * table's pulls find keys missing (table.c: finds_later); a push's finds come back with
- * its checks while its table's pushes find every key (push_finds_later). Counted by the
- * emulation: of a pull's 2 waits, 1 is for both GPUs at once (the end), of a push's 3,
- * 2 (the finds and checks, the end), of a pull that creates nothing 2, 1 (the end); the
- * dedupe and partition wait for the home GPU alone. The answers equal the CPU's, the missing
- * count of a pull that creates nothing (which comes back with the answer) too. */
+ * output. A pull of stored keys goes spread (table.c: pull_spread): the home GPU puts
+ * each GPU's keys in a bucket on the GPU, and the pull waits once, for both GPUs, with
+ * its output. A push's finds come back with its checks while its table's pushes find
+ * every key (push_finds_later). Counted by the emulation: a pull's 1 wait is for both
+ * GPUs at once, of a push's 3, 2 (the finds and checks, the end; the dedupe and
+ * partition wait for the home GPU alone), a pull that creates nothing waits as a pull
+ * does. The answers equal the CPU's, the missing count of a pull that creates nothing
+ * (which comes back with the answer) too. */
 START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
 {
     static const char *const kinds[] = {"pull", "push", "pull creating nothing"};
-    static const uint64_t joint_waits[] = {1, 2, 1};
+    static const uint64_t joint_waits[] = {1, 2, 1}, all_waits[] = {1, 3, 1};
     twin t = twin_make(8, 800, 8);
     for (int k = 0; k < 2; k++) /* a push that finds every key: the next need not find first */
         twin_request(&t, k, true);
@@ -2526,8 +2531,8 @@ START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
         printf("two GPUs, %s of present keys: %" PRIu64 " host waits, %" PRIu64 " of them for "
                "both GPUs at once\n", kinds[kind], waits, joint);
         /* a push's finds and checks together, and the end, each wait for both GPUs at
-         * once; only the dedupe and partition waits for the home GPU alone */
-        ck_assert_msg(joint == joint_waits[kind] && waits == joint + 1,
+         * once; only its dedupe and partition waits for the home GPU alone */
+        ck_assert_msg(joint == joint_waits[kind] && waits == all_waits[kind],
                       "request %d (%s): %" PRIu64 " waits, %" PRIu64 " for both GPUs at once",
                       request, kinds[kind], waits, joint);
         if (!push)
@@ -2552,6 +2557,94 @@ START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
     em_test_batch_free(&half);
     free(mixed);
     assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    twin_free(&t);
+}
+END_TEST
+
+/* Pulls (creating nothing) of keys[0..nnz) in rows of row_length[i] keys on both twin
+ * tables with combiner; the same bits out of both, and the GPU table's host waits and
+ * pulls at once come back. */
+static void twin_pull_rows(const twin *t, const uint64_t *keys, uint64_t nnz,
+                           const uint32_t *offsets, uint32_t rows, em_combiner combiner,
+                           uint64_t *waits, uint64_t *at_once)
+{
+    em_csr batch = {.rows = rows, .nnz = nnz, .offsets = offsets, .keys = keys};
+    uint64_t floats = (combiner == EM_COMBINER_NONE ? nnz : rows) * t->dim;
+    float *out[2] = {malloc(floats * sizeof(float)), malloc(floats * sizeof(float))};
+    em_table_stats before, after;
+    em_table_get_stats(t->tables[1], &before);
+    uint64_t operations = 0, waits_before = 0;
+    for (int k = 0; k < 2; k++) {
+        if (k == 1)
+            em_gpu_emulated_counts(&operations, &waits_before);
+        em_error err;
+        em_pull_result result;
+        em_status status = em_test_pull(t->tables[k], &batch, combiner, false, out[k], &result,
+                                        &err);
+        ck_assert_msg(status == EM_OK, "%s", err.message);
+        ck_assert_uint_eq(result.missing, 0);
+    }
+    em_gpu_emulated_counts(&operations, waits);
+    *waits -= waits_before;
+    em_table_get_stats(t->tables[1], &after);
+    *at_once = after.pulls_at_once - before.pulls_at_once;
+    for (uint64_t i = 0; i < floats; i++)
+        ck_assert_msg(memcmp(&out[0][i], &out[1][i], sizeof(float)) == 0,
+                      "combiner %d, float %" PRIu64 ": %a on the CPU, %a over two GPUs",
+                      (int)combiner, i, (double)out[0][i], (double)out[1][i]);
+    free(out[0]);
+    free(out[1]);
+}
+
+/* Pulls of stored keys spread over two GPUs (table.c: pull_spread) answer what the CPU
+ * answers, bit for bit, and wait once: rows of 0 to 5 keys with repeats, with each
+ * combiner; keys all on the second GPU's shards, twice (so that each GPU is home once,
+ * one of them with an empty bucket of its own); a single key (fewer keys than GPUs). A
+ * pull whose buckets and vectors would pass the spread's bound (250,000 keys of dim 8:
+ * 10 MB) goes the general way, and answers the same. */
+START_TEST(pulls_spread_over_two_gpus_match_cpu)
+{
+    twin t = twin_make(8, 800, 8);
+    enum { ROWS = 300, MOST = 5 * ROWS, LARGE = 250000 };
+    uint64_t *keys = malloc(LARGE * sizeof(uint64_t));
+    uint32_t *offsets = malloc((LARGE + 1) * sizeof(uint32_t));
+    uint64_t nnz = 0, waits = 0, at_once = 0;
+    offsets[0] = 0;
+    for (uint32_t i = 0; i < ROWS; i++) {
+        for (uint32_t j = 0; j < i % 6; j++)
+            keys[nnz++] = t.keys[(7 * i + 13 * j) % 97]; /* repeats across rows */
+        offsets[i + 1] = (uint32_t)nnz;
+    }
+    ck_assert_uint_le(nnz, MOST);
+    for (int c = EM_COMBINER_NONE; c <= EM_COMBINER_SQRTN; c++) {
+        twin_pull_rows(&t, keys, nnz, offsets, ROWS, (em_combiner)c, &waits, &at_once);
+        ck_assert_uint_eq(waits, 1);
+        ck_assert_uint_eq(at_once, 1);
+    }
+    nnz = 0;
+    for (uint32_t i = 0; i < t.n; i++)
+        if (em_key_shard(t.keys[i], 8) >= 4) /* the second GPU's shards, 4 to 7 */
+            keys[nnz++] = t.keys[i];
+    for (uint64_t i = 0; i <= nnz; i++)
+        offsets[i] = (uint32_t)i;
+    for (int home = 0; home < 2; home++) {
+        twin_pull_rows(&t, keys, nnz, offsets, (uint32_t)nnz, EM_COMBINER_NONE, &waits,
+                       &at_once);
+        ck_assert_uint_eq(waits, 1);
+        ck_assert_uint_eq(at_once, 1);
+    }
+    twin_pull_rows(&t, &t.keys[5], 1, offsets, 1, EM_COMBINER_SUM, &waits, &at_once);
+    ck_assert_uint_eq(waits, 1);
+    ck_assert_uint_eq(at_once, 1);
+    for (uint32_t i = 0; i < LARGE; i++) {
+        keys[i] = t.keys[(uint64_t)i * 31 % t.n];
+        offsets[i + 1] = i + 1;
+    }
+    twin_pull_rows(&t, keys, LARGE, offsets, LARGE, EM_COMBINER_NONE, &waits, &at_once);
+    ck_assert_uint_gt(waits, 1);
+    ck_assert_uint_eq(at_once, 0);
+    free(keys);
+    free(offsets);
     twin_free(&t);
 }
 END_TEST
@@ -2607,10 +2700,11 @@ START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
     const bool always = _i == 0;
     twin t = twin_make_admitting(8, 800, 8, always ? -1.0 : 1.0);
     uint64_t *mixed = malloc(t.n * sizeof(uint64_t));
-    /* pulls, in turn: a third of the keys new; new keys again; stored keys (finds them
-     * all, waiting); stored keys (without waiting) */
+    /* pulls, in turn: a third of the keys new (spread first, which finds keys missing
+     * and changes nothing); new keys again (the general way from the start); stored keys
+     * (finds them all, waiting); stored keys (spread: one wait) */
     static const uint64_t again_after[] = {1, 1, 1, 1};
-    static const uint64_t waits_of[] = {0, 0, 3, 2}; /* 0: not counted */
+    static const uint64_t waits_of[] = {0, 0, 3, 1}; /* 0: not counted */
     for (int pass = 0; pass < 4; pass++) {
         for (uint32_t i = 0; i < t.n; i++)
             mixed[i] = pass >= 2 || i % 3 != 0 ? t.keys[i]
@@ -3187,6 +3281,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, a_gpu_that_only_takes_new_keys_while_another_evicts);
     tcase_add_test(tc, a_table_on_one_gpu_of_two_is_served_there);
     tcase_add_test(tc, a_table_over_two_gpus_finds_and_checks_on_both_at_once);
+    tcase_add_test(tc, pulls_spread_over_two_gpus_match_cpu);
     tcase_add_loop_test(tc, a_request_over_two_gpus_that_finds_keys_missing_goes_again, 0, 2);
 #endif
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);

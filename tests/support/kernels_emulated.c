@@ -802,6 +802,21 @@ em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *un
     return ok();
 }
 
+em_gpu_status em_gpu_spread_keys(em_gpu_stream *stream, const uint64_t *partitioned, uint64_t n,
+                                 const uint32_t *starts, uint32_t shard_count,
+                                 const em_gpu_spread *spread, uint64_t *buckets,
+                                 uint32_t *bucket_counts, uint32_t *position)
+{
+    (void)stream;
+    uint64_t items = n > spread->count ? n : spread->count;
+    enter_device();
+    for (uint64_t t = 0; t < items; t++)
+        em_gpu_spread_item(spread, partitioned, n, starts, shard_count, t, buckets, bucket_counts,
+                           position);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, uint32_t rows,
                               uint64_t nnz, uint32_t *key_row)
 {
