@@ -388,6 +388,18 @@ static em_status settle_created(request_context *r, uint64_t rows_before, em_err
     return status;
 }
 
+/* A pull that found every key in its one wait: its answer, and the table's count. */
+static em_status pull_served_at_once(em_table *table, uint32_t unique_count,
+                                     em_pull_result *result, bool *done)
+{
+    result->unique_keys = unique_count;
+    result->missing = 0;
+    result->created = 0;
+    atomic_fetch_add_explicit(&table->pulls_at_once, 1, memory_order_relaxed);
+    *done = true;
+    return EM_OK;
+}
+
 /* A pull starts at once: dedupe, find, output and touch are enqueued together, one
  * kernel of each over all of the table's shards, and the counts come back with the
  * output (device.h: shards_pull_async), so a pull of keys that are all stored, the
@@ -487,12 +499,7 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
         *out_ready = out;
         return EM_OK;
     }
-    result->unique_keys = unique_count;
-    result->missing = 0;
-    result->created = 0;
-    atomic_fetch_add_explicit(&table->pulls_at_once, 1, memory_order_relaxed);
-    *done = true;
-    return EM_OK;
+    return pull_served_at_once(table, unique_count, result, done);
 }
 
 /* A pull spread over the devices of a table (pull_spread) sends every device that is not
@@ -722,12 +729,7 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
         em__request_rewind(r, &mark);
         return EM_OK;
     }
-    result->unique_keys = unique_count;
-    result->missing = 0;
-    result->created = 0;
-    atomic_fetch_add_explicit(&table->pulls_at_once, 1, memory_order_relaxed);
-    *done = true;
-    return EM_OK;
+    return pull_served_at_once(table, unique_count, result, done);
 }
 
 /* Whether a request of a table over several devices (the general way) may leave its
