@@ -255,7 +255,7 @@ typedef struct em_device_ops {
      * every shard's read lock until the operations are enqueued. batch->position and
      * unique_count are not used. With *missing > 0 the output is not the pull's.
      * batch->inverse NULL (combiner NONE, batch->nnz = n): the output is per distinct key,
-     * out[u] the vector of unique[u] for u below *count and zeros from there to n. 
+     * out[u] the vector of unique[u] for u below *count and zeros from there to n.
      * With create, the absent keys are inserted (shard_insert_missing, initial rows
      * included) before the output is written, and the rows are touched whatever was
      * absent: the caller holds every shard's write lock, has made room for every key it
