@@ -470,11 +470,15 @@ em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                 const float *gradients);
 /* What a step decided on the GPU looks at (device words, each NULL for none): it steps
  * the first *count rows, and none at all when *missing is not 0 (keys the find did not
- * find) or *problem is not UINT64_MAX (a check found a row the step would break). */
+ * find) or *problem is not UINT64_MAX (a check found a row the step would break). With
+ * parts above 1, the finds and checks of that many devices (a push spread over them):
+ * none at all when any of missing[2p] is not 0 or any of problem[2p] is set, p below
+ * parts (each device's pair of words side by side). */
 typedef struct em_gpu_gate {
     const uint32_t *count;
     const uint64_t *missing;
     const uint64_t *problem;
+    uint32_t parts;
 } em_gpu_gate;
 /* The rows a push inserted just before its step: the step's launch gives them their
  * initial values and zeroed access metadata (as em_gpu_rows_init) before stepping them,

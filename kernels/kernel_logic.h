@@ -356,12 +356,14 @@ EM_HOST_DEVICE uint64_t em_gpu_position(const em_gpu_batch *batch, uint64_t u)
 }
 
 /* The rows a gated kernel steps (em_gpu_gate): n, or the first *count of them, none when
- * the gate's missing word is not 0 or its problem word was set. */
+ * a missing word of the gate is not 0 or a problem word was set. */
 EM_HOST_DEVICE uint64_t em_gpu_gate_end(em_gpu_gate gate, uint64_t n)
 {
-    if ((gate.missing != NULL && *gate.missing != 0) ||
-        (gate.problem != NULL && *gate.problem != UINT64_MAX))
-        return 0;
+    uint32_t parts = gate.parts > 1 ? gate.parts : 1;
+    for (uint32_t p = 0; p < parts; p++)
+        if ((gate.missing != NULL && gate.missing[2 * p] != 0) ||
+            (gate.problem != NULL && gate.problem[2 * p] != UINT64_MAX))
+            return 0;
     return gate.count != NULL && *gate.count < n ? *gate.count : n;
 }
 

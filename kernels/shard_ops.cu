@@ -888,7 +888,7 @@ extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage
                                            em_optimizer_config optimizer, const uint64_t *rows,
                                            uint64_t n, const float *gradients)
 {
-    em_gpu_gate none = {NULL, NULL, NULL};
+    em_gpu_gate none = {NULL, NULL, NULL, 0};
     em_gpu_fresh_rows no_rows = {};
     return em_gpu_rows_apply_gated(stream, storage, optimizer, rows, n, gradients, none, no_rows);
 }

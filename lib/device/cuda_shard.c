@@ -1219,6 +1219,62 @@ em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_coun
     return em__cuda_finish_async(&s, lane, status, err);
 }
 
+/* The first half of a push spread over several devices (device.h:
+ * shards_find_check_async): shards_push_async's find and check, into the device's pair of
+ * answers, ordered as the write that the step on the same lane makes of it (the caller
+ * holds the shards' write locks in between, so that no other lane comes between them). */
+em_status em__cuda_shards_find_check_async(em_shard *const *bases, uint32_t shard_count,
+                                           em_lane *lane_base, const uint64_t *unique,
+                                           const uint32_t *count, uint64_t n,
+                                           const float *gradients, uint64_t *rows,
+                                           uint64_t *answers, em_error *err)
+{
+    cuda_shard *first = shard_of(bases[0]);
+    cuda_lane *lane = lane_of(lane_base);
+    shards_seen seen;
+    em_status status = see_shards(bases, shard_count, lane, &seen, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, &answers[0], 0,
+                                                      sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, &answers[1], 0xff,
+                                                      sizeof(uint64_t)), err);
+    if (status == EM_OK) /* after every read and write of the shards on other lanes */
+        status = order_shards(bases, shard_count, lane, true, err);
+    if (status == EM_OK)
+        status = find_check_seen(&seen, first, lane, unique, n, count, gradients, rows,
+                                 &answers[0], &answers[1], err);
+    return status;
+}
+
+/* The second half (device.h: shards_step_async): the step, and the touch, gated on
+ * every device's answers, on the lane of the first half, which ordered it. */
+em_status em__cuda_shards_step_async(em_shard *const *bases, uint32_t shard_count,
+                                     em_lane *lane_base, const uint64_t *rows,
+                                     const uint32_t *count, uint64_t n, const float *gradients,
+                                     const uint64_t *answers, uint32_t parts, uint64_t accessed,
+                                     uint32_t updated, em_error *err)
+{
+    cuda_shard *first = shard_of(bases[0]);
+    cuda_lane *lane = lane_of(lane_base);
+    shards_seen seen;
+    em_gpu_gate gate = {.count = count, .missing = &answers[0], .problem = &answers[1],
+                        .parts = parts};
+    em_status status = see_shards(bases, shard_count, lane, &seen, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen.storage,
+                                                          first->optimizer, rows, n, gradients,
+                                                          gate, (em_gpu_fresh_rows){0}),
+                            err);
+    if (status == EM_OK && first->track_access && accessed != 0)
+        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows, n,
+                                                          gate, accessed, updated, 1),
+                            err);
+    if (status == EM_OK)
+        status = record_shards(bases, shard_count, lane, true, err);
+    return status;
+}
+
 em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,
                                            const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                            const float *gradients, float gradient_bound,

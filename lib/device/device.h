@@ -285,6 +285,28 @@ typedef struct em_device_ops {
                                    const float *gradients, bool create, uint64_t *rows,
                                    uint64_t *missing, uint64_t *problem, uint64_t accessed,
                                    uint32_t updated, em_error *err);
+    /* A push to a table whose shards are on several devices of this kind, spread over
+     * them (each device holding a run of the table's shards: shards[0..shard_count) here),
+     * is shards_push_async in two halves on every device, with each device's answers sent
+     * to the others between them. shards_find_check_async finds unique[0..*count) (count a
+     * device word, at most n) into rows and checks each row's step with gradients[u] as
+     * shards_push_async does, writing answers[0] (the keys absent) and answers[1] (the
+     * first problem, UINT64_MAX for none), device words. shards_step_async then, on the
+     * same lane, steps the first *count of rows with gradients (and touches them as
+     * shards_push_async says) only if none of `parts` pairs of answers (answers[2p],
+     * answers[2p + 1]: every device's) found a key absent or a problem: all or nothing
+     * over every device, decided on each. The caller holds every shard's write lock from
+     * the find until the step is enqueued. Neither creates keys. NULL on the CPU. */
+    em_status (*shards_find_check_async)(em_shard *const *shards, uint32_t shard_count,
+                                         em_lane *lane, const uint64_t *unique,
+                                         const uint32_t *count, uint64_t n,
+                                         const float *gradients, uint64_t *rows,
+                                         uint64_t *answers, em_error *err);
+    em_status (*shards_step_async)(em_shard *const *shards, uint32_t shard_count, em_lane *lane,
+                                   const uint64_t *rows, const uint32_t *count, uint64_t n,
+                                   const float *gradients, const uint64_t *answers,
+                                   uint32_t parts, uint64_t accessed, uint32_t updated,
+                                   em_error *err);
     /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
      * the shard's rows have been evicted (shard_evict; evicted may pass new_keys: a
      * table's headroom, and then new_keys may be 0), so that insert_missing of that many

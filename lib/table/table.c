@@ -504,12 +504,18 @@ static em_status pull_at_once(request_context *r, const em_pull_request *request
 
 /* A pull spread over the devices of a table (pull_spread) sends every device that is not
  * home a bucket of room for all of the request's keys, and gets back as many vectors,
- * since how many are its own is known only on the GPU: at most this many bytes in all,
- * else it goes the general way, which sends each device its keys only. */
+ * since how many are its own is known only on the GPU (a push, push_spread, sends as
+ * many gradient sums instead): at most this many bytes in all, else it goes the general
+ * way, which sends each device its keys only. */
 #define SPREAD_MAX_BYTES ((uint64_t)8 << 20)
 
 /* The devices holding the table's shards, in device order (devices[i], backend indices),
- * and the shards each holds; 0 when there are more of them than a spread takes. */
+ * and the shards each holds; 0 when there are more of them than a spread takes, or when
+ * a device's shards do not number a key's shard as the table does. A device's kernels
+ * take a key's shard among its own k to be em_key_shard(key, k), the hash mod k: the
+ * table's shard (the hash mod shard_count) less the device's first shard f when k
+ * divides both shard_count and f, as it does where the devices share the shards
+ * evenly (em_backend_shard_device). */
 static uint32_t spread_of(const em_table *table, em_spread *spread, uint32_t *devices)
 {
     spread->count = 0;
@@ -523,29 +529,38 @@ static uint32_t spread_of(const em_table *table, em_spread *spread, uint32_t *de
         spread->first_shard[spread->count++] = s;
     }
     spread->first_shard[spread->count] = table->shard_count;
+    for (uint32_t i = 0; i < spread->count; i++) {
+        uint32_t first = spread->first_shard[i], k = spread->first_shard[i + 1] - first;
+        if (table->shard_count % k != 0 || first % k != 0)
+            return 0;
+    }
     return spread->count;
 }
 
-/* Whether a pull of a table over several devices goes spread (pull_spread): its devices
- * can, its table's pulls find their keys lately (pulls_go_general clear), it tracks no
- * access (a pull that found keys missing on one device would have touched the others'
- * rows), and its buckets and vectors stay within SPREAD_MAX_BYTES. */
-static bool pull_may_spread(const request_context *r, const em_pull_request *request)
+/* Whether a request of nnz keys of a table over several devices goes spread
+ * (pull_spread, push_spread): its devices can (push: the two halves of a spread push),
+ * its table's requests of its kind find their keys lately (go_general clear), it tracks
+ * no access (a pull that found keys missing on one device would have touched the
+ * others' rows), and its buckets and vectors (push: gradient sums) stay within
+ * SPREAD_MAX_BYTES. */
+static bool may_spread(const request_context *r, uint64_t nnz, _Atomic bool *go_general,
+                       bool push)
 {
     const em_table *table = r->table;
     const em_device_ops *ops = r->home->ops;
-    uint64_t nnz = request->batch.nnz;
-    if (em__shards_at_home(r) || nnz == 0 || r->access_stamp != 0 ||
+    bool can = push ? ops->shards_find_check_async != NULL && ops->shards_step_async != NULL
+                    : ops->shards_pull_async != NULL;
+    if (em__shards_at_home(r) || nnz == 0 || r->access_stamp != 0 || !can ||
         ops->spread_keys_async == NULL || ops->unique_keys_async == NULL ||
         ops->copy_to_host_later == NULL || ops->lane_join == NULL ||
-        atomic_load_explicit(&table->pulls_go_general, memory_order_relaxed))
+        atomic_load_explicit(go_general, memory_order_relaxed))
         return false;
     em_spread spread;
     uint32_t devices[EM_SPREAD_MAX];
     uint32_t count = spread_of(table, &spread, devices), remote = 0;
     for (uint32_t i = 0; i < count; i++) {
         const em_device *device = table->backend->devices[devices[i]];
-        if (device->ops != ops || ops->shards_pull_async == NULL)
+        if (device->ops != ops)
             return false;
         remote += device != r->home;
     }
@@ -554,8 +569,15 @@ static bool pull_may_spread(const request_context *r, const em_pull_request *req
     return count > 1 && count * nnz <= UINT32_MAX && bytes <= SPREAD_MAX_BYTES;
 }
 
-/* Each spread device's part of a pull: its keys (a bucket of room for every key of the
- * request) and their count, its rows, vectors and missing count, on that device. */
+static bool pull_may_spread(const request_context *r, const em_pull_request *request)
+{
+    return may_spread(r, request->batch.nnz, &r->table->pulls_go_general, false);
+}
+
+/* Each spread device's part of a request: its keys (a bucket of room for every key of
+ * the request) and their count, its rows, its keys' vectors (push: their gradient sums)
+ * and its words (pull: its missing count; push: every device's answers, 2 x count), on
+ * that device. */
 typedef struct spread_part {
     em_device *device;
     em_lane *lane;
@@ -563,30 +585,42 @@ typedef struct spread_part {
     uint32_t *count;
     uint64_t *rows;
     float *vectors;
-    uint64_t *missing;
+    uint64_t *words;
 } spread_part;
 
-/* The parts' buffers: at home, where the buckets, vectors and missing counts are;
- * elsewhere, in scratch of their own, with the transfers that move keys there (to_remote)
- * and vectors and counts back (to_home). */
+/* Where a spread request's parts are at home, all of them side by side: buckets (count x
+ * nnz keys), their counts, vectors or sums (count x nnz x dim floats), and the words
+ * (pull: a missing count each; push: 2 x count answers, every device's, as each part
+ * has them). */
+typedef struct spread_home {
+    uint64_t *buckets;
+    uint32_t *counts;
+    float *vectors;
+    uint64_t *words;
+} spread_home;
+
+/* The parts' buffers: at home, in h; elsewhere, in scratch of their own, with the
+ * transfers that move keys there (to_remote: keys and count, and a push's sums) and,
+ * for a pull, vectors and missing counts back (to_home), *sent and *returned of them. */
 static em_status spread_buffers(request_context *r, const em_spread *spread,
-                                const uint32_t *devices, uint64_t nnz, uint64_t *buckets,
-                                uint32_t *counts, float *vectors, uint64_t *missing,
-                                spread_part *parts, em_transfer *to_remote, em_transfer *to_home,
-                                size_t *transfers, em_error *err)
+                                const uint32_t *devices, uint64_t nnz, bool push,
+                                const spread_home *h, spread_part *parts,
+                                em_transfer *to_remote, em_transfer *to_home, size_t *sent,
+                                size_t *returned, em_error *err)
 {
     em_table *table = r->table;
-    uint32_t dim = table->config.dim;
+    uint32_t dim = table->config.dim, count = spread->count;
     size_t vector_bytes = nnz * dim * sizeof(float);
-    *transfers = 0;
+    size_t words = push ? 2 * (size_t)count : 1;
+    *sent = *returned = 0;
     em_status status = EM_OK;
-    for (uint32_t i = 0; status == EM_OK && i < spread->count; i++) {
+    for (uint32_t i = 0; status == EM_OK && i < count; i++) {
         spread_part *p = &parts[i];
         p->device = table->backend->devices[devices[i]];
         p->lane = r->lanes[devices[i]];
         if (p->device == r->home) {
-            *p = (spread_part){p->device, p->lane, buckets + i * nnz, counts + i, NULL,
-                               vectors + i * nnz * dim, missing + i};
+            *p = (spread_part){p->device, p->lane, h->buckets + i * nnz, h->counts + i, NULL,
+                               h->vectors + i * nnz * dim, push ? h->words : h->words + i};
             status = em__request_alloc(r, p->device, nnz * sizeof(uint64_t), "spread rows",
                                        (void **)&p->rows, err);
             continue;
@@ -600,24 +634,49 @@ static em_status spread_buffers(request_context *r, const em_spread *spread,
             status = em__request_alloc(r, p->device, nnz * sizeof(uint64_t), "spread rows",
                                        (void **)&p->rows, err);
         if (status == EM_OK)
-            status = em__request_alloc(r, p->device, vector_bytes, "spread vectors",
+            status = em__request_alloc(r, p->device, vector_bytes,
+                                       push ? "spread gradient sums" : "spread vectors",
                                        (void **)&p->vectors, err);
         if (status == EM_OK)
-            status = em__request_alloc(r, p->device, sizeof(uint64_t), "spread missing",
-                                       (void **)&p->missing, err);
+            status = em__request_alloc(r, p->device, words * sizeof(uint64_t),
+                                       push ? "spread answers" : "spread missing",
+                                       (void **)&p->words, err);
         if (status != EM_OK)
             break;
-        size_t t = *transfers;
-        to_remote[2 * t] = (em_transfer){r->home_lane, buckets + i * nnz, p->lane, p->keys,
-                                         nnz * sizeof(uint64_t)};
-        to_remote[2 * t + 1] = (em_transfer){r->home_lane, counts + i, p->lane, p->count,
+        to_remote[(*sent)++] = (em_transfer){r->home_lane, h->buckets + i * nnz, p->lane,
+                                             p->keys, nnz * sizeof(uint64_t)};
+        to_remote[(*sent)++] = (em_transfer){r->home_lane, h->counts + i, p->lane, p->count,
                                              sizeof(uint32_t)};
-        to_home[2 * t] = (em_transfer){p->lane, p->vectors, r->home_lane,
-                                       vectors + i * nnz * dim, vector_bytes};
-        to_home[2 * t + 1] = (em_transfer){p->lane, p->missing, r->home_lane, missing + i,
-                                           sizeof(uint64_t)};
-        *transfers = t + 1;
+        if (push) {
+            to_remote[(*sent)++] = (em_transfer){r->home_lane, h->vectors + i * nnz * dim,
+                                                 p->lane, p->vectors, vector_bytes};
+            continue;
+        }
+        to_home[(*returned)++] = (em_transfer){p->lane, p->vectors, r->home_lane,
+                                               h->vectors + i * nnz * dim, vector_bytes};
+        to_home[(*returned)++] = (em_transfer){p->lane, p->words, r->home_lane, h->words + i,
+                                               sizeof(uint64_t)};
     }
+    return status;
+}
+
+/* The home device's buffers of a spread request (spread_home), of words 64-bit words. */
+static em_status spread_home_buffers(request_context *r, uint32_t count, uint64_t nnz,
+                                     size_t words, spread_home *h, em_error *err)
+{
+    em_device *home = r->home;
+    uint32_t dim = r->table->config.dim;
+    em_status status = em__request_alloc(r, home, count * nnz * sizeof(uint64_t),
+                                         "key buckets", (void **)&h->buckets, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, count * sizeof(uint32_t), "bucket counts",
+                                   (void **)&h->counts, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, count * nnz * dim * sizeof(float),
+                                   "spread vectors", (void **)&h->vectors, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, words * sizeof(uint64_t), "spread words",
+                                   (void **)&h->words, err);
     return status;
 }
 
@@ -645,40 +704,30 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
     uint32_t devices[EM_SPREAD_MAX];
     uint32_t count = spread_of(table, &spread, devices);
     at_once_keys k = {0};
-    uint64_t *buckets = NULL, *missing = NULL;
-    uint32_t *counts = NULL, *position = NULL;
-    float *vectors = NULL, *out = NULL;
+    spread_home h = {0};
+    uint32_t *position = NULL;
+    float *out = NULL;
     spread_part parts[EM_SPREAD_MAX];
-    em_transfer to_remote[2 * EM_SPREAD_MAX], to_home[2 * EM_SPREAD_MAX];
-    size_t transfers = 0;
+    em_transfer to_remote[3 * EM_SPREAD_MAX], to_home[2 * EM_SPREAD_MAX];
+    size_t sent = 0, returned = 0;
     *done = false;
     em_status status = dedupe_at_once(r, &request->batch, request->combiner, &k, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, count * nnz * sizeof(uint64_t), "key buckets",
-                                   (void **)&buckets, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, count * sizeof(uint32_t), "bucket counts",
-                                   (void **)&counts, err);
+        status = spread_home_buffers(r, count, nnz, count, &h, err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "bucket positions",
                                    (void **)&position, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, count * nnz * dim * sizeof(float),
-                                   "spread vectors", (void **)&vectors, err);
-    if (status == EM_OK)
-        status = em__request_alloc(r, home, count * sizeof(uint64_t), "missing counts",
-                                   (void **)&missing, err);
-    if (status == EM_OK)
         status = em__request_alloc(r, home, out_floats * sizeof(float), "pull output",
                                    (void **)&out, err);
     if (status == EM_OK)
-        status = spread_buffers(r, &spread, devices, nnz, buckets, counts, vectors, missing,
-                                parts, to_remote, to_home, &transfers, err);
+        status = spread_buffers(r, &spread, devices, nnz, false, &h, parts, to_remote, to_home,
+                                &sent, &returned, err);
     if (status == EM_OK)
         status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
-                                        &spread, buckets, counts, position, err);
-    if (status == EM_OK && transfers > 0)
-        status = em_exchange_run(table->backend->exchange, to_remote, 2 * transfers, err);
+                                        &spread, h.buckets, h.counts, position, err);
+    if (status == EM_OK && sent > 0)
+        status = em_exchange_run(table->backend->exchange, to_remote, sent, err);
     if (status == EM_OK) {
         em_device_batch distinct = {.rows = (uint32_t)nnz, .nnz = nnz};
         em__lock_all_shards(table, false);
@@ -687,12 +736,12 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
             status = parts[i].device->ops->shards_pull_async(
                 table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
                 &distinct, EM_COMBINER_NONE, parts[i].keys, parts[i].count, false,
-                parts[i].rows, parts[i].missing, parts[i].vectors, 0, 0, err);
+                parts[i].rows, parts[i].words, parts[i].vectors, 0, 0, err);
         }
         em__unlock_all_shards(table);
     }
-    if (status == EM_OK && transfers > 0)
-        status = em_exchange_run(table->backend->exchange, to_home, 2 * transfers, err);
+    if (status == EM_OK && returned > 0)
+        status = em_exchange_run(table->backend->exchange, to_home, returned, err);
     if (status == EM_OK) {
         em_device_batch batch = {.rows = request->batch.rows,
                                  .nnz = nnz,
@@ -700,12 +749,13 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
                                  .inverse = k.inverse,
                                  .position = position,
                                  .unique_count = nnz};
-        status = ops->combine(r->home_lane, &batch, request->combiner, dim, vectors, out, err);
+        status = ops->combine(r->home_lane, &batch, request->combiner, dim, h.vectors, out,
+                              err);
     }
     uint64_t absent[EM_SPREAD_MAX];
     uint32_t unique_count = 0;
     if (status == EM_OK)
-        status = ops->copy_to_host_later(r->home_lane, absent, missing, count * sizeof(uint64_t),
+        status = ops->copy_to_host_later(r->home_lane, absent, h.words, count * sizeof(uint64_t),
                                          err);
     if (status == EM_OK)
         status = ops->copy_to_host_later(r->home_lane, &unique_count, k.count,
@@ -1149,6 +1199,153 @@ static em_status push_at_once(request_context *r, push_call *call,
     return EM_OK;
 }
 
+/* Whether a push goes spread (push_spread): as a pull does (may_spread), with its
+ * table's pushes finding their keys lately, and not while the table is being saved
+ * (its rows then go aside before a push steps them: the general way). */
+static bool push_may_spread(const request_context *r, const em_push_request *request)
+{
+    return !atomic_load_explicit(&r->table->saving, memory_order_relaxed) &&
+           may_spread(r, request->batch.nnz, &r->table->pushes_go_general, true);
+}
+
+/* A push of a table over several devices (push_may_spread) with one wait, as a push at
+ * once is with one: the home device dedupes the keys, puts each device's into a bucket
+ * (spread_keys_async) and sums the gradients straight into the buckets' order (the sums
+ * of every possible key, the count being on the GPU), buckets and sums go to the other
+ * devices whole, each device finds and checks its keys (shards_find_check_async), every
+ * device's answers go to every other, and each steps its rows only if no device found a
+ * key missing or a step that would break a row (shards_step_async): all or nothing,
+ * decided on every GPU alike. The answers come back in one wait for all of them. When
+ * some key is missing or a check failed, *done stays false and nothing was stepped: the
+ * push starts again the general way, with the scratch given back (which creates the
+ * keys, or names the problem as the CPU does), and when keys were missing the table's
+ * next pushes go that way until one finds every key (pushes_go_general). The gradients
+ * were checked finite on the host first (gpu_may_check). */
+static em_status push_spread(request_context *r, push_call *call, em_push_result *result,
+                             bool *done, uint64_t *found_absent, em_error *err)
+{
+    const em_push_request *request = call->request;
+    em_table *table = r->table;
+    em_device *home = r->home;
+    const em_device_ops *ops = home->ops;
+    uint64_t nnz = request->batch.nnz;
+    request_mark mark = em__request_mark(r);
+    em_spread spread;
+    uint32_t devices[EM_SPREAD_MAX];
+    uint32_t count = spread_of(table, &spread, devices);
+    at_once_keys k = {0};
+    spread_home h = {0};
+    uint32_t *position = NULL;
+    const float *gradients = NULL;
+    spread_part parts[EM_SPREAD_MAX];
+    em_transfer to_remote[3 * EM_SPREAD_MAX];
+    size_t sent = 0, returned = 0, shared = 0;
+    /* each device's answers to each other device */
+    em_transfer *answers_out = calloc((size_t)count * (count - 1), sizeof(*answers_out));
+    *done = false;
+    em_status status =
+        answers_out == NULL
+            ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                           "out of host memory for a push spread over %u devices", count)
+            : dedupe_at_once(r, &request->batch, request->combiner, &k, err);
+    if (status == EM_OK)
+        status = em__stage_input(r, request->gradients, request->gradient_count * sizeof(float),
+                                 "request gradients", (const void **)&gradients, err);
+    if (status == EM_OK)
+        status = spread_home_buffers(r, count, nnz, 2 * (size_t)count, &h, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "bucket positions",
+                                   (void **)&position, err);
+    if (status == EM_OK)
+        status = spread_buffers(r, &spread, devices, nnz, true, &h, parts, to_remote, NULL,
+                                &sent, &returned, err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        for (uint32_t j = 0; j < count; j++)
+            if (j != i)
+                answers_out[shared++] = (em_transfer){parts[i].lane, parts[i].words + 2 * i,
+                                                      parts[j].lane, parts[j].words + 2 * i,
+                                                      2 * sizeof(uint64_t)};
+    if (status == EM_OK)
+        status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
+                                        &spread, h.buckets, h.counts, position, err);
+    if (status == EM_OK) { /* into the buckets' order, for every possible distinct key */
+        em_device_batch batch = {.rows = request->batch.rows,
+                                 .nnz = nnz,
+                                 .offsets = r->batch.offsets,
+                                 .inverse = k.inverse,
+                                 .position = position,
+                                 .unique_count = nnz};
+        status = ops->sum_gradients(r->home_lane, &batch, request->combiner, table->config.dim,
+                                    gradients, h.vectors, err);
+    }
+    if (status == EM_OK && sent > 0)
+        status = em_exchange_run(table->backend->exchange, to_remote, sent, err);
+    bool saving = false;
+    if (status == EM_OK) {
+        em__lock_all_shards(table, true);
+        saving = table->snapshot != NULL; /* its rows go aside first: the general way */
+        for (uint32_t i = 0; !saving && status == EM_OK && i < count; i++) {
+            uint32_t first = spread.first_shard[i];
+            status = parts[i].device->ops->shards_find_check_async(
+                table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
+                parts[i].keys, parts[i].count, nnz, parts[i].vectors, parts[i].rows,
+                parts[i].words + 2 * i, err);
+        }
+        if (!saving && status == EM_OK)
+            status = em_exchange_run(table->backend->exchange, answers_out, shared, err);
+        for (uint32_t i = 0; !saving && status == EM_OK && i < count; i++) {
+            uint32_t first = spread.first_shard[i];
+            status = parts[i].device->ops->shards_step_async(
+                table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
+                parts[i].rows, parts[i].count, nnz, parts[i].vectors, parts[i].words, count, 0,
+                0, err);
+        }
+        /* whether it stepped is known later: checks before it look again */
+        for (uint32_t s = 0; !saving && s < table->shard_count; s++)
+            table->shard_versions[s].value += EM_ROW_BOUNDED_STEPS + 1;
+        em__unlock_all_shards(table);
+    }
+    free(answers_out);
+    uint64_t answers[2 * EM_SPREAD_MAX];
+    uint32_t updated = 0;
+    if (status == EM_OK && !saving)
+        status = ops->copy_to_host_later(r->home_lane, answers, h.words,
+                                         2 * count * sizeof(uint64_t), err);
+    if (status == EM_OK && !saving)
+        status = ops->copy_to_host_later(r->home_lane, &updated, k.count, sizeof(updated), err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++) /* one wait for all */
+        if (parts[i].lane != r->home_lane)
+            status = ops->lane_join(r->home_lane, parts[i].lane, err);
+    em_error ignored; /* every lane's work ends before its release frees scratch */
+    em_status synchronized = ops->synchronize(r->home_lane, status == EM_OK ? err : &ignored);
+    if (status == EM_OK)
+        status = synchronized;
+    if (status != EM_OK)
+        return em_error_prefix(err, "table '%s': ", table->config.name);
+    if (saving) {
+        em__request_rewind(r, &mark);
+        return EM_OK;
+    }
+    uint64_t absent = 0;
+    bool checked = true;
+    for (uint32_t i = 0; i < count; i++) {
+        absent += answers[2 * i];
+        checked = checked && answers[2 * i + 1] == UINT64_MAX;
+    }
+    note_at_once_find(table, &table->pushes_create, &table->pushes_go_general, absent, false,
+                      true);
+    if (absent != 0 || !checked) {
+        *found_absent = absent;
+        em__request_rewind(r, &mark);
+        return EM_OK;
+    }
+    result->updated = updated;
+    result->created = 0;
+    atomic_fetch_add_explicit(&table->pushes_at_once, 1, memory_order_relaxed);
+    *done = true;
+    return EM_OK;
+}
+
 /* Whether a push of a table over several devices (the general way) goes without waiting
  * for its finds: their missing counts come back with its checks' wait, before it
  * changes anything (em__check_create_apply), and when some key was missing it goes again
@@ -1196,6 +1393,8 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
         status = check_gradients(table, call, r.alone, err);
     if (status == EM_OK && at_once)
         status = push_at_once(&r, call, result, &done, &planned, &absent, err);
+    else if (status == EM_OK && push_may_spread(&r, request))
+        status = push_spread(&r, call, result, &done, &absent, err);
     if (status != EM_OK || done || goes_alone(&r, may_create, absent, state)) {
         em__request_end(&r);
         return status;
@@ -1221,6 +1420,8 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
         status = sum_and_send_gradients(&r, request, call->largest, err);
     if (status == EM_OK)
         status = em__check_create_apply(&r, err);
+    if (status == EM_OK && r.counts_later) /* its finds' counts came with its checks' wait */
+        note_general_find(table, &table->pushes_go_general, r.missing);
     state->made_room = state->made_room || r.made_room;
     if (status == EM_OK && r.needs_alone) { /* found missing with its checks, no room */
         state->needs_create = true;

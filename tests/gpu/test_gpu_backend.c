@@ -1451,10 +1451,11 @@ static void *race_reader(void *argument)
     return NULL;
 }
 
-/* Loop index: 2 shards on 2 GPUs (where 2 are visible: pushes go the general way), 1
- * shard, 3 shards on one GPU (pulls and pushes of stored keys go at once, with one wait
- * for the GPU). Pushes on several lanes at once never lose an update (the shards' events
- * order them) and readers never see a half-applied push. */
+/* Loop index: 2 shards on 2 GPUs (where 2 are visible: pulls and pushes of stored keys
+ * go spread over both, with one wait for both), 1 shard, 3 shards on one GPU (pulls and
+ * pushes of stored keys go at once, with one wait for the GPU). Pushes on several lanes
+ * at once never lose an update (the shards' events order them) and readers never see a
+ * half-applied push. */
 START_TEST(concurrent_pushes_lose_no_update)
 {
     const uint32_t gpus = _i == 0 ? 2 : 1, shards = _i == 0 ? 2 : _i == 1 ? 1 : 3;
@@ -1497,10 +1498,11 @@ START_TEST(concurrent_pushes_lose_no_update)
                            * none after it */
         ck_assert_uint_ge(stats.pushes_at_once, RACE_PUSHERS * RACE_PUSHES - RACE_PUSHERS);
         ck_assert_uint_eq(stats.pulls_at_once, 2 * RACE_PUSHES + 2);
-    } else { /* pushes go the general way; pulls of stored keys go spread over both GPUs
-              * (table.c: pull_spread) once a pull has found every key: all but each
-              * reader's first, at most, and the last */
-        ck_assert_uint_eq(stats.pushes_at_once, 0);
+    } else { /* pushes of stored keys go spread over both GPUs (table.c: push_spread),
+              * every one (the keys were created by a pull); pulls go spread (pull_spread)
+              * once a pull has found every key: all but each reader's first, at most,
+              * and the last */
+        ck_assert_uint_eq(stats.pushes_at_once, RACE_PUSHERS * RACE_PUSHES);
         ck_assert_uint_ge(stats.pulls_at_once, 2 * RACE_PUSHES - 1);
         ck_assert_uint_le(stats.pulls_at_once, 2 * RACE_PUSHES + 1);
     }
@@ -2129,7 +2131,8 @@ END_TEST
  * below the ceilings measured when this test was written, so a change that adds work
  * to a request fails here and one that removes some lowers the ceilings. 1,000 keys,
  * dim 16, adagrad, batches in malloc'ed memory, the table's shards on one GPU or spread
- * over two (which goes the general way). The first request of a new table of several
+ * over two (a request of stored keys goes spread, one that creates them the general
+ * way). The first request of a new table of several
  * shards copies its shards' view to the GPU; a lane that kept a view with the same
  * bytes (an earlier table's, at the same addresses) skips that copy, so the ceilings of
  * the fresh shapes of several shards count it. */
@@ -2158,7 +2161,7 @@ START_TEST(host_waits_and_operations_per_request)
         {"push, creating", 1, 8, true, true, false, 25, 9, false},
         {"push, creating again", 1, 8, true, true, true, 17, 1, false},
         {"pull, present keys", 2, 8, false, false, false, 28, 1, false},
-        {"push, present keys", 2, 8, true, false, false, 60, 3, false},
+        {"push, present keys", 2, 8, true, false, false, 29, 1, false},
         {"serve, present keys", 2, 8, false, false, false, 28, 1, true},
         {"pull, creating again", 2, 8, false, true, true, 65, 4, false},
         {"push, creating again", 2, 8, true, true, true, 84, 5, false},
@@ -2494,19 +2497,17 @@ END_TEST
 
 /* A table whose shards are on two GPUs: a request looks its keys up (and a push checks
  * its steps) on both GPUs before it waits, and then waits for both in one round trip
- * (em_gpu_streams_synchronize); its end waits for both at once too, the pull's with its
- * output. A pull of stored keys goes spread (table.c: pull_spread): the home GPU puts
- * each GPU's keys in a bucket on the GPU, and the pull waits once, for both GPUs, with
- * its output. A push's finds come back with its checks while its table's pushes find
- * every key (push_finds_later). Counted by the emulation: a pull's 1 wait is for both
- * GPUs at once, of a push's 3, 2 (the finds and checks, the end; the dedupe and
- * partition wait for the home GPU alone), a pull that creates nothing waits as a pull
- * does. The answers equal the CPU's, the missing count of a pull that creates nothing
- * (which comes back with the answer) too. */
+ * (em_gpu_streams_synchronize). A pull or a push of stored keys goes spread (table.c:
+ * pull_spread, push_spread): the home GPU puts each GPU's keys in a bucket on the GPU,
+ * and the request waits once, for both GPUs, the pull with its output. Counted by the
+ * emulation: a pull's 1 wait and a push's 1 are for both GPUs at once, a pull that
+ * creates nothing waits as a pull does (the general way's push:
+ * pushes_spread_over_two_gpus_match_cpu). The answers equal the CPU's, the missing
+ * count of a pull that creates nothing (which comes back with the answer) too. */
 START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
 {
     static const char *const kinds[] = {"pull", "push", "pull creating nothing"};
-    static const uint64_t joint_waits[] = {1, 2, 1}, all_waits[] = {1, 3, 1};
+    static const uint64_t joint_waits[] = {1, 1, 1}, all_waits[] = {1, 1, 1};
     twin t = twin_make(8, 800, 8);
     for (int k = 0; k < 2; k++) /* a push that finds every key: the next need not find first */
         twin_request(&t, k, true);
@@ -2530,8 +2531,6 @@ START_TEST(a_table_over_two_gpus_finds_and_checks_on_both_at_once)
         waits -= waits_before;
         printf("two GPUs, %s of present keys: %" PRIu64 " host waits, %" PRIu64 " of them for "
                "both GPUs at once\n", kinds[kind], waits, joint);
-        /* a push's finds and checks together, and the end, each wait for both GPUs at
-         * once; only its dedupe and partition waits for the home GPU alone */
         ck_assert_msg(joint == joint_waits[kind] && waits == all_waits[kind],
                       "request %d (%s): %" PRIu64 " waits, %" PRIu64 " for both GPUs at once",
                       request, kinds[kind], waits, joint);
@@ -2649,6 +2648,175 @@ START_TEST(pulls_spread_over_two_gpus_match_cpu)
 }
 END_TEST
 
+/* Pushes of keys[0..nnz) in rows of row_length[i] keys to both twin tables with
+ * combiner (gradients a row's or a key's, by the combiner); the GPU table's host waits
+ * and pushes at once come back, and its answer equals the CPU's. */
+static void twin_push_rows(const twin *t, const uint64_t *keys, uint64_t nnz,
+                           const uint32_t *offsets, uint32_t rows, em_combiner combiner,
+                           uint64_t *waits, uint64_t *at_once)
+{
+    em_csr batch = {.rows = rows, .nnz = nnz, .offsets = offsets, .keys = keys};
+    uint64_t floats = (combiner == EM_COMBINER_NONE ? nnz : rows) * t->dim;
+    float *gradients = malloc(floats * sizeof(float));
+    for (uint64_t i = 0; i < floats; i++)
+        gradients[i] = 0.001f * (float)(i % 89) - 0.043f;
+    em_table_stats before, after;
+    em_table_get_stats(t->tables[1], &before);
+    uint64_t operations = 0, waits_before = 0;
+    em_push_result results[2];
+    for (int k = 0; k < 2; k++) {
+        if (k == 1)
+            em_gpu_emulated_counts(&operations, &waits_before);
+        em_error err;
+        em_status status = em_test_push(t->tables[k], &batch, combiner, gradients, &results[k],
+                                        &err);
+        ck_assert_msg(status == EM_OK, "%s", err.message);
+    }
+    em_gpu_emulated_counts(&operations, waits);
+    *waits -= waits_before;
+    em_table_get_stats(t->tables[1], &after);
+    *at_once = after.pushes_at_once - before.pushes_at_once;
+    ck_assert_uint_eq(results[1].updated, results[0].updated);
+    ck_assert_uint_eq(results[1].created, results[0].created);
+    free(gradients);
+}
+
+/* Pushes of stored keys spread over two GPUs (table.c: push_spread) step what the CPU
+ * steps, bit for bit, and wait once: rows of 0 to 5 keys with repeats (a key's gradients
+ * summed on the home GPU), with each combiner; keys all on the second GPU's shards,
+ * twice (each GPU home once, one of them with an empty bucket of its own); a single key.
+ * A push with a key missing steps nothing on either GPU and goes the general way, which
+ * creates it; one whose step would break a row on the second GPU steps nothing on the
+ * first either, and is refused with the CPU's message. A push past the spread's bound
+ * goes the general way. The rows of both tables agree throughout. */
+START_TEST(pushes_spread_over_two_gpus_match_cpu)
+{
+    twin t = twin_make(8, 800, 8);
+    for (int k = 0; k < 2; k++) /* a push that finds every key: the next go spread */
+        twin_request(&t, k, true);
+    enum { ROWS = 300, MOST = 5 * ROWS, LARGE = 250000 };
+    uint64_t *keys = malloc(LARGE * sizeof(uint64_t));
+    uint32_t *offsets = malloc((LARGE + 1) * sizeof(uint32_t));
+    uint64_t nnz = 0, waits = 0, at_once = 0;
+    offsets[0] = 0;
+    for (uint32_t i = 0; i < ROWS; i++) {
+        for (uint32_t j = 0; j < i % 6; j++)
+            keys[nnz++] = t.keys[(7 * i + 13 * j) % 97]; /* repeats across rows */
+        offsets[i + 1] = (uint32_t)nnz;
+    }
+    ck_assert_uint_le(nnz, MOST);
+    for (int c = EM_COMBINER_NONE; c <= EM_COMBINER_SQRTN; c++) {
+        twin_push_rows(&t, keys, nnz, offsets, ROWS, (em_combiner)c, &waits, &at_once);
+        ck_assert_uint_eq(waits, 1);
+        ck_assert_uint_eq(at_once, 1);
+    }
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    nnz = 0;
+    for (uint32_t i = 0; i < t.n; i++)
+        if (em_key_shard(t.keys[i], 8) >= 4) /* the second GPU's shards, 4 to 7 */
+            keys[nnz++] = t.keys[i];
+    for (uint64_t i = 0; i <= nnz; i++)
+        offsets[i] = (uint32_t)i;
+    for (int home = 0; home < 2; home++) {
+        twin_push_rows(&t, keys, nnz, offsets, (uint32_t)nnz, EM_COMBINER_NONE, &waits,
+                       &at_once);
+        ck_assert_uint_eq(waits, 1);
+        ck_assert_uint_eq(at_once, 1);
+    }
+    twin_push_rows(&t, &t.keys[5], 1, offsets, 1, EM_COMBINER_SUM, &waits, &at_once);
+    ck_assert_uint_eq(waits, 1);
+    ck_assert_uint_eq(at_once, 1);
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    /* one key new, on the first GPU's shards: nothing stepped there or on the second */
+    nnz = 0;
+    for (uint64_t k = 1000003; nnz == 0; k += 2)
+        if (em_key_shard(k, 8) < 4)
+            keys[nnz++] = k;
+    for (uint32_t i = 0; i < 200; i++)
+        keys[nnz++] = t.keys[i];
+    twin_push_rows(&t, keys, nnz, offsets, (uint32_t)nnz, EM_COMBINER_NONE, &waits, &at_once);
+    ck_assert_uint_eq(at_once, 0);
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    /* the first push after it finds every key the general way: its finds' counts come
+     * back with its checks (push_finds_later), whose wait is for both GPUs at once, as
+     * is its end's (the dedupe and partition wait for the home GPU alone); the next goes
+     * spread */
+    for (int pass = 0; pass < 2; pass++) {
+        uint64_t joint = em_gpu_emulated_joint_waits();
+        twin_push_rows(&t, t.keys, 100, offsets, 100, EM_COMBINER_NONE, &waits, &at_once);
+        joint = em_gpu_emulated_joint_waits() - joint;
+        ck_assert_uint_eq(at_once, (uint64_t)pass);
+        ck_assert_uint_eq(waits, pass == 0 ? 3 : 1);
+        ck_assert_uint_eq(joint, pass == 0 ? 2 : 1);
+    }
+    /* a step that would overflow a row on the second GPU's shards only */
+    uint32_t victim = 0;
+    while (em_key_shard(t.keys[victim], 8) < 4)
+        victim++;
+    em_csr batch = {.rows = 100, .nnz = 100, .offsets = offsets, .keys = t.keys};
+    float *g = calloc(100 * t.dim, sizeof(float));
+    ck_assert_uint_lt(victim, 100);
+    g[victim * t.dim + 3] = 3e38f;
+    em_error errors[2];
+    for (int k = 0; k < 2; k++) {
+        em_test_snapshot before = em_test_snapshot_take(t.tables[k], 64);
+        em_table_stats stats;
+        em_table_get_stats(t.tables[k], &stats);
+        uint64_t pushed_at_once = stats.pushes_at_once;
+        ck_assert_int_eq(em_test_push(t.tables[k], &batch, EM_COMBINER_NONE, g, NULL, &errors[k]),
+                         EM_INVALID_ARGUMENT);
+        em_test_assert_table_unchanged(t.tables[k], &before);
+        em_test_snapshot_free(&before);
+        em_table_get_stats(t.tables[k], &stats);
+        ck_assert_uint_eq(stats.pushes_at_once, pushed_at_once);
+    }
+    ck_assert_str_eq(errors[1].message, errors[0].message);
+    free(g);
+    for (uint32_t i = 0; i < LARGE; i++) {
+        keys[i] = t.keys[(uint64_t)i * 31 % t.n];
+        offsets[i + 1] = i + 1;
+    }
+    twin_push_rows(&t, keys, LARGE, offsets, LARGE, EM_COMBINER_NONE, &waits, &at_once);
+    ck_assert_uint_gt(waits, 1);
+    ck_assert_uint_eq(at_once, 0);
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    free(keys);
+    free(offsets);
+    twin_free(&t);
+}
+END_TEST
+
+/* A table of 3 shards over two GPUs holds shards 0 and 1 on the first, 2 on the second:
+ * the first GPU's kernels would take a key's shard to be its hash mod 2, which is not
+ * the table's (mod 3), so its requests never go spread (table.c: spread_of), where
+ * they would find keys missing every time and go again: pulls and pushes of stored
+ * keys go the general way, each waiting as the one before, and answer as the CPU. */
+START_TEST(a_table_of_three_shards_over_two_gpus_goes_the_general_way)
+{
+    twin t = twin_make(3, 600, 8);
+    uint64_t waits[2][4], at_once = 0;
+    for (int request = 0; request < 4; request++)
+        for (int push = 0; push < 2; push++) {
+            uint64_t operations = 0, before = 0;
+            twin_request(&t, 0, push);
+            em_gpu_emulated_counts(&operations, &before);
+            twin_request(&t, 1, push);
+            em_gpu_emulated_counts(&operations, &waits[push][request]);
+            waits[push][request] -= before;
+            if (!push)
+                twin_assert_pulls_equal(&t);
+            if (request > 0)
+                ck_assert_uint_eq(waits[push][request], waits[push][request - 1]);
+        }
+    em_table_stats stats;
+    em_table_get_stats(t.tables[1], &stats);
+    at_once = stats.pulls_at_once + stats.pushes_at_once;
+    ck_assert_uint_eq(at_once, 0);
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    twin_free(&t);
+}
+END_TEST
+
 /* A pull (create_missing) or a push of batch on both twin tables, into pulls[k] or
  * pushes[k]; returns the host waits of the GPU table's request. */
 static uint64_t twin_counted(twin *t, const em_csr *batch, bool push, em_pull_result *pulls,
@@ -2721,15 +2889,17 @@ START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
         em_test_batch_free(&batch);
     }
     /* the same for pushes, whose finds' counts come back with their checks: the push of
-     * twin_make went again (it created every key); in turn, stored keys (waiting for
-     * the finds, which find every key), a third of the keys new (not waiting, so again),
-     * new keys again (waiting), stored keys (waiting), stored keys (not waiting). With
-     * admission `always` none goes again, and none waits for its finds: one that creates
-     * keys waits for their inserts too. */
+     * twin_make went again (it created every key); in turn, stored keys (the general
+     * way, twin_make's push having found keys missing; waiting for the finds, which find
+     * every key), a third of the keys new (spread first, which finds keys missing and
+     * steps nothing; then not waiting, so again), new keys again (waiting), stored keys
+     * (waiting), stored keys (spread: one wait). With admission `always` none goes
+     * again, and none waits for its finds: one that creates keys waits for their inserts
+     * too. */
     static const bool push_new[] = {false, true, true, false, false};
     static const uint64_t pushes_again_after[2][5] = {{0, 0, 0, 0, 0}, {1, 2, 2, 2, 2}};
-    static const uint64_t push_waits[2][5] = {{3, 4, 4, 3, 3},
-                                              {4, 0, 0, 4, 3}}; /* 0: not counted */
+    static const uint64_t push_waits[2][5] = {{3, 5, 4, 3, 1},
+                                              {4, 0, 0, 4, 1}}; /* 0: not counted */
     for (int pass = 0; pass < 5; pass++) {
         for (uint32_t i = 0; i < t.n; i++)
             mixed[i] = !push_new[pass] || i % 3 != 1
@@ -3282,6 +3452,8 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, a_table_on_one_gpu_of_two_is_served_there);
     tcase_add_test(tc, a_table_over_two_gpus_finds_and_checks_on_both_at_once);
     tcase_add_test(tc, pulls_spread_over_two_gpus_match_cpu);
+    tcase_add_test(tc, pushes_spread_over_two_gpus_match_cpu);
+    tcase_add_test(tc, a_table_of_three_shards_over_two_gpus_goes_the_general_way);
     tcase_add_loop_test(tc, a_request_over_two_gpus_that_finds_keys_missing_goes_again, 0, 2);
 #endif
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);

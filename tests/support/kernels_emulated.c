@@ -1305,7 +1305,7 @@ em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                 const float *gradients)
 {
     return em_gpu_rows_apply_gated(stream, storage, optimizer, rows, n, gradients,
-                                   (em_gpu_gate){NULL, NULL, NULL}, (em_gpu_fresh_rows){0});
+                                   (em_gpu_gate){0}, (em_gpu_fresh_rows){0});
 }
 
 em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
