@@ -694,6 +694,7 @@ static const em_device_ops cuda_device_ops = {
     .shards_push_async = em__cuda_shards_push_async,
     .shards_find_check_async = em__cuda_shards_find_check_async,
     .shards_step_async = em__cuda_shards_step_async,
+    .shards_touch_async = em__cuda_shards_touch_async,
     .shard_check_apply = em__cuda_shard_check_apply,
     .shard_check_apply_async = em__cuda_shard_check_apply_async,
     .shard_apply = em__cuda_shard_apply,

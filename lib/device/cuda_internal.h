@@ -366,6 +366,12 @@ em_status em__cuda_shards_step_async(em_shard *const *bases, uint32_t shard_coun
                                      const uint64_t *answers, uint32_t parts, uint64_t accessed,
                                      uint32_t updated, em_error *err);
 
+em_status em__cuda_shards_touch_async(em_shard *const *bases, uint32_t shard_count,
+                                      em_lane *lane_base, const uint64_t *rows,
+                                      const uint32_t *count, uint64_t n, const uint64_t *answers,
+                                      uint32_t parts, uint64_t accessed, uint32_t updated,
+                                      em_error *err);
+
 em_status em__cuda_shard_gather(em_shard *base, em_lane *lane_base, const uint64_t *rows,
                                 uint64_t n, const uint32_t *targets, float *vectors,
                                 em_error *err);

@@ -1275,6 +1275,28 @@ em_status em__cuda_shards_step_async(em_shard *const *bases, uint32_t shard_coun
     return status;
 }
 
+/* The touch of a pull spread over several devices (device.h: shards_touch_async), gated
+ * on every device's missing count, on the lane of the pull, which ordered it; recorded
+ * as a read again, after it. */
+em_status em__cuda_shards_touch_async(em_shard *const *bases, uint32_t shard_count,
+                                      em_lane *lane_base, const uint64_t *rows,
+                                      const uint32_t *count, uint64_t n, const uint64_t *answers,
+                                      uint32_t parts, uint64_t accessed, uint32_t updated,
+                                      em_error *err)
+{
+    cuda_lane *lane = lane_of(lane_base);
+    shards_seen seen;
+    em_gpu_gate found = {.count = count, .missing = answers, .problem = NULL, .parts = parts};
+    em_status status = see_shards(bases, shard_count, lane, &seen, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows, n,
+                                                          found, accessed, updated, 0),
+                            err);
+    if (status == EM_OK) /* a later write of the shards waits for the touch too */
+        status = record_shards(bases, shard_count, lane, false, err);
+    return status;
+}
+
 em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,
                                            const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                            const float *gradients, float gradient_bound,

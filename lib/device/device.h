@@ -307,6 +307,17 @@ typedef struct em_device_ops {
                                    const float *gradients, const uint64_t *answers,
                                    uint32_t parts, uint64_t accessed, uint32_t updated,
                                    em_error *err);
+    /* A pull spread over several devices (shards as shards_find_check_async says) of a
+     * table that tracks access: after shards_pull_async (accessed 0) on each device and
+     * every device's missing count sent to each, touches the first *count of rows (n
+     * entries) as pulled (last access `accessed`, update `updated` for rows never
+     * touched), on the same lane, only if none of `parts` missing counts (answers[2p])
+     * is above 0. The caller holds every shard's read lock from the pull until this is
+     * enqueued. NULL on the CPU. */
+    em_status (*shards_touch_async)(em_shard *const *shards, uint32_t shard_count,
+                                    em_lane *lane, const uint64_t *rows, const uint32_t *count,
+                                    uint64_t n, const uint64_t *answers, uint32_t parts,
+                                    uint64_t accessed, uint32_t updated, em_error *err);
     /* Makes room (index and storage) for new_keys more keys, inserted after `evicted` of
      * the shard's rows have been evicted (shard_evict; evicted may pass new_keys: a
      * table's headroom, and then new_keys may be 0), so that insert_missing of that many

@@ -538,19 +538,19 @@ static uint32_t spread_of(const em_table *table, em_spread *spread, uint32_t *de
 }
 
 /* Whether a request of nnz keys of a table over several devices goes spread
- * (pull_spread, push_spread): its devices can (push: the two halves of a spread push),
- * its table's requests of its kind find their keys lately (go_general clear), it tracks
- * no access (a pull that found keys missing on one device would have touched the
- * others' rows), and its buckets and vectors (push: gradient sums) stay within
- * SPREAD_MAX_BYTES. */
+ * (pull_spread, push_spread): its devices can (push: the two halves of a spread push; a
+ * pull of a table that tracks access: the touch after the devices' answers), its
+ * table's requests of its kind find their keys lately (go_general clear), and its
+ * buckets and vectors (push: gradient sums) stay within SPREAD_MAX_BYTES. */
 static bool may_spread(const request_context *r, uint64_t nnz, _Atomic bool *go_general,
                        bool push)
 {
     const em_table *table = r->table;
     const em_device_ops *ops = r->home->ops;
     bool can = push ? ops->shards_find_check_async != NULL && ops->shards_step_async != NULL
-                    : ops->shards_pull_async != NULL;
-    if (em__shards_at_home(r) || nnz == 0 || r->access_stamp != 0 || !can ||
+                    : ops->shards_pull_async != NULL &&
+                          (r->access_stamp == 0 || ops->shards_touch_async != NULL);
+    if (em__shards_at_home(r) || nnz == 0 || !can ||
         ops->spread_keys_async == NULL || ops->unique_keys_async == NULL ||
         ops->copy_to_host_later == NULL || ops->lane_join == NULL ||
         atomic_load_explicit(go_general, memory_order_relaxed))
@@ -576,7 +576,8 @@ static bool pull_may_spread(const request_context *r, const em_pull_request *req
 
 /* Each spread device's part of a request: its keys (a bucket of room for every key of
  * the request) and their count, its rows, its keys' vectors (push: their gradient sums)
- * and its words (pull: its missing count; push: every device's answers, 2 x count), on
+ * and its words: every device's answers (2 x count: device i's missing count at 2i, a
+ * push's first problem at 2i + 1) as far as they were sent to it (spread_answers), on
  * that device. */
 typedef struct spread_part {
     em_device *device;
@@ -589,9 +590,8 @@ typedef struct spread_part {
 } spread_part;
 
 /* Where a spread request's parts are at home, all of them side by side: buckets (count x
- * nnz keys), their counts, vectors or sums (count x nnz x dim floats), and the words
- * (pull: a missing count each; push: 2 x count answers, every device's, as each part
- * has them). */
+ * nnz keys), their counts, vectors or sums (count x nnz x dim floats), and home's words
+ * (spread_part). */
 typedef struct spread_home {
     uint64_t *buckets;
     uint32_t *counts;
@@ -600,8 +600,8 @@ typedef struct spread_home {
 } spread_home;
 
 /* The parts' buffers: at home, in h; elsewhere, in scratch of their own, with the
- * transfers that move keys there (to_remote: keys and count, and a push's sums) and,
- * for a pull, vectors and missing counts back (to_home), *sent and *returned of them. */
+ * transfers that move keys there (to_remote: keys and count, and a push's sums), *sent
+ * of them, and for a pull the vectors' back (to_home), *returned of them. */
 static em_status spread_buffers(request_context *r, const em_spread *spread,
                                 const uint32_t *devices, uint64_t nnz, bool push,
                                 const spread_home *h, spread_part *parts,
@@ -611,7 +611,7 @@ static em_status spread_buffers(request_context *r, const em_spread *spread,
     em_table *table = r->table;
     uint32_t dim = table->config.dim, count = spread->count;
     size_t vector_bytes = nnz * dim * sizeof(float);
-    size_t words = push ? 2 * (size_t)count : 1;
+    size_t words = 2 * (size_t)count;
     *sent = *returned = 0;
     em_status status = EM_OK;
     for (uint32_t i = 0; status == EM_OK && i < count; i++) {
@@ -620,7 +620,7 @@ static em_status spread_buffers(request_context *r, const em_spread *spread,
         p->lane = r->lanes[devices[i]];
         if (p->device == r->home) {
             *p = (spread_part){p->device, p->lane, h->buckets + i * nnz, h->counts + i, NULL,
-                               h->vectors + i * nnz * dim, push ? h->words : h->words + i};
+                               h->vectors + i * nnz * dim, h->words};
             status = em__request_alloc(r, p->device, nnz * sizeof(uint64_t), "spread rows",
                                        (void **)&p->rows, err);
             continue;
@@ -639,8 +639,7 @@ static em_status spread_buffers(request_context *r, const em_spread *spread,
                                        (void **)&p->vectors, err);
         if (status == EM_OK)
             status = em__request_alloc(r, p->device, words * sizeof(uint64_t),
-                                       push ? "spread answers" : "spread missing",
-                                       (void **)&p->words, err);
+                                       "spread answers", (void **)&p->words, err);
         if (status != EM_OK)
             break;
         to_remote[(*sent)++] = (em_transfer){r->home_lane, h->buckets + i * nnz, p->lane,
@@ -654,15 +653,25 @@ static em_status spread_buffers(request_context *r, const em_spread *spread,
         }
         to_home[(*returned)++] = (em_transfer){p->lane, p->vectors, r->home_lane,
                                                h->vectors + i * nnz * dim, vector_bytes};
-        to_home[(*returned)++] = (em_transfer){p->lane, p->words, r->home_lane, h->words + i,
-                                               sizeof(uint64_t)};
     }
     return status;
 }
 
-/* The home device's buffers of a spread request (spread_home), of words 64-bit words. */
+/* The transfers of each part's answers (its words 2i and, a push's, 2i + 1: bytes of
+ * them) to every other part (all), or to home's alone, appended to out at *n. */
+static void spread_answers(const request_context *r, const spread_part *parts, uint32_t count,
+                           bool all, size_t bytes, em_transfer *out, size_t *n)
+{
+    for (uint32_t i = 0; i < count; i++)
+        for (uint32_t j = 0; j < count; j++)
+            if (j != i && (all || parts[j].lane == r->home_lane))
+                out[(*n)++] = (em_transfer){parts[i].lane, parts[i].words + 2 * i, parts[j].lane,
+                                            parts[j].words + 2 * i, bytes};
+}
+
+/* The home device's buffers of a spread request (spread_home). */
 static em_status spread_home_buffers(request_context *r, uint32_t count, uint64_t nnz,
-                                     size_t words, spread_home *h, em_error *err)
+                                     spread_home *h, em_error *err)
 {
     em_device *home = r->home;
     uint32_t dim = r->table->config.dim;
@@ -675,7 +684,7 @@ static em_status spread_home_buffers(request_context *r, uint32_t count, uint64_
         status = em__request_alloc(r, home, count * nnz * dim * sizeof(float),
                                    "spread vectors", (void **)&h->vectors, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, words * sizeof(uint64_t), "spread words",
+        status = em__request_alloc(r, home, 2 * count * sizeof(uint64_t), "spread answers",
                                    (void **)&h->words, err);
     return status;
 }
@@ -686,10 +695,13 @@ static em_status spread_home_buffers(request_context *r, uint32_t count, uint64_
  * how many are a device's own is known only on the GPU), each device finds its keys and
  * writes their vectors in one pass over its shards (shards_pull_async per distinct key),
  * the vectors come back whole, and home combines them into the output, which comes back
- * with every device's missing count in one wait for all of them. When some key is
- * missing, *done stays false and nothing was changed: the pull starts again the general
- * way, with the scratch given back, and the table's next pulls go that way until one
- * finds every key (pulls_go_general). */
+ * with every device's missing count in one wait for all of them. A table that tracks
+ * access has every device's missing count sent to every other, and each device touches
+ * its rows only if none is missing anywhere (shards_touch_async), as a pull at once
+ * touches only when it found every key. When some key is missing, *done stays false and
+ * nothing was changed: the pull starts again the general way, with the scratch given
+ * back, and the table's next pulls go that way until one finds every key
+ * (pulls_go_general). */
 static em_status pull_spread(request_context *r, const em_pull_request *request,
                              em_pull_result *result, bool *done, em_error *err)
 {
@@ -708,12 +720,20 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
     uint32_t *position = NULL;
     float *out = NULL;
     spread_part parts[EM_SPREAD_MAX];
-    em_transfer to_remote[3 * EM_SPREAD_MAX], to_home[2 * EM_SPREAD_MAX];
+    em_transfer to_remote[3 * EM_SPREAD_MAX];
     size_t sent = 0, returned = 0;
+    bool touch = r->access_stamp != 0;
+    /* the vectors back, then the answers: every device's to every other when the rows
+     * are touched, else to home */
+    em_transfer *to_home = calloc(count + (size_t)count * (count - 1), sizeof(*to_home));
     *done = false;
-    em_status status = dedupe_at_once(r, &request->batch, request->combiner, &k, err);
+    em_status status =
+        to_home == NULL
+            ? em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                           "out of host memory for a pull spread over %u devices", count)
+            : dedupe_at_once(r, &request->batch, request->combiner, &k, err);
     if (status == EM_OK)
-        status = spread_home_buffers(r, count, nnz, count, &h, err);
+        status = spread_home_buffers(r, count, nnz, &h, err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "bucket positions",
                                    (void **)&position, err);
@@ -724,24 +744,36 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
         status = spread_buffers(r, &spread, devices, nnz, false, &h, parts, to_remote, to_home,
                                 &sent, &returned, err);
     if (status == EM_OK)
+        spread_answers(r, parts, count, touch, sizeof(uint64_t), to_home, &returned);
+    if (status == EM_OK)
         status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
                                         &spread, h.buckets, h.counts, position, err);
     if (status == EM_OK && sent > 0)
         status = em_exchange_run(table->backend->exchange, to_remote, sent, err);
     if (status == EM_OK) {
         em_device_batch distinct = {.rows = (uint32_t)nnz, .nnz = nnz};
+        uint32_t updated =
+            (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
         em__lock_all_shards(table, false);
         for (uint32_t i = 0; status == EM_OK && i < count; i++) {
             uint32_t first = spread.first_shard[i];
             status = parts[i].device->ops->shards_pull_async(
                 table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
                 &distinct, EM_COMBINER_NONE, parts[i].keys, parts[i].count, false,
-                parts[i].rows, parts[i].words, parts[i].vectors, 0, 0, err);
+                parts[i].rows, parts[i].words + 2 * i, parts[i].vectors, 0, 0, err);
+        }
+        if (status == EM_OK && returned > 0) /* a touch's gate needs every device's answer */
+            status = em_exchange_run(table->backend->exchange, to_home, returned, err);
+        for (uint32_t i = 0; touch && status == EM_OK && i < count; i++) {
+            uint32_t first = spread.first_shard[i];
+            status = parts[i].device->ops->shards_touch_async(
+                table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
+                parts[i].rows, parts[i].count, nnz, parts[i].words, count, r->access_stamp,
+                updated, err);
         }
         em__unlock_all_shards(table);
     }
-    if (status == EM_OK && returned > 0)
-        status = em_exchange_run(table->backend->exchange, to_home, returned, err);
+    free(to_home);
     if (status == EM_OK) {
         em_device_batch batch = {.rows = request->batch.rows,
                                  .nnz = nnz,
@@ -752,11 +784,11 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
         status = ops->combine(r->home_lane, &batch, request->combiner, dim, h.vectors, out,
                               err);
     }
-    uint64_t absent[EM_SPREAD_MAX];
+    uint64_t answers[2 * EM_SPREAD_MAX];
     uint32_t unique_count = 0;
     if (status == EM_OK)
-        status = ops->copy_to_host_later(r->home_lane, absent, h.words, count * sizeof(uint64_t),
-                                         err);
+        status = ops->copy_to_host_later(r->home_lane, answers, h.words,
+                                         2 * count * sizeof(uint64_t), err);
     if (status == EM_OK)
         status = ops->copy_to_host_later(r->home_lane, &unique_count, k.count,
                                          sizeof(unique_count), err);
@@ -773,7 +805,7 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
     }
     uint64_t total = 0;
     for (uint32_t i = 0; i < count; i++)
-        total += absent[i];
+        total += answers[2 * i];
     note_at_once_find(table, &table->pulls_create, &table->pulls_go_general, total, false, true);
     if (total != 0) {
         em__request_rewind(r, &mark);
@@ -1220,7 +1252,9 @@ static bool push_may_spread(const request_context *r, const em_push_request *req
  * push starts again the general way, with the scratch given back (which creates the
  * keys, or names the problem as the CPU does), and when keys were missing the table's
  * next pushes go that way until one finds every key (pushes_go_general). The gradients
- * were checked finite on the host first (gpu_may_check). */
+ * were checked finite on the host first (gpu_may_check). A table that tracks access
+ * stamps the rows stepped as push_at_once does, holding the write locks until the wait
+ * has said whether the clock moves. */
 static em_status push_spread(request_context *r, push_call *call, em_push_result *result,
                              bool *done, uint64_t *found_absent, em_error *err)
 {
@@ -1240,7 +1274,7 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     spread_part parts[EM_SPREAD_MAX];
     em_transfer to_remote[3 * EM_SPREAD_MAX];
     size_t sent = 0, returned = 0, shared = 0;
-    /* each device's answers to each other device */
+    /* each device's answers to every other device */
     em_transfer *answers_out = calloc((size_t)count * (count - 1), sizeof(*answers_out));
     *done = false;
     em_status status =
@@ -1252,19 +1286,15 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
         status = em__stage_input(r, request->gradients, request->gradient_count * sizeof(float),
                                  "request gradients", (const void **)&gradients, err);
     if (status == EM_OK)
-        status = spread_home_buffers(r, count, nnz, 2 * (size_t)count, &h, err);
+        status = spread_home_buffers(r, count, nnz, &h, err);
     if (status == EM_OK)
         status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "bucket positions",
                                    (void **)&position, err);
     if (status == EM_OK)
         status = spread_buffers(r, &spread, devices, nnz, true, &h, parts, to_remote, NULL,
                                 &sent, &returned, err);
-    for (uint32_t i = 0; status == EM_OK && i < count; i++)
-        for (uint32_t j = 0; j < count; j++)
-            if (j != i)
-                answers_out[shared++] = (em_transfer){parts[i].lane, parts[i].words + 2 * i,
-                                                      parts[j].lane, parts[j].words + 2 * i,
-                                                      2 * sizeof(uint64_t)};
+    if (status == EM_OK)
+        spread_answers(r, parts, count, true, 2 * sizeof(uint64_t), answers_out, &shared);
     if (status == EM_OK)
         status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
                                         &spread, h.buckets, h.counts, position, err);
@@ -1280,9 +1310,13 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     }
     if (status == EM_OK && sent > 0)
         status = em_exchange_run(table->backend->exchange, to_remote, sent, err);
-    bool saving = false;
+    bool saving = false, locked = false;
+    bool stamps = r->access_stamp != 0; /* the table tracks access */
+    uint32_t stamp = 0;
     if (status == EM_OK) {
         em__lock_all_shards(table, true);
+        locked = true;
+        stamp = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed) + 1;
         saving = table->snapshot != NULL; /* its rows go aside first: the general way */
         for (uint32_t i = 0; !saving && status == EM_OK && i < count; i++) {
             uint32_t first = spread.first_shard[i];
@@ -1297,13 +1331,16 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
             uint32_t first = spread.first_shard[i];
             status = parts[i].device->ops->shards_step_async(
                 table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
-                parts[i].rows, parts[i].count, nnz, parts[i].vectors, parts[i].words, count, 0,
-                0, err);
+                parts[i].rows, parts[i].count, nnz, parts[i].vectors, parts[i].words, count,
+                r->access_stamp, stamp, err);
         }
         /* whether it stepped is known later: checks before it look again */
         for (uint32_t s = 0; !saving && s < table->shard_count; s++)
             table->shard_versions[s].value += EM_ROW_BOUNDED_STEPS + 1;
-        em__unlock_all_shards(table);
+        if (!stamps || saving || status != EM_OK) {
+            em__unlock_all_shards(table);
+            locked = false;
+        }
     }
     free(answers_out);
     uint64_t answers[2 * EM_SPREAD_MAX];
@@ -1320,6 +1357,16 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     em_status synchronized = ops->synchronize(r->home_lane, status == EM_OK ? err : &ignored);
     if (status == EM_OK)
         status = synchronized;
+    bool stepped = status == EM_OK && !saving;
+    for (uint32_t i = 0; stepped && i < count; i++)
+        stepped = answers[2 * i] == 0 && answers[2 * i + 1] == UINT64_MAX;
+    if (locked) { /* stamping: the step happened with the clock's next value */
+        if (stepped) {
+            atomic_fetch_add_explicit(&table->update_clock, 1, memory_order_relaxed);
+            em__clock_sample(table, em__unix_ms(), stamp);
+        }
+        em__unlock_all_shards(table);
+    }
     if (status != EM_OK)
         return em_error_prefix(err, "table '%s': ", table->config.name);
     if (saving) {
@@ -1327,14 +1374,11 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
         return EM_OK;
     }
     uint64_t absent = 0;
-    bool checked = true;
-    for (uint32_t i = 0; i < count; i++) {
+    for (uint32_t i = 0; i < count; i++)
         absent += answers[2 * i];
-        checked = checked && answers[2 * i + 1] == UINT64_MAX;
-    }
     note_at_once_find(table, &table->pushes_create, &table->pushes_go_general, absent, false,
                       true);
-    if (absent != 0 || !checked) {
+    if (!stepped) {
         *found_absent = absent;
         em__request_rewind(r, &mark);
         return EM_OK;

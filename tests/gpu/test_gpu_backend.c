@@ -2417,8 +2417,9 @@ static void twin_request(twin *t, int k, bool push)
 }
 
 /* A twin whose tables store a new key with that probability (admission `probability`;
- * a negative one: admission `always`). */
-static twin twin_make_admitting(uint32_t shards, uint32_t n, uint32_t dim, double probability)
+ * a negative one: admission `always`) and evict by policy (none: no access tracked). */
+static twin twin_make_with(uint32_t shards, uint32_t n, uint32_t dim, double probability,
+                           em_eviction_policy policy)
 {
     twin t = {.cpu = cpu_backend(), .gpu = gpu_backend(2, GPU_POOL_BYTES, false), .n = n,
               .dim = dim};
@@ -2428,6 +2429,7 @@ static twin twin_make_admitting(uint32_t shards, uint32_t n, uint32_t dim, doubl
         config.admission.policy = EM_ADMISSION_PROBABILITY;
         config.admission.probability = probability;
     }
+    config.eviction.policy = policy;
     t.tables[0] = em_test_make_table(t.cpu, &config);
     t.tables[1] = em_test_make_table(t.gpu, &config);
     t.keys = malloc(n * sizeof(uint64_t));
@@ -2442,6 +2444,11 @@ static twin twin_make_admitting(uint32_t shards, uint32_t n, uint32_t dim, doubl
     for (int k = 0; k < 2; k++) /* the keys created */
         twin_request(&t, k, true);
     return t;
+}
+
+static twin twin_make_admitting(uint32_t shards, uint32_t n, uint32_t dim, double probability)
+{
+    return twin_make_with(shards, n, dim, probability, EM_EVICTION_NONE);
 }
 
 static twin twin_make(uint32_t shards, uint32_t n, uint32_t dim)
@@ -2779,6 +2786,65 @@ START_TEST(pushes_spread_over_two_gpus_match_cpu)
     twin_push_rows(&t, keys, LARGE, offsets, LARGE, EM_COMBINER_NONE, &waits, &at_once);
     ck_assert_uint_gt(waits, 1);
     ck_assert_uint_eq(at_once, 0);
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    free(keys);
+    free(offsets);
+    twin_free(&t);
+}
+END_TEST
+
+/* A table over two GPUs that tracks access (eviction lru): pulls and pushes of stored
+ * keys go spread too, with one wait, every GPU's missing count (and a push's checks)
+ * sent to every other, each touching (a push: stepping) its rows only if no GPU found a
+ * key missing. The rows' access metadata (last access, last update, frequency) equals
+ * the CPU table's after each kind of request: so a spread request that found a key
+ * missing on one GPU touched nothing on the other before going the general way (which
+ * touches once: a second touch would count twice in the frequency). */
+START_TEST(spread_requests_touch_rows_as_the_cpu_does)
+{
+    twin t = twin_make_with(8, 600, 8, -1.0, EM_EVICTION_LRU);
+    twin_request(&t, 0, true);
+    twin_request(&t, 1, true); /* finds every key: the next go spread */
+    uint64_t nnz = 0, waits = 0, at_once = 0;
+    uint64_t *keys = malloc(t.n * sizeof(uint64_t));
+    uint32_t *offsets = malloc((t.n + 1) * sizeof(uint32_t));
+    for (uint32_t i = 0; i <= t.n; i++)
+        offsets[i] = i;
+    for (uint32_t i = 0; i < t.n; i += 3)
+        keys[nnz++] = t.keys[i];
+    for (int round = 0; round < 3; round++) {
+        twin_pull_rows(&t, t.keys, t.n, offsets, t.n, EM_COMBINER_NONE, &waits, &at_once);
+        ck_assert_uint_eq(waits, 1);
+        ck_assert_uint_eq(at_once, 1);
+        twin_push_rows(&t, keys, nnz, offsets, (uint32_t)nnz, EM_COMBINER_SUM, &waits,
+                       &at_once);
+        ck_assert_uint_eq(waits, 1);
+        ck_assert_uint_eq(at_once, 1);
+        twin_pull_rows(&t, keys, nnz, offsets, (uint32_t)nnz, EM_COMBINER_MEAN, &waits,
+                       &at_once);
+        ck_assert_uint_eq(waits, 1);
+        ck_assert_uint_eq(at_once, 1);
+        assert_access_equal(t.tables[0], t.tables[1]);
+    }
+    /* a key missing, on the first GPU's shards: a pull that creates nothing, then a push
+     * (which creates it) */
+    uint64_t absent = 5000001;
+    while (em_key_shard(absent, 8) >= 4)
+        absent += 2;
+    keys[0] = absent;
+    for (int push = 0; push < 2; push++) {
+        em_csr batch = {.rows = (uint32_t)nnz, .nnz = nnz, .offsets = offsets, .keys = keys};
+        for (int k = 0; k < 2; k++) {
+            em_error err;
+            em_status status =
+                push ? em_test_push(t.tables[k], &batch, EM_COMBINER_NONE, t.gradients, NULL,
+                                    &err)
+                     : em_test_pull(t.tables[k], &batch, EM_COMBINER_NONE, false, t.out[k], NULL,
+                                    &err);
+            ck_assert_msg(status == EM_OK, "%s", err.message);
+        }
+        assert_access_equal(t.tables[0], t.tables[1]);
+    }
     assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
     free(keys);
     free(offsets);
@@ -3454,6 +3520,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, pulls_spread_over_two_gpus_match_cpu);
     tcase_add_test(tc, pushes_spread_over_two_gpus_match_cpu);
     tcase_add_test(tc, a_table_of_three_shards_over_two_gpus_goes_the_general_way);
+    tcase_add_test(tc, spread_requests_touch_rows_as_the_cpu_does);
     tcase_add_loop_test(tc, a_request_over_two_gpus_that_finds_keys_missing_goes_again, 0, 2);
 #endif
     tcase_add_loop_test(tc, layouts_over_gpus_identical_to_one_gpu, 0, 4);
