@@ -590,11 +590,12 @@ typedef struct spread_part {
 } spread_part;
 
 /* Where a spread request's parts are at home, all of them side by side: buckets (count x
- * nnz keys), their counts, vectors or sums (count x nnz x dim floats), and home's words
- * (spread_part). */
+ * nnz keys), their counts and the keys' positions in them (spread_keys_async), vectors or
+ * sums (count x nnz x dim floats), and home's words (spread_part). */
 typedef struct spread_home {
     uint64_t *buckets;
     uint32_t *counts;
+    uint32_t *position; /* nnz: where each distinct key went in the buckets */
     float *vectors;
     uint64_t *words;
 } spread_home;
@@ -681,6 +682,9 @@ static em_status spread_home_buffers(request_context *r, uint32_t count, uint64_
         status = em__request_alloc(r, home, count * sizeof(uint32_t), "bucket counts",
                                    (void **)&h->counts, err);
     if (status == EM_OK)
+        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "bucket positions",
+                                   (void **)&h->position, err);
+    if (status == EM_OK)
         status = em__request_alloc(r, home, count * nnz * dim * sizeof(float),
                                    "spread vectors", (void **)&h->vectors, err);
     if (status == EM_OK)
@@ -717,7 +721,6 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
     uint32_t count = spread_of(table, &spread, devices);
     at_once_keys k = {0};
     spread_home h = {0};
-    uint32_t *position = NULL;
     float *out = NULL;
     spread_part parts[EM_SPREAD_MAX];
     em_transfer to_remote[3 * EM_SPREAD_MAX];
@@ -735,9 +738,6 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
     if (status == EM_OK)
         status = spread_home_buffers(r, count, nnz, &h, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "bucket positions",
-                                   (void **)&position, err);
-    if (status == EM_OK)
         status = em__request_alloc(r, home, out_floats * sizeof(float), "pull output",
                                    (void **)&out, err);
     if (status == EM_OK)
@@ -747,7 +747,7 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
         spread_answers(r, parts, count, touch, sizeof(uint64_t), to_home, &returned);
     if (status == EM_OK)
         status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
-                                        &spread, h.buckets, h.counts, position, err);
+                                        &spread, h.buckets, h.counts, h.position, err);
     if (status == EM_OK && sent > 0)
         status = em_exchange_run(table->backend->exchange, to_remote, sent, err);
     if (status == EM_OK) {
@@ -779,7 +779,7 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
                                  .nnz = nnz,
                                  .offsets = r->batch.offsets,
                                  .inverse = k.inverse,
-                                 .position = position,
+                                 .position = h.position,
                                  .unique_count = nnz};
         status = ops->combine(r->home_lane, &batch, request->combiner, dim, h.vectors, out,
                               err);
@@ -1269,7 +1269,6 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     uint32_t count = spread_of(table, &spread, devices);
     at_once_keys k = {0};
     spread_home h = {0};
-    uint32_t *position = NULL;
     const float *gradients = NULL;
     spread_part parts[EM_SPREAD_MAX];
     em_transfer to_remote[3 * EM_SPREAD_MAX];
@@ -1288,22 +1287,19 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     if (status == EM_OK)
         status = spread_home_buffers(r, count, nnz, &h, err);
     if (status == EM_OK)
-        status = em__request_alloc(r, home, nnz * sizeof(uint32_t), "bucket positions",
-                                   (void **)&position, err);
-    if (status == EM_OK)
         status = spread_buffers(r, &spread, devices, nnz, true, &h, parts, to_remote, NULL,
                                 &sent, &returned, err);
     if (status == EM_OK)
         spread_answers(r, parts, count, true, 2 * sizeof(uint64_t), answers_out, &shared);
     if (status == EM_OK)
         status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
-                                        &spread, h.buckets, h.counts, position, err);
+                                        &spread, h.buckets, h.counts, h.position, err);
     if (status == EM_OK) { /* into the buckets' order, for every possible distinct key */
         em_device_batch batch = {.rows = request->batch.rows,
                                  .nnz = nnz,
                                  .offsets = r->batch.offsets,
                                  .inverse = k.inverse,
-                                 .position = position,
+                                 .position = h.position,
                                  .unique_count = nnz};
         status = ops->sum_gradients(r->home_lane, &batch, request->combiner, table->config.dim,
                                     gradients, h.vectors, err);

@@ -2602,6 +2602,34 @@ static void twin_pull_rows(const twin *t, const uint64_t *keys, uint64_t nnz,
     free(out[1]);
 }
 
+/* rows rows of 0 to 5 of the twin's keys (row i: i mod 6 of them), with repeats within
+ * and across rows, into keys and offsets; returns their count. */
+static uint64_t rows_with_repeats(const twin *t, uint32_t rows, uint64_t *keys,
+                                  uint32_t *offsets)
+{
+    uint64_t nnz = 0;
+    offsets[0] = 0;
+    for (uint32_t i = 0; i < rows; i++) {
+        for (uint32_t j = 0; j < i % 6; j++)
+            keys[nnz++] = t->keys[(7 * i + 13 * j) % 97];
+        offsets[i + 1] = (uint32_t)nnz;
+    }
+    return nnz;
+}
+
+/* The twin's keys on the second GPU's shards (4 to 7 of 8), a row each; returns their
+ * count. */
+static uint64_t second_gpu_keys(const twin *t, uint64_t *keys, uint32_t *offsets)
+{
+    uint64_t nnz = 0;
+    for (uint32_t i = 0; i < t->n; i++)
+        if (em_key_shard(t->keys[i], 8) >= 4)
+            keys[nnz++] = t->keys[i];
+    for (uint64_t i = 0; i <= nnz; i++)
+        offsets[i] = (uint32_t)i;
+    return nnz;
+}
+
 /* Pulls of stored keys spread over two GPUs (table.c: pull_spread) answer what the CPU
  * answers, bit for bit, and wait once: rows of 0 to 5 keys with repeats, with each
  * combiner; keys all on the second GPU's shards, twice (so that each GPU is home once,
@@ -2611,28 +2639,16 @@ static void twin_pull_rows(const twin *t, const uint64_t *keys, uint64_t nnz,
 START_TEST(pulls_spread_over_two_gpus_match_cpu)
 {
     twin t = twin_make(8, 800, 8);
-    enum { ROWS = 300, MOST = 5 * ROWS, LARGE = 250000 };
+    enum { ROWS = 300, LARGE = 250000 };
     uint64_t *keys = malloc(LARGE * sizeof(uint64_t));
     uint32_t *offsets = malloc((LARGE + 1) * sizeof(uint32_t));
-    uint64_t nnz = 0, waits = 0, at_once = 0;
-    offsets[0] = 0;
-    for (uint32_t i = 0; i < ROWS; i++) {
-        for (uint32_t j = 0; j < i % 6; j++)
-            keys[nnz++] = t.keys[(7 * i + 13 * j) % 97]; /* repeats across rows */
-        offsets[i + 1] = (uint32_t)nnz;
-    }
-    ck_assert_uint_le(nnz, MOST);
+    uint64_t nnz = rows_with_repeats(&t, ROWS, keys, offsets), waits = 0, at_once = 0;
     for (int c = EM_COMBINER_NONE; c <= EM_COMBINER_SQRTN; c++) {
         twin_pull_rows(&t, keys, nnz, offsets, ROWS, (em_combiner)c, &waits, &at_once);
         ck_assert_uint_eq(waits, 1);
         ck_assert_uint_eq(at_once, 1);
     }
-    nnz = 0;
-    for (uint32_t i = 0; i < t.n; i++)
-        if (em_key_shard(t.keys[i], 8) >= 4) /* the second GPU's shards, 4 to 7 */
-            keys[nnz++] = t.keys[i];
-    for (uint64_t i = 0; i <= nnz; i++)
-        offsets[i] = (uint32_t)i;
+    nnz = second_gpu_keys(&t, keys, offsets);
     for (int home = 0; home < 2; home++) {
         twin_pull_rows(&t, keys, nnz, offsets, (uint32_t)nnz, EM_COMBINER_NONE, &waits,
                        &at_once);
@@ -2701,29 +2717,17 @@ START_TEST(pushes_spread_over_two_gpus_match_cpu)
     twin t = twin_make(8, 800, 8);
     for (int k = 0; k < 2; k++) /* a push that finds every key: the next go spread */
         twin_request(&t, k, true);
-    enum { ROWS = 300, MOST = 5 * ROWS, LARGE = 250000 };
+    enum { ROWS = 300, LARGE = 250000 };
     uint64_t *keys = malloc(LARGE * sizeof(uint64_t));
     uint32_t *offsets = malloc((LARGE + 1) * sizeof(uint32_t));
-    uint64_t nnz = 0, waits = 0, at_once = 0;
-    offsets[0] = 0;
-    for (uint32_t i = 0; i < ROWS; i++) {
-        for (uint32_t j = 0; j < i % 6; j++)
-            keys[nnz++] = t.keys[(7 * i + 13 * j) % 97]; /* repeats across rows */
-        offsets[i + 1] = (uint32_t)nnz;
-    }
-    ck_assert_uint_le(nnz, MOST);
+    uint64_t nnz = rows_with_repeats(&t, ROWS, keys, offsets), waits = 0, at_once = 0;
     for (int c = EM_COMBINER_NONE; c <= EM_COMBINER_SQRTN; c++) {
         twin_push_rows(&t, keys, nnz, offsets, ROWS, (em_combiner)c, &waits, &at_once);
         ck_assert_uint_eq(waits, 1);
         ck_assert_uint_eq(at_once, 1);
     }
     assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
-    nnz = 0;
-    for (uint32_t i = 0; i < t.n; i++)
-        if (em_key_shard(t.keys[i], 8) >= 4) /* the second GPU's shards, 4 to 7 */
-            keys[nnz++] = t.keys[i];
-    for (uint64_t i = 0; i <= nnz; i++)
-        offsets[i] = (uint32_t)i;
+    nnz = second_gpu_keys(&t, keys, offsets);
     for (int home = 0; home < 2; home++) {
         twin_push_rows(&t, keys, nnz, offsets, (uint32_t)nnz, EM_COMBINER_NONE, &waits,
                        &at_once);
