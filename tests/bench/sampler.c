@@ -208,10 +208,19 @@ static int start_sampling(void)
     sigaddset(&action.sa_mask, SIGPROF);
     sigaction(WALL_SIGNAL, &action, NULL);
     sigaction(SIGPROF, &action, NULL);
-    struct itimerval every = {{0, INTERVAL_US}, {0, INTERVAL_US}};
-    setitimer(ITIMER_PROF, &every, NULL);
     atexit(write_profile);
     return 0;
+}
+
+/* Starts (on) or stops both kinds of samples: between phases no signal arrives, so the
+ * program's sleeps, waits and system calls between phases run as without a profile. */
+static void arm(bool on)
+{
+    long interval = on ? INTERVAL_US : 0;
+    struct itimerval cpu = {{0, interval}, {0, interval}};
+    setitimer(ITIMER_PROF, &cpu, NULL);
+    struct itimerspec wall = {{0, interval * 1000}, {0, interval * 1000}};
+    timer_settime(timer, 0, &wall, NULL);
 }
 
 /* Aims the timer at the calling thread. */
@@ -226,8 +235,7 @@ static int aim_timer(void)
     event.sigev_signo = WALL_SIGNAL;
     event._sigev_un._tid = (pid_t)syscall(SYS_gettid);
     created = timer_create(CLOCK_MONOTONIC, &event, &timer) == 0;
-    struct itimerspec every = {{0, INTERVAL_US * 1000}, {0, INTERVAL_US * 1000}};
-    if (!created || timer_settime(timer, 0, &every, NULL) != 0) {
+    if (!created) {
         fprintf(stderr, "bench profile: no timer for the samples\n");
         return -1;
     }
@@ -255,9 +263,12 @@ void bench_profile_begin(const char *label)
         labels[label_count++] = strdup(label);
     }
     atomic_store(&current, l);
+    arm(true);
 }
 
 void bench_profile_end(void)
 {
     atomic_store(&current, -1);
+    if (label_count > 0)
+        arm(false);
 }
