@@ -87,6 +87,12 @@ em_gpu_status em_gpu_memory_info(int ordinal, uint64_t *free_bytes, uint64_t *to
 /* Device memory (region provider of the device pool; never on the request path). */
 em_gpu_status em_gpu_malloc(int ordinal, size_t bytes, void **out);
 void em_gpu_free(int ordinal, void *pointer);
+/* Whether memory going back to a device's pool is to be filled with garbage first
+ * (em_gpu_fill_freed): 0 on a GPU; 1 on the emulated kernels, so that a request that
+ * reads scratch after its lane gave it back reads 0xa5 bytes there, as a GPU's would
+ * read whatever took the memory next. */
+int em_gpu_fills_freed(void);
+void em_gpu_fill_freed(void *pointer, size_t bytes);
 
 /* Page-locked host memory, usable by every GPU (staging buffers). */
 em_gpu_status em_gpu_host_alloc(size_t bytes, void **out);

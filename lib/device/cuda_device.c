@@ -179,8 +179,15 @@ static em_pool_region_provider cuda_region_provider(em_device *device)
 
 static void free_deferred(cuda_lane *lane)
 {
-    for (uint32_t i = 0; i < lane->deferred_count; i++)
-        em_device_free(lane->base.device, lane->deferred[i]);
+    em_device *device = lane->base.device;
+    bool fill = lane->deferred_count > 0 && em_gpu_fills_freed();
+    for (uint32_t i = 0; i < lane->deferred_count; i++) {
+        if (fill)
+            em_gpu_fill_freed(lane->deferred[i],
+                              em_pool_allocation_size(device->pool,
+                                                      (uintptr_t)lane->deferred[i]));
+        em_device_free(device, lane->deferred[i]);
+    }
     lane->deferred_count = 0;
 }
 

@@ -748,6 +748,12 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
     if (status == EM_OK)
         status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
                                         &spread, h.buckets, h.counts, h.position, err);
+    /* the distinct count's word lives until the home lane next synchronizes, which an
+     * exchange through the host does: read back now, it lands at a wait before the end */
+    uint32_t unique_count = 0;
+    if (status == EM_OK)
+        status = ops->copy_to_host_later(r->home_lane, &unique_count, k.count,
+                                         sizeof(unique_count), err);
     if (status == EM_OK && sent > 0)
         status = em_exchange_run(table->backend->exchange, to_remote, sent, err);
     if (status == EM_OK) {
@@ -785,13 +791,9 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
                               err);
     }
     uint64_t answers[2 * EM_SPREAD_MAX];
-    uint32_t unique_count = 0;
     if (status == EM_OK)
         status = ops->copy_to_host_later(r->home_lane, answers, h.words,
                                          2 * count * sizeof(uint64_t), err);
-    if (status == EM_OK)
-        status = ops->copy_to_host_later(r->home_lane, &unique_count, k.count,
-                                         sizeof(unique_count), err);
     for (uint32_t i = 0; status == EM_OK && i < count; i++) /* one wait for every device */
         if (parts[i].lane != r->home_lane)
             status = ops->lane_join(r->home_lane, parts[i].lane, err);
@@ -1294,6 +1296,11 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     if (status == EM_OK)
         status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
                                         &spread, h.buckets, h.counts, h.position, err);
+    /* the distinct count's word lives until the home lane next synchronizes, which an
+     * exchange through the host does: read back now, it lands at a wait before the end */
+    uint32_t updated = 0;
+    if (status == EM_OK)
+        status = ops->copy_to_host_later(r->home_lane, &updated, k.count, sizeof(updated), err);
     if (status == EM_OK) { /* into the buckets' order, for every possible distinct key */
         em_device_batch batch = {.rows = request->batch.rows,
                                  .nnz = nnz,
@@ -1340,12 +1347,9 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     }
     free(answers_out);
     uint64_t answers[2 * EM_SPREAD_MAX];
-    uint32_t updated = 0;
     if (status == EM_OK && !saving)
         status = ops->copy_to_host_later(r->home_lane, answers, h.words,
                                          2 * count * sizeof(uint64_t), err);
-    if (status == EM_OK && !saving)
-        status = ops->copy_to_host_later(r->home_lane, &updated, k.count, sizeof(updated), err);
     for (uint32_t i = 0; status == EM_OK && i < count; i++) /* one wait for all */
         if (parts[i].lane != r->home_lane)
             status = ops->lane_join(r->home_lane, parts[i].lane, err);

@@ -368,6 +368,20 @@ em_gpu_status em_gpu_malloc(int ordinal, size_t bytes, void **out)
     return ok();
 }
 
+int em_gpu_fills_freed(void)
+{
+    return 1;
+}
+
+void em_gpu_fill_freed(void *pointer, size_t bytes)
+{
+    /* no GPU operation of the request's: neither counted nor a failpoint's */
+    pthread_mutex_lock(&device_lock);
+    protect_all(PROT_READ | PROT_WRITE);
+    memset(pointer, 0xa5, bytes);
+    leave_device();
+}
+
 void em_gpu_free(int ordinal, void *pointer)
 {
     (void)ordinal;
