@@ -1999,6 +1999,23 @@ START_TEST(layouts_over_gpus_identical_to_one_gpu)
 }
 END_TEST
 
+/* Two devices on GPU 0 (shared_gpus: each its own pool, lanes and streams, the exchange
+ * host-staged). */
+static em_backend *two_devices_on_one_gpu(void)
+{
+    em_cuda_backend_options options;
+    em_cuda_backend_options_init(&options);
+    options.device_count = 2;
+    options.devices[0] = options.devices[1] = 0;
+    options.shared_gpus = true;
+    options.pool_bytes = GPU_POOL_BYTES;
+    options.staging_bytes = 1 * MEBIBYTE; /* small, so big copies are chunked */
+    em_backend *shared = NULL;
+    em_error err;
+    ck_assert_msg(em_backend_create_cuda(&options, &shared, &err) == EM_OK, "%s", err.message);
+    return shared;
+}
+
 /* Loop index: optimizer. Two devices on one GPU (shared_gpus: each its own pool, lanes
  * and streams, the exchange host-staged), so that a host with one GPU runs the paths of
  * a table spread over several devices (the exchange, the finds and checks on both
@@ -2010,16 +2027,7 @@ START_TEST(two_devices_sharing_one_gpu_match_one_device)
     em_backend *one = gpu_backend(1, GPU_POOL_BYTES, false);
     record base = run_layout(one, 1, _i, combiner);
     em_backend_destroy(one);
-    em_cuda_backend_options options;
-    em_cuda_backend_options_init(&options);
-    options.device_count = 2;
-    options.devices[0] = options.devices[1] = 0;
-    options.shared_gpus = true;
-    options.pool_bytes = GPU_POOL_BYTES;
-    options.staging_bytes = 1 * MEBIBYTE; /* small, so big copies are chunked */
-    em_backend *shared = NULL;
-    em_error err;
-    ck_assert_msg(em_backend_create_cuda(&options, &shared, &err) == EM_OK, "%s", err.message);
+    em_backend *shared = two_devices_on_one_gpu();
     ck_assert_uint_eq(shared->device_count, 2);
     ck_assert_str_eq(shared->devices[0]->name, "cuda:0");
     ck_assert_str_eq(shared->devices[1]->name, "cuda:0#1");
@@ -2436,19 +2444,7 @@ static void twin_request(twin *t, int k, bool push)
  * it (shared_gpus, with the host-staged exchange between them). */
 static em_backend *two_gpu_backend(void)
 {
-    if (visible_gpus() >= 2)
-        return gpu_backend(2, GPU_POOL_BYTES, false);
-    em_cuda_backend_options options;
-    em_cuda_backend_options_init(&options);
-    options.device_count = 2;
-    options.devices[0] = options.devices[1] = 0;
-    options.shared_gpus = true;
-    options.pool_bytes = GPU_POOL_BYTES;
-    options.staging_bytes = 1 * MEBIBYTE;
-    em_backend *backend = NULL;
-    em_error err;
-    ck_assert_msg(em_backend_create_cuda(&options, &backend, &err) == EM_OK, "%s", err.message);
-    return backend;
+    return visible_gpus() >= 2 ? gpu_backend(2, GPU_POOL_BYTES, false) : two_devices_on_one_gpu();
 }
 
 /* Whether a twin's host waits are counted and held to the counts of two GPUs that
