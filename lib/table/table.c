@@ -1017,8 +1017,10 @@ typedef struct push_call {
  * goes on the general way: every gradient is then a term of one of the sums the GPU
  * checks before it steps anything (em_row_check), and a sum with a term that is not
  * finite is not finite either, so such a push steps nothing and goes the general way,
- * which runs this check and names the element as the CPU backend does. The host then
- * never reads the gradients of a push that steps at once. Every other push is checked
+ * which runs this check and names the element as the CPU backend does, unless it holds
+ * the table alone (gpu_checks_alone), whose general way leaves it to the GPU too. The
+ * host then never reads the gradients of a push that steps at once or alone, unless the
+ * GPU's check found a problem, which this check names. Every other push is checked
  * before it takes any lock (gpu_may_check), a push with a combiner among them: a gradient
  * of an empty row is no term of any sum. */
 static em_status check_gradients(const em_table *table, push_call *call, bool alone,
@@ -1048,11 +1050,43 @@ static em_status check_gradients(const em_table *table, push_call *call, bool al
     return EM_OK;
 }
 
+/* Whether a push may leave its gradients' check to the GPU (check_gradients): one
+ * gradient per key, to a table whose shards share a device that pushes at once. Every
+ * other push is checked before it takes any lock. */
+static bool gpu_may_check(const em_table *table, const em_push_request *request)
+{
+    return request->combiner == EM_COMBINER_NONE && table->shards_device != UINT32_MAX &&
+           table->backend->devices[table->shards_device]->ops->shards_push_async != NULL;
+}
+
+/* Whether a push that the GPU may check (gpu_may_check) leaves its gradients to the
+ * GPU's check on the general way too, so the host never reads them: where it holds the
+ * table alone (a full table's pushes that evict), under admission `always`. The general
+ * way's check on the GPU then covers every gradient: each is a term of the sum of a key
+ * that is stored or will be created (none is refused), and a sum with a term that is
+ * not finite is not finite either. What it finds is named by the host's check after
+ * all (push_attempt), in the CPU backend's words; nothing was changed by then. Holding
+ * the table, no other push steps a shard between the check and the step, so its check
+ * needs no bound on the gradients' sizes (sum_bound: -1). */
+static bool gpu_checks_alone(const request_context *r, const push_call *call)
+{
+    return r->alone && gpu_may_check(r->table, call->request) &&
+           r->table->config.admission.policy == EM_ADMISSION_ALWAYS;
+}
+
+/* A bound on the size of a sum of at most terms of the push's gradients, from their
+ * largest size where the host checked them; else -1 (none known). */
+static float sum_bound(const push_call *call, uint64_t terms)
+{
+    return call->checked ? em_row_sum_bound(call->largest, terms) : -1.0f;
+}
+
 /* Sums the batch's gradients per unique key at home (partitioned order) and hands each
  * segment its share. */
-static em_status sum_and_send_gradients(request_context *r, const em_push_request *request,
-                                        float largest, em_error *err)
+static em_status sum_and_send_gradients(request_context *r, const push_call *call,
+                                        em_error *err)
 {
+    const em_push_request *request = call->request;
     em_device *home = r->home;
     uint32_t dim = r->table->config.dim;
     const float *gradients = NULL;
@@ -1067,7 +1101,7 @@ static em_status sum_and_send_gradients(request_context *r, const em_push_reques
         status = home->ops->sum_gradients(r->home_lane, &r->batch, request->combiner, dim,
                                           gradients, sums, err);
     /* a key occurs at most nnz - unique + 1 times, so its sum has at most that many terms */
-    r->gradient_bound = em_row_sum_bound(largest, r->batch.nnz - r->batch.unique_count + 1);
+    r->gradient_bound = sum_bound(call, r->batch.nnz - r->batch.unique_count + 1);
     if (status == EM_OK)
         status = em__scatter_to_segments(r, sums, dim * sizeof(float), "segment gradients",
                                          em__segment_payload, err);
@@ -1191,7 +1225,10 @@ static em_status push_at_once(request_context *r, push_call *call,
     } else if (locked) {
         em__unlock_all_shards(table);
     }
-    if ((status != EM_OK || !stepped) && !call->checked) { /* bad input is named first */
+    /* bad input is named first; a push alone whose check on the GPU found no problem
+     * leaves its gradients to the general way's check on the GPU (gpu_checks_alone) */
+    bool named_later = status == EM_OK && answers[1] == UINT64_MAX && gpu_checks_alone(r, call);
+    if ((status != EM_OK || !stepped) && !call->checked && !named_later) {
         em_error check_err;
         em_status refused = check_gradients(table, call, r->alone, &check_err);
         if (refused != EM_OK) {
@@ -1217,7 +1254,7 @@ static em_status push_at_once(request_context *r, push_call *call,
         home_segment->payload = sums; /* the unique order is the shard's */
         /* a key occurs at most nnz - unique + 1 times, so its sum has at most that many
          * terms (as sum_and_send_gradients says) */
-        r->gradient_bound = em_row_sum_bound(call->largest, nnz - updated + 1);
+        r->gradient_bound = sum_bound(call, nnz - updated + 1);
         /* its check covered every key, the missing ones as created with their initial
          * values, which is what admission `always` does with them */
         r->checked_at_once = answers[1] == UINT64_MAX &&
@@ -1415,6 +1452,14 @@ static em_status push_locked(em_table *table, const void *untyped_request, void 
                                     &again, err);
     if (status == EM_OK && again)
         status = push_attempt(table, call, untyped_result, may_create, true, state, &again, err);
+    if (status != EM_OK && !call->checked) { /* left to the GPU (gpu_checks_alone) */
+        em_error check_err; /* bad input is named first, as the CPU backend does */
+        em_status refused = check_gradients(table, call, may_create, &check_err);
+        if (refused != EM_OK) {
+            *err = check_err;
+            status = refused;
+        }
+    }
     return status;
 }
 
@@ -1433,7 +1478,9 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     bool done = false, planned = false;
     uint64_t absent = 0; /* at once: the keys it found missing */
     bool at_once = status == EM_OK && push_may_run_at_once(&r, request);
-    if (status == EM_OK && !call->checked && (!at_once || request->combiner != EM_COMBINER_NONE))
+    bool gpu_checks = gpu_checks_alone(&r, call);
+    if (status == EM_OK && !call->checked && !gpu_checks &&
+        (!at_once || request->combiner != EM_COMBINER_NONE))
         status = check_gradients(table, call, r.alone, err);
     if (status == EM_OK && at_once)
         status = push_at_once(&r, call, result, &done, &planned, &absent, err);
@@ -1461,7 +1508,7 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
         return EM_OK;
     }
     if (status == EM_OK && !planned)
-        status = sum_and_send_gradients(&r, request, call->largest, err);
+        status = sum_and_send_gradients(&r, call, err);
     if (status == EM_OK)
         status = em__check_create_apply(&r, err);
     if (status == EM_OK && r.counts_later) /* its finds' counts came with its checks' wait */
@@ -1484,15 +1531,6 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     }
     em__request_end(&r);
     return status;
-}
-
-/* Whether a push may leave its gradients' check to the GPU (check_gradients): one
- * gradient per key, to a table whose shards share a device that pushes at once. Every
- * other push is checked before it takes any lock. */
-static bool gpu_may_check(const em_table *table, const em_push_request *request)
-{
-    return request->combiner == EM_COMBINER_NONE && table->shards_device != UINT32_MAX &&
-           table->backend->devices[table->shards_device]->ops->shards_push_async != NULL;
 }
 
 /* The push's shape; its gradients' values are checked later (check_gradients). */

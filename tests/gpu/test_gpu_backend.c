@@ -3430,6 +3430,85 @@ START_TEST(a_large_push_with_a_non_finite_gradient_is_refused_like_the_cpu)
 }
 END_TEST
 
+/* A push that must evict holds the table alone, and there the host leaves its gradients
+ * to the GPU's check (lib/table/table.c gpu_checks_alone): a gradient that is not finite
+ * is still refused in the CPU backend's words, before anything is evicted or created.
+ * A full lru table of 512 rows takes 128 new keys a push; the second push has a NaN (loop
+ * index bit 0: in a new key's gradient, else in a stored key's) or, bit 1 set, two
+ * occurrences of one key whose finite gradients add up past the float range, which
+ * both backends name as a summed gradient. Bit 2: 8 shards, else 1. Then the same push
+ * with the gradient put right evicts, and the tables agree row for row. */
+START_TEST(a_full_tables_push_with_a_bad_gradient_evicts_nothing)
+{
+    enum { CAPACITY = 512, KEYS = 128, DIM = 4 };
+    const bool in_new_key = (_i & 1) != 0, overflow = (_i & 2) != 0;
+    const uint32_t shards = _i & 4 ? 8 : 1;
+    em_backend *cpu = cpu_backend();
+    em_backend *gpu = gpu_backend(1, GPU_POOL_BYTES, false);
+    em_table_config config = table_config(DIM, CAPACITY, shards, EM_OPTIMIZER_SGD,
+                                          EM_INIT_UNIFORM);
+    config.eviction.policy = EM_EVICTION_LRU;
+    em_table *tables[2] = {em_test_make_table(cpu, &config), em_test_make_table(gpu, &config)};
+    uint64_t keys[KEYS] = {0};
+    float g[KEYS * DIM];
+    em_test_batch b = em_test_key_batch(keys, KEYS);
+    em_error err, errors[2];
+    for (uint32_t i = 0; i < KEYS * DIM; i++)
+        g[i] = 0.01f * (float)(i % 5) - 0.02f;
+    for (uint32_t round = 0; round < CAPACITY / KEYS; round++) { /* the table filled */
+        for (uint32_t i = 0; i < KEYS; i++)
+            b.keys[i] = 1 + round * KEYS + i;
+        for (int t = 0; t < 2; t++)
+            ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, g, NULL, &err) ==
+                          EM_OK, "%s", err.message);
+    }
+    for (uint32_t i = 0; i < KEYS; i++) /* half stored (the newest), half new */
+        b.keys[i] = i < KEYS / 2 ? CAPACITY - i : 100000 + i;
+    uint32_t bad = in_new_key ? KEYS / 2 + 7 : 5;
+    float kept = g[bad * DIM + 2];
+    if (overflow) {
+        b.keys[bad + 1] = b.keys[bad];
+        g[bad * DIM + 2] = 3e38f;
+        g[(bad + 1) * DIM + 2] = 3e38f;
+    } else {
+        g[bad * DIM + 2] = NAN;
+    }
+    for (int t = 0; t < 2; t++) {
+        em_test_snapshot before = em_test_snapshot_take(tables[t], 4096);
+        em_table_stats stats;
+        ck_assert_int_eq(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, g, NULL, &errors[t]),
+                         EM_INVALID_ARGUMENT);
+        em_test_assert_table_unchanged(tables[t], &before);
+        em_table_get_stats(tables[t], &stats);
+        ck_assert_uint_eq(stats.rows, CAPACITY);
+        ck_assert_uint_eq(stats.rows_evicted, 0);
+        em_test_snapshot_free(&before);
+    }
+    ck_assert_msg(strstr(errors[0].message, overflow ? "summed gradient" : "is NaN") != NULL,
+                  "%s", errors[0].message);
+    ck_assert_str_eq(errors[1].message, errors[0].message);
+    g[bad * DIM + 2] = kept;
+    g[(bad + 1) * DIM + 2] = kept;
+    em_push_result results[2];
+    for (int t = 0; t < 2; t++)
+        ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, g, &results[t], &err) ==
+                      EM_OK, "%s", err.message);
+    ck_assert_uint_eq(results[1].created, results[0].created);
+    ck_assert_uint_eq(results[1].updated, results[0].updated);
+    em_test_snapshot rows[2] = {em_test_snapshot_take(tables[0], 4096),
+                                em_test_snapshot_take(tables[1], 4096)};
+    ck_assert_uint_eq(rows[0].count, CAPACITY);
+    em_test_assert_snapshots_identical(&rows[0], &rows[1]);
+    for (int t = 0; t < 2; t++) {
+        em_test_snapshot_free(&rows[t]);
+        em_table_destroy(tables[t]);
+    }
+    em_test_batch_free(&b);
+    em_backend_destroy(cpu);
+    em_backend_destroy(gpu);
+}
+END_TEST
+
 /* A gradient that is not finite, in a push that goes at once (the host does not read its
  * gradients) or, with a combiner, is checked first: refused with the CPU backend's words,
  * nothing stepped or created, in tables of 1 and 8 shards, to stored keys and to keys the
@@ -3561,6 +3640,7 @@ static Suite *gpu_backend_suite(void)
     tcase_add_test(tc, a_push_refused_in_one_shard_of_eight_says_what_the_cpu_says);
     tcase_add_loop_test(tc, non_finite_gradients_are_refused_like_the_cpu, 0, 16);
     tcase_add_loop_test(tc, a_large_push_with_a_non_finite_gradient_is_refused_like_the_cpu, 0, 2);
+    tcase_add_loop_test(tc, a_full_tables_push_with_a_bad_gradient_evicts_nothing, 0, 8);
 #ifdef EM_CUDA_EMULATED
     tcase_add_test(tc, host_waits_and_operations_per_request);
     tcase_add_loop_test(tc, a_large_eviction_waits_a_few_times, 0, 6);
