@@ -316,8 +316,8 @@ static bool creates_at_once(const request_context *r)
            ops->shard_reserve != NULL && ops->shard_insert_settle != NULL;
 }
 
-/* Room in each shard for the batch's keys that fall in it (make_room_at_once); the
- * counts stay in r->shard_missing for settle_created. */
+/* Room in each shard for the batch's keys that fall in it (make_room_at_once), on the
+ * lane of the shard's device; the counts stay in r->shard_missing for settle_created. */
 static bool reserve_at_once(request_context *r, const em_csr *batch)
 {
     em_table *table = r->table;
@@ -329,10 +329,13 @@ static bool reserve_at_once(request_context *r, const em_csr *batch)
         for (uint64_t i = 0; i < batch->nnz; i++)
             per_shard[em_key_shard(batch->keys[i], table->shard_count)]++;
     em_error ignored;
-    for (uint32_t s = 0; s < table->shard_count; s++)
-        if (per_shard[s] > 0 && r->home->ops->shard_reserve(table->shards[s], r->home_lane,
-                                                             per_shard[s], 0, &ignored) != EM_OK)
+    for (uint32_t s = 0; s < table->shard_count; s++) {
+        em_lane *lane = r->lanes[table->shard_device[s]];
+        if (per_shard[s] > 0 &&
+            lane->device->ops->shard_reserve(table->shards[s], lane, per_shard[s], 0,
+                                             &ignored) != EM_OK)
             return false;
+    }
     return true;
 }
 
@@ -370,8 +373,8 @@ static em_status settle_created(request_context *r, uint64_t rows_before, em_err
     em_status status = EM_OK;
     for (uint32_t s = 0; s < table->shard_count; s++) { /* every shard's counters came back */
         em_error later;
-        em_status settled =
-            r->home->ops->shard_insert_settle(table->shards[s], status == EM_OK ? err : &later);
+        em_status settled = table->shards[s]->device->ops->shard_insert_settle(
+            table->shards[s], status == EM_OK ? err : &later);
         if (status == EM_OK && settled != EM_OK)
             status = em_error_prefix(err, "table '%s' shard %u: ", table->config.name, s);
         if (r->shard_missing[s] != 0) /* make_room_at_once: keys of the batch fall there */
@@ -705,7 +708,12 @@ static em_status spread_home_buffers(request_context *r, uint32_t count, uint64_
  * touches only when it found every key. When some key is missing, *done stays false and
  * nothing was changed: the pull starts again the general way, with the scratch given
  * back, and the table's next pulls go that way until one finds every key
- * (pulls_go_general). */
+ * (pulls_go_general), or, where it could have created them (creates_at_once), the next
+ * ones create their absent keys spread too (pulls_create): with room made first in every
+ * shard of every device for every key of the batch (make_room_at_once, each shard on its
+ * device's lane), each device inserts the keys it finds absent and writes their rows'
+ * initial values in its pass (shards_pull_async creating), touching every row of its
+ * own, and the pull waits once still. */
 static em_status pull_spread(request_context *r, const em_pull_request *request,
                              em_pull_result *result, bool *done, em_error *err)
 {
@@ -725,9 +733,15 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
     spread_part parts[EM_SPREAD_MAX];
     em_transfer to_remote[3 * EM_SPREAD_MAX];
     size_t sent = 0, returned = 0;
-    bool touch = r->access_stamp != 0;
+    bool creatable = request->create_missing && creates_at_once(r);
+    uint64_t rows_before = 0;
+    bool create = creatable && atomic_load_explicit(&table->pulls_create, memory_order_relaxed) &&
+                  make_room_at_once(r, &request->batch, &rows_before);
+    /* a pull that creates touches every row; else only where no device found a key missing,
+     * which each device learns from every other's answer */
+    bool touch = r->access_stamp != 0, gated_touch = touch && !create;
     /* the vectors back, then the answers: every device's to every other when the rows
-     * are touched, else to home */
+     * are touched after all answers, else to home */
     em_transfer *to_home = calloc(count + (size_t)count * (count - 1), sizeof(*to_home));
     *done = false;
     em_status status =
@@ -744,7 +758,7 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
         status = spread_buffers(r, &spread, devices, nnz, false, &h, parts, to_remote, to_home,
                                 &sent, &returned, err);
     if (status == EM_OK)
-        spread_answers(r, parts, count, touch, sizeof(uint64_t), to_home, &returned);
+        spread_answers(r, parts, count, gated_touch, sizeof(uint64_t), to_home, &returned);
     if (status == EM_OK)
         status = ops->spread_keys_async(r->home_lane, k.unique, nnz, k.count, table->shard_count,
                                         &spread, h.buckets, h.counts, h.position, err);
@@ -760,24 +774,27 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
         em_device_batch distinct = {.rows = (uint32_t)nnz, .nnz = nnz};
         uint32_t updated =
             (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed);
-        em__lock_all_shards(table, false);
+        if (!create) /* creating, every write lock is held until the shards are settled */
+            em__lock_all_shards(table, false);
         for (uint32_t i = 0; status == EM_OK && i < count; i++) {
             uint32_t first = spread.first_shard[i];
             status = parts[i].device->ops->shards_pull_async(
                 table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
-                &distinct, EM_COMBINER_NONE, parts[i].keys, parts[i].count, false,
-                parts[i].rows, parts[i].words + 2 * i, parts[i].vectors, 0, 0, err);
+                &distinct, EM_COMBINER_NONE, parts[i].keys, parts[i].count, create,
+                parts[i].rows, parts[i].words + 2 * i, parts[i].vectors,
+                create ? r->access_stamp : 0, updated, err);
         }
         if (status == EM_OK && returned > 0) /* a touch's gate needs every device's answer */
             status = em_exchange_run(table->backend->exchange, to_home, returned, err);
-        for (uint32_t i = 0; touch && status == EM_OK && i < count; i++) {
+        for (uint32_t i = 0; gated_touch && status == EM_OK && i < count; i++) {
             uint32_t first = spread.first_shard[i];
             status = parts[i].device->ops->shards_touch_async(
                 table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
                 parts[i].rows, parts[i].count, nnz, parts[i].words, count, r->access_stamp,
                 updated, err);
         }
-        em__unlock_all_shards(table);
+        if (!create)
+            em__unlock_all_shards(table);
     }
     free(to_home);
     if (status == EM_OK) {
@@ -800,15 +817,29 @@ static em_status pull_spread(request_context *r, const em_pull_request *request,
     if (status == EM_OK) /* ends with the lanes' synchronisation: the counts are in */
         status = ops->copy_to_host(r->home_lane, request->out, out, out_floats * sizeof(float),
                                    err);
-    if (status != EM_OK) {
-        em_error ignored; /* every lane's work ends before its release frees scratch */
+    em_error ignored;
+    if (status != EM_OK) /* every lane's work ends before its release frees scratch */
         (void)ops->synchronize(r->home_lane, &ignored);
-        return em_error_prefix(err, "table '%s': ", table->config.name);
+    if (create) { /* the keys created are in the shards, whatever else failed */
+        em_status settled = settle_created(r, rows_before, status == EM_OK ? err : &ignored);
+        if (status == EM_OK)
+            status = settled;
     }
+    if (status != EM_OK)
+        return em_error_prefix(err, "table '%s': ", table->config.name);
     uint64_t total = 0;
     for (uint32_t i = 0; i < count; i++)
         total += answers[2 * i];
-    note_at_once_find(table, &table->pulls_create, &table->pulls_go_general, total, false, true);
+    note_at_once_find(table, &table->pulls_create, &table->pulls_go_general, total, creatable,
+                      !create);
+    if (create) { /* what it found absent it created */
+        result->unique_keys = unique_count;
+        result->missing = total;
+        result->created = total;
+        atomic_fetch_add_explicit(&table->pulls_at_once, 1, memory_order_relaxed);
+        *done = true;
+        return EM_OK;
+    }
     if (total != 0) {
         em__request_rewind(r, &mark);
         return EM_OK;

@@ -1510,12 +1510,11 @@ START_TEST(concurrent_pushes_lose_no_update)
         ck_assert_uint_ge(stats.pushes_at_once, RACE_PUSHERS * RACE_PUSHES - RACE_PUSHERS);
         ck_assert_uint_eq(stats.pulls_at_once, 2 * RACE_PUSHES + 2);
     } else { /* pushes of stored keys go spread over both GPUs (table.c: push_spread),
-              * every one (the keys were created by a pull); pulls go spread (pull_spread)
-              * once a pull has found every key: all but each reader's first, at most,
-              * and the last */
+              * every one (the keys were created by a pull); so do the pulls
+              * (pull_spread), the one that created the keys among them (a new table's
+              * pulls create keys) */
         ck_assert_uint_eq(stats.pushes_at_once, RACE_PUSHERS * RACE_PUSHES);
-        ck_assert_uint_ge(stats.pulls_at_once, 2 * RACE_PUSHES - 1);
-        ck_assert_uint_le(stats.pulls_at_once, 2 * RACE_PUSHES + 1);
+        ck_assert_uint_eq(stats.pulls_at_once, 2 * RACE_PUSHES + 2);
     }
     free(out);
     em_test_batch_free(&b);
@@ -2150,8 +2149,9 @@ END_TEST
  * below the ceilings measured when this test was written, so a change that adds work
  * to a request fails here and one that removes some lowers the ceilings. 1,000 keys,
  * dim 16, adagrad, batches in malloc'ed memory, the table's shards on one GPU or spread
- * over two (a request of stored keys goes spread, one that creates them the general
- * way). The first request of a new table of several
+ * over two (a request of stored keys goes spread, as does a pull that creates them, once
+ * the table's pulls create: 65 operations and 4 waits the general way; a push that
+ * creates them goes the general way). The first request of a new table of several
  * shards copies its shards' view to the GPU; a lane that kept a view with the same
  * bytes (an earlier table's, at the same addresses) skips that copy, so the ceilings of
  * the fresh shapes of several shards count it. */
@@ -2182,7 +2182,7 @@ START_TEST(host_waits_and_operations_per_request)
         {"pull, present keys", 2, 8, false, false, false, 28, 1, false},
         {"push, present keys", 2, 8, true, false, false, 29, 1, false},
         {"serve, present keys", 2, 8, false, false, false, 28, 1, true},
-        {"pull, creating again", 2, 8, false, true, true, 65, 4, false},
+        {"pull, creating again", 2, 8, false, true, true, 36, 1, false},
         {"push, creating again", 2, 8, true, true, true, 84, 5, false},
     };
     enum { KEYS = 1000, DIM = 16 };
@@ -2277,8 +2277,10 @@ END_TEST
  * the 8 shards over two GPUs, both GPUs' walks waited for at once, the finds' counts
  * coming back with the checks: 6 waits. Loop indices
  * 3 to 5: the same three tables, the new keys created by pulls instead, which have no
- * checks to wait for: 4, 5 and 6 waits (5, 8 and 7 before their inserts settled with
- * the last wait and the shared attempt stopped at its find at once). Four more such
+ * checks to wait for: 4, 5 and 7 waits (5, 8 and 7 before their inserts settled with
+ * the last wait and the shared attempt stopped at its find at once; over two GPUs 6
+ * before the pulls that fill the table created their keys spread, in one wait each:
+ * the first that finds the table full tries spread too, and only finds). Four more such
  * requests follow; after 4 in a row that made room, the last goes alone first, without
  * the attempt beside other requests: 3, 4 and 4 waits for the pushes (the 8 shards'
  * checks come back with the walks), 3, 4 and 4 for the pulls. The first eviction of a
@@ -2328,7 +2330,7 @@ START_TEST(a_large_eviction_waits_a_few_times)
            " host waits, %" PRIu64 " alone first\n",
            pulls ? "pull" : "push", BATCH, BATCH, shards, gpus, waits_first, waits);
     /* by loop index: the first eviction, and one that goes alone first */
-    static const uint64_t first_ceiling[6] = {4, 6, 6, 4, 5, 6};
+    static const uint64_t first_ceiling[6] = {4, 6, 6, 4, 5, 7};
     static const uint64_t alone_ceiling[6] = {3, 4, 4, 3, 4, 4};
     ck_assert_uint_le(waits_first, first_ceiling[_i]);
     ck_assert_uint_le(waits, alone_ceiling[_i]);
@@ -2895,6 +2897,96 @@ START_TEST(spread_requests_touch_rows_as_the_cpu_does)
 }
 END_TEST
 
+/* Pulls that create keys, of a table over two GPUs (table.c: pull_spread creating): a
+ * new table's pulls, and a table's pulls once one found keys absent that it could have
+ * created, create theirs spread, each GPU inserting the keys of its own shards, in one
+ * wait. Rows of 0 to 5 keys with repeats, about a third of them new: the first pull,
+ * then one with each combiner; then new keys on the second GPU's shards only (the first
+ * GPU's bucket empty); stored keys only, which stops the creating (absent none); so a
+ * third new again goes spread only to find them (changing nothing), then the general
+ * way, which creates them (or, not waiting for its finds, goes again, creating spread),
+ * and the next pulls create spread again. Every answer
+ * (output bits, distinct, missing and created counts), the rows and their values equal
+ * the CPU table's. Loop index 1: a table that tracks access (lru), whose creating pulls
+ * touch every row on each GPU without waiting for the other's answer; the access
+ * metadata equals the CPU's too. */
+START_TEST(pulls_creating_spread_over_two_gpus_match_cpu)
+{
+    twin t = twin_make_with(8, 600, 8, -1.0, _i == 1 ? EM_EVICTION_LRU : EM_EVICTION_NONE);
+    enum { ROWS = 400 };
+    uint64_t *keys = malloc(6 * ROWS * sizeof(uint64_t));
+    uint32_t *offsets = malloc((ROWS + 1) * sizeof(uint32_t));
+    uint64_t fresh = 7000001;
+    for (int pass = 0; pass < 9; pass++) {
+        /* passes 0-4: a third new (1-4: each combiner); 5: new keys of the second GPU
+         * only; 6: stored keys only; 7 and 8: a third new again */
+        em_combiner combiner = pass >= 1 && pass <= 4 ? (em_combiner)(pass - 1)
+                                                      : EM_COMBINER_NONE;
+        bool spread = pass != 7; /* at once, in one wait */
+        uint64_t nnz = 0;
+        offsets[0] = 0;
+        for (uint32_t i = 0; i < ROWS; i++) {
+            for (uint32_t j = 0; j < i % 6; j++) {
+                uint64_t key = t.keys[(7 * i + 13 * j) % t.n];
+                if (pass == 5) { /* new, repeated, on shards 4 to 7 */
+                    key = fresh + (i * 7 + j) % 97;
+                    while (em_key_shard(key, 8) < 4)
+                        key += 1000;
+                } else if (pass != 6 && (i + j) % 3 == 0) {
+                    key = fresh + (i * 7 + j) % 97; /* new, repeated within the pull */
+                }
+                keys[nnz++] = key;
+            }
+            offsets[i + 1] = (uint32_t)nnz;
+        }
+        fresh += 100;
+        em_csr batch = {.rows = ROWS, .nnz = nnz, .offsets = offsets, .keys = keys};
+        uint64_t floats = (combiner == EM_COMBINER_NONE ? nnz : ROWS) * t.dim;
+        float *out[2] = {malloc(floats * sizeof(float)), malloc(floats * sizeof(float))};
+        em_pull_result results[2];
+        em_table_stats before, after;
+        em_table_get_stats(t.tables[1], &before);
+        uint64_t waits = 0;
+        for (int k = 0; k < 2; k++) {
+            uint64_t waits_before = emulated_waits();
+            em_error err;
+            ck_assert_msg(em_test_pull(t.tables[k], &batch, combiner, true, out[k], &results[k],
+                                       &err) == EM_OK,
+                          "%s", err.message);
+            waits = emulated_waits() - waits_before;
+        }
+        em_table_get_stats(t.tables[1], &after);
+        printf("two GPUs, creating pull %d: %" PRIu64 " created, %" PRIu64 " host waits, %"
+               PRIu64 " at once\n", pass, results[1].created, waits,
+               after.pulls_at_once - before.pulls_at_once);
+        ck_assert_uint_eq(results[1].unique_keys, results[0].unique_keys);
+        ck_assert_uint_eq(results[1].missing, results[0].missing);
+        ck_assert_uint_eq(results[1].created, results[0].created);
+        ck_assert(pass == 6 ? results[0].created == 0 : results[0].created > 0);
+        /* pass 7's general way, not waiting for its finds where the table tracks no
+         * access, finds keys missing and goes again: spread, creating */
+        ck_assert_uint_eq(after.pulls_at_once - before.pulls_at_once, spread || _i == 0);
+        ck_assert(!waits_counted() || !spread || waits == 1);
+        for (uint64_t i = 0; i < floats; i++)
+            ck_assert_msg(memcmp(&out[0][i], &out[1][i], sizeof(float)) == 0,
+                          "pass %d, float %" PRIu64 ": %a on the CPU, %a over two GPUs", pass, i,
+                          (double)out[0][i], (double)out[1][i]);
+        free(out[0]);
+        free(out[1]);
+        em_table_stats cpu_stats;
+        em_table_get_stats(t.tables[0], &cpu_stats);
+        ck_assert_uint_eq(after.rows, cpu_stats.rows);
+        ck_assert_uint_eq(after.rows_created, cpu_stats.rows_created);
+        if (_i == 1)
+            assert_access_equal(t.tables[0], t.tables[1]);
+    }
+    assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
+    free(keys);
+    free(offsets);
+    twin_free(&t);
+}
+END_TEST
+
 /* A table of 3 shards over two GPUs holds shards 0 and 1 on the first, 2 on the second:
  * the first GPU's kernels would take a key's shard to be its hash mod 2, which is not
  * the table's (mod 3), so its requests never go spread (table.c: spread_of), where
@@ -2960,11 +3052,14 @@ static void assert_went_again(const twin *t, bool push, int pass, uint64_t waits
 }
 
 /* Loop index: admission `always` (0) or `probability` 1 (1: every key stored, but the
- * admission is not `always`). A pull that may create keys, of a table over two GPUs that
- * tracks no access, does not wait for its finds; when it finds keys missing after all it
- * changed nothing, and goes again waiting for them, which creates them (STATS
- * pulls_found_again). The table's next pulls wait for their finds until one finds every
- * key. A push's finds come back with its checks, before it changes anything: with
+ * admission is not `always`). Under `always`, a pull that may create keys, of a table
+ * over two GPUs, goes spread and creates the keys it finds absent there, in one wait
+ * (its table's pulls creating since twin_make's), and goes again never. Under the other
+ * admission it goes the general way, and does not wait for its finds (the table tracks
+ * no access); when it finds keys missing after all it changed nothing, and goes again
+ * waiting for them, which creates them (STATS pulls_found_again). The table's next
+ * pulls wait for their finds until one finds every key. A push's finds come back with
+ * its checks, before it changes anything: with
  * admission `always` the checks saw the missing keys as created, and the push creates
  * them there; under another admission it goes again, and the same holds
  * (pushes_found_again). Each request's answer and counts, and the rows left, equal the
@@ -2974,11 +3069,11 @@ START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
     const bool always = _i == 0;
     twin t = twin_make_admitting(8, 800, 8, always ? -1.0 : 1.0);
     uint64_t *mixed = malloc(t.n * sizeof(uint64_t));
-    /* pulls, in turn: a third of the keys new (spread first, which finds keys missing
-     * and changes nothing); new keys again (the general way from the start); stored keys
-     * (finds them all, waiting); stored keys (spread: one wait) */
-    static const uint64_t again_after[] = {1, 1, 1, 1};
-    static const uint64_t waits_of[] = {0, 0, 3, 1}; /* 0: not counted */
+    /* pulls, in turn: a third of the keys new (not `always`: spread first, which finds
+     * keys missing and changes nothing); new keys again (the general way from the
+     * start); stored keys (finds them all, waiting); stored keys (spread: one wait) */
+    static const uint64_t again_after[2][4] = {{0, 0, 0, 0}, {1, 1, 1, 1}};
+    static const uint64_t waits_of[2][4] = {{1, 1, 1, 1}, {0, 0, 3, 1}}; /* 0: not counted */
     for (int pass = 0; pass < 4; pass++) {
         for (uint32_t i = 0; i < t.n; i++)
             mixed[i] = pass >= 2 || i % 3 != 0 ? t.keys[i]
@@ -2991,7 +3086,7 @@ START_TEST(a_request_over_two_gpus_that_finds_keys_missing_goes_again)
         ck_assert_uint_eq(results[1].created, results[0].created);
         ck_assert_uint_eq(results[1].unique_keys, results[0].unique_keys);
         ck_assert_uint_eq(results[0].created, pass < 2 ? (t.n + 2) / 3 : 0);
-        assert_went_again(&t, false, pass, waits, again_after[pass], waits_of[pass]);
+        assert_went_again(&t, false, pass, waits, again_after[_i][pass], waits_of[_i][pass]);
         em_test_batch_free(&batch);
     }
     /* the same for pushes, whose finds' counts come back with their checks: the push of
@@ -3610,6 +3705,7 @@ static Suite *gpu_backend_suite(void)
     tcase_set_timeout(spread, 600);
     tcase_add_test(spread, pulls_spread_over_two_gpus_match_cpu);
     tcase_add_test(spread, pushes_spread_over_two_gpus_match_cpu);
+    tcase_add_loop_test(spread, pulls_creating_spread_over_two_gpus_match_cpu, 0, 2);
     tcase_add_test(spread, a_table_of_three_shards_over_two_gpus_goes_the_general_way);
     tcase_add_test(spread, spread_requests_touch_rows_as_the_cpu_does);
     tcase_add_loop_test(spread, a_request_over_two_gpus_that_finds_keys_missing_goes_again, 0,
