@@ -377,27 +377,38 @@ typedef struct em_gpu_shards {
 em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                          const uint64_t *keys, uint64_t n, const uint32_t *count,
                                          uint64_t *rows, uint64_t *missing);
+/* What a step decided on the GPU looks at (device words, each NULL for none): it steps
+ * the first *count rows, and none at all when *missing is not 0 (keys the find did not
+ * find) or *problem is not UINT64_MAX (a check found a row the step would break). With
+ * parts above 1, the finds and checks of that many devices (a push spread over them):
+ * none at all when any of missing[2p] is not 0 or any of problem[2p] is set, p below
+ * parts (each device's pair of words side by side). */
+typedef struct em_gpu_gate {
+    const uint32_t *count;
+    const uint64_t *missing;
+    const uint64_t *problem;
+    uint32_t parts;
+} em_gpu_gate;
 /* For each i with rows[i] == ROW_NONE: rows[i] = the row of keys[i], inserting the key
  * when absent (inserted[i] = 1 then, else 0) with a released row from the top of the
  * free list while there is one, else the next row of header->rows. Settle the map
  * before its next erase. */
 em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
                                 uint64_t n, uint64_t *rows, uint8_t *inserted);
-/* em_gpu_map_insert of the first *count (device) of at most n keys; inserted[i] for
- * i >= *count is left as it was. Nothing at all is inserted when problem (a device
- * word, or NULL) is not UINT64_MAX when the kernel runs: a push's check failed. */
+/* em_gpu_map_insert of the keys the gate leaves (em_gpu_gate: the first *gate.count of at
+ * most n keys, its missing words NULL); inserted[i] for i past them is left as it was.
+ * Nothing at all is inserted when a problem word of the gate is set when the kernel
+ * runs: a push's check failed (on any of the devices of a push spread over them). */
 em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
-                                        const uint64_t *keys, uint64_t n, const uint32_t *count,
-                                        const uint64_t *problem, uint64_t *rows,
-                                        uint8_t *inserted);
+                                        const uint64_t *keys, uint64_t n, em_gpu_gate gate,
+                                        uint64_t *rows, uint8_t *inserted);
 /* em_gpu_map_insert_counted over the shards: keys[i] goes into its shard s's map and
  * rows[i] = row_base[s] + its row there. A row beyond the shard's part of the storage
  * (insert without reserve) sets the map's overflow flag and leaves rows[i] ROW_NONE,
  * inserted[i] 0. Settle the maps (em_gpu_settle, with the launch that writes the new rows)
  * before their next erase. */
 em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
-                                           const uint64_t *keys, uint64_t n,
-                                           const uint32_t *count, const uint64_t *problem,
+                                           const uint64_t *keys, uint64_t n, em_gpu_gate gate,
                                            uint64_t *rows, uint8_t *inserted);
 /* Removes keys[i] where rows is NULL or rows[i] is a stored row: the key's slot becomes
  * a tombstone (header->tombstones grows), or its side row ROW_NONE, and its row goes
@@ -474,18 +485,6 @@ em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
 em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, const uint64_t *rows, uint64_t n,
                                 const float *gradients);
-/* What a step decided on the GPU looks at (device words, each NULL for none): it steps
- * the first *count rows, and none at all when *missing is not 0 (keys the find did not
- * find) or *problem is not UINT64_MAX (a check found a row the step would break). With
- * parts above 1, the finds and checks of that many devices (a push spread over them):
- * none at all when any of missing[2p] is not 0 or any of problem[2p] is set, p below
- * parts (each device's pair of words side by side). */
-typedef struct em_gpu_gate {
-    const uint32_t *count;
-    const uint64_t *missing;
-    const uint64_t *problem;
-    uint32_t parts;
-} em_gpu_gate;
 /* The rows a push inserted just before its step: the step's launch gives them their
  * initial values and zeroed access metadata (as em_gpu_rows_init) before stepping them,
  * and does the settle asked for, so a push that creates keys needs no launch of

@@ -188,12 +188,9 @@ __device__ inline void insert_item(em_gpu_shards shards, const uint64_t *keys, u
 
 template <typename Seen>
 __global__ void insert_counted_kernel(Seen seen, const uint64_t *keys, uint64_t n,
-                                      const uint32_t *count, const uint64_t *problem,
-                                      uint64_t *rows, uint8_t *inserted)
+                                      em_gpu_gate gate, uint64_t *rows, uint8_t *inserted)
 {
-    if (problem != NULL && *problem != UINT64_MAX)
-        return;
-    uint64_t end = *count < n ? *count : n;
+    uint64_t end = em_gpu_gate_end(gate, n);
     EM_GPU_FOR_EACH(i, end)
     insert_item(seen, keys, i, rows, inserted);
 }
@@ -300,31 +297,30 @@ extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map
 /* The counted insert into a map or into a device's shards of one table. */
 template <typename Seen>
 static em_gpu_status insert_counted(em_gpu_stream *stream, Seen seen, const uint64_t *keys,
-                                    uint64_t n, const uint32_t *count, const uint64_t *problem,
-                                    uint64_t *rows, uint8_t *inserted)
+                                    uint64_t n, em_gpu_gate gate, uint64_t *rows,
+                                    uint8_t *inserted)
 {
     if (n == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(insert_counted_kernel<Seen>, n, stream, seen, keys, n, count, problem,
-                         rows, inserted);
+    return EM_GPU_LAUNCH(insert_counted_kernel<Seen>, n, stream, seen, keys, n, gate, rows,
+                         inserted);
 }
 
 extern "C" em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
                                                    const uint64_t *keys, uint64_t n,
-                                                   const uint32_t *count, const uint64_t *problem,
-                                                   uint64_t *rows, uint8_t *inserted)
+                                                   em_gpu_gate gate, uint64_t *rows,
+                                                   uint8_t *inserted)
 {
-    return insert_counted(stream, map, keys, n, count, problem, rows, inserted);
+    return insert_counted(stream, map, keys, n, gate, rows, inserted);
 }
 
 extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                                       const uint64_t *keys, uint64_t n,
-                                                      const uint32_t *count,
-                                                      const uint64_t *problem, uint64_t *rows,
+                                                      em_gpu_gate gate, uint64_t *rows,
                                                       uint8_t *inserted)
 {
-    return insert_counted(stream, shards, keys, n, count, problem, rows, inserted);
+    return insert_counted(stream, shards, keys, n, gate, rows, inserted);
 }
 
 extern "C" em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,

@@ -361,7 +361,7 @@ em_status em__cuda_shards_find_check_async(em_shard *const *bases, uint32_t shar
                                            uint64_t *answers, em_error *err);
 
 em_status em__cuda_shards_step_async(em_shard *const *bases, uint32_t shard_count,
-                                     em_lane *lane_base, const uint64_t *rows,
+                                     em_lane *lane_base, const uint64_t *keys, uint64_t *rows,
                                      const uint32_t *count, uint64_t n, const float *gradients,
                                      const uint64_t *answers, uint32_t parts, uint64_t accessed,
                                      uint32_t updated, em_error *err);

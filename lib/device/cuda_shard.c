@@ -1032,14 +1032,14 @@ static em_status send_headers_back(em_shard *const *bases, const shards_seen *se
     return status;
 }
 
-/* Inserts unique[0..*count) whose rows are ROW_NONE into the shards seen (none when
- * *problem, if given, is not UINT64_MAX then). *fresh gets what the launch that writes
- * the new rows needs (em_gpu_rows_init, or a push's step): their flags and the settle of
- * the maps, after which settled_back sends the maps' headers back. */
+/* Inserts the keys of unique[0..n) the gate leaves (em_gpu_gate_end: the first *count,
+ * none when a problem word is set then) whose rows are ROW_NONE into the shards seen.
+ * *fresh gets what the launch that writes the new rows needs (em_gpu_rows_init, or a
+ * push's step): their flags and the settle of the maps, after which settled_back sends
+ * the maps' headers back. */
 static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cuda_lane *lane,
-                             scratch *s, const uint64_t *unique, uint64_t n,
-                             const uint32_t *count, const uint64_t *problem, uint64_t *rows,
-                             em_gpu_fresh_rows *fresh, em_error *err)
+                             scratch *s, const uint64_t *unique, uint64_t n, em_gpu_gate gate,
+                             uint64_t *rows, em_gpu_fresh_rows *fresh, em_error *err)
 {
     const cuda_shard *first = shard_of(bases[0]);
     uint8_t *inserted = NULL;
@@ -1050,9 +1050,9 @@ static em_status insert_seen(em_shard *const *bases, const shards_seen *seen, cu
         status = lane_check(lane,
                             seen->count == 1
                                 ? em_gpu_map_insert_counted(lane->stream, seen->map, unique, n,
-                                                            count, problem, rows, inserted)
+                                                            gate, rows, inserted)
                                 : em_gpu_shards_insert_counted(lane->stream, seen->shards, unique,
-                                                               n, count, problem, rows, inserted),
+                                                               n, gate, rows, inserted),
                             err);
     *fresh = (em_gpu_fresh_rows){.keys = unique,
                                  .inserted = inserted,
@@ -1145,8 +1145,8 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
         status = find_seen(&seen, lane, unique, batch->nnz, count, rows, missing, err);
     if (status == EM_OK && create) {
         em_gpu_fresh_rows fresh;
-        status = insert_seen(bases, &seen, lane, &s, unique, batch->nnz, count, NULL, rows,
-                             &fresh, err);
+        em_gpu_gate all = {.count = count};
+        status = insert_seen(bases, &seen, lane, &s, unique, batch->nnz, all, rows, &fresh, err);
         if (status == EM_OK)
             status = lane_check(lane, em_gpu_rows_init(lane->stream, seen.storage, unique, rows,
                                                        fresh.inserted, batch->nnz,
@@ -1199,10 +1199,9 @@ em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_coun
         status = find_check_seen(&seen, first, lane, unique, n, count, gradients, rows, missing,
                                  problem, err);
     em_gpu_fresh_rows fresh = {0}; /* creating: the step initialises the new rows */
-    if (status == EM_OK && create)
-        status = insert_seen(bases, &seen, lane, &s, unique, n, count, problem, rows, &fresh,
-                             err);
     em_gpu_gate gate = {.count = count, .missing = create ? NULL : missing, .problem = problem};
+    if (status == EM_OK && create)
+        status = insert_seen(bases, &seen, lane, &s, unique, n, gate, rows, &fresh, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen.storage,
                                                           first->optimizer, rows, n, gradients,
@@ -1247,32 +1246,41 @@ em_status em__cuda_shards_find_check_async(em_shard *const *bases, uint32_t shar
     return status;
 }
 
-/* The second half (device.h: shards_step_async): the step, and the touch, gated on
- * every device's answers, on the lane of the first half, which ordered it. */
+/* The second half (device.h: shards_step_async): creating (keys given), the insert of
+ * the keys found absent, gated on every device's checks; the step, whose launch writes
+ * the new rows' initial values first, and the touch, gated on every device's answers
+ * (creating, on their checks only), on the lane of the first half, which ordered it. */
 em_status em__cuda_shards_step_async(em_shard *const *bases, uint32_t shard_count,
-                                     em_lane *lane_base, const uint64_t *rows,
+                                     em_lane *lane_base, const uint64_t *keys, uint64_t *rows,
                                      const uint32_t *count, uint64_t n, const float *gradients,
                                      const uint64_t *answers, uint32_t parts, uint64_t accessed,
                                      uint32_t updated, em_error *err)
 {
     cuda_shard *first = shard_of(bases[0]);
     cuda_lane *lane = lane_of(lane_base);
+    scratch s = {.device = lane_base->device};
     shards_seen seen;
-    em_gpu_gate gate = {.count = count, .missing = &answers[0], .problem = &answers[1],
-                        .parts = parts};
+    bool create = keys != NULL;
+    em_gpu_gate gate = {.count = count, .missing = create ? NULL : &answers[0],
+                        .problem = &answers[1], .parts = parts};
+    em_gpu_fresh_rows fresh = {0};
     em_status status = see_shards(bases, shard_count, lane, &seen, err);
+    if (status == EM_OK && create)
+        status = insert_seen(bases, &seen, lane, &s, keys, n, gate, rows, &fresh, err);
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen.storage,
                                                           first->optimizer, rows, n, gradients,
-                                                          gate, (em_gpu_fresh_rows){0}),
+                                                          gate, fresh),
                             err);
+    if (status == EM_OK && create)
+        status = settled_back(bases, &seen, lane, &fresh, err);
     if (status == EM_OK && first->track_access && accessed != 0)
         status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows, n,
                                                           gate, accessed, updated, 1),
                             err);
     if (status == EM_OK)
         status = record_shards(bases, shard_count, lane, true, err);
-    return status;
+    return em__cuda_finish_async(&s, lane, status, err);
 }
 
 /* The touch of a pull spread over several devices (device.h: shards_touch_async), gated

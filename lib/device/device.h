@@ -295,16 +295,21 @@ typedef struct em_device_ops {
      * same lane, steps the first *count of rows with gradients (and touches them as
      * shards_push_async says) only if none of `parts` pairs of answers (answers[2p],
      * answers[2p + 1]: every device's) found a key absent or a problem: all or nothing
-     * over every device, decided on each. The caller holds every shard's write lock from
-     * the find until the step is enqueued. Neither creates keys. NULL on the CPU. */
+     * over every device, decided on each. Given keys (unique, as found), shards_step_async
+     * creates the keys found absent first, as shards_push_async creating does: their
+     * rows are inserted (room made with shard_reserve) and stepped from their initial
+     * values, gated on every device's checks only, and their counters settle as
+     * shard_insert_settle says. The caller holds every shard's write lock from the find
+     * until the step is enqueued (creating, until the shards are settled). NULL on the
+     * CPU. */
     em_status (*shards_find_check_async)(em_shard *const *shards, uint32_t shard_count,
                                          em_lane *lane, const uint64_t *unique,
                                          const uint32_t *count, uint64_t n,
                                          const float *gradients, uint64_t *rows,
                                          uint64_t *answers, em_error *err);
     em_status (*shards_step_async)(em_shard *const *shards, uint32_t shard_count, em_lane *lane,
-                                   const uint64_t *rows, const uint32_t *count, uint64_t n,
-                                   const float *gradients, const uint64_t *answers,
+                                   const uint64_t *keys, uint64_t *rows, const uint32_t *count,
+                                   uint64_t n, const float *gradients, const uint64_t *answers,
                                    uint32_t parts, uint64_t accessed, uint32_t updated,
                                    em_error *err);
     /* A pull spread over several devices (shards as shards_find_check_async says) of a

@@ -45,6 +45,7 @@ typedef struct attempt_state {
     bool needs_create; /* it stopped: keys must be created */
     bool admission_run; /* its admission counted the missing keys' sightings */
     bool made_room;     /* the exclusive attempt evicted rows to make room */
+    uint64_t access_stamp; /* the last attempt's (em__request_begin_stamped) */
 } attempt_state;
 
 /* One attempt at a request under the table lock the caller holds. Without may_create
@@ -69,7 +70,7 @@ static em_status run_shared_then_exclusive(em_table *table, locked_attempt attem
                                            _Atomic uint32_t *making_room, const void *request,
                                            void *result, em_error *err)
 {
-    attempt_state state = {false, false, false};
+    attempt_state state = {false, false, false, 0};
     bool alone_first = atomic_load_explicit(making_room, memory_order_relaxed) >= ALONE_AFTER;
     em_status status = EM_OK;
     if (alone_first) {
@@ -911,7 +912,10 @@ static em_status pull_attempt(em_table *table, const em_pull_request *request,
 {
     request_context r;
     *again = false;
-    em_status status = em__request_begin(table, &r, err);
+    /* going again (find_first), with the access stamp of the attempt before */
+    em_status status = em__request_begin_stamped(table, &r, find_first ? state->access_stamp : 0,
+                                                 err);
+    state->access_stamp = r.access_stamp;
     r.alone = may_create; /* the exclusive attempt */
     bool later = status == EM_OK && !find_first && finds_later(&r, request);
     bool create = request->create_missing && !later;
@@ -1321,10 +1325,15 @@ static bool push_may_spread(const request_context *r, const em_push_request *req
  * some key is missing or a check failed, *done stays false and nothing was stepped: the
  * push starts again the general way, with the scratch given back (which creates the
  * keys, or names the problem as the CPU does), and when keys were missing the table's
- * next pushes go that way until one finds every key (pushes_go_general). The gradients
- * were checked finite on the host first (gpu_may_check). A table that tracks access
- * stamps the rows stepped as push_at_once does, holding the write locks until the wait
- * has said whether the clock moves. */
+ * next pushes go that way until one finds every key (pushes_go_general), or, where it
+ * could have created them (creates_at_once), the next ones create their absent keys
+ * spread too (pushes_create): with room made first in every shard for every key of the
+ * batch (make_room_at_once), each device's find and check see the absent keys as
+ * created, and each device inserts them and steps them from their initial values
+ * (shards_step_async with keys) only if no device's check found a problem, still in
+ * one wait. The gradients were checked finite on the host first (gpu_may_check). A
+ * table that tracks access stamps the rows stepped as push_at_once does, holding the
+ * write locks until the wait has said whether the clock moves. */
 static em_status push_spread(request_context *r, push_call *call, em_push_result *result,
                              bool *done, uint64_t *found_absent, em_error *err)
 {
@@ -1345,6 +1354,11 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     size_t sent = 0, returned = 0, shared = 0;
     /* each device's answers to every other device */
     em_transfer *answers_out = calloc((size_t)count * (count - 1), sizeof(*answers_out));
+    bool creatable = creates_at_once(r);
+    uint64_t rows_before = 0;
+    bool create = answers_out != NULL && creatable &&
+                  atomic_load_explicit(&table->pushes_create, memory_order_relaxed) &&
+                  make_room_at_once(r, &request->batch, &rows_before);
     *done = false;
     em_status status =
         answers_out == NULL
@@ -1385,7 +1399,8 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     bool stamps = r->access_stamp != 0; /* the table tracks access */
     uint32_t stamp = 0;
     if (status == EM_OK) {
-        em__lock_all_shards(table, true);
+        if (!create) /* creating, they are held from make_room_at_once until settled */
+            em__lock_all_shards(table, true);
         locked = true;
         stamp = (uint32_t)atomic_load_explicit(&table->update_clock, memory_order_relaxed) + 1;
         saving = table->snapshot != NULL; /* its rows go aside first: the general way */
@@ -1402,13 +1417,13 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
             uint32_t first = spread.first_shard[i];
             status = parts[i].device->ops->shards_step_async(
                 table->shards + first, spread.first_shard[i + 1] - first, parts[i].lane,
-                parts[i].rows, parts[i].count, nnz, parts[i].vectors, parts[i].words, count,
-                r->access_stamp, stamp, err);
+                create ? parts[i].keys : NULL, parts[i].rows, parts[i].count, nnz,
+                parts[i].vectors, parts[i].words, count, r->access_stamp, stamp, err);
         }
         /* whether it stepped is known later: checks before it look again */
         for (uint32_t s = 0; !saving && s < table->shard_count; s++)
             table->shard_versions[s].value += EM_ROW_BOUNDED_STEPS + 1;
-        if (!stamps || saving || status != EM_OK) {
+        if (!create && (!stamps || saving || status != EM_OK)) {
             em__unlock_all_shards(table);
             locked = false;
         }
@@ -1426,13 +1441,17 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     if (status == EM_OK)
         status = synchronized;
     bool stepped = status == EM_OK && !saving;
-    for (uint32_t i = 0; stepped && i < count; i++)
-        stepped = answers[2 * i] == 0 && answers[2 * i + 1] == UINT64_MAX;
-    if (locked) { /* stamping: the step happened with the clock's next value */
-        if (stepped) {
-            atomic_fetch_add_explicit(&table->update_clock, 1, memory_order_relaxed);
-            em__clock_sample(table, em__unix_ms(), stamp);
-        }
+    for (uint32_t i = 0; stepped && i < count; i++) /* creating, absent keys were created */
+        stepped = (create || answers[2 * i] == 0) && answers[2 * i + 1] == UINT64_MAX;
+    if (locked && stamps && stepped) { /* the step happened with the clock's next value */
+        atomic_fetch_add_explicit(&table->update_clock, 1, memory_order_relaxed);
+        em__clock_sample(table, em__unix_ms(), stamp);
+    }
+    if (create) { /* the keys created are in the shards, whatever else failed */
+        em_status settled = settle_created(r, rows_before, status == EM_OK ? err : &ignored);
+        if (status == EM_OK)
+            status = settled;
+    } else if (locked) {
         em__unlock_all_shards(table);
     }
     if (status != EM_OK)
@@ -1444,15 +1463,15 @@ static em_status push_spread(request_context *r, push_call *call, em_push_result
     uint64_t absent = 0;
     for (uint32_t i = 0; i < count; i++)
         absent += answers[2 * i];
-    note_at_once_find(table, &table->pushes_create, &table->pushes_go_general, absent, false,
-                      true);
-    if (!stepped) {
-        *found_absent = absent;
+    note_at_once_find(table, &table->pushes_create, &table->pushes_go_general, absent,
+                      creatable && !create, !create && !stepped);
+    if (!stepped) { /* creating, a check failed: nothing was inserted either */
+        *found_absent = create ? 0 : absent;
         em__request_rewind(r, &mark);
         return EM_OK;
     }
     result->updated = updated;
-    result->created = 0;
+    result->created = create ? absent : 0;
     atomic_fetch_add_explicit(&table->pushes_at_once, 1, memory_order_relaxed);
     *done = true;
     return EM_OK;
@@ -1504,7 +1523,10 @@ static em_status push_attempt(em_table *table, push_call *call, em_push_result *
     /* a save's copies past their bound: wait for its reader before taking a lane, which
      * the reader needs too (lib/table/table_snapshot.c) */
     em__snapshot_wait_room(table);
-    em_status status = em__request_begin(table, &r, err);
+    /* going again (find_first), with the access stamp of the attempt before */
+    em_status status = em__request_begin_stamped(table, &r, find_first ? state->access_stamp : 0,
+                                                 err);
+    state->access_stamp = r.access_stamp;
     r.alone = may_create; /* the exclusive attempt */
     bool done = false, planned = false;
     uint64_t absent = 0; /* at once: the keys it found missing */

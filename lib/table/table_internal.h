@@ -318,6 +318,12 @@ uint32_t em__nonnegative_run(const em_table *table);
 /* Sets up r for one request on table and takes a lane on every device. Always pair with
  * em__request_end, even when this fails. */
 em_status em__request_begin(em_table *table, request_context *r, em_error *err);
+/* em__request_begin for an attempt that goes again after one that changed nothing: it
+ * stamps the rows it touches with that one's access stamp (stamp, or 0 for a new one),
+ * so a request takes one value of the table's access clock however many attempts it
+ * makes, as on a backend where it makes one. */
+em_status em__request_begin_stamped(em_table *table, request_context *r, uint64_t stamp,
+                                    em_error *err);
 
 /* The rows a table's shards hold (with their write locks, or the table's lock held
  * exclusively). */

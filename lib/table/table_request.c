@@ -144,6 +144,12 @@ static em_status acquire_lanes(request_context *r, em_error *err)
 
 em_status em__request_begin(em_table *table, request_context *r, em_error *err)
 {
+    return em__request_begin_stamped(table, r, 0, err);
+}
+
+em_status em__request_begin_stamped(em_table *table, request_context *r, uint64_t stamp,
+                                    em_error *err)
+{
     memset(r, 0, sizeof(*r));
     r->table = table;
     /* a table on one device is served there: no exchange, and its requests may go at
@@ -152,8 +158,9 @@ em_status em__request_begin(em_table *table, request_context *r, em_error *err)
                                                  : em_backend_home_device(table->backend);
     r->gradient_bound = -1.0f;
     if (em_eviction_tracks_access(&table->config.eviction))
-        r->access_stamp = atomic_fetch_add_explicit(&table->access_clock, 1,
-                                                    memory_order_relaxed) + 1;
+        r->access_stamp = stamp != 0 ? stamp
+                                     : atomic_fetch_add_explicit(&table->access_clock, 1,
+                                                                 memory_order_relaxed) + 1;
     /* the bookkeeping arrays, per shard and per device, in one allocation */
     _Static_assert(_Alignof(scratch_item) <= 8 && _Alignof(segment) <= 8 &&
                        _Alignof(struct scratch_block) <= 8 && sizeof(scratch_item) % 8 == 0 &&

@@ -963,36 +963,25 @@ em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uin
     return ok();
 }
 
-/* The items a counted insert covers: the first *count of n, none when a push's check
- * found a problem. */
-static uint64_t insert_end(uint64_t n, const uint32_t *count, const uint64_t *problem)
-{
-    if (problem != NULL && *problem != UINT64_MAX)
-        return 0;
-    return *count < n ? *count : n;
-}
-
 em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
-                                        const uint64_t *keys, uint64_t n, const uint32_t *count,
-                                        const uint64_t *problem, uint64_t *rows,
-                                        uint8_t *inserted)
+                                        const uint64_t *keys, uint64_t n, em_gpu_gate gate,
+                                        uint64_t *rows, uint8_t *inserted)
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0, end = insert_end(n, count, problem); i < end; i++)
+    for (uint64_t i = 0, end = em_gpu_gate_end(gate, n); i < end; i++)
         em_gpu_map_insert_item(map, keys, i, rows, inserted);
     leave_device();
     return ok();
 }
 
 em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
-                                           const uint64_t *keys, uint64_t n,
-                                           const uint32_t *count, const uint64_t *problem,
+                                           const uint64_t *keys, uint64_t n, em_gpu_gate gate,
                                            uint64_t *rows, uint8_t *inserted)
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0, end = insert_end(n, count, problem); i < end; i++)
+    for (uint64_t i = 0, end = em_gpu_gate_end(gate, n); i < end; i++)
         em_gpu_shards_insert_item(shards, keys, i, rows, inserted);
     leave_device();
     return ok();
