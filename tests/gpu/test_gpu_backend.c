@@ -2901,6 +2901,49 @@ START_TEST(spread_requests_touch_rows_as_the_cpu_does)
 }
 END_TEST
 
+/* Which keys rows_of_new_keys puts in its rows. */
+typedef enum new_keys {
+    A_THIRD_NEW,    /* about a third new (from fresh, repeated), the rest the twin's */
+    SECOND_GPU_NEW, /* all new, repeated, on the second GPU's shards (4 to 7 of 8) */
+    NONE_NEW,       /* the twin's keys only */
+} new_keys;
+
+/* rows rows of 0 to 5 keys (row i: i mod 6 of them), with repeats within and across
+ * rows, into keys and offsets; returns their count. */
+static uint64_t rows_of_new_keys(const twin *t, uint32_t rows, new_keys which, uint64_t fresh,
+                                 uint64_t *keys, uint32_t *offsets)
+{
+    uint64_t nnz = 0;
+    offsets[0] = 0;
+    for (uint32_t i = 0; i < rows; i++) {
+        for (uint32_t j = 0; j < i % 6; j++) {
+            uint64_t key = t->keys[(7 * i + 13 * j) % t->n];
+            if (which == SECOND_GPU_NEW) {
+                key = fresh + (i * 7 + j) % 97;
+                while (em_key_shard(key, 8) < 4)
+                    key += 1000;
+            } else if (which == A_THIRD_NEW && (i + j) % 3 == 0) {
+                key = fresh + (i * 7 + j) % 97;
+            }
+            keys[nnz++] = key;
+        }
+        offsets[i + 1] = (uint32_t)nnz;
+    }
+    return nnz;
+}
+
+/* The twin's tables hold as many rows, created as many, and (access) their rows' access
+ * metadata is the same; gpu: the GPU table's stats. */
+static void twin_assert_counts_alike(const twin *t, const em_table_stats *gpu, bool access)
+{
+    em_table_stats cpu;
+    em_table_get_stats(t->tables[0], &cpu);
+    ck_assert_uint_eq(gpu->rows, cpu.rows);
+    ck_assert_uint_eq(gpu->rows_created, cpu.rows_created);
+    if (access)
+        assert_access_equal(t->tables[0], t->tables[1]);
+}
+
 /* Pulls that create keys, of a table over two GPUs (table.c: pull_spread creating): a
  * new table's pulls, and a table's pulls once one found keys absent that it could have
  * created, create theirs spread, each GPU inserting the keys of its own shards, in one
@@ -2927,23 +2970,9 @@ START_TEST(pulls_creating_spread_over_two_gpus_match_cpu)
         em_combiner combiner = pass >= 1 && pass <= 4 ? (em_combiner)(pass - 1)
                                                       : EM_COMBINER_NONE;
         bool spread = pass != 7; /* at once, in one wait */
-        uint64_t nnz = 0;
-        offsets[0] = 0;
-        for (uint32_t i = 0; i < ROWS; i++) {
-            for (uint32_t j = 0; j < i % 6; j++) {
-                uint64_t key = t.keys[(7 * i + 13 * j) % t.n];
-                if (pass == 5) { /* new, repeated, on shards 4 to 7 */
-                    key = fresh + (i * 7 + j) % 97;
-                    while (em_key_shard(key, 8) < 4)
-                        key += 1000;
-                } else if (pass != 6 && (i + j) % 3 == 0) {
-                    key = fresh + (i * 7 + j) % 97; /* new, repeated within the pull */
-                }
-                keys[nnz++] = key;
-            }
-            offsets[i + 1] = (uint32_t)nnz;
-        }
-        fresh += 100;
+        new_keys which = pass == 5 ? SECOND_GPU_NEW : pass == 6 ? NONE_NEW : A_THIRD_NEW;
+        uint64_t nnz = rows_of_new_keys(&t, ROWS, which, fresh, keys, offsets);
+        fresh += 100000;
         em_csr batch = {.rows = ROWS, .nnz = nnz, .offsets = offsets, .keys = keys};
         uint64_t floats = (combiner == EM_COMBINER_NONE ? nnz : ROWS) * t.dim;
         float *out[2] = {malloc(floats * sizeof(float)), malloc(floats * sizeof(float))};
@@ -2977,12 +3006,7 @@ START_TEST(pulls_creating_spread_over_two_gpus_match_cpu)
                           (double)out[0][i], (double)out[1][i]);
         free(out[0]);
         free(out[1]);
-        em_table_stats cpu_stats;
-        em_table_get_stats(t.tables[0], &cpu_stats);
-        ck_assert_uint_eq(after.rows, cpu_stats.rows);
-        ck_assert_uint_eq(after.rows_created, cpu_stats.rows_created);
-        if (_i == 1)
-            assert_access_equal(t.tables[0], t.tables[1]);
+        twin_assert_counts_alike(&t, &after, _i == 1);
     }
     assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
     free(keys);
@@ -3015,24 +3039,14 @@ START_TEST(pushes_creating_spread_over_two_gpus_match_cpu)
     for (int pass = 0; pass < 6; pass++) {
         /* passes 0-3: each combiner; 4: a step that breaks a row; 5: put right */
         em_combiner combiner = pass < 4 ? (em_combiner)pass : EM_COMBINER_NONE;
-        uint64_t nnz = 0;
-        offsets[0] = 0;
-        for (uint32_t i = 0; i < ROWS; i++) {
-            for (uint32_t j = 0; j < i % 6; j++) {
-                uint64_t key = t.keys[(7 * i + 13 * j) % t.n];
-                if ((i + j) % 3 == 0)
-                    key = fresh + (i * 7 + j) % 97; /* new, repeated within the push */
-                keys[nnz++] = key;
-            }
-            offsets[i + 1] = (uint32_t)nnz;
-        }
+        uint64_t nnz = rows_of_new_keys(&t, ROWS, A_THIRD_NEW, fresh, keys, offsets);
         if (pass != 4)
-            fresh += 100;
+            fresh += 100000;
         uint64_t floats = (combiner == EM_COMBINER_NONE ? nnz : ROWS) * t.dim;
         for (uint64_t i = 0; i < floats; i++)
             g[i] = 0.001f * (float)(i % 89) - 0.043f;
         uint64_t victim = 0; /* a stored key on the second GPU's shards */
-        while (keys[victim] >= fresh - 100 || em_key_shard(keys[victim], 8) < 4)
+        while (keys[victim] >= 9000001 || em_key_shard(keys[victim], 8) < 4)
             victim++;
         if (pass == 4)
             g[victim * t.dim + 3] = 3e38f; /* its adagrad state would overflow */
@@ -3069,12 +3083,7 @@ START_TEST(pushes_creating_spread_over_two_gpus_match_cpu)
             ck_assert_uint_eq(after.pushes_at_once - before.pushes_at_once, 1);
             ck_assert(!waits_counted() || waits == 1);
         }
-        em_table_stats cpu_stats;
-        em_table_get_stats(t.tables[0], &cpu_stats);
-        ck_assert_uint_eq(after.rows, cpu_stats.rows);
-        ck_assert_uint_eq(after.rows_created, cpu_stats.rows_created);
-        if (_i == 1)
-            assert_access_equal(t.tables[0], t.tables[1]);
+        twin_assert_counts_alike(&t, &after, _i == 1);
     }
     assert_tables_alike(t.tables[0], t.tables[1], 64, 0);
     free(g);
