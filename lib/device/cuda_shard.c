@@ -1170,6 +1170,58 @@ em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_coun
     return em__cuda_finish_async(&s, lane, status, err);
 }
 
+/* A push's find and check of unique[0..*count) in the shards seen, into *missing (the
+ * keys absent) and *problem (the first row its step would break, UINT64_MAX for none),
+ * ordered after every read and write of the shards on other lanes. */
+static em_status find_check_words(em_shard *const *bases, uint32_t shard_count,
+                                  const shards_seen *seen, cuda_lane *lane,
+                                  const uint64_t *unique, const uint32_t *count, uint64_t n,
+                                  const float *gradients, uint64_t *rows, uint64_t *missing,
+                                  uint64_t *problem, em_error *err)
+{
+    em_status status = lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0,
+                                                            sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, problem, 0xff,
+                                                      sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = order_shards(bases, shard_count, lane, true, err);
+    if (status == EM_OK)
+        status = find_check_seen(seen, shard_of(bases[0]), lane, unique, n, count, gradients,
+                                 rows, missing, problem, err);
+    return status;
+}
+
+/* A push's step of rows[0..n) in the shards seen, as the gate says: creating (keys
+ * given), the insert of the keys found absent first, whose rows the step's launch gives
+ * their initial values, and the maps' headers back; then the touch, and the write
+ * recorded. */
+static em_status step_seen(em_shard *const *bases, uint32_t shard_count, const shards_seen *seen,
+                           cuda_lane *lane, scratch *s, const uint64_t *keys, uint64_t *rows,
+                           uint64_t n, const float *gradients, em_gpu_gate gate,
+                           uint64_t accessed, uint32_t updated, em_error *err)
+{
+    const cuda_shard *first = shard_of(bases[0]);
+    em_gpu_fresh_rows fresh = {0};
+    em_status status = EM_OK;
+    if (keys != NULL)
+        status = insert_seen(bases, seen, lane, s, keys, n, gate, rows, &fresh, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen->storage,
+                                                          first->optimizer, rows, n, gradients,
+                                                          gate, fresh),
+                            err);
+    if (status == EM_OK && keys != NULL)
+        status = settled_back(bases, seen, lane, &fresh, err);
+    if (status == EM_OK && first->track_access && accessed != 0)
+        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen->storage, rows, n,
+                                                          gate, accessed, updated, 1),
+                            err);
+    if (status == EM_OK)
+        status = record_shards(bases, shard_count, lane, true, err);
+    return status;
+}
+
 /* The push to a table in a single pass of the GPU (device.h: shards_push_async): find,
  * check, when creating the insert of the absent keys, and the step (and the touch) only
  * when every row checked (and, without creating, every key was found), decided on the
@@ -1182,39 +1234,17 @@ em_status em__cuda_shards_push_async(em_shard *const *bases, uint32_t shard_coun
                                      uint64_t *problem, uint64_t accessed, uint32_t updated,
                                      em_error *err)
 {
-    cuda_shard *first = shard_of(bases[0]);
     cuda_lane *lane = lane_of(lane_base);
     scratch s = {.device = lane_base->device};
     shards_seen seen;
+    em_gpu_gate gate = {.count = count, .missing = create ? NULL : missing, .problem = problem};
     em_status status = see_shards(bases, shard_count, lane, &seen, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_memset_async(lane->stream, missing, 0, sizeof(uint64_t)),
-                            err);
+        status = find_check_words(bases, shard_count, &seen, lane, unique, count, n, gradients,
+                                  rows, missing, problem, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_memset_async(lane->stream, problem, 0xff,
-                                                      sizeof(uint64_t)), err);
-    if (status == EM_OK) /* after every read and write of the shards on other lanes */
-        status = order_shards(bases, shard_count, lane, true, err);
-    if (status == EM_OK)
-        status = find_check_seen(&seen, first, lane, unique, n, count, gradients, rows, missing,
-                                 problem, err);
-    em_gpu_fresh_rows fresh = {0}; /* creating: the step initialises the new rows */
-    em_gpu_gate gate = {.count = count, .missing = create ? NULL : missing, .problem = problem};
-    if (status == EM_OK && create)
-        status = insert_seen(bases, &seen, lane, &s, unique, n, gate, rows, &fresh, err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen.storage,
-                                                          first->optimizer, rows, n, gradients,
-                                                          gate, fresh),
-                            err);
-    if (status == EM_OK && create)
-        status = settled_back(bases, &seen, lane, &fresh, err);
-    if (status == EM_OK && first->track_access && accessed != 0)
-        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows, n,
-                                                          gate, accessed, updated, 1),
-                            err);
-    if (status == EM_OK)
-        status = record_shards(bases, shard_count, lane, true, err);
+        status = step_seen(bases, shard_count, &seen, lane, &s, create ? unique : NULL, rows, n,
+                           gradients, gate, accessed, updated, err);
     return em__cuda_finish_async(&s, lane, status, err);
 }
 
@@ -1228,21 +1258,12 @@ em_status em__cuda_shards_find_check_async(em_shard *const *bases, uint32_t shar
                                            const float *gradients, uint64_t *rows,
                                            uint64_t *answers, em_error *err)
 {
-    cuda_shard *first = shard_of(bases[0]);
     cuda_lane *lane = lane_of(lane_base);
     shards_seen seen;
     em_status status = see_shards(bases, shard_count, lane, &seen, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_memset_async(lane->stream, &answers[0], 0,
-                                                      sizeof(uint64_t)), err);
-    if (status == EM_OK)
-        status = lane_check(lane, em_gpu_memset_async(lane->stream, &answers[1], 0xff,
-                                                      sizeof(uint64_t)), err);
-    if (status == EM_OK) /* after every read and write of the shards on other lanes */
-        status = order_shards(bases, shard_count, lane, true, err);
-    if (status == EM_OK)
-        status = find_check_seen(&seen, first, lane, unique, n, count, gradients, rows,
-                                 &answers[0], &answers[1], err);
+        status = find_check_words(bases, shard_count, &seen, lane, unique, count, n, gradients,
+                                  rows, &answers[0], &answers[1], err);
     return status;
 }
 
@@ -1256,30 +1277,15 @@ em_status em__cuda_shards_step_async(em_shard *const *bases, uint32_t shard_coun
                                      const uint64_t *answers, uint32_t parts, uint64_t accessed,
                                      uint32_t updated, em_error *err)
 {
-    cuda_shard *first = shard_of(bases[0]);
     cuda_lane *lane = lane_of(lane_base);
     scratch s = {.device = lane_base->device};
     shards_seen seen;
-    bool create = keys != NULL;
-    em_gpu_gate gate = {.count = count, .missing = create ? NULL : &answers[0],
+    em_gpu_gate gate = {.count = count, .missing = keys != NULL ? NULL : &answers[0],
                         .problem = &answers[1], .parts = parts};
-    em_gpu_fresh_rows fresh = {0};
     em_status status = see_shards(bases, shard_count, lane, &seen, err);
-    if (status == EM_OK && create)
-        status = insert_seen(bases, &seen, lane, &s, keys, n, gate, rows, &fresh, err);
     if (status == EM_OK)
-        status = lane_check(lane, em_gpu_rows_apply_gated(lane->stream, seen.storage,
-                                                          first->optimizer, rows, n, gradients,
-                                                          gate, fresh),
-                            err);
-    if (status == EM_OK && create)
-        status = settled_back(bases, &seen, lane, &fresh, err);
-    if (status == EM_OK && first->track_access && accessed != 0)
-        status = lane_check(lane, em_gpu_rows_touch_gated(lane->stream, seen.storage, rows, n,
-                                                          gate, accessed, updated, 1),
-                            err);
-    if (status == EM_OK)
-        status = record_shards(bases, shard_count, lane, true, err);
+        status = step_seen(bases, shard_count, &seen, lane, &s, keys, rows, n, gradients, gate,
+                           accessed, updated, err);
     return em__cuda_finish_async(&s, lane, status, err);
 }
 
