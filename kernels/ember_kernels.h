@@ -361,6 +361,20 @@ em_gpu_status em_gpu_map_find_as(em_gpu_stream *stream, em_gpu_map map, const ui
 em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
                                       const uint64_t *keys, uint64_t n, const uint32_t *count,
                                       uint64_t *rows, uint64_t *missing);
+/* One map's part of a find over several maps at once (the shards of one device): keys
+ * [0, n) looked up in map, rows[i] their rows or ROW_NONE, *missing (device) += the
+ * absent ones. */
+typedef struct em_gpu_map_part {
+    em_gpu_map map;
+    const uint64_t *keys;
+    uint64_t n;
+    uint64_t *rows;
+    uint64_t *missing;
+} em_gpu_map_part;
+/* em_gpu_map_find of every part (parts: device memory, `count` of them, of at most
+ * most_keys keys each; all_keys: their keys together), in one launch. */
+em_gpu_status em_gpu_maps_find(em_gpu_stream *stream, const em_gpu_map_part *parts,
+                               uint32_t count, uint64_t most_keys, uint64_t all_keys);
 /* A device's shards of one table seen as one, for requests that go at once over all of
  * them: shard s (em_key_shard) holds its keys in maps[s], and its rows are rows
  * row_base[s] + r of one storage whose blocks are every shard's in turn. maps and
@@ -558,30 +572,58 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
                                 const uint64_t *rows, uint64_t n, uint64_t accessed,
                                 uint32_t updated, int pushed);
 
-/* An eviction's walk of a map read in one pass (lib/device/cuda_shard.c): windows of
- * slots, each flagged and scanned (em_gpu_map_export_flags, em_gpu_exclusive_scan_u32),
- * compacted one after another into the same arrays, their running count kept on the
- * device, so that the host waits once for however many windows. */
+/* An eviction's walk of a map read in one pass (lib/device/cuda_shard.c): its slots
+ * flagged and scanned, the occupied ones compacted in slot order into keys, rows and
+ * access, its running count kept on the device, so that the host waits once for however
+ * many slots. */
 typedef struct em_gpu_walk {
     uint64_t taken;       /* occupied slots met so far (may pass want) */
-    uint64_t before_wrap; /* taken when the walk went on from slot 0 (advance with wrap) */
-    uint64_t next_slot;   /* one past the slot of entry want - 1, once met; else as set */
+    uint64_t before_wrap; /* taken when the walk went on from slot 0 (a piece with wrap) */
+    uint64_t next_slot;   /* one past the slot of entry want - 1, once met; else UINT64_MAX */
     uint64_t reserved;
 } em_gpu_walk;
 
-/* With rank the exclusive scan of flags over slots [begin, begin + count): the occupied
- * slot of rank r becomes entry walk->taken + r of keys, rows and access (its row's access
- * metadata) when that is below want, and walk->next_slot = one past the slot of entry
- * want - 1. */
-em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,
-                                      em_gpu_storage storage, uint64_t begin, uint64_t count,
-                                      const uint32_t *flags, const uint32_t *rank, uint64_t want,
-                                      em_gpu_walk *walk, uint64_t *keys, uint64_t *rows,
-                                      em_gpu_row_access *access);
-/* After a window's compaction: walk->taken += rank[count] (its occupied slots); with
- * wrap (nonzero), then walk->before_wrap = walk->taken. */
-em_gpu_status em_gpu_map_walk_advance(em_gpu_stream *stream, const uint32_t *rank,
-                                      uint64_t count, int wrap, em_gpu_walk *walk);
+/* A run of slots [begin, begin + count) of a walk's map. The walks of one lane (a shard
+ * each) go through a chunk of pieces together, one launch a step: the pieces lie back to
+ * back in the chunk's flags (piece p at first_flag, flags[first_flag + count] the next
+ * piece's or the chunk's end), a walk's pieces one after another in its order; base_flag
+ * is the first flag of the walk's first piece in the chunk. A walk's first piece of all
+ * (starts) sets its counts to zero first, and copies kept_count rows from kept_from to
+ * kept_to (the request's rows, read back with the walk). With wrap (nonzero) the walk
+ * goes on from slot 0 after the piece (walk->before_wrap). */
+typedef struct em_gpu_walk_piece {
+    em_gpu_map map;
+    em_gpu_storage storage;
+    uint64_t begin, count;
+    uint64_t first_flag, base_flag;
+    uint64_t want;
+    em_gpu_walk *walk;
+    uint64_t *keys, *rows;
+    em_gpu_row_access *access;
+    const uint64_t *kept_from;
+    uint64_t *kept_to;
+    uint64_t kept_count;
+    uint32_t starts, wrap;
+} em_gpu_walk_piece;
+
+/* flags[first_flag + i] = whether slot begin + i of piece p is occupied, for every piece
+ * (pieces: device memory, `count` of them, most_slots at least every piece's slots and
+ * kept rows, and at least 1), and
+ * flags[first_flag + count] = 0 after the last piece; a starting walk's counts zeroed and
+ * its kept rows copied. */
+em_gpu_status em_gpu_walks_flags(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
+                                 uint32_t count, uint64_t most_slots, uint32_t *flags);
+/* With rank the exclusive scan of the chunk's flags: the occupied slot of piece p at
+ * flag f becomes entry walk->taken + rank[f] - rank[base_flag] of its walk (keys, rows,
+ * and its row's access metadata) when that is below want, and walk->next_slot = one past
+ * the slot of entry want - 1. */
+em_gpu_status em_gpu_walks_compact(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
+                                   uint32_t count, uint64_t most_slots, const uint32_t *flags,
+                                   const uint32_t *rank);
+/* After the compaction, one thread, piece after piece: walk->taken += the piece's occupied
+ * slots; with wrap, then walk->before_wrap = walk->taken. */
+em_gpu_status em_gpu_walks_advance(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
+                                   uint32_t count, const uint32_t *rank);
 
 /* An eviction's choice made on the GPU (lib/device/cuda_shard.c): the count first
  * entries of a walk's window by the policy's order, ties broken by the smaller key

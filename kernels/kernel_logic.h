@@ -975,33 +975,55 @@ EM_HOST_DEVICE void em_gpu_access_read_item(em_gpu_storage storage, const uint64
     out[i] = *em_gpu_row_access_of(storage, rows[i]);
 }
 
-EM_HOST_DEVICE void em_gpu_map_walk_compact_item(em_gpu_map map, em_gpu_storage storage,
-                                                 uint64_t begin, uint64_t i,
-                                                 const uint32_t *flags, const uint32_t *rank,
-                                                 uint64_t want, em_gpu_walk *walk,
-                                                 uint64_t *keys, uint64_t *rows,
-                                                 em_gpu_row_access *access)
+/* Slot begin + i of piece p flagged; the walk's start and the last piece's end flag by
+ * thread 0 of their piece. */
+EM_HOST_DEVICE void em_gpu_walks_flag_item(const em_gpu_walk_piece *pieces, uint32_t count,
+                                           uint32_t p, uint64_t i, uint32_t *flags)
 {
-    if (!flags[i])
-        return;
-    uint64_t at = walk->taken + rank[i];
-    if (at >= want)
-        return;
-    const em_gpu_slot *slot = em_gpu_map_slot(map, begin + i);
-    keys[at] = slot->key;
-    rows[at] = slot->row;
-    access[at] = *em_gpu_row_access_of(storage, slot->row);
-    if (at == want - 1)
-        walk->next_slot = begin + i + 1;
+    const em_gpu_walk_piece *piece = &pieces[p];
+    if (i < piece->count)
+        flags[piece->first_flag + i] = (uint32_t)em_gpu_slot_occupied(
+            em_gpu_map_slot(piece->map, piece->begin + i)->key);
+    if (i < piece->kept_count)
+        piece->kept_to[i] = piece->kept_from[i];
+    if (i == 0 && p == count - 1)
+        flags[piece->first_flag + piece->count] = 0;
+    if (i == 0 && piece->starts) {
+        piece->walk->taken = 0;
+        piece->walk->before_wrap = 0;
+        piece->walk->next_slot = UINT64_MAX;
+        piece->walk->reserved = 0;
+    }
 }
 
-/* One thread: the window's occupied slots counted in. */
-EM_HOST_DEVICE void em_gpu_map_walk_advance_item(const uint32_t *rank, uint64_t count, int wrap,
-                                                 em_gpu_walk *walk)
+EM_HOST_DEVICE void em_gpu_walks_compact_item(const em_gpu_walk_piece *piece, uint64_t i,
+                                              const uint32_t *flags, const uint32_t *rank)
 {
-    walk->taken += rank[count];
-    if (wrap)
-        walk->before_wrap = walk->taken;
+    uint64_t f = piece->first_flag + i;
+    if (!flags[f])
+        return;
+    uint64_t at = piece->walk->taken + rank[f] - rank[piece->base_flag];
+    if (at >= piece->want)
+        return;
+    const em_gpu_slot *slot = em_gpu_map_slot(piece->map, piece->begin + i);
+    piece->keys[at] = slot->key;
+    piece->rows[at] = slot->row;
+    piece->access[at] = *em_gpu_row_access_of(piece->storage, slot->row);
+    if (at == piece->want - 1)
+        piece->walk->next_slot = piece->begin + i + 1;
+}
+
+/* One thread: every piece's occupied slots counted into its walk, in order. */
+EM_HOST_DEVICE void em_gpu_walks_advance_all(const em_gpu_walk_piece *pieces, uint32_t count,
+                                             const uint32_t *rank)
+{
+    for (uint32_t p = 0; p < count; p++) {
+        const em_gpu_walk_piece *piece = &pieces[p];
+        em_gpu_walk *walk = piece->walk;
+        walk->taken += rank[piece->first_flag + piece->count] - rank[piece->first_flag];
+        if (piece->wrap)
+            walk->before_wrap = walk->taken;
+    }
 }
 
 /* ---- eviction choices (em_gpu_choice) ------------------------------------------------ */

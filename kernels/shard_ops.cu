@@ -166,6 +166,38 @@ static em_gpu_status launch_find(em_gpu_stream *stream, Seen seen, const uint64_
                          n, count, rows, missing);
 }
 
+/* em_gpu_maps_find: part blockIdx.y, a group of threads a key (as find_grouped_kernel)
+ * or a thread a key (as find_each_kernel); a block's keys are all of one part, so one
+ * atomic a warp still counts them. */
+__global__ void maps_find_grouped_kernel(const em_gpu_map_part *parts)
+{
+    const em_gpu_map_part *part = &parts[blockIdx.y];
+    bucket_group group = cg::tiled_partition<EM_GPU_BUCKET_SLOTS>(cg::this_thread_block());
+    uint32_t absent = 0;
+    for (uint64_t i = EM_GPU_THREAD_INDEX / EM_GPU_BUCKET_SLOTS; i < part->n;
+         i += EM_GPU_THREAD_COUNT / EM_GPU_BUCKET_SLOTS) {
+        uint64_t row = lookup_grouped(group, part->map, part->keys[i]);
+        if (group.thread_rank() == 0) {
+            part->rows[i] = row;
+            absent += row == EM_GPU_ROW_NONE;
+        }
+    }
+    absent = __reduce_add_sync(WARP_MASK, absent);
+    if ((threadIdx.x & 31u) == 0 && absent != 0)
+        atomicAdd((unsigned long long *)part->missing, (unsigned long long)absent);
+}
+
+__global__ void maps_find_each_kernel(const em_gpu_map_part *parts)
+{
+    const em_gpu_map_part *part = &parts[blockIdx.y];
+    uint32_t absent = 0;
+    EM_GPU_FOR_EACH(i, part->n)
+    absent += (uint32_t)em_gpu_map_find_item(part->map, part->keys, i, part->rows);
+    absent = __reduce_add_sync(WARP_MASK, absent);
+    if ((threadIdx.x & 31u) == 0 && absent != 0)
+        atomicAdd((unsigned long long *)part->missing, (unsigned long long)absent);
+}
+
 __global__ void map_insert_kernel(em_gpu_map map, const uint64_t *keys, uint64_t n,
                                   uint64_t *rows, uint8_t *inserted)
 {
@@ -260,6 +292,18 @@ extern "C" em_gpu_status em_gpu_map_find_as(em_gpu_stream *stream, em_gpu_map ma
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return launch_find(stream, map, keys, n, (const uint32_t *)NULL, rows, missing, form);
+}
+
+extern "C" em_gpu_status em_gpu_maps_find(em_gpu_stream *stream, const em_gpu_map_part *parts,
+                                          uint32_t count, uint64_t most_keys, uint64_t all_keys)
+{
+    if (count == 0 || most_keys == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    if (find_form(stream, all_keys, EM_GPU_FIND_AUTO) == EM_GPU_FIND_EACH)
+        return EM_GPU_LAUNCH_ROWS(maps_find_each_kernel, most_keys, count, stream, parts);
+    return EM_GPU_LAUNCH_ROWS(maps_find_grouped_kernel, most_keys * EM_GPU_BUCKET_SLOTS, count,
+                              stream, parts);
 }
 
 extern "C" em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
@@ -595,22 +639,26 @@ __global__ void access_read_kernel(em_gpu_storage storage, const uint64_t *rows,
     em_gpu_access_read_item(storage, rows, i, out);
 }
 
-__global__ void map_walk_compact_kernel(em_gpu_map map, em_gpu_storage storage, uint64_t begin,
-                                        uint64_t count, const uint32_t *flags,
-                                        const uint32_t *rank, uint64_t want, em_gpu_walk *walk,
-                                        uint64_t *keys, uint64_t *rows,
-                                        em_gpu_row_access *access)
+__global__ void walks_flags_kernel(const em_gpu_walk_piece *pieces, uint32_t count,
+                                   uint64_t most_slots, uint32_t *flags)
 {
-    EM_GPU_FOR_EACH(i, count)
-    em_gpu_map_walk_compact_item(map, storage, begin, i, flags, rank, want, walk, keys, rows,
-                                 access);
+    EM_GPU_FOR_EACH(i, most_slots)
+    em_gpu_walks_flag_item(pieces, count, blockIdx.y, i, flags);
 }
 
-__global__ void map_walk_advance_kernel(const uint32_t *rank, uint64_t count, int wrap,
-                                        em_gpu_walk *walk)
+__global__ void walks_compact_kernel(const em_gpu_walk_piece *pieces, const uint32_t *flags,
+                                     const uint32_t *rank)
+{
+    const em_gpu_walk_piece *piece = &pieces[blockIdx.y];
+    EM_GPU_FOR_EACH(i, piece->count)
+    em_gpu_walks_compact_item(piece, i, flags, rank);
+}
+
+__global__ void walks_advance_kernel(const em_gpu_walk_piece *pieces, uint32_t count,
+                                     const uint32_t *rank)
 {
     if (EM_GPU_THREAD_INDEX == 0)
-        em_gpu_map_walk_advance_item(rank, count, wrap, walk);
+        em_gpu_walks_advance_all(pieces, count, rank);
 }
 
 __global__ void choice_mark_kept_kernel(em_gpu_choice *choices)
@@ -778,25 +826,37 @@ extern "C" em_gpu_status em_gpu_choice_write(em_gpu_stream *stream, em_gpu_choic
                               rank);
 }
 
-extern "C" em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,
-                                                 em_gpu_storage storage, uint64_t begin,
-                                                 uint64_t count, const uint32_t *flags,
-                                                 const uint32_t *rank, uint64_t want,
-                                                 em_gpu_walk *walk, uint64_t *keys,
-                                                 uint64_t *rows, em_gpu_row_access *access)
+extern "C" em_gpu_status em_gpu_walks_flags(em_gpu_stream *stream,
+                                            const em_gpu_walk_piece *pieces, uint32_t count,
+                                            uint64_t most_slots, uint32_t *flags)
 {
-    if (count == 0 || want == 0)
+    if (count == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(map_walk_compact_kernel, count, stream, map, storage, begin, count, flags,
-                         rank, want, walk, keys, rows, access);
+    return EM_GPU_LAUNCH_ROWS(walks_flags_kernel, most_slots, count, stream, pieces, count,
+                              most_slots, flags);
 }
 
-extern "C" em_gpu_status em_gpu_map_walk_advance(em_gpu_stream *stream, const uint32_t *rank,
-                                                 uint64_t count, int wrap, em_gpu_walk *walk)
+extern "C" em_gpu_status em_gpu_walks_compact(em_gpu_stream *stream,
+                                              const em_gpu_walk_piece *pieces, uint32_t count,
+                                              uint64_t most_slots, const uint32_t *flags,
+                                              const uint32_t *rank)
 {
+    if (count == 0 || most_slots == 0)
+        return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(map_walk_advance_kernel, 1, stream, rank, count, wrap, walk);
+    return EM_GPU_LAUNCH_ROWS(walks_compact_kernel, most_slots, count, stream, pieces, flags,
+                              rank);
+}
+
+extern "C" em_gpu_status em_gpu_walks_advance(em_gpu_stream *stream,
+                                              const em_gpu_walk_piece *pieces, uint32_t count,
+                                              const uint32_t *rank)
+{
+    if (count == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH(walks_advance_kernel, 1, stream, pieces, count, rank);
 }
 
 extern "C" em_gpu_status em_gpu_access_write(em_gpu_stream *stream, em_gpu_storage storage,

@@ -397,6 +397,18 @@ em_status em__cuda_free_later(cuda_lane *lane, void *pointer, em_error *err)
     return scratch_free_later(&s, lane, err);
 }
 
+em_status em__cuda_free_one_later(scratch *s, cuda_lane *lane, void *pointer, em_error *err)
+{
+    for (uint32_t i = 0; i < s->count; i++) {
+        if (s->pointers[i] != pointer)
+            continue;
+        memmove(&s->pointers[i], &s->pointers[i + 1], (s->count - i - 1) * sizeof(void *));
+        s->count--;
+        return em__cuda_free_later(lane, pointer, err);
+    }
+    return EM_OK;
+}
+
 /* Ends an operation that may have enqueued work using its scratch. */
 em_status em__cuda_finish_async(scratch *s, cuda_lane *lane, em_status status, em_error *err)
 {
@@ -692,6 +704,7 @@ static const em_device_ops cuda_device_ops = {
     .shard_destroy = em__cuda_shard_destroy,
     .shard_find = em__cuda_shard_find,
     .shard_find_async = em__cuda_shard_find_async,
+    .shards_find_async = em__cuda_shards_find_async,
     .shard_reserve = em__cuda_shard_reserve,
     .shard_insert_missing = em__cuda_shard_insert_missing,
     .shard_insert_missing_async = em__cuda_shard_insert_missing_async,

@@ -256,6 +256,11 @@ void em__cuda_lane_release(em_lane *base);
 /* Ends an operation that may have enqueued work using its scratch. */
 em_status em__cuda_finish_async(scratch *s, cuda_lane *lane, em_status status, em_error *err);
 
+/* Takes pointer out of s (nothing where s does not hold it), to be freed once the lane's
+ * work so far has completed: a buffer that work enqueued later still reads, where the
+ * rest of s is freed at once. */
+em_status em__cuda_free_one_later(scratch *s, cuda_lane *lane, void *pointer, em_error *err);
+
 /* Waits for everything issued on the lane, then frees what was waiting for that. */
 em_status em__cuda_lane_sync(cuda_lane *lane, em_error *err);
 
@@ -339,6 +344,10 @@ em_status em__cuda_shard_find(em_shard *base, em_lane *lane_base, const uint64_t
                               uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
 em_status em__cuda_shard_find_async(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                     uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
+em_status em__cuda_shards_find_async(em_shard *const *shards, uint32_t count,
+                                     em_lane *lane_base, const uint64_t *keys,
+                                     const uint64_t *offsets, uint64_t *rows, uint64_t *missing,
+                                     em_error *err);
 
 em_status em__cuda_shards_pull_async(em_shard *const *bases, uint32_t shard_count,
                                      em_lane *lane_base, const em_device_batch *batch,

@@ -644,6 +644,48 @@ em_status em__cuda_shard_find_async(em_shard *base, em_lane *lane_base, const ui
     return status;
 }
 
+/* The parts go to the GPU with one copy, and one launch finds every shard's keys. */
+em_status em__cuda_shards_find_async(em_shard *const *shards, uint32_t count,
+                                     em_lane *lane_base, const uint64_t *keys,
+                                     const uint64_t *offsets, uint64_t *rows, uint64_t *missing,
+                                     em_error *err)
+{
+    cuda_lane *lane = lane_of(lane_base);
+    em_gpu_map_part *parts = malloc((count > 0 ? count : 1) * sizeof(*parts));
+    if (parts == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "find: out of host memory");
+    uint32_t used = 0;
+    uint64_t most = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        uint64_t n = offsets[i + 1] - offsets[i];
+        if (n == 0)
+            continue;
+        parts[used++] = (em_gpu_map_part){.map = map_view(shard_of(shards[i])),
+                                          .keys = keys + offsets[i], .n = n,
+                                          .rows = rows + offsets[i], .missing = &missing[i]};
+        most = n > most ? n : most;
+    }
+    scratch s = {.device = lane_base->device};
+    em_gpu_map_part *device_parts = NULL;
+    em_status status = lane_check(
+        lane, em_gpu_memset_async(lane->stream, missing, 0, count * sizeof(uint64_t)), err);
+    if (status == EM_OK && used > 0)
+        status = scratch_take(&s, used * sizeof(*parts), "find parts", (void **)&device_parts,
+                              err);
+    if (status == EM_OK && used > 0)
+        status = em__cuda_copy_to_device(lane_base, device_parts, parts, used * sizeof(*parts),
+                                         err);
+    if (status == EM_OK && used > 0)
+        status = lane_check(lane, em_gpu_maps_find(lane->stream, device_parts, used, most,
+                                                   offsets[count] - offsets[0]),
+                            err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        if (offsets[i + 1] > offsets[i])
+            status = record_read(shard_of(shards[i]), lane, err);
+    free(parts);
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
 static em_status reserve_free_rows(cuda_shard *shard, cuda_lane *lane, uint64_t count,
                                    em_error *err);
 
@@ -1776,6 +1818,8 @@ typedef struct cuda_evict_walk {
     uint32_t choice_index;
     uint64_t answer_offset;
     const uint8_t *device_part; /* its part of the read ahead's region, on the GPU */
+    uint8_t *answers_device;    /* the GPU's answers region (on_gpu), which holds its
+                                 * chosen keys at answer_offset */
 } cuda_evict_walk;
 
 /* The walk's next entries from the GPU, up to max, without their metadata; they end where
@@ -1847,36 +1891,6 @@ static em_status take_kept(cuda_evict_walk *w, const uint64_t *rows, uint64_t n,
         return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
     w->kept_count = em_evict_kept_rows(rows, n, w->kept);
     return EM_OK;
-}
-
-/* Enqueues the walk over `count` slots from `first` (not wrapping), a window at a time;
- * with wrap, the last window marks where the walk goes on from slot 0. */
-static em_status enqueue_walk(cuda_shard *shard, cuda_lane *lane, uint64_t first, uint64_t count,
-                              bool wrap, uint64_t want, const export_buffers *b,
-                              em_gpu_walk *walk, const window_region *device, em_error *err)
-{
-    em_gpu_map map = map_view(shard);
-    em_status status = EM_OK;
-    for (uint64_t done = 0; status == EM_OK && done < count;) {
-        uint64_t n = count - done < b->window ? count - done : b->window;
-        status = lane_check(lane, em_gpu_map_export_flags(lane->stream, map, first + done, n,
-                                                          b->flags), err);
-        if (status == EM_OK)
-            status = lane_check(lane, em_gpu_exclusive_scan_u32(lane->stream, b->temp,
-                                                                b->temp_bytes, b->flags, b->rank,
-                                                                n + 1), err);
-        if (status == EM_OK)
-            status = lane_check(lane, em_gpu_map_walk_compact(lane->stream, map,
-                                                              storage_view(shard), first + done,
-                                                              n, b->flags, b->rank, want, walk,
-                                                              device->keys, device->rows,
-                                                              device->access), err);
-        done += n;
-        if (status == EM_OK)
-            status = lane_check(lane, em_gpu_map_walk_advance(lane->stream, b->rank, n,
-                                                              wrap && done == count, walk), err);
-    }
-    return status;
 }
 
 /* Slots the read ahead walks at first: enough to hold `want` entries at the map's load
@@ -1991,30 +2005,131 @@ static void plan_window(cuda_evict_walk *w, uint64_t offset)
     w->bytes = region_bytes(w->ahead, w->kept_device_count);
 }
 
+/* The pieces of a lane's walks (em_gpu_walk_piece), in chunks of at most a window of
+ * slots whose flags are scanned together; chunk c is pieces [chunks[c], chunks[c + 1]). */
+typedef struct walk_plan {
+    em_gpu_walk_piece *pieces; /* host memory */
+    uint32_t piece_count, chunk_count;
+    uint32_t *chunks;          /* chunk_count + 1 */
+    em_gpu_walk_piece *device; /* the pieces on the GPU */
+} walk_plan;
+
 /* Buffers the enqueued walks share: flags and ranks of a window of slots, the scan's
- * temporary storage, the side rows, and the region all walks' parts come back in. */
+ * temporary storage, the side rows, the region all walks' parts come back in, and the
+ * walks' pieces. */
 typedef struct window_buffers {
     export_buffers b;
     uint64_t *side_rows; /* two per walk */
     uint8_t *region;
     size_t bytes;
+    walk_plan plan;
 } window_buffers;
 
-/* Takes the buffers for walks[0..count) (planned); RESOURCE_EXHAUSTED when the pool has
- * no room for them. */
+/* Appends a piece of slots [begin, begin + n) of walk w (device: its part of the region)
+ * to the plan, at flag `at` of the current chunk; the walk's earlier piece in the chunk,
+ * if any, is the one before. */
+static void plan_piece(walk_plan *p, const cuda_evict_walk *w, const window_region *device,
+                       uint64_t begin, uint64_t n, uint64_t at, bool starts, bool wrap)
+{
+    em_gpu_walk_piece *piece = &p->pieces[p->piece_count];
+    const em_gpu_walk_piece *previous = p->piece_count > p->chunks[p->chunk_count - 1]
+                                            ? piece - 1
+                                            : NULL;
+    bool same_walk = previous != NULL && previous->walk == device->walk;
+    *piece = (em_gpu_walk_piece){
+        .map = map_view(w->shard),
+        .storage = storage_view(w->shard),
+        .begin = begin,
+        .count = n,
+        .first_flag = at,
+        .base_flag = same_walk ? previous->base_flag : at,
+        .want = w->ahead,
+        .walk = device->walk,
+        .keys = device->keys,
+        .rows = device->rows,
+        .access = device->access,
+        .kept_from = starts ? w->kept_device : NULL,
+        .kept_to = starts ? device->kept : NULL,
+        .kept_count = starts ? w->kept_device_count : 0,
+        .starts = starts,
+        .wrap = wrap,
+    };
+    p->piece_count++;
+}
+
+/* Plans the pieces of walks[0..count) (planned, their parts at region), each walk's span
+ * ([first, first + before), then [0, after)) cut where a chunk of `window` slots ends.
+ * Every walk has a piece, if only an empty one that starts it. */
+static em_status plan_walks(cuda_evict_walk *walks, uint32_t count, uint8_t *region,
+                            uint64_t window, walk_plan *p, em_error *err)
+{
+    uint64_t slots = 0;
+    for (uint32_t i = 0; i < count; i++)
+        slots += walks[i].span;
+    uint64_t most = 2 * (uint64_t)count + slots / window + 2;
+    *p = (walk_plan){.pieces = malloc(most * sizeof(*p->pieces)),
+                     .chunks = malloc((most + 1) * sizeof(uint32_t))};
+    if (p->pieces == NULL || p->chunks == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    p->chunks[0] = 0;
+    p->chunk_count = 1;
+    uint64_t used = 0; /* slots of the current chunk */
+    for (uint32_t i = 0; i < count; i++) {
+        const cuda_evict_walk *w = &walks[i];
+        window_region device = region_layout(region + w->offset, w->ahead);
+        const uint64_t begins[2] = {w->first, 0}, lengths[2] = {w->before, w->after};
+        bool starts = true;
+        for (int r = 0; r < 2; r++) {
+            for (uint64_t done = 0; done < lengths[r] || (starts && r == 1);) {
+                if (used == window && lengths[r] > done) { /* the chunk is full */
+                    p->chunks[p->chunk_count++] = p->piece_count;
+                    used = 0;
+                }
+                uint64_t n = lengths[r] - done < window - used ? lengths[r] - done
+                                                               : window - used;
+                bool last = done + n == lengths[r];
+                plan_piece(p, w, &device, begins[r] + done, n, used, starts,
+                           r == 0 && last && w->after > 0);
+                starts = false;
+                done += n;
+                used += n;
+            }
+        }
+    }
+    p->chunks[p->chunk_count] = p->piece_count;
+    return EM_OK;
+}
+
+static void walk_plan_free(walk_plan *p)
+{
+    free(p->pieces);
+    free(p->chunks);
+    memset(p, 0, sizeof(*p));
+}
+
+/* Takes the buffers for walks[0..count) (planned) and plans their pieces;
+ * RESOURCE_EXHAUSTED when the pool has no room for them. The flags cover the walks'
+ * spans together, up to EXPORT_WINDOW_SLOTS. */
 static em_status take_window_buffers(scratch *s, cuda_lane *lane, cuda_evict_walk *walks,
                                      uint32_t count, window_buffers *out, em_error *err)
 {
-    uint64_t window = 1;
+    uint64_t window = 0;
     out->bytes = 0;
     for (uint32_t i = 0; i < count; i++) {
-        window = walks[i].span > window ? walks[i].span : window;
+        window += walks[i].span;
         out->bytes = walks[i].offset + walks[i].bytes > out->bytes
                          ? walks[i].offset + walks[i].bytes
                          : out->bytes;
     }
+    window = window < 1 ? 1 : window;
     out->b = (export_buffers){.window = window < EXPORT_WINDOW_SLOTS ? window : EXPORT_WINDOW_SLOTS};
+    memset(&out->plan, 0, sizeof(out->plan));
     em_status status = scratch_take(s, out->bytes, "eviction walk", (void **)&out->region, err);
+    if (status == EM_OK)
+        status = plan_walks(walks, count, out->region, out->b.window, &out->plan, err);
+    if (status == EM_OK)
+        status = scratch_take(s, out->plan.piece_count * sizeof(em_gpu_walk_piece),
+                              "eviction walk pieces", (void **)&out->plan.device, err);
     if (status == EM_OK)
         status = scratch_take(s, 2 * count * sizeof(uint64_t), "eviction side rows",
                               (void **)&out->side_rows, err);
@@ -2030,40 +2145,58 @@ static em_status take_window_buffers(scratch *s, cuda_lane *lane, cuda_evict_wal
     return status;
 }
 
-/* Enqueues walk i's part of the region: its counts, the request's rows, the side rows'
- * metadata and the span's entries. */
-static em_status enqueue_window(cuda_evict_walk *w, uint32_t i, const window_buffers *buffers,
-                                em_error *err)
+/* Enqueues walk i's reads beside the walk itself, once the shard's writes are done: the
+ * side rows' metadata. */
+static em_status enqueue_side(cuda_evict_walk *w, uint32_t i, const window_buffers *buffers,
+                              em_error *err)
 {
-    cuda_shard *shard = w->shard;
     cuda_lane *lane = w->lane;
-    uint8_t *base = buffers->region + w->offset;
-    window_region device = region_layout(base, w->ahead);
-    em_gpu_walk *walk = device.walk;
+    window_region device = region_layout(buffers->region + w->offset, w->ahead);
     uint64_t *device_side = buffers->side_rows + 2 * i;
-    em_gpu_walk begin = {.next_slot = UINT64_MAX};
-    em_status status = em__cuda_copy_to_device(&lane->base, walk, &begin, sizeof(begin), err);
-    if (status == EM_OK && w->kept_device_count > 0)
-        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, device.kept, w->kept_device,
-                                                      w->kept_device_count * sizeof(uint64_t)),
-                            err);
+    em_status status = order_read(w->shard, lane, err);
     if (status == EM_OK && w->side > 0)
         status = em__cuda_copy_to_device(&lane->base, device_side, w->side_rows,
                                          w->side * sizeof(uint64_t), err);
-    if (status == EM_OK)
-        status = order_read(shard, lane, err);
     if (status == EM_OK && w->side > 0)
-        status = lane_check(lane, em_gpu_access_read(lane->stream, storage_view(shard),
+        status = lane_check(lane, em_gpu_access_read(lane->stream, storage_view(w->shard),
                                                      device_side, w->side, device.side_access),
                             err);
-    if (status == EM_OK)
-        status = enqueue_walk(shard, lane, w->first, w->before, w->after > 0, w->ahead,
-                              &buffers->b, walk, &device, err);
-    if (status == EM_OK)
-        status = enqueue_walk(shard, lane, 0, w->after, false, w->ahead, &buffers->b, walk,
-                              &device, err);
-    if (status == EM_OK)
-        status = record_read(shard, lane, err);
+    return status;
+}
+
+/* Enqueues every walk of the lane (the plan's pieces), a few launches a chunk: flags,
+ * their scan, the compaction, the counts. */
+static em_status enqueue_walks(cuda_lane *lane, const window_buffers *buffers, em_error *err)
+{
+    const walk_plan *p = &buffers->plan;
+    const export_buffers *b = &buffers->b;
+    em_status status = em__cuda_copy_to_device(&lane->base, p->device, p->pieces,
+                                               p->piece_count * sizeof(em_gpu_walk_piece), err);
+    for (uint32_t c = 0; status == EM_OK && c < p->chunk_count; c++) {
+        uint32_t first = p->chunks[c], n = p->chunks[c + 1] - first;
+        if (n == 0)
+            continue;
+        uint64_t most = 1, slots = 0;
+        for (uint32_t k = first; k < first + n; k++) {
+            const em_gpu_walk_piece *piece = &p->pieces[k];
+            most = piece->count > most ? piece->count : most;
+            most = piece->kept_count > most ? piece->kept_count : most;
+            slots += piece->count;
+        }
+        const em_gpu_walk_piece *pieces = p->device + first;
+        status = lane_check(lane, em_gpu_walks_flags(lane->stream, pieces, n, most, b->flags),
+                            err);
+        if (status == EM_OK && slots > 0)
+            status = lane_check(lane, em_gpu_exclusive_scan_u32(lane->stream, b->temp,
+                                                                b->temp_bytes, b->flags, b->rank,
+                                                                slots + 1), err);
+        if (status == EM_OK && slots > 0)
+            status = lane_check(lane, em_gpu_walks_compact(lane->stream, pieces, n, most,
+                                                           b->flags, b->rank), err);
+        if (status == EM_OK && slots > 0)
+            status = lane_check(lane, em_gpu_walks_advance(lane->stream, pieces, n, b->rank),
+                                err);
+    }
     return status;
 }
 
@@ -2294,14 +2427,22 @@ static em_status enqueue_reads(cuda_evict_walk *walks, uint32_t count, scratch *
     *read = status == EM_OK;
     if (status != EM_OK) { /* no room (else a failure, which is the caller's) */
         scratch_free_now(s);
+        walk_plan_free(&buffers.plan);
         if (status != EM_RESOURCE_EXHAUSTED)
             *err = room_err;
         return status == EM_RESOURCE_EXHAUSTED ? EM_OK : status;
     }
-    for (uint32_t i = 0; i < count; i++)
+    for (uint32_t i = 0; i < count; i++) {
         walks[i].device_part = buffers.region + walks[i].offset;
+        walks[i].answers_device = walks[i].on_gpu ? choices.answers : NULL;
+    }
     for (uint32_t i = 0; status == EM_OK && i < count; i++)
-        status = enqueue_window(&walks[i], i, &buffers, err);
+        status = enqueue_side(&walks[i], i, &buffers, err);
+    if (status == EM_OK)
+        status = enqueue_walks(lane, &buffers, err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        status = record_read(walks[i].shard, lane, err);
+    walk_plan_free(&buffers.plan);
     if (status == EM_OK && choices.walks > 0)
         status = enqueue_choices(walks, count, &choices, err);
     if (status == EM_OK && region_back > 0)
@@ -2322,12 +2463,20 @@ static em_status choose_and_erase(cuda_evict_walk *w, const em_evict_spec *spec,
  * choice, the GPU's (answers at host + answers_at) where that holds, else the host's
  * over the read ahead (copied back now where the GPU chose), and the erase of the chosen
  * rows, enqueued. The walk's scratch is still the lane's. */
-static em_status finish_walk(cuda_evict_walk *w, const uint8_t *host, size_t answers_at,
-                             uint64_t *keys, uint64_t *rows, em_error *err)
+static em_status finish_walk(cuda_evict_walk *w, scratch *s, const uint8_t *host,
+                             size_t answers_at, uint64_t *keys, uint64_t *rows, em_error *err)
 {
     if (w->on_gpu && take_choice(w, host + answers_at, keys, rows)) {
+        /* the chosen keys are erased where the GPU wrote them: their region outlives the
+         * walk's other scratch, until the lane's work so far is done */
         w->shard->rows_chosen_on_gpu += w->spec.count;
-        return erase_host_keys(w->shard, w->lane, keys, w->spec.count, false, err);
+        const uint64_t *chosen = (const uint64_t *)(w->answers_device + w->answer_offset);
+        em_status status = em__cuda_free_one_later(s, w->lane, w->answers_device, err);
+        if (status == EM_OK && w->spec.count > 0)
+            status = enqueue_erase(w->shard, w->lane, chosen, NULL, w->spec.count, err);
+        if (status == EM_OK)
+            take_erase(w->shard, keys, w->spec.count);
+        return status;
     }
     const uint8_t *part = host + w->offset;
     uint8_t *copy = NULL;
@@ -2363,7 +2512,7 @@ static em_status read_window_and_choose(cuda_evict_walk *w, uint64_t *keys, uint
         return em__cuda_finish_async(&s, w->lane, status, err);
     if (!*read)
         return EM_OK;
-    status = finish_walk(w, host, answers_at, keys, rows, err);
+    status = finish_walk(w, &s, host, answers_at, keys, rows, err);
     scratch_free_now(&s); /* the lane synchronized: nothing it runs reads them */
     return status;
 }
@@ -2586,8 +2735,8 @@ void em__cuda_shards_evict_end(void *pending, em_status synchronized, const em_e
             part->status = synchronized;
             part->err = *sync_err;
         } else if (batch->read) {
-            part->status = finish_walk(&batch->walks[r], batch->host, batch->answers_at,
-                                       part->keys, part->rows, &part->err);
+            part->status = finish_walk(&batch->walks[r], &batch->s, batch->host,
+                                       batch->answers_at, part->keys, part->rows, &part->err);
         } else { /* no room for every walk's buffers at once */
             part->status = em__cuda_shard_evict(part->shard, lane_base, &part->spec,
                                                 part->keys, part->rows, &part->err);

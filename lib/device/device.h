@@ -243,6 +243,14 @@ typedef struct em_device_ops {
      * device finds synchronously anyway (the CPU). */
     em_status (*shard_find_async)(em_shard *shard, em_lane *lane, const uint64_t *keys,
                                   uint64_t n, uint64_t *rows, uint64_t *missing, em_error *err);
+    /* shard_find_async of shards[0..count) of this device at once, in a few operations
+     * for all of them: shard i's keys are keys[offsets[i], offsets[i + 1]) (offsets: host
+     * memory), its rows the same entries of rows, its missing count missing[i] (device
+     * words). The caller holds every shard's read lock until it returns. NULL where the
+     * device finds a shard at a time. */
+    em_status (*shards_find_async)(em_shard *const *shards, uint32_t count, em_lane *lane,
+                                   const uint64_t *keys, const uint64_t *offsets,
+                                   uint64_t *rows, uint64_t *missing, em_error *err);
     /* A pull from a table whose shards[0..shard_count) are all on this device, for the
      * common case of keys all stored, without waiting: finds unique[0..*count) (count a
      * device word, at most batch->nnz), each in its shard (em_key_shard), into rows

@@ -496,9 +496,72 @@ static em_status find_beside(request_context *r, segment *seg, em_error *err)
     return failed;
 }
 
+/* find_on_device's finds a shard at a time: into counts (device words) where the device
+ * has them, else into r->shard_missing, stopping as find_on_device says. */
+static em_status find_shard_by_shard(request_context *r, segment *seg, uint64_t *counts,
+                                     uint64_t found_missing, em_error *err)
+{
+    em_table *table = r->table;
+    const em_device_ops *ops = seg->device->ops;
+    em_status status = EM_OK;
+    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
+        uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
+        /* keys are created (and maps grow) under the shard's write lock */
+        em__shard_read_lock(table, s);
+        r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s].value,
+                                                memory_order_relaxed);
+        status = counts != NULL
+                     ? ops->shard_find_async(table->shards[s], seg->lane, seg->keys + offset, n,
+                                             seg->rows + offset, &counts[s - seg->first_shard],
+                                             err)
+                     : ops->shard_find(table->shards[s], seg->lane, seg->keys + offset, n,
+                                       seg->rows + offset, &r->shard_missing[s], err);
+        em__shard_unlock(table, s);
+        if (status == EM_OK && counts == NULL && r->stop_when_full) {
+            found_missing += r->shard_missing[s];
+            if (found_missing > em__room_left(table)) {
+                r->missing = found_missing; /* at least */
+                r->find_stopped = true;
+                return EM_OK;
+            }
+        }
+    }
+    return status;
+}
+
+/* find_on_device's finds of every shard of the device in one go (shards_find_async), their
+ * missing counts into counts (device words), under every shard's read lock. */
+static em_status find_shards_at_once(request_context *r, segment *seg, uint64_t *counts,
+                                     em_error *err)
+{
+    em_table *table = r->table;
+    uint32_t shards = seg->end_shard - seg->first_shard;
+    uint64_t *offsets = malloc((shards + 1) * sizeof(uint64_t));
+    if (offsets == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
+                            table->config.name);
+    for (uint32_t s = seg->first_shard; s <= seg->end_shard; s++)
+        offsets[s - seg->first_shard] = r->shard_start[s] - seg->begin;
+    /* keys are created (and maps grow) under the shard's write lock */
+    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+        em__shard_read_lock(table, s);
+        r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s].value,
+                                                memory_order_relaxed);
+    }
+    em_status status = seg->device->ops->shards_find_async(&table->shards[seg->first_shard],
+                                                           shards, seg->lane, seg->keys,
+                                                           offsets, seg->rows, counts, err);
+    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++)
+        em__shard_unlock(table, s);
+    free(offsets);
+    return status;
+}
+
 /* Finds the keys of every shard of a device. Where the device can (shard_find_async),
  * the shards' missing counts land in device words and come back together, one wait for
- * the device instead of one per shard; where it can also read them back later
+ * the device instead of one per shard, and where it finds several shards in one go
+ * (shards_find_async), a few operations for all of them instead of a few each; where it
+ * can also read them back later
  * (copy_to_host_later), *pending is set and the counts arrive when the caller
  * synchronizes the lane, so that the finds of several devices run at once. Else, with
  * r->stop_when_full, it stops after the shard where more keys than the table's room are
@@ -529,31 +592,16 @@ static em_status find_on_device(request_context *r, segment *seg, bool *pending,
         }
         return EM_OK;
     }
-    if (status == EM_OK && counts == NULL && finds_beside(r, seg))
+    if (status != EM_OK)
+        return status;
+    if (counts == NULL && finds_beside(r, seg))
         return find_beside(r, seg, err);
-    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
-        uint64_t offset = shard_offset(r, seg, s), n = shard_key_count(r, s);
-        /* keys are created (and maps grow) under the shard's write lock */
-        em__shard_read_lock(table, s);
-        r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s].value,
-                                                memory_order_relaxed);
-        status = counts != NULL
-                     ? ops->shard_find_async(table->shards[s], seg->lane, seg->keys + offset, n,
-                                             seg->rows + offset, &counts[s - seg->first_shard],
-                                             err)
-                     : ops->shard_find(table->shards[s], seg->lane, seg->keys + offset, n,
-                                       seg->rows + offset, &r->shard_missing[s], err);
-        em__shard_unlock(table, s);
-        if (status == EM_OK && counts == NULL && r->stop_when_full) {
-            found_missing += r->shard_missing[s];
-            if (found_missing > em__room_left(table)) {
-                r->missing = found_missing; /* at least */
-                r->find_stopped = true;
-                return EM_OK;
-            }
-        }
-    }
-    if (status == EM_OK && counts != NULL && ops->copy_to_host_later != NULL) {
+    status = counts != NULL && ops->shards_find_async != NULL && shards > 1
+                 ? find_shards_at_once(r, seg, counts, err)
+                 : find_shard_by_shard(r, seg, counts, found_missing, err);
+    if (status != EM_OK || r->find_stopped)
+        return status;
+    if (counts != NULL && ops->copy_to_host_later != NULL) {
         status = ops->copy_to_host_later(seg->lane, &r->shard_missing[seg->first_shard], counts,
                                          shards * sizeof(uint64_t), err);
         *pending = status == EM_OK;

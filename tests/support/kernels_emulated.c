@@ -916,6 +916,22 @@ em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint6
     return ok();
 }
 
+em_gpu_status em_gpu_maps_find(em_gpu_stream *stream, const em_gpu_map_part *parts,
+                               uint32_t count, uint64_t most_keys, uint64_t all_keys)
+{
+    (void)stream;
+    (void)all_keys;
+    if (count == 0 || most_keys == 0)
+        return ok();
+    enter_device();
+    for (uint32_t p = 0; p < count; p++)
+        for (uint64_t i = 0; i < parts[p].n; i++)
+            *parts[p].missing += (uint64_t)em_gpu_map_find_item(parts[p].map, parts[p].keys, i,
+                                                                parts[p].rows);
+    leave_device();
+    return ok();
+}
+
 /* Both forms search as em_gpu_map_find_item: on the host the group's search reads the
  * same slots in the same order. */
 em_gpu_status em_gpu_map_find_as(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
@@ -1212,29 +1228,44 @@ em_gpu_status em_gpu_choice_write(em_gpu_stream *stream, em_gpu_choice *choices,
     return ok();
 }
 
-em_gpu_status em_gpu_map_walk_compact(em_gpu_stream *stream, em_gpu_map map,
-                                      em_gpu_storage storage, uint64_t begin, uint64_t count,
-                                      const uint32_t *flags, const uint32_t *rank, uint64_t want,
-                                      em_gpu_walk *walk, uint64_t *keys, uint64_t *rows,
-                                      em_gpu_row_access *access)
+em_gpu_status em_gpu_walks_flags(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
+                                 uint32_t count, uint64_t most_slots, uint32_t *flags)
 {
     (void)stream;
-    if (count == 0 || want == 0)
+    if (count == 0)
         return ok();
     enter_device();
-    for (uint64_t i = 0; i < count; i++)
-        em_gpu_map_walk_compact_item(map, storage, begin, i, flags, rank, want, walk, keys, rows,
-                                     access);
+    for (uint32_t p = 0; p < count; p++)
+        for (uint64_t i = 0; i < most_slots; i++)
+            em_gpu_walks_flag_item(pieces, count, p, i, flags);
     leave_device();
     return ok();
 }
 
-em_gpu_status em_gpu_map_walk_advance(em_gpu_stream *stream, const uint32_t *rank,
-                                      uint64_t count, int wrap, em_gpu_walk *walk)
+em_gpu_status em_gpu_walks_compact(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
+                                   uint32_t count, uint64_t most_slots, const uint32_t *flags,
+                                   const uint32_t *rank)
 {
     (void)stream;
+    (void)most_slots;
+    if (count == 0 || most_slots == 0)
+        return ok();
     enter_device();
-    em_gpu_map_walk_advance_item(rank, count, wrap, walk);
+    for (uint32_t p = 0; p < count; p++)
+        for (uint64_t i = 0; i < pieces[p].count; i++)
+            em_gpu_walks_compact_item(&pieces[p], i, flags, rank);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_walks_advance(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
+                                   uint32_t count, const uint32_t *rank)
+{
+    (void)stream;
+    if (count == 0)
+        return ok();
+    enter_device();
+    em_gpu_walks_advance_all(pieces, count, rank);
     leave_device();
     return ok();
 }

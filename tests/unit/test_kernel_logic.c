@@ -831,6 +831,98 @@ START_TEST(map_full_sets_overflow_instead_of_looping)
 }
 END_TEST
 
+/* Walks in pieces (em_gpu_walk_piece) over chunks of flags scanned together: two walks
+ * of one map, the first from slot 40 to the end then from slot 0 (wrapping), its first
+ * range cut where the first chunk of 32 flags ends and going on in the second chunk
+ * beside the second walk, each walk's entries in its own slot order, cut at want. Run
+ * step by step as the launches go: flags, the chunk's scan, compaction, counts. */
+START_TEST(walk_pieces_over_chunks_read_each_walk_in_slot_order)
+{
+    enum { SLOTS = 64, WINDOW = 32 };
+    em_gpu_slot slots[SLOTS];
+    em_gpu_row_access access[SLOTS];
+    em_gpu_row_access *blocks[1] = {access};
+    memset(slots, 0xff, sizeof(slots));
+    for (uint64_t i = 0; i < SLOTS; i++) {
+        if (i % 3 != 0) /* every third slot empty */
+            slots[i] = (em_gpu_slot){.key = 1000 + i, .row = i};
+        access[i] = (em_gpu_row_access){.accessed = 500 + i, .updated = 1, .frequency = 2};
+    }
+    slots[50].key = EM_GPU_TOMBSTONE_KEY;
+    em_gpu_map map = {.slots = slots, .slot_count = SLOTS};
+    em_gpu_storage storage = {.access = blocks, .block_shift = 20,
+                              .block_mask = (UINT64_C(1) << 20) - 1};
+    enum { WANT_A = 40, WANT_B = 5 };
+    em_gpu_walk walks[2];
+    memset(walks, 0x5a, sizeof(walks)); /* the first piece of each sets its counts */
+    uint64_t keys_a[WANT_A], rows_a[WANT_A], keys_b[WANT_B], rows_b[WANT_B];
+    em_gpu_row_access access_a[WANT_A], access_b[WANT_B];
+    uint64_t kept_from[3] = {7, 8, 9}, kept_to[3] = {0};
+    em_gpu_walk_piece a = {.map = map, .storage = storage, .want = WANT_A, .walk = &walks[0],
+                           .keys = keys_a, .rows = rows_a, .access = access_a};
+    em_gpu_walk_piece b = a;
+    b.want = WANT_B;
+    b.walk = &walks[1];
+    b.keys = keys_b;
+    b.rows = rows_b;
+    b.access = access_b;
+    /* chunk 0: walk a's slots [40, 64) then [0, 8); chunk 1: a's [8, 20), b's [10, 30) */
+    em_gpu_walk_piece chunk0[2] = {a, a}, chunk1[2] = {a, b};
+    chunk0[0].begin = 40, chunk0[0].count = 24, chunk0[0].first_flag = 0;
+    chunk0[0].starts = 1, chunk0[0].wrap = 1;
+    chunk0[0].kept_from = kept_from, chunk0[0].kept_to = kept_to, chunk0[0].kept_count = 3;
+    chunk0[1].begin = 0, chunk0[1].count = 8, chunk0[1].first_flag = 24, chunk0[1].base_flag = 0;
+    chunk1[0].begin = 8, chunk1[0].count = 12, chunk1[0].first_flag = 0;
+    chunk1[1].begin = 10, chunk1[1].count = 20, chunk1[1].first_flag = 12;
+    chunk1[1].base_flag = 12, chunk1[1].starts = 1;
+    em_gpu_walk_piece *chunks[2] = {chunk0, chunk1};
+    for (int c = 0; c < 2; c++) {
+        em_gpu_walk_piece *pieces = chunks[c];
+        uint32_t flags[WINDOW + 1], rank[WINDOW + 1];
+        memset(flags, 0x77, sizeof(flags));
+        for (uint32_t p = 0; p < 2; p++)
+            for (uint64_t i = 0; i < WINDOW; i++)
+                em_gpu_walks_flag_item(pieces, 2, p, i, flags);
+        uint64_t slots_in = pieces[0].count + pieces[1].count;
+        ck_assert_uint_eq(flags[slots_in], 0);
+        for (uint64_t i = 0, sum = 0; i <= slots_in; i++) {
+            rank[i] = (uint32_t)sum;
+            sum += flags[i];
+        }
+        for (uint32_t p = 0; p < 2; p++)
+            for (uint64_t i = 0; i < pieces[p].count; i++)
+                em_gpu_walks_compact_item(&pieces[p], i, flags, rank);
+        em_gpu_walks_advance_all(pieces, 2, rank);
+    }
+    ck_assert(memcmp(kept_to, kept_from, sizeof(kept_from)) == 0);
+    /* walk a: occupied slots of 40..63 (slot 50 a tombstone), then of 0..19 */
+    uint64_t expected[SLOTS], n = 0, before = 0;
+    for (uint64_t i = 40; i < 64; i++)
+        if (i % 3 != 0 && i != 50)
+            expected[n++] = i;
+    before = n;
+    for (uint64_t i = 0; i < 20; i++)
+        if (i % 3 != 0)
+            expected[n++] = i;
+    ck_assert_uint_eq(walks[0].taken, n);
+    ck_assert_uint_eq(walks[0].before_wrap, before);
+    ck_assert_uint_lt(n, WANT_A); /* not cut: no entry want - 1 met */
+    ck_assert_uint_eq(walks[0].next_slot, UINT64_MAX);
+    for (uint64_t e = 0; e < n; e++) {
+        ck_assert_uint_eq(keys_a[e], 1000 + expected[e]);
+        ck_assert_uint_eq(rows_a[e], expected[e]);
+        ck_assert_uint_eq(access_a[e].accessed, 500 + expected[e]);
+    }
+    /* walk b: cut at its 5th entry; it met every occupied slot of 10..29 */
+    uint64_t b_slots[WANT_B] = {10, 11, 13, 14, 16};
+    for (uint64_t e = 0; e < WANT_B; e++)
+        ck_assert_uint_eq(keys_b[e], 1000 + b_slots[e]);
+    ck_assert_uint_eq(walks[1].next_slot, 17);
+    ck_assert_uint_eq(walks[1].taken, 14);
+    ck_assert_uint_eq(walks[1].before_wrap, 0);
+}
+END_TEST
+
 /* A map's seed sets its home slots: keys inserted in the slot order of one seed's map
  * (as a loaded checkpoint's rows arrive) into a map with another seed go to other
  * homes, are all found, and probe runs stay short at load 0.5. */
@@ -1629,6 +1721,7 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, maps_at_load_0_9_find_every_key);
     tcase_add_test(tc, unique_claims_keep_first_positions_under_threads);
     tcase_add_test(tc, insert_without_reserve_is_reported);
+    tcase_add_test(tc, walk_pieces_over_chunks_read_each_walk_in_slot_order);
     tcase_add_loop_test(tc, an_eviction_reads_its_window_at_once_and_follows_the_rule, 0, 36);
     tcase_add_loop_test(tc, an_eviction_without_room_for_its_window_walks_export_by_export, 0, 3);
     tcase_add_loop_test(tc, shards_of_one_gpu_evict_together, 0, 2);
