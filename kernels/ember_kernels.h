@@ -529,6 +529,21 @@ em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
                                 em_optimizer_config optimizer, em_initializer_config initializer,
                                 const uint64_t *keys, const uint64_t *rows, uint64_t n,
                                 const float *gradients, uint64_t *first);
+/* One shard's part of a check over several at once (the shards of one device): the
+ * arguments of em_gpu_rows_check. */
+typedef struct em_gpu_check_part {
+    em_gpu_storage storage;
+    em_optimizer_config optimizer;
+    em_initializer_config initializer;
+    const uint64_t *keys, *rows;
+    uint64_t n;
+    const float *gradients;
+    uint64_t *first;
+} em_gpu_check_part;
+/* em_gpu_rows_check of every part (parts: device memory, `count` of them, of at most
+ * most_keys keys each), in one launch. */
+em_gpu_status em_gpu_rows_check_parts(em_gpu_stream *stream, const em_gpu_check_part *parts,
+                                      uint32_t count, uint64_t most_keys);
 /* em_gpu_rows_check of the first *count (device) of at most n rows. */
 em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage storage,
                                         em_optimizer_config optimizer,

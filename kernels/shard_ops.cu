@@ -465,6 +465,20 @@ __global__ void rows_check_kernel(em_gpu_storage storage, em_optimizer_config op
     }
 }
 
+__global__ void rows_check_parts_kernel(const em_gpu_check_part *parts)
+{
+    const em_gpu_check_part *part = &parts[blockIdx.y];
+    EM_GPU_FOR_EACH(i, part->n)
+    {
+        uint32_t code = em_gpu_rows_check_item(part->storage, &part->optimizer,
+                                               &part->initializer, part->keys, part->rows,
+                                               part->gradients, i);
+        if (code != EM_ROW_CHECK_OK)
+            atomicMin((unsigned long long *)part->first,
+                      (unsigned long long)em_gpu_rows_check_result(i, code));
+    }
+}
+
 /* find_each_kernel and rows_check_kernel in one pass: each thread checks the row it found. */
 template <typename Seen>
 __global__ void find_check_kernel(Seen seen, em_gpu_storage storage,
@@ -960,6 +974,16 @@ extern "C" em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH(rows_check_kernel, n, stream, storage, optimizer, initializer, keys,
                          rows, n, (const uint32_t *)NULL, gradients, first);
+}
+
+extern "C" em_gpu_status em_gpu_rows_check_parts(em_gpu_stream *stream,
+                                                 const em_gpu_check_part *parts, uint32_t count,
+                                                 uint64_t most_keys)
+{
+    if (count == 0 || most_keys == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH_ROWS(rows_check_parts_kernel, most_keys, count, stream, parts);
 }
 
 extern "C" em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage storage,

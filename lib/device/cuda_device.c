@@ -717,6 +717,7 @@ static const em_device_ops cuda_device_ops = {
     .shards_touch_async = em__cuda_shards_touch_async,
     .shard_check_apply = em__cuda_shard_check_apply,
     .shard_check_apply_async = em__cuda_shard_check_apply_async,
+    .shards_check_async = em__cuda_shards_check_async,
     .shard_apply = em__cuda_shard_apply,
     .shard_export = em__cuda_shard_export,
     .shard_read_rows = em__cuda_shard_read_rows,

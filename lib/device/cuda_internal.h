@@ -321,6 +321,11 @@ em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,
                                            const float *gradients, float gradient_bound,
                                            uint64_t *first_problem, int *bounded, float *largest,
                                            em_error *err);
+em_status em__cuda_shards_check_async(em_shard *const *shards, uint32_t count,
+                                     em_lane *lane_base, const uint64_t *keys,
+                                     const uint64_t *offsets, const uint64_t *rows,
+                                     const float *gradients, uint64_t *first_problems,
+                                     em_error *err);
 em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                      const uint64_t *rows, uint64_t n, const float *gradients,
                                      float gradient_bound, uint64_t *first_problem, int *bounded,

@@ -1378,6 +1378,60 @@ em_status em__cuda_shard_check_apply_async(em_shard *base, em_lane *lane_base,
     return status;
 }
 
+/* The parts go to the GPU with one copy, and one launch checks every shard's rows. */
+em_status em__cuda_shards_check_async(em_shard *const *shards, uint32_t count,
+                                     em_lane *lane_base, const uint64_t *keys,
+                                     const uint64_t *offsets, const uint64_t *rows,
+                                     const float *gradients, uint64_t *first_problems,
+                                     em_error *err)
+{
+    cuda_lane *lane = lane_of(lane_base);
+    em_gpu_check_part *parts = malloc((count > 0 ? count : 1) * sizeof(*parts));
+    if (parts == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "push: out of host memory");
+    uint32_t used = 0;
+    uint64_t most = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        cuda_shard *shard = shard_of(shards[i]);
+        uint64_t n = offsets[i + 1] - offsets[i];
+        if (n == 0)
+            continue;
+        parts[used++] = (em_gpu_check_part){
+            .storage = storage_view(shard),
+            .optimizer = shard->optimizer,
+            .initializer = shard->initializer,
+            .keys = keys + offsets[i],
+            .rows = rows + offsets[i],
+            .n = n,
+            .gradients = gradients + offsets[i] * shard->dim,
+            .first = &first_problems[i],
+        };
+        most = n > most ? n : most;
+    }
+    scratch s = {.device = lane_base->device};
+    em_gpu_check_part *device_parts = NULL;
+    em_status status = lane_check(lane, em_gpu_memset_async(lane->stream, first_problems, 0xff,
+                                                            count * sizeof(uint64_t)),
+                                  err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        if (offsets[i + 1] > offsets[i])
+            status = order_read(shard_of(shards[i]), lane, err);
+    if (status == EM_OK && used > 0)
+        status = scratch_take(&s, used * sizeof(*parts), "check parts", (void **)&device_parts,
+                              err);
+    if (status == EM_OK && used > 0)
+        status = em__cuda_copy_to_device(lane_base, device_parts, parts, used * sizeof(*parts),
+                                         err);
+    if (status == EM_OK && used > 0)
+        status = lane_check(lane, em_gpu_rows_check_parts(lane->stream, device_parts, used, most),
+                            err);
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        if (offsets[i + 1] > offsets[i])
+            status = record_read(shard_of(shards[i]), lane, err);
+    free(parts);
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
 em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const uint64_t *keys,
                                      const uint64_t *rows, uint64_t n, const float *gradients,
                                      float gradient_bound, uint64_t *first_problem, int *bounded,

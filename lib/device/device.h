@@ -383,6 +383,17 @@ typedef struct em_device_ops {
                                          const float *gradients, float gradient_bound,
                                          uint64_t *first_problem, int *bounded, float *largest,
                                          em_error *err);
+    /* shard_check_apply_async of shards[0..count) of this device at once, in a few
+     * operations for all of them: shard i's keys are keys[offsets[i], offsets[i + 1])
+     * (offsets: host memory), their rows the same entries of rows, their gradients dim
+     * floats each from gradients + offsets[i] x dim, its answer first_problems[i] (device
+     * words); as shard_check_apply_async says, with no bound known and none found (each
+     * shard's bounded 0, largest -1). The caller holds every shard's read lock until it
+     * returns. NULL where the device checks a shard at a time. */
+    em_status (*shards_check_async)(em_shard *const *shards, uint32_t count, em_lane *lane,
+                                    const uint64_t *keys, const uint64_t *offsets,
+                                    const uint64_t *rows, const float *gradients,
+                                    uint64_t *first_problems, em_error *err);
     /* One optimizer step per row with gradients[i] (dim floats each); EM_ROW_REJECTED
      * rows are skipped. Rows distinct.
      * largest: a bound on the gradients' element sizes from shard_check_apply, or -1 when

@@ -2111,9 +2111,35 @@ static em_status problem_error(request_context *r, const segment *seg, uint32_t 
     return status;
 }
 
+/* check_on_device's checks of every shard of the device in one go (shards_check_async),
+ * their answers into device_problems, under every shard's read lock. */
+static em_status check_shards_at_once(request_context *r, segment *seg, shard_check *checks,
+                                      uint64_t *device_problems, em_error *err)
+{
+    em_table *table = r->table;
+    uint32_t shards = seg->end_shard - seg->first_shard;
+    uint64_t *offsets = malloc((shards + 1) * sizeof(uint64_t));
+    if (offsets == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "push: out of host memory");
+    for (uint32_t s = seg->first_shard; s <= seg->end_shard; s++)
+        offsets[s - seg->first_shard] = shard_offset(r, seg, s);
+    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
+        em__shard_read_lock(table, s);
+        checks[s] = (shard_check){.version = table->shard_versions[s].value, .largest = -1.0f};
+    }
+    em_status status = seg->device->ops->shards_check_async(
+        &table->shards[seg->first_shard], shards, seg->lane, seg->keys, offsets, seg->rows,
+        (const float *)seg->payload, device_problems, err);
+    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++)
+        em__shard_unlock(table, s);
+    free(offsets);
+    return status;
+}
+
 /* Checks every shard of a device under its read lock, so pushes check side by side;
  * where the device can (shard_check_apply_async), the shards' answers come back
- * together, one wait for the device, into *problems (host memory, one word per shard of
+ * together, one wait for the device (and where it checks several shards in one go,
+ * shards_check_async, a few operations for all of them), into *problems (host memory, one word per shard of
  * the device, the caller frees it); where it can also read them back later, *pending is
  * set and they arrive when the caller synchronizes the lane. */
 static em_status check_on_device(request_context *r, segment *seg, shard_check *checks,
@@ -2132,7 +2158,10 @@ static em_status check_on_device(request_context *r, segment *seg, shard_check *
                                                    "check answers", (void **)&device_problems,
                                                    err)
                                : EM_OK;
-    for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
+    bool at_once = async && ops->shards_check_async != NULL && shards > 1;
+    if (status == EM_OK && at_once)
+        status = check_shards_at_once(r, seg, checks, device_problems, err);
+    for (uint32_t s = seg->first_shard; status == EM_OK && !at_once && s < seg->end_shard; s++) {
         uint64_t *problem = async ? &device_problems[s - seg->first_shard]
                                   : &(*problems)[s - seg->first_shard];
         if (shard_key_count(r, s) == 0)

@@ -1393,6 +1393,28 @@ em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
                                      gradients, first);
 }
 
+em_gpu_status em_gpu_rows_check_parts(em_gpu_stream *stream, const em_gpu_check_part *parts,
+                                      uint32_t count, uint64_t most_keys)
+{
+    (void)stream;
+    if (count == 0 || most_keys == 0)
+        return ok();
+    enter_device();
+    for (uint32_t p = 0; p < count; p++) {
+        const em_gpu_check_part *part = &parts[p];
+        for (uint64_t i = 0; i < part->n; i++) {
+            uint32_t code = em_gpu_rows_check_item(part->storage, &part->optimizer,
+                                                   &part->initializer, part->keys, part->rows,
+                                                   part->gradients, i);
+            uint64_t result = em_gpu_rows_check_result(i, code);
+            if (code != EM_ROW_CHECK_OK && result < *part->first)
+                *part->first = result;
+        }
+    }
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage storage,
                                         em_optimizer_config optimizer,
                                         em_initializer_config initializer, const uint64_t *keys,
