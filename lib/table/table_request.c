@@ -2139,9 +2139,9 @@ static em_status check_shards_at_once(request_context *r, segment *seg, shard_ch
 /* Checks every shard of a device under its read lock, so pushes check side by side;
  * where the device can (shard_check_apply_async), the shards' answers come back
  * together, one wait for the device (and where it checks several shards in one go,
- * shards_check_async, a few operations for all of them), into *problems (host memory, one word per shard of
- * the device, the caller frees it); where it can also read them back later, *pending is
- * set and they arrive when the caller synchronizes the lane. */
+ * shards_check_async, a few operations for all of them), into *problems (host memory,
+ * one word per shard of the device, the caller frees it); where it can also read them
+ * back later, *pending is set and they arrive when the caller synchronizes the lane. */
 static em_status check_on_device(request_context *r, segment *seg, shard_check *checks,
                                  uint64_t **problems, bool *pending, em_error *err)
 {
