@@ -644,6 +644,30 @@ em_status em__cuda_shard_find_async(em_shard *base, em_lane *lane_base, const ui
     return status;
 }
 
+/* A launch over several shards of a device (shards_find_async, shards_check_async): the
+ * shards' parts (host memory, bytes) go to the GPU with one copy, into s. */
+static em_status send_parts(cuda_lane *lane, scratch *s, const void *parts, size_t bytes,
+                            void **device, em_error *err)
+{
+    em_status status = scratch_take(s, bytes, "shard parts", device, err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_device(&lane->base, *device, parts, bytes, err);
+    return status;
+}
+
+/* order_read (or record_read, with record) of every shard i that has keys there
+ * (offsets[i + 1] > offsets[i]). */
+static em_status order_parts(em_shard *const *shards, uint32_t count, const uint64_t *offsets,
+                             cuda_lane *lane, bool record, em_error *err)
+{
+    em_status status = EM_OK;
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        if (offsets[i + 1] > offsets[i])
+            status = record ? record_read(shard_of(shards[i]), lane, err)
+                            : order_read(shard_of(shards[i]), lane, err);
+    return status;
+}
+
 /* The parts go to the GPU with one copy, and one launch finds every shard's keys. */
 em_status em__cuda_shards_find_async(em_shard *const *shards, uint32_t count,
                                      em_lane *lane_base, const uint64_t *keys,
@@ -670,18 +694,13 @@ em_status em__cuda_shards_find_async(em_shard *const *shards, uint32_t count,
     em_status status = lane_check(
         lane, em_gpu_memset_async(lane->stream, missing, 0, count * sizeof(uint64_t)), err);
     if (status == EM_OK && used > 0)
-        status = scratch_take(&s, used * sizeof(*parts), "find parts", (void **)&device_parts,
-                              err);
-    if (status == EM_OK && used > 0)
-        status = em__cuda_copy_to_device(lane_base, device_parts, parts, used * sizeof(*parts),
-                                         err);
+        status = send_parts(lane, &s, parts, used * sizeof(*parts), (void **)&device_parts, err);
     if (status == EM_OK && used > 0)
         status = lane_check(lane, em_gpu_maps_find(lane->stream, device_parts, used, most,
                                                    offsets[count] - offsets[0]),
                             err);
-    for (uint32_t i = 0; status == EM_OK && i < count; i++)
-        if (offsets[i + 1] > offsets[i])
-            status = record_read(shard_of(shards[i]), lane, err);
+    if (status == EM_OK)
+        status = order_parts(shards, count, offsets, lane, true, err);
     free(parts);
     return em__cuda_finish_async(&s, lane, status, err);
 }
@@ -1413,21 +1432,15 @@ em_status em__cuda_shards_check_async(em_shard *const *shards, uint32_t count,
     em_status status = lane_check(lane, em_gpu_memset_async(lane->stream, first_problems, 0xff,
                                                             count * sizeof(uint64_t)),
                                   err);
-    for (uint32_t i = 0; status == EM_OK && i < count; i++)
-        if (offsets[i + 1] > offsets[i])
-            status = order_read(shard_of(shards[i]), lane, err);
+    if (status == EM_OK)
+        status = order_parts(shards, count, offsets, lane, false, err);
     if (status == EM_OK && used > 0)
-        status = scratch_take(&s, used * sizeof(*parts), "check parts", (void **)&device_parts,
-                              err);
-    if (status == EM_OK && used > 0)
-        status = em__cuda_copy_to_device(lane_base, device_parts, parts, used * sizeof(*parts),
-                                         err);
+        status = send_parts(lane, &s, parts, used * sizeof(*parts), (void **)&device_parts, err);
     if (status == EM_OK && used > 0)
         status = lane_check(lane, em_gpu_rows_check_parts(lane->stream, device_parts, used, most),
                             err);
-    for (uint32_t i = 0; status == EM_OK && i < count; i++)
-        if (offsets[i + 1] > offsets[i])
-            status = record_read(shard_of(shards[i]), lane, err);
+    if (status == EM_OK)
+        status = order_parts(shards, count, offsets, lane, true, err);
     free(parts);
     return em__cuda_finish_async(&s, lane, status, err);
 }
