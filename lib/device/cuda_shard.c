@@ -2147,21 +2147,22 @@ static em_status plan_walks(cuda_evict_walk *walks, uint32_t count, uint8_t *reg
         const uint64_t begins[2] = {w->first, 0}, lengths[2] = {w->before, w->after};
         bool starts = true;
         for (int r = 0; r < 2; r++) {
-            for (uint64_t done = 0; done < lengths[r] || (starts && r == 1);) {
-                if (used == window && lengths[r] > done) { /* the chunk is full */
+            for (uint64_t done = 0; done < lengths[r];) {
+                if (used == window) { /* the chunk is full */
                     p->chunks[p->chunk_count++] = p->piece_count;
                     used = 0;
                 }
                 uint64_t n = lengths[r] - done < window - used ? lengths[r] - done
                                                                : window - used;
-                bool last = done + n == lengths[r];
                 plan_piece(p, w, &device, begins[r] + done, n, used, starts,
-                           r == 0 && last && w->after > 0);
+                           r == 0 && done + n == lengths[r] && w->after > 0);
                 starts = false;
                 done += n;
                 used += n;
             }
         }
+        if (starts) /* no slots: a piece that only starts the walk */
+            plan_piece(p, w, &device, 0, 0, used, true, false);
     }
     p->chunks[p->chunk_count] = p->piece_count;
     return EM_OK;

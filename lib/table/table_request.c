@@ -496,6 +496,22 @@ static em_status find_beside(request_context *r, segment *seg, em_error *err)
     return failed;
 }
 
+/* Where each shard of the segment starts among its keys, and where the last ends (host
+ * memory, end_shard - first_shard + 1 entries, the caller frees them); NULL with err set
+ * when out of host memory. */
+static uint64_t *shard_offsets(const request_context *r, const segment *seg, em_error *err)
+{
+    uint64_t *offsets = malloc((seg->end_shard - seg->first_shard + 1) * sizeof(uint64_t));
+    if (offsets == NULL) {
+        em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
+                     r->table->config.name);
+        return NULL;
+    }
+    for (uint32_t s = seg->first_shard; s <= seg->end_shard; s++)
+        offsets[s - seg->first_shard] = shard_offset(r, seg, s);
+    return offsets;
+}
+
 /* find_on_device's finds a shard at a time: into counts (device words) where the device
  * has them, else into r->shard_missing, stopping as find_on_device says. */
 static em_status find_shard_by_shard(request_context *r, segment *seg, uint64_t *counts,
@@ -536,12 +552,9 @@ static em_status find_shards_at_once(request_context *r, segment *seg, uint64_t 
 {
     em_table *table = r->table;
     uint32_t shards = seg->end_shard - seg->first_shard;
-    uint64_t *offsets = malloc((shards + 1) * sizeof(uint64_t));
+    uint64_t *offsets = shard_offsets(r, seg, err);
     if (offsets == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "table '%s': out of host memory",
-                            table->config.name);
-    for (uint32_t s = seg->first_shard; s <= seg->end_shard; s++)
-        offsets[s - seg->first_shard] = r->shard_start[s] - seg->begin;
+        return EM_RESOURCE_EXHAUSTED;
     /* keys are created (and maps grow) under the shard's write lock */
     for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
         em__shard_read_lock(table, s);
@@ -2118,11 +2131,9 @@ static em_status check_shards_at_once(request_context *r, segment *seg, shard_ch
 {
     em_table *table = r->table;
     uint32_t shards = seg->end_shard - seg->first_shard;
-    uint64_t *offsets = malloc((shards + 1) * sizeof(uint64_t));
+    uint64_t *offsets = shard_offsets(r, seg, err);
     if (offsets == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "push: out of host memory");
-    for (uint32_t s = seg->first_shard; s <= seg->end_shard; s++)
-        offsets[s - seg->first_shard] = shard_offset(r, seg, s);
+        return EM_RESOURCE_EXHAUSTED;
     for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
         em__shard_read_lock(table, s);
         checks[s] = (shard_check){.version = table->shard_versions[s].value, .largest = -1.0f};

@@ -1247,7 +1247,6 @@ em_gpu_status em_gpu_walks_compact(em_gpu_stream *stream, const em_gpu_walk_piec
                                    const uint32_t *rank)
 {
     (void)stream;
-    (void)most_slots;
     if (count == 0 || most_slots == 0)
         return ok();
     enter_device();
