@@ -645,8 +645,8 @@ em_gpu_status em_gpu_walks_advance(em_gpu_stream *stream, const em_gpu_walk_piec
  * (lib/device/eviction.c chooses by the same order on the host), leaving out the rows
  * of the request. An entry's order is a number of 160 bits (em_gpu_rank), read a byte
  * at a time from the top: each pass counts the window's entries that match the bytes
- * fixed so far by their next byte (em_gpu_choice_count), and one thread per walk fixes
- * that byte as the one where the count-th entry lies (em_gpu_choice_fix), until every
+ * fixed so far by their next byte (em_gpu_choice_count), and the pass's last block of
+ * each walk fixes that byte as the one where the count-th entry lies, until every
  * entry matching the bytes fixed is chosen; then the chosen entries are flagged
  * (em_gpu_choice_flags), scanned, and written out in window order
  * (em_gpu_choice_write). Several walks (shards of one lane) go through each launch
@@ -685,6 +685,7 @@ typedef struct em_gpu_choice {
     em_gpu_rank prefix;                  /* those bytes, the others 0 */
     uint64_t remaining;                  /* entries still to choose among those matching */
     uint32_t bins[EM_GPU_CHOICE_BINS];
+    uint32_t arrived;                    /* blocks of the count in progress done with it */
     /* what came of it */
     uint64_t taken;                      /* walk->taken, for the host's check of the window */
 } em_gpu_choice;
@@ -692,13 +693,12 @@ typedef struct em_gpu_choice {
 /* Sets each choice's kept_bits for its kept rows (below row_limit). */
 em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_choice *choices,
                                       uint32_t walks, uint64_t most_kept);
-/* Counts, per open choice, its free entries that match the fixed bytes by byte digit. */
+/* Counts, per open choice, its free entries that match the fixed bytes by byte digit,
+ * and then, in the same launch (the last of the walk's blocks to finish counting), fixes
+ * byte digit of the choice; at first_digit it also records taken, and a choice with fewer
+ * free entries than count becomes SHORT. */
 em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
                                   uint32_t walks, uint64_t most_held, uint32_t digit);
-/* Fixes byte digit of each open choice (one thread a walk); at first_digit also records
- * taken, and a choice with fewer free entries than count becomes SHORT. */
-em_gpu_status em_gpu_choice_fix(em_gpu_stream *stream, em_gpu_choice *choices, uint32_t walks,
-                                uint32_t digit);
 /* flags[first_flag + i] = whether window entry i (i < want) of each walk was chosen. */
 em_gpu_status em_gpu_choice_flags(em_gpu_stream *stream, em_gpu_choice *choices,
                                   uint32_t walks, uint64_t most_want, uint32_t *flags);

@@ -1130,15 +1130,17 @@ EM_HOST_DEVICE uint32_t em_gpu_choice_bin(const em_gpu_choice *c, uint64_t i, ui
     return em_gpu_rank_digit(rank, digit);
 }
 
-/* One thread a walk: byte digit of the prefix becomes the bin holding the remaining-th
- * entry; the bins are cleared for the next digit. */
-EM_HOST_DEVICE void em_gpu_choice_fix_item(em_gpu_choice *c, uint32_t digit)
+/* One thread a walk, once its count at byte digit is done (bins: that count, every
+ * entry's): byte digit of the prefix becomes the bin holding the remaining-th entry. The
+ * caller clears the walk's bins for the next digit. */
+EM_HOST_DEVICE void em_gpu_choice_fix_item(em_gpu_choice *c, const uint32_t *bins,
+                                           uint32_t digit)
 {
     if (c->state != EM_GPU_CHOICE_OPEN)
         return;
     uint64_t total = 0;
     for (uint32_t b = 0; b < EM_GPU_CHOICE_BINS; b++)
-        total += c->bins[b];
+        total += bins[b];
     if (digit == c->first_digit)
         c->taken = c->walk->taken;
     if (total < c->remaining) { /* fewer free entries than rows to choose */
@@ -1146,17 +1148,15 @@ EM_HOST_DEVICE void em_gpu_choice_fix_item(em_gpu_choice *c, uint32_t digit)
     } else {
         uint64_t below = 0;
         uint32_t bin = 0;
-        for (; bin + 1 < EM_GPU_CHOICE_BINS && below + c->bins[bin] < c->remaining; bin++)
-            below += c->bins[bin];
+        for (; bin + 1 < EM_GPU_CHOICE_BINS && below + bins[bin] < c->remaining; bin++)
+            below += bins[bin];
         c->remaining -= below;
         c->prefix = em_gpu_rank_with_digit(c->prefix, digit, bin);
         c->digits = digit + 1;
         /* keys are distinct: at the last digit one entry is left in the bin */
-        if (c->bins[bin] == c->remaining || digit + 1 == EM_GPU_RANK_DIGITS)
+        if (bins[bin] == c->remaining || digit + 1 == EM_GPU_RANK_DIGITS)
             c->state = EM_GPU_CHOICE_SETTLED;
     }
-    for (uint32_t b = 0; b < EM_GPU_CHOICE_BINS; b++)
-        c->bins[b] = 0;
 }
 
 /* Whether window entry i (< want) was chosen. */

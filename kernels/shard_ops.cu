@@ -682,10 +682,16 @@ __global__ void choice_mark_kept_kernel(em_gpu_choice *choices)
     em_gpu_choice_mark_kept_item(c, j);
 }
 
-/* A block's counts gather in shared memory, then go to the walk's bins. */
+/* A block's counts gather in shared memory, then go to the walk's bins; the walk's last
+ * block to add its counts (c->arrived, which atomicInc brings back to 0 for the next
+ * pass) reads the totals from L2 (other blocks added them there; this block's L1 may
+ * hold an older line of them) and fixes the digit. Every block reads c->state before it
+ * arrives, and the fix changes it only after the last has arrived: the blocks of one
+ * launch all count, or none does. */
 __global__ void choice_count_kernel(em_gpu_choice *choices, uint32_t digit)
 {
     __shared__ uint32_t bins[EM_GPU_CHOICE_BINS];
+    __shared__ bool last;
     em_gpu_choice *c = &choices[blockIdx.y];
     if (c->state != EM_GPU_CHOICE_OPEN) /* the same for the whole block */
         return;
@@ -703,12 +709,21 @@ __global__ void choice_count_kernel(em_gpu_choice *choices, uint32_t digit)
     for (uint32_t b = threadIdx.x; b < EM_GPU_CHOICE_BINS; b += blockDim.x)
         if (bins[b] != 0)
             atomicAdd(&c->bins[b], bins[b]);
-}
-
-__global__ void choice_fix_kernel(em_gpu_choice *choices, uint32_t walks, uint32_t digit)
-{
-    EM_GPU_FOR_EACH(w, walks)
-    em_gpu_choice_fix_item(&choices[w], digit);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicInc(&c->arrived, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence();
+    for (uint32_t b = threadIdx.x; b < EM_GPU_CHOICE_BINS; b += blockDim.x) {
+        bins[b] = __ldcg(&c->bins[b]);
+        c->bins[b] = 0; /* for the next digit's count, a later launch */
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        em_gpu_choice_fix_item(c, bins, digit);
 }
 
 __global__ void choice_flags_kernel(em_gpu_choice *choices, uint32_t *flags)
@@ -805,19 +820,10 @@ extern "C" em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_c
 extern "C" em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
                                              uint32_t walks, uint64_t most_held, uint32_t digit)
 {
-    if (walks == 0 || most_held == 0)
+    if (walks == 0) /* with no entries held, a block still fixes each walk's digit */
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return EM_GPU_LAUNCH_ROWS(choice_count_kernel, most_held, walks, stream, choices, digit);
-}
-
-extern "C" em_gpu_status em_gpu_choice_fix(em_gpu_stream *stream, em_gpu_choice *choices,
-                                           uint32_t walks, uint32_t digit)
-{
-    if (walks == 0)
-        return em_gpu_ok();
-    EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH(choice_fix_kernel, walks, stream, choices, walks, digit);
 }
 
 extern "C" em_gpu_status em_gpu_choice_flags(em_gpu_stream *stream, em_gpu_choice *choices,

@@ -2190,7 +2190,8 @@ static em_status take_window_buffers(scratch *s, cuda_lane *lane, cuda_evict_wal
                          : out->bytes;
     }
     window = window < 1 ? 1 : window;
-    out->b = (export_buffers){.window = window < EXPORT_WINDOW_SLOTS ? window : EXPORT_WINDOW_SLOTS};
+    out->b = (export_buffers){.window = window < EXPORT_WINDOW_SLOTS ? window
+                                                                      : EXPORT_WINDOW_SLOTS};
     memset(&out->plan, 0, sizeof(out->plan));
     em_status status = scratch_take(s, out->bytes, "eviction walk", (void **)&out->region, err);
     if (status == EM_OK)
@@ -2372,9 +2373,9 @@ static em_status take_choice_buffers(scratch *s, cuda_lane *lane, choice_buffers
 }
 
 /* Enqueues the choices of the walks the GPU chooses for (after their walks): the
- * request's rows into bit sets, a count and a fix for each byte of the order from the
- * first that differs between entries, then the chosen entries flagged, scanned and
- * written out (kernels/ember_kernels.h: em_gpu_choice). */
+ * request's rows into bit sets, a count for each byte of the order from the first that
+ * differs between entries (its launch also fixes the byte), then the chosen entries
+ * flagged, scanned and written out (kernels/ember_kernels.h: em_gpu_choice). */
 static em_status enqueue_choices(cuda_evict_walk *walks, uint32_t count, const choice_buffers *c,
                                  em_error *err)
 {
@@ -2423,13 +2424,9 @@ static em_status enqueue_choices(cuda_evict_walk *walks, uint32_t count, const c
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_choice_mark_kept(lane->stream, choices, c->walks,
                                                           c->most_kept), err);
-    for (uint32_t digit = c->first_digit; status == EM_OK && digit < EM_GPU_RANK_DIGITS; digit++) {
+    for (uint32_t digit = c->first_digit; status == EM_OK && digit < EM_GPU_RANK_DIGITS; digit++)
         status = lane_check(lane, em_gpu_choice_count(lane->stream, choices, c->walks,
                                                       c->most_want, digit), err);
-        if (status == EM_OK)
-            status = lane_check(lane, em_gpu_choice_fix(lane->stream, choices, c->walks, digit),
-                                err);
-    }
     if (status == EM_OK)
         status = lane_check(lane, em_gpu_memset_async(lane->stream, c->flags, 0,
                                                       (c->flag_count + 1) * sizeof(uint32_t)),

@@ -1185,18 +1185,9 @@ em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
             if (bin < EM_GPU_CHOICE_BINS)
                 c->bins[bin]++;
         }
+        em_gpu_choice_fix_item(c, c->bins, digit);
+        memset(c->bins, 0, sizeof(c->bins));
     }
-    leave_device();
-    return ok();
-}
-
-em_gpu_status em_gpu_choice_fix(em_gpu_stream *stream, em_gpu_choice *choices, uint32_t walks,
-                                uint32_t digit)
-{
-    (void)stream;
-    enter_device();
-    for (uint32_t w = 0; w < walks; w++)
-        em_gpu_choice_fix_item(&choices[w], digit);
     leave_device();
     return ok();
 }
