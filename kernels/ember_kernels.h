@@ -587,6 +587,50 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
                                 const uint64_t *rows, uint64_t n, uint64_t accessed,
                                 uint32_t updated, int pushed);
 
+/* One shard's part of an operation over several shards of one device in one launch, a
+ * grid row a part (lib/device/cuda_shard.c: the general way of a request over a table's
+ * shards): the shard's map and storage, its keys[0, n) and their rows, and what the
+ * operation reads or writes besides. Each operation reads only the fields it names. */
+typedef struct em_gpu_shard_part {
+    em_gpu_map map;
+    em_gpu_storage storage;
+    const uint64_t *keys;
+    uint64_t *rows;
+    uint64_t n;
+    uint8_t *inserted;          /* inserts: a flag per key */
+    em_gpu_map_header *header;  /* inserts: the map's header, once settled */
+    const float *gradients;     /* steps: dim floats per row */
+    const uint32_t *targets;    /* gathers: where each vector goes, or NULL (in order) */
+    float *vectors;             /* gathers: the output */
+} em_gpu_shard_part;
+/* em_gpu_map_insert of every part (map, keys, n, rows, inserted); parts: device memory,
+ * `count` of them, of at most most_keys keys each. */
+em_gpu_status em_gpu_parts_insert(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                  uint32_t count, uint64_t most_keys);
+/* em_gpu_map_erase of every part (map, keys, rows: NULL for every key, n); each part's
+ * free list has room. */
+em_gpu_status em_gpu_parts_erase(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                 uint32_t count, uint64_t most_keys);
+/* em_gpu_rows_init of every part (storage, keys, rows, inserted, n; storages of
+ * row_floats floats a row), each part's map settled and its header copied to *header. */
+em_gpu_status em_gpu_parts_init(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                uint32_t count, uint64_t most_keys, uint32_t row_floats,
+                                em_initializer_config initializer,
+                                em_optimizer_config optimizer);
+/* em_gpu_rows_apply of every part (storage, rows, n, gradients; storages of dim weights
+ * a row). */
+em_gpu_status em_gpu_parts_apply(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                 uint32_t count, uint64_t most_keys, uint32_t dim,
+                                 em_optimizer_config optimizer);
+/* em_gpu_rows_gather of every part (storage, rows, n, targets, vectors; storages of dim
+ * weights a row); quads: every part's vectors 16-byte aligned, dim a multiple of 4. */
+em_gpu_status em_gpu_parts_gather(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                  uint32_t count, uint64_t most_keys, uint32_t dim, int quads);
+/* em_gpu_rows_touch of every part (storage, rows, n). */
+em_gpu_status em_gpu_parts_touch(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                 uint32_t count, uint64_t most_keys, uint64_t accessed,
+                                 uint32_t updated, int pushed);
+
 /* An eviction's walk of a map read in one pass (lib/device/cuda_shard.c): its slots
  * flagged and scanned, the occupied ones compacted in slot order into keys, rows and
  * access, its running count kept on the device, so that the host waits once for however

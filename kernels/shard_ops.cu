@@ -227,11 +227,25 @@ __global__ void insert_counted_kernel(Seen seen, const uint64_t *keys, uint64_t 
     insert_item(seen, keys, i, rows, inserted);
 }
 
+__global__ void parts_insert_kernel(const em_gpu_shard_part *parts)
+{
+    const em_gpu_shard_part *part = &parts[blockIdx.y];
+    EM_GPU_FOR_EACH(i, part->n)
+    em_gpu_map_insert_item(part->map, part->keys, i, part->rows, part->inserted);
+}
+
 __global__ void map_erase_kernel(em_gpu_map map, const uint64_t *keys, const uint64_t *rows,
                                  uint64_t n)
 {
     EM_GPU_FOR_EACH(i, n)
     em_gpu_map_erase_item(map, keys, rows, i);
+}
+
+__global__ void parts_erase_kernel(const em_gpu_shard_part *parts)
+{
+    const em_gpu_shard_part *part = &parts[blockIdx.y];
+    EM_GPU_FOR_EACH(i, part->n)
+    em_gpu_map_erase_item(part->map, part->keys, part->rows, i);
 }
 
 __global__ void map_rehash_kernel(const em_gpu_slot *old_slots, uint64_t old_slot_count,
@@ -367,6 +381,26 @@ extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_
     return insert_counted(stream, shards, keys, n, gate, rows, inserted);
 }
 
+extern "C" em_gpu_status em_gpu_parts_insert(em_gpu_stream *stream,
+                                             const em_gpu_shard_part *parts, uint32_t count,
+                                             uint64_t most_keys)
+{
+    if (count == 0 || most_keys == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH_ROWS(parts_insert_kernel, most_keys, count, stream, parts);
+}
+
+extern "C" em_gpu_status em_gpu_parts_erase(em_gpu_stream *stream,
+                                            const em_gpu_shard_part *parts, uint32_t count,
+                                            uint64_t most_keys)
+{
+    if (count == 0 || most_keys == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH_ROWS(parts_erase_kernel, most_keys, count, stream, parts);
+}
+
 extern "C" em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
                                            uint64_t old_slot_count, em_gpu_map map)
 {
@@ -427,6 +461,22 @@ __global__ void rows_init_kernel(em_gpu_storage storage, const uint64_t *keys,
     settle_maps(settle);
 }
 
+/* em_gpu_parts_init: the settle of part blockIdx.y's map by its first thread, as
+ * rows_init_kernel's (the inserts it settles were done by the launch before). */
+__global__ void parts_init_kernel(const em_gpu_shard_part *parts,
+                                  em_initializer_config initializer,
+                                  em_optimizer_config optimizer, uint32_t shift)
+{
+    const em_gpu_shard_part *part = &parts[blockIdx.y];
+    EM_GPU_FOR_EACH_ELEMENT(i, j, part->n, part->storage.row_floats, shift)
+    em_gpu_rows_init_element(part->storage, part->keys, part->rows, part->inserted,
+                             &initializer, &optimizer, i, j);
+    if (EM_GPU_THREAD_INDEX == 0) {
+        em_gpu_map_settle_item(part->map);
+        *part->header = *part->map.header;
+    }
+}
+
 __global__ void rows_gather_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
                                    const uint32_t *targets, float *vectors, uint32_t shift)
 {
@@ -439,6 +489,20 @@ __global__ void rows_gather_quad_kernel(em_gpu_storage storage, const uint64_t *
 {
     EM_GPU_FOR_EACH_ELEMENT(i, q, n, storage.dim / 4, shift)
     em_gpu_rows_gather_quad(storage, rows, targets, vectors, i, q);
+}
+
+__global__ void parts_gather_kernel(const em_gpu_shard_part *parts, uint32_t shift)
+{
+    const em_gpu_shard_part *part = &parts[blockIdx.y];
+    EM_GPU_FOR_EACH_ELEMENT(i, j, part->n, part->storage.dim, shift)
+    em_gpu_rows_gather_element(part->storage, part->rows, part->targets, part->vectors, i, j);
+}
+
+__global__ void parts_gather_quad_kernel(const em_gpu_shard_part *parts, uint32_t shift)
+{
+    const em_gpu_shard_part *part = &parts[blockIdx.y];
+    EM_GPU_FOR_EACH_ELEMENT(i, q, part->n, part->storage.dim / 4, shift)
+    em_gpu_rows_gather_quad(part->storage, part->rows, part->targets, part->vectors, i, q);
 }
 
 __global__ void rows_pull_kernel(em_gpu_storage storage, em_gpu_batch batch,
@@ -518,34 +582,61 @@ __global__ void rows_write_kernel(em_gpu_storage storage, const uint64_t *rows, 
     em_gpu_rows_write_element(storage, rows, sources, values, i, j);
 }
 
-/* The optimizer kernels step the rows their gate leaves (em_gpu_gate_end: the same for
- * every thread, so whole warps skip together). */
-__global__ void sgd_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
-                           const uint64_t *rows, uint64_t n, const float *gradients,
-                           uint32_t shift, em_gpu_gate gate, em_gpu_fresh_rows fresh)
+/* What an optimizer kernel steps: the rows of one launch (step_rows), or, over several
+ * shards of a device, part blockIdx.y's (em_gpu_shard_part: no gate, no new rows). */
+struct step_rows {
+    em_gpu_storage storage;
+    const uint64_t *rows;
+    uint64_t n;
+    const float *gradients;
+    em_gpu_gate gate;
+    em_gpu_fresh_rows fresh;
+};
+
+__device__ inline step_rows rows_to_step(const step_rows &one)
 {
-    uint64_t end = em_gpu_gate_end(gate, n);
-    EM_GPU_FOR_EACH_ELEMENT(i, j, end, storage.dim, shift)
-    {
-        /* this thread's floats of a new row: element j of the weights and of the state */
-        em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, j, storage.dim);
-        em_gpu_sgd_element(storage, &optimizer, rows, gradients, i, j);
-    }
-    settle_maps(fresh.settle);
+    return one;
 }
 
-__global__ void adagrad_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
-                               const uint64_t *rows, uint64_t n, const float *gradients,
-                               uint32_t shift, em_gpu_gate gate, em_gpu_fresh_rows fresh)
+__device__ inline step_rows rows_to_step(const em_gpu_shard_part *parts)
 {
-    uint64_t end = em_gpu_gate_end(gate, n);
-    EM_GPU_FOR_EACH_ELEMENT(i, j, end, storage.dim, shift)
+    const em_gpu_shard_part *part = &parts[blockIdx.y];
+    step_rows s = {};
+    s.storage = part->storage;
+    s.rows = part->rows;
+    s.n = part->n;
+    s.gradients = part->gradients;
+    return s;
+}
+
+/* The optimizer kernels step the rows their gate leaves (em_gpu_gate_end: the same for
+ * every thread, so whole warps skip together). */
+template <typename Steps>
+__global__ void sgd_kernel(Steps steps, em_optimizer_config optimizer, uint32_t shift)
+{
+    const step_rows s = rows_to_step(steps);
+    uint64_t end = em_gpu_gate_end(s.gate, s.n);
+    EM_GPU_FOR_EACH_ELEMENT(i, j, end, s.storage.dim, shift)
     {
         /* this thread's floats of a new row: element j of the weights and of the state */
-        em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, j, storage.dim);
-        em_gpu_adagrad_element(storage, &optimizer, rows, gradients, i, j);
+        em_gpu_fresh_row_floats(s.storage, &optimizer, s.rows, &s.fresh, i, j, s.storage.dim);
+        em_gpu_sgd_element(s.storage, &optimizer, s.rows, s.gradients, i, j);
     }
-    settle_maps(fresh.settle);
+    settle_maps(s.fresh.settle);
+}
+
+template <typename Steps>
+__global__ void adagrad_kernel(Steps steps, em_optimizer_config optimizer, uint32_t shift)
+{
+    const step_rows s = rows_to_step(steps);
+    uint64_t end = em_gpu_gate_end(s.gate, s.n);
+    EM_GPU_FOR_EACH_ELEMENT(i, j, end, s.storage.dim, shift)
+    {
+        /* this thread's floats of a new row: element j of the weights and of the state */
+        em_gpu_fresh_row_floats(s.storage, &optimizer, s.rows, &s.fresh, i, j, s.storage.dim);
+        em_gpu_adagrad_element(s.storage, &optimizer, s.rows, s.gradients, i, j);
+    }
+    settle_maps(s.fresh.settle);
 }
 
 /* Warp-per-row loop: every lane of a warp has the same i (whole warps iterate). */
@@ -553,24 +644,24 @@ __global__ void adagrad_kernel(em_gpu_storage storage, em_optimizer_config optim
     for (uint64_t i = EM_GPU_THREAD_INDEX / EM_GPU_ROW_LANES; i < (n);    \
          i += EM_GPU_THREAD_COUNT / EM_GPU_ROW_LANES)
 
-__global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
-                                       const uint64_t *rows, uint64_t n, const float *gradients,
-                                       em_gpu_gate gate, em_gpu_fresh_rows fresh)
+template <typename Steps>
+__global__ void rowwise_adagrad_kernel(Steps steps, em_optimizer_config optimizer)
 {
+    const step_rows s = rows_to_step(steps);
     uint32_t lane = threadIdx.x % EM_GPU_ROW_LANES;
-    uint32_t dim = storage.dim;
-    uint64_t end = em_gpu_gate_end(gate, n);
+    uint32_t dim = s.storage.dim;
+    uint64_t end = em_gpu_gate_end(s.gate, s.n);
     FOR_EACH_ROW_OF_WARP(i, end)
     {
-        if (rows[i] == EM_GPU_ROW_PENDING)
+        if (s.rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key: the whole warp skips it */
-        if (fresh.inserted != NULL && fresh.inserted[i]) { /* a new row: its values first */
-            em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, lane,
+        if (s.fresh.inserted != NULL && s.fresh.inserted[i]) { /* a new row: values first */
+            em_gpu_fresh_row_floats(s.storage, &optimizer, s.rows, &s.fresh, i, lane,
                                     EM_GPU_ROW_LANES);
             __syncwarp();
         }
-        float *weights = em_gpu_row_address(storage, rows[i]);
-        const float *gradient = gradients + i * dim;
+        float *weights = em_gpu_row_address(s.storage, s.rows[i]);
+        const float *gradient = s.gradients + i * dim;
         float squares = em_gpu_rowwise_partial(gradient, dim, lane, EM_GPU_ROW_LANES);
         for (uint32_t offset = EM_GPU_ROW_LANES / 2; offset > 0; offset /= 2)
             squares += __shfl_xor_sync(WARP_MASK, squares, offset);
@@ -584,30 +675,30 @@ __global__ void rowwise_adagrad_kernel(em_gpu_storage storage, em_optimizer_conf
         if (lane == 0)
             weights[dim] = updated;
     }
-    settle_maps(fresh.settle);
+    settle_maps(s.fresh.settle);
 }
 
-__global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimizer,
-                            const uint64_t *rows, uint64_t n, const float *gradients,
-                            em_gpu_gate gate, em_gpu_fresh_rows fresh)
+template <typename Steps>
+__global__ void adam_kernel(Steps steps, em_optimizer_config optimizer)
 {
+    const step_rows s = rows_to_step(steps);
     uint32_t lane = threadIdx.x % EM_GPU_ROW_LANES;
-    uint32_t dim = storage.dim;
-    uint64_t end = em_gpu_gate_end(gate, n);
+    uint32_t dim = s.storage.dim;
+    uint64_t end = em_gpu_gate_end(s.gate, s.n);
     FOR_EACH_ROW_OF_WARP(i, end)
     {
-        if (rows[i] == EM_GPU_ROW_PENDING)
+        if (s.rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key: the whole warp skips it */
-        if (fresh.inserted != NULL && fresh.inserted[i]) { /* a new row: its values first */
-            em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, lane,
+        if (s.fresh.inserted != NULL && s.fresh.inserted[i]) { /* a new row: values first */
+            em_gpu_fresh_row_floats(s.storage, &optimizer, s.rows, &s.fresh, i, lane,
                                     EM_GPU_ROW_LANES);
             __syncwarp();
         }
-        float *weights = em_gpu_row_address(storage, rows[i]);
+        float *weights = em_gpu_row_address(s.storage, s.rows[i]);
         float *first_moment = weights + dim;
         float *second_moment = first_moment + dim;
         float *step = second_moment + dim;
-        const float *gradient = gradients + i * dim;
+        const float *gradient = s.gradients + i * dim;
         float next = em_adam_next_step(*step);
         em_adam_constants constants = em_adam_row_setup(&optimizer, next);
         for (uint32_t j = lane; j < dim; j += EM_GPU_ROW_LANES)
@@ -618,7 +709,7 @@ __global__ void adam_kernel(em_gpu_storage storage, em_optimizer_config optimize
         if (lane == 0)
             *step = next;
     }
-    settle_maps(fresh.settle);
+    settle_maps(s.fresh.settle);
 }
 
 __global__ void rows_fill_initial_kernel(em_gpu_storage storage,
@@ -644,6 +735,14 @@ __global__ void rows_touch_gated_kernel(em_gpu_storage storage, const uint64_t *
     uint64_t end = em_gpu_gate_end(gate, n);
     EM_GPU_FOR_EACH(i, end)
     em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
+}
+
+__global__ void parts_touch_kernel(const em_gpu_shard_part *parts, uint64_t accessed,
+                                   uint32_t updated, int pushed)
+{
+    const em_gpu_shard_part *part = &parts[blockIdx.y];
+    EM_GPU_FOR_EACH(i, part->n)
+    em_gpu_rows_touch_item(part->storage, part->rows, i, accessed, updated, pushed);
 }
 
 __global__ void access_read_kernel(em_gpu_storage storage, const uint64_t *rows, uint64_t n,
@@ -760,6 +859,18 @@ extern "C" em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_
     uint32_t shift = em_gpu_group_shift(storage.dim);
     return EM_GPU_LAUNCH(rows_fill_initial_kernel, em_gpu_element_threads(n, shift), stream,
                          storage, initializer, keys, rows, n, targets, vectors, shift);
+}
+
+extern "C" em_gpu_status em_gpu_parts_touch(em_gpu_stream *stream,
+                                            const em_gpu_shard_part *parts, uint32_t count,
+                                            uint64_t most_keys, uint64_t accessed,
+                                            uint32_t updated, int pushed)
+{
+    if (count == 0 || most_keys == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return EM_GPU_LAUNCH_ROWS(parts_touch_kernel, most_keys, count, stream, parts, accessed,
+                              updated, pushed);
 }
 
 extern "C" em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
@@ -905,6 +1016,20 @@ extern "C" em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage 
                          keys, rows, inserted, n, initializer, optimizer, shift, settle);
 }
 
+extern "C" em_gpu_status em_gpu_parts_init(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                           uint32_t count, uint64_t most_keys,
+                                           uint32_t row_floats,
+                                           em_initializer_config initializer,
+                                           em_optimizer_config optimizer)
+{
+    if (count == 0) /* with no keys, each part's map is still settled */
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    uint32_t shift = em_gpu_group_shift(row_floats);
+    return EM_GPU_LAUNCH_ROWS(parts_init_kernel, em_gpu_element_threads(most_keys, shift), count,
+                              stream, parts, initializer, optimizer, shift);
+}
+
 extern "C" em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
                                             const uint64_t *rows, uint64_t n,
                                             const uint32_t *targets, float *vectors)
@@ -924,6 +1049,57 @@ extern "C" em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storag
                          rows, n, targets, vectors, shift);
 }
 
+/* Launches the optimizer's kernel over steps (step_rows, or parts: `rows` grid rows) of
+ * at most n rows of dim weights each, with at least `least` threads in a row. */
+template <typename Steps>
+static em_gpu_status launch_steps(em_gpu_stream *stream, Steps steps, uint32_t rows,
+                                  em_optimizer_config optimizer, uint64_t n, uint32_t dim,
+                                  uint64_t least)
+{
+    uint32_t shift = em_gpu_group_shift(dim);
+    uint64_t element_threads = em_gpu_element_threads(n, shift);
+    uint64_t warp_threads = n * EM_GPU_ROW_LANES;
+    if (element_threads < least)
+        element_threads = least;
+    if (warp_threads < least) /* whole warps */
+        warp_threads = (least + EM_GPU_ROW_LANES - 1) / EM_GPU_ROW_LANES * EM_GPU_ROW_LANES;
+    switch (optimizer.kind) {
+    case EM_OPTIMIZER_ADAGRAD:
+        return EM_GPU_LAUNCH_ROWS(adagrad_kernel<Steps>, element_threads, rows, stream, steps,
+                                  optimizer, shift);
+    case EM_OPTIMIZER_ROWWISE_ADAGRAD:
+        return EM_GPU_LAUNCH_ROWS(rowwise_adagrad_kernel<Steps>, warp_threads, rows, stream,
+                                  steps, optimizer);
+    case EM_OPTIMIZER_ADAM:
+        return EM_GPU_LAUNCH_ROWS(adam_kernel<Steps>, warp_threads, rows, stream, steps,
+                                  optimizer);
+    case EM_OPTIMIZER_SGD:
+        return EM_GPU_LAUNCH_ROWS(sgd_kernel<Steps>, element_threads, rows, stream, steps,
+                                  optimizer, shift);
+    case EM_OPTIMIZER_COUNT:
+        break;
+    }
+    return em_gpu_invalid_optimizer();
+}
+
+extern "C" em_gpu_status em_gpu_parts_gather(em_gpu_stream *stream,
+                                             const em_gpu_shard_part *parts, uint32_t count,
+                                             uint64_t most_keys, uint32_t dim, int quads)
+{
+    if (count == 0 || most_keys == 0 || dim == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    if (quads) {
+        uint32_t shift = em_gpu_group_shift(dim / 4);
+        return EM_GPU_LAUNCH_ROWS(parts_gather_quad_kernel,
+                                  em_gpu_element_threads(most_keys, shift), count, stream, parts,
+                                  shift);
+    }
+    uint32_t shift = em_gpu_group_shift(dim);
+    return EM_GPU_LAUNCH_ROWS(parts_gather_kernel, em_gpu_element_threads(most_keys, shift), count,
+                              stream, parts, shift);
+}
+
 extern "C" em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
                                                  em_optimizer_config optimizer,
                                                  const uint64_t *rows, uint64_t n,
@@ -934,30 +1110,18 @@ extern "C" em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_s
     if (n == 0 && settles == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    uint32_t shift = em_gpu_group_shift(storage.dim);
-    uint64_t element_threads = em_gpu_element_threads(n, shift);
-    uint64_t warp_threads = n * EM_GPU_ROW_LANES;
-    if (element_threads < settles)
-        element_threads = settles;
-    if (warp_threads < settles) /* whole warps */
-        warp_threads = (settles + EM_GPU_ROW_LANES - 1) / EM_GPU_ROW_LANES * EM_GPU_ROW_LANES;
-    switch (optimizer.kind) {
-    case EM_OPTIMIZER_ADAGRAD:
-        return EM_GPU_LAUNCH(adagrad_kernel, element_threads, stream, storage, optimizer, rows, n,
-                             gradients, shift, gate, fresh);
-    case EM_OPTIMIZER_ROWWISE_ADAGRAD:
-        return EM_GPU_LAUNCH(rowwise_adagrad_kernel, warp_threads, stream, storage, optimizer,
-                             rows, n, gradients, gate, fresh);
-    case EM_OPTIMIZER_ADAM:
-        return EM_GPU_LAUNCH(adam_kernel, warp_threads, stream, storage, optimizer, rows, n,
-                             gradients, gate, fresh);
-    case EM_OPTIMIZER_SGD:
-        return EM_GPU_LAUNCH(sgd_kernel, element_threads, stream, storage, optimizer, rows, n,
-                             gradients, shift, gate, fresh);
-    case EM_OPTIMIZER_COUNT:
-        break;
-    }
-    return em_gpu_invalid_optimizer();
+    step_rows steps = {storage, rows, n, gradients, gate, fresh};
+    return launch_steps(stream, steps, 1, optimizer, n, storage.dim, settles);
+}
+
+extern "C" em_gpu_status em_gpu_parts_apply(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                            uint32_t count, uint64_t most_keys, uint32_t dim,
+                                            em_optimizer_config optimizer)
+{
+    if (count == 0 || most_keys == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    return launch_steps(stream, parts, count, optimizer, most_keys, dim, 0);
 }
 
 extern "C" em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,

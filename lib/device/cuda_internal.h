@@ -333,6 +333,18 @@ em_status em__cuda_shard_check_apply(em_shard *base, em_lane *lane_base, const u
 em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_t *rows,
                                uint64_t n, const float *gradients, float largest,
                                em_error *err);
+em_status em__cuda_shards_apply(em_shard *const *shards, uint32_t count, em_lane *lane_base,
+                                const uint64_t *offsets, const uint64_t *rows,
+                                const float *gradients, uint64_t accessed, uint32_t updated,
+                                em_error *err);
+em_status em__cuda_shards_gather(em_shard *const *shards, uint32_t count, em_lane *lane_base,
+                                 const uint64_t *offsets, const uint64_t *rows,
+                                 const uint32_t *targets, float *vectors, uint64_t accessed,
+                                 uint32_t updated, em_error *err);
+em_status em__cuda_shards_insert_missing_async(em_shard *const *shards, uint32_t count,
+                                               em_lane *lane_base, const uint64_t *keys,
+                                               const uint64_t *offsets, const uint64_t *missing,
+                                               uint64_t *rows, em_error *err);
 
 em_status em__cuda_shard_create(em_device *device, const em_shard_spec *spec, em_shard **out,
                                 em_error *err);

@@ -829,6 +829,136 @@ em_status em__cuda_shard_insert_settle(em_shard *base, em_error *err)
     return take_header(shard, *header, err);
 }
 
+/* Makes holder's pinned headers_host room for the headers of count shards settled
+ * together (its last copy was settled: the caller holds holder's write lock). */
+static em_status headers_room(cuda_shard *holder, uint32_t count, em_error *err)
+{
+    if (holder->headers_capacity >= count)
+        return EM_OK;
+    em_gpu_map_header *grown = NULL;
+    em_gpu_status allocated = em_gpu_host_alloc(count * sizeof(em_gpu_map_header),
+                                                (void **)&grown);
+    if (allocated.code != 0)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                            "table '%s': no pinned memory for %u map headers: %s",
+                            holder->table, count, allocated.message);
+    em_gpu_host_free(holder->headers_host);
+    holder->headers_host = grown;
+    holder->headers_capacity = count;
+    return EM_OK;
+}
+
+/* The parts of shards[i] (offsets[i + 1] > offsets[i] and, with `only` given, only[i]
+ * > 0) for a launch over several shards (em_gpu_shard_part: map, storage, keys, rows,
+ * n, and gradients where given); *used of them, *most the keys of the largest, *total
+ * the keys of all. NULL when out of host memory. */
+static em_gpu_shard_part *shard_parts(em_shard *const *shards, uint32_t count,
+                                      const uint64_t *keys, const uint64_t *offsets,
+                                      const uint64_t *only, uint64_t *rows,
+                                      const float *gradients, uint32_t *used, uint64_t *most,
+                                      uint64_t *total)
+{
+    em_gpu_shard_part *parts = malloc((count > 0 ? count : 1) * sizeof(*parts));
+    *used = 0;
+    *most = 0;
+    *total = 0;
+    for (uint32_t i = 0; parts != NULL && i < count; i++) {
+        const cuda_shard *shard = shard_of(shards[i]);
+        uint64_t n = offsets[i + 1] - offsets[i];
+        if (n == 0 || (only != NULL && only[i] == 0))
+            continue;
+        parts[(*used)++] = (em_gpu_shard_part){
+            .map = map_view(shard),
+            .storage = storage_view(shard),
+            .keys = keys != NULL ? keys + offsets[i] : NULL,
+            .rows = rows + offsets[i],
+            .n = n,
+            .gradients = gradients != NULL ? gradients + offsets[i] * shard->dim : NULL,
+        };
+        *most = n > *most ? n : *most;
+        *total += n;
+    }
+    return parts;
+}
+
+/* order_write (or record_write, with record) of every shard i with a part (shard_parts:
+ * with keys, and only[i] > 0 where only is given). */
+static em_status order_part_writes(em_shard *const *shards, uint32_t count,
+                                   const uint64_t *offsets, const uint64_t *only,
+                                   cuda_lane *lane, bool record, em_error *err)
+{
+    em_status status = EM_OK;
+    for (uint32_t i = 0; status == EM_OK && i < count; i++)
+        if (offsets[i + 1] > offsets[i] && (only == NULL || only[i] > 0))
+            status = record ? record_write(shard_of(shards[i]), lane, err)
+                            : order_write(shard_of(shards[i]), lane, err);
+    return status;
+}
+
+/* The inserts of several shards in one set of launches: the parts' flags and headers
+ * from one scratch, the parts sent with one copy, one launch inserting, one writing the
+ * new rows and settling the maps, and the headers back with one copy into the pinned
+ * headers of the first shard that inserts, where each shard's settle_from points. */
+em_status em__cuda_shards_insert_missing_async(em_shard *const *shards, uint32_t count,
+                                               em_lane *lane_base, const uint64_t *keys,
+                                               const uint64_t *offsets, const uint64_t *missing,
+                                               uint64_t *rows, em_error *err)
+{
+    cuda_lane *lane = lane_of(lane_base);
+    uint32_t used = 0;
+    uint64_t most = 0, total = 0;
+    em_gpu_shard_part *parts = shard_parts(shards, count, keys, offsets, missing, rows, NULL,
+                                           &used, &most, &total);
+    if (parts == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "insert: out of host memory");
+    if (used == 0) {
+        free(parts);
+        return EM_OK;
+    }
+    cuda_shard *holder = NULL;
+    for (uint32_t i = 0; holder == NULL && i < count; i++)
+        if (offsets[i + 1] > offsets[i] && missing[i] > 0)
+            holder = shard_of(shards[i]);
+    scratch s = {.device = lane_base->device};
+    uint8_t *inserted = NULL;
+    em_gpu_map_header *headers = NULL;
+    em_gpu_shard_part *device_parts = NULL;
+    em_status status = headers_room(holder, used, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, total, "insert flags", (void **)&inserted, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, used * sizeof(em_gpu_map_header), "map headers",
+                              (void **)&headers, err);
+    for (uint64_t k = 0, at = 0; status == EM_OK && k < used; at += parts[k].n, k++) {
+        parts[k].inserted = inserted + at;
+        parts[k].header = &headers[k];
+    }
+    if (status == EM_OK)
+        status = order_part_writes(shards, count, offsets, missing, lane, false, err);
+    if (status == EM_OK)
+        status = send_parts(lane, &s, parts, used * sizeof(*parts), (void **)&device_parts, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_parts_insert(lane->stream, device_parts, used, most),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_parts_init(lane->stream, device_parts, used, most,
+                                                    holder->row_floats, holder->initializer,
+                                                    holder->optimizer),
+                            err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memcpy_async(lane->stream, holder->headers_host,
+                                                      headers,
+                                                      used * sizeof(em_gpu_map_header)),
+                            err);
+    for (uint32_t i = 0, k = 0; status == EM_OK && i < count; i++)
+        if (offsets[i + 1] > offsets[i] && missing[i] > 0)
+            shard_of(shards[i])->settle_from = &holder->headers_host[k++];
+    if (status == EM_OK)
+        status = order_part_writes(shards, count, offsets, missing, lane, true, err);
+    free(parts);
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
 /* Makes the free list hold count rows, keeping the ones on it. It grows to half as much
  * again as asked at least: a full table's requests each evict about as many rows as the
  * one before, a few more or less, and each growth waits for the lane. */
@@ -1049,32 +1179,18 @@ static em_status find_check_seen(const shards_seen *seen, const cuda_shard *firs
     return lane_check(lane, done, err);
 }
 
-/* Settles the maps of the shards seen (several) and sends their headers back in one
- * copy, into the first shard's headers_host; shard_insert_settle takes each in through
- * its settle_from once the lane has synchronized. The caller holds every shard's write
- * lock until then. */
 /* Where the settle of several shards' maps leaves their headers: on the GPU (*headers,
  * from the scratch), then in the first shard's pinned copies, which shard_insert_settle
- * reads once the lane has synchronized. */
+ * reads once the lane has synchronized. The caller holds every shard's write lock until
+ * then. */
 static em_status settle_headers(em_shard *const *bases, const shards_seen *seen, scratch *s,
                                 em_gpu_map_header **headers, em_error *err)
 {
-    cuda_shard *first = shard_of(bases[0]);
-    uint32_t count = seen->count;
-    if (first->headers_capacity < count) {
-        em_gpu_map_header *grown = NULL;
-        em_gpu_status allocated = em_gpu_host_alloc(count * sizeof(em_gpu_map_header),
-                                                    (void **)&grown);
-        if (allocated.code != 0)
-            return em_error_set(err, EM_RESOURCE_EXHAUSTED,
-                                "table '%s': no pinned memory for %u map headers: %s",
-                                first->table, count, allocated.message);
-        em_gpu_host_free(first->headers_host); /* its last copy was settled */
-        first->headers_host = grown;
-        first->headers_capacity = count;
-    }
-    return scratch_take(s, count * sizeof(em_gpu_map_header), "map headers", (void **)headers,
-                        err);
+    em_status status = headers_room(shard_of(bases[0]), seen->count, err);
+    if (status == EM_OK)
+        status = scratch_take(s, seen->count * sizeof(em_gpu_map_header), "map headers",
+                              (void **)headers, err);
+    return status;
 }
 
 /* Sends the settled headers back (after the launch that settled them). */
@@ -1479,6 +1595,89 @@ em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_
     if (status == EM_OK)
         status = record_write(shard, lane, err);
     return status;
+}
+
+/* The steps of several shards in one launch, and their touches in one more: the parts
+ * sent with one copy. */
+em_status em__cuda_shards_apply(em_shard *const *shards, uint32_t count, em_lane *lane_base,
+                                const uint64_t *offsets, const uint64_t *rows,
+                                const float *gradients, uint64_t accessed, uint32_t updated,
+                                em_error *err)
+{
+    cuda_lane *lane = lane_of(lane_base);
+    uint32_t used = 0;
+    uint64_t most = 0, total = 0;
+    /* the parts' rows are only read by these launches */
+    em_gpu_shard_part *parts = shard_parts(shards, count, NULL, offsets, NULL, (uint64_t *)rows,
+                                           gradients, &used, &most, &total);
+    if (parts == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "push: out of host memory");
+    const cuda_shard *first = shard_of(shards[0]);
+    scratch s = {.device = lane_base->device};
+    em_gpu_shard_part *device_parts = NULL;
+    em_status status = EM_OK;
+    if (used > 0)
+        status = order_part_writes(shards, count, offsets, NULL, lane, false, err);
+    if (status == EM_OK && used > 0)
+        status = send_parts(lane, &s, parts, used * sizeof(*parts), (void **)&device_parts, err);
+    if (status == EM_OK && used > 0)
+        status = lane_check(lane, em_gpu_parts_apply(lane->stream, device_parts, used, most,
+                                                     first->dim, first->optimizer),
+                            err);
+    if (status == EM_OK && used > 0 && first->track_access && accessed != 0)
+        status = lane_check(lane, em_gpu_parts_touch(lane->stream, device_parts, used, most,
+                                                     accessed, updated, 1),
+                            err);
+    if (status == EM_OK && used > 0)
+        status = order_part_writes(shards, count, offsets, NULL, lane, true, err);
+    free(parts);
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
+/* The gathers of several shards in one launch, and their touches in one more: the parts
+ * sent with one copy. */
+em_status em__cuda_shards_gather(em_shard *const *shards, uint32_t count, em_lane *lane_base,
+                                 const uint64_t *offsets, const uint64_t *rows,
+                                 const uint32_t *targets, float *vectors, uint64_t accessed,
+                                 uint32_t updated, em_error *err)
+{
+    cuda_lane *lane = lane_of(lane_base);
+    uint32_t used = 0;
+    uint64_t most = 0, total = 0;
+    /* the parts' rows are only read by these launches */
+    em_gpu_shard_part *parts = shard_parts(shards, count, NULL, offsets, NULL, (uint64_t *)rows,
+                                           NULL, &used, &most, &total);
+    if (parts == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "pull: out of host memory");
+    const cuda_shard *first = shard_of(shards[0]);
+    int quads = first->dim % 4 == 0;
+    for (uint32_t i = 0, k = 0; i < count; i++) {
+        if (offsets[i + 1] == offsets[i])
+            continue;
+        em_gpu_shard_part *part = &parts[k++];
+        part->targets = targets != NULL ? targets + offsets[i] : NULL;
+        part->vectors = targets != NULL ? vectors : vectors + offsets[i] * first->dim;
+        quads = quads && ((uintptr_t)part->vectors & 15u) == 0;
+    }
+    scratch s = {.device = lane_base->device};
+    em_gpu_shard_part *device_parts = NULL;
+    em_status status = EM_OK;
+    if (used > 0)
+        status = order_parts(shards, count, offsets, lane, false, err);
+    if (status == EM_OK && used > 0)
+        status = send_parts(lane, &s, parts, used * sizeof(*parts), (void **)&device_parts, err);
+    if (status == EM_OK && used > 0)
+        status = lane_check(lane, em_gpu_parts_gather(lane->stream, device_parts, used, most,
+                                                      first->dim, quads),
+                            err);
+    if (status == EM_OK && used > 0 && first->track_access && accessed != 0)
+        status = lane_check(lane, em_gpu_parts_touch(lane->stream, device_parts, used, most,
+                                                     accessed, updated, 0),
+                            err);
+    if (status == EM_OK && used > 0)
+        status = order_parts(shards, count, offsets, lane, true, err);
+    free(parts);
+    return em__cuda_finish_async(&s, lane, status, err);
 }
 
 em_status em__cuda_shard_write_rows(em_shard *base, em_lane *lane_base, const uint64_t *rows,
@@ -2528,20 +2727,72 @@ static em_status choose_and_erase(cuda_evict_walk *w, const em_evict_spec *spec,
  * choice, the GPU's (answers at host + answers_at) where that holds, else the host's
  * over the read ahead (copied back now where the GPU chose), and the erase of the chosen
  * rows, enqueued. The walk's scratch is still the lane's. */
-static em_status finish_walk(cuda_evict_walk *w, scratch *s, const uint8_t *host,
-                             size_t answers_at, uint64_t *keys, uint64_t *rows, em_error *err)
+/* The keys the GPU chose for walk w, where it wrote them (its answers region). */
+static const uint64_t *chosen_keys(const cuda_evict_walk *w)
 {
+    return (const uint64_t *)(w->answers_device + w->answer_offset);
+}
+
+/* After the walks of a lane: the erases of the rows the GPU chose for walks[0..count)
+ * (each with rows to give up), in one launch (a walk's shard each), from where the GPU
+ * wrote their keys; then each shard's counts (keys[i]: walks[i]'s keys, in host
+ * memory). */
+static em_status erase_chosen(cuda_evict_walk *const *walks, uint64_t *const *keys,
+                              uint32_t count, em_error *err)
+{
+    if (count == 1) {
+        const cuda_evict_walk *w = walks[0];
+        em_status status = enqueue_erase(w->shard, w->lane, chosen_keys(w), NULL, w->spec.count,
+                                         err);
+        if (status == EM_OK)
+            take_erase(w->shard, keys[0], w->spec.count);
+        return status;
+    }
+    cuda_lane *lane = walks[0]->lane;
+    em_gpu_shard_part *parts = calloc(count, sizeof(*parts));
+    if (parts == NULL)
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
+    em_status status = EM_OK;
+    uint64_t most = 0;
+    for (uint32_t k = 0; status == EM_OK && k < count; k++) {
+        cuda_shard *shard = walks[k]->shard;
+        uint64_t n = walks[k]->spec.count;
+        /* the view after the room: a grown free list moves */
+        status = reserve_free_rows(shard, lane, shard->free_count + n, err);
+        if (status == EM_OK)
+            status = order_write(shard, lane, err);
+        parts[k] = (em_gpu_shard_part){.map = map_view(shard), .keys = chosen_keys(walks[k]),
+                                       .n = n};
+        most = n > most ? n : most;
+    }
+    scratch s = {.device = lane->base.device};
+    em_gpu_shard_part *device_parts = NULL;
+    if (status == EM_OK)
+        status = send_parts(lane, &s, parts, count * sizeof(*parts), (void **)&device_parts, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_parts_erase(lane->stream, device_parts, count, most),
+                            err);
+    for (uint32_t k = 0; status == EM_OK && k < count; k++)
+        status = record_write(walks[k]->shard, lane, err);
+    for (uint32_t k = 0; status == EM_OK && k < count; k++)
+        take_erase(walks[k]->shard, keys[k], walks[k]->spec.count);
+    free(parts);
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
+/* The end of walk w once its lane synchronized: its keys and rows chosen, by the GPU
+ * (their erase left to erase_chosen: *erase set) or by the host, which erases them. */
+static em_status finish_walk(cuda_evict_walk *w, scratch *s, const uint8_t *host,
+                             size_t answers_at, uint64_t *keys, uint64_t *rows, bool *erase,
+                             em_error *err)
+{
+    *erase = false;
     if (w->on_gpu && take_choice(w, host + answers_at, keys, rows)) {
         /* the chosen keys are erased where the GPU wrote them: their region outlives the
          * walk's other scratch, until the lane's work so far is done */
         w->shard->rows_chosen_on_gpu += w->spec.count;
-        const uint64_t *chosen = (const uint64_t *)(w->answers_device + w->answer_offset);
-        em_status status = em__cuda_free_one_later(s, w->lane, w->answers_device, err);
-        if (status == EM_OK && w->spec.count > 0)
-            status = enqueue_erase(w->shard, w->lane, chosen, NULL, w->spec.count, err);
-        if (status == EM_OK)
-            take_erase(w->shard, keys, w->spec.count);
-        return status;
+        *erase = w->spec.count > 0;
+        return em__cuda_free_one_later(s, w->lane, w->answers_device, err);
     }
     const uint8_t *part = host + w->offset;
     uint8_t *copy = NULL;
@@ -2577,7 +2828,10 @@ static em_status read_window_and_choose(cuda_evict_walk *w, uint64_t *keys, uint
         return em__cuda_finish_async(&s, w->lane, status, err);
     if (!*read)
         return EM_OK;
-    status = finish_walk(w, &s, host, answers_at, keys, rows, err);
+    bool erase = false;
+    status = finish_walk(w, &s, host, answers_at, keys, rows, &erase, err);
+    if (status == EM_OK && erase)
+        status = erase_chosen(&w, &keys, 1, err);
     scratch_free_now(&s); /* the lane synchronized: nothing it runs reads them */
     return status;
 }
@@ -2794,19 +3048,45 @@ void em__cuda_shards_evict_end(void *pending, em_status synchronized, const em_e
     if (batch == NULL)
         return;
     em_lane *lane_base = &batch->lane->base;
+    /* the walks whose rows the GPU chose, erased together at the end */
+    cuda_evict_walk **erasing = calloc(batch->reading + 1, sizeof(*erasing));
+    uint64_t **erased_keys = calloc(batch->reading + 1, sizeof(*erased_keys));
+    uint32_t *erasing_part = calloc(batch->reading + 1, sizeof(*erasing_part));
+    bool room = erasing != NULL && erased_keys != NULL && erasing_part != NULL;
+    uint32_t erases = 0;
     for (uint32_t r = 0; r < batch->reading; r++) {
         em_shard_evict_part *part = &batch->parts[batch->part_of[r]];
+        bool erase = false;
         if (synchronized != EM_OK) {
             part->status = synchronized;
             part->err = *sync_err;
+        } else if (batch->read && !room) {
+            part->status = em_error_set(&part->err, EM_RESOURCE_EXHAUSTED,
+                                        "eviction: out of host memory");
         } else if (batch->read) {
             part->status = finish_walk(&batch->walks[r], &batch->s, batch->host,
-                                       batch->answers_at, part->keys, part->rows, &part->err);
+                                       batch->answers_at, part->keys, part->rows, &erase,
+                                       &part->err);
         } else { /* no room for every walk's buffers at once */
             part->status = em__cuda_shard_evict(part->shard, lane_base, &part->spec,
                                                 part->keys, part->rows, &part->err);
         }
+        if (part->status == EM_OK && erase) {
+            erasing[erases] = &batch->walks[r];
+            erased_keys[erases] = part->keys;
+            erasing_part[erases++] = batch->part_of[r];
+        }
     }
+    em_error erase_err;
+    em_status erased = erases > 0 ? erase_chosen(erasing, erased_keys, erases, &erase_err)
+                                  : EM_OK;
+    for (uint32_t k = 0; erased != EM_OK && k < erases; k++) {
+        batch->parts[erasing_part[k]].status = erased;
+        batch->parts[erasing_part[k]].err = erase_err;
+    }
+    free(erasing);
+    free(erased_keys);
+    free(erasing_part);
     /* the walks' scratch: the lane synchronized, so nothing it runs reads it (the erases
      * enqueued above have their own); where the lane failed, once it is waited for */
     if (batch->read && synchronized == EM_OK)

@@ -352,6 +352,17 @@ typedef struct em_device_ops {
     em_status (*shard_insert_missing_async)(em_shard *shard, em_lane *lane,
                                             const uint64_t *keys, uint64_t n, uint64_t *rows,
                                             bool initialize, em_error *err);
+    /* shard_insert_missing_async of shards[0..count) of this device at once, in a few
+     * operations for all of them: shard i's keys are keys[offsets[i], offsets[i + 1])
+     * (offsets: host memory), their rows the same entries of rows, and missing[i] (host)
+     * says how many of them it lacks; a shard that lacks none is left alone (and is not
+     * settled). The caller holds the write lock of every shard that inserts until each
+     * is settled (shard_insert_settle, after a synchronisation of the lane); after an
+     * error, none is. NULL where the device inserts a shard at a time. */
+    em_status (*shards_insert_missing_async)(em_shard *const *shards, uint32_t count,
+                                             em_lane *lane, const uint64_t *keys,
+                                             const uint64_t *offsets, const uint64_t *missing,
+                                             uint64_t *rows, em_error *err);
     /* After shard_insert_missing_async and a synchronisation of its lane. Errors:
      * INTERNAL when the insert overflowed what shard_reserve made room for. */
     em_status (*shard_insert_settle)(em_shard *shard, em_error *err);
@@ -360,6 +371,17 @@ typedef struct em_device_ops {
      * t = targets[i], or t = i when targets is NULL. */
     em_status (*shard_gather)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                               const uint32_t *targets, float *vectors, em_error *err);
+    /* shard_gather of shards[0..count) of this device at once, without waiting, and then,
+     * where the shards track access and accessed != 0, shard_touch of the same rows (not
+     * pushed, with updated): shard i's rows are rows[offsets[i], offsets[i + 1]) (offsets:
+     * host memory), its vectors placed by targets + offsets[i] into vectors where targets
+     * is given, else in order from vectors + offsets[i] x dim. The caller holds every
+     * shard's read lock until it returns. NULL where the device gathers a shard at a
+     * time. */
+    em_status (*shards_gather)(em_shard *const *shards, uint32_t count, em_lane *lane,
+                               const uint64_t *offsets, const uint64_t *rows,
+                               const uint32_t *targets, float *vectors, uint64_t accessed,
+                               uint32_t updated, em_error *err);
     /* Whether one optimizer step per row with gradients[i] would keep every value
      * finite, writing nothing (common/row_check.h): *first_problem (host) is UINT64_MAX
      * when it would, else (i << 32 | code) for the smallest failing i. rows[i]
@@ -400,6 +422,16 @@ typedef struct em_device_ops {
      * unknown. */
     em_status (*shard_apply)(em_shard *shard, em_lane *lane, const uint64_t *rows, uint64_t n,
                              const float *gradients, float largest, em_error *err);
+    /* shard_apply of shards[0..count) of this device at once, without waiting, and then,
+     * where the shards track access and accessed != 0, shard_touch of the same rows
+     * (pushed, with updated): shard i's rows are rows[offsets[i], offsets[i + 1])
+     * (offsets: host memory), their gradients dim floats each from gradients +
+     * offsets[i] x dim. The caller holds every shard's write lock until it returns. NULL
+     * where the device steps a shard at a time. */
+    em_status (*shards_apply)(em_shard *const *shards, uint32_t count, em_lane *lane,
+                              const uint64_t *offsets, const uint64_t *rows,
+                              const float *gradients, uint64_t accessed, uint32_t updated,
+                              em_error *err);
     /* Copies up to max rows (key, weights and optimizer state: dim + state floats each)
      * into host memory from *cursor on (0 to start); *count 0 means done. values may be
      * NULL (keys only); rows (nullable, host) gets each key's row. */

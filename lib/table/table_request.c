@@ -863,8 +863,40 @@ static bool segment_creates(const request_context *r, const segment *seg)
     return false;
 }
 
+/* How many shards of the segment have keys (wanting missing ones too: keys to insert). */
+static uint32_t shards_with_keys(const request_context *r, const segment *seg, bool missing)
+{
+    uint32_t busy = 0;
+    for (uint32_t s = seg->first_shard; s < seg->end_shard; s++)
+        busy += missing ? r->shard_missing[s] > 0 : shard_key_count(r, s) > 0;
+    return busy;
+}
+
+/* enqueue_inserts of a device's shards in one go (shards_insert_missing_async); on an
+ * error none of them inserted (*failed: the first). */
+static em_status insert_shards_at_once(request_context *r, segment *seg, uint32_t *failed,
+                                       em_error *err)
+{
+    em_table *table = r->table;
+    *failed = seg->first_shard;
+    uint64_t *offsets = shard_offsets(r, seg, err);
+    if (offsets == NULL)
+        return EM_RESOURCE_EXHAUSTED;
+    em_status status = seg->device->ops->shards_insert_missing_async(
+        &table->shards[seg->first_shard], seg->end_shard - seg->first_shard, seg->lane,
+        seg->keys, offsets, &r->shard_missing[seg->first_shard], seg->rows, err);
+    free(offsets);
+    if (status != EM_OK)
+        return em_error_prefix(err, "table '%s' shards %u to %u: ", table->config.name,
+                               seg->first_shard, seg->end_shard - 1);
+    *failed = seg->end_shard;
+    return EM_OK;
+}
+
 /* Inserts the missing keys of a device's shards (their write locks held): enqueued where
- * the device can (shard_insert_missing_async), to be waited for with the other devices'.
+ * the device can (shard_insert_missing_async), to be waited for with the other devices',
+ * and where it inserts several shards in one go (shards_insert_missing_async) and two
+ * shards or more lack keys, a few operations for all of them instead of a few each.
  * *failed: the shard whose insert failed (seg->end_shard: none). */
 static em_status enqueue_inserts(request_context *r, segment *seg, uint32_t *failed,
                                  em_error *err)
@@ -872,6 +904,8 @@ static em_status enqueue_inserts(request_context *r, segment *seg, uint32_t *fai
     em_table *table = r->table;
     const em_device_ops *ops = seg->device->ops;
     bool async = ops->shard_insert_missing_async != NULL;
+    if (async && ops->shards_insert_missing_async != NULL && shards_with_keys(r, seg, true) >= 2)
+        return insert_shards_at_once(r, seg, failed, err);
     em_status status = EM_OK;
     *failed = seg->end_shard;
     for (uint32_t s = seg->first_shard; status == EM_OK && s < seg->end_shard; s++) {
@@ -2602,6 +2636,61 @@ static em_status run_beside(request_context *r, shard_work work, uint32_t floats
     return failed;
 }
 
+/* Whether run_on_shards does a device's shards in one go: a push's steps (shards_apply,
+ * its gradients in key order) or a pull's gathers (shards_gather, none of its keys
+ * refused), where the device can, for two shards or more with keys. */
+static bool runs_at_once(const request_context *r, const segment *seg, shard_work work)
+{
+    const em_device_ops *ops = seg->device->ops;
+    if (work == WORK_APPLY && (ops->shards_apply == NULL || seg->targets != NULL))
+        return false;
+    if (work == WORK_GATHER && ops->shards_gather == NULL)
+        return false;
+    if (work != WORK_APPLY && work != WORK_GATHER)
+        return false;
+    for (uint32_t s = seg->first_shard; work == WORK_GATHER && s < seg->end_shard; s++)
+        if (r->shard_rejected[s] > 0)
+            return false;
+    return shards_with_keys(r, seg, false) >= 2;
+}
+
+/* run_on_shards' work (and touches) on a device's shards in one go (runs_at_once), their
+ * locks taken and released as `locking` says, whatever happened. */
+static em_status run_at_once(request_context *r, segment *seg, shard_work work,
+                             shard_locking locking, em_error *err)
+{
+    em_table *table = r->table;
+    const em_device_ops *ops = seg->device->ops;
+    uint64_t *offsets = shard_offsets(r, seg, err);
+    em_status status = offsets != NULL ? EM_OK : EM_RESOURCE_EXHAUSTED;
+    for (uint32_t s = seg->first_shard; locking == SHARDS_LOCK_EACH && s < seg->end_shard; s++)
+        if (shard_key_count(r, s) > 0 && work == WORK_GATHER)
+            em__shard_read_lock(table, s);
+        else if (shard_key_count(r, s) > 0)
+            em__shard_write_lock(table, s);
+    em_shard *const *shards = &table->shards[seg->first_shard];
+    uint32_t count = seg->end_shard - seg->first_shard;
+    if (status == EM_OK && work == WORK_APPLY) {
+        if (r->access_stamp != 0)
+            take_update_stamp(r);
+        status = ops->shards_apply(shards, count, seg->lane, offsets, seg->rows, seg->payload,
+                                   r->access_stamp, r->update_stamp, err);
+    } else if (status == EM_OK) {
+        uint32_t updated = (uint32_t)atomic_load_explicit(&table->update_clock,
+                                                          memory_order_relaxed);
+        status = ops->shards_gather(shards, count, seg->lane, offsets, seg->rows, seg->targets,
+                                    seg->payload, r->access_stamp, updated, err);
+    }
+    for (uint32_t s = seg->first_shard; locking != SHARDS_HELD && s < seg->end_shard; s++)
+        if (shard_key_count(r, s) > 0)
+            em__shard_unlock(table, s);
+    free(offsets);
+    if (status != EM_OK)
+        em_error_prefix(err, "table '%s' shards %u to %u: ", table->config.name,
+                        seg->first_shard, seg->end_shard - 1);
+    return status;
+}
+
 static em_status run_on_shards(request_context *r, shard_work work, uint32_t floats_per_key,
                                shard_locking locking, const shard_check *checks, em_error *err)
 {
@@ -2612,6 +2701,12 @@ static em_status run_on_shards(request_context *r, shard_work work, uint32_t flo
     em_table *table = r->table;
     for (uint32_t d = 0; d < table->backend->device_count; d++) {
         segment *seg = &r->segments[d];
+        if (failed == EM_OK && runs_at_once(r, seg, work)) {
+            failed = run_at_once(r, seg, work, locking, err);
+            if (failed != EM_OK && locking != SHARDS_RELEASE_EACH)
+                return failed;
+            continue;
+        }
         for (uint32_t s = seg->first_shard; s < seg->end_shard; s++) {
             if (shard_key_count(r, s) == 0)
                 continue;

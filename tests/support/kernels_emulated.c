@@ -979,6 +979,21 @@ em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uin
     return ok();
 }
 
+em_gpu_status em_gpu_parts_insert(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                  uint32_t count, uint64_t most_keys)
+{
+    (void)stream;
+    if (count == 0 || most_keys == 0)
+        return ok();
+    enter_device();
+    for (uint32_t p = 0; p < count; p++)
+        for (uint64_t i = 0; i < parts[p].n; i++)
+            em_gpu_map_insert_item(parts[p].map, parts[p].keys, i, parts[p].rows,
+                                   parts[p].inserted);
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
                                         const uint64_t *keys, uint64_t n, em_gpu_gate gate,
                                         uint64_t *rows, uint8_t *inserted)
@@ -1010,6 +1025,20 @@ em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint
     enter_device();
     for (uint64_t i = 0; i < n; i++)
         em_gpu_map_erase_item(map, keys, rows, i);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_parts_erase(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                 uint32_t count, uint64_t most_keys)
+{
+    (void)stream;
+    if (count == 0 || most_keys == 0)
+        return ok();
+    enter_device();
+    for (uint32_t p = 0; p < count; p++)
+        for (uint64_t i = 0; i < parts[p].n; i++)
+            em_gpu_map_erase_item(parts[p].map, parts[p].keys, parts[p].rows, i);
     leave_device();
     return ok();
 }
@@ -1083,6 +1112,30 @@ em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
+em_gpu_status em_gpu_parts_init(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                uint32_t count, uint64_t most_keys, uint32_t row_floats,
+                                em_initializer_config initializer,
+                                em_optimizer_config optimizer)
+{
+    (void)stream;
+    (void)most_keys;
+    (void)row_floats;
+    if (count == 0)
+        return ok();
+    enter_device();
+    for (uint32_t p = 0; p < count; p++) {
+        const em_gpu_shard_part *part = &parts[p];
+        for (uint64_t i = 0; i < part->n; i++)
+            for (uint32_t j = 0; j < part->storage.row_floats; j++)
+                em_gpu_rows_init_element(part->storage, part->keys, part->rows, part->inserted,
+                                         &initializer, &optimizer, i, j);
+        em_gpu_map_settle_item(part->map);
+        *part->header = *part->map.header;
+    }
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
                                  const uint64_t *rows, uint64_t n, const uint32_t *targets,
                                  float *vectors)
@@ -1152,6 +1205,45 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
     enter_device();
     for (uint64_t i = 0; i < n; i++)
         em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_parts_gather(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                  uint32_t count, uint64_t most_keys, uint32_t dim, int quads)
+{
+    (void)stream;
+    if (count == 0 || most_keys == 0 || dim == 0)
+        return ok();
+    enter_device();
+    for (uint32_t p = 0; p < count; p++) {
+        const em_gpu_shard_part *part = &parts[p];
+        for (uint64_t i = 0; i < part->n; i++) {
+            if (quads)
+                for (uint32_t q = 0; q < dim / 4; q++)
+                    em_gpu_rows_gather_quad(part->storage, part->rows, part->targets,
+                                            part->vectors, i, q);
+            else
+                for (uint32_t j = 0; j < dim; j++)
+                    em_gpu_rows_gather_element(part->storage, part->rows, part->targets,
+                                               part->vectors, i, j);
+        }
+    }
+    leave_device();
+    return ok();
+}
+
+em_gpu_status em_gpu_parts_touch(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                 uint32_t count, uint64_t most_keys, uint64_t accessed,
+                                 uint32_t updated, int pushed)
+{
+    (void)stream;
+    if (count == 0 || most_keys == 0)
+        return ok();
+    enter_device();
+    for (uint32_t p = 0; p < count; p++)
+        for (uint64_t i = 0; i < parts[p].n; i++)
+            em_gpu_rows_touch_item(parts[p].storage, parts[p].rows, i, accessed, updated, pushed);
     leave_device();
     return ok();
 }
@@ -1332,6 +1424,46 @@ em_gpu_status em_gpu_rows_apply(em_gpu_stream *stream, em_gpu_storage storage,
                                    (em_gpu_gate){0}, (em_gpu_fresh_rows){0});
 }
 
+/* The steps of rows[0..end) (in the device: the caller entered it); false for an
+ * optimizer kind outside EM_OPTIMIZERS. */
+static bool apply_rows(em_gpu_storage storage, const em_optimizer_config *optimizer,
+                       const uint64_t *rows, uint64_t end, const float *gradients,
+                       const em_gpu_fresh_rows *fresh)
+{
+    for (uint64_t i = 0; i < end; i++) {
+        if (rows[i] == EM_GPU_ROW_PENDING)
+            continue; /* a refused key */
+        em_gpu_fresh_row_floats(storage, optimizer, rows, fresh, i, 0, 1);
+        float *weights = em_gpu_row_address(storage, rows[i]);
+        const float *gradient = gradients + i * storage.dim;
+        switch (optimizer->kind) {
+        case EM_OPTIMIZER_ADAGRAD:
+            for (uint32_t j = 0; j < storage.dim; j++)
+                em_gpu_adagrad_element(storage, optimizer, rows, gradients, i, j);
+            break;
+        case EM_OPTIMIZER_ROWWISE_ADAGRAD:
+            rowwise_adagrad_row(storage, optimizer, weights, gradient);
+            break;
+        case EM_OPTIMIZER_ADAM:
+            adam_row(storage, optimizer, weights, gradient);
+            break;
+        case EM_OPTIMIZER_SGD:
+            for (uint32_t j = 0; j < storage.dim; j++)
+                em_gpu_sgd_element(storage, optimizer, rows, gradients, i, j);
+            break;
+        case EM_OPTIMIZER_COUNT:
+            return false;
+        }
+    }
+    return true;
+}
+
+static em_gpu_status invalid_optimizer(void)
+{
+    return (em_gpu_status){.code = 1, .call = "em_gpu_rows_apply",
+                           .message = "optimizer kind outside EM_OPTIMIZERS"};
+}
+
 em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
                                       em_optimizer_config optimizer, const uint64_t *rows,
                                       uint64_t n, const float *gradients, em_gpu_gate gate,
@@ -1341,37 +1473,30 @@ em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage stor
     if (n == 0 && fresh.settle.map.header == NULL && fresh.settle.shards.count == 0)
         return ok();
     enter_device();
-    uint64_t end = em_gpu_gate_end(gate, n);
-    for (uint64_t i = 0; i < end; i++) {
-        if (rows[i] == EM_GPU_ROW_PENDING)
-            continue; /* a refused key */
-        em_gpu_fresh_row_floats(storage, &optimizer, rows, &fresh, i, 0, 1);
-        float *weights = em_gpu_row_address(storage, rows[i]);
-        const float *gradient = gradients + i * storage.dim;
-        switch (optimizer.kind) {
-        case EM_OPTIMIZER_ADAGRAD:
-            for (uint32_t j = 0; j < storage.dim; j++)
-                em_gpu_adagrad_element(storage, &optimizer, rows, gradients, i, j);
-            break;
-        case EM_OPTIMIZER_ROWWISE_ADAGRAD:
-            rowwise_adagrad_row(storage, &optimizer, weights, gradient);
-            break;
-        case EM_OPTIMIZER_ADAM:
-            adam_row(storage, &optimizer, weights, gradient);
-            break;
-        case EM_OPTIMIZER_SGD:
-            for (uint32_t j = 0; j < storage.dim; j++)
-                em_gpu_sgd_element(storage, &optimizer, rows, gradients, i, j);
-            break;
-        case EM_OPTIMIZER_COUNT:
-            leave_device();
-            return (em_gpu_status){.code = 1, .call = "em_gpu_rows_apply",
-                                   .message = "optimizer kind outside EM_OPTIMIZERS"};
-        }
-    }
-    settle_maps(fresh.settle);
+    bool applied = apply_rows(storage, &optimizer, rows, em_gpu_gate_end(gate, n), gradients,
+                              &fresh);
+    if (applied)
+        settle_maps(fresh.settle);
     leave_device();
-    return ok();
+    return applied ? ok() : invalid_optimizer();
+}
+
+em_gpu_status em_gpu_parts_apply(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                 uint32_t count, uint64_t most_keys, uint32_t dim,
+                                 em_optimizer_config optimizer)
+{
+    (void)stream;
+    (void)dim;
+    if (count == 0 || most_keys == 0)
+        return ok();
+    enter_device();
+    em_gpu_fresh_rows none = {0};
+    bool applied = true;
+    for (uint32_t p = 0; applied && p < count; p++)
+        applied = apply_rows(parts[p].storage, &optimizer, parts[p].rows, parts[p].n,
+                             parts[p].gradients, &none);
+    leave_device();
+    return applied ? ok() : invalid_optimizer();
 }
 
 em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
