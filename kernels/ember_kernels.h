@@ -722,7 +722,9 @@ typedef struct em_gpu_choice {
     uint64_t *out_keys, *out_rows;       /* count each */
     int policy;                          /* em_eviction_policy: 1 lru, 2 lfu, 3 age */
     uint32_t update_clock;
-    uint32_t first_digit;                /* 4 for lru (first is 0), else 0 */
+    uint32_t first_digit;                /* the first byte counted (the bytes before it
+                                          * taken as 0: an entry with one of them set is
+                                          * never chosen) */
     /* the choice in progress */
     uint32_t state;                      /* EM_GPU_CHOICE_* */
     uint32_t digits;                     /* bytes of prefix fixed */

@@ -792,7 +792,8 @@ __global__ void choice_count_kernel(em_gpu_choice *choices, uint32_t digit)
     __shared__ uint32_t bins[EM_GPU_CHOICE_BINS];
     __shared__ bool last;
     em_gpu_choice *c = &choices[blockIdx.y];
-    if (c->state != EM_GPU_CHOICE_OPEN) /* the same for the whole block */
+    /* the same for the whole block; a pass before the choice's first byte counts nothing */
+    if (c->state != EM_GPU_CHOICE_OPEN || digit < c->digits)
         return;
     for (uint32_t b = threadIdx.x; b < EM_GPU_CHOICE_BINS; b += blockDim.x)
         bins[b] = 0;

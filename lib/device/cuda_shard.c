@@ -2514,6 +2514,22 @@ static size_t aligned_256(size_t bytes)
     return (bytes + 255) & ~(size_t)255;
 }
 
+/* The first byte of the order a GPU's choice for spec counts: for lru the top bytes of
+ * the last access that the table's request clock has as 0 (first is 0 for lru), which
+ * every entry has as 0 unless a restored row's last access is later. An entry with such
+ * a byte set goes after every entry without, so it is never among the chosen; a walk
+ * whose window holds fewer entries without it than rows to choose comes back SHORT and
+ * the host chooses. Else 0. */
+static uint32_t choice_first_digit(const em_evict_spec *spec)
+{
+    if (spec->policy != EM_EVICTION_LRU)
+        return 0;
+    uint32_t zero = 0; /* top bytes of the clock that are 0 */
+    while (zero < 8 && (spec->access_clock >> (56 - 8 * zero) & 0xffu) == 0)
+        zero++;
+    return 4 + zero;
+}
+
 /* Marks the walks (planned) whose rows the GPU chooses and lays out their answers: those
  * it may choose for, where their windows together are long enough to pay for the
  * choice's passes (the device's gpu_choice_entries; the host's choice costs about their
@@ -2543,7 +2559,7 @@ static void plan_choices(cuda_evict_walk *walks, uint32_t count, choice_buffers 
         c->bit_words += (storage_rows(w->shard) + 63) / 64;
         c->most_want = w->ahead > c->most_want ? w->ahead : c->most_want;
         c->most_kept = w->kept_device_count > c->most_kept ? w->kept_device_count : c->most_kept;
-        uint32_t first = w->spec.policy == EM_EVICTION_LRU ? 4 : 0; /* lru: first is 0 */
+        uint32_t first = choice_first_digit(&w->spec);
         c->first_digit = first < c->first_digit ? first : c->first_digit;
     }
     c->answers_bytes = c->walks > 0 ? at : 0;
@@ -2605,9 +2621,9 @@ static em_status enqueue_choices(cuda_evict_walk *walks, uint32_t count, const c
             .out_rows = (uint64_t *)(c->answers + w->answer_offset) + w->spec.count,
             .policy = w->spec.policy,
             .update_clock = w->spec.update_clock,
-            .first_digit = c->first_digit,
+            .first_digit = choice_first_digit(&w->spec),
             .state = EM_GPU_CHOICE_OPEN,
-            .digits = c->first_digit,
+            .digits = choice_first_digit(&w->spec),
             .remaining = w->spec.count,
         };
         word += (h->row_limit + 63) / 64;

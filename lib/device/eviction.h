@@ -31,6 +31,9 @@ typedef struct em_evict_spec {
     uint32_t candidates;   /* map entries compared per row removed (table_config.h) */
     uint64_t count;        /* rows to remove */
     uint32_t update_clock; /* the table's push clock now, modulo 2^32 (AGE) */
+    uint64_t access_clock; /* the table's request clock now: rows were last accessed at
+                            * or before it (a GPU's choice for LRU starts below the bytes
+                            * it has as 0) */
     uint64_t random;       /* a pseudo-random number: where sampling starts */
     const uint64_t *kept;  /* rows that must stay (the request's own): host memory */
     uint64_t kept_count;

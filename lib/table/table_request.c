@@ -1589,6 +1589,7 @@ static em_status prepare_eviction(request_context *r, shard_eviction *part, uint
         .count = count,
         .update_clock = (uint32_t)atomic_load_explicit(&table->update_clock,
                                                        memory_order_relaxed),
+        .access_clock = atomic_load_explicit(&table->access_clock, memory_order_relaxed),
     };
     em_status status = kept_rows(r, part->seg, part->shard, &part->evict.spec, &part->kept, err);
     if (status != EM_OK)

@@ -2341,10 +2341,12 @@ START_TEST(a_large_eviction_waits_a_few_times)
      * find and check took their own launches and the host copied the GPU's chosen keys
      * back to erase them; 66, 115, 135, 64, 109 and 126 while each byte of the GPU's
      * choice took a count and a fix; 50, 99, 119, 48, 93 and 110 while each shard's
-     * erase, insert, step or gather and touch took launches of its own) */
+     * erase, insert, step or gather and touch took launches of its own; 50, 60, 91, 48,
+     * 54 and 82 while an lru choice counted every byte of the last accesses, where the
+     * table's request clock, below 256 here, leaves 7 of them 0) */
     static const uint64_t first_ceiling[6] = {4, 6, 6, 4, 5, 7};
     static const uint64_t alone_ceiling[6] = {3, 4, 4, 3, 4, 4};
-    static const uint64_t alone_operations[6] = {50, 60, 91, 48, 54, 82};
+    static const uint64_t alone_operations[6] = {43, 53, 84, 41, 47, 75};
     ck_assert_uint_le(waits_first, first_ceiling[_i]);
     ck_assert_uint_le(waits, alone_ceiling[_i]);
     ck_assert_uint_le(operations_alone, alone_operations[_i]);
@@ -3380,6 +3382,82 @@ START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
 }
 END_TEST
 
+/* A GPU's lru choice counts the bytes of a row's last access from the first that the
+ * table's request clock has set (lib/device/cuda_shard.c: choice_first_digit): a row last
+ * accessed later than the clock (as a restored one may be) goes after every other, and
+ * where the window holds fewer other rows than the request evicts, the host chooses. Two
+ * full tables as in evictions_chosen_on_the_gpu_are_the_hosts (4,096 rows, one shard,
+ * candidates 1,024: the window is the whole map), their rows' last accesses set alike:
+ * loop index 0, a quarter of them far past the clock (2^40 + key), and the GPU chooses;
+ * 1, all but 100, and the host does. Both tables evict the same keys. */
+START_TEST(rows_accessed_past_the_clock_are_chosen_as_the_host_does)
+{
+    enum { DIM = 4, CAPACITY = 4096, BATCH = 512, KEPT = 100 };
+    em_backend *gpus[2];
+    gpu_choice_entries = 1;
+    gpus[0] = gpu_backend(1, GPU_POOL_BYTES, false);
+    gpu_choice_entries = UINT64_MAX;
+    gpus[1] = gpu_backend(1, GPU_POOL_BYTES, false);
+    gpu_choice_entries = 0;
+    em_table_config config = table_config(DIM, CAPACITY, 1, EM_OPTIMIZER_SGD, EM_INIT_UNIFORM);
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 1024;
+    config.eviction.ring = EM_EVICTION_RING_MAX;
+    em_table *tables[2] = {em_test_make_table(gpus[0], &config),
+                           em_test_make_table(gpus[1], &config)};
+    uint64_t *keys = malloc(CAPACITY * sizeof(uint64_t));
+    em_row_access *access = malloc(CAPACITY * sizeof(em_row_access));
+    float gradients[BATCH * DIM];
+    for (uint32_t j = 0; j < BATCH * DIM; j++)
+        gradients[j] = 0.01f;
+    em_error err;
+    for (uint64_t k = 0; k < CAPACITY; k++) {
+        keys[k] = k + 1;
+        bool past = _i == 0 ? keys[k] % 4 == 0 : keys[k] > KEPT;
+        access[k] = (em_row_access){.accessed = past ? (UINT64_C(1) << 40) + keys[k]
+                                                     : keys[k] % 7 + 1,
+                                    .updated = 1,
+                                    .frequency = 1};
+    }
+    uint64_t evicted[2][BATCH];
+    for (int t = 0; t < 2; t++) {
+        for (uint64_t first = 0; first < CAPACITY; first += BATCH) {
+            em_test_batch b = em_test_key_batch(keys + first, BATCH);
+            ck_assert_int_eq(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL,
+                                          &err), EM_OK);
+            em_test_batch_free(&b);
+        }
+        ck_assert_int_eq(em_table_set_access(tables[t], keys, access, CAPACITY, &err), EM_OK);
+        uint64_t fresh[BATCH];
+        for (uint64_t i = 0; i < BATCH; i++)
+            fresh[i] = CAPACITY + 1000 + i;
+        em_test_batch b = em_test_key_batch(fresh, BATCH);
+        ck_assert_msg(em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL,
+                                   &err) == EM_OK, "%s", err.message);
+        em_test_batch_free(&b);
+        em_evicted_view view;
+        ck_assert_int_eq(em_table_evicted(tables[t], 0, BATCH, evicted[t], &view, &err), EM_OK);
+        ck_assert_uint_eq(view.count, BATCH);
+        qsort(evicted[t], BATCH, sizeof(uint64_t), compare_keys);
+    }
+    for (uint64_t i = 0; i < BATCH; i++) {
+        ck_assert_uint_eq(evicted[0][i], evicted[1][i]);
+        if (_i == 0) /* rows past the clock stay while others can go */
+            ck_assert_uint_ne(evicted[0][i] % 4, 0);
+    }
+    em_table_stats stats;
+    em_table_get_stats(tables[0], &stats);
+    ck_assert_uint_eq(stats.rows_evicted, BATCH);
+    ck_assert_uint_eq(stats.rows_evicted_chosen_on_gpu, (_i == 0 ? BATCH : 0));
+    free(keys);
+    free(access);
+    for (int t = 0; t < 2; t++) {
+        em_table_destroy(tables[t]);
+        em_backend_destroy(gpus[t]);
+    }
+}
+END_TEST
+
 /* A shard of more than a million rows, full, and a push of 8,192 new keys with 256
  * candidates a row: a window of 2,097,152 entries, which is the whole shard. The GPU
  * chooses from a read ahead of up to 4 Mi entries (the host's stops at 1 Mi, and the rest
@@ -3821,6 +3899,7 @@ static Suite *gpu_backend_suite(void)
     tcase_set_timeout(choice, 600);
     tcase_add_loop_test(choice, evictions_chosen_on_the_gpu_are_the_hosts, 0, 12);
     tcase_add_test(choice, a_shard_of_over_a_million_rows_evicts_on_the_gpu);
+    tcase_add_loop_test(choice, rows_accessed_past_the_clock_are_chosen_as_the_host_does, 0, 2);
     suite_add_tcase(suite, choice);
     /* requests of tables over two GPUs, a case of its own, which CK_RUN_CASE=spread runs
      * alone (with one GPU visible, over two devices sharing it) */

@@ -1269,7 +1269,7 @@ em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
     enter_device();
     for (uint32_t w = 0; w < walks; w++) {
         em_gpu_choice *c = &choices[w];
-        if (c->state != EM_GPU_CHOICE_OPEN)
+        if (c->state != EM_GPU_CHOICE_OPEN || digit < c->digits)
             continue;
         uint64_t held = em_gpu_choice_held(c);
         for (uint64_t i = 0; i < held; i++) {
