@@ -381,24 +381,32 @@ extern "C" em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_
     return insert_counted(stream, shards, keys, n, gate, rows, inserted);
 }
 
-extern "C" em_gpu_status em_gpu_parts_insert(em_gpu_stream *stream,
-                                             const em_gpu_shard_part *parts, uint32_t count,
-                                             uint64_t most_keys)
+/* A kernel over parts alone: a grid row a part, threads for the largest's keys. */
+static em_gpu_status launch_over_parts(void (*kernel)(const em_gpu_shard_part *),
+                                       const char *name, em_gpu_stream *stream,
+                                       const em_gpu_shard_part *parts, uint32_t count,
+                                       uint64_t most_keys)
 {
     if (count == 0 || most_keys == 0)
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH_ROWS(parts_insert_kernel, most_keys, count, stream, parts);
+    return em_gpu_launch_rows(kernel, name, most_keys, count, stream, parts);
+}
+
+extern "C" em_gpu_status em_gpu_parts_insert(em_gpu_stream *stream,
+                                             const em_gpu_shard_part *parts, uint32_t count,
+                                             uint64_t most_keys)
+{
+    return launch_over_parts(parts_insert_kernel, "parts_insert_kernel", stream, parts, count,
+                             most_keys);
 }
 
 extern "C" em_gpu_status em_gpu_parts_erase(em_gpu_stream *stream,
                                             const em_gpu_shard_part *parts, uint32_t count,
                                             uint64_t most_keys)
 {
-    if (count == 0 || most_keys == 0)
-        return em_gpu_ok();
-    EM_GPU_TRY(em_gpu_use(stream));
-    return EM_GPU_LAUNCH_ROWS(parts_erase_kernel, most_keys, count, stream, parts);
+    return launch_over_parts(parts_erase_kernel, "parts_erase_kernel", stream, parts, count,
+                             most_keys);
 }
 
 extern "C" em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
@@ -610,9 +618,9 @@ __device__ inline step_rows rows_to_step(const em_gpu_shard_part *parts)
 }
 
 /* The optimizer kernels step the rows their gate leaves (em_gpu_gate_end: the same for
- * every thread, so whole warps skip together). */
-template <typename Steps>
-__global__ void sgd_kernel(Steps steps, em_optimizer_config optimizer, uint32_t shift)
+ * every thread, so whole warps skip together). sgd and adagrad go a thread an element. */
+template <typename Steps, em_optimizer_kind Kind>
+__global__ void element_step_kernel(Steps steps, em_optimizer_config optimizer, uint32_t shift)
 {
     const step_rows s = rows_to_step(steps);
     uint64_t end = em_gpu_gate_end(s.gate, s.n);
@@ -620,21 +628,10 @@ __global__ void sgd_kernel(Steps steps, em_optimizer_config optimizer, uint32_t 
     {
         /* this thread's floats of a new row: element j of the weights and of the state */
         em_gpu_fresh_row_floats(s.storage, &optimizer, s.rows, &s.fresh, i, j, s.storage.dim);
-        em_gpu_sgd_element(s.storage, &optimizer, s.rows, s.gradients, i, j);
-    }
-    settle_maps(s.fresh.settle);
-}
-
-template <typename Steps>
-__global__ void adagrad_kernel(Steps steps, em_optimizer_config optimizer, uint32_t shift)
-{
-    const step_rows s = rows_to_step(steps);
-    uint64_t end = em_gpu_gate_end(s.gate, s.n);
-    EM_GPU_FOR_EACH_ELEMENT(i, j, end, s.storage.dim, shift)
-    {
-        /* this thread's floats of a new row: element j of the weights and of the state */
-        em_gpu_fresh_row_floats(s.storage, &optimizer, s.rows, &s.fresh, i, j, s.storage.dim);
-        em_gpu_adagrad_element(s.storage, &optimizer, s.rows, s.gradients, i, j);
+        if (Kind == EM_OPTIMIZER_SGD)
+            em_gpu_sgd_element(s.storage, &optimizer, s.rows, s.gradients, i, j);
+        else
+            em_gpu_adagrad_element(s.storage, &optimizer, s.rows, s.gradients, i, j);
     }
     settle_maps(s.fresh.settle);
 }
@@ -1066,8 +1063,8 @@ static em_gpu_status launch_steps(em_gpu_stream *stream, Steps steps, uint32_t r
         warp_threads = (least + EM_GPU_ROW_LANES - 1) / EM_GPU_ROW_LANES * EM_GPU_ROW_LANES;
     switch (optimizer.kind) {
     case EM_OPTIMIZER_ADAGRAD:
-        return EM_GPU_LAUNCH_ROWS(adagrad_kernel<Steps>, element_threads, rows, stream, steps,
-                                  optimizer, shift);
+        return EM_GPU_LAUNCH_ROWS((element_step_kernel<Steps, EM_OPTIMIZER_ADAGRAD>),
+                                  element_threads, rows, stream, steps, optimizer, shift);
     case EM_OPTIMIZER_ROWWISE_ADAGRAD:
         return EM_GPU_LAUNCH_ROWS(rowwise_adagrad_kernel<Steps>, warp_threads, rows, stream,
                                   steps, optimizer);
@@ -1075,8 +1072,8 @@ static em_gpu_status launch_steps(em_gpu_stream *stream, Steps steps, uint32_t r
         return EM_GPU_LAUNCH_ROWS(adam_kernel<Steps>, warp_threads, rows, stream, steps,
                                   optimizer);
     case EM_OPTIMIZER_SGD:
-        return EM_GPU_LAUNCH_ROWS(sgd_kernel<Steps>, element_threads, rows, stream, steps,
-                                  optimizer, shift);
+        return EM_GPU_LAUNCH_ROWS((element_step_kernel<Steps, EM_OPTIMIZER_SGD>),
+                                  element_threads, rows, stream, steps, optimizer, shift);
     case EM_OPTIMIZER_COUNT:
         break;
     }

@@ -1597,61 +1597,25 @@ em_status em__cuda_shard_apply(em_shard *base, em_lane *lane_base, const uint64_
     return status;
 }
 
-/* The steps of several shards in one launch, and their touches in one more: the parts
- * sent with one copy. */
-em_status em__cuda_shards_apply(em_shard *const *shards, uint32_t count, em_lane *lane_base,
-                                const uint64_t *offsets, const uint64_t *rows,
-                                const float *gradients, uint64_t accessed, uint32_t updated,
-                                em_error *err)
+/* The steps (apply, with gradients) or the gathers (into targets and vectors as
+ * shards_gather says) of several shards in one launch, and their touches in one more:
+ * the parts sent with one copy. */
+static em_status step_parts(em_shard *const *shards, uint32_t count, cuda_lane *lane,
+                            const uint64_t *offsets, const uint64_t *rows, bool apply,
+                            const float *gradients, const uint32_t *targets, float *vectors,
+                            uint64_t accessed, uint32_t updated, em_error *err)
 {
-    cuda_lane *lane = lane_of(lane_base);
     uint32_t used = 0;
     uint64_t most = 0, total = 0;
     /* the parts' rows are only read by these launches */
     em_gpu_shard_part *parts = shard_parts(shards, count, NULL, offsets, NULL, (uint64_t *)rows,
                                            gradients, &used, &most, &total);
     if (parts == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "push: out of host memory");
-    const cuda_shard *first = shard_of(shards[0]);
-    scratch s = {.device = lane_base->device};
-    em_gpu_shard_part *device_parts = NULL;
-    em_status status = EM_OK;
-    if (used > 0)
-        status = order_part_writes(shards, count, offsets, NULL, lane, false, err);
-    if (status == EM_OK && used > 0)
-        status = send_parts(lane, &s, parts, used * sizeof(*parts), (void **)&device_parts, err);
-    if (status == EM_OK && used > 0)
-        status = lane_check(lane, em_gpu_parts_apply(lane->stream, device_parts, used, most,
-                                                     first->dim, first->optimizer),
-                            err);
-    if (status == EM_OK && used > 0 && first->track_access && accessed != 0)
-        status = lane_check(lane, em_gpu_parts_touch(lane->stream, device_parts, used, most,
-                                                     accessed, updated, 1),
-                            err);
-    if (status == EM_OK && used > 0)
-        status = order_part_writes(shards, count, offsets, NULL, lane, true, err);
-    free(parts);
-    return em__cuda_finish_async(&s, lane, status, err);
-}
-
-/* The gathers of several shards in one launch, and their touches in one more: the parts
- * sent with one copy. */
-em_status em__cuda_shards_gather(em_shard *const *shards, uint32_t count, em_lane *lane_base,
-                                 const uint64_t *offsets, const uint64_t *rows,
-                                 const uint32_t *targets, float *vectors, uint64_t accessed,
-                                 uint32_t updated, em_error *err)
-{
-    cuda_lane *lane = lane_of(lane_base);
-    uint32_t used = 0;
-    uint64_t most = 0, total = 0;
-    /* the parts' rows are only read by these launches */
-    em_gpu_shard_part *parts = shard_parts(shards, count, NULL, offsets, NULL, (uint64_t *)rows,
-                                           NULL, &used, &most, &total);
-    if (parts == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "pull: out of host memory");
+        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "%s: out of host memory",
+                            apply ? "push" : "pull");
     const cuda_shard *first = shard_of(shards[0]);
     int quads = first->dim % 4 == 0;
-    for (uint32_t i = 0, k = 0; i < count; i++) {
+    for (uint32_t i = 0, k = 0; !apply && i < count; i++) {
         if (offsets[i + 1] == offsets[i])
             continue;
         em_gpu_shard_part *part = &parts[k++];
@@ -1659,25 +1623,48 @@ em_status em__cuda_shards_gather(em_shard *const *shards, uint32_t count, em_lan
         part->vectors = targets != NULL ? vectors : vectors + offsets[i] * first->dim;
         quads = quads && ((uintptr_t)part->vectors & 15u) == 0;
     }
-    scratch s = {.device = lane_base->device};
+    scratch s = {.device = lane->base.device};
     em_gpu_shard_part *device_parts = NULL;
     em_status status = EM_OK;
-    if (used > 0)
-        status = order_parts(shards, count, offsets, lane, false, err);
+    if (used > 0) /* a step writes; a gather reads, and its touch is ordered as a read */
+        status = apply ? order_part_writes(shards, count, offsets, NULL, lane, false, err)
+                       : order_parts(shards, count, offsets, lane, false, err);
     if (status == EM_OK && used > 0)
         status = send_parts(lane, &s, parts, used * sizeof(*parts), (void **)&device_parts, err);
     if (status == EM_OK && used > 0)
-        status = lane_check(lane, em_gpu_parts_gather(lane->stream, device_parts, used, most,
-                                                      first->dim, quads),
+        status = lane_check(lane,
+                            apply ? em_gpu_parts_apply(lane->stream, device_parts, used, most,
+                                                       first->dim, first->optimizer)
+                                  : em_gpu_parts_gather(lane->stream, device_parts, used, most,
+                                                        first->dim, quads),
                             err);
     if (status == EM_OK && used > 0 && first->track_access && accessed != 0)
         status = lane_check(lane, em_gpu_parts_touch(lane->stream, device_parts, used, most,
-                                                     accessed, updated, 0),
+                                                     accessed, updated, apply ? 1 : 0),
                             err);
     if (status == EM_OK && used > 0)
-        status = order_parts(shards, count, offsets, lane, true, err);
+        status = apply ? order_part_writes(shards, count, offsets, NULL, lane, true, err)
+                       : order_parts(shards, count, offsets, lane, true, err);
     free(parts);
     return em__cuda_finish_async(&s, lane, status, err);
+}
+
+em_status em__cuda_shards_apply(em_shard *const *shards, uint32_t count, em_lane *lane_base,
+                                const uint64_t *offsets, const uint64_t *rows,
+                                const float *gradients, uint64_t accessed, uint32_t updated,
+                                em_error *err)
+{
+    return step_parts(shards, count, lane_of(lane_base), offsets, rows, true, gradients, NULL,
+                      NULL, accessed, updated, err);
+}
+
+em_status em__cuda_shards_gather(em_shard *const *shards, uint32_t count, em_lane *lane_base,
+                                 const uint64_t *offsets, const uint64_t *rows,
+                                 const uint32_t *targets, float *vectors, uint64_t accessed,
+                                 uint32_t updated, em_error *err)
+{
+    return step_parts(shards, count, lane_of(lane_base), offsets, rows, false, NULL, targets,
+                      vectors, accessed, updated, err);
 }
 
 em_status em__cuda_shard_write_rows(em_shard *base, em_lane *lane_base, const uint64_t *rows,

@@ -3298,6 +3298,17 @@ static int compare_keys(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* Two GPU backends: gpus[0] chooses every eviction on the GPU (gpu_choice_entries 1),
+ * gpus[1] none (UINT64_MAX). */
+static void choosing_backends(em_backend *gpus[2])
+{
+    gpu_choice_entries = 1;
+    gpus[0] = gpu_backend(1, GPU_POOL_BYTES, false);
+    gpu_choice_entries = UINT64_MAX;
+    gpus[1] = gpu_backend(1, GPU_POOL_BYTES, false);
+    gpu_choice_entries = 0;
+}
+
 START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
 {
     enum { DIM = 4, ROUNDS = 24, MOST = 4096 };
@@ -3311,11 +3322,7 @@ START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
         return;
 #endif
     em_backend *gpus[2];
-    gpu_choice_entries = 1;
-    gpus[0] = gpu_backend(1, GPU_POOL_BYTES, false);
-    gpu_choice_entries = UINT64_MAX;
-    gpus[1] = gpu_backend(1, GPU_POOL_BYTES, false);
-    gpu_choice_entries = 0;
+    choosing_backends(gpus);
     em_table_config config = table_config(DIM, capacity, _i % 6 < 3 || fresh ? 1 : 4,
                                           EM_OPTIMIZER_ADAGRAD, EM_INIT_UNIFORM);
     config.eviction.policy = policies[_i % 3];
@@ -3394,11 +3401,7 @@ START_TEST(rows_accessed_past_the_clock_are_chosen_as_the_host_does)
 {
     enum { DIM = 4, CAPACITY = 4096, BATCH = 512, KEPT = 100 };
     em_backend *gpus[2];
-    gpu_choice_entries = 1;
-    gpus[0] = gpu_backend(1, GPU_POOL_BYTES, false);
-    gpu_choice_entries = UINT64_MAX;
-    gpus[1] = gpu_backend(1, GPU_POOL_BYTES, false);
-    gpu_choice_entries = 0;
+    choosing_backends(gpus);
     em_table_config config = table_config(DIM, CAPACITY, 1, EM_OPTIMIZER_SGD, EM_INIT_UNIFORM);
     config.eviction.policy = EM_EVICTION_LRU;
     config.eviction.candidates = 1024;

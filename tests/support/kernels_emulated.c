@@ -979,19 +979,95 @@ em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uin
     return ok();
 }
 
-em_gpu_status em_gpu_parts_insert(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                  uint32_t count, uint64_t most_keys)
+/* ---- launches over several shards' parts (em_gpu_shard_part) ----------------------- */
+
+/* item(part, i, context) for every key i of every part, as one launch. */
+typedef void part_item(const em_gpu_shard_part *part, uint64_t i, const void *context);
+
+static em_gpu_status each_part_item(const em_gpu_shard_part *parts, uint32_t count,
+                                    uint64_t most_keys, part_item *item, const void *context)
 {
-    (void)stream;
     if (count == 0 || most_keys == 0)
         return ok();
     enter_device();
     for (uint32_t p = 0; p < count; p++)
         for (uint64_t i = 0; i < parts[p].n; i++)
-            em_gpu_map_insert_item(parts[p].map, parts[p].keys, i, parts[p].rows,
-                                   parts[p].inserted);
+            item(&parts[p], i, context);
     leave_device();
     return ok();
+}
+
+static void insert_part_item(const em_gpu_shard_part *part, uint64_t i, const void *context)
+{
+    (void)context;
+    em_gpu_map_insert_item(part->map, part->keys, i, part->rows, part->inserted);
+}
+
+em_gpu_status em_gpu_parts_insert(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                  uint32_t count, uint64_t most_keys)
+{
+    (void)stream;
+    return each_part_item(parts, count, most_keys, insert_part_item, NULL);
+}
+
+static void erase_part_item(const em_gpu_shard_part *part, uint64_t i, const void *context)
+{
+    (void)context;
+    em_gpu_map_erase_item(part->map, part->keys, part->rows, i);
+}
+
+em_gpu_status em_gpu_parts_erase(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                 uint32_t count, uint64_t most_keys)
+{
+    (void)stream;
+    return each_part_item(parts, count, most_keys, erase_part_item, NULL);
+}
+
+typedef struct gather_form {
+    uint32_t dim;
+    int quads;
+} gather_form;
+
+static void gather_part_item(const em_gpu_shard_part *part, uint64_t i, const void *context)
+{
+    const gather_form *form = context;
+    if (form->quads)
+        for (uint32_t q = 0; q < form->dim / 4; q++)
+            em_gpu_rows_gather_quad(part->storage, part->rows, part->targets, part->vectors, i,
+                                    q);
+    else
+        for (uint32_t j = 0; j < form->dim; j++)
+            em_gpu_rows_gather_element(part->storage, part->rows, part->targets, part->vectors,
+                                       i, j);
+}
+
+em_gpu_status em_gpu_parts_gather(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                  uint32_t count, uint64_t most_keys, uint32_t dim, int quads)
+{
+    (void)stream;
+    gather_form form = {dim, quads};
+    return each_part_item(parts, count, dim == 0 ? 0 : most_keys, gather_part_item, &form);
+}
+
+typedef struct touch_stamps {
+    uint64_t accessed;
+    uint32_t updated;
+    int pushed;
+} touch_stamps;
+
+static void touch_part_item(const em_gpu_shard_part *part, uint64_t i, const void *context)
+{
+    const touch_stamps *t = context;
+    em_gpu_rows_touch_item(part->storage, part->rows, i, t->accessed, t->updated, t->pushed);
+}
+
+em_gpu_status em_gpu_parts_touch(em_gpu_stream *stream, const em_gpu_shard_part *parts,
+                                 uint32_t count, uint64_t most_keys, uint64_t accessed,
+                                 uint32_t updated, int pushed)
+{
+    (void)stream;
+    touch_stamps stamps = {accessed, updated, pushed};
+    return each_part_item(parts, count, most_keys, touch_part_item, &stamps);
 }
 
 em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
@@ -1025,20 +1101,6 @@ em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint
     enter_device();
     for (uint64_t i = 0; i < n; i++)
         em_gpu_map_erase_item(map, keys, rows, i);
-    leave_device();
-    return ok();
-}
-
-em_gpu_status em_gpu_parts_erase(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                 uint32_t count, uint64_t most_keys)
-{
-    (void)stream;
-    if (count == 0 || most_keys == 0)
-        return ok();
-    enter_device();
-    for (uint32_t p = 0; p < count; p++)
-        for (uint64_t i = 0; i < parts[p].n; i++)
-            em_gpu_map_erase_item(parts[p].map, parts[p].keys, parts[p].rows, i);
     leave_device();
     return ok();
 }
@@ -1205,45 +1267,6 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
     enter_device();
     for (uint64_t i = 0; i < n; i++)
         em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
-    leave_device();
-    return ok();
-}
-
-em_gpu_status em_gpu_parts_gather(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                  uint32_t count, uint64_t most_keys, uint32_t dim, int quads)
-{
-    (void)stream;
-    if (count == 0 || most_keys == 0 || dim == 0)
-        return ok();
-    enter_device();
-    for (uint32_t p = 0; p < count; p++) {
-        const em_gpu_shard_part *part = &parts[p];
-        for (uint64_t i = 0; i < part->n; i++) {
-            if (quads)
-                for (uint32_t q = 0; q < dim / 4; q++)
-                    em_gpu_rows_gather_quad(part->storage, part->rows, part->targets,
-                                            part->vectors, i, q);
-            else
-                for (uint32_t j = 0; j < dim; j++)
-                    em_gpu_rows_gather_element(part->storage, part->rows, part->targets,
-                                               part->vectors, i, j);
-        }
-    }
-    leave_device();
-    return ok();
-}
-
-em_gpu_status em_gpu_parts_touch(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                 uint32_t count, uint64_t most_keys, uint64_t accessed,
-                                 uint32_t updated, int pushed)
-{
-    (void)stream;
-    if (count == 0 || most_keys == 0)
-        return ok();
-    enter_device();
-    for (uint32_t p = 0; p < count; p++)
-        for (uint64_t i = 0; i < parts[p].n; i++)
-            em_gpu_rows_touch_item(parts[p].storage, parts[p].rows, i, accessed, updated, pushed);
     leave_device();
     return ok();
 }
