@@ -2073,6 +2073,8 @@ typedef struct cuda_evict_walk {
     const uint8_t *device_part; /* its part of the read ahead's region, on the GPU */
     uint8_t *answers_device;    /* the GPU's answers region (on_gpu), which holds its
                                  * chosen keys at answer_offset */
+    bool gpu_chose;             /* finished: the keys to erase are where the GPU wrote
+                                 * them; else in host memory */
 } cuda_evict_walk;
 
 /* The walk's next entries from the GPU, up to max, without their metadata; they end where
@@ -2723,26 +2725,25 @@ static em_status enqueue_reads(cuda_evict_walk *walks, uint32_t count, scratch *
     return status;
 }
 
-static em_status choose_and_erase(cuda_evict_walk *w, const em_evict_spec *spec, uint64_t *keys,
-                                  uint64_t *rows, em_error *err);
+static em_status choose_on_host(cuda_evict_walk *w, const em_evict_spec *spec, uint64_t *keys,
+                                uint64_t *rows, em_error *err);
 
-/* After the lane synchronized over walk w's reads (host: the readback memory): its
- * choice, the GPU's (answers at host + answers_at) where that holds, else the host's
- * over the read ahead (copied back now where the GPU chose), and the erase of the chosen
- * rows, enqueued. The walk's scratch is still the lane's. */
 /* The keys the GPU chose for walk w, where it wrote them (its answers region). */
 static const uint64_t *chosen_keys(const cuda_evict_walk *w)
 {
     return (const uint64_t *)(w->answers_device + w->answer_offset);
 }
 
-/* After the walks of a lane: the erases of the rows the GPU chose for walks[0..count)
- * (each with rows to give up), in one launch (a walk's shard each), from where the GPU
- * wrote their keys; then each shard's counts (keys[i]: walks[i]'s keys, in host
- * memory). */
+/* After the walks of a lane: the erases of the rows chosen for walks[0..count) (each with
+ * rows to give up; keys[k]: walks[k]'s keys, in host memory), in one launch (a walk's
+ * shard each): from where the GPU wrote the keys it chose, and from one copy of the keys
+ * the host chose; then each shard's counts. */
 static em_status erase_chosen(cuda_evict_walk *const *walks, uint64_t *const *keys,
                               uint32_t count, em_error *err)
 {
+    if (count == 1 && !walks[0]->gpu_chose)
+        return erase_host_keys(walks[0]->shard, walks[0]->lane, keys[0], walks[0]->spec.count,
+                               false, err);
     if (count == 1) {
         const cuda_evict_walk *w = walks[0];
         em_status status = enqueue_erase(w->shard, w->lane, chosen_keys(w), NULL, w->spec.count,
@@ -2752,11 +2753,21 @@ static em_status erase_chosen(cuda_evict_walk *const *walks, uint64_t *const *ke
         return status;
     }
     cuda_lane *lane = walks[0]->lane;
+    uint64_t host_keys = 0; /* the keys the host chose, sent together */
+    for (uint32_t k = 0; k < count; k++)
+        host_keys += walks[k]->gpu_chose ? 0 : walks[k]->spec.count;
     em_gpu_shard_part *parts = calloc(count, sizeof(*parts));
-    if (parts == NULL)
-        return em_error_set(err, EM_RESOURCE_EXHAUSTED, "eviction: out of host memory");
-    em_status status = EM_OK;
-    uint64_t most = 0;
+    uint64_t *packed = malloc((host_keys > 0 ? host_keys : 1) * sizeof(uint64_t));
+    scratch s = {.device = lane->base.device};
+    uint64_t *sent = NULL;
+    em_status status = parts != NULL && packed != NULL
+                           ? EM_OK
+                           : em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                          "eviction: out of host memory");
+    if (status == EM_OK && host_keys > 0)
+        status = scratch_take(&s, host_keys * sizeof(uint64_t), "erased keys", (void **)&sent,
+                              err);
+    uint64_t most = 0, at = 0;
     for (uint32_t k = 0; status == EM_OK && k < count; k++) {
         cuda_shard *shard = walks[k]->shard;
         uint64_t n = walks[k]->spec.count;
@@ -2764,12 +2775,18 @@ static em_status erase_chosen(cuda_evict_walk *const *walks, uint64_t *const *ke
         status = reserve_free_rows(shard, lane, shard->free_count + n, err);
         if (status == EM_OK)
             status = order_write(shard, lane, err);
-        parts[k] = (em_gpu_shard_part){.map = map_view(shard), .keys = chosen_keys(walks[k]),
-                                       .n = n};
+        parts[k] = (em_gpu_shard_part){.map = map_view(shard), .n = n};
+        parts[k].keys = walks[k]->gpu_chose ? chosen_keys(walks[k]) : sent + at;
+        if (!walks[k]->gpu_chose) {
+            memcpy(packed + at, keys[k], n * sizeof(uint64_t));
+            at += n;
+        }
         most = n > most ? n : most;
     }
-    scratch s = {.device = lane->base.device};
     em_gpu_shard_part *device_parts = NULL;
+    if (status == EM_OK && host_keys > 0)
+        status = em__cuda_copy_to_device(&lane->base, sent, packed,
+                                         host_keys * sizeof(uint64_t), err);
     if (status == EM_OK)
         status = send_parts(lane, &s, parts, count * sizeof(*parts), (void **)&device_parts, err);
     if (status == EM_OK)
@@ -2780,11 +2797,15 @@ static em_status erase_chosen(cuda_evict_walk *const *walks, uint64_t *const *ke
     for (uint32_t k = 0; status == EM_OK && k < count; k++)
         take_erase(walks[k]->shard, keys[k], walks[k]->spec.count);
     free(parts);
+    free(packed);
     return em__cuda_finish_async(&s, lane, status, err);
 }
 
-/* The end of walk w once its lane synchronized: its keys and rows chosen, by the GPU
- * (their erase left to erase_chosen: *erase set) or by the host, which erases them. */
+/* After the lane synchronized over walk w's reads (host: the readback memory): its
+ * choice, the GPU's (answers at host + answers_at) where that holds, its erase left to
+ * erase_chosen (*erase set), else the host's over the read ahead (copied back now where
+ * the GPU chose), and the erase of the chosen rows, enqueued. The walk's scratch is
+ * still the lane's. */
 static em_status finish_walk(cuda_evict_walk *w, scratch *s, const uint8_t *host,
                              size_t answers_at, uint64_t *keys, uint64_t *rows, bool *erase,
                              em_error *err)
@@ -2794,6 +2815,7 @@ static em_status finish_walk(cuda_evict_walk *w, scratch *s, const uint8_t *host
         /* the chosen keys are erased where the GPU wrote them: their region outlives the
          * walk's other scratch, until the lane's work so far is done */
         w->shard->rows_chosen_on_gpu += w->spec.count;
+        w->gpu_chose = true;
         *erase = w->spec.count > 0;
         return em__cuda_free_one_later(s, w->lane, w->answers_device, err);
     }
@@ -2812,7 +2834,8 @@ static em_status finish_walk(cuda_evict_walk *w, scratch *s, const uint8_t *host
         status = take_window(w, part, err);
     free(copy);
     if (status == EM_OK)
-        status = choose_and_erase(w, &w->spec, keys, rows, err);
+        status = choose_on_host(w, &w->spec, keys, rows, err);
+    *erase = status == EM_OK && w->spec.count > 0;
     return status;
 }
 
@@ -2945,15 +2968,21 @@ static void evict_walk_free(cuda_evict_walk *w)
 
 /* After the walk's read ahead: the choice by spec over the walk, and the erase of the
  * chosen rows (enqueued). */
-static em_status choose_and_erase(cuda_evict_walk *w, const em_evict_spec *spec, uint64_t *keys,
-                                  uint64_t *rows, em_error *err)
+static em_status choose_on_host(cuda_evict_walk *w, const em_evict_spec *spec, uint64_t *keys,
+                                uint64_t *rows, em_error *err)
 {
     em_evict_spec choice = *spec;
     if (w->kept_device_count > 0) {
         choice.kept = w->kept;
         choice.kept_count = w->kept_count;
     }
-    em_status status = em_evict_choose(&choice, cuda_evict_walk_next, w, keys, rows, err);
+    return em_evict_choose(&choice, cuda_evict_walk_next, w, keys, rows, err);
+}
+
+static em_status choose_and_erase(cuda_evict_walk *w, const em_evict_spec *spec, uint64_t *keys,
+                                  uint64_t *rows, em_error *err)
+{
+    em_status status = choose_on_host(w, spec, keys, rows, err);
     if (status == EM_OK)
         status = erase_host_keys(w->shard, w->lane, keys, spec->count, false, err);
     return status;

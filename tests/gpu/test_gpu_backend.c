@@ -2343,10 +2343,11 @@ START_TEST(a_large_eviction_waits_a_few_times)
      * choice took a count and a fix; 50, 99, 119, 48, 93 and 110 while each shard's
      * erase, insert, step or gather and touch took launches of its own; 50, 60, 91, 48,
      * 54 and 82 while an lru choice counted every byte of the last accesses, where the
-     * table's request clock, below 256 here, leaves 7 of them 0) */
+     * table's request clock, below 256 here, leaves 7 of them 0; 84 and 75 on two GPUs
+     * while the rows the host chose took a copy and an erase a shard) */
     static const uint64_t first_ceiling[6] = {4, 6, 6, 4, 5, 7};
     static const uint64_t alone_ceiling[6] = {3, 4, 4, 3, 4, 4};
-    static const uint64_t alone_operations[6] = {43, 53, 84, 41, 47, 75};
+    static const uint64_t alone_operations[6] = {43, 53, 79, 41, 47, 70};
     ck_assert_uint_le(waits_first, first_ceiling[_i]);
     ck_assert_uint_le(waits, alone_ceiling[_i]);
     ck_assert_uint_le(operations_alone, alone_operations[_i]);
