@@ -848,8 +848,14 @@ static em_status headers_room(cuda_shard *holder, uint32_t count, em_error *err)
     return EM_OK;
 }
 
-/* The parts of shards[i] (offsets[i + 1] > offsets[i] and, with `only` given, only[i]
- * > 0) for a launch over several shards (em_gpu_shard_part: map, storage, keys, rows,
+/* Whether shards[i] has a part in a launch over several shards: keys there
+ * (offsets[i + 1] > offsets[i]) and, with `only` given, only[i] > 0. */
+static bool has_part(const uint64_t *offsets, const uint64_t *only, uint32_t i)
+{
+    return offsets[i + 1] > offsets[i] && (only == NULL || only[i] > 0);
+}
+
+/* The parts of shards[i] (has_part) for a launch over several shards (em_gpu_shard_part: map, storage, keys, rows,
  * n, and gradients where given); *used of them, *most the keys of the largest, *total
  * the keys of all. NULL when out of host memory. */
 static em_gpu_shard_part *shard_parts(em_shard *const *shards, uint32_t count,
@@ -865,7 +871,7 @@ static em_gpu_shard_part *shard_parts(em_shard *const *shards, uint32_t count,
     for (uint32_t i = 0; parts != NULL && i < count; i++) {
         const cuda_shard *shard = shard_of(shards[i]);
         uint64_t n = offsets[i + 1] - offsets[i];
-        if (n == 0 || (only != NULL && only[i] == 0))
+        if (!has_part(offsets, only, i))
             continue;
         parts[(*used)++] = (em_gpu_shard_part){
             .map = map_view(shard),
@@ -881,15 +887,14 @@ static em_gpu_shard_part *shard_parts(em_shard *const *shards, uint32_t count,
     return parts;
 }
 
-/* order_write (or record_write, with record) of every shard i with a part (shard_parts:
- * with keys, and only[i] > 0 where only is given). */
+/* order_write (or record_write, with record) of every shard i with a part (has_part). */
 static em_status order_part_writes(em_shard *const *shards, uint32_t count,
                                    const uint64_t *offsets, const uint64_t *only,
                                    cuda_lane *lane, bool record, em_error *err)
 {
     em_status status = EM_OK;
     for (uint32_t i = 0; status == EM_OK && i < count; i++)
-        if (offsets[i + 1] > offsets[i] && (only == NULL || only[i] > 0))
+        if (has_part(offsets, only, i))
             status = record ? record_write(shard_of(shards[i]), lane, err)
                             : order_write(shard_of(shards[i]), lane, err);
     return status;
@@ -917,7 +922,7 @@ em_status em__cuda_shards_insert_missing_async(em_shard *const *shards, uint32_t
     }
     cuda_shard *holder = NULL;
     for (uint32_t i = 0; holder == NULL && i < count; i++)
-        if (offsets[i + 1] > offsets[i] && missing[i] > 0)
+        if (has_part(offsets, missing, i))
             holder = shard_of(shards[i]);
     scratch s = {.device = lane_base->device};
     uint8_t *inserted = NULL;
@@ -951,7 +956,7 @@ em_status em__cuda_shards_insert_missing_async(em_shard *const *shards, uint32_t
                                                       used * sizeof(em_gpu_map_header)),
                             err);
     for (uint32_t i = 0, k = 0; status == EM_OK && i < count; i++)
-        if (offsets[i + 1] > offsets[i] && missing[i] > 0)
+        if (has_part(offsets, missing, i))
             shard_of(shards[i])->settle_from = &holder->headers_host[k++];
     if (status == EM_OK)
         status = order_part_writes(shards, count, offsets, missing, lane, true, err);
@@ -1616,7 +1621,7 @@ static em_status step_parts(em_shard *const *shards, uint32_t count, cuda_lane *
     const cuda_shard *first = shard_of(shards[0]);
     int quads = first->dim % 4 == 0;
     for (uint32_t i = 0, k = 0; !apply && i < count; i++) {
-        if (offsets[i + 1] == offsets[i])
+        if (!has_part(offsets, NULL, i))
             continue;
         em_gpu_shard_part *part = &parts[k++];
         part->targets = targets != NULL ? targets + offsets[i] : NULL;
