@@ -1,5 +1,6 @@
 #include <errno.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,16 +37,69 @@ static em_status step_error(em_save_step step, const char *path, int error, em_e
                         (int)step, path, strerror(error));
 }
 
+#ifdef __SANITIZE_ADDRESS__ /* from malloc, whose bounds the sanitizer checks to the byte */
 void *em_io_buffer_alloc(size_t bytes)
 {
     size_t large = (size_t)2 << 20, align = bytes >= large ? large : EM_SAVE_DIRECT_ALIGN;
     void *memory = NULL;
-    if (posix_memalign(&memory, align, bytes > 0 ? bytes : 1) != 0)
-        return NULL;
-    if (align == large) /* advice only: without large pages the buffer works as well */
-        (void)madvise(memory, bytes, MADV_HUGEPAGE);
-    return memory;
+    return posix_memalign(&memory, align, bytes > 0 ? bytes : 1) == 0 ? memory : NULL;
 }
+
+void em_io_buffer_free(void *buffer)
+{
+    free(buffer);
+}
+#else
+/* An io buffer is mapped on its own, one page before its data holding the mapping's
+ * length, so that its free gives its pages back to the system at once. */
+static size_t page_bytes(void)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    return page > 0 ? (size_t)page : EM_SAVE_DIRECT_ALIGN;
+}
+
+static size_t round_up(size_t bytes, size_t to)
+{
+    return (bytes + to - 1) / to * to;
+}
+
+void *em_io_buffer_alloc(size_t bytes)
+{
+    size_t large = (size_t)2 << 20, page = page_bytes();
+    size_t align = bytes >= large ? large : EM_SAVE_DIRECT_ALIGN;
+    align = align > page ? align : page;
+    size_t data_bytes = round_up(bytes > 0 ? bytes : 1, page);
+    if (data_bytes > SIZE_MAX - 2 * page - align)
+        return NULL;
+    size_t length = page + data_bytes + align;
+    unsigned char *base = mmap(NULL, length, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED)
+        return NULL;
+    uintptr_t first = (uintptr_t)base + page;
+    unsigned char *data = base + (round_up(first, align) - first) + page;
+    unsigned char *start = data - page, *end = data + data_bytes;
+    if (start > base) /* the slack the alignment left before and after */
+        munmap(base, (size_t)(start - base));
+    if (base + length > end)
+        munmap(end, (size_t)(base + length - end));
+    size_t kept = page + data_bytes;
+    memcpy(start, &kept, sizeof(kept));
+    if (align == large) /* advice only: without large pages the buffer works as well */
+        (void)madvise(data, data_bytes, MADV_HUGEPAGE);
+    return data;
+}
+
+void em_io_buffer_free(void *buffer)
+{
+    if (buffer == NULL)
+        return;
+    unsigned char *start = (unsigned char *)buffer - page_bytes();
+    size_t length = 0;
+    memcpy(&length, start, sizeof(length));
+    munmap(start, length);
+}
+#endif
 
 em_status em_save_write(int fd, const void *data, size_t bytes, em_save_step step,
                         const char *path, em_error *err)

@@ -935,7 +935,7 @@ static bool buffer_room(read_ahead *a, int k, size_t front, size_t capacity, siz
     if (keep_front + keep > 0)
         memcpy(grown + front + shift - keep_front, ahead_data(a, k) - keep_front,
                keep_front + keep);
-    free(a->base[k]);
+    em_io_buffer_free(a->base[k]);
     a->base[k] = grown;
     a->base_front[k] = front;
     a->capacity[k] = capacity;
@@ -1881,7 +1881,7 @@ static void free_reader(reader *r)
     free(r->runs);
     free(r->keys);
     for (int k = 0; k < AHEAD_BUFFERS; k++)
-        free(r->ahead.base[k]);
+        em_io_buffer_free(r->ahead.base[k]);
     free(r->bucket_source);
     for (int k = 0; k < 2; k++) {
         free(r->batches[k].keys);

@@ -6,8 +6,9 @@
  * keys, rows) and handed to a writer thread, which hashes it into the file's checksum
  * and writes it with one write while the next buffer is read and grouped: the disk
  * and the CPU work overlap. So the extra memory of a save is the snapshot's (table.h)
- * plus three buffers of options->buffer_bytes (staging, and two outputs), and every row
- * is read once and written once.
+ * plus three buffers of options->buffer_bytes (staging, and two outputs), mapped for the
+ * save alone and unmapped when it ends (em_io_buffer_alloc), and every row is read once
+ * and written once.
  *
  * A save that tracks changes digests every row as it stages it, into a new key ->
  * digest map; a delta then keeps only the rows whose digest differs from the parent's
@@ -959,10 +960,12 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
         buffer = UINT64_C(1) << 20;
     s.buffer_rows = buffer / s.row_bytes + 1;
     s.out_capacity = s.buffer_rows * s.row_bytes + EM_CHECKPOINT_BUCKETS * sizeof(em_chunk_header);
-    s.keys = malloc(s.buffer_rows * sizeof(uint64_t));
-    s.values = malloc(s.buffer_rows * s.row_floats * sizeof(float));
+    /* staging, mapped like the outputs: every buffer a save takes goes back to the system
+     * when it ends */
+    s.keys = em_io_buffer_alloc(s.buffer_rows * sizeof(uint64_t));
+    s.values = em_io_buffer_alloc(s.buffer_rows * s.row_floats * sizeof(float));
     if (s.access)
-        s.row_access = malloc(s.buffer_rows * sizeof(em_row_access));
+        s.row_access = em_io_buffer_alloc(s.buffer_rows * sizeof(em_row_access));
     s.admission_bytes = em_table_admission_bytes(table);
     if (s.admission_bytes > 0)
         s.admission = malloc(s.admission_bytes);
@@ -1027,13 +1030,13 @@ em_status em_checkpoint_save(em_table *table, const em_checkpoint_options *optio
                              options->keep == 0 ? 1 : options->keep, options->removals);
     }
     free(s.tombstones);
-    free(s.keys);
-    free(s.values);
-    free(s.row_access);
+    em_io_buffer_free(s.keys);
+    em_io_buffer_free(s.values);
+    em_io_buffer_free(s.row_access);
     free(s.admission);
     free(s.evicted);
-    free(s.runs[0].data);
-    free(s.runs[1].data);
+    em_io_buffer_free(s.runs[0].data);
+    em_io_buffer_free(s.runs[1].data);
     free(s.carry);
     free(s.index);
     XXH3_freeState(s.file_hash);
