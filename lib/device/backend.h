@@ -109,7 +109,7 @@ typedef struct em_cuda_backend_options {
     uint64_t gpu_choice_entries; /* a request's evictions on a GPU whose windows hold this
                                   * many map entries together are chosen on the GPU, fewer
                                   * on the host (the same rows either way); 0: the default,
-                                  * 16,384; UINT64_MAX: always on the host */
+                                  * 8,192; UINT64_MAX: always on the host */
 } em_cuda_backend_options;
 
 /* Defaults: every usable GPU, pool 0.8 of free memory, 2 lanes, 16 MiB staging, 1 GiB

@@ -29,8 +29,12 @@
 #define MIN_MAP_SEGMENT_SLOTS ((uint64_t)1 << 10)
 #define MAX_MAP_SEGMENT_SLOTS ((uint64_t)1 << 30)
 /* Entries of an eviction's windows from which the GPU chooses: about where its passes
- * (some 45 launches) cost what the host's choice does (about 15 ns an entry). */
-#define DEFAULT_GPU_CHOICE_ENTRIES ((uint64_t)16384)
+ * cost what the host's choice does. The host took about 15 ns an entry (H200 host,
+ * tests/bench/RESULTS.md), besides the copy of 32 bytes an entry back. The GPU's choice
+ * is 9 to 16 counting launches (one a byte of the policy's order it reads) and about 6
+ * more, some 15 to 22 at about 5.5 us each (the figure the first default of 16,384 was
+ * set from, for 45): 80 to 120 us, the host's time for 5,500 to 8,000 entries. */
+#define DEFAULT_GPU_CHOICE_ENTRIES ((uint64_t)8192)
 #define MIN_STAGING_BYTES (UINT64_C(64) << 10)
 #define MAX_STAGING_BYTES (UINT64_C(4) << 30)
 /* Pools are whole mebibytes. */
