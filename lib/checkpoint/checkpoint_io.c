@@ -37,7 +37,7 @@ static em_status step_error(em_save_step step, const char *path, int error, em_e
                         (int)step, path, strerror(error));
 }
 
-#ifdef __SANITIZE_ADDRESS__ /* from malloc, whose bounds the sanitizer checks to the byte */
+#ifdef EM_ADDRESS_SANITIZED /* from malloc (checkpoint_io.h) */
 void *em_io_buffer_alloc(size_t bytes)
 {
     size_t large = (size_t)2 << 20, align = bytes >= large ? large : EM_SAVE_DIRECT_ALIGN;

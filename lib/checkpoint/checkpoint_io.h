@@ -43,6 +43,16 @@ const char *em_save_step_name(em_save_step step);
  * aligned to it. */
 #define EM_SAVE_DIRECT_ALIGN ((size_t)4096)
 
+/* Set in a build with AddressSanitizer (gcc's macro, clang's feature test): io buffers
+ * then come from malloc, whose bounds the sanitizer checks to the byte. */
+#if defined(__SANITIZE_ADDRESS__)
+#define EM_ADDRESS_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define EM_ADDRESS_SANITIZED 1
+#endif
+#endif
+
 /* Memory for a buffer that large reads or writes go through (freed with
  * em_io_buffer_free), NULL when there is none: aligned to EM_SAVE_DIRECT_ALIGN, and from
  * 2 MiB up to 2 MiB with the advice to back it with large pages. It is mapped on its own

@@ -917,7 +917,7 @@ START_TEST(direct_writes_go_on_buffered_where_refused)
 }
 END_TEST
 
-#ifndef __SANITIZE_ADDRESS__
+#ifndef EM_ADDRESS_SANITIZED
 /* The resident bytes of this process, from /proc/self/statm. */
 static uint64_t resident_bytes(void)
 {
@@ -953,7 +953,7 @@ START_TEST(io_buffers_are_aligned_and_given_back_when_freed)
         em_io_buffer_free(buffer);
     }
     em_io_buffer_free(NULL);
-#ifndef __SANITIZE_ADDRESS__
+#ifndef EM_ADDRESS_SANITIZED
     enum { BUFFERS = 8 };
     const size_t bytes = 3 * MEBIBYTE + 12345;
     uint64_t before = resident_bytes();
