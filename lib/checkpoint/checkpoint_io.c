@@ -42,6 +42,8 @@ void *em_io_buffer_alloc(size_t bytes)
 {
     size_t large = (size_t)2 << 20, align = bytes >= large ? large : EM_SAVE_DIRECT_ALIGN;
     void *memory = NULL;
+    if (bytes > SIZE_MAX / 2) /* refused as in the build without the sanitizer */
+        return NULL;
     return posix_memalign(&memory, align, bytes > 0 ? bytes : 1) == 0 ? memory : NULL;
 }
 
@@ -68,9 +70,9 @@ void *em_io_buffer_alloc(size_t bytes)
     size_t large = (size_t)2 << 20, page = page_bytes();
     size_t align = bytes >= large ? large : EM_SAVE_DIRECT_ALIGN;
     align = align > page ? align : page;
-    size_t data_bytes = round_up(bytes > 0 ? bytes : 1, page);
-    if (data_bytes > SIZE_MAX - 2 * page - align)
+    if (bytes > SIZE_MAX / 2) /* no such memory; and the sums below stay in range */
         return NULL;
+    size_t data_bytes = round_up(bytes > 0 ? bytes : 1, page);
     size_t length = page + data_bytes + align;
     unsigned char *base = mmap(NULL, length, PROT_READ | PROT_WRITE,
                                MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -953,6 +953,8 @@ START_TEST(io_buffers_are_aligned_and_given_back_when_freed)
         em_io_buffer_free(buffer);
     }
     em_io_buffer_free(NULL);
+    ck_assert_ptr_null(em_io_buffer_alloc(SIZE_MAX)); /* refused, not wrapped around */
+    ck_assert_ptr_null(em_io_buffer_alloc(SIZE_MAX - 4096));
 #ifndef EM_ADDRESS_SANITIZED
     enum { BUFFERS = 8 };
     const size_t bytes = 3 * MEBIBYTE + 12345;
