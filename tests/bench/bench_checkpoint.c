@@ -24,6 +24,7 @@
  *   bench_checkpoint [--rows N] [--dim D] [--dir PATH] [--clients C] [--seconds S]
  *                    [--backend cpu|cuda] [--pairs P (1 to 9, 5 by default)]
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -438,34 +439,67 @@ static double timed_load(const char *path, em_backend *backend, em_checkpoint_in
     return seconds;
 }
 
+#define CHECKPOINT_USAGE                                                                    \
+    "usage: bench_checkpoint [--rows N] [--dim D] [--dir PATH] [--clients C] [--seconds S]" \
+    " [--backend cpu|cuda] [--pairs P]\n"
+
+/* text as a whole number from 1 to most, or the run ends naming the option. */
+static uint64_t parse_number(const char *text, const char *option, uint64_t most)
+{
+    char *end = NULL;
+    errno = 0;
+    unsigned long long value = strtoull(text, &end, 10);
+    if (errno != 0 || end == text || *end != '\0' || text[0] == '-' || value < 1 ||
+        value > most) {
+        fprintf(stderr, "bench_checkpoint: %s '%s': expected a whole number from 1 to %" PRIu64
+                "\n", option, text, most);
+        exit(2);
+    }
+    return value;
+}
+
 int main(int argc, char **argv)
 {
     options opt = {.rows = 2000000, .dim = 64, .dir = "/tmp/ember-bench-checkpoint",
                    .clients = 16, .seconds = 3, .backend = "cpu", .pairs = 5};
-    for (int i = 1; i + 1 < argc; i += 2) {
+    for (int i = 1; i < argc; i += 2) {
+        const char *value = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            fputs(CHECKPOINT_USAGE, stdout);
+            return 0;
+        }
+        if (value == NULL) {
+            fprintf(stderr, "bench_checkpoint: %s: no value\n" CHECKPOINT_USAGE, argv[i]);
+            return 2;
+        }
         if (strcmp(argv[i], "--rows") == 0)
-            opt.rows = strtoull(argv[i + 1], NULL, 10);
+            opt.rows = parse_number(value, "--rows", UINT64_C(1) << 40);
         else if (strcmp(argv[i], "--dim") == 0)
-            opt.dim = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+            opt.dim = (uint32_t)parse_number(value, "--dim", 65536);
         else if (strcmp(argv[i], "--dir") == 0)
-            opt.dir = argv[i + 1];
+            opt.dir = value;
         else if (strcmp(argv[i], "--clients") == 0)
-            opt.clients = atoi(argv[i + 1]);
-        else if (strcmp(argv[i], "--seconds") == 0)
-            opt.seconds = strtod(argv[i + 1], NULL);
-        else if (strcmp(argv[i], "--backend") == 0)
-            opt.backend = argv[i + 1];
+            opt.clients = (int)parse_number(value, "--clients", 1024);
+        else if (strcmp(argv[i], "--seconds") == 0) {
+            char *end = NULL;
+            opt.seconds = strtod(value, &end);
+            if (end == value || *end != '\0' || !(opt.seconds > 0)) {
+                fprintf(stderr, "bench_checkpoint: --seconds '%s': expected a number above 0\n",
+                        value);
+                return 2;
+            }
+        } else if (strcmp(argv[i], "--backend") == 0)
+            opt.backend = value;
         else if (strcmp(argv[i], "--pairs") == 0)
-            opt.pairs = atoi(argv[i + 1]);
+            opt.pairs = (int)parse_number(value, "--pairs", MAX_PAIRS);
+        else {
+            fprintf(stderr, "bench_checkpoint: unknown option '%s'\n" CHECKPOINT_USAGE, argv[i]);
+            return 2;
+        }
     }
     setvbuf(stdout, NULL, _IOLBF, 0); /* each line out at once: a run cut short keeps them */
     mkdir(opt.dir, 0755);
     em_test_print_machine(NULL);
-    if (opt.pairs < 1 || opt.pairs > MAX_PAIRS) {
-        fprintf(stderr, "bench_checkpoint: --pairs %d: expected 1 to %d\n", opt.pairs,
-                MAX_PAIRS);
-        return 2;
-    }
     printf("command: bench_checkpoint --rows %" PRIu64 " --dim %u --dir %s --clients %d "
            "--seconds %g --backend %s --pairs %d\n", opt.rows, opt.dim, opt.dir, opt.clients,
            opt.seconds, opt.backend, opt.pairs);
