@@ -24,7 +24,6 @@
  *   bench_checkpoint [--rows N] [--dim D] [--dir PATH] [--clients C] [--seconds S]
  *                    [--backend cpu|cuda] [--pairs P (1 to 9, 5 by default)]
  */
-#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -443,21 +442,6 @@ static double timed_load(const char *path, em_backend *backend, em_checkpoint_in
     "usage: bench_checkpoint [--rows N] [--dim D] [--dir PATH] [--clients C] [--seconds S]" \
     " [--backend cpu|cuda] [--pairs P]\n"
 
-/* text as a whole number from 1 to most, or the run ends naming the option. */
-static uint64_t parse_number(const char *text, const char *option, uint64_t most)
-{
-    char *end = NULL;
-    errno = 0;
-    unsigned long long value = strtoull(text, &end, 10);
-    if (errno != 0 || end == text || *end != '\0' || text[0] == '-' || value < 1 ||
-        value > most) {
-        fprintf(stderr, "bench_checkpoint: %s '%s': expected a whole number from 1 to %" PRIu64
-                "\n", option, text, most);
-        exit(2);
-    }
-    return value;
-}
-
 int main(int argc, char **argv)
 {
     options opt = {.rows = 2000000, .dim = 64, .dir = "/tmp/ember-bench-checkpoint",
@@ -473,13 +457,13 @@ int main(int argc, char **argv)
             return 2;
         }
         if (strcmp(argv[i], "--rows") == 0)
-            opt.rows = parse_number(value, "--rows", UINT64_C(1) << 40);
+            opt.rows = em_test_parse_count("bench_checkpoint", "--rows", value, UINT64_C(1) << 40);
         else if (strcmp(argv[i], "--dim") == 0)
-            opt.dim = (uint32_t)parse_number(value, "--dim", 65536);
+            opt.dim = (uint32_t)em_test_parse_count("bench_checkpoint", "--dim", value, 65536);
         else if (strcmp(argv[i], "--dir") == 0)
             opt.dir = value;
         else if (strcmp(argv[i], "--clients") == 0)
-            opt.clients = (int)parse_number(value, "--clients", 1024);
+            opt.clients = (int)em_test_parse_count("bench_checkpoint", "--clients", value, 1024);
         else if (strcmp(argv[i], "--seconds") == 0) {
             char *end = NULL;
             opt.seconds = strtod(value, &end);
@@ -491,7 +475,7 @@ int main(int argc, char **argv)
         } else if (strcmp(argv[i], "--backend") == 0)
             opt.backend = value;
         else if (strcmp(argv[i], "--pairs") == 0)
-            opt.pairs = (int)parse_number(value, "--pairs", MAX_PAIRS);
+            opt.pairs = (int)em_test_parse_count("bench_checkpoint", "--pairs", value, MAX_PAIRS);
         else {
             fprintf(stderr, "bench_checkpoint: unknown option '%s'\n" CHECKPOINT_USAGE, argv[i]);
             return 2;

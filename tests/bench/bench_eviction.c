@@ -704,15 +704,9 @@ static void admission_threads(const options *opt)
     em_backend_destroy(backend);
 }
 
-static uint64_t parse_count(const char *text, const char *flag)
+static uint64_t count_option(const char *option, const char *text, uint64_t most)
 {
-    char *end = NULL;
-    unsigned long long value = strtoull(text, &end, 10);
-    if (end == text || *end != '\0' || value == 0) {
-        fprintf(stderr, "bench_eviction: %s '%s' is not a positive whole number\n", flag, text);
-        exit(2);
-    }
-    return value;
+    return em_test_parse_count("bench_eviction", option, text, most);
 }
 
 static unsigned parse_parts(const char *text)
@@ -746,37 +740,38 @@ int main(int argc, char **argv)
                             "[--backend cpu|cuda] [--gpu-choice-entries N|host] [--shards N]\n");
             return 2;
         }
-        if (strcmp(argv[i], "--rows") == 0)
-            opt.rows = parse_count(argv[++i], "--rows");
-        else if (strcmp(argv[i], "--batch") == 0)
-            opt.batch = (uint32_t)parse_count(argv[++i], "--batch");
-        else if (strcmp(argv[i], "--rounds") == 0) {
-            uint64_t rounds = parse_count(argv[++i], "--rounds");
+        const char *value = argv[++i];
+        if (strcmp(argv[i - 1], "--rows") == 0)
+            opt.rows = count_option("--rows", value, UINT64_MAX);
+        else if (strcmp(argv[i - 1], "--batch") == 0)
+            opt.batch = (uint32_t)count_option("--batch", value, UINT32_MAX);
+        else if (strcmp(argv[i - 1], "--rounds") == 0) {
+            uint64_t rounds = count_option("--rounds", value, UINT64_MAX);
             opt.rounds = rounds < 64 ? (int)rounds : 64;
-        } else if (strcmp(argv[i], "--capacity") == 0)
-            opt.capacity = parse_count(argv[++i], "--capacity");
-        else if (strcmp(argv[i], "--accesses") == 0)
-            opt.accesses = parse_count(argv[++i], "--accesses");
-        else if (strcmp(argv[i], "--candidates") == 0)
-            opt.candidates = (uint32_t)parse_count(argv[++i], "--candidates");
-        else if (strcmp(argv[i], "--parts") == 0)
-            opt.parts = parse_parts(argv[++i]);
-        else if (strcmp(argv[i], "--shards") == 0)
-            opt.shards = (uint32_t)parse_count(argv[++i], "--shards");
-        else if (strcmp(argv[i], "--gpu-choice-entries") == 0) {
-            i++;
-            opt.gpu_choice_entries = strcmp(argv[i], "host") == 0
+        } else if (strcmp(argv[i - 1], "--capacity") == 0)
+            opt.capacity = count_option("--capacity", value, UINT64_MAX);
+        else if (strcmp(argv[i - 1], "--accesses") == 0)
+            opt.accesses = count_option("--accesses", value, UINT64_MAX);
+        else if (strcmp(argv[i - 1], "--candidates") == 0)
+            opt.candidates = (uint32_t)count_option("--candidates", value, UINT32_MAX);
+        else if (strcmp(argv[i - 1], "--parts") == 0)
+            opt.parts = parse_parts(value);
+        else if (strcmp(argv[i - 1], "--shards") == 0)
+            opt.shards = (uint32_t)count_option("--shards", value, UINT32_MAX);
+        else if (strcmp(argv[i - 1], "--gpu-choice-entries") == 0) {
+            opt.gpu_choice_entries = strcmp(value, "host") == 0
                                          ? UINT64_MAX
-                                         : parse_count(argv[i], "--gpu-choice-entries");
-        } else if (strcmp(argv[i], "--backend") == 0) {
-            opt.backend = argv[++i];
+                                         : count_option("--gpu-choice-entries", value,
+                                                        UINT64_MAX - 1);
+        } else if (strcmp(argv[i - 1], "--backend") == 0) {
+            opt.backend = value;
             if (strcmp(opt.backend, "cpu") != 0 && strcmp(opt.backend, "cuda") != 0) {
                 fprintf(stderr, "bench_eviction: --backend %s: expected cpu or cuda\n",
                         opt.backend);
                 return 2;
             }
         } else {
-            fprintf(stderr, "bench_eviction: unknown option '%s'\n", argv[i]);
+            fprintf(stderr, "bench_eviction: unknown option '%s'\n", argv[i - 1]);
             return 2;
         }
     }

@@ -19,6 +19,7 @@
  * other's way.
  */
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -208,6 +209,11 @@ static double measure(em_table *table, operation op, uint32_t dim, int threads,
 }
 
 
+#define TABLE_USAGE                                                                         \
+    "usage: bench_table [--keys N] [--seconds S] [--shards N] [--operations all|push]"      \
+    " [--optimizer NAME] [--dim D] [--threads T] [--batches B] [--gradient G]"              \
+    " [--new-keys F] [--batch-keys K]\n"
+
 int main(int argc, char **argv)
 {
     options opt = {.keys = 1000000,
@@ -217,21 +223,46 @@ int main(int argc, char **argv)
                    .threads = 2,
                    .gradient = 1e-3f};
     static const char *const optimizer_names[] = {"sgd", "adagrad", "rowwise_adagrad", "adam"};
-    for (int i = 1; i + 1 < argc; i += 2) {
+    for (int i = 1; i < argc; i += 2) {
+        if (i + 1 >= argc) {
+            fprintf(stderr, "bench_table: %s: no value\n" TABLE_USAGE, argv[i]);
+            return 2;
+        }
         if (strcmp(argv[i], "--keys") == 0)
-            opt.keys = strtoull(argv[i + 1], NULL, 10);
-        else if (strcmp(argv[i], "--seconds") == 0)
-            opt.seconds = strtod(argv[i + 1], NULL);
-        else if (strcmp(argv[i], "--shards") == 0)
-            opt.shards = (uint32_t)strtoul(argv[i + 1], NULL, 10);
-        else if (strcmp(argv[i], "--operations") == 0)
+            opt.keys = em_test_parse_count("bench_table", "--keys", argv[i + 1], UINT64_MAX);
+        else if (strcmp(argv[i], "--seconds") == 0) {
+            char *end = NULL;
+            opt.seconds = strtod(argv[i + 1], &end);
+            if (end == argv[i + 1] || *end != '\0' || !(opt.seconds > 0)) {
+                fprintf(stderr, "bench_table: --seconds '%s': expected a number above 0\n",
+                        argv[i + 1]);
+                return 2;
+            }
+        } else if (strcmp(argv[i], "--shards") == 0)
+            opt.shards = (uint32_t)em_test_parse_count("bench_table", "--shards", argv[i + 1],
+                                                       1024);
+        else if (strcmp(argv[i], "--operations") == 0) {
             opt.pushes_only = strcmp(argv[i + 1], "push") == 0;
-        else if (strcmp(argv[i], "--dim") == 0)
-            opt.dim = (uint32_t)strtoul(argv[i + 1], NULL, 10);
-        else if (strcmp(argv[i], "--threads") == 0)
-            opt.threads = atoi(argv[i + 1]) == 1 ? 1 : 2;
+            if (!opt.pushes_only && strcmp(argv[i + 1], "all") != 0) {
+                fprintf(stderr, "bench_table: --operations '%s': expected all or push\n",
+                        argv[i + 1]);
+                return 2;
+            }
+        } else if (strcmp(argv[i], "--dim") == 0) {
+            opt.dim = (uint32_t)em_test_parse_count("bench_table", "--dim", argv[i + 1], 128);
+            if (opt.dim != 16 && opt.dim != 64 && opt.dim != 128) { /* the dims it runs */
+                fprintf(stderr, "bench_table: --dim '%s': expected 16, 64 or 128\n",
+                        argv[i + 1]);
+                return 2;
+            }
+        } else if (strcmp(argv[i], "--threads") == 0)
+            opt.threads = em_test_parse_count("bench_table", "--threads", argv[i + 1],
+                                              UINT32_MAX) == 1
+                              ? 1
+                              : 2;
         else if (strcmp(argv[i], "--batches") == 0)
-            opt.batches = strtoull(argv[i + 1], NULL, 10);
+            opt.batches = em_test_parse_count("bench_table", "--batches", argv[i + 1],
+                                              UINT64_MAX);
         else if (strcmp(argv[i], "--batch-keys") == 0) {
             unsigned long keys = strtoul(argv[i + 1], NULL, 10);
             if (keys < 8 || keys > 65536 || keys % 8 != 0) {
@@ -242,8 +273,15 @@ int main(int argc, char **argv)
             batch_keys = (uint32_t)keys;
             batch_rows = batch_keys / 8;
         }
-        else if (strcmp(argv[i], "--gradient") == 0)
-            opt.gradient = strtof(argv[i + 1], NULL);
+        else if (strcmp(argv[i], "--gradient") == 0) {
+            char *end = NULL;
+            opt.gradient = strtof(argv[i + 1], &end);
+            if (end == argv[i + 1] || *end != '\0' || !isfinite(opt.gradient)) {
+                fprintf(stderr, "bench_table: --gradient '%s': expected a finite number\n",
+                        argv[i + 1]);
+                return 2;
+            }
+        }
         else if (strcmp(argv[i], "--new-keys") == 0) {
             opt.new_keys = strtod(argv[i + 1], NULL);
             if (!(opt.new_keys >= 0 && opt.new_keys <= 1)) {
@@ -260,6 +298,9 @@ int main(int argc, char **argv)
                 fprintf(stderr, "bench_table: unknown optimizer '%s'\n", argv[i + 1]);
                 return 2;
             }
+        } else {
+            fprintf(stderr, "bench_table: unknown option '%s'\n" TABLE_USAGE, argv[i]);
+            return 2;
         }
     }
     em_test_print_machine(NULL);

@@ -1,6 +1,7 @@
 #include "tests/support/test_support.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -82,6 +83,21 @@ double em_test_now(void)
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+uint64_t em_test_parse_count(const char *program, const char *option, const char *text,
+                             uint64_t most)
+{
+    char *end = NULL;
+    errno = 0;
+    unsigned long long value = strtoull(text, &end, 10);
+    if (errno != 0 || end == text || *end != '\0' || text[0] == '-' || value < 1 ||
+        value > most) {
+        fprintf(stderr, "%s: %s '%s': expected a whole number from 1 to %" PRIu64 "\n", program,
+                option, text, most);
+        exit(2);
+    }
+    return value;
 }
 
 void em_test_print_machine(const char *note)

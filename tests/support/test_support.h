@@ -35,6 +35,12 @@ double em_test_now(void);
 /* Prints "machine: <CPU model>, <n> logical CPUs<note>" for benchmark tables. */
 void em_test_print_machine(const char *note);
 
+/* A benchmark's option: text as a whole number from 1 to most, else the program ends
+ * (exit status 2) with "<program>: <option> '<text>': expected a whole number from 1 to
+ * <most>". */
+uint64_t em_test_parse_count(const char *program, const char *option, const char *text,
+                             uint64_t most);
+
 /* A new empty directory named <TMPDIR or /tmp>/<prefix>-XXXXXX, written to path. */
 void em_test_make_dir(const char *prefix, char *path, size_t capacity);
 
