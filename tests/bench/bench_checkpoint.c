@@ -25,6 +25,7 @@
  *                    [--backend cpu|cuda] [--pairs P (1 to 9, 5 by default)]
  */
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -467,8 +468,9 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--seconds") == 0) {
             char *end = NULL;
             opt.seconds = strtod(value, &end);
-            if (end == value || *end != '\0' || !(opt.seconds > 0)) {
-                fprintf(stderr, "bench_checkpoint: --seconds '%s': expected a number above 0\n",
+            if (end == value || *end != '\0' || !(opt.seconds > 0 && isfinite(opt.seconds))) {
+                fprintf(stderr,
+                        "bench_checkpoint: --seconds '%s': expected a finite number above 0\n",
                         value);
                 return 2;
             }

@@ -233,8 +233,10 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--seconds") == 0) {
             char *end = NULL;
             opt.seconds = strtod(argv[i + 1], &end);
-            if (end == argv[i + 1] || *end != '\0' || !(opt.seconds > 0)) {
-                fprintf(stderr, "bench_table: --seconds '%s': expected a number above 0\n",
+            if (end == argv[i + 1] || *end != '\0' ||
+                !(opt.seconds > 0 && isfinite(opt.seconds))) {
+                fprintf(stderr,
+                        "bench_table: --seconds '%s': expected a finite number above 0\n",
                         argv[i + 1]);
                 return 2;
             }

@@ -91,7 +91,8 @@ uint64_t em_test_parse_count(const char *program, const char *option, const char
     char *end = NULL;
     errno = 0;
     unsigned long long value = strtoull(text, &end, 10);
-    if (errno != 0 || end == text || *end != '\0' || text[0] == '-' || value < 1 ||
+    /* strtoull takes "-1" (after blanks too) as 2^64 - 1 */
+    if (errno != 0 || end == text || *end != '\0' || strchr(text, '-') != NULL || value < 1 ||
         value > most) {
         fprintf(stderr, "%s: %s '%s': expected a whole number from 1 to %" PRIu64 "\n", program,
                 option, text, most);
