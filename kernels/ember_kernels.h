@@ -391,6 +391,14 @@ typedef struct em_gpu_shards {
 em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                          const uint64_t *keys, uint64_t n, const uint32_t *count,
                                          uint64_t *rows, uint64_t *missing);
+/* The first *count of keys[0..n) (a device word, at most n), each in its shard s
+ * (em_key_shard over shards.count): rows[i] its row as its own shard numbers it (not
+ * row_base[s] + it), or ROW_NONE, and missing[s] (shards.count device words) += the
+ * absent keys of shard s. Keys in shard order (a partition's) count with an atomic per
+ * shard a warp. */
+em_gpu_status em_gpu_shards_find_local(em_gpu_stream *stream, em_gpu_shards shards,
+                                       const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                       uint64_t *rows, uint64_t *missing);
 /* What a step decided on the GPU looks at (device words, each NULL for none): it steps
  * the first *count rows, and none at all when *missing is not 0 (keys the find did not
  * find) or *problem is not UINT64_MAX (a check found a row the step would break). With

@@ -752,6 +752,15 @@ EM_HOST_DEVICE uint64_t em_gpu_shards_row(em_gpu_shards shards, uint32_t s, uint
     return row == EM_GPU_ROW_NONE ? row : shards.row_base[s] + row;
 }
 
+/* em_gpu_map_find_item of keys[i] in its shard's map, the row as that shard numbers it;
+ * *shard gets the shard. */
+EM_HOST_DEVICE int em_gpu_shards_find_local_item(em_gpu_shards shards, const uint64_t *keys,
+                                                 uint64_t i, uint64_t *rows, uint32_t *shard)
+{
+    *shard = em_key_shard(keys[i], shards.count);
+    return em_gpu_map_find_item(shards.maps[*shard], keys, i, rows);
+}
+
 /* em_gpu_map_find_item over a device's shards of one table (em_gpu_shards). */
 EM_HOST_DEVICE int em_gpu_shards_find_item(em_gpu_shards shards, const uint64_t *keys, uint64_t i,
                                            uint64_t *rows)

@@ -117,6 +117,59 @@ __global__ void find_each_kernel(Seen seen, const uint64_t *keys, uint64_t n,
         atomicAdd((unsigned long long *)missing, (unsigned long long)absent);
 }
 
+/* Adds the absent keys of the warp's lanes to their shards' counts, one atomic for each
+ * shard among them (its lowest lane's): s is the lane's shard (UINT32_MAX for none).
+ * Every lane of the warp calls it. */
+__device__ inline void count_absent_by_shard(uint32_t s, bool absent, uint64_t *missing)
+{
+    uint32_t peers = __match_any_sync(WARP_MASK, s);
+    uint32_t absent_peers = __ballot_sync(WARP_MASK, absent) & peers;
+    if ((threadIdx.x & 31u) == (uint32_t)(__ffs(peers) - 1) && absent_peers != 0)
+        atomicAdd((unsigned long long *)&missing[s], (unsigned long long)__popc(absent_peers));
+}
+
+/* em_gpu_shards_find_local, a group of threads a key: the lanes of a warp step through
+ * the keys together (a warp's first key, then its groups' keys after it), so that they
+ * count together at each step. */
+__global__ void shards_find_local_grouped_kernel(em_gpu_shards shards, const uint64_t *keys,
+                                                 uint64_t n, const uint32_t *count,
+                                                 uint64_t *rows, uint64_t *missing)
+{
+    bucket_group group = cg::tiled_partition<EM_GPU_BUCKET_SLOTS>(cg::this_thread_block());
+    uint64_t end = *count < n ? *count : n;
+    uint32_t lane = threadIdx.x & 31u;
+    for (uint64_t first = (EM_GPU_THREAD_INDEX - lane) / EM_GPU_BUCKET_SLOTS; first < end;
+         first += EM_GPU_THREAD_COUNT / EM_GPU_BUCKET_SLOTS) {
+        uint64_t i = first + lane / EM_GPU_BUCKET_SLOTS;
+        uint32_t s = UINT32_MAX;
+        bool absent = false;
+        if (i < end) { /* the same for the whole group */
+            s = em_key_shard(keys[i], shards.count);
+            uint64_t row = lookup_grouped(group, shards.maps[s], keys[i]);
+            if (group.thread_rank() == 0) {
+                rows[i] = row;
+                absent = row == EM_GPU_ROW_NONE;
+            }
+        }
+        count_absent_by_shard(s, absent, missing);
+    }
+}
+
+/* The same, a thread a key. */
+__global__ void shards_find_local_each_kernel(em_gpu_shards shards, const uint64_t *keys,
+                                              uint64_t n, const uint32_t *count, uint64_t *rows,
+                                              uint64_t *missing)
+{
+    uint64_t end = *count < n ? *count : n;
+    uint32_t lane = threadIdx.x & 31u;
+    for (uint64_t first = EM_GPU_THREAD_INDEX - lane; first < end; first += EM_GPU_THREAD_COUNT) {
+        uint64_t i = first + lane;
+        uint32_t s = UINT32_MAX;
+        bool absent = i < end && em_gpu_shards_find_local_item(shards, keys, i, rows, &s) != 0;
+        count_absent_by_shard(s, absent, missing);
+    }
+}
+
 /* The threads a GPU holds at once (its multiprocessors times the threads each holds),
  * read once per GPU; 0 when the runtime cannot say. */
 static uint64_t resident_threads(int ordinal)
@@ -340,6 +393,21 @@ extern "C" em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gp
         return em_gpu_ok();
     EM_GPU_TRY(em_gpu_use(stream));
     return launch_find(stream, shards, keys, n, count, rows, missing, EM_GPU_FIND_AUTO);
+}
+
+extern "C" em_gpu_status em_gpu_shards_find_local(em_gpu_stream *stream, em_gpu_shards shards,
+                                                  const uint64_t *keys, uint64_t n,
+                                                  const uint32_t *count, uint64_t *rows,
+                                                  uint64_t *missing)
+{
+    if (n == 0)
+        return em_gpu_ok();
+    EM_GPU_TRY(em_gpu_use(stream));
+    if (find_form(stream, n, EM_GPU_FIND_AUTO) == EM_GPU_FIND_EACH)
+        return EM_GPU_LAUNCH(shards_find_local_each_kernel, n, stream, shards, keys, n, count,
+                             rows, missing);
+    return EM_GPU_LAUNCH(shards_find_local_grouped_kernel, n * EM_GPU_BUCKET_SLOTS, stream,
+                         shards, keys, n, count, rows, missing);
 }
 
 extern "C" em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map,

@@ -697,6 +697,7 @@ static const em_device_ops cuda_device_ops = {
     .spread_keys_async = em__cuda_spread_keys_async,
     .partition_keys = em__cuda_partition_keys,
     .unique_partition_keys = em__cuda_unique_partition_keys,
+    .unique_partition_find_async = em__cuda_unique_partition_find_async,
     .sum_gradients = em__cuda_sum_gradients,
     .combine = em__cuda_combine,
     .copy_repeats = em__cuda_copy_repeats,

@@ -272,6 +272,51 @@ em_status em__cuda_unique_partition_keys(em_lane *base, const uint64_t *keys, ui
     return EM_OK;
 }
 
+/* The dedupe and partition of keys[0..n) and the finds of the partitioned keys in their
+ * shards, with no wait (device.h: unique_partition_find_async): the find reads the
+ * dedupe's count on the GPU, and the shards' starts and missing counts come back at the
+ * lane's next synchronisation. */
+em_status em__cuda_unique_partition_find_async(em_shard *const *shards, uint32_t shard_count,
+                                              em_lane *base, const uint64_t *keys, uint64_t n,
+                                              uint64_t *unique, uint32_t *inverse,
+                                              uint32_t *first_positions, uint64_t *partitioned,
+                                              uint32_t *position, uint32_t *targets,
+                                              uint64_t *rows, uint32_t *shard_starts,
+                                              uint64_t *missing, em_error *err)
+{
+    cuda_lane *lane = lane_of(base);
+    scratch s = {.device = base->device};
+    uint32_t *rank = NULL, *starts = NULL;
+    uint64_t *counts = NULL;
+    em_status status = n == 0 || shard_count < 2
+                           ? em_error_set(err, EM_INTERNAL,
+                                          "a find with the partition of %" PRIu64
+                                          " keys over %u shard(s)", n, shard_count)
+                           : enqueue_unique(lane, &s, keys, n, unique, inverse, first_positions,
+                                            &rank, err);
+    const uint32_t *count = rank != NULL ? rank + n : NULL;
+    if (status == EM_OK)
+        status = enqueue_partition(lane, &s, unique, n, count, shard_count, first_positions,
+                                   partitioned, position, targets, &starts, err);
+    if (status == EM_OK)
+        status = scratch_take(&s, shard_count * sizeof(uint64_t), "missing counts",
+                              (void **)&counts, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_memset_async(lane->stream, counts, 0,
+                                                      shard_count * sizeof(uint64_t)), err);
+    if (status == EM_OK)
+        status = em__cuda_shards_find_local_async(shards, shard_count, lane, partitioned, n,
+                                                  count, rows, counts, err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_host_later(base, shard_starts, starts,
+                                             ((size_t)shard_count + 1) * sizeof(uint32_t), err);
+    if (status == EM_OK)
+        status = em__cuda_copy_to_host_later(base, missing, counts,
+                                             shard_count * sizeof(uint64_t), err);
+    /* the scratch is freed once the lane has synchronized, after the kernels that read it */
+    return em__cuda_finish_async(&s, lane, status, err);
+}
+
 _Static_assert(EM_SPREAD_MAX == EM_GPU_SPREAD_MAX, "a spread is the same on both sides");
 
 /* A counted partition by shard, then each device's keys into its bucket (device.h:

@@ -38,8 +38,9 @@
 /* Pinned bytes after a lane's staging halves for small reads back (counts). */
 #define READBACK_BYTES ((size_t)256)
 /* And after those, for reads back that land at the lane's next synchronisation
- * (copy_to_host_later): LATER_MAX of them, LATER_BYTES in all. */
-#define LATER_BYTES ((size_t)128)
+ * (copy_to_host_later): LATER_MAX of them, LATER_BYTES in all (room for the starts and
+ * missing counts of 64 shards, unique_partition_find_async's). */
+#define LATER_BYTES ((size_t)1024)
 /* A lane's pinned readback memory (em__cuda_lane_readback) grows up to this much: an
  * eviction whose walks need more reads a shard at a time, or through staging. */
 #define LANE_READBACK_MAX ((size_t)64 << 20)
@@ -293,6 +294,22 @@ em_status em__cuda_unique_partition_keys(em_lane *base, const uint64_t *keys, ui
                                          uint64_t *partitioned, uint32_t *position,
                                          uint32_t *targets, uint64_t *unique_count,
                                          uint64_t *shard_counts, em_error *err);
+
+em_status em__cuda_unique_partition_find_async(em_shard *const *shards, uint32_t shard_count,
+                                              em_lane *base, const uint64_t *keys, uint64_t n,
+                                              uint64_t *unique, uint32_t *inverse,
+                                              uint32_t *first_positions, uint64_t *partitioned,
+                                              uint32_t *position, uint32_t *targets,
+                                              uint64_t *rows, uint32_t *shard_starts,
+                                              uint64_t *missing, em_error *err);
+/* unique_partition_find_async's finds: the first *unique_count of keys[0..n) (a device
+ * word), each in its shard among shards[0..count) (count > 1, every one this lane's
+ * device's), rows as each shard numbers them, missing[s] (device words, zeroed) += shard
+ * s's absent keys; ordered after the shards' writes on other lanes, and recorded. */
+em_status em__cuda_shards_find_local_async(em_shard *const *shards, uint32_t count,
+                                           cuda_lane *lane, const uint64_t *keys, uint64_t n,
+                                           const uint32_t *unique_count, uint64_t *rows,
+                                           uint64_t *missing, em_error *err);
 
 em_status em__cuda_sum_gradients(em_lane *base, const em_device_batch *batch,
                                  em_combiner combiner, uint32_t dim, const float *gradients,

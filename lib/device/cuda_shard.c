@@ -1280,6 +1280,26 @@ static em_status record_shards(em_shard *const *bases, uint32_t count, cuda_lane
     return status;
 }
 
+em_status em__cuda_shards_find_local_async(em_shard *const *shards, uint32_t count,
+                                           cuda_lane *lane, const uint64_t *keys, uint64_t n,
+                                           const uint32_t *unique_count, uint64_t *rows,
+                                           uint64_t *missing, em_error *err)
+{
+    shards_seen seen;
+    em_status status = count > 1 ? see_shards(shards, count, lane, &seen, err)
+                                 : em_error_set(err, EM_INTERNAL, "a find over %u shard(s) "
+                                                "as one", count);
+    if (status == EM_OK)
+        status = order_shards(shards, count, lane, false, err);
+    if (status == EM_OK)
+        status = lane_check(lane, em_gpu_shards_find_local(lane->stream, seen.shards, keys, n,
+                                                           unique_count, rows, missing),
+                            err);
+    if (status == EM_OK)
+        status = record_shards(shards, count, lane, false, err);
+    return status;
+}
+
 /* The pull of a table in a single pass of the GPU (device.h: shards_pull_async): find,
  * the insert of the absent keys when creating, the output straight from the rows, and
  * the touch (without creating, only when every key was found, decided on the GPU); the

@@ -210,6 +210,21 @@ typedef struct em_device_ops {
                                        uint32_t *position, uint32_t *targets,
                                        uint64_t *unique_count, uint64_t *shard_counts,
                                        em_error *err);
+    /* unique_partition_keys for a table whose shards[0..shard_count) (2 or more) are all
+     * on this device, and the finds of its keys there, enqueued with no wait: rows (n
+     * entries) gets partitioned[i]'s row in its shard (as the shard numbers it) or NONE;
+     * when the lane next synchronizes, shard_starts (host memory, shard_count + 1
+     * entries) gets where each shard's keys begin and where the last one's end (the
+     * unique count), and missing (host memory, shard_count entries) each shard's absent
+     * keys. So the general way's dedupe, partition and find wait once, not twice. The
+     * caller holds every shard's read lock until it returns. NULL on the CPU. */
+    em_status (*unique_partition_find_async)(em_shard *const *shards, uint32_t shard_count,
+                                             em_lane *lane, const uint64_t *keys, uint64_t n,
+                                             uint64_t *unique, uint32_t *inverse,
+                                             uint32_t *first, uint64_t *partitioned,
+                                             uint32_t *position, uint32_t *targets,
+                                             uint64_t *rows, uint32_t *shard_starts,
+                                             uint64_t *missing, em_error *err);
     /* Push: partitioned_gradients[position[u]] = sum, starting from -0.0 (the identity
      * of IEEE addition, so a key's only gradient is copied bit for bit), over the
      * batch's keys k with inverse[k] = u, in order of k, of the key's gradient (NONE:

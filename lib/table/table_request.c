@@ -739,6 +739,68 @@ static em_status dedupe_and_partition(request_context *r, const uint64_t *host_k
     return status;
 }
 
+/* Whether the dedupe, partition and find of a request's nnz keys go in one operation of
+ * the home device with one wait (unique_partition_find_async): its table has two shards
+ * or more, all at home, and the keys are to be found. */
+static bool finds_with_partition(const request_context *r, uint64_t nnz)
+{
+    return r->home->ops->unique_partition_find_async != NULL && nnz > 0 &&
+           r->table->shard_count > 1 && em__shards_at_home(r) && !r->keys_absent;
+}
+
+/* em__plan_and_find in one operation of the home device and one wait
+ * (finds_with_partition), under every shard's read lock while it is enqueued. */
+static em_status dedupe_partition_and_find(request_context *r, const uint64_t *host_keys,
+                                           uint64_t nnz, bool want_targets, em_error *err)
+{
+    em_table *table = r->table;
+    uint32_t shards = table->shard_count;
+    uint64_t *unique = NULL, *rows = NULL;
+    uint32_t *inverse = NULL, *position = NULL;
+    uint32_t *starts = malloc(((size_t)shards + 1) * sizeof(*starts));
+    em_status status = starts != NULL ? dedupe_buffers(r, host_keys, nnz, &unique, &inverse, err)
+                                      : em_error_set(err, EM_RESOURCE_EXHAUSTED,
+                                                     "table '%s': out of host memory",
+                                                     table->config.name);
+    if (status == EM_OK)
+        status = partition_buffers(r, nnz, want_targets, &position, err);
+    if (status == EM_OK)
+        status = em__request_alloc(r, r->home, nnz * sizeof(uint64_t), "key rows",
+                                   (void **)&rows, err);
+    if (status == EM_OK) { /* keys are created (and maps grow) under the write locks */
+        em__lock_all_shards(table, false);
+        for (uint32_t s = 0; s < shards; s++)
+            r->shard_seen[s] = atomic_load_explicit(&table->shard_creations[s].value,
+                                                    memory_order_relaxed);
+        status = r->home->ops->unique_partition_find_async(
+            table->shards, shards, r->home_lane, r->keys, nnz, unique, inverse, r->first,
+            r->partitioned, position, r->targets, rows, starts, r->shard_missing, err);
+        em__unlock_all_shards(table);
+    }
+    if (starts != NULL) { /* what was enqueued is done before its buffers go back */
+        em_error later;
+        em_status synchronized =
+            r->home->ops->synchronize(r->home_lane, status == EM_OK ? err : &later);
+        if (status == EM_OK)
+            status = synchronized;
+    }
+    if (status == EM_OK) {
+        for (uint32_t s = 0; s <= shards; s++)
+            r->shard_start[s] = starts[s];
+        r->batch.unique_count = starts[shards];
+        plan_segments(r);
+        r->missing = 0;
+        for (uint32_t d = 0; d < table->backend->device_count; d++) {
+            segment *seg = &r->segments[d]; /* the home one holds every key */
+            seg->keys = r->partitioned + seg->begin;
+            seg->rows = seg->count > 0 ? rows + seg->begin : NULL;
+            r->missing += segment_missing(r, seg);
+        }
+    }
+    free(starts);
+    return status;
+}
+
 /* Stages the batch keys, dedupes, partitions, sends each device its keys and finds
  * them. Changes nothing in the table. want_targets asks for the output position of
  * every partitioned key (for gathering straight into a per-key output). */
@@ -747,6 +809,8 @@ em_status em__plan_and_find(request_context *r, const uint64_t *host_keys, uint6
 {
     uint64_t *unique = NULL;
     em_status status = EM_OK;
+    if (finds_with_partition(r, nnz))
+        return dedupe_partition_and_find(r, host_keys, nnz, want_targets, err);
     if (r->home->ops->unique_partition_keys != NULL && nnz > 0) {
         status = dedupe_and_partition(r, host_keys, nnz, want_targets, err);
     } else {

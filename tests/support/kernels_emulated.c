@@ -955,6 +955,24 @@ em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
     return ok();
 }
 
+em_gpu_status em_gpu_shards_find_local(em_gpu_stream *stream, em_gpu_shards shards,
+                                       const uint64_t *keys, uint64_t n, const uint32_t *count,
+                                       uint64_t *rows, uint64_t *missing)
+{
+    (void)stream;
+    if (n == 0)
+        return ok();
+    enter_device();
+    uint64_t end = *count < n ? *count : n;
+    for (uint64_t i = 0; i < end; i++) {
+        uint32_t s = 0;
+        int absent = em_gpu_shards_find_local_item(shards, keys, i, rows, &s);
+        missing[s] += (uint64_t)absent;
+    }
+    leave_device();
+    return ok();
+}
+
 em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
                                          const uint64_t *keys, uint64_t n, const uint32_t *count,
                                          uint64_t *rows, uint64_t *missing)
