@@ -3468,6 +3468,93 @@ START_TEST(rows_accessed_past_the_clock_are_chosen_as_the_host_does)
 }
 END_TEST
 
+/* A table of several shards on one GPU dedupes, partitions and finds its keys in one
+ * go (device.h: unique_partition_find_async): each shard's missing keys counted on the
+ * GPU, a warp's keys often in two shards. Requests of 700 keys, with repeats, about half
+ * of them stored and half new, pushes and creating pulls in turn, into a full lru table
+ * of 4,096 rows over 8 or 5 shards (loop index), candidates 1,024 (each window its whole
+ * shard, so the choice does not depend on the order of the map's slots): request by
+ * request the CPU backend and the GPU evict the same keys, create as many and return the
+ * same vectors, and their rows end the same bit for bit. */
+START_TEST(several_shards_count_missing_keys_as_the_cpu)
+{
+    enum { DIM = 4, ROUNDS = 16, BATCH = 700, CAPACITY = 4096 };
+    em_backend *backends[2] = {cpu_backend(), gpu_backend(1, GPU_POOL_BYTES, false)};
+    em_table_config config = table_config(DIM, CAPACITY, _i == 0 ? 8 : 5,
+                                          EM_OPTIMIZER_ADAGRAD, EM_INIT_UNIFORM);
+    config.eviction.policy = EM_EVICTION_LRU;
+    config.eviction.candidates = 1024;
+    config.eviction.ring = EM_EVICTION_RING_MAX;
+    em_table *tables[2] = {em_test_make_table(backends[0], &config),
+                           em_test_make_table(backends[1], &config)};
+    em_test_rng rng;
+    em_test_rng_init(&rng, em_test_seed() + (uint64_t)_i);
+    uint64_t keys[BATCH], next_key = 1, seen[2] = {0, 0}, count[2];
+    static float values[2][BATCH * DIM];
+    float gradients[BATCH * DIM];
+    uint64_t *evicted[2] = {malloc(CAPACITY * 2 * sizeof(uint64_t)),
+                            malloc(CAPACITY * 2 * sizeof(uint64_t))};
+    em_error err;
+    for (int round = 0; round < ROUNDS; round++) {
+        for (uint32_t i = 0; i < BATCH; i++) {
+            uint64_t pick = em_test_rng_below(&rng, 8);
+            keys[i] = i > 0 && pick == 0  ? keys[em_test_rng_below(&rng, i)] /* a repeat */
+                      : pick < 4 || next_key < CAPACITY ? next_key++
+                      : next_key - CAPACITY / 2 + em_test_rng_below(&rng, CAPACITY / 2);
+        }
+        for (uint32_t j = 0; j < BATCH * DIM; j++)
+            gradients[j] = 0.002f * (float)((round + j) % 5) - 0.004f;
+        em_test_batch b = em_test_key_batch(keys, BATCH);
+        uint64_t created[2];
+        for (int t = 0; t < 2; t++) {
+            em_table_stats before;
+            em_table_get_stats(tables[t], &before);
+            em_status status =
+                round % 2 == 0
+                    ? em_test_push(tables[t], &b.csr, EM_COMBINER_NONE, gradients, NULL, &err)
+                    : em_test_pull(tables[t], &b.csr, EM_COMBINER_NONE, true, values[t], NULL,
+                                   &err);
+            ck_assert_msg(status == EM_OK, "%s, round %d: %s", t == 0 ? "cpu" : "gpu", round,
+                          err.message);
+            em_table_stats after;
+            em_table_get_stats(tables[t], &after);
+            created[t] = after.rows_created - before.rows_created;
+            em_evicted_view view;
+            ck_assert_int_eq(em_table_evicted(tables[t], seen[t], CAPACITY * 2, evicted[t],
+                                              &view, &err), EM_OK);
+            ck_assert_uint_eq(view.missed, 0);
+            seen[t] = view.total;
+            count[t] = view.count;
+            qsort(evicted[t], count[t], sizeof(uint64_t), compare_keys);
+        }
+        em_test_batch_free(&b);
+        ck_assert_msg(created[0] == created[1], "round %d: the cpu created %" PRIu64
+                      " keys, the gpu %" PRIu64, round, created[0], created[1]);
+        ck_assert_uint_eq(count[0], count[1]);
+        for (uint64_t i = 0; i < count[0]; i++)
+            ck_assert_msg(evicted[0][i] == evicted[1][i],
+                          "round %d: the cpu evicted key %" PRIu64 ", the gpu %" PRIu64, round,
+                          evicted[0][i], evicted[1][i]);
+        if (round % 2 == 1)
+            ck_assert_mem_eq(values[1], values[0], sizeof(values[0]));
+    }
+    em_table_stats stats;
+    em_table_get_stats(tables[1], &stats);
+    ck_assert_uint_eq(stats.rows, CAPACITY);
+    ck_assert_uint_gt(stats.rows_evicted, 0);
+    em_test_snapshot a = em_test_snapshot_take(tables[0], 1024);
+    em_test_snapshot g = em_test_snapshot_take(tables[1], 1024);
+    em_test_assert_snapshots_identical(&a, &g);
+    em_test_snapshot_free(&a);
+    em_test_snapshot_free(&g);
+    for (int t = 0; t < 2; t++) {
+        free(evicted[t]);
+        em_table_destroy(tables[t]);
+        em_backend_destroy(backends[t]);
+    }
+}
+END_TEST
+
 /* A shard of more than a million rows, full, and a push of 8,192 new keys with 256
  * candidates a row: a window of 2,097,152 entries, which is the whole shard. The GPU
  * chooses from a read ahead of up to 4 Mi entries (the host's stops at 1 Mi, and the rest
@@ -3909,6 +3996,8 @@ static Suite *gpu_backend_suite(void)
     tcase_set_timeout(choice, 600);
     tcase_add_loop_test(choice, evictions_chosen_on_the_gpu_are_the_hosts, 0, 12);
     tcase_add_test(choice, a_shard_of_over_a_million_rows_evicts_on_the_gpu);
+    tcase_add_loop_test(choice, several_shards_count_missing_keys_as_the_cpu,
+                        0, 2);
     tcase_add_loop_test(choice, rows_accessed_past_the_clock_are_chosen_as_the_host_does, 0, 2);
     suite_add_tcase(suite, choice);
     /* requests of tables over two GPUs, a case of its own, which CK_RUN_CASE=spread runs
