@@ -451,8 +451,30 @@ static em_status add_block(cuda_shard *shard, em_error *err)
     return EM_OK;
 }
 
+/* After an upload of a shard's tables on lane (the caller ordered the lane after every
+ * read and write of the shard on the others, order_write): the tables it replaced go
+ * back to the pool once the lane has synchronized, and the upload is recorded as the
+ * shard's last write, so that other lanes' work with the new tables waits for it
+ * (order_read) while this lane goes on without waiting. */
+static em_status retire_after_upload(cuda_shard *shard, cuda_lane *lane, void *const *retired,
+                                     uint32_t count, em_error *err)
+{
+    em_status status = record_write(shard, lane, err);
+    for (uint32_t i = 0; i < count; i++) {
+        if (retired[i] == NULL)
+            continue;
+        em_error later;
+        em_status freed = status == EM_OK ? em__cuda_free_later(lane, retired[i], err)
+                                          : em__cuda_free_later(lane, retired[i], &later);
+        if (status == EM_OK)
+            status = freed;
+    }
+    return status;
+}
+
 /* Adds row blocks until the storage holds `rows` rows. Blocks added before a failure
- * stay (spare capacity) and are published like the others. */
+ * stay (spare capacity) and are published like the others. The caller ordered the lane
+ * after the shard's work on other lanes (order_write). */
 static em_status reserve_storage(cuda_shard *shard, cuda_lane *lane, uint64_t rows, em_error *err)
 {
     if (storage_rows(shard) >= rows)
@@ -475,10 +497,9 @@ static em_status reserve_storage(cuda_shard *shard, cuda_lane *lane, uint64_t ro
         (shard->block_count != before || retired[1] != NULL))
         published = em__cuda_copy_to_device(&lane->base, shard->device_access, shard->access,
                                             shard->block_count * sizeof(void *), &upload_error);
+    em_status retired_status = retire_after_upload(shard, lane, retired, 2, &upload_error);
     if (published == EM_OK)
-        published = em__cuda_lane_sync(lane, &upload_error);
-    em_device_free(shard->base.device, retired[0]);
-    em_device_free(shard->base.device, retired[1]);
+        published = retired_status;
     if (status == EM_OK && published != EM_OK)
         return em_error_copy(err, &upload_error);
     return status;
@@ -966,12 +987,16 @@ em_status em__cuda_shards_insert_missing_async(em_shard *const *shards, uint32_t
 
 /* Makes the free list hold count rows, keeping the ones on it. It grows to half as much
  * again as asked at least: a full table's requests each evict about as many rows as the
- * one before, a few more or less, and each growth waits for the lane. */
+ * one before, a few more or less. The list's copy is ordered after the shard's work on
+ * other lanes (order_write), and the old list goes back once the lane has synchronized. */
 static em_status reserve_free_rows(cuda_shard *shard, cuda_lane *lane, uint64_t count,
                                    em_error *err)
 {
     if (count <= shard->free_capacity)
         return EM_OK;
+    em_status ordered = order_write(shard, lane, err);
+    if (ordered != EM_OK)
+        return ordered;
     uint64_t capacity = shard->free_capacity < 1024 ? 1024 : 2 * shard->free_capacity;
     if (capacity < count + count / 2)
         capacity = count + count / 2;
@@ -983,16 +1008,15 @@ static em_status reserve_free_rows(cuda_shard *shard, cuda_lane *lane, uint64_t 
     if (shard->free_count > 0)
         status = lane_check(lane, em_gpu_memcpy_async(lane->stream, grown, shard->free_rows,
                                                       shard->free_count * sizeof(uint64_t)), err);
-    if (status == EM_OK)
-        status = em__cuda_lane_sync(lane, err);
-    if (status != EM_OK) {
-        em_device_free(shard->base.device, grown);
+    if (status != EM_OK) { /* the copy may still be enqueued: the new list too goes later */
+        em_error later;
+        (void)em__cuda_free_later(lane, grown, &later);
         return status;
     }
-    em_device_free(shard->base.device, shard->free_rows);
+    void *retired = shard->free_rows;
     shard->free_rows = grown;
     shard->free_capacity = capacity;
-    return EM_OK;
+    return retire_after_upload(shard, lane, &retired, 1, err);
 }
 
 /* Enqueues the erase of keys[0..n) where rows is NULL or rows[i] is stored (keys and

@@ -1588,6 +1588,8 @@ START_TEST(shards_of_one_gpu_evict_together)
                                          .rows = checks[i].rows};
     void **balloon = _i == 1 ? balloon_leaving(d.gpu, 64 * 1024) : NULL;
     uint64_t operations = 0, before = 0, after = 0;
+    em_error err; /* the shards' set-up (their row blocks' upload) is not the eviction's */
+    ck_assert_int_eq(d.gpu->ops->synchronize(d.gpu_lane, &err), EM_OK);
     em_gpu_emulated_counts(&operations, &before);
     shards_evict(&d, parts, 2);
     em_gpu_emulated_counts(&operations, &after);
