@@ -497,9 +497,12 @@ static em_status reserve_storage(cuda_shard *shard, cuda_lane *lane, uint64_t ro
         (shard->block_count != before || retired[1] != NULL))
         published = em__cuda_copy_to_device(&lane->base, shard->device_access, shard->access,
                                             shard->block_count * sizeof(void *), &upload_error);
-    em_status retired_status = retire_after_upload(shard, lane, retired, 2, &upload_error);
-    if (published == EM_OK)
+    em_error retire_error;
+    em_status retired_status = retire_after_upload(shard, lane, retired, 2, &retire_error);
+    if (published == EM_OK && retired_status != EM_OK) {
         published = retired_status;
+        upload_error = retire_error;
+    }
     if (status == EM_OK && published != EM_OK)
         return em_error_copy(err, &upload_error);
     return status;
