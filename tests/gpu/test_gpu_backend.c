@@ -3307,6 +3307,30 @@ static int compare_keys(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* The keys the table evicted since *seen (the ring's total then; *seen moves on), at
+ * most max of them, into keys, sorted; their count. The ring must have dropped none. */
+static uint64_t evicted_since(em_table *table, uint64_t *seen, uint64_t max, uint64_t *keys)
+{
+    em_evicted_view view;
+    em_error err;
+    ck_assert_int_eq(em_table_evicted(table, *seen, max, keys, &view, &err), EM_OK);
+    ck_assert_uint_eq(view.missed, 0);
+    *seen = view.total;
+    qsort(keys, view.count, sizeof(uint64_t), compare_keys);
+    return view.count;
+}
+
+/* Two tables evicted the same keys in a round (evicted_since's, of tables named a and b). */
+static void assert_same_evicted(int round, const char *a, const char *b,
+                                uint64_t *const evicted[2], const uint64_t count[2])
+{
+    ck_assert_uint_eq(count[0], count[1]);
+    for (uint64_t i = 0; i < count[0]; i++)
+        ck_assert_msg(evicted[0][i] == evicted[1][i],
+                      "round %d: the %s evicted key %" PRIu64 ", the %s %" PRIu64, round, a,
+                      evicted[0][i], b, evicted[1][i]);
+}
+
 /* Two GPU backends: gpus[0] chooses every eviction on the GPU (gpu_choice_entries 1),
  * gpus[1] none (UINT64_MAX). */
 static void choosing_backends(em_backend *gpus[2])
@@ -3362,20 +3386,10 @@ START_TEST(evictions_chosen_on_the_gpu_are_the_hosts)
                     : em_test_pull(tables[t], &b.csr, EM_COMBINER_NONE, true, values, NULL, &err);
             ck_assert_msg(status == EM_OK, "%s, round %d: %s", t == 0 ? "gpu choice" : "host choice",
                           round, err.message);
-            em_evicted_view view;
-            ck_assert_int_eq(em_table_evicted(tables[t], seen[t], capacity * 2, evicted[t], &view,
-                                              &err), EM_OK);
-            ck_assert_uint_eq(view.missed, 0);
-            seen[t] = view.total;
-            count[t] = view.count;
-            qsort(evicted[t], count[t], sizeof(uint64_t), compare_keys);
+            count[t] = evicted_since(tables[t], &seen[t], capacity * 2, evicted[t]);
         }
         em_test_batch_free(&b);
-        ck_assert_uint_eq(count[0], count[1]);
-        for (uint64_t i = 0; i < count[0]; i++)
-            ck_assert_msg(evicted[0][i] == evicted[1][i],
-                          "round %d: the gpu evicted key %" PRIu64 ", the host %" PRIu64, round,
-                          evicted[0][i], evicted[1][i]);
+        assert_same_evicted(round, "gpu", "host", evicted, count);
     }
     em_test_snapshot a = em_test_snapshot_take(tables[0], 1024);
     em_test_snapshot b = em_test_snapshot_take(tables[1], 1024);
@@ -3521,22 +3535,12 @@ START_TEST(several_shards_count_missing_keys_as_the_cpu)
             em_table_stats after;
             em_table_get_stats(tables[t], &after);
             created[t] = after.rows_created - before.rows_created;
-            em_evicted_view view;
-            ck_assert_int_eq(em_table_evicted(tables[t], seen[t], CAPACITY * 2, evicted[t],
-                                              &view, &err), EM_OK);
-            ck_assert_uint_eq(view.missed, 0);
-            seen[t] = view.total;
-            count[t] = view.count;
-            qsort(evicted[t], count[t], sizeof(uint64_t), compare_keys);
+            count[t] = evicted_since(tables[t], &seen[t], CAPACITY * 2, evicted[t]);
         }
         em_test_batch_free(&b);
         ck_assert_msg(created[0] == created[1], "round %d: the cpu created %" PRIu64
                       " keys, the gpu %" PRIu64, round, created[0], created[1]);
-        ck_assert_uint_eq(count[0], count[1]);
-        for (uint64_t i = 0; i < count[0]; i++)
-            ck_assert_msg(evicted[0][i] == evicted[1][i],
-                          "round %d: the cpu evicted key %" PRIu64 ", the gpu %" PRIu64, round,
-                          evicted[0][i], evicted[1][i]);
+        assert_same_evicted(round, "cpu", "gpu", evicted, count);
         if (round % 2 == 1)
             ck_assert_mem_eq(values[1], values[0], sizeof(values[0]));
     }
