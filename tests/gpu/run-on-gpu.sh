@@ -19,7 +19,8 @@
 # Environment: EMBER_GPU_QUICK=1 runs the benchmarks shorter (about 2 minutes less);
 # EMBER_GPU_MEMCHECK=1 also runs the gpu suite under compute-sanitizer's memcheck (about
 # 130 s on an H200 with the suite of 2026-11-27; the suite of 2026-11-29 ran past 190 s
-# there), when compute-sanitizer is installed.
+# there), when compute-sanitizer is installed; EMBER_GPU_SYNCCHECK=1 likewise runs it
+# under synccheck.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -148,6 +149,18 @@ if [[ ${EMBER_GPU_MEMCHECK:-0} == 1 ]]; then
       --tool memcheck --target-processes all --error-exitcode 9 "$gpu_suite"
   else
     say "EMBER_GPU_MEMCHECK=1: compute-sanitizer is not installed here; memcheck not run"
+  fi
+fi
+# The warp-level and block-level code (the shards' find counting a warp's absent keys per
+# shard with __match_any_sync, the choice's counts in shared memory that the last block
+# to arrive turns into the digit) under synccheck: a barrier or a warp intrinsic that
+# some of its lanes skip fails the step with its kernel and line.
+if [[ ${EMBER_GPU_SYNCCHECK:-0} == 1 ]]; then
+  if command -v compute-sanitizer >/dev/null; then
+    step "gpu suite under synccheck" 360 env CK_TIMEOUT_MULTIPLIER=0.3 compute-sanitizer \
+      --tool synccheck --target-processes all --error-exitcode 9 "$gpu_suite"
+  else
+    say "EMBER_GPU_SYNCCHECK=1: compute-sanitizer is not installed here; synccheck not run"
   fi
 fi
 for suite in client_daemon protocol serving; do
