@@ -27,7 +27,8 @@
  * emulated below in the same order), the CUDA memory model, and CUB itself.
  *
  * Configuration (environment): EMBER_EMULATED_GPUS (default 2) devices of
- * EMBER_EMULATED_GPU_MEBIBYTES (default 512) each.
+ * EMBER_EMULATED_GPU_MEBIBYTES (default 512) each; EMBER_EMULATED_ORDER (forward, the
+ * default, reverse or scattered): the order a launch's items run in (EACH_ITEM below).
  *
  * Faults: when the failpoint gpu_fault triggers at the start of device work (a kernel,
  * a copy), the emulated GPUs fail as a kernel fault leaves a real one: that call and
@@ -74,6 +75,8 @@ typedef struct region {
 } region;
 
 static pthread_mutex_t device_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Changed by every launch (under device_lock): the scattered order's offset. */
+static uint64_t launch_salt;
 static region regions[MAX_REGIONS];
 static size_t region_count;
 static uint64_t allocated[MAX_DEVICES];
@@ -165,6 +168,7 @@ static void enter_device(void)
     if (em_failpoint_hit(EM_FAILPOINT_GPU_FAULT, NULL))
         atomic_store(&faulted, true);
     pthread_mutex_lock(&device_lock);
+    launch_salt++;
     protect_all(PROT_READ | PROT_WRITE);
 }
 
@@ -173,6 +177,95 @@ static void leave_device(void)
     protect_all(PROT_NONE);
     pthread_mutex_unlock(&device_lock);
 }
+
+/* ---- the order of a launch's items ---------------------------------------------------- */
+
+/* A GPU runs a launch's threads in no fixed order. EMBER_EMULATED_ORDER sets the order
+ * the emulated kernels visit their items in: "forward" (0, 1, 2, ...: the default),
+ * "reverse", or "scattered" (item (k * m + c) mod n at step k, m prime to n, c new for
+ * each launch), so that what holds in one order only (the slot an insert claims, the row
+ * a new key is given, which of a key's repeats a dedupe sees first) shows here rather
+ * than on a GPU. The serial scans and the sort that stand in for CUB's keep their order
+ * (CUB's results do not depend on its threads'); so do a launch's parts (em_gpu_shard_part,
+ * each on its own grid row) and the elements of one item. */
+typedef enum item_order { ORDER_FORWARD, ORDER_REVERSE, ORDER_SCATTERED } item_order;
+
+static item_order order_of_items(void)
+{
+    static _Atomic int order = -1;
+    int known = atomic_load_explicit(&order, memory_order_relaxed);
+    if (known >= 0)
+        return (item_order)known;
+    const char *text = getenv("EMBER_EMULATED_ORDER");
+    item_order chosen = ORDER_FORWARD;
+    if (text == NULL || text[0] == '\0' || strcmp(text, "forward") == 0) {
+        chosen = ORDER_FORWARD;
+    } else if (strcmp(text, "reverse") == 0) {
+        chosen = ORDER_REVERSE;
+    } else if (strcmp(text, "scattered") == 0) {
+        chosen = ORDER_SCATTERED;
+    } else {
+        fprintf(stderr, "EMBER_EMULATED_ORDER='%s': expected forward, reverse or scattered\n",
+                text);
+        abort();
+    }
+    atomic_store_explicit(&order, (int)chosen, memory_order_relaxed);
+    return chosen;
+}
+
+static uint64_t greatest_divisor(uint64_t a, uint64_t b)
+{
+    while (b != 0) {
+        uint64_t r = a % b;
+        a = b;
+        b = r;
+    }
+    return a;
+}
+
+/* A step prime to n, near n times the golden ratio's fraction, so that neighbouring
+ * steps visit items far apart; the last one found is kept (under device_lock). */
+static uint64_t scattered_step(uint64_t n)
+{
+    static uint64_t known_n, known_step;
+    if (n == known_n)
+        return known_step;
+    uint64_t step = (uint64_t)((double)n * 0.6180339887498949) | 1u;
+    while (greatest_divisor(n, step) != 1)
+        step += 2;
+    known_n = n;
+    known_step = step % n;
+    return known_step;
+}
+
+/* The item a launch over n items visits at its step k (k <= n; at k == n, a value the
+ * loop does not use). */
+static uint64_t item_at(uint64_t k, uint64_t n)
+{
+    if (k >= n)
+        return n;
+    switch (order_of_items()) {
+    case ORDER_REVERSE:
+        return n - 1 - k;
+    case ORDER_SCATTERED: {
+        uint64_t offset = (launch_salt * UINT64_C(0x9e3779b97f4a7c15)) % n;
+        return (uint64_t)(((unsigned __int128)k * scattered_step(n) + offset) % n);
+    }
+    case ORDER_FORWARD:
+        break;
+    }
+    return k;
+}
+
+bool em_gpu_emulated_order_fixed(void)
+{
+    return order_of_items() != ORDER_SCATTERED;
+}
+
+/* Every item i of [0, n) once, in the order EMBER_EMULATED_ORDER sets. */
+#define EACH_ITEM(i, n)                                                                  \
+    for (uint64_t i##_end = (n), i##_k = 0, i = item_at(0, i##_end); i##_k < i##_end;   \
+         i = item_at(++i##_k, i##_end))
 
 /* ---- copies involving pinned host memory ----------------------------------------------- */
 
@@ -626,7 +719,7 @@ em_gpu_status em_gpu_iota_u32(em_gpu_stream *stream, uint32_t *out, uint64_t n)
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         out[i] = (uint32_t)i;
     leave_device();
     return ok();
@@ -717,7 +810,7 @@ em_gpu_status em_gpu_segment_starts(em_gpu_stream *stream, const uint32_t *sorte
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i <= n; i++)
+    EACH_ITEM(i, n + 1)
         em_gpu_segment_start_item(sorted_keys, n, segments, i, starts);
     leave_device();
     return ok();
@@ -730,7 +823,7 @@ em_gpu_status em_gpu_unique_claim(em_gpu_stream *stream, const uint64_t *keys, u
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         em_gpu_unique_claim_item(keys, i, table, slot_count, slot_of);
     leave_device();
     return ok();
@@ -770,7 +863,7 @@ em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys,
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         em_gpu_unique_scatter_item(keys, i, table, slot_of, rank, unique, inverse,
                                    first_positions);
     leave_device();
@@ -782,7 +875,7 @@ em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *uni
 {
     (void)stream;
     enter_device();
-    for (uint64_t u = 0; u < n; u++)
+    EACH_ITEM(u, n)
         em_gpu_partition_owner_item(unique, u, shard_count, owner, index);
     leave_device();
     return ok();
@@ -795,7 +888,7 @@ em_gpu_status em_gpu_partition_owners_counted(em_gpu_stream *stream, const uint6
 {
     (void)stream;
     enter_device();
-    for (uint64_t u = 0; u < n; u++)
+    EACH_ITEM(u, n)
         em_gpu_partition_owner_counted_item(unique, count, u, shard_count, owner, index);
     leave_device();
     return ok();
@@ -809,7 +902,7 @@ em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *un
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         em_gpu_partition_scatter_item(unique, sorted_index, first_positions, i, partitioned,
                                       position, targets);
     leave_device();
@@ -824,7 +917,7 @@ em_gpu_status em_gpu_spread_keys(em_gpu_stream *stream, const uint64_t *partitio
     (void)stream;
     uint64_t items = n > spread->count ? n : spread->count;
     enter_device();
-    for (uint64_t t = 0; t < items; t++)
+    EACH_ITEM(t, items)
         em_gpu_spread_item(spread, partitioned, n, starts, shard_count, t, buckets, bucket_counts,
                            position);
     leave_device();
@@ -836,7 +929,7 @@ em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, ui
 {
     (void)stream;
     enter_device();
-    for (uint64_t k = 0; k < nnz; k++)
+    EACH_ITEM(k, nnz)
         key_row[k] = em_gpu_row_of_key(offsets, rows, k);
     leave_device();
     return ok();
@@ -853,15 +946,15 @@ em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *ba
     enter_device();
     uint64_t slots =
         em_gpu_sum_partials_floats(batch->nnz, batch->dim) != 0 ? em_gpu_sum_slots(batch->nnz) : 0;
-    for (uint64_t p = 0; p < batch->nnz; p++)
+    EACH_ITEM(p, batch->nnz)
         for (uint32_t j = 0; j < batch->dim; j++)
             em_gpu_sum_run_element(batch, sorted_inverse, sorted_positions, key_row, gradients,
                                    out, p, j);
-    for (uint64_t slot = 0; slot < slots; slot++)
+    EACH_ITEM(slot, slots)
         for (uint32_t j = 0; j < batch->dim; j++)
             em_gpu_sum_chunk_element(batch, sorted_inverse, sorted_positions, key_row, gradients,
                                      partials, slot, j);
-    for (uint64_t p = 0; slots > 0 && p < batch->nnz; p++)
+    EACH_ITEM(p, slots > 0 ? batch->nnz : 0)
         for (uint32_t j = 0; j < batch->dim; j++)
             em_gpu_sum_hot_element(batch, sorted_inverse, partials, out, p, j);
     leave_device();
@@ -874,11 +967,11 @@ em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,
     (void)stream;
     enter_device();
     if (batch->combiner == EM_COMBINER_NONE) {
-        for (uint64_t k = 0; k < batch->nnz; k++)
+        EACH_ITEM(k, batch->nnz)
             for (uint32_t j = 0; j < batch->dim; j++)
                 em_gpu_combine_copy_element(batch, vectors, out, k, j);
     } else {
-        for (uint64_t r = 0; r < batch->rows; r++)
+        EACH_ITEM(r, batch->rows)
             for (uint32_t j = 0; j < batch->dim; j++)
                 em_gpu_combine_pool_element(batch, vectors, out, r, j);
     }
@@ -891,7 +984,7 @@ em_gpu_status em_gpu_copy_repeats(em_gpu_stream *stream, const uint32_t *inverse
 {
     (void)stream;
     enter_device();
-    for (uint64_t k = 0; k < nnz; k++)
+    EACH_ITEM(k, nnz)
         for (uint32_t j = 0; j < dim; j++)
             em_gpu_copy_repeats_element(inverse, first_positions, dim, out, k, j);
     leave_device();
@@ -910,7 +1003,7 @@ em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint6
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         *missing += (uint64_t)em_gpu_map_find_item(map, keys, i, rows);
     leave_device();
     return ok();
@@ -925,7 +1018,7 @@ em_gpu_status em_gpu_maps_find(em_gpu_stream *stream, const em_gpu_map_part *par
         return ok();
     enter_device();
     for (uint32_t p = 0; p < count; p++)
-        for (uint64_t i = 0; i < parts[p].n; i++)
+        EACH_ITEM(i, parts[p].n)
             *parts[p].missing += (uint64_t)em_gpu_map_find_item(parts[p].map, parts[p].keys, i,
                                                                 parts[p].rows);
     leave_device();
@@ -949,7 +1042,7 @@ em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
     (void)stream;
     enter_device();
     uint64_t end = *count < n ? *count : n;
-    for (uint64_t i = 0; i < end; i++)
+    EACH_ITEM(i, end)
         *missing += (uint64_t)em_gpu_map_find_item(map, keys, i, rows);
     leave_device();
     return ok();
@@ -964,7 +1057,7 @@ em_gpu_status em_gpu_shards_find_local(em_gpu_stream *stream, em_gpu_shards shar
         return ok();
     enter_device();
     uint64_t end = *count < n ? *count : n;
-    for (uint64_t i = 0; i < end; i++) {
+    EACH_ITEM(i, end) {
         uint32_t s = 0;
         int absent = em_gpu_shards_find_local_item(shards, keys, i, rows, &s);
         missing[s] += (uint64_t)absent;
@@ -980,7 +1073,7 @@ em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards sh
     (void)stream;
     enter_device();
     uint64_t end = *count < n ? *count : n;
-    for (uint64_t i = 0; i < end; i++)
+    EACH_ITEM(i, end)
         *missing += (uint64_t)em_gpu_shards_find_item(shards, keys, i, rows);
     leave_device();
     return ok();
@@ -991,7 +1084,7 @@ em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uin
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         em_gpu_map_insert_item(map, keys, i, rows, inserted);
     leave_device();
     return ok();
@@ -1009,7 +1102,7 @@ static em_gpu_status each_part_item(const em_gpu_shard_part *parts, uint32_t cou
         return ok();
     enter_device();
     for (uint32_t p = 0; p < count; p++)
-        for (uint64_t i = 0; i < parts[p].n; i++)
+        EACH_ITEM(i, parts[p].n)
             item(&parts[p], i, context);
     leave_device();
     return ok();
@@ -1094,7 +1187,7 @@ em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0, end = em_gpu_gate_end(gate, n); i < end; i++)
+    EACH_ITEM(i, em_gpu_gate_end(gate, n))
         em_gpu_map_insert_item(map, keys, i, rows, inserted);
     leave_device();
     return ok();
@@ -1106,7 +1199,7 @@ em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards 
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0, end = em_gpu_gate_end(gate, n); i < end; i++)
+    EACH_ITEM(i, em_gpu_gate_end(gate, n))
         em_gpu_shards_insert_item(shards, keys, i, rows, inserted);
     leave_device();
     return ok();
@@ -1117,7 +1210,7 @@ em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         em_gpu_map_erase_item(map, keys, rows, i);
     leave_device();
     return ok();
@@ -1128,7 +1221,7 @@ em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_sl
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < old_slot_count; i++)
+    EACH_ITEM(i, old_slot_count)
         em_gpu_map_rehash_item(old_slots, i, map);
     leave_device();
     return ok();
@@ -1139,7 +1232,7 @@ em_gpu_status em_gpu_map_export_flags(em_gpu_stream *stream, em_gpu_map map, uin
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i <= count; i++)
+    EACH_ITEM(i, count + 1)
         em_gpu_map_export_flag_item(map, begin, count, i, flags);
     leave_device();
     return ok();
@@ -1154,7 +1247,7 @@ em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu_map map, u
     if (take == 0)
         return ok();
     enter_device();
-    for (uint64_t i = 0; i < count; i++)
+    EACH_ITEM(i, count)
         em_gpu_map_export_compact_item(map, begin, i, flags, rank, take, offset, keys, rows,
                                        next_slot);
     leave_device();
@@ -1184,7 +1277,7 @@ em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
     if (n == 0 && settle.map.header == NULL && settle.shards.count == 0)
         return ok();
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         for (uint32_t j = 0; j < storage.row_floats; j++)
             em_gpu_rows_init_element(storage, keys, rows, inserted, &initializer, &optimizer, i, j);
     settle_maps(settle);
@@ -1205,7 +1298,7 @@ em_gpu_status em_gpu_parts_init(em_gpu_stream *stream, const em_gpu_shard_part *
     enter_device();
     for (uint32_t p = 0; p < count; p++) {
         const em_gpu_shard_part *part = &parts[p];
-        for (uint64_t i = 0; i < part->n; i++)
+        EACH_ITEM(i, part->n)
             for (uint32_t j = 0; j < part->storage.row_floats; j++)
                 em_gpu_rows_init_element(part->storage, part->keys, part->rows, part->inserted,
                                          &initializer, &optimizer, i, j);
@@ -1224,11 +1317,11 @@ em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
     enter_device();
     /* The same choice as the kernel: quads when dim % 4 == 0 and the output is aligned. */
     if (storage.dim % 4 == 0 && ((uintptr_t)vectors & 15u) == 0) {
-        for (uint64_t i = 0; i < n; i++)
+        EACH_ITEM(i, n)
             for (uint32_t q = 0; q < storage.dim / 4; q++)
                 em_gpu_rows_gather_quad(storage, rows, targets, vectors, i, q);
     } else {
-        for (uint64_t i = 0; i < n; i++)
+        EACH_ITEM(i, n)
             for (uint32_t j = 0; j < storage.dim; j++)
                 em_gpu_rows_gather_element(storage, rows, targets, vectors, i, j);
     }
@@ -1242,7 +1335,7 @@ em_gpu_status em_gpu_rows_pull(em_gpu_stream *stream, em_gpu_storage storage,
     (void)stream;
     uint64_t outputs = batch->combiner == EM_COMBINER_NONE ? batch->nnz : batch->rows;
     enter_device();
-    for (uint64_t k = 0; k < outputs; k++)
+    EACH_ITEM(k, outputs)
         for (uint32_t j = 0; j < batch->dim; j++)
             em_gpu_rows_pull_element(storage, batch, rows, out, k, j);
     leave_device();
@@ -1256,7 +1349,7 @@ em_gpu_status em_gpu_rows_touch_gated(em_gpu_stream *stream, em_gpu_storage stor
     (void)stream;
     enter_device();
     uint64_t end = em_gpu_gate_end(gate, n);
-    for (uint64_t i = 0; i < end; i++)
+    EACH_ITEM(i, end)
         em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
     leave_device();
     return ok();
@@ -1269,7 +1362,7 @@ em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage sto
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         for (uint32_t j = 0; j < storage.dim; j++)
             em_gpu_rows_fill_initial_element(storage, &initializer, keys, rows, targets, vectors,
                                              i, j);
@@ -1283,7 +1376,7 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         em_gpu_rows_touch_item(storage, rows, i, accessed, updated, pushed);
     leave_device();
     return ok();
@@ -1296,7 +1389,7 @@ em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_choice *choi
     (void)most_kept;
     enter_device();
     for (uint32_t w = 0; w < walks; w++)
-        for (uint64_t j = 0; j < choices[w].kept_count; j++)
+        EACH_ITEM(j, choices[w].kept_count)
             em_gpu_choice_mark_kept_item(&choices[w], j);
     leave_device();
     return ok();
@@ -1313,7 +1406,7 @@ em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
         if (c->state != EM_GPU_CHOICE_OPEN || digit < c->digits)
             continue;
         uint64_t held = em_gpu_choice_held(c);
-        for (uint64_t i = 0; i < held; i++) {
+        EACH_ITEM(i, held) {
             uint32_t bin = em_gpu_choice_bin(c, i, digit);
             if (bin < EM_GPU_CHOICE_BINS)
                 c->bins[bin]++;
@@ -1332,7 +1425,7 @@ em_gpu_status em_gpu_choice_flags(em_gpu_stream *stream, em_gpu_choice *choices,
     (void)most_want;
     enter_device();
     for (uint32_t w = 0; w < walks; w++)
-        for (uint64_t i = 0; i < choices[w].want; i++)
+        EACH_ITEM(i, choices[w].want)
             flags[choices[w].first_flag + i] = em_gpu_choice_flag(&choices[w], i);
     leave_device();
     return ok();
@@ -1346,7 +1439,7 @@ em_gpu_status em_gpu_choice_write(em_gpu_stream *stream, em_gpu_choice *choices,
     (void)most_want;
     enter_device();
     for (uint32_t w = 0; w < walks; w++)
-        for (uint64_t i = 0; i < choices[w].want; i++)
+        EACH_ITEM(i, choices[w].want)
             em_gpu_choice_write_item(&choices[w], i, flags, rank);
     leave_device();
     return ok();
@@ -1360,7 +1453,7 @@ em_gpu_status em_gpu_walks_flags(em_gpu_stream *stream, const em_gpu_walk_piece 
         return ok();
     enter_device();
     for (uint32_t p = 0; p < count; p++)
-        for (uint64_t i = 0; i < most_slots; i++)
+        EACH_ITEM(i, most_slots)
             em_gpu_walks_flag_item(pieces, count, p, i, flags);
     leave_device();
     return ok();
@@ -1375,7 +1468,7 @@ em_gpu_status em_gpu_walks_compact(em_gpu_stream *stream, const em_gpu_walk_piec
         return ok();
     enter_device();
     for (uint32_t p = 0; p < count; p++)
-        for (uint64_t i = 0; i < pieces[p].count; i++)
+        EACH_ITEM(i, pieces[p].count)
             em_gpu_walks_compact_item(&pieces[p], i, flags, rank);
     leave_device();
     return ok();
@@ -1398,7 +1491,7 @@ em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         em_gpu_access_read_item(storage, rows, i, out);
     leave_device();
     return ok();
@@ -1409,7 +1502,7 @@ em_gpu_status em_gpu_access_write(em_gpu_stream *stream, em_gpu_storage storage,
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         em_gpu_access_write_item(storage, rows, i, in);
     leave_device();
     return ok();
@@ -1471,7 +1564,7 @@ static bool apply_rows(em_gpu_storage storage, const em_optimizer_config *optimi
                        const uint64_t *rows, uint64_t end, const float *gradients,
                        const em_gpu_fresh_rows *fresh)
 {
-    for (uint64_t i = 0; i < end; i++) {
+    EACH_ITEM(i, end) {
         if (rows[i] == EM_GPU_ROW_PENDING)
             continue; /* a refused key */
         em_gpu_fresh_row_floats(storage, optimizer, rows, fresh, i, 0, 1);
@@ -1558,7 +1651,7 @@ em_gpu_status em_gpu_rows_check_parts(em_gpu_stream *stream, const em_gpu_check_
     enter_device();
     for (uint32_t p = 0; p < count; p++) {
         const em_gpu_check_part *part = &parts[p];
-        for (uint64_t i = 0; i < part->n; i++) {
+        EACH_ITEM(i, part->n) {
             uint32_t code = em_gpu_rows_check_item(part->storage, &part->optimizer,
                                                    &part->initializer, part->keys, part->rows,
                                                    part->gradients, i);
@@ -1580,7 +1673,7 @@ em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage st
     (void)stream;
     enter_device();
     uint64_t end = count != NULL && *count < n ? *count : n;
-    for (uint64_t i = 0; i < end; i++) {
+    EACH_ITEM(i, end) {
         uint32_t code = em_gpu_rows_check_item(storage, &optimizer, &initializer, keys, rows,
                                                gradients, i);
         uint64_t result = em_gpu_rows_check_result(i, code);
@@ -1617,7 +1710,7 @@ em_gpu_status em_gpu_map_find_check_counted(em_gpu_stream *stream, em_gpu_map ma
     (void)stream;
     enter_device();
     uint64_t end = *count < n ? *count : n;
-    for (uint64_t i = 0; i < end; i++)
+    EACH_ITEM(i, end)
         find_check_item(em_gpu_map_find_item(map, keys, i, rows), storage, &optimizer,
                         &initializer, keys, gradients, rows, i, missing, first);
     leave_device();
@@ -1636,7 +1729,7 @@ em_gpu_status em_gpu_shards_find_check_counted(em_gpu_stream *stream, em_gpu_sha
     (void)stream;
     enter_device();
     uint64_t end = *count < n ? *count : n;
-    for (uint64_t i = 0; i < end; i++)
+    EACH_ITEM(i, end)
         find_check_item(em_gpu_shards_find_item(shards, keys, i, rows), storage, &optimizer,
                         &initializer, keys, gradients, rows, i, missing, first);
     leave_device();
@@ -1648,7 +1741,7 @@ em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         for (uint32_t j = 0; j < storage.row_floats; j++)
             em_gpu_rows_read_element(storage, rows, values, i, j);
     leave_device();
@@ -1661,7 +1754,7 @@ em_gpu_status em_gpu_rows_write(em_gpu_stream *stream, em_gpu_storage storage,
 {
     (void)stream;
     enter_device();
-    for (uint64_t i = 0; i < n; i++)
+    EACH_ITEM(i, n)
         for (uint32_t j = 0; j < storage.row_floats; j++)
             em_gpu_rows_write_element(storage, rows, sources, values, i, j);
     leave_device();

@@ -5,6 +5,7 @@
 #ifndef EMBER_TESTS_SUPPORT_KERNELS_EMULATED_H
 #define EMBER_TESTS_SUPPORT_KERNELS_EMULATED_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 /* Since the process started: *operations, the copies, fills and kernels the host
@@ -24,5 +25,10 @@ uint64_t em_gpu_emulated_overlapped_waits(void);
 /* Of the waits, those for the streams of several devices at once
  * (em_gpu_streams_synchronize): one round trip for GPUs that worked at once. */
 uint64_t em_gpu_emulated_joint_waits(void);
+
+/* Whether a launch's items run in one order, the same for every launch over the same
+ * items (EMBER_EMULATED_ORDER forward or reverse): two tables fed the same requests then
+ * hold their keys at the same slots. Not so in the scattered order, nor on a GPU. */
+bool em_gpu_emulated_order_fixed(void);
 
 #endif

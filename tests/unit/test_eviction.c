@@ -27,6 +27,8 @@
 #define DIM 4
 
 #ifdef EMBER_TEST_CUDA_BACKEND
+#include "tests/support/kernels_emulated.h"
+
 /* The same suite on the CUDA backend (tests/unit/meson.build: eviction_emulated_cuda
  * runs it over the emulated kernels). */
 static em_backend *make_backend(uint32_t devices)
@@ -852,6 +854,13 @@ static em_test_snapshot sampled_run(uint32_t shards, uint64_t *evicted)
 
 START_TEST(the_same_requests_evict_the_same_keys)
 {
+#ifdef EMBER_TEST_CUDA_BACKEND
+    /* Windows of 4 candidates a row are parts of a shard's map, and which keys they hold
+     * depends on the slots the inserts claimed: on a GPU (and in the emulation's
+     * scattered order) in the order the threads got there, not the same in two runs. */
+    if (!em_gpu_emulated_order_fixed())
+        return;
+#endif
     const uint32_t shard_counts[] = {1, 2, 4};
     for (int c = 0; c < 3; c++) {
         uint64_t evicted_a = 0, evicted_b = 0;
