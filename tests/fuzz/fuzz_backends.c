@@ -20,6 +20,10 @@
  *           bit 3     an evicted-key ring of 5 keys instead of 256 (a request's
  *                     evictions push out the ring's older keys, and their own)
  *           bit 4     the CPU backend with two devices (its shards spread over them)
+ *           bit 5     the emulated kernels run when their stream is waited for, not
+ *                     when enqueued (EMBER_EMULATED_LATE)
+ *           bit 6     each launch's items in an order of its own (EMBER_EMULATED_ORDER
+ *                     scattered), not in index order
  *   then    requests, each a byte (the kind, below) and what it takes:
  *           0-2 pull, 3-5 push: a byte of flags (combiner, create_missing, gradient
  *           shapes) and a batch (a byte of rows, then a byte of keys per row, then a
@@ -61,6 +65,7 @@
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/device/backend.h"
 #include "lib/table/table.h"
+#include "tests/support/kernels_emulated.h"
 #include "tests/support/test_support.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -523,6 +528,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     tracing = getenv("EMBER_FUZZ_TRACE") != NULL;
     input in = {.bytes = data, .left = size};
     uint8_t shape = take(&in), policy = take(&in), place = take(&in);
+    em_gpu_emulated_set_late((place & 32) != 0);
+    em_gpu_emulated_set_order((place & 64) != 0 ? "scattered" : "forward");
 
     static const uint32_t dims[4] = {1, 3, 8, MAX_DIM};
     static const em_optimizer_config optimizers[4] = {
@@ -560,10 +567,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     config.initializer.seed = 99;
 
     trace("dim %u, capacity %" PRIu64 ", %u shards, optimizer %d, eviction %d (headroom %.2f, "
-          "max_age_steps %u), admission %d, initializer %d, %d GPU(s), choice on the %s",
+          "max_age_steps %u), admission %d, initializer %d, %d GPU(s), choice on the %s, "
+          "kernels run %s, items %s",
           dim, config.capacity, config.shards, config.optimizer.kind, config.eviction.policy,
           config.eviction.headroom, config.eviction.max_age_steps, config.admission.policy,
-          config.initializer.kind, (place & 1) + 1, (place & 4) != 0 ? "GPU" : "host");
+          config.initializer.kind, (place & 1) + 1, (place & 4) != 0 ? "GPU" : "host",
+          (place & 32) != 0 ? "late" : "at once", (place & 64) != 0 ? "scattered" : "in order");
     em_backend *backends[2] = {cpu_backends[(place >> 4) & 1],
                                gpu_backends[place & 1][(place >> 2) & 1]};
     em_table *tables[2] = {NULL, NULL};

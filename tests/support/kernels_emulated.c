@@ -4,7 +4,7 @@
  * Linked instead of the real kernels, it lets the CUDA backend (lib/device/cuda_device.c,
  * lib/device/cuda_backend.c, lib/device/exchange_nccl.c, unchanged) run on any machine: every
  * launcher runs its kernel's per-item function from kernels/kernel_logic.h over all
- * items, one after the other, at the moment it is enqueued; CUB's scan and radix sort
+ * items, one after the other; CUB's scan and radix sort
  * are replaced by a serial scan and a stable sort; NCCL transfers are memcpy.
  *
  * "Device memory" is real host memory, but it is kept inaccessible (PROT_NONE) except
@@ -21,14 +21,20 @@
  * reads it meanwhile): a change, or freeing it first, aborts the process naming the
  * copy. Copies to or from pageable memory are synchronous, as CUDA makes them.
  *
- * What this cannot show: real concurrency on a GPU (kernels run serially at once, so a
- * kernel on one stream that should wait for another stream's work still finds it
- * done), launch geometry, warp primitives (the butterfly reduction of rowwise adagrad is
- * emulated below in the same order), the CUDA memory model, and CUB itself.
+ * Kernels run one at a time, each as it is enqueued, or with EMBER_EMULATED_LATE=1 as
+ * late as CUDA lets them (LATER_OP below): then a kernel on one stream that should wait
+ * for another stream's work and does not runs before it. A launch's items run in index
+ * order, or in an order of the launch's own (EMBER_EMULATED_ORDER, EACH_ITEM below).
+ *
+ * What this cannot show: kernels running beside each other, launch geometry, warp
+ * primitives (the butterfly reduction of rowwise adagrad is emulated below in the same
+ * order), the CUDA memory model, and CUB itself.
  *
  * Configuration (environment): EMBER_EMULATED_GPUS (default 2) devices of
  * EMBER_EMULATED_GPU_MEBIBYTES (default 512) each; EMBER_EMULATED_ORDER (forward, the
- * default, reverse or scattered): the order a launch's items run in (EACH_ITEM below).
+ * default, reverse or scattered): the order a launch's items run in; EMBER_EMULATED_LATE
+ * (0, the default, or 1): whether kernels wait on their stream until something needs
+ * them. Tests may set both (tests/support/kernels_emulated.h).
  *
  * Faults: when the failpoint gpu_fault triggers at the start of device work (a kernel,
  * a copy), the emulated GPUs fail as a kernel fault leaves a real one: that call and
@@ -39,6 +45,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,15 +60,24 @@
 #define DEFAULT_DEVICES 2
 #define DEFAULT_MEBIBYTES 512
 
+typedef struct later_call later_call;
+
 struct em_gpu_stream {
     int ordinal;
     uint64_t issued; /* copies involving pinned memory enqueued so far */
+    /* EMBER_EMULATED_LATE: the kernels enqueued and not yet run, oldest first, and how
+     * many were enqueued and run (under later_lock); run_lock: held while they run */
+    later_call *later_head, **later_tail;
+    uint64_t later_queued, later_ran;
+    pthread_mutex_t run_lock;
+    em_gpu_stream *next_stream; /* every stream (later_lock) */
 };
 
 struct em_gpu_event {
     int ordinal;
     em_gpu_stream *stream; /* where it was last recorded (NULL: never) */
     uint64_t issued;       /* the stream's copies enqueued by then */
+    uint64_t queued;       /* and its kernels enqueued by then */
 };
 
 struct em_gpu_comm {
@@ -190,27 +206,33 @@ static void leave_device(void)
  * each on its own grid row) and the elements of one item. */
 typedef enum item_order { ORDER_FORWARD, ORDER_REVERSE, ORDER_SCATTERED } item_order;
 
-static item_order order_of_items(void)
+static _Atomic int chosen_order = -1; /* -1: from EMBER_EMULATED_ORDER, when first asked */
+
+void em_gpu_emulated_set_order(const char *order)
 {
-    static _Atomic int order = -1;
-    int known = atomic_load_explicit(&order, memory_order_relaxed);
-    if (known >= 0)
-        return (item_order)known;
-    const char *text = getenv("EMBER_EMULATED_ORDER");
     item_order chosen = ORDER_FORWARD;
-    if (text == NULL || text[0] == '\0' || strcmp(text, "forward") == 0) {
+    if (order == NULL || order[0] == '\0' || strcmp(order, "forward") == 0) {
         chosen = ORDER_FORWARD;
-    } else if (strcmp(text, "reverse") == 0) {
+    } else if (strcmp(order, "reverse") == 0) {
         chosen = ORDER_REVERSE;
-    } else if (strcmp(text, "scattered") == 0) {
+    } else if (strcmp(order, "scattered") == 0) {
         chosen = ORDER_SCATTERED;
     } else {
         fprintf(stderr, "EMBER_EMULATED_ORDER='%s': expected forward, reverse or scattered\n",
-                text);
+                order);
         abort();
     }
-    atomic_store_explicit(&order, (int)chosen, memory_order_relaxed);
-    return chosen;
+    atomic_store_explicit(&chosen_order, (int)chosen, memory_order_relaxed);
+}
+
+static item_order order_of_items(void)
+{
+    int known = atomic_load_explicit(&chosen_order, memory_order_relaxed);
+    if (known < 0) {
+        em_gpu_emulated_set_order(getenv("EMBER_EMULATED_ORDER"));
+        known = atomic_load_explicit(&chosen_order, memory_order_relaxed);
+    }
+    return (item_order)known;
 }
 
 static uint64_t greatest_divisor(uint64_t a, uint64_t b)
@@ -266,6 +288,173 @@ bool em_gpu_emulated_order_fixed(void)
 #define EACH_ITEM(i, n)                                                                  \
     for (uint64_t i##_end = (n), i##_k = 0, i = item_at(0, i##_end); i##_k < i##_end;   \
          i = item_at(++i##_k, i##_end))
+
+/* ---- kernels that run when their stream is waited for --------------------------------- */
+
+/* With EMBER_EMULATED_LATE=1 a kernel (an operation defined with LATER_OP) does not run
+ * when it is enqueued: its arguments are kept on its stream, and it runs, in the
+ * stream's order, once something needs it done: the host waits for the stream (or for
+ * an event recorded after it), another stream is made to wait for such an event, an
+ * operation that runs at once (a copy, a scan, a sort) is enqueued behind it on the
+ * stream, or device memory is freed (cudaFree waits for the whole device). That is as
+ * late as CUDA lets it run: work on one stream that reads what a kernel of another
+ * stream writes, with no event between them, reads it before it is written, as it may
+ * on a GPU; and a kernel still to run on one lane finds memory that another lane gave
+ * back to the pool already overwritten (em_gpu_fill_freed). Without it (the default)
+ * every kernel runs as it is enqueued. */
+struct later_call {
+    later_call *next;
+    void (*replay)(const void *call);
+    _Alignas(max_align_t) unsigned char call[]; /* the operation's *_call struct */
+};
+
+static pthread_mutex_t later_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Held while every stream's kept kernels run (run_all_later) and while a stream is
+ * added or removed; before run_lock, later_lock and device_lock. */
+static pthread_mutex_t streams_lock = PTHREAD_MUTEX_INITIALIZER;
+static em_gpu_stream *all_streams;
+
+static void run_all_later(void);
+
+static _Atomic int chosen_late = -1; /* -1: from EMBER_EMULATED_LATE, when first asked */
+
+void em_gpu_emulated_set_late(bool late)
+{
+    if (!late)
+        run_all_later(); /* the kept kernels before any that runs at once */
+    atomic_store_explicit(&chosen_late, late ? 1 : 0, memory_order_relaxed);
+}
+
+static bool late_kernels(void)
+{
+    int known = atomic_load_explicit(&chosen_late, memory_order_relaxed);
+    if (known >= 0)
+        return known == 1;
+    const char *text = getenv("EMBER_EMULATED_LATE");
+    if (text != NULL && text[0] != '\0' && strcmp(text, "0") != 0 && strcmp(text, "1") != 0) {
+        fprintf(stderr, "EMBER_EMULATED_LATE='%s': expected 0 or 1\n", text);
+        abort();
+    }
+    em_gpu_emulated_set_late(text != NULL && strcmp(text, "1") == 0);
+    return atomic_load_explicit(&chosen_late, memory_order_relaxed) == 1;
+}
+
+/* Runs the stream's kept kernels, in order, until `upto` of its kernels have run. */
+static void run_later(em_gpu_stream *stream, uint64_t upto)
+{
+    if (stream == NULL)
+        return;
+    pthread_mutex_lock(&stream->run_lock);
+    for (;;) {
+        pthread_mutex_lock(&later_lock);
+        later_call *call = stream->later_ran < upto ? stream->later_head : NULL;
+        if (call != NULL) {
+            stream->later_head = call->next;
+            if (stream->later_head == NULL)
+                stream->later_tail = &stream->later_head;
+            stream->later_ran++;
+        }
+        pthread_mutex_unlock(&later_lock);
+        if (call == NULL)
+            break;
+        call->replay(call->call);
+        free(call);
+    }
+    pthread_mutex_unlock(&stream->run_lock);
+}
+
+/* An operation that runs at once: the stream's kernels before it first. */
+static void catch_up(em_gpu_stream *stream)
+{
+    run_later(stream, UINT64_MAX);
+}
+
+/* What cudaFree and cudaFreeHost wait for: every stream's kernels. */
+static void run_all_later(void)
+{
+    pthread_mutex_lock(&streams_lock);
+    for (em_gpu_stream *stream = all_streams; stream != NULL; stream = stream->next_stream)
+        catch_up(stream);
+    pthread_mutex_unlock(&streams_lock);
+}
+
+static em_gpu_status keep_for_later(em_gpu_stream *stream, void (*replay)(const void *),
+                                    const void *call, size_t bytes)
+{
+    later_call *kept = malloc(sizeof(*kept) + bytes);
+    if (kept == NULL)
+        abort();
+    kept->next = NULL;
+    kept->replay = replay;
+    memcpy(kept->call, call, bytes);
+    pthread_mutex_lock(&later_lock);
+    *stream->later_tail = kept;
+    stream->later_tail = &kept->next;
+    stream->later_queued++;
+    pthread_mutex_unlock(&later_lock);
+    return ok();
+}
+
+/* A kernel run later has no caller to return its failure to: only a sticky fault (which
+ * the next wait reports) may happen there. */
+static void replayed(em_gpu_status status, const char *operation)
+{
+    if (status.code != 0 && !atomic_load(&faulted)) {
+        fprintf(stderr, "emulated GPU: %s, run later, failed: %s (%s)\n", operation,
+                status.message, status.call);
+        abort();
+    }
+}
+
+/* LATER_EACH(f, (type, name), ...): f(type, name) for each pair, up to 14. */
+#define LATER_COUNT(...) LATER_COUNT_(__VA_ARGS__, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define LATER_COUNT_(a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, n, ...) n
+#define LATER_JOIN(a, b) LATER_JOIN_(a, b)
+#define LATER_JOIN_(a, b) a##b
+#define LATER_EACH(f, ...) LATER_JOIN(LATER_EACH_, LATER_COUNT(__VA_ARGS__))(f, __VA_ARGS__)
+#define LATER_EACH_1(f, x) f x
+#define LATER_EACH_2(f, x, ...) f x LATER_EACH_1(f, __VA_ARGS__)
+#define LATER_EACH_3(f, x, ...) f x LATER_EACH_2(f, __VA_ARGS__)
+#define LATER_EACH_4(f, x, ...) f x LATER_EACH_3(f, __VA_ARGS__)
+#define LATER_EACH_5(f, x, ...) f x LATER_EACH_4(f, __VA_ARGS__)
+#define LATER_EACH_6(f, x, ...) f x LATER_EACH_5(f, __VA_ARGS__)
+#define LATER_EACH_7(f, x, ...) f x LATER_EACH_6(f, __VA_ARGS__)
+#define LATER_EACH_8(f, x, ...) f x LATER_EACH_7(f, __VA_ARGS__)
+#define LATER_EACH_9(f, x, ...) f x LATER_EACH_8(f, __VA_ARGS__)
+#define LATER_EACH_10(f, x, ...) f x LATER_EACH_9(f, __VA_ARGS__)
+#define LATER_EACH_11(f, x, ...) f x LATER_EACH_10(f, __VA_ARGS__)
+#define LATER_EACH_12(f, x, ...) f x LATER_EACH_11(f, __VA_ARGS__)
+#define LATER_EACH_13(f, x, ...) f x LATER_EACH_12(f, __VA_ARGS__)
+#define LATER_EACH_14(f, x, ...) f x LATER_EACH_13(f, __VA_ARGS__)
+#define LATER_FIELD(type, name) type name;
+#define LATER_PARAM(type, name) , type name
+#define LATER_NAME(type, name) , name
+#define LATER_ARG(type, name) , c->name
+
+/* Defines the kernel operation fn(em_gpu_stream *stream, type name, ...), its
+ * parameters after the stream given as (type, name) pairs; the body that follows runs
+ * it, at once or, with EMBER_EMULATED_LATE=1, when its stream gets to it. Every
+ * parameter is kept by value: pointers are to device memory, as a kernel's are. */
+#define LATER_OP(fn, ...)                                                                  \
+    typedef struct fn##_call {                                                             \
+        em_gpu_stream *stream;                                                             \
+        LATER_EACH(LATER_FIELD, __VA_ARGS__)                                               \
+    } fn##_call;                                                                           \
+    static em_gpu_status fn##_now(em_gpu_stream *stream                                    \
+                                      LATER_EACH(LATER_PARAM, __VA_ARGS__));               \
+    static void fn##_replay(const void *call)                                              \
+    {                                                                                      \
+        const fn##_call *c = call;                                                         \
+        replayed(fn##_now(c->stream LATER_EACH(LATER_ARG, __VA_ARGS__)), #fn);             \
+    }                                                                                      \
+    em_gpu_status fn(em_gpu_stream *stream LATER_EACH(LATER_PARAM, __VA_ARGS__))           \
+    {                                                                                      \
+        if (stream == NULL || !late_kernels())                                             \
+            return fn##_now(stream LATER_EACH(LATER_NAME, __VA_ARGS__));                   \
+        fn##_call call = {stream LATER_EACH(LATER_NAME, __VA_ARGS__)};                     \
+        return keep_for_later(stream, fn##_replay, &call, sizeof(call));                   \
+    }                                                                                      \
+    static em_gpu_status fn##_now(em_gpu_stream *stream LATER_EACH(LATER_PARAM, __VA_ARGS__))
 
 /* ---- copies involving pinned host memory ----------------------------------------------- */
 
@@ -480,6 +669,7 @@ void em_gpu_free(int ordinal, void *pointer)
     (void)ordinal;
     if (pointer == NULL)
         return;
+    run_all_later(); /* cudaFree waits for the device */
     pthread_mutex_lock(&device_lock);
     for (size_t r = 0; r < region_count; r++) {
         if (regions[r].base != pointer)
@@ -514,6 +704,7 @@ void em_gpu_host_free(void *pointer)
 {
     if (pointer == NULL)
         return;
+    run_all_later(); /* cudaFreeHost waits for the device */
     pthread_mutex_lock(&pinned_lock);
     for (size_t i = 0; i < pinned_count; i++) {
         if (pinned[i].base != pointer)
@@ -536,13 +727,29 @@ em_gpu_status em_gpu_stream_create(int ordinal, em_gpu_stream **out)
     *out = calloc(1, sizeof(**out));
     if (*out == NULL)
         return failure(2, 1, "calloc (stream handle)", "out of memory");
-    (*out)->ordinal = ordinal;
+    em_gpu_stream *stream = *out;
+    stream->ordinal = ordinal;
+    stream->later_tail = &stream->later_head;
+    pthread_mutex_init(&stream->run_lock, NULL);
+    pthread_mutex_lock(&streams_lock);
+    stream->next_stream = all_streams;
+    all_streams = stream;
+    pthread_mutex_unlock(&streams_lock);
     return ok();
 }
 
 void em_gpu_stream_destroy(em_gpu_stream *stream)
 {
-    complete_copies(stream, UINT64_MAX); /* a destroyed stream's work still completes */
+    pthread_mutex_lock(&streams_lock);
+    catch_up(stream); /* a destroyed stream's work still completes */
+    for (em_gpu_stream **link = &all_streams; *link != NULL; link = &(*link)->next_stream)
+        if (*link == stream) {
+            *link = stream->next_stream;
+            break;
+        }
+    pthread_mutex_unlock(&streams_lock);
+    complete_copies(stream, UINT64_MAX);
+    pthread_mutex_destroy(&stream->run_lock);
     free(stream);
 }
 
@@ -561,6 +768,7 @@ static void count_wait(int ordinal)
 
 em_gpu_status em_gpu_stream_synchronize(em_gpu_stream *stream)
 {
+    catch_up(stream);
     count_wait(stream->ordinal);
     complete_copies(stream, UINT64_MAX);
     return ok();
@@ -575,6 +783,8 @@ em_gpu_status em_gpu_streams_synchronize(em_gpu_stream *const *streams, int coun
     bool devices_differ = false;
     for (int i = 1; i < count; i++)
         devices_differ = devices_differ || streams[i]->ordinal != streams[0]->ordinal;
+    for (int i = 0; i < count; i++)
+        catch_up(streams[i]);
     atomic_fetch_add(&host_waits, 1);
     if (devices_differ)
         atomic_fetch_add(&joint_waits, 1);
@@ -614,23 +824,38 @@ em_gpu_status em_gpu_event_record(em_gpu_event *event, em_gpu_stream *stream)
     event->stream = stream;
     event->issued = stream->issued;
     pthread_mutex_unlock(&pinned_lock);
+    pthread_mutex_lock(&later_lock);
+    event->queued = stream->later_queued;
+    pthread_mutex_unlock(&later_lock);
     return ok();
 }
 
+/* The stream's later work waits for the event: here the kernels before the event run
+ * now, which is as late as they may (the stream's next kernel may run at once). */
 em_gpu_status em_gpu_stream_wait(em_gpu_stream *stream, em_gpu_event *event)
 {
     (void)stream;
-    (void)event;
+    pthread_mutex_lock(&pinned_lock);
+    em_gpu_stream *recorded = event->stream;
+    pthread_mutex_unlock(&pinned_lock);
+    pthread_mutex_lock(&later_lock);
+    uint64_t upto = event->queued;
+    pthread_mutex_unlock(&later_lock);
+    run_later(recorded, upto);
     return ok();
 }
 
 em_gpu_status em_gpu_event_synchronize(em_gpu_event *event)
 {
-    count_wait(event->ordinal);
     pthread_mutex_lock(&pinned_lock);
     em_gpu_stream *stream = event->stream;
     uint64_t upto = event->issued;
     pthread_mutex_unlock(&pinned_lock);
+    pthread_mutex_lock(&later_lock);
+    uint64_t kernels = event->queued;
+    pthread_mutex_unlock(&later_lock);
+    run_later(stream, kernels);
+    count_wait(event->ordinal);
     if (stream != NULL)
         complete_copies(stream, upto);
     return ok();
@@ -647,11 +872,11 @@ em_gpu_status em_gpu_event_elapsed_ms(em_gpu_event *start, em_gpu_event *end, fl
 em_gpu_status em_gpu_memcpy_async(em_gpu_stream *stream, void *destination, const void *source,
                                   size_t bytes)
 {
+    catch_up(stream);
     return async_copy(stream, destination, source, bytes);
 }
 
-em_gpu_status em_gpu_memset_async(em_gpu_stream *stream, void *destination, int value,
-                                  size_t bytes)
+LATER_OP(em_gpu_memset_async, (void *, destination), (int, value), (size_t, bytes))
 {
     (void)stream;
     atomic_fetch_add(&transfers_issued, 1);
@@ -706,6 +931,10 @@ em_gpu_status em_gpu_comm_exchange(em_gpu_comm *const *comms, const em_gpu_send_
             t->source_stream->ordinal == t->destination_stream->ordinal)
             return failure(4, 0, "ncclSend", "invalid usage (emulated): ranks or streams");
     }
+    for (size_t i = 0; i < count; i++) {
+        catch_up(transfers[i].source_stream);
+        catch_up(transfers[i].destination_stream);
+    }
     enter_device();
     for (size_t i = 0; i < count; i++)
         memcpy(transfers[i].destination, transfers[i].source, transfers[i].bytes);
@@ -715,7 +944,7 @@ em_gpu_status em_gpu_comm_exchange(em_gpu_comm *const *comms, const em_gpu_send_
 
 /* ---- primitives ------------------------------------------------------------------------- */
 
-em_gpu_status em_gpu_iota_u32(em_gpu_stream *stream, uint32_t *out, uint64_t n)
+LATER_OP(em_gpu_iota_u32, (uint32_t *, out), (uint64_t, n))
 {
     (void)stream;
     enter_device();
@@ -742,7 +971,7 @@ em_gpu_status em_gpu_scan_temp_bytes(em_gpu_stream *stream, uint64_t n, size_t *
 em_gpu_status em_gpu_exclusive_scan_u32(em_gpu_stream *stream, void *temp, size_t temp_bytes,
                                         const uint32_t *in, uint32_t *out, uint64_t n)
 {
-    (void)stream;
+    catch_up(stream); /* runs at once, after the kernels before it */
     if (n > 0 && temp_bytes < emulated_temp_bytes(n))
         return failure(1, 0, "cub::DeviceScan::ExclusiveSum", "temporary storage too small");
     (void)temp;
@@ -783,7 +1012,7 @@ em_gpu_status em_gpu_sort_pairs_u32(em_gpu_stream *stream, void *temp, size_t te
                                     const uint32_t *values_in, uint32_t *values_out, uint64_t n,
                                     uint32_t end_bit)
 {
-    (void)stream;
+    catch_up(stream); /* runs at once, after the kernels before it */
     (void)temp;
     if (n > 0 && end_bit > 0 && temp_bytes < emulated_temp_bytes(n))
         return failure(1, 0, "cub::DeviceRadixSort::SortPairs", "temporary storage too small");
@@ -805,8 +1034,8 @@ em_gpu_status em_gpu_sort_pairs_u32(em_gpu_stream *stream, void *temp, size_t te
     return ok();
 }
 
-em_gpu_status em_gpu_segment_starts(em_gpu_stream *stream, const uint32_t *sorted_keys,
-                                    uint64_t n, uint32_t segments, uint32_t *starts)
+LATER_OP(em_gpu_segment_starts, (const uint32_t *, sorted_keys), (uint64_t, n),
+         (uint32_t, segments), (uint32_t *, starts))
 {
     (void)stream;
     enter_device();
@@ -818,8 +1047,8 @@ em_gpu_status em_gpu_segment_starts(em_gpu_stream *stream, const uint32_t *sorte
 
 /* ---- home-side operations ---------------------------------------------------------------- */
 
-em_gpu_status em_gpu_unique_claim(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
-                                  uint32_t *table, uint64_t slot_count, uint32_t *slot_of)
+LATER_OP(em_gpu_unique_claim, (const uint64_t *, keys), (uint64_t, n), (uint32_t *, table),
+         (uint64_t, slot_count), (uint32_t *, slot_of))
 {
     (void)stream;
     enter_device();
@@ -841,7 +1070,7 @@ em_gpu_status em_gpu_unique_rank(em_gpu_stream *stream, void *temp, size_t temp_
                                  const uint32_t *table, const uint32_t *slot_of, uint64_t n,
                                  uint32_t *rank)
 {
-    (void)stream;
+    catch_up(stream); /* runs at once, after the kernels before it */
     (void)temp;
     if (temp_bytes < emulated_temp_bytes(n + 1))
         return failure(1, 0, "cub::DeviceScan::ExclusiveSum", "temporary storage too small");
@@ -856,10 +1085,9 @@ em_gpu_status em_gpu_unique_rank(em_gpu_stream *stream, void *temp, size_t temp_
     return ok();
 }
 
-em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys, uint64_t n,
-                                    const uint32_t *table, const uint32_t *slot_of,
-                                    const uint32_t *rank, uint64_t *unique, uint32_t *inverse,
-                                    uint32_t *first_positions)
+LATER_OP(em_gpu_unique_scatter, (const uint64_t *, keys), (uint64_t, n), (const uint32_t *, table),
+         (const uint32_t *, slot_of), (const uint32_t *, rank), (uint64_t *, unique),
+         (uint32_t *, inverse), (uint32_t *, first_positions))
 {
     (void)stream;
     enter_device();
@@ -870,8 +1098,8 @@ em_gpu_status em_gpu_unique_scatter(em_gpu_stream *stream, const uint64_t *keys,
     return ok();
 }
 
-em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *unique, uint64_t n,
-                                      uint32_t shard_count, uint32_t *owner, uint32_t *index)
+LATER_OP(em_gpu_partition_owners, (const uint64_t *, unique), (uint64_t, n),
+         (uint32_t, shard_count), (uint32_t *, owner), (uint32_t *, index))
 {
     (void)stream;
     enter_device();
@@ -881,10 +1109,9 @@ em_gpu_status em_gpu_partition_owners(em_gpu_stream *stream, const uint64_t *uni
     return ok();
 }
 
-em_gpu_status em_gpu_partition_owners_counted(em_gpu_stream *stream, const uint64_t *unique,
-                                              uint64_t n, const uint32_t *count,
-                                              uint32_t shard_count, uint32_t *owner,
-                                              uint32_t *index)
+LATER_OP(em_gpu_partition_owners_counted, (const uint64_t *, unique), (uint64_t, n),
+         (const uint32_t *, count), (uint32_t, shard_count), (uint32_t *, owner),
+         (uint32_t *, index))
 {
     (void)stream;
     enter_device();
@@ -894,11 +1121,9 @@ em_gpu_status em_gpu_partition_owners_counted(em_gpu_stream *stream, const uint6
     return ok();
 }
 
-em_gpu_status em_gpu_partition_scatter(em_gpu_stream *stream, const uint64_t *unique,
-                                       const uint32_t *sorted_index,
-                                       const uint32_t *first_positions, uint64_t n,
-                                       uint64_t *partitioned, uint32_t *position,
-                                       uint32_t *targets)
+LATER_OP(em_gpu_partition_scatter, (const uint64_t *, unique), (const uint32_t *, sorted_index),
+         (const uint32_t *, first_positions), (uint64_t, n), (uint64_t *, partitioned),
+         (uint32_t *, position), (uint32_t *, targets))
 {
     (void)stream;
     enter_device();
@@ -914,7 +1139,7 @@ em_gpu_status em_gpu_spread_keys(em_gpu_stream *stream, const uint64_t *partitio
                                  const em_gpu_spread *spread, uint64_t *buckets,
                                  uint32_t *bucket_counts, uint32_t *position)
 {
-    (void)stream;
+    catch_up(stream); /* runs at once, after the kernels before it */
     uint64_t items = n > spread->count ? n : spread->count;
     enter_device();
     EACH_ITEM(t, items)
@@ -924,8 +1149,8 @@ em_gpu_status em_gpu_spread_keys(em_gpu_stream *stream, const uint64_t *partitio
     return ok();
 }
 
-em_gpu_status em_gpu_key_rows(em_gpu_stream *stream, const uint32_t *offsets, uint32_t rows,
-                              uint64_t nnz, uint32_t *key_row)
+LATER_OP(em_gpu_key_rows, (const uint32_t *, offsets), (uint32_t, rows), (uint64_t, nnz),
+         (uint32_t *, key_row))
 {
     (void)stream;
     enter_device();
@@ -940,7 +1165,7 @@ em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *ba
                                    const uint32_t *sorted_positions, const uint32_t *key_row,
                                    const float *gradients, float *partials, float *out)
 {
-    (void)stream;
+    catch_up(stream); /* runs at once, after the kernels before it */
     if (batch->nnz == 0 || batch->unique_count == 0 || batch->dim == 0)
         return ok();
     enter_device();
@@ -964,7 +1189,7 @@ em_gpu_status em_gpu_sum_gradients(em_gpu_stream *stream, const em_gpu_batch *ba
 em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,
                              const float *vectors, float *out)
 {
-    (void)stream;
+    catch_up(stream); /* runs at once, after the kernels before it */
     enter_device();
     if (batch->combiner == EM_COMBINER_NONE) {
         EACH_ITEM(k, batch->nnz)
@@ -979,8 +1204,8 @@ em_gpu_status em_gpu_combine(em_gpu_stream *stream, const em_gpu_batch *batch,
     return ok();
 }
 
-em_gpu_status em_gpu_copy_repeats(em_gpu_stream *stream, const uint32_t *inverse, uint64_t nnz,
-                                  const uint32_t *first_positions, uint32_t dim, float *out)
+LATER_OP(em_gpu_copy_repeats, (const uint32_t *, inverse), (uint64_t, nnz),
+         (const uint32_t *, first_positions), (uint32_t, dim), (float *, out))
 {
     (void)stream;
     enter_device();
@@ -998,8 +1223,8 @@ em_gpu_status em_gpu_map_clear(em_gpu_stream *stream, em_gpu_slot *slots, uint64
     return em_gpu_memset_async(stream, slots, 0xff, slot_count * sizeof(em_gpu_slot));
 }
 
-em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
-                              uint64_t n, uint64_t *rows, uint64_t *missing)
+LATER_OP(em_gpu_map_find, (em_gpu_map, map), (const uint64_t *, keys), (uint64_t, n),
+         (uint64_t *, rows), (uint64_t *, missing))
 {
     (void)stream;
     enter_device();
@@ -1009,8 +1234,8 @@ em_gpu_status em_gpu_map_find(em_gpu_stream *stream, em_gpu_map map, const uint6
     return ok();
 }
 
-em_gpu_status em_gpu_maps_find(em_gpu_stream *stream, const em_gpu_map_part *parts,
-                               uint32_t count, uint64_t most_keys, uint64_t all_keys)
+LATER_OP(em_gpu_maps_find, (const em_gpu_map_part *, parts), (uint32_t, count),
+         (uint64_t, most_keys), (uint64_t, all_keys))
 {
     (void)stream;
     (void)all_keys;
@@ -1035,9 +1260,8 @@ em_gpu_status em_gpu_map_find_as(em_gpu_stream *stream, em_gpu_map map, const ui
     return em_gpu_map_find(stream, map, keys, n, rows, missing);
 }
 
-em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
-                                      const uint64_t *keys, uint64_t n, const uint32_t *count,
-                                      uint64_t *rows, uint64_t *missing)
+LATER_OP(em_gpu_map_find_counted, (em_gpu_map, map), (const uint64_t *, keys), (uint64_t, n),
+         (const uint32_t *, count), (uint64_t *, rows), (uint64_t *, missing))
 {
     (void)stream;
     enter_device();
@@ -1048,9 +1272,8 @@ em_gpu_status em_gpu_map_find_counted(em_gpu_stream *stream, em_gpu_map map,
     return ok();
 }
 
-em_gpu_status em_gpu_shards_find_local(em_gpu_stream *stream, em_gpu_shards shards,
-                                       const uint64_t *keys, uint64_t n, const uint32_t *count,
-                                       uint64_t *rows, uint64_t *missing)
+LATER_OP(em_gpu_shards_find_local, (em_gpu_shards, shards), (const uint64_t *, keys), (uint64_t, n),
+         (const uint32_t *, count), (uint64_t *, rows), (uint64_t *, missing))
 {
     (void)stream;
     if (n == 0)
@@ -1066,9 +1289,8 @@ em_gpu_status em_gpu_shards_find_local(em_gpu_stream *stream, em_gpu_shards shar
     return ok();
 }
 
-em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards shards,
-                                         const uint64_t *keys, uint64_t n, const uint32_t *count,
-                                         uint64_t *rows, uint64_t *missing)
+LATER_OP(em_gpu_shards_find_counted, (em_gpu_shards, shards), (const uint64_t *, keys),
+         (uint64_t, n), (const uint32_t *, count), (uint64_t *, rows), (uint64_t *, missing))
 {
     (void)stream;
     enter_device();
@@ -1079,8 +1301,8 @@ em_gpu_status em_gpu_shards_find_counted(em_gpu_stream *stream, em_gpu_shards sh
     return ok();
 }
 
-em_gpu_status em_gpu_map_insert(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
-                                uint64_t n, uint64_t *rows, uint8_t *inserted)
+LATER_OP(em_gpu_map_insert, (em_gpu_map, map), (const uint64_t *, keys), (uint64_t, n),
+         (uint64_t *, rows), (uint8_t *, inserted))
 {
     (void)stream;
     enter_device();
@@ -1114,8 +1336,8 @@ static void insert_part_item(const em_gpu_shard_part *part, uint64_t i, const vo
     em_gpu_map_insert_item(part->map, part->keys, i, part->rows, part->inserted);
 }
 
-em_gpu_status em_gpu_parts_insert(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                  uint32_t count, uint64_t most_keys)
+LATER_OP(em_gpu_parts_insert, (const em_gpu_shard_part *, parts), (uint32_t, count),
+         (uint64_t, most_keys))
 {
     (void)stream;
     return each_part_item(parts, count, most_keys, insert_part_item, NULL);
@@ -1127,8 +1349,8 @@ static void erase_part_item(const em_gpu_shard_part *part, uint64_t i, const voi
     em_gpu_map_erase_item(part->map, part->keys, part->rows, i);
 }
 
-em_gpu_status em_gpu_parts_erase(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                 uint32_t count, uint64_t most_keys)
+LATER_OP(em_gpu_parts_erase, (const em_gpu_shard_part *, parts), (uint32_t, count),
+         (uint64_t, most_keys))
 {
     (void)stream;
     return each_part_item(parts, count, most_keys, erase_part_item, NULL);
@@ -1152,8 +1374,8 @@ static void gather_part_item(const em_gpu_shard_part *part, uint64_t i, const vo
                                        i, j);
 }
 
-em_gpu_status em_gpu_parts_gather(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                  uint32_t count, uint64_t most_keys, uint32_t dim, int quads)
+LATER_OP(em_gpu_parts_gather, (const em_gpu_shard_part *, parts), (uint32_t, count),
+         (uint64_t, most_keys), (uint32_t, dim), (int, quads))
 {
     (void)stream;
     gather_form form = {dim, quads};
@@ -1172,18 +1394,16 @@ static void touch_part_item(const em_gpu_shard_part *part, uint64_t i, const voi
     em_gpu_rows_touch_item(part->storage, part->rows, i, t->accessed, t->updated, t->pushed);
 }
 
-em_gpu_status em_gpu_parts_touch(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                 uint32_t count, uint64_t most_keys, uint64_t accessed,
-                                 uint32_t updated, int pushed)
+LATER_OP(em_gpu_parts_touch, (const em_gpu_shard_part *, parts), (uint32_t, count),
+         (uint64_t, most_keys), (uint64_t, accessed), (uint32_t, updated), (int, pushed))
 {
     (void)stream;
     touch_stamps stamps = {accessed, updated, pushed};
     return each_part_item(parts, count, most_keys, touch_part_item, &stamps);
 }
 
-em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
-                                        const uint64_t *keys, uint64_t n, em_gpu_gate gate,
-                                        uint64_t *rows, uint8_t *inserted)
+LATER_OP(em_gpu_map_insert_counted, (em_gpu_map, map), (const uint64_t *, keys), (uint64_t, n),
+         (em_gpu_gate, gate), (uint64_t *, rows), (uint8_t *, inserted))
 {
     (void)stream;
     enter_device();
@@ -1193,9 +1413,8 @@ em_gpu_status em_gpu_map_insert_counted(em_gpu_stream *stream, em_gpu_map map,
     return ok();
 }
 
-em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards shards,
-                                           const uint64_t *keys, uint64_t n, em_gpu_gate gate,
-                                           uint64_t *rows, uint8_t *inserted)
+LATER_OP(em_gpu_shards_insert_counted, (em_gpu_shards, shards), (const uint64_t *, keys),
+         (uint64_t, n), (em_gpu_gate, gate), (uint64_t *, rows), (uint8_t *, inserted))
 {
     (void)stream;
     enter_device();
@@ -1205,8 +1424,8 @@ em_gpu_status em_gpu_shards_insert_counted(em_gpu_stream *stream, em_gpu_shards 
     return ok();
 }
 
-em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint64_t *keys,
-                               const uint64_t *rows, uint64_t n)
+LATER_OP(em_gpu_map_erase, (em_gpu_map, map), (const uint64_t *, keys), (const uint64_t *, rows),
+         (uint64_t, n))
 {
     (void)stream;
     enter_device();
@@ -1216,8 +1435,8 @@ em_gpu_status em_gpu_map_erase(em_gpu_stream *stream, em_gpu_map map, const uint
     return ok();
 }
 
-em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_slots,
-                                uint64_t old_slot_count, em_gpu_map map)
+LATER_OP(em_gpu_map_rehash, (const em_gpu_slot *, old_slots), (uint64_t, old_slot_count),
+         (em_gpu_map, map))
 {
     (void)stream;
     enter_device();
@@ -1227,8 +1446,8 @@ em_gpu_status em_gpu_map_rehash(em_gpu_stream *stream, const em_gpu_slot *old_sl
     return ok();
 }
 
-em_gpu_status em_gpu_map_export_flags(em_gpu_stream *stream, em_gpu_map map, uint64_t begin,
-                                      uint64_t count, uint32_t *flags)
+LATER_OP(em_gpu_map_export_flags, (em_gpu_map, map), (uint64_t, begin), (uint64_t, count),
+         (uint32_t *, flags))
 {
     (void)stream;
     enter_device();
@@ -1238,10 +1457,9 @@ em_gpu_status em_gpu_map_export_flags(em_gpu_stream *stream, em_gpu_map map, uin
     return ok();
 }
 
-em_gpu_status em_gpu_map_export_compact(em_gpu_stream *stream, em_gpu_map map, uint64_t begin,
-                                        uint64_t count, const uint32_t *flags,
-                                        const uint32_t *rank, uint64_t take, uint64_t offset,
-                                        uint64_t *keys, uint64_t *rows, uint64_t *next_slot)
+LATER_OP(em_gpu_map_export_compact, (em_gpu_map, map), (uint64_t, begin), (uint64_t, count),
+         (const uint32_t *, flags), (const uint32_t *, rank), (uint64_t, take), (uint64_t, offset),
+         (uint64_t *, keys), (uint64_t *, rows), (uint64_t *, next_slot))
 {
     (void)stream;
     if (take == 0)
@@ -1267,11 +1485,10 @@ static void settle_maps(em_gpu_settle settle)
     }
 }
 
-em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
-                               const uint64_t *keys, const uint64_t *rows,
-                               const uint8_t *inserted, uint64_t n,
-                               em_initializer_config initializer, em_optimizer_config optimizer,
-                               em_gpu_settle settle)
+LATER_OP(em_gpu_rows_init, (em_gpu_storage, storage), (const uint64_t *, keys),
+         (const uint64_t *, rows), (const uint8_t *, inserted), (uint64_t, n),
+         (em_initializer_config, initializer), (em_optimizer_config, optimizer),
+         (em_gpu_settle, settle))
 {
     (void)stream;
     if (n == 0 && settle.map.header == NULL && settle.shards.count == 0)
@@ -1285,10 +1502,9 @@ em_gpu_status em_gpu_rows_init(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
-em_gpu_status em_gpu_parts_init(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                uint32_t count, uint64_t most_keys, uint32_t row_floats,
-                                em_initializer_config initializer,
-                                em_optimizer_config optimizer)
+LATER_OP(em_gpu_parts_init, (const em_gpu_shard_part *, parts), (uint32_t, count),
+         (uint64_t, most_keys), (uint32_t, row_floats), (em_initializer_config, initializer),
+         (em_optimizer_config, optimizer))
 {
     (void)stream;
     (void)most_keys;
@@ -1309,9 +1525,8 @@ em_gpu_status em_gpu_parts_init(em_gpu_stream *stream, const em_gpu_shard_part *
     return ok();
 }
 
-em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
-                                 const uint64_t *rows, uint64_t n, const uint32_t *targets,
-                                 float *vectors)
+LATER_OP(em_gpu_rows_gather, (em_gpu_storage, storage), (const uint64_t *, rows), (uint64_t, n),
+         (const uint32_t *, targets), (float *, vectors))
 {
     (void)stream;
     enter_device();
@@ -1332,7 +1547,7 @@ em_gpu_status em_gpu_rows_gather(em_gpu_stream *stream, em_gpu_storage storage,
 em_gpu_status em_gpu_rows_pull(em_gpu_stream *stream, em_gpu_storage storage,
                                const em_gpu_batch *batch, const uint64_t *rows, float *out)
 {
-    (void)stream;
+    catch_up(stream); /* runs at once, after the kernels before it */
     uint64_t outputs = batch->combiner == EM_COMBINER_NONE ? batch->nnz : batch->rows;
     enter_device();
     EACH_ITEM(k, outputs)
@@ -1342,9 +1557,9 @@ em_gpu_status em_gpu_rows_pull(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
-em_gpu_status em_gpu_rows_touch_gated(em_gpu_stream *stream, em_gpu_storage storage,
-                                      const uint64_t *rows, uint64_t n, em_gpu_gate gate,
-                                      uint64_t accessed, uint32_t updated, int pushed)
+LATER_OP(em_gpu_rows_touch_gated, (em_gpu_storage, storage), (const uint64_t *, rows),
+         (uint64_t, n), (em_gpu_gate, gate), (uint64_t, accessed), (uint32_t, updated),
+         (int, pushed))
 {
     (void)stream;
     enter_device();
@@ -1355,10 +1570,9 @@ em_gpu_status em_gpu_rows_touch_gated(em_gpu_stream *stream, em_gpu_storage stor
     return ok();
 }
 
-em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage storage,
-                                       em_initializer_config initializer, const uint64_t *keys,
-                                       const uint64_t *rows, uint64_t n, const uint32_t *targets,
-                                       float *vectors)
+LATER_OP(em_gpu_rows_fill_initial, (em_gpu_storage, storage), (em_initializer_config, initializer),
+         (const uint64_t *, keys), (const uint64_t *, rows), (uint64_t, n),
+         (const uint32_t *, targets), (float *, vectors))
 {
     (void)stream;
     enter_device();
@@ -1370,9 +1584,8 @@ em_gpu_status em_gpu_rows_fill_initial(em_gpu_stream *stream, em_gpu_storage sto
     return ok();
 }
 
-em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
-                                const uint64_t *rows, uint64_t n, uint64_t accessed,
-                                uint32_t updated, int pushed)
+LATER_OP(em_gpu_rows_touch, (em_gpu_storage, storage), (const uint64_t *, rows), (uint64_t, n),
+         (uint64_t, accessed), (uint32_t, updated), (int, pushed))
 {
     (void)stream;
     enter_device();
@@ -1382,8 +1595,8 @@ em_gpu_status em_gpu_rows_touch(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
-em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_choice *choices,
-                                      uint32_t walks, uint64_t most_kept)
+LATER_OP(em_gpu_choice_mark_kept, (em_gpu_choice *, choices), (uint32_t, walks),
+         (uint64_t, most_kept))
 {
     (void)stream;
     (void)most_kept;
@@ -1395,8 +1608,8 @@ em_gpu_status em_gpu_choice_mark_kept(em_gpu_stream *stream, em_gpu_choice *choi
     return ok();
 }
 
-em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
-                                  uint32_t walks, uint64_t most_held, uint32_t digit)
+LATER_OP(em_gpu_choice_count, (em_gpu_choice *, choices), (uint32_t, walks), (uint64_t, most_held),
+         (uint32_t, digit))
 {
     (void)stream;
     (void)most_held;
@@ -1418,8 +1631,8 @@ em_gpu_status em_gpu_choice_count(em_gpu_stream *stream, em_gpu_choice *choices,
     return ok();
 }
 
-em_gpu_status em_gpu_choice_flags(em_gpu_stream *stream, em_gpu_choice *choices,
-                                  uint32_t walks, uint64_t most_want, uint32_t *flags)
+LATER_OP(em_gpu_choice_flags, (em_gpu_choice *, choices), (uint32_t, walks), (uint64_t, most_want),
+         (uint32_t *, flags))
 {
     (void)stream;
     (void)most_want;
@@ -1431,9 +1644,8 @@ em_gpu_status em_gpu_choice_flags(em_gpu_stream *stream, em_gpu_choice *choices,
     return ok();
 }
 
-em_gpu_status em_gpu_choice_write(em_gpu_stream *stream, em_gpu_choice *choices,
-                                  uint32_t walks, uint64_t most_want, const uint32_t *flags,
-                                  const uint32_t *rank)
+LATER_OP(em_gpu_choice_write, (em_gpu_choice *, choices), (uint32_t, walks), (uint64_t, most_want),
+         (const uint32_t *, flags), (const uint32_t *, rank))
 {
     (void)stream;
     (void)most_want;
@@ -1445,8 +1657,8 @@ em_gpu_status em_gpu_choice_write(em_gpu_stream *stream, em_gpu_choice *choices,
     return ok();
 }
 
-em_gpu_status em_gpu_walks_flags(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
-                                 uint32_t count, uint64_t most_slots, uint32_t *flags)
+LATER_OP(em_gpu_walks_flags, (const em_gpu_walk_piece *, pieces), (uint32_t, count),
+         (uint64_t, most_slots), (uint32_t *, flags))
 {
     (void)stream;
     if (count == 0)
@@ -1459,9 +1671,8 @@ em_gpu_status em_gpu_walks_flags(em_gpu_stream *stream, const em_gpu_walk_piece 
     return ok();
 }
 
-em_gpu_status em_gpu_walks_compact(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
-                                   uint32_t count, uint64_t most_slots, const uint32_t *flags,
-                                   const uint32_t *rank)
+LATER_OP(em_gpu_walks_compact, (const em_gpu_walk_piece *, pieces), (uint32_t, count),
+         (uint64_t, most_slots), (const uint32_t *, flags), (const uint32_t *, rank))
 {
     (void)stream;
     if (count == 0 || most_slots == 0)
@@ -1474,8 +1685,8 @@ em_gpu_status em_gpu_walks_compact(em_gpu_stream *stream, const em_gpu_walk_piec
     return ok();
 }
 
-em_gpu_status em_gpu_walks_advance(em_gpu_stream *stream, const em_gpu_walk_piece *pieces,
-                                   uint32_t count, const uint32_t *rank)
+LATER_OP(em_gpu_walks_advance, (const em_gpu_walk_piece *, pieces), (uint32_t, count),
+         (const uint32_t *, rank))
 {
     (void)stream;
     if (count == 0)
@@ -1486,8 +1697,8 @@ em_gpu_status em_gpu_walks_advance(em_gpu_stream *stream, const em_gpu_walk_piec
     return ok();
 }
 
-em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
-                                 const uint64_t *rows, uint64_t n, em_gpu_row_access *out)
+LATER_OP(em_gpu_access_read, (em_gpu_storage, storage), (const uint64_t *, rows), (uint64_t, n),
+         (em_gpu_row_access *, out))
 {
     (void)stream;
     enter_device();
@@ -1497,8 +1708,8 @@ em_gpu_status em_gpu_access_read(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
-em_gpu_status em_gpu_access_write(em_gpu_stream *stream, em_gpu_storage storage,
-                                  const uint64_t *rows, uint64_t n, const em_gpu_row_access *in)
+LATER_OP(em_gpu_access_write, (em_gpu_storage, storage), (const uint64_t *, rows), (uint64_t, n),
+         (const em_gpu_row_access *, in))
 {
     (void)stream;
     enter_device();
@@ -1598,10 +1809,9 @@ static em_gpu_status invalid_optimizer(void)
                            .message = "optimizer kind outside EM_OPTIMIZERS"};
 }
 
-em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage storage,
-                                      em_optimizer_config optimizer, const uint64_t *rows,
-                                      uint64_t n, const float *gradients, em_gpu_gate gate,
-                                      em_gpu_fresh_rows fresh)
+LATER_OP(em_gpu_rows_apply_gated, (em_gpu_storage, storage), (em_optimizer_config, optimizer),
+         (const uint64_t *, rows), (uint64_t, n), (const float *, gradients), (em_gpu_gate, gate),
+         (em_gpu_fresh_rows, fresh))
 {
     (void)stream;
     if (n == 0 && fresh.settle.map.header == NULL && fresh.settle.shards.count == 0)
@@ -1615,9 +1825,8 @@ em_gpu_status em_gpu_rows_apply_gated(em_gpu_stream *stream, em_gpu_storage stor
     return applied ? ok() : invalid_optimizer();
 }
 
-em_gpu_status em_gpu_parts_apply(em_gpu_stream *stream, const em_gpu_shard_part *parts,
-                                 uint32_t count, uint64_t most_keys, uint32_t dim,
-                                 em_optimizer_config optimizer)
+LATER_OP(em_gpu_parts_apply, (const em_gpu_shard_part *, parts), (uint32_t, count),
+         (uint64_t, most_keys), (uint32_t, dim), (em_optimizer_config, optimizer))
 {
     (void)stream;
     (void)dim;
@@ -1642,8 +1851,8 @@ em_gpu_status em_gpu_rows_check(em_gpu_stream *stream, em_gpu_storage storage,
                                      gradients, first);
 }
 
-em_gpu_status em_gpu_rows_check_parts(em_gpu_stream *stream, const em_gpu_check_part *parts,
-                                      uint32_t count, uint64_t most_keys)
+LATER_OP(em_gpu_rows_check_parts, (const em_gpu_check_part *, parts), (uint32_t, count),
+         (uint64_t, most_keys))
 {
     (void)stream;
     if (count == 0 || most_keys == 0)
@@ -1664,11 +1873,9 @@ em_gpu_status em_gpu_rows_check_parts(em_gpu_stream *stream, const em_gpu_check_
     return ok();
 }
 
-em_gpu_status em_gpu_rows_check_counted(em_gpu_stream *stream, em_gpu_storage storage,
-                                        em_optimizer_config optimizer,
-                                        em_initializer_config initializer, const uint64_t *keys,
-                                        const uint64_t *rows, uint64_t n, const uint32_t *count,
-                                        const float *gradients, uint64_t *first)
+LATER_OP(em_gpu_rows_check_counted, (em_gpu_storage, storage), (em_optimizer_config, optimizer),
+         (em_initializer_config, initializer), (const uint64_t *, keys), (const uint64_t *, rows),
+         (uint64_t, n), (const uint32_t *, count), (const float *, gradients), (uint64_t *, first))
 {
     (void)stream;
     enter_device();
@@ -1699,13 +1906,10 @@ static void find_check_item(int found_absent, em_gpu_storage storage,
         *first = result;
 }
 
-em_gpu_status em_gpu_map_find_check_counted(em_gpu_stream *stream, em_gpu_map map,
-                                            em_gpu_storage storage,
-                                            em_optimizer_config optimizer,
-                                            em_initializer_config initializer,
-                                            const uint64_t *keys, uint64_t n,
-                                            const uint32_t *count, const float *gradients,
-                                            uint64_t *rows, uint64_t *missing, uint64_t *first)
+LATER_OP(em_gpu_map_find_check_counted, (em_gpu_map, map), (em_gpu_storage, storage),
+         (em_optimizer_config, optimizer), (em_initializer_config, initializer),
+         (const uint64_t *, keys), (uint64_t, n), (const uint32_t *, count),
+         (const float *, gradients), (uint64_t *, rows), (uint64_t *, missing), (uint64_t *, first))
 {
     (void)stream;
     enter_device();
@@ -1717,14 +1921,10 @@ em_gpu_status em_gpu_map_find_check_counted(em_gpu_stream *stream, em_gpu_map ma
     return ok();
 }
 
-em_gpu_status em_gpu_shards_find_check_counted(em_gpu_stream *stream, em_gpu_shards shards,
-                                               em_gpu_storage storage,
-                                               em_optimizer_config optimizer,
-                                               em_initializer_config initializer,
-                                               const uint64_t *keys, uint64_t n,
-                                               const uint32_t *count, const float *gradients,
-                                               uint64_t *rows, uint64_t *missing,
-                                               uint64_t *first)
+LATER_OP(em_gpu_shards_find_check_counted, (em_gpu_shards, shards), (em_gpu_storage, storage),
+         (em_optimizer_config, optimizer), (em_initializer_config, initializer),
+         (const uint64_t *, keys), (uint64_t, n), (const uint32_t *, count),
+         (const float *, gradients), (uint64_t *, rows), (uint64_t *, missing), (uint64_t *, first))
 {
     (void)stream;
     enter_device();
@@ -1736,8 +1936,8 @@ em_gpu_status em_gpu_shards_find_check_counted(em_gpu_stream *stream, em_gpu_sha
     return ok();
 }
 
-em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
-                               const uint64_t *rows, uint64_t n, float *values)
+LATER_OP(em_gpu_rows_read, (em_gpu_storage, storage), (const uint64_t *, rows), (uint64_t, n),
+         (float *, values))
 {
     (void)stream;
     enter_device();
@@ -1748,9 +1948,8 @@ em_gpu_status em_gpu_rows_read(em_gpu_stream *stream, em_gpu_storage storage,
     return ok();
 }
 
-em_gpu_status em_gpu_rows_write(em_gpu_stream *stream, em_gpu_storage storage,
-                                const uint64_t *rows, uint64_t n, const uint32_t *sources,
-                                const float *values)
+LATER_OP(em_gpu_rows_write, (em_gpu_storage, storage), (const uint64_t *, rows), (uint64_t, n),
+         (const uint32_t *, sources), (const float *, values))
 {
     (void)stream;
     enter_device();

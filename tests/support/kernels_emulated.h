@@ -31,4 +31,10 @@ uint64_t em_gpu_emulated_joint_waits(void);
  * hold their keys at the same slots. Not so in the scattered order, nor on a GPU. */
 bool em_gpu_emulated_order_fixed(void);
 
+/* What EMBER_EMULATED_ORDER (forward, reverse or scattered; NULL: forward) and
+ * EMBER_EMULATED_LATE (kernels run when their stream is waited for, not when enqueued)
+ * set, for the rest of the process. */
+void em_gpu_emulated_set_order(const char *order);
+void em_gpu_emulated_set_late(bool late);
+
 #endif

@@ -1697,6 +1697,90 @@ START_TEST(pinned_memory_misused_before_the_wait_stops_the_process)
 }
 END_TEST
 
+/* ---- the emulation's order and timing ---------------------------------------------- */
+
+/* A launch's items in every order: each of n items once (iota writes each index where
+ * it visits it), for sizes round and odd, the smallest ones too. */
+START_TEST(every_order_visits_each_item_once)
+{
+    static const char *const orders[3] = {"forward", "reverse", "scattered"};
+    static const uint64_t sizes[] = {1, 2, 3, 7, 64, 1000, 4096, 65537};
+    enum { MOST = 65537 };
+    em_gpu_emulated_set_order(orders[_i]);
+    em_gpu_stream *stream = NULL;
+    uint32_t *device = NULL;
+    ck_assert_int_eq(em_gpu_stream_create(0, &stream).code, 0);
+    ck_assert_int_eq(em_gpu_malloc(0, MOST * sizeof(uint32_t), (void **)&device).code, 0);
+    uint32_t *host = malloc(MOST * sizeof(uint32_t));
+    for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+        uint64_t n = sizes[s];
+        ck_assert_int_eq(em_gpu_memset_async(stream, device, 0xff, n * sizeof(uint32_t)).code, 0);
+        ck_assert_int_eq(em_gpu_iota_u32(stream, device, n).code, 0);
+        ck_assert_int_eq(em_gpu_memcpy_async(stream, host, device, n * sizeof(uint32_t)).code, 0);
+        for (uint64_t i = 0; i < n; i++)
+            ck_assert_msg(host[i] == i, "%s order, %" PRIu64 " items: item %" PRIu64 " holds %u",
+                          orders[_i], n, i, host[i]);
+    }
+    ck_assert(em_gpu_emulated_order_fixed() == (_i != 2));
+    free(host);
+    em_gpu_free(0, device);
+    em_gpu_stream_destroy(stream);
+    em_gpu_emulated_set_order(getenv("EMBER_EMULATED_ORDER")); /* as the process began */
+}
+END_TEST
+
+/* With kernels run late (EMBER_EMULATED_LATE), a kernel (here the fill of memset_async)
+ * runs when something needs it: not when another stream reads its memory without
+ * waiting, but once that stream waits for an event recorded after it, once an operation
+ * behind it on its own stream runs, once the host waits for its stream, and once device
+ * memory is freed. */
+START_TEST(kernels_run_late_run_when_waited_for)
+{
+    em_gpu_emulated_set_late(true);
+    copy_setup c = copy_setup_make();
+    em_gpu_stream *reader = NULL;
+    ck_assert_int_eq(em_gpu_stream_create(0, &reader).code, 0);
+    uint8_t host[64];
+    memset(host, 1, sizeof(host));
+    ck_assert_int_eq(em_gpu_memcpy_async(c.stream, c.device, host, 64).code, 0);
+    /* another stream, without waiting: the bytes before the fill */
+    ck_assert_int_eq(em_gpu_memset_async(c.stream, c.device, 5, 64).code, 0);
+    ck_assert_int_eq(em_gpu_event_record(c.event, c.stream).code, 0);
+    ck_assert_int_eq(em_gpu_memset_async(c.stream, c.device, 6, 64).code, 0);
+    ck_assert_int_eq(em_gpu_memcpy_async(reader, host, c.device, 64).code, 0);
+    ck_assert_uint_eq(host[0], 1);
+    /* waiting for the event: the fill before it, not the one after */
+    ck_assert_int_eq(em_gpu_stream_wait(reader, c.event).code, 0);
+    ck_assert_int_eq(em_gpu_memcpy_async(reader, host, c.device, 64).code, 0);
+    ck_assert_uint_eq(host[0], 5);
+    ck_assert_uint_eq(host[63], 5);
+    /* a copy behind it on its own stream */
+    ck_assert_int_eq(em_gpu_memcpy_async(c.stream, host, c.device, 64).code, 0);
+    ck_assert_uint_eq(host[0], 6);
+    /* the host waiting for its stream */
+    ck_assert_int_eq(em_gpu_memset_async(c.stream, c.device, 7, 64).code, 0);
+    ck_assert_int_eq(em_gpu_stream_synchronize(c.stream).code, 0);
+    ck_assert_int_eq(em_gpu_memcpy_async(reader, host, c.device, 64).code, 0);
+    ck_assert_uint_eq(host[0], 7);
+    /* an event synchronize */
+    ck_assert_int_eq(em_gpu_memset_async(c.stream, c.device, 8, 64).code, 0);
+    ck_assert_int_eq(em_gpu_event_record(c.event, c.stream).code, 0);
+    ck_assert_int_eq(em_gpu_event_synchronize(c.event).code, 0);
+    ck_assert_int_eq(em_gpu_memcpy_async(reader, host, c.device, 64).code, 0);
+    ck_assert_uint_eq(host[0], 8);
+    /* cudaFree of other memory waits for the device */
+    uint8_t *spare = NULL;
+    ck_assert_int_eq(em_gpu_malloc(0, 64, (void **)&spare).code, 0);
+    ck_assert_int_eq(em_gpu_memset_async(c.stream, c.device, 9, 64).code, 0);
+    em_gpu_free(0, spare);
+    ck_assert_int_eq(em_gpu_memcpy_async(reader, host, c.device, 64).code, 0);
+    ck_assert_uint_eq(host[0], 9);
+    em_gpu_stream_destroy(reader);
+    copy_setup_free(&c);
+    em_gpu_emulated_set_late(false);
+}
+END_TEST
+
 /* ---- runner ------------------------------------------------------------------------------ */
 
 static Suite *kernel_logic_suite(void)
@@ -1730,6 +1814,8 @@ static Suite *kernel_logic_suite(void)
     tcase_add_test(tc, copies_into_pinned_memory_land_when_waited_for);
     tcase_add_loop_test_raise_signal(tc, pinned_memory_misused_before_the_wait_stops_the_process,
                                      SIGABRT, 0, 3);
+    tcase_add_loop_test(tc, every_order_visits_each_item_once, 0, 3);
+    tcase_add_test(tc, kernels_run_late_run_when_waited_for);
     suite_add_tcase(suite, tc);
     return suite;
 }
