@@ -143,26 +143,22 @@ fi
 # emulated kernels on a small CPU), so that one that hangs leaves time for the rest;
 # verbose: every case's verdict in the report.
 step "gpu suite" 200 env CK_TIMEOUT_MULTIPLIER=0.1 CK_VERBOSITY=verbose "$gpu_suite"
-if [[ ${EMBER_GPU_MEMCHECK:-0} == 1 ]]; then
+# The gpu suite under one of compute-sanitizer's tools, where its variable is 1:
+# EMBER_GPU_MEMCHECK, memcheck; EMBER_GPU_SYNCCHECK, synccheck (the warp-level and
+# block-level code: the shards' find counting a warp's absent keys per shard with
+# __match_any_sync, the choice's counts in shared memory that the last block to arrive
+# turns into the digit; a barrier or a warp intrinsic some of its lanes skip fails the
+# step with its kernel and line).
+for tool in memcheck synccheck; do
+  variable=EMBER_GPU_${tool^^}
+  [[ ${!variable:-0} == 1 ]] || continue
   if command -v compute-sanitizer >/dev/null; then
-    step "gpu suite under memcheck" 360 env CK_TIMEOUT_MULTIPLIER=0.3 compute-sanitizer \
-      --tool memcheck --target-processes all --error-exitcode 9 "$gpu_suite"
+    step "gpu suite under $tool" 360 env CK_TIMEOUT_MULTIPLIER=0.3 compute-sanitizer \
+      --tool "$tool" --target-processes all --error-exitcode 9 "$gpu_suite"
   else
-    say "EMBER_GPU_MEMCHECK=1: compute-sanitizer is not installed here; memcheck not run"
+    say "$variable=1: compute-sanitizer is not installed here; $tool not run"
   fi
-fi
-# The warp-level and block-level code (the shards' find counting a warp's absent keys per
-# shard with __match_any_sync, the choice's counts in shared memory that the last block
-# to arrive turns into the digit) under synccheck: a barrier or a warp intrinsic that
-# some of its lanes skip fails the step with its kernel and line.
-if [[ ${EMBER_GPU_SYNCCHECK:-0} == 1 ]]; then
-  if command -v compute-sanitizer >/dev/null; then
-    step "gpu suite under synccheck" 360 env CK_TIMEOUT_MULTIPLIER=0.3 compute-sanitizer \
-      --tool synccheck --target-processes all --error-exitcode 9 "$gpu_suite"
-  else
-    say "EMBER_GPU_SYNCCHECK=1: compute-sanitizer is not installed here; synccheck not run"
-  fi
-fi
+done
 for suite in client_daemon protocol serving; do
   step "${suite}_cuda" 45 env EMBER_TEST_BACKEND=cuda EMBERD="$emberd" EMBERCTL="$emberctl" \
     TRAIN_LOGREG="$train_logreg" "$integration/test_$suite"
