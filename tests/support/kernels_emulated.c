@@ -4,8 +4,8 @@
  * Linked instead of the real kernels, it lets the CUDA backend (lib/device/cuda_device.c,
  * lib/device/cuda_backend.c, lib/device/exchange_nccl.c, unchanged) run on any machine: every
  * launcher runs its kernel's per-item function from kernels/kernel_logic.h over all
- * items, one after the other; CUB's scan and radix sort
- * are replaced by a serial scan and a stable sort; NCCL transfers are memcpy.
+ * items, one after the other; CUB's scan and radix sort are replaced by a serial scan
+ * and a stable sort; NCCL transfers are memcpy.
  *
  * "Device memory" is real host memory, but it is kept inaccessible (PROT_NONE) except
  * while an emulated kernel or copy runs, so host code that touches a device pointer
